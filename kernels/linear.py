@@ -1,0 +1,66 @@
+"""``linear(x, w)``: every matmul of the model, routed to the best kernel for the device and format."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .quant_tensor import QuantTensor
+
+# Rows dequantized at a time by the blockwise path: bounds the float scratch buffer to ~4 MiB.
+_CHUNK_VALUES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A matmul implementation for some (device, format, batch) combinations."""
+
+    name: str
+    device_type: str
+    supports: Callable[[torch.Tensor, QuantTensor], bool]
+    run: Callable[[torch.Tensor, QuantTensor], torch.Tensor]
+
+
+def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """Dequantize a chunk of rows into a float buffer, multiply, move on: no full float copy of ``w``."""
+    rows, cols = w.shape
+    chunk = max(1, _CHUNK_VALUES // cols)
+    if chunk >= rows:
+        return x @ w.dequantize(x.dtype).T
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+    for start in range(0, rows, chunk):
+        stop = min(start + chunk, rows)
+        torch.matmul(x, w.dequantize_rows(slice(start, stop)).to(x.dtype).T, out=out[:, start:stop])
+    return out
+
+
+BLOCKWISE = Kernel("blockwise-dequant-matmul", "any", lambda x, w: True, _blockwise_dequant_matmul)
+
+# Preferred kernels per device type, best first; backends append to these on import.
+KERNELS: dict[str, list[Kernel]] = {"cpu": [], "cuda": []}
+
+
+def register_kernel(kernel: Kernel) -> None:
+    KERNELS.setdefault(kernel.device_type, []).append(kernel)
+
+
+def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
+    for kernel in KERNELS.get(x.device.type, []):
+        if kernel.supports(x, w):
+            return kernel
+    return BLOCKWISE
+
+
+def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks."""
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.fmt.name} {w.shape} expects {w.shape[1]}")
+    if x.device != w.device:
+        raise ValueError(f"linear: input on {x.device}, weight on {w.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = select_kernel(x2, w).run(x2, w)
+    return out.reshape(*lead, w.shape[0])

@@ -1,0 +1,64 @@
+"""A weight matrix kept in its GGUF block layout."""
+from __future__ import annotations
+
+import torch
+
+from .formats import QuantFormat, get_format
+
+
+class QuantTensor:
+    """A 2-D weight ``[out_features, in_features]`` stored as packed GGUF blocks.
+
+    ``data`` is uint8 ``[out_features, bytes_per_row]`` exactly as in the GGUF file (float formats too,
+    viewed as bytes), so resident memory equals the file's tensor bytes.
+    """
+
+    def __init__(self, data: torch.Tensor, fmt: QuantFormat | str, shape: tuple[int, int]):
+        fmt = get_format(fmt) if not isinstance(fmt, QuantFormat) else fmt
+        rows, cols = shape
+        if data.dtype != torch.uint8 or data.dim() != 2:
+            raise ValueError(f"packed data must be a 2-D uint8 tensor, got {data.dtype} {tuple(data.shape)}")
+        if tuple(data.shape) != (rows, fmt.row_bytes(cols)):
+            raise ValueError(
+                f"{fmt.name} tensor of shape {shape} needs {rows} rows of {fmt.row_bytes(cols)} bytes, "
+                f"got {tuple(data.shape)}"
+            )
+        self.data = data.contiguous()
+        self.fmt = fmt
+        self.shape = (rows, cols)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: QuantFormat | str) -> "QuantTensor":
+        """Quantize a float ``[out, in]`` matrix into ``fmt``."""
+        fmt = get_format(fmt) if not isinstance(fmt, QuantFormat) else fmt
+        if weight.dim() != 2:
+            raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+        rows, cols = weight.shape
+        fmt.row_bytes(cols)  # validates divisibility
+        blocks = weight.detach().to(torch.float32).reshape(-1, fmt.block_size)
+        packed = fmt.quantize(blocks).reshape(rows, -1)
+        return cls(packed, fmt, (rows, cols))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dequantize_rows(slice(None)).to(dtype)
+
+    def dequantize_rows(self, rows: slice | torch.Tensor) -> torch.Tensor:
+        """Float32 values of the selected rows (an embedding lookup, or a chunk of a matmul)."""
+        packed = self.data[rows]
+        n = packed.shape[0]
+        blocks = packed.reshape(-1, self.fmt.type_size)
+        return self.fmt.dequantize(blocks).reshape(n, self.shape[1])
+
+    def to(self, device: torch.device | str) -> "QuantTensor":
+        return QuantTensor(self.data.to(device), self.fmt, self.shape)
+
+    def __repr__(self) -> str:
+        return f"QuantTensor({self.fmt.name}, shape={self.shape}, device={self.device})"

@@ -1,0 +1,8 @@
+"""workbench: record, ablate, steer and patch the activations of LLMs running on their production kernels."""
+from workbench.config import ModelConfig
+from workbench.errors import HookError, ModelLoadError, WorkbenchError
+from workbench.model import Model, load
+
+__version__ = "0.1.0"
+
+__all__ = ["load", "Model", "ModelConfig", "WorkbenchError", "ModelLoadError", "HookError", "__version__"]

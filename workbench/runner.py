@@ -1,0 +1,234 @@
+"""The forward pass: one implementation, read top to bottom, with a hook point at every named activation.
+
+A hook point with nothing attached is a dictionary miss, so the run with no hooks is the production
+forward on the quantized kernels of ``workbench.kernels``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from workbench.config import ModelConfig
+from workbench.kernels import linear
+from workbench.kv_cache import KVCache
+from workbench.weights import ModelWeights
+
+
+@dataclass(frozen=True)
+class HookContext:
+    """What a hook function knows about the activation it sees."""
+
+    name: str
+    layer: int | None
+    positions: torch.Tensor  # absolute (rope) positions of the tokens in this forward, [T]
+    step: int  # 0 for the prompt, then 1, 2, ... for each generated token
+
+
+HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
+Hooks = Mapping[str, Sequence[HookFn]]
+
+# Per-block hook points and their shapes (T = tokens in this forward, S = all attended slots).
+BLOCK_POINTS: dict[str, str] = {
+    "hook_resid_pre": "[T, d_model]",
+    "ln1.hook_scale": "[T, 1]",
+    "ln1.hook_normalized": "[T, d_model]",
+    "attn.hook_q": "[T, n_heads, d_head]",
+    "attn.hook_k": "[T, n_kv_heads, d_head]",
+    "attn.hook_v": "[T, n_kv_heads, d_head]",
+    "attn.hook_rot_q": "[T, n_heads, d_head]",
+    "attn.hook_rot_k": "[T, n_kv_heads, d_head]",
+    "attn.hook_attn_scores": "[n_heads, T, S]",
+    "attn.hook_pattern": "[n_heads, T, S]",
+    "attn.hook_z": "[T, n_heads, d_head]",
+    "attn.hook_result": "[T, n_heads, d_model]",
+    "hook_attn_out": "[T, d_model]",
+    "hook_resid_mid": "[T, d_model]",
+    "ln2.hook_scale": "[T, 1]",
+    "ln2.hook_normalized": "[T, d_model]",
+    "mlp.hook_pre": "[T, d_mlp]",
+    "mlp.hook_pre_linear": "[T, d_mlp]",
+    "mlp.hook_post": "[T, d_mlp]",
+    "hook_mlp_out": "[T, d_model]",
+    "hook_resid_post": "[T, d_model]",
+}
+GLOBAL_POINTS: dict[str, str] = {
+    "hook_embed": "[T, d_model]",
+    "ln_final.hook_scale": "[T, 1]",
+    "ln_final.hook_normalized": "[T, d_model]",
+    "hook_logits": "[T, vocab_size]",
+}
+
+
+def hook_point_names(n_layers: int) -> list[str]:
+    """Every hook point in the order the forward reaches them."""
+    blocks = [f"blocks.{i}.{p}" for i in range(n_layers) for p in BLOCK_POINTS]
+    return ["hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits"]
+
+
+class _Points:
+    """Fires hooks; built once per forward so each point costs one dictionary lookup."""
+
+    def __init__(self, hooks: Hooks | None, positions: torch.Tensor, step: int):
+        self.hooks = hooks or {}
+        self.positions = positions
+        self.step = step
+
+    def wants(self, name: str) -> bool:
+        return name in self.hooks
+
+    def __call__(self, name: str, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        fns = self.hooks.get(name)
+        if not fns:
+            return x
+        ctx = HookContext(name, layer, self.positions, self.step)
+        for fn in fns:
+            out = fn(x, ctx)
+            if out is not None:
+                if out.shape != x.shape:
+                    raise ValueError(f"hook on {name} returned shape {tuple(out.shape)}, expected {tuple(x.shape)}")
+                x = out.to(x.dtype)
+        return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, names: tuple[str, str],
+             layer: int | None) -> torch.Tensor:
+    """RMSNorm with TransformerLens' two hook points: the scale, and the normalized input before the weight."""
+    scale = point(names[0], torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype), layer)
+    normalized = point(names[1], x * scale, layer)
+    return normalized * weight
+
+
+class Transformer:
+    """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3) over quantized weights."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.weights = weights.map(lambda w: w.to(self.device), lambda v: v.to(self.device, dtype))
+        c = config
+        exponents = torch.arange(0, c.d_head, 2, dtype=torch.float64) / c.d_head
+        inv_freq = 1.0 / (c.rope_base**exponents)
+        if weights.rope_freq_factors is not None:
+            inv_freq = inv_freq / weights.rope_freq_factors.double().cpu()
+        self.inv_freq = inv_freq.to(self.device)
+        self._names = [self._block_names(i) for i in range(c.n_layers)]
+
+    @staticmethod
+    def _block_names(i: int) -> dict:
+        names: dict = {p: f"blocks.{i}.{p}" for p in BLOCK_POINTS}
+        for norm in ("ln1", "ln2"):
+            names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
+        return names
+
+    def new_cache(self, capacity: int = 64) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``[T, heads, d_head]`` by each token's position (adjacent pairs, or halves for "neox")."""
+        angles = positions.to(self.device, torch.float64)[:, None] * self.inv_freq[None, :]
+        cos = angles.cos().to(torch.float32)[:, None, :]
+        sin = angles.sin().to(torch.float32)[:, None, :]
+        xf = x.float()
+        if self.config.rope_interleaved:
+            x0, x1 = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        else:
+            x0, x1 = xf.chunk(2, dim=-1)
+            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return out.to(x.dtype)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
+                last_logits_only: bool = False, step: int = 0) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
+
+        With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
+        """
+        c, w = self.config, self.weights
+        ids = ids.to(self.device)
+        n_new = ids.shape[0]
+        start = cache.next_position if cache is not None else 0
+        positions = torch.arange(start, start + n_new, device=self.device)
+        if cache is not None:
+            cache.reserve(n_new)
+        point = _Points(hooks, positions, step)
+
+        x = point("hook_embed", w.embed.dequantize_rows(ids).to(self.dtype))
+        for i, layer in enumerate(w.layers):
+            names = self._names[i]
+            x = point(names["hook_resid_pre"], x, i)
+            attn_out = self.attention(rms_norm(x, layer.attn_norm, c.rms_eps, point, names["ln1"], i),
+                                      layer, i, positions, cache, point)
+            x = point(names["hook_resid_mid"], x + attn_out, i)
+            mlp_out = self.mlp(rms_norm(x, layer.mlp_norm, c.rms_eps, point, names["ln2"], i), layer, i, point)
+            x = point(names["hook_resid_post"], x + mlp_out, i)
+
+        if last_logits_only:
+            x = x[-1:]
+        x = rms_norm(x, w.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"), None)
+        logits = point("hook_logits", linear(x, w.unembed).float())
+        if cache is not None:
+            cache.commit(positions, ids.tolist())
+        return logits
+
+    def attention(self, x: torch.Tensor, layer, i: int, positions: torch.Tensor, cache: KVCache | None,
+                  point: _Points) -> torch.Tensor:
+        c, names = self.config, self._names[i]
+        n_new = x.shape[0]
+        q, k, v = linear(x, layer.wq), linear(x, layer.wk), linear(x, layer.wv)
+        if c.qkv_bias:
+            q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+        q = point(names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
+        k = point(names["attn.hook_k"], k.view(n_new, c.n_kv_heads, c.d_head), i)
+        v = point(names["attn.hook_v"], v.view(n_new, c.n_kv_heads, c.d_head), i)
+        if c.qk_norm:
+            q = F.rms_norm(q, (c.d_head,), layer.q_norm, c.rms_eps)
+            k = F.rms_norm(k, (c.d_head,), layer.k_norm, c.rms_eps)
+        q = point(names["attn.hook_rot_q"], self.rope(q, positions), i)
+        k = point(names["attn.hook_rot_k"], self.rope(k, positions), i)
+
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
+        if cache is not None:
+            keys, values = cache.write(i, keys, values)
+        n_slots = keys.shape[1]
+        group = c.n_heads // c.n_kv_heads
+        # Query head h reads key/value head h // group, as in llama.cpp's broadcast.
+        q_grouped = q.transpose(0, 1).reshape(c.n_kv_heads, group * n_new, c.d_head)
+        scores = (q_grouped @ keys.transpose(1, 2)).view(c.n_heads, n_new, n_slots).float() / math.sqrt(c.d_head)
+        past = n_slots - n_new
+        causal = torch.ones(n_new, n_slots, dtype=torch.bool, device=self.device).triu(past + 1)
+        scores = point(names["attn.hook_attn_scores"], scores.masked_fill(causal, float("-inf")), i)
+        pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
+        z = (pattern.to(values.dtype).view(c.n_kv_heads, group * n_new, n_slots) @ values)
+        z = point(names["attn.hook_z"], z.view(c.n_heads, n_new, c.d_head).transpose(0, 1), i)
+        out = linear(z.reshape(n_new, c.n_heads * c.d_head), layer.wo)
+        if point.wants(names["attn.hook_result"]):
+            out = out + self._edited_head_results(z, layer, i, point)
+        return point(names["hook_attn_out"], out, i)
+
+    def _edited_head_results(self, z: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
+        """Per-head outputs through W_O for hook_result; returns what edits to them add to attn_out.
+
+        Each head's result is W_O applied to its z alone (one batched call on the same kernel), so an
+        unchanged result adds exactly zero and the run stays bit-identical.
+        """
+        c = self.config
+        n_new = z.shape[0]
+        eye = torch.eye(c.n_heads, dtype=z.dtype, device=z.device)
+        per_head = (eye[:, None, :, None] * z[None]).reshape(c.n_heads * n_new, c.n_heads * c.d_head)
+        result = linear(per_head, layer.wo).view(c.n_heads, n_new, c.d_model).transpose(0, 1)
+        edited = point(self._names[i]["attn.hook_result"], result, i)
+        return (edited - result).sum(dim=1)
+
+    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
+        names = self._names[i]
+        gate = point(names["mlp.hook_pre"], linear(x, layer.w_gate), i)
+        up = point(names["mlp.hook_pre_linear"], linear(x, layer.w_up), i)
+        hidden = point(names["mlp.hook_post"], F.silu(gate) * up, i)
+        return point(names["hook_mlp_out"], linear(hidden, layer.w_down), i)
