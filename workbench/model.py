@@ -15,6 +15,7 @@ from workbench.kernels import select_kernel
 from workbench.kv_cache import KVCache
 from workbench.loading import LoadedCheckpoint, load_checkpoint
 from workbench.runner import Hooks, Transformer
+from workbench.tokenizer import StreamDecoder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -106,7 +107,7 @@ class Model:
                hooks: Hooks | None = None, cache: KVCache | None = None) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, new_text)`` as tokens are generated."""
         sampling = Sampling(temperature, top_k, top_p, seed)
-        decoder = self.tokenizer.stream_decoder()
+        decoder = StreamDecoder(self.tokenizer)
         ids = self.to_ids(prompt, chat=chat)
         for token in generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids,
                                      hooks, cache):

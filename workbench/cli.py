@@ -1,0 +1,131 @@
+"""The `workbench` command: run, generate, info (and the other surfaces' entry points)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from workbench.errors import WorkbenchError
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
+    parser.add_argument("--quantize", default=None, help="quantize a float checkpoint on load (Q8_0, Q4_K, ...)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _load(args: argparse.Namespace):
+    import workbench
+
+    return workbench.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+
+
+def next_token_distribution(model, ids: list[int], top_k: int) -> dict[str, Any]:
+    """The next-token top-k of a prompt, with token text and log-probabilities (JSON-ready)."""
+    logits = model.forward(ids)
+    logprobs = logits[-1].log_softmax(-1)
+    values, indices = logprobs.topk(top_k)
+    return {
+        "tokens": model.token_texts(ids),
+        "ids": ids,
+        "top_k": [
+            {"id": int(i), "token": model.tokenizer.token_text(int(i)), "logprob": float(v), "prob": float(v.exp())}
+            for v, i in zip(values, indices)
+        ],
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    model = _load(args)
+    ids = model.to_ids(args.prompt, chat=args.chat)
+    result = next_token_distribution(model, ids, args.top_k)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{len(ids)} tokens: " + " ".join(repr(t) for t in result["tokens"]))
+    for row in result["top_k"]:
+        print(f"{row['prob']:8.4f}  {row['logprob']:9.4f}  {row['id']:>7}  {row['token']!r}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    model = _load(args)
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat)
+    if args.json:
+        ids, pieces = [], []
+        for token, text in model.stream(args.prompt, args.max_new_tokens, **kwargs):
+            ids.append(token)
+            pieces.append(text)
+        print(json.dumps({"prompt": args.prompt, "ids": ids, "tokens": model.token_texts(ids), "text": "".join(pieces)}))
+        return
+    for _, text in model.stream(args.prompt, args.max_new_tokens, **kwargs):
+        print(text, end="", flush=True)
+    print()
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    model = _load(args)
+    info = model.info()
+    if args.json:
+        print(json.dumps(info))
+        return
+    c = info["config"]
+    print(f"{info['model']}  ({info['path']})")
+    print(f"  architecture {c['architecture']}: {c['n_layers']} layers, d_model {c['d_model']}, "
+          f"{c['n_heads']} heads / {c['n_kv_heads']} kv heads of {c['d_head']}, mlp {c['d_mlp']}, vocab {c['vocab_size']}")
+    print(f"  parameters {info['parameters'] / 1e6:.1f}M, formats {info['tensor_formats']}")
+    mib = 1 << 20
+    file_part = f" (file {info['file_bytes'] / mib:.1f} MiB)" if info["file_bytes"] else ""
+    print(f"  resident weights {info['weight_bytes'] / mib:.1f} MiB{file_part}; loaded in {info['load_seconds']:.2f}s")
+    print(f"  device {info['device']}, dtype {info['dtype']}")
+    by_kernel: dict[tuple[str, str], list[str]] = {}
+    for name, k in info["kernels"].items():
+        by_kernel.setdefault((k["format"], f"decode: {k['decode']}, prefill: {k['prefill']}"), []).append(name)
+    for (fmt, kernels), names in by_kernel.items():
+        print(f"  {fmt:6} {len(names):4} matrices  {kernels}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="next-token distribution of a prompt")
+    run.add_argument("prompt")
+    run.add_argument("--top-k", type=int, default=10)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _model_args(run)
+    run.set_defaults(fn=cmd_run)
+
+    gen = sub.add_parser("generate", help="generate a continuation, streaming tokens")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    _model_args(gen)
+    gen.set_defaults(fn=cmd_generate)
+
+    info = sub.add_parser("info", help="config, tensor formats, memory, kernels")
+    _model_args(info)
+    info.set_defaults(fn=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except WorkbenchError as err:
+        print(f"workbench: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Small random models of any supported architecture and tensor format, for tests and benchmarks.
+
+They can be written as GGUF files (through the gguf package's writer, as llama.cpp's converter would)
+so the real loading path is exercised, or used directly in memory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workbench.config import ModelConfig
+from workbench.kernels import QuantTensor, get_format
+from workbench.loading import ARCHITECTURES, LoadedCheckpoint
+from workbench.tokenizer import Tokenizer
+from workbench.weights import LayerWeights, ModelWeights
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def tokenizer_metadata(n_merges: int = 64) -> dict:
+    """A byte-level BPE vocabulary (GGUF "gpt2" style): specials, 256 bytes, and merges of common pairs."""
+    alphabet = _byte_level_alphabet()
+    space = alphabet[ord(" ")]
+    merges, merged = [], []
+    for a, b in [(space, "t"), ("h", "e"), (space + "t", "he"), ("i", "n"), (space, "a"), ("e", "r"), ("o", "n"),
+                 (space, "s"), ("r", "e"), (space, "c"), ("a", "t"), (space, "o"), ("e", "n"), ("i", "s")][:n_merges]:
+        merges.append(f"{a} {b}")
+        merged.append(a + b)
+    tokens = SPECIAL_TOKENS + alphabet + merged
+    types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": CHATML_TEMPLATE,
+    }
+
+
+def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int = 64, n_heads: int = 4,
+                  n_kv_heads: int = 2, d_mlp: int = 128, vocab_size: int | None = None, n_ctx: int = 256,
+                  d_head: int | None = None, tied_embeddings: bool = True) -> ModelConfig:
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    return ModelConfig(architecture=architecture, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, d_head=d_head or d_model // n_heads, d_mlp=d_mlp, vocab_size=vocab,
+                       n_ctx=n_ctx, rope_base=10000.0, rms_eps=1e-5, tied_embeddings=tied_embeddings,
+                       name=f"random-{architecture}", **ARCHITECTURES[architecture])
+
+
+def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu") -> ModelWeights:
+    """Gaussian weights quantized into ``fmt`` (norms stay F32 around 1)."""
+    c = config
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def matrix(rows: int, cols: int, std: float) -> QuantTensor:
+        w = torch.randn(rows, cols, generator=g, device=device) * std
+        return QuantTensor.quantize(w, fmt)
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
+
+    def bias(n: int) -> torch.Tensor:
+        return 0.02 * torch.randn(n, generator=g, device=device)
+
+    std = c.d_model**-0.5
+    q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+    layers = [
+        LayerWeights(
+            attn_norm=norm(c.d_model), wq=matrix(q_dim, c.d_model, std), wk=matrix(kv_dim, c.d_model, std),
+            wv=matrix(kv_dim, c.d_model, std), wo=matrix(c.d_model, q_dim, q_dim**-0.5), mlp_norm=norm(c.d_model),
+            w_gate=matrix(c.d_mlp, c.d_model, std), w_up=matrix(c.d_mlp, c.d_model, std),
+            w_down=matrix(c.d_model, c.d_mlp, c.d_mlp**-0.5),
+            bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
+            bv=bias(kv_dim) if c.qkv_bias else None,
+            q_norm=norm(c.d_head) if c.qk_norm else None, k_norm=norm(c.d_head) if c.qk_norm else None,
+        )
+        for _ in range(c.n_layers)
+    ]
+    embed = matrix(c.vocab_size, c.d_model, 1.0)
+    unembed = embed if c.tied_embeddings else matrix(c.vocab_size, c.d_model, std)
+    return ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=unembed)
+
+
+def random_checkpoint(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0) -> LoadedCheckpoint:
+    metadata = tokenizer_metadata()
+    weights = random_weights(config, fmt, seed)
+    return LoadedCheckpoint(config, weights, Tokenizer.from_gguf_metadata(metadata), Path(f"<{config.name}>"), metadata)
+
+
+def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, metadata: dict | None = None) -> Path:
+    """Write a model as llama.cpp would store it (tensor names, layouts and metadata keys)."""
+    import gguf
+
+    path = Path(path)
+    arch = config.architecture
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(config.name)
+    writer.add_block_count(config.n_layers)
+    writer.add_context_length(config.n_ctx)
+    writer.add_embedding_length(config.d_model)
+    writer.add_feed_forward_length(config.d_mlp)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_key_length(config.d_head)
+    writer.add_value_length(config.d_head)
+    writer.add_rope_freq_base(config.rope_base)
+    writer.add_layer_norm_rms_eps(config.rms_eps)
+    writer.add_vocab_size(config.vocab_size)
+    for key, value in (metadata or tokenizer_metadata()).items():
+        _add_metadata(writer, key, value)
+
+    def add(name: str, tensor: QuantTensor | torch.Tensor | None) -> None:
+        if tensor is None:
+            return
+        if isinstance(tensor, torch.Tensor):  # norms and biases are stored F32
+            tensor = QuantTensor(tensor.float().contiguous().view(torch.uint8).reshape(1, -1), "F32", (1, tensor.numel()))
+            data = tensor.data.cpu().numpy().reshape(-1)
+        else:
+            data = tensor.data.cpu().numpy()
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
+
+    add("token_embd.weight", weights.embed)
+    for i, layer in enumerate(weights.layers):
+        p = f"blk.{i}."
+        for name, value in [("attn_norm.weight", layer.attn_norm), ("attn_q.weight", layer.wq),
+                            ("attn_k.weight", layer.wk), ("attn_v.weight", layer.wv),
+                            ("attn_output.weight", layer.wo), ("attn_q.bias", layer.bq), ("attn_k.bias", layer.bk),
+                            ("attn_v.bias", layer.bv), ("attn_q_norm.weight", layer.q_norm),
+                            ("attn_k_norm.weight", layer.k_norm), ("ffn_norm.weight", layer.mlp_norm),
+                            ("ffn_gate.weight", layer.w_gate), ("ffn_up.weight", layer.w_up),
+                            ("ffn_down.weight", layer.w_down)]:
+            add(p + name, value)
+    add("output_norm.weight", weights.final_norm)
+    if weights.unembed is not weights.embed:
+        add("output.weight", weights.unembed)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_metadata(writer, key: str, value) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    else:
+        raise TypeError(f"cannot write metadata {key} of type {type(value).__name__}")
