@@ -1,0 +1,478 @@
+"""Text <-> token ids for GGUF and Hugging Face checkpoints, matching llama.cpp.
+
+Encoding runs on the Hugging Face `tokenizers` library, configured the way llama.cpp
+(src/llama-vocab.cpp) reads a GGUF vocabulary:
+
+- "gpt2": byte-level BPE over the GGUF merges. Text is first split by the regexes that
+  `tokenizer.ggml.pre` selects (applied one after another, keeping matches and gaps).
+- "llama": SentencePiece BPE. llama.cpp merges adjacent pieces whenever their concatenation
+  is a token, highest score first; that is plain BPE with one merge per (left, right) split of
+  every token, ranked by the token's score. Characters outside the vocabulary fall back to
+  <0xNN> byte tokens, and " " becomes "▁" with one "▁" prepended to the text and after every
+  special token (add_space_prefix).
+
+CONTROL, USER_DEFINED and UNKNOWN tokens are matched as whole units before any of that;
+USER_DEFINED ones even when special-token parsing is off.
+
+Decoding does not go through `tokenizers`: each id maps to its raw bytes, which is what a
+streaming decoder needs when a token ends in the middle of a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import json
+import numbers
+import operator
+import re
+import warnings
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, NoReturn
+
+import gguf
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+
+TokenType = gguf.TokenType
+KEY = gguf.Keys.Tokenizer
+SPACE_MARKER = "\u2581"  # SentencePiece's visible space, "▁"
+
+# Tokens that end an assistant turn in common chat formats; llama.cpp treats them as
+# end-of-generation (and as CONTROL even when a GGUF mislabels them).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
+    "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>",
+)
+# Tokens matched as units ahead of the BPE model (llama.cpp's "special tokens cache").
+ADDED_TOKEN_TYPES = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+# Tokens that decode(skip_special=True) leaves out; UNUSED ones never render.
+HIDDEN_TOKEN_TYPES = (TokenType.CONTROL, TokenType.UNKNOWN)
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@dataclass(frozen=True)
+class PreTokenizerSpec:
+    """How llama.cpp pre-splits text for one family of `tokenizer.ggml.pre` values."""
+
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a pre-token that is itself a vocab token is kept whole
+    add_bos: bool = False  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+# Where llama.cpp rewrote a tokenizer.json regex for std::regex, the original is used here:
+# the two are equivalent and Oniguruma (inside `tokenizers`) takes the original as is.
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+DEFAULT_PRE = "default"
+PRE_TOKENIZER_FAMILIES: tuple[tuple[tuple[str, ...], PreTokenizerSpec], ...] = (
+    ((DEFAULT_PRE,), PreTokenizerSpec(
+        (r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", "[0-9][0-9][0-9]"))),
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral"),
+     PreTokenizerSpec((LLAMA3_REGEX,), ignore_merges=True, add_bos=True)),
+    (("dbrx", "smaug-bpe"), PreTokenizerSpec((LLAMA3_REGEX,))),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
+      "gigachat", "exaone4"), PreTokenizerSpec((GPT2_REGEX,))),
+    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
+     PreTokenizerSpec((r"\p{N}", GPT2_REGEX))),
+    (("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"),
+     PreTokenizerSpec((QWEN2_REGEX,))),
+    (("tekken",), PreTokenizerSpec((TEKKEN_REGEX,), ignore_merges=True, add_bos=True)),
+    (("falcon",), PreTokenizerSpec(
+        (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_REGEX, "[0-9][0-9][0-9]"))),
+)
+PRE_TOKENIZERS = {name: spec for names, spec in PRE_TOKENIZER_FAMILIES for name in names}
+
+
+class Tokenizer:
+    """A model's vocabulary: encode/decode, special tokens and chat template.
+
+    Build one with `from_gguf_metadata` or `from_hf_dir`. `space_prefix` says where the
+    tokenizer adds a "▁" that is not in the text ("never", "first": at the start only,
+    "always": at the start and after every special token), so decode can drop it again.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        token_texts: list[str],
+        token_types: list[int],
+        *,
+        byte_level: bool,
+        space_prefix: str,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos_by_default: bool,
+        chat_template: str | None,
+        extra_stop_ids: Iterable[int] = (),
+    ) -> None:
+        if space_prefix not in ("never", "first", "always"):
+            raise ValueError(f"space_prefix must be 'never', 'first' or 'always', got {space_prefix!r}")
+        self._backend = backend
+        self.vocab_size = len(token_texts)
+        self._pieces = [_piece_bytes(text, kind, byte_level) for text, kind in zip(token_texts, token_types)]
+        self._added_ids = frozenset(i for i, kind in enumerate(token_types) if kind in ADDED_TOKEN_TYPES)
+        self._hidden_ids = frozenset(i for i, kind in enumerate(token_types) if kind in HIDDEN_TOKEN_TYPES)
+        self._space_prefix = space_prefix
+        self.bos_id = self._check_optional_id(bos_id, "bos_id")
+        self.eos_id = self._check_optional_id(eos_id, "eos_id")
+        self.add_bos_by_default = add_bos_by_default and bos_id is not None
+        self.chat_template = chat_template
+        id_of = {text: i for i, text in enumerate(token_texts)}
+        self.stop_ids: set[int] = {id_of[text] for text in END_OF_TURN_TOKENS if text in id_of}
+        self.stop_ids.update(self._check_id(i) for i in extra_stop_ids)
+        if self.eos_id is not None:
+            self.stop_ids.add(self.eos_id)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """Build from GGUF key/value metadata (values decoded, e.g. `field.contents()`)."""
+        if not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict of GGUF keys, got {type(metadata).__name__}")
+        model = metadata.get(KEY.MODEL)
+        if model not in ("gpt2", "llama"):
+            raise ValueError(f"unsupported {KEY.MODEL} {model!r}: expected 'gpt2' (byte-level BPE) "
+                             "or 'llama' (SentencePiece)")
+        texts = _required_list(metadata, KEY.LIST, str)
+        types = metadata.get(KEY.TOKEN_TYPE) or [TokenType.NORMAL] * len(texts)
+        if len(types) != len(texts):
+            raise ValueError(f"{KEY.TOKEN_TYPE} has {len(types)} entries for {len(texts)} tokens")
+        types = [TokenType.CONTROL if text in END_OF_TURN_TOKENS else kind for text, kind in zip(texts, types)]
+        vocab = {text: i for i, text in enumerate(texts)}
+        if len(vocab) != len(texts):
+            raise ValueError(f"{KEY.LIST} contains duplicate tokens")
+
+        if model == "gpt2":
+            merges = [_split_merge(merge) for merge in _required_list(metadata, KEY.MERGES, str)]
+            spec = _pre_tokenizer_spec(metadata.get(KEY.PRE))
+            backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=spec.ignore_merges))
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in spec.regexes]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            space_prefix, add_bos = "never", spec.add_bos
+        else:
+            scores = _required_list(metadata, KEY.SCORES, int, float)
+            if len(scores) != len(texts):
+                raise ValueError(f"{KEY.SCORES} has {len(scores)} entries for {len(texts)} tokens")
+            unk_id = metadata.get(KEY.UNK_ID)
+            backend = tokenizers.Tokenizer(models.BPE(
+                vocab, _merges_from_scores(texts, scores), byte_fallback=True,
+                unk_token=texts[unk_id] if unk_id is not None and 0 <= unk_id < len(texts) else None))
+            escape_spaces = normalizers.Replace(" ", SPACE_MARKER)
+            # Normalizers run on each stretch of text between added tokens, which is exactly
+            # where llama.cpp prepends its space.
+            if metadata.get(KEY.ADD_PREFIX, True):
+                backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE_MARKER), escape_spaces])
+                space_prefix = "always"
+            else:
+                backend.normalizer = escape_spaces
+                space_prefix = "never"
+            add_bos = True
+
+        special = [i for i, kind in enumerate(types) if kind in (TokenType.CONTROL, TokenType.UNKNOWN)]
+        user_defined = [i for i, kind in enumerate(types) if kind == TokenType.USER_DEFINED]
+        backend.add_special_tokens([AddedToken(texts[i], special=True, normalized=False) for i in special])
+        backend.add_tokens([AddedToken(texts[i], special=False, normalized=False) for i in user_defined])
+        return cls(
+            backend, texts, types,
+            byte_level=model == "gpt2",
+            space_prefix=space_prefix,
+            bos_id=metadata.get(KEY.BOS_ID),
+            eos_id=metadata.get(KEY.EOS_ID),
+            add_bos_by_default=metadata.get(KEY.ADD_BOS, add_bos),
+            chat_template=metadata.get(KEY.CHAT_TEMPLATE),
+            extra_stop_ids=[metadata[key] for key in (KEY.EOT_ID, KEY.EOM_ID) if key in metadata],
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
+        """Build from a Hugging Face checkpoint directory (tokenizer.json + tokenizer_config.json)."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        backend.no_padding()
+        backend.no_truncation()
+        tokenizer_json = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+        config = _read_json(path / "tokenizer_config.json")
+        generation_config = _read_json(path / "generation_config.json")
+
+        byte_level = bool(_nodes_of_type(tokenizer_json.get("pre_tokenizer"), "ByteLevel")
+                          or _nodes_of_type(tokenizer_json.get("decoder"), "ByteLevel"))
+        vocab = backend.get_vocab(with_added_tokens=True)
+        texts = [""] * (max(vocab.values()) + 1)
+        types = [TokenType.UNUSED] * len(texts)  # ids missing from tokenizer.json render as nothing
+        for text, i in vocab.items():
+            texts[i] = text
+            types[i] = TokenType.BYTE if not byte_level and BYTE_TOKEN.fullmatch(text) else TokenType.NORMAL
+        for i, token in backend.get_added_tokens_decoder().items():
+            types[i] = TokenType.CONTROL if token.special else TokenType.USER_DEFINED
+
+        bos_id = _token_id(vocab, config.get("bos_token"))
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:  # no flag: trust the post-processor, as transformers does
+            add_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        eos_ids = generation_config.get("eos_token_id", [])
+        return cls(
+            backend, texts, types,
+            byte_level=byte_level,
+            space_prefix=_hf_space_prefix(tokenizer_json),
+            bos_id=bos_id,
+            eos_id=_token_id(vocab, config.get("eos_token")),
+            add_bos_by_default=bool(add_bos),
+            chat_template=_hf_chat_template(path, config),
+            extra_stop_ids=eos_ids if isinstance(eos_ids, list) else [eos_ids],
+        )
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; add_bos=None follows the model's default.
+
+        parse_special=False reads CONTROL tokens such as "<|im_start|>" as plain text
+        (user-defined tokens still match), as llama.cpp does for untrusted input.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        if add_bos is None:
+            add_bos = self.add_bos_by_default
+        if add_bos and self.bos_id is None:
+            raise ValueError("add_bos=True but this vocabulary has no BOS token")
+        self._backend.encode_special_tokens = not parse_special
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`, undoing encode exactly (including the SentencePiece space prefix).
+
+        skip_special drops CONTROL/UNKNOWN tokens such as BOS or "<|im_end|>".
+        """
+        pieces = []
+        at_prefix_point = self._space_prefix != "never"  # the start of the text
+        for token_id in ids:
+            token_id = self._check_id(token_id)
+            piece = self._pieces[token_id]
+            if token_id in self._added_ids:
+                at_prefix_point = self._space_prefix == "always"
+                if skip_special and token_id in self._hidden_ids:
+                    continue
+            elif at_prefix_point:
+                piece = piece.removeprefix(b" ")
+                at_prefix_point = False
+            pieces.append(piece)
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes one token stands for; may be part of a UTF-8 character."""
+        return self._pieces[self._check_id(token_id)]
+
+    def token_text(self, token_id: int) -> str:
+        """Readable piece of one token, e.g. " Paris"; a partial character shows as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def is_hidden(self, token_id: int) -> bool:
+        """Whether decode(skip_special=True) drops this token (CONTROL/UNKNOWN)."""
+        return self._check_id(token_id) in self._hidden_ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render the model's jinja chat template for `messages` (dicts with role and content)."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
+        if not isinstance(messages, list):
+            raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
+        for n, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise TypeError(f"messages[{n}] must be a dict, got {type(message).__name__}")
+            if not isinstance(message.get("role"), str) or "content" not in message:
+                raise ValueError(f"messages[{n}] needs a string 'role' and a 'content'")
+        return self._compiled_chat_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._special_text(self.bos_id),
+            eos_token=self._special_text(self.eos_id),
+        )
+
+    @functools.cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        return _chat_template_env().from_string(self.chat_template)
+
+    def _special_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.token_text(token_id)
+
+    def _check_id(self, token_id: Any) -> int:
+        if isinstance(token_id, bool):
+            raise TypeError("token ids must be integers, got bool")
+        try:
+            token_id = operator.index(token_id)  # also numpy / 0-d torch integers
+        except TypeError:
+            raise TypeError(f"token ids must be integers, got {type(token_id).__name__}") from None
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        return token_id
+
+    def _check_optional_id(self, token_id: Any, name: str) -> int | None:
+        if token_id is None:
+            return None
+        try:
+            return self._check_id(token_id)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name}: {error}") from None
+
+
+class StreamDecoder:
+    """Incremental decoding for generation: feed ids as they come, get the newly completed text.
+
+    Bytes of a character split over several tokens (emoji, CJK in byte-fallback vocabularies)
+    are held back until the character is whole. Pieces are emitted as is: the SentencePiece
+    space prefix is not stripped, since streamed tokens continue a prompt.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: int | Iterable[int]) -> str:
+        """Add one id or several; return the text they complete (possibly "")."""
+        if isinstance(token_ids, numbers.Integral):
+            token_ids = [token_ids]
+        shown = (i for i in token_ids if not (self._skip_special and self._tokenizer.is_hidden(i)))
+        return self._utf8.decode(b"".join(self._tokenizer.token_bytes(i) for i in shown))
+
+    def flush(self) -> str:
+        """Text still held back at the end; an unfinished character becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+def _piece_bytes(text: str, token_type: int, byte_level: bool) -> bytes:
+    """What one token stands for, as llama.cpp's token_to_piece renders it."""
+    if token_type in ADDED_TOKEN_TYPES:
+        return text.encode()
+    if token_type == TokenType.UNUSED:
+        return b""
+    if token_type == TokenType.BYTE and (match := BYTE_TOKEN.fullmatch(text)):
+        return bytes([int(match.group(1), 16)])
+    if byte_level:
+        byte_of_char = _byte_level_alphabet()
+        return b"".join(bytes([byte_of_char[c]]) if c in byte_of_char else c.encode() for c in text)
+    return text.replace(SPACE_MARKER, " ").encode()
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, char -> byte: printable bytes stand for themselves,
+    the rest are shifted to code points from 256 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return alphabet
+
+
+def _pre_tokenizer_spec(name: str | None) -> PreTokenizerSpec:
+    if name in PRE_TOKENIZERS:
+        return PRE_TOKENIZERS[name]
+    # llama.cpp itself uses "default" when the key is missing (and rejects unknown names);
+    # falling back keeps unknown models usable at some cost in fidelity.
+    warnings.warn(f"{KEY.PRE} {name!r} is not known here; splitting text with llama.cpp's "
+                  f"'{DEFAULT_PRE}' regexes, so tokens may differ from the original tokenizer",
+                  stacklevel=3)
+    return PRE_TOKENIZERS[DEFAULT_PRE]
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    # Split at the first space after position 0, as llama.cpp does (a token may start with " ").
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise ValueError(f"malformed BPE merge {merge!r}: expected 'left right'")
+    return merge[:cut], merge[cut + 1:]
+
+
+def _merges_from_scores(texts: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece's score-driven merging expressed as ranked BPE merges."""
+    vocab = set(texts)
+    ranked = []
+    for text, score in zip(texts, scores):
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, left, right))
+    ranked.sort(key=operator.itemgetter(0))  # stable: equal scores keep vocabulary order
+    return [(left, right) for _, left, right in ranked]
+
+
+def _required_list(metadata: dict[str, Any], key: str, *item_types: type) -> list:
+    value = metadata.get(key)
+    if not isinstance(value, list) or not all(isinstance(item, item_types) for item in value):
+        names = " or ".join(item_type.__name__ for item_type in item_types)
+        raise ValueError(f"GGUF metadata needs {key} as a list of {names}")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_id(vocab: dict[str, int], token: str | dict | None) -> int | None:
+    """Id of a tokenizer_config.json token entry (a string or an AddedToken dict)."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return vocab.get(token) if isinstance(token, str) else None
+
+
+def _nodes_of_type(node: Any, type_name: str) -> list[dict]:
+    """All objects with "type": type_name inside a tokenizer.json component."""
+    if isinstance(node, list):
+        return [found for child in node for found in _nodes_of_type(child, type_name)]
+    if not isinstance(node, dict):
+        return []
+    children = [found for child in node.values() for found in _nodes_of_type(child, type_name)]
+    return [node, *children] if node.get("type") == type_name else children
+
+
+def _hf_space_prefix(tokenizer_json: dict[str, Any]) -> str:
+    """Where a tokenizer.json adds a "▁" that is not in the text (see Tokenizer)."""
+    if any(node.get("prepend") == SPACE_MARKER for node in _nodes_of_type(tokenizer_json.get("normalizer"), "Prepend")):
+        return "always"  # normalizers run after every added token
+    for node in _nodes_of_type(tokenizer_json.get("pre_tokenizer"), "Metaspace"):
+        if "prepend_scheme" in node:
+            return node["prepend_scheme"]
+        return "always" if node.get("add_prefix_space", True) else "never"
+    return "never"
+
+
+def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    template_file = path / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = next((entry["template"] for entry in template if entry.get("name") == "default"), None)
+    return template
+
+
+def _raise_template_error(message: str) -> NoReturn:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+@functools.cache
+def _chat_template_env() -> ImmutableSandboxedEnvironment:
+    # Same settings as transformers' apply_chat_template, which the templates are written for.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
