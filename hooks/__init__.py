@@ -1,0 +1,36 @@
+"""Hooks and interventions: record, ablate, steer and patch any activation, scoped to one call."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from workbench.runner import HookFn
+
+from .interventions import (Composite, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate, RunShape, Scale,
+                            Steer, ZeroAblate, from_spec, merge_hooks)
+from .points import point_shapes, resolve
+from .recording import Recorder
+from .trace import Trace
+
+
+def compile_hooks(model: Any, interventions: Sequence[Intervention | dict] = (), record: Sequence[str] | None = None,
+                  prompt_len: int = 0, total_len: int = 0) -> tuple[dict[str, list[HookFn]], Recorder | None, list[dict]]:
+    """Validate interventions and record patterns for one call; return (hooks, recorder, specs).
+
+    Everything is checked here, before any compute: hook names, shapes, ranges, NaN.
+    Recording hooks run after the interventions at the same point, so traces show edited values.
+    """
+    parsed = [from_spec(i) for i in interventions]
+    run = RunShape(model, prompt_len, max(total_len, prompt_len))
+    hooks = merge_hooks(i.compile(run) for i in parsed)
+    recorder = None
+    if record:
+        names = list(dict.fromkeys(name for pattern in record for name in resolve(pattern, model.config)))
+        recorder = Recorder(names)
+        hooks = merge_hooks([hooks, recorder.hooks()])
+    return hooks, recorder, [i.to_spec() for i in parsed]
+
+
+__all__ = [
+    "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale",
+    "Composite", "from_spec", "compile_hooks", "Recorder", "Trace", "point_shapes", "resolve",
+]

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import hashlib
+import platform
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
 
+from workbench import hooks as hooks_lib
 from workbench.errors import WorkbenchError
 from workbench.generation import Sampling, generate_tokens
 from workbench.kernels import select_kernel
@@ -16,6 +20,10 @@ from workbench.kv_cache import KVCache
 from workbench.loading import LoadedCheckpoint, load_checkpoint
 from workbench.runner import Hooks, Transformer
 from workbench.tokenizer import StreamDecoder
+
+# Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
+# concurrent calls never see each other's hooks.
+_ACTIVE: ContextVar[tuple] = ContextVar("workbench_active_hooks", default=())
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -92,23 +100,71 @@ class Model:
 
     # --------------------------------------------------------------------------------------- forward
 
-    def forward(self, ids: str | Sequence[int] | torch.Tensor, hooks: Hooks | None = None,
+    def hook_points(self) -> dict[str, str]:
+        """Every hook point name with the shape of its activation (T tokens, S attended slots)."""
+        return hooks_lib.point_shapes(self.config)
+
+    @contextmanager
+    def hooks(self, interventions: Sequence[Any] = (), record: Sequence[str] | None = None
+              ) -> Iterator[hooks_lib.Recorder | None]:
+        """Apply interventions (and record) in every call on this model inside the block, in this thread only.
+
+        Yields the recorder (``.activations()`` after the block) when ``record`` is given.
+        """
+        parsed = [hooks_lib.from_spec(i) for i in interventions]
+        names = [n for pattern in record or () for n in hooks_lib.resolve(pattern, self.config)]
+        recorder = hooks_lib.Recorder(list(dict.fromkeys(names))) if names else None
+        token = _ACTIVE.set(_ACTIVE.get() + ((self, parsed, recorder),))
+        try:
+            yield recorder
+        finally:
+            _ACTIVE.reset(token)
+
+    def _call_hooks(self, interventions: Sequence[Any], record: Sequence[str] | None, prompt_len: int,
+                    total_len: int):
+        """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks."""
+        scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
+        all_interventions = [i for parsed, _ in scoped for i in parsed] + list(interventions)
+        hooks, recorder, specs = hooks_lib.compile_hooks(self, all_interventions, record, prompt_len, total_len)
+        outer = [r.hooks() for _, r in scoped if r is not None]
+        if outer:
+            hooks = hooks_lib.merge_hooks([hooks, *outer])
+        return hooks or None, recorder, specs
+
+    def forward(self, ids: str | Sequence[int] | torch.Tensor, interventions: Sequence[Any] = (),
                 cache: KVCache | None = None) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab_size]``, one row per position."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
-        return self.runner.forward(torch.tensor(self.to_ids(ids), dtype=torch.long), cache=cache, hooks=hooks)
+        ids = self.to_ids(ids)
+        start = cache.next_position if cache is not None else 0
+        hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids))
+        return self.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks)
+
+    def run(self, prompt: str | Sequence[int], *, record: Sequence[str] | None = None,
+            interventions: Sequence[Any] = (), chat: bool = False) -> hooks_lib.Trace:
+        """One forward over the prompt: a Trace with logits and the recorded activations."""
+        ids = self.to_ids(prompt, chat=chat)
+        hooks, recorder, specs = self._call_hooks(interventions, record, len(ids), len(ids))
+        logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks)
+        return hooks_lib.Trace(
+            prompt=prompt if isinstance(prompt, str) else list(ids), ids=ids, tokens=self.token_texts(ids),
+            logits=logits.cpu(), activations=recorder.activations() if recorder else {}, interventions=specs,
+            fingerprint=self.fingerprint(), backend=self.backend(), versions=package_versions(), chat=chat,
+        )
 
     def new_cache(self) -> KVCache:
         return self.runner.new_cache()
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
-               hooks: Hooks | None = None, cache: KVCache | None = None) -> Iterator[tuple[int, str]]:
-        """Yield ``(token_id, new_text)`` as tokens are generated."""
+               interventions: Sequence[Any] = (), cache: KVCache | None = None) -> Iterator[tuple[int, str]]:
+        """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step."""
         sampling = Sampling(temperature, top_k, top_p, seed)
         decoder = StreamDecoder(self.tokenizer)
         ids = self.to_ids(prompt, chat=chat)
+        start = cache.next_position if cache is not None else 0
+        hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens)
         for token in generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids,
                                      hooks, cache):
             text = "" if token in self.tokenizer.stop_ids else decoder.feed(token)
@@ -130,6 +186,15 @@ class Model:
                 for chunk in iter(lambda: f.read(1 << 22), b""):
                     h.update(chunk)
         return h.hexdigest()
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"sha256": self.file_sha256, "file": self.path.name, "architecture": self.config.architecture,
+                "config": self.config.to_dict(), "formats": self.tensor_formats()}
+
+    def backend(self) -> dict[str, Any]:
+        kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
+                "threads": torch.get_num_threads(), "machine": platform.machine()}
 
     def tensor_formats(self) -> dict[str, str]:
         return {name: w.fmt.name for name, w in self.runner.weights.named_matrices()}
@@ -183,3 +248,15 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)
     return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started)
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for name in ("workbench", "torch", "gguf", "tokenizers", "numpy"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions

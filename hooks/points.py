@@ -1,0 +1,97 @@
+"""Hook point names: listing, pattern matching with close-match suggestions, and axis layout."""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from dataclasses import dataclass
+
+from workbench.config import ModelConfig
+from workbench.errors import HookError
+from workbench.runner import BLOCK_POINTS, GLOBAL_POINTS, hook_point_names
+
+
+@dataclass(frozen=True)
+class Axes:
+    """Where the token, head and feature axes of a hook point's activation are (None: no such axis)."""
+
+    token: int
+    head: int | None
+    feature: int | None
+
+
+# Activations are [T, ...] except attention scores/patterns, which are [heads, T, S].
+_AXES = {
+    "attn.hook_q": Axes(0, 1, 2), "attn.hook_k": Axes(0, 1, 2), "attn.hook_v": Axes(0, 1, 2),
+    "attn.hook_rot_q": Axes(0, 1, 2), "attn.hook_rot_k": Axes(0, 1, 2), "attn.hook_z": Axes(0, 1, 2),
+    "attn.hook_result": Axes(0, 1, 2),
+    "attn.hook_attn_scores": Axes(1, 0, None), "attn.hook_pattern": Axes(1, 0, None),
+    "ln1.hook_scale": Axes(0, None, None), "ln2.hook_scale": Axes(0, None, None),
+    "ln_final.hook_scale": Axes(0, None, None),
+}
+_TOKEN_MAJOR = Axes(0, None, 1)
+
+
+def axes(name: str) -> Axes:
+    """Axis layout of a hook point by its name."""
+    suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
+    return _AXES.get(suffix, _TOKEN_MAJOR)
+
+
+def layer_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blocks.") else None
+
+
+def point_shapes(config: ModelConfig) -> dict[str, str]:
+    """Every hook point with its shape, dimensions filled in from the config (T/S stay symbolic)."""
+    dims = {"d_model": config.d_model, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
+            "d_head": config.d_head, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
+
+    def fill(shape: str) -> str:
+        for key, value in dims.items():
+            shape = shape.replace(key, str(value))
+        return shape
+
+    out = {}
+    for name in hook_point_names(config.n_layers):
+        suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
+        out[name] = fill(BLOCK_POINTS.get(suffix) or GLOBAL_POINTS[suffix])
+    return out
+
+
+def head_count(name: str, config: ModelConfig) -> int | None:
+    if axes(name).head is None:
+        return None
+    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) else config.n_heads
+
+
+def feature_size(name: str, config: ModelConfig) -> int | None:
+    """Length of the last (feature) axis that a vector added at this point must have."""
+    a = axes(name)
+    if a.feature is None:
+        return None
+    if a.head is not None:
+        return config.d_model if name.endswith("hook_result") else config.d_head
+    if name.endswith(("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")):
+        return config.d_mlp
+    return config.vocab_size if name == "hook_logits" else config.d_model
+
+
+def resolve(pattern: str, config: ModelConfig) -> list[str]:
+    """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``)."""
+    names = hook_point_names(config.n_layers)
+    if not isinstance(pattern, str) or not pattern:
+        raise HookError(f"a hook name must be a non-empty string, got {pattern!r}")
+    if any(ch in pattern for ch in "*?["):
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise HookError(f"no hook point matches {pattern!r}")
+        return matched
+    if pattern in names:
+        return [pattern]
+    if pattern.startswith("blocks.") and pattern.split(".")[1].isdigit():
+        layer = int(pattern.split(".")[1])
+        if not 0 <= layer < config.n_layers:
+            raise HookError(f"layer {layer} in {pattern!r} is out of range: the model has layers 0..{config.n_layers - 1}")
+    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; model.hook_points() lists them"
+    raise HookError(f"unknown hook point {pattern!r}{hint}")

@@ -1,0 +1,35 @@
+"""Recording activations during a call, across the prompt and every generation step."""
+from __future__ import annotations
+
+import torch
+
+from workbench.runner import HookContext, HookFn
+
+from .points import axes
+
+
+class Recorder:
+    """Keeps a float32 CPU copy of each named activation; generation steps join along the token axis."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self._chunks: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+
+    def hooks(self) -> dict[str, list[HookFn]]:
+        def record(x: torch.Tensor, ctx: HookContext) -> None:
+            self._chunks[ctx.name].append(x.detach().to("cpu", torch.float32, copy=True))
+
+        return {name: [record] for name in self.names}
+
+    def activations(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, chunks in self._chunks.items():
+            if not chunks:
+                continue
+            token_axis = axes(name).token
+            if token_axis == 1:  # scores/patterns [heads, T, S]: S grows with the cache, so pad each step
+                n_slots = chunks[-1].shape[-1]
+                fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
+                chunks = [torch.nn.functional.pad(c, (0, n_slots - c.shape[-1]), value=fill) for c in chunks]
+            out[name] = torch.cat(chunks, dim=token_axis)
+        return out
