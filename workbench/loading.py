@@ -146,7 +146,10 @@ def _gguf_tensor_bytes(tensor, path: Path) -> tuple[torch.Tensor, tuple[int, ...
 def load_gguf(path: Path) -> LoadedCheckpoint:
     metadata, tensors = _read_gguf(path)
     config = _gguf_config(metadata, tensors, path)
-    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    except ValueError as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
 
     def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
         if name not in tensors:
@@ -236,6 +239,8 @@ _HF_GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _FLOAT_FORMATS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# As llama.cpp's quantizer: rows too short for a 256-value K-quant super-block take a 32-block format.
+_ROW_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def gguf_name(hf_name: str) -> str | None:
@@ -320,8 +325,12 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             heads = config.n_heads if name.endswith("attn_q.weight") else config.n_kv_heads
             tensor = permute_for_interleaved_rope(tensor, heads)
         matrix = tensor.reshape(1, -1) if tensor.dim() == 1 else tensor
-        if tensor.dim() == 2 and target is not None and matrix.shape[1] % target.block_size == 0:
-            return QuantTensor.quantize(matrix, target)
+        if tensor.dim() == 2 and target is not None:
+            fmt = target
+            if matrix.shape[1] % fmt.block_size and fmt.name in _ROW_FALLBACK:
+                fmt = get_format(_ROW_FALLBACK[fmt.name])
+            if matrix.shape[1] % fmt.block_size == 0:
+                return QuantTensor.quantize(matrix, fmt)
         if tensor.dim() == 1 or tensor.dtype not in _FLOAT_FORMATS:
             matrix = matrix.float()  # norms and biases stay F32, as llama.cpp keeps them
         fmt = _FLOAT_FORMATS[matrix.dtype]
@@ -329,5 +338,8 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         return QuantTensor(raw, fmt, tuple(matrix.shape))
 
     weights = _assemble(config, get, str(path))
-    tokenizer = Tokenizer.from_hf_dir(path)
+    try:
+        tokenizer = Tokenizer.from_hf_dir(path)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
     return LoadedCheckpoint(config, weights, tokenizer, path, {"source": "huggingface", "quantize": quantize})

@@ -16,6 +16,7 @@ from workbench.loading import ARCHITECTURES, LoadedCheckpoint
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
 
+RMS_EPS = float(np.float32(1e-5))  # GGUF stores it as float32: keep configs equal after a round trip
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -68,7 +69,7 @@ def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int =
     vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
     return ModelConfig(architecture=architecture, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
                        n_kv_heads=n_kv_heads, d_head=d_head or d_model // n_heads, d_mlp=d_mlp, vocab_size=vocab,
-                       n_ctx=n_ctx, rope_base=10000.0, rms_eps=1e-5, tied_embeddings=tied_embeddings,
+                       n_ctx=n_ctx, rope_base=10000.0, rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
                        name=f"random-{architecture}", **ARCHITECTURES[architecture])
 
 

@@ -235,6 +235,10 @@ class Tokenizer:
             extra_stop_ids=eos_ids if isinstance(eos_ids, list) else [eos_ids],
         )
 
+    def to_hf_json(self) -> str:
+        """The vocabulary as a Hugging Face tokenizer.json document."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; add_bos=None follows the model's default.
 

@@ -1,0 +1,164 @@
+"""Loading GGUF files and Hugging Face checkpoints of every supported architecture, and bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import pytest
+import torch
+
+import workbench
+from workbench.errors import ModelLoadError, WorkbenchError
+from workbench.loading import load_checkpoint
+from workbench.model import Model
+from workbench.synthetic import random_checkpoint, random_config, tokenizer_metadata, write_gguf
+from workbench.tokenizer import Tokenizer
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+def write_hf_tokenizer(path, eos_token: str = "<|im_end|>") -> None:
+    tokenizer = Tokenizer.from_gguf_metadata(tokenizer_metadata())
+    (path / "tokenizer.json").write_text(tokenizer.to_hf_json())
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": eos_token,
+                                                            "add_bos_token": False}))
+
+
+def hf_model(arch: str, tmp_path, tie: bool):
+    """A tiny random transformers model of ``arch``, saved as a safetensors checkpoint."""
+    import transformers
+
+    vocab = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=tie)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common, **extra)).eval()
+    if arch == "qwen2":  # make the q/k/v biases matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    write_hf_tokenizer(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tie", [True, False])
+def test_hf_checkpoint_matches_transformers(arch, tie, tmp_path):
+    reference = hf_model(arch, tmp_path, tie)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert ours.config.architecture == arch and ours.config.tied_embeddings == tie
+    ids = [5, 77, 120, 3, 250, 9, 14, 200]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].float()
+    got = ours.forward(ids)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("fmt, stored", [("Q8_0", "Q8_0"), ("Q4_K", "Q5_0")])
+def test_quantize_on_load(fmt, stored, tmp_path):
+    """Rows of 64 or 96 values are too short for K-quants: they fall back as llama.cpp's quantizer does."""
+    hf_model("llama", tmp_path, tie=False)
+    float_model = workbench.load(tmp_path, device="cpu")
+    quantized = workbench.load(tmp_path, device="cpu", quantize=fmt)
+    formats = quantized.tensor_formats()
+    assert set(formats.values()) == {stored}
+    assert quantized.runner.weights.nbytes < float_model.runner.weights.nbytes / 3
+    ids = list(range(3, 40))
+    drift = (quantized.forward(ids) - float_model.forward(ids)).abs().max().item()
+    assert 0 < drift < (0.05 if fmt == "Q8_0" else 0.5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_round_trip(arch, fmt, tmp_path):
+    """A model written as llama.cpp stores it loads back to the same tensors and the same logits."""
+    config = random_config(arch, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=256, tied_embeddings=arch != "qwen2")
+    checkpoint = random_checkpoint(config, fmt, seed=1)
+    path = write_gguf(tmp_path / f"{arch}-{fmt}.gguf", config, checkpoint.weights, checkpoint.metadata)
+    loaded = workbench.load(path, device="cpu")
+    assert loaded.config == config
+    assert set(loaded.tensor_formats().values()) == {fmt}
+    for (name, a), (_, b) in zip(Model(checkpoint).runner.weights.named_matrices(),
+                                 loaded.runner.weights.named_matrices()):
+        assert torch.equal(a.data, b.data), name
+    ids = [4, 8, 15, 16, 23, 42]
+    assert torch.equal(Model(checkpoint, device="cpu").forward(ids), loaded.forward(ids))
+
+
+def test_embedded_model_config(model):
+    c = model.config
+    assert (c.architecture, c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.d_head, c.d_mlp, c.vocab_size) == (
+        "llama", 30, 576, 9, 3, 64, 1536, 49152)
+    assert c.tied_embeddings and c.rope_base == 100000.0
+    formats = model.tensor_formats()
+    assert formats["embed"] == "Q8_0" and formats["blocks.0.wq"] == "Q4_1"
+    # packed in memory: resident weights are the GGUF tensor bytes, not a float copy
+    assert model.runner.weights.nbytes <= 1.01 * model.path.stat().st_size
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="no model at"):
+        workbench.load(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "random.gguf"
+    path.write_bytes(b"\x00\x01garbage" * 100)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        workbench.load(path)
+
+
+def test_truncated_gguf(tmp_path, model_path):
+    path = tmp_path / "truncated.gguf"
+    with open(model_path, "rb") as src:
+        path.write_bytes(src.read(20_000_000))
+    with pytest.raises(ModelLoadError, match="corrupt or truncated|truncated"):
+        workbench.load(path)
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "bert.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'bert'"):
+        workbench.load(path)
+
+
+def test_missing_tensor_names_the_tensor(tmp_path):
+    config = random_config("llama")
+    checkpoint = random_checkpoint(config)
+    checkpoint.weights.layers.pop()  # one block fewer than block_count says
+    path = write_gguf(tmp_path / "short.gguf", config, checkpoint.weights, checkpoint.metadata)
+    with pytest.raises(ModelLoadError, match="blk.1.attn_norm.weight is missing"):
+        workbench.load(path)
+
+
+def test_hf_dir_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_prompt_errors(model):
+    with pytest.raises(WorkbenchError, match="empty"):
+        model.forward("")
+    small = Model(random_checkpoint(random_config("llama", n_ctx=16)))
+    with pytest.raises(WorkbenchError, match="context holds 16"):
+        small.forward("a long prompt that is certainly more than sixteen byte tokens long")
+    with pytest.raises(WorkbenchError, match="out of range"):
+        small.forward([1, 2, 10**6])
