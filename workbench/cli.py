@@ -87,6 +87,25 @@ def cmd_info(args: argparse.Namespace) -> None:
         print(f"  {fmt:6} {len(names):4} matrices  {kernels}")
 
 
+def cmd_app(args: argparse.Namespace) -> None:
+    import subprocess
+    from pathlib import Path
+
+    from workbench import app
+
+    if args.model is not None and not Path(args.model).exists():
+        raise WorkbenchError(f"model not found: {args.model}")
+    script = Path(app.__file__).with_name("main.py")
+    command = [sys.executable, "-m", "streamlit", "run", str(script), "--server.port", str(args.port),
+               "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    if args.model is not None:
+        command += ["--", "--model", str(Path(args.model).resolve())]
+    print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
+    returncode = subprocess.call(command)
+    if returncode:
+        raise SystemExit(returncode)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="config, tensor formats, memory, kernels")
     _model_args(info)
     info.set_defaults(fn=cmd_info)
+
+    dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
+    dashboard.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
+    dashboard.add_argument("--port", type=int, default=8501)
+    dashboard.set_defaults(fn=cmd_app)
     return parser
 
 
