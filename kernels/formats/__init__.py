@@ -9,12 +9,7 @@ _MODULES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k"
 
 FORMATS: dict[str, QuantFormat] = {}
 for _name in _MODULES:
-    try:
-        _fmt = importlib.import_module(f"{__name__}.{_name}").FORMAT
-    except ModuleNotFoundError as _err:  # format module not written yet
-        if _err.name != f"{__name__}.{_name}":
-            raise
-        continue
+    _fmt = importlib.import_module(f"{__name__}.{_name}").FORMAT
     FORMATS[_fmt.name] = _fmt
 
 BY_GGML_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values()}

@@ -26,7 +26,7 @@ def narrow_float(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Raises ``ValueError`` if a finite value overflows to infinity: a value or block scale that does
     not fit the format would otherwise turn into inf/nan without notice.
     """
-    narrow = values.to(dtype, copy=True)
+    narrow = values.to(dtype, memory_format=torch.contiguous_format, copy=True)
     overflow = torch.isinf(narrow) & torch.isfinite(values)
     if bool(overflow.any()):
         raise ValueError(f"{values[overflow][0].item():g} overflows {dtype} (as a stored value or a block scale)")
@@ -35,7 +35,7 @@ def narrow_float(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def float_bytes(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 ``[n, k]`` stored as the float ``dtype``: little-endian bytes ``[n, k * itemsize]``."""
-    return narrow_float(values, dtype).contiguous().view(torch.uint8)
+    return narrow_float(values, dtype).view(torch.uint8)
 
 
 def unpack_fields(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -75,10 +75,11 @@ def legacy_format(name: str, ggml_type: int, bits: int, affine: bool) -> QuantFo
         if bits == 5:
             high = unpack_fields(blocks[:, high_bits_at:nibbles_at], 1).transpose(1, 2).flatten(1)
             codes = codes | (high << 4)
-        scale = read_f16(blocks, 0)
+        # In place on the one float buffer: fresh large allocations cost page faults on CPU.
+        values = codes.float()
         if affine:
-            return scale * codes.float() + read_f16(blocks, 2)
-        return scale * (codes.float() - (1 << (bits - 1)))
+            return values.mul_(read_f16(blocks, 0)).add_(read_f16(blocks, 2))
+        return values.sub_(1 << (bits - 1)).mul_(read_f16(blocks, 0))
 
     def quantize(values: torch.Tensor) -> torch.Tensor:
         if affine:
@@ -88,8 +89,8 @@ def legacy_format(name: str, ggml_type: int, bits: int, affine: bool) -> QuantFo
             header, codes = symmetric_codes(values, bits)
         parts = [float_bytes(header, torch.float16)]
         if bits == 5:
-            parts.append(pack_fields((codes >> 4).view(-1, 4, 8).transpose(1, 2), 1))
-        parts.append(pack_fields((codes & 0x0F).view(-1, 2, 16), 4))
+            parts.append(pack_fields((codes >> 4).unflatten(1, (4, 8)).transpose(1, 2), 1))
+        parts.append(pack_fields((codes & 0x0F).unflatten(1, (2, 16)), 4))
         return torch.cat(parts, dim=-1)
 
     return define_format(name, ggml_type, BLOCK_SIZE, nibbles_at + 16, dequantize, quantize)

@@ -10,7 +10,7 @@ from ._legacy import BLOCK_SIZE, divide, inverse_or_zero, round_half_away
 
 
 def _dequantize(blocks: torch.Tensor) -> torch.Tensor:
-    return blocks[:, 2:].view(torch.int8).float() * read_f16(blocks, 0)
+    return blocks[:, 2:].view(torch.int8).float().mul_(read_f16(blocks, 0))
 
 
 def _quantize(values: torch.Tensor) -> torch.Tensor:
