@@ -1,0 +1,65 @@
+"""The `workbench` command on the embedded model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import workbench
+from workbench import cli
+
+
+@pytest.fixture(autouse=True)
+def reuse_loaded_model(monkeypatch, model):
+    """Every command loads the embedded model; hand them the session's copy instead of reloading."""
+    monkeypatch.setattr(workbench, "load", lambda *args, **kwargs: model)
+
+
+def run_json(capsys, *argv) -> dict:
+    assert cli.main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_run_json_matches_forward(capsys, model):
+    out = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--json")
+    assert out["ids"] == model.tokenize("The capital of France is")
+    logprobs = model.forward(out["ids"])[-1].log_softmax(-1)
+    assert [row["id"] for row in out["top_k"]] == logprobs.topk(5).indices.tolist()
+    assert out["top_k"][0]["token"] == " Paris"
+    assert out["top_k"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=1e-5)
+
+
+def test_generate_json_is_greedy_continuation(capsys, model):
+    out = run_json(capsys, "generate", "The capital of France is", "--max-new-tokens", "4", "--json")
+    assert len(out["ids"]) == 4
+    ids = model.tokenize("The capital of France is")
+    for token in out["ids"]:
+        assert token == int(model.forward(ids)[-1].argmax())
+        ids.append(token)
+    assert out["text"] == model.tokenizer.decode(out["ids"])
+
+
+def test_generate_chat_stops_at_end_of_turn(capsys, model):
+    out = run_json(capsys, "generate", "Say hi.", "--chat", "--max-new-tokens", "40", "--json")
+    assert out["ids"][-1] in model.tokenizer.stop_ids or len(out["ids"]) == 40
+    assert "<|im_end|>" not in out["text"]
+
+
+def test_info_json(capsys):
+    out = run_json(capsys, "info", "--json")
+    assert out["config"]["n_layers"] == 30
+    assert out["tensor_formats"] == {"Q8_0": 1, "Q4_1": 210}
+    assert out["weight_bytes"] <= out["file_bytes"]
+    assert set(out["kernels"]["blocks.0.wq"]) == {"decode", "prefill", "format"}
+
+
+def test_errors_are_one_line_without_traceback(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    proc = subprocess.run([sys.executable, "-m", "workbench.cli", "run", "hi", "--model", str(missing)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"workbench: error: no model at {missing}"
+    assert "Traceback" not in proc.stderr
