@@ -37,6 +37,19 @@ def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 BLOCKWISE = Kernel("blockwise-dequant-matmul", "any", lambda x, w: True, _blockwise_dequant_matmul)
 
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _dense_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """Float weights are their own bytes viewed as floats: a plain BLAS/cuBLAS matmul, no conversion."""
+    weight = w.data.view(FLOAT_DTYPES[w.fmt.name])
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return x @ weight.T
+
+
+DENSE = Kernel("dense-matmul", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES, _dense_matmul)
+
 # Preferred kernels per device type, best first; backends append to these on import.
 KERNELS: dict[str, list[Kernel]] = {"cpu": [], "cuda": []}
 
@@ -49,7 +62,7 @@ def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
     for kernel in KERNELS.get(x.device.type, []):
         if kernel.supports(x, w):
             return kernel
-    return BLOCKWISE
+    return DENSE if DENSE.supports(x, w) else BLOCKWISE
 
 
 def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
