@@ -3,28 +3,31 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from workbench.runner import HookFn
+from workbench.runner import HookContext, HookFn
 
-from .interventions import (Composite, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate, RunShape, Scale,
-                            Steer, ZeroAblate, from_spec, merge_hooks)
+from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
+                            RunShape, Scale, Steer, ZeroAblate, from_spec, merge_hooks)
+from .patching import PatchingResult, patching_sweep
 from .points import point_shapes, resolve
 from .recording import Recorder
-from .trace import Trace
+from .trace import Trace, TraceError, load_trace
 
 
 def compile_hooks(model: Any, interventions: Sequence[Intervention | dict] = (), record: Sequence[str] | None = None,
                   prompt_len: int = 0, total_len: int = 0) -> tuple[dict[str, list[HookFn]], Recorder | None, list[dict]]:
     """Validate interventions and record patterns for one call; return (hooks, recorder, specs).
 
-    Everything is checked here, before any compute: hook names, shapes, ranges, NaN.
-    Recording hooks run after the interventions at the same point, so traces show edited values.
+    Everything is checked before any compute (donor runs included): hook names, shapes, ranges, NaN,
+    donor models. Recording hooks run after the interventions at the same point, so traces show edited values.
     """
     parsed = [from_spec(i) for i in interventions]
+    names = list(dict.fromkeys(name for pattern in record or () for name in resolve(pattern, model.config)))
     run = RunShape(model, prompt_len, max(total_len, prompt_len))
+    for intervention in parsed:
+        intervention.validate(run)
     hooks = merge_hooks(i.compile(run) for i in parsed)
     recorder = None
-    if record:
-        names = list(dict.fromkeys(name for pattern in record for name in resolve(pattern, model.config)))
+    if names:
         recorder = Recorder(names)
         hooks = merge_hooks([hooks, recorder.hooks()])
     return hooks, recorder, [i.to_spec() for i in parsed]
@@ -32,5 +35,6 @@ def compile_hooks(model: Any, interventions: Sequence[Intervention | dict] = (),
 
 __all__ = [
     "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale",
-    "Composite", "from_spec", "compile_hooks", "Recorder", "Trace", "point_shapes", "resolve",
+    "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
+    "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult",
 ]

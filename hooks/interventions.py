@@ -3,13 +3,21 @@
 Every intervention selects a hook point (name or glob), optionally token positions, heads and neurons
 (feature indices), and edits only that region; everything outside it passes through bit-identically.
 
-Positions are absolute token positions (0 is the first prompt token). Negative positions count from the
-end of the prompt (-1 is the last prompt token). ``positions="generated"`` selects only tokens produced
-during generation; ``None`` selects every position, generated ones included.
+Positions are absolute token positions (0 is the first prompt token; with a KV cache, the rope positions
+the cache continues from). Negative positions count from the end of the prompt (-1 is the last prompt
+token). ``positions="generated"`` selects only tokens produced by generation, from the moment they are fed
+back: the first new token is picked from the last prompt position's logits, so an edit that should change
+it must also select that position (``-1`` or ``None``). ``None`` selects every position, generated ones
+included.
+
+A call validates all its interventions (hook names, ranges, shapes, NaN, donor models) before it computes
+anything, donor runs included. Donor prompts are run clean: without this call's interventions and without
+those of an enclosing ``model.hooks()`` block.
 """
 from __future__ import annotations
 
 import math
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Sequence
@@ -20,9 +28,12 @@ from workbench.config import ModelConfig
 from workbench.errors import HookError
 from workbench.runner import HookContext, HookFn
 
-from .points import axes, feature_size, head_count, resolve
+from .points import axes, feature_size, head_count, resolve, token_shape
+from .recording import Recorder
+from .trace import model_mismatch
 
 Positions = Sequence[int] | str | None
+Editor = Callable[[torch.Tensor, torch.Tensor, HookContext], torch.Tensor]
 
 
 @dataclass
@@ -32,23 +43,49 @@ class RunShape:
     model: Any  # the workbench.Model being run (donor prompts are recorded with it)
     prompt_len: int
     total_len: int  # prompt plus the most tokens generation may add
+    _donor_runs: dict = field(default_factory=dict, repr=False)
 
     @property
     def config(self) -> ModelConfig:
         return self.model.config
 
+    def donor_ids(self, prompt: Any) -> list[int]:
+        return self.model.to_ids(prompt)
+
     def record_donor(self, prompt: Any, names: list[str]) -> dict[str, torch.Tensor]:
-        return self.model.run(prompt, record=names).activations
+        """Activations of a clean run of a donor prompt; each (prompt, names) is run once per call."""
+        ids = self.donor_ids(prompt)
+        key = (tuple(ids), tuple(names))
+        if key not in self._donor_runs:
+            recorder = Recorder(names)
+            self.model.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=recorder.hooks())
+            self._donor_runs[key] = recorder.activations()
+        return self._donor_runs[key]
+
+
+@dataclass(frozen=True)
+class Region:
+    """The resolved selection of a RegionEdit at one hook point."""
+
+    name: str
+    positions: list[int] | str | None  # absolute positions, "generated" or None (all)
+    heads: list[int] | None
+    neurons: list[int] | None
+
+    def last_position(self, run: RunShape) -> int:
+        return max(self.positions) if isinstance(self.positions, list) else run.total_len - 1
 
 
 def _as_int_list(values, what: str) -> list[int] | None:
     if values is None:
         return None
-    if isinstance(values, int):
+    if not hasattr(values, "__iter__") or (isinstance(values, torch.Tensor) and values.dim() == 0):
         values = [values]
     try:
-        out = [int(v) for v in values]
-    except (TypeError, ValueError):
+        if isinstance(values, (str, bytes)) or any(isinstance(v, bool) for v in values):
+            raise TypeError
+        out = [operator.index(v) for v in values]
+    except TypeError:
         raise HookError(f"{what} must be a list of integers, got {values!r}") from None
     if not out:
         raise HookError(f"{what} is empty")
@@ -71,6 +108,16 @@ def _as_vector(value, what: str) -> torch.Tensor:
     return vector
 
 
+def _check_finite(value, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise HookError(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise HookError(f"{what} must be finite, got {value}")
+    return number
+
+
 class Intervention(ABC):
     """Anything that turns into hook functions for one call and back into a JSON spec."""
 
@@ -83,8 +130,12 @@ class Intervention(ABC):
             Intervention.registry[cls.kind] = cls
 
     @abstractmethod
+    def validate(self, run: RunShape) -> None:
+        """Raise HookError if this does not fit the call; computes nothing."""
+
+    @abstractmethod
     def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
-        """Validate against the call and return hook functions per hook point name."""
+        """Hook functions per hook point name (after ``validate``; may run donor prompts)."""
 
     @abstractmethod
     def to_spec(self) -> dict[str, Any]:
@@ -105,22 +156,27 @@ class RegionEdit(Intervention):
         for key in ("positions", "heads", "neurons"):
             value = getattr(self, key)
             if value is not None:
-                spec[key] = value if isinstance(value, str) else [int(v) for v in value]
+                spec[key] = value if isinstance(value, str) else _as_int_list(value, key)
         spec.update(self._params_spec())
         return spec
 
     def _params_spec(self) -> dict[str, Any]:
         return {}
 
-    def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
+    def regions(self, run: RunShape) -> list[Region]:
+        """The selection resolved against the call, one region per matching hook point."""
         names = resolve(self.hook, run.config)
         positions = self._check_positions(run)
-        hooks = {}
-        for name in names:
-            heads = self._check_index(self.heads, head_count(name, run.config), "heads", name)
-            neurons = self._check_index(self.neurons, feature_size(name, run.config), "neurons", name)
-            hooks[name] = [self._hook_fn(name, positions, heads, neurons, run)]
-        return hooks
+        return [Region(name, positions, self._check_index(self.heads, head_count(name, run.config), "heads", name),
+                       self._check_index(self.neurons, feature_size(name, run.config), "neurons", name))
+                for name in names]
+
+    def validate(self, run: RunShape) -> None:
+        for region in self.regions(run):
+            self._check(region, run)
+
+    def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
+        return {region.name: [self._hook_fn(region, run)] for region in self.regions(run)}
 
     def _check_positions(self, run: RunShape) -> list[int] | str | None:
         if self.positions is None:
@@ -133,8 +189,9 @@ class RegionEdit(Intervention):
         for p in _as_int_list(self.positions, "positions"):
             absolute = p + run.prompt_len if p < 0 else p
             if not 0 <= absolute < run.total_len:
+                new = run.total_len - run.prompt_len
                 raise HookError(f"position {p} is out of range for a run of {run.prompt_len} prompt tokens"
-                                + (f" and up to {run.total_len - run.prompt_len} new ones" if run.total_len > run.prompt_len else ""))
+                                + (f" and up to {new} new ones" if new else ""))
             resolved.append(absolute)
         return resolved
 
@@ -150,12 +207,18 @@ class RegionEdit(Intervention):
             raise HookError(f"{what} {bad} out of range 0..{size - 1} at {name}")
         return values
 
-    def _hook_fn(self, name: str, positions, heads, neurons, run: RunShape) -> HookFn:
-        ax = axes(name)
-        edit = self._editor(name, run)
+    def _check(self, region: Region, run: RunShape) -> None:
+        """Check this edit's parameters against one region (no compute)."""
+
+    def _hook_fn(self, region: Region, run: RunShape) -> HookFn:
+        ax = axes(region.name)
+        edit = self._editor(region, run)
+        positions = region.positions
+        if isinstance(positions, list):
+            positions = torch.tensor(positions, device=run.model.device)
 
         def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
-            mask = _region_mask(x, ax, ctx.positions, positions, heads, neurons, run.prompt_len)
+            mask = _region_mask(x, ax, ctx.positions, positions, region.heads, region.neurons, run.prompt_len)
             if mask is None:
                 return None
             return edit(x, mask, ctx)
@@ -163,22 +226,22 @@ class RegionEdit(Intervention):
         return fn
 
     @abstractmethod
-    def _editor(self, name: str, run: RunShape) -> Callable[[torch.Tensor, torch.Tensor, HookContext], torch.Tensor]:
+    def _editor(self, region: Region, run: RunShape) -> Editor:
         """``edit(x, mask, ctx)``: the new activation, equal to ``x`` wherever ``mask`` is False."""
 
 
 def _region_mask(x: torch.Tensor, ax, token_positions: torch.Tensor, positions, heads, neurons,
                  prompt_len: int) -> torch.Tensor | None:
     """Boolean mask broadcastable to ``x`` selecting the region, or None when nothing here is selected."""
-    shape = [1] * x.dim()
     if positions is None:
         token_mask = torch.ones_like(token_positions, dtype=torch.bool)
-    elif positions == "generated":
+    elif isinstance(positions, str):  # "generated"
         token_mask = token_positions >= prompt_len
     else:
-        token_mask = torch.isin(token_positions, torch.tensor(positions, device=token_positions.device))
+        token_mask = torch.isin(token_positions, positions)
     if not bool(token_mask.any()):
         return None
+    shape = [1] * x.dim()
     shape[ax.token] = x.shape[ax.token]
     mask = token_mask.view(shape)
     for axis, index in ((ax.head, heads), (ax.feature, neurons)):
@@ -192,17 +255,18 @@ def _region_mask(x: torch.Tensor, ax, token_positions: torch.Tensor, positions, 
     return mask
 
 
-def _vector_along_feature(vector: torch.Tensor, x: torch.Tensor, feature_axis: int) -> torch.Tensor:
-    shape = [1] * x.dim()
-    shape[feature_axis] = vector.numel()
-    return vector.to(x.device, x.dtype).view(shape)
+def _per_token_shape(name: str, run: RunShape, what: str) -> tuple[int, ...]:
+    shape = token_shape(name, run.config)
+    if shape is None:
+        raise HookError(f"{what} needs a fixed per-token shape; {name} grows with the attended slots")
+    return shape
 
 
 @dataclass
 class ZeroAblate(RegionEdit):
     kind: ClassVar[str] = "zero_ablate"
 
-    def _editor(self, name, run):
+    def _editor(self, region, run):
         return lambda x, mask, ctx: x.masked_fill(mask, 0)
 
 
@@ -214,15 +278,17 @@ class Scale(RegionEdit):
     def _params_spec(self):
         return {"factor": float(self.factor)}
 
-    def _editor(self, name, run):
-        if not math.isfinite(float(self.factor)):
-            raise HookError(f"scale factor must be finite, got {self.factor}")
-        return lambda x, mask, ctx: torch.where(mask, x * self.factor, x)
+    def _check(self, region, run):
+        _check_finite(self.factor, "scale factor")
+
+    def _editor(self, region, run):
+        factor = float(self.factor)
+        return lambda x, mask, ctx: torch.where(mask, x * factor, x)
 
 
 @dataclass
 class Steer(RegionEdit):
-    """Add ``scale * vector`` along the feature axis of the selected region."""
+    """Add ``scale * vector`` along the feature axis of the selected region (per head with ``heads``)."""
 
     vector: Any = None
     scale: float = 1.0
@@ -232,31 +298,34 @@ class Steer(RegionEdit):
                  heads: Sequence[int] | None = None):
         RegionEdit.__init__(self, hook, positions, heads, None)
         self.vector = _as_vector(vector, "steering vector")
-        self.scale = float(scale)
+        self.scale = _check_finite(scale, "steering scale")
 
     def _params_spec(self):
         return {"vector": self.vector.tolist(), "scale": self.scale}
 
-    def _editor(self, name, run):
-        ax = axes(name)
-        size = feature_size(name, run.config)
-        if ax.feature is None:
-            raise HookError(f"{name} has no feature axis to steer along")
+    def _check(self, region, run):
+        size = feature_size(region.name, run.config)
+        if size is None:
+            raise HookError(f"{region.name} has no feature axis to steer along")
         if self.vector.dim() != 1 or self.vector.numel() != size:
-            raise HookError(f"steering vector for {name} must have shape ({size},), got {tuple(self.vector.shape)}")
-        if not math.isfinite(self.scale):
-            raise HookError(f"steering scale must be finite, got {self.scale}")
+            raise HookError(f"steering vector for {region.name} must have shape ({size},), "
+                            f"got {tuple(self.vector.shape)}")
+
+    def _editor(self, region, run):
+        feature_axis = axes(region.name).feature
         delta = self.scale * self.vector
 
         def edit(x, mask, ctx):
-            return x + mask.to(x.dtype) * _vector_along_feature(delta, x, ax.feature)
+            shape = [1] * x.dim()
+            shape[feature_axis] = delta.numel()
+            return x + mask.to(x.dtype) * delta.to(x.device, x.dtype).view(shape)
 
         return edit
 
 
 @dataclass
 class MeanAblate(RegionEdit):
-    """Replace the region with a mean activation (over the positions of reference runs)."""
+    """Replace the region with a mean activation of one token (over the positions of reference runs)."""
 
     mean: Any = None
     kind: ClassVar[str] = "mean_ablate"
@@ -267,71 +336,89 @@ class MeanAblate(RegionEdit):
 
     @classmethod
     def from_traces(cls, hook: str, traces: Sequence[Any], **selectors) -> "MeanAblate":
-        """Mean of ``hook`` over every position of traces that recorded it."""
+        """Mean of ``hook`` (one exact hook name) over every position of traces that recorded it."""
+        if not traces:
+            raise HookError("mean ablation needs at least one trace to average")
         rows = []
         for trace in traces:
             if hook not in trace.activations:
                 raise HookError(f"trace of {trace.prompt!r} did not record {hook}")
-            act = trace.activations[hook]
-            rows.append(act.movedim(axes(hook).token, 0))
+            rows.append(trace.activations[hook].movedim(axes(hook).token, 0))
+        shapes = {tuple(r.shape[1:]) for r in rows}
+        if len(shapes) > 1:
+            raise HookError(f"traces recorded {hook} with different per-token shapes {sorted(shapes)}")
         return cls(hook, torch.cat(rows).float().mean(0), **selectors)
 
     def _params_spec(self):
         return {"mean": self.mean.tolist()}
 
-    def _editor(self, name, run):
-        ax = axes(name)
+    def _check(self, region, run):
+        expected = _per_token_shape(region.name, run, "mean ablation")
+        if tuple(self.mean.shape) != expected:
+            raise HookError(f"mean activation for {region.name} must have shape {expected}, "
+                            f"got {tuple(self.mean.shape)}")
 
-        def edit(x, mask, ctx):
-            expected = x.movedim(ax.token, 0).shape[1:]
-            if tuple(self.mean.shape) != tuple(expected):
-                raise HookError(f"mean activation for {name} must have shape {tuple(expected)}, got {tuple(self.mean.shape)}")
-            mean = self.mean.to(x.device, x.dtype).unsqueeze(ax.token)
-            return torch.where(mask, mean.expand_as(x), x)
-
-        return edit
+    def _editor(self, region, run):
+        mean = self.mean.to(run.model.device, run.model.dtype)
+        return lambda x, mask, ctx: torch.where(mask, mean.unsqueeze(0).expand_as(x), x)
 
 
 @dataclass
 class Patch(RegionEdit):
-    """Overwrite the region with a donor run's activation at the same positions (and heads)."""
+    """Overwrite the region with a donor run's activation at the same positions (and heads, neurons).
 
-    donor: Any = None  # a prompt (str or token ids) or a Trace that recorded the hook
+    The donor is a prompt (text or token ids, run clean on this model) or a Trace of this model that
+    recorded the hook. In a spec a Trace donor is stored as its token ids, so it is re-recorded clean.
+    """
+
+    donor: Any = None
     kind: ClassVar[str] = "patch"
 
     def _params_spec(self):
         donor = self.donor
-        if hasattr(donor, "prompt"):
-            donor = donor.ids
+        if _is_trace(donor):
+            donor = list(donor.ids)
         return {"donor": donor}
 
-    def _donor_activation(self, name: str, run: RunShape) -> torch.Tensor:
-        if hasattr(self.donor, "activations"):
-            if self.donor.fingerprint.get("sha256") != run.model.file_sha256:
-                raise HookError("the donor trace was recorded on another model (its fingerprint differs)")
-            act = self.donor.activations.get(name)
-            if act is None:
-                raise HookError(f"the donor trace did not record {name}")
-            return act
+    def _check(self, region, run):
         if self.donor is None:
             raise HookError("patch needs a donor prompt or trace")
-        return run.record_donor(self.donor, [name])[name]
+        if _is_trace(self.donor):
+            mismatch = model_mismatch(self.donor.fingerprint, run.model)
+            if mismatch:
+                raise HookError(f"the donor trace was recorded on another model: {mismatch}")
+            if region.name not in self.donor.activations:
+                raise HookError(f"the donor trace did not record {region.name}")
+            donor_len = len(self.donor.ids)
+        else:
+            donor_len = len(run.donor_ids(self.donor))
+        if token_shape(region.name, run.config) is None and (donor_len != run.prompt_len
+                                                             or run.total_len != run.prompt_len):
+            raise HookError(f"patching {region.name} needs a donor of the same length as the run "
+                            f"({donor_len} vs {run.prompt_len} tokens) and no generation")
+        if region.last_position(run) >= donor_len:
+            raise HookError(f"the donor has {donor_len} tokens; the patch of {region.name} selects position "
+                            f"{region.last_position(run)} (choose positions within the donor)")
 
-    def _editor(self, name, run):
-        ax = axes(name)
-        donor = self._donor_activation(name, run)
+    def _editor(self, region, run):
+        ax = axes(region.name)
+        if _is_trace(self.donor):
+            donor = self.donor.activations[region.name]
+        else:
+            donor = run.record_donor(self.donor, resolve(self.hook, run.config))[region.name]
+        donor = donor.to(run.model.device, run.model.dtype)
+        last = donor.shape[ax.token] - 1
 
         def edit(x, mask, ctx):
-            covered = int(ctx.positions.max()) < donor.shape[ax.token]
-            if not covered:
-                raise HookError(f"donor for {name} has {donor.shape[ax.token]} tokens; selected position "
-                                f"{int(ctx.positions.max())} is beyond it (choose positions)")
-            aligned = donor.to(x.device, x.dtype).index_select(ax.token, ctx.positions.to(x.device))
-            if aligned.shape != x.shape:
-                raise HookError(f"donor activation {tuple(aligned.shape)} does not fit {name} {tuple(x.shape)}")
+            # unselected positions beyond the donor read its last row, which ``where`` then ignores
+            aligned = donor.index_select(ax.token, ctx.positions.clamp(max=last))
             return torch.where(mask, aligned, x)
 
         return edit
+
+
+def _is_trace(value: Any) -> bool:
+    return hasattr(value, "activations") and hasattr(value, "fingerprint")
 
 
 @dataclass
@@ -345,20 +432,50 @@ class ResampleAblate(RegionEdit):
     def _params_spec(self):
         return {"donors": list(self.donors), "seed": int(self.seed)}
 
-    def _editor(self, name, run):
-        ax = axes(name)
-        if not self.donors:
-            raise HookError("resample ablation needs at least one donor prompt")
-        if ax.token != 0:
-            raise HookError(f"resample ablation works on token-major hook points, not {name}")
-        pool = torch.cat([run.record_donor(d, [name])[name] for d in self.donors])
+    def _check(self, region, run):
+        if not self.donors or isinstance(self.donors, str):
+            raise HookError("resample ablation needs a list of donor prompts")
+        if axes(region.name).token != 0:
+            raise HookError(f"resample ablation works on token-major hook points, not {region.name}")
+        for donor in self.donors:
+            run.donor_ids(donor)
+
+    def _editor(self, region, run):
+        names = resolve(self.hook, run.config)
+        pool = torch.cat([run.record_donor(d, names)[region.name] for d in self.donors])
+        pool = pool.to(run.model.device, run.model.dtype)
         generator = torch.Generator().manual_seed(int(self.seed))
 
         def edit(x, mask, ctx):
             rows = torch.randint(0, pool.shape[0], (x.shape[0],), generator=generator)
-            return torch.where(mask, pool[rows].to(x.device, x.dtype), x)
+            return torch.where(mask, pool[rows.to(pool.device)], x)
 
         return edit
+
+
+@dataclass
+class FunctionHook(Intervention):
+    """A plain Python function at every matching hook point: ``fn(activation, ctx)`` returns the new
+    activation (same shape) or None to leave it as is. ``ctx`` has the name, layer, positions and step.
+
+    It runs in this process only: its spec names the function but cannot rebuild it (no replay).
+    """
+
+    hook: str
+    fn: Callable[[torch.Tensor, HookContext], torch.Tensor | None]
+    kind: ClassVar[str] = "function"
+
+    def validate(self, run: RunShape) -> None:
+        resolve(self.hook, run.config)
+        if not callable(self.fn):
+            raise HookError(f"a function hook needs a callable, got {type(self.fn).__name__}")
+
+    def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
+        return {name: [self.fn] for name in resolve(self.hook, run.config)}
+
+    def to_spec(self) -> dict[str, Any]:
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        return {"type": self.kind, "hook": self.hook, "function": f"{getattr(self.fn, '__module__', '?')}.{name}"}
 
 
 @dataclass
@@ -368,8 +485,15 @@ class Composite(Intervention):
     parts: Sequence[Intervention] = field(default_factory=list)
     kind: ClassVar[str] = "composite"
 
+    def __post_init__(self):
+        self.parts = [from_spec(p) for p in self.parts]
+
     def to_spec(self) -> dict[str, Any]:
         return {"type": self.kind, "parts": [p.to_spec() for p in self.parts]}
+
+    def validate(self, run: RunShape) -> None:
+        for part in self.parts:
+            part.validate(run)
 
     def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
         return merge_hooks(part.compile(run) for part in self.parts)
@@ -383,19 +507,24 @@ def merge_hooks(hook_maps) -> dict[str, list[HookFn]]:
     return merged
 
 
-def from_spec(spec: dict[str, Any] | Intervention) -> Intervention:
-    """Build an intervention from its JSON spec (``{"type": "steer", "hook": ..., ...}``)."""
+def from_spec(spec: dict[str, Any] | Intervention | tuple) -> Intervention:
+    """An intervention from its JSON spec (``{"type": "steer", "hook": ..., ...}``), an Intervention, or a
+    TransformerLens-style ``(hook_name, function)`` pair."""
     if isinstance(spec, Intervention):
         return spec
+    if isinstance(spec, tuple) and len(spec) == 2 and callable(spec[1]):
+        return FunctionHook(*spec)
     if not isinstance(spec, dict) or "type" not in spec:
-        raise HookError(f"an intervention spec is a dict with a 'type', got {spec!r}")
+        raise HookError(f"an intervention is an Intervention, a (hook, function) pair or a dict with a 'type', "
+                        f"got {spec!r}")
     spec = dict(spec)
     kind = spec.pop("type")
     cls = Intervention.registry.get(kind)
     if cls is None:
         raise HookError(f"unknown intervention type {kind!r}; known: {', '.join(sorted(Intervention.registry))}")
-    if cls is Composite:
-        return Composite([from_spec(p) for p in spec.get("parts", [])])
+    if cls is FunctionHook:
+        raise HookError(f"the function hook {spec.get('function')!r} cannot be rebuilt from its spec; "
+                        "pass the Python function itself")
     try:
         return cls(**spec)
     except TypeError as err:

@@ -58,6 +58,17 @@ def point_shapes(config: ModelConfig) -> dict[str, str]:
     return out
 
 
+def token_shape(name: str, config: ModelConfig) -> tuple[int, ...] | None:
+    """Shape of one token's slice of the activation (e.g. ``(d_model,)``, ``(n_heads, d_head)``).
+
+    None for attention scores and patterns, whose slices grow with the attended slots.
+    """
+    dims = point_shapes(config)[name].strip("[]").split(", ")[1:]
+    if not all(d.isdigit() for d in dims):
+        return None
+    return tuple(int(d) for d in dims)
+
+
 def head_count(name: str, config: ModelConfig) -> int | None:
     if axes(name).head is None:
         return None
@@ -84,7 +95,7 @@ def resolve(pattern: str, config: ModelConfig) -> list[str]:
     if any(ch in pattern for ch in "*?["):
         matched = fnmatch.filter(names, pattern)
         if not matched:
-            raise HookError(f"no hook point matches {pattern!r}")
+            raise HookError(f"no hook point matches {pattern!r}{_suggestion(pattern.replace('*', '0'), names)}")
         return matched
     if pattern in names:
         return [pattern]
@@ -92,6 +103,9 @@ def resolve(pattern: str, config: ModelConfig) -> list[str]:
         layer = int(pattern.split(".")[1])
         if not 0 <= layer < config.n_layers:
             raise HookError(f"layer {layer} in {pattern!r} is out of range: the model has layers 0..{config.n_layers - 1}")
-    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; model.hook_points() lists them"
-    raise HookError(f"unknown hook point {pattern!r}{hint}")
+    raise HookError(f"unknown hook point {pattern!r}{_suggestion(pattern, names)}")
+
+
+def _suggestion(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    return f"; did you mean {', '.join(close)}?" if close else "; model.hook_points() lists them"

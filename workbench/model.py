@@ -178,18 +178,28 @@ class Model:
 
     @cached_property
     def file_sha256(self) -> str:
-        """Hash of the model file (or of the checkpoint's safetensors files), for trace fingerprints."""
+        """Hash of the model file (or of the checkpoint's safetensors files), for trace fingerprints.
+
+        A model built in memory (workbench.synthetic) has no file: its packed weights are hashed instead.
+        """
         h = hashlib.sha256()
         files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
         for file in files:
             with open(file, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 22), b""):
                     h.update(chunk)
+        if not files:
+            weights = self.runner.weights
+            tensors = [w.data for _, w in weights.named_matrices()] + [weights.final_norm] + [
+                v for layer in weights.layers for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+            for t in tensors:
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"sha256": self.file_sha256, "file": self.path.name, "architecture": self.config.architecture,
-                "config": self.config.to_dict(), "formats": self.tensor_formats()}
+        return {"sha256": self.file_sha256, "file": self.path.name, "path": str(self.path),
+                "architecture": self.config.architecture, "config": self.config.to_dict(),
+                "formats": self.tensor_formats()}
 
     def backend(self) -> dict[str, Any]:
         kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))

@@ -1,0 +1,108 @@
+"""Replay a saved trace: re-run its prompt and interventions and compare every tensor with the artifact."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench.errors import WorkbenchError
+from workbench.hooks import Trace, load_trace
+from workbench.hooks.trace import model_mismatch
+from workbench.loading import default_model_path
+from workbench.model import Model, load
+
+IDENTICAL, WITHIN_TOLERANCE, DIFFERENT = "identical", "within tolerance", "different"
+
+
+@dataclass
+class ReplayReport:
+    """``verdict``: every tensor bit-identical / each within ``atol + rtol * max|recorded|`` / otherwise."""
+
+    verdict: str
+    max_abs_deviation: float | None  # largest |replayed - recorded| over all tensors (None: not compared)
+    worst_tensor: str | None  # where it occurs ("logits" or a hook name)
+    tensors_compared: int
+    rtol: float
+    atol: float
+    reason: str | None = None  # why a replay is "different" without a numeric comparison
+    model_forced: bool = False  # the model's fingerprint differs and force=True was given
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict != DIFFERENT
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        if self.reason:
+            return f"{self.verdict}: {self.reason}"
+        where = f" (in {self.worst_tensor})" if self.worst_tensor else ""
+        return (f"{self.verdict}: {self.tensors_compared} tensors, largest deviation "
+                f"{self.max_abs_deviation:.3g}{where}")
+
+
+def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, force: bool = False,
+           rtol: float = 1e-3, atol: float = 1e-5) -> ReplayReport:
+    """Re-run a trace (or an artifact path) and report how far the new tensors are from the recorded ones.
+
+    Without ``model``, the model is loaded from the path in the trace's fingerprint (the embedded
+    default when that is its file), with the recorded dtype. A model whose fingerprint (weights sha256,
+    config, tensor formats) differs is refused unless ``force``.
+    """
+    trace = trace_or_path if isinstance(trace_or_path, Trace) else load_trace(trace_or_path)
+    model = model if model is not None else _load_recorded_model(trace)
+    mismatch = model_mismatch(trace.fingerprint, model)
+    if mismatch and not force:
+        raise WorkbenchError(f"the trace was recorded on another model ({mismatch}); pass force=True to replay anyway")
+    fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
+                      chat=trace.chat)
+    report = dict(rtol=rtol, atol=atol, model_forced=bool(mismatch))
+    if fresh.ids != list(trace.ids):
+        return ReplayReport(DIFFERENT, None, None, 0, reason="the prompt tokenizes to different ids", **report)
+    recorded, replayed = trace.tensors(), fresh.tensors()
+    verdict, worst, worst_name = IDENTICAL, 0.0, None
+    for name, old in recorded.items():
+        new = replayed[name]
+        if new.shape != old.shape:
+            return ReplayReport(DIFFERENT, None, name, 0, reason=f"{name} has shape {tuple(new.shape)}, "
+                                                                  f"recorded {tuple(old.shape)}", **report)
+        deviation = _max_deviation(new, old)
+        if deviation > worst or worst_name is None:
+            worst, worst_name = deviation, name
+        if torch.equal(new, old):
+            continue
+        scale = old[old.isfinite()].abs().max().item() if old.isfinite().any() else 0.0
+        if deviation <= atol + rtol * scale:
+            verdict = WITHIN_TOLERANCE if verdict == IDENTICAL else verdict
+        else:
+            verdict = DIFFERENT
+    return ReplayReport(verdict, worst, worst_name, len(recorded), **report)
+
+
+def _max_deviation(new: torch.Tensor, old: torch.Tensor) -> float:
+    """Largest absolute difference; equal infinities (masked attention scores) count as equal."""
+    same = new == old
+    if bool(same.all()):
+        return 0.0
+    diff = (new - old).abs()[~same]
+    value = diff.max().item()
+    return value if not math.isnan(value) else math.inf
+
+
+def _load_recorded_model(trace: Trace) -> Model:
+    fingerprint, backend = trace.fingerprint, trace.backend
+    path = Path(fingerprint.get("path", ""))
+    if not path.exists():
+        default = default_model_path()
+        if fingerprint.get("file") != default.name:
+            raise WorkbenchError(f"the trace's model {fingerprint.get('path') or fingerprint.get('file')!r} is not "
+                                 "here; pass model=")
+        path = default
+    device = backend.get("device", "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"
+    return load(path, device=device, dtype=backend.get("dtype"))
