@@ -106,6 +106,16 @@ def cmd_app(args: argparse.Namespace) -> None:
         raise SystemExit(returncode)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Exit status 0 when the replay is identical or within tolerance, 1 when it differs."""
+    from workbench.replay import replay
+
+    model = _load(args) if args.model else None
+    report = replay(args.artifact, model, force=args.force, rtol=args.rtol, atol=args.atol)
+    print(json.dumps(report.to_dict()) if args.json else report)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,19 +146,27 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     dashboard.add_argument("--port", type=int, default=8501)
     dashboard.set_defaults(fn=cmd_app)
+
+    rep = sub.add_parser("replay", help="re-run a saved trace and compare: identical / within tolerance / different")
+    rep.add_argument("artifact", help="trace directory written by Trace.save")
+    rep.add_argument("--force", action="store_true", help="replay on a model whose fingerprint differs")
+    rep.add_argument("--rtol", type=float, default=1e-3, help="tolerance relative to each tensor's largest value")
+    rep.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance")
+    _model_args(rep)
+    rep.set_defaults(fn=cmd_replay)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.fn(args)
+        status = args.fn(args)
     except WorkbenchError as err:
         print(f"workbench: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":
