@@ -1,0 +1,172 @@
+"""Fast CPU matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K).
+
+The work is done by a small C++ extension (``csrc/cpu_kernels.cpp``), compiled on first use with
+``torch.utils.cpp_extension.load`` and cached in the torch extensions directory. It reads the packed
+weights in place (resident weight memory is exactly the GGUF bytes), parallelizes over output
+features with torch's OpenMP pool, and uses AVX2/FMA when the CPU has them.
+
+Two numerics, chosen with :func:`set_numerics` or the :func:`numerics` context manager:
+
+* ``"exact"`` (default): ``x @ dequantize(W).T`` up to fp32 rounding. Small batches dequantize each
+  weight group in registers inside the dot product; from :data:`PANEL_MIN_BATCH` rows on, panels of
+  ``W`` are dequantized into a ~1 MiB scratch buffer and multiplied by the BLAS.
+* ``"llamacpp"``: as ggml-cpu computes it: activations quantized to the weight type's ``vec_dot_type``
+  (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants), integer block dot products,
+  block scales applied in fp32.
+
+Without a working compiler the extension cannot be built: a warning says so once and matmuls take
+the ``blockwise-dequant-matmul`` path of :mod:`workbench.kernels.linear`.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator, Literal
+
+import torch
+
+from .linear import BLOCKWISE, Kernel, register_kernel
+from .quant_tensor import QuantTensor
+
+Numerics = Literal["exact", "llamacpp"]
+
+# GGML type number -> name, for the formats the extension implements.
+SUPPORTED_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+# Batch size from which exact matmuls dequantize panels of W for the BLAS instead of fusing the
+# dequantization into the dot products (the measured crossover on 2 threads; see the tests' timing).
+PANEL_MIN_BATCH = 32
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_log = logging.getLogger(__name__)
+_numerics: Numerics = "exact"
+_warned_llamacpp_fallback: set[str] = set()
+
+
+def _native_isa() -> str:
+    """The widest instruction set the extension has code for that this CPU runs (torch's own probe)."""
+    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "scalar"
+
+
+def _build_extension(isa: str) -> ModuleType:
+    _log.info("building workbench CPU kernels (%s); the first build takes about a minute", isa)
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=f"workbench_cpu_kernels_{isa}",
+        sources=[str(_SOURCE)],
+        extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]],
+        extra_ldflags=["-fopenmp"],
+    )
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled kernels, built on first call; None (after one warning) if they cannot be built."""
+    isa = _native_isa()
+    try:
+        return _build_extension(isa)
+    except Exception as err:  # no compiler, no headers, a failed build: all degrade the same way
+        warnings.warn(
+            f"workbench.kernels.cpu: could not build the C++ CPU kernels ({isa}): {err}. "
+            f"Quantized CPU matmuls fall back to the slow '{BLOCKWISE.name}' path.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def set_numerics(mode: Numerics) -> None:
+    """Select how CPU quantized matmuls compute: ``"exact"`` floats or ``"llamacpp"`` Q8 integer dots."""
+    global _numerics
+    if mode not in ("exact", "llamacpp"):
+        raise ValueError(f"numerics must be 'exact' or 'llamacpp', got {mode!r}")
+    _numerics = mode
+
+
+def get_numerics() -> Numerics:
+    return _numerics
+
+
+@contextlib.contextmanager
+def numerics(mode: Numerics) -> Iterator[None]:
+    """``with numerics("llamacpp"): ...`` runs the block under ``mode`` and restores the previous one."""
+    previous = _numerics
+    set_numerics(mode)
+    try:
+        yield
+    finally:
+        set_numerics(previous)
+
+
+def quantize_activations(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The Q8 blocks (GGUF byte layout, ``[M, bytes]``) llama.cpp numerics feed to a weight of ``ggml_type``."""
+    ext = extension()
+    if ext is None:
+        raise RuntimeError("workbench.kernels.cpu: the C++ CPU kernels are not available")
+    return ext.quantize_activations(x.to(torch.float32).contiguous(), ggml_type)
+
+
+def _runs_here(x: torch.Tensor, w: QuantTensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _FLOAT_DTYPES
+        and w.fmt.ggml_type in SUPPORTED_TYPES
+        and extension() is not None
+    )
+
+
+def _supports_exact(x: torch.Tensor, w: QuantTensor) -> bool:
+    return _numerics == "exact" and _runs_here(x, w)
+
+
+def _supports_llamacpp(x: torch.Tensor, w: QuantTensor) -> bool:
+    if _numerics != "llamacpp" or x.device.type != "cpu":
+        return False
+    if _runs_here(x, w):
+        return True
+    if w.fmt.name not in _warned_llamacpp_fallback:
+        _warned_llamacpp_fallback.add(w.fmt.name)
+        warnings.warn(
+            f"workbench.kernels.cpu: llama.cpp numerics are not available for {w.fmt.name} weights with "
+            f"{x.dtype} input; these matmuls run exactly on the '{BLOCKWISE.name}' path.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return False
+
+
+def _run_exact(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    rows, cols = w.shape
+    out = extension().linear_exact(x.to(torch.float32), w.data, w.fmt.ggml_type, rows, cols, PANEL_MIN_BATCH)
+    return out.to(x.dtype)
+
+
+def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    rows, cols = w.shape
+    return extension().linear_llamacpp(x.to(torch.float32), w.data, w.fmt.ggml_type, rows, cols).to(x.dtype)
+
+
+EXACT = Kernel("cpu-gguf-exact", "cpu", _supports_exact, _run_exact)
+LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _supports_llamacpp, _run_llamacpp)
+register_kernel(EXACT)
+register_kernel(LLAMACPP)
+
+__all__ = [
+    "EXACT",
+    "LLAMACPP",
+    "PANEL_MIN_BATCH",
+    "SUPPORTED_TYPES",
+    "extension",
+    "get_numerics",
+    "numerics",
+    "quantize_activations",
+    "set_numerics",
+]

@@ -1,0 +1,530 @@
+// y = x @ W.T computed straight from GGUF blocks, for workbench.kernels.cpu.
+//
+// Two numerics:
+//   exact:    each weight block is dequantized into a small float buffer and multiplied
+//             against fp32 activations with fp32 accumulation, i.e. x @ dequantize(W).T up to
+//             fp32 rounding. For larger batches a panel of rows is dequantized and handed to
+//             the BLAS (at::mm), which beats any hand-written micro-kernel there.
+//   llamacpp: activations are first quantized to Q8_0 / Q8_1 / Q8_K as ggml-cpu does and each
+//             block product is an integer dot product scaled in float, as ggml's vec_dot functions.
+//
+// The code is plain C++ written so that GCC vectorizes it; cpu.py compiles it with the widest
+// vector ISA the CPU has (AVX-512 / AVX2+FMA) or none at all.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kQK = 32;    // values per block of the legacy formats and of Q8_0 / Q8_1
+constexpr int kQKK = 256;  // values per K-quant super-block and of Q8_K
+
+inline float half_at(const void* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+inline uint16_t float_to_half(float v) { return c10::detail::fp16_ieee_from_fp32_value(v); }
+
+// ---------------------------------------------------------------------------------------------
+// Activation blocks of the llama.cpp numerics (byte layouts as ggml's block_q8_0/_1/_K).
+
+struct BlockQ8_0 {
+  uint16_t d;  // fp16
+  int8_t qs[kQK];
+};
+struct BlockQ8_1 {
+  uint16_t d;  // fp16
+  uint16_t s;  // fp16 of d * sum(qs)
+  int8_t qs[kQK];
+};
+struct BlockQ8_K {
+  float d;
+  int8_t qs[kQKK];
+  int16_t bsums[kQKK / 16];
+};
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ8_1) == 36 && sizeof(BlockQ8_K) == 292, "ggml layout");
+
+float abs_max(const float* x, int n) {
+  float amax = 0.0f;
+  for (int j = 0; j < n; ++j) amax = std::max(amax, std::fabs(x[j]));
+  return amax;
+}
+
+// ggml-cpu's x86 quantize_row_q8_0/_1: scale 127/amax, round half to even.
+template <class Block>
+void quantize_q8_block(const float* x, Block& y) {
+  const float amax = abs_max(x, kQK);
+  const float d = amax / 127.0f;
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int j = 0; j < kQK; ++j) {
+    y.qs[j] = static_cast<int8_t>(std::nearbyint(x[j] * id));
+    sum += y.qs[j];
+  }
+  y.d = float_to_half(d);
+  if constexpr (std::is_same_v<Block, BlockQ8_1>) y.s = float_to_half(d * static_cast<float>(sum));
+}
+
+// ggml's quantize_row_q8_K_ref: the signed extreme maps to -127, round half to even.
+void quantize_q8_k_block(const float* x, BlockQ8_K& y) {
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < kQKK; ++j) {
+    if (std::fabs(x[j]) > amax) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  std::memset(&y, 0, sizeof(y));
+  if (amax == 0.0f) return;
+  const float iscale = -127.0f / max;
+  for (int j = 0; j < kQKK; ++j) y.qs[j] = static_cast<int8_t>(std::min(127.0f, std::nearbyint(iscale * x[j])));
+  for (int g = 0; g < kQKK / 16; ++g) {
+    int sum = 0;
+    for (int j = 0; j < 16; ++j) sum += y.qs[16 * g + j];
+    y.bsums[g] = static_cast<int16_t>(sum);
+  }
+  y.d = 1.0f / iscale;
+}
+
+template <class Block>
+void quantize_row(const float* x, int64_t k, Block* y) {
+  if constexpr (std::is_same_v<Block, BlockQ8_K>) {
+    for (int64_t b = 0; b < k / kQKK; ++b) quantize_q8_k_block(x + b * kQKK, y[b]);
+  } else {
+    for (int64_t b = 0; b < k / kQK; ++b) quantize_q8_block(x + b * kQK, y[b]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A few vector primitives, AVX2+FMA when compiled for it, plain loops otherwise.
+//   Bytes:  32 int8 values (the integer values of a group of 32 weights)
+//   Floats: 8 fp32 lanes
+//   Ints:   8 int32 lanes; lanes 0-3 sum bytes 0-15 and lanes 4-7 bytes 16-31 of a dot_bytes
+
+#if defined(__AVX2__) && defined(__FMA__)
+using Bytes = __m256i;
+using Floats = __m256;
+using Ints = __m256i;
+
+inline Bytes load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Low nibbles of p[0..16) followed by their high nibbles.
+inline Bytes nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+inline Bytes and_bytes(Bytes a, uint8_t mask) { return _mm256_and_si256(a, _mm256_set1_epi8(static_cast<char>(mask))); }
+inline Bytes shr_bytes(Bytes a, int n) { return and_bytes(_mm256_srli_epi16(a, n), 0xFF >> n); }
+inline Bytes shl_bytes(Bytes a, int n) { return and_bytes(_mm256_slli_epi16(a, n), (0xFF << n) & 0xFF); }
+inline Bytes or_bytes(Bytes a, Bytes b) { return _mm256_or_si256(a, b); }
+inline Bytes sub_bytes(Bytes a, int8_t c) { return _mm256_sub_epi8(a, _mm256_set1_epi8(c)); }
+// Byte j = value where bit j of the little-endian 32-bit word at p is set, else 0.
+inline Bytes bits_to_bytes(const uint8_t* p, uint8_t value) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return and_bytes(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), value);
+}
+
+inline Floats zeros() { return _mm256_setzero_ps(); }
+inline Floats broadcast(float v) { return _mm256_set1_ps(v); }
+inline Floats load_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_floats(float* p, Floats v) { _mm256_storeu_ps(p, v); }
+inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+inline Floats add(Floats a, Floats b) { return _mm256_add_ps(a, b); }
+inline float hsum(Floats v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+// Values 8i .. 8i+8 of q as floats.
+inline Floats bytes_to_floats(Bytes q, int i) {
+  const __m128i half = i < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i % 2 ? _mm_srli_si128(half, 8) : half));
+}
+
+inline Ints zero_ints() { return _mm256_setzero_si256(); }
+// Products of q and y, summed in groups of 4 bytes (ggml's mul_sum_i8_pairs).
+inline Ints dot_bytes(Bytes q, const int8_t* y) {
+  const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(yv, q));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+inline Ints scale_ints(Ints v, int lo, int hi) { return _mm256_mullo_epi32(v, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)); }
+inline Ints add_ints(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
+inline Floats ints_to_floats(Ints v) { return _mm256_cvtepi32_ps(v); }
+
+#else  // portable fallback with the same semantics
+
+struct Bytes { int8_t v[32]; };
+struct Floats { float v[8]; };
+struct Ints { int32_t v[8]; };
+
+inline Bytes load_bytes(const uint8_t* p) { Bytes r; std::memcpy(r.v, p, 32); return r; }
+inline Bytes nibbles(const uint8_t* p) {
+  Bytes r;
+  for (int j = 0; j < 16; ++j) { r.v[j] = p[j] & 0x0F; r.v[j + 16] = p[j] >> 4; }
+  return r;
+}
+inline Bytes and_bytes(Bytes a, uint8_t mask) { for (auto& b : a.v) b = static_cast<int8_t>(static_cast<uint8_t>(b) & mask); return a; }
+inline Bytes shr_bytes(Bytes a, int n) { for (auto& b : a.v) b = static_cast<int8_t>(static_cast<uint8_t>(b) >> n); return a; }
+inline Bytes shl_bytes(Bytes a, int n) { for (auto& b : a.v) b = static_cast<int8_t>(static_cast<uint8_t>(b) << n); return a; }
+inline Bytes or_bytes(Bytes a, Bytes b) { for (int j = 0; j < 32; ++j) a.v[j] |= b.v[j]; return a; }
+inline Bytes sub_bytes(Bytes a, int8_t c) { for (auto& b : a.v) b = static_cast<int8_t>(b - c); return a; }
+inline Bytes bits_to_bytes(const uint8_t* p, uint8_t value) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  Bytes r;
+  for (int j = 0; j < 32; ++j) r.v[j] = static_cast<int8_t>((bits >> j) & 1 ? value : 0);
+  return r;
+}
+
+inline Floats zeros() { return Floats{}; }
+inline Floats broadcast(float v) { Floats r; for (auto& x : r.v) x = v; return r; }
+inline Floats load_floats(const float* p) { Floats r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+inline void store_floats(float* p, Floats v) { std::memcpy(p, v.v, sizeof(v.v)); }
+inline Floats fmadd(Floats a, Floats b, Floats c) { for (int l = 0; l < 8; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]); return c; }
+inline Floats add(Floats a, Floats b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
+inline float hsum(Floats v) { float s = 0.0f; for (float x : v.v) s += x; return s; }
+inline Floats bytes_to_floats(Bytes q, int i) { Floats r; for (int l = 0; l < 8; ++l) r.v[l] = q.v[8 * i + l]; return r; }
+
+inline Ints zero_ints() { return Ints{}; }
+inline Ints dot_bytes(Bytes q, const int8_t* y) {
+  Ints r{};
+  for (int j = 0; j < 32; ++j) r.v[j / 4] += q.v[j] * y[j];
+  return r;
+}
+inline Ints scale_ints(Ints v, int lo, int hi) { for (int l = 0; l < 8; ++l) v.v[l] *= l < 4 ? lo : hi; return v; }
+inline Ints add_ints(Ints a, Ints b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
+inline Floats ints_to_floats(Ints v) { Floats r; for (int l = 0; l < 8; ++l) r.v[l] = static_cast<float>(v.v[l]); return r; }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Weight formats. Every block is a run of groups of 32 weights; group(block, g) gives a group's
+// integer values q with its float scale and offset: w[j] = scale * q[j] + offset, where the scale of
+// values 16..31 may differ (Q6_K scales every 16 values). These are gguf's dequantization formulas
+// (with one rounding less where the reference rounds twice).
+// dot(block, act, acc, mins) adds ggml's vec_dot contribution of one block against its Q8 activation
+// block: integer products in acc (per lane, scaled in float as ggml does) and the min/offset terms in mins.
+
+struct Group {
+  Bytes q;
+  float scale_lo, scale_hi, offset;
+};
+
+// 6-bit scale and min of sub-block j of a Q4_K super-block (ggml's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Legacy 32-value blocks against Q8_0 / Q8_1 activations: acc += (d_w * d_x) * sum(q * q8).
+template <class Act>
+inline void dot_legacy(const Group& g, float dw, const Act& y, Floats& acc) {
+  acc = fmadd(broadcast(dw * half_at(&y.d)), ints_to_floats(dot_bytes(g.q, y.qs)), acc);
+}
+
+struct Q4_0 {
+  static constexpr int kType = 2, kValues = kQK, kBytes = 18;
+  using Act = BlockQ8_0;
+  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {sub_bytes(nibbles(b + 2), 8), d, d, 0.0f}; }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
+};
+
+struct Q4_1 {
+  static constexpr int kType = 3, kValues = kQK, kBytes = 20;
+  using Act = BlockQ8_1;
+  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {nibbles(b + 4), d, d, half_at(b + 2)}; }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
+    dot_legacy(group(b, 0), half_at(b), y, acc);
+    mins += half_at(b + 2) * half_at(&y.s);
+  }
+};
+
+// Q5_x: the fifth bit of value j is bit j of the 32-bit qh.
+struct Q5_0 {
+  static constexpr int kType = 6, kValues = kQK, kBytes = 22;
+  using Act = BlockQ8_0;
+  static Group group(const uint8_t* b, int) {
+    const float d = half_at(b);
+    return {sub_bytes(or_bytes(nibbles(b + 6), bits_to_bytes(b + 2, 0x10)), 16), d, d, 0.0f};
+  }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
+};
+
+struct Q5_1 {
+  static constexpr int kType = 7, kValues = kQK, kBytes = 24;
+  using Act = BlockQ8_1;
+  static Group group(const uint8_t* b, int) {
+    const float d = half_at(b);
+    return {or_bytes(nibbles(b + 8), bits_to_bytes(b + 4, 0x10)), d, d, half_at(b + 2)};
+  }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
+    dot_legacy(group(b, 0), half_at(b), y, acc);
+    mins += half_at(b + 2) * half_at(&y.s);
+  }
+};
+
+struct Q8_0 {
+  static constexpr int kType = 8, kValues = kQK, kBytes = 34;
+  using Act = BlockQ8_0;
+  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {load_bytes(b + 2), d, d, 0.0f}; }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
+};
+
+// Q4_K: d, dmin (fp16), 12 bytes of 6-bit scales/mins of 8 sub-blocks of 32, 128 bytes of nibbles;
+// sub-blocks 2i and 2i+1 are the low and high nibbles of qs[32i .. 32i+32).
+struct Q4_K {
+  static constexpr int kType = 12, kValues = kQKK, kBytes = 144;
+  using Act = BlockQ8_K;
+  static Bytes values(const uint8_t* b, int g) {
+    const Bytes raw = load_bytes(b + 16 + 32 * (g / 2));
+    return g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F);
+  }
+  static Group group(const uint8_t* b, int g) {
+    int sc, m;
+    scale_min_k4(g, b + 4, sc, m);
+    const float scale = half_at(b) * static_cast<float>(sc);
+    return {values(b, g), scale, scale, -half_at(b + 2) * static_cast<float>(m)};
+  }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
+    Ints sumi = zero_ints();
+    int summ = 0;
+    for (int g = 0; g < 8; ++g) {
+      int sc, m;
+      scale_min_k4(g, b + 4, sc, m);
+      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), sc, sc));
+      summ += m * (y.bsums[2 * g] + y.bsums[2 * g + 1]);
+    }
+    acc = fmadd(broadcast(y.d * half_at(b)), ints_to_floats(sumi), acc);
+    mins += -y.d * half_at(b + 2) * static_cast<float>(summ);
+  }
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), d.
+// Group g = 4 * half + quarter (ggml's dequantize_row_q6_K order).
+struct Q6_K {
+  static constexpr int kType = 14, kValues = kQKK, kBytes = 210;
+  using Act = BlockQ8_K;
+  static Bytes values(const uint8_t* b, int g) {
+    const int half = g / 4, quarter = g % 4;
+    const Bytes low_bits = load_bytes(b + 64 * half + 32 * (quarter % 2));
+    const Bytes low = quarter < 2 ? and_bytes(low_bits, 0x0F) : shr_bytes(low_bits, 4);
+    const Bytes high = shl_bytes(and_bytes(shr_bytes(load_bytes(b + 128 + 32 * half), 2 * quarter), 3), 4);
+    return sub_bytes(or_bytes(low, high), 32);
+  }
+  static int scale(const uint8_t* b, int g, int part) { return reinterpret_cast<const int8_t*>(b + 192)[2 * g + part]; }
+  static Group group(const uint8_t* b, int g) {
+    const float d = half_at(b + 208);
+    return {values(b, g), d * static_cast<float>(scale(b, g, 0)), d * static_cast<float>(scale(b, g, 1)), 0.0f};
+  }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
+    Ints sumi = zero_ints();
+    for (int g = 0; g < 8; ++g)
+      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), scale(b, g, 0), scale(b, g, 1)));
+    acc = fmadd(broadcast(y.d * half_at(b + 208)), ints_to_floats(sumi), acc);
+  }
+};
+
+template <class Fn>
+auto visit_format(int64_t ggml_type, Fn&& fn) {
+  switch (ggml_type) {
+    case Q4_0::kType: return fn(Q4_0{});
+    case Q4_1::kType: return fn(Q4_1{});
+    case Q5_0::kType: return fn(Q5_0{});
+    case Q5_1::kType: return fn(Q5_1{});
+    case Q8_0::kType: return fn(Q8_0{});
+    case Q4_K::kType: return fn(Q4_K{});
+    case Q6_K::kType: return fn(Q6_K{});
+  }
+  TORCH_CHECK(false, "workbench cpu kernels: unsupported GGML type ", ggml_type);
+}
+
+// The 32 float weights of a group, as four vectors of 8.
+inline void group_floats(const Group& g, Floats w[4]) {
+  for (int i = 0; i < 4; ++i) w[i] = fmadd(bytes_to_floats(g.q, i), broadcast(i < 2 ? g.scale_lo : g.scale_hi), broadcast(g.offset));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Exact numerics.
+
+// out[m * ldo] = dot(weight row, x[m]) for TM activation rows: each weight group is decoded once
+// and used for all TM rows; two accumulators per row hide the FMA latency.
+template <class F, int TM>
+void dot_rows_exact(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  Floats acc[TM][2];
+  for (auto& row : acc) row[0] = row[1] = zeros();
+  for (int64_t b = 0; b < k / F::kValues; ++b) {
+    for (int g = 0; g < F::kValues / 32; ++g) {
+      Floats w[4];
+      group_floats(F::group(wrow + b * F::kBytes, g), w);
+      const float* xg = x + b * F::kValues + 32 * g;
+      for (int m = 0; m < TM; ++m)
+        for (int i = 0; i < 4; ++i) acc[m][i % 2] = fmadd(w[i], load_floats(xg + m * k + 8 * i), acc[m][i % 2]);
+    }
+  }
+  for (int m = 0; m < TM; ++m) out[m * ldo] = hsum(add(acc[m][0], acc[m][1]));
+}
+
+constexpr int kRowTile = 4;  // activation rows sharing one decode of the weights
+
+// Parallel over output features (rows of W); grain keeps ~64K multiply-adds per task.
+template <class Body>
+void parallel_rows(int64_t n, int64_t work_per_row, const Body& body) {
+  at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, work_per_row)), body);
+}
+
+template <class F>
+void matmul_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* out) {
+  const int64_t row_bytes = k / F::kValues * F::kBytes;
+  parallel_rows(n, k * m, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* wrow = w + r * row_bytes;
+      int64_t i = 0;
+      for (; i + kRowTile <= m; i += kRowTile) dot_rows_exact<F, kRowTile>(wrow, x + i * k, k, out + i * n + r, n);
+      for (; i < m; ++i) dot_rows_exact<F, 1>(wrow, x + i * k, k, out + i * n + r, n);
+    }
+  });
+}
+
+template <class F>
+void dequantize_rows(const uint8_t* w, int64_t rows, int64_t k, float* out) {
+  const int64_t row_bytes = k / F::kValues * F::kBytes;
+  parallel_rows(rows, k, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < k / F::kValues; ++b) {
+        for (int g = 0; g < F::kValues / 32; ++g) {
+          Floats v[4];
+          group_floats(F::group(w + r * row_bytes + b * F::kBytes, g), v);
+          for (int i = 0; i < 4; ++i) store_floats(out + r * k + b * F::kValues + 32 * g + 8 * i, v[i]);
+        }
+      }
+    }
+  });
+}
+
+void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t rows, int64_t cols, int64_t block_values,
+                  int64_t block_bytes) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "workbench cpu kernels: tensors must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "workbench cpu kernels: x must be a contiguous 2-D float32 tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) == cols, "workbench cpu kernels: x has ", x.size(1), " features, weight has ", cols);
+  TORCH_CHECK(cols % block_values == 0, "workbench cpu kernels: row length ", cols, " is not a multiple of ", block_values);
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(0) == rows && packed.size(1) == cols / block_values * block_bytes,
+              "workbench cpu kernels: packed weight must be contiguous uint8 [", rows, ", ",
+              cols / block_values * block_bytes, "], got ", packed.sizes());
+}
+
+// x [M, K] float32 @ dequantize(packed [N, row_bytes]).T -> [M, N] float32.
+// From panel_min_batch rows of x on, panels of W are dequantized into a scratch buffer for at::mm.
+torch::Tensor linear_exact(torch::Tensor x, torch::Tensor packed, int64_t ggml_type, int64_t rows, int64_t cols,
+                           int64_t panel_min_batch) {
+  return visit_format(ggml_type, [&](auto format) {
+    using F = decltype(format);
+    check_inputs(x, packed, rows, cols, F::kValues, F::kBytes);
+    const int64_t m = x.size(0);
+    torch::Tensor out = torch::empty({m, rows}, x.options());
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    if (m < panel_min_batch) {
+      matmul_exact<F>(x.data_ptr<float>(), m, cols, w, rows, out.data_ptr<float>());
+      return out;
+    }
+    const int64_t row_bytes = cols / F::kValues * F::kBytes;
+    const int64_t panel_rows = std::min(rows, std::max<int64_t>(64, (1 << 18) / cols));  // ~1 MiB of floats
+    torch::Tensor panel = torch::empty({panel_rows, cols}, x.options());
+    for (int64_t start = 0; start < rows; start += panel_rows) {
+      const int64_t count = std::min(panel_rows, rows - start);
+      torch::Tensor part = panel.narrow(0, 0, count);
+      dequantize_rows<F>(w + start * row_bytes, count, cols, part.data_ptr<float>());
+      torch::Tensor target = out.narrow(1, start, count);
+      at::mm_out(target, x, part.t());
+    }
+    return out;
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// llama.cpp numerics.
+
+template <class F>
+void matmul_llamacpp(const typename F::Act* xq, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* out) {
+  const int64_t nblocks = k / F::kValues, row_bytes = nblocks * F::kBytes;
+  parallel_rows(n, k * m, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < m; ++i) {
+        Floats acc = zeros();
+        float mins = 0.0f;
+        for (int64_t b = 0; b < nblocks; ++b) F::dot(w + r * row_bytes + b * F::kBytes, xq[i * nblocks + b], acc, mins);
+        out[i * n + r] = hsum(acc) + mins;
+      }
+    }
+  });
+}
+
+template <class Act>
+constexpr int act_block_values() {
+  return std::is_same_v<Act, BlockQ8_K> ? kQKK : kQK;
+}
+
+template <class Act>
+torch::Tensor quantize_activations_as(const torch::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1);
+  constexpr int values = act_block_values<Act>();
+  TORCH_CHECK(k % values == 0, "workbench cpu kernels: row length ", k, " is not a multiple of ", values);
+  auto blocks = torch::empty({m, k / values * static_cast<int64_t>(sizeof(Act))}, x.options().dtype(torch::kUInt8));
+  const float* xp = x.data_ptr<float>();
+  auto* yp = reinterpret_cast<Act*>(blocks.data_ptr<uint8_t>());
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row(xp + i * k, k, yp + i * (k / values));
+  });
+  return blocks;
+}
+
+torch::Tensor linear_llamacpp(torch::Tensor x, torch::Tensor packed, int64_t ggml_type, int64_t rows, int64_t cols) {
+  return visit_format(ggml_type, [&](auto format) {
+    using F = decltype(format);
+    check_inputs(x, packed, rows, cols, F::kValues, F::kBytes);
+    const int64_t m = x.size(0);
+    const torch::Tensor xq = quantize_activations_as<typename F::Act>(x);
+    auto out = torch::empty({m, rows}, x.options());
+    matmul_llamacpp<F>(reinterpret_cast<const typename F::Act*>(xq.data_ptr<uint8_t>()), m, cols,
+                       packed.data_ptr<uint8_t>(), rows, out.data_ptr<float>());
+    return out;
+  });
+}
+
+// The activation blocks llama.cpp numerics use against weights of ggml_type, as bytes [M, n_blocks * block_bytes].
+torch::Tensor quantize_activations(torch::Tensor x, int64_t ggml_type) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "workbench cpu kernels: x must be a contiguous 2-D float32 tensor");
+  return visit_format(ggml_type, [&](auto format) { return quantize_activations_as<typename decltype(format)::Act>(x); });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_exact", &linear_exact, "x @ dequantize(W).T from GGUF blocks, fp32 accumulation");
+  m.def("linear_llamacpp", &linear_llamacpp, "x @ W.T with ggml-cpu's Q8 activation quantization and integer dots");
+  m.def("quantize_activations", &quantize_activations, "ggml-cpu's Q8_0/Q8_1/Q8_K blocks of x for a weight type");
+}

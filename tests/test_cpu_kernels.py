@@ -1,0 +1,221 @@
+"""The C++ CPU kernels of workbench.kernels.cpu against the gguf package's reference dequantizer."""
+from __future__ import annotations
+
+import warnings
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from workbench.kernels import cpu
+from workbench.kernels.formats import QuantFormat
+from workbench.kernels.linear import BLOCKWISE, linear, select_kernel
+from workbench.kernels.quant_tensor import QuantTensor
+
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
+# Byte offsets of the fp16 scale / min fields in each block; every other byte may be anything.
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+K = 512
+U = 2.0**-24  # fp32 unit roundoff
+
+pytestmark = pytest.mark.skipif(cpu.extension() is None, reason="C++ CPU kernels could not be built")
+
+
+def gguf_format(name: str) -> QuantFormat:
+    """A format whose dequantizer is the gguf package's numpy reference, independent of our own."""
+    qtype = gguf.GGMLQuantizationType[name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+
+    def dequantize(blocks: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(-1, block_size).copy())
+
+    def quantize(values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    return QuantFormat(name, int(qtype), block_size, type_size, dequantize, quantize)
+
+
+def random_weight(name: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
+    """Random GGUF bytes (all bit patterns) with finite fp16 scales of either sign."""
+    fmt = gguf_format(name)
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows * cols // fmt.block_size, fmt.type_size), dtype=np.uint8)
+    for offset in HALF_FIELDS[name]:
+        scales = (rng.uniform(2e-4, 2e-3, len(data)) * rng.choice([-1, 1], len(data))).astype(np.float16)
+        data[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return QuantTensor(torch.from_numpy(data).reshape(rows, -1), fmt, (rows, cols))
+
+
+def assert_within_fp32_rounding(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """|y - ref| <= (K + 2) u (|x| @ |w|.T): the worst case of any fp32 summation order."""
+    bound = (x.abs().double() @ w.abs().double().T) * (x.shape[-1] + 2) * U
+    excess = ((y.double() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"error exceeds the fp32 rounding bound by {excess}"
+
+
+@pytest.fixture(params=["fused", "panel"])
+def exact_path(request, monkeypatch):
+    """Run exact matmuls through the fused dot products or through dequantized panels + BLAS."""
+    monkeypatch.setattr(cpu, "PANEL_MIN_BATCH", 10**9 if request.param == "fused" else 1)
+    return request.param
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 8, 64])
+def test_exact_matches_dequantized_reference(name, m, exact_path):
+    w = random_weight(name, 40, K)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    assert select_kernel(x, w) is cpu.EXACT
+    w_ref = w.dequantize()
+    y = linear(x, w)
+    assert y.shape == (m, 40) and y.dtype == torch.float32
+    assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
+
+
+def test_exact_keeps_batch_dims_and_half_precision_inputs():
+    w = random_weight("Q4_1", 24, 256)
+    x = torch.randn(2, 3, 256)
+    y = linear(x, w)
+    assert y.shape == (2, 3, 24)
+    torch.testing.assert_close(y, x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+    y_bf16 = linear(x.bfloat16(), w)
+    assert y_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(y_bf16, (x.bfloat16().float() @ w.dequantize().T).bfloat16())
+
+
+def test_unsupported_format_and_dtype_take_blockwise_path():
+    w = random_weight("Q4_1", 16, 256)
+    assert select_kernel(torch.randn(2, 256, dtype=torch.float64), w) is BLOCKWISE
+    q5k = QuantTensor(torch.zeros(16, 176, dtype=torch.uint8), gguf_format("Q5_K"), (16, 256))
+    assert select_kernel(torch.randn(2, 256), q5k) is BLOCKWISE
+
+
+def test_extension_rejects_malformed_weights():
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        cpu.extension().linear_exact(x, torch.zeros(8, 100, dtype=torch.uint8), 3, 8, 256, 32)
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        cpu.extension().linear_exact(x, torch.zeros(8, 160, dtype=torch.uint8), 13, 8, 256, 32)
+
+
+def test_build_failure_warns_and_falls_back_to_blockwise(monkeypatch):
+    def no_compiler(isa):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpu, "_build_extension", no_compiler)
+    cpu.extension.cache_clear()
+    try:
+        w = random_weight("Q8_0", 8, 256)
+        with pytest.warns(RuntimeWarning, match="blockwise-dequant-matmul"):
+            assert select_kernel(torch.randn(1, 256), w) is BLOCKWISE
+    finally:
+        cpu.extension.cache_clear()
+
+
+# --- llama.cpp numerics --------------------------------------------------------------------------
+
+# The activation type ggml-cpu pairs with each weight type (its vec_dot_type).
+ACTIVATION_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1", "Q4_K": "Q8_K", "Q6_K": "Q8_K"}
+
+
+def quantize_q8_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Torch rendering of ggml-cpu's quantize_row_q8_0/_1/_K: (GGUF bytes, Q8_1 sums s, dequantized x in fp64)."""
+    m, k = x.shape
+    if kind == "Q8_K":
+        blocks = x.reshape(m, -1, 256)
+        extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # first signed value of largest |x|
+        # (tensor division: `scalar / tensor` in torch multiplies by a rounded reciprocal)
+        iscale = torch.where(extreme != 0, torch.full_like(extreme, -127.0) / extreme, torch.zeros_like(extreme))
+        q = torch.round(iscale * blocks).clamp(max=127)
+        d = torch.where(extreme != 0, torch.ones_like(iscale) / iscale, torch.zeros_like(iscale))
+        bsums = q.reshape(m, -1, 16, 16).sum(-1).to(torch.int16)
+        parts = [d.view(torch.uint8), q.to(torch.int8).view(torch.uint8), bsums.view(torch.uint8)]
+        return torch.cat(parts, -1).reshape(m, -1), None, (d.double() * q.double()).reshape(m, k)
+    blocks = x.reshape(m, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    q = torch.round(blocks * torch.where(amax != 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax)))
+    d16 = d.half()
+    parts = [d16.view(torch.uint8)]
+    s = None
+    if kind == "Q8_1":
+        s = (d * q.sum(-1, keepdim=True)).half()
+        parts.append(s.view(torch.uint8))
+    parts.append(q.to(torch.int8).view(torch.uint8))
+    x_deq = (d16.double() * q.double()).reshape(m, k)
+    return torch.cat(parts, -1).reshape(m, -1), None if s is None else s.double().squeeze(-1), x_deq
+
+
+def llamacpp_reference(x: torch.Tensor, w: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's result for x @ w.T in fp64, and the weights it multiplies (for the rounding bound)."""
+    _, s, x_deq = quantize_q8_reference(x, ACTIVATION_TYPE[w.fmt.name])
+    if s is None:
+        w_deq = w.dequantize().double()
+        return x_deq @ w_deq.T, w_deq
+    # Q4_1/Q5_1: d*q against the activations, plus the block min times the fp16 sum s of the Q8_1 block.
+    zero_min = w.data.clone()
+    zero_min.view(-1, w.fmt.type_size)[:, 2:4] = 0
+    w_scaled = QuantTensor(zero_min, w.fmt, w.shape).dequantize().double()
+    mins = w.data.view(-1, w.fmt.type_size)[:, 2:4].contiguous().view(torch.float16).double().reshape(w.shape[0], -1)
+    return x_deq @ w_scaled.T + s @ mins.T, w_scaled + mins.repeat_interleave(32, 1)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_activation_quantization_matches_ggml(name):
+    kind = ACTIVATION_TYPE[name]
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1))
+    x[1] = 0  # an all-zero row quantizes to zero scales
+    # Ties: with |x| = 127 at the block maximum the scale is exactly 1, so 2.5 and -3.5 must round half to even.
+    x[2, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])
+    expected, _, _ = quantize_q8_reference(x, kind)
+    assert torch.equal(cpu.quantize_activations(x, int(gguf.GGMLQuantizationType[name])), expected)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 8, 64])
+def test_llamacpp_matches_quantized_reference(name, m):
+    w = random_weight(name, 40, K, seed=m)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    with cpu.numerics("llamacpp"):
+        assert select_kernel(x, w) is cpu.LLAMACPP
+        y = linear(x, w)
+    assert cpu.get_numerics() == "exact"
+    ref, w_ref = llamacpp_reference(x, w)
+    _, _, x_deq = quantize_q8_reference(x, ACTIVATION_TYPE[name])
+    assert_within_fp32_rounding(y, ref, x_deq, w_ref)
+    # ... and it is not the exact result: the activation quantization shows.
+    exact = x.double() @ w.dequantize().double().T
+    assert (y.double() - exact).abs().max() > 100 * (y.double() - ref).abs().max()
+
+
+def test_llamacpp_numerics_for_unsupported_format_warns_and_runs_exactly():
+    q5k = QuantTensor(torch.zeros(16, 176, dtype=torch.uint8), gguf_format("Q5_K"), (16, 256))
+    with cpu.numerics("llamacpp"), pytest.warns(RuntimeWarning, match="not available for Q5_K"):
+        assert select_kernel(torch.randn(2, 256), q5k) is BLOCKWISE
+
+
+def test_set_numerics_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="'exact' or 'llamacpp'"):
+        cpu.set_numerics("ggml")
+    assert cpu.get_numerics() == "exact"
+
+
+@pytest.mark.slow
+def test_portable_build_matches_avx2_build():
+    """The no-SIMD build (CPUs without AVX2) computes the same numbers up to fp32 rounding."""
+    if cpu._native_isa() == "scalar":
+        pytest.skip("the native build already is the portable one")
+    portable = cpu._build_extension("scalar")
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(5))
+    for name in FORMATS:
+        w = random_weight(name, 24, K)
+        t = w.fmt.ggml_type
+        w_ref = w.dequantize()
+        for ext in (portable, cpu.extension()):
+            y = ext.linear_exact(x, w.data, t, 24, K, 10**9)
+            assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
+        assert torch.equal(portable.quantize_activations(x, t), cpu.extension().quantize_activations(x, t))
+        torch.testing.assert_close(
+            portable.linear_llamacpp(x, w.data, t, 24, K), cpu.extension().linear_llamacpp(x, w.data, t, 24, K)
+        )
