@@ -82,7 +82,8 @@ def _read_gguf(path: Path):
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
     try:
-        reader = gguf.GGUFReader(str(path))
+        # copy-on-write mmap: tensors are views of the file's pages, as llama.cpp maps its weights
+        reader = gguf.GGUFReader(str(path), "c")
         metadata = {key: field.contents() for key, field in reader.fields.items()}
         tensors = {t.name: t for t in reader.tensors}
     except (ValueError, IndexError, KeyError, OSError, TypeError) as err:
@@ -127,7 +128,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
 
 
 def _gguf_tensor_bytes(tensor, path: Path) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Raw bytes ``[rows, row_bytes]`` and the torch-order shape of one GGUF tensor (a copy out of the mmap)."""
+    """Raw bytes ``[rows, row_bytes]`` (a view of the mapped file) and the torch-order shape of one GGUF tensor."""
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
     cols = shape[-1]
     rows = math.prod(shape[:-1])
@@ -140,7 +141,7 @@ def _gguf_tensor_bytes(tensor, path: Path) -> tuple[torch.Tensor, tuple[int, ...
     raw = np.ascontiguousarray(tensor.data).view(np.uint8)
     if raw.size != rows * fmt.row_bytes(cols):
         raise ModelLoadError(f"{path}: tensor {tensor.name} is truncated ({raw.size} bytes)")
-    return torch.from_numpy(raw.reshape(rows, -1).copy()), shape
+    return torch.from_numpy(raw.reshape(rows, -1)), shape
 
 
 def load_gguf(path: Path) -> LoadedCheckpoint:
@@ -161,7 +162,9 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
         return QuantTensor(raw.reshape(rows, -1), get_format(int(tensors[name].tensor_type)), (rows, cols))
 
     weights = _assemble(config, get, str(path))
-    return LoadedCheckpoint(config, weights, tokenizer, path, metadata)
+    # the vocabulary lists now live in the tokenizer; keep the scalar metadata (and the chat template)
+    scalars = {k: v for k, v in metadata.items() if not isinstance(v, list)}
+    return LoadedCheckpoint(config, weights, tokenizer, path, scalars)
 
 
 def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:

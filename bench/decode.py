@@ -1,0 +1,181 @@
+"""End-to-end prefill and decode tokens/s, ours vs llama.cpp (CPU) or quantized vs bf16 dense (CUDA).
+
+    python bench/decode.py                                  # embedded model, 2 CPU threads, vs llama.cpp if installed
+    python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K BF16
+
+Every figure in one table comes from the same run, so ratios are side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import workbench
+from workbench.config import ModelConfig
+from workbench.generation import Sampling, generate_tokens
+from workbench.loading import LoadedCheckpoint, default_model_path
+from workbench.model import Model
+from workbench.synthetic import random_config, tokenizer_metadata
+from workbench.tokenizer import Tokenizer
+
+SHAPES = {
+    "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=128256),
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[str, float]:
+    runner, vocab = model.runner, model.config.vocab_size
+    out = {}
+    for n in prefill:
+        ids = torch.randint(0, vocab, (n,))
+        out[f"prefill {n}"] = n / timed(lambda: runner.forward(ids, last_logits_only=True), runner.device, repeats)
+    prompt = torch.randint(0, vocab, (8,)).tolist()
+
+    def run_decode():
+        for _ in generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set()):
+            pass
+
+    # generate_tokens includes one 8-token prefill; subtract it for decode-only speed
+    total = timed(run_decode, runner.device, repeats)
+    first = timed(lambda: runner.forward(torch.tensor(prompt), last_logits_only=True), runner.device, repeats)
+    out[f"decode {decode}"] = (decode - 1) / max(total - first, 1e-9)
+    return out
+
+
+def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats: int) -> dict[str, float] | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(path, n_ctx=max(prefill + [decode + 16]) + 16, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    vocab = llm.n_vocab()
+    out = {}
+    for n in prefill:
+        ids = torch.randint(0, vocab, (n,)).tolist()
+
+        def run_prefill():
+            llm.reset()
+            llm.eval(ids)
+
+        out[f"prefill {n}"] = n / timed(run_prefill, torch.device("cpu"), repeats)
+    prompt = torch.randint(0, vocab, (8,)).tolist()
+
+    def run_decode():
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(decode - 1):
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+
+    def run_first():
+        llm.reset()
+        llm.eval(prompt)
+
+    out[f"decode {decode}"] = (decode - 1) / max(timed(run_decode, torch.device("cpu"), repeats)
+                                                  - timed(run_first, torch.device("cpu"), repeats), 1e-9)
+    return out
+
+
+def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None) -> Model:
+    """A random-weight model of a real model's shape; rows are quantized once and tiled to save time."""
+    from workbench.kernels import QuantTensor
+    from workbench.weights import LayerWeights, ModelWeights
+
+    c: ModelConfig = random_config("llama", n_ctx=4096, **SHAPES[shape])
+    g = torch.Generator(device=device).manual_seed(0)
+    tiles: dict[int, QuantTensor] = {}
+
+    def matrix(rows: int, cols: int) -> QuantTensor:
+        if cols not in tiles:
+            tiles[cols] = QuantTensor.quantize(torch.randn(256, cols, generator=g, device=device) * cols**-0.5, fmt)
+        tile = tiles[cols]
+        data = tile.data.repeat((rows + 255) // 256, 1)[:rows].contiguous()
+        return QuantTensor(data, tile.fmt, (rows, cols))
+
+    def norm(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device)
+
+    q, kv = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+    layers = [LayerWeights(attn_norm=norm(c.d_model), wq=matrix(q, c.d_model), wk=matrix(kv, c.d_model),
+                           wv=matrix(kv, c.d_model), wo=matrix(c.d_model, q), mlp_norm=norm(c.d_model),
+                           w_gate=matrix(c.d_mlp, c.d_model), w_up=matrix(c.d_mlp, c.d_model),
+                           w_down=matrix(c.d_model, c.d_mlp)) for _ in range(c.n_layers)]
+    embed = matrix(c.vocab_size, c.d_model)
+    weights = ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=matrix(c.vocab_size, c.d_model))
+    metadata = tokenizer_metadata()
+    checkpoint = LoadedCheckpoint(c, weights, Tokenizer.from_gguf_metadata(metadata), default_model_path(), metadata)
+    return Model(checkpoint, device=device, dtype=dtype)
+
+
+def print_table(title: str, columns: dict[str, dict[str, float]]) -> None:
+    names = list(columns)
+    rows = list(next(iter(columns.values())))
+    print(f"\n{title}")
+    print(f"{'tokens/s':<14}" + "".join(f"{n:>22}" for n in names) + (f"{'ratio':>10}" if len(names) == 2 else ""))
+    for row in rows:
+        values = [columns[n].get(row, float("nan")) for n in names]
+        ratio = f"{values[0] / values[1]:>10.2f}" if len(values) == 2 else ""
+        print(f"{row:<14}" + "".join(f"{v:>22.1f}" for v in values) + ratio)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
+    parser.add_argument("--synthetic", choices=sorted(SHAPES), help="random weights of a real model's shape")
+    parser.add_argument("--formats", nargs="+", default=["Q4_K", "BF16"], help="formats for --synthetic")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}")
+
+    if args.synthetic:
+        columns = {}
+        for fmt in args.formats:
+            model = synthetic_model(args.synthetic, fmt, args.device, args.dtype)
+            print(f"{fmt}: resident weights {model.runner.weights.nbytes / 2**30:.2f} GiB, "
+                  f"kernels {sorted(set(model.kernel_report(1).values()))}")
+            columns[f"{args.synthetic} {fmt}"] = ours(model, args.prefill, args.decode, args.repeats)
+            del model
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        print_table(f"{args.synthetic}, random weights", columns)
+        return
+
+    model = workbench.load(args.model, device=args.device, dtype=args.dtype)
+    print(f"kernels: {sorted(set(model.kernel_report(1).values()) | set(model.kernel_report(128).values()))}")
+    columns = {"workbench": ours(model, args.prefill, args.decode, args.repeats)}
+    reference = llama_cpp(str(model.path), args.threads, args.prefill, args.decode, args.repeats) if args.device == "cpu" else None
+    if reference is not None:
+        columns["llama.cpp"] = reference
+    print_table(f"{model.config.name}", columns)
+
+
+if __name__ == "__main__":
+    main()
