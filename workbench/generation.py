@@ -1,13 +1,14 @@
 """Sampling and the decode loop over the runner's KV cache."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.kv_cache import KVCache
+from workbench.kv_cache import KVCache, StaticKVCache
 from workbench.runner import Hooks, Transformer
 
 
@@ -53,27 +54,71 @@ class Sampling:
 
 def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
                     sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(), hooks: Hooks | None = None,
-                    cache: KVCache | None = None) -> Iterator[int]:
+                    cache: KVCache | None = None, cuda_graphs: bool = True) -> Iterator[int]:
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
-    With ``cache``, the prompt tokens continue it and generation appends to it.
+    With ``cache``, the prompt tokens continue it and generation appends to it. On CUDA, with no hooks
+    and no caller-owned cache, the decode step is captured once as a CUDA graph and replayed: the same
+    forward, without a Python round trip per kernel.
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
     if max_new_tokens < 0:
         raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    cache = cache if cache is not None else runner.new_cache(len(prompt_ids) + max_new_tokens)
-    if cache.next_position + len(prompt_ids) + max_new_tokens > runner.config.n_ctx:
+    start = cache.next_position if cache is not None else 0
+    if start + len(prompt_ids) + max_new_tokens > runner.config.n_ctx:
         raise WorkbenchError(
-            f"prompt ({len(prompt_ids)} tokens) + cache ({cache.length}) + {max_new_tokens} new tokens "
+            f"prompt ({len(prompt_ids)} tokens) + cache ({start}) + {max_new_tokens} new tokens "
             f"exceed the context of {runner.config.n_ctx}"
         )
+    if max_new_tokens == 0:
+        return
+    capacity = len(prompt_ids) + max_new_tokens
+    graphs = cuda_graphs and cache is None and not hooks and runner.device.type == "cuda"
+    if cache is None:
+        cache = runner.new_static_cache(capacity) if graphs else runner.new_cache(capacity)
     generator = sampling.generator()
-    ids = torch.tensor(list(prompt_ids), dtype=torch.long)
-    for step in range(max_new_tokens):
-        logits = runner.forward(ids, cache=cache, hooks=hooks, last_logits_only=True, step=step)
+    logits = runner.forward(torch.tensor(list(prompt_ids), dtype=torch.long), cache=cache, hooks=hooks,
+                            last_logits_only=True)
+    decode_step = None
+    for step in range(1, max_new_tokens + 1):
         token = sampling.pick(logits[-1], generator)
         yield token
-        if token in stop_ids:
+        if token in stop_ids or step == max_new_tokens:
             return
-        ids = torch.tensor([token], dtype=torch.long)
+        if graphs and decode_step is None:
+            decode_step = capture_decode_step(runner, cache)
+            graphs = decode_step is not None
+        if decode_step is not None:
+            logits = decode_step(token)
+        else:
+            logits = runner.forward(torch.tensor([token]), cache=cache, hooks=hooks, last_logits_only=True, step=step)
+
+
+def capture_decode_step(runner: Transformer, cache: StaticKVCache) -> Callable[[int], torch.Tensor] | None:
+    """The runner's one-token forward over ``cache`` as a replayable CUDA graph (None if capture fails)."""
+    token = torch.zeros(1, dtype=torch.long, device=runner.device)
+    saved = cache.device_length.clone()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up compiles kernels and settles allocations, off the graph
+            for _ in range(2):
+                runner.forward(token, cache=cache, last_logits_only=True)
+                cache.rewind(saved)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = runner.forward(token, cache=cache, last_logits_only=True)
+    except RuntimeError as err:  # a kernel that syncs or allocates on the host cannot be captured
+        warnings.warn(f"CUDA graph capture failed, decoding eagerly: {err}", RuntimeWarning, stacklevel=2)
+        cache.rewind(saved)
+        return None
+    cache.rewind(saved)
+
+    def step(next_token: int) -> torch.Tensor:
+        token.fill_(next_token)
+        graph.replay()
+        return logits
+
+    return step

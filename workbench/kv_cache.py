@@ -8,12 +8,25 @@ import torch
 from workbench.errors import WorkbenchError
 
 
+def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor:
+    """True where new token i (the last ``n_new`` of ``n_slots``) may not attend: slots after its own."""
+    return torch.ones(n_new, n_slots, dtype=torch.bool, device=device).triu(n_slots - n_new + 1)
+
+
 class KVCache:
     """Rotated keys and values of every layer for the tokens seen so far.
 
     Slots are ordered as the tokens were fed; each slot remembers the rope position its key was rotated
-    with. Surgery never re-rotates: after deleting slots, the kept keys keep their positions and the next
-    token is placed one after the last kept slot's position.
+    with. Surgery never re-rotates: after deleting slots, the kept keys keep their positions, and the next
+    token is placed one after the largest kept position (the last slot's, unless ``select`` reordered them).
+    A new token attends to every slot in the cache.
+
+    So ``delete_positions`` is not a run on the prompt without those tokens: the kept keys and values were
+    computed while the deleted tokens were present, and rope sees the gaps. When the last slot is kept, it
+    equals, up to float rounding, a full forward over the whole prompt plus the new tokens in which the
+    new tokens' attention scores to the deleted slots are set to -inf (tests/test_kv_cache.py checks
+    exactly that). Deleting trailing slots is ``truncate``: the next token then takes the position after
+    the last kept one, which equals a run on the shorter prompt.
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: torch.device | str,
@@ -31,6 +44,13 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self._positions.shape[0]
+
+    def prepare(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``n_new`` tokens; their rope positions ``[T]`` and the slots each may not see ``[T, S]``."""
+        self.reserve(n_new)
+        start = self.next_position
+        positions = torch.arange(start, start + n_new, device=self.device)
+        return positions, causal_mask(n_new, self.length + n_new, self.device)
 
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` more slots (amortized doubling)."""
@@ -54,16 +74,16 @@ class KVCache:
         self._values[layer][:, self.length : stop] = values
         return self._keys[layer][:, :stop], self._values[layer][:, :stop]
 
-    def commit(self, positions: torch.Tensor, tokens: Sequence[int]) -> None:
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """Make the slots written by a finished forward part of the cache."""
         n = positions.shape[0]
         self._positions[self.length : self.length + n] = positions.cpu()
-        self._tokens.extend(int(t) for t in tokens)
+        self._tokens.extend(tokens.tolist())
         self.length += n
 
     @property
     def next_position(self) -> int:
-        return int(self._positions[self.length - 1]) + 1 if self.length else 0
+        return int(self._positions[: self.length].max()) + 1 if self.length else 0
 
     # ------------------------------------------------------------------------------------- inspection
 
@@ -83,25 +103,30 @@ class KVCache:
     # ---------------------------------------------------------------------------------------- surgery
 
     def set(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace one layer's keys (already rotated) and values, ``[n_kv_heads, length, d_head]`` each."""
         self._check_layer(layer)
         expected = (self.n_kv_heads, self.length, self.d_head)
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise WorkbenchError(f"kv set: {name} must have shape {expected}, got {shape}")
+            if not t.is_floating_point():
+                raise WorkbenchError(f"kv set: {name} must be floating point, got {t.dtype}")
             if not torch.isfinite(t).all():
                 raise WorkbenchError(f"kv set: {name} contain NaN or Inf")
         self._keys[layer][:, : self.length] = keys.to(self.device, self.dtype)
         self._values[layer][:, : self.length] = values.to(self.device, self.dtype)
 
     def clear(self, layer: int) -> None:
-        """Zero one layer's keys and values: its attention then sees no content in the cached slots."""
+        """Zero one layer's keys and values. New tokens then score 0 against every cached slot there, so
+        those slots still take a share of the softmax but contribute zero values."""
         self._check_layer(layer)
         self._keys[layer].zero_()
         self._values[layer].zero_()
 
     def copy_layer_from(self, other: "KVCache", layer: int) -> None:
-        """Take one layer's keys and values from another cache of the same length."""
+        """Take one layer's keys and values from another cache of the same length (keys keep the rotation
+        they had there; positions are not compared)."""
         if other.length != self.length:
             raise WorkbenchError(f"kv copy: source cache has {other.length} slots, this one {self.length}")
         self.set(layer, *other.get(layer))
@@ -123,18 +148,15 @@ class KVCache:
         del self._tokens[length:]
 
     def delete_positions(self, slots: Sequence[int]) -> None:
-        """Remove slots (indices into the cache); kept keys stay rotated at their original positions."""
-        doomed = set()
-        for s in slots:
-            if not -self.length <= int(s) < self.length:
-                raise WorkbenchError(f"kv delete: slot {s} outside 0..{self.length - 1}")
-            doomed.add(int(s) % self.length)
+        """Remove slots (indices into the cache, negative from the end); kept keys keep their positions."""
+        doomed = {s % self.length for s in self._check_slots(slots, "kv delete")}
         keep = torch.tensor([i for i in range(self.length) if i not in doomed], dtype=torch.long)
         kept = self.select(keep)
         self.__dict__.update(kept.__dict__)
 
-    def select(self, slots: torch.Tensor) -> "KVCache":
-        """A new cache made of the given slots, in the given order."""
+    def select(self, slots: Sequence[int] | torch.Tensor) -> "KVCache":
+        """A new cache made of the given slots (indices into this cache), in the given order."""
+        slots = torch.tensor(self._check_slots(slots, "kv select"), dtype=torch.long) % max(self.length, 1)
         out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.device, max(len(slots), 1))
         idx = slots.to(self.device)
         for layer in range(self.n_layers):
@@ -145,9 +167,55 @@ class KVCache:
         out.length = len(slots)
         return out
 
+    def _check_slots(self, slots: Sequence[int] | torch.Tensor, what: str) -> list[int]:
+        if isinstance(slots, torch.Tensor):
+            if slots.is_floating_point() or slots.dim() != 1:
+                raise WorkbenchError(f"{what}: slots must be a 1-D list of integers")
+            slots = slots.tolist()
+        if isinstance(slots, (str, bytes)) or any(isinstance(s, bool) or not hasattr(s, "__index__")
+                                                    for s in slots):
+            raise WorkbenchError(f"{what}: slots must be integers, got {slots!r}")
+        bad = [int(s) for s in slots if not -self.length <= int(s) < self.length]
+        if bad:
+            raise WorkbenchError(f"{what}: slots {bad} outside 0..{self.length - 1}")
+        return [int(s) for s in slots]
+
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.n_layers:
             raise WorkbenchError(f"kv: layer {layer!r} outside 0..{self.n_layers - 1}")
 
     def __repr__(self) -> str:
         return f"KVCache(layers={self.n_layers}, length={self.length}, next_position={self.next_position})"
+
+
+class StaticKVCache(KVCache):
+    """A fixed-capacity cache whose length lives on the device, so a decode step can be captured once as a
+    CUDA graph and replayed: every shape is static, new tokens attend over all slots with the unwritten
+    ones masked. Slot i holds position i; generation uses it internally, surgery is for KVCache."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: torch.device | str,
+                 capacity: int):
+        super().__init__(n_layers, n_kv_heads, d_head, dtype, device, capacity)
+        self._length = torch.zeros((), dtype=torch.long, device=self.device)
+        self._slots = torch.arange(capacity, device=self.device)
+
+    def prepare(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = self._length + torch.arange(n_new, device=self.device)
+        return positions, self._slots[None, :] > positions[:, None]
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = self._length + torch.arange(keys.shape[1], device=self.device)
+        self._keys[layer].index_copy_(1, positions, keys)
+        self._values[layer].index_copy_(1, positions, values)
+        return self._keys[layer], self._values[layer]
+
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        self._length += positions.shape[0]
+
+    def rewind(self, length: torch.Tensor) -> None:
+        """Set the device-side length back (after warm-up runs of a step about to be captured)."""
+        self._length.copy_(length)
+
+    @property
+    def device_length(self) -> torch.Tensor:
+        return self._length

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from workbench.config import ModelConfig
 from workbench.kernels import linear
-from workbench.kv_cache import KVCache
+from workbench.kv_cache import KVCache, StaticKVCache, causal_mask
 from workbench.weights import ModelWeights
 
 
@@ -130,6 +130,10 @@ class Transformer:
         c = self.config
         return KVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
+    def new_static_cache(self, capacity: int) -> StaticKVCache:
+        c = self.config
+        return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``[T, heads, d_head]`` by each token's position (adjacent pairs, or halves for "neox")."""
         angles = positions.to(self.device, torch.float64)[:, None] * self.inv_freq[None, :]
@@ -153,10 +157,11 @@ class Transformer:
         c, w = self.config, self.weights
         ids = ids.to(self.device)
         n_new = ids.shape[0]
-        start = cache.next_position if cache is not None else 0
-        positions = torch.arange(start, start + n_new, device=self.device)
-        if cache is not None:
-            cache.reserve(n_new)
+        if cache is None:
+            positions = torch.arange(n_new, device=self.device)
+            blocked = causal_mask(n_new, n_new, self.device)
+        else:
+            positions, blocked = cache.prepare(n_new)
         point = _Points(hooks, positions, step)
 
         x = point("hook_embed", w.embed.dequantize_rows(ids).to(self.dtype))
@@ -164,7 +169,7 @@ class Transformer:
             names = self._names[i]
             x = point(names["hook_resid_pre"], x, i)
             attn_out = self.attention(rms_norm(x, layer.attn_norm, c.rms_eps, point, names["ln1"], i),
-                                      layer, i, positions, cache, point)
+                                      layer, i, positions, blocked, cache, point)
             x = point(names["hook_resid_mid"], x + attn_out, i)
             mlp_out = self.mlp(rms_norm(x, layer.mlp_norm, c.rms_eps, point, names["ln2"], i), layer, i, point)
             x = point(names["hook_resid_post"], x + mlp_out, i)
@@ -174,11 +179,11 @@ class Transformer:
         x = rms_norm(x, w.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"), None)
         logits = point("hook_logits", linear(x, w.unembed).float())
         if cache is not None:
-            cache.commit(positions, ids.tolist())
+            cache.commit(positions, ids)
         return logits
 
-    def attention(self, x: torch.Tensor, layer, i: int, positions: torch.Tensor, cache: KVCache | None,
-                  point: _Points) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, layer, i: int, positions: torch.Tensor, blocked: torch.Tensor,
+                  cache: KVCache | None, point: _Points) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
         q, k, v = linear(x, layer.wq), linear(x, layer.wk), linear(x, layer.wv)
@@ -201,9 +206,7 @@ class Transformer:
         # Query head h reads key/value head h // group, as in llama.cpp's broadcast.
         q_grouped = q.transpose(0, 1).reshape(c.n_kv_heads, group * n_new, c.d_head)
         scores = (q_grouped @ keys.transpose(1, 2)).view(c.n_heads, n_new, n_slots).float() / math.sqrt(c.d_head)
-        past = n_slots - n_new
-        causal = torch.ones(n_new, n_slots, dtype=torch.bool, device=self.device).triu(past + 1)
-        scores = point(names["attn.hook_attn_scores"], scores.masked_fill(causal, float("-inf")), i)
+        scores = point(names["attn.hook_attn_scores"], scores.masked_fill(blocked, float("-inf")), i)
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
         z = (pattern.to(values.dtype).view(c.n_kv_heads, group * n_new, n_slots) @ values)
         z = point(names["attn.hook_z"], z.view(c.n_heads, n_new, c.d_head).transpose(0, 1), i)

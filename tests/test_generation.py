@@ -1,0 +1,76 @@
+"""Sampling, the decode loop over the KV cache, and the static cache that CUDA graphs replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.errors import WorkbenchError
+from workbench.generation import Sampling, generate_tokens
+from workbench.model import Model
+from workbench.synthetic import random_checkpoint, random_config
+
+
+@pytest.fixture(scope="module")
+def small():
+    return Model(random_checkpoint(random_config("qwen2", n_layers=2, n_ctx=64), "Q8_0", seed=3), device="cpu")
+
+
+def greedy_by_full_forward(model: Model, ids: list[int], n: int) -> list[int]:
+    ids = list(ids)
+    for _ in range(n):
+        ids.append(int(model.forward(ids)[-1].argmax()))
+    return ids[-n:]
+
+
+def test_cached_decode_equals_full_recompute(small):
+    prompt = [10, 20, 30, 40]
+    assert list(generate_tokens(small.runner, prompt, 8)) == greedy_by_full_forward(small, prompt, 8)
+
+
+def test_cache_logits_match_full_forward(small):
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    full = small.runner.forward(ids)
+    for cache in (small.runner.new_cache(), small.runner.new_static_cache(16)):
+        pieces = [small.runner.forward(ids[:5], cache=cache), small.runner.forward(ids[5:6], cache=cache),
+                  small.runner.forward(ids[6:], cache=cache)]
+        assert torch.allclose(torch.cat(pieces), full, atol=1e-4), type(cache).__name__
+
+
+def test_static_cache_generation_matches_dynamic(small):
+    runner, prompt = small.runner, [7, 8, 9]
+    cache = runner.new_static_cache(len(prompt) + 6)
+    via_static = list(generate_tokens(runner, prompt, 6, cache=cache))
+    assert via_static == list(generate_tokens(runner, prompt, 6))
+    assert int(cache.device_length) == len(prompt) + 5  # the last token is sampled, never fed
+
+
+def test_sampling_is_seeded_and_bounded():
+    logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
+    draws = lambda s: [s.pick(logits, g) for g in [s.generator()] for _ in range(50)]
+    assert draws(Sampling(temperature=1.0, seed=7)) == draws(Sampling(temperature=1.0, seed=7))
+    assert set(draws(Sampling(temperature=1.0, top_k=2, seed=1))) <= {1, 2}
+    assert set(draws(Sampling(temperature=1.0, top_p=0.5, seed=1))) == {1}
+    assert Sampling().pick(logits, Sampling().generator()) == 1
+    assert len(set(draws(Sampling(temperature=5.0, seed=2)))) == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"),
+                                             (dict(top_p=0.0), "top_p")])
+def test_bad_sampling(kwargs, message):
+    with pytest.raises(WorkbenchError, match=message):
+        Sampling(**kwargs)
+
+
+def test_context_overflow_is_refused_before_compute(small):
+    with pytest.raises(WorkbenchError, match="exceed the context of 64"):
+        next(generate_tokens(small.runner, [1] * 60, 10))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_matches_eager():
+    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
+                  device="cuda", dtype="float32")
+    prompt = [5, 6, 7, 8]
+    eager = list(generate_tokens(model.runner, prompt, 12, cuda_graphs=False))
+    with_graph = list(generate_tokens(model.runner, prompt, 12))
+    assert with_graph == eager
