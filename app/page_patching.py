@@ -1,0 +1,73 @@
+"""Patching: patch clean activations into the corrupt run cell by cell and map where the answer lives."""
+import streamlit as st
+
+from workbench import hooks, probes
+from workbench.app import common
+
+SWEEPS = {"Layers × positions": ("layers", "positions"), "Layers × heads": ("layers", "heads"),
+          "Layers × positions × heads": ("layers", "positions", "heads")}
+POINTS = ["hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out"]
+
+st.header("Activation patching")
+model = common.model()
+n_layers = model.config.n_layers
+
+prompts, options = st.columns([3, 2], gap="large")
+with prompts:
+    clean = st.text_input("Clean prompt", "The Eiffel Tower is in the city of", key="pt_clean")
+    corrupt = st.text_input("Corrupted prompt", "The Colosseum is in the city of", key="pt_corrupt")
+    ids = [common.attempt(common.check_prompt, model, p) for p in (clean, corrupt)]
+    for name, prompt_ids in zip(("clean", "corrupt"), ids):
+        if prompt_ids is not None:
+            st.caption(f"{name}: {len(prompt_ids)} tokens")
+            common.token_chips(model.token_texts(prompt_ids), prompt_ids)
+    metric_name = st.radio("Metric", ["Logit difference", "Probability of the clean answer"], horizontal=True,
+                           key="pt_metric")
+    clean_answer, corrupt_answer = st.columns(2)
+    answers = (clean_answer.text_input("Clean answer", "", key="pt_clean_answer", placeholder="its top token"),
+               corrupt_answer.text_input("Corrupt answer", "", key="pt_corrupt_answer", placeholder="its top token",
+                                         disabled=metric_name != "Logit difference"))
+with options:
+    over = SWEEPS[st.radio("Sweep", list(SWEEPS), key="pt_over")]
+    hook = "blocks.{layer}.attn.hook_z" if "heads" in over else \
+        "blocks.{layer}." + st.selectbox("Hook point", POINTS, key="pt_point")
+    first, last = st.slider("Layers", 0, n_layers - 1, (0, n_layers - 1), key="pt_layers")
+    step = st.number_input("Every n-th layer", 1, n_layers, 3, key="pt_step")
+    layers = list(range(first, last + 1, step))
+    normalize = st.toggle("Normalize (0 = corrupt, 1 = clean)", value=True, key="pt_normalize")
+    n_tokens = len(ids[0]) if ids[0] else 0
+    cells = len(layers) * (n_tokens if "positions" in over else 1) * (model.config.n_heads if "heads" in over else 1)
+    st.caption(f"{cells} patched forwards (+2)")
+    run = st.button("Run sweep", type="primary", disabled=None in ids, use_container_width=True)
+
+
+def metric_and_answers():
+    """(metric, answers) for patching_sweep: its default logit difference, or one answer's probability."""
+    if metric_name == "Logit difference":
+        return None, (tuple(answers) if all(answers) else None)
+    answer = probes.lens.token_id(model, answers[0]) if answers[0] else int(model.forward(clean)[-1].argmax())
+
+    def probability_of_clean_answer(logits):
+        return float(logits[-1].softmax(-1)[answer])
+
+    return probability_of_clean_answer, None
+
+
+if run:
+    with common.guard():
+        metric, answer_pair = metric_and_answers()
+        result = common.with_progress("Patching", lambda report: hooks.patching_sweep(
+            model, clean, corrupt, metric, over=over, hook=hook, layers=layers, answers=answer_pair,
+            normalize=normalize, progress=report))
+        st.session_state.pt_result = result
+
+result = st.session_state.get("pt_result")
+if result is not None:
+    st.subheader("Result", divider="gray")
+    a, b, c = st.columns(3)
+    a.metric("Clean metric", f"{result.clean_metric:.3f}")
+    b.metric("Corrupt metric", f"{result.corrupt_metric:.3f}")
+    c.metric("Grid", " × ".join(str(n) for n in result.grid.shape))
+    st.caption(f"{result.metric_name} · {result.hook}")
+    height = 520 if len(result.over) == 2 else 260 * -(-result.grid.shape[2] // 4) + 120
+    st.plotly_chart(common.style(result.figure(), height=height), key="pt_figure")
