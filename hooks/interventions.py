@@ -380,13 +380,17 @@ class Patch(RegionEdit):
             donor = list(donor.ids)
         return {"donor": donor}
 
-    def _check(self, region, run):
+    def validate(self, run: RunShape) -> None:
         if self.donor is None:
             raise HookError("patch needs a donor prompt or trace")
         if _is_trace(self.donor):
             mismatch = model_mismatch(self.donor.fingerprint, run.model)
             if mismatch:
                 raise HookError(f"the donor trace was recorded on another model: {mismatch}")
+        super().validate(run)
+
+    def _check(self, region, run):
+        if _is_trace(self.donor):
             if region.name not in self.donor.activations:
                 raise HookError(f"the donor trace did not record {region.name}")
             donor_len = len(self.donor.ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from dataclasses import dataclass
+from functools import lru_cache
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError
@@ -43,6 +44,11 @@ def layer_of(name: str) -> int | None:
 
 def point_shapes(config: ModelConfig) -> dict[str, str]:
     """Every hook point with its shape, dimensions filled in from the config (T/S stay symbolic)."""
+    return dict(_shape_table(config))
+
+
+@lru_cache(maxsize=16)
+def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     dims = {"d_model": config.d_model, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
             "d_head": config.d_head, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
 
@@ -51,11 +57,11 @@ def point_shapes(config: ModelConfig) -> dict[str, str]:
             shape = shape.replace(key, str(value))
         return shape
 
-    out = {}
+    out = []
     for name in hook_point_names(config.n_layers):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
-        out[name] = fill(BLOCK_POINTS.get(suffix) or GLOBAL_POINTS[suffix])
-    return out
+        out.append((name, fill(BLOCK_POINTS.get(suffix) or GLOBAL_POINTS[suffix])))
+    return tuple(out)
 
 
 def token_shape(name: str, config: ModelConfig) -> tuple[int, ...] | None:
@@ -63,10 +69,16 @@ def token_shape(name: str, config: ModelConfig) -> tuple[int, ...] | None:
 
     None for attention scores and patterns, whose slices grow with the attended slots.
     """
-    dims = point_shapes(config)[name].strip("[]").split(", ")[1:]
-    if not all(d.isdigit() for d in dims):
-        return None
-    return tuple(int(d) for d in dims)
+    return _token_shapes(config)[name]
+
+
+@lru_cache(maxsize=16)
+def _token_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
+    out = {}
+    for name, shape in _shape_table(config):
+        dims = shape.strip("[]").split(", ")[1:]
+        out[name] = tuple(int(d) for d in dims) if all(d.isdigit() for d in dims) else None
+    return out
 
 
 def head_count(name: str, config: ModelConfig) -> int | None:

@@ -1,0 +1,164 @@
+"""KV cache surgery: clone, truncate, delete, set/clear/copy, and generation continuing from an edited cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench
+from workbench.synthetic import random_checkpoint, random_config
+
+PROMPT = [5, 17, 42, 99, 7, 23, 61, 8]
+NEXT = [30, 12]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request):
+    return workbench.Model(random_checkpoint(random_config(request.param, n_layers=2), seed=5))
+
+
+def prefilled(model, ids=PROMPT):
+    cache = model.new_cache()
+    model.forward(ids, cache=cache)
+    return cache
+
+
+def test_clone_then_continue_equals_a_fresh_run_bit_for_bit(tiny):
+    original = prefilled(tiny)
+    clone = original.clone()
+    from_clone = tiny.forward(NEXT, cache=clone)
+    from_original = tiny.forward(NEXT, cache=original)
+    from_fresh = tiny.forward(NEXT, cache=prefilled(tiny))
+    assert torch.equal(from_clone, from_original) and torch.equal(from_clone, from_fresh)
+    # and generation from a clone is generation from the original
+    a, b = prefilled(tiny), prefilled(tiny)
+    assert tiny.generate(NEXT, 5, cache=a.clone()) == tiny.generate(NEXT, 5, cache=b)
+
+
+def test_embedded_clone_then_continue_is_bit_identical(model):
+    ids = model.to_ids("The Eiffel Tower is in the city of")
+    original = prefilled(model, ids)
+    clone = original.clone()
+    fresh = prefilled(model, ids)
+    logits = [model.forward([7042], cache=c) for c in (clone, original, fresh)]
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+
+
+def test_a_clone_is_independent(tiny):
+    original = prefilled(tiny)
+    keys, values = original.get(1)
+    clone = original.clone()
+    clone.clear(1)
+    clone.truncate(3)
+    assert original.length == len(PROMPT)
+    assert all(torch.equal(a, b) for a, b in zip(original.get(1), (keys, values)))
+
+
+def test_truncate_then_continue_equals_a_run_on_the_shorter_prompt(tiny):
+    cache = prefilled(tiny)
+    cache.truncate(5)
+    assert cache.tokens == PROMPT[:5] and cache.next_position == 5
+    shorter = prefilled(tiny, PROMPT[:5])
+    # the kept slots were computed in a longer batch, so equality is up to matmul rounding
+    torch.testing.assert_close(tiny.forward(NEXT, cache=cache), tiny.forward(NEXT, cache=shorter), rtol=1e-5, atol=1e-5)
+
+
+def test_clone_positions_keeps_the_rope_positions(tiny):
+    cache = prefilled(tiny)
+    window = cache.clone_positions(2, 6)
+    assert window.positions.tolist() == [2, 3, 4, 5] and window.tokens == PROMPT[2:6]
+    assert window.next_position == 6
+    assert all(torch.equal(a, b[:, 2:6]) for a, b in zip(window.get(0), cache.get(0)))
+    prefix = cache.clone_positions(0, 5)
+    truncated = prefilled(tiny)
+    truncated.truncate(5)
+    assert torch.equal(tiny.forward(NEXT, cache=prefix), tiny.forward(NEXT, cache=truncated))
+
+
+def mask_keys_for_new_tokens(deleted: list[int], n_new: int):
+    """Attention-score hook: the last ``n_new`` queries may not look at the ``deleted`` key slots."""
+
+    def mask(scores, ctx):
+        scores = scores.clone()
+        scores[:, -n_new:, deleted] = float("-inf")
+        return scores
+
+    return ("blocks.*.attn.hook_attn_scores", mask)
+
+
+def test_delete_positions_equals_masking_those_keys_from_the_new_tokens(tiny):
+    """The exact semantics: kept slots keep their positions and their (already computed) keys/values; the
+    new tokens continue at last position + 1 and do not see the deleted slots."""
+    deleted = [1, 4, 5]
+    cache = prefilled(tiny)
+    cache.delete_positions(deleted)
+    kept = [i for i in range(len(PROMPT)) if i not in deleted]
+    assert cache.positions.tolist() == kept and cache.tokens == [PROMPT[i] for i in kept]
+    assert cache.next_position == len(PROMPT)
+    continued = tiny.forward(NEXT, cache=cache)
+
+    full = PROMPT + NEXT
+    masked = tiny.forward(full, interventions=[mask_keys_for_new_tokens(deleted, len(NEXT))])[-len(NEXT):]
+    torch.testing.assert_close(continued, masked, rtol=1e-5, atol=1e-5)
+    unmasked = tiny.forward(full)[-len(NEXT):]
+    assert (continued - unmasked).abs().max() > 1e-3  # deleting slots really changed the continuation
+    # it is not a run on the prompt without those tokens: rope and the kept keys remember them
+    without = tiny.forward([t for i, t in enumerate(PROMPT) if i not in deleted] + NEXT)[-len(NEXT):]
+    assert (continued - without).abs().max() > 1e-3
+
+
+def test_deleting_the_last_slots_moves_the_next_position_back(tiny):
+    cache = prefilled(tiny)
+    cache.delete_positions([-1, -2])
+    assert cache.next_position == len(PROMPT) - 2
+    shorter = prefilled(tiny, PROMPT[:-2])
+    torch.testing.assert_close(tiny.forward(NEXT, cache=cache), tiny.forward(NEXT, cache=shorter), rtol=1e-5, atol=1e-5)
+
+
+def test_copying_every_layer_from_another_cache_continues_like_it(tiny):
+    other_prompt = [9, 8, 7, 6, 5, 4, 3, 2]
+    target, source = prefilled(tiny), prefilled(tiny, other_prompt)
+    before = target.get(1)
+    target.copy_layer_from(source, 0)
+    assert all(torch.equal(a, b) for a, b in zip(target.get(0), source.get(0)))
+    assert all(torch.equal(a, b) for a, b in zip(target.get(1), before))
+    target.copy_layer_from(source, 1)
+    assert torch.equal(tiny.forward(NEXT, cache=target), tiny.forward(NEXT, cache=source))
+
+
+def test_set_and_clear(tiny):
+    cache = prefilled(tiny)
+    keys, values = cache.get(0)
+    zeroed = cache.clone()
+    zeroed.set(0, torch.zeros_like(keys), torch.zeros_like(values))
+    cleared = cache.clone()
+    cleared.clear(0)
+    with tiny.hooks(record=["blocks.0.attn.hook_attn_scores"]) as recorder:
+        from_cleared = tiny.forward(NEXT[:1], cache=cleared)
+    assert torch.equal(from_cleared, tiny.forward(NEXT[:1], cache=zeroed))
+    # a cleared layer scores exactly 0 against every cached slot (and still sees the new token's own key)
+    scores = recorder.activations()["blocks.0.attn.hook_attn_scores"]
+    assert torch.equal(scores[:, 0, :-1], torch.zeros(tiny.config.n_heads, len(PROMPT)))
+    assert scores[:, 0, -1].abs().min() > 0
+    doubled = cache.clone()
+    doubled.set(0, keys, 2 * values)
+    assert torch.equal(doubled.get(0)[1], 2 * values)
+
+
+def test_bad_surgery_is_refused(tiny):
+    cache = prefilled(tiny)
+    keys, values = cache.get(0)
+    bad_calls = {
+        "shape": lambda: cache.set(0, keys[:, :3], values),
+        "NaN": lambda: cache.set(0, keys, values * float("nan")),
+        "floating": lambda: cache.set(0, keys.long(), values),
+        "layer": lambda: cache.get(2),
+        "outside": lambda: cache.truncate(len(PROMPT) + 1),
+        "slots": lambda: cache.delete_positions([len(PROMPT)]),
+        "integers": lambda: cache.delete_positions([1.0]),
+        "slot range": lambda: cache.clone_positions(3, 2),
+        "source cache": lambda: cache.copy_layer_from(prefilled(tiny, PROMPT[:3]), 0),
+    }
+    for expected, call in bad_calls.items():
+        with pytest.raises(workbench.WorkbenchError, match=expected):
+            call()
+    assert cache.length == len(PROMPT) and all(torch.equal(a, b) for a, b in zip(cache.get(0), (keys, values)))
