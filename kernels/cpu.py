@@ -25,7 +25,7 @@ import logging
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 
@@ -39,7 +39,7 @@ SUPPORTED_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8
 
 # Batch size from which exact matmuls dequantize panels of W for the BLAS instead of fusing the
 # dequantization into the dot products (the measured crossover on 2 threads; see the tests' timing).
-PANEL_MIN_BATCH = 32
+PANEL_MIN_BATCH = 16
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "scalar": []}
@@ -143,15 +143,21 @@ def _supports_llamacpp(x: torch.Tensor, w: QuantTensor) -> bool:
     return False
 
 
+def _in_float32(x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The kernels take and return float32; other float inputs are converted (skipped when already fp32: ~2 us a call)."""
+    if x.dtype == torch.float32:
+        return compute(x)
+    return compute(x.float()).to(x.dtype)
+
+
 def _run_exact(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     rows, cols = w.shape
-    out = extension().linear_exact(x.to(torch.float32), w.data, w.fmt.ggml_type, rows, cols, PANEL_MIN_BATCH)
-    return out.to(x.dtype)
+    return _in_float32(x, lambda x32: extension().linear_exact(x32, w.data, w.fmt.ggml_type, rows, cols, PANEL_MIN_BATCH))
 
 
 def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     rows, cols = w.shape
-    return extension().linear_llamacpp(x.to(torch.float32), w.data, w.fmt.ggml_type, rows, cols).to(x.dtype)
+    return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
 
 
 EXACT = Kernel("cpu-gguf-exact", "cpu", _supports_exact, _run_exact)
