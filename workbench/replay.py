@@ -63,7 +63,8 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     report = dict(rtol=rtol, atol=atol, model_forced=bool(mismatch))
     if fresh.ids != list(trace.ids):
         return ReplayReport(DIFFERENT, None, None, 0, reason="the prompt tokenizes to different ids", **report)
-    recorded, replayed = trace.tensors(), fresh.tensors()
+    recorded = {"logits": trace.logits, **trace.activations}
+    replayed = {"logits": fresh.logits, **fresh.activations}
     verdict, worst, worst_name = IDENTICAL, 0.0, None
     for name, old in recorded.items():
         new = replayed[name]

@@ -1,0 +1,170 @@
+"""Trace artifacts: save/load with verified hashes, replay verdicts, the CLI, and TransformerLens caches."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import workbench
+from workbench import hooks
+from workbench.cli import main
+from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE, TraceError
+from workbench.synthetic import random_checkpoint, random_config, random_weights, write_gguf
+
+IDS = [5, 17, 42, 99, 7, 23]
+RECORD = ["blocks.*.hook_resid_post", "blocks.1.attn.hook_pattern", "ln_final.hook_scale"]
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    """A small random model loaded from a GGUF file, so a replay can find it by the path in the trace."""
+    config = random_config("qwen2", n_layers=2)
+    path = write_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", config, random_weights(config, seed=2))
+    return workbench.load(path, device="cpu", dtype="float32")
+
+
+@pytest.fixture()
+def trace(gguf_model):
+    steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(gguf_model.config.d_model), positions=[2, 3])
+    out = gguf_model.run(IDS, record=RECORD, interventions=[steer])
+    out.metrics["answer_logit"] = float(out.logits[-1, 3])
+    return out
+
+
+def test_save_and_load_round_trip(trace, tmp_path):
+    path = trace.save(tmp_path / "artifact")
+    assert sorted(p.name for p in path.iterdir()) == [MANIFEST_FILE, TENSORS_FILE]
+    loaded = workbench.load_trace(path)
+    assert torch.equal(loaded.logits, trace.logits)
+    assert loaded.activations.keys() == trace.activations.keys()
+    assert all(torch.equal(loaded.activations[k], v) for k, v in trace.activations.items())
+    for field in ("prompt", "ids", "tokens", "interventions", "fingerprint", "backend", "versions", "seed", "chat",
+                  "metrics"):
+        assert getattr(loaded, field) == json.loads(json.dumps(getattr(trace, field))), field
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    assert manifest["schema_version"] == 1 and manifest["fingerprint"]["sha256"] == trace.fingerprint["sha256"]
+    assert set(manifest["tensors"]) == {"logits"} | {f"activations.{k}" for k in trace.activations}
+    assert workbench.load_trace(path / MANIFEST_FILE).ids == IDS  # the manifest path works too
+
+
+def tamper_byte(path, offset_from_end: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def edit_manifest(path, edit) -> None:
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    edit(manifest)
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: tamper_byte(p / TENSORS_FILE), "modified or is corrupt"),
+    (lambda p: (p / TENSORS_FILE).write_bytes((p / TENSORS_FILE).read_bytes()[:-10]), "modified or is corrupt"),
+    (lambda p: (p / TENSORS_FILE).unlink(), "missing"),
+    (lambda p: (p / MANIFEST_FILE).unlink(), "not a trace artifact"),
+    (lambda p: (p / MANIFEST_FILE).write_text("{not json"), "not valid JSON"),
+    (lambda p: edit_manifest(p, lambda m: m.update(schema_version=99)), "schema version 99"),
+    (lambda p: edit_manifest(p, lambda m: m["tensors"]["logits"].update(sha256="0" * 64)), "does not match its manifest"),
+    (lambda p: edit_manifest(p, lambda m: m["tensors"].pop("logits")), "does not hold the tensors"),
+])
+def test_a_damaged_artifact_is_refused(trace, tmp_path, damage, message):
+    path = trace.save(tmp_path / "artifact")
+    damage(path)
+    with pytest.raises(TraceError, match=message):
+        workbench.load_trace(path)
+
+
+def test_replay_is_identical_on_the_same_model(trace, gguf_model, tmp_path):
+    path = trace.save(tmp_path / "artifact")
+    report = workbench.replay(path, gguf_model)
+    assert report.verdict == "identical" and report.max_abs_deviation == 0
+    assert report.tensors_compared == 1 + len(trace.activations)
+    # without a model, the replay loads it from the path recorded in the trace
+    assert workbench.replay(path).verdict == "identical"
+
+
+def resaved_with(trace, tmp_path, key: str, delta: float):
+    """The artifact re-saved, consistently hashed, with one value of one tensor moved by ``delta``."""
+    tensor = trace.logits if key == "logits" else trace.activations[key]
+    tensor[1, 2] += delta
+    return trace.save(tmp_path / f"changed-{delta}")
+
+
+def test_replay_reports_within_tolerance_and_different_with_the_largest_deviation(trace, gguf_model, tmp_path):
+    name = "blocks.1.hook_resid_post"
+    scale = trace.activations[name].abs().max().item()
+    slightly = workbench.replay(resaved_with(trace, tmp_path, name, 1e-5 * scale), gguf_model)
+    assert slightly.verdict == "within tolerance" and slightly.worst_tensor == name
+    clearly = workbench.replay(resaved_with(trace, tmp_path, "logits", 0.5), gguf_model)
+    assert clearly.verdict == "different" and clearly.worst_tensor == "logits"
+    assert clearly.max_abs_deviation == pytest.approx(0.5, rel=1e-3)
+    assert "logits" in str(clearly)
+
+
+def test_replay_refuses_another_model_unless_forced(trace, tmp_path):
+    other = workbench.Model(random_checkpoint(random_config("qwen2", n_layers=2), seed=9))
+    path = trace.save(tmp_path / "artifact")
+    with pytest.raises(workbench.WorkbenchError, match="another model"):
+        workbench.replay(path, other)
+    forced = workbench.replay(path, other, force=True)
+    assert forced.model_forced and forced.verdict == "different"
+
+
+def test_replay_refuses_a_function_hook_trace(gguf_model, tmp_path):
+    trace = gguf_model.run(IDS, interventions=[("blocks.0.hook_resid_pre", lambda x, ctx: None)])
+    with pytest.raises(workbench.HookError, match="cannot be rebuilt"):
+        workbench.replay(trace.save(tmp_path / "artifact"), gguf_model)
+
+
+def test_cli_replay(trace, tmp_path, capsys):
+    path = trace.save(tmp_path / "artifact")
+    assert main(["replay", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "identical"
+    changed = resaved_with(trace, tmp_path, "logits", 1.0)
+    assert main(["replay", str(changed)]) == 1
+    assert capsys.readouterr().out.startswith("different")
+    tamper_byte(changed / TENSORS_FILE)
+    assert main(["replay", str(changed)]) == 2
+    assert "modified or is corrupt" in capsys.readouterr().err
+
+
+def test_activation_cache_utilities(gguf_model):
+    # no hook_result recorded: stack_head_results must compute it from hook_z and W_O
+    full = gguf_model.run(IDS, record=["hook_embed", "blocks.*.hook_resid_*", "blocks.*.hook_*_out",
+                                       "blocks.*.attn.hook_z", "*.hook_scale"])
+    cache = full.to_activation_cache(gguf_model)
+    L, T, d = gguf_model.config.n_layers, len(IDS), gguf_model.config.d_model
+    assert cache["resid_pre", 1].shape == (1, T, d) and torch.equal(cache["resid_pre", 1][0], full.activations["blocks.1.hook_resid_pre"])
+    assert cache.stack_activation("resid_post").shape == (L, 1, T, d)
+    # logit lens: the last accumulated residual, normalized, through the (folded) unembedding is the logits
+    accumulated, labels = cache.accumulated_resid(apply_ln=True, return_labels=True)
+    assert labels == ["0_pre", "1_pre", "final_post"]
+    torch.testing.assert_close(accumulated[-1, 0] @ cache.model.W_U, full.logits, rtol=1e-4, atol=1e-4)
+    # the residual stream decomposes into embed + attention and MLP outputs...
+    components = cache.decompose_resid()
+    torch.testing.assert_close(components.sum(0)[0], full.activations[f"blocks.{L - 1}.hook_resid_post"], rtol=1e-5, atol=1e-5)
+    # ...whose direct logit attributions (cached final-norm scale) add up to a real logit
+    attributions = cache.logit_attrs(components, tokens=3)
+    torch.testing.assert_close(attributions.sum(0)[0], full.logits[:, 3], rtol=1e-4, atol=1e-4)
+    # per-head results from hook_z and W_O add up to attn_out
+    heads = cache.stack_head_results(layer=1)
+    torch.testing.assert_close(heads.sum(0)[0], full.activations["blocks.0.hook_attn_out"], rtol=1e-4, atol=1e-4)
+
+
+def test_activation_cache_without_the_model(trace):
+    cache = trace.to_activation_cache()
+    assert cache.stack_activation("resid_post").shape[0] == 2
+    with pytest.raises(workbench.WorkbenchError, match="model's weights"):
+        cache.model.W_U
+
+
+def test_embedded_trace_replays_identically(model, tmp_path):
+    steer = hooks.Steer("blocks.10.hook_resid_post", torch.ones(model.config.d_model), scale=4.0, positions=[-1])
+    trace = model.run("The Eiffel Tower is in the city of", record=["blocks.*.hook_resid_post"], interventions=[steer])
+    path = trace.save(tmp_path / "embedded")
+    assert workbench.load_trace(path).fingerprint["sha256"] == model.file_sha256
+    report = workbench.replay(path, model)
+    assert report.verdict == "identical" and report.tensors_compared == 1 + model.config.n_layers
