@@ -116,6 +116,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_mcp(args: argparse.Namespace) -> None:
+    from workbench.mcp_server import serve
+
+    serve(args.model, args.artifacts, http=args.http, host=args.host, port=args.port, device=args.device,
+          dtype=args.dtype)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     dashboard.add_argument("--port", type=int, default=8501)
     dashboard.set_defaults(fn=cmd_app)
+
+    mcp = sub.add_parser("mcp", help="MCP server for agents: stdio, or streamable HTTP with --http")
+    mcp.add_argument("--http", action="store_true", help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio")
+    mcp.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
+    mcp.add_argument("--port", type=int, default=8000)
+    mcp.add_argument("--artifacts", default="artifacts", help="the only folder tools read and write (default: ./artifacts)")
+    mcp.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
+    mcp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    mcp.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
+    mcp.set_defaults(fn=cmd_mcp)
 
     rep = sub.add_parser("replay", help="re-run a saved trace and compare: identical / within tolerance / different")
     rep.add_argument("artifact", help="trace directory written by Trace.save")

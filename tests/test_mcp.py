@@ -1,0 +1,453 @@
+"""The MCP server through the SDK's own client: stdio (a `workbench mcp` subprocess) and streamable HTTP
+(the same server in this process on 127.0.0.1), numbers checked against the Python API."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import socket
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Iterator
+
+import anyio
+import pytest
+import torch
+from anyio.from_thread import start_blocking_portal
+from mcp.client import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+import workbench
+from workbench import hooks
+from workbench.mcp_server import TOOLS, Limits, Workbench, build_server, http_app
+from workbench.synthetic import random_checkpoint, random_config
+
+PROMPT = "The capital of France is"
+
+
+class Client:
+    """A blocking facade over one ClientSession running in a background event loop."""
+
+    def __init__(self, portal, session: ClientSession):
+        self.portal, self.session = portal, session
+
+    def result(self, name: str, **arguments: Any):
+        return self.portal.call(self.session.call_tool, name, arguments)
+
+    def call(self, name: str, **arguments: Any) -> dict:
+        result = self.result(name, **arguments)
+        assert not result.is_error, result.content[0].text
+        return result.structured_content
+
+    def error(self, name: str, **arguments: Any) -> str:
+        result = self.result(name, **arguments)
+        assert result.is_error, f"{name} should have failed: {str(result.structured_content)[:300]}"
+        return result.content[0].text
+
+
+@asynccontextmanager
+async def _session(transport):
+    async with transport as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+@contextmanager
+def connect(transport) -> Iterator[Client]:
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(_session(transport)) as session:
+        yield Client(portal, session)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="module")
+def stdio(artifacts) -> Iterator[Client]:
+    """`python -m workbench.cli mcp` as a subprocess, stopped when the client closes its stdin."""
+    params = StdioServerParameters(command=sys.executable, args=["-m", "workbench.cli", "mcp", "--artifacts",
+                                                                  str(artifacts)])
+    with connect(stdio_client(params)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http_server(model, artifacts) -> Iterator[tuple[str, Workbench]]:
+    """The server on 127.0.0.1 (a free port) in a thread of this process, sharing the session's model."""
+    import uvicorn
+
+    bench = Workbench(model, artifacts)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(http_app(build_server(bench), bench), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "HTTP server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/mcp", bench
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def http(http_server) -> Iterator[Client]:
+    with connect(streamable_http_client(http_server[0])) as client:
+        yield client
+
+
+@pytest.fixture(params=["stdio", "http"])
+def client(request) -> Client:
+    return request.getfixturevalue(request.param)
+
+
+def next_token_logprobs(model, prompt: str, **kwargs) -> torch.Tensor:
+    return model.forward(model.tokenize(prompt), **kwargs)[-1].log_softmax(-1)
+
+
+@functools.cache
+def baseline_logprobs(model) -> torch.Tensor:
+    return next_token_logprobs(model, PROMPT)
+
+
+# ------------------------------------------------------------------------------------------------ listing
+
+
+def test_lists_every_tool_with_schemas(client):
+    tools = {t.name: t for t in client.portal.call(client.session.list_tools).tools}
+    assert set(tools) == set(TOOLS)
+    assert tools["run"].input_schema["required"] == ["prompt"]
+    assert "trace_id" in tools["run"].output_schema["properties"]
+    assert all(t.description and t.output_schema for t in tools.values())
+
+
+# ------------------------------------------------------------------------------------------- model tools
+
+
+def test_model_tools(stdio, model):
+    info = stdio.call("model_info")
+    assert (info["n_layers"], info["d_model"], info["vocab_size"]) == (30, 576, 49152)
+    assert info["tensor_formats"] == {"Q8_0": 1, "Q4_1": 210}
+    listing = stdio.call("list_models")
+    assert listing["current"] == "embedded" and listing["models"][0]["loaded"]
+    points = stdio.call("list_hook_points", pattern="blocks.3.attn.hook_*")
+    assert points["block_points"]["hook_resid_post"] == "[T, 576]"
+    assert "blocks.3.attn.hook_pattern" in points["matching"]
+    tokens = stdio.call("tokenize", text=PROMPT)
+    assert tokens["ids"] == model.tokenize(PROMPT)
+    assert "".join(tokens["tokens"]) == PROMPT
+
+
+# ------------------------------------------------------------------------------------------ run and read
+
+
+def test_run_matches_forward_and_keeps_a_trace(client, model):
+    out = client.call("run", prompt=PROMPT, record=["blocks.*.hook_resid_post"], top_k=5)
+    logprobs = baseline_logprobs(model)
+    top = out["next_token"]["top"]
+    assert [t["id"] for t in top] == logprobs.topk(5).indices.tolist()
+    assert top[0]["token"] == " Paris"
+    assert top[0]["logprob"] == pytest.approx(float(logprobs.max()), abs=1e-4)
+    assert len(out["recorded"]) == 30 and out["recorded"][29]["shape"] == [len(out["tokens"]), 576]
+
+    trace = model.run(PROMPT, record=["blocks.20.hook_resid_post"])
+    expected = trace.activations["blocks.20.hook_resid_post"]
+    summary = out["recorded"][20]
+    assert summary["position_norms"] == pytest.approx(expected.norm(dim=1).tolist(), rel=1e-4)
+    piece = client.call("get_activation", trace_id=out["trace_id"], hook="blocks.20.hook_resid_post",
+                        positions=[-1], feature_start=10, feature_stop=20)
+    assert piece["shape"] == [1, 10]
+    assert piece["values"] == pytest.approx(expected[-1, 10:20].tolist(), abs=1e-4)
+
+
+def test_attention_pattern(stdio, model):
+    out = stdio.call("attention_pattern", prompt=PROMPT, layer=4, heads=[0, 5])
+    pattern = model.run(PROMPT, record=["blocks.4.attn.hook_pattern"]).activations["blocks.4.attn.hook_pattern"]
+    assert out["query_positions"] == [len(out["tokens"]) - 1]
+    assert torch.tensor(out["pattern"]) == pytest.approx(pattern[[0, 5]][:, -1:], abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- edits
+
+
+def _check_edit(out: dict, model, interventions: list) -> None:
+    """An edit tool's baseline and edited distributions equal Model.forward without and with the interventions."""
+    before, after = baseline_logprobs(model), next_token_logprobs(model, PROMPT, interventions=interventions)
+    for key, logprobs in (("baseline", before), ("edited", after)):
+        top = out[key]["top"]
+        expected = logprobs.topk(len(top))
+        assert [t["id"] for t in top] == expected.indices.tolist()
+        assert [t["logprob"] for t in top] == pytest.approx(expected.values.tolist(), abs=1e-4)
+    assert out["kl"] == pytest.approx(float((before.exp() * (before - after)).sum()), abs=1e-4)
+
+
+def test_steer_ablate_patch_and_combinations(stdio, model):
+    vector = torch.randn(576, generator=torch.Generator().manual_seed(0)).tolist()
+    steer = {"type": "steer", "hook": "blocks.10.hook_resid_post", "vector": vector, "scale": 8.0}
+    out = stdio.call("steer", prompt=PROMPT, hook="blocks.10.hook_resid_post", vector=vector, scale=8.0,
+                     targets=[" Paris"], top_k=5)
+    _check_edit(out, model, [steer])
+    assert out["targets"][0]["token"] == " Paris" and out["interventions"][0]["vector"]["size"] == 576
+
+    out = stdio.call("ablate", prompt=PROMPT, hook="blocks.8.attn.hook_z", heads=[1, 2], top_k=5)
+    _check_edit(out, model, [{"type": "zero_ablate", "hook": "blocks.8.attn.hook_z", "heads": [1, 2]}])
+
+    out = stdio.call("patch", prompt=PROMPT, hook="blocks.12.hook_resid_post", donor="The capital of Italy is",
+                     top_k=5)
+    patch = {"type": "patch", "hook": "blocks.12.hook_resid_post", "donor": "The capital of Italy is"}
+    _check_edit(out, model, [patch])
+    assert out["edited"]["top"][0]["token"] == " Rome" and out["top1_changed"]
+
+    combined = [{"type": "scale", "hook": "blocks.3.mlp.hook_post", "factor": 0.5},
+                {"type": "zero_ablate", "hook": "blocks.5.hook_attn_out", "positions": [1]}]
+    out = stdio.call("run_with_interventions", prompt=PROMPT, interventions=combined, top_k=5)
+    _check_edit(out, model, combined)
+
+
+def test_mean_ablation_over_reference_prompts(http, model):
+    hook, references = "blocks.6.hook_mlp_out", ["The capital of Spain is", "A cat sat on the mat"]
+    out = http.call("ablate", prompt=PROMPT, hook=hook, method="mean", reference_prompts=references, top_k=5)
+    traces = [model.run(p, record=[hook]) for p in references]
+    _check_edit(out, model, [hooks.MeanAblate.from_traces(hook, traces)])
+
+
+def test_generate_with_and_without_interventions(http, model):
+    plain = http.call("generate", prompt=PROMPT, max_new_tokens=4)
+    assert plain["text"] == model.generate(PROMPT, 4)
+    ablate = [{"type": "zero_ablate", "hook": "blocks.*.hook_mlp_out", "positions": "generated"}]
+    edited = http.call("generate", prompt=PROMPT, max_new_tokens=4, interventions=ablate)
+    assert edited["ids"] == [t for t, _ in model.stream(PROMPT, 4, interventions=ablate)]
+    assert edited["ids"][0] == plain["ids"][0] and edited["ids"] != plain["ids"]
+
+
+# ---------------------------------------------------------------------------------------------- KV cache
+
+
+def test_kv_cache_surgery(http, model):
+    created = http.call("kv_create", prompt=PROMPT, top_k=3)
+    cache = model.new_cache()
+    logprobs = model.forward(model.tokenize(PROMPT), cache=cache)[-1].log_softmax(-1)
+    assert created["next_token"]["top"][0]["logprob"] == pytest.approx(float(logprobs.max()), abs=1e-5)
+    assert created["length"] == cache.length and created["positions"] == cache.positions.tolist()
+    cache_id = created["cache_id"]
+
+    layer = http.call("kv_get_layer", cache_id=cache_id, layer=7, start=1, stop=3)
+    keys, values = cache.get(7)
+    assert layer["shape"] == [3, 2, 64]
+    assert layer["keys"] == pytest.approx(keys[:, 1:3].flatten().tolist(), abs=1e-6)
+    assert layer["values"] == pytest.approx(values[:, 1:3].flatten().tolist(), abs=1e-6)
+
+    clone = http.call("kv_clone", cache_id=cache_id)["cache_id"]
+    continued = http.call("kv_generate", cache_id=clone, prompt=" and", max_new_tokens=3)
+    reference = cache.clone()
+    expected = [t for t, _ in model.stream(model.tokenize(" and", add_bos=False), 3, cache=reference)]
+    assert continued["generation"]["ids"] == expected and continued["length"] == reference.length
+    assert http.call("kv_get_layer", cache_id=cache_id, layer=0)["shape"][1] == cache.length  # original untouched
+
+    cleared = http.call("kv_clone", cache_id=cache_id)["cache_id"]
+    http.call("kv_clear_layer", cache_id=cleared, layer=7)
+    assert not any(http.call("kv_get_layer", cache_id=cleared, layer=7)["keys"])
+    http.call("kv_set_layer", cache_id=cleared, layer=7, source_cache_id=cache_id)
+    assert http.call("kv_get_layer", cache_id=cleared, layer=7)["keys"] == pytest.approx(keys.flatten().tolist())
+
+    n = cache.length
+    head = http.call("kv_clone_positions", cache_id=cache_id, start=0, stop=n - 1)
+    assert head["length"] == n - 1 and head["tokens"] == created["tokens"][:-1]
+    assert http.call("kv_truncate", cache_id=cleared, length=2)["length"] == 2
+    deleted = http.call("kv_delete_positions", cache_id=cache_id, slots=[1])
+    assert deleted["positions"] == [0] + list(range(2, n))
+    http.call("kv_set_layer", cache_id=head["cache_id"], layer=0, keys=[0.5] * (3 * (n - 1) * 64),
+              values=[0.0] * (3 * (n - 1) * 64))
+    assert set(http.call("kv_get_layer", cache_id=head["cache_id"], layer=0)["keys"]) == {0.5}
+    for released in (cache_id, clone, cleared, head["cache_id"]):
+        assert http.call("kv_release", cache_id=released)["released"] == [released]
+    assert "unknown cache id" in http.error("kv_get_layer", cache_id=cache_id, layer=0)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_invalid_arguments_are_tool_errors_and_the_server_keeps_serving(client):
+    vector = [0.0] * 576
+    assert "layer 99" in client.error("run", prompt=PROMPT, record=["blocks.99.hook_resid_post"])
+    assert "did you mean" in client.error("steer", prompt=PROMPT, hook="blocks.3.hook_resid_pots", vector=vector)
+    assert "shape (576,)" in client.error("steer", prompt=PROMPT, hook="blocks.3.hook_resid_post", vector=[1.0] * 5)
+    assert "finite" in client.error("steer", prompt=PROMPT, hook="blocks.3.hook_resid_post", vector=vector,
+                                    scale="NaN")
+    assert client.error("steer", prompt=PROMPT, hook="blocks.3.hook_resid_post", vector=[math.nan] * 576)
+    assert "unknown intervention type" in client.error("run_with_interventions", prompt=PROMPT,
+                                                       interventions=[{"type": "explode", "hook": "hook_embed"}])
+    assert "unknown trace id 'trace-nope'" in client.error("get_activation", trace_id="trace-nope", hook="hook_embed")
+    assert "unknown cache id" in client.error("kv_truncate", cache_id="cache-nope", length=1)
+    assert "takes at most 512" in client.error("run", prompt="word " * 600)
+    assert "max_new_tokens must be between 1 and 256" in client.error("generate", prompt=PROMPT,
+                                                                       max_new_tokens=100_000)
+    assert "top_k must be between 1 and 50" in client.error("run", prompt=PROMPT, top_k=10_000)
+    assert client.error("run", prompt=PROMPT, top_k="many")  # fails the input schema
+    assert client.error("no_such_tool")
+    assert client.call("tokenize", text="still serving")["tokens"] == ["still", " serving"]
+
+
+def test_paths_outside_the_artifacts_folder_are_refused(client, artifacts, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.gguf").write_bytes(b"GGUF")
+    (artifacts / "escape").unlink(missing_ok=True)
+    (artifacts / "escape").symlink_to(outside)
+    for path in ("../outside/model.gguf", str(outside / "model.gguf"), "escape/model.gguf", "a/../../x.gguf"):
+        assert "outside the artifacts folder" in client.error("load_model", path=path)
+
+
+def test_results_are_size_bounded(http):
+    trace = http.call("run", prompt="The capital of France is Paris.",
+                      record=["blocks.0.mlp.hook_post", "blocks.0.attn.hook_pattern"])
+    assert trace["recorded"][0]["shape"] == [7, 1536]
+    message = http.error("get_activation", trace_id=trace["trace_id"], hook="blocks.0.mlp.hook_post")
+    assert "at most 8,192 are returned" in message
+    piece = http.call("get_activation", trace_id=trace["trace_id"], hook="blocks.0.mlp.hook_post", positions=[0, -1])
+    assert piece["shape"] == [2, 1536] and piece["positions"] == [0, 6]
+    pattern = http.call("get_activation", trace_id=trace["trace_id"], hook="blocks.0.attn.hook_pattern", heads=[0])
+    assert pattern["shape"] == [1, 7, 7] and pattern["values"][1] == 0.0  # causal mask
+
+
+# --------------------------------------------------------------------------------------------- artifacts
+
+
+def test_save_load_replay_compare_and_resources(http, artifacts, model):
+    steer = [{"type": "scale", "hook": "blocks.9.hook_resid_post", "factor": 1.5}]
+    edited = http.call("run_with_interventions", prompt=PROMPT, interventions=steer,
+                       record=["blocks.20.hook_resid_post"])
+    saved = http.call("save_trace", trace_id=edited["trace_id"], path="runs/scaled")
+    assert saved["path"] == "runs/scaled" and saved["bytes"] > 0
+    on_disk = hooks.load_trace(artifacts / "runs" / "scaled")
+    assert on_disk.interventions == model.run(PROMPT, interventions=steer).interventions
+    assert torch.equal(on_disk.logits, model.run(PROMPT, interventions=steer).logits)
+
+    loaded = http.call("load_trace", path="runs/scaled")
+    assert loaded["path"] == "runs/scaled" and loaded["recorded"] == {"blocks.20.hook_resid_post": [5, 576]}
+    replayed = http.call("replay_trace", trace_id=loaded["trace_id"])
+    assert replayed["verdict"] == "identical" and replayed["tensors_compared"] == 2
+
+    comparison = http.call("compare_traces", a=edited["baseline_trace_id"], b=loaded["trace_id"])
+    assert comparison["kl"] == pytest.approx(edited["kl"], abs=1e-5)
+    assert comparison["activations"][0]["hook"] == "blocks.20.hook_resid_post"
+    assert comparison["activations"][0]["max_abs_diff"] > 0
+
+    listed = {t["trace_id"]: t for t in http.call("list_traces")["traces"]}
+    assert listed[loaded["trace_id"]]["interventions"] == steer
+    resource = http.portal.call(http.session.read_resource, listed[loaded["trace_id"]]["uri"])
+    assert json.loads(resource.contents[0].text)["prompt"] == PROMPT
+    assert http.call("release", ids=[loaded["trace_id"]])["released"] == [loaded["trace_id"]]
+    assert "unknown trace id" in http.error("replay_trace", trace_id=loaded["trace_id"])
+    for path in ("../escaped", "/tmp/escaped", "runs/../../escaped"):
+        assert "outside the artifacts folder" in http.error("save_trace", trace_id=edited["trace_id"], path=path)
+        assert "outside the artifacts folder" in http.error("load_trace", path=path)
+    assert "not a trace artifact" in http.error("load_trace", path="runs")
+
+
+def test_patching_sweep(http, model):
+    clean, corrupt = "The capital of Italy is", PROMPT
+    out = http.call("patching_sweep", clean=clean, corrupt=corrupt, layers=[0, 15, 29], positions=[-2, -1],
+                    answers=[" Rome", " Paris"])
+    expected = hooks.patching_sweep(model, clean, corrupt, layers=[0, 15, 29], positions=[-2, -1],
+                                    answers=(" Rome", " Paris"), progress=False)
+    assert out["labels"] == expected.labels
+    assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
+    assert "the limit is 256" in http.error("patching_sweep", clean=clean, corrupt=corrupt, over=["layers", "heads"])
+
+
+# ---------------------------------------------------------------------------------- sessions, concurrency
+
+
+def _without_ids(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if not k.endswith("_id")}
+    if isinstance(value, list):
+        return [_without_ids(v) for v in value]
+    return value
+
+
+def test_concurrent_clients_get_the_sequential_results(http_server, http):
+    url = http_server[0]
+    vector = torch.randn(576, generator=torch.Generator().manual_seed(1)).tolist()
+    calls = {
+        "a": [("run", {"prompt": PROMPT, "record": ["blocks.5.hook_resid_post"], "top_k": 5}),
+              ("steer", {"prompt": PROMPT, "hook": "blocks.5.hook_resid_post", "vector": vector, "scale": 4.0}),
+              ("generate", {"prompt": PROMPT, "max_new_tokens": 3})],
+        "b": [("run", {"prompt": "The capital of Italy is", "top_k": 5}),
+              ("ablate", {"prompt": "The capital of Italy is", "hook": "blocks.2.attn.hook_z", "heads": [0]}),
+              ("kv_create", {"prompt": "Once upon a time"})],
+    }
+    sequential = {name: [_without_ids(http.call(tool, **args)) for tool, args in sequence]
+                  for name, sequence in calls.items()}
+
+    async def concurrently() -> dict:
+        results: dict = {}
+
+        async def client(name: str) -> None:
+            async with _session(streamable_http_client(url)) as session:
+                results[name] = [_without_ids((await session.call_tool(tool, args)).structured_content)
+                                 for tool, args in calls[name]]
+
+        async with anyio.create_task_group() as tasks:
+            for name in calls:
+                tasks.start_soon(client, name)
+        return results
+
+    assert http.portal.call(concurrently) == sequential
+
+
+def test_sessions_are_isolated_and_released_on_disconnect(http_server, http):
+    url, bench = http_server
+    http.call("tokenize", text="hello")
+    before = set(bench.sessions.keys())
+    with connect(streamable_http_client(url)) as other:
+        trace_id = other.call("run", prompt="Hello there")["trace_id"]
+        (key,) = set(bench.sessions.keys()) - before
+        assert "unknown trace id" in http.error("get_activation", trace_id=trace_id, hook="hook_embed")
+        assert other.call("list_traces")["traces"][0]["trace_id"] == trace_id
+    assert key not in bench.sessions.keys() and before <= set(bench.sessions.keys())
+
+
+def test_cancelled_generation_stops_at_the_next_token(http):
+    created = http.call("kv_create", prompt=PROMPT)
+
+    async def cancel_after(seconds: float) -> None:
+        with anyio.move_on_after(seconds) as scope:
+            await http.session.call_tool("kv_generate", {"cache_id": created["cache_id"], "prompt": " and",
+                                                         "max_new_tokens": 256})
+        assert scope.cancelled_caught
+
+    http.portal.call(cancel_after, 2.0)
+    length = http.call("kv_clone", cache_id=created["cache_id"])["length"]
+    assert created["length"] < length < created["length"] + 256  # it stopped early, between tokens
+    assert http.call("tokenize", text="still serving")["tokens"] == ["still", " serving"]
+
+
+def test_idle_sessions_are_released():
+    from mcp.client import Client as InProcessClient
+
+    model = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)))
+    bench = Workbench(model, "artifacts-unused", Limits(idle_seconds=0.3))
+
+    async def scenario() -> None:
+        async with InProcessClient(build_server(bench), mode="legacy") as client:
+            trace_id = (await client.call_tool("run", {"prompt": "the cat"})).structured_content["trace_id"]
+            assert len(bench.sessions.keys()) == 1
+            await anyio.sleep(1.0)
+            assert bench.sessions.keys() == []
+            result = await client.call_tool("get_activation", {"trace_id": trace_id, "hook": "hook_embed"})
+            assert result.is_error and "unknown trace id" in result.content[0].text
+
+    anyio.run(scenario)

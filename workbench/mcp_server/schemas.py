@@ -1,0 +1,215 @@
+"""Structured results of the MCP tools: each tool's output schema is one of these models."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+# Numbers that may be -inf (masked attention scores) travel as null.
+Value = float | None
+
+
+class TokenProb(BaseModel):
+    id: int
+    token: str
+    logprob: float
+    prob: float
+
+
+class Distribution(BaseModel):
+    """The next-token distribution after the last prompt token."""
+
+    top: list[TokenProb]
+    entropy: float = Field(description="entropy in nats")
+
+
+class ModelInfo(BaseModel):
+    name: str
+    path: str
+    architecture: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_mlp: int
+    vocab_size: int
+    n_ctx: int
+    parameters: int
+    device: str
+    dtype: str
+    tensor_formats: dict[str, int]
+
+
+class ModelEntry(BaseModel):
+    name: str
+    path: str
+    loaded: bool
+
+
+class ModelList(BaseModel):
+    current: str = Field(description="the model this session's tools use")
+    models: list[ModelEntry]
+
+
+class HookPoints(BaseModel):
+    n_layers: int
+    block_points: dict[str, str] = Field(description="per-block point suffix -> shape; full name blocks.{layer}.{suffix}")
+    global_points: dict[str, str]
+    matching: list[str] = Field(description="names matching the pattern, when one was given")
+
+
+class Tokenization(BaseModel):
+    ids: list[int]
+    tokens: list[str]
+
+
+class ActivationSummary(BaseModel):
+    hook: str
+    shape: list[int]
+    norm: float
+    max_abs: float
+    position_norms: list[float] = Field(description="L2 norm at each token position")
+
+
+class RunResult(BaseModel):
+    trace_id: str
+    tokens: list[str]
+    next_token: Distribution
+    recorded: list[ActivationSummary]
+
+
+class ActivationSlice(BaseModel):
+    trace_id: str
+    hook: str
+    full_shape: list[int]
+    shape: list[int] = Field(description="shape of the slice; values are row-major")
+    positions: list[int]
+    heads: list[int] | None
+    features: list[int] = Field(description="[start, stop) of the feature axis, when it has one")
+    values: list[Value]
+
+
+class TokenChange(BaseModel):
+    id: int
+    token: str
+    baseline_logprob: float
+    edited_logprob: float
+    delta: float
+
+
+class EditResult(BaseModel):
+    trace_id: str = Field(description="trace of the edited run (save_trace / replay_trace take it)")
+    baseline_trace_id: str
+    interventions: list[dict[str, Any]] = Field(description="as applied; long vectors shown as {size, norm}")
+    baseline: Distribution
+    edited: Distribution
+    kl: float = Field(description="KL(baseline || edited) of the next-token distributions, nats")
+    top1_changed: bool
+    changes: list[TokenChange] = Field(description="tokens of either top-k, largest |delta| first")
+    targets: list[TokenChange]
+
+
+class Generation(BaseModel):
+    text: str
+    ids: list[int]
+    tokens: list[str]
+    stopped: bool = Field(description="ended on an end-of-turn / end-of-text token")
+
+
+class AttentionPattern(BaseModel):
+    trace_id: str
+    layer: int
+    heads: list[int]
+    tokens: list[str]
+    query_positions: list[int]
+    pattern: list[list[list[float]]] = Field(description="[head][query][key] attention weights")
+
+
+class KVInfo(BaseModel):
+    cache_id: str
+    length: int
+    next_position: int
+    tokens: list[str]
+    positions: list[int] = Field(description="rope position of each slot")
+
+
+class KVCreated(KVInfo):
+    next_token: Distribution
+
+
+class KVLayer(BaseModel):
+    cache_id: str
+    layer: int
+    shape: list[int] = Field(description="[n_kv_heads, slots, d_head] of the slice")
+    slots: list[int]
+    keys: list[float]
+    values: list[float]
+
+
+class KVGeneration(KVInfo):
+    generation: Generation
+
+
+class TraceSummary(BaseModel):
+    trace_id: str
+    uri: str = Field(description="the trace as an MCP resource")
+    prompt: str | list[int]
+    tokens: list[str]
+    next_token: Distribution
+    interventions: list[dict[str, Any]]
+    recorded: dict[str, list[int]] = Field(description="hook -> shape")
+    model: str = Field(description="model file the trace was recorded on")
+    path: str | None = Field(description="artifacts file it was saved to or loaded from")
+
+
+class TraceList(BaseModel):
+    traces: list[TraceSummary]
+
+
+class Saved(BaseModel):
+    trace_id: str
+    path: str = Field(description="path inside the artifacts folder")
+    bytes: int
+
+
+class HookDiff(BaseModel):
+    hook: str
+    max_abs_diff: float
+    relative_diff: float = Field(description="||a - b|| / ||a||")
+
+
+class Comparison(BaseModel):
+    a: str
+    b: str
+    same_tokens: bool
+    top1_a: TokenProb
+    top1_b: TokenProb
+    kl: float = Field(description="KL(a || b) of the next-token distributions, nats")
+    max_abs_logit_diff: float
+    activations: list[HookDiff]
+
+
+class Replay(BaseModel):
+    trace_id: str
+    verdict: str = Field(description="'identical', 'within tolerance' or 'different'")
+    max_abs_deviation: float | None = Field(description="largest |replayed - recorded| over logits and activations")
+    worst_tensor: str | None
+    tensors_compared: int
+    reason: str | None = Field(description="why it is 'different' without a numeric comparison")
+    model_forced: bool = Field(description="replayed on a model whose fingerprint differs (force=true)")
+
+
+class PatchingSweep(BaseModel):
+    over: list[str] = Field(description="grid axes, e.g. ['layers', 'positions']")
+    hook: str = Field(description="hook template, {layer} filled in per row")
+    labels: dict[str, list[str]]
+    grid: list[list[float]] | list[list[list[float]]]
+    clean_metric: float
+    corrupt_metric: float
+    metric_name: str
+    normalized: bool = Field(description="grid is (patched - corrupt) / (clean - corrupt)")
+
+
+class Released(BaseModel):
+    released: list[str]

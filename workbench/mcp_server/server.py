@@ -1,0 +1,144 @@
+"""The MCP layer: publish the Workbench tools on the official SDK's MCPServer, over stdio or streamable HTTP."""
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import threading
+import typing
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
+
+from workbench.errors import WorkbenchError
+from workbench.mcp_server.state import Limits
+from workbench.mcp_server.tools import TOOLS, Call, Workbench
+
+INSTRUCTIONS = """\
+Mechanistic interpretability on a local LLM. Start with model_info and list_hook_points; `run` a prompt with
+record=[...] to keep activations in a server-side trace (ids like trace-1a2b3c4d), then read slices with
+get_activation, look at attention_pattern / logit_lens, edit with ablate / steer / patch / run_with_interventions
+(each returns baseline vs edited next-token distributions), and save_trace / replay_trace to keep results.
+Objects live in this session only and are released when it ends."""
+
+SESSION_HEADER = "mcp-session-id"
+SWEEP_SECONDS = 60.0
+
+logger = logging.getLogger(__name__)
+
+
+def session_key(ctx: Context) -> str:
+    """Whose objects a request sees: the HTTP session id, or the one client of a stdio server."""
+    headers = ctx.headers
+    if headers is None:
+        return "stdio"
+    # requests without a session (stateless HTTP, 2026 envelopes) share one scope, reachable only by random ids
+    return headers.get(SESSION_HEADER) or "stateless"
+
+
+async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments: dict[str, Any]) -> Any:
+    """Run a tool on a worker thread under the model lock; a client's cancel stops it at the next step."""
+    cancelled = threading.Event()
+
+    def work() -> Any:
+        with bench.lock:
+            call = Call(bench.sessions.get(key), cancelled)
+            call.check()  # cancelled while waiting for the lock
+            return method(call, **arguments)
+
+    try:
+        return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        cancelled.set()
+        raise
+    except (WorkbenchError, ValueError) as err:  # the user's mistake: its message goes back as the tool error
+        raise ToolError(str(err)) from err
+
+
+def _publish(server: MCPServer, bench: Workbench, name: str) -> None:
+    """Add one Workbench method as a tool: its signature minus ``call`` is the input schema."""
+    method = getattr(bench, name)
+    hints = typing.get_type_hints(method, include_extras=True)
+    params = [p.replace(annotation=hints[p.name]) for p in list(inspect.signature(method).parameters.values())[1:]]
+
+    async def handler(ctx: Context, **arguments: Any) -> Any:
+        return await call_in_thread(bench, session_key(ctx), method, arguments)
+
+    ctx_param = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=Context)
+    handler.__signature__ = inspect.Signature([*params, ctx_param], return_annotation=hints["return"])
+    handler.__annotations__ = {**{p.name: p.annotation for p in params}, "ctx": Context, "return": hints["return"]}
+    handler.__name__ = name
+    server.add_tool(handler, name=name, description=inspect.getdoc(method))
+
+
+def build_server(bench: Workbench) -> MCPServer:
+    """An MCPServer with every workbench tool and the session traces as resources."""
+
+    @asynccontextmanager
+    async def lifespan(_: MCPServer) -> AsyncIterator[dict]:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(_expire_idle_sessions, bench)
+            yield {}
+            tasks.cancel_scope.cancel()
+
+    server = MCPServer("workbench", instructions=INSTRUCTIONS, lifespan=lifespan)
+    for name in TOOLS:
+        _publish(server, bench, name)
+
+    @server.resource("trace://{trace_id}", name="trace", mime_type="application/json",
+                     description="A trace of this session: prompt, tokens, next-token top-5, interventions, "
+                                 "recorded hooks")
+    async def read_trace(trace_id: str, ctx: Context) -> str:
+        key = session_key(ctx)
+
+        def summary(call: Call) -> str:
+            return bench._trace_summary(call, trace_id).model_dump_json()
+
+        try:
+            return await call_in_thread(bench, key, summary, {})
+        except ToolError as err:
+            raise ResourceNotFoundError(str(err)) from err
+
+    return server
+
+
+async def _expire_idle_sessions(bench: Workbench) -> None:
+    while True:
+        await anyio.sleep(min(SWEEP_SECONDS, bench.limits.idle_seconds))
+        for key in bench.sessions.expire_idle():
+            logger.info("released idle session %s", key)
+
+
+def http_app(server: MCPServer, bench: Workbench, host: str = "127.0.0.1"):
+    """The streamable HTTP ASGI app; a client's DELETE (session end) releases its objects at once."""
+    app = server.streamable_http_app(host=host, session_idle_timeout=bench.limits.idle_seconds)
+
+    async def releasing(scope, receive, send):
+        await app(scope, receive, send)
+        if scope["type"] == "http" and scope["method"] == "DELETE":
+            session_id = dict(scope["headers"]).get(SESSION_HEADER.encode())
+            if session_id and bench.sessions.release(session_id.decode()):
+                logger.info("released session %s on disconnect", session_id.decode())
+
+    return releasing
+
+
+def serve(model: str | None = None, artifacts: str = "artifacts", http: bool = False, host: str = "127.0.0.1",
+          port: int = 8000, device: str | None = None, dtype: str | None = None, limits: Limits = Limits()) -> None:
+    """Load the model, then serve until the client goes away (stdio) or the process is stopped (HTTP)."""
+    import workbench
+
+    loaded = workbench.load(model, device=device, dtype=dtype)
+    bench = Workbench(loaded, artifacts, limits, loader=lambda path: workbench.load(path, device=device, dtype=dtype))
+    server = build_server(bench)
+    print(f"workbench mcp: {loaded!r}, artifacts in {bench.artifacts.root}", file=sys.stderr)
+    if not http:
+        anyio.run(server.run_stdio_async)
+        return
+    import uvicorn
+
+    print(f"workbench mcp: streamable HTTP on http://{host}:{port}/mcp", file=sys.stderr)
+    uvicorn.run(http_app(server, bench, host), host=host, port=port, log_level="warning")

@@ -1,0 +1,718 @@
+"""The tools: every workbench operation, on the public API, with limits, ids for server-side objects and small results.
+
+Each tool is a method ``name(self, call, **arguments) -> result model``; ``call`` carries the client's session and
+its cancellation flag. The MCP layer (``server.py``) publishes these methods as they are: their signatures are
+the tools' input schemas, their return models the output schemas, their docstrings the descriptions.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Iterable
+
+import torch
+from pydantic import Field
+
+import workbench
+from workbench import hooks
+from workbench.errors import WorkbenchError
+from workbench.hooks.points import axes, head_count
+from workbench.replay import replay
+from workbench.mcp_server import schemas as s
+from workbench.mcp_server.state import Artifacts, Cancelled, Limits, Models, Session, Sessions
+
+TOOLS: list[str] = []
+
+
+def tool(method: Callable) -> Callable:
+    """Mark a method as an MCP tool (published in definition order)."""
+    TOOLS.append(method.__name__)
+    return method
+
+
+@dataclass
+class Call:
+    """One tool call: the caller's session and the flag set when the client cancels."""
+
+    session: Session
+    cancelled: threading.Event
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled("the request was cancelled")
+
+
+# ------------------------------------------------------------------------------------------ argument types
+
+Prompt = Annotated[str, Field(description="prompt text")]
+Chat = Annotated[bool, Field(description="wrap the prompt in the model's chat template")]
+TopK = Annotated[int, Field(description="how many most likely next tokens to return")]
+Hook = Annotated[str, Field(description="hook point name, e.g. blocks.12.hook_resid_post (list_hook_points)")]
+Record = Annotated[list[str], Field(description="hook names or globs to record into the trace, e.g. "
+                                                "['blocks.*.hook_resid_post']")]
+Positions = Annotated[list[int] | None, Field(description="token positions (negative count from the end); "
+                                                          "all when omitted")]
+Heads = Annotated[list[int] | None, Field(description="attention heads (for per-head points); all when omitted")]
+Specs = Annotated[list[dict[str, Any]], Field(description=(
+    "intervention specs as in workbench.hooks: {'type': 'zero_ablate'|'mean_ablate'|'resample_ablate'|'steer'|"
+    "'patch'|'scale'|'composite', 'hook': ..., 'positions'?, 'heads'?, 'neurons'?, ...}. A 'vector' or 'mean' "
+    "may be {'id': <vector id>}, a patch 'donor' a prompt or {'id': <trace id>}"))]
+Targets = Annotated[list[str], Field(description="single-token strings (e.g. ' Paris') whose logprobs to report")]
+Layer = Annotated[int, Field(description="layer index")]
+TraceId = Annotated[str, Field(description="a trace id from run, an edit tool or load_trace")]
+CacheId = Annotated[str, Field(description="a KV cache id from kv_create or kv_clone")]
+MaxNew = Annotated[int, Field(description="most tokens to generate")]
+Seed = Annotated[int, Field(description="sampling seed (used when temperature > 0)")]
+
+
+def _finite_or_none(values: Iterable[float]) -> list[float | None]:
+    return [v if math.isfinite(v) else None for v in values]
+
+
+def _compact(spec: Any) -> Any:
+    """An intervention spec for display: long number lists (vectors, means) shown by size and norm."""
+    if isinstance(spec, dict):
+        return {k: _compact(v) for k, v in spec.items()}
+    if isinstance(spec, list) and len(spec) > 16 and all(isinstance(v, (int, float)) for v in spec):
+        return {"size": len(spec), "norm": math.sqrt(sum(float(v) ** 2 for v in spec))}
+    if isinstance(spec, list):
+        return [_compact(v) for v in spec]
+    return spec
+
+
+def _shape(tensor: torch.Tensor) -> list[int]:
+    return [int(n) for n in tensor.shape]
+
+
+class Workbench:
+    """The shared model(s), every session's objects, the artifacts folder and the limits."""
+
+    def __init__(self, model: Any, artifacts: str | Path = "artifacts", limits: Limits = Limits(),
+                 model_name: str | None = None, loader: Callable[[Path | None], Any] | None = None):
+        self.limits = limits
+        self.artifacts = Artifacts(artifacts)
+        default_name = model_name or (Models.EMBEDDED if model.path == _embedded_path() else Path(model.path).name)
+        self.models = Models(model, default_name, limits,
+                             loader or (lambda path: workbench.load(path, device=str(model.device))))
+        self.sessions = Sessions(limits, lambda: self.models.default_name)
+        # One forward at a time: concurrent clients then get exactly what they would get one after another.
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def model(self, call: Call) -> Any:
+        return self.models.get(call.session.model_name)
+
+    def _ids(self, model: Any, prompt: str, chat: bool = False) -> list[int]:
+        ids = model.to_ids(prompt, chat=chat)
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise WorkbenchError(f"the prompt has {len(ids)} tokens; this server takes at most "
+                                 f"{self.limits.max_prompt_tokens}")
+        return ids
+
+    def _check_count(self, what: str, n: int, limit: int) -> None:
+        if not 1 <= n <= limit:
+            raise WorkbenchError(f"{what} must be between 1 and {limit}, got {n}")
+
+    def _distribution(self, model: Any, logits: torch.Tensor, top_k: int) -> s.Distribution:
+        self._check_count("top_k", top_k, self.limits.max_top_k)
+        logprobs = logits.float().log_softmax(-1)
+        values, indices = logprobs.topk(top_k)
+        top = [s.TokenProb(id=int(i), token=model.tokenizer.token_text(int(i)), logprob=float(v),
+                           prob=float(v.exp())) for v, i in zip(values, indices)]
+        return s.Distribution(top=top, entropy=float(-(logprobs.exp() * logprobs).sum()))
+
+    def _token_id(self, model: Any, token: str) -> int:
+        ids = model.tokenize(token, add_bos=False)
+        if len(ids) != 1:
+            raise WorkbenchError(f"target {token!r} is {len(ids)} tokens {model.token_texts(ids)}; give one token")
+        return ids[0]
+
+    def _record_names(self, model: Any, record: list[str], n_tokens: int) -> list[str]:
+        names = list(dict.fromkeys(n for pattern in record for n in hooks.resolve(pattern, model.config)))
+        shapes = model.hook_points()
+        size = sum(_shape_size(shapes[n], n_tokens) for n in names)
+        if size > self.limits.max_record_values:
+            raise WorkbenchError(f"recording {len(names)} hook points over {n_tokens} tokens keeps {size:,} values; "
+                                 f"the limit is {self.limits.max_record_values:,} (record fewer points)")
+        return names
+
+    def _interventions(self, call: Call, specs: list[dict[str, Any]]) -> list[hooks.Intervention]:
+        """Intervention objects from JSON specs, with {'id': ...} references to server-side objects resolved."""
+        if len(specs) > self.limits.max_interventions:
+            raise WorkbenchError(f"{len(specs)} interventions; the limit is {self.limits.max_interventions}")
+        return [hooks.from_spec(self._resolve_refs(call, spec)) for spec in specs]
+
+    def _resolve_refs(self, call: Call, spec: Any) -> Any:
+        if not isinstance(spec, dict):
+            return spec
+        spec = dict(spec)
+        for key, kind in (("vector", "vector"), ("mean", "vector"), ("donor", "trace")):
+            ref = spec.get(key)
+            if isinstance(ref, dict) and set(ref) == {"id"}:
+                spec[key] = call.session.get(kind, ref["id"])
+        donors = spec.get("donors")
+        if isinstance(donors, list) and len(donors) > self.limits.max_batch:
+            raise WorkbenchError(f"{len(donors)} donor prompts; the limit is {self.limits.max_batch}")
+        if isinstance(spec.get("parts"), list):
+            spec["parts"] = [self._resolve_refs(call, p) for p in spec["parts"]]
+        return spec
+
+    def _run(self, call: Call, prompt: str, chat: bool = False, record: list[str] = (),
+             interventions: list[hooks.Intervention] = ()) -> tuple[str, hooks.Trace]:
+        """One forward through Model.run; the trace is kept in the session and its id returned."""
+        model = self.model(call)
+        ids = self._ids(model, prompt, chat)
+        names = self._record_names(model, list(record), len(ids))
+        call.check()
+        trace = model.run(prompt, record=names, interventions=interventions, chat=chat)
+        return call.session.put("trace", trace, prompt=prompt), trace
+
+    def _summaries(self, trace: hooks.Trace) -> list[s.ActivationSummary]:
+        out = []
+        for name, act in trace.activations.items():
+            rows = act.movedim(axes(name).token, 0).flatten(1).float()
+            finite = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
+            out.append(s.ActivationSummary(hook=name, shape=_shape(act), norm=float(finite.norm()),
+                                           max_abs=float(finite.abs().max()),
+                                           position_norms=[float(n) for n in finite.norm(dim=1)]))
+        return out
+
+    def _compare(self, call: Call, prompt: str, specs: list[dict[str, Any]], chat: bool, top_k: int,
+                 targets: list[str], record: list[str] = ()) -> s.EditResult:
+        """Baseline and edited runs of one prompt, and how the next-token distribution moved."""
+        model = self.model(call)
+        interventions = self._interventions(call, specs)
+        target_ids = [self._token_id(model, t) for t in targets]
+        baseline_id, baseline = self._run(call, prompt, chat, record)
+        edited_id, edited = self._run(call, prompt, chat, record, interventions)
+        before, after = baseline.logits[-1].log_softmax(-1), edited.logits[-1].log_softmax(-1)
+        dist_before = self._distribution(model, baseline.logits[-1], top_k)
+        dist_after = self._distribution(model, edited.logits[-1], top_k)
+
+        def change(token_id: int) -> s.TokenChange:
+            b, a = float(before[token_id]), float(after[token_id])
+            return s.TokenChange(id=token_id, token=model.tokenizer.token_text(token_id), baseline_logprob=b,
+                                 edited_logprob=a, delta=a - b)
+
+        shown = dict.fromkeys(t.id for t in dist_before.top + dist_after.top)
+        changes = sorted((change(i) for i in shown), key=lambda c: -abs(c.delta))
+        return s.EditResult(
+            trace_id=edited_id, baseline_trace_id=baseline_id, interventions=_compact(edited.interventions),
+            baseline=dist_before, edited=dist_after, kl=float((before.exp() * (before - after)).sum()),
+            top1_changed=dist_before.top[0].id != dist_after.top[0].id, changes=changes[:top_k],
+            targets=[change(i) for i in target_ids])
+
+    def _trace_summary(self, call: Call, trace_id: str) -> s.TraceSummary:
+        entry = call.session.entry("trace", trace_id)
+        trace = entry.value
+        return s.TraceSummary(
+            trace_id=trace_id, uri=f"trace://{trace_id}", prompt=trace.prompt, tokens=trace.tokens,
+            next_token=self._distribution(self.model(call), trace.logits[-1], 5),
+            interventions=_compact(trace.interventions), recorded={n: _shape(a) for n, a in trace.activations.items()},
+            model=str(trace.fingerprint.get("file", "")), path=entry.note.get("path"))
+
+    # ------------------------------------------------------------------------------------------- model
+
+    @tool
+    def list_models(self, call: Call) -> s.ModelList:
+        """Models this server can use: those loaded, the embedded default, and GGUF files in the artifacts folder."""
+        loaded = self.models.loaded()
+        entries = {name: s.ModelEntry(name=name, path=path, loaded=True) for name, path in loaded.items()}
+        if _embedded_path() is not None:
+            entries.setdefault(Models.EMBEDDED, s.ModelEntry(name=Models.EMBEDDED, path=str(_embedded_path()),
+                                                            loaded=False))
+        for relative in self.artifacts.files("*.gguf"):
+            entries.setdefault(relative, s.ModelEntry(name=relative, path=relative, loaded=False))
+        return s.ModelList(current=call.session.model_name, models=list(entries.values()))
+
+    @tool
+    def load_model(self, call: Call,
+                   path: Annotated[str, Field(description="'embedded', or a GGUF file / HF checkpoint folder "
+                                                          "inside the artifacts folder")]) -> s.ModelInfo:
+        """Load a model (or reuse it when loaded) and make it the one this session's tools use."""
+        if path in self.models.loaded():
+            name, file = path, None
+        elif path == Models.EMBEDDED:
+            name, file = path, None
+        else:
+            file = self.artifacts.path(path)
+            if not file.exists():
+                raise WorkbenchError(f"no model {path!r} in the artifacts folder {self.artifacts.root}")
+            name = self.artifacts.relative(file)
+        in_use = self.sessions.models_in_use() - {call.session.model_name}
+        self.models.load(name, file, in_use)
+        call.session.model_name = name
+        return self.model_info(call)
+
+    @tool
+    def model_info(self, call: Call) -> s.ModelInfo:
+        """Architecture, size, device and tensor formats of this session's model."""
+        model = self.model(call)
+        c = model.config
+        formats: dict[str, int] = {}
+        for fmt in model.tensor_formats().values():
+            formats[fmt] = formats.get(fmt, 0) + 1
+        return s.ModelInfo(name=call.session.model_name, path=str(model.path), architecture=c.architecture,
+                           n_layers=c.n_layers, d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+                           d_head=c.d_head, d_mlp=c.d_mlp, vocab_size=c.vocab_size, n_ctx=c.n_ctx,
+                           parameters=c.n_params, device=str(model.device),
+                           dtype=str(model.dtype).removeprefix("torch."), tensor_formats=formats)
+
+    @tool
+    def list_hook_points(self, call: Call,
+                         pattern: Annotated[str | None, Field(description="a name or glob to expand, e.g. "
+                                                                          "'blocks.3.attn.*'")] = None
+                         ) -> s.HookPoints:
+        """Hook points with their shapes (T tokens, S attended slots): per-block suffixes, global points, matches."""
+        model = self.model(call)
+        shapes = model.hook_points()
+        block = {n.split(".", 2)[2]: shape for n, shape in shapes.items() if n.startswith("blocks.0.")}
+        global_points = {n: shape for n, shape in shapes.items() if not n.startswith("blocks.")}
+        matching = hooks.resolve(pattern, model.config) if pattern is not None else []
+        return s.HookPoints(n_layers=model.config.n_layers, block_points=block, global_points=global_points,
+                            matching=matching)
+
+    @tool
+    def tokenize(self, call: Call, text: Annotated[str, Field(description="text to tokenize")],
+                 chat: Chat = False) -> s.Tokenization:
+        """Token ids and token strings of a text (as a prompt: with BOS when the model adds one)."""
+        model = self.model(call)
+        ids = self._ids(model, text, chat)
+        return s.Tokenization(ids=ids, tokens=model.token_texts(ids))
+
+    # ------------------------------------------------------------------------------------- run and read
+
+    @tool
+    def run(self, call: Call, prompt: Prompt, record: Record = [], top_k: TopK = 10,
+            chat: Chat = False) -> s.RunResult:
+        """One forward: the next-token distribution, and the recorded hooks kept in a server-side trace.
+
+        Returns the trace id (for get_activation, save_trace, ...) with each recorded activation's shape and norms.
+        """
+        trace_id, trace = self._run(call, prompt, chat, record)
+        return s.RunResult(trace_id=trace_id, tokens=trace.tokens,
+                           next_token=self._distribution(self.model(call), trace.logits[-1], top_k),
+                           recorded=self._summaries(trace))
+
+    @tool
+    def get_activation(self, call: Call, trace_id: TraceId, hook: Hook, positions: Positions = None,
+                       heads: Heads = None,
+                       feature_start: Annotated[int, Field(description="first index of the last axis")] = 0,
+                       feature_stop: Annotated[int | None, Field(description="end (exclusive) of the last axis")] = None
+                       ) -> s.ActivationSlice:
+        """A slice of a recorded activation (size-bounded): positions x heads x a range of the last axis."""
+        trace = call.session.get("trace", trace_id)
+        if hook not in trace.activations:
+            raise WorkbenchError(f"trace {trace_id} did not record {hook!r}; it recorded: "
+                                 f"{', '.join(trace.activations) or 'nothing (run with record=[...])'}")
+        act, ax = trace.activations[hook], axes(hook)
+        n_tokens = act.shape[ax.token]
+        positions = list(range(n_tokens)) if positions is None else positions
+        bad = [p for p in positions if not -n_tokens <= p < n_tokens]
+        if bad:
+            raise WorkbenchError(f"positions {bad} out of range for {n_tokens} tokens")
+        positions = [p % n_tokens for p in positions]
+        x = act.index_select(ax.token, torch.tensor(positions))
+        if heads is not None:
+            if ax.head is None:
+                raise WorkbenchError(f"{hook} has no head axis")
+            bad = [h for h in heads if not 0 <= h < act.shape[ax.head]]
+            if bad:
+                raise WorkbenchError(f"heads {bad} out of range 0..{act.shape[ax.head] - 1}")
+            x = x.index_select(ax.head, torch.tensor(heads))
+        last = act.dim() - 1
+        width = act.shape[last]
+        stop = width if feature_stop is None else feature_stop
+        if last not in (ax.token, ax.head):
+            if not 0 <= feature_start < stop <= width:
+                raise WorkbenchError(f"feature range {feature_start}:{stop} outside 0:{width}")
+            x = x.narrow(last, feature_start, stop - feature_start)
+        if x.numel() > self.limits.max_values:
+            raise WorkbenchError(f"the slice {list(x.shape)} has {x.numel():,} values; at most "
+                                 f"{self.limits.max_values:,} are returned (select positions, heads or features)")
+        return s.ActivationSlice(trace_id=trace_id, hook=hook, full_shape=_shape(act), shape=_shape(x),
+                                 positions=positions, heads=heads, features=[feature_start, stop],
+                                 values=_finite_or_none(x.flatten().tolist()))
+
+    @tool
+    def attention_pattern(self, call: Call, prompt: Prompt, layer: Layer, heads: Heads = None,
+                          query_positions: Annotated[list[int] | None, Field(
+                              description="query positions (negative from the end); the last one when omitted")] = None,
+                          chat: Chat = False) -> s.AttentionPattern:
+        """Attention weights of one layer: [head][query][key] for the chosen heads and query positions."""
+        model = self.model(call)
+        name = f"blocks.{layer}.attn.hook_pattern"
+        hooks.resolve(name, model.config)
+        trace_id, trace = self._run(call, prompt, chat, [name])
+        pattern = trace.activations[name]  # [heads, T, S]
+        n_heads, n_tokens = pattern.shape[0], pattern.shape[1]
+        heads = list(range(n_heads)) if heads is None else heads
+        queries = [-1] if query_positions is None else query_positions
+        if [h for h in heads if not 0 <= h < n_heads] or [q for q in queries if not -n_tokens <= q < n_tokens]:
+            raise WorkbenchError(f"heads must be in 0..{n_heads - 1} and query positions in "
+                                 f"{-n_tokens}..{n_tokens - 1}")
+        queries = [q % n_tokens for q in queries]
+        selected = pattern[heads][:, queries]
+        if selected.numel() > self.limits.max_values:
+            raise WorkbenchError(f"{selected.numel():,} weights; at most {self.limits.max_values:,} are returned "
+                                 "(choose heads or query positions)")
+        return s.AttentionPattern(trace_id=trace_id, layer=layer, heads=heads, tokens=trace.tokens,
+                                  query_positions=queries, pattern=selected.tolist())
+
+    # ------------------------------------------------------------------------------------------- edit
+
+    @tool
+    def run_with_interventions(self, call: Call, prompt: Prompt, interventions: Specs, record: Record = [],
+                               targets: Targets = [], top_k: TopK = 10, chat: Chat = False) -> s.EditResult:
+        """Run a prompt with any combination of interventions: baseline vs edited distributions and the difference."""
+        return self._compare(call, prompt, interventions, chat, top_k, targets, record)
+
+    @tool
+    def ablate(self, call: Call, prompt: Prompt, hook: Hook,
+               method: Annotated[str, Field(description="'zero', 'mean' (over reference prompts) or 'resample' "
+                                                        "(from reference prompts)")] = "zero",
+               positions: Positions = None, heads: Heads = None,
+               neurons: Annotated[list[int] | None, Field(description="feature indices; all when omitted")] = None,
+               reference_prompts: Annotated[list[str], Field(description="prompts for mean / resample")] = [],
+               targets: Targets = [], top_k: TopK = 10, chat: Chat = False) -> s.EditResult:
+        """Ablate a region of a hook point (zero, mean or resample): baseline vs edited distributions."""
+        region = {"hook": hook, "positions": positions, "heads": heads, "neurons": neurons}
+        region = {k: v for k, v in region.items() if v is not None}
+        if method == "zero":
+            spec = {"type": "zero_ablate", **region}
+        elif method in ("mean", "resample"):
+            if not reference_prompts:
+                raise WorkbenchError(f"{method} ablation needs reference_prompts")
+            if len(reference_prompts) > self.limits.max_batch:
+                raise WorkbenchError(f"{len(reference_prompts)} reference prompts; the limit is {self.limits.max_batch}")
+            if method == "resample":
+                spec = {"type": "resample_ablate", "donors": reference_prompts, **region}
+            else:
+                model = self.model(call)
+                for prompt_ in reference_prompts:
+                    self._ids(model, prompt_)
+                hooks.resolve(hook, model.config)
+                references = []
+                for prompt_ in reference_prompts:
+                    call.check()
+                    references.append(model.run(prompt_, record=[hook]))
+                region.pop("hook")
+                spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
+        else:
+            raise WorkbenchError(f"method must be 'zero', 'mean' or 'resample', got {method!r}")
+        return self._compare(call, prompt, [spec], chat, top_k, targets)
+
+    @tool
+    def steer(self, call: Call, prompt: Prompt, hook: Hook,
+              vector: Annotated[list[float] | None, Field(description="steering vector (feature axis of the hook)")
+                                ] = None,
+              vector_id: Annotated[str | None, Field(description="a stored vector id instead of the numbers")] = None,
+              scale: Annotated[float, Field(description="multiplier of the vector")] = 1.0,
+              positions: Positions = None, targets: Targets = [], top_k: TopK = 10,
+              chat: Chat = False) -> s.EditResult:
+        """Add scale * vector at a hook point: baseline vs steered distributions and the difference."""
+        if (vector is None) == (vector_id is None):
+            raise WorkbenchError("give exactly one of vector and vector_id")
+        spec: dict[str, Any] = {"type": "steer", "hook": hook, "scale": scale,
+                                "vector": vector if vector is not None else {"id": vector_id}}
+        if positions is not None:
+            spec["positions"] = positions
+        return self._compare(call, prompt, [spec], chat, top_k, targets)
+
+    @tool
+    def patch(self, call: Call, prompt: Prompt, hook: Hook,
+              donor: Annotated[str | None, Field(description="donor prompt (recorded at the same positions)")] = None,
+              donor_trace_id: Annotated[str | None, Field(description="a trace that recorded the hook, "
+                                                                      "instead of a donor prompt")] = None,
+              positions: Positions = None, heads: Heads = None, targets: Targets = [], top_k: TopK = 10,
+              chat: Chat = False) -> s.EditResult:
+        """Activation patching: overwrite a region with a donor run's activation; baseline vs patched distributions."""
+        if (donor is None) == (donor_trace_id is None):
+            raise WorkbenchError("give exactly one of donor and donor_trace_id")
+        if donor is not None:
+            self._ids(self.model(call), donor)
+        spec: dict[str, Any] = {"type": "patch", "hook": hook,
+                                "donor": donor if donor is not None else {"id": donor_trace_id}}
+        spec.update({k: v for k, v in (("positions", positions), ("heads", heads)) if v is not None})
+        return self._compare(call, prompt, [spec], chat, top_k, targets)
+
+    @tool
+    def generate(self, call: Call, prompt: Prompt, max_new_tokens: MaxNew = 32, interventions: Specs = [],
+                 temperature: Annotated[float, Field(description="0 is greedy")] = 0.0,
+                 top_k: Annotated[int, Field(description="sample from the k most likely (0: all)")] = 0,
+                 top_p: Annotated[float, Field(description="nucleus mass")] = 1.0, seed: Seed = 0,
+                 chat: Chat = False) -> s.Generation:
+        """Generate a continuation, with interventions acting at every step when given."""
+        model = self.model(call)
+        self._ids(model, prompt, chat)
+        return self._generate(call, model, prompt, max_new_tokens, interventions,
+                              dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat))
+
+    def _generate(self, call: Call, model: Any, prompt: str, max_new_tokens: int, specs: list[dict[str, Any]],
+                  sampling: dict[str, Any], cache: Any = None) -> s.Generation:
+        self._check_count("max_new_tokens", max_new_tokens, self.limits.max_new_tokens)
+        interventions = self._interventions(call, specs)
+        ids, pieces = [], []
+        for token, text in model.stream(prompt, max_new_tokens, interventions=interventions, cache=cache,
+                                        **sampling):
+            ids.append(token)
+            pieces.append(text)
+            call.check()
+        return s.Generation(text="".join(pieces), ids=ids, tokens=model.token_texts(ids),
+                            stopped=bool(ids) and ids[-1] in model.tokenizer.stop_ids)
+
+    @tool
+    def patching_sweep(self, call: Call, clean: Annotated[str, Field(description="clean prompt")],
+                       corrupt: Annotated[str, Field(description="corrupt prompt, same number of tokens")],
+                       over: Annotated[list[str], Field(description="['layers', 'positions'], ['layers', 'heads'] or "
+                                                                    "['layers', 'positions', 'heads']")
+                                       ] = ["layers", "positions"],
+                       hook: Annotated[str | None, Field(description="hook template with {layer}; default "
+                                                                     "blocks.{layer}.hook_resid_pre (attn.hook_z for "
+                                                                     "heads)")] = None,
+                       layers: Annotated[list[int] | None, Field(description="layers to sweep; all when omitted")
+                                         ] = None,
+                       positions: Positions = None,
+                       answers: Annotated[list[str] | None, Field(description="[clean answer, corrupt answer] "
+                                                                              "single tokens; the metric is their "
+                                                                              "logit difference (default: each run's "
+                                                                              "top token)")] = None,
+                       normalize: Annotated[bool, Field(description="0 = no effect, 1 = clean restored")] = False
+                       ) -> s.PatchingSweep:
+        """Activation patching sweep: patch each (layer, position | head) cell of the clean run into the corrupt run."""
+        model = self.model(call)
+        n_tokens = len(self._ids(model, clean))
+        self._ids(model, corrupt)
+        n_layers = model.config.n_layers if layers is None else len(layers)
+        template = hook or ("blocks.{layer}.attn.hook_z" if "heads" in over else "blocks.{layer}.hook_resid_pre")
+        first = template.format(layer=layers[0] if layers else 0) if "{layer}" in template else template
+        n_heads = (head_count(hooks.resolve(first, model.config)[0], model.config) or 1) if "heads" in over else 1
+        cells = n_layers * (len(positions or range(n_tokens)) if "positions" in over else 1) * n_heads
+        if cells > self.limits.max_sweep:
+            raise WorkbenchError(f"the sweep has {cells} cells (one forward each); the limit is "
+                                 f"{self.limits.max_sweep}: choose layers or positions")
+        if answers is not None and len(answers) != 2:
+            raise WorkbenchError(f"answers must be [clean answer, corrupt answer], got {len(answers)} strings")
+        result = hooks.patching_sweep(model, clean, corrupt, over=over, hook=hook, layers=layers, positions=positions,
+                                      answers=tuple(answers) if answers else None, normalize=normalize,
+                                      progress=lambda done, total: call.check())
+        return s.PatchingSweep(**result.to_dict())
+
+    # ---------------------------------------------------------------------------------------- KV cache
+
+    def _kv_info(self, call: Call, cache_id: str) -> dict[str, Any]:
+        cache = call.session.get("cache", cache_id)
+        return dict(cache_id=cache_id, length=cache.length, next_position=cache.next_position,
+                    tokens=self.model(call).token_texts(cache.tokens), positions=cache.positions.tolist())
+
+    def _kv_layer_index(self, call: Call, layer: int) -> int:
+        n_layers = self.model(call).config.n_layers
+        if not 0 <= layer < n_layers:
+            raise WorkbenchError(f"layer {layer} outside 0..{n_layers - 1}")
+        return layer
+
+    @tool
+    def kv_create(self, call: Call, prompt: Prompt, top_k: TopK = 10, chat: Chat = False) -> s.KVCreated:
+        """Prefill a new KV cache with a prompt; returns its id, slots and the next-token distribution."""
+        model = self.model(call)
+        ids = self._ids(model, prompt, chat)
+        cache = model.new_cache()
+        logits = model.forward(ids, cache=cache)
+        cache_id = call.session.put("cache", cache)
+        return s.KVCreated(**self._kv_info(call, cache_id), next_token=self._distribution(model, logits[-1], top_k))
+
+    @tool
+    def kv_get_layer(self, call: Call, cache_id: CacheId, layer: Layer,
+                     start: Annotated[int, Field(description="first slot")] = 0,
+                     stop: Annotated[int | None, Field(description="end slot (exclusive); the cache length when "
+                                                                    "omitted")] = None) -> s.KVLayer:
+        """Keys and values of one layer for a slot range, [n_kv_heads, slots, d_head] each, row-major (size-bounded)."""
+        cache = call.session.get("cache", cache_id)
+        keys, values = cache.get(self._kv_layer_index(call, layer))
+        stop = cache.length if stop is None else stop
+        if not 0 <= start <= stop <= cache.length:
+            raise WorkbenchError(f"slot range {start}:{stop} outside 0:{cache.length}")
+        keys, values = keys[:, start:stop].float(), values[:, start:stop].float()
+        if 2 * keys.numel() > self.limits.max_values:
+            raise WorkbenchError(f"{2 * keys.numel():,} values; at most {self.limits.max_values:,} are returned "
+                                 "(choose a slot range)")
+        return s.KVLayer(cache_id=cache_id, layer=layer, shape=_shape(keys), slots=list(range(start, stop)),
+                         keys=keys.flatten().tolist(), values=values.flatten().tolist())
+
+    @tool
+    def kv_set_layer(self, call: Call, cache_id: CacheId, layer: Layer,
+                     source_cache_id: Annotated[str | None, Field(description="copy the layer from this cache "
+                                                                             "(same length)")] = None,
+                     keys: Annotated[list[float] | None, Field(description="[n_kv_heads, length, d_head] row-major")
+                                     ] = None,
+                     values: Annotated[list[float] | None, Field(description="same shape as keys")] = None
+                     ) -> s.KVInfo:
+        """Overwrite one layer's keys and values: from another cache, or from numbers."""
+        cache = call.session.get("cache", cache_id)
+        layer = self._kv_layer_index(call, layer)
+        if source_cache_id is not None:
+            if keys is not None or values is not None:
+                raise WorkbenchError("give source_cache_id or keys and values, not both")
+            cache.copy_layer_from(call.session.get("cache", source_cache_id), layer)
+        else:
+            if keys is None or values is None:
+                raise WorkbenchError("give source_cache_id, or both keys and values")
+            shape = (cache.n_kv_heads, cache.length, cache.d_head)
+            if len(keys) > self.limits.max_values or len(values) > self.limits.max_values:
+                raise WorkbenchError(f"at most {self.limits.max_values:,} numbers per tensor; copy larger layers "
+                                     "with source_cache_id")
+            if len(keys) != math.prod(shape) or len(values) != math.prod(shape):
+                raise WorkbenchError(f"keys and values must hold {math.prod(shape)} numbers each (shape {list(shape)}), "
+                                     f"got {len(keys)} and {len(values)}")
+            cache.set(layer, torch.tensor(keys).view(shape), torch.tensor(values).view(shape))
+        return s.KVInfo(**self._kv_info(call, cache_id))
+
+    @tool
+    def kv_clear_layer(self, call: Call, cache_id: CacheId, layer: Layer) -> s.KVInfo:
+        """Zero one layer's keys and values: that layer's attention then sees no content in the cached slots."""
+        call.session.get("cache", cache_id).clear(self._kv_layer_index(call, layer))
+        return s.KVInfo(**self._kv_info(call, cache_id))
+
+    @tool
+    def kv_clone(self, call: Call, cache_id: CacheId) -> s.KVInfo:
+        """An independent copy of a cache, under a new id."""
+        clone = call.session.get("cache", cache_id).clone()
+        return s.KVInfo(**self._kv_info(call, call.session.put("cache", clone)))
+
+    @tool
+    def kv_clone_positions(self, call: Call, cache_id: CacheId,
+                           start: Annotated[int, Field(description="first slot")],
+                           stop: Annotated[int, Field(description="end slot (exclusive)")]) -> s.KVInfo:
+        """A new cache holding slots start:stop of another (their rope positions kept)."""
+        clone = call.session.get("cache", cache_id).clone_positions(start, stop)
+        return s.KVInfo(**self._kv_info(call, call.session.put("cache", clone)))
+
+    @tool
+    def kv_truncate(self, call: Call, cache_id: CacheId,
+                    length: Annotated[int, Field(description="slots to keep")]) -> s.KVInfo:
+        """Keep the first `length` slots; generation then continues from there."""
+        call.session.get("cache", cache_id).truncate(length)
+        return s.KVInfo(**self._kv_info(call, cache_id))
+
+    @tool
+    def kv_delete_positions(self, call: Call, cache_id: CacheId,
+                            slots: Annotated[list[int], Field(description="slot indices to remove")]) -> s.KVInfo:
+        """Remove slots; kept keys stay rotated at their original positions."""
+        call.session.get("cache", cache_id).delete_positions(slots)
+        return s.KVInfo(**self._kv_info(call, cache_id))
+
+    @tool
+    def kv_generate(self, call: Call, cache_id: CacheId, prompt: Prompt, max_new_tokens: MaxNew = 16,
+                    interventions: Specs = [], temperature: float = 0.0, seed: Seed = 0) -> s.KVGeneration:
+        """Continue a cache: feed the prompt after its slots, then generate; the cache grows in place
+        (it ends holding every generated token but the last; kv_clone first to keep the original)."""
+        model = self.model(call)
+        cache = call.session.get("cache", cache_id)
+        ids = model.tokenize(prompt, add_bos=False)  # a continuation: no BOS in the middle
+        self._check_count("continuation tokens", len(ids), self.limits.max_prompt_tokens)
+        if cache.length + len(ids) > self.limits.max_prompt_tokens + self.limits.max_new_tokens:
+            raise WorkbenchError(f"the cache would exceed {self.limits.max_prompt_tokens + self.limits.max_new_tokens}"
+                                 " slots; truncate or clone positions first")
+        generation = self._generate(call, model, ids, max_new_tokens, interventions,
+                                    dict(temperature=temperature, seed=seed), cache=cache)
+        return s.KVGeneration(**self._kv_info(call, cache_id), generation=generation)
+
+    @tool
+    def kv_release(self, call: Call, cache_id: CacheId) -> s.Released:
+        """Free a cache."""
+        call.session.entry("cache", cache_id)
+        call.session.release(cache_id)
+        return s.Released(released=[cache_id])
+
+    # --------------------------------------------------------------------------------------- artifacts
+
+    @tool
+    def list_traces(self, call: Call) -> s.TraceList:
+        """The traces this session holds (from run, the edit tools, attention_pattern, load_trace, replay_trace)."""
+        return s.TraceList(traces=[self._trace_summary(call, i) for i in call.session.of_kind("trace")])
+
+    @tool
+    def save_trace(self, call: Call, trace_id: TraceId,
+                   path: Annotated[str, Field(description="artifact folder to write, relative to the artifacts "
+                                                          "folder")]) -> s.Saved:
+        """Save a trace as an artifact (safetensors + hashed JSON manifest) inside the artifacts folder."""
+        entry = call.session.entry("trace", trace_id)
+        directory = entry.value.save(self.artifacts.target(path))
+        entry.note["path"] = self.artifacts.relative(directory)
+        return s.Saved(trace_id=trace_id, path=entry.note["path"],
+                       bytes=sum(f.stat().st_size for f in directory.iterdir()))
+
+    @tool
+    def load_trace(self, call: Call,
+                   path: Annotated[str, Field(description="a saved artifact, relative to the artifacts folder")]
+                   ) -> s.TraceSummary:
+        """Load a saved trace artifact (every hash verified) into this session."""
+        trace = hooks.load_trace(self.artifacts.path(path))
+        trace_id = call.session.put("trace", trace, path=path)
+        return self._trace_summary(call, trace_id)
+
+    @tool
+    def replay_trace(self, call: Call, trace_id: TraceId,
+                     force: Annotated[bool, Field(description="replay even if the trace was recorded on another "
+                                                              "model")] = False) -> s.Replay:
+        """Re-run a trace's prompt and interventions on this session's model and compare every tensor with it."""
+        trace = call.session.get("trace", trace_id)
+        report = replay(trace, self.model(call), force=force)
+        deviation = report.max_abs_deviation
+        return s.Replay(trace_id=trace_id, verdict=report.verdict, worst_tensor=report.worst_tensor,
+                        max_abs_deviation=deviation if deviation is None or math.isfinite(deviation) else None,
+                        tensors_compared=report.tensors_compared, reason=report.reason,
+                        model_forced=report.model_forced)
+
+    @tool
+    def compare_traces(self, call: Call, a: TraceId, b: TraceId) -> s.Comparison:
+        """How two traces differ: next-token distributions, logits, and every activation both recorded."""
+        return self._comparison(call, a, b)
+
+    def _comparison(self, call: Call, a_id: str, b_id: str) -> s.Comparison:
+        a, b = call.session.get("trace", a_id), call.session.get("trace", b_id)
+        model = self.model(call)
+        la, lb = a.logits[-1].log_softmax(-1), b.logits[-1].log_softmax(-1)
+        same_tokens = a.ids == b.ids
+        logit_diff = (a.logits - b.logits).abs().max() if same_tokens else (a.logits[-1] - b.logits[-1]).abs().max()
+        diffs = []
+        for name in a.activations.keys() & b.activations.keys():
+            x, y = a.activations[name], b.activations[name]
+            if x.shape != y.shape:
+                continue
+            both = torch.isfinite(x) & torch.isfinite(y)
+            delta = torch.where(both, x - y, torch.zeros_like(x))
+            reference = torch.where(both, x, torch.zeros_like(x)).norm()
+            diffs.append(s.HookDiff(hook=name, max_abs_diff=float(delta.abs().max()),
+                                    relative_diff=float(delta.norm() / reference) if reference > 0 else 0.0))
+        return s.Comparison(
+            a=a_id, b=b_id, same_tokens=same_tokens,
+            top1_a=self._distribution(model, a.logits[-1], 1).top[0],
+            top1_b=self._distribution(model, b.logits[-1], 1).top[0],
+            kl=float((la.exp() * (la - lb)).sum()), max_abs_logit_diff=float(logit_diff),
+            activations=sorted(diffs, key=lambda d: d.hook))
+
+    @tool
+    def release(self, call: Call, ids: Annotated[list[str], Field(description="ids of traces, caches, probes, "
+                                                                           "vectors")]) -> s.Released:
+        """Free server-side objects of this session."""
+        for object_id in ids:
+            call.session.release(object_id)
+        return s.Released(released=ids)
+
+
+def _shape_size(shape: str, n_tokens: int) -> int:
+    dims = shape.strip("[]").split(",")
+    return math.prod(n_tokens if d.strip() in ("T", "S") else int(d) for d in dims)
+
+
+def _embedded_path() -> Path | None:
+    from workbench.loading import default_model_path
+
+    try:
+        return default_model_path()
+    except WorkbenchError:
+        return None
