@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError
+from workbench.errors import HookError, WorkbenchError
 from workbench.runner import HookContext, HookFn
 
 from .points import axes, feature_size, head_count, resolve, token_shape
@@ -50,7 +50,10 @@ class RunShape:
         return self.model.config
 
     def donor_ids(self, prompt: Any) -> list[int]:
-        return self.model.to_ids(prompt)
+        try:
+            return self.model.to_ids(prompt)
+        except (WorkbenchError, TypeError, ValueError) as err:
+            raise HookError(f"donor prompt {prompt!r}: {err}") from None
 
     def record_donor(self, prompt: Any, names: list[str]) -> dict[str, torch.Tensor]:
         """Activations of a clean run of a donor prompt; each (prompt, names) is run once per call."""
