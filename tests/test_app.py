@@ -1,0 +1,238 @@
+"""The Streamlit dashboard, page by page, driven with AppTest on the embedded model.
+
+Each test starts a fresh session on the default page, sets widgets like a user would and checks the
+numbers the page shows against the public Python API.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+streamlit_testing = pytest.importorskip("streamlit.testing.v1")
+from workbench import hooks  # noqa: E402
+from workbench.app import common  # noqa: E402
+
+MAIN = str(Path(common.__file__).with_name("main.py"))
+PROMPT = common.DEFAULT_PROMPT
+TIMEOUT = 240  # seconds per script run: generous for a busy 2-core CI machine
+
+
+def start(page: str | None = None, **state) -> streamlit_testing.AppTest:
+    at = streamlit_testing.AppTest.from_file(MAIN, default_timeout=TIMEOUT)
+    for key, value in state.items():
+        at.session_state[key] = value
+    at.run()
+    if page:
+        at.switch_page(page).run()
+    assert_clean(at)
+    return at
+
+
+def assert_clean(at, errors: int = 0) -> None:
+    """No exception reached Streamlit, and exactly ``errors`` inline error messages are shown."""
+    assert not at.exception, [e.message for e in at.exception]
+    assert len(at.error) == errors, [e.value for e in at.error]
+
+
+def chart(at, key: str) -> dict:
+    matches = [c for c in at.get("plotly_chart") if c.key == key]
+    assert matches, f"no chart {key!r}; charts: {[c.key for c in at.get('plotly_chart')]}"
+    return json.loads(matches[0].proto.spec)
+
+
+def values(data) -> torch.Tensor:
+    """A plotly data array as a tensor: nested lists, or plotly's base64 typed-array form."""
+    if isinstance(data, dict):
+        array = np.frombuffer(base64.b64decode(data["bdata"]), dtype=np.dtype(data["dtype"]))
+        shape = [int(n) for n in str(data.get("shape", len(array))).split(",")]
+        return torch.from_numpy(array.reshape(shape).copy())
+    return torch.tensor(data)
+
+
+def button(at, label: str):
+    return next(b for b in at.button if b.label == label)
+
+
+def metric(at, label_start: str) -> str:
+    return next(m.value for m in at.metric if m.label.startswith(label_start))
+
+
+def test_run_lens_matches_forward_and_handles_bad_prompts(model):
+    at = start()
+    heat = chart(at, "lens_heatmap")["data"][0]
+    probs = model.forward(PROMPT)[-1].softmax(-1)
+    top = int(probs.argmax())
+    # The lens at the last layer is the model's own output.
+    assert heat["text"][-1][-1] == model.tokenizer.token_text(top)
+    assert heat["z"][-1][-1] == pytest.approx(float(probs[top]), abs=1e-4)
+    assert len(heat["z"]) == model.config.n_layers and len(heat["z"][0]) == len(model.to_ids(PROMPT))
+    bars = chart(at, "lens_next_token")["data"][0]
+    assert bars["x"][0] == pytest.approx(float(probs[top]), abs=1e-4)
+    race = chart(at, "track_figure")["data"]
+    assert len(race) == 2 and race[0]["y"][-1] == pytest.approx(float(probs[top]), abs=1e-4)
+    assert len(chart(at, "resid_norms")["data"]) == len(model.to_ids(PROMPT))
+
+    at.text_input(key="track_text").set_value("London Paris").run()  # two tokens: refused inline
+    assert_clean(at, errors=1)
+    assert "not one" in at.error[0].value
+    at.text_input(key="track_text").set_value("").run()
+
+    for bad, message in (("   ", "empty"), ("word " * 300, "at most")):
+        at.sidebar.text_area(key="prompt").set_value(bad).run()
+        assert_clean(at, errors=1)
+        assert message in at.error[0].value
+    at.sidebar.text_area(key="prompt").set_value(PROMPT).run()
+    assert_clean(at)
+    assert chart(at, "lens_heatmap")["data"][0]["text"][-1][-1] == model.tokenizer.token_text(top)
+
+
+def test_attention_pattern_and_head_scores(model):
+    at = start("page_attention.py")
+    at.slider(key="attn_layer").set_value(3).run()
+    at.selectbox(key="attn_head").set_value(5).run()
+    shown = values(chart(at, "attn_pattern")["data"][0]["z"])
+    expected = model.run(PROMPT, record=["blocks.3.attn.hook_pattern"]).activations["blocks.3.attn.hook_pattern"][5]
+    torch.testing.assert_close(shown, expected, atol=1e-6, rtol=0)
+    previous = values(chart(at, "attn_Previous-token score")["data"][0]["z"])
+    assert previous.shape == (model.config.n_layers, model.config.n_heads)
+    assert float(previous[3, 5]) == pytest.approx(float(expected.diagonal(-1).mean()), abs=1e-6)
+
+
+def test_interventions_agree_with_the_api_and_refuse_bad_settings(model):
+    at = start("page_interventions.py")
+    assert float(metric(at, "KL").split()[0]) > 0  # the default love/hate steer moves the distribution
+    at.get("button_group")[0].set_value("Zero-ablate").run()
+    at.selectbox(key="iv_site").set_value("Attention heads (attn.hook_z)").run()
+    at.slider(key="iv_layers").set_value((2, 4)).run()
+    at.multiselect(key="iv_heads").select(1).select(4).run()
+    at.text_input(key="iv_positions").set_value("-1").run()
+    assert_clean(at)
+    specs = json.loads(at.code[0].value)
+    assert [s["hook"] for s in specs] == [f"blocks.{i}.attn.hook_z" for i in (2, 3, 4)]
+    assert all(s["heads"] == [1, 4] and s["positions"] == [-1] for s in specs)
+    edited = model.forward(PROMPT, interventions=specs)[-1].softmax(-1)
+    bars = chart(at, "iv_next_b")["data"][0]
+    assert bars["x"][0] == pytest.approx(float(edited.max()), abs=1e-4)
+    effect = values(chart(at, "iv_effect")["data"][0]["z"])
+    assert effect[:2].abs().max() == 0  # nothing changes before the first edited layer
+    assert effect[2, -1] > 0 and effect[2, :-1].abs().max() == 0  # only the edited position at layer 2
+
+    for widget, bad, message in (("iv_positions", "abc", "positions must be"), ("iv_positions", "99", "out of range")):
+        at.text_input(key=widget).set_value(bad).run()
+        assert_clean(at, errors=1)
+        assert message in at.error[0].value
+    at.text_input(key="iv_positions").set_value("-1").run()
+    assert_clean(at)
+
+    at.slider(key="iv_new_tokens").set_value(3).run()
+    button(at, "Generate both").click().run()
+    assert_clean(at)
+    _, baseline, edited_text = at.session_state.iv_generations  # the code blocks show them, trailing newlines cut
+    assert at.code[-2].value == baseline.rstrip("\n") and at.code[-1].value == edited_text.rstrip("\n")
+    assert baseline == model.generate(PROMPT, 3)
+    assert edited_text == model.generate(PROMPT, 3, interventions=specs)
+
+
+def test_patching_grid_restores_the_clean_answer_at_the_last_position(model):
+    at = start("page_patching.py")
+    at.selectbox(key="pt_point").set_value("hook_resid_post").run()
+    last = model.config.n_layers - 1
+    at.slider(key="pt_layers").set_value((last, last)).run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at)
+    n_tokens = len(model.to_ids(at.text_input(key="pt_clean").value))
+    assert metric(at, "Grid") == f"1 × {n_tokens}"
+    grid = values(chart(at, "pt_figure")["data"][0]["z"])
+    # After the last block only the last position reaches the logits: patching it restores the clean run.
+    assert grid.shape == (1, n_tokens)
+    assert float(grid[0, -1]) == pytest.approx(1.0, abs=1e-5)
+    assert grid[0, :-1].abs().max() == 0
+
+    at.text_input(key="pt_corrupt").set_value("The Colosseum in Rome is in the city of").run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at, errors=1)
+    assert "same number of tokens" in at.error[0].value
+
+
+def test_probe_depth_sweep_and_pca(model):
+    at = start("page_probes.py")
+    at.selectbox(key="pr_dataset").set_value("sentiment").run()
+    at.slider(key="pr_examples").set_value(10).run()
+    at.number_input(key="pr_step").set_value(15).run()
+    button(at, "Run depth sweep").click().run()
+    assert_clean(at)
+    curve = chart(at, "pr_curve")["data"][1]
+    assert curve["x"] == [0, 15]
+    assert all(0 <= y <= 1 for y in curve["y"])
+    assert float(metric(at, "Peak accuracy")) == pytest.approx(max(curve["y"]), abs=5e-3)
+    scatter = chart(at, "pr_pca")["data"]
+    assert sorted(trace["name"] for trace in scatter) == ["negative", "positive"]
+    assert sum(values(trace["x"]).numel() for trace in scatter) == 10
+
+
+def test_kv_cache_surgery_and_continuation(model):
+    at = start("page_kv_cache.py")
+    ids = model.to_ids(PROMPT)
+    cache = model.new_cache()
+    model.forward(ids[:-1], cache=cache)
+    norms = values(chart(at, "kv_heatmap")["data"][0]["z"])
+    assert norms.shape == (model.config.n_layers, len(ids) - 1)
+    torch.testing.assert_close(norms[7], cache.get(7)[0].norm(dim=-1).mean(0), atol=1e-4, rtol=1e-5)
+
+    at.multiselect(key="kv_slots").select(1).select(2).run()
+    button(at, "Delete slots").click().run()
+    assert_clean(at)
+    assert at.code[0].value == "cache.delete_positions([1, 2])"
+    assert values(chart(at, "kv_heatmap")["data"][0]["z"]).shape == (model.config.n_layers, len(ids) - 3)
+
+    at.slider(key="kv_new_tokens").set_value(3).run()
+    button(at, "Continue").click().run()
+    assert_clean(at)
+    _, untouched, edited = at.session_state.kv_result
+    assert at.code[-1].value == edited.rstrip("\n")
+    assert untouched == model.generate(PROMPT, 3)
+    cache.delete_positions([1, 2])
+    assert edited == model.generate(ids[-1:], 3, cache=cache)
+
+
+def test_artifacts_replay_compare_and_corrupt_uploads(model):
+    at = start("page_artifacts.py")
+    button(at, "Keep for replay and comparison").click().run()
+    button(at, "Replay").click().run()
+    assert_clean(at)
+    assert at.success and "identical" in at.success[0].value
+
+    # A trace with an edit, saved the way the download button saves it, then uploaded.
+    edit = hooks.ZeroAblate("blocks.5.hook_mlp_out", positions=[-1])
+    edited = model.run(PROMPT, record=["blocks.*.hook_resid_post"], interventions=[edit])
+    archive = common.artifact_zip(edited)
+    at.file_uploader(key="ar_upload").set_value(("edited.zip", archive, "application/zip")).run()
+    assert_clean(at)
+    at.selectbox(key="ar_compare_b").set_value("uploaded: edited.zip").run()
+    assert_clean(at)
+    change = values(chart(at, "ar_change")["data"][0]["z"])
+    assert change[:5].abs().max() == 0 and change[5, -1] > 0
+    edited_probs = edited.logits[-1].softmax(-1)
+    assert chart(at, "ar_next_b")["data"][0]["x"][0] == pytest.approx(float(edited_probs.max()), abs=1e-4)
+
+    tampered = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as source, zipfile.ZipFile(tampered, "w") as target:
+        for info in source.infolist():
+            data = bytearray(source.read(info))
+            if info.filename == "tensors.safetensors":
+                data[-1] ^= 0xFF
+            target.writestr(info.filename, bytes(data))
+    for name, data, message in (("junk.zip", b"not a zip at all", "not a readable zip"),
+                                ("tampered.zip", tampered.getvalue(), "sha256")):
+        at.file_uploader(key="ar_upload").set_value((name, data, "application/zip")).run()
+        assert_clean(at, errors=1)
+        assert message in at.error[0].value
+    button(at, "Replay").click().run()  # the page still works after a bad upload
+    assert not at.exception and at.success
