@@ -1,0 +1,25 @@
+"""Lenses, attribution and probes: turn traces into answers.
+
+- ``logit_lens``: every layer's residual read through the final norm and unembedding.
+- ``direct_logit_attribution``: the logit split over embedding, attention heads and MLPs.
+- ``depth_sweep`` / ``probe_at_depth_fraction`` / ``train_probe``: linear probes across depth.
+- ``steering_vector`` / ``steering_sweep``: contrastive directions, applied with ``hooks.Steer``;
+  llama.cpp control-vector GGUF export and import.
+- ``load_dataset`` / ``list_datasets``: the labelled prompt sets of ``workbench.datasets`` or your own JSONL.
+"""
+from .activations import collect_activations
+from .data import Dataset, list_datasets, load_dataset, make_dataset, pairs_dataset
+from .dla import Attribution, direct_logit_attribution
+from .lens import LogitLens, TokenTrack, logit_lens
+from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_at_depth_fraction, train_probe,
+                      wilson_interval)
+from .steering import SteeringSweep, SteeringVector, steering_sweep, steering_vector
+
+__all__ = [
+    "logit_lens", "LogitLens", "TokenTrack",
+    "direct_logit_attribution", "Attribution",
+    "collect_activations", "train_probe", "probe_at_depth_fraction", "depth_sweep", "layer_at_fraction",
+    "wilson_interval", "Probe", "DepthSweep",
+    "steering_vector", "steering_sweep", "SteeringVector", "SteeringSweep",
+    "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset",
+]

@@ -1,0 +1,77 @@
+"""Collecting pooled activations over many prompts: one forward per prompt records every hook asked for."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from workbench import hooks
+from workbench.errors import HookError, WorkbenchError
+from workbench.hooks.points import axes
+
+POOLINGS = ("last", "mean")
+Progress = bool | Callable[[int, int], Any] | None
+
+
+def block_hook(model: Any, layer: int, point: str) -> str:
+    """``blocks.{layer}.hook_{point}`` for a point such as "resid_post" (or "hook_resid_post"), validated."""
+    if not 0 <= layer < model.config.n_layers:
+        raise HookError(f"layer {layer} is out of range: the model has layers 0..{model.config.n_layers - 1}")
+    name = f"blocks.{layer}.{point if point.startswith(('hook_', 'attn.', 'mlp.', 'ln')) else 'hook_' + point}"
+    return hooks.resolve(name, model.config)[0]
+
+
+def check_prompts(prompts: Sequence[str]) -> list[str]:
+    if isinstance(prompts, str):
+        raise WorkbenchError("expected a list of prompts, got a single string")
+    prompts = list(prompts)
+    if not prompts:
+        raise WorkbenchError("no prompts given")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise WorkbenchError(f"prompt {i} is empty or not a string: {prompt!r}")
+    return prompts
+
+
+def progress_callback(progress: Progress, total: int, description: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(update(done), close()) for ``progress``: None (silent), True (a tqdm bar) or ``callable(done, total)``."""
+    if progress is True:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=description)
+        return (lambda done: bar.update(done - bar.n)), bar.close
+    if callable(progress):
+        return (lambda done: progress(done, total)), (lambda: None)
+    if progress not in (None, False):
+        raise WorkbenchError(f"progress must be None, True or a callable(done, total), got {progress!r}")
+    return (lambda done: None), (lambda: None)
+
+
+def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence[str], pooling: str = "last",
+                        progress: Progress = None) -> dict[str, torch.Tensor]:
+    """Pooled activations ``{hook: [len(prompts), features]}`` (float32 CPU), one forward per prompt.
+
+    ``pooling="last"`` keeps the last token (what the model knows when it must predict), ``"mean"``
+    averages over the prompt's tokens. Multi-axis points (``attn.hook_z`` [T, heads, d_head]) are
+    flattened after pooling.
+    """
+    prompts = check_prompts(prompts)
+    if pooling not in POOLINGS:
+        raise WorkbenchError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    names = list(dict.fromkeys(n for pattern in hook_names for n in hooks.resolve(pattern, model.config)))
+    token_major = [n for n in names if axes(n).token != 0]
+    if token_major:
+        raise HookError(f"{token_major[0]} is not token-major ([heads, T, S]); it cannot be pooled over tokens")
+    update, close = progress_callback(progress, len(prompts), "activations")
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    try:
+        for done, prompt in enumerate(prompts, start=1):
+            trace = model.run(prompt, record=names)
+            for name in names:
+                act = trace.activations[name]
+                pooled = act[-1] if pooling == "last" else act.mean(0)
+                rows[name].append(pooled.flatten())
+            update(done)
+    finally:
+        close()
+    return {name: torch.stack(r) for name, r in rows.items()}

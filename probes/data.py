@@ -1,0 +1,194 @@
+"""Labelled prompt sets: the ones shipped in ``workbench.datasets`` by name, or a user's JSONL file.
+
+Three kinds, told apart by the keys of each record (datasets/README.md documents the schema):
+
+- classification: ``{"text": ..., "label": ...}`` with at least two labels;
+- completion: ``{"text": ..., "answer": ...}``, the answer being the expected continuation;
+- pairs: ``{"positive": ..., "negative": ...}``, contrastive prompts for steering.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from workbench.errors import WorkbenchError
+
+KINDS = {
+    "classification": ("text", "label"),
+    "completion": ("text", "answer"),
+    "pairs": ("positive", "negative"),
+}
+# Label names for the two sides of a pairs dataset when it is used as a classification set.
+PAIR_LABELS = ("positive", "negative")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    kind: str
+    records: tuple[dict[str, Any], ...]
+    description: str = ""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def prompts(self) -> list[str]:
+        """Every prompt; for pairs, all positives then all negatives."""
+        if self.kind == "pairs":
+            return [r["positive"] for r in self.records] + [r["negative"] for r in self.records]
+        return [r["text"] for r in self.records]
+
+    @property
+    def labels(self) -> list[str]:
+        """One label per prompt (pairs: "positive"/"negative"; completion: the answer)."""
+        if self.kind == "pairs":
+            return [PAIR_LABELS[0]] * len(self.records) + [PAIR_LABELS[1]] * len(self.records)
+        key = "label" if self.kind == "classification" else "answer"
+        return [str(r[key]) for r in self.records]
+
+    @property
+    def classes(self) -> list[str]:
+        return sorted(set(self.labels))
+
+    def contrast(self, positive: str | None = None) -> tuple[list[str], list[str]]:
+        """(positive prompts, negative prompts) for a steering vector.
+
+        Pairs give their two columns. A two-class classification set gives the prompts of ``positive``
+        (default: the label "positive" or "true" when present) against those of the other class.
+        """
+        if self.kind == "pairs":
+            return ([r["positive"] for r in self.records], [r["negative"] for r in self.records])
+        if self.kind != "classification" or len(self.classes) != 2:
+            raise WorkbenchError(f"dataset {self.name!r} ({self.kind}, classes {self.classes[:5]}) cannot be split "
+                                 "into a positive and a negative side: use a pairs dataset or a two-class one")
+        if positive is None:
+            positive = next((c for c in ("positive", "true") if c in self.classes), None)
+            if positive is None:
+                raise WorkbenchError(f"say which class of {self.classes} is the positive side (positive=...)")
+        if positive not in self.classes:
+            raise WorkbenchError(f"class {positive!r} is not in dataset {self.name!r}; classes: {self.classes}")
+        pos = [p for p, l in zip(self.prompts, self.labels) if l == positive]
+        neg = [p for p, l in zip(self.prompts, self.labels) if l != positive]
+        return pos, neg
+
+    def sample(self, n: int, seed: int = 0) -> "Dataset":
+        """A seeded subset of about ``n`` records with every class kept in equal share (for quick runs)."""
+        if n <= 0:
+            raise WorkbenchError(f"sample size must be positive, got {n}")
+        rng = random.Random(seed)
+        if self.kind != "classification":
+            order = list(range(len(self.records)))
+            rng.shuffle(order)
+            chosen = sorted(order[:n])
+        else:
+            by_class: dict[str, list[int]] = {}
+            for i, record in enumerate(self.records):
+                by_class.setdefault(str(record["label"]), []).append(i)
+            per_class = max(2, -(-n // len(by_class)))
+            chosen = sorted(i for idx in by_class.values() for i in rng.sample(idx, min(per_class, len(idx))))
+        return Dataset(self.name, self.kind, tuple(self.records[i] for i in chosen), self.description)
+
+
+def list_datasets() -> dict[str, str]:
+    """Names of the shipped datasets with a one-line description each."""
+    return {name: DESCRIPTIONS.get(name, "") for name in sorted(_shipped())}
+
+
+def load_dataset(name_or_path: str | Path | Dataset) -> Dataset:
+    """A shipped dataset by name ("sentiment", "facts", "capitals", "happy_sad") or a JSONL file."""
+    if isinstance(name_or_path, Dataset):
+        return name_or_path
+    shipped = _shipped()
+    if isinstance(name_or_path, str) and name_or_path in shipped:
+        text = shipped[name_or_path].read_text(encoding="utf-8")
+        return _parse(name_or_path, text, DESCRIPTIONS.get(name_or_path, ""))
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise WorkbenchError(f"no dataset {str(name_or_path)!r}: not a shipped name ({', '.join(sorted(shipped))}) "
+                             "and not a file")
+    return _parse(path.stem, path.read_text(encoding="utf-8"), f"user file {path}")
+
+
+def make_dataset(name: str, records: Sequence[dict[str, Any]]) -> Dataset:
+    """A dataset from records in memory, validated like a file."""
+    return _parse(name, "\n".join(json.dumps(r) for r in records), "")
+
+
+def pairs_dataset(positive: Sequence[str], negative: Sequence[str], name: str = "pairs") -> Dataset:
+    """A pairs dataset from two lists of prompts of equal length."""
+    if isinstance(positive, str) or isinstance(negative, str):
+        raise WorkbenchError("positive and negative prompts must be lists of strings")
+    if len(positive) != len(negative):
+        raise WorkbenchError(f"mismatched pair counts: {len(positive)} positive and {len(negative)} negative prompts")
+    return make_dataset(name, [{"positive": p, "negative": n} for p, n in zip(positive, negative)])
+
+
+def _shipped() -> dict[str, Any]:
+    folder = resources.files("workbench.datasets")
+    return {f.name.removesuffix(".jsonl"): f for f in folder.iterdir() if f.name.endswith(".jsonl")}
+
+
+DESCRIPTIONS = {
+    "sentiment": "80 short reviews and remarks, 40 positive and 40 negative (classification)",
+    "facts": "80 simple statements, 40 true and 40 false (classification)",
+    "capitals": "50 'The capital of X is' prompts with the capital as answer (completion)",
+    "happy_sad": "40 pairs of sentences differing in happy vs sad mood (pairs, for steering)",
+}
+
+
+def _parse(name: str, text: str, description: str) -> Dataset:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise WorkbenchError(f"dataset {name!r} line {number}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise WorkbenchError(f"dataset {name!r} line {number}: a record must be a JSON object")
+        records.append((number, record))
+    if not records:
+        raise WorkbenchError(f"dataset {name!r} is empty")
+    kind = _kind_of(name, *records[0])
+    for number, record in records:
+        _check_record(name, kind, number, record)
+    dataset = Dataset(name, kind, tuple(r for _, r in records), description)
+    if kind == "classification":
+        counts = {c: dataset.labels.count(c) for c in dataset.classes}
+        if len(counts) < 2:
+            raise WorkbenchError(f"dataset {name!r} has only one class ({next(iter(counts))!r}); a probe needs two or more")
+        thin = [c for c, n in counts.items() if n < 2]
+        if thin:
+            raise WorkbenchError(f"dataset {name!r}: classes {thin} have fewer than 2 examples; a held-out split needs more")
+    return dataset
+
+
+def _kind_of(name: str, number: int, record: dict) -> str:
+    for kind, keys in KINDS.items():
+        if all(k in record for k in keys):
+            return kind
+    if "positive" in record or "negative" in record:
+        raise WorkbenchError(f"dataset {name!r} line {number}: mismatched pair counts: a pairs record needs both "
+                             "'positive' and 'negative'")
+    raise WorkbenchError(f"dataset {name!r} line {number}: unknown record {sorted(record)}; expected keys "
+                         + " or ".join(str(list(k)) for k in KINDS.values()))
+
+
+def _check_record(name: str, kind: str, number: int, record: dict) -> None:
+    keys = KINDS[kind]
+    missing = [k for k in keys if k not in record]
+    if missing:
+        hint = "mismatched pair counts: " if kind == "pairs" else ""
+        raise WorkbenchError(f"dataset {name!r} line {number}: {hint}missing {missing} (this is a {kind} dataset)")
+    for key in keys:
+        value = record[key]
+        if not isinstance(value, str):
+            raise WorkbenchError(f"dataset {name!r} line {number}: {key!r} must be a string, got {type(value).__name__}")
+        if not value.strip():
+            raise WorkbenchError(f"dataset {name!r} line {number}: empty {key!r}")

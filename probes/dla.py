@@ -1,0 +1,103 @@
+"""Direct logit attribution: how much each component writes the logit (difference) directly.
+
+The final residual at a position is the sum of what the embedding, every attention head (through its
+own slice of W_O) and every MLP wrote into it. The final RMSNorm is linear once its scale is frozen at
+the value of the run, so the logit splits exactly into one term per component:
+
+    logit = scale * sum_c (component_c . (norm_weight * unembedding_row))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from workbench.errors import WorkbenchError
+
+from .lens import token_id
+
+
+@dataclass
+class Attribution:
+    """One contribution per component, in forward order; they sum to ``total`` (≈ ``logit``)."""
+
+    labels: list[str]  # "embed", "L3H5", "L3 MLP"
+    kinds: list[str]  # "embed" | "attn" | "mlp"
+    contributions: torch.Tensor  # float64 [components]
+    target: str  # what the direction reads, e.g. "' Paris'" or "' Paris' - ' London'"
+    position: int
+    logit: float  # the model's own logit (difference) at this position
+    scale: float  # the frozen final-norm scale
+
+    @property
+    def total(self) -> float:
+        return float(self.contributions.sum())
+
+    @property
+    def error(self) -> float:
+        """|sum of contributions - the model's logit|: the decomposition's float error."""
+        return abs(self.total - self.logit)
+
+    def heads(self) -> torch.Tensor:
+        """Head contributions as ``[layers, heads]``."""
+        attn = self.contributions[[i for i, k in enumerate(self.kinds) if k == "attn"]]
+        n_layers = sum(k == "mlp" for k in self.kinds)
+        return attn.view(n_layers, -1)
+
+    def top(self, n: int = 10) -> list[tuple[str, float]]:
+        """The ``n`` components with the largest absolute contribution."""
+        order = self.contributions.abs().argsort(descending=True)[:n]
+        return [(self.labels[i], float(self.contributions[i])) for i in order]
+
+    def figure(self, top: int | None = None):
+        """Bar chart of contributions in forward order (or the ``top`` largest by size), coloured by kind."""
+        import plotly.graph_objects as go
+
+        index = range(len(self.labels)) if top is None else [
+            self.labels.index(label) for label, _ in self.top(top)]
+        colors = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e"}
+        fig = go.Figure(go.Bar(
+            x=[self.labels[i] for i in index], y=[float(self.contributions[i]) for i in index],
+            marker_color=[colors[self.kinds[i]] for i in index]))
+        fig.update_layout(title=f"Direct logit attribution to {self.target} at position {self.position} "
+                                f"(sum {self.total:.3f}, model {self.logit:.3f})",
+                          xaxis_title="component", yaxis_title="contribution to logit", template="plotly_white")
+        return fig
+
+
+def direct_logit_attribution(model: Any, prompt: str | Sequence[int], target: int | str,
+                             baseline: int | str | None = None, position: int = -1, chat: bool = False) -> Attribution:
+    """Split the logit of ``target`` (minus ``baseline``'s, when given) at ``position`` over the components."""
+    target_id = token_id(model, target)
+    baseline_id = None if baseline is None else token_id(model, baseline)
+    c = model.config
+    record = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out", "ln_final.hook_scale"]
+    trace = model.run(prompt, record=record, chat=chat)
+    n_pos = len(trace.ids)
+    if not -n_pos <= position < n_pos:
+        raise WorkbenchError(f"position {position} is out of range for a prompt of {n_pos} tokens")
+    acts = trace.activations
+
+    components = [acts["hook_embed"][position]]
+    labels, kinds = ["embed"], ["embed"]
+    for layer in range(c.n_layers):
+        components.extend(acts[f"blocks.{layer}.attn.hook_result"][position])
+        labels += [f"L{layer}H{h}" for h in range(c.n_heads)]
+        kinds += ["attn"] * c.n_heads
+        components.append(acts[f"blocks.{layer}.hook_mlp_out"][position])
+        labels.append(f"L{layer} MLP")
+        kinds.append("mlp")
+
+    unembedding = model.runner.weights.unembed
+    ids = [target_id] if baseline_id is None else [target_id, baseline_id]
+    rows = unembedding.dequantize_rows(torch.tensor(ids, device=unembedding.device)).cpu().double()
+    direction = rows[0] if baseline_id is None else rows[0] - rows[1]
+    direction = direction * model.runner.weights.final_norm.cpu().double()
+    scale = float(acts["ln_final.hook_scale"][position, 0])
+    contributions = scale * (torch.stack(components).double() @ direction)
+
+    logit = trace.logits[position, target_id] - (0 if baseline_id is None else trace.logits[position, baseline_id])
+    texts = model.token_texts(ids)
+    description = repr(texts[0]) if baseline_id is None else f"{texts[0]!r} - {texts[1]!r}"
+    return Attribution(labels, kinds, contributions, description, position % n_pos, float(logit), scale)

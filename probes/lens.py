@@ -1,0 +1,173 @@
+"""Logit lens: read the residual stream at every layer through the model's own final norm and unembedding.
+
+At the last layer's ``resid_post`` the lens is exactly the model's output: the same RMSNorm (its scale
+recomputed from the residual, as the forward does) and the same unembedding kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from workbench.errors import WorkbenchError
+from workbench.kernels import linear
+
+from .activations import block_hook
+
+POINTS = ("resid_pre", "resid_mid", "resid_post")  # forward order within a block
+# Logit rows unembedded at once: bounds the float buffer to ~200 MB for a 49k vocabulary.
+_ROWS_PER_CHUNK = 1024
+
+
+def final_norm(model: Any, resid: torch.Tensor) -> torch.Tensor:
+    """The final RMSNorm of the model on a residual ``[..., d_model]``, op for op as the runner computes it."""
+    x = resid.to(model.device, model.dtype)
+    scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + model.config.rms_eps).to(x.dtype)
+    return x * scale * model.runner.weights.final_norm
+
+
+def unembed(model: Any, normed: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of final-normed residuals ``[N, d_model]``, on the production unembedding kernel."""
+    return linear(normed, model.runner.weights.unembed).float()
+
+
+def token_id(model: Any, token: int | str) -> int:
+    """A token id from an id or from text that is exactly one token (" Paris")."""
+    if isinstance(token, str):
+        ids = model.tokenize(token, add_bos=False)
+        if len(ids) != 1:
+            raise WorkbenchError(f"{token!r} is {len(ids)} tokens {ids}, not one; pass a token id or a single-token "
+                                 "string (mind the leading space)")
+        return ids[0]
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.config.vocab_size:
+        raise WorkbenchError(f"token must be an id in 0..{model.config.vocab_size - 1} or a string, got {token!r}")
+    return token
+
+
+@dataclass
+class TokenTrack:
+    """Probability and rank (0 = top) of chosen tokens at every layer and position: ``[tokens, layers, positions]``."""
+
+    token_ids: list[int]
+    token_texts: list[str]
+    prompt_tokens: list[str]
+    point: str
+    probs: torch.Tensor
+    ranks: torch.Tensor
+
+    def figure(self, position: int = -1):
+        """Probability of each token across depth at one position (rank in the hover)."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        layers = list(range(self.probs.shape[1]))
+        for i, text in enumerate(self.token_texts):
+            fig.add_trace(go.Scatter(
+                x=layers, y=self.probs[i, :, position].tolist(), mode="lines+markers", name=repr(text),
+                customdata=self.ranks[i, :, position].tolist(),
+                hovertemplate="layer %{x}: p=%{y:.4f}, rank %{customdata}<extra>" + repr(text) + "</extra>"))
+        fig.update_layout(title=f"Logit lens at token {self.prompt_tokens[position]!r} ({self.point})",
+                          xaxis_title="layer", yaxis_title="probability", template="plotly_white")
+        return fig
+
+
+@dataclass
+class LogitLens:
+    """Top-k predictions of the lens at each (point, layer, position); see :func:`logit_lens`."""
+
+    model: Any
+    ids: list[int]
+    tokens: list[str]
+    points: tuple[str, ...]
+    normed: dict[str, torch.Tensor]  # final-normed residuals per point, [layers, positions, d_model]
+    top_ids: dict[str, torch.Tensor]  # [layers, positions, k]
+    top_probs: dict[str, torch.Tensor]
+
+    @property
+    def probs(self) -> torch.Tensor:
+        """Top-k probabilities ``[layers, positions, k]`` at the first point."""
+        return self.top_probs[self.points[0]]
+
+    def _point(self, point: str | None) -> str:
+        point = point or self.points[0]
+        if point not in self.points:
+            raise WorkbenchError(f"this lens was computed at {list(self.points)}, not {point!r}")
+        return point
+
+    def top_tokens(self, layer: int = -1, position: int = -1, point: str | None = None) -> list[int]:
+        """Token ids the lens predicts at a layer and position, best first."""
+        return self.top_ids[self._point(point)][layer, position].tolist()
+
+    def logits(self, layer: int, point: str | None = None) -> torch.Tensor:
+        """Full lens logits ``[positions, vocab]`` at one layer."""
+        return unembed(self.model, self.normed[self._point(point)][layer]).cpu()
+
+    def track_token(self, token: int | str, point: str | None = None) -> TokenTrack:
+        """Rank and probability of one token across depth, at every position."""
+        return self.track_race([token], point)
+
+    def track_race(self, tokens: Sequence[int | str], point: str | None = None) -> TokenTrack:
+        """Probabilities (and ranks) of several candidate tokens across depth, at every position."""
+        point = self._point(point)
+        ids = [token_id(self.model, t) for t in tokens]
+        if not ids:
+            raise WorkbenchError("track_race needs at least one token")
+        chosen = torch.tensor(ids)
+        probs, ranks = [], []
+        for logits in _layer_logits(self.model, self.normed[point]):
+            target = logits[:, chosen]  # [positions, tokens]
+            probs.append((target - logits.logsumexp(-1, keepdim=True)).exp().T)
+            ranks.append((logits[:, None, :] > target[:, :, None]).sum(-1).T)
+        return TokenTrack(ids, self.model.token_texts(ids), self.tokens, point,
+                          torch.stack(probs, 1), torch.stack(ranks, 1))
+
+    def figure(self, point: str | None = None):
+        """Heatmap layers x positions coloured by the top token's probability; hover lists the top-k."""
+        import plotly.graph_objects as go
+
+        point = self._point(point)
+        top_ids, top_probs = self.top_ids[point], self.top_probs[point]
+        n_layers, n_pos, k = top_ids.shape
+        texts = [[self.model.token_texts(top_ids[l, t].tolist()) for t in range(n_pos)] for l in range(n_layers)]
+        hover = [[f"layer {l}, after {self.tokens[t]!r}<br>" + "<br>".join(
+            f"{repr(texts[l][t][j])} {float(top_probs[l, t, j]):.3f}" for j in range(k))
+            for t in range(n_pos)] for l in range(n_layers)]
+        fig = go.Figure(go.Heatmap(
+            z=top_probs[:, :, 0].tolist(), x=list(range(n_pos)), y=list(range(n_layers)), zmin=0, zmax=1,
+            colorscale="Blues", text=[[row[0] for row in layer] for layer in texts], texttemplate="%{text}",
+            customdata=hover, hovertemplate="%{customdata}<extra></extra>", colorbar_title="top-1 p"))
+        fig.update_layout(title=f"Logit lens ({point})", xaxis_title="position", yaxis_title="layer",
+                          template="plotly_white", height=max(400, 22 * n_layers))
+        fig.update_xaxes(tickvals=list(range(n_pos)), ticktext=[repr(t) for t in self.tokens])
+        return fig
+
+
+def _layer_logits(model: Any, normed: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Lens logits ``[positions, vocab]`` (CPU) of each layer, unembedding several layers per kernel call."""
+    n_layers, n_pos, d = normed.shape
+    per_chunk = max(1, _ROWS_PER_CHUNK // n_pos)
+    for start in range(0, n_layers, per_chunk):
+        block = normed[start:start + per_chunk]
+        logits = unembed(model, block.reshape(-1, d)).cpu().view(block.shape[0], n_pos, -1)
+        yield from logits
+
+
+def logit_lens(model: Any, prompt: str | Sequence[int], points: str | Sequence[str] = ("resid_post",), k: int = 10,
+               chat: bool = False) -> LogitLens:
+    """Run the prompt once and read every layer's residual (at ``points``) through the final norm and unembedding."""
+    points = (points,) if isinstance(points, str) else tuple(points)
+    bad = [p for p in points if p not in POINTS]
+    if bad or not points:
+        raise WorkbenchError(f"lens points must be among {POINTS}, got {list(points)}")
+    points = tuple(p for p in POINTS if p in points)
+    if not 1 <= k <= model.config.vocab_size:
+        raise WorkbenchError(f"k must be in 1..{model.config.vocab_size}, got {k}")
+    names = {p: [block_hook(model, layer, p) for layer in range(model.config.n_layers)] for p in points}
+    trace = model.run(prompt, record=[n for group in names.values() for n in group], chat=chat)
+    normed, top_ids, top_probs = {}, {}, {}
+    for point, group in names.items():
+        normed[point] = final_norm(model, torch.stack([trace.activations[n] for n in group]))
+        values, indices = zip(*(logits.softmax(-1).topk(k) for logits in _layer_logits(model, normed[point])))
+        top_probs[point], top_ids[point] = torch.stack(values), torch.stack(indices)
+    return LogitLens(model, trace.ids, trace.tokens, points, normed, top_ids, top_probs)

@@ -1,0 +1,293 @@
+"""Linear probes on activations: where in depth does the model represent a label?
+
+A probe is a 32-dim PCA followed by logistic regression (scikit-learn), fitted on pooled activations of
+one hook point over a labelled dataset. Accuracy is measured on held-out prompts and reported with a
+95% Wilson interval. Probes save as safetensors (the fitted arrays) + JSON (everything else); no pickle.
+
+Depth fractions make results comparable across models of different depth: fraction ``f`` picks the
+layer nearest to ``f * (n_layers - 1)``, halves rounding up (f=0 is the first layer, f=1 the last).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from sklearn.decomposition import PCA
+from sklearn.linear_model import LogisticRegression
+from sklearn.model_selection import StratifiedKFold, cross_val_predict, train_test_split
+from sklearn.pipeline import Pipeline
+
+from workbench.errors import WorkbenchError
+from workbench.hooks import point_shapes
+
+from .activations import Progress, block_hook, collect_activations
+from .data import Dataset, load_dataset
+
+N_COMPONENTS = 32
+Z_95 = 1.959963984540054
+
+
+def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
+    """95% Wilson score interval for a proportion ``correct / total``."""
+    if total <= 0:
+        raise WorkbenchError("an accuracy needs at least one test example")
+    p = correct / total
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
+    # the bounds are exactly 0 and 1 at the extremes; say so rather than return 0.9999999999999999
+    low = 0.0 if correct == 0 else max(0.0, centre - half)
+    high = 1.0 if correct == total else min(1.0, centre + half)
+    return low, high
+
+
+def layer_at_fraction(n_layers: int, fraction: float) -> int:
+    """The layer nearest to ``fraction * (n_layers - 1)``, halves rounding up."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise WorkbenchError(f"a depth fraction must be a number in [0, 1], got {fraction!r}")
+    return int(math.floor(fraction * (n_layers - 1) + 0.5))
+
+
+def _pipeline(n_features: int, n_train: int, n_components: int, seed: int) -> Pipeline:
+    components = min(n_components, n_features, n_train)
+    return Pipeline([("pca", PCA(n_components=components, random_state=seed)),
+                     ("logreg", LogisticRegression(max_iter=2000))])
+
+
+def model_signature(model: Any, hook: str) -> dict[str, Any]:
+    """What a probe must match to apply to a model: architecture, widths, depth and the hook's shape."""
+    c = model.config
+    return {"architecture": c.architecture, "d_model": c.d_model, "n_layers": c.n_layers,
+            "hook": hook, "hook_shape": point_shapes(c)[hook], "model_name": c.name}
+
+
+@dataclass
+class Probe:
+    """A fitted probe at one hook point, with its held-out accuracy."""
+
+    pipeline: Pipeline
+    hook: str
+    pooling: str
+    signature: dict[str, Any]
+    accuracy: float
+    ci: tuple[float, float]
+    n_train: int
+    n_test: int
+    dataset: str = ""
+
+    @property
+    def classes(self) -> list[str]:
+        return [str(c) for c in self.pipeline.classes_]
+
+    def check_model(self, model: Any) -> None:
+        """Raise a clear error if ``model`` is not one this probe was fitted for."""
+        if self.hook not in point_shapes(model.config):
+            raise WorkbenchError(f"this probe reads {self.hook}, which model {model.config.name!r} does not have")
+        theirs = model_signature(model, self.hook)
+        for key in ("architecture", "d_model", "n_layers", "hook_shape"):
+            if theirs[key] != self.signature[key]:
+                raise WorkbenchError(
+                    f"this probe was fitted on {self.signature['model_name']!r} ({key} {self.signature[key]}); "
+                    f"model {theirs['model_name']!r} has {key} {theirs[key]}")
+
+    def features(self, model: Any, prompts: Sequence[str], progress: Progress = None) -> np.ndarray:
+        self.check_model(model)
+        acts = collect_activations(model, prompts, [self.hook], self.pooling, progress)
+        return acts[self.hook].numpy()
+
+    def predict(self, model: Any, prompts: Sequence[str], progress: Progress = None) -> list[str]:
+        """The predicted class of each prompt."""
+        return [str(c) for c in self.pipeline.predict(self.features(model, prompts, progress))]
+
+    def predict_proba(self, model: Any, prompts: Sequence[str], progress: Progress = None) -> torch.Tensor:
+        """Class probabilities ``[prompts, classes]`` in the order of ``.classes``."""
+        return torch.from_numpy(self.pipeline.predict_proba(self.features(model, prompts, progress)))
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        """Write ``path.safetensors`` (the fitted arrays) and ``path.json`` (hook, classes, model signature)."""
+        base = _base_path(path)
+        pca, logreg = self.pipeline["pca"], self.pipeline["logreg"]
+        tensors = {"pca_components": pca.components_, "pca_mean": pca.mean_,
+                   "pca_explained_variance": pca.explained_variance_,
+                   "coef": logreg.coef_, "intercept": logreg.intercept_}
+        save_file({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in tensors.items()},
+                  str(base.with_suffix(".safetensors")))
+        meta = {"format": "workbench-probe/1", "hook": self.hook, "pooling": self.pooling, "classes": self.classes,
+                "signature": self.signature, "accuracy": self.accuracy, "ci": list(self.ci),
+                "n_train": self.n_train, "n_test": self.n_test, "dataset": self.dataset}
+        base.with_suffix(".json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        return base.with_suffix(".safetensors"), base.with_suffix(".json")
+
+    @classmethod
+    def load(cls, path: str | Path, model: Any | None = None) -> "Probe":
+        """Read a saved probe (no pickle: the estimators are rebuilt from arrays); check it fits ``model``."""
+        base = _base_path(path)
+        files = base.with_suffix(".safetensors"), base.with_suffix(".json")
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise WorkbenchError(f"probe files not found: {', '.join(missing)}")
+        meta = json.loads(files[1].read_text(encoding="utf-8"))
+        if meta.get("format") != "workbench-probe/1":
+            raise WorkbenchError(f"{files[1]} is not a workbench probe (format {meta.get('format')!r})")
+        arrays = {k: v.numpy() for k, v in load_file(str(files[0])).items()}
+        pca = PCA(n_components=arrays["pca_components"].shape[0])
+        pca.components_, pca.mean_ = arrays["pca_components"], arrays["pca_mean"]
+        pca.explained_variance_ = arrays["pca_explained_variance"]
+        pca.n_components_, pca.n_features_in_ = pca.components_.shape
+        logreg = LogisticRegression()
+        logreg.coef_, logreg.intercept_ = arrays["coef"], arrays["intercept"]
+        logreg.classes_ = np.array(meta["classes"])
+        logreg.n_features_in_ = logreg.coef_.shape[1]
+        probe = cls(Pipeline([("pca", pca), ("logreg", logreg)]), meta["hook"], meta["pooling"], meta["signature"],
+                    meta["accuracy"], tuple(meta["ci"]), meta["n_train"], meta["n_test"], meta.get("dataset", ""))
+        if model is not None:
+            probe.check_model(model)
+        return probe
+
+
+def _base_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
+
+
+def fit_probe(features: np.ndarray | torch.Tensor, labels: Sequence[str], *, hook: str, pooling: str,
+              signature: dict[str, Any], test_size: float = 0.25, seed: int = 0, n_components: int = N_COMPONENTS,
+              dataset: str = "") -> Probe:
+    """Fit PCA + logistic regression on a stratified, seeded train split; score on the held-out rest."""
+    x = np.asarray(features, dtype=np.float64)
+    y = np.asarray(labels)
+    if not 0.0 < test_size < 1.0:
+        raise WorkbenchError(f"test_size must be in (0, 1), got {test_size}")
+    try:
+        x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_size, stratify=y, random_state=seed)
+    except ValueError as err:
+        raise WorkbenchError(f"cannot make a stratified held-out split of {len(y)} examples: {err}") from None
+    pipeline = _pipeline(x.shape[1], len(x_train), n_components, seed).fit(x_train, y_train)
+    correct = int((pipeline.predict(x_test) == y_test).sum())
+    return Probe(pipeline, hook, pooling, signature, correct / len(y_test), wilson_interval(correct, len(y_test)),
+                 len(y_train), len(y_test), dataset)
+
+
+def train_probe(model: Any, dataset: str | Path | Dataset, hook: str, pooling: str = "last", test_size: float = 0.25,
+                seed: int = 0, n_components: int = N_COMPONENTS, progress: Progress = None) -> Probe:
+    """Collect ``hook`` over a labelled dataset and fit a probe with a held-out split."""
+    data = load_dataset(dataset)
+    acts = collect_activations(model, data.prompts, [hook], pooling, progress)
+    name = next(iter(acts))
+    return fit_probe(acts[name], data.labels, hook=name, pooling=pooling, signature=model_signature(model, name),
+                     test_size=test_size, seed=seed, n_components=n_components, dataset=data.name)
+
+
+def probe_at_depth_fraction(model: Any, dataset: str | Path | Dataset, fraction: float, point: str = "resid_post",
+                            pooling: str = "last", test_size: float = 0.25, seed: int = 0,
+                            progress: Progress = None) -> Probe:
+    """A 32-dim PCA + logistic-regression probe at the layer nearest ``fraction`` of the depth (see module doc)."""
+    layer = layer_at_fraction(model.config.n_layers, fraction)
+    return train_probe(model, dataset, block_hook(model, layer, point), pooling, test_size, seed, progress=progress)
+
+
+@dataclass
+class DepthSweep:
+    """Probe accuracy per layer (out-of-fold predictions of k-fold cross-validation) with 95% Wilson intervals."""
+
+    dataset: str
+    point: str
+    pooling: str
+    n_layers: int
+    layers: list[int]
+    accuracy: dict[int, float]
+    ci: dict[int, tuple[float, float]]
+    n_examples: int
+    features: dict[int, torch.Tensor] = field(repr=False)  # the pooled activations, reusable for probes
+    labels: list[str] = field(repr=False)
+    signature_model: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def fraction(self, layer: int) -> float:
+        return layer / max(1, self.n_layers - 1)
+
+    @property
+    def peak_layer(self) -> int:
+        """The layer with the highest accuracy (the shallowest one on ties)."""
+        return max(self.layers, key=lambda l: (self.accuracy[l], -l))
+
+    def first_reaching(self, share: float = 0.9) -> int:
+        """The shallowest layer whose accuracy reaches ``share`` of the peak accuracy."""
+        if not 0.0 <= share <= 1.0:
+            raise WorkbenchError(f"share must be in [0, 1], got {share}")
+        goal = share * self.accuracy[self.peak_layer]
+        return next(l for l in self.layers if self.accuracy[l] >= goal)
+
+    def probe(self, layer: int, test_size: float = 0.25, seed: int = 0) -> Probe:
+        """A probe at one of the swept layers, fitted on the cached activations (no new forward)."""
+        if layer not in self.features:
+            raise WorkbenchError(f"layer {layer} was not swept; swept layers: {self.layers}")
+        hook = f"blocks.{layer}.hook_{self.point}"
+        signature = dict(self.signature_model, hook=hook, hook_shape=f"[T, {self.signature_model['d_model']}]")
+        return fit_probe(self.features[layer], self.labels, hook=hook, pooling=self.pooling, signature=signature,
+                         test_size=test_size, seed=seed, dataset=self.dataset)
+
+    def figure(self):
+        """Accuracy across depth with its 95% interval as a band; the peak marked."""
+        import plotly.graph_objects as go
+
+        acc = [self.accuracy[l] for l in self.layers]
+        low = [self.ci[l][0] for l in self.layers]
+        high = [self.ci[l][1] for l in self.layers]
+        fig = go.Figure([
+            go.Scatter(x=self.layers + self.layers[::-1], y=high + low[::-1], fill="toself", line_width=0,
+                       fillcolor="rgba(31,119,180,0.2)", hoverinfo="skip", name="95% interval"),
+            go.Scatter(x=self.layers, y=acc, mode="lines+markers", name="accuracy",
+                       customdata=[self.fraction(l) for l in self.layers],
+                       hovertemplate="layer %{x} (depth %{customdata:.2f}): %{y:.3f}<extra></extra>"),
+        ])
+        fig.add_vline(x=self.peak_layer, line_dash="dot", annotation_text=f"peak L{self.peak_layer}")
+        fig.update_layout(title=f"Probe accuracy across depth: {self.dataset} ({self.point}, {self.pooling} token, "
+                                f"n={self.n_examples})", xaxis_title="layer", yaxis_title="accuracy",
+                          yaxis_range=[0, 1.02], template="plotly_white")
+        return fig
+
+
+def depth_sweep(model: Any, dataset: str | Path | Dataset = "sentiment", fractions: Sequence[float] | None = None,
+                layers: Sequence[int] | None = None, point: str = "resid_post", pooling: str = "last",
+                folds: int = 5, seed: int = 0, n_components: int = N_COMPONENTS,
+                progress: Progress = None) -> DepthSweep:
+    """Probe accuracy at every layer (or the given layers, or the layers at the given depth fractions).
+
+    Every layer's activations come from the same forwards: one per prompt, recording all of them at once.
+    """
+    data = load_dataset(dataset)
+    n_layers = model.config.n_layers
+    if fractions is not None and layers is not None:
+        raise WorkbenchError("give fractions or layers, not both")
+    if fractions is not None:
+        chosen = [layer_at_fraction(n_layers, f) for f in fractions]
+    else:
+        chosen = list(range(n_layers)) if layers is None else [int(l) for l in layers]
+    if not chosen:
+        raise WorkbenchError("no layers to sweep")
+    chosen = sorted(set(chosen))
+    names = [block_hook(model, layer, point) for layer in chosen]
+    counts = [data.labels.count(c) for c in data.classes]
+    if folds < 2 or min(counts) < folds:
+        raise WorkbenchError(f"{folds}-fold cross-validation needs folds >= 2 and at least {folds} examples per class; "
+                             f"dataset {data.name!r} has {dict(zip(data.classes, counts))}")
+    acts = collect_activations(model, data.prompts, names, pooling, progress)
+    labels = np.asarray(data.labels)
+    splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+    n_train = len(labels) - math.ceil(len(labels) / folds)
+    accuracy, ci = {}, {}
+    for layer, name in zip(chosen, names):
+        x = acts[name].double().numpy()
+        predicted = cross_val_predict(_pipeline(x.shape[1], n_train, n_components, seed), x, labels, cv=splitter)
+        correct = int((predicted == labels).sum())
+        accuracy[layer] = correct / len(labels)
+        ci[layer] = wilson_interval(correct, len(labels))
+    signature = model_signature(model, names[0])
+    return DepthSweep(data.name, point.removeprefix("hook_"), pooling, n_layers, chosen, accuracy, ci, len(labels),
+                      {layer: acts[name] for layer, name in zip(chosen, names)}, list(data.labels), signature)

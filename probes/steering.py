@@ -1,0 +1,201 @@
+"""Steering vectors: contrastive mean differences added to the residual stream with ``hooks.Steer``.
+
+A vector holds one direction per layer, ``mean(activations of positive prompts) - mean(of negative
+prompts)``, and applies as ``scale * direction`` at every selected position of those layers.
+
+llama.cpp control vectors (``--control-vector``) are GGUF files with general.architecture
+"controlvector", one F32 tensor ``direction.{k}`` of n_embd values per layer, and metadata
+``controlvector.model_hint`` / ``controlvector.layer_count``. llama.cpp adds ``direction.k`` to the
+output of block k (0-based), i.e. our ``blocks.{k}.hook_resid_post``, at every position; it rejects
+``direction.0`` and keeps no slot for block 0, so the output of block 0 cannot be steered there.
+(Its cvector-generator writes ``direction.{i+1}`` from the output of block i, so a generated vector is
+applied one block later than where it was measured; it is loaded here where llama.cpp applies it.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from workbench.errors import WorkbenchError
+from workbench.hooks import Steer
+
+from .activations import Progress, block_hook, collect_activations, progress_callback
+from .data import Dataset, load_dataset, pairs_dataset
+from .lens import token_id
+
+CONTROL_VECTOR_ARCH = "controlvector"
+CONTROL_VECTOR_POINT = "resid_post"
+
+
+@dataclass
+class SteeringVector:
+    """Per-layer directions at one residual point (``resid_post`` unless said otherwise)."""
+
+    directions: dict[int, torch.Tensor]  # layer -> float32 [d_model]
+    point: str = CONTROL_VECTOR_POINT
+    model_hint: str = ""  # the architecture it was made on
+    source: str = ""
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.directions)
+
+    def hook(self, layer: int) -> str:
+        return f"blocks.{layer}.hook_{self.point}"
+
+    def interventions(self, scale: float = 1.0, positions: Sequence[int] | str | None = None) -> list[Steer]:
+        """``Steer`` interventions adding ``scale * direction`` at each layer (every position by default)."""
+        return [Steer(self.hook(layer), self.directions[layer], scale, positions) for layer in self.layers]
+
+    def norms(self) -> dict[int, float]:
+        return {layer: float(v.norm()) for layer, v in sorted(self.directions.items())}
+
+    def export_control_vector(self, path: str | Path, scale: float = 1.0) -> Path:
+        """Write a llama.cpp control vector (``llama-cli --control-vector path``) of ``scale * direction``."""
+        import gguf
+
+        if self.point != CONTROL_VECTOR_POINT:
+            raise WorkbenchError(f"llama.cpp control vectors act on the block output (resid_post); this vector is at "
+                                 f"{self.point}")
+        if 0 in self.directions:
+            raise WorkbenchError("llama.cpp cannot steer the output of block 0 (it rejects direction.0); drop layer 0")
+        path = Path(path)
+        writer = gguf.GGUFWriter(str(path), CONTROL_VECTOR_ARCH)
+        writer.add_string(f"{CONTROL_VECTOR_ARCH}.model_hint", self.model_hint)
+        writer.add_int32(f"{CONTROL_VECTOR_ARCH}.layer_count", len(self.directions))
+        for layer in self.layers:
+            writer.add_tensor(f"direction.{layer}", (scale * self.directions[layer]).float().numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    @classmethod
+    def from_control_vector(cls, path: str | Path, model: Any) -> "SteeringVector":
+        """Read a llama.cpp control vector GGUF; ``direction.k`` steers ``blocks.{k}.hook_resid_post``."""
+        import gguf
+
+        path = Path(path)
+        if not path.is_file():
+            raise WorkbenchError(f"control vector file not found: {path}")
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as err:  # the gguf reader raises bare ValueError/struct errors on junk
+            raise WorkbenchError(f"{path} is not a GGUF file: {err}") from None
+        fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+        arch = fields.get("general.architecture")
+        if arch != CONTROL_VECTOR_ARCH:
+            raise WorkbenchError(f"{path} is not a control vector (general.architecture is {arch!r})")
+        hint = fields.get(f"{CONTROL_VECTOR_ARCH}.model_hint", "")
+        if hint and hint != model.config.architecture:
+            raise WorkbenchError(f"{path} was made for a {hint!r} model; this one is {model.config.architecture!r}")
+        c = model.config
+        directions: dict[int, torch.Tensor] = {}
+        for tensor in reader.tensors:
+            prefix, _, index = tensor.name.partition(".")
+            if prefix != "direction" or not index.isdigit():
+                raise WorkbenchError(f"{path}: unexpected tensor {tensor.name!r} (expected direction.<layer>)")
+            layer = int(index)
+            if not 1 <= layer < c.n_layers:
+                raise WorkbenchError(f"{path}: {tensor.name} is outside llama.cpp's range direction.1.."
+                                     f"direction.{c.n_layers - 1} for a model of {c.n_layers} blocks")
+            data = np.asarray(tensor.data)
+            if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or data.size != c.d_model:
+                raise WorkbenchError(f"{path}: {tensor.name} must be F32 with {c.d_model} values, got "
+                                     f"{tensor.tensor_type.name} with {data.size}")
+            directions[layer] = torch.from_numpy(data.astype(np.float32).reshape(-1).copy())
+        if not directions:
+            raise WorkbenchError(f"{path} holds no direction tensors")
+        return cls(directions, CONTROL_VECTOR_POINT, hint or c.architecture, str(path))
+
+
+def steering_vector(model: Any, dataset: str | Path | Dataset | tuple[Sequence[str], Sequence[str]] = "happy_sad",
+                    layers: Sequence[int] = (8, 9, 10), point: str = CONTROL_VECTOR_POINT, pooling: str = "mean",
+                    positive: str | None = None, progress: Progress = None) -> SteeringVector:
+    """Mean difference of positive minus negative prompts' pooled activations, per layer.
+
+    ``dataset``: a pairs dataset (by name, file or ``Dataset``), a two-class classification set
+    (``positive`` names its positive class; "positive"/"true" by default), or ``(positives, negatives)``.
+    """
+    if isinstance(dataset, tuple):
+        dataset = pairs_dataset(*dataset)
+    data = load_dataset(dataset)
+    pos, neg = data.contrast(positive)
+    layers = sorted(set(int(l) for l in layers))
+    if not layers:
+        raise WorkbenchError("no layers given for the steering vector")
+    point = point.removeprefix("hook_")
+    names = [block_hook(model, layer, point) for layer in layers]
+    acts = collect_activations(model, pos + neg, names, pooling, progress)
+    directions = {layer: acts[name][:len(pos)].mean(0) - acts[name][len(pos):].mean(0)
+                  for layer, name in zip(layers, names)}
+    return SteeringVector(directions, point, model.config.architecture, data.name)
+
+
+@dataclass
+class SteeringSweep:
+    """Effect of a steering vector per scale: target-token log-probs at the next position, and generations."""
+
+    prompt: str
+    scales: list[float]
+    target_texts: list[str]
+    logprobs: torch.Tensor  # [scales, targets]
+    baseline: torch.Tensor  # [targets] at scale 0
+    generations: list[str] = field(default_factory=list)
+
+    @property
+    def shift(self) -> torch.Tensor:
+        """Log-prob change of each target relative to no steering, ``[scales, targets]``."""
+        return self.logprobs - self.baseline
+
+    def figure(self):
+        """Log-prob shift of each target token against scale; generations side by side beneath."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        rows = 2 if self.generations else 1
+        fig = make_subplots(rows=rows, cols=1, specs=[[{"type": "xy"}]] + ([[{"type": "table"}]] if rows == 2 else []),
+                            row_heights=[0.55, 0.45][:rows] if rows == 2 else None, vertical_spacing=0.08)
+        for i, text in enumerate(self.target_texts):
+            fig.add_trace(go.Scatter(x=self.scales, y=self.shift[:, i].tolist(), mode="lines+markers", name=repr(text),
+                                     hovertemplate="scale %{x}: %{y:+.3f}<extra>" + repr(text) + "</extra>"), 1, 1)
+        if rows == 2:
+            fig.add_trace(go.Table(header={"values": ["scale", "generation"]},
+                                   cells={"values": [self.scales, self.generations], "align": "left"},
+                                   columnwidth=[1, 8]), 2, 1)
+        fig.update_xaxes(title_text="steering scale", row=1, col=1)
+        fig.update_yaxes(title_text="log-prob shift vs. scale 0", row=1, col=1)
+        fig.update_layout(title=f"Steering sweep on {self.prompt!r}", template="plotly_white",
+                          height=450 + 250 * (rows - 1))
+        return fig
+
+
+def steering_sweep(model: Any, vector: SteeringVector, prompt: str, target_tokens: Sequence[int | str],
+                   scales: Sequence[float] = (-8, -4, -2, 0, 2, 4, 8), max_new_tokens: int = 20,
+                   positions: Sequence[int] | str | None = None, progress: Progress = None) -> SteeringSweep:
+    """Next-token log-probs of the targets at each scale (greedy generations too, when ``max_new_tokens`` > 0)."""
+    ids = [token_id(model, t) for t in target_tokens]
+    if not ids:
+        raise WorkbenchError("give at least one target token")
+    scales = [float(s) for s in scales]
+    if not scales:
+        raise WorkbenchError("give at least one scale")
+    update, close = progress_callback(progress, len(scales) + 1, "steering sweep")
+    try:
+        baseline = model.forward(prompt)[-1].log_softmax(-1)[ids]
+        update(1)
+        logprobs, generations = [], []
+        for done, scale in enumerate(scales, start=2):
+            interventions = vector.interventions(scale, positions)
+            logprobs.append(model.forward(prompt, interventions=interventions)[-1].log_softmax(-1)[ids])
+            if max_new_tokens > 0:
+                generations.append(model.generate(prompt, max_new_tokens, interventions=interventions))
+            update(done)
+    finally:
+        close()
+    return SteeringSweep(prompt, scales, model.token_texts(ids), torch.stack(logprobs), baseline, generations)

@@ -1,0 +1,46 @@
+"""Direct logit attribution: the contributions sum to the model's logit (difference)."""
+from __future__ import annotations
+
+import pytest
+
+import workbench
+from workbench import probes
+from workbench.synthetic import random_checkpoint, random_config
+
+
+@pytest.fixture(scope="module")
+def small():
+    return workbench.Model(random_checkpoint(random_config("qwen2", n_layers=3, n_heads=4, n_kv_heads=2)), device="cpu")
+
+
+def test_contributions_sum_to_the_logit(small):
+    prompt = "the cat sat on the mat"
+    attribution = probes.direct_logit_attribution(small, prompt, target=40, position=3)
+    logits = small.run(prompt).logits
+    assert attribution.logit == pytest.approx(float(logits[3, 40]))
+    assert attribution.error < 1e-5 * max(1.0, abs(attribution.logit))
+    assert len(attribution.labels) == 1 + 3 * (4 + 1)
+    assert attribution.labels[:3] == ["embed", "L0H0", "L0H1"] and attribution.labels[5] == "L0 MLP"
+    assert tuple(attribution.heads().shape) == (3, 4)
+    # a logit difference is the difference of the two attributions, component by component
+    other = probes.direct_logit_attribution(small, prompt, target=50, position=3)
+    difference = probes.direct_logit_attribution(small, prompt, target=40, baseline=50, position=3)
+    assert (difference.contributions - (attribution.contributions - other.contributions)).abs().max() < 1e-9
+    assert difference.logit == pytest.approx(float(logits[3, 40] - logits[3, 50]), abs=1e-5)
+
+
+def test_bad_attribution_requests(small):
+    with pytest.raises(workbench.WorkbenchError, match="out of range"):
+        probes.direct_logit_attribution(small, "the cat", target=40, position=9)
+    with pytest.raises(workbench.WorkbenchError, match="not one"):
+        probes.direct_logit_attribution(small, "the cat", target="the cat sat")
+
+
+def test_sum_check_on_the_embedded_model(model):
+    attribution = probes.direct_logit_attribution(model, "The capital of France is", " Paris", baseline=" London")
+    assert attribution.logit > 0  # the model prefers Paris
+    assert attribution.error < 1e-4
+    n_components = 1 + model.config.n_layers * (model.config.n_heads + 1)
+    assert len(attribution.contributions) == n_components
+    bars = attribution.figure(top=10).data[0]
+    assert len(bars.x) == 10 and abs(bars.y[0]) == max(abs(float(c)) for c in attribution.contributions)

@@ -1,0 +1,73 @@
+"""Logit lens: the last layer equals the model's logits; tracks agree with the full lens logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench
+from workbench import probes
+from workbench.synthetic import random_checkpoint, random_config
+
+
+@pytest.fixture(scope="module")
+def small():
+    return workbench.Model(random_checkpoint(random_config("llama", n_layers=3)), device="cpu")
+
+
+def test_last_layer_lens_is_the_models_output(small):
+    prompt = "the cat sat on the mat"
+    lens = probes.logit_lens(small, prompt, points=("resid_pre", "resid_mid", "resid_post"), k=5)
+    logits = small.run(prompt).logits
+    assert torch.equal(lens.logits(-1, "resid_post"), logits)
+    assert lens.top_tokens(-1, -1, "resid_post") == logits[-1].topk(5).indices.tolist()
+    # the residual after block l is the residual before block l + 1
+    assert torch.equal(lens.top_ids["resid_post"][:-1], lens.top_ids["resid_pre"][1:])
+    probs = lens.top_probs["resid_mid"]
+    assert probs.shape == (3, len(small.tokenize(prompt)), 5)
+    assert bool((probs[..., :-1] >= probs[..., 1:]).all()) and float(probs.sum(-1).max()) <= 1 + 1e-6
+
+
+def test_track_race_matches_the_full_lens(small):
+    lens = probes.logit_lens(small, "the cat sat")
+    candidates = [lens.top_tokens(1, -1)[0], lens.top_tokens(1, -1)[3], 7]
+    track = lens.track_race(candidates)
+    assert track.probs.shape == track.ranks.shape == (3, 3, len(lens.ids))
+    for layer in range(3):
+        full = lens.logits(layer).softmax(-1)
+        torch.testing.assert_close(track.probs[:, layer].T, full[:, candidates], rtol=1e-5, atol=1e-7)
+        order = full.argsort(-1, descending=True)
+        for i, token in enumerate(candidates):
+            assert track.ranks[i, layer].tolist() == (order == token).nonzero()[:, 1].tolist()
+    assert track.ranks[0, 1, -1] == 0 and track.ranks[1, 1, -1] == 3
+    single = lens.track_token(candidates[1])
+    assert torch.equal(single.probs[0], track.probs[1])
+    assert len(track.figure().data) == 3
+
+
+def test_bad_lens_requests(small):
+    with pytest.raises(workbench.WorkbenchError, match="lens points"):
+        probes.logit_lens(small, "the cat", points=("resid_after",))
+    lens = probes.logit_lens(small, "the cat")
+    with pytest.raises(workbench.WorkbenchError, match="computed at"):
+        lens.top_tokens(point="resid_pre")
+    with pytest.raises(workbench.WorkbenchError, match="not one"):
+        lens.track_token("the cat sat on")
+    with pytest.raises(workbench.WorkbenchError, match="token must be an id"):
+        lens.track_token(10**9)
+    with pytest.raises(workbench.WorkbenchError, match="empty"):
+        probes.logit_lens(small, "   ")
+
+
+def test_lens_on_the_embedded_model(model):
+    prompt = "The capital of France is"
+    lens = probes.logit_lens(model, prompt, k=10)
+    trace = model.run(prompt)
+    assert (lens.logits(-1) - trace.logits).abs().max() <= 1e-5
+    assert lens.top_tokens() == trace.logits[-1].topk(10).indices.tolist()
+    paris = lens.track_token(" Paris")
+    ranks = paris.ranks[0, :, -1]
+    assert ranks[-1] < 5 and ranks[0] > 1000  # found late, unknown to the embedding
+    fig = lens.figure()
+    heatmap = fig.data[0]
+    assert (len(heatmap.z), len(heatmap.z[0])) == (model.config.n_layers, len(trace.ids))
+    assert "' Paris'" in heatmap.customdata[-1][-1]

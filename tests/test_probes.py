@@ -1,0 +1,159 @@
+"""Datasets, activation collection, probes (save/load, depth sweeps) on real numbers."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import workbench
+from workbench import probes
+from workbench.synthetic import random_checkpoint, random_config
+
+
+@pytest.fixture(scope="module")
+def small():
+    return workbench.Model(random_checkpoint(random_config("llama", n_layers=3)), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ending_dataset():
+    """Label = the prompt's last word: a random model separates it from its last-token residual."""
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "mat", "in", "an", "hot", "sun", "tea"]
+    records = []
+    for i in range(40):
+        label = "cat" if i % 2 else "sun"
+        prefix = " ".join(rng.choice(words) for _ in range(rng.randint(2, 5)))
+        records.append({"text": f"{prefix} {label}", "label": label})
+    return probes.make_dataset("endings", records)
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------- datasets
+
+def test_shipped_datasets():
+    assert set(probes.list_datasets()) >= {"sentiment", "facts", "capitals", "happy_sad"}
+    for name in ("sentiment", "facts"):
+        data = probes.load_dataset(name)
+        counts = [data.labels.count(c) for c in data.classes]
+        assert data.kind == "classification" and len(data) >= 60 and len(counts) == 2 and counts[0] == counts[1]
+    capitals = probes.load_dataset("capitals")
+    assert capitals.kind == "completion" and len(capitals) >= 40
+    assert all(answer.startswith(" ") for answer in capitals.labels)
+    pairs = probes.load_dataset("happy_sad")
+    assert pairs.kind == "pairs" and len(pairs) >= 30
+    positives, negatives = pairs.contrast()
+    assert len(positives) == len(negatives) == len(pairs)
+    assert len(set(probes.load_dataset("sentiment").prompts)) == len(probes.load_dataset("sentiment"))
+
+
+def test_dataset_validation(tmp_path):
+    cases = {
+        "one class": [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}],
+        "mismatched pair counts": [{"positive": "a", "negative": "b"}, {"positive": "c"}],
+        "empty 'text'": [{"text": "a", "label": "x"}, {"text": "  ", "label": "y"}],
+        "unknown record": [{"prompt": "a"}],
+        "fewer than 2": [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}, {"text": "c", "label": "y"}],
+    }
+    for message, records in cases.items():
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            probes.load_dataset(write_jsonl(tmp_path / "bad.jsonl", records))
+    (tmp_path / "junk.jsonl").write_text('{"text": "a", "label": "x"}\n{not json', encoding="utf-8")
+    with pytest.raises(workbench.WorkbenchError, match="line 2: not valid JSON"):
+        probes.load_dataset(tmp_path / "junk.jsonl")
+    with pytest.raises(workbench.WorkbenchError, match="not a shipped name"):
+        probes.load_dataset("no_such_dataset")
+    with pytest.raises(workbench.WorkbenchError, match="mismatched pair counts"):
+        probes.pairs_dataset(["a", "b"], ["c"])
+    good = probes.load_dataset(write_jsonl(tmp_path / "mine.jsonl", cases["fewer than 2"] + [{"text": "d", "label": "y"}]))
+    assert good.name == "mine" and good.classes == ["x", "y"]
+
+
+def test_wilson_interval_and_depth_fractions():
+    low, high = probes.wilson_interval(8, 10)
+    assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
+    assert probes.wilson_interval(20, 20)[1] == 1.0
+    assert [probes.layer_at_fraction(30, f) for f in (0, 0.25, 0.5, 1)] == [0, 7, 15, 29]
+    assert probes.layer_at_fraction(2, 0.5) == 1
+    for bad in (-0.1, 1.5, float("nan"), "half"):
+        with pytest.raises(workbench.WorkbenchError, match=r"in \[0, 1\]"):
+            probes.layer_at_fraction(30, bad)
+
+
+# ------------------------------------------------------------------------------------------ collection
+
+def test_collect_activations_pools_the_trace(small):
+    prompts = ["the cat sat", "on the mat in the sun"]
+    calls = []
+    acts = probes.collect_activations(small, prompts, ["blocks.1.hook_resid_post", "blocks.0.attn.hook_z"],
+                                      pooling="mean", progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 2), (2, 2)]
+    trace = small.run(prompts[1], record=["blocks.1.hook_resid_post", "blocks.0.attn.hook_z"])
+    torch.testing.assert_close(acts["blocks.1.hook_resid_post"][1], trace.activations["blocks.1.hook_resid_post"].mean(0))
+    assert acts["blocks.0.attn.hook_z"].shape == (2, small.config.n_heads * small.config.d_head)
+    with pytest.raises(workbench.HookError, match="token-major"):
+        probes.collect_activations(small, prompts, ["blocks.0.attn.hook_pattern"])
+    with pytest.raises(workbench.WorkbenchError, match="prompt 1 is empty"):
+        probes.collect_activations(small, ["the cat", ""], ["blocks.0.hook_resid_post"])
+
+
+# -------------------------------------------------------------------------------------------- probes
+
+def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path):
+    probe = probes.probe_at_depth_fraction(small, ending_dataset, 1.0)
+    assert probe.hook == "blocks.2.hook_resid_post"
+    assert probe.accuracy >= 0.9 and probe.ci[0] <= probe.accuracy <= probe.ci[1]
+    assert (probe.n_train, probe.n_test) == (30, 10)
+    new_prompts = ["on the hot mat cat", "tea in the sun"]
+    assert probe.predict(small, new_prompts) == ["cat", "sun"]
+
+    safetensors_file, json_file = probe.save(tmp_path / "ending")
+    assert safetensors_file.suffix == ".safetensors" and json.loads(json_file.read_text())["hook"] == probe.hook
+    loaded = probes.Probe.load(tmp_path / "ending.safetensors", small)
+    assert loaded.classes == probe.classes and loaded.accuracy == probe.accuracy
+    torch.testing.assert_close(loaded.predict_proba(small, new_prompts), probe.predict_proba(small, new_prompts))
+
+    wider = workbench.Model(random_checkpoint(random_config("llama", n_layers=3, d_model=128)), device="cpu")
+    with pytest.raises(workbench.WorkbenchError, match="d_model 64"):
+        probes.Probe.load(tmp_path / "ending", wider)
+    shallower = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)), device="cpu")
+    with pytest.raises(workbench.WorkbenchError, match="does not have"):
+        loaded.predict(shallower, new_prompts)
+    with pytest.raises(workbench.WorkbenchError, match="not found"):
+        probes.Probe.load(tmp_path / "missing")
+
+
+def test_depth_sweep_on_a_small_model(small, ending_dataset):
+    seen = []
+    sweep = probes.depth_sweep(small, ending_dataset, fractions=[0.0, 0.5, 1.0], folds=4,
+                               progress=lambda done, total: seen.append(done))
+    assert seen[-1] == len(ending_dataset)  # one forward per prompt for all layers
+    assert sweep.layers == [0, 1, 2] and set(sweep.accuracy) == {0, 1, 2}
+    for layer in sweep.layers:
+        low, high = sweep.ci[layer]
+        assert low <= sweep.accuracy[layer] <= high
+    assert sweep.accuracy[sweep.peak_layer] == max(sweep.accuracy.values()) >= 0.9
+    assert sweep.first_reaching(0.0) == 0 and sweep.first_reaching(1.0) <= sweep.peak_layer
+    probe = sweep.probe(2)
+    assert probe.predict(small, ["the mat cat"]) == ["cat"]
+    assert len(sweep.figure().data) == 2
+    with pytest.raises(workbench.WorkbenchError, match=r"in \[0, 1\]"):
+        probes.depth_sweep(small, ending_dataset, fractions=[0.5, 1.2])
+    with pytest.raises(workbench.WorkbenchError, match="not both"):
+        probes.depth_sweep(small, ending_dataset, fractions=[0.5], layers=[1])
+
+
+def test_depth_sweep_on_the_embedded_model(model):
+    subset = probes.load_dataset("sentiment").sample(24, seed=1)
+    sweep = probes.depth_sweep(model, subset, fractions=[0.0, 0.5, 0.9], folds=3)
+    assert sweep.layers == [0, 15, 26]
+    # sentiment is not readable from the first token embedding of the last word alone but is mid-depth
+    assert sweep.accuracy[15] >= 0.75 and sweep.accuracy[15] > sweep.accuracy[0]
+    assert np.isclose(sum(sweep.ci[15]) / 2, sweep.accuracy[15], atol=0.15)
