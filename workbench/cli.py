@@ -97,7 +97,8 @@ def cmd_app(args: argparse.Namespace) -> None:
         raise WorkbenchError(f"model not found: {args.model}")
     script = Path(app.__file__).with_name("main.py")
     command = [sys.executable, "-m", "streamlit", "run", str(script), "--server.port", str(args.port),
-               "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+               "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
+               "--client.toolbarMode", "minimal"]
     if args.model is not None:
         command += ["--", "--model", str(Path(args.model).resolve())]
     print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
