@@ -3,6 +3,9 @@ from .formats import FORMATS, QuantFormat, get_format
 from .linear import KERNELS, Kernel, linear, register_kernel, select_kernel
 from .quant_tensor import QuantTensor
 
+from . import cpu  # noqa: E402  registers the C++ GGUF kernels (built on first use)
+from . import triton as _triton  # noqa: E402  registers the Triton CUDA kernels where CUDA and triton exist
+
 __all__ = [
     "FORMATS",
     "QuantFormat",
