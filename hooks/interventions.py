@@ -275,8 +275,14 @@ class ZeroAblate(RegionEdit):
 
 @dataclass
 class Scale(RegionEdit):
+    """Multiply the selected region by ``factor``."""
+
     factor: float = 1.0
     kind: ClassVar[str] = "scale"
+
+    def __init__(self, hook: str, factor: float = 1.0, positions: Positions = None, heads=None, neurons=None):
+        RegionEdit.__init__(self, hook, positions, heads, neurons)
+        self.factor = factor
 
     def _params_spec(self):
         return {"factor": float(self.factor)}
@@ -377,6 +383,10 @@ class Patch(RegionEdit):
     donor: Any = None
     kind: ClassVar[str] = "patch"
 
+    def __init__(self, hook: str, donor: Any = None, positions: Positions = None, heads=None, neurons=None):
+        RegionEdit.__init__(self, hook, positions, heads, neurons)
+        self.donor = donor
+
     def _params_spec(self):
         donor = self.donor
         if _is_trace(donor):
@@ -436,12 +446,19 @@ class ResampleAblate(RegionEdit):
     seed: int = 0
     kind: ClassVar[str] = "resample_ablate"
 
+    def __init__(self, hook: str, donors: Sequence[Any] = (), positions: Positions = None, heads=None, neurons=None,
+                 seed: int = 0):
+        RegionEdit.__init__(self, hook, positions, heads, neurons)
+        self.donors, self.seed = donors, seed
+
     def _params_spec(self):
         return {"donors": list(self.donors), "seed": int(self.seed)}
 
     def _check(self, region, run):
-        if not self.donors or isinstance(self.donors, str):
+        if not isinstance(self.donors, (list, tuple)) or not self.donors:
             raise HookError("resample ablation needs a list of donor prompts")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise HookError(f"resample seed must be an integer, got {self.seed!r}")
         if axes(region.name).token != 0:
             raise HookError(f"resample ablation works on token-major hook points, not {region.name}")
         for donor in self.donors:

@@ -9,7 +9,11 @@ from .points import axes
 
 
 class Recorder:
-    """Keeps a float32 CPU copy of each named activation; generation steps join along the token axis."""
+    """Keeps a float32 CPU copy of each named activation; generation steps join along the token axis.
+
+    The recorder of a ``model.hooks(record=...)`` block sees every call inside the block: their
+    activations join along the token axis in call order (one call per block keeps them apart).
+    """
 
     def __init__(self, names: list[str]):
         self.names = names

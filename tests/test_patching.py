@@ -28,7 +28,7 @@ def test_embedded_last_layer_final_position_restores_the_clean_metric(model):
     result = hooks.patching_sweep(model, CLEAN, CORRUPT, hook="blocks.{layer}.hook_resid_post", layers=[last],
                                   normalize=True, progress=False)
     # after the last block nothing mixes positions: only the final position matters, and it restores fully
-    assert result.grid[0, -1].item() == pytest.approx(1.0, abs=1e-5)
+    assert result.grid[0, -1].item() == 1.0
     assert torch.equal(result.grid[0, :-1], torch.zeros(8))
 
 
