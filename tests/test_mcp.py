@@ -21,9 +21,9 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 import workbench
-from workbench import hooks
+from workbench import hooks, probes
 from workbench.mcp_server import TOOLS, Limits, Workbench, build_server, http_app
-from workbench.synthetic import random_checkpoint, random_config
+from workbench.synthetic import random_checkpoint, random_config, random_weights, write_gguf
 
 PROMPT = "The capital of France is"
 
@@ -149,6 +149,20 @@ def test_model_tools(stdio, model):
     assert "".join(tokens["tokens"]) == PROMPT
 
 
+def test_load_model_switches_this_session_only(http_server, http, artifacts):
+    config = random_config("llama", n_layers=2)
+    (artifacts / "models").mkdir()
+    write_gguf(artifacts / "models" / "tiny.gguf", config, random_weights(config))
+    assert {"name": "models/tiny.gguf", "path": "models/tiny.gguf", "loaded": False} in http.call("list_models")["models"]
+    with connect(streamable_http_client(http_server[0])) as other:
+        info = other.call("load_model", path="models/tiny.gguf")
+        assert (info["name"], info["n_layers"], info["d_model"]) == ("models/tiny.gguf", 2, config.d_model)
+        assert other.call("list_models")["current"] == "models/tiny.gguf"
+        assert other.call("run", prompt="the cat")["tokens"] == ["t", "he", " c", "at"]
+        assert http.call("model_info")["n_layers"] == 30  # the other session still has the embedded model
+        assert other.call("load_model", path="embedded")["n_layers"] == 30
+
+
 # ------------------------------------------------------------------------------------------ run and read
 
 
@@ -176,6 +190,30 @@ def test_attention_pattern(stdio, model):
     pattern = model.run(PROMPT, record=["blocks.4.attn.hook_pattern"]).activations["blocks.4.attn.hook_pattern"]
     assert out["query_positions"] == [len(out["tokens"]) - 1]
     assert torch.tensor(out["pattern"]) == pytest.approx(pattern[[0, 5]][:, -1:], abs=1e-5)
+
+
+def test_lens_track_and_attribution(http, model):
+    lens = http.call("logit_lens", prompt=PROMPT, k=3)
+    expected = probes.logit_lens(model, PROMPT, k=3)
+    assert [r["layer"] for r in lens["rows"]] == list(range(30)) and lens["positions"] == [4]
+    for row in lens["rows"]:
+        assert [t["id"] for t in row["top"]] == expected.top_tokens(row["layer"], -1)
+        assert [t["prob"] for t in row["top"]] == pytest.approx(expected.probs[row["layer"], -1].tolist(), abs=1e-5)
+
+    track = http.call("track_token", prompt=PROMPT, tokens=[" Paris", " London"])
+    race = expected.track_race([" Paris", " London"])
+    paris = track["series"][0]
+    assert paris["token"] == " Paris" and paris["ranks"] == race.ranks[0, :, -1].tolist()
+    assert paris["probs"] == pytest.approx(race.probs[0, :, -1].tolist(), rel=1e-4, abs=1e-9)
+    assert paris["ranks"][paris["first_top1_layer"]] == 0 and 0 not in paris["ranks"][:paris["first_top1_layer"]]
+
+    dla = http.call("direct_logit_attribution", prompt=PROMPT, target=" Paris", baseline=" London", top=5)
+    reference = probes.direct_logit_attribution(model, PROMPT, " Paris", " London")
+    assert dla["logit"] == pytest.approx(reference.logit, abs=1e-4) and dla["error"] < 1e-3
+    assert [(c["label"], c["contribution"]) for c in dla["top"]] == [
+        (label, pytest.approx(value, abs=1e-4)) for label, value in reference.top(5)]
+    layer_sums = [r["attn"] + r["mlp"] for r in dla["by_layer"]]
+    assert dla["embed"] + sum(layer_sums) == pytest.approx(dla["total"], abs=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------- edits
@@ -321,6 +359,64 @@ def test_results_are_size_bounded(http):
     assert pattern["shape"] == [1, 7, 7] and pattern["values"][1] == 0.0  # causal mask
 
 
+# ------------------------------------------------------------------------------------- probes and vectors
+
+
+def test_datasets_probes_and_depth_sweep(http, artifacts, model):
+    records = [{"text": t, "label": l} for t, l in [
+        ("I loved this film.", "pos"), ("I hated this film.", "neg"), ("What a wonderful day.", "pos"),
+        ("What a dreadful day.", "neg"), ("The food was delicious.", "pos"), ("The food was disgusting.", "neg"),
+        ("She is a brilliant friend.", "pos"), ("She is a terrible friend.", "neg")]]
+    (artifacts / "mood.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    listed = {d["name"]: d for d in http.call("list_datasets")["datasets"]}
+    assert set(probes.list_datasets()) < set(listed) and listed["mood"]["n_prompts"] == 8
+    assert listed["happy_sad"]["kind"] == "pairs"
+
+    dataset = probes.load_dataset(artifacts / "mood.jsonl")
+    probe = http.call("probe_train", dataset="mood.jsonl", hook="blocks.12.hook_resid_post", test_size=0.5)
+    reference = probes.train_probe(model, dataset, "blocks.12.hook_resid_post", test_size=0.5)
+    assert (probe["accuracy"], probe["ci"], probe["n_test"]) == (reference.accuracy, list(reference.ci), 4)
+    prompts = ["A lovely, happy evening.", "A miserable, awful evening."]
+    applied = http.call("probe_apply", probe_id=probe["probe_id"], prompts=prompts)
+    expected = reference.predict_proba(model, prompts)
+    for prediction, row in zip(applied["predictions"], expected):
+        assert [prediction["probs"][c] for c in reference.classes] == pytest.approx(row.tolist(), abs=1e-6)
+
+    sweep = http.call("depth_sweep", dataset="mood.jsonl", layers=[2, 12, 25], folds=2)
+    expected_sweep = probes.depth_sweep(model, dataset, layers=[2, 12, 25], folds=2)
+    assert [l["accuracy"] for l in sweep["layers"]] == [expected_sweep.accuracy[l] for l in (2, 12, 25)]
+    assert sweep["peak_layer"] == expected_sweep.peak_layer
+    assert "between 1 and 128" in http.error("probe_apply", probe_id=probe["probe_id"], prompts=["Hi."] * 129)
+    assert "outside the artifacts folder" in http.error("probe_train", dataset="../mood.jsonl", hook="hook_embed")
+
+
+def test_steering_vectors_and_control_vector_files(http, artifacts, model):
+    vector = http.call("steering_vector_from_dataset", dataset="happy_sad", layers=[8, 11], sample=4)
+    reference = probes.steering_vector(model, probes.load_dataset("happy_sad").sample(4), [8, 11])
+    assert vector["hooks"] == ["blocks.8.hook_resid_post", "blocks.11.hook_resid_post"]
+    assert vector["norms"] == pytest.approx(list(reference.norms().values()), rel=1e-5)
+
+    exported = http.call("export_control_vector", vector_id=vector["vector_id"], path="vectors/happy.gguf", scale=2.0)
+    on_disk = probes.SteeringVector.from_control_vector(artifacts / "vectors" / "happy.gguf", model)
+    assert exported["path"] == "vectors/happy.gguf" and on_disk.layers == [8, 11]
+    assert torch.equal(on_disk.directions[11], 2.0 * reference.directions[11])
+    imported = http.call("import_control_vector", path="vectors/happy.gguf")
+    assert imported["norms"] == pytest.approx([2 * n for n in vector["norms"]], rel=1e-5)
+
+    out = http.call("steer", prompt="Today I feel so", vector_id=imported["vector_id"], scale=0.5, top_k=5)
+    applied = [{"type": "steer", "hook": h, "vector": on_disk.directions[l], "scale": 0.5}
+               for h, l in zip(imported["hooks"], (8, 11))]
+    before = next_token_logprobs(model, "Today I feel so")
+    after = next_token_logprobs(model, "Today I feel so", interventions=applied)
+    assert [t["id"] for t in out["edited"]["top"]] == after.topk(5).indices.tolist()
+    assert out["kl"] == pytest.approx(float((before.exp() * (before - after)).sum()), abs=1e-4)
+    message = http.error("generate", prompt="Today I feel so", interventions=[
+        {"type": "steer", "hook": "blocks.3.hook_resid_post", "vector": {"id": vector["vector_id"]}}])
+    assert "not 'blocks.3.hook_resid_post'" in message
+    assert "outside the artifacts folder" in http.error("export_control_vector", vector_id=vector["vector_id"],
+                                                        path="../happy.gguf")
+
+
 # --------------------------------------------------------------------------------------------- artifacts
 
 
@@ -451,3 +547,34 @@ def test_idle_sessions_are_released():
             assert result.is_error and "unknown trace id" in result.content[0].text
 
     anyio.run(scenario)
+
+
+# ------------------------------------------------------------------------------------------ worked example
+
+
+def test_full_experiment_through_tools_alone(stdio, artifacts):
+    """README's worked example: lens -> find a layer -> steer -> verify -> save an artifact -> replay."""
+    prompt = "Today I feel so"
+    # 1. lens: where does the model start considering " happy" for the next token?
+    track = stdio.call("track_token", prompt=prompt, tokens=[" happy", " sad"])
+    happy = track["series"][0]
+    layer = next(l for l, rank in enumerate(happy["ranks"]) if rank < 1000)
+    assert 5 <= layer <= 20  # mid-depth, well before the last layers decide the word
+    # 2. steer there with a happy-minus-sad direction from the shipped pairs
+    vector = stdio.call("steering_vector_from_dataset", dataset="happy_sad", layers=[layer], sample=8)
+    steered = stdio.call("steer", prompt=prompt, vector_id=vector["vector_id"], scale=4.0,
+                         targets=[" happy", " sad"])
+    # 3. verify: the happy-vs-sad logit gap widens, and the generated text changes
+    up, down = steered["targets"]
+    assert up["delta"] - down["delta"] > 1.0 and steered["kl"] > 0.1
+    plain = stdio.call("generate", prompt=prompt, max_new_tokens=6)
+    edited = stdio.call("generate", prompt=prompt, max_new_tokens=6,
+                        interventions=[{"type": "steer", "vector": {"id": vector["vector_id"]}, "scale": 4.0}])
+    assert edited["text"] != plain["text"]
+    # 4. save the steered run as an artifact, 5. load it back and replay it
+    saved = stdio.call("save_trace", trace_id=steered["trace_id"], path=f"experiments/happy-L{layer}")
+    assert (artifacts / saved["path"] / "manifest.json").is_file()
+    loaded = stdio.call("load_trace", path=saved["path"])
+    assert loaded["interventions"][0]["hook"] == f"blocks.{layer}.hook_resid_post"
+    replay = stdio.call("replay_trace", trace_id=loaded["trace_id"])
+    assert replay["verdict"] == "identical" and replay["max_abs_deviation"] == 0.0

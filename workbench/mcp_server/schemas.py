@@ -213,3 +213,127 @@ class PatchingSweep(BaseModel):
 
 class Released(BaseModel):
     released: list[str]
+
+
+class TokenP(BaseModel):
+    id: int
+    token: str
+    prob: float
+
+
+class LensRow(BaseModel):
+    layer: int
+    position: int
+    top: list[TokenP]
+
+
+class Lens(BaseModel):
+    tokens: list[str]
+    point: str = Field(description="residual point read through the final norm and unembedding")
+    positions: list[int]
+    rows: list[LensRow] = Field(description="one per (layer, position), layers in order")
+
+
+class TrackSeries(BaseModel):
+    token: str
+    id: int
+    position: int
+    probs: list[float] = Field(description="probability at each layer")
+    ranks: list[int] = Field(description="rank at each layer (0 = top)")
+    first_top1_layer: int | None = Field(description="shallowest layer where it is the top prediction")
+
+
+class TokenTrackResult(BaseModel):
+    tokens: list[str]
+    point: str
+    series: list[TrackSeries]
+
+
+class Component(BaseModel):
+    label: str = Field(description="'embed', 'L3H5' (head 5 of layer 3) or 'L3 MLP'")
+    kind: str
+    contribution: float
+
+
+class LayerAttribution(BaseModel):
+    layer: int
+    attn: float = Field(description="sum over the layer's heads")
+    mlp: float
+
+
+class Attribution(BaseModel):
+    target: str
+    position: int
+    logit: float = Field(description="the model's logit (difference) at the position")
+    total: float = Field(description="sum of all contributions")
+    error: float = Field(description="|total - logit|")
+    embed: float
+    top: list[Component] = Field(description="largest |contribution| first")
+    by_layer: list[LayerAttribution]
+
+
+class DatasetInfo(BaseModel):
+    name: str = Field(description="a shipped name, or a .jsonl path inside the artifacts folder")
+    kind: str = Field(description="classification, completion or pairs")
+    n_prompts: int
+    description: str
+
+
+class DatasetList(BaseModel):
+    datasets: list[DatasetInfo]
+
+
+class ProbeInfo(BaseModel):
+    probe_id: str
+    hook: str
+    pooling: str
+    dataset: str
+    classes: list[str]
+    accuracy: float = Field(description="held-out accuracy")
+    ci: list[float] = Field(description="95% Wilson interval of the accuracy")
+    n_train: int
+    n_test: int
+
+
+class Prediction(BaseModel):
+    prompt: str
+    label: str
+    probs: dict[str, float]
+
+
+class ProbePredictions(BaseModel):
+    probe_id: str
+    predictions: list[Prediction]
+
+
+class LayerAccuracy(BaseModel):
+    layer: int
+    fraction: float = Field(description="depth fraction layer / (n_layers - 1)")
+    accuracy: float
+    ci: list[float]
+
+
+class DepthSweepResult(BaseModel):
+    dataset: str
+    point: str
+    pooling: str
+    n_examples: int
+    layers: list[LayerAccuracy]
+    peak_layer: int
+    first_reaching_90: int = Field(description="shallowest layer reaching 90% of the peak accuracy")
+
+
+class VectorInfo(BaseModel):
+    vector_id: str
+    point: str
+    layers: list[int]
+    norms: list[float] = Field(description="norm of the direction at each layer")
+    source: str
+    hooks: list[str]
+
+
+class ExportedVector(BaseModel):
+    vector_id: str
+    path: str
+    bytes: int
+    scale: float

@@ -84,7 +84,7 @@ def build_server(bench: Workbench) -> MCPServer:
             yield {}
             tasks.cancel_scope.cancel()
 
-    server = MCPServer("workbench", instructions=INSTRUCTIONS, lifespan=lifespan)
+    server = MCPServer("workbench", instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING")
     for name in TOOLS:
         _publish(server, bench, name)
 

@@ -20,7 +20,7 @@ class Limits:
     """What one request may ask for, and how much one session may keep."""
 
     max_prompt_tokens: int = 512
-    max_batch: int = 64  # prompts in one request: references, donors, dataset samples
+    max_batch: int = 128  # prompts in one request: references, donors, datasets
     max_new_tokens: int = 256
     max_sweep: int = 256  # forwards in one patching sweep
     max_values: int = 8192  # numbers in any tensor slice a tool returns

@@ -16,9 +16,10 @@ import torch
 from pydantic import Field
 
 import workbench
-from workbench import hooks
+from workbench import hooks, probes
 from workbench.errors import WorkbenchError
 from workbench.hooks.points import axes, head_count
+from workbench.probes.lens import token_id
 from workbench.replay import replay
 from workbench.mcp_server import schemas as s
 from workbench.mcp_server.state import Artifacts, Cancelled, Limits, Models, Session, Sessions
@@ -64,7 +65,11 @@ Layer = Annotated[int, Field(description="layer index")]
 TraceId = Annotated[str, Field(description="a trace id from run, an edit tool or load_trace")]
 CacheId = Annotated[str, Field(description="a KV cache id from kv_create or kv_clone")]
 MaxNew = Annotated[int, Field(description="most tokens to generate")]
-Seed = Annotated[int, Field(description="sampling seed (used when temperature > 0)")]
+Seed = Annotated[int, Field(description="random seed (sampling, splits, subsets)")]
+Dataset = Annotated[str, Field(description="a shipped dataset (list_datasets) or a .jsonl file in the artifacts "
+                                           "folder")]
+Sample = Annotated[int | None, Field(description="use a seeded subset of about this many records")]
+Pooling = Annotated[str, Field(description="'last' token or 'mean' over tokens")]
 
 
 def _finite_or_none(values: Iterable[float]) -> list[float | None]:
@@ -80,6 +85,10 @@ def _compact(spec: Any) -> Any:
     if isinstance(spec, list):
         return [_compact(v) for v in spec]
     return spec
+
+
+def _is_ref(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"id"}
 
 
 def _shape(tensor: torch.Tensor) -> list[int]:
@@ -112,6 +121,13 @@ class Workbench:
                                  f"{self.limits.max_prompt_tokens}")
         return ids
 
+    def _positions(self, positions: list[int], n_tokens: int) -> list[int]:
+        """Absolute token positions (negative ones count from the end), each checked."""
+        bad = [p for p in positions if not -n_tokens <= p < n_tokens]
+        if bad or not positions:
+            raise WorkbenchError(f"positions {bad or positions} out of range for {n_tokens} tokens")
+        return [p % n_tokens for p in positions]
+
     def _check_count(self, what: str, n: int, limit: int) -> None:
         if not 1 <= n <= limit:
             raise WorkbenchError(f"{what} must be between 1 and {limit}, got {n}")
@@ -123,12 +139,6 @@ class Workbench:
         top = [s.TokenProb(id=int(i), token=model.tokenizer.token_text(int(i)), logprob=float(v),
                            prob=float(v.exp())) for v, i in zip(values, indices)]
         return s.Distribution(top=top, entropy=float(-(logprobs.exp() * logprobs).sum()))
-
-    def _token_id(self, model: Any, token: str) -> int:
-        ids = model.tokenize(token, add_bos=False)
-        if len(ids) != 1:
-            raise WorkbenchError(f"target {token!r} is {len(ids)} tokens {model.token_texts(ids)}; give one token")
-        return ids[0]
 
     def _record_names(self, model: Any, record: list[str], n_tokens: int) -> list[str]:
         names = list(dict.fromkeys(n for pattern in record for n in hooks.resolve(pattern, model.config)))
@@ -143,22 +153,31 @@ class Workbench:
         """Intervention objects from JSON specs, with {'id': ...} references to server-side objects resolved."""
         if len(specs) > self.limits.max_interventions:
             raise WorkbenchError(f"{len(specs)} interventions; the limit is {self.limits.max_interventions}")
-        return [hooks.from_spec(self._resolve_refs(call, spec)) for spec in specs]
+        return [i for spec in specs for i in self._expand(call, spec)]
 
-    def _resolve_refs(self, call: Call, spec: Any) -> Any:
+    def _expand(self, call: Call, spec: Any) -> list[hooks.Intervention]:
+        """One spec as interventions. A steer whose vector is a stored steering vector's id acts at the spec's
+        hook with that layer's direction, or, without a hook, at every layer of the vector."""
         if not isinstance(spec, dict):
-            return spec
+            return [hooks.from_spec(spec)]
         spec = dict(spec)
-        for key, kind in (("vector", "vector"), ("mean", "vector"), ("donor", "trace")):
-            ref = spec.get(key)
-            if isinstance(ref, dict) and set(ref) == {"id"}:
-                spec[key] = call.session.get(kind, ref["id"])
+        if isinstance(spec.get("parts"), list):
+            spec["parts"] = [i for part in spec["parts"] for i in self._expand(call, part)]
+        if _is_ref(spec.get("donor")):
+            spec["donor"] = call.session.get("trace", spec["donor"]["id"])
         donors = spec.get("donors")
         if isinstance(donors, list) and len(donors) > self.limits.max_batch:
             raise WorkbenchError(f"{len(donors)} donor prompts; the limit is {self.limits.max_batch}")
-        if isinstance(spec.get("parts"), list):
-            spec["parts"] = [self._resolve_refs(call, p) for p in spec["parts"]]
-        return spec
+        if _is_ref(spec.get("vector")):
+            vector = call.session.get("vector", spec["vector"]["id"])
+            if "hook" not in spec:
+                return vector.interventions(spec.get("scale", 1.0), spec.get("positions"))
+            layer = next((layer for layer in vector.layers if vector.hook(layer) == spec["hook"]), None)
+            if layer is None:
+                raise WorkbenchError(f"vector {spec['vector']['id']} has directions at "
+                                     f"{[vector.hook(layer) for layer in vector.layers]}, not {spec['hook']!r}")
+            spec["vector"] = vector.directions[layer]
+        return [hooks.from_spec(spec)]
 
     def _run(self, call: Call, prompt: str, chat: bool = False, record: list[str] = (),
              interventions: list[hooks.Intervention] = ()) -> tuple[str, hooks.Trace]:
@@ -185,7 +204,7 @@ class Workbench:
         """Baseline and edited runs of one prompt, and how the next-token distribution moved."""
         model = self.model(call)
         interventions = self._interventions(call, specs)
-        target_ids = [self._token_id(model, t) for t in targets]
+        target_ids = [token_id(model, t) for t in targets]
         baseline_id, baseline = self._run(call, prompt, chat, record)
         edited_id, edited = self._run(call, prompt, chat, record, interventions)
         before, after = baseline.logits[-1].log_softmax(-1), edited.logits[-1].log_softmax(-1)
@@ -310,11 +329,7 @@ class Workbench:
                                  f"{', '.join(trace.activations) or 'nothing (run with record=[...])'}")
         act, ax = trace.activations[hook], axes(hook)
         n_tokens = act.shape[ax.token]
-        positions = list(range(n_tokens)) if positions is None else positions
-        bad = [p for p in positions if not -n_tokens <= p < n_tokens]
-        if bad:
-            raise WorkbenchError(f"positions {bad} out of range for {n_tokens} tokens")
-        positions = [p % n_tokens for p in positions]
+        positions = list(range(n_tokens)) if positions is None else self._positions(positions, n_tokens)
         x = act.index_select(ax.token, torch.tensor(positions))
         if heads is not None:
             if ax.head is None:
@@ -350,17 +365,82 @@ class Workbench:
         pattern = trace.activations[name]  # [heads, T, S]
         n_heads, n_tokens = pattern.shape[0], pattern.shape[1]
         heads = list(range(n_heads)) if heads is None else heads
-        queries = [-1] if query_positions is None else query_positions
-        if [h for h in heads if not 0 <= h < n_heads] or [q for q in queries if not -n_tokens <= q < n_tokens]:
-            raise WorkbenchError(f"heads must be in 0..{n_heads - 1} and query positions in "
-                                 f"{-n_tokens}..{n_tokens - 1}")
-        queries = [q % n_tokens for q in queries]
+        if [h for h in heads if not 0 <= h < n_heads]:
+            raise WorkbenchError(f"heads {heads} out of range 0..{n_heads - 1}")
+        queries = self._positions([-1] if query_positions is None else query_positions, n_tokens)
         selected = pattern[heads][:, queries]
         if selected.numel() > self.limits.max_values:
             raise WorkbenchError(f"{selected.numel():,} weights; at most {self.limits.max_values:,} are returned "
                                  "(choose heads or query positions)")
         return s.AttentionPattern(trace_id=trace_id, layer=layer, heads=heads, tokens=trace.tokens,
                                   query_positions=queries, pattern=selected.tolist())
+
+    @tool
+    def logit_lens(self, call: Call, prompt: Prompt,
+                   point: Annotated[str, Field(description="resid_pre, resid_mid or resid_post")] = "resid_post",
+                   positions: Annotated[list[int] | None, Field(description="positions to read (negative from the "
+                                                                            "end); the last one when omitted")] = None,
+                   k: Annotated[int, Field(description="top tokens per layer and position")] = 5,
+                   chat: Chat = False) -> s.Lens:
+        """Logit lens: every layer's residual read through the final norm and unembedding; top-k tokens per layer."""
+        model = self.model(call)
+        self._check_count("k", k, self.limits.max_top_k)
+        n_tokens = len(self._ids(model, prompt, chat))
+        positions = self._positions([-1] if positions is None else positions, n_tokens)
+        n_layers = model.config.n_layers
+        if n_layers * len(positions) * k > self.limits.max_values:
+            raise WorkbenchError(f"{n_layers * len(positions) * k:,} entries; at most {self.limits.max_values:,} "
+                                 "are returned (fewer positions or a smaller k)")
+        lens = probes.logit_lens(model, prompt, points=(point,), k=k, chat=chat)
+        ids, probs = lens.top_ids[point], lens.top_probs[point]
+        rows = [s.LensRow(layer=layer, position=pos, top=[
+            s.TokenP(id=int(i), token=model.tokenizer.token_text(int(i)), prob=float(p))
+            for i, p in zip(ids[layer, pos], probs[layer, pos])]) for layer in range(n_layers) for pos in positions]
+        return s.Lens(tokens=lens.tokens, point=point, positions=positions, rows=rows)
+
+    @tool
+    def track_token(self, call: Call, prompt: Prompt,
+                    tokens: Annotated[list[str], Field(description="single-token strings to follow, e.g. [' Paris']")],
+                    point: Annotated[str, Field(description="resid_pre, resid_mid or resid_post")] = "resid_post",
+                    positions: Annotated[list[int] | None, Field(description="positions (negative from the end); "
+                                                                             "the last one when omitted")] = None,
+                    chat: Chat = False) -> s.TokenTrackResult:
+        """Probability and rank of chosen tokens at every layer (logit lens), and where each first becomes top-1."""
+        model = self.model(call)
+        n_tokens = len(self._ids(model, prompt, chat))
+        positions = self._positions([-1] if positions is None else positions, n_tokens)
+        self._check_count("tokens", len(tokens), self.limits.max_top_k)
+        track = probes.logit_lens(model, prompt, points=(point,), k=1, chat=chat).track_race(tokens, point)
+        series = []
+        for i, (token_id, text) in enumerate(zip(track.token_ids, track.token_texts)):
+            for pos in positions:
+                ranks = track.ranks[i, :, pos].tolist()
+                series.append(s.TrackSeries(token=text, id=token_id, position=pos,
+                                            probs=track.probs[i, :, pos].tolist(), ranks=ranks,
+                                            first_top1_layer=next((l for l, r in enumerate(ranks) if r == 0), None)))
+        return s.TokenTrackResult(tokens=track.prompt_tokens, point=point, series=series)
+
+    @tool
+    def direct_logit_attribution(self, call: Call, prompt: Prompt,
+                                 target: Annotated[str, Field(description="single-token string, e.g. ' Paris'")],
+                                 baseline: Annotated[str | None, Field(description="attribute target minus this "
+                                                                                   "token's logit")] = None,
+                                 position: Annotated[int, Field(description="position (negative from the end)")] = -1,
+                                 top: Annotated[int, Field(description="how many largest components")] = 10,
+                                 chat: Chat = False) -> s.Attribution:
+        """Split the target's logit (difference) over the embedding, every head and every MLP."""
+        model = self.model(call)
+        self._ids(model, prompt, chat)
+        self._check_count("top", top, self.limits.max_top_k)
+        dla = probes.direct_logit_attribution(model, prompt, target, baseline, position, chat)
+        heads = dla.heads()
+        mlps = [float(c) for c, kind in zip(dla.contributions, dla.kinds) if kind == "mlp"]
+        return s.Attribution(
+            target=dla.target, position=dla.position, logit=dla.logit, total=dla.total, error=dla.error,
+            embed=float(dla.contributions[0]),
+            top=[s.Component(label=label, kind=dla.kinds[dla.labels.index(label)], contribution=value)
+                 for label, value in dla.top(top)],
+            by_layer=[s.LayerAttribution(layer=l, attn=float(heads[l].sum()), mlp=mlps[l]) for l in range(len(mlps))])
 
     # ------------------------------------------------------------------------------------------- edit
 
@@ -406,20 +486,24 @@ class Workbench:
         return self._compare(call, prompt, [spec], chat, top_k, targets)
 
     @tool
-    def steer(self, call: Call, prompt: Prompt, hook: Hook,
+    def steer(self, call: Call, prompt: Prompt,
+              hook: Annotated[str | None, Field(description="hook point to steer; with vector_id it may be omitted "
+                                                            "to steer at every layer of the stored vector")] = None,
               vector: Annotated[list[float] | None, Field(description="steering vector (feature axis of the hook)")
                                 ] = None,
-              vector_id: Annotated[str | None, Field(description="a stored vector id instead of the numbers")] = None,
+              vector_id: Annotated[str | None, Field(description="a stored steering vector (steering_vector_from_"
+                                                                 "dataset, import_control_vector)")] = None,
               scale: Annotated[float, Field(description="multiplier of the vector")] = 1.0,
               positions: Positions = None, targets: Targets = [], top_k: TopK = 10,
               chat: Chat = False) -> s.EditResult:
         """Add scale * vector at a hook point: baseline vs steered distributions and the difference."""
         if (vector is None) == (vector_id is None):
             raise WorkbenchError("give exactly one of vector and vector_id")
-        spec: dict[str, Any] = {"type": "steer", "hook": hook, "scale": scale,
+        if vector is not None and hook is None:
+            raise WorkbenchError("a vector given as numbers needs the hook to add it at")
+        spec: dict[str, Any] = {"type": "steer", "scale": scale,
                                 "vector": vector if vector is not None else {"id": vector_id}}
-        if positions is not None:
-            spec["positions"] = positions
+        spec.update({k: v for k, v in (("hook", hook), ("positions", positions)) if v is not None})
         return self._compare(call, prompt, [spec], chat, top_k, targets)
 
     @tool
@@ -626,6 +710,119 @@ class Workbench:
         call.session.entry("cache", cache_id)
         call.session.release(cache_id)
         return s.Released(released=[cache_id])
+
+    # ------------------------------------------------------------------------------ probes and vectors
+
+    def _dataset(self, call: Call, name: str, sample: int | None, seed: int = 0) -> Any:
+        """A shipped dataset by name or a JSONL file in the artifacts folder, optionally a seeded sample of it."""
+        data = probes.load_dataset(name if name in probes.list_datasets() else self.artifacts.path(name, must_exist=True))
+        if sample is not None:
+            data = data.sample(sample, seed)
+        if len(data.prompts) > self.limits.max_batch:
+            raise WorkbenchError(f"dataset {data.name!r} has {len(data.prompts)} prompts; one request takes at most "
+                                 f"{self.limits.max_batch} (pass sample=)")
+        model = self.model(call)
+        for prompt in data.prompts:
+            self._ids(model, prompt)
+        return data
+
+    def _vector_info(self, vector_id: str, vector: Any) -> s.VectorInfo:
+        norms = vector.norms()
+        return s.VectorInfo(vector_id=vector_id, point=vector.point, layers=vector.layers,
+                            norms=[norms[layer] for layer in vector.layers], source=vector.source,
+                            hooks=[vector.hook(layer) for layer in vector.layers])
+
+    @tool
+    def list_datasets(self, call: Call) -> s.DatasetList:
+        """Labelled prompt sets: the shipped ones and .jsonl files in the artifacts folder."""
+        shipped = probes.list_datasets()
+        datasets = [probes.load_dataset(name) for name in shipped]
+        datasets += [probes.load_dataset(self.artifacts.path(name)) for name in self.artifacts.files("*.jsonl")]
+        return s.DatasetList(datasets=[s.DatasetInfo(name=d.name, kind=d.kind, n_prompts=len(d.prompts),
+                                                     description=d.description) for d in datasets])
+
+    @tool
+    def probe_train(self, call: Call, dataset: Dataset, hook: Hook,
+                    pooling: Pooling = "last", test_size: Annotated[float, Field(description="held-out share")] = 0.25,
+                    sample: Sample = None, seed: Seed = 0) -> s.ProbeInfo:
+        """Fit a linear probe (PCA + logistic regression) on one hook over a labelled dataset; held-out accuracy."""
+        data = self._dataset(call, dataset, sample, seed)
+        probe = probes.train_probe(self.model(call), data, hook, pooling, test_size, seed,
+                                   progress=lambda done, total: call.check())
+        probe_id = call.session.put("probe", probe)
+        return s.ProbeInfo(probe_id=probe_id, hook=probe.hook, pooling=probe.pooling, dataset=probe.dataset,
+                           classes=probe.classes, accuracy=probe.accuracy, ci=list(probe.ci), n_train=probe.n_train,
+                           n_test=probe.n_test)
+
+    @tool
+    def probe_apply(self, call: Call, probe_id: Annotated[str, Field(description="a probe id from probe_train")],
+                    prompts: Annotated[list[str], Field(description="prompts to classify")]) -> s.ProbePredictions:
+        """Classify prompts with a trained probe: label and class probabilities for each."""
+        probe = call.session.get("probe", probe_id)
+        model = self.model(call)
+        self._check_count("prompts", len(prompts), self.limits.max_batch)
+        for prompt in prompts:
+            self._ids(model, prompt)
+        probs = probe.predict_proba(model, prompts, progress=lambda done, total: call.check())
+        classes = probe.classes
+        return s.ProbePredictions(probe_id=probe_id, predictions=[
+            s.Prediction(prompt=prompt, label=classes[int(row.argmax())],
+                         probs={c: float(p) for c, p in zip(classes, row)}) for prompt, row in zip(prompts, probs)])
+
+    @tool
+    def depth_sweep(self, call: Call, dataset: Dataset,
+                    layers: Annotated[list[int] | None, Field(description="layers to probe; all when omitted")] = None,
+                    point: Annotated[str, Field(description="resid_pre, resid_mid or resid_post")] = "resid_post",
+                    pooling: Pooling = "last", folds: Annotated[int, Field(description="cross-validation folds")] = 5,
+                    sample: Sample = None, seed: Seed = 0) -> s.DepthSweepResult:
+        """Probe accuracy at every layer (k-fold cross-validated, 95% intervals): where is the label represented?"""
+        data = self._dataset(call, dataset, sample, seed)
+        sweep = probes.depth_sweep(self.model(call), data, layers=layers, point=point, pooling=pooling, folds=folds,
+                                   seed=seed, progress=lambda done, total: call.check())
+        return s.DepthSweepResult(
+            dataset=sweep.dataset, point=sweep.point, pooling=sweep.pooling, n_examples=sweep.n_examples,
+            layers=[s.LayerAccuracy(layer=l, fraction=sweep.fraction(l), accuracy=sweep.accuracy[l],
+                                    ci=list(sweep.ci[l])) for l in sweep.layers],
+            peak_layer=sweep.peak_layer, first_reaching_90=sweep.first_reaching(0.9))
+
+    @tool
+    def steering_vector_from_dataset(self, call: Call, dataset: Dataset,
+                                     layers: Annotated[list[int], Field(description="layers to make directions at")],
+                                     point: Annotated[str, Field(description="resid_pre, resid_mid or resid_post")
+                                                      ] = "resid_post",
+                                     pooling: Pooling = "mean",
+                                     positive: Annotated[str | None, Field(description="the positive class of a "
+                                                                                       "two-class dataset")] = None,
+                                     sample: Sample = None) -> s.VectorInfo:
+        """A steering vector: mean activation of positive minus negative prompts, per layer; stored by id."""
+        data = self._dataset(call, dataset, sample)
+        vector = probes.steering_vector(self.model(call), data, layers, point, pooling, positive,
+                                        progress=lambda done, total: call.check())
+        return self._vector_info(call.session.put("vector", vector), vector)
+
+    @tool
+    def export_control_vector(self, call: Call, vector_id: Annotated[str, Field(description="a stored vector")],
+                              path: Annotated[str, Field(description="GGUF file to write, inside the artifacts "
+                                                                     "folder")],
+                              scale: Annotated[float, Field(description="multiplier baked into the file")] = 1.0
+                              ) -> s.ExportedVector:
+        """Write a stored steering vector as a llama.cpp control vector (llama-cli --control-vector FILE)."""
+        vector = call.session.get("vector", vector_id)
+        if not math.isfinite(scale):
+            raise WorkbenchError(f"scale must be finite, got {scale}")
+        written = vector.export_control_vector(self.artifacts.target(path), scale)
+        return s.ExportedVector(vector_id=vector_id, path=self.artifacts.relative(written),
+                                bytes=written.stat().st_size, scale=scale)
+
+    @tool
+    def import_control_vector(self, call: Call,
+                              path: Annotated[str, Field(description="a llama.cpp control vector GGUF inside the "
+                                                                     "artifacts folder")]) -> s.VectorInfo:
+        """Read a llama.cpp control vector into this session as a steering vector (direction.k -> blocks.k)."""
+        vector = probes.SteeringVector.from_control_vector(self.artifacts.path(path, must_exist=True),
+                                                           self.model(call))
+        vector.source = path  # the artifacts-relative name, not the server's absolute path
+        return self._vector_info(call.session.put("vector", vector), vector)
 
     # --------------------------------------------------------------------------------------- artifacts
 
