@@ -1,0 +1,214 @@
+"""Quantized matmul benchmark: ``workbench.kernels.linear`` vs dequantize-then-matmul vs a dense matmul.
+
+    python bench/kernels.py --device cuda [--formats Q4_K,Q6_K] [--shapes small|8b|all] [--quick] [--sweep]
+
+For each format, weight shape N x K and batch M it prints the time of ``linear`` (and the kernel that
+``select_kernel`` picked), of dequantizing the weight and multiplying, and of a dense matmul on an
+unquantized weight (bfloat16 on CUDA, float32 on CPU), with the two ratios. On CUDA it also prints the
+bandwidth ``linear`` achieves (packed weight bytes + activation bytes read, over its time) as a share
+of a device-to-device copy measured in the same run.
+
+CUDA times are medians over replays of a CUDA graph that runs the call once on each of enough
+weight copies to overflow L2, so launch gaps and cache-resident weights do not flatter the numbers.
+``--sweep`` also times the Triton kernels under a few tile configurations.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import workbench.kernels as wk
+from workbench.kernels import QuantTensor
+
+SHAPES = {
+    "small": [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)],  # the embedded model, N x K
+    "8b": [(4096, 4096), (14336, 4096), (4096, 14336)],  # Llama-3-8B
+}
+SHAPES["all"] = SHAPES["small"] + SHAPES["8b"]
+BATCHES = (1, 8, 128, 512)
+FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+
+
+def make_weight(fmt: str, rows: int, cols: int, device: str) -> QuantTensor:
+    """A quantized random weight. Only up to 256 distinct rows are quantized (slow on CPU), then tiled."""
+    distinct = wk.QuantTensor.quantize(torch.randn(min(rows, 256), cols, device=device), fmt)
+    data = distinct.data.repeat(-(-rows // distinct.data.shape[0]), 1)[:rows].contiguous()
+    return QuantTensor(data, fmt, (rows, cols))
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = cuda_seconds([lambda: dst.copy_(src)])
+    return 2 * src.numel() / seconds
+
+
+def cuda_seconds(calls: list[Callable[[], object]], repeats: int = 15) -> float:
+    """Median time of one call: a CUDA graph runs every call (each on its own data) back to back.
+
+    Code that cannot be captured (a host sync, say) is timed as a plain launch loop instead, and
+    says so on stderr: its time then includes launch gaps.
+    """
+    for call in calls:  # warm-up: compiles, autotunes, allocates
+        call()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        run = graph.replay
+    except RuntimeError as err:
+        print(f"(not capturable, timed without a graph: {str(err).splitlines()[0][:80]})", file=sys.stderr)
+        torch.cuda.synchronize()
+
+        def run():
+            for call in calls:
+                call()
+    run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+    return statistics.median(times)
+
+
+def cpu_seconds(call: Callable[[], object], repeats: int) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class Timer:
+    """Times a call on weight copies (CUDA: enough to overflow L2) or directly (CPU)."""
+
+    def __init__(self, device: str, quick: bool):
+        self.device = device
+        self.repeats = 5 if quick else 15
+        self.l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
+
+    def copies(self, weight_bytes: int) -> int:
+        return 1 if self.device == "cpu" else min(512, max(2, -(-3 * self.l2_bytes // weight_bytes)))
+
+    def seconds(self, make_weight_copy: Callable[[], object], weight_bytes: int, run: Callable[[object], object],
+                max_copies: int = 512) -> float:
+        weights = [make_weight_copy() for _ in range(min(max_copies, self.copies(weight_bytes)))]
+        if self.device == "cpu":
+            return cpu_seconds(lambda: run(weights[0]), self.repeats)
+        return cuda_seconds([lambda w=w: run(w) for w in weights], self.repeats)
+
+
+def sweep(fmt: str, w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
+    """Time the Triton kernels under other tile configurations and print them, best first."""
+    from workbench.kernels.triton import GemmConfig, GemvConfig, gemm, gemv
+
+    m = x.shape[0]
+    if m == 1:
+        configs = [GemvConfig(block_n, warps) for block_n in (1, 2, 4, 8) for warps in (1, 2, 4)]
+        kernel = gemv
+    else:
+        configs = [
+            GemmConfig(block_m, block_n, block_u, warps, stages)
+            for block_m, block_n, block_u, warps, stages in [
+                (16, 32, 8, 4, 3), (16, 64, 8, 4, 3), (16, 64, 4, 4, 4), (16, 128, 4, 4, 3), (32, 64, 8, 4, 3),
+                (64, 64, 4, 4, 3), (64, 128, 4, 8, 3), (128, 64, 4, 8, 2), (128, 128, 4, 8, 2), (128, 64, 8, 8, 2),
+                (128, 128, 2, 8, 3), (256, 64, 4, 8, 2), (128, 256, 2, 8, 2),
+            ]
+            if block_m <= max(16, 2 * m)
+        ]
+        kernel = gemm
+    results = []
+    for config in configs:
+        try:
+            seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
+                                    lambda ww, c=config: kernel(x, ww, c))
+        except Exception as err:  # a config the compiler rejects (too many registers, shared memory)
+            print(f"      sweep {config}: failed ({type(err).__name__})")
+            continue
+        results.append((seconds, config))
+    for seconds, config in sorted(results, key=lambda r: r[0])[:5]:
+        print(f"      sweep {seconds * 1e6:9.1f} us  {config}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, e.g. Q4_K,Q6_K")
+    parser.add_argument("--shapes", choices=tuple(SHAPES), default=None, help="default: all on CUDA, small on CPU")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, M = 1 and 128 only")
+    parser.add_argument("--sweep", action="store_true", help="also time other Triton tile configurations")
+    args = parser.parse_args(argv)
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    if device == "cuda":
+        import workbench.kernels.triton  # noqa: F401  registers the Triton kernels
+
+    formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()]
+    shapes = SHAPES[args.shapes or ("all" if device == "cuda" else "small")]
+    batches = (1, 128) if args.quick else BATCHES
+    timer = Timer(device, args.quick)
+    act_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dense_name = "bf16" if device == "cuda" else "fp32"
+    torch.manual_seed(0)
+
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"activations {act_dtype}; dense baseline {dense_name}")
+    copy_bw = None
+    if device == "cuda":
+        copy_bw = copy_bandwidth()
+        print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write); L2 {timer.l2_bytes >> 20} MiB")
+    header = (f"{'format':6} {'N x K':>12} {'M':>4}  {'kernel':28} {'linear us':>10} {'deq+mm us':>10} "
+              f"{'dense us':>10} {'deq+mm/lin':>10} {'dense/lin':>10}")
+    if device == "cuda":
+        header += f" {'lin GB/s':>9} {'% copy':>7}"
+    print(header)
+
+    for fmt in formats:
+        for n, k in shapes:
+            if k % wk.get_format(fmt).block_size:
+                print(f"{fmt:6} {f'{n}x{k}':>12}    -  skipped: K is not a multiple of the {fmt} block")
+                continue
+            w = make_weight(fmt, n, k, device)
+            dense = torch.randn(n, k, device=device).to(act_dtype)
+            for m in batches:
+                x = torch.randn(m, k, device=device).to(act_dtype)
+                kernel = wk.select_kernel(x, w)
+                linear_s = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
+                                         lambda ww: wk.linear(x, ww))
+                dequant_s = timer.seconds(lambda: w, w.nbytes, lambda ww: x @ ww.dequantize(x.dtype).T, max_copies=2)
+                dense_s = timer.seconds(lambda: dense.clone(), dense.numel() * dense.element_size(),
+                                        lambda dd: F.linear(x, dd))
+                line = (f"{fmt:6} {f'{n}x{k}':>12} {m:>4}  {kernel.name:28} {linear_s * 1e6:10.1f} "
+                        f"{dequant_s * 1e6:10.1f} {dense_s * 1e6:10.1f} {dequant_s / linear_s:10.2f} "
+                        f"{dense_s / linear_s:10.2f}")
+                if copy_bw is not None:
+                    read_bw = (w.nbytes + x.numel() * x.element_size()) / linear_s
+                    line += f" {read_bw / 1e9:9.0f} {100 * read_bw / copy_bw:6.0f}%"
+                print(line, flush=True)
+                if args.sweep and device == "cuda" and kernel.name.startswith("triton"):
+                    sweep(fmt, w, x, timer)
+            del w, dense
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""Triton device functions that read GGUF blocks in place and unpack them into float32.
+
+Layout of the work. A kernel handles ``BLOCK_N * BLOCK_U`` *units* (32 values of one weight row: a GGUF
+block or a part of a super-block), held as 1-D tensors of (row, unit) pairs so the compiler's layout
+choice is the same in every Triton version, and every unit is owned by one thread: its bytes are read
+with separate narrow loads (blocks are often only 2-byte aligned) and ``tl.join``-ed into registers,
+so all per-block work (scales, mins, sums) happens once per unit and no value crosses threads.
+
+A unit's values come out as four *pieces* of 8 consecutive values, ``[units, 8]``, each a
+``1 + q / 2**bits`` float made by moving the quant's bits under the exponent of 1.0 (exact, and two
+integer ops where an int->float conversion runs at a fraction of the ALU rate). A weight is then
+``a * f + b`` for per-unit (or per-sub-block) ``a`` and ``b``, which lets the GEMV sum ``f * x`` and
+``x`` over a piece and apply ``a`` and ``b`` once per piece instead of once per value.
+
+``tl.join(a, b)`` appends a new innermost axis, so in a nest of joins the outermost join picks the
+fastest-varying index of the flattened result.
+"""
+import triton
+import triton.language as tl
+
+# GGML type numbers, used as the FMT compile-time constant.
+Q4_0 = tl.constexpr(2)
+Q4_1 = tl.constexpr(3)
+Q8_0 = tl.constexpr(8)
+Q4_K = tl.constexpr(12)
+Q6_K = tl.constexpr(14)
+
+
+@triton.jit
+def field(bits, POS: tl.constexpr, WIDTH: tl.constexpr, TO: tl.constexpr):
+    """The WIDTH-bit field at bit POS of int32 ``bits``, moved to bit TO, all other bits zero."""
+    # Mask on the side where the field sits lower, so each step takes a single immediate (which the
+    # GPU's logic and shift-add instructions encode) instead of holding a second constant in a register.
+    if POS > TO:
+        bits = (bits >> (POS - TO)) & (((1 << WIDTH) - 1) << TO)
+    else:
+        bits = (bits & (((1 << WIDTH) - 1) << POS)) << (TO - POS)
+    return bits
+
+
+@triton.jit
+def mantissa_to_f32(bits):
+    """``1 + bits / 2**23`` for int32 ``bits`` below 2**23: an exact int->float without a conversion."""
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nibble(bits, POS: tl.constexpr):
+    """``1 + q / 16`` for the 4-bit q at bit POS of ``bits``."""
+    return mantissa_to_f32(field(bits, POS, 4, 19))
+
+
+@triton.jit
+def load_f16(p):
+    """The float16 at each (2-byte aligned) uint8 pointer, as float32."""
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def four_halfwords(p):
+    """The 16-bit words at uint8 pointers ``p, p + 2, p + 4, p + 6`` as int32 ``[..., 2, 2]`` in memory order."""
+    p = p.to(tl.pointer_type(tl.uint16))
+    h0, h1, h2, h3 = tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    return tl.join(tl.join(h0, h2), tl.join(h1, h3)).to(tl.int32)
+
+
+@triton.jit
+def two_words(p, shift):
+    """The 32-bit words at (4-byte aligned) uint8 pointers ``p, p + 4``, shifted right, as int32 ``[..., 2]``."""
+    p = p.to(tl.pointer_type(tl.int32))
+    return tl.join(tl.load(p) >> shift, tl.load(p + 1) >> shift)
+
+
+@triton.jit
+def flat8(t):
+    """``[UNITS, 2, 2, 2]`` -> ``[UNITS, 8]``: the in-register axes of a piece, flattened."""
+    return tl.reshape(t, (t.shape[0], 8))
+
+
+@triton.jit
+def halfword_nibbles(quad, SHIFT: tl.constexpr):
+    """Nibble ``SHIFT // 4`` of each of the 8 bytes of a halfword quad: a piece ``[..., 8]``."""
+    return flat8(tl.join(nibble(quad, SHIFT), nibble(quad, SHIFT + 8)))
+
+
+@triton.jit
+def word_nibbles(pair, SHIFT: tl.constexpr):
+    """Nibble ``SHIFT // 4`` of each of the 8 bytes of a word pair: a piece ``[..., 8]``."""
+    return flat8(tl.join(
+        tl.join(nibble(pair, SHIFT), nibble(pair, SHIFT + 16)),
+        tl.join(nibble(pair, SHIFT + 8), nibble(pair, SHIFT + 24)),
+    ))
+
+
+# ---------------------------------------------------------------------------------------------
+# Formats. Each ``<fmt>_pieces`` returns the unit's pieces in value order with the affine map
+# ``(a, b)`` of each (``weight = a * f + b``), one per unit.
+
+
+@triton.jit
+def q4_0_pieces(blockp):
+    # Block (18 bytes): f16 d | 16 bytes, byte i holds value i (low nibble) and i + 16 (high);
+    # w = d * (q - 8) = 16 d * f - 24 d.
+    d = load_f16(blockp)
+    first, second = four_halfwords(blockp + 2), four_halfwords(blockp + 10)
+    a, b = 16.0 * d, -24.0 * d
+    return (
+        halfword_nibbles(first, 0), halfword_nibbles(second, 0),
+        halfword_nibbles(first, 4), halfword_nibbles(second, 4),
+        a, b,
+    )
+
+
+@triton.jit
+def q4_1_pieces(blockp):
+    # Block (20 bytes): f16 d | f16 m | 16 bytes of nibbles as in Q4_0; w = d * q + m = 16 d * f + m - 16 d.
+    d = load_f16(blockp)
+    m = load_f16(blockp + 2)
+    first, second = two_words(blockp + 4, 0), two_words(blockp + 12, 0)
+    a = 16.0 * d
+    return (
+        word_nibbles(first, 0), word_nibbles(second, 0),
+        word_nibbles(first, 4), word_nibbles(second, 4),
+        a, m - a,
+    )
+
+
+@triton.jit
+def q8_0_pieces(blockp):
+    # Block (34 bytes): f16 d | 32 int8; flipping the sign bits maps q to q + 128 in 0..255, so
+    # f = 1 + (q + 128) / 256 and w = d * q = 256 d * f - 384 d.
+    d = load_f16(blockp)
+    p0 = four_halfwords(blockp + 2) ^ 0x8080
+    p1 = four_halfwords(blockp + 10) ^ 0x8080
+    p2 = four_halfwords(blockp + 18) ^ 0x8080
+    p3 = four_halfwords(blockp + 26) ^ 0x8080
+    return _q8_piece(p0), _q8_piece(p1), _q8_piece(p2), _q8_piece(p3), 256.0 * d, -384.0 * d
+
+
+@triton.jit
+def _q8_piece(quad):
+    return flat8(tl.join(mantissa_to_f32(field(quad, 0, 8, 15)), mantissa_to_f32(field(quad, 8, 8, 15))))
+
+
+@triton.jit
+def q4_k_scale_min(s0, s1, s2, sub):
+    """Q4_K's 6-bit (scale, min) of sub-block ``sub`` (0..7) from its 12 scale bytes, read as 3 int32 words."""
+    shift = (sub % 4) * 8
+    low = sub < 4
+    scale = tl.where(low, s0 >> shift, ((s2 >> shift) & 0xF) | ((s0 >> shift >> 2) & 0x30)) & 0x3F
+    minimum = tl.where(low, s1 >> shift, ((s2 >> shift >> 4) & 0xF) | ((s1 >> shift >> 2) & 0x30)) & 0x3F
+    return scale.to(tl.float32), minimum.to(tl.float32)
+
+
+@triton.jit
+def q4_k_pieces(blockp, sub):
+    # Super-block (144 bytes): f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | 128 bytes.
+    # Sub-block s (32 values) is nibble s % 2 of bytes 32 * (s // 2) .. + 31;
+    # w = d * scale_s * q - dmin * min_s = 16 d scale_s * f - (16 d scale_s + dmin min_s).
+    d = load_f16(blockp)
+    dmin = load_f16(blockp + 2)
+    words = blockp.to(tl.pointer_type(tl.int32))
+    scale, minimum = q4_k_scale_min(tl.load(words + 1), tl.load(words + 2), tl.load(words + 3), sub)
+    a = 16.0 * d * scale
+    quants = blockp + 16 + 32 * (sub // 2)
+    shift = 4 * (sub % 2)
+    return (
+        word_nibbles(two_words(quants, shift), 0), word_nibbles(two_words(quants + 8, shift), 0),
+        word_nibbles(two_words(quants + 16, shift), 0), word_nibbles(two_words(quants + 24, shift), 0),
+        a, -(a + dmin * minimum),
+    )
+
+
+@triton.jit
+def q6_k_pieces(blockp, half, group):
+    # Super-block (210 bytes): 128 bytes ql | 64 bytes qh | 16 int8 scales | f16 d. Value
+    # 128 * h + 32 * k + i (h < 2, k < 4, i < 32) is nibble k // 2 of ql[64 * h + 32 * (k % 2) + i]
+    # with bits 2k, 2k + 1 of qh[32 * h + i] above it; w = d * scale[value // 16] * (q - 32).
+    # The pieces are k = 0..3 for the 8 values i = 8 * group .. + 7; f = 1 + q / 64, so
+    # w = 64 d scale * f - 96 d scale.
+    d = load_f16(blockp + 208)
+    ql_even = four_halfwords(blockp + 64 * half + 8 * group)
+    ql_odd = four_halfwords(blockp + 64 * half + 32 + 8 * group)
+    qh = four_halfwords(blockp + 128 + 32 * half + 8 * group)
+    scalep = (blockp + 192 + 8 * half + group // 2).to(tl.pointer_type(tl.int8))
+    a0, b0 = _q6_affine(scalep, d, 0)
+    a1, b1 = _q6_affine(scalep, d, 1)
+    a2, b2 = _q6_affine(scalep, d, 2)
+    a3, b3 = _q6_affine(scalep, d, 3)
+    return (
+        _q6_piece(ql_even, 0, qh, 0), _q6_piece(ql_odd, 0, qh, 2),
+        _q6_piece(ql_even, 4, qh, 4), _q6_piece(ql_odd, 4, qh, 6),
+        a0, b0, a1, b1, a2, b2, a3, b3,
+    )
+
+
+@triton.jit
+def _q6_affine(scalep, d, k: tl.constexpr):
+    ds = d * tl.load(scalep + 2 * k).to(tl.float32)
+    return 64.0 * ds, -96.0 * ds
+
+
+@triton.jit
+def _q6_piece(ql, QL_SHIFT: tl.constexpr, qh, QH_SHIFT: tl.constexpr):
+    """f = 1 + q / 64 of the 8 values: the low 4 bits from ``ql``'s nibble, the high 2 from ``qh``."""
+    byte0 = field(ql, QL_SHIFT, 4, 17) | field(qh, QH_SHIFT, 2, 21)
+    byte1 = field(ql, QL_SHIFT + 8, 4, 17) | field(qh, QH_SHIFT + 8, 2, 21)
+    return flat8(tl.join(mantissa_to_f32(byte0), mantissa_to_f32(byte1)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Units: 32 values of one row, owned by one thread: a block (Q4_0, Q4_1, Q8_0), a Q4_K sub-block, or
+# for Q6_K the k = 0..3 pieces of one group. ``unit`` counts units along the row, ``n_units = K // 32``.
+
+
+@triton.jit
+def unit_pieces(FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units):
+    """The unit's four pieces and their affine maps: ``(f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3)``."""
+    if FMT == Q4_K:
+        blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
+        f0, f1, f2, f3, a, b = q4_k_pieces(blockp, unit % 8)
+        pieces = f0, f1, f2, f3, a, b, a, b, a, b, a, b
+    elif FMT == Q6_K:
+        blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
+        pieces = q6_k_pieces(blockp, (unit // 4) % 2, unit % 4)
+    else:
+        blockp = rowp + tl.minimum(unit, n_units - 1) * TYPE_SIZE
+        if FMT == Q4_0:
+            f0, f1, f2, f3, a, b = q4_0_pieces(blockp)
+        elif FMT == Q4_1:
+            f0, f1, f2, f3, a, b = q4_1_pieces(blockp)
+        else:
+            tl.static_assert(FMT == Q8_0, "unsupported format")
+            f0, f1, f2, f3, a, b = q8_0_pieces(blockp)
+        pieces = f0, f1, f2, f3, a, b, a, b, a, b, a, b
+    return pieces
+
+
+@triton.jit
+def piece_start(FMT: tl.constexpr, unit, piece):
+    """Index within the row of the first value of piece ``piece`` of ``unit``."""
+    if FMT == Q6_K:
+        # unit = 8 * super-block + 4 * half + group, piece = k: value 128 * half + 32 * k + 8 * group + i
+        start = 256 * (unit // 8) + 128 * ((unit // 4) % 2) + 32 * piece + 8 * (unit % 4)
+    else:
+        start = 32 * unit + 8 * piece
+    return start
+
+
+@triton.jit
+def load_x(xp, first, K):
+    """Activations ``xp[first .. first + 7]`` for each unit, as float32 ``[BLOCK_U, 8]``."""
+    index = first[:, None] + tl.arange(0, 8)[None, :]
+    return tl.load(xp + index, mask=index < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def dot_units(
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, first, n_units, xp, K,
+    BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+):
+    """For ``BLOCK_N`` rows and units ``first .. first + BLOCK_U - 1``, the dot of each unit's weights with
+    the activations, ``sum_p a_p * sum(f_p x_p) + b_p * sum(x_p)`` over its pieces p: ``[BLOCK_N, BLOCK_U]``.
+
+    ``rowp`` holds the row pointer of each (row, unit) pair, rows slowest, so a thread holds the same
+    unit of every row and the activations, loaded once per unit (``[BLOCK_U, 8]``), are shared.
+    """
+    unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3 = unit_pieces(FMT, TYPE_SIZE, rowp, unit, n_units)
+    x_unit = first + tl.arange(0, BLOCK_U)
+    x0 = load_x(xp, piece_start(FMT, x_unit, 0), K)
+    x1 = load_x(xp, piece_start(FMT, x_unit, 1), K)
+    x2 = load_x(xp, piece_start(FMT, x_unit, 2), K)
+    x3 = load_x(xp, piece_start(FMT, x_unit, 3), K)
+    f0, f1 = tl.reshape(f0, (BLOCK_N, BLOCK_U, 8)), tl.reshape(f1, (BLOCK_N, BLOCK_U, 8))
+    f2, f3 = tl.reshape(f2, (BLOCK_N, BLOCK_U, 8)), tl.reshape(f3, (BLOCK_N, BLOCK_U, 8))
+    if FMT == Q6_K:
+        dot = _affine(a0, b0, tl.sum(f0 * x0[None], axis=2), tl.sum(x0, axis=1), BLOCK_N, BLOCK_U)
+        dot += _affine(a1, b1, tl.sum(f1 * x1[None], axis=2), tl.sum(x1, axis=1), BLOCK_N, BLOCK_U)
+        dot += _affine(a2, b2, tl.sum(f2 * x2[None], axis=2), tl.sum(x2, axis=1), BLOCK_N, BLOCK_U)
+        dot += _affine(a3, b3, tl.sum(f3 * x3[None], axis=2), tl.sum(x3, axis=1), BLOCK_N, BLOCK_U)
+    else:
+        # One affine map for the whole unit: sum the pieces element-wise first (a fused multiply-add
+        # per value), then across the 8 values of a piece.
+        fx = tl.sum(f0 * x0[None] + f1 * x1[None] + f2 * x2[None] + f3 * x3[None], axis=2)
+        dot = _affine(a0, b0, fx, tl.sum(x0 + x1 + x2 + x3, axis=1), BLOCK_N, BLOCK_U)
+    return dot
+
+
+@triton.jit
+def _affine(a, b, fx, x, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """``a * fx + b * x`` for per-(row, unit) ``a``, ``b``, ``fx`` and per-unit ``x``."""
+    return tl.reshape(a, (BLOCK_N, BLOCK_U)) * fx + tl.reshape(b, (BLOCK_N, BLOCK_U)) * x[None, :]
+
+
+@triton.jit
+def weight_tile(
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr
+):
+    """Float32 weights ``[BLOCK_N, 32 * BLOCK_U]`` of (row, unit) pairs enumerated rows slowest: column
+    ``32 * u + 8 * p + i`` holds value ``piece_start(unit u, p) + i``, plain row order but for Q6_K."""
+    f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3 = unit_pieces(FMT, TYPE_SIZE, rowp, unit, n_units)
+    w0 = f0 * a0[:, None] + b0[:, None]
+    w1 = f1 * a1[:, None] + b1[:, None]
+    w2 = f2 * a2[:, None] + b2[:, None]
+    w3 = f3 * a3[:, None] + b3[:, None]
+    tile = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [units, 8 (i), 2, 2 (p)]
+    return tl.reshape(tl.permute(tile, (0, 2, 3, 1)), (BLOCK_N, 32 * BLOCK_U))
+
+
+@triton.jit
+def k_index(FMT: tl.constexpr, first_unit, BLOCK_U: tl.constexpr):
+    """For each column of a ``weight_tile`` of units ``first_unit ..``, the index of its value in the row."""
+    c = tl.arange(0, 32 * BLOCK_U)
+    if FMT == Q6_K:
+        index = piece_start(FMT, first_unit + c // 32, (c % 32) // 8) + c % 8
+    else:
+        index = 32 * first_unit + c
+    return index

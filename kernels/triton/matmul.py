@@ -1,0 +1,199 @@
+"""Fused dequantize-matmul kernels on packed GGUF blocks: a GEMV for decode, a GEMM for prefill.
+
+Both compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
+``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
+float32 and returning ``x.dtype``. The GEMV (``M == 1``) multiplies on the CUDA cores; the GEMM
+dequantizes a weight tile into registers and feeds it to ``tl.dot`` (tensor cores), with a skinny
+tile for the few rows of batched decode.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant_tensor import QuantTensor
+from .dequant import dot_units, k_index, weight_tile
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the kernels hard-code about a GGUF format, checked against the ``QuantFormat`` at launch."""
+
+    ggml_type: int
+    block_size: int
+    type_size: int
+    word_bytes: int  # width of the kernel's loads; every block starts at a multiple of it
+
+
+LAYOUTS: dict[str, Layout] = {
+    "Q4_0": Layout(2, 32, 18, 2),
+    "Q4_1": Layout(3, 32, 20, 4),
+    "Q8_0": Layout(8, 32, 34, 2),
+    "Q4_K": Layout(12, 256, 144, 4),
+    "Q6_K": Layout(14, 256, 210, 2),
+}
+SUPPORTED_FORMATS = tuple(LAYOUTS)
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 4  # weight rows per program; each thread holds all of them and shares its activations
+    num_warps: int = 4  # one thread per 32-value unit of a row: 32 * num_warps units per loop step
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 64
+    block_u: int = 4  # 32-value units per K step
+    num_warps: int = 8
+    num_stages: int = 2
+    group_m: int = 8  # programs that share weight columns run together, so their tiles are reused from L2
+
+
+def gemv_config(k: int) -> GemvConfig:
+    """Enough warps to cover a row in few steps without leaving many threads idle on the last one."""
+    units = k // 32
+    return GemvConfig(num_warps=min((4, 2, 1), key=lambda warps: (-(-units // (32 * warps)) * 32 * warps, -warps)))
+
+
+def gemm_config(m: int) -> GemmConfig:
+    if m <= 16:
+        return GemmConfig(block_m=16, block_n=64, block_u=8, num_warps=4, num_stages=3)
+    if m <= 64:
+        return GemmConfig(block_m=64, block_n=64, block_u=4, num_warps=4, num_stages=3)
+    return GemmConfig()
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, row_bytes,
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
+    pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
+    rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
+    n_units = K // 32
+    # One partial sum per (row, unit), reduced across threads once at the end.
+    acc = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
+    for first in range(0, n_units, BLOCK_U):
+        acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes,
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    programs_m = tl.cdiv(M, BLOCK_M)
+    programs_n = tl.cdiv(N, BLOCK_N)
+    group_first_m = (pid // (GROUP_M * programs_n)) * GROUP_M
+    group_size = tl.minimum(programs_m - group_first_m, GROUP_M)
+    pid_m = group_first_m + (pid % (GROUP_M * programs_n)) % group_size
+    pid_n = (pid % (GROUP_M * programs_n)) // group_size
+
+    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
+    x_rows = x_ptr + tl.minimum(rows_m, M - 1).to(tl.int64)[:, None] * K
+    pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
+    pair_rows = tl.minimum(pid_n * BLOCK_N + pair // BLOCK_U, N - 1)
+    rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
+    n_units = K // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first in range(0, n_units, BLOCK_U):
+        w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, n_units, BLOCK_N, BLOCK_U)
+        k = k_index(FMT, first, BLOCK_U)[None, :]
+        x = tl.load(x_rows + k, mask=k < K, other=0.0)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def layout_of(w: QuantTensor) -> Layout:
+    """The kernel layout for ``w``'s format; raises ``ValueError`` for a format these kernels don't read."""
+    layout = LAYOUTS.get(w.fmt.name)
+    if layout is None:
+        raise ValueError(f"triton kernels read {', '.join(SUPPORTED_FORMATS)}; got {w.fmt.name}")
+    if (layout.block_size, layout.type_size) != (w.fmt.block_size, w.fmt.type_size):
+        raise ValueError(
+            f"{w.fmt.name}: format registry says blocks of {w.fmt.block_size} values in {w.fmt.type_size} bytes, "
+            f"the triton kernels expect {layout.block_size} in {layout.type_size}"
+        )
+    return layout
+
+
+def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None) -> Layout:
+    """Raise a clear error for anything the kernels would otherwise compute wrongly or crash on."""
+    if not isinstance(w, QuantTensor):
+        raise TypeError(f"expected a QuantTensor weight, got {type(w).__name__}")
+    layout = layout_of(w)
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D input [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"input has {x.shape[1]} features, weight {w.fmt.name} {w.shape} expects {w.shape[1]}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"activations must be float16, bfloat16 or float32, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError("input must be contiguous (the kernels index rows with stride K)")
+    if not w.data.is_contiguous():
+        raise ValueError("packed weight data must be contiguous")
+    if x.device != w.device:
+        raise ValueError(f"input on {x.device}, weight on {w.device}")
+    if max_rows is not None and x.shape[0] > max_rows:
+        raise ValueError(f"this kernel takes at most {max_rows} row(s) of activations, got {x.shape[0]}")
+    if w.data.data_ptr() % layout.word_bytes:
+        raise ValueError(f"{w.fmt.name} packed data must start at a multiple of {layout.word_bytes} bytes")
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
+    return layout
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs are for tests: keep them exact rather than rounding to tf32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` for one row of ``x`` (decode), on the CUDA cores."""
+    layout = check_inputs(x, w, max_rows=1)
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    config = config or gemv_config(k)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, w.data, out, n, k, w.data.shape[1],
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size,
+        BLOCK_N=config.block_n, BLOCK_U=32 * config.num_warps, num_warps=config.num_warps,
+    )
+    return out
+
+
+def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` for any number of rows, dequantizing weight tiles into ``tl.dot``."""
+    layout = check_inputs(x, w)
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    config = config or gemm_config(m)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _gemm_kernel[grid](
+        x, w.data, out, m, n, k, w.data.shape[1],
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_U=config.block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

@@ -1,0 +1,195 @@
+"""The Triton GEMV/GEMM kernels against gguf's reference dequantizer, in float64.
+
+On CPU the kernels run under ``TRITON_INTERPRET=1``. That switch must be set before the kernels are
+defined and would leak into every other test module of the process, so ``test_interpreted_suite``
+runs this file again in a subprocess with it set, where ``TestInterpreted`` does the work.
+``TestCuda`` runs full model shapes on a GPU and is skipped without one.
+
+Weights are random bytes with sane float16 scale fields, so every bit pattern of the quants occurs.
+Tolerances are relative Frobenius-norm errors: float32 accumulation over K <= 14336 products stays
+far under 1e-5; a float16 / bfloat16 output adds one rounding (unit roundoff 2^-11 / 2^-8, and the
+interpreter truncates to bfloat16, up to 2^-7); the GEMM also rounds the weights to the activation
+dtype before the tensor-core product.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("triton")
+
+from workbench.kernels import QuantTensor, get_format, linear, select_kernel  # noqa: E402
+from workbench.kernels.triton import gemm, gemv  # noqa: E402
+from workbench.kernels.triton.matmul import GemmConfig  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# Byte offsets of each block's float16 fields (scales, mins); every other byte is a quant.
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+# Relative error bound of a float32 result, and of a result rounded once to each activation dtype.
+FP32_TOL = 2e-5
+ROUNDING_TOL = {torch.float32: FP32_TOL, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[QuantTensor, np.ndarray]:
+    """A QuantTensor of random blocks and its float64 dequantization by gguf."""
+    qformat = get_format(fmt)
+    blocks = rng.integers(0, 256, size=(rows * cols // qformat.block_size, qformat.type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[fmt]:
+        scales = (rng.uniform(-1, 1, size=len(blocks)) * 2.0**-6).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    data = blocks.reshape(rows, -1)
+    reference = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[fmt]).astype(np.float64)
+    return QuantTensor(torch.from_numpy(data.copy()), qformat, (rows, cols)), reference
+
+
+def relative_error(out: torch.Tensor, expected: np.ndarray) -> float:
+    assert torch.isfinite(out).all()
+    actual = out.cpu().double().numpy()
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the subprocess")
+def test_interpreted_suite():
+    """Run ``TestInterpreted`` with TRITON_INTERPRET=1 in a fresh interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::TestInterpreted"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess of test_interpreted_suite")
+class TestInterpreted:
+    # 20 rows: not a multiple of any row block. K = 768: 24 blocks / 3 super-blocks, so the last
+    # step of every kernel runs past the end of the row.
+    N, K = 20, 768
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_gemv(self, fmt, dtype):
+        rng = np.random.default_rng([FORMATS.index(fmt), 1])
+        w, reference = random_weight(fmt, self.N, self.K, rng)
+        x = torch.from_numpy(rng.standard_normal((1, self.K))).to(dtype)
+        out = gemv(x, w)
+        assert out.shape == (1, self.N) and out.dtype == dtype
+        tolerance = 2 * ROUNDING_TOL[dtype] if dtype == torch.bfloat16 else ROUNDING_TOL[dtype]
+        assert relative_error(out, x.double().numpy() @ reference.T) < tolerance
+
+    # The interpreter's bfloat16 tl.dot is wrong (and truncates); bfloat16 GEMMs are checked on CUDA.
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_gemm(self, fmt, dtype):
+        rng = np.random.default_rng([FORMATS.index(fmt), 2])
+        w, reference = random_weight(fmt, self.N, self.K, rng)
+        x = torch.from_numpy(rng.standard_normal((5, self.K))).to(dtype)
+        # Small tiles: several programs in both directions, and row tails in both.
+        out = gemm(x, w, GemmConfig(block_m=4, block_n=8, block_u=2, num_warps=1, num_stages=1, group_m=2))
+        assert out.shape == (5, self.N) and out.dtype == dtype
+        assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype]
+
+    @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+    def test_quantized_real_weights(self, fmt):
+        """Blocks as gguf's own quantizer writes them, through the default configs."""
+        rng = np.random.default_rng(3)
+        weight = rng.standard_normal((12, 512)).astype(np.float32)
+        data = gguf.quants.quantize(weight, gguf.GGMLQuantizationType[fmt])
+        reference = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[fmt]).astype(np.float64)
+        w = QuantTensor(torch.from_numpy(data), fmt, (12, 512))
+        x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
+        assert relative_error(gemv(x[:1], w), x[:1].double().numpy() @ reference.T) < FP32_TOL
+        assert relative_error(gemm(x, w), x.double().numpy() @ reference.T) < FP32_TOL
+
+
+class TestBadInput:
+    """Rejected before any kernel runs, interpreter or not."""
+
+    def weight(self, fmt="Q4_0", rows=8, cols=64):
+        return random_weight(fmt, rows, cols, np.random.default_rng(0))[0]
+
+    @pytest.mark.parametrize("kernel", [gemv, gemm])
+    def test_wrong_feature_count(self, kernel):
+        with pytest.raises(ValueError, match="features"):
+            kernel(torch.zeros(1, 32), self.weight())
+
+    @pytest.mark.parametrize("kernel", [gemv, gemm])
+    def test_not_2d(self, kernel):
+        with pytest.raises(ValueError, match="2-D"):
+            kernel(torch.zeros(1, 1, 64), self.weight())
+
+    @pytest.mark.parametrize("kernel", [gemv, gemm])
+    def test_non_contiguous(self, kernel):
+        with pytest.raises(ValueError, match="contiguous"):
+            kernel(torch.zeros(64, 2).T[:1], self.weight())
+
+    @pytest.mark.parametrize("kernel", [gemv, gemm])
+    def test_unsupported_dtype(self, kernel):
+        with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+            kernel(torch.zeros(1, 64, dtype=torch.float64), self.weight())
+
+    @pytest.mark.parametrize("kernel", [gemv, gemm])
+    def test_unsupported_format(self, kernel):
+        w = QuantTensor(torch.zeros(8, 22 * 2, dtype=torch.uint8), "Q5_0", (8, 64))
+        with pytest.raises(ValueError, match="Q5_0"):
+            kernel(torch.zeros(1, 64), w)
+
+    @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+    def test_misaligned_data(self, fmt):
+        w = self.weight(fmt)
+        shifted = torch.zeros(w.data.numel() + 1, dtype=torch.uint8)[1:].view(w.data.shape)
+        misaligned = QuantTensor(shifted, fmt, w.shape)
+        with pytest.raises(ValueError, match="multiple of"):
+            gemv(torch.zeros(1, 64), misaligned)
+
+    def test_gemv_takes_one_row(self):
+        with pytest.raises(ValueError, match="at most 1 row"):
+            gemv(torch.zeros(2, 64), self.weight())
+
+    @pytest.mark.skipif(INTERPRETING, reason="the interpreter runs CPU tensors")
+    def test_cpu_tensors_without_interpreter(self):
+        with pytest.raises(ValueError, match="CUDA"):
+            gemv(torch.zeros(1, 64), self.weight())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+class TestCuda:
+    # A model shape whose K leaves a partial last step, and a Llama-3-8B shape (N x K).
+    SHAPES = {32: [(1536, 576), (4096, 14336)], 256: [(576, 1536), (4096, 14336)]}
+    # (rows, dtype): decode through the GEMV, batched decode through the skinny GEMM, prefill.
+    BATCHES = [(1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16)]
+
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_full_shapes(self, fmt):
+        rng = np.random.default_rng(FORMATS.index(fmt))
+        for n, k in self.SHAPES[get_format(fmt).block_size]:
+            w, reference = random_weight(fmt, n, k, rng)
+            w = w.to("cuda")
+            reference = torch.from_numpy(reference).cuda()
+            for m, dtype in self.BATCHES:
+                x = torch.randn(m, k, device="cuda").to(dtype)
+                assert select_kernel(x, w).name == f"triton-{'gemv' if m == 1 else 'gemm'}-{fmt.lower()}"
+                out = linear(x, w)
+                # The GEMM rounds the weights to the activation dtype too.
+                tolerance = ROUNDING_TOL[dtype] * (1 if m == 1 else 2)
+                error = relative_error(out, (x.double() @ reference.T).cpu().numpy())
+                assert error < tolerance, (fmt, n, k, m, dtype, error)
+                assert torch.equal(out, linear(x, w)), "results differ between runs: a race"
+
+    def test_unsupported_dtype_falls_back(self):
+        w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0].to("cuda")
+        x = torch.randn(1, 256, device="cuda", dtype=torch.float64)
+        assert not select_kernel(x, w).name.startswith("triton")
+
+    def test_device_mismatch(self):
+        w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0]
+        with pytest.raises(ValueError, match="weight on cpu"):
+            gemv(torch.randn(1, 256, device="cuda"), w)
