@@ -153,7 +153,8 @@ def test_load_model_switches_this_session_only(http_server, http, artifacts):
     config = random_config("llama", n_layers=2)
     (artifacts / "models").mkdir()
     write_gguf(artifacts / "models" / "tiny.gguf", config, random_weights(config))
-    assert {"name": "models/tiny.gguf", "path": "models/tiny.gguf", "loaded": False} in http.call("list_models")["models"]
+    tiny = {"name": "models/tiny.gguf", "path": "models/tiny.gguf", "loaded": False}
+    assert tiny in http.call("list_models")["models"]
     with connect(streamable_http_client(http_server[0])) as other:
         info = other.call("load_model", path="models/tiny.gguf")
         assert (info["name"], info["n_layers"], info["d_model"]) == ("models/tiny.gguf", 2, config.d_model)
@@ -369,7 +370,7 @@ def test_datasets_probes_and_depth_sweep(http, artifacts, model):
         ("She is a brilliant friend.", "pos"), ("She is a terrible friend.", "neg")]]
     (artifacts / "mood.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     listed = {d["name"]: d for d in http.call("list_datasets")["datasets"]}
-    assert set(probes.list_datasets()) < set(listed) and listed["mood"]["n_prompts"] == 8
+    assert set(probes.list_datasets()) < set(listed) and listed["mood.jsonl"]["n_prompts"] == 8
     assert listed["happy_sad"]["kind"] == "pairs"
 
     dataset = probes.load_dataset(artifacts / "mood.jsonl")

@@ -54,7 +54,7 @@ class ModelList(BaseModel):
 
 class HookPoints(BaseModel):
     n_layers: int
-    block_points: dict[str, str] = Field(description="per-block point suffix -> shape; full name blocks.{layer}.{suffix}")
+    block_points: dict[str, str] = Field(description="per-block suffix -> shape; full name blocks.{layer}.{suffix}")
     global_points: dict[str, str]
     matching: list[str] = Field(description="names matching the pattern, when one was given")
 

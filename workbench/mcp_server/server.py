@@ -95,7 +95,7 @@ def build_server(bench: Workbench) -> MCPServer:
         key = session_key(ctx)
 
         def summary(call: Call) -> str:
-            return bench._trace_summary(call, trace_id).model_dump_json()
+            return bench.trace_summary(call, trace_id).model_dump_json()
 
         try:
             return await call_in_thread(bench, key, summary, {})

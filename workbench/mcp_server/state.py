@@ -57,9 +57,9 @@ class Session:
     def put(self, kind: str, value: Any, **note: Any) -> str:
         held = sum(_nbytes(e.value) for e in self.entries.values())
         if len(self.entries) >= self.limits.max_objects or held + _nbytes(value) > self.limits.max_session_bytes:
-            raise WorkbenchError(f"this session holds {len(self.entries)} objects of {held / 2**20:.0f} MiB; the limits "
-                                 f"are {self.limits.max_objects} objects and "
-                                 f"{self.limits.max_session_bytes / 2**20:.0f} MiB: free some with release / kv_release")
+            raise WorkbenchError(f"this session holds {len(self.entries)} objects of {held / 2**20:.0f} MiB; the "
+                                 f"limits are {self.limits.max_objects} objects and "
+                                 f"{self.limits.max_session_bytes / 2**20:.0f} MiB: free some (release, kv_release)")
         object_id = f"{kind}-{secrets.token_hex(4)}"
         self.entries[object_id] = Entry(kind, value, note)
         return object_id

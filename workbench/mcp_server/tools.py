@@ -58,14 +58,16 @@ Positions = Annotated[list[int] | None, Field(description="token positions (nega
 Heads = Annotated[list[int] | None, Field(description="attention heads (for per-head points); all when omitted")]
 Specs = Annotated[list[dict[str, Any]], Field(description=(
     "intervention specs as in workbench.hooks: {'type': 'zero_ablate'|'mean_ablate'|'resample_ablate'|'steer'|"
-    "'patch'|'scale'|'composite', 'hook': ..., 'positions'?, 'heads'?, 'neurons'?, ...}. A 'vector' or 'mean' "
-    "may be {'id': <vector id>}, a patch 'donor' a prompt or {'id': <trace id>}"))]
+    "'patch'|'scale'|'composite', 'hook': ..., 'positions'?, 'heads'?, 'neurons'?, ...}. A steer 'vector' may be "
+    "{'id': <vector id>} (without 'hook': at every layer of that vector), a patch 'donor' a prompt or "
+    "{'id': <trace id>}"))]
 Targets = Annotated[list[str], Field(description="single-token strings (e.g. ' Paris') whose logprobs to report")]
 Layer = Annotated[int, Field(description="layer index")]
 TraceId = Annotated[str, Field(description="a trace id from run, an edit tool or load_trace")]
 CacheId = Annotated[str, Field(description="a KV cache id from kv_create or kv_clone")]
 MaxNew = Annotated[int, Field(description="most tokens to generate")]
 Seed = Annotated[int, Field(description="random seed (sampling, splits, subsets)")]
+Temperature = Annotated[float, Field(description="sampling temperature; 0 is greedy")]
 Dataset = Annotated[str, Field(description="a shipped dataset (list_datasets) or a .jsonl file in the artifacts "
                                            "folder")]
 Sample = Annotated[int | None, Field(description="use a seeded subset of about this many records")]
@@ -133,7 +135,6 @@ class Workbench:
             raise WorkbenchError(f"{what} must be between 1 and {limit}, got {n}")
 
     def _distribution(self, model: Any, logits: torch.Tensor, top_k: int) -> s.Distribution:
-        self._check_count("top_k", top_k, self.limits.max_top_k)
         logprobs = logits.float().log_softmax(-1)
         values, indices = logprobs.topk(top_k)
         top = [s.TokenProb(id=int(i), token=model.tokenizer.token_text(int(i)), logprob=float(v),
@@ -203,6 +204,7 @@ class Workbench:
                  targets: list[str], record: list[str] = ()) -> s.EditResult:
         """Baseline and edited runs of one prompt, and how the next-token distribution moved."""
         model = self.model(call)
+        self._check_count("top_k", top_k, self.limits.max_top_k)
         interventions = self._interventions(call, specs)
         target_ids = [token_id(model, t) for t in targets]
         baseline_id, baseline = self._run(call, prompt, chat, record)
@@ -211,10 +213,10 @@ class Workbench:
         dist_before = self._distribution(model, baseline.logits[-1], top_k)
         dist_after = self._distribution(model, edited.logits[-1], top_k)
 
-        def change(token_id: int) -> s.TokenChange:
-            b, a = float(before[token_id]), float(after[token_id])
-            return s.TokenChange(id=token_id, token=model.tokenizer.token_text(token_id), baseline_logprob=b,
-                                 edited_logprob=a, delta=a - b)
+        def change(i: int) -> s.TokenChange:
+            b, a = float(before[i]), float(after[i])
+            return s.TokenChange(id=i, token=model.tokenizer.token_text(i), baseline_logprob=b, edited_logprob=a,
+                                 delta=a - b)
 
         shown = dict.fromkeys(t.id for t in dist_before.top + dist_after.top)
         changes = sorted((change(i) for i in shown), key=lambda c: -abs(c.delta))
@@ -224,7 +226,8 @@ class Workbench:
             top1_changed=dist_before.top[0].id != dist_after.top[0].id, changes=changes[:top_k],
             targets=[change(i) for i in target_ids])
 
-    def _trace_summary(self, call: Call, trace_id: str) -> s.TraceSummary:
+    def trace_summary(self, call: Call, trace_id: str) -> s.TraceSummary:
+        """What list_traces and the trace:// resources show of one trace."""
         entry = call.session.entry("trace", trace_id)
         trace = entry.value
         return s.TraceSummary(
@@ -252,9 +255,7 @@ class Workbench:
                    path: Annotated[str, Field(description="'embedded', or a GGUF file / HF checkpoint folder "
                                                           "inside the artifacts folder")]) -> s.ModelInfo:
         """Load a model (or reuse it when loaded) and make it the one this session's tools use."""
-        if path in self.models.loaded():
-            name, file = path, None
-        elif path == Models.EMBEDDED:
+        if path == Models.EMBEDDED or path in self.models.loaded():
             name, file = path, None
         else:
             file = self.artifacts.path(path)
@@ -311,6 +312,7 @@ class Workbench:
 
         Returns the trace id (for get_activation, save_trace, ...) with each recorded activation's shape and norms.
         """
+        self._check_count("top_k", top_k, self.limits.max_top_k)
         trace_id, trace = self._run(call, prompt, chat, record)
         return s.RunResult(trace_id=trace_id, tokens=trace.tokens,
                            next_token=self._distribution(self.model(call), trace.logits[-1], top_k),
@@ -359,19 +361,17 @@ class Workbench:
                           chat: Chat = False) -> s.AttentionPattern:
         """Attention weights of one layer: [head][query][key] for the chosen heads and query positions."""
         model = self.model(call)
-        name = f"blocks.{layer}.attn.hook_pattern"
-        hooks.resolve(name, model.config)
-        trace_id, trace = self._run(call, prompt, chat, [name])
-        pattern = trace.activations[name]  # [heads, T, S]
-        n_heads, n_tokens = pattern.shape[0], pattern.shape[1]
+        name = hooks.resolve(f"blocks.{layer}.attn.hook_pattern", model.config)[0]
+        n_heads, n_tokens = model.config.n_heads, len(self._ids(model, prompt, chat))
         heads = list(range(n_heads)) if heads is None else heads
         if [h for h in heads if not 0 <= h < n_heads]:
             raise WorkbenchError(f"heads {heads} out of range 0..{n_heads - 1}")
         queries = self._positions([-1] if query_positions is None else query_positions, n_tokens)
-        selected = pattern[heads][:, queries]
-        if selected.numel() > self.limits.max_values:
-            raise WorkbenchError(f"{selected.numel():,} weights; at most {self.limits.max_values:,} are returned "
-                                 "(choose heads or query positions)")
+        if len(heads) * len(queries) * n_tokens > self.limits.max_values:
+            raise WorkbenchError(f"{len(heads) * len(queries) * n_tokens:,} weights; at most "
+                                 f"{self.limits.max_values:,} are returned (choose heads or query positions)")
+        trace_id, trace = self._run(call, prompt, chat, [name])
+        selected = trace.activations[name][heads][:, queries]  # [heads, queries, keys]
         return s.AttentionPattern(trace_id=trace_id, layer=layer, heads=heads, tokens=trace.tokens,
                                   query_positions=queries, pattern=selected.tolist())
 
@@ -410,12 +410,14 @@ class Workbench:
         n_tokens = len(self._ids(model, prompt, chat))
         positions = self._positions([-1] if positions is None else positions, n_tokens)
         self._check_count("tokens", len(tokens), self.limits.max_top_k)
+        for token in tokens:
+            token_id(model, token)
         track = probes.logit_lens(model, prompt, points=(point,), k=1, chat=chat).track_race(tokens, point)
         series = []
-        for i, (token_id, text) in enumerate(zip(track.token_ids, track.token_texts)):
+        for i, (tracked, text) in enumerate(zip(track.token_ids, track.token_texts)):
             for pos in positions:
                 ranks = track.ranks[i, :, pos].tolist()
-                series.append(s.TrackSeries(token=text, id=token_id, position=pos,
+                series.append(s.TrackSeries(token=text, id=tracked, position=pos,
                                             probs=track.probs[i, :, pos].tolist(), ranks=ranks,
                                             first_top1_layer=next((l for l, r in enumerate(ranks) if r == 0), None)))
         return s.TokenTrackResult(tokens=track.prompt_tokens, point=point, series=series)
@@ -430,7 +432,7 @@ class Workbench:
                                  chat: Chat = False) -> s.Attribution:
         """Split the target's logit (difference) over the embedding, every head and every MLP."""
         model = self.model(call)
-        self._ids(model, prompt, chat)
+        self._positions([position], len(self._ids(model, prompt, chat)))
         self._check_count("top", top, self.limits.max_top_k)
         dla = probes.direct_logit_attribution(model, prompt, target, baseline, position, chat)
         heads = dla.heads()
@@ -464,21 +466,18 @@ class Workbench:
         if method == "zero":
             spec = {"type": "zero_ablate", **region}
         elif method in ("mean", "resample"):
-            if not reference_prompts:
-                raise WorkbenchError(f"{method} ablation needs reference_prompts")
-            if len(reference_prompts) > self.limits.max_batch:
-                raise WorkbenchError(f"{len(reference_prompts)} reference prompts; the limit is {self.limits.max_batch}")
+            self._check_count("reference prompts", len(reference_prompts), self.limits.max_batch)
             if method == "resample":
                 spec = {"type": "resample_ablate", "donors": reference_prompts, **region}
             else:
                 model = self.model(call)
-                for prompt_ in reference_prompts:
-                    self._ids(model, prompt_)
+                for reference in reference_prompts:
+                    self._ids(model, reference)
                 hooks.resolve(hook, model.config)
                 references = []
-                for prompt_ in reference_prompts:
+                for reference in reference_prompts:
                     call.check()
-                    references.append(model.run(prompt_, record=[hook]))
+                    references.append(model.run(reference, record=[hook]))
                 region.pop("hook")
                 spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
         else:
@@ -525,7 +524,7 @@ class Workbench:
 
     @tool
     def generate(self, call: Call, prompt: Prompt, max_new_tokens: MaxNew = 32, interventions: Specs = [],
-                 temperature: Annotated[float, Field(description="0 is greedy")] = 0.0,
+                 temperature: Temperature = 0.0,
                  top_k: Annotated[int, Field(description="sample from the k most likely (0: all)")] = 0,
                  top_p: Annotated[float, Field(description="nucleus mass")] = 1.0, seed: Seed = 0,
                  chat: Chat = False) -> s.Generation:
@@ -603,6 +602,7 @@ class Workbench:
         """Prefill a new KV cache with a prompt; returns its id, slots and the next-token distribution."""
         model = self.model(call)
         ids = self._ids(model, prompt, chat)
+        self._check_count("top_k", top_k, self.limits.max_top_k)
         cache = model.new_cache()
         logits = model.forward(ids, cache=cache)
         cache_id = call.session.put("cache", cache)
@@ -649,8 +649,8 @@ class Workbench:
                 raise WorkbenchError(f"at most {self.limits.max_values:,} numbers per tensor; copy larger layers "
                                      "with source_cache_id")
             if len(keys) != math.prod(shape) or len(values) != math.prod(shape):
-                raise WorkbenchError(f"keys and values must hold {math.prod(shape)} numbers each (shape {list(shape)}), "
-                                     f"got {len(keys)} and {len(values)}")
+                raise WorkbenchError(f"keys and values must hold {math.prod(shape)} numbers each (shape "
+                                     f"{list(shape)}), got {len(keys)} and {len(values)}")
             cache.set(layer, torch.tensor(keys).view(shape), torch.tensor(values).view(shape))
         return s.KVInfo(**self._kv_info(call, cache_id))
 
@@ -690,7 +690,7 @@ class Workbench:
 
     @tool
     def kv_generate(self, call: Call, cache_id: CacheId, prompt: Prompt, max_new_tokens: MaxNew = 16,
-                    interventions: Specs = [], temperature: float = 0.0, seed: Seed = 0) -> s.KVGeneration:
+                    interventions: Specs = [], temperature: Temperature = 0.0, seed: Seed = 0) -> s.KVGeneration:
         """Continue a cache: feed the prompt after its slots, then generate; the cache grows in place
         (it ends holding every generated token but the last; kv_clone first to keep the original)."""
         model = self.model(call)
@@ -715,7 +715,8 @@ class Workbench:
 
     def _dataset(self, call: Call, name: str, sample: int | None, seed: int = 0) -> Any:
         """A shipped dataset by name or a JSONL file in the artifacts folder, optionally a seeded sample of it."""
-        data = probes.load_dataset(name if name in probes.list_datasets() else self.artifacts.path(name, must_exist=True))
+        shipped = name in probes.list_datasets()
+        data = probes.load_dataset(name if shipped else self.artifacts.path(name, must_exist=True))
         if sample is not None:
             data = data.sample(sample, seed)
         if len(data.prompts) > self.limits.max_batch:
@@ -735,11 +736,10 @@ class Workbench:
     @tool
     def list_datasets(self, call: Call) -> s.DatasetList:
         """Labelled prompt sets: the shipped ones and .jsonl files in the artifacts folder."""
-        shipped = probes.list_datasets()
-        datasets = [probes.load_dataset(name) for name in shipped]
-        datasets += [probes.load_dataset(self.artifacts.path(name)) for name in self.artifacts.files("*.jsonl")]
-        return s.DatasetList(datasets=[s.DatasetInfo(name=d.name, kind=d.kind, n_prompts=len(d.prompts),
-                                                     description=d.description) for d in datasets])
+        named = {name: probes.load_dataset(name) for name in probes.list_datasets()}
+        named.update({name: probes.load_dataset(self.artifacts.path(name)) for name in self.artifacts.files("*.jsonl")})
+        return s.DatasetList(datasets=[s.DatasetInfo(name=name, kind=d.kind, n_prompts=len(d.prompts),
+                                                     description=d.description) for name, d in named.items()])
 
     @tool
     def probe_train(self, call: Call, dataset: Dataset, hook: Hook,
@@ -829,7 +829,7 @@ class Workbench:
     @tool
     def list_traces(self, call: Call) -> s.TraceList:
         """The traces this session holds (from run, the edit tools, attention_pattern, load_trace, replay_trace)."""
-        return s.TraceList(traces=[self._trace_summary(call, i) for i in call.session.of_kind("trace")])
+        return s.TraceList(traces=[self.trace_summary(call, i) for i in call.session.of_kind("trace")])
 
     @tool
     def save_trace(self, call: Call, trace_id: TraceId,
@@ -849,7 +849,7 @@ class Workbench:
         """Load a saved trace artifact (every hash verified) into this session."""
         trace = hooks.load_trace(self.artifacts.path(path))
         trace_id = call.session.put("trace", trace, path=path)
-        return self._trace_summary(call, trace_id)
+        return self.trace_summary(call, trace_id)
 
     @tool
     def replay_trace(self, call: Call, trace_id: TraceId,
