@@ -52,6 +52,17 @@ class Dataset:
         return [str(r[key]) for r in self.records]
 
     @property
+    def groups(self) -> list[str]:
+        """One group per prompt: prompts of a group stay on the same side of a train/test split.
+
+        A record's optional ``"group"`` key (near-identical twins share one), each record on its own
+        otherwise; the two sides of a pair are one group.
+        """
+        if self.kind == "pairs":
+            return [str(i) for i in range(len(self.records))] * 2
+        return [str(r.get("group", f"#{i}")) for i, r in enumerate(self.records)]
+
+    @property
     def classes(self) -> list[str]:
         return sorted(set(self.labels))
 

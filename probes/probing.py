@@ -2,7 +2,8 @@
 
 A probe is a 32-dim PCA followed by logistic regression (scikit-learn), fitted on pooled activations of
 one hook point over a labelled dataset. Accuracy is measured on held-out prompts and reported with a
-95% Wilson interval. Probes save as safetensors (the fitted arrays) + JSON (everything else); no pickle.
+95% Wilson interval; splits are stratified, seeded, and keep a dataset's groups (a sentence and its
+near-identical twin) on one side, so a probe is never tested on the twin of a training sentence. Probes save as safetensors (the fitted arrays) + JSON (everything else); no pickle.
 
 Depth fractions make results comparable across models of different depth: fraction ``f`` picks the
 layer nearest to ``f * (n_layers - 1)``, halves rounding up (f=0 is the first layer, f=1 the last).
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from sklearn.decomposition import PCA
 from sklearn.linear_model import LogisticRegression
-from sklearn.model_selection import StratifiedKFold, cross_val_predict, train_test_split
+from sklearn.model_selection import StratifiedGroupKFold, cross_val_predict
 from sklearn.pipeline import Pipeline
 
 from workbench.errors import WorkbenchError
@@ -55,8 +56,9 @@ def layer_at_fraction(n_layers: int, fraction: float) -> int:
 
 
 def _pipeline(n_features: int, n_train: int, n_components: int, seed: int) -> Pipeline:
-    components = min(n_components, n_features, n_train)
-    return Pipeline([("pca", PCA(n_components=components, random_state=seed)),
+    # centred training data has rank <= n_train - 1; whitening keeps the regression well conditioned
+    components = min(n_components, n_features, n_train - 1)
+    return Pipeline([("pca", PCA(n_components=components, whiten=True, random_state=seed)),
                      ("logreg", LogisticRegression(max_iter=2000))])
 
 
@@ -136,7 +138,7 @@ class Probe:
         if meta.get("format") != "workbench-probe/1":
             raise WorkbenchError(f"{files[1]} is not a workbench probe (format {meta.get('format')!r})")
         arrays = {k: v.numpy() for k, v in load_file(str(files[0])).items()}
-        pca = PCA(n_components=arrays["pca_components"].shape[0])
+        pca = PCA(n_components=arrays["pca_components"].shape[0], whiten=True)
         pca.components_, pca.mean_ = arrays["pca_components"], arrays["pca_mean"]
         pca.explained_variance_ = arrays["pca_explained_variance"]
         pca.n_components_, pca.n_features_in_ = pca.components_.shape
@@ -156,22 +158,33 @@ def _base_path(path: str | Path) -> Path:
     return path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
 
 
+def _splitter(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed: int):
+    """Stratified, seeded folds that keep each group (e.g. a sentence and its twin) on one side."""
+    counts = np.unique(labels, return_counts=True)[1]
+    if folds < 2 or counts.min() < folds:
+        raise WorkbenchError(f"{folds} folds need at least {folds} examples of every class; "
+                             f"the class sizes are {sorted(counts.tolist())}")
+    groups = np.arange(len(labels)) if groups is None else np.asarray(groups)
+    return StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed), groups
+
+
 def fit_probe(features: np.ndarray | torch.Tensor, labels: Sequence[str], *, hook: str, pooling: str,
-              signature: dict[str, Any], test_size: float = 0.25, seed: int = 0, n_components: int = N_COMPONENTS,
-              dataset: str = "") -> Probe:
-    """Fit PCA + logistic regression on a stratified, seeded train split; score on the held-out rest."""
+              signature: dict[str, Any], groups: Sequence[str] | None = None, test_size: float = 0.25, seed: int = 0,
+              n_components: int = N_COMPONENTS, dataset: str = "") -> Probe:
+    """Fit PCA + logistic regression on a stratified, seeded train split; score on the held-out rest.
+
+    The held-out share is ``1 / round(1 / test_size)`` (one fold of a stratified group k-fold split).
+    """
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels)
-    if not 0.0 < test_size < 1.0:
-        raise WorkbenchError(f"test_size must be in (0, 1), got {test_size}")
-    try:
-        x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=test_size, stratify=y, random_state=seed)
-    except ValueError as err:
-        raise WorkbenchError(f"cannot make a stratified held-out split of {len(y)} examples: {err}") from None
-    pipeline = _pipeline(x.shape[1], len(x_train), n_components, seed).fit(x_train, y_train)
-    correct = int((pipeline.predict(x_test) == y_test).sum())
-    return Probe(pipeline, hook, pooling, signature, correct / len(y_test), wilson_interval(correct, len(y_test)),
-                 len(y_train), len(y_test), dataset)
+    if not 0.0 < test_size <= 0.5:
+        raise WorkbenchError(f"test_size must be in (0, 0.5], got {test_size}")
+    splitter, groups = _splitter(round(1 / test_size), y, groups, seed)
+    train, test = next(splitter.split(x, y, groups))
+    pipeline = _pipeline(x.shape[1], len(train), n_components, seed).fit(x[train], y[train])
+    correct = int((pipeline.predict(x[test]) == y[test]).sum())
+    return Probe(pipeline, hook, pooling, signature, correct / len(test), wilson_interval(correct, len(test)),
+                 len(train), len(test), dataset)
 
 
 def train_probe(model: Any, dataset: str | Path | Dataset, hook: str, pooling: str = "last", test_size: float = 0.25,
@@ -181,7 +194,7 @@ def train_probe(model: Any, dataset: str | Path | Dataset, hook: str, pooling: s
     acts = collect_activations(model, data.prompts, [hook], pooling, progress)
     name = next(iter(acts))
     return fit_probe(acts[name], data.labels, hook=name, pooling=pooling, signature=model_signature(model, name),
-                     test_size=test_size, seed=seed, n_components=n_components, dataset=data.name)
+                     groups=data.groups, test_size=test_size, seed=seed, n_components=n_components, dataset=data.name)
 
 
 def probe_at_depth_fraction(model: Any, dataset: str | Path | Dataset, fraction: float, point: str = "resid_post",
@@ -194,7 +207,11 @@ def probe_at_depth_fraction(model: Any, dataset: str | Path | Dataset, fraction:
 
 @dataclass
 class DepthSweep:
-    """Probe accuracy per layer (out-of-fold predictions of k-fold cross-validation) with 95% Wilson intervals."""
+    """Probe accuracy per layer with 95% Wilson intervals.
+
+    Each example is predicted once, by a probe fitted on the other folds of a stratified, seeded
+    group k-fold split (groups keep near-identical twins out of each other's test fold).
+    """
 
     dataset: str
     point: str
@@ -206,7 +223,9 @@ class DepthSweep:
     n_examples: int
     features: dict[int, torch.Tensor] = field(repr=False)  # the pooled activations, reusable for probes
     labels: list[str] = field(repr=False)
-    signature_model: dict[str, Any] = field(repr=False, default_factory=dict)
+    groups: list[str] = field(repr=False)
+    hooks: dict[int, str] = field(repr=False)
+    signature: dict[str, Any] = field(repr=False)  # of the first layer's hook; the others differ only in name
 
     def fraction(self, layer: int) -> float:
         return layer / max(1, self.n_layers - 1)
@@ -227,10 +246,10 @@ class DepthSweep:
         """A probe at one of the swept layers, fitted on the cached activations (no new forward)."""
         if layer not in self.features:
             raise WorkbenchError(f"layer {layer} was not swept; swept layers: {self.layers}")
-        hook = f"blocks.{layer}.hook_{self.point}"
-        signature = dict(self.signature_model, hook=hook, hook_shape=f"[T, {self.signature_model['d_model']}]")
-        return fit_probe(self.features[layer], self.labels, hook=hook, pooling=self.pooling, signature=signature,
-                         test_size=test_size, seed=seed, dataset=self.dataset)
+        hook = self.hooks[layer]
+        return fit_probe(self.features[layer], self.labels, hook=hook, pooling=self.pooling,
+                         signature=dict(self.signature, hook=hook),
+                         groups=self.groups, test_size=test_size, seed=seed, dataset=self.dataset)
 
     def figure(self):
         """Accuracy across depth with its 95% interval as a band; the peak marked."""
@@ -273,21 +292,18 @@ def depth_sweep(model: Any, dataset: str | Path | Dataset = "sentiment", fractio
         raise WorkbenchError("no layers to sweep")
     chosen = sorted(set(chosen))
     names = [block_hook(model, layer, point) for layer in chosen]
-    counts = [data.labels.count(c) for c in data.classes]
-    if folds < 2 or min(counts) < folds:
-        raise WorkbenchError(f"{folds}-fold cross-validation needs folds >= 2 and at least {folds} examples per class; "
-                             f"dataset {data.name!r} has {dict(zip(data.classes, counts))}")
-    acts = collect_activations(model, data.prompts, names, pooling, progress)
     labels = np.asarray(data.labels)
-    splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
-    n_train = len(labels) - math.ceil(len(labels) / folds)
+    splitter, groups = _splitter(folds, labels, data.groups, seed)
+    folds_of = list(splitter.split(labels, labels, groups))
+    n_train = min(len(train) for train, _ in folds_of)
+    acts = collect_activations(model, data.prompts, names, pooling, progress)
     accuracy, ci = {}, {}
     for layer, name in zip(chosen, names):
         x = acts[name].double().numpy()
-        predicted = cross_val_predict(_pipeline(x.shape[1], n_train, n_components, seed), x, labels, cv=splitter)
+        predicted = cross_val_predict(_pipeline(x.shape[1], n_train, n_components, seed), x, labels, cv=folds_of)
         correct = int((predicted == labels).sum())
         accuracy[layer] = correct / len(labels)
         ci[layer] = wilson_interval(correct, len(labels))
-    signature = model_signature(model, names[0])
     return DepthSweep(data.name, point.removeprefix("hook_"), pooling, n_layers, chosen, accuracy, ci, len(labels),
-                      {layer: acts[name] for layer, name in zip(chosen, names)}, list(data.labels), signature)
+                      {layer: acts[name] for layer, name in zip(chosen, names)}, list(data.labels), data.groups,
+                      dict(zip(chosen, names)), model_signature(model, names[0]))

@@ -51,7 +51,10 @@ def test_shipped_datasets():
     assert pairs.kind == "pairs" and len(pairs) >= 30
     positives, negatives = pairs.contrast()
     assert len(positives) == len(negatives) == len(pairs)
-    assert len(set(probes.load_dataset("sentiment").prompts)) == len(probes.load_dataset("sentiment"))
+    sentiment = probes.load_dataset("sentiment")
+    assert len(set(sentiment.prompts)) == len(sentiment)
+    # twins written as pairs share a group, so splits never test a probe on a training sentence's twin
+    assert sentiment.groups[:4] == ["0", "0", "1", "1"] and pairs.groups[0] == pairs.groups[len(pairs)]
 
 
 def test_dataset_validation(tmp_path):

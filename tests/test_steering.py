@@ -116,5 +116,6 @@ def test_happy_vector_raises_happy_on_the_embedded_model(model):
     sweep = probes.steering_sweep(model, vector, "Today I feel", [" happy", " sad"], scales=[-2, 0, 2, 4],
                                   max_new_tokens=0)
     happy, sad = sweep.shift[:, 0], sweep.shift[:, 1]
-    assert bool((happy[1:] > happy[:-1]).all())  # grows with scale
-    assert float(happy[-1]) > 1.0 and float(sad[-1]) < float(happy[-1])
+    margin = happy - sad  # how much more likely " happy" became than " sad"
+    assert bool((margin[1:] > margin[:-1]).all())  # grows with scale
+    assert float(happy[2]) > 0.5 and float(sad[2]) < -1.0 and float(happy[0]) < -1.0
