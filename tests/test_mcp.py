@@ -22,7 +22,9 @@ from mcp.client.streamable_http import streamable_http_client
 
 import workbench
 from workbench import hooks, probes
+from workbench.errors import WorkbenchError
 from workbench.mcp_server import TOOLS, Limits, Workbench, build_server, http_app
+from workbench.mcp_server.state import Session
 from workbench.synthetic import random_checkpoint, random_config, random_weights, write_gguf
 
 PROMPT = "The capital of France is"
@@ -579,3 +581,18 @@ def test_full_experiment_through_tools_alone(stdio, artifacts):
     assert loaded["interventions"][0]["hook"] == f"blocks.{layer}.hook_resid_post"
     replay = stdio.call("replay_trace", trace_id=loaded["trace_id"])
     assert replay["verdict"] == "identical" and replay["max_abs_deviation"] == 0.0
+
+
+def test_session_memory_and_object_limits():
+    session = Session("key", Limits(max_session_bytes=6000, max_objects=3), "embedded")
+    trace = hooks.Trace(prompt="x", ids=[1], tokens=["x"], logits=torch.zeros(1, 1000))  # 4000 bytes of logits
+    first = session.put("trace", trace)
+    with pytest.raises(WorkbenchError, match="free some"):
+        session.put("trace", trace)
+    session.release(first)
+    ids = [session.put("vector", object()) for _ in range(3)]
+    assert len(set(ids)) == 3 and all(i.startswith("vector-") for i in ids)
+    with pytest.raises(WorkbenchError, match="limits are 3 objects"):
+        session.put("vector", object())
+    with pytest.raises(WorkbenchError, match="unknown trace id"):
+        session.get("trace", ids[0])  # an id of another kind

@@ -25,6 +25,7 @@ get_activation, look at attention_pattern / logit_lens, edit with ablate / steer
 Objects live in this session only and are released when it ends."""
 
 SESSION_HEADER = "mcp-session-id"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SWEEP_SECONDS = 60.0
 
 logger = logging.getLogger(__name__)
@@ -141,4 +142,7 @@ def serve(model: str | None = None, artifacts: str = "artifacts", http: bool = F
     import uvicorn
 
     print(f"workbench mcp: streamable HTTP on http://{host}:{port}/mcp", file=sys.stderr)
+    if host not in LOOPBACK:
+        print(f"workbench mcp: warning: {host} is not a loopback address; anyone who can reach it can run tools "
+              "(there is no authentication)", file=sys.stderr)
     uvicorn.run(http_app(server, bench, host), host=host, port=port, log_level="warning")

@@ -61,6 +61,8 @@ class Session:
                                  f"limits are {self.limits.max_objects} objects and "
                                  f"{self.limits.max_session_bytes / 2**20:.0f} MiB: free some (release, kv_release)")
         object_id = f"{kind}-{secrets.token_hex(4)}"
+        while object_id in self.entries:
+            object_id = f"{kind}-{secrets.token_hex(4)}"
         self.entries[object_id] = Entry(kind, value, note)
         return object_id
 

@@ -188,7 +188,7 @@ class Workbench:
         names = self._record_names(model, list(record), len(ids))
         call.check()
         trace = model.run(prompt, record=names, interventions=interventions, chat=chat)
-        return call.session.put("trace", trace, prompt=prompt), trace
+        return call.session.put("trace", trace), trace
 
     def _summaries(self, trace: hooks.Trace) -> list[s.ActivationSummary]:
         out = []
@@ -896,6 +896,9 @@ class Workbench:
     def release(self, call: Call, ids: Annotated[list[str], Field(description="ids of traces, caches, probes, "
                                                                            "vectors")]) -> s.Released:
         """Free server-side objects of this session."""
+        unknown = [i for i in ids if i not in call.session.entries]
+        if unknown:
+            raise WorkbenchError(f"unknown ids {unknown}; nothing released")
         for object_id in ids:
             call.session.release(object_id)
         return s.Released(released=ids)
