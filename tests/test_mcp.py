@@ -360,6 +360,10 @@ def test_results_are_size_bounded(http):
     assert piece["shape"] == [2, 1536] and piece["positions"] == [0, 6]
     pattern = http.call("get_activation", trace_id=trace["trace_id"], hook="blocks.0.attn.hook_pattern", heads=[0])
     assert pattern["shape"] == [1, 7, 7] and pattern["values"][1] == 0.0  # causal mask
+    assert "more than the 8,192 numbers" in http.error("track_token", prompt=PROMPT, tokens=[" a"] * 50,
+                                                       positions=[0, 1, 2, 3, 4])
+    assert "at most 8,192 are returned" in http.error("attention_pattern", prompt="word " * 300, layer=0,
+                                                      query_positions=list(range(10)))
 
 
 # ------------------------------------------------------------------------------------- probes and vectors

@@ -69,7 +69,8 @@ class ActivationSummary(BaseModel):
     shape: list[int]
     norm: float
     max_abs: float
-    position_norms: list[float] = Field(description="L2 norm at each token position")
+    position_norms: list[float] = Field(description="L2 norm at each token position (empty when recorded hooks x "
+                                                    "positions exceed the size limit)")
 
 
 class RunResult(BaseModel):

@@ -191,13 +191,15 @@ class Workbench:
         return call.session.put("trace", trace), trace
 
     def _summaries(self, trace: hooks.Trace) -> list[s.ActivationSummary]:
+        """Shape, norm and max of each recorded activation; per-position norms while they fit the size limit."""
+        per_position = len(trace.activations) * len(trace.ids) <= self.limits.max_values
         out = []
         for name, act in trace.activations.items():
             rows = act.movedim(axes(name).token, 0).flatten(1).float()
             finite = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
             out.append(s.ActivationSummary(hook=name, shape=_shape(act), norm=float(finite.norm()),
                                            max_abs=float(finite.abs().max()),
-                                           position_norms=[float(n) for n in finite.norm(dim=1)]))
+                                           position_norms=finite.norm(dim=1).tolist() if per_position else []))
         return out
 
     def _compare(self, call: Call, prompt: str, specs: list[dict[str, Any]], chat: bool, top_k: int,
@@ -410,6 +412,9 @@ class Workbench:
         n_tokens = len(self._ids(model, prompt, chat))
         positions = self._positions([-1] if positions is None else positions, n_tokens)
         self._check_count("tokens", len(tokens), self.limits.max_top_k)
+        if 2 * len(tokens) * len(positions) * model.config.n_layers > self.limits.max_values:
+            raise WorkbenchError(f"{len(tokens)} tokens x {len(positions)} positions x {model.config.n_layers} layers "
+                                 f"is more than the {self.limits.max_values:,} numbers returned at once")
         for token in tokens:
             token_id(model, token)
         track = probes.logit_lens(model, prompt, points=(point,), k=1, chat=chat).track_race(tokens, point)
