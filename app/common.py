@@ -187,6 +187,14 @@ def session_prompt_ids(m: workbench.Model) -> list[int] | None:
     return attempt(check_prompt, m, text, chat)
 
 
+def forget_on_new_prompt(page: str, ids: Sequence[int], keys: Sequence[str]) -> None:
+    """Drop a page's prompt-specific state (widget values, results) when the prompt changes."""
+    if st.session_state.get(f"_{page}_ids") != list(ids):
+        st.session_state[f"_{page}_ids"] = list(ids)
+        for key in keys:
+            st.session_state.pop(key, None)
+
+
 def session_trace(m: workbench.Model, record: Sequence[str] = ()) -> "workbench.hooks.Trace | None":
     """``model.run`` of the sidebar prompt recording ``record``, kept for the session; None after an error."""
     text, chat = prompt()
@@ -221,7 +229,8 @@ def axis_labels(tokens: Sequence[str]) -> list[str]:
     return [f"{i} {visible(t)}" for i, t in enumerate(tokens)]
 
 
-_CHIP_CSS = """<style>
+_CSS = """<style>
+.block-container { padding-top: 2.2rem; }
 .wb-chips { display: flex; flex-wrap: wrap; gap: 4px; margin: 2px 0 10px 0; }
 .wb-chip { font-family: ui-monospace, monospace; font-size: 0.85rem; padding: 1px 7px; border-radius: 6px;
            background: rgba(99, 110, 250, 0.12); border: 1px solid rgba(99, 110, 250, 0.35); white-space: pre; }
@@ -237,15 +246,20 @@ def token_chips(tokens: Sequence[str], ids: Sequence[int] | None = None, highlig
         title = f"position {i}" + (f" · id {ids[i]}" if ids is not None else "")
         cls = "wb-chip hi" if i in highlight else "wb-chip"
         chips.append(f'<span class="{cls}" title="{title}">{html.escape(visible(token))}<sub>{i}</sub></span>')
-    st.markdown(_CHIP_CSS + f'<div class="wb-chips">{"".join(chips)}</div>', unsafe_allow_html=True)
+    st.markdown(f'<div class="wb-chips">{"".join(chips)}</div>', unsafe_allow_html=True)
+
+
+def page_style() -> None:
+    """The dashboard's CSS: tighter top margin, token chips."""
+    st.markdown(_CSS, unsafe_allow_html=True)
 
 
 def heatmap(z, x_labels: Sequence[str], y_labels: Sequence[str], *, title: str = "", colorbar: str = "",
-            value_format: str = ".3f", colorscale: str = "Viridis", zmid: float | None = None,
+            value_format: str = ".3f", colorscale: str = "Viridis", zmid: float | None = None, zmin: float | None = None,
             height: int | None = None, x_title: str = "", y_title: str = "") -> go.Figure:
     """A labelled heatmap; rows are ``y_labels`` top to bottom as given."""
     fig = go.Figure(go.Heatmap(
-        z=z, x=list(range(len(x_labels))), y=list(range(len(y_labels))), colorscale=colorscale, zmid=zmid,
+        z=z, x=list(range(len(x_labels))), y=list(range(len(y_labels))), colorscale=colorscale, zmid=zmid, zmin=zmin,
         colorbar=dict(title=colorbar, thickness=12),
         hovertemplate=f"%{{customdata}}<br>{colorbar or 'value'} %{{z:{value_format}}}<extra></extra>",
         customdata=[[f"{y} · {x}" for x in x_labels] for y in y_labels],
@@ -285,7 +299,7 @@ def residual_change(base: "workbench.hooks.Trace", other: "workbench.hooks.Trace
     change = [((other.activations[n] - base.activations[n]).norm(dim=-1) / base.activations[n].norm(dim=-1)).tolist()
               for n in names]
     return heatmap(change, axis_labels(base.tokens), [f"L{i}" for i in range(n_layers)], title=title,
-                   colorbar="relative change", colorscale="Reds", height=520)
+                   colorbar="relative change", colorscale="Reds", zmin=0, height=520)
 
 
 def compare_next_token(m: workbench.Model, base_logits, other_logits, names: tuple[str, str], key: str) -> None:

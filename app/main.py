@@ -16,6 +16,7 @@ PAGES = [
 ]
 
 page = st.navigation(PAGES)
+common.page_style()
 model = common.model()
 with st.sidebar:
     c = model.config

@@ -73,10 +73,10 @@ def build(kind: str, point: str, layers: list[int], positions, heads, neurons, s
     return built
 
 
-builder, results = st.columns([1, 2], gap="large")
+builder, results = st.columns([2, 3], gap="large")
 with builder:
     st.subheader("Edit", divider="gray")
-    kind = st.segmented_control("Intervention", KINDS, default="Steer", key="iv_kind") or "Steer"
+    kind = st.pills("Intervention", KINDS, default="Steer", key="iv_kind") or "Steer"
     settings: dict = {}
     if kind == "Steer":
         settings["source"] = st.radio("Vector", SOURCES, key="iv_source", horizontal=True)
@@ -142,7 +142,7 @@ with results:
                                            "Per-layer effect: ‖Δresid_post‖ / ‖resid_post‖"), key="iv_effect")
 
     st.subheader("Generations", divider="gray")
-    n_new = st.slider("New tokens", 1, 64, 20, key="iv_new_tokens")
+    n_new = st.slider("New tokens", 1, 64, 16, key="iv_new_tokens")
     if st.button("Generate both", type="primary"):
         with common.guard():
             base_text = common.remember(("generate", text, chat, n_new), lambda: common.generate(

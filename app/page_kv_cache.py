@@ -24,10 +24,8 @@ def prefill(prefix: list[int]):
 base = common.remember(("kv_prefill", tuple(ids)), lambda: prefill(ids[:-1]), "Prefilling the cache…")
 
 # The surgery is a list of KVCache method calls, replayed on a clone of the prefilled cache.
-if st.session_state.get("kv_prompt") != ids:
-    st.session_state.kv_prompt, st.session_state.kv_ops = ids, []
-    st.session_state.pop("kv_result", None)
-ops: list[tuple[str, object]] = st.session_state.kv_ops
+common.forget_on_new_prompt("kv", ids, ["kv_ops", "kv_result", "kv_slots", "kv_length"])
+ops: list[tuple[str, object]] = st.session_state.setdefault("kv_ops", [])
 
 
 def apply(ops):

@@ -14,14 +14,15 @@ labelled = [name for name in probes.list_datasets() if probes.load_dataset(name)
 
 settings, chart = st.columns([1, 3], gap="large")
 with settings:
-    name = st.selectbox("Dataset", labelled, key="pr_dataset", help="Pairs datasets probe positive vs negative.")
+    name = st.selectbox("Dataset", labelled, index=labelled.index("sentiment") if "sentiment" in labelled else 0,
+                        key="pr_dataset", help="Pairs datasets probe positive vs negative.")
     st.caption(probes.list_datasets()[name])
-    examples = st.slider("Examples", 10, 80, 24, 2, key="pr_examples",
+    examples = st.slider("Examples", 10, 80, 16, 2, key="pr_examples",
                          help="A seeded, class-balanced sample: one forward per prompt.")
     point = st.selectbox("Point", ["resid_post", "resid_mid", "resid_pre"], key="pr_point")
     pooling = st.radio("Pooling", ["last", "mean"], horizontal=True, key="pr_pooling",
                        help="The last token's activation, or the mean over the prompt's tokens.")
-    step = st.number_input("Every n-th layer", 1, n_layers, 1, key="pr_step")
+    step = st.number_input("Every n-th layer", 1, n_layers, 2, key="pr_step")
     run = st.button("Run depth sweep", type="primary", use_container_width=True)
 
 if run:

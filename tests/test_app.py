@@ -79,6 +79,12 @@ def test_run_lens_matches_forward_and_handles_bad_prompts(model):
     assert len(race) == 2 and race[0]["y"][-1] == pytest.approx(float(probs[top]), abs=1e-4)
     assert len(chart(at, "resid_norms")["data"]) == len(model.to_ids(PROMPT))
 
+    at.toggle(key="dla_on").set_value(True).run()
+    assert_clean(at)
+    heads = values(chart(at, "dla_heads")["data"][0]["z"])
+    assert heads.shape == (model.config.n_layers, model.config.n_heads)
+    assert "Direct logit attribution" in chart(at, "dla_bars")["layout"]["title"]["text"]
+
     at.text_input(key="track_text").set_value("London Paris").run()  # two tokens: refused inline
     assert_clean(at, errors=1)
     assert "not one" in at.error[0].value
