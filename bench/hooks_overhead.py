@@ -41,7 +41,10 @@ def main() -> None:
 
     model = workbench.load(device=args.device)
     ids = (model.to_ids(TEXT) * (args.tokens // 10 + 1))[: args.tokens]
-    conditions = {"no hooks": None, "residual streams": RESIDUAL_STREAMS, "everything (*)": ["*"]}
+    # hook_result is the one point that costs compute of its own (each head through W_O separately)
+    all_but_result = [name for name in model.hook_points() if not name.endswith("attn.hook_result")]
+    conditions = {"no hooks": None, "residual streams": RESIDUAL_STREAMS, "all but hook_result": all_but_result,
+                  "everything (*)": ["*"]}
     for record in conditions.values():  # warm-up: kernel selection, allocator
         timed_run(model, ids, record)
     times: dict[str, list[float]] = {name: [] for name in conditions}
@@ -55,7 +58,7 @@ def main() -> None:
     base = times["no hooks"]
     for name, values in times.items():
         ratio = statistics.median(t / b for t, b in zip(values, base))
-        print(f"  {name:18} {n_points[name]:4} points  median {statistics.median(values) * 1e3:8.1f} ms  "
+        print(f"  {name:20} {n_points[name]:4} points  median {statistics.median(values) * 1e3:8.1f} ms  "
               f"ratio {ratio:.3f}")
 
 

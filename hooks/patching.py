@@ -111,11 +111,13 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
     clean_trace = model.run(clean_ids, record=names)
     corrupt_logits = model.forward(corrupt_ids)
     if metric is None:
-        clean_answer, corrupt_answer = answer_ids or (int(clean_trace.logits[-1].argmax()), int(corrupt_logits[-1].argmax()))
+        clean_answer, corrupt_answer = answer_ids or (int(clean_trace.logits[-1].argmax()),
+                                                      int(corrupt_logits[-1].argmax()))
         if clean_answer == corrupt_answer:
             raise HookError("the clean and corrupt runs predict the same token; pass answers=(clean, corrupt)")
         metric = logit_diff(clean_answer, corrupt_answer)
-        metric_name = f"logit diff {model.tokenizer.token_text(clean_answer)!r} - {model.tokenizer.token_text(corrupt_answer)!r}"
+        texts = model.token_texts([clean_answer, corrupt_answer])
+        metric_name = f"logit diff {texts[0]!r} - {texts[1]!r}"
     else:
         metric_name = getattr(metric, "__name__", "metric")
     clean_metric, corrupt_metric = float(metric(clean_trace.logits)), float(metric(corrupt_logits))

@@ -35,5 +35,5 @@ class Recorder:
                 n_slots = chunks[-1].shape[-1]
                 fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
                 chunks = [torch.nn.functional.pad(c, (0, n_slots - c.shape[-1]), value=fill) for c in chunks]
-            out[name] = torch.cat(chunks, dim=token_axis)
+            out[name] = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=token_axis)
         return out

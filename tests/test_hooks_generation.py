@@ -92,7 +92,8 @@ def test_absolute_and_negative_positions_during_generation(tiny):
 
 def test_hook_context_sees_positions_and_steps(tiny):
     seen = []
-    tokens(tiny, interventions=[("blocks.1.hook_resid_mid", lambda x, ctx: seen.append((ctx.step, ctx.positions.tolist())))])
+    tokens(tiny, interventions=[("blocks.1.hook_resid_mid",
+                                 lambda x, ctx: seen.append((ctx.step, ctx.positions.tolist())))])
     n = len(PROMPT)
     assert seen == [(0, list(range(n)))] + [(step, [n + step - 1]) for step in range(1, NEW)]
 

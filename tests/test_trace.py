@@ -137,7 +137,8 @@ def test_activation_cache_utilities(gguf_model):
                                        "blocks.*.attn.hook_z", "*.hook_scale"])
     cache = full.to_activation_cache(gguf_model)
     L, T, d = gguf_model.config.n_layers, len(IDS), gguf_model.config.d_model
-    assert cache["resid_pre", 1].shape == (1, T, d) and torch.equal(cache["resid_pre", 1][0], full.activations["blocks.1.hook_resid_pre"])
+    assert cache["resid_pre", 1].shape == (1, T, d)
+    assert torch.equal(cache["resid_pre", 1][0], full.activations["blocks.1.hook_resid_pre"])
     assert cache.stack_activation("resid_post").shape == (L, 1, T, d)
     # logit lens: the last accumulated residual, normalized, through the (folded) unembedding is the logits
     accumulated, labels = cache.accumulated_resid(apply_ln=True, return_labels=True)
@@ -145,7 +146,8 @@ def test_activation_cache_utilities(gguf_model):
     torch.testing.assert_close(accumulated[-1, 0] @ cache.model.W_U, full.logits, rtol=1e-4, atol=1e-4)
     # the residual stream decomposes into embed + attention and MLP outputs...
     components = cache.decompose_resid()
-    torch.testing.assert_close(components.sum(0)[0], full.activations[f"blocks.{L - 1}.hook_resid_post"], rtol=1e-5, atol=1e-5)
+    final_resid = full.activations[f"blocks.{L - 1}.hook_resid_post"]
+    torch.testing.assert_close(components.sum(0)[0], final_resid, rtol=1e-5, atol=1e-5)
     # ...whose direct logit attributions (cached final-norm scale) add up to a real logit
     attributions = cache.logit_attrs(components, tokens=3)
     torch.testing.assert_close(attributions.sum(0)[0], full.logits[:, 3], rtol=1e-4, atol=1e-4)
