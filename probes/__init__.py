@@ -1,6 +1,7 @@
 """Lenses, attribution and probes: turn traces into answers.
 
-- ``logit_lens``: every layer's residual read through the final norm and unembedding.
+- ``logit_lens``: every layer's residual read through the final norm and unembedding
+  (``train_tuned_lens``: per-layer affine translators for a tuned lens).
 - ``direct_logit_attribution``: the logit split over embedding, attention heads and MLPs.
 - ``depth_sweep`` / ``probe_at_depth_fraction`` / ``train_probe``: linear probes across depth.
 - ``steering_vector`` / ``steering_sweep``: contrastive directions, applied with ``hooks.Steer``;
@@ -14,9 +15,10 @@ from .lens import LogitLens, TokenTrack, logit_lens
 from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_at_depth_fraction, train_probe,
                       wilson_interval)
 from .steering import SteeringSweep, SteeringVector, steering_sweep, steering_vector
+from .tuned_lens import TunedLens, train_tuned_lens
 
 __all__ = [
-    "logit_lens", "LogitLens", "TokenTrack",
+    "logit_lens", "LogitLens", "TokenTrack", "train_tuned_lens", "TunedLens",
     "direct_logit_attribution", "Attribution",
     "collect_activations", "train_probe", "probe_at_depth_fraction", "depth_sweep", "layer_at_fraction",
     "wilson_interval", "Probe", "DepthSweep",

@@ -33,7 +33,8 @@ def check_prompts(prompts: Sequence[str]) -> list[str]:
     return prompts
 
 
-def progress_callback(progress: Progress, total: int, description: str) -> tuple[Callable[[int], None], Callable[[], None]]:
+def progress_callback(progress: Progress, total: int,
+                      description: str) -> tuple[Callable[[int], None], Callable[[], None]]:
     """(update(done), close()) for ``progress``: None (silent), True (a tqdm bar) or ``callable(done, total)``."""
     if progress is True:
         from tqdm.auto import tqdm
@@ -75,3 +76,4 @@ def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence
     finally:
         close()
     return {name: torch.stack(r) for name, r in rows.items()}
+

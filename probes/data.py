@@ -24,6 +24,12 @@ KINDS = {
 }
 # Label names for the two sides of a pairs dataset when it is used as a classification set.
 PAIR_LABELS = ("positive", "negative")
+DESCRIPTIONS = {
+    "sentiment": "80 short reviews and remarks, 40 positive and 40 negative (classification)",
+    "facts": "80 simple statements, 40 true and 40 false (classification)",
+    "capitals": "50 'The capital of X is' prompts with the capital as answer (completion)",
+    "happy_sad": "40 pairs of sentences differing in happy vs sad mood (pairs, for steering)",
+}
 
 
 @dataclass(frozen=True)
@@ -144,13 +150,6 @@ def _shipped() -> dict[str, Any]:
     return {f.name.removesuffix(".jsonl"): f for f in folder.iterdir() if f.name.endswith(".jsonl")}
 
 
-DESCRIPTIONS = {
-    "sentiment": "80 short reviews and remarks, 40 positive and 40 negative (classification)",
-    "facts": "80 simple statements, 40 true and 40 false (classification)",
-    "capitals": "50 'The capital of X is' prompts with the capital as answer (completion)",
-    "happy_sad": "40 pairs of sentences differing in happy vs sad mood (pairs, for steering)",
-}
-
 
 def _parse(name: str, text: str, description: str) -> Dataset:
     records = []
@@ -173,10 +172,12 @@ def _parse(name: str, text: str, description: str) -> Dataset:
     if kind == "classification":
         counts = {c: dataset.labels.count(c) for c in dataset.classes}
         if len(counts) < 2:
-            raise WorkbenchError(f"dataset {name!r} has only one class ({next(iter(counts))!r}); a probe needs two or more")
+            raise WorkbenchError(f"dataset {name!r} has only one class ({next(iter(counts))!r}); "
+                                 "a probe needs two or more")
         thin = [c for c, n in counts.items() if n < 2]
         if thin:
-            raise WorkbenchError(f"dataset {name!r}: classes {thin} have fewer than 2 examples; a held-out split needs more")
+            raise WorkbenchError(f"dataset {name!r}: classes {thin} have fewer than 2 examples; "
+                                 "a held-out split needs more")
     return dataset
 
 
@@ -200,6 +201,7 @@ def _check_record(name: str, kind: str, number: int, record: dict) -> None:
     for key in keys:
         value = record[key]
         if not isinstance(value, str):
-            raise WorkbenchError(f"dataset {name!r} line {number}: {key!r} must be a string, got {type(value).__name__}")
+            raise WorkbenchError(f"dataset {name!r} line {number}: {key!r} must be a string, "
+                                 f"got {type(value).__name__}")
         if not value.strip():
             raise WorkbenchError(f"dataset {name!r} line {number}: empty {key!r}")

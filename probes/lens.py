@@ -154,20 +154,28 @@ def _layer_logits(model: Any, normed: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def logit_lens(model: Any, prompt: str | Sequence[int], points: str | Sequence[str] = ("resid_post",), k: int = 10,
-               chat: bool = False) -> LogitLens:
-    """Run the prompt once and read every layer's residual (at ``points``) through the final norm and unembedding."""
+               chat: bool = False, tuned: Any | None = None) -> LogitLens:
+    """Run the prompt once and read every layer's residual (at ``points``) through the final norm and unembedding.
+
+    With ``tuned`` (a :class:`TunedLens`), each layer's ``resid_post`` first goes through its translator.
+    """
     points = (points,) if isinstance(points, str) else tuple(points)
     bad = [p for p in points if p not in POINTS]
     if bad or not points:
         raise WorkbenchError(f"lens points must be among {POINTS}, got {list(points)}")
     points = tuple(p for p in POINTS if p in points)
+    if tuned is not None:
+        tuned.check_model(model)
+        if points != ("resid_post",):
+            raise WorkbenchError("a tuned lens translates resid_post only; use points=('resid_post',)")
     if not 1 <= k <= model.config.vocab_size:
         raise WorkbenchError(f"k must be in 1..{model.config.vocab_size}, got {k}")
     names = {p: [block_hook(model, layer, p) for layer in range(model.config.n_layers)] for p in points}
     trace = model.run(prompt, record=[n for group in names.values() for n in group], chat=chat)
     normed, top_ids, top_probs = {}, {}, {}
     for point, group in names.items():
-        normed[point] = final_norm(model, torch.stack([trace.activations[n] for n in group]))
+        resid = torch.stack([trace.activations[n] for n in group])
+        normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
         values, indices = zip(*(logits.softmax(-1).topk(k) for logits in _layer_logits(model, normed[point])))
         top_probs[point], top_ids[point] = torch.stack(values), torch.stack(indices)
     return LogitLens(model, trace.ids, trace.tokens, points, normed, top_ids, top_probs)

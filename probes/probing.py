@@ -3,7 +3,8 @@
 A probe is a 32-dim PCA followed by logistic regression (scikit-learn), fitted on pooled activations of
 one hook point over a labelled dataset. Accuracy is measured on held-out prompts and reported with a
 95% Wilson interval; splits are stratified, seeded, and keep a dataset's groups (a sentence and its
-near-identical twin) on one side, so a probe is never tested on the twin of a training sentence. Probes save as safetensors (the fitted arrays) + JSON (everything else); no pickle.
+near-identical twin) on one side, so a probe is never tested on the twin of a training sentence.
+Probes save as safetensors (the fitted arrays) + JSON (everything else); no pickle.
 
 Depth fractions make results comparable across models of different depth: fraction ``f`` picks the
 layer nearest to ``f * (n_layers - 1)``, halves rounding up (f=0 is the first layer, f=1 the last).
@@ -25,10 +26,10 @@ from sklearn.model_selection import StratifiedGroupKFold, cross_val_predict
 from sklearn.pipeline import Pipeline
 
 from workbench.errors import WorkbenchError
-from workbench.hooks import point_shapes
 
 from .activations import Progress, block_hook, collect_activations
 from .data import Dataset, load_dataset
+from .saving import artifact_paths, check_signature, existing_artifact, model_signature
 
 N_COMPONENTS = 32
 Z_95 = 1.959963984540054
@@ -62,13 +63,6 @@ def _pipeline(n_features: int, n_train: int, n_components: int, seed: int) -> Pi
                      ("logreg", LogisticRegression(max_iter=2000))])
 
 
-def model_signature(model: Any, hook: str) -> dict[str, Any]:
-    """What a probe must match to apply to a model: architecture, widths, depth and the hook's shape."""
-    c = model.config
-    return {"architecture": c.architecture, "d_model": c.d_model, "n_layers": c.n_layers,
-            "hook": hook, "hook_shape": point_shapes(c)[hook], "model_name": c.name}
-
-
 @dataclass
 class Probe:
     """A fitted probe at one hook point, with its held-out accuracy."""
@@ -89,14 +83,7 @@ class Probe:
 
     def check_model(self, model: Any) -> None:
         """Raise a clear error if ``model`` is not one this probe was fitted for."""
-        if self.hook not in point_shapes(model.config):
-            raise WorkbenchError(f"this probe reads {self.hook}, which model {model.config.name!r} does not have")
-        theirs = model_signature(model, self.hook)
-        for key in ("architecture", "d_model", "n_layers", "hook_shape"):
-            if theirs[key] != self.signature[key]:
-                raise WorkbenchError(
-                    f"this probe was fitted on {self.signature['model_name']!r} ({key} {self.signature[key]}); "
-                    f"model {theirs['model_name']!r} has {key} {theirs[key]}")
+        check_signature(self.signature, model, "this probe")
 
     def features(self, model: Any, prompts: Sequence[str], progress: Progress = None) -> np.ndarray:
         self.check_model(model)
@@ -113,27 +100,23 @@ class Probe:
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Write ``path.safetensors`` (the fitted arrays) and ``path.json`` (hook, classes, model signature)."""
-        base = _base_path(path)
+        tensors_file, json_file = artifact_paths(path)
         pca, logreg = self.pipeline["pca"], self.pipeline["logreg"]
         tensors = {"pca_components": pca.components_, "pca_mean": pca.mean_,
                    "pca_explained_variance": pca.explained_variance_,
                    "coef": logreg.coef_, "intercept": logreg.intercept_}
         save_file({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in tensors.items()},
-                  str(base.with_suffix(".safetensors")))
+                  str(tensors_file))
         meta = {"format": "workbench-probe/1", "hook": self.hook, "pooling": self.pooling, "classes": self.classes,
                 "signature": self.signature, "accuracy": self.accuracy, "ci": list(self.ci),
                 "n_train": self.n_train, "n_test": self.n_test, "dataset": self.dataset}
-        base.with_suffix(".json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        return base.with_suffix(".safetensors"), base.with_suffix(".json")
+        json_file.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        return tensors_file, json_file
 
     @classmethod
     def load(cls, path: str | Path, model: Any | None = None) -> "Probe":
         """Read a saved probe (no pickle: the estimators are rebuilt from arrays); check it fits ``model``."""
-        base = _base_path(path)
-        files = base.with_suffix(".safetensors"), base.with_suffix(".json")
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise WorkbenchError(f"probe files not found: {', '.join(missing)}")
+        files = existing_artifact(path, "probe")
         meta = json.loads(files[1].read_text(encoding="utf-8"))
         if meta.get("format") != "workbench-probe/1":
             raise WorkbenchError(f"{files[1]} is not a workbench probe (format {meta.get('format')!r})")
@@ -151,11 +134,6 @@ class Probe:
         if model is not None:
             probe.check_model(model)
         return probe
-
-
-def _base_path(path: str | Path) -> Path:
-    path = Path(path)
-    return path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
 
 
 def _splitter(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed: int):

@@ -1,6 +1,8 @@
 """Logit lens: the last layer equals the model's logits; tracks agree with the full lens logits."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -71,3 +73,33 @@ def test_lens_on_the_embedded_model(model):
     heatmap = fig.data[0]
     assert (len(heatmap.z), len(heatmap.z[0])) == (model.config.n_layers, len(trace.ids))
     assert "' Paris'" in heatmap.customdata[-1][-1]
+
+
+def mean_kl_to_output(lens, logits: torch.Tensor, layers) -> float:
+    final = logits.log_softmax(-1)
+    kl = [float((final.exp() * (final - lens.logits(l).log_softmax(-1))).sum(-1).mean()) for l in layers]
+    return sum(kl) / len(kl)
+
+
+def test_tuned_lens_is_closer_to_the_output_and_round_trips(small, tmp_path):
+    rng = random.Random(0)
+    words = "the cat sat on mat in an hot sun tea is at".split()
+    prompts = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(44)]
+    tuned = probes.train_tuned_lens(small, prompts[:40])
+    assert tuned.weight.shape == (3, 64, 64) and torch.equal(tuned.weight[-1], torch.eye(64, dtype=torch.float64))
+    for prompt in prompts[40:]:  # held out
+        logits = small.run(prompt).logits
+        plain, translated = probes.logit_lens(small, prompt), probes.logit_lens(small, prompt, tuned=tuned)
+        assert mean_kl_to_output(translated, logits, [0, 1]) < mean_kl_to_output(plain, logits, [0, 1])
+        assert torch.equal(translated.logits(-1), logits)
+
+    tuned.save(tmp_path / "tuned")
+    loaded = probes.TunedLens.load(tmp_path / "tuned.json", small)
+    assert torch.equal(loaded.weight, tuned.weight) and loaded.n_positions == tuned.n_positions
+    wider = workbench.Model(random_checkpoint(random_config("llama", n_layers=3, d_model=128)), device="cpu")
+    with pytest.raises(workbench.WorkbenchError, match="d_model 64"):
+        probes.TunedLens.load(tmp_path / "tuned", wider)
+    with pytest.raises(workbench.WorkbenchError, match="resid_post only"):
+        probes.logit_lens(small, "the cat", points=("resid_pre",), tuned=tuned)
+    with pytest.raises(workbench.WorkbenchError, match="too few"):
+        probes.train_tuned_lens(small, ["the cat"])

@@ -75,7 +75,8 @@ def test_dataset_validation(tmp_path):
         probes.load_dataset("no_such_dataset")
     with pytest.raises(workbench.WorkbenchError, match="mismatched pair counts"):
         probes.pairs_dataset(["a", "b"], ["c"])
-    good = probes.load_dataset(write_jsonl(tmp_path / "mine.jsonl", cases["fewer than 2"] + [{"text": "d", "label": "y"}]))
+    records = cases["fewer than 2"] + [{"text": "d", "label": "y"}]
+    good = probes.load_dataset(write_jsonl(tmp_path / "mine.jsonl", records))
     assert good.name == "mine" and good.classes == ["x", "y"]
 
 
@@ -99,7 +100,8 @@ def test_collect_activations_pools_the_trace(small):
                                       pooling="mean", progress=lambda done, total: calls.append((done, total)))
     assert calls == [(1, 2), (2, 2)]
     trace = small.run(prompts[1], record=["blocks.1.hook_resid_post", "blocks.0.attn.hook_z"])
-    torch.testing.assert_close(acts["blocks.1.hook_resid_post"][1], trace.activations["blocks.1.hook_resid_post"].mean(0))
+    expected = trace.activations["blocks.1.hook_resid_post"].mean(0)
+    torch.testing.assert_close(acts["blocks.1.hook_resid_post"][1], expected)
     assert acts["blocks.0.attn.hook_z"].shape == (2, small.config.n_heads * small.config.d_head)
     with pytest.raises(workbench.HookError, match="token-major"):
         probes.collect_activations(small, prompts, ["blocks.0.attn.hook_pattern"])

@@ -1,0 +1,113 @@
+"""Tuned lens: one affine translator per layer, mapping that layer's residual towards the final one.
+
+The plain logit lens assumes every layer already speaks the last layer's basis. A translator
+``h -> h @ W_l + b_l`` corrects for the drift before the final norm and unembedding. Here the
+translators are fitted in closed form by ridge regression of the last layer's ``resid_post`` on layer
+l's ``resid_post`` over every token of a set of prompts; Belrose et al. (2023) instead train them by
+gradient descent on the KL divergence to the final logits, which this simpler fit approximates.
+Saved as safetensors (the translators) + JSON (the model signature); no pickle.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from workbench.errors import WorkbenchError
+
+from .activations import Progress, check_prompts, progress_callback
+from .data import load_dataset
+from .saving import artifact_paths, check_signature, existing_artifact, model_signature
+
+DEFAULT_TRAINING_SETS = ("sentiment", "facts", "happy_sad")
+FORMAT = "workbench-tuned-lens/1"
+
+
+@dataclass
+class TunedLens:
+    """Affine translators ``[n_layers, d_model, d_model]`` and ``[n_layers, d_model]`` for ``resid_post``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    signature: dict[str, Any]
+    ridge: float
+    n_positions: int
+
+    def translate(self, resid: torch.Tensor) -> torch.Tensor:
+        """Translate residuals ``[n_layers, positions, d_model]`` (one slice per layer)."""
+        return (resid.double() @ self.weight + self.bias[:, None, :]).float()
+
+    def save(self, path: str | Path) -> tuple[Path, Path]:
+        """Write ``path.safetensors`` (the translators) and ``path.json`` (model signature, fit settings)."""
+        tensors_file, json_file = artifact_paths(path)
+        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(tensors_file))
+        meta = {"format": FORMAT, "signature": self.signature, "ridge": self.ridge, "n_positions": self.n_positions}
+        json_file.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        return tensors_file, json_file
+
+    @classmethod
+    def load(cls, path: str | Path, model: Any | None = None) -> "TunedLens":
+        """Read a saved tuned lens; check it fits ``model`` when given."""
+        files = existing_artifact(path, "tuned lens")
+        meta = json.loads(files[1].read_text(encoding="utf-8"))
+        if meta.get("format") != FORMAT:
+            raise WorkbenchError(f"{files[1]} is not a workbench tuned lens (format {meta.get('format')!r})")
+        tensors = load_file(str(files[0]))
+        lens = cls(tensors["weight"], tensors["bias"], meta["signature"], meta["ridge"], meta["n_positions"])
+        if model is not None:
+            lens.check_model(model)
+        return lens
+
+    def check_model(self, model: Any) -> None:
+        check_signature(self.signature, model, "this tuned lens")
+
+
+def train_tuned_lens(model: Any, prompts: Sequence[str] | None = None, ridge: float = 1e-3,
+                     progress: Progress = None) -> TunedLens:
+    """Fit the translators on every token of ``prompts`` (default: the shipped sentiment, facts, happy_sad sets).
+
+    ``ridge`` is relative: the penalty is ``ridge * mean eigenvalue`` of each layer's residual covariance.
+    """
+    if prompts is None:
+        prompts = [p for name in DEFAULT_TRAINING_SETS for p in load_dataset(name).prompts]
+    prompts = check_prompts(prompts)
+    if ridge <= 0:
+        raise WorkbenchError(f"ridge must be positive, got {ridge}")
+    c = model.config
+    names = [f"blocks.{layer}.hook_resid_post" for layer in range(c.n_layers)]
+    # Streamed sufficient statistics, so memory does not grow with the number of prompts.
+    sum_x = torch.zeros(c.n_layers, c.d_model, dtype=torch.float64)
+    gram = torch.zeros(c.n_layers, c.d_model, c.d_model, dtype=torch.float64)
+    cross = torch.zeros(c.n_layers, c.d_model, c.d_model, dtype=torch.float64)
+    sum_y = torch.zeros(c.d_model, dtype=torch.float64)
+    n = 0
+    update, close = progress_callback(progress, len(prompts), "tuned lens")
+    try:
+        for done, prompt in enumerate(prompts, start=1):
+            acts = model.run(prompt, record=names).activations
+            x = torch.stack([acts[name] for name in names]).double()  # [layers, T, d]
+            y = x[-1]
+            sum_x += x.sum(1)
+            sum_y += y.sum(0)
+            gram += x.transpose(1, 2) @ x
+            cross += x.transpose(1, 2) @ y
+            n += y.shape[0]
+            update(done)
+    finally:
+        close()
+    if n <= c.d_model:
+        raise WorkbenchError(f"{n} token positions are too few to fit {c.d_model}-wide translators; give more prompts")
+    mean_x, mean_y = sum_x / n, sum_y / n
+    cov = gram / n - mean_x[:, :, None] * mean_x[:, None, :]
+    cov_xy = cross / n - mean_x[:, :, None] * mean_y[None, None, :]
+    penalty = ridge * cov.diagonal(dim1=1, dim2=2).mean(-1)
+    eye = torch.eye(c.d_model, dtype=torch.float64)
+    weight = torch.linalg.solve(cov + penalty[:, None, None] * eye, cov_xy)
+    weight[-1] = eye  # the last layer is the final residual itself
+    bias = mean_y - (mean_x[:, None, :] @ weight).squeeze(1)
+    bias[-1] = 0
+    return TunedLens(weight, bias, model_signature(model), ridge, n)
