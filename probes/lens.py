@@ -5,7 +5,7 @@ recomputed from the residual, as the forward does) and the same unembedding kern
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -76,13 +76,13 @@ class TokenTrack:
 class LogitLens:
     """Top-k predictions of the lens at each (point, layer, position); see :func:`logit_lens`."""
 
-    model: Any
+    model: Any = field(repr=False)
     ids: list[int]
     tokens: list[str]
     points: tuple[str, ...]
-    normed: dict[str, torch.Tensor]  # final-normed residuals per point, [layers, positions, d_model]
-    top_ids: dict[str, torch.Tensor]  # [layers, positions, k]
-    top_probs: dict[str, torch.Tensor]
+    normed: dict[str, torch.Tensor] = field(repr=False)  # final-normed residuals per point, [layers, positions, d]
+    top_ids: dict[str, torch.Tensor] = field(repr=False)  # [layers, positions, k]
+    top_probs: dict[str, torch.Tensor] = field(repr=False)
 
     @property
     def probs(self) -> torch.Tensor:
