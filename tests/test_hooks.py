@@ -254,3 +254,21 @@ def test_nothing_stays_attached_after_an_exception_in_a_hook(llama):
     fresh = llama.new_cache()
     llama.forward(IDS[:4], cache=fresh)
     assert torch.equal(continued, llama.forward(IDS[4:], cache=fresh))
+
+
+def test_in_place_edit_of_hook_result_counts(llama):
+    """TransformerLens-style in-place edits (``x[:, h] = 0``) on the per-head results are not lost."""
+    ids = [3, 14, 15, 92, 65]
+
+    def zero_head_in_place(x, ctx):
+        x[:, 1] = 0
+
+    in_place = llama.run(ids, interventions=[("blocks.1.attn.hook_result", zero_head_in_place)]).logits
+    ablated = llama.run(ids, interventions=[hooks.ZeroAblate("blocks.1.attn.hook_z", heads=[1])]).logits
+    assert not torch.equal(in_place, llama.run(ids).logits)
+    assert torch.allclose(in_place, ablated, atol=1e-4)
+
+
+def test_stream_validates_when_called_not_when_iterated(llama):
+    with pytest.raises(workbench.HookError, match="unknown hook point"):
+        llama.stream([1, 2, 3], 4, interventions=[hooks.ZeroAblate("blocks.1.hook_nothing")])

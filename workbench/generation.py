@@ -71,14 +71,19 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
             f"prompt ({len(prompt_ids)} tokens) + cache ({start}) + {max_new_tokens} new tokens "
             f"exceed the context of {runner.config.n_ctx}"
         )
+    graphs = cuda_graphs and cache is None and not hooks and runner.device.type == "cuda"
+    return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, graphs)
+
+
+def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_ids: set[int],
+            hooks: Hooks | None, cache: KVCache | None, graphs: bool) -> Iterator[int]:
     if max_new_tokens == 0:
         return
-    capacity = len(prompt_ids) + max_new_tokens
-    graphs = cuda_graphs and cache is None and not hooks and runner.device.type == "cuda"
     if cache is None:
+        capacity = len(prompt_ids) + max_new_tokens
         cache = runner.new_static_cache(capacity) if graphs else runner.new_cache(capacity)
     generator = sampling.generator()
-    logits = runner.forward(torch.tensor(list(prompt_ids), dtype=torch.long), cache=cache, hooks=hooks,
+    logits = runner.forward(torch.tensor(prompt_ids, dtype=torch.long), cache=cache, hooks=hooks,
                             last_logits_only=True)
     decode_step = None
     for step in range(1, max_new_tokens + 1):

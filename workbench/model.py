@@ -159,16 +159,22 @@ class Model:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                interventions: Sequence[Any] = (), cache: KVCache | None = None) -> Iterator[tuple[int, str]]:
-        """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step."""
+        """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step.
+
+        Everything is validated, and the hooks of enclosing ``hooks()`` blocks taken, when this is called,
+        not when iteration starts.
+        """
         sampling = Sampling(temperature, top_k, top_p, seed)
-        decoder = StreamDecoder(self.tokenizer)
         ids = self.to_ids(prompt, chat=chat)
         start = cache.next_position if cache is not None else 0
         hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens)
-        for token in generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids,
-                                     hooks, cache):
-            text = "" if token in self.tokenizer.stop_ids else decoder.feed(token)
-            yield token, text
+        tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks, cache)
+        return self._with_text(tokens)
+
+    def _with_text(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
+        decoder = StreamDecoder(self.tokenizer)
+        for token in tokens:
+            yield token, "" if token in self.tokenizer.stop_ids else decoder.feed(token)
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 32, **kwargs: Any) -> str:
         """The generated continuation as text (stops at an end-of-turn or end-of-text token)."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.config import ModelConfig
+from workbench.errors import HookError
 from workbench.kernels import linear
 from workbench.kv_cache import KVCache, StaticKVCache, causal_mask
 from workbench.weights import ModelWeights
@@ -89,7 +90,7 @@ class _Points:
             out = fn(x, ctx)
             if out is not None:
                 if out.shape != x.shape:
-                    raise ValueError(f"hook on {name} returned shape {tuple(out.shape)}, expected {tuple(x.shape)}")
+                    raise HookError(f"hook on {name} returned shape {tuple(out.shape)}, expected {tuple(x.shape)}")
                 x = out.to(x.dtype)
         return x
 
@@ -218,15 +219,13 @@ class Transformer:
     def _edited_head_results(self, z: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
         """Per-head outputs through W_O for hook_result; returns what edits to them add to attn_out.
 
-        Each head's result is W_O applied to its z alone (one batched call on the same kernel), so an
-        unchanged result adds exactly zero and the run stays bit-identical.
+        attn_out itself still comes from the production kernel: an unchanged result adds exactly zero,
+        so recording keeps the run bit-identical. Hooks get a copy, so in-place edits count too.
         """
         c = self.config
-        n_new = z.shape[0]
-        eye = torch.eye(c.n_heads, dtype=z.dtype, device=z.device)
-        per_head = (eye[:, None, :, None] * z[None]).reshape(c.n_heads * n_new, c.n_heads * c.d_head)
-        result = linear(per_head, layer.wo).view(c.n_heads, n_new, c.d_model).transpose(0, 1)
-        edited = point(self._names[i]["attn.hook_result"], result, i)
+        w_o = layer.wo.dequantize(z.dtype).view(c.d_model, c.n_heads, c.d_head)
+        result = torch.einsum("thd,mhd->thm", z, w_o)
+        edited = point(self._names[i]["attn.hook_result"], result.clone(), i)
         return (edited - result).sum(dim=1)
 
     def mlp(self, x: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
