@@ -311,7 +311,8 @@ def compare_next_token(m: workbench.Model, base_logits, other_logits, names: tup
     first.metric(f"KL({names[0]} ‖ {names[1]})", f"{kl:.3f} nats")
     second.metric(f"p({visible(m.tokenizer.token_text(favourite))})", f"{float(other[favourite]):.3f}",
                   f"{float(other[favourite] - base[favourite]):+.3f}")
-    third.metric(f"{names[1]} top token", visible(m.tokenizer.token_text(int(other.argmax()))))
+    top = int(other.argmax())
+    third.metric(f"{names[1]} top: {visible(m.tokenizer.token_text(top))}", f"{float(other[top]):.3f}")
     left, right = st.columns(2)
     left.plotly_chart(top_k_bars(next_token_top_k(m, base_logits, 8), names[0]), key=f"{key}_a")
     right.plotly_chart(top_k_bars(next_token_top_k(m, other_logits, 8), names[1], color="#EF553B"), key=f"{key}_b")

@@ -36,10 +36,7 @@ steering_sets = [name for name, kind in
 def steering(source: str, point: str, layers: list[int], settings: dict) -> "probes.SteeringVector":
     """The steering vector of the chosen source (kept for the session: datasets take a while)."""
     if source == "Control vector file":
-        upload = settings["upload"]
-        if upload is None:
-            raise WorkbenchError("upload a llama.cpp control vector (.gguf) first")
-        with common.upload_on_disk(upload, "control_vector.gguf") as path:
+        with common.upload_on_disk(settings["upload"], "control_vector.gguf") as path:
             return probes.SteeringVector.from_control_vector(path, model)
     if source == "Trace difference":
         pair = (settings["positive"], settings["negative"])
@@ -76,7 +73,7 @@ def build(kind: str, point: str, layers: list[int], positions, heads, neurons, s
 builder, results = st.columns([2, 3], gap="large")
 with builder:
     st.subheader("Edit", divider="gray")
-    kind = st.pills("Intervention", KINDS, default="Steer", key="iv_kind") or "Steer"
+    kind = st.radio("Intervention", KINDS, horizontal=True, key="iv_kind")
     settings: dict = {}
     if kind == "Steer":
         settings["source"] = st.radio("Vector", SOURCES, key="iv_source", horizontal=True)
@@ -119,11 +116,15 @@ with builder:
             raise WorkbenchError("neurons must be indices such as '12, 40'")
         return build(kind, point, layers, positions, heads, neurons, settings)
 
-    edits = common.attempt(interventions)
+    if control_file and settings["upload"] is None:
+        edits = None
+        st.info("Upload a llama.cpp control vector (.gguf): it fixes the layers, steering each block's output.")
+    else:
+        edits = common.attempt(interventions)
     if edits:
         specs = [e.to_spec() for e in edits]
         with st.expander("Spec (JSON for model.run(..., interventions=...))"):
-            st.code(json.dumps(specs)[:3000], language="json", wrap_lines=True)
+            st.code(json.dumps(specs), language="json", wrap_lines=True)
 
 with results:
     st.subheader("Effect", divider="gray")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 streamlit_testing = pytest.importorskip("streamlit.testing.v1")
-from workbench import hooks  # noqa: E402
+from workbench import hooks, probes  # noqa: E402
 from workbench.app import common  # noqa: E402
 
 MAIN = str(Path(common.__file__).with_name("main.py"))
@@ -114,7 +114,7 @@ def test_attention_pattern_and_head_scores(model):
 def test_interventions_agree_with_the_api_and_refuse_bad_settings(model):
     at = start("page_interventions.py")
     assert float(metric(at, "KL").split()[0]) > 0  # the default love/hate steer moves the distribution
-    at.get("button_group")[0].set_value("Zero-ablate").run()
+    at.radio(key="iv_kind").set_value("Zero-ablate").run()
     at.selectbox(key="iv_site").set_value("Attention heads (attn.hook_z)").run()
     at.slider(key="iv_layers").set_value((2, 4)).run()
     at.multiselect(key="iv_heads").select(1).select(4).run()
@@ -144,6 +144,36 @@ def test_interventions_agree_with_the_api_and_refuse_bad_settings(model):
     assert at.code[-2].value == baseline.rstrip("\n") and at.code[-1].value == edited_text.rstrip("\n")
     assert baseline == model.generate(PROMPT, 3)
     assert edited_text == model.generate(PROMPT, 3, interventions=specs)
+
+
+def test_interventions_steer_with_an_uploaded_control_vector(model, tmp_path):
+    at = start("page_interventions.py")
+    at.radio(key="iv_source").set_value("Control vector file").run()
+    assert_clean(at)
+    assert any("Upload a llama.cpp control vector" in i.value for i in at.info)
+    at.file_uploader(key="iv_control_file").set_value(("junk.gguf", b"GGUF but not really", "application/octet-stream")).run()
+    assert_clean(at, errors=1)
+    assert "not a GGUF file" in at.error[0].value
+
+    generator = torch.Generator().manual_seed(0)
+    vector = probes.SteeringVector({3: torch.randn(model.config.d_model, generator=generator),
+                                    4: torch.randn(model.config.d_model, generator=generator)})
+    path = vector.export_control_vector(tmp_path / "random.gguf")
+    at.file_uploader(key="iv_control_file").set_value(("random.gguf", path.read_bytes(), "application/octet-stream")).run()
+    at.number_input(key="iv_scale").set_value(2.0).run()
+    assert_clean(at)
+    specs = json.loads(at.code[0].value)
+    assert [s["hook"] for s in specs] == ["blocks.3.hook_resid_post", "blocks.4.hook_resid_post"]
+    expected = model.forward(PROMPT, interventions=vector.interventions(2.0))[-1].softmax(-1)
+    assert chart(at, "iv_next_b")["data"][0]["x"][0] == pytest.approx(float(expected.max()), abs=1e-4)
+
+
+def test_app_command_refuses_a_missing_model(tmp_path, capsys):
+    from workbench.cli import main
+
+    assert main(["app", "--model", str(tmp_path / "missing.gguf")]) == 2
+    assert "model not found" in capsys.readouterr().err
+    assert common.cli_model_path(["--model", "some.gguf"]) == "some.gguf" and common.cli_model_path([]) is None
 
 
 def test_patching_grid_restores_the_clean_answer_at_the_last_position(model):

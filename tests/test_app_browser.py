@@ -87,10 +87,10 @@ def settle(page) -> None:
 
 def screenshot(page, name: str) -> None:
     """The whole page, from the top, into docs/screenshots/NAME.png."""
-    height = page.evaluate('() => document.querySelector(\'[data-testid="stMain"]\').scrollHeight')
-    page.set_viewport_size({"width": 1440, "height": min(max(height, 900), 2400)})
+    height = min(max(page.evaluate('() => document.querySelector(\'[data-testid="stMain"]\').scrollHeight'), 900), 2400)
+    page.set_viewport_size({"width": 1440, "height": height})
     page.evaluate('() => document.querySelector(\'[data-testid="stMain"]\').scrollTo(0, 0)')
-    page.mouse.move(0, 0)  # no hover labels or chart toolbars in the picture
+    page.mouse.move(1435, height - 5)  # an empty corner: no hover labels or chart toolbars in the picture
     page.wait_for_timeout(1000)  # plotly re-lays out to the new size
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"))
