@@ -1,6 +1,7 @@
 """Quantized matmul benchmark: ``workbench.kernels.linear`` vs dequantize-then-matmul vs a dense matmul.
 
-    python bench/kernels.py --device cuda [--formats Q4_K,Q6_K] [--shapes small|8b|all] [--quick] [--sweep]
+    python bench/kernels.py --device cuda [--formats Q4_K,Q6_K] [--shapes small|8b|all] [--batches 1,8]
+                            [--quick] [--sweep]
 
 For each format, weight shape N x K and batch M it prints the time of ``linear`` (and the kernel that
 ``select_kernel`` picked), of dequantizing the weight and multiplying, and of a dense matmul on an
@@ -113,9 +114,9 @@ class Timer:
         return cuda_seconds([lambda w=w: run(w) for w in weights], self.repeats)
 
 
-def sweep(fmt: str, w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
+def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
     """Time the Triton kernels under other tile configurations and print them, best first."""
-    from workbench.kernels.triton import GemmConfig, GemvConfig, gemm, gemv
+    from workbench.kernels.triton import GemmConfig, GemvConfig, dequant_matmul, gemm, gemv
 
     m = x.shape[0]
     if m == 1:
@@ -125,9 +126,9 @@ def sweep(fmt: str, w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
         configs = [
             GemmConfig(block_m, block_n, block_u, warps, stages)
             for block_m, block_n, block_u, warps, stages in [
-                (16, 32, 8, 4, 3), (16, 64, 8, 4, 3), (16, 64, 4, 4, 4), (16, 128, 4, 4, 3), (32, 64, 8, 4, 3),
-                (64, 64, 4, 4, 3), (64, 128, 4, 8, 3), (128, 64, 4, 8, 2), (128, 128, 4, 8, 2), (128, 64, 8, 8, 2),
-                (128, 128, 2, 8, 3), (256, 64, 4, 8, 2), (128, 256, 2, 8, 2),
+                (16, 16, 8, 4, 3), (16, 32, 8, 4, 3), (16, 32, 4, 2, 3), (16, 64, 8, 4, 3), (32, 32, 8, 4, 3),
+                (64, 32, 8, 4, 3), (64, 64, 4, 4, 3), (128, 32, 8, 8, 2), (128, 64, 8, 8, 2), (128, 64, 4, 8, 3),
+                (128, 128, 4, 8, 2), (256, 64, 4, 8, 2),
             ]
             if block_m <= max(16, 2 * m)
         ]
@@ -141,6 +142,10 @@ def sweep(fmt: str, w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             print(f"      sweep {config}: failed ({type(err).__name__})")
             continue
         results.append((seconds, config))
+    if m > 1:
+        seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
+                                lambda ww: dequant_matmul(x, ww))
+        results.append((seconds, "dequantize (triton) + cuBLAS"))
     for seconds, config in sorted(results, key=lambda r: r[0])[:5]:
         print(f"      sweep {seconds * 1e6:9.1f} us  {config}")
 
@@ -151,18 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, e.g. Q4_K,Q6_K")
     parser.add_argument("--shapes", choices=tuple(SHAPES), default=None, help="default: all on CUDA, small on CPU")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, M = 1 and 128 only")
+    parser.add_argument("--batches", default=None, help="comma-separated M values (default 1,8,128,512)")
     parser.add_argument("--sweep", action="store_true", help="also time other Triton tile configurations")
     args = parser.parse_args(argv)
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
-    if device == "cuda":
-        import workbench.kernels.triton  # noqa: F401  registers the Triton kernels
 
     formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()]
     shapes = SHAPES[args.shapes or ("all" if device == "cuda" else "small")]
-    batches = (1, 128) if args.quick else BATCHES
+    batches = [int(m) for m in args.batches.split(",")] if args.batches else (1, 128) if args.quick else BATCHES
     timer = Timer(device, args.quick)
     act_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     dense_name = "bf16" if device == "cuda" else "fp32"
@@ -185,29 +189,33 @@ def main(argv: list[str] | None = None) -> int:
             if k % wk.get_format(fmt).block_size:
                 print(f"{fmt:6} {f'{n}x{k}':>12}    -  skipped: K is not a multiple of the {fmt} block")
                 continue
-            w = make_weight(fmt, n, k, device)
-            dense = torch.randn(n, k, device=device).to(act_dtype)
-            for m in batches:
-                x = torch.randn(m, k, device=device).to(act_dtype)
-                kernel = wk.select_kernel(x, w)
-                linear_s = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
-                                         lambda ww: wk.linear(x, ww))
-                dequant_s = timer.seconds(lambda: w, w.nbytes, lambda ww: x @ ww.dequantize(x.dtype).T, max_copies=2)
-                dense_s = timer.seconds(lambda: dense.clone(), dense.numel() * dense.element_size(),
-                                        lambda dd: F.linear(x, dd))
-                line = (f"{fmt:6} {f'{n}x{k}':>12} {m:>4}  {kernel.name:28} {linear_s * 1e6:10.1f} "
-                        f"{dequant_s * 1e6:10.1f} {dense_s * 1e6:10.1f} {dequant_s / linear_s:10.2f} "
-                        f"{dense_s / linear_s:10.2f}")
-                if copy_bw is not None:
-                    read_bw = (w.nbytes + x.numel() * x.element_size()) / linear_s
-                    line += f" {read_bw / 1e9:9.0f} {100 * read_bw / copy_bw:6.0f}%"
-                print(line, flush=True)
-                if args.sweep and device == "cuda" and kernel.name.startswith("triton"):
-                    sweep(fmt, w, x, timer)
-            del w, dense
+            bench_shape(fmt, n, k, batches, timer, act_dtype, copy_bw, args.sweep)
             if device == "cuda":
                 torch.cuda.empty_cache()
     return 0
+
+
+def bench_shape(fmt: str, n: int, k: int, batches, timer: Timer, act_dtype: torch.dtype, copy_bw: float | None,
+                with_sweep: bool) -> None:
+    """Print one line per batch size for an N x K weight in ``fmt``."""
+    device = timer.device
+    w = make_weight(fmt, n, k, device)
+    dense = torch.randn(n, k, device=device).to(act_dtype)
+    for m in batches:
+        x = torch.randn(m, k, device=device).to(act_dtype)
+        kernel = wk.select_kernel(x, w)
+        linear_s = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
+                                 lambda ww: wk.linear(x, ww))
+        dequant_s = timer.seconds(lambda: w, w.nbytes, lambda ww: x @ ww.dequantize(x.dtype).T, max_copies=2)
+        dense_s = timer.seconds(lambda: dense.clone(), dense.numel() * dense.element_size(), lambda dd: F.linear(x, dd))
+        line = (f"{fmt:6} {f'{n}x{k}':>12} {m:>4}  {kernel.name:28} {linear_s * 1e6:10.1f} {dequant_s * 1e6:10.1f} "
+                f"{dense_s * 1e6:10.1f} {dequant_s / linear_s:10.2f} {dense_s / linear_s:10.2f}")
+        if copy_bw is not None:
+            read_bw = (w.nbytes + x.numel() * x.element_size()) / linear_s
+            line += f" {read_bw / 1e9:9.0f} {100 * read_bw / copy_bw:6.0f}%"
+        print(line, flush=True)
+        if with_sweep and device == "cuda" and kernel.name.startswith("triton"):
+            sweep(w, x, timer)
 
 
 if __name__ == "__main__":

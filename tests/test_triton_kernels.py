@@ -25,7 +25,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, get_format, linear, select_kernel  # noqa: E402
-from workbench.kernels.triton import gemm, gemv  # noqa: E402
+from workbench.kernels.triton import DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv  # noqa: E402
 from workbench.kernels.triton.matmul import GemmConfig  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -96,6 +96,24 @@ class TestInterpreted:
         assert out.shape == (5, self.N) and out.dtype == dtype
         assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype]
 
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_dequantize(self, fmt):
+        rng = np.random.default_rng([FORMATS.index(fmt), 4])
+        w, reference = random_weight(fmt, self.N, self.K, rng)
+        dense = dequantize(w, torch.float32).double().numpy()
+        if get_format(fmt).block_size == 32:
+            np.testing.assert_array_equal(dense, reference)  # one rounding of an exact product, as gguf does
+        else:
+            # scale * q - min in one fused multiply-add: within a float32 rounding of the block's largest term
+            np.testing.assert_allclose(dense, reference, rtol=0, atol=4 * 2.0**-24 * np.abs(reference).max())
+        x = torch.from_numpy(rng.standard_normal((3, self.K)).astype(np.float32))
+        assert relative_error(dequant_matmul(x, w), x.double().numpy() @ reference.T) < FP32_TOL
+
+    @pytest.mark.parametrize("kernel", [gemv, gemm, dequant_matmul])
+    def test_no_rows(self, kernel):
+        w, _ = random_weight("Q4_K", self.N, self.K, np.random.default_rng(5))
+        assert kernel(torch.zeros(0, self.K), w).shape == (0, self.N)
+
     @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
     def test_quantized_real_weights(self, fmt):
         """Blocks as gguf's own quantizer writes them, through the default configs."""
@@ -164,8 +182,10 @@ class TestBadInput:
 class TestCuda:
     # A model shape whose K leaves a partial last step, and a Llama-3-8B shape (N x K).
     SHAPES = {32: [(1536, 576), (4096, 14336)], 256: [(576, 1536), (4096, 14336)]}
-    # (rows, dtype): decode through the GEMV, batched decode through the skinny GEMM, prefill.
-    BATCHES = [(1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16)]
+    # (rows, dtype): decode (GEMV), batched decode (skinny GEMM), prefill (GEMM, dequantize + cuBLAS).
+    BATCHES = [
+        (1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16),
+    ]
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_full_shapes(self, fmt):
@@ -176,13 +196,17 @@ class TestCuda:
             reference = torch.from_numpy(reference).cuda()
             for m, dtype in self.BATCHES:
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                assert select_kernel(x, w).name == f"triton-{'gemv' if m == 1 else 'gemm'}-{fmt.lower()}"
-                out = linear(x, w)
-                # The GEMM rounds the weights to the activation dtype too.
+                kind = "gemv" if m == 1 else "gemm" if m < DEQUANT_MATMUL_MIN_ROWS else "dequant-matmul"
+                assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
+                expected = (x.double() @ reference.T).cpu().numpy()
+                # The GEMM and the dense matmul round the weights to the activation dtype too.
                 tolerance = ROUNDING_TOL[dtype] * (1 if m == 1 else 2)
-                error = relative_error(out, (x.double() @ reference.T).cpu().numpy())
-                assert error < tolerance, (fmt, n, k, m, dtype, error)
+                out = linear(x, w)
+                assert relative_error(out, expected) < tolerance, (fmt, n, k, m, dtype)
                 assert torch.equal(out, linear(x, w)), "results differ between runs: a race"
+                if m > 1:  # both many-row paths, whichever linear picked
+                    assert relative_error(gemm(x, w), expected) < tolerance, (fmt, n, k, m, dtype, "gemm")
+                    assert relative_error(dequant_matmul(x, w), expected) < tolerance, (fmt, n, k, m, dtype)
 
     def test_unsupported_dtype_falls_back(self):
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0].to("cuda")

@@ -1,7 +1,8 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
-Importing this package registers ``triton-gemv-<fmt>`` (one row of activations) and
-``triton-gemm-<fmt>`` (any number of rows) for every supported format with
+Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (one row of
+activations), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows) and
+``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS) with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it
 registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same
 kernels run on CPU tensors through ``gemv`` and ``gemm`` (that is how the tests check them).
@@ -23,7 +24,13 @@ else:
 REGISTERED = False
 
 if AVAILABLE:
-    from .matmul import ACTIVATION_DTYPES, LAYOUTS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, gemm, gemv
+    from .matmul import (
+        ACTIVATION_DTYPES, LAYOUTS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, dequant_matmul, dequantize, gemm, gemv,
+    )
+
+    # From this many rows on, dequantize-then-cuBLAS beats the fused GEMM in most shapes measured by
+    # bench/kernels.py --sweep on an H100 (M = 128 and 512; M = 8 goes to the fused GEMM).
+    DEQUANT_MATMUL_MIN_ROWS = 17
 
     def _supports(fmt: str, max_rows: int | None):
         layout = LAYOUTS[fmt]
@@ -41,18 +48,23 @@ if AVAILABLE:
         return supports
 
     def register() -> None:
-        """Add the kernels to ``linear``'s CUDA list, the GEMV first so single rows pick it."""
+        """Add the kernels to ``linear``'s CUDA list, narrowest first, since it takes the first that fits."""
         global REGISTERED
         if REGISTERED:
             return
         for fmt in SUPPORTED_FORMATS:
-            register_kernel(Kernel(f"triton-gemv-{fmt.lower()}", "cuda", _supports(fmt, 1), gemv))
-            register_kernel(Kernel(f"triton-gemm-{fmt.lower()}", "cuda", _supports(fmt, None), gemm))
+            name = fmt.lower()
+            register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, 1), gemv))
+            register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
+            register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
         REGISTERED = True
 
     if torch.cuda.is_available():
         register()
 
-    __all__ = ["AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "GemmConfig", "GemvConfig", "gemm", "gemv", "register"]
+    __all__ = [
+        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GemmConfig", "GemvConfig",
+        "dequant_matmul", "dequantize", "gemm", "gemv", "register",
+    ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

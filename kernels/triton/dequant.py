@@ -7,8 +7,8 @@ with separate narrow loads (blocks are often only 2-byte aligned) and ``tl.join`
 so all per-block work (scales, mins, sums) happens once per unit and no value crosses threads.
 
 A unit's values come out as four *pieces* of 8 consecutive values, ``[units, 8]``, each a
-``1 + q / 2**bits`` float made by moving the quant's bits under the exponent of 1.0 (exact, and two
-integer ops where an int->float conversion runs at a fraction of the ALU rate). A weight is then
+``1 + q / 2**bits`` float made by moving the quant's bits under the exponent of 1.0 (exact, and a few
+integer logic ops, where an int->float conversion runs at a fraction of the ALU rate). A weight is then
 ``a * f + b`` for per-unit (or per-sub-block) ``a`` and ``b``, which lets the GEMV sum ``f * x`` and
 ``x`` over a piece and apply ``a`` and ``b`` once per piece instead of once per value.
 
@@ -29,13 +29,11 @@ Q6_K = tl.constexpr(14)
 @triton.jit
 def field(bits, POS: tl.constexpr, WIDTH: tl.constexpr, TO: tl.constexpr):
     """The WIDTH-bit field at bit POS of int32 ``bits``, moved to bit TO, all other bits zero."""
-    # Mask on the side where the field sits lower, so each step takes a single immediate (which the
-    # GPU's logic and shift-add instructions encode) instead of holding a second constant in a register.
     if POS > TO:
-        bits = (bits >> (POS - TO)) & (((1 << WIDTH) - 1) << TO)
-    else:
-        bits = (bits & (((1 << WIDTH) - 1) << POS)) << (TO - POS)
-    return bits
+        bits = bits >> (POS - TO)
+    elif POS < TO:
+        bits = bits << (TO - POS)
+    return bits & (((1 << WIDTH) - 1) << TO)
 
 
 @triton.jit
@@ -153,21 +151,25 @@ def q4_k_scale_min(s0, s1, s2, sub):
 
 
 @triton.jit
-def q4_k_pieces(blockp, sub):
-    # Super-block (144 bytes): f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | 128 bytes.
-    # Sub-block s (32 values) is nibble s % 2 of bytes 32 * (s // 2) .. + 31;
-    # w = d * scale_s * q - dmin * min_s = 16 d scale_s * f - (16 d scale_s + dmin min_s).
-    d = load_f16(blockp)
-    dmin = load_f16(blockp + 2)
+def q4_k_affine(blockp, sub):
+    # Super-block (144 bytes): f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | 128 bytes of quants.
+    # w = d * scale_s * q - dmin * min_s = 16 d scale_s * f - (16 d scale_s + dmin min_s) in sub-block s.
     words = blockp.to(tl.pointer_type(tl.int32))
     scale, minimum = q4_k_scale_min(tl.load(words + 1), tl.load(words + 2), tl.load(words + 3), sub)
-    a = 16.0 * d * scale
+    a = 16.0 * load_f16(blockp) * scale
+    return a, -(a + load_f16(blockp + 2) * minimum)
+
+
+@triton.jit
+def q4_k_pieces(blockp, sub):
+    # Sub-block s (32 values) is nibble s % 2 of the 32 bytes of chunk s // 2.
     quants = blockp + 16 + 32 * (sub // 2)
     shift = 4 * (sub % 2)
+    a, b = q4_k_affine(blockp, sub)
     return (
         word_nibbles(two_words(quants, shift), 0), word_nibbles(two_words(quants + 8, shift), 0),
         word_nibbles(two_words(quants + 16, shift), 0), word_nibbles(two_words(quants + 24, shift), 0),
-        a, -(a + dmin * minimum),
+        a, b,
     )
 
 
@@ -266,25 +268,38 @@ def dot_units(
     unit of every row and the activations, loaded once per unit (``[BLOCK_U, 8]``), are shared.
     """
     unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
-    f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3 = unit_pieces(FMT, TYPE_SIZE, rowp, unit, n_units)
     x_unit = first + tl.arange(0, BLOCK_U)
-    x0 = load_x(xp, piece_start(FMT, x_unit, 0), K)
-    x1 = load_x(xp, piece_start(FMT, x_unit, 1), K)
-    x2 = load_x(xp, piece_start(FMT, x_unit, 2), K)
-    x3 = load_x(xp, piece_start(FMT, x_unit, 3), K)
+    f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3 = unit_pieces(FMT, TYPE_SIZE, rowp, unit, n_units)
+    if FMT == Q6_K:
+        dot = _dot_piece(f0, a0, b0, xp, piece_start(FMT, x_unit, 0), K, BLOCK_N, BLOCK_U)
+        dot += _dot_piece(f1, a1, b1, xp, piece_start(FMT, x_unit, 1), K, BLOCK_N, BLOCK_U)
+        dot += _dot_piece(f2, a2, b2, xp, piece_start(FMT, x_unit, 2), K, BLOCK_N, BLOCK_U)
+        dot += _dot_piece(f3, a3, b3, xp, piece_start(FMT, x_unit, 3), K, BLOCK_N, BLOCK_U)
+    else:
+        dot = _dot_shared_affine(f0, f1, f2, f3, a0, b0, xp, 32 * x_unit, K, BLOCK_N, BLOCK_U)
+    return dot
+
+
+@triton.jit
+def _dot_piece(f, a, b, xp, first, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """One piece of 8 values starting at ``first`` with its own affine map."""
+    x = load_x(xp, first, K)
+    fx = tl.sum(tl.reshape(f, (BLOCK_N, BLOCK_U, 8)) * x[None], axis=2)
+    return _affine(a, b, fx, tl.sum(x, axis=1), BLOCK_N, BLOCK_U)
+
+
+@triton.jit
+def _dot_shared_affine(f0, f1, f2, f3, a, b, xp, first, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Four pieces of 32 consecutive values starting at ``first`` with one affine map: sum them element-wise
+    first (a fused multiply-add per value), then across the 8 values of a piece."""
+    x0 = load_x(xp, first, K)
+    x1 = load_x(xp, first + 8, K)
+    x2 = load_x(xp, first + 16, K)
+    x3 = load_x(xp, first + 24, K)
     f0, f1 = tl.reshape(f0, (BLOCK_N, BLOCK_U, 8)), tl.reshape(f1, (BLOCK_N, BLOCK_U, 8))
     f2, f3 = tl.reshape(f2, (BLOCK_N, BLOCK_U, 8)), tl.reshape(f3, (BLOCK_N, BLOCK_U, 8))
-    if FMT == Q6_K:
-        dot = _affine(a0, b0, tl.sum(f0 * x0[None], axis=2), tl.sum(x0, axis=1), BLOCK_N, BLOCK_U)
-        dot += _affine(a1, b1, tl.sum(f1 * x1[None], axis=2), tl.sum(x1, axis=1), BLOCK_N, BLOCK_U)
-        dot += _affine(a2, b2, tl.sum(f2 * x2[None], axis=2), tl.sum(x2, axis=1), BLOCK_N, BLOCK_U)
-        dot += _affine(a3, b3, tl.sum(f3 * x3[None], axis=2), tl.sum(x3, axis=1), BLOCK_N, BLOCK_U)
-    else:
-        # One affine map for the whole unit: sum the pieces element-wise first (a fused multiply-add
-        # per value), then across the 8 values of a piece.
-        fx = tl.sum(f0 * x0[None] + f1 * x1[None] + f2 * x2[None] + f3 * x3[None], axis=2)
-        dot = _affine(a0, b0, fx, tl.sum(x0 + x1 + x2 + x3, axis=1), BLOCK_N, BLOCK_U)
-    return dot
+    fx = tl.sum(f0 * x0[None] + f1 * x1[None] + f2 * x2[None] + f3 * x3[None], axis=2)
+    return _affine(a, b, fx, tl.sum(x0 + x1 + x2 + x3, axis=1), BLOCK_N, BLOCK_U)
 
 
 @triton.jit
@@ -297,23 +312,17 @@ def _affine(a, b, fx, x, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
 def weight_tile(
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr
 ):
-    """Float32 weights ``[BLOCK_N, 32 * BLOCK_U]`` of (row, unit) pairs enumerated rows slowest: column
-    ``32 * u + 8 * p + i`` holds value ``piece_start(unit u, p) + i``, plain row order but for Q6_K."""
+    """Float32 weights ``[BLOCK_N, 32 * BLOCK_U]`` in row order, of (row, unit) pairs enumerated rows slowest
+    (for Q6_K, ``BLOCK_U`` must cover whole super-blocks)."""
     f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3 = unit_pieces(FMT, TYPE_SIZE, rowp, unit, n_units)
     w0 = f0 * a0[:, None] + b0[:, None]
     w1 = f1 * a1[:, None] + b1[:, None]
     w2 = f2 * a2[:, None] + b2[:, None]
     w3 = f3 * a3[:, None] + b3[:, None]
     tile = tl.join(tl.join(w0, w2), tl.join(w1, w3))  # [units, 8 (i), 2, 2 (p)]
-    return tl.reshape(tl.permute(tile, (0, 2, 3, 1)), (BLOCK_N, 32 * BLOCK_U))
-
-
-@triton.jit
-def k_index(FMT: tl.constexpr, first_unit, BLOCK_U: tl.constexpr):
-    """For each column of a ``weight_tile`` of units ``first_unit ..``, the index of its value in the row."""
-    c = tl.arange(0, 32 * BLOCK_U)
+    tile = tl.permute(tile, (0, 2, 3, 1))  # [units, p, i]: value piece_start(unit, p) + i
     if FMT == Q6_K:
-        index = piece_start(FMT, first_unit + c // 32, (c % 32) // 8) + c % 8
-    else:
-        index = 32 * first_unit + c
-    return index
+        # Units (half, group) hold pieces k; row order is (half, k, group, i) within a super-block.
+        tile = tl.reshape(tile, (BLOCK_N, BLOCK_U // 8, 2, 4, 4, 8))
+        tile = tl.permute(tile, (0, 1, 2, 4, 3, 5))
+    return tl.reshape(tile, (BLOCK_N, 32 * BLOCK_U))

@@ -1,22 +1,26 @@
-"""Fused dequantize-matmul kernels on packed GGUF blocks: a GEMV for decode, a GEMM for prefill.
+"""Matmuls on packed GGUF blocks: a fused GEMV for decode, a fused GEMM, and dequantize + cuBLAS.
 
-Both compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
+All compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
 ``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
-float32 and returning ``x.dtype``. The GEMV (``M == 1``) multiplies on the CUDA cores; the GEMM
-dequantizes a weight tile into registers and feeds it to ``tl.dot`` (tensor cores), with a skinny
-tile for the few rows of batched decode.
+float32 and returning ``x.dtype``. ``gemv`` (``M == 1``) multiplies on the CUDA cores; ``gemm``
+dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores), with a skinny tile
+for the few rows of batched decode; ``dequant_matmul`` writes the whole weight out once in ``x.dtype``
+(``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize that.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .dequant import dot_units, k_index, weight_tile
+from .dequant import dot_units, weight_tile
 
 
 @dataclass(frozen=True)
@@ -62,12 +66,23 @@ def gemv_config(k: int) -> GemvConfig:
     return GemvConfig(num_warps=min((4, 2, 1), key=lambda warps: (-(-units // (32 * warps)) * 32 * warps, -warps)))
 
 
-def gemm_config(m: int) -> GemmConfig:
+def gemm_config(m: int, n: int, device: torch.device) -> GemmConfig:
+    """Tiles picked by ``bench/kernels.py --sweep`` on an H100."""
     if m <= 16:
-        return GemmConfig(block_m=16, block_n=64, block_u=8, num_warps=4, num_stages=3)
-    if m <= 64:
-        return GemmConfig(block_m=64, block_n=64, block_u=4, num_warps=4, num_stages=3)
-    return GemmConfig()
+        config = GemmConfig(block_m=16, block_n=64, block_u=8, num_warps=4, num_stages=3)
+    elif m <= 64:
+        config = GemmConfig(block_m=64, block_n=32, block_u=8, num_warps=4, num_stages=3)
+    else:
+        config = GemmConfig(block_m=128, block_n=64, block_u=4, num_warps=8, num_stages=3)
+    # Narrower weight tiles while there are too few programs to give every multiprocessor one.
+    while config.block_n > 16 and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
+        config = dataclasses.replace(config, block_n=config.block_n // 2)
+    return config
+
+
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
@@ -112,11 +127,27 @@ def _gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for first in range(0, n_units, BLOCK_U):
         w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, n_units, BLOCK_N, BLOCK_U)
-        k = k_index(FMT, first, BLOCK_U)[None, :]
+        k = 32 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
         x = tl.load(x_rows + k, mask=k < K, other=0.0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, out_ptr, N, K, row_bytes,
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * BLOCK_U
+    pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (row, unit) pairs, rows slowest
+    pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + pair // BLOCK_U, N - 1)
+    rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
+    w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, K // 32, BLOCK_N, BLOCK_U)
+    cols = 32 * first + tl.arange(0, 32 * BLOCK_U)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :]
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < N) & (cols[None, :] < K))
 
 
 def _interpreting() -> bool:
@@ -162,6 +193,26 @@ def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None) -
     return layout
 
 
+def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """All of ``w`` as a dense ``[N, K]`` tensor of ``dtype`` (float16, bfloat16 or float32), in one pass."""
+    layout = check_inputs(torch.empty(0, w.shape[1], dtype=dtype, device=w.device), w)  # checks w and dtype
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    block_n, block_u = 16, 8  # Q6_K's reorder needs whole super-blocks of 8 units
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, block_u))](
+        w.data, out, n, k, w.data.shape[1],
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=block_n, BLOCK_U=block_u, num_warps=4,
+    )
+    return out
+
+
+def dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """``x @ w.T`` as one dequantizing pass to ``x.dtype`` and a dense (cuBLAS) matmul: for many rows the
+    dense product outruns re-dequantizing weight tiles in every row block of the fused GEMM."""
+    check_inputs(x, w)
+    return F.linear(x, dequantize(w, x.dtype))
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs are for tests: keep them exact rather than rounding to tf32.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -172,6 +223,8 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     layout = check_inputs(x, w, max_rows=1)
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
     config = config or gemv_config(k)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, w.data, out, n, k, w.data.shape[1],
@@ -188,12 +241,14 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    config = config or gemm_config(m)
+    config = config or gemm_config(m, n, x.device)
+    # A Q6_K tile is reordered within whole super-blocks (8 units).
+    block_u = max(config.block_u, 8) if layout.ggml_type == LAYOUTS["Q6_K"].ggml_type else config.block_u
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _gemm_kernel[grid](
         x, w.data, out, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_U=config.block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
