@@ -59,9 +59,11 @@ def relative_error(out: torch.Tensor, expected: np.ndarray) -> float:
 def test_interpreted_suite():
     """Run ``TestInterpreted`` with TRITON_INTERPRET=1 in a fresh interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    # Run from tests/: ``python -m`` puts the working directory first on sys.path, and the repository root
+    # holds folders (datasets/) that would shadow installed packages.
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::TestInterpreted"],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.abspath(__file__)),
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
