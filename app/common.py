@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import plotly.graph_objects as go
 import streamlit as st
+import torch
 
 import workbench
 from workbench.errors import WorkbenchError
@@ -255,11 +256,13 @@ def page_style() -> None:
 
 
 def heatmap(z, x_labels: Sequence[str], y_labels: Sequence[str], *, title: str = "", colorbar: str = "",
-            value_format: str = ".3f", colorscale: str = "Viridis", zmid: float | None = None, zmin: float | None = None,
+            value_format: str = ".3f", colorscale: str = "Viridis", zmid: float | None = None,
+            zmin: float | None = None, zmax: float | None = None,
             height: int | None = None, x_title: str = "", y_title: str = "") -> go.Figure:
     """A labelled heatmap; rows are ``y_labels`` top to bottom as given."""
     fig = go.Figure(go.Heatmap(
-        z=z, x=list(range(len(x_labels))), y=list(range(len(y_labels))), colorscale=colorscale, zmid=zmid, zmin=zmin,
+        z=z, x=list(range(len(x_labels))), y=list(range(len(y_labels))), colorscale=colorscale,
+        zmid=zmid, zmin=zmin, zmax=zmax,
         colorbar=dict(title=colorbar, thickness=12),
         hovertemplate=f"%{{customdata}}<br>{colorbar or 'value'} %{{z:{value_format}}}<extra></extra>",
         customdata=[[f"{y} · {x}" for x in x_labels] for y in y_labels],
@@ -296,10 +299,11 @@ def residual_change(base: "workbench.hooks.Trace", other: "workbench.hooks.Trace
         raise WorkbenchError(f"both traces must record blocks.*.hook_resid_post (missing {missing[0]})")
     if base.ids != other.ids:
         raise WorkbenchError("the traces are of different prompts; the residual change needs the same tokens")
-    change = [((other.activations[n] - base.activations[n]).norm(dim=-1) / base.activations[n].norm(dim=-1)).tolist()
-              for n in names]
-    return heatmap(change, axis_labels(base.tokens), [f"L{i}" for i in range(n_layers)], title=title,
-                   colorbar="relative change", colorscale="Reds", zmin=0, height=520)
+    change = torch.stack([(other.activations[n] - base.activations[n]).norm(dim=-1) / base.activations[n].norm(dim=-1)
+                          for n in names])
+    return heatmap(change.tolist(), axis_labels(base.tokens), [f"L{i}" for i in range(n_layers)], title=title,
+                   colorbar="relative change", colorscale="Reds", zmin=0, zmax=max(float(change.max()), 1e-6),
+                   height=520)
 
 
 def compare_next_token(m: workbench.Model, base_logits, other_logits, names: tuple[str, str], key: str) -> None:
@@ -335,4 +339,5 @@ def parse_positions(text: str) -> list[int] | str | None:
     try:
         return [int(p) for p in text.replace(",", " ").split()]
     except ValueError:
-        raise WorkbenchError(f"positions must be 'all', 'generated' or integers like '-1' or '0, 3', got {text!r}") from None
+        raise WorkbenchError(f"positions must be 'all', 'generated' or integers like '-1' or '0, 3', "
+                             f"got {text!r}") from None

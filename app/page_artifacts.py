@@ -11,6 +11,13 @@ model = common.model()
 library: dict = st.session_state.setdefault("traces", {})  # name -> Trace, this session's shelf
 
 
+def shelve(name: str, trace: workbench.Trace) -> None:
+    """Keep a trace; a new one becomes B of the comparison (set before that widget is drawn)."""
+    if name not in library:
+        st.session_state.ar_compare_b = name
+    library[name] = trace
+
+
 save, load = st.columns(2, gap="large")
 with save:
     st.subheader("Save", divider="gray")
@@ -22,11 +29,10 @@ with save:
     if trace is not None:
         st.caption(f"{len(trace.ids)} tokens · {len(trace.activations)} recorded activations · "
                    f"{len(trace.interventions)} interventions")
-        st.download_button("Download artifact (.zip)", lambda: common.artifact_zip(trace), "trace.zip", "application/zip", type="primary",
-                           key="ar_download")
+        st.download_button("Download artifact (.zip)", lambda: common.artifact_zip(trace), "trace.zip",
+                           "application/zip", type="primary", key="ar_download")
         label = f"{'edited' if trace.interventions else 'clean'}: {trace.prompt!r}"[:80]
-        if st.button("Keep for replay and comparison", key="ar_keep"):
-            library[label] = trace
+        st.button("Keep for replay and comparison", key="ar_keep", on_click=shelve, args=(label, trace))
 
 with load:
     st.subheader("Load", divider="gray")
@@ -35,7 +41,7 @@ with load:
     if uploads:
         loaded = common.attempt(common.trace_from_upload, uploads)
         if loaded is not None:
-            library[f"uploaded: {uploads[0].name}"] = loaded
+            shelve(f"uploaded: {uploads[0].name}", loaded)
             st.success(f"Loaded {uploads[0].name}: {loaded.prompt!r}, {len(loaded.ids)} tokens, "
                        f"{len(loaded.activations)} activations")
 
@@ -57,7 +63,7 @@ if report is not None and report[0] == name:
 st.subheader("Compare", divider="gray")
 left, right = st.columns(2)
 first = left.selectbox("A", list(library), key="ar_compare_a")
-second = right.selectbox("B", list(library), index=min(1, len(library) - 1), key="ar_compare_b")
+second = right.selectbox("B", list(library), key="ar_compare_b")
 a, b = library[first], library[second]
 left.code(f"{a.prompt!r}\n{len(a.interventions)} interventions", language=None, wrap_lines=True)
 right.code(f"{b.prompt!r}\n{len(b.interventions)} interventions", language=None, wrap_lines=True)
@@ -65,7 +71,8 @@ if a.fingerprint.get("sha256") != b.fingerprint.get("sha256"):
     st.warning("The traces were recorded on different models.")
 common.compare_next_token(model, a.logits[-1], b.logits[-1], ("A", "B"), "ar_next")
 if a.ids == b.ids:
-    figure = common.attempt(common.residual_change, a, b, model.config.n_layers, "‖resid_post(B) − resid_post(A)‖ / ‖resid_post(A)‖")
+    figure = common.attempt(common.residual_change, a, b, model.config.n_layers,
+                            "‖resid_post(B) − resid_post(A)‖ / ‖resid_post(A)‖")
     if figure is not None:
         st.plotly_chart(figure, key="ar_change")
 else:

@@ -40,7 +40,7 @@ with chart:
     peak = sweep.peak_layer
     a, b, c = st.columns(3)
     a.metric("Peak accuracy", f"{sweep.accuracy[peak]:.2f}", help="Out-of-fold, 5-fold cross-validation")
-    b.metric("Peak layer", f"L{peak} (depth {sweep.fraction(peak):.2f})")
+    b.metric(f"Peak layer (depth {sweep.fraction(peak):.2f})", f"L{peak}")
     c.metric("Reaches 90% of peak", f"L{sweep.first_reaching(0.9)}")
     st.plotly_chart(common.style(sweep.figure(), height=380), key="pr_curve")
 

@@ -61,7 +61,8 @@ st.subheader("Direct logit attribution", divider="gray")
 if st.toggle("Split the next-token logit over embedding, heads and MLPs", key="dla_on"):
     names = model.token_texts(final_ids[:10])
     target_pick, baseline_pick = st.columns(2)
-    target = target_pick.selectbox("Target", range(10), format_func=lambda i: common.visible(names[i]), key="dla_target")
+    target = target_pick.selectbox("Target", range(10), format_func=lambda i: common.visible(names[i]),
+                                   key="dla_target")
     baseline = baseline_pick.selectbox("Minus", [None, *range(10)], index=2, key="dla_baseline",
                                        format_func=lambda i: "nothing" if i is None else common.visible(names[i]))
     key = ("dla", text, chat, final_ids[target], None if baseline is None else final_ids[baseline])

@@ -151,7 +151,8 @@ def test_interventions_steer_with_an_uploaded_control_vector(model, tmp_path):
     at.radio(key="iv_source").set_value("Control vector file").run()
     assert_clean(at)
     assert any("Upload a llama.cpp control vector" in i.value for i in at.info)
-    at.file_uploader(key="iv_control_file").set_value(("junk.gguf", b"GGUF but not really", "application/octet-stream")).run()
+    upload = at.file_uploader(key="iv_control_file")
+    upload.set_value(("junk.gguf", b"GGUF but not really", "application/octet-stream")).run()
     assert_clean(at, errors=1)
     assert "not a GGUF file" in at.error[0].value
 
@@ -159,7 +160,8 @@ def test_interventions_steer_with_an_uploaded_control_vector(model, tmp_path):
     vector = probes.SteeringVector({3: torch.randn(model.config.d_model, generator=generator),
                                     4: torch.randn(model.config.d_model, generator=generator)})
     path = vector.export_control_vector(tmp_path / "random.gguf")
-    at.file_uploader(key="iv_control_file").set_value(("random.gguf", path.read_bytes(), "application/octet-stream")).run()
+    upload = at.file_uploader(key="iv_control_file")
+    upload.set_value(("random.gguf", path.read_bytes(), "application/octet-stream")).run()
     at.number_input(key="iv_scale").set_value(2.0).run()
     assert_clean(at)
     specs = json.loads(at.code[0].value)

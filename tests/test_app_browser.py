@@ -97,33 +97,48 @@ def screenshot(page, name: str) -> None:
 
 
 def click(page, label: str) -> None:
-    page.get_by_role("button", name=label).first.click()
+    page.get_by_role("button", name=label, exact=True).click()
     settle(page)
 
 
-# page url, the buttons its main action presses, the screenshot's name
+def choose(page, option: str) -> None:
+    page.get_by_text(option, exact=True).click()
+    settle(page)
+
+
+def open_page(page, title: str) -> None:
+    """Through the sidebar, so the session (and what other pages computed) carries over."""
+    page.get_by_test_id("stSidebarNav").get_by_text(title, exact=True).click()
+    settle(page)
+
+
+# (url to open, then steps as (action, argument), screenshot name); the default page runs the default prompt.
 PAGES = [
     ("", [], "run_lens"),
     ("attention", [], "attention"),
-    ("interventions", ["Generate both"], "interventions"),
-    ("patching", ["Run sweep"], "patching"),
-    ("probes", ["Run depth sweep"], "probes"),
-    ("kv-cache", ["Clear layer", "Continue"], "kv_cache"),
-    ("artifacts", ["Keep for replay and comparison", "Replay"], "artifacts"),
+    ("interventions", [(click, "Generate both")], "interventions"),
+    ("patching", [(click, "Run sweep")], "patching"),
+    ("probes", [(click, "Run depth sweep")], "probes"),
+    ("kv-cache", [(click, "Clear layer"), (click, "Continue")], "kv_cache"),
+    ("interventions", [(open_page, "Artifacts"), (click, "Keep for replay and comparison"),
+                       (choose, "The Interventions page's edited run"), (click, "Keep for replay and comparison"),
+                       (click, "Replay")], "artifacts"),
 ]
 
 
-@pytest.mark.parametrize("path, buttons, name", PAGES, ids=[p[2] for p in PAGES])
-def test_page_renders_in_chromium(server, browser, path, buttons, name):
+@pytest.mark.parametrize("path, steps, name", PAGES, ids=[p[2] for p in PAGES])
+def test_page_renders_in_chromium(server, browser, path, steps, name):
     page = browser.new_page(viewport={"width": 1440, "height": 1000})
     try:
         page.goto(f"{server}/{path}", timeout=WAIT_MS)
         settle(page)
-        for label in buttons:
-            click(page, label)
+        for action, argument in steps:
+            action(page, argument)
         page.wait_for_selector('[data-testid="stPlotlyChart"] .main-svg', timeout=WAIT_MS)
         if not path:  # the default prompt's logit lens is a drawn heatmap
             assert page.locator('[data-testid="stPlotlyChart"] g.hm').count() >= 1
+        if name == "artifacts":  # the kept clean trace replays bit for bit
+            assert "Verdict: identical" in page.get_by_test_id("stAlertContentSuccess").inner_text()
         assert page.locator('[data-testid="stException"]').count() == 0
         errors = page.locator('[data-testid="stAlertContentError"]')
         assert errors.count() == 0, errors.all_inner_texts()
