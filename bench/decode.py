@@ -8,18 +8,22 @@ Every figure in one table comes from the same run, so ratios are side by side.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+import functools
 import statistics
 import time
 
 import torch
 
 import workbench
+from common import copy_bandwidth, make_weight
 from workbench.config import ModelConfig
 from workbench.generation import Sampling, generate_tokens
-from workbench.loading import LoadedCheckpoint, default_model_path
+from workbench.loading import LoadedCheckpoint
 from workbench.model import Model
 from workbench.synthetic import random_config, tokenizer_metadata
 from workbench.tokenizer import Tokenizer
+from workbench.weights import LayerWeights, ModelWeights
 
 SHAPES = {
     "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=128256),
@@ -98,20 +102,9 @@ def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats:
 
 
 def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None) -> Model:
-    """A random-weight model of a real model's shape; rows are quantized once and tiled to save time."""
-    from workbench.kernels import QuantTensor
-    from workbench.weights import LayerWeights, ModelWeights
-
+    """A random-weight model of a real model's shape (rows quantized once and tiled, as in bench/kernels.py)."""
     c: ModelConfig = random_config("llama", n_ctx=4096, **SHAPES[shape])
-    g = torch.Generator(device=device).manual_seed(0)
-    tiles: dict[int, QuantTensor] = {}
-
-    def matrix(rows: int, cols: int) -> QuantTensor:
-        if cols not in tiles:
-            tiles[cols] = QuantTensor.quantize(torch.randn(256, cols, generator=g, device=device) * cols**-0.5, fmt)
-        tile = tiles[cols]
-        data = tile.data.repeat((rows + 255) // 256, 1)[:rows].contiguous()
-        return QuantTensor(data, tile.fmt, (rows, cols))
+    matrix = functools.partial(make_weight, fmt, device=device)
 
     def norm(n: int) -> torch.Tensor:
         return torch.ones(n, device=device)
@@ -124,7 +117,7 @@ def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None) -> Mod
     embed = matrix(c.vocab_size, c.d_model)
     weights = ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=matrix(c.vocab_size, c.d_model))
     metadata = tokenizer_metadata()
-    checkpoint = LoadedCheckpoint(c, weights, Tokenizer.from_gguf_metadata(metadata), default_model_path(), metadata)
+    checkpoint = LoadedCheckpoint(c, weights, Tokenizer.from_gguf_metadata(metadata), Path(f"<random {shape}>"), metadata)
     return Model(checkpoint, device=device, dtype=dtype)
 
 
@@ -157,11 +150,21 @@ def main() -> None:
 
     if args.synthetic:
         columns = {}
+        bandwidth = copy_bandwidth() / 2 if args.device == "cuda" else None  # bytes read per second
+        if bandwidth:
+            print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s read")
         for fmt in args.formats:
             model = synthetic_model(args.synthetic, fmt, args.device, args.dtype)
             print(f"{fmt}: resident weights {model.runner.weights.nbytes / 2**30:.2f} GiB, "
                   f"kernels {sorted(set(model.kernel_report(1).values()))}")
-            columns[f"{args.synthetic} {fmt}"] = ours(model, args.prefill, args.decode, args.repeats)
+            columns[f"{args.synthetic} {fmt}"] = result = ours(model, args.prefill, args.decode, args.repeats)
+            if bandwidth:
+                # a decode step reads every matrix once, except the embedding (one row)
+                step_bytes = sum(w.nbytes for name, w in model.runner.weights.named_matrices() if name != "embed")
+                roofline = bandwidth / step_bytes
+                print(f"{fmt}: decode {result[f'decode {args.decode}']:.1f} tok/s = "
+                      f"{result[f'decode {args.decode}'] / roofline:.0%} of the weight-bandwidth roofline "
+                      f"({roofline:.1f} tok/s at {step_bytes / 2**30:.2f} GiB per token)")
             del model
             if args.device == "cuda":
                 torch.cuda.empty_cache()

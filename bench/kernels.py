@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import workbench.kernels as wk
+from common import copy_bandwidth, cuda_seconds, make_weight
 from workbench.kernels import QuantTensor
 
 SHAPES = {
@@ -34,55 +35,6 @@ SHAPES = {
 SHAPES["all"] = SHAPES["small"] + SHAPES["8b"]
 BATCHES = (1, 8, 128, 512)
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
-
-
-def make_weight(fmt: str, rows: int, cols: int, device: str) -> QuantTensor:
-    """A quantized random weight. Only up to 256 distinct rows are quantized (slow on CPU), then tiled."""
-    distinct = wk.QuantTensor.quantize(torch.randn(min(rows, 256), cols, device=device), fmt)
-    data = distinct.data.repeat(-(-rows // distinct.data.shape[0]), 1)[:rows].contiguous()
-    return QuantTensor(data, fmt, (rows, cols))
-
-
-def copy_bandwidth() -> float:
-    """Bytes read plus written per second by a 1 GiB device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = cuda_seconds([lambda: dst.copy_(src)])
-    return 2 * src.numel() / seconds
-
-
-def cuda_seconds(calls: list[Callable[[], object]], repeats: int = 15) -> float:
-    """Median time of one call: a CUDA graph runs every call (each on its own data) back to back.
-
-    Code that cannot be captured (a host sync, say) is timed as a plain launch loop instead, and
-    says so on stderr: its time then includes launch gaps.
-    """
-    for call in calls:  # warm-up: compiles, autotunes, allocates
-        call()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
-        run = graph.replay
-    except RuntimeError as err:
-        print(f"(not capturable, timed without a graph: {str(err).splitlines()[0][:80]})", file=sys.stderr)
-        torch.cuda.synchronize()
-
-        def run():
-            for call in calls:
-                call()
-    run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-    return statistics.median(times)
 
 
 def cpu_seconds(call: Callable[[], object], repeats: int) -> float:

@@ -135,11 +135,14 @@ class Transformer:
         c = self.config
         return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``[T, heads, d_head]`` by each token's position (adjacent pairs, or halves for "neox")."""
-        angles = positions.to(self.device, torch.float64)[:, None] * self.inv_freq[None, :]
-        cos = angles.cos().to(torch.float32)[:, None, :]
-        sin = angles.sin().to(torch.float32)[:, None, :]
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, d_head / 2]`` of each token's rope angles, computed once per forward."""
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        return angles.cos().to(torch.float32)[:, None, :], angles.sin().to(torch.float32)[:, None, :]
+
+    def rope(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``[T, heads, d_head]`` (adjacent pairs, or the two halves of each head for "neox")."""
+        cos, sin = rotation
         xf = x.float()
         if self.config.rope_interleaved:
             x0, x1 = xf[..., 0::2], xf[..., 1::2]
@@ -164,13 +167,14 @@ class Transformer:
         else:
             positions, blocked = cache.prepare(n_new)
         point = _Points(hooks, positions, step)
+        rotation = self.rotation(positions)
 
         x = point("hook_embed", w.embed.dequantize_rows(ids).to(self.dtype))
         for i, layer in enumerate(w.layers):
             names = self._names[i]
             x = point(names["hook_resid_pre"], x, i)
             attn_out = self.attention(rms_norm(x, layer.attn_norm, c.rms_eps, point, names["ln1"], i),
-                                      layer, i, positions, blocked, cache, point)
+                                      layer, i, rotation, blocked, cache, point)
             x = point(names["hook_resid_mid"], x + attn_out, i)
             mlp_out = self.mlp(rms_norm(x, layer.mlp_norm, c.rms_eps, point, names["ln2"], i), layer, i, point)
             x = point(names["hook_resid_post"], x + mlp_out, i)
@@ -183,7 +187,7 @@ class Transformer:
             cache.commit(positions, ids)
         return logits
 
-    def attention(self, x: torch.Tensor, layer, i: int, positions: torch.Tensor, blocked: torch.Tensor,
+    def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor], blocked: torch.Tensor,
                   cache: KVCache | None, point: _Points) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
@@ -196,8 +200,8 @@ class Transformer:
         if c.qk_norm:
             q = F.rms_norm(q, (c.d_head,), layer.q_norm, c.rms_eps)
             k = F.rms_norm(k, (c.d_head,), layer.k_norm, c.rms_eps)
-        q = point(names["attn.hook_rot_q"], self.rope(q, positions), i)
-        k = point(names["attn.hook_rot_k"], self.rope(k, positions), i)
+        q = point(names["attn.hook_rot_q"], self.rope(q, rotation), i)
+        k = point(names["attn.hook_rot_k"], self.rope(k, rotation), i)
 
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
         if cache is not None:
