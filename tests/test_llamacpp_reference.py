@@ -66,3 +66,16 @@ def test_greedy_generation_follows_llamacpp(model):
         free = [token for token, _ in model.stream(case["ids"], 4)]
         assert free == case["generated"][:4], case["text"]
     assert agree / total >= 0.9, f"{agree}/{total}"
+
+
+def test_llamacpp_numerics_mode_moves_closer(model):
+    """Quantizing activations as ggml-cpu does (Q8_1/Q8_0/Q8_K before integer dot products) brings the mean KL
+    to llama.cpp down (measured: 0.00450 -> 0.00419, top-1 97%); the rest has other sources, e.g. llama.cpp
+    keeps its KV cache in f16."""
+    from workbench.kernels import cpu
+
+    exact = faithfulness(model)
+    with cpu.numerics("llamacpp"):
+        emulated = faithfulness(model)
+    assert emulated["mean_kl"] < exact["mean_kl"]
+    assert emulated["top1_agreement"] >= 0.95
