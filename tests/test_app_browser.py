@@ -1,7 +1,8 @@
 """The dashboard in a real browser: ``workbench app`` on loopback, every page in headless Chromium.
 
 Each page does its main action the way a user would; the test checks that a plotly chart rendered and
-that no exception or error is on the page, and saves a screenshot to docs/screenshots/ (the README's).
+that no exception or error is on the page, and saves a screenshot (to docs/screenshots/, the README's, when
+WORKBENCH_SCREENSHOTS=docs/screenshots is set).
 Skipped unless the ``playwright`` package and a system Chromium are installed (no browser download).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -24,7 +26,8 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).is_file():
     pytest.skip("no system Chromium (apt-get install chromium)", allow_module_level=True)
 
-SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+# Screenshots go to a scratch folder; WORKBENCH_SCREENSHOTS=docs/screenshots refreshes the README's.
+SCREENSHOTS = Path(os.environ.get("WORKBENCH_SCREENSHOTS") or Path(tempfile.gettempdir()) / "workbench-screenshots")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]
 WAIT_MS = 600_000  # one page's work on a busy 2-core machine
@@ -86,7 +89,7 @@ def settle(page) -> None:
 
 
 def screenshot(page, name: str) -> None:
-    """The whole page, from the top, into docs/screenshots/NAME.png."""
+    """The whole page, from the top, into SCREENSHOTS/NAME.png."""
     height = min(max(page.evaluate('() => document.querySelector(\'[data-testid="stMain"]\').scrollHeight'), 900), 2400)
     page.set_viewport_size({"width": 1440, "height": height})
     page.evaluate('() => document.querySelector(\'[data-testid="stMain"]\').scrollTo(0, 0)')
