@@ -162,3 +162,17 @@ def test_prompt_errors(model):
         small.forward("a long prompt that is certainly more than sixteen byte tokens long")
     with pytest.raises(WorkbenchError, match="out of range"):
         small.forward([1, 2, 10**6])
+
+
+def test_unsupported_tensor_type_names_the_tensor(tmp_path):
+    """A tensor in a format we have no kernel for (IQ4_NL here) is refused by name, before anything loads."""
+    config = random_config("llama")
+    checkpoint = random_checkpoint(config)
+    path = write_gguf(tmp_path / "iq4nl.gguf", config, checkpoint.weights, checkpoint.metadata)
+    reader = gguf.GGUFReader(str(path), "r+")  # edit the tensor's type field in the file's header in place
+    info = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight").field
+    info.parts[-2][0] = gguf.GGMLQuantizationType.IQ4_NL  # parts: name length, name, n_dims, dims, type, offset
+    reader.data.flush()
+    del reader
+    with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight has unsupported type IQ4_NL"):
+        workbench.load(path)
