@@ -65,6 +65,18 @@ def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
     return DENSE if DENSE.supports(x, w) else BLOCKWISE
 
 
+@torch.library.custom_op("workbench::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, data: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor:
+    """``linear`` as one opaque op, so torch.compile traces around the kernels instead of into them."""
+    w = QuantTensor(data, fmt, (rows, cols))
+    return select_kernel(x, w).run(x, w)
+
+
+@_linear_op.register_fake
+def _linear_op_shape(x: torch.Tensor, data: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], rows)
+
+
 def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks."""
     if x.shape[-1] != w.shape[1]:
@@ -75,5 +87,8 @@ def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    out = select_kernel(x2, w).run(x2, w)
+    if torch.compiler.is_compiling():
+        out = _linear_op(x2, w.data, w.fmt.name, *w.shape)
+    else:
+        out = select_kernel(x2, w).run(x2, w)
     return out.reshape(*lead, w.shape[0])

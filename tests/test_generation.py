@@ -1,6 +1,8 @@
 """Sampling, the decode loop over the KV cache, and the static cache that CUDA graphs replay."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -72,5 +74,25 @@ def test_cuda_graph_decode_matches_eager():
                   device="cuda", dtype="float32")
     prompt = [5, 6, 7, 8]
     eager = list(generate_tokens(model.runner, prompt, 12, cuda_graphs=False))
-    with_graph = list(generate_tokens(model.runner, prompt, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to the eager capture fails the test
+        with_compiled_graph = list(generate_tokens(model.runner, prompt, 12))
+    assert with_compiled_graph == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch):
+    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
+                  device="cuda", dtype="float32")
+    prompt = [5, 6, 7, 8]
+    eager = list(generate_tokens(model.runner, prompt, 12, cuda_graphs=False))
+
+    def broken_compile(fn, **kwargs):
+        def fails(*args, **kw):
+            raise RuntimeError("no compiler here")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
+        with_graph = list(generate_tokens(model.runner, prompt, 12))
     assert with_graph == eager

@@ -52,14 +52,19 @@ class Sampling:
         return int(torch.multinomial(probs, 1, generator=generator))
 
 
+# Smallest static cache a captured decode step attends over: its shape is compiled in.
+MIN_GRAPH_CAPACITY = 256
+
+
 def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
                     sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(), hooks: Hooks | None = None,
                     cache: KVCache | None = None, cuda_graphs: bool = True) -> Iterator[int]:
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
     With ``cache``, the prompt tokens continue it and generation appends to it. On CUDA, with no hooks
-    and no caller-owned cache, the decode step is captured once as a CUDA graph and replayed: the same
-    forward, without a Python round trip per kernel.
+    and no caller-owned cache, the decode step is compiled (``torch.compile`` fuses the small kernels
+    between the matmuls), captured once as a CUDA graph and replayed: the same forward, without a Python
+    round trip per kernel. The first call for a cache size compiles it (tens of seconds on an 8B model).
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
@@ -81,6 +86,8 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
         return
     if cache is None:
         capacity = len(prompt_ids) + max_new_tokens
+        if graphs:  # a power of two, so most prompts reuse the compiled decode step of an earlier one
+            capacity = min(runner.config.n_ctx, max(MIN_GRAPH_CAPACITY, 1 << (capacity - 1).bit_length()))
         cache = runner.new_static_cache(capacity) if graphs else runner.new_cache(capacity)
     generator = sampling.generator()
     logits = runner.forward(torch.tensor(prompt_ids, dtype=torch.long), cache=cache, hooks=hooks,
@@ -100,8 +107,24 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             logits = runner.forward(torch.tensor([token]), cache=cache, hooks=hooks, last_logits_only=True, step=step)
 
 
-def capture_decode_step(runner: Transformer, cache: StaticKVCache) -> Callable[[int], torch.Tensor] | None:
-    """The runner's one-token forward over ``cache`` as a replayable CUDA graph (None if capture fails)."""
+def capture_decode_step(runner: Transformer, cache: StaticKVCache,
+                        compiled: bool = True) -> Callable[[int], torch.Tensor] | None:
+    """The runner's one-token forward over ``cache`` as a replayable CUDA graph (None if capture fails).
+
+    With ``compiled``, the graph holds ``torch.compile``'s build of that same forward, which fuses the
+    small kernels between the matmuls (norms, rope, attention softmax); the matmuls stay our kernels,
+    one opaque op each. If compiling fails, the eager forward is captured instead.
+    """
+    if compiled:
+        step = _capture(runner, cache, torch.compile(runner.forward, dynamic=False),
+                        "capturing the eager forward instead")
+        if step is not None:
+            return step
+    return _capture(runner, cache, runner.forward, "decoding eagerly")
+
+
+def _capture(runner: Transformer, cache: StaticKVCache, forward: Callable[..., torch.Tensor],
+             fallback: str) -> Callable[[int], torch.Tensor] | None:
     token = torch.zeros(1, dtype=torch.long, device=runner.device)
     saved = cache.device_length.clone()
     try:
@@ -109,14 +132,14 @@ def capture_decode_step(runner: Transformer, cache: StaticKVCache) -> Callable[[
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up compiles kernels and settles allocations, off the graph
             for _ in range(2):
-                runner.forward(token, cache=cache, last_logits_only=True)
+                forward(token, cache=cache, last_logits_only=True)
                 cache.rewind(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = runner.forward(token, cache=cache, last_logits_only=True)
-    except RuntimeError as err:  # a kernel that syncs or allocates on the host cannot be captured
-        warnings.warn(f"CUDA graph capture failed, decoding eagerly: {err}", RuntimeWarning, stacklevel=2)
+            logits = forward(token, cache=cache, last_logits_only=True)
+    except Exception as err:  # a compiler error, or a kernel that syncs or allocates on the host
+        warnings.warn(f"CUDA graph capture failed, {fallback}: {err}", RuntimeWarning, stacklevel=3)
         cache.rewind(saved)
         return None
     cache.rewind(saved)
