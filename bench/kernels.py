@@ -72,7 +72,12 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
 
     m = x.shape[0]
     if m == 1:
-        configs = [GemvConfig(block_n, warps) for block_n in (1, 2, 4, 8) for warps in (1, 2, 4)]
+        units = w.shape[1] // 32
+        configs = [
+            GemvConfig(block_n, warps, per_thread)
+            for block_n in (1, 2, 4, 8, 16) for warps in (1, 2, 4, 8) for per_thread in (1, 2, 4)
+            if 32 * warps * per_thread <= max(32, units) and block_n * per_thread <= 16
+        ]
         kernel = gemv
     else:
         configs = [
@@ -98,7 +103,7 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
         seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
                                 lambda ww: dequant_matmul(x, ww))
         results.append((seconds, "dequantize (triton) + cuBLAS"))
-    for seconds, config in sorted(results, key=lambda r: r[0])[:5]:
+    for seconds, config in sorted(results, key=lambda r: r[0])[:8]:
         print(f"      sweep {seconds * 1e6:9.1f} us  {config}")
 
 

@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, get_format, linear, select_kernel  # noqa: E402
 from workbench.kernels.triton import DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv  # noqa: E402
-from workbench.kernels.triton.matmul import GemmConfig  # noqa: E402
+from workbench.kernels.triton.matmul import GemmConfig, GemvConfig  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
@@ -85,6 +85,15 @@ class TestInterpreted:
         assert out.shape == (1, self.N) and out.dtype == dtype
         tolerance = 2 * ROUNDING_TOL[dtype] if dtype == torch.bfloat16 else ROUNDING_TOL[dtype]
         assert relative_error(out, x.double().numpy() @ reference.T) < tolerance
+
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_gemv_several_units_per_thread(self, fmt):
+        rng = np.random.default_rng([FORMATS.index(fmt), 3])
+        w, reference = random_weight(fmt, self.N, self.K, rng)
+        x = torch.from_numpy(rng.standard_normal((1, self.K)).astype(np.float32))
+        # 64 units per step against 24 in a row: the one step runs past the end of the row.
+        out = gemv(x, w, GemvConfig(block_n=8, num_warps=1, units_per_thread=2))
+        assert relative_error(out, x.double().numpy() @ reference.T) < FP32_TOL
 
     # The interpreter's bfloat16 tl.dot is wrong (and truncates); bfloat16 GEMMs are checked on CUDA.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -182,8 +191,9 @@ class TestBadInput:
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 class TestCuda:
-    # A model shape whose K leaves a partial last step, and a Llama-3-8B shape (N x K).
-    SHAPES = {32: [(1536, 576), (4096, 14336)], 256: [(576, 1536), (4096, 14336)]}
+    # A model shape whose K leaves a partial last step, K = 4096 (the 4-bit GEMVs' two units per thread)
+    # and a Llama-3-8B shape (N x K).
+    SHAPES = {32: [(1536, 576), (1024, 4096), (4096, 14336)], 256: [(576, 1536), (1024, 4096), (4096, 14336)]}
     # (rows, dtype): decode (GEMV), batched decode (skinny GEMM), prefill (GEMM, dequantize + cuBLAS).
     BATCHES = [
         (1, torch.bfloat16), (1, torch.float16), (8, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16),
