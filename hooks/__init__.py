@@ -21,14 +21,12 @@ def compile_hooks(model: Any, interventions: Sequence[Intervention | dict] = (),
     donor models. Recording hooks run after the interventions at the same point, so traces show edited values.
     """
     parsed = [from_spec(i) for i in interventions]
-    names = list(dict.fromkeys(name for pattern in record or () for name in resolve(pattern, model.config)))
+    recorder = Recorder.for_patterns(record, model.config)
     run = RunShape(model, prompt_len, max(total_len, prompt_len))
     for intervention in parsed:
         intervention.validate(run)
     hooks = merge_hooks(i.compile(run) for i in parsed)
-    recorder = None
-    if names:
-        recorder = Recorder(names)
+    if recorder is not None:
         hooks = merge_hooks([hooks, recorder.hooks()])
     return hooks, recorder, [i.to_spec() for i in parsed]
 

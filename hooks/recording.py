@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import torch
 
+from typing import Sequence
+
+from workbench.config import ModelConfig
 from workbench.runner import HookContext, HookFn
 
-from .points import axes
+from .points import axes, resolve
 
 
 class Recorder:
@@ -18,6 +21,12 @@ class Recorder:
     def __init__(self, names: list[str]):
         self.names = names
         self._chunks: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+
+    @classmethod
+    def for_patterns(cls, patterns: Sequence[str] | None, config: ModelConfig) -> "Recorder | None":
+        """A recorder of every point the names or globs match (each once), or None when there are none."""
+        names = list(dict.fromkeys(name for pattern in patterns or () for name in resolve(pattern, config)))
+        return cls(names) if names else None
 
     def hooks(self) -> dict[str, list[HookFn]]:
         def record(x: torch.Tensor, ctx: HookContext) -> None:

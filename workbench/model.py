@@ -18,7 +18,7 @@ from workbench.generation import Sampling, generate_tokens
 from workbench.kernels import select_kernel
 from workbench.kv_cache import KVCache
 from workbench.loading import LoadedCheckpoint, load_checkpoint
-from workbench.runner import Hooks, Transformer
+from workbench.runner import Transformer
 from workbench.tokenizer import StreamDecoder
 
 # Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
@@ -112,8 +112,7 @@ class Model:
         Yields the recorder (``.activations()`` after the block) when ``record`` is given.
         """
         parsed = [hooks_lib.from_spec(i) for i in interventions]
-        names = [n for pattern in record or () for n in hooks_lib.resolve(pattern, self.config)]
-        recorder = hooks_lib.Recorder(list(dict.fromkeys(names))) if names else None
+        recorder = hooks_lib.Recorder.for_patterns(record, self.config)
         token = _ACTIVE.set(_ACTIVE.get() + ((self, parsed, recorder),))
         try:
             yield recorder
@@ -218,10 +217,13 @@ class Model:
     def kernel_report(self, n_tokens: int = 1) -> dict[str, str]:
         """Which kernel serves each matrix for a forward of ``n_tokens`` tokens on this device."""
         probe = torch.empty(n_tokens, 1, dtype=self.dtype, device=self.device)
+        chosen: dict[tuple, str] = {}  # selection depends on format, shape and alignment: ask once per kind
         report = {}
         for name, w in self.runner.weights.named_matrices():
-            x = probe.expand(n_tokens, w.shape[1])
-            report[name] = select_kernel(x, w).name
+            key = (w.fmt.name, w.shape, w.data.data_ptr() % 16)
+            if key not in chosen:
+                chosen[key] = select_kernel(probe.expand(n_tokens, w.shape[1]), w).name
+            report[name] = chosen[key]
         return report
 
     def info(self) -> dict[str, Any]:
