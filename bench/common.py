@@ -7,15 +7,6 @@ from typing import Callable
 
 import torch
 
-from workbench.kernels import QuantTensor
-
-
-def make_weight(fmt: str, rows: int, cols: int, device: str) -> QuantTensor:
-    """A quantized random weight. Only up to 256 distinct rows are quantized (slow on CPU), then tiled."""
-    distinct = QuantTensor.quantize(torch.randn(min(rows, 256), cols, device=device), fmt)
-    data = distinct.data.repeat(-(-rows // distinct.data.shape[0]), 1)[:rows].contiguous()
-    return QuantTensor(data, fmt, (rows, cols))
-
 
 def copy_bandwidth() -> float:
     """Bytes read plus written per second by a 1 GiB device-to-device copy."""

@@ -8,25 +8,20 @@ Every figure in one table comes from the same run, so ratios are side by side.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-import functools
 import statistics
 import time
 
 import torch
 
 import workbench
-from common import copy_bandwidth, make_weight
-from workbench.config import ModelConfig
+from common import copy_bandwidth
 from workbench.generation import Sampling, generate_tokens
-from workbench.loading import LoadedCheckpoint
 from workbench.model import Model
-from workbench.synthetic import random_config, tokenizer_metadata
-from workbench.tokenizer import Tokenizer
-from workbench.weights import LayerWeights, ModelWeights
+from workbench.synthetic import random_checkpoint, random_config
 
 SHAPES = {
-    "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=128256),
+    "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=128256,
+                      tied_embeddings=False),
 }
 
 
@@ -107,23 +102,9 @@ def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats:
 
 
 def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None) -> Model:
-    """A random-weight model of a real model's shape (rows quantized once and tiled, as in bench/kernels.py)."""
-    c: ModelConfig = random_config("llama", n_ctx=4096, **SHAPES[shape])
-    matrix = functools.partial(make_weight, fmt, device=device)
-
-    def norm(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device)
-
-    q, kv = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    layers = [LayerWeights(attn_norm=norm(c.d_model), wq=matrix(q, c.d_model), wk=matrix(kv, c.d_model),
-                           wv=matrix(kv, c.d_model), wo=matrix(c.d_model, q), mlp_norm=norm(c.d_model),
-                           w_gate=matrix(c.d_mlp, c.d_model), w_up=matrix(c.d_mlp, c.d_model),
-                           w_down=matrix(c.d_model, c.d_mlp)) for _ in range(c.n_layers)]
-    embed = matrix(c.vocab_size, c.d_model)
-    weights = ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=matrix(c.vocab_size, c.d_model))
-    metadata = tokenizer_metadata()
-    checkpoint = LoadedCheckpoint(c, weights, Tokenizer.from_gguf_metadata(metadata), Path(f"<random {shape}>"), metadata)
-    return Model(checkpoint, device=device, dtype=dtype)
+    """A random-weight model of a real model's shape (256 distinct rows per matrix, tiled: quantizing is slow)."""
+    config = random_config("llama", n_ctx=4096, **SHAPES[shape])
+    return Model(random_checkpoint(config, fmt, device=device, distinct_rows=256), device=device, dtype=dtype)
 
 
 def print_table(title: str, columns: dict[str, dict[str, float]]) -> None:

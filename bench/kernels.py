@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 import workbench.kernels as wk
-from common import copy_bandwidth, cuda_seconds, make_weight
+from common import copy_bandwidth, cuda_seconds
 from workbench.kernels import QuantTensor
+from workbench.synthetic import random_matrix
 
 SHAPES = {
     "small": [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)],  # the embedded model, N x K
@@ -156,7 +157,7 @@ def bench_shape(fmt: str, n: int, k: int, batches, timer: Timer, act_dtype: torc
                 with_sweep: bool) -> None:
     """Print one line per batch size for an N x K weight in ``fmt``."""
     device = timer.device
-    w = make_weight(fmt, n, k, device)
+    w = random_matrix(n, k, fmt, device=device, distinct_rows=256)  # quantizing is slow on CPU: tile 256 rows
     dense = torch.randn(n, k, device=device).to(act_dtype)
     for m in batches:
         x = torch.randn(m, k, device=device).to(act_dtype)

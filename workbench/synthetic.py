@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from workbench.config import ModelConfig
-from workbench.kernels import QuantTensor, get_format
+from workbench.kernels import QuantTensor
 from workbench.loading import ARCHITECTURES, LoadedCheckpoint
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
@@ -73,14 +73,28 @@ def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int =
                        name=f"random-{architecture}", **ARCHITECTURES[architecture])
 
 
-def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu") -> ModelWeights:
-    """Gaussian weights quantized into ``fmt`` (norms stay F32 around 1)."""
+def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: torch.Generator | None = None,
+                  device: str = "cpu", distinct_rows: int | None = None) -> QuantTensor:
+    """A Gaussian ``[rows, cols]`` matrix quantized into ``fmt``.
+
+    With ``distinct_rows``, only that many rows are drawn and quantized, then tiled: a quick stand-in for a
+    matrix of a real model's size (benchmarks), since quantizing is the slow part.
+    """
+    n = rows if distinct_rows is None else min(rows, distinct_rows)
+    distinct = QuantTensor.quantize(torch.randn(n, cols, generator=generator, device=device) * std, fmt)
+    if n == rows:
+        return distinct
+    return QuantTensor(distinct.data.repeat(-(-rows // n), 1)[:rows].contiguous(), distinct.fmt, (rows, cols))
+
+
+def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu",
+                   distinct_rows: int | None = None) -> ModelWeights:
+    """Gaussian weights quantized into ``fmt`` (norms stay F32 around 1); ``distinct_rows`` as in random_matrix."""
     c = config
     g = torch.Generator(device=device).manual_seed(seed)
 
     def matrix(rows: int, cols: int, std: float) -> QuantTensor:
-        w = torch.randn(rows, cols, generator=g, device=device) * std
-        return QuantTensor.quantize(w, fmt)
+        return random_matrix(rows, cols, fmt, std, g, device, distinct_rows)
 
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
@@ -107,9 +121,10 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
     return ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=unembed)
 
 
-def random_checkpoint(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0) -> LoadedCheckpoint:
+def random_checkpoint(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu",
+                      distinct_rows: int | None = None) -> LoadedCheckpoint:
     metadata = tokenizer_metadata()
-    weights = random_weights(config, fmt, seed)
+    weights = random_weights(config, fmt, seed, device, distinct_rows)
     return LoadedCheckpoint(config, weights, Tokenizer.from_gguf_metadata(metadata), Path(f"<{config.name}>"), metadata)
 
 
