@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import workbench
 from workbench import cli

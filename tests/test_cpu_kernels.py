@@ -1,8 +1,6 @@
 """The C++ CPU kernels of workbench.kernels.cpu against the gguf package's reference dequantizer."""
 from __future__ import annotations
 
-import warnings
-
 import gguf
 import numpy as np
 import pytest

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import gguf
 import pytest
