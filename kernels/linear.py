@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .quant_tensor import QuantTensor
+from .quant_tensor import FLOAT_DTYPES, QuantTensor
 
 # Rows dequantized at a time by the blockwise path: bounds the float scratch buffer to ~4 MiB.
 _CHUNK_VALUES = 1 << 20
@@ -36,9 +36,6 @@ def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 
 BLOCKWISE = Kernel("blockwise-dequant-matmul", "any", lambda x, w: True, _blockwise_dequant_matmul)
-
-FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
 
 def _dense_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """Float weights are their own bytes viewed as floats: a plain BLAS/cuBLAS matmul, no conversion."""

@@ -5,6 +5,8 @@ import torch
 
 from .formats import QuantFormat, get_format
 
+FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
 
 class QuantTensor:
     """A 2-D weight ``[out_features, in_features]`` stored as packed GGUF blocks.
@@ -38,6 +40,16 @@ class QuantTensor:
         blocks = weight.detach().to(torch.float32).reshape(-1, fmt.block_size)
         packed = fmt.quantize(blocks).reshape(rows, -1)
         return cls(packed, fmt, (rows, cols))
+
+    @classmethod
+    def from_floats(cls, matrix: torch.Tensor) -> "QuantTensor":
+        """A float32/float16/bfloat16 matrix (a vector: one row) as F32/F16/BF16 over its own bytes, unconverted."""
+        matrix = matrix.reshape(1, -1) if matrix.dim() == 1 else matrix
+        fmt = next((name for name, dtype in FLOAT_DTYPES.items() if dtype == matrix.dtype), None)
+        if fmt is None or matrix.dim() != 2:
+            raise ValueError(f"expected a 1-D or 2-D float32/float16/bfloat16 tensor, got {matrix.dtype} "
+                             f"{tuple(matrix.shape)}")
+        return cls(matrix.contiguous().view(torch.uint8).reshape(matrix.shape[0], -1), fmt, tuple(matrix.shape))
 
     @property
     def device(self) -> torch.device:

@@ -13,6 +13,7 @@ import torch
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError
 from workbench.kernels import QuantTensor, get_format
+from workbench.kernels.quant_tensor import FLOAT_DTYPES
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
 
@@ -241,7 +242,6 @@ _HF_GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-_FLOAT_FORMATS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # As llama.cpp's quantizer: rows too short for a 256-value K-quant super-block take a 32-block format.
 _ROW_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
@@ -334,11 +334,9 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
                 fmt = get_format(_ROW_FALLBACK[fmt.name])
             if matrix.shape[1] % fmt.block_size == 0:
                 return QuantTensor.quantize(matrix, fmt)
-        if tensor.dim() == 1 or tensor.dtype not in _FLOAT_FORMATS:
+        if tensor.dim() == 1 or tensor.dtype not in FLOAT_DTYPES.values():
             matrix = matrix.float()  # norms and biases stay F32, as llama.cpp keeps them
-        fmt = _FLOAT_FORMATS[matrix.dtype]
-        raw = matrix.contiguous().view(torch.uint8).reshape(matrix.shape[0], -1)
-        return QuantTensor(raw, fmt, tuple(matrix.shape))
+        return QuantTensor.from_floats(matrix)
 
     weights = _assemble(config, get, str(path))
     try:

@@ -154,7 +154,7 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         if tensor is None:
             return
         if isinstance(tensor, torch.Tensor):  # norms and biases are stored F32
-            tensor = QuantTensor(tensor.float().contiguous().view(torch.uint8).reshape(1, -1), "F32", (1, tensor.numel()))
+            tensor = QuantTensor.from_floats(tensor.float())
             data = tensor.data.cpu().numpy().reshape(-1)
         else:
             data = tensor.data.cpu().numpy()
