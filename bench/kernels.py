@@ -70,10 +70,11 @@ class Timer:
 def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
     """Time the Triton kernels under other tile configurations and print them, best first."""
     from workbench.kernels.triton import GemmConfig, GemvConfig, dequant_matmul, gemm, gemv
+    from workbench.kernels.triton.matmul import gemv_units
 
     m = x.shape[0]
     if m == 1:
-        units = w.shape[1] // 32
+        units = gemv_units(w.shape[1], w.fmt.name)
         configs = [
             GemvConfig(block_n, warps, per_thread)
             for block_n in (1, 2, 4, 8, 16) for warps in (1, 2, 4, 8) for per_thread in (1, 2, 4)

@@ -95,6 +95,15 @@ class TestInterpreted:
         out = gemv(x, w, GemvConfig(block_n=8, num_warps=1, units_per_thread=2))
         assert relative_error(out, x.double().numpy() @ reference.T) < FP32_TOL
 
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_gemv_whole_steps(self, fmt):
+        # K = 2048: every step lies inside the row, the path without bounds checks.
+        rng = np.random.default_rng([FORMATS.index(fmt), 4])
+        w, reference = random_weight(fmt, self.N, 2048, rng)
+        x = torch.from_numpy(rng.standard_normal((1, 2048)).astype(np.float32))
+        out = gemv(x, w, GemvConfig(block_n=4, num_warps=1, units_per_thread=1))
+        assert relative_error(out, x.double().numpy() @ reference.T) < FP32_TOL
+
     # The interpreter's bfloat16 tl.dot is wrong (and truncates); bfloat16 GEMMs are checked on CUDA.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
     @pytest.mark.parametrize("fmt", FORMATS)

@@ -12,6 +12,9 @@ integer logic ops, where an int->float conversion runs at a fraction of the ALU 
 ``a * f + b`` for per-unit (or per-sub-block) ``a`` and ``b``, which lets the GEMV sum ``f * x`` and
 ``x`` over a piece and apply ``a`` and ``b`` once per piece instead of once per value.
 
+The batch-1 GEMV reads Q4_K differently (``q4_k_gemv_load`` / ``q4_k_gemv_dots`` at the end): 64-value
+chunks in 16-byte loads, one byte permute per value.
+
 ``tl.join(a, b)`` appends a new innermost axis, so in a nest of joins the outermost join picks the
 fastest-varying index of the flattened result.
 """
@@ -141,13 +144,21 @@ def _q8_piece(quad):
 
 
 @triton.jit
-def q4_k_scale_min(s0, s1, s2, sub):
-    """Q4_K's 6-bit (scale, min) of sub-block ``sub`` (0..7) from its 12 scale bytes, read as 3 int32 words."""
-    shift = (sub % 4) * 8
-    low = sub < 4
-    scale = tl.where(low, s0 >> shift, ((s2 >> shift) & 0xF) | ((s0 >> shift >> 2) & 0x30)) & 0x3F
-    minimum = tl.where(low, s1 >> shift, ((s2 >> shift >> 4) & 0xF) | ((s1 >> shift >> 2) & 0x30)) & 0x3F
-    return scale.to(tl.float32), minimum.to(tl.float32)
+def q4_k_chunk_scales(s0, s1, s2, chunk):
+    """Q4_K's 6-bit scales and mins of sub-blocks ``2 * chunk`` and ``2 * chunk + 1`` (chunk 0..3) from its 12
+    scale bytes, read as 3 int32 words: ``(scale_lo, min_lo, scale_hi, min_hi)`` as float32.
+
+    Bytes 0-3 of ``s0`` / ``s1`` hold the scales / mins of sub-blocks 0-3 (low 6 bits) and the top 2 bits of
+    those of sub-blocks 4-7, whose low 4 bits are the nibbles of ``s2``; a chunk's two sub-blocks sit in one
+    half-word of each."""
+    shift = (chunk % 2) * 16
+    s0, s1, s2 = s0 >> shift, s1 >> shift, s2 >> shift
+    low = chunk < 2
+    scale_lo = tl.where(low, s0 & 0x3F, (s2 & 0xF) | ((s0 >> 2) & 0x30))
+    min_lo = tl.where(low, s1 & 0x3F, ((s2 >> 4) & 0xF) | ((s1 >> 2) & 0x30))
+    scale_hi = tl.where(low, (s0 >> 8) & 0x3F, ((s2 >> 8) & 0xF) | ((s0 >> 10) & 0x30))
+    min_hi = tl.where(low, (s1 >> 8) & 0x3F, ((s2 >> 12) & 0xF) | ((s1 >> 10) & 0x30))
+    return scale_lo.to(tl.float32), min_lo.to(tl.float32), scale_hi.to(tl.float32), min_hi.to(tl.float32)
 
 
 @triton.jit
@@ -155,7 +166,10 @@ def q4_k_affine(blockp, sub):
     # Super-block (144 bytes): f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | 128 bytes of quants.
     # w = d * scale_s * q - dmin * min_s = 16 d scale_s * f - (16 d scale_s + dmin min_s) in sub-block s.
     words = blockp.to(tl.pointer_type(tl.int32))
-    scale, minimum = q4_k_scale_min(tl.load(words + 1), tl.load(words + 2), tl.load(words + 3), sub)
+    s0, s1, s2 = tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, sub // 2)
+    odd = sub % 2 == 1
+    scale, minimum = tl.where(odd, scale_hi, scale_lo), tl.where(odd, min_hi, min_lo)
     a = 16.0 * load_f16(blockp) * scale
     return a, -(a + load_f16(blockp + 2) * minimum)
 
@@ -326,3 +340,141 @@ def weight_tile(
         tile = tl.reshape(tile, (BLOCK_N, BLOCK_U // 8, 2, 4, 4, 8))
         tile = tl.permute(tile, (0, 1, 2, 4, 3, 5))
     return tl.reshape(tile, (BLOCK_N, 32 * BLOCK_U))
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch-1 GEMV's path for the 4-bit K-quant. Its unit is a whole 32-byte chunk of one super-block's
+# quants (64 values: one sub-block in the low nibbles, the next in the high ones), read with two 16-byte
+# loads beside one 16-byte load of the super-block's header, and unpacked with one integer instruction
+# per value: the GEMV is bound by the integer pipe (half the rate of the float32 one), not by memory,
+# when unpacking costs a shift and a mask-or per value as above.
+
+
+@triton.jit
+def four_words(p):
+    """The 16 bytes at each 16-byte aligned uint8 pointer ``p``, in one vector load, as four int32 tensors."""
+    words = tl.load(p.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, 4)[None, :])
+    even, odd = tl.split(tl.reshape(words, (words.shape[0], 2, 2)))
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def split8(t):
+    """``[N, 8]`` -> its eight columns ``[N]``, in order."""
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], 4, 2)))
+    e0, e1 = tl.split(tl.reshape(even, (t.shape[0], 2, 2)))
+    o0, o1 = tl.split(tl.reshape(odd, (t.shape[0], 2, 2)))
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _byte2_float(t, BYTE: tl.constexpr):
+    """``0x3F000000 | byte BYTE of t << 16``."""
+    if BYTE < 2:
+        t = t << (16 - 8 * BYTE)
+    elif BYTE > 2:
+        t = t >> (8 * BYTE - 16)
+    return ((t & 0x00FF0000) | 0x3F000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nibble_floats(w, USE_ASM: tl.constexpr):
+    """The nibbles of int32 ``w`` as floats ``1 + q / 128``: those of bytes 0-3 low, then high.
+
+    A nibble q becomes byte 2 of ``0x3F8q0000`` (``0x80 | q`` under the exponent byte of 1.0). On CUDA
+    (``USE_ASM``) that is two mask-ors per word and one ``prmt`` (byte permute) per value; the interpreter,
+    which runs no PTX, computes the same bits with shifts and masks.
+    """
+    lo = (w & 0x0F0F0F0F) | -0x7F7F7F80  # every byte 0x80 | its low nibble
+    hi = ((w >> 4) & 0x0F0F0F0F) | -0x7F7F7F80
+    if USE_ASM:
+        floats = tl.inline_asm_elementwise(
+            """
+            prmt.b32 $0, $8, $10, 0x7054;
+            prmt.b32 $1, $8, $10, 0x7154;
+            prmt.b32 $2, $8, $10, 0x7254;
+            prmt.b32 $3, $8, $10, 0x7354;
+            prmt.b32 $4, $9, $10, 0x7054;
+            prmt.b32 $5, $9, $10, 0x7154;
+            prmt.b32 $6, $9, $10, 0x7254;
+            prmt.b32 $7, $9, $10, 0x7354;
+            """,
+            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [lo, hi, tl.full(lo.shape, 0x3F000000, tl.int32)],
+            dtype=(tl.float32,) * 8, is_pure=True, pack=1,
+        )
+    else:
+        floats = (
+            _byte2_float(lo, 0), _byte2_float(lo, 1), _byte2_float(lo, 2), _byte2_float(lo, 3),
+            _byte2_float(hi, 0), _byte2_float(hi, 1), _byte2_float(hi, 2), _byte2_float(hi, 3),
+        )
+    return floats
+
+
+@triton.jit
+def _dot_chain(acc, fs, xs, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """``acc + sum_i fs[i] * xs[i]``, one fused multiply-add per value, for (row, chunk) ``fs`` and per-chunk ``xs``."""
+    for i in tl.static_range(len(fs)):
+        acc = tl.reshape(fs[i], (BLOCK_N, BLOCK_U)) * xs[i][None, :] + acc
+    return acc
+
+
+@triton.jit
+def q4_k_gemv_load(rowp, first, n_chunks, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """The bytes of chunks ``first .. first + BLOCK_U - 1`` of each row in ``rowp`` (one pointer per (row, chunk)
+    pair, rows slowest; chunks past the row re-read the last one): the super-block's first 16 bytes (d, dmin,
+    scales) and the chunk's 32 bytes of quants, as twelve int32 tensors."""
+    chunk = tl.minimum(first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U, n_chunks - 1)
+    blockp = rowp + (chunk // 4) * 144
+    header0, s0, s1, s2 = four_words(blockp)
+    quants = blockp + 16 + 32 * (chunk % 4)
+    q0, q1, q2, q3 = four_words(quants)
+    q4, q5, q6, q7 = four_words(quants + 16)
+    return header0, s0, s1, s2, q0, q1, q2, q3, q4, q5, q6, q7
+
+
+@triton.jit
+def q4_k_gemv_dots(
+    raw, first, xp, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr,
+):
+    """Dots ``[BLOCK_N, BLOCK_U]`` of the chunks ``q4_k_gemv_load`` read (``raw``) with the activations.
+
+    With ``EVEN`` every chunk is in the row (no bounds checks on the activations). In sub-block s,
+    ``w = d scale_s q - dmin min_s = 128 d scale_s f - (128 d scale_s + dmin min_s)`` for ``f = 1 + q / 128``.
+    """
+    header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, chunk % 4)
+
+    x_chunk = 64 * (first + tl.arange(0, BLOCK_U))
+    fx_lo = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
+    fx_hi = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
+    sum_x_lo = tl.zeros((BLOCK_U,), tl.float32)
+    sum_x_hi = tl.zeros((BLOCK_U,), tl.float32)
+    for pair in tl.static_range(4):  # words 2 * pair, 2 * pair + 1: values 8 * pair .. + 7 of both sub-blocks
+        index = x_chunk[:, None] + 8 * pair + tl.arange(0, 8)[None, :]
+        if EVEN:
+            x_lo = tl.load(xp + index).to(tl.float32)
+            x_hi = tl.load(xp + index + 32).to(tl.float32)
+        else:
+            x_lo = tl.load(xp + index, mask=index < K, other=0.0).to(tl.float32)
+            x_hi = tl.load(xp + index + 32, mask=index + 32 < K, other=0.0).to(tl.float32)
+        sum_x_lo += tl.sum(x_lo, axis=1)
+        sum_x_hi += tl.sum(x_hi, axis=1)
+        f_a = nibble_floats(raw[4 + 2 * pair], USE_ASM)
+        f_b = nibble_floats(raw[5 + 2 * pair], USE_ASM)
+        fx_lo = _dot_chain(fx_lo, f_a[:4] + f_b[:4], split8(x_lo), BLOCK_N, BLOCK_U)
+        fx_hi = _dot_chain(fx_hi, f_a[4:] + f_b[4:], split8(x_hi), BLOCK_N, BLOCK_U)
+
+    a_lo = tl.reshape(128.0 * d * scale_lo, (BLOCK_N, BLOCK_U))
+    a_hi = tl.reshape(128.0 * d * scale_hi, (BLOCK_N, BLOCK_U))
+    b_lo = -(a_lo + tl.reshape(dmin * min_lo, (BLOCK_N, BLOCK_U)))
+    b_hi = -(a_hi + tl.reshape(dmin * min_hi, (BLOCK_N, BLOCK_U)))
+    return a_lo * fx_lo + b_lo * sum_x_lo[None, :] + a_hi * fx_hi + b_hi * sum_x_hi[None, :]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .dequant import dot_units, weight_tile
+from .dequant import Q4_K, dot_units, q4_k_gemv_dots, q4_k_gemv_load, weight_tile
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class GemvConfig:
     block_n: int = 4  # weight rows per program; each thread holds all of them and shares its activations
     num_warps: int = 4
-    units_per_thread: int = 1  # 32-value units of a row each thread reads per loop step (bytes in flight)
+    units_per_thread: int = 1  # units of a row each thread reads per loop step (bytes in flight)
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,23 @@ class GemmConfig:
     group_m: int = 8  # programs that share weight columns run together, so their tiles are reused from L2
 
 
+def gemv_units(k: int, fmt: str) -> int:
+    """Units of one row the GEMV walks: 64-value chunks for Q4_K (see ``q4_k_gemv_dots``), else 32 values."""
+    return k // (64 if fmt == "Q4_K" else 32)
+
+
 def gemv_config(k: int, fmt: str) -> GemvConfig:
     """Enough warps to cover a row in few steps without leaving many threads idle on the last one.
 
-    ``bench/kernels.py --sweep`` on an H100 (Llama-3-8B shapes): where that is 4 warps (K = 4096), the
-    4-bit formats run 5-10 % faster on half the warps with two units per thread; Q6_K, whose units need
-    more registers, does not.
+    ``bench/kernels.py --sweep`` on an H100 (Llama-3-8B shapes): where that is 4 warps (K = 4096), Q4_0 and
+    Q4_1 run 5-10 % faster on half the warps with two units per thread; Q6_K, whose units need more
+    registers, does not. Q4_K's 64-value chunks run best one warp per four rows on all three shapes.
     """
-    units = k // 32
+    if fmt == "Q4_K":
+        return GemvConfig(block_n=4, num_warps=1)
+    units = gemv_units(k, fmt)
     warps = min((4, 2, 1), key=lambda warps: (-(-units // (32 * warps)) * 32 * warps, -warps))
-    if warps == 4 and fmt in ("Q4_0", "Q4_1", "Q4_K"):
+    if warps == 4 and fmt in ("Q4_0", "Q4_1"):
         return GemvConfig(num_warps=2, units_per_thread=2)
     return GemvConfig(num_warps=warps)
 
@@ -98,16 +105,23 @@ def _sm_count(device: torch.device) -> int:
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, N, K, row_bytes,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
     pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
-    n_units = K // 32
     # One partial sum per (row, unit), reduced across threads once at the end.
     acc = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
-    for first in range(0, n_units, BLOCK_U):
-        acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
+    if FMT == Q4_K:
+        n_chunks = K // 64
+        for first in range(0, n_chunks, BLOCK_U):
+            raw = q4_k_gemv_load(rowp, first, n_chunks, BLOCK_N, BLOCK_U)
+            acc += q4_k_gemv_dots(raw, first, x_ptr, K, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+    else:
+        n_units = K // 32
+        for first in range(0, n_units, BLOCK_U):
+            acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -235,10 +249,12 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     if m == 0:
         return out
     config = config or gemv_config(k, w.fmt.name)
+    block_u = 32 * config.num_warps * config.units_per_thread
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, w.data, out, n, k, w.data.shape[1],
-        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size,
-        BLOCK_N=config.block_n, BLOCK_U=32 * config.num_warps * config.units_per_thread, num_warps=config.num_warps,
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=block_u,
+        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % block_u == 0,
+        num_warps=config.num_warps,
     )
     return out
 
