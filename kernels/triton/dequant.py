@@ -346,8 +346,8 @@ def weight_tile(
 # The batch-1 GEMV's path for the 4-bit K-quant. Its unit is a whole 32-byte chunk of one super-block's
 # quants (64 values: one sub-block in the low nibbles, the next in the high ones), read with two 16-byte
 # loads beside one 16-byte load of the super-block's header, and unpacked with one integer instruction
-# per value: the GEMV is bound by the integer pipe (half the rate of the float32 one), not by memory,
-# when unpacking costs a shift and a mask-or per value as above.
+# per value. The integer pipe runs at half the float32 rate, and at a shift and a mask-or per value (the
+# pieces above) it, not memory, set the pace of this GEMV (bench/RESULTS.md).
 
 
 @triton.jit
