@@ -11,7 +11,6 @@ layer nearest to ``f * (n_layers - 1)``, halves rounding up (f=0 is the first la
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from sklearn.decomposition import PCA
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import StratifiedGroupKFold, cross_val_predict
@@ -29,7 +27,9 @@ from workbench.errors import WorkbenchError
 
 from .activations import Progress, block_hook, collect_activations
 from .data import Dataset, load_dataset
-from .saving import artifact_paths, check_signature, existing_artifact, model_signature
+from .saving import check_signature, model_signature, read_artifact, write_artifact
+
+FORMAT = "workbench-probe/1"
 
 N_COMPONENTS = 32
 Z_95 = 1.959963984540054
@@ -100,27 +100,21 @@ class Probe:
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Write ``path.safetensors`` (the fitted arrays) and ``path.json`` (hook, classes, model signature)."""
-        tensors_file, json_file = artifact_paths(path)
         pca, logreg = self.pipeline["pca"], self.pipeline["logreg"]
         tensors = {"pca_components": pca.components_, "pca_mean": pca.mean_,
                    "pca_explained_variance": pca.explained_variance_,
                    "coef": logreg.coef_, "intercept": logreg.intercept_}
-        save_file({k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in tensors.items()},
-                  str(tensors_file))
-        meta = {"format": "workbench-probe/1", "hook": self.hook, "pooling": self.pooling, "classes": self.classes,
+        meta = {"format": FORMAT, "hook": self.hook, "pooling": self.pooling, "classes": self.classes,
                 "signature": self.signature, "accuracy": self.accuracy, "ci": list(self.ci),
                 "n_train": self.n_train, "n_test": self.n_test, "dataset": self.dataset}
-        json_file.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        return tensors_file, json_file
+        return write_artifact(path, {k: torch.from_numpy(np.asarray(v, dtype=np.float64)) for k, v in tensors.items()},
+                              meta)
 
     @classmethod
     def load(cls, path: str | Path, model: Any | None = None) -> "Probe":
         """Read a saved probe (no pickle: the estimators are rebuilt from arrays); check it fits ``model``."""
-        files = existing_artifact(path, "probe")
-        meta = json.loads(files[1].read_text(encoding="utf-8"))
-        if meta.get("format") != "workbench-probe/1":
-            raise WorkbenchError(f"{files[1]} is not a workbench probe (format {meta.get('format')!r})")
-        arrays = {k: v.numpy() for k, v in load_file(str(files[0])).items()}
+        tensors, meta = read_artifact(path, "probe", FORMAT)
+        arrays = {k: v.numpy() for k, v in tensors.items()}
         pca = PCA(n_components=arrays["pca_components"].shape[0], whiten=True)
         pca.components_, pca.mean_ = arrays["pca_components"], arrays["pca_mean"]
         pca.explained_variance_ = arrays["pca_explained_variance"]

@@ -1,8 +1,12 @@
 """Saving fitted objects (probes, tuned lenses) as safetensors + JSON, and checking they fit a model."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
 
 from workbench.errors import WorkbenchError
 from workbench.hooks import point_shapes
@@ -21,6 +25,23 @@ def existing_artifact(path: str | Path, what: str) -> tuple[Path, Path]:
     if missing:
         raise WorkbenchError(f"{what} files not found: {', '.join(missing)}")
     return files
+
+
+def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> tuple[Path, Path]:
+    """Write ``tensors`` to ``path.safetensors`` and ``meta`` to ``path.json``; returns both paths."""
+    tensors_file, json_file = artifact_paths(path)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(tensors_file))
+    json_file.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    return tensors_file, json_file
+
+
+def read_artifact(path: str | Path, what: str, fmt: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and metadata ``write_artifact`` wrote, after checking the metadata names format ``fmt``."""
+    tensors_file, json_file = existing_artifact(path, what)
+    meta = json.loads(json_file.read_text(encoding="utf-8"))
+    if meta.get("format") != fmt:
+        raise WorkbenchError(f"{json_file} is not a workbench {what} (format {meta.get('format')!r})")
+    return load_file(str(tensors_file)), meta
 
 
 def model_signature(model: Any, hook: str | None = None) -> dict[str, Any]:

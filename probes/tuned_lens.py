@@ -9,19 +9,17 @@ Saved as safetensors (the translators) + JSON (the model signature); no pickle.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from workbench.errors import WorkbenchError
 
 from .activations import Progress, check_prompts, progress_callback
 from .data import load_dataset
-from .saving import artifact_paths, check_signature, existing_artifact, model_signature
+from .saving import check_signature, model_signature, read_artifact, write_artifact
 
 DEFAULT_TRAINING_SETS = ("sentiment", "facts", "happy_sad")
 FORMAT = "workbench-tuned-lens/1"
@@ -43,20 +41,13 @@ class TunedLens:
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Write ``path.safetensors`` (the translators) and ``path.json`` (model signature, fit settings)."""
-        tensors_file, json_file = artifact_paths(path)
-        save_file({"weight": self.weight.contiguous(), "bias": self.bias.contiguous()}, str(tensors_file))
         meta = {"format": FORMAT, "signature": self.signature, "ridge": self.ridge, "n_positions": self.n_positions}
-        json_file.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        return tensors_file, json_file
+        return write_artifact(path, {"weight": self.weight, "bias": self.bias}, meta)
 
     @classmethod
     def load(cls, path: str | Path, model: Any | None = None) -> "TunedLens":
         """Read a saved tuned lens; check it fits ``model`` when given."""
-        files = existing_artifact(path, "tuned lens")
-        meta = json.loads(files[1].read_text(encoding="utf-8"))
-        if meta.get("format") != FORMAT:
-            raise WorkbenchError(f"{files[1]} is not a workbench tuned lens (format {meta.get('format')!r})")
-        tensors = load_file(str(files[0]))
+        tensors, meta = read_artifact(path, "tuned lens", FORMAT)
         lens = cls(tensors["weight"], tensors["bias"], meta["signature"], meta["ridge"], meta["n_positions"])
         if model is not None:
             lens.check_model(model)
