@@ -162,3 +162,17 @@ def test_bad_surgery_is_refused(tiny):
         with pytest.raises(workbench.WorkbenchError, match=expected):
             call()
     assert cache.length == len(PROMPT) and all(torch.equal(a, b) for a, b in zip(cache.get(0), (keys, values)))
+
+
+def test_positions_past_the_context_are_refused(tiny):
+    runner, n_ctx = tiny.runner, tiny.config.n_ctx
+    cache = runner.new_cache()
+    runner.forward(torch.arange(n_ctx - 1) % 50, cache=cache)
+    runner.forward(torch.tensor([3]), cache=cache)  # the last position of the context
+    with pytest.raises(workbench.WorkbenchError, match=f"positions up to {n_ctx} lie past the model's context"):
+        runner.forward(torch.tensor([3]), cache=cache)
+    assert cache.length == n_ctx
+    with pytest.raises(workbench.WorkbenchError, match="context"):
+        runner.forward(torch.zeros(n_ctx + 1, dtype=torch.long))
+    with pytest.raises(workbench.WorkbenchError, match="static cache holds"):
+        runner.new_static_cache(n_ctx + 1)

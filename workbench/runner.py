@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError
-from workbench.kernels import linear
+from workbench.errors import HookError, WorkbenchError
+from workbench.kernels import QuantTensor, linear
 from workbench.kv_cache import KVCache, StaticKVCache, causal_mask
 from workbench.weights import ModelWeights
 
@@ -103,21 +103,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, 
     return normalized * weight
 
 
+def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantTensor]) -> list[torch.Tensor]:
+    """``x`` through each of ``parts``: one matmul over their ``stacked`` rows when they were fused."""
+    if stacked is None:
+        return [linear(x, w) for w in parts]
+    return list(linear(x, stacked).split([w.shape[0] for w in parts], dim=-1))
+
+
 class Transformer:
     """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3) over quantized weights."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, fuse_projections: bool | None = None):
+        """``fuse_projections`` (default: on CUDA) stacks q/k/v and gate/up into one matrix each, so decode
+        runs fewer, larger GEMVs; on CPU the weights stay the file's own memory-mapped bytes."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights = weights.map(lambda w: w.to(self.device), lambda v: v.to(self.device, dtype))
+        if fuse_projections if fuse_projections is not None else self.device.type == "cuda":
+            for layer in self.weights.layers:
+                layer.fuse_projections()
         c = config
         exponents = torch.arange(0, c.d_head, 2, dtype=torch.float64) / c.d_head
         inv_freq = 1.0 / (c.rope_base**exponents)
         if weights.rope_freq_factors is not None:
             inv_freq = inv_freq / weights.rope_freq_factors.double().cpu()
-        self.inv_freq = inv_freq.to(self.device)
+        # cos and sin of every position's rope angles, [n_ctx, d_head / 2] each, taken in float64 once: a
+        # forward gathers its rows instead of evaluating float64 trig in every layer's kernels
+        angles = torch.arange(c.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.rope_cos = angles.cos().to(torch.float32).to(self.device)
+        self.rope_sin = angles.sin().to(torch.float32).to(self.device)
         self._names = [self._block_names(i) for i in range(c.n_layers)]
 
     @staticmethod
@@ -133,12 +149,13 @@ class Transformer:
 
     def new_static_cache(self, capacity: int) -> StaticKVCache:
         c = self.config
+        if not 0 < capacity <= c.n_ctx:
+            raise WorkbenchError(f"a static cache holds 1 to {c.n_ctx} (the model's context) slots, not {capacity}")
         return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
     def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, d_head / 2]`` of each token's rope angles, computed once per forward."""
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        return angles.cos().to(torch.float32)[:, None, :], angles.sin().to(torch.float32)[:, None, :]
+        """cos and sin ``[T, 1, d_head / 2]`` of each token's rope angles."""
+        return self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
 
     def rope(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate ``[T, heads, d_head]`` (adjacent pairs, or the two halves of each head for "neox")."""
@@ -161,6 +178,10 @@ class Transformer:
         c, w = self.config, self.weights
         ids = ids.to(self.device)
         n_new = ids.shape[0]
+        if not isinstance(cache, StaticKVCache):  # a static cache's length lives on the device, within its capacity
+            end = n_new + (cache.next_position if cache is not None else 0)
+            if end > c.n_ctx:
+                raise WorkbenchError(f"positions up to {end - 1} lie past the model's context of {c.n_ctx}")
         if cache is None:
             positions = torch.arange(n_new, device=self.device)
             blocked = causal_mask(n_new, n_new, self.device)
@@ -191,7 +212,7 @@ class Transformer:
                   cache: KVCache | None, point: _Points) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
-        q, k, v = linear(x, layer.wq), linear(x, layer.wk), linear(x, layer.wv)
+        q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
         if c.qkv_bias:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         q = point(names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
@@ -234,7 +255,8 @@ class Transformer:
 
     def mlp(self, x: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
         names = self._names[i]
-        gate = point(names["mlp.hook_pre"], linear(x, layer.w_gate), i)
-        up = point(names["mlp.hook_pre_linear"], linear(x, layer.w_up), i)
+        gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
+        gate = point(names["mlp.hook_pre"], gate, i)
+        up = point(names["mlp.hook_pre_linear"], up, i)
         hidden = point(names["mlp.hook_post"], F.silu(gate) * up, i)
         return point(names["hook_mlp_out"], linear(hidden, layer.w_down), i)

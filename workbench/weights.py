@@ -9,6 +9,9 @@ import torch
 from workbench.kernels import QuantTensor
 
 
+FUSED = ("wqkv", "w_gate_up")
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # float32 [d_model]
@@ -25,6 +28,36 @@ class LayerWeights:
     bv: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # Qwen3 per-head RMSNorm weights [d_head]
     k_norm: torch.Tensor | None = None
+    # After ``fuse_projections``: wq/wk/wv (and w_gate/w_up) as row ranges of one matrix, one matmul each.
+    wqkv: QuantTensor | None = None
+    w_gate_up: QuantTensor | None = None
+
+    def fuse_projections(self) -> None:
+        """Stack the rows of wq, wk, wv and of w_gate, w_up into one packed matrix each, the parts becoming
+        views of it (no extra memory): decode then streams one larger matrix instead of several small ones,
+        which keeps more of the GPU busy. Parts of different formats (Q4_K_M's Q6_K wv) stay apart."""
+        self.wqkv = self._stack(("wq", "wk", "wv"))
+        self.w_gate_up = self._stack(("w_gate", "w_up"))
+
+    def _stack(self, names: tuple[str, ...]) -> QuantTensor | None:
+        parts = [getattr(self, name) for name in names]
+        if len({(w.fmt.name, w.shape[1], w.device) for w in parts}) != 1:
+            return None
+        stacked = QuantTensor(torch.cat([w.data for w in parts]), parts[0].fmt,
+                              (sum(w.shape[0] for w in parts), parts[0].shape[1]))
+        start = 0
+        for name, w in zip(names, parts):
+            setattr(self, name, QuantTensor(stacked.data[start:start + w.shape[0]], w.fmt, w.shape))
+            start += w.shape[0]
+        return stacked
+
+    def serving(self, name: str) -> QuantTensor:
+        """The matrix the forward multiplies for the part ``name`` (its stacked matrix once fused)."""
+        if name in ("wq", "wk", "wv") and self.wqkv is not None:
+            return self.wqkv
+        if name in ("w_gate", "w_up") and self.w_gate_up is not None:
+            return self.w_gate_up
+        return getattr(self, name)
 
 
 @dataclass
@@ -36,18 +69,20 @@ class ModelWeights:
     rope_freq_factors: torch.Tensor | None = None  # Llama-3.1 style per-frequency divisors
 
     def named_matrices(self) -> Iterator[tuple[str, QuantTensor]]:
-        """Every quantized matrix with a readable name, each shared one once."""
+        """Every quantized matrix of the checkpoint with a readable name, each shared one once (fused
+        projections appear as their parts)."""
         yield "embed", self.embed
         for i, layer in enumerate(self.layers):
             for f in fields(layer):
                 value = getattr(layer, f.name)
-                if isinstance(value, QuantTensor):
+                if isinstance(value, QuantTensor) and f.name not in FUSED:
                     yield f"blocks.{i}.{f.name}", value
         if self.unembed is not self.embed:
             yield "unembed", self.unembed
 
     def map(self, fn_matrix, fn_vector) -> "ModelWeights":
-        """A copy with ``fn_matrix`` applied to every QuantTensor and ``fn_vector`` to every float tensor."""
+        """A copy with ``fn_matrix`` applied to every QuantTensor and ``fn_vector`` to every float tensor
+        (unfused: converting a stacked matrix and its parts apart would not keep the parts views of it)."""
 
         def convert(value):
             if isinstance(value, QuantTensor):
@@ -56,7 +91,8 @@ class ModelWeights:
                 return fn_vector(value)
             return value
 
-        layers = [LayerWeights(**{f.name: convert(getattr(l, f.name)) for f in fields(l)}) for l in self.layers]
+        layers = [LayerWeights(**{f.name: convert(getattr(l, f.name)) for f in fields(l) if f.name not in FUSED})
+                  for l in self.layers]
         embed = fn_matrix(self.embed)
         unembed = embed if self.unembed is self.embed else fn_matrix(self.unembed)
         return ModelWeights(embed, layers, convert(self.final_norm), unembed, convert(self.rope_freq_factors))
