@@ -1,7 +1,7 @@
 """End-to-end prefill and decode tokens/s, ours vs llama.cpp (CPU) or quantized vs bf16 dense (CUDA).
 
     python bench/decode.py                                  # embedded model, 2 CPU threads, vs llama.cpp if installed
-    python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K BF16
+    python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K BF16 [--profile]
 
 Every figure in one table comes from the same run, so ratios are side by side.
 """
@@ -15,7 +15,7 @@ import torch
 
 import workbench
 from common import copy_bandwidth
-from workbench.generation import Sampling, generate_tokens
+from workbench.generation import Sampling, capture_decode_step, generate_tokens
 from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config
 
@@ -65,6 +65,27 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[st
     first = timed(lambda: runner.forward(torch.tensor(prompt), last_logits_only=True), runner.device, repeats)
     out[f"decode {decode}"] = (decode - 1) / max(total - first, 1e-9)
     return out
+
+
+def profile_decode_step(model: Model, top: int = 12) -> None:
+    """GPU time of one captured decode step (replays back to back, no host in between) and its top kernels."""
+    runner = model.runner
+    cache = runner.new_static_cache(256)
+    runner.forward(torch.randint(0, model.config.vocab_size, (8,)), cache=cache, last_logits_only=True)
+    step = capture_decode_step(runner, cache)
+    replays = 64
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        step.graph.replay()
+    end.record()
+    end.synchronize()
+    print(f"decode step on the GPU alone: {start.elapsed_time(end) / replays:.3f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step.graph.replay()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
 def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats: int) -> dict[str, float] | None:
@@ -129,6 +150,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="CUDA: also time one decode step alone, by kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -152,6 +174,8 @@ def main() -> None:
                 print(f"{fmt}: decode {result[f'decode {args.decode}']:.1f} tok/s = "
                       f"{result[f'decode {args.decode}'] / roofline:.0%} of the weight-bandwidth roofline "
                       f"({roofline:.1f} tok/s at {step_bytes / 2**30:.2f} GiB per token)")
+            if args.profile and args.device == "cuda":
+                profile_decode_step(model)
             del model
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """Quantized matmul benchmark: ``workbench.kernels.linear`` vs dequantize-then-matmul vs a dense matmul.
 
-    python bench/kernels.py --device cuda [--formats Q4_K,Q6_K] [--shapes small|8b|all] [--batches 1,8]
+    python bench/kernels.py --device cuda [--formats Q4_K,Q6_K] [--shapes small|8b|8b-decode|all] [--batches 1,8]
                             [--quick] [--sweep]
 
 For each format, weight shape N x K and batch M it prints the time of ``linear`` (and the kernel that
@@ -33,6 +33,8 @@ SHAPES = {
     "small": [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)],  # the embedded model, N x K
     "8b": [(4096, 4096), (14336, 4096), (4096, 14336)],  # Llama-3-8B
 }
+# what an 8B decode step multiplies: fused q/k/v, o, fused gate/up, down, the unembedding
+SHAPES["8b-decode"] = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 SHAPES["all"] = SHAPES["small"] + SHAPES["8b"]
 BATCHES = (1, 8, 128, 512)
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")

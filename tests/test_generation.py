@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.generation import Sampling, generate_tokens
+from workbench.generation import _CAPTURED, Sampling, generate_tokens
 from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config
 
@@ -78,6 +78,33 @@ def test_cuda_graph_decode_matches_eager():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the eager capture fails the test
         with_compiled_graph = list(generate_tokens(model.runner, prompt, 12))
     assert with_compiled_graph == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_stops_and_samples_like_eager():
+    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
+                  device="cuda", dtype="float32")
+    prompt = [5, 6, 7, 8]
+    eager = list(generate_tokens(model.runner, prompt, 12, cuda_graphs=False))
+    # greedy tokens are read one step behind the GPU: a stop token must still end the stream at once
+    stop = eager[6]
+    assert list(generate_tokens(model.runner, prompt, 12, stop_ids={stop})) == eager[:eager.index(stop) + 1]
+    assert list(generate_tokens(model.runner, prompt, 1)) == eager[:1]
+    assert list(generate_tokens(model.runner, prompt, 2)) == eager[:2]
+    # the captured step is kept for the next call of the same size; a second stream meanwhile gets its own
+    captured = _CAPTURED[model.runner]
+    first, second = generate_tokens(model.runner, prompt, 12), generate_tokens(model.runner, [9, 3], 12)
+    interleaved = list(zip(first, second))
+    assert next(second, None) is None  # zip left it suspended after its last token; this finishes it
+    assert [a for a, _ in interleaved] == eager
+    assert [b for _, b in interleaved] == list(generate_tokens(model.runner, [9, 3], 12, cuda_graphs=False))
+    replacement = _CAPTURED[model.runner]
+    assert replacement is not captured and not captured.busy and not replacement.busy
+    assert list(generate_tokens(model.runner, prompt, 12)) == eager
+    assert _CAPTURED[model.runner] is replacement  # reused, not captured again
+    sampling = Sampling(temperature=0.8, top_k=20, seed=3)
+    sampled_eager = list(generate_tokens(model.runner, prompt, 12, sampling, cuda_graphs=False))
+    assert list(generate_tokens(model.runner, prompt, 12, sampling)) == sampled_eager
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -64,7 +65,10 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     With ``cache``, the prompt tokens continue it and generation appends to it. On CUDA, with no hooks
     and no caller-owned cache, the decode step is compiled (``torch.compile`` fuses the small kernels
     between the matmuls), captured once as a CUDA graph and replayed: the same forward, without a Python
-    round trip per kernel. The first call for a cache size compiles it (tens of seconds on an 8B model).
+    round trip per kernel. The first call for a cache size compiles it (tens of seconds on an 8B model);
+    the runner keeps its last captured step, with its cache, for the next call of that size. Greedy
+    decoding also picks each next token inside the graph and reads tokens back one step behind, so the
+    GPU never waits on Python between steps.
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
@@ -80,35 +84,104 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, graphs)
 
 
+@dataclass(eq=False)
+class DecodeStep:
+    """A one-token forward over a static cache, captured as a CUDA graph: ``step(token)`` replays it and
+    returns its logits. The graph also writes the argmax of the logits into ``token``, its own next input
+    when decoding greedily."""
+
+    graph: torch.cuda.CUDAGraph
+    cache: StaticKVCache
+    token: torch.Tensor  # [1] long, on the device
+    logits: torch.Tensor  # [1, vocab] float32, rewritten by every replay
+    busy: bool = False  # a generation is using it (and its cache)
+
+    def __call__(self, next_token: int) -> torch.Tensor:
+        self.token.fill_(next_token)
+        self.graph.replay()
+        return self.logits
+
+
+# Each runner's last captured step, reused by the next generation of the same cache size.
+_CAPTURED: "weakref.WeakKeyDictionary[Transformer, DecodeStep]" = weakref.WeakKeyDictionary()
+
+
+def _captured_step(runner: Transformer, capacity: int) -> DecodeStep | None:
+    """The runner's captured step if it is free and of this size, taken (busy) with its cache emptied."""
+    decode_step = _CAPTURED.get(runner)
+    if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
+        return None
+    decode_step.busy = True
+    decode_step.cache.rewind(torch.zeros_like(decode_step.cache.device_length))
+    return decode_step
+
+
 def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_ids: set[int],
             hooks: Hooks | None, cache: KVCache | None, graphs: bool) -> Iterator[int]:
     if max_new_tokens == 0:
         return
-    if cache is None:
-        capacity = len(prompt_ids) + max_new_tokens
-        if graphs:  # a power of two, so most prompts reuse the compiled decode step of an earlier one
-            capacity = min(runner.config.n_ctx, max(MIN_GRAPH_CAPACITY, 1 << (capacity - 1).bit_length()))
-        cache = runner.new_static_cache(capacity) if graphs else runner.new_cache(capacity)
-    generator = sampling.generator()
-    logits = runner.forward(torch.tensor(prompt_ids, dtype=torch.long), cache=cache, hooks=hooks,
-                            last_logits_only=True)
     decode_step = None
-    for step in range(1, max_new_tokens + 1):
+    if graphs:  # a power of two, so most prompts reuse the compiled and captured step of an earlier one
+        capacity = len(prompt_ids) + max_new_tokens
+        capacity = min(runner.config.n_ctx, max(MIN_GRAPH_CAPACITY, 1 << (capacity - 1).bit_length()))
+        decode_step = _captured_step(runner, capacity)
+        cache = decode_step.cache if decode_step is not None else runner.new_static_cache(capacity)
+    elif cache is None:
+        cache = runner.new_cache(len(prompt_ids) + max_new_tokens)
+    try:
+        generator = sampling.generator()
+        logits = runner.forward(torch.tensor(prompt_ids, dtype=torch.long), cache=cache, hooks=hooks,
+                                last_logits_only=True)
         token = sampling.pick(logits[-1], generator)
         yield token
-        if token in stop_ids or step == max_new_tokens:
+        if token in stop_ids or max_new_tokens == 1:
             return
         if graphs and decode_step is None:
             decode_step = capture_decode_step(runner, cache)
-            graphs = decode_step is not None
+            if decode_step is not None:
+                decode_step.busy = True
+                _CAPTURED[runner] = decode_step
+        if decode_step is not None and sampling.temperature == 0:
+            yield from _replay_greedy(decode_step, token, max_new_tokens - 1, stop_ids)
+            return
+        for step in range(1, max_new_tokens):
+            if decode_step is not None:
+                logits = decode_step(token)
+            else:
+                logits = runner.forward(torch.tensor([token]), cache=cache, hooks=hooks, last_logits_only=True,
+                                        step=step)
+            token = sampling.pick(logits[-1], generator)
+            yield token
+            if token in stop_ids:
+                return
+    finally:
         if decode_step is not None:
-            logits = decode_step(token)
-        else:
-            logits = runner.forward(torch.tensor([token]), cache=cache, hooks=hooks, last_logits_only=True, step=step)
+            decode_step.busy = False
 
 
-def capture_decode_step(runner: Transformer, cache: StaticKVCache,
-                        compiled: bool = True) -> Callable[[int], torch.Tensor] | None:
+def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int]) -> Iterator[int]:
+    """Greedy tokens from the step, which picks its own next input on the device, read one step behind.
+
+    Each replay is queued before the token of the previous one is read back, so the GPU never waits for
+    the host; a stop token costs one step that is thrown away (its cache slot is never read).
+    """
+    host = torch.empty(1, dtype=torch.long, pin_memory=True)
+    copied = torch.cuda.Event()
+    decode_step.token.fill_(token)
+    decode_step.graph.replay()
+    for remaining in range(max_new_tokens - 1, -1, -1):
+        host.copy_(decode_step.token, non_blocking=True)
+        copied.record()
+        if remaining:
+            decode_step.graph.replay()
+        copied.synchronize()
+        token = int(host[0])
+        yield token
+        if token in stop_ids:
+            return
+
+
+def capture_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool = True) -> DecodeStep | None:
     """The runner's one-token forward over ``cache`` as a replayable CUDA graph (None if capture fails).
 
     With ``compiled``, the graph holds ``torch.compile``'s build of that same forward, which fuses the
@@ -124,29 +197,29 @@ def capture_decode_step(runner: Transformer, cache: StaticKVCache,
 
 
 def _capture(runner: Transformer, cache: StaticKVCache, forward: Callable[..., torch.Tensor],
-             fallback: str) -> Callable[[int], torch.Tensor] | None:
+             fallback: str) -> DecodeStep | None:
     token = torch.zeros(1, dtype=torch.long, device=runner.device)
     saved = cache.device_length.clone()
+
+    def step() -> torch.Tensor:
+        logits = forward(token, cache=cache, last_logits_only=True)
+        token.copy_(logits[-1].argmax().view(1))
+        return logits
+
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up compiles kernels and settles allocations, off the graph
             for _ in range(2):
-                forward(token, cache=cache, last_logits_only=True)
+                step()
                 cache.rewind(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = forward(token, cache=cache, last_logits_only=True)
+            logits = step()
     except Exception as err:  # a compiler error, or a kernel that syncs or allocates on the host
         warnings.warn(f"CUDA graph capture failed, {fallback}: {err}", RuntimeWarning, stacklevel=3)
         cache.rewind(saved)
         return None
     cache.rewind(saved)
-
-    def step(next_token: int) -> torch.Tensor:
-        token.fill_(next_token)
-        graph.replay()
-        return logits
-
-    return step
+    return DecodeStep(graph, cache, token, logits)
