@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.generation import _CAPTURED, Sampling, generate_tokens
+from workbench.generation import _CAPTURED, Sampling, _forward_and_pick, argmax_by_chunks, generate_tokens
 from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config
 
@@ -123,3 +123,24 @@ def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch
     with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
         with_graph = list(generate_tokens(model.runner, prompt, 12))
     assert with_graph == eager
+
+
+def test_argmax_by_chunks_is_argmax():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 127, 128, 129, 1000, 49152):
+        values = torch.randn(n, generator=g)
+        assert argmax_by_chunks(values) == values.argmax(), n
+    ties = torch.zeros(1000)
+    ties[[300, 700]] = 5.0
+    assert argmax_by_chunks(ties) == 300  # the first of equal maxima, as argmax
+    assert argmax_by_chunks(torch.full((300,), float("-inf"))) == 0
+
+
+def test_decode_step_compiles_without_graph_breaks(small):
+    # A break inside the captured step makes torch.compile guard on (and recompile for) every replay's
+    # temporaries, which invalidates the CUDA graph capture; dynamo's tracing is device-independent.
+    runner = small.runner
+    cache = runner.new_static_cache(16)
+    runner.forward(torch.tensor([1, 2, 3]), cache=cache)
+    explained = torch._dynamo.explain(_forward_and_pick)(runner, torch.tensor([4]), cache)
+    assert explained.graph_break_count == 0, explained.break_reasons

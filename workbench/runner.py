@@ -110,6 +110,19 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split([w.shape[0] for w in parts], dim=-1))
 
 
+def query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``queries @ keys.T`` per kv head (``[H, M, d] x [H, S, d] -> [H, M, S]``), summed in float32 and rounded
+    once to the inputs' dtype, as a matmul does.
+
+    Inside ``torch.compile`` with a few query rows (decode), written as a product summed over ``d``: the
+    compiler then fuses it with the rope of the queries into one small kernel, where a batched matmul
+    stays a cuBLAS call of its own.
+    """
+    if torch.compiler.is_compiling() and queries.shape[1] <= 16:
+        return (queries.float()[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1).to(queries.dtype)
+    return queries @ keys.transpose(1, 2)
+
+
 class Transformer:
     """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3) over quantized weights."""
 
@@ -231,7 +244,7 @@ class Transformer:
         group = c.n_heads // c.n_kv_heads
         # Query head h reads key/value head h // group, as in llama.cpp's broadcast.
         q_grouped = q.transpose(0, 1).reshape(c.n_kv_heads, group * n_new, c.d_head)
-        scores = (q_grouped @ keys.transpose(1, 2)).view(c.n_heads, n_new, n_slots).float() / math.sqrt(c.d_head)
+        scores = query_key_dots(q_grouped, keys).view(c.n_heads, n_new, n_slots).float() / math.sqrt(c.d_head)
         scores = point(names["attn.hook_attn_scores"], scores.masked_fill(blocked, float("-inf")), i)
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
         z = (pattern.to(values.dtype).view(c.n_kv_heads, group * n_new, n_slots) @ values)
