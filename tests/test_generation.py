@@ -68,51 +68,53 @@ def test_context_overflow_is_refused_before_compute(small):
         next(generate_tokens(small.runner, [1] * 60, 10))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_decode_matches_eager():
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PROMPT = [5, 6, 7, 8]
+
+
+def cuda_model_and_eager_tokens() -> tuple[Model, list[int]]:
+    """A fresh 2-layer Q4_K model on CUDA (nothing captured yet) and its eager greedy 12 tokens after PROMPT."""
     model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
                   device="cuda", dtype="float32")
-    prompt = [5, 6, 7, 8]
-    eager = list(generate_tokens(model.runner, prompt, 12, cuda_graphs=False))
+    return model, list(generate_tokens(model.runner, PROMPT, 12, cuda_graphs=False))
+
+
+@needs_cuda
+def test_cuda_graph_decode_matches_eager():
+    model, eager = cuda_model_and_eager_tokens()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the eager capture fails the test
-        with_compiled_graph = list(generate_tokens(model.runner, prompt, 12))
+        with_compiled_graph = list(generate_tokens(model.runner, PROMPT, 12))
     assert with_compiled_graph == eager
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_cuda_graph_decode_stops_and_samples_like_eager():
-    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
-                  device="cuda", dtype="float32")
-    prompt = [5, 6, 7, 8]
-    eager = list(generate_tokens(model.runner, prompt, 12, cuda_graphs=False))
+    model, eager = cuda_model_and_eager_tokens()
     # greedy tokens are read one step behind the GPU: a stop token must still end the stream at once
     stop = eager[6]
-    assert list(generate_tokens(model.runner, prompt, 12, stop_ids={stop})) == eager[:eager.index(stop) + 1]
-    assert list(generate_tokens(model.runner, prompt, 1)) == eager[:1]
-    assert list(generate_tokens(model.runner, prompt, 2)) == eager[:2]
+    assert list(generate_tokens(model.runner, PROMPT, 12, stop_ids={stop})) == eager[:eager.index(stop) + 1]
+    assert list(generate_tokens(model.runner, PROMPT, 1)) == eager[:1]
+    assert list(generate_tokens(model.runner, PROMPT, 2)) == eager[:2]
     # the captured step is kept for the next call of the same size; a second stream meanwhile gets its own
     captured = _CAPTURED[model.runner]
-    first, second = generate_tokens(model.runner, prompt, 12), generate_tokens(model.runner, [9, 3], 12)
+    first, second = generate_tokens(model.runner, PROMPT, 12), generate_tokens(model.runner, [9, 3], 12)
     interleaved = list(zip(first, second))
     assert next(second, None) is None  # zip left it suspended after its last token; this finishes it
     assert [a for a, _ in interleaved] == eager
     assert [b for _, b in interleaved] == list(generate_tokens(model.runner, [9, 3], 12, cuda_graphs=False))
     replacement = _CAPTURED[model.runner]
     assert replacement is not captured and not captured.busy and not replacement.busy
-    assert list(generate_tokens(model.runner, prompt, 12)) == eager
+    assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
     assert _CAPTURED[model.runner] is replacement  # reused, not captured again
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
-    sampled_eager = list(generate_tokens(model.runner, prompt, 12, sampling, cuda_graphs=False))
-    assert list(generate_tokens(model.runner, prompt, 12, sampling)) == sampled_eager
+    sampled_eager = list(generate_tokens(model.runner, PROMPT, 12, sampling, cuda_graphs=False))
+    assert list(generate_tokens(model.runner, PROMPT, 12, sampling)) == sampled_eager
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@needs_cuda
 def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch):
-    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
-                  device="cuda", dtype="float32")
-    prompt = [5, 6, 7, 8]
-    eager = list(generate_tokens(model.runner, prompt, 12, cuda_graphs=False))
+    model, eager = cuda_model_and_eager_tokens()
 
     def broken_compile(fn, **kwargs):
         def fails(*args, **kw):
@@ -121,7 +123,7 @@ def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
-        with_graph = list(generate_tokens(model.runner, prompt, 12))
+        with_graph = list(generate_tokens(model.runner, PROMPT, 12))
     assert with_graph == eager
 
 
