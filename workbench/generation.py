@@ -168,8 +168,7 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
     """
     host = torch.empty(1, dtype=torch.long, pin_memory=True)
     copied = torch.cuda.Event()
-    decode_step.token.fill_(token)
-    decode_step.graph.replay()
+    decode_step(token)
     for remaining in range(max_new_tokens - 1, -1, -1):
         host.copy_(decode_step.token, non_blocking=True)
         copied.record()

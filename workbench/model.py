@@ -219,10 +219,7 @@ class Model:
         probe = torch.empty(n_tokens, 1, dtype=self.dtype, device=self.device)
         chosen: dict[tuple, str] = {}  # selection depends on format, shape and alignment: ask once per kind
         report = {}
-        for name, w in self.runner.weights.named_matrices():
-            if name.startswith("blocks."):  # a fused projection is served by its stacked matrix
-                _, layer, field = name.split(".")
-                w = self.runner.weights.layers[int(layer)].serving(field)
+        for name, w in self.runner.weights.named_matrices(served=True):
             key = (w.fmt.name, w.shape, w.data.data_ptr() % 16)
             if key not in chosen:
                 chosen[key] = select_kernel(probe.expand(n_tokens, w.shape[1]), w).name

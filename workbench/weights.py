@@ -9,7 +9,8 @@ import torch
 from workbench.kernels import QuantTensor
 
 
-FUSED = ("wqkv", "w_gate_up")
+# Stacked matrix -> the parts whose rows it holds, in order (see LayerWeights.fuse_projections).
+STACKS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 @dataclass
@@ -36,8 +37,8 @@ class LayerWeights:
         """Stack the rows of wq, wk, wv and of w_gate, w_up into one packed matrix each, the parts becoming
         views of it (no extra memory): decode then streams one larger matrix instead of several small ones,
         which keeps more of the GPU busy. Parts of different formats (Q4_K_M's Q6_K wv) stay apart."""
-        self.wqkv = self._stack(("wq", "wk", "wv"))
-        self.w_gate_up = self._stack(("w_gate", "w_up"))
+        for stacked, parts in STACKS.items():
+            setattr(self, stacked, self._stack(parts))
 
     def _stack(self, names: tuple[str, ...]) -> QuantTensor | None:
         parts = [getattr(self, name) for name in names]
@@ -53,11 +54,8 @@ class LayerWeights:
 
     def serving(self, name: str) -> QuantTensor:
         """The matrix the forward multiplies for the part ``name`` (its stacked matrix once fused)."""
-        if name in ("wq", "wk", "wv") and self.wqkv is not None:
-            return self.wqkv
-        if name in ("w_gate", "w_up") and self.w_gate_up is not None:
-            return self.w_gate_up
-        return getattr(self, name)
+        stacked = next((getattr(self, s) for s, parts in STACKS.items() if name in parts), None)
+        return stacked if stacked is not None else getattr(self, name)
 
 
 @dataclass
@@ -68,15 +66,16 @@ class ModelWeights:
     unembed: QuantTensor  # the same object as ``embed`` when embeddings are tied
     rope_freq_factors: torch.Tensor | None = None  # Llama-3.1 style per-frequency divisors
 
-    def named_matrices(self) -> Iterator[tuple[str, QuantTensor]]:
+    def named_matrices(self, served: bool = False) -> Iterator[tuple[str, QuantTensor]]:
         """Every quantized matrix of the checkpoint with a readable name, each shared one once (fused
-        projections appear as their parts)."""
+        projections appear as their parts; with ``served``, each part as the stacked matrix that the
+        forward multiplies for it)."""
         yield "embed", self.embed
         for i, layer in enumerate(self.layers):
             for f in fields(layer):
                 value = getattr(layer, f.name)
-                if isinstance(value, QuantTensor) and f.name not in FUSED:
-                    yield f"blocks.{i}.{f.name}", value
+                if isinstance(value, QuantTensor) and f.name not in STACKS:
+                    yield f"blocks.{i}.{f.name}", layer.serving(f.name) if served else value
         if self.unembed is not self.embed:
             yield "unembed", self.unembed
 
@@ -91,7 +90,7 @@ class ModelWeights:
                 return fn_vector(value)
             return value
 
-        layers = [LayerWeights(**{f.name: convert(getattr(l, f.name)) for f in fields(l) if f.name not in FUSED})
+        layers = [LayerWeights(**{f.name: convert(getattr(l, f.name)) for f in fields(l) if f.name not in STACKS})
                   for l in self.layers]
         embed = fn_matrix(self.embed)
         unembed = embed if self.unembed is self.embed else fn_matrix(self.unembed)
