@@ -7,7 +7,10 @@ For each format, weight shape N x K and batch M it prints the time of ``linear``
 ``select_kernel`` picked), of dequantizing the weight and multiplying, and of a dense matmul on an
 unquantized weight (bfloat16 on CUDA, float32 on CPU), with the two ratios. On CUDA it also prints the
 bandwidth ``linear`` achieves (packed weight bytes + activation bytes read, over its time) as a share
-of a device-to-device copy measured in the same run.
+of a device-to-device copy measured in the same run, and the *read floor*: the time of a kernel that only
+reads as many bytes as the packed weight (``read_floor.py``), with ``linear``'s speed as a share of it.
+A 1 GiB copy hides the launch, first-load latency and tail that a 10 MB read cannot, so on small weights
+the floor, not the copy, is the ceiling a GEMV can reach.
 
 CUDA times are medians over replays of a CUDA graph that runs the call once on each of enough
 weight copies to overflow L2, so launch gaps and cache-resident weights do not flatter the numbers.
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'format':6} {'N x K':>12} {'M':>4}  {'kernel':28} {'linear us':>10} {'deq+mm us':>10} "
               f"{'dense us':>10} {'deq+mm/lin':>10} {'dense/lin':>10}")
     if device == "cuda":
-        header += f" {'lin GB/s':>9} {'% copy':>7}"
+        header += f" {'lin GB/s':>9} {'% copy':>7} {'floor us':>9} {'% floor':>8}"
     print(header)
 
     for fmt in formats:
@@ -156,12 +159,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def read_floor_seconds(nbytes: int, timer: Timer) -> float:
+    """Time of reading ``nbytes`` and nothing else, on as many buffer copies as a weight of that size gets."""
+    from read_floor import BLOCK, read_all
+
+    words = -(-nbytes // 4)
+    partials = torch.empty(-(-words // BLOCK), dtype=torch.int32, device="cuda")
+    return timer.seconds(lambda: torch.zeros(words, dtype=torch.int32, device="cuda"), nbytes,
+                         lambda buffer: read_all(buffer, partials))
+
+
 def bench_shape(fmt: str, n: int, k: int, batches, timer: Timer, act_dtype: torch.dtype, copy_bw: float | None,
                 with_sweep: bool) -> None:
     """Print one line per batch size for an N x K weight in ``fmt``."""
     device = timer.device
     w = random_matrix(n, k, fmt, device=device, distinct_rows=256)  # quantizing is slow on CPU: tile 256 rows
     dense = torch.randn(n, k, device=device).to(act_dtype)
+    floor_s = read_floor_seconds(w.nbytes, timer) if device == "cuda" else None
     for m in batches:
         x = torch.randn(m, k, device=device).to(act_dtype)
         kernel = wk.select_kernel(x, w)
@@ -174,6 +188,7 @@ def bench_shape(fmt: str, n: int, k: int, batches, timer: Timer, act_dtype: torc
         if copy_bw is not None:
             read_bw = (w.nbytes + x.numel() * x.element_size()) / linear_s
             line += f" {read_bw / 1e9:9.0f} {100 * read_bw / copy_bw:6.0f}%"
+            line += f" {floor_s * 1e6:9.1f} {100 * floor_s / linear_s:7.0f}%"
         print(line, flush=True)
         if with_sweep and device == "cuda" and kernel.name.startswith("triton"):
             sweep(w, x, timer)
