@@ -50,6 +50,11 @@ class GemvConfig:
     num_warps: int = 4
     units_per_thread: int = 1  # units of a row each thread reads per loop step (bytes in flight)
 
+    @property
+    def units_per_step(self) -> int:
+        """Units of each row one loop step of the GEMV covers (its ``BLOCK_U``)."""
+        return 32 * self.num_warps * self.units_per_thread
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -249,7 +254,7 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     if m == 0:
         return out
     config = config or gemv_config(k, w.fmt.name)
-    block_u = 32 * config.num_warps * config.units_per_thread
+    block_u = config.units_per_step
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, w.data, out, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=block_u,
