@@ -5,7 +5,8 @@
 For each weight shape it times, side by side in one run (CUDA graph replays over weight copies that
 overflow L2, as ``kernels.py`` does):
 - ``loads``: a kernel with the GEMV's grid, warps and weight loads (``q4_k_gemv_load``, the same addresses
-  in the same order) that only folds the loaded words together: the cost of the GEMV's access pattern;
+  in the same order, less the GEMV's final look-ahead, which re-reads cached bytes) that only folds the
+  loaded words together: the cost of the GEMV's access pattern;
 - ``loads + x``: the same, also loading each unit's activations as the GEMV does;
 - ``gemv``: the GEMV itself (``workbench.kernels.triton.gemv``, its default configuration);
 - ``floor``: the read floor (``read_floor.py``).
