@@ -51,19 +51,22 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[st
         out[f"prefill {n}"] = n / timed(lambda: runner.forward(ids, last_logits_only=True), runner.device, repeats)
     prompt = torch.randint(0, vocab, (8,)).tolist()
 
-    def run_decode():
-        for _ in generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set()):
+    def run_decode() -> float:
+        """Seconds from the first new token (the prompt's prefill is done then) to the last: decode - 1 steps."""
+        tokens = generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set())
+        next(tokens)
+        start = time.perf_counter()
+        for _ in tokens:
             pass
+        synchronize(runner.device)
+        return time.perf_counter() - start
 
     if runner.device.type == "cuda":  # the first call also compiles the decode step; later ones reuse the build
         start = time.perf_counter()
         run_decode()
-        synchronize(runner.device)
         print(f"first generate_tokens call (compiles and captures the decode step): {time.perf_counter() - start:.1f} s")
-    # generate_tokens includes one 8-token prefill; subtract it for decode-only speed
-    total = timed(run_decode, runner.device, repeats)
-    first = timed(lambda: runner.forward(torch.tensor(prompt), last_logits_only=True), runner.device, repeats)
-    out[f"decode {decode}"] = (decode - 1) / max(total - first, 1e-9)
+    run_decode()  # warm-up
+    out[f"decode {decode}"] = (decode - 1) / statistics.median(run_decode() for _ in range(repeats))
     return out
 
 
