@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -43,6 +44,12 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def median_of(run: Callable[[], float], repeats: int) -> float:
+    """Median of the seconds ``run`` reports over ``repeats`` runs after one warm-up."""
+    run()
+    return statistics.median(run() for _ in range(repeats))
+
+
 def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[str, float]:
     runner, vocab = model.runner, model.config.vocab_size
     out = {}
@@ -65,8 +72,7 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[st
         start = time.perf_counter()
         run_decode()
         print(f"first generate_tokens call (compiles and captures the decode step): {time.perf_counter() - start:.1f} s")
-    run_decode()  # warm-up
-    out[f"decode {decode}"] = (decode - 1) / statistics.median(run_decode() for _ in range(repeats))
+    out[f"decode {decode}"] = (decode - 1) / median_of(run_decode, repeats)
     return out
 
 
@@ -110,18 +116,16 @@ def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats:
         out[f"prefill {n}"] = n / timed(run_prefill, torch.device("cpu"), repeats)
     prompt = torch.randint(0, vocab, (8,)).tolist()
 
-    def run_decode():
+    def run_decode() -> float:
+        """Seconds from the prompt's logits to the last token: decode - 1 steps, as ``ours`` times them."""
         llm.reset()
         llm.eval(prompt)
+        start = time.perf_counter()
         for _ in range(decode - 1):
             llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        return time.perf_counter() - start
 
-    def run_first():
-        llm.reset()
-        llm.eval(prompt)
-
-    out[f"decode {decode}"] = (decode - 1) / max(timed(run_decode, torch.device("cpu"), repeats)
-                                                  - timed(run_first, torch.device("cpu"), repeats), 1e-9)
+    out[f"decode {decode}"] = (decode - 1) / median_of(run_decode, repeats)
     return out
 
 
