@@ -71,6 +71,16 @@ def test_exact_matches_dequantized_reference(name, m, exact_path):
     assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_exact_rows_of_an_odd_number_of_blocks(name):
+    """Fused dot products that alternate accumulators between blocks handle a last, unpaired block."""
+    k = 3 * gguf_format(name).block_size
+    w = random_weight(name, 8, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    w_ref = w.dequantize()
+    assert_within_fp32_rounding(linear(x, w), x.double() @ w_ref.double().T, x, w_ref)
+
+
 def test_exact_keeps_batch_dims_and_half_precision_inputs():
     w = random_weight("Q4_1", 24, 256)
     x = torch.randn(2, 3, 256)
@@ -200,20 +210,23 @@ def test_set_numerics_rejects_unknown_mode():
 
 
 @pytest.mark.slow
-def test_portable_build_matches_avx2_build():
-    """The no-SIMD build (CPUs without AVX2) computes the same numbers up to fp32 rounding."""
-    if cpu._native_isa() == "scalar":
-        pytest.skip("the native build already is the portable one")
-    portable = cpu._build_extension("scalar")
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_narrower_builds_match_the_native_build(isa):
+    """The builds for CPUs without AVX-512 (AVX2) or without AVX2 (portable C++) compute the same numbers up
+    to fp32 rounding, and quantize activations for llama.cpp numerics identically."""
+    order = ["scalar", "avx2", "avx512"]
+    if order.index(isa) >= order.index(cpu._native_isa()):
+        pytest.skip(f"the native build ({cpu._native_isa()}) is not wider than {isa}")
+    narrow = cpu._build_extension(isa)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(5))
     for name in FORMATS:
         w = random_weight(name, 24, K)
         t = w.fmt.ggml_type
         w_ref = w.dequantize()
-        for ext in (portable, cpu.extension()):
+        for ext in (narrow, cpu.extension()):
             y = ext.linear_exact(x, w.data, t, 24, K, 10**9)
             assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
-        assert torch.equal(portable.quantize_activations(x, t), cpu.extension().quantize_activations(x, t))
+        assert torch.equal(narrow.quantize_activations(x, t), cpu.extension().quantize_activations(x, t))
         torch.testing.assert_close(
-            portable.linear_llamacpp(x, w.data, t, 24, K), cpu.extension().linear_llamacpp(x, w.data, t, 24, K)
+            narrow.linear_llamacpp(x, w.data, t, 24, K), cpu.extension().linear_llamacpp(x, w.data, t, 24, K)
         )

@@ -8,8 +8,9 @@
 //   llamacpp: activations are first quantized to Q8_0 / Q8_1 / Q8_K as ggml-cpu does and each
 //             block product is an integer dot product scaled in float, as ggml's vec_dot functions.
 //
-// The code is plain C++ written so that GCC vectorizes it; cpu.py compiles it with the widest
-// vector ISA the CPU has (AVX-512 / AVX2+FMA) or none at all.
+// The code is plain C++ over a few AVX2 primitives (with a portable fallback), plus an AVX-512 path
+// for the exact dot products of the 4-bit formats; cpu.py compiles it for the widest vector ISA the
+// CPU has (AVX-512, AVX2+FMA, or none).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -249,6 +250,12 @@ struct Q4_0 {
   using Act = BlockQ8_0;
   static Group group(const uint8_t* b, int) { const float d = half_at(b); return {sub_bytes(nibbles(b + 2), 8), d, d, 0.0f}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
+  // Byte j holds value j (low nibble) and j + 16 (high): w = d * q - 8 d, rounded once as d * (q - 8) is.
+  template <class Dot>
+  static void nibble_runs(const uint8_t* b, int64_t pos, Dot& dot) {
+    const auto table = Dot::table(half_at(b), -8.0f * half_at(b));
+    dot.run(b + 2, table, pos, table, pos + 16);
+  }
 };
 
 struct Q4_1 {
@@ -258,6 +265,11 @@ struct Q4_1 {
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
     dot_legacy(group(b, 0), half_at(b), y, acc);
     mins += half_at(b + 2) * half_at(&y.s);
+  }
+  template <class Dot>
+  static void nibble_runs(const uint8_t* b, int64_t pos, Dot& dot) {
+    const auto table = Dot::table(half_at(b), half_at(b + 2));
+    dot.run(b + 4, table, pos, table, pos + 16);
   }
 };
 
@@ -318,6 +330,17 @@ struct Q4_K {
     }
     acc = fmadd(broadcast(y.d * half_at(b)), ints_to_floats(sumi), acc);
     mins += -y.d * half_at(b + 2) * static_cast<float>(summ);
+  }
+  // Chunk c (32 bytes): low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
+  template <class Dot>
+  static void nibble_runs(const uint8_t* b, int64_t pos, Dot& dot) {
+    for (int c = 0; c < 4; ++c) {
+      const Group lo = group(b, 2 * c), hi = group(b, 2 * c + 1);
+      const auto lo_table = Dot::table(lo.scale_lo, lo.offset), hi_table = Dot::table(hi.scale_lo, hi.offset);
+      const uint8_t* quants = b + 16 + 32 * c;
+      dot.run(quants, lo_table, pos + 64 * c, hi_table, pos + 64 * c + 32);
+      dot.run(quants + 16, lo_table, pos + 64 * c + 16, hi_table, pos + 64 * c + 48);
+    }
   }
 };
 
@@ -386,6 +409,73 @@ void dot_rows_exact(const uint8_t* wrow, const float* x, int64_t k, float* out, 
   for (int m = 0; m < TM; ++m) out[m * ldo] = hsum(add(acc[m][0], acc[m][1]));
 }
 
+#if defined(__AVX512F__)
+// AVX-512 path of the 4-bit formats (those with nibble_runs): a group's 16 possible weights (scale * q +
+// offset for q = 0..15, the multiply-add group_floats does) fill one vector, and _mm512_permutexvar_ps
+// looks a lane's weight up by the low 4 bits of its index, so a byte zero-extended to a lane needs no
+// mask: 16 weights cost a permute (and a shift for high nibbles) instead of two conversions and an FMA.
+template <int TM>
+struct NibbleDot {
+  const float* x;
+  int64_t k;
+  __m512 acc[TM][2];
+
+  NibbleDot(const float* x, int64_t k) : x(x), k(k) {
+    for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+  }
+  static __m512 table(float scale, float offset) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+  }
+  // The 16 bytes at q16: low nibbles are values lo_pos .. lo_pos + 15 of the row, high nibbles hi_pos ...
+  void run(const uint8_t* q16, __m512 lo_table, int64_t lo_pos, __m512 hi_table, int64_t hi_pos) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)));
+    const __m512 lo = _mm512_permutexvar_ps(q, lo_table);
+    const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), hi_table);
+    for (int m = 0; m < TM; ++m) {
+      acc[m][0] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + m * k + lo_pos), acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + m * k + hi_pos), acc[m][1]);
+    }
+  }
+};
+
+template <class F, class = void>
+constexpr bool kHasNibbleRuns = false;
+template <class F>
+constexpr bool kHasNibbleRuns<F, std::void_t<decltype(&F::template nibble_runs<NibbleDot<1>>)>> = true;
+
+// dot_rows_exact for the 4-bit formats: even and odd blocks feed separate accumulators, so one row of
+// activations still has four independent FMA chains.
+template <class F, int TM>
+void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  NibbleDot<TM> even(x, k), odd(x, k);
+  const int64_t blocks = k / F::kValues;
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    F::nibble_runs(wrow + b * F::kBytes, b * F::kValues, even);
+    F::nibble_runs(wrow + (b + 1) * F::kBytes, (b + 1) * F::kValues, odd);
+  }
+  if (b < blocks) F::nibble_runs(wrow + b * F::kBytes, b * F::kValues, even);
+  for (int m = 0; m < TM; ++m)
+    out[m * ldo] = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(even.acc[m][0], even.acc[m][1]), _mm512_add_ps(odd.acc[m][0], odd.acc[m][1])));
+}
+#else
+template <class F>
+constexpr bool kHasNibbleRuns = false;
+template <class F, int TM>
+void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo);  // never called
+#endif
+
+// The fused dot products of one weight row with TM activation rows.
+template <class F, int TM>
+void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  if constexpr (kHasNibbleRuns<F>)
+    dot_rows_nibbles<F, TM>(wrow, x, k, out, ldo);
+  else
+    dot_rows_exact<F, TM>(wrow, x, k, out, ldo);
+}
+
 constexpr int kRowTile = 4;  // activation rows sharing one decode of the weights
 
 // Parallel over output features (rows of W); grain keeps ~64K multiply-adds per task.
@@ -401,8 +491,8 @@ void matmul_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* wrow = w + r * row_bytes;
       int64_t i = 0;
-      for (; i + kRowTile <= m; i += kRowTile) dot_rows_exact<F, kRowTile>(wrow, x + i * k, k, out + i * n + r, n);
-      for (; i < m; ++i) dot_rows_exact<F, 1>(wrow, x + i * k, k, out + i * n + r, n);
+      for (; i + kRowTile <= m; i += kRowTile) dot_rows<F, kRowTile>(wrow, x + i * k, k, out + i * n + r, n);
+      for (; i < m; ++i) dot_rows<F, 1>(wrow, x + i * k, k, out + i * n + r, n);
     }
   });
 }
