@@ -1,6 +1,6 @@
 """Quantized kernels: GGUF tensor formats kept packed, and the matmuls that run on them."""
 from .formats import FORMATS, QuantFormat, get_format
-from .linear import KERNELS, Kernel, linear, register_kernel, select_kernel
+from .linear import KERNELS, Kernel, linear, linear_parts, register_kernel, select_kernel
 from .quant_tensor import QuantTensor
 
 from . import cpu  # noqa: E402  registers the C++ GGUF kernels (built on first use)
@@ -14,6 +14,7 @@ __all__ = [
     "Kernel",
     "KERNELS",
     "linear",
+    "linear_parts",
     "register_kernel",
     "select_kernel",
 ]

@@ -26,7 +26,7 @@ import logging
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -155,9 +155,18 @@ def _in_float32(x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]
     return compute(x.float()).to(x.dtype)
 
 
+def _run_exact_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> torch.Tensor:
+    def compute(x32: torch.Tensor) -> torch.Tensor:
+        return extension().linear_exact(
+            x32, [w.data for w in parts], [w.fmt.ggml_type for w in parts], [w.shape[0] for w in parts],
+            parts[0].shape[1], PANEL_MIN_BATCH,
+        )
+
+    return _in_float32(x, compute)
+
+
 def _run_exact(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    rows, cols = w.shape
-    return _in_float32(x, lambda x32: extension().linear_exact(x32, w.data, w.fmt.ggml_type, rows, cols, PANEL_MIN_BATCH))
+    return _run_exact_parts(x, (w,))
 
 
 def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -165,7 +174,7 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
 
 
-EXACT = Kernel("cpu-gguf-exact", "cpu", _supports_exact, _run_exact)
+EXACT = Kernel("cpu-gguf-exact", "cpu", _supports_exact, _run_exact, _run_exact_parts)
 LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _supports_llamacpp, _run_llamacpp)
 register_kernel(EXACT)
 register_kernel(LLAMACPP)

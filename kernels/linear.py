@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -20,6 +20,8 @@ class Kernel:
     device_type: str
     supports: Callable[[torch.Tensor, QuantTensor], bool]
     run: Callable[[torch.Tensor, QuantTensor], torch.Tensor]
+    # Several weights of one input in one call, their outputs side by side (``linear_parts``); None: one call each.
+    run_parts: Callable[[torch.Tensor, Sequence[QuantTensor]], torch.Tensor] | None = None
 
 
 def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -74,18 +76,39 @@ def _linear_op_shape(x: torch.Tensor, data: torch.Tensor, fmt: str, rows: int, c
     return x.new_empty(x.shape[0], rows)
 
 
-def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks."""
+def _check_input(x: torch.Tensor, w: QuantTensor) -> None:
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features, weight {w.fmt.name} {w.shape} expects {w.shape[1]}")
     if x.device != w.device:
         raise ValueError(f"linear: input on {x.device}, weight on {w.device}")
-    lead = x.shape[:-1]
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks."""
+    _check_input(x, w)
+    x2 = _as_rows(x)
     if torch.compiler.is_compiling():
         out = _linear_op(x2, w.data, w.fmt.name, *w.shape)
     else:
         out = select_kernel(x2, w).run(x2, w)
-    return out.reshape(*lead, w.shape[0])
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Tensor]:
+    """``[linear(x, w) for w in parts]``, in one kernel call where one kernel serves every part and takes
+    several weights at once (the CPU kernels: one parallel region for q, k and v instead of three)."""
+    if len(parts) < 2 or torch.compiler.is_compiling():
+        return [linear(x, w) for w in parts]
+    for w in parts:
+        _check_input(x, w)
+    x2 = _as_rows(x)
+    kernel = select_kernel(x2, parts[0])
+    if kernel.run_parts is None or any(select_kernel(x2, w) is not kernel for w in parts[1:]):
+        return [linear(x, w) for w in parts]
+    out = kernel.run_parts(x2, parts)
+    return list(out.reshape(*x.shape[:-1], out.shape[-1]).split([w.shape[0] for w in parts], dim=-1))

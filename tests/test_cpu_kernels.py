@@ -8,7 +8,7 @@ import torch
 
 from workbench.kernels import cpu
 from workbench.kernels.formats import QuantFormat
-from workbench.kernels.linear import BLOCKWISE, linear, select_kernel
+from workbench.kernels.linear import BLOCKWISE, linear, linear_parts, select_kernel
 from workbench.kernels.quant_tensor import QuantTensor
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
@@ -99,12 +99,35 @@ def test_unsupported_format_and_dtype_take_blockwise_path():
     assert select_kernel(torch.randn(2, 256), q5k) is BLOCKWISE
 
 
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_parts_in_one_call_equal_separate_calls(m, exact_path):
+    """q, k, v of mixed formats (as in Q4_K_M files) through one call give each part's own result, bit for bit."""
+    parts = [random_weight("Q4_K", 40, K, seed=1), random_weight("Q4_K", 8, K, seed=2), random_weight("Q6_K", 8, K, seed=3)]
+    x = torch.randn(2, m, K, generator=torch.Generator().manual_seed(m))
+    outs = linear_parts(x, parts)
+    assert [tuple(y.shape) for y in outs] == [(2, m, 40), (2, m, 8), (2, m, 8)]
+    for y, w in zip(outs, parts):
+        assert torch.equal(y, linear(x, w))
+
+
+def test_parts_check_each_weight_and_fall_back_when_kernels_differ():
+    x = torch.randn(1, K)
+    with pytest.raises(ValueError, match="expects 256"):
+        linear_parts(x, [random_weight("Q4_0", 8, K), random_weight("Q4_0", 8, 256)])
+    dense = QuantTensor(torch.randn(8, K).view(torch.uint8), "F32", (8, K))
+    quantized = random_weight("Q8_0", 8, K)
+    y_dense, y_quantized = linear_parts(x, [dense, quantized])
+    assert torch.equal(y_dense, linear(x, dense)) and torch.equal(y_quantized, linear(x, quantized))
+
+
 def test_extension_rejects_malformed_weights():
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="packed weight must be"):
-        cpu.extension().linear_exact(x, torch.zeros(8, 100, dtype=torch.uint8), 3, 8, 256, 32)
+        cpu.extension().linear_exact(x, [torch.zeros(8, 100, dtype=torch.uint8)], [3], [8], 256, 32)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        cpu.extension().linear_exact(x, torch.zeros(8, 160, dtype=torch.uint8), 13, 8, 256, 32)
+        cpu.extension().linear_exact(x, [torch.zeros(8, 160, dtype=torch.uint8)], [13], [8], 256, 32)
+    with pytest.raises(RuntimeError, match="one type and row count per packed weight"):
+        cpu.extension().linear_exact(x, [torch.zeros(8, 160, dtype=torch.uint8)], [2, 2], [8], 256, 32)
 
 
 def test_build_failure_warns_and_falls_back_to_blockwise(monkeypatch):
@@ -224,7 +247,7 @@ def test_narrower_builds_match_the_native_build(isa):
         t = w.fmt.ggml_type
         w_ref = w.dequantize()
         for ext in (narrow, cpu.extension()):
-            y = ext.linear_exact(x, w.data, t, 24, K, 10**9)
+            y = ext.linear_exact(x, [w.data], [t], [24], K, 10**9)
             assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
         assert torch.equal(narrow.quantize_activations(x, t), cpu.extension().quantize_activations(x, t))
         torch.testing.assert_close(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError
-from workbench.kernels import QuantTensor, linear
+from workbench.kernels import QuantTensor, linear, linear_parts
 from workbench.kv_cache import KVCache, StaticKVCache, causal_mask
 from workbench.weights import ModelWeights
 
@@ -104,9 +104,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, 
 
 
 def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantTensor]) -> list[torch.Tensor]:
-    """``x`` through each of ``parts``: one matmul over their ``stacked`` rows when they were fused."""
+    """``x`` through each of ``parts``: one matmul over their ``stacked`` rows when they were fused, else one
+    kernel call for all of them where the kernel takes several weights (``linear_parts``)."""
     if stacked is None:
-        return [linear(x, w) for w in parts]
+        return linear_parts(x, parts)
     return list(linear(x, stacked).split([w.shape[0] for w in parts], dim=-1))
 
 
@@ -129,7 +130,8 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, fuse_projections: bool | None = None):
         """``fuse_projections`` (default: on CUDA) stacks q/k/v and gate/up into one matrix each, so decode
-        runs fewer, larger GEMVs; on CPU the weights stay the file's own memory-mapped bytes."""
+        runs fewer, larger GEMVs; on CPU the weights stay the file's own memory-mapped bytes (the CPU kernels
+        take q/k/v, and gate/up, in one call without stacking them)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype

@@ -484,17 +484,17 @@ void parallel_rows(int64_t n, int64_t work_per_row, const Body& body) {
   at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, work_per_row)), body);
 }
 
+// out[i * ldo + r] for weight rows r in [begin, end) and every activation row i.
 template <class F>
-void matmul_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* out) {
+void matmul_rows_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t begin, int64_t end, float* out,
+                       int64_t ldo) {
   const int64_t row_bytes = k / F::kValues * F::kBytes;
-  parallel_rows(n, k * m, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* wrow = w + r * row_bytes;
-      int64_t i = 0;
-      for (; i + kRowTile <= m; i += kRowTile) dot_rows<F, kRowTile>(wrow, x + i * k, k, out + i * n + r, n);
-      for (; i < m; ++i) dot_rows<F, 1>(wrow, x + i * k, k, out + i * n + r, n);
-    }
-  });
+  for (int64_t r = begin; r < end; ++r) {
+    const uint8_t* wrow = w + r * row_bytes;
+    int64_t i = 0;
+    for (; i + kRowTile <= m; i += kRowTile) dot_rows<F, kRowTile>(wrow, x + i * k, k, out + i * ldo + r, ldo);
+    for (; i < m; ++i) dot_rows<F, 1>(wrow, x + i * k, k, out + i * ldo + r, ldo);
+  }
 }
 
 template <class F>
@@ -526,32 +526,56 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t r
               cols / block_values * block_bytes, "], got ", packed.sizes());
 }
 
-// x [M, K] float32 @ dequantize(packed [N, row_bytes]).T -> [M, N] float32.
-// From panel_min_batch rows of x on, panels of W are dequantized into a scratch buffer for at::mm.
-torch::Tensor linear_exact(torch::Tensor x, torch::Tensor packed, int64_t ggml_type, int64_t rows, int64_t cols,
-                           int64_t panel_min_batch) {
-  return visit_format(ggml_type, [&](auto format) {
-    using F = decltype(format);
-    check_inputs(x, packed, rows, cols, F::kValues, F::kBytes);
-    const int64_t m = x.size(0);
-    torch::Tensor out = torch::empty({m, rows}, x.options());
-    const uint8_t* w = packed.data_ptr<uint8_t>();
-    if (m < panel_min_batch) {
-      matmul_exact<F>(x.data_ptr<float>(), m, cols, w, rows, out.data_ptr<float>());
-      return out;
-    }
-    const int64_t row_bytes = cols / F::kValues * F::kBytes;
-    const int64_t panel_rows = std::min(rows, std::max<int64_t>(64, (1 << 18) / cols));  // ~1 MiB of floats
-    torch::Tensor panel = torch::empty({panel_rows, cols}, x.options());
-    for (int64_t start = 0; start < rows; start += panel_rows) {
-      const int64_t count = std::min(panel_rows, rows - start);
-      torch::Tensor part = panel.narrow(0, 0, count);
-      dequantize_rows<F>(w + start * row_bytes, count, cols, part.data_ptr<float>());
-      torch::Tensor target = out.narrow(1, start, count);
-      at::mm_out(target, x, part.t());
-    }
+// x [M, K] float32 @ dequantize(W).T for each weight W = packed[p] (GGUF type ggml_types[p], rows[p] x K), the
+// results side by side: [M, sum of rows]. Several weights of one input (q, k, v) thus take one call and one
+// parallel region. From panel_min_batch rows of x on, panels of each W are dequantized for at::mm instead.
+torch::Tensor linear_exact(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> ggml_types,
+                           std::vector<int64_t> rows, int64_t cols, int64_t panel_min_batch) {
+  const size_t parts = packed.size();
+  TORCH_CHECK(parts > 0 && ggml_types.size() == parts && rows.size() == parts,
+              "workbench cpu kernels: one type and row count per packed weight");
+  std::vector<int64_t> first_row(parts + 1, 0);  // each part's first output column
+  for (size_t p = 0; p < parts; ++p) {
+    visit_format(ggml_types[p], [&](auto format) {
+      using F = decltype(format);
+      check_inputs(x, packed[p], rows[p], cols, F::kValues, F::kBytes);
+    });
+    first_row[p + 1] = first_row[p] + rows[p];
+  }
+  const int64_t m = x.size(0), n = first_row[parts];
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  if (m < panel_min_batch) {
+    parallel_rows(n, cols * m, [&](int64_t begin, int64_t end) {
+      for (size_t p = 0; p < parts; ++p) {
+        const int64_t lo = std::max(begin, first_row[p]), hi = std::min(end, first_row[p + 1]);
+        if (lo >= hi) continue;
+        visit_format(ggml_types[p], [&](auto format) {
+          matmul_rows_exact<decltype(format)>(xp, m, cols, packed[p].data_ptr<uint8_t>(), lo - first_row[p],
+                                              hi - first_row[p], outp + first_row[p], n);
+        });
+      }
+    });
     return out;
-  });
+  }
+  for (size_t p = 0; p < parts; ++p) {
+    visit_format(ggml_types[p], [&](auto format) {
+      using F = decltype(format);
+      const uint8_t* w = packed[p].data_ptr<uint8_t>();
+      const int64_t row_bytes = cols / F::kValues * F::kBytes;
+      const int64_t panel_rows = std::min(rows[p], std::max<int64_t>(64, (1 << 18) / cols));  // ~1 MiB of floats
+      torch::Tensor panel = torch::empty({panel_rows, cols}, x.options());
+      for (int64_t start = 0; start < rows[p]; start += panel_rows) {
+        const int64_t count = std::min(panel_rows, rows[p] - start);
+        torch::Tensor part = panel.narrow(0, 0, count);
+        dequantize_rows<F>(w + start * row_bytes, count, cols, part.data_ptr<float>());
+        torch::Tensor target = out.narrow(1, first_row[p] + start, count);
+        at::mm_out(target, x, part.t());
+      }
+    });
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -614,7 +638,7 @@ torch::Tensor quantize_activations(torch::Tensor x, int64_t ggml_type) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_exact", &linear_exact, "x @ dequantize(W).T from GGUF blocks, fp32 accumulation");
+  m.def("linear_exact", &linear_exact, "x @ dequantize(W).T from GGUF blocks for each W, side by side, fp32 accumulation");
   m.def("linear_llamacpp", &linear_llamacpp, "x @ W.T with ggml-cpu's Q8 activation quantization and integer dots");
   m.def("quantize_activations", &quantize_activations, "ggml-cpu's Q8_0/Q8_1/Q8_K blocks of x for a weight type");
 }
