@@ -410,10 +410,11 @@ void dot_rows_exact(const uint8_t* wrow, const float* x, int64_t k, float* out, 
 }
 
 #if defined(__AVX512F__)
-// AVX-512 path of the 4-bit formats (those with nibble_runs): a group's 16 possible weights (scale * q +
-// offset for q = 0..15, the multiply-add group_floats does) fill one vector, and _mm512_permutexvar_ps
-// looks a lane's weight up by the low 4 bits of its index, so a byte zero-extended to a lane needs no
-// mask: 16 weights cost a permute (and a shift for high nibbles) instead of two conversions and an FMA.
+// AVX-512: 16 lanes for every format. For the 4-bit ones (those with nibble_runs) a group's 16 possible
+// weights (scale * q + offset for q = 0..15, the multiply-add group_floats does) fill one vector, and
+// _mm512_permutexvar_ps looks a lane's weight up by the low 4 bits of its index, so a byte zero-extended
+// to a lane needs no mask: 16 weights cost a permute (and a shift for high nibbles) instead of two
+// conversions and an FMA.
 template <int TM>
 struct NibbleDot {
   const float* x;
@@ -444,6 +445,30 @@ constexpr bool kHasNibbleRuns = false;
 template <class F>
 constexpr bool kHasNibbleRuns<F, std::void_t<decltype(&F::template nibble_runs<NibbleDot<1>>)>> = true;
 
+// dot_rows_exact for the other formats on 16 lanes: the same weights (group_floats' multiply-add; values
+// 0-15 take scale_lo, 16-31 scale_hi), converted 16 at a time.
+template <class F, int TM>
+void dot_rows_wide(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  __m512 acc[TM][2];
+  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < k / F::kValues; ++b) {
+    for (int g = 0; g < F::kValues / 32; ++g) {
+      const Group group = F::group(wrow + b * F::kBytes, g);
+      const __m512 offset = _mm512_set1_ps(group.offset);
+      const __m512 w[2] = {
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(group.q))),
+                          _mm512_set1_ps(group.scale_lo), offset),
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(group.q, 1))),
+                          _mm512_set1_ps(group.scale_hi), offset),
+      };
+      const float* xg = x + b * F::kValues + 32 * g;
+      for (int m = 0; m < TM; ++m)
+        for (int i = 0; i < 2; ++i) acc[m][i] = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xg + m * k + 16 * i), acc[m][i]);
+    }
+  }
+  for (int m = 0; m < TM; ++m) out[m * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
 // dot_rows_exact for the 4-bit formats: even and odd blocks feed separate accumulators, so one row of
 // activations still has four independent FMA chains.
 template <class F, int TM>
@@ -460,12 +485,6 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
     out[m * ldo] = _mm512_reduce_add_ps(
         _mm512_add_ps(_mm512_add_ps(even.acc[m][0], even.acc[m][1]), _mm512_add_ps(odd.acc[m][0], odd.acc[m][1])));
 }
-#else
-template <class F>
-constexpr bool kHasNibbleRuns = false;
-template <class F, int TM>
-void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo);  // never called
-#endif
 
 // The fused dot products of one weight row with TM activation rows.
 template <class F, int TM>
@@ -473,8 +492,14 @@ void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_
   if constexpr (kHasNibbleRuns<F>)
     dot_rows_nibbles<F, TM>(wrow, x, k, out, ldo);
   else
-    dot_rows_exact<F, TM>(wrow, x, k, out, ldo);
+    dot_rows_wide<F, TM>(wrow, x, k, out, ldo);
 }
+#else
+template <class F, int TM>
+void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  dot_rows_exact<F, TM>(wrow, x, k, out, ldo);
+}
+#endif
 
 constexpr int kRowTile = 4;  // activation rows sharing one decode of the weights
 
