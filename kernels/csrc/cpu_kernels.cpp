@@ -391,30 +391,54 @@ inline void group_floats(const Group& g, Floats w[4]) {
 // ---------------------------------------------------------------------------------------------
 // Exact numerics.
 
+// The widest float vector the build has for the exact dot products: 16 lanes with AVX-512, else Floats.
+#if defined(__AVX512F__)
+using WideFloats = __m512;
+constexpr int kWideLanes = 16;
+inline WideFloats wide_zeros() { return _mm512_setzero_ps(); }
+inline WideFloats wide_load(const float* p) { return _mm512_loadu_ps(p); }
+inline WideFloats fmadd(WideFloats a, WideFloats b, WideFloats c) { return _mm512_fmadd_ps(a, b, c); }
+inline float wide_sum(WideFloats a, WideFloats b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+// The 32 float weights of a group as two vectors of 16 (values 16..31 take scale_hi), as group_floats.
+inline void group_floats(const Group& g, WideFloats w[2]) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(g.q), _mm256_extracti128_si256(g.q, 1)};
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(halves[i])),
+                           _mm512_set1_ps(i == 0 ? g.scale_lo : g.scale_hi), _mm512_set1_ps(g.offset));
+}
+#else
+using WideFloats = Floats;
+constexpr int kWideLanes = 8;
+inline WideFloats wide_zeros() { return zeros(); }
+inline WideFloats wide_load(const float* p) { return load_floats(p); }
+inline float wide_sum(WideFloats a, WideFloats b) { return hsum(add(a, b)); }
+#endif
+
 // out[m * ldo] = dot(weight row, x[m]) for TM activation rows: each weight group is decoded once
 // and used for all TM rows; two accumulators per row hide the FMA latency.
 template <class F, int TM>
 void dot_rows_exact(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
-  Floats acc[TM][2];
-  for (auto& row : acc) row[0] = row[1] = zeros();
+  constexpr int kVectors = 32 / kWideLanes;
+  WideFloats acc[TM][2];
+  for (auto& row : acc) row[0] = row[1] = wide_zeros();
   for (int64_t b = 0; b < k / F::kValues; ++b) {
     for (int g = 0; g < F::kValues / 32; ++g) {
-      Floats w[4];
+      WideFloats w[kVectors];
       group_floats(F::group(wrow + b * F::kBytes, g), w);
       const float* xg = x + b * F::kValues + 32 * g;
       for (int m = 0; m < TM; ++m)
-        for (int i = 0; i < 4; ++i) acc[m][i % 2] = fmadd(w[i], load_floats(xg + m * k + 8 * i), acc[m][i % 2]);
+        for (int i = 0; i < kVectors; ++i)
+          acc[m][i % 2] = fmadd(w[i], wide_load(xg + m * k + kWideLanes * i), acc[m][i % 2]);
     }
   }
-  for (int m = 0; m < TM; ++m) out[m * ldo] = hsum(add(acc[m][0], acc[m][1]));
+  for (int m = 0; m < TM; ++m) out[m * ldo] = wide_sum(acc[m][0], acc[m][1]);
 }
 
 #if defined(__AVX512F__)
-// AVX-512: 16 lanes for every format. For the 4-bit ones (those with nibble_runs) a group's 16 possible
-// weights (scale * q + offset for q = 0..15, the multiply-add group_floats does) fill one vector, and
-// _mm512_permutexvar_ps looks a lane's weight up by the low 4 bits of its index, so a byte zero-extended
-// to a lane needs no mask: 16 weights cost a permute (and a shift for high nibbles) instead of two
-// conversions and an FMA.
+// AVX-512 path of the 4-bit formats (those with nibble_runs): a group's 16 possible weights (scale * q +
+// offset for q = 0..15, the multiply-add group_floats does) fill one vector, and _mm512_permutexvar_ps
+// looks a lane's weight up by the low 4 bits of its index, so a byte zero-extended to a lane needs no
+// mask: 16 weights cost a permute (and a shift for high nibbles) instead of two conversions and an FMA.
 template <int TM>
 struct NibbleDot {
   const float* x;
@@ -445,30 +469,6 @@ constexpr bool kHasNibbleRuns = false;
 template <class F>
 constexpr bool kHasNibbleRuns<F, std::void_t<decltype(&F::template nibble_runs<NibbleDot<1>>)>> = true;
 
-// dot_rows_exact for the other formats on 16 lanes: the same weights (group_floats' multiply-add; values
-// 0-15 take scale_lo, 16-31 scale_hi), converted 16 at a time.
-template <class F, int TM>
-void dot_rows_wide(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
-  __m512 acc[TM][2];
-  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < k / F::kValues; ++b) {
-    for (int g = 0; g < F::kValues / 32; ++g) {
-      const Group group = F::group(wrow + b * F::kBytes, g);
-      const __m512 offset = _mm512_set1_ps(group.offset);
-      const __m512 w[2] = {
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(group.q))),
-                          _mm512_set1_ps(group.scale_lo), offset),
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(group.q, 1))),
-                          _mm512_set1_ps(group.scale_hi), offset),
-      };
-      const float* xg = x + b * F::kValues + 32 * g;
-      for (int m = 0; m < TM; ++m)
-        for (int i = 0; i < 2; ++i) acc[m][i] = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xg + m * k + 16 * i), acc[m][i]);
-    }
-  }
-  for (int m = 0; m < TM; ++m) out[m * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
-}
-
 // dot_rows_exact for the 4-bit formats: even and odd blocks feed separate accumulators, so one row of
 // activations still has four independent FMA chains.
 template <class F, int TM>
@@ -482,24 +482,18 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
   }
   if (b < blocks) F::nibble_runs(wrow + b * F::kBytes, b * F::kValues, even);
   for (int m = 0; m < TM; ++m)
-    out[m * ldo] = _mm512_reduce_add_ps(
-        _mm512_add_ps(_mm512_add_ps(even.acc[m][0], even.acc[m][1]), _mm512_add_ps(odd.acc[m][0], odd.acc[m][1])));
+    out[m * ldo] = wide_sum(_mm512_add_ps(even.acc[m][0], even.acc[m][1]), _mm512_add_ps(odd.acc[m][0], odd.acc[m][1]));
 }
+#endif
 
 // The fused dot products of one weight row with TM activation rows.
 template <class F, int TM>
 void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
-  if constexpr (kHasNibbleRuns<F>)
-    dot_rows_nibbles<F, TM>(wrow, x, k, out, ldo);
-  else
-    dot_rows_wide<F, TM>(wrow, x, k, out, ldo);
-}
-#else
-template <class F, int TM>
-void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  if constexpr (kHasNibbleRuns<F>) return dot_rows_nibbles<F, TM>(wrow, x, k, out, ldo);
+#endif
   dot_rows_exact<F, TM>(wrow, x, k, out, ldo);
 }
-#endif
 
 constexpr int kRowTile = 4;  // activation rows sharing one decode of the weights
 
