@@ -3,8 +3,8 @@
 The work is done by a small C++ extension (``csrc/cpu_kernels.cpp``), compiled on first use with
 ``torch.utils.cpp_extension.load`` and cached in the torch extensions directory. It reads the packed
 weights in place (resident weight memory is exactly the GGUF bytes), parallelizes over output
-features with torch's OpenMP pool, and uses AVX2/FMA, and AVX-512 for the 4-bit formats' decode, when
-the CPU has them.
+features with torch's OpenMP pool, and is built for the widest of AVX-512, AVX2/FMA or plain C++ that the
+CPU runs (with AVX-512, the 4-bit formats' dot products look each weight up in a 16-float table).
 
 Two numerics, chosen with :func:`set_numerics` or the :func:`numerics` context manager:
 
