@@ -8,9 +8,9 @@
 //   llamacpp: activations are first quantized to Q8_0 / Q8_1 / Q8_K as ggml-cpu does and each
 //             block product is an integer dot product scaled in float, as ggml's vec_dot functions.
 //
-// The code is plain C++ over a few AVX2 primitives (with a portable fallback), plus an AVX-512 path
-// for the exact dot products of the 4-bit formats; cpu.py compiles it for the widest vector ISA the
-// CPU has (AVX-512, AVX2+FMA, or none).
+// The code is plain C++ over a few AVX2 primitives (with a portable fallback); the exact dot products
+// also have AVX-512 code (16 lanes, and table lookups for the 4-bit formats). cpu.py compiles it for the
+// widest vector ISA the CPU has (AVX-512, AVX2+FMA, or none).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -313,11 +313,17 @@ struct Q4_K {
     const Bytes raw = load_bytes(b + 16 + 32 * (g / 2));
     return g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F);
   }
-  static Group group(const uint8_t* b, int g) {
+  // Sub-block g's weights are scale * q + offset.
+  static void affine(const uint8_t* b, int g, float& scale, float& offset) {
     int sc, m;
     scale_min_k4(g, b + 4, sc, m);
-    const float scale = half_at(b) * static_cast<float>(sc);
-    return {values(b, g), scale, scale, -half_at(b + 2) * static_cast<float>(m)};
+    scale = half_at(b) * static_cast<float>(sc);
+    offset = -half_at(b + 2) * static_cast<float>(m);
+  }
+  static Group group(const uint8_t* b, int g) {
+    float scale, offset;
+    affine(b, g, scale, offset);
+    return {values(b, g), scale, scale, offset};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
     Ints sumi = zero_ints();
@@ -335,8 +341,10 @@ struct Q4_K {
   template <class Dot>
   static void nibble_runs(const uint8_t* b, int64_t pos, Dot& dot) {
     for (int c = 0; c < 4; ++c) {
-      const Group lo = group(b, 2 * c), hi = group(b, 2 * c + 1);
-      const auto lo_table = Dot::table(lo.scale_lo, lo.offset), hi_table = Dot::table(hi.scale_lo, hi.offset);
+      float lo_scale, lo_offset, hi_scale, hi_offset;
+      affine(b, 2 * c, lo_scale, lo_offset);
+      affine(b, 2 * c + 1, hi_scale, hi_offset);
+      const auto lo_table = Dot::table(lo_scale, lo_offset), hi_table = Dot::table(hi_scale, hi_offset);
       const uint8_t* quants = b + 16 + 32 * c;
       dot.run(quants, lo_table, pos + 64 * c, hi_table, pos + 64 * c + 32);
       dot.run(quants + 16, lo_table, pos + 64 * c + 16, hi_table, pos + 64 * c + 48);
