@@ -21,12 +21,10 @@ the ``blockwise-dequant-matmul`` path of :mod:`workbench.kernels.linear`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import warnings
 from pathlib import Path
-from types import ModuleType
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -60,22 +58,43 @@ def _native_isa() -> str:
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
 
 
-def _build_extension(isa: str) -> ModuleType:
+def _build_extension(isa: str) -> Any:
+    """Build (or load the cached build of) the kernels for ``isa``; they register as ``torch.ops.<name>.*``."""
     _log.info("building workbench CPU kernels (%s); the first build takes about a minute", isa)
     from torch.utils.cpp_extension import load
 
-    return load(
-        name=f"workbench_cpu_kernels_{isa}",
+    name = f"workbench_cpu_kernels_{isa}"
+    load(
+        name=name,
         sources=[str(_SOURCE)],
         extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]],
         extra_ldflags=["-fopenmp"],
+        is_python_module=False,
     )
+    ops = getattr(torch.ops, name)
+    # Output shapes for torch.compile's tracing; the ops themselves only run on real CPU tensors.
+    torch.library.register_fake(f"{name}::linear_exact")(
+        lambda x, packed, ggml_types, rows, cols, panel_min_batch: x.new_empty(x.shape[0], sum(rows))
+    )
+    torch.library.register_fake(f"{name}::linear_llamacpp")(
+        lambda x, packed, ggml_type, rows, cols: x.new_empty(x.shape[0], rows)
+    )
+    return ops
 
 
-@functools.cache
-def extension() -> ModuleType | None:
-    """The compiled kernels, built on first call; None (after one warning) if they cannot be built."""
-    isa = _native_isa()
+# "ops": the extension's op namespace, or None where it could not be built; absent until extension() first runs.
+# A plain dict rather than functools.cache, so that torch.compile reads the result instead of tracing a build.
+_extension: dict[str, Any] = {}
+
+
+def extension() -> Any | None:
+    """The compiled kernels' op namespace, built on first call; None (after one warning) if they cannot be built."""
+    if "ops" not in _extension:
+        _extension["ops"] = _build_or_warn(_native_isa())
+    return _extension["ops"]
+
+
+def _build_or_warn(isa: str) -> Any | None:
     try:
         return _build_extension(isa)
     except Exception as err:  # no compiler, no headers, a failed build: all degrade the same way
@@ -83,7 +102,7 @@ def extension() -> ModuleType | None:
             f"workbench.kernels.cpu: could not build the C++ CPU kernels ({isa}): {err}. "
             f"Quantized CPU matmuls fall back to the slow '{BLOCKWISE.name}' path.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         return None
 
@@ -174,8 +193,8 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
 
 
-EXACT = Kernel("cpu-gguf-exact", "cpu", _supports_exact, _run_exact, _run_exact_parts)
-LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _supports_llamacpp, _run_llamacpp)
+EXACT = Kernel("cpu-gguf-exact", "cpu", _supports_exact, _run_exact, _run_exact_parts, traceable=True)
+LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _supports_llamacpp, _run_llamacpp, traceable=True)
 register_kernel(EXACT)
 register_kernel(LLAMACPP)
 

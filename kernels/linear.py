@@ -22,6 +22,9 @@ class Kernel:
     run: Callable[[torch.Tensor, QuantTensor], torch.Tensor]
     # Several weights of one input in one call, their outputs side by side (``linear_parts``); None: one call each.
     run_parts: Callable[[torch.Tensor, Sequence[QuantTensor]], torch.Tensor] | None = None
+    # ``supports`` and ``run`` trace under torch.compile (registered torch ops, no data pointers), so compiled graphs
+    # call the kernel directly; other kernels are called through the opaque ``workbench::linear`` op.
+    traceable: bool = False
 
 
 def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -64,6 +67,17 @@ def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
     return DENSE if DENSE.supports(x, w) else BLOCKWISE
 
 
+def _compiled_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel | None:
+    """While torch.compile traces: the kernel to put straight into the graph, or None for the opaque op (a kernel that
+    cannot be traced comes first, so its ``supports`` cannot be asked)."""
+    for kernel in KERNELS.get(x.device.type, []):
+        if not kernel.traceable:
+            return None
+        if kernel.supports(x, w):
+            return kernel
+    return None
+
+
 @torch.library.custom_op("workbench::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, data: torch.Tensor, fmt: str, rows: int, cols: int) -> torch.Tensor:
     """``linear`` as one opaque op, so torch.compile traces around the kernels instead of into them."""
@@ -92,23 +106,22 @@ def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks."""
     _check_input(x, w)
     x2 = _as_rows(x)
-    if torch.compiler.is_compiling():
-        out = _linear_op(x2, w.data, w.fmt.name, *w.shape)
-    else:
-        out = select_kernel(x2, w).run(x2, w)
+    kernel = _compiled_kernel(x2, w) if torch.compiler.is_compiling() else select_kernel(x2, w)
+    out = _linear_op(x2, w.data, w.fmt.name, *w.shape) if kernel is None else kernel.run(x2, w)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Tensor]:
     """``[linear(x, w) for w in parts]``, in one kernel call where one kernel serves every part and takes
     several weights at once (the CPU kernels: one parallel region for q, k and v instead of three)."""
-    if len(parts) < 2 or torch.compiler.is_compiling():
+    if len(parts) < 2:
         return [linear(x, w) for w in parts]
     for w in parts:
         _check_input(x, w)
     x2 = _as_rows(x)
-    kernel = select_kernel(x2, parts[0])
-    if kernel.run_parts is None or any(select_kernel(x2, w) is not kernel for w in parts[1:]):
+    pick = _compiled_kernel if torch.compiler.is_compiling() else select_kernel
+    kernel = pick(x2, parts[0])
+    if kernel is None or kernel.run_parts is None or any(pick(x2, w) is not kernel for w in parts[1:]):
         return [linear(x, w) for w in parts]
     out = kernel.run_parts(x2, parts)
     return list(out.reshape(*x.shape[:-1], out.shape[-1]).split([w.shape[0] for w in parts], dim=-1))

@@ -11,7 +11,8 @@
 // The code is plain C++ over a few AVX2 primitives (with a portable fallback); the exact dot products
 // also have AVX-512 code (16 lanes, and table lookups for the 4-bit formats). cpu.py compiles it for the
 // widest vector ISA the CPU has (AVX-512, AVX2+FMA, or none).
-#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/types.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -556,8 +557,8 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t r
 // x [M, K] float32 @ dequantize(W).T for each weight W = packed[p] (GGUF type ggml_types[p], rows[p] x K), the
 // results side by side: [M, sum of rows]. Several weights of one input (q, k, v) thus take one call and one
 // parallel region. From panel_min_batch rows of x on, panels of each W are dequantized for at::mm instead.
-torch::Tensor linear_exact(torch::Tensor x, std::vector<torch::Tensor> packed, std::vector<int64_t> ggml_types,
-                           std::vector<int64_t> rows, int64_t cols, int64_t panel_min_batch) {
+torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::IntArrayRef ggml_types,
+                           c10::IntArrayRef rows, int64_t cols, int64_t panel_min_batch) {
   const size_t parts = packed.size();
   TORCH_CHECK(parts > 0 && ggml_types.size() == parts && rows.size() == parts,
               "workbench cpu kernels: one type and row count per packed weight");
@@ -642,7 +643,7 @@ torch::Tensor quantize_activations_as(const torch::Tensor& x) {
   return blocks;
 }
 
-torch::Tensor linear_llamacpp(torch::Tensor x, torch::Tensor packed, int64_t ggml_type, int64_t rows, int64_t cols) {
+torch::Tensor linear_llamacpp(const torch::Tensor& x, const torch::Tensor& packed, int64_t ggml_type, int64_t rows, int64_t cols) {
   return visit_format(ggml_type, [&](auto format) {
     using F = decltype(format);
     check_inputs(x, packed, rows, cols, F::kValues, F::kBytes);
@@ -656,7 +657,7 @@ torch::Tensor linear_llamacpp(torch::Tensor x, torch::Tensor packed, int64_t ggm
 }
 
 // The activation blocks llama.cpp numerics use against weights of ggml_type, as bytes [M, n_blocks * block_bytes].
-torch::Tensor quantize_activations(torch::Tensor x, int64_t ggml_type) {
+torch::Tensor quantize_activations(const torch::Tensor& x, int64_t ggml_type) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "workbench cpu kernels: x must be a contiguous 2-D float32 tensor");
   return visit_format(ggml_type, [&](auto format) { return quantize_activations_as<typename decltype(format)::Act>(x); });
@@ -664,8 +665,22 @@ torch::Tensor quantize_activations(torch::Tensor x, int64_t ggml_type) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_exact", &linear_exact, "x @ dequantize(W).T from GGUF blocks for each W, side by side, fp32 accumulation");
-  m.def("linear_llamacpp", &linear_llamacpp, "x @ W.T with ggml-cpu's Q8 activation quantization and integer dots");
-  m.def("quantize_activations", &quantize_activations, "ggml-cpu's Q8_0/Q8_1/Q8_K blocks of x for a weight type");
+// Registered as torch ops in a namespace named after the build (one per ISA, so several builds can be loaded at
+// once): calls from Python and from torch.compile's graphs (C++ wrapper included) go through the dispatcher.
+#define WORKBENCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define WORKBENCH_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  // x @ dequantize(W).T from GGUF blocks for each W, side by side, fp32 accumulation
+  m.def("linear_exact(Tensor x, Tensor[] packed, int[] ggml_types, int[] rows, int cols, int panel_min_batch) -> Tensor");
+  // x @ W.T with ggml-cpu's Q8 activation quantization and integer dots
+  m.def("linear_llamacpp(Tensor x, Tensor packed, int ggml_type, int rows, int cols) -> Tensor");
+  // ggml-cpu's Q8_0 / Q8_1 / Q8_K blocks of x for a weight type
+  m.def("quantize_activations(Tensor x, int ggml_type) -> Tensor");
+}
+
+WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
+  m.impl("linear_exact", &linear_exact);
+  m.impl("linear_llamacpp", &linear_llamacpp);
+  m.impl("quantize_activations", &quantize_activations);
 }
