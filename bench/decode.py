@@ -1,6 +1,7 @@
 """End-to-end prefill and decode tokens/s, ours vs llama.cpp (CPU) or quantized vs bf16 dense (CUDA).
 
-    python bench/decode.py                                  # embedded model, 2 CPU threads, vs llama.cpp if installed
+    python bench/decode.py                                  # embedded model, 2 CPU threads, eager and compiled
+                                                            # decode, vs llama.cpp if installed
     python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K BF16 [--profile]
 
 Every figure in one table comes from the same run, so ratios are side by side.
@@ -16,7 +17,7 @@ import torch
 
 import workbench
 from common import copy_bandwidth
-from workbench.generation import Sampling, capture_decode_step, generate_tokens
+from workbench.generation import Sampling, build_decode_step, generate_tokens
 from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config
 
@@ -50,7 +51,7 @@ def median_of(run: Callable[[], float], repeats: int) -> float:
     return statistics.median(run() for _ in range(repeats))
 
 
-def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[str, float]:
+def ours(model: Model, prefill: list[int], decode: int, repeats: int, compiled: bool | None = None) -> dict[str, float]:
     runner, vocab = model.runner, model.config.vocab_size
     out = {}
     for n in prefill:
@@ -60,7 +61,7 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[st
 
     def run_decode() -> float:
         """Seconds from the first new token (the prompt's prefill is done then) to the last: decode - 1 steps."""
-        tokens = generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set())
+        tokens = generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set(), compiled=compiled)
         next(tokens)
         start = time.perf_counter()
         for _ in tokens:
@@ -68,10 +69,10 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int) -> dict[st
         synchronize(runner.device)
         return time.perf_counter() - start
 
-    if runner.device.type == "cuda":  # the first call also compiles the decode step; later ones reuse the build
+    if compiled or (compiled is None and runner.device.type == "cuda"):  # the first call builds the decode step
         start = time.perf_counter()
         run_decode()
-        print(f"first generate_tokens call (compiles and captures the decode step): {time.perf_counter() - start:.1f} s")
+        print(f"first generate_tokens call (compiles the decode step): {time.perf_counter() - start:.1f} s")
     out[f"decode {decode}"] = (decode - 1) / median_of(run_decode, repeats)
     return out
 
@@ -81,18 +82,18 @@ def profile_decode_step(model: Model, top: int = 12) -> None:
     runner = model.runner
     cache = runner.new_static_cache(256)
     runner.forward(torch.randint(0, model.config.vocab_size, (8,)), cache=cache, last_logits_only=True)
-    step = capture_decode_step(runner, cache)
+    step = build_decode_step(runner, cache)
     replays = 64
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        step.graph.replay()
+        step.run()
     end.record()
     end.synchronize()
     print(f"decode step on the GPU alone: {start.elapsed_time(end) / replays:.3f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            step.graph.replay()
+            step.run()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60))
 
@@ -135,15 +136,20 @@ def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None) -> Mod
     return Model(random_checkpoint(config, fmt, device=device, distinct_rows=256), device=device, dtype=dtype)
 
 
-def print_table(title: str, columns: dict[str, dict[str, float]]) -> None:
+def print_table(title: str, columns: dict[str, dict[str, float]], reference: str | None = None) -> None:
+    """One row per measurement, one column per system; with ``reference``, each other column's ratio to it."""
     names = list(columns)
-    rows = list(next(iter(columns.values())))
+    rows = list(dict.fromkeys(row for column in columns.values() for row in column))
+    ratios = [n for n in names if reference is not None and n != reference]
     print(f"\n{title}")
-    print(f"{'tokens/s':<14}" + "".join(f"{n:>22}" for n in names) + (f"{'ratio':>10}" if len(names) == 2 else ""))
+    print(f"{'tokens/s':<14}" + "".join(f"{n:>22}" for n in names) + "".join(f"{'ratio ' + str(i + 1):>10}" for i in range(len(ratios))))
     for row in rows:
         values = [columns[n].get(row, float("nan")) for n in names]
-        ratio = f"{values[0] / values[1]:>10.2f}" if len(values) == 2 else ""
-        print(f"{row:<14}" + "".join(f"{v:>22.1f}" for v in values) + ratio)
+        line = f"{row:<14}" + "".join(f"{v:>22.1f}" for v in values)
+        line += "".join(f"{columns[n].get(row, float('nan')) / columns[reference].get(row, float('nan')):>10.2f}" for n in ratios)
+        print(line)
+    for i, n in enumerate(ratios):
+        print(f"ratio {i + 1}: {n} / {reference}")
 
 
 def main() -> None:
@@ -186,16 +192,18 @@ def main() -> None:
             del model
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        print_table(f"{args.synthetic}, random weights", columns)
+        print_table(f"{args.synthetic}, random weights", columns, list(columns)[-1] if len(columns) > 1 else None)
         return
 
     model = workbench.load(args.model, device=args.device, dtype=args.dtype)
     print(f"kernels: {sorted(set(model.kernel_report(1).values()) | set(model.kernel_report(128).values()))}")
     columns = {"workbench": ours(model, args.prefill, args.decode, args.repeats)}
+    if args.device == "cpu":  # prefill is the same eager forward either way
+        columns["workbench compiled"] = ours(model, [], args.decode, args.repeats, compiled=True)
     reference = llama_cpp(str(model.path), args.threads, args.prefill, args.decode, args.repeats) if args.device == "cpu" else None
     if reference is not None:
         columns["llama.cpp"] = reference
-    print_table(f"{model.config.name}", columns)
+    print_table(f"{model.config.name}", columns, "llama.cpp" if reference is not None else None)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Sampling, the decode loop over the KV cache, and the static cache that CUDA graphs replay."""
+"""Sampling, the decode loop over the KV cache, and the built decode steps (CUDA graphs, compiled CPU step)."""
 from __future__ import annotations
 
 import warnings
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.generation import _CAPTURED, Sampling, _forward_and_pick, argmax_by_chunks, generate_tokens
+from workbench.kernels import cpu
+from workbench.generation import _BUILT, Sampling, _forward_and_pick, argmax_by_chunks, generate_tokens
 from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config
 
@@ -76,7 +77,7 @@ def cuda_model_and_eager_tokens() -> tuple[Model, list[int]]:
     """A fresh 2-layer Q4_K model on CUDA (nothing captured yet) and its eager greedy 12 tokens after PROMPT."""
     model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
                   device="cuda", dtype="float32")
-    return model, list(generate_tokens(model.runner, PROMPT, 12, cuda_graphs=False))
+    return model, list(generate_tokens(model.runner, PROMPT, 12, compiled=False))
 
 
 @needs_cuda
@@ -97,18 +98,18 @@ def test_cuda_graph_decode_stops_and_samples_like_eager():
     assert list(generate_tokens(model.runner, PROMPT, 1)) == eager[:1]
     assert list(generate_tokens(model.runner, PROMPT, 2)) == eager[:2]
     # the captured step is kept for the next call of the same size; a second stream meanwhile gets its own
-    captured = _CAPTURED[model.runner]
+    captured = _BUILT[model.runner]
     first, second = generate_tokens(model.runner, PROMPT, 12), generate_tokens(model.runner, [9, 3], 12)
     interleaved = list(zip(first, second))
     assert next(second, None) is None  # zip left it suspended after its last token; this finishes it
     assert [a for a, _ in interleaved] == eager
-    assert [b for _, b in interleaved] == list(generate_tokens(model.runner, [9, 3], 12, cuda_graphs=False))
-    replacement = _CAPTURED[model.runner]
+    assert [b for _, b in interleaved] == list(generate_tokens(model.runner, [9, 3], 12, compiled=False))
+    replacement = _BUILT[model.runner]
     assert replacement is not captured and not captured.busy and not replacement.busy
     assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
-    assert _CAPTURED[model.runner] is replacement  # reused, not captured again
+    assert _BUILT[model.runner] is replacement  # reused, not captured again
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
-    sampled_eager = list(generate_tokens(model.runner, PROMPT, 12, sampling, cuda_graphs=False))
+    sampled_eager = list(generate_tokens(model.runner, PROMPT, 12, sampling, compiled=False))
     assert list(generate_tokens(model.runner, PROMPT, 12, sampling)) == sampled_eager
 
 
@@ -125,6 +126,54 @@ def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch
     with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
         with_graph = list(generate_tokens(model.runner, PROMPT, 12))
     assert with_graph == eager
+
+
+def test_compiled_cpu_decode_matches_eager():
+    # The one CPU compile of the suite (~1 min on 2 cores without torch's on-disk cache): greedy, a stop token,
+    # the step reused by the next call of its size, and sampling, each against the eager decode.
+    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K", seed=5),
+                  device="cpu")
+    runner = model.runner
+    eager = list(generate_tokens(runner, PROMPT, 12))  # the CPU default: eager
+    assert runner not in _BUILT
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager decoding fails the test
+        assert list(generate_tokens(runner, PROMPT, 12, compiled=True)) == eager
+    built = _BUILT[runner]
+    stop = eager[6]
+    assert list(generate_tokens(runner, PROMPT, 12, stop_ids={stop}, compiled=True)) == eager[:eager.index(stop) + 1]
+    assert _BUILT[runner] is built and not built.busy
+    sampling = Sampling(temperature=0.8, top_k=20, seed=3)
+    assert list(generate_tokens(runner, PROMPT, 12, sampling, compiled=True)) == list(
+        generate_tokens(runner, PROMPT, 12, sampling))
+
+    # The step keeps torch.compile's guards on global state: switching to llama.cpp numerics recompiles it.
+    def step_logits() -> torch.Tensor:
+        built.cache.rewind(torch.zeros_like(built.cache.device_length))
+        runner.forward(torch.tensor(PROMPT), cache=built.cache)
+        return built(eager[0]).clone()
+
+    def eager_logits() -> torch.Tensor:
+        return runner.forward(torch.tensor(PROMPT + eager[:1]), last_logits_only=True)
+
+    exact = step_logits()
+    with cpu.numerics("llamacpp"):
+        quantized, quantized_eager = step_logits(), eager_logits()
+    assert (exact - eager_logits()).abs().max() < 1e-4
+    assert (quantized - quantized_eager).abs().max() < 1e-4 < (exact - quantized_eager).abs().max()
+
+
+def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(small, monkeypatch):
+    eager = list(generate_tokens(small.runner, PROMPT, 8))
+
+    def broken_compile(fn, **kwargs):
+        def fails(*args, **kw):
+            raise RuntimeError("no compiler here")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.warns(RuntimeWarning, match="decoding eagerly: no compiler here"):
+        assert list(generate_tokens(small.runner, PROMPT, 8, compiled=True)) == eager
 
 
 def test_argmax_by_chunks_is_argmax():

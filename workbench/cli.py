@@ -52,7 +52,8 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     model = _load(args)
-    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat)
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
+                  compiled=args.compile)
     if args.json:
         ids, pieces = [], []
         for token, text in model.stream(args.prompt, args.max_new_tokens, **kwargs):
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="build the decode step with torch.compile (default: on CUDA only; the first CPU build "
+                          "takes minutes, later ones seconds)")
     _model_args(gen)
     gen.set_defaults(fn=cmd_generate)
 

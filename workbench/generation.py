@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +54,24 @@ class Sampling:
         return int(torch.multinomial(probs, 1, generator=generator))
 
 
-# Smallest static cache a captured decode step attends over: its shape is compiled in.
-MIN_GRAPH_CAPACITY = 256
+# Smallest static cache a built decode step attends over: its shape is compiled in.
+MIN_STEP_CAPACITY = 256
 
 
 def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
                     sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(), hooks: Hooks | None = None,
-                    cache: KVCache | None = None, cuda_graphs: bool = True) -> Iterator[int]:
+                    cache: KVCache | None = None, compiled: bool | None = None) -> Iterator[int]:
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
-    With ``cache``, the prompt tokens continue it and generation appends to it. On CUDA, with no hooks
-    and no caller-owned cache, the decode step is compiled (``torch.compile`` fuses the small kernels
-    between the matmuls), captured once as a CUDA graph and replayed: the same forward, without a Python
-    round trip per kernel. The first call for a cache size compiles it (tens of seconds on an 8B model);
-    the runner keeps its last captured step, with its cache, for the next call of that size. Greedy
-    decoding also picks each next token inside the graph and reads tokens back one step behind, so the
-    GPU never waits on Python between steps.
+    With ``cache``, the prompt tokens continue it and generation appends to it. With no hooks and no
+    caller-owned cache, ``compiled`` (default: on CUDA only) builds the decode step once with
+    ``torch.compile``, which fuses the small ops between the matmuls (our kernels, called from the graph):
+    on CUDA the build is captured as a CUDA graph and replayed, on the CPU the compiled step is called
+    per token. Either way it is the same forward without a Python round trip per op. The first build for
+    a cache size compiles it (tens of seconds on an 8B GPU model; on a 2-core CPU about 2.5 minutes the
+    first time, then seconds from torch's on-disk cache); the runner keeps its last step, with its
+    cache, for the next call of that size. On CUDA, greedy decoding also picks each next token inside
+    the graph and reads tokens back one step behind, so the GPU never waits on Python between steps.
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
@@ -81,35 +83,35 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
             f"prompt ({len(prompt_ids)} tokens) + cache ({start}) + {max_new_tokens} new tokens "
             f"exceed the context of {runner.config.n_ctx}"
         )
-    graphs = cuda_graphs and cache is None and not hooks and runner.device.type == "cuda"
-    return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, graphs)
+    if compiled is None:
+        compiled = runner.device.type == "cuda"
+    built_step = compiled and cache is None and not hooks
+    return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step)
 
 
 @dataclass(eq=False)
 class DecodeStep:
-    """A one-token forward over a static cache, captured as a CUDA graph: ``step(token)`` replays it and
-    returns its logits. The graph also writes the argmax of the logits into ``token``, its own next input
-    when decoding greedily."""
+    """A one-token forward over a static cache, built once: ``step(token)`` runs it and returns its logits.
+    The step also writes the argmax of the logits into ``token``, its own next input when decoding greedily.
+    ``run`` replays a CUDA graph (on CUDA) or calls the compiled forward (on the CPU)."""
 
-    graph: torch.cuda.CUDAGraph
+    run: Callable[[], torch.Tensor]  # one step on ``token``, returning its logits [1, vocab] float32
     cache: StaticKVCache
     token: torch.Tensor  # [1] long, on the device
-    logits: torch.Tensor  # [1, vocab] float32, rewritten by every replay
     busy: bool = False  # a generation is using it (and its cache)
 
     def __call__(self, next_token: int) -> torch.Tensor:
         self.token.fill_(next_token)
-        self.graph.replay()
-        return self.logits
+        return self.run()
 
 
-# Each runner's last captured step, reused by the next generation of the same cache size.
-_CAPTURED: "weakref.WeakKeyDictionary[Transformer, DecodeStep]" = weakref.WeakKeyDictionary()
+# Each runner's last built step, reused by the next generation of the same cache size.
+_BUILT: "weakref.WeakKeyDictionary[Transformer, DecodeStep]" = weakref.WeakKeyDictionary()
 
 
-def _captured_step(runner: Transformer, capacity: int) -> DecodeStep | None:
-    """The runner's captured step if it is free and of this size, taken (busy) with its cache emptied."""
-    decode_step = _CAPTURED.get(runner)
+def _built_step(runner: Transformer, capacity: int) -> DecodeStep | None:
+    """The runner's built step if it is free and of this size, taken (busy) with its cache emptied."""
+    decode_step = _BUILT.get(runner)
     if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
         return None
     decode_step.busy = True
@@ -118,14 +120,14 @@ def _captured_step(runner: Transformer, capacity: int) -> DecodeStep | None:
 
 
 def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_ids: set[int],
-            hooks: Hooks | None, cache: KVCache | None, graphs: bool) -> Iterator[int]:
+            hooks: Hooks | None, cache: KVCache | None, built_step: bool) -> Iterator[int]:
     if max_new_tokens == 0:
         return
     decode_step = None
-    if graphs:  # a power of two, so most prompts reuse the compiled and captured step of an earlier one
+    if built_step:  # a power of two, so most prompts reuse the step built for an earlier one
         capacity = len(prompt_ids) + max_new_tokens
-        capacity = min(runner.config.n_ctx, max(MIN_GRAPH_CAPACITY, 1 << (capacity - 1).bit_length()))
-        decode_step = _captured_step(runner, capacity)
+        capacity = min(runner.config.n_ctx, max(MIN_STEP_CAPACITY, 1 << (capacity - 1).bit_length()))
+        decode_step = _built_step(runner, capacity)
         cache = decode_step.cache if decode_step is not None else runner.new_static_cache(capacity)
     elif cache is None:
         cache = runner.new_cache(len(prompt_ids) + max_new_tokens)
@@ -137,12 +139,12 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
         yield token
         if token in stop_ids or max_new_tokens == 1:
             return
-        if graphs and decode_step is None:
-            decode_step = capture_decode_step(runner, cache)
+        if built_step and decode_step is None:
+            decode_step = build_decode_step(runner, cache)
             if decode_step is not None:
                 decode_step.busy = True
-                _CAPTURED[runner] = decode_step
-        if decode_step is not None and sampling.temperature == 0:
+                _BUILT[runner] = decode_step
+        if decode_step is not None and sampling.temperature == 0 and runner.device.type == "cuda":
             yield from _replay_greedy(decode_step, token, max_new_tokens - 1, stop_ids)
             return
         for step in range(1, max_new_tokens):
@@ -161,7 +163,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
 
 
 def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int]) -> Iterator[int]:
-    """Greedy tokens from the step, which picks its own next input on the device, read one step behind.
+    """Greedy tokens from a CUDA step, which picks its own next input on the device, read one step behind.
 
     Each replay is queued before the token of the previous one is read back, so the GPU never waits for
     the host; a stop token costs one step that is thrown away (its cache slot is never read).
@@ -173,7 +175,7 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
         host.copy_(decode_step.token, non_blocking=True)
         copied.record()
         if remaining:
-            decode_step.graph.replay()
+            decode_step.run()
         copied.synchronize()
         token = int(host[0])
         yield token
@@ -181,13 +183,17 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
             return
 
 
-def capture_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool = True) -> DecodeStep | None:
-    """The runner's one-token forward over ``cache`` as a replayable CUDA graph (None if capture fails).
+def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool = True) -> DecodeStep | None:
+    """The runner's one-token forward over ``cache``, built to run once per token (None if that fails).
 
-    With ``compiled``, the graph holds ``torch.compile``'s build of that same forward, which fuses the
-    small kernels between the matmuls (norms, rope, attention softmax, the argmax over the vocabulary);
-    the matmuls stay our kernels, one opaque op each. If compiling fails, the eager forward is captured.
+    With ``compiled``, it is ``torch.compile``'s build of that same forward, which fuses the small ops
+    between the matmuls (norms, rope, attention softmax, the argmax over the vocabulary); the matmuls stay
+    our kernels. On CUDA the step is captured as a CUDA graph (if compiling fails, the eager forward is
+    captured); on the CPU it is the compiled forward (generated C++ calling our kernels' ops), and
+    ``compiled=False`` has nothing to build.
     """
+    if runner.device.type != "cuda":
+        return _compile_on_cpu(runner, cache) if compiled else None
     if compiled:
         step = _capture(runner, cache, torch.compile(_forward_and_pick, dynamic=False),
                         "capturing the eager forward instead")
@@ -238,4 +244,37 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
         cache.rewind(saved)
         return None
     cache.rewind(saved)
-    return DecodeStep(graph, cache, token, logits)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return logits
+
+    return DecodeStep(replay, cache, token)
+
+
+def _guards_on_global_state(entries: list[Any]) -> list[bool]:
+    """torch.compile's guards to keep for a decode step: those on module globals (the CPU numerics mode, the kernel
+    registry) and on torch's global state. A step is only ever called with the runner, token and cache it was built
+    for, so the ~2800 guards on those arguments (every weight's metadata) would protect nothing; checking them took
+    ~1 ms of a 5 ms CPU step on the embedded model."""
+    return [entry.is_global or not entry.name for entry in entries]
+
+
+def _compile_on_cpu(runner: Transformer, cache: StaticKVCache) -> DecodeStep | None:
+    token = torch.zeros(1, dtype=torch.long, device=runner.device)
+    saved = cache.device_length.clone()
+    # The C++ wrapper calls the kernels' ops without Python in between: ~1 ms less per step on the embedded model.
+    forward_and_pick = torch.compile(_forward_and_pick, dynamic=False,
+                                     options={"cpp_wrapper": True, "guard_filter_fn": _guards_on_global_state})
+
+    def step() -> torch.Tensor:
+        return forward_and_pick(runner, token, cache)
+
+    try:
+        step()  # compiles
+    except Exception as err:  # no C++ compiler, or a compiler error
+        warnings.warn(f"compiling the decode step failed, decoding eagerly: {err}", RuntimeWarning, stacklevel=3)
+        return None
+    finally:
+        cache.rewind(saved)
+    return DecodeStep(step, cache, token)

@@ -157,9 +157,13 @@ class Model:
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
-               interventions: Sequence[Any] = (), cache: KVCache | None = None) -> Iterator[tuple[int, str]]:
+               interventions: Sequence[Any] = (), cache: KVCache | None = None,
+               compiled: bool | None = None) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step.
 
+        ``compiled`` builds the decode step with ``torch.compile`` (default: on CUDA only; on the CPU it pays for
+        long or repeated generations, as a build takes seconds even from torch's on-disk cache); see
+        :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
         Everything is validated, and the hooks of enclosing ``hooks()`` blocks taken, when this is called,
         not when iteration starts.
         """
@@ -167,7 +171,8 @@ class Model:
         ids = self.to_ids(prompt, chat=chat)
         start = cache.next_position if cache is not None else 0
         hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens)
-        tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks, cache)
+        tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks, cache,
+                                 compiled)
         return self._with_text(tokens)
 
     def _with_text(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
