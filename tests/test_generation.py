@@ -128,43 +128,57 @@ def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch
     assert with_graph == eager
 
 
-def test_compiled_cpu_decode_matches_eager():
-    # The one CPU compile of the suite (~1 min on 2 cores without torch's on-disk cache): greedy, a stop token,
-    # the step reused by the next call of its size, and sampling, each against the eager decode.
-    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K", seed=5),
-                  device="cpu")
-    runner = model.runner
-    eager = list(generate_tokens(runner, PROMPT, 12))  # the CPU default: eager
-    assert runner not in _BUILT
+def compiled_step_logits(runner, step, tokens: list[int]) -> list[torch.Tensor]:
+    """The built step's logits for each of ``tokens`` in turn, after PROMPT prefilled eagerly into its cache."""
+    step.cache.rewind(torch.zeros_like(step.cache.device_length))
+    runner.forward(torch.tensor(PROMPT), cache=step.cache)
+    return [step(token).clone() for token in tokens]
+
+
+def eager_logits(runner, tokens: list[int]) -> list[torch.Tensor]:
+    """The full forward's last logits over PROMPT + tokens[:i + 1], for each i."""
+    return [runner.forward(torch.tensor(PROMPT + tokens[:i + 1]), last_logits_only=True) for i in range(len(tokens))]
+
+
+def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_compiled_cpu_decode_matches_eager(small):
+    # The CPU compiles of the suite (~1 min on 2 cores without torch's on-disk cache). Two models' steps live in one
+    # process, each must run its own build; the steps' logits over four decode positions match the eager forward's.
+    config = random_config("llama", n_layers=2, d_model=256, d_mlp=512, tied_embeddings=False)  # untied: varied tokens
+    model = Model(random_checkpoint(config, "Q4_K", seed=5), device="cpu")
+    greedy = {m: list(generate_tokens(m.runner, PROMPT, 12)) for m in (model, small)}  # eager: the CPU default
+    assert model.runner not in _BUILT
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager decoding fails the test
-        assert list(generate_tokens(runner, PROMPT, 12, compiled=True)) == eager
-    built = _BUILT[runner]
-    stop = eager[6]
-    assert list(generate_tokens(runner, PROMPT, 12, stop_ids={stop}, compiled=True)) == eager[:eager.index(stop) + 1]
-    assert _BUILT[runner] is built and not built.busy
+        for m in (model, small):
+            assert list(generate_tokens(m.runner, PROMPT, 12, compiled=True)) == greedy[m]
+    built = {m: _BUILT[m.runner] for m in (model, small)}
+    for m in (model, small):
+        tokens = greedy[m][:4]
+        assert max_difference(compiled_step_logits(m.runner, built[m], tokens), eager_logits(m.runner, tokens)) < 1e-4
+
+    runner, tokens = model.runner, greedy[model]
+    assert len(set(tokens)) > 6
+    stop = tokens[6]
+    assert list(generate_tokens(runner, PROMPT, 12, stop_ids={stop}, compiled=True)) == tokens[:tokens.index(stop) + 1]
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
     assert list(generate_tokens(runner, PROMPT, 12, sampling, compiled=True)) == list(
         generate_tokens(runner, PROMPT, 12, sampling))
+    assert _BUILT[runner] is built[model] and not built[model].busy  # kept for the next call of its size
 
     # The step keeps torch.compile's guards on global state: switching to llama.cpp numerics recompiles it.
-    def step_logits() -> torch.Tensor:
-        built.cache.rewind(torch.zeros_like(built.cache.device_length))
-        runner.forward(torch.tensor(PROMPT), cache=built.cache)
-        return built(eager[0]).clone()
-
-    def eager_logits() -> torch.Tensor:
-        return runner.forward(torch.tensor(PROMPT + eager[:1]), last_logits_only=True)
-
-    exact = step_logits()
     with cpu.numerics("llamacpp"):
-        quantized, quantized_eager = step_logits(), eager_logits()
-    assert (exact - eager_logits()).abs().max() < 1e-4
-    assert (quantized - quantized_eager).abs().max() < 1e-4 < (exact - quantized_eager).abs().max()
+        quantized, quantized_eager = compiled_step_logits(runner, built[model], tokens[:2]), eager_logits(runner, tokens[:2])
+    exact = compiled_step_logits(runner, built[model], tokens[:2])
+    assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(exact, quantized_eager)
 
 
-def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(small, monkeypatch):
-    eager = list(generate_tokens(small.runner, PROMPT, 8))
+def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(monkeypatch):
+    runner = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0", seed=4), device="cpu").runner
+    eager = list(generate_tokens(runner, PROMPT, 8))
 
     def broken_compile(fn, **kwargs):
         def fails(*args, **kw):
@@ -173,7 +187,8 @@ def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(small, mon
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     with pytest.warns(RuntimeWarning, match="decoding eagerly: no compiler here"):
-        assert list(generate_tokens(small.runner, PROMPT, 8, compiled=True)) == eager
+        assert list(generate_tokens(runner, PROMPT, 8, compiled=True)) == eager
+    assert runner not in _BUILT
 
 
 def test_argmax_by_chunks_is_argmax():

@@ -1,6 +1,7 @@
 """Sampling and the decode loop over the runner's KV cache."""
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -260,11 +261,17 @@ def _guards_on_global_state(entries: list[Any]) -> list[bool]:
     return [entry.is_global or not entry.name for entry in entries]
 
 
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own. torch.compile keeps its builds per code object; without the guards on
+    the arguments, a step sharing one with another runner's step could run that runner's build."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def _compile_on_cpu(runner: Transformer, cache: StaticKVCache) -> DecodeStep | None:
     token = torch.zeros(1, dtype=torch.long, device=runner.device)
     saved = cache.device_length.clone()
     # The C++ wrapper calls the kernels' ops without Python in between: ~1 ms less per step on the embedded model.
-    forward_and_pick = torch.compile(_forward_and_pick, dynamic=False,
+    forward_and_pick = torch.compile(_own_code(_forward_and_pick), dynamic=False,
                                      options={"cpp_wrapper": True, "guard_filter_fn": _guards_on_global_state})
 
     def step() -> torch.Tensor:
