@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import workbench
-from workbench import cli
+from workbench import cli, generation
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +39,19 @@ def test_generate_json_is_greedy_continuation(capsys, model):
         assert token == int(model.forward(ids)[-1].argmax())
         ids.append(token)
     assert out["text"] == model.tokenizer.decode(out["ids"])
+
+
+def test_generate_compile_builds_the_decode_step(capsys, monkeypatch, model):
+    # The build itself is tested in test_generation.py; here the flag must reach it (the stub decodes eagerly).
+    caches = []
+    monkeypatch.setattr(generation, "build_decode_step", lambda runner, cache: caches.append(cache))
+    assert cli.main(["generate", "The capital of France is", "--max-new-tokens", "4", "--compile", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert len(caches) == 1 and caches[0].capacity == 256  # a static cache, as a built step needs
+    assert json.loads(captured.out)["ids"] == run_json(capsys, "generate", "The capital of France is",
+                                                       "--max-new-tokens", "4", "--json")["ids"]
+    assert "compiling the decode step" in captured.err
+    assert len(caches) == 1  # without --compile: no build on the CPU
 
 
 def test_generate_chat_stops_at_end_of_turn(capsys, model):

@@ -54,6 +54,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model = _load(args)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
                   compiled=args.compile)
+    if args.compile and model.runner.device.type == "cpu":
+        print("workbench: compiling the decode step after the first token (minutes the first time on this machine, "
+              "seconds once torch has cached the build)", file=sys.stderr)
     if args.json:
         ids, pieces = [], []
         for token, text in model.stream(args.prompt, args.max_new_tokens, **kwargs):
