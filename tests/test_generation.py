@@ -1,7 +1,9 @@
 """Sampling, the decode loop over the KV cache, and the built decode steps (CUDA graphs, compiled CPU step)."""
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -174,6 +176,16 @@ def test_compiled_cpu_decode_matches_eager(small):
         quantized, quantized_eager = compiled_step_logits(runner, built[model], tokens[:2]), eager_logits(runner, tokens[:2])
     exact = compiled_step_logits(runner, built[model], tokens[:2])
     assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(exact, quantized_eager)
+
+
+def test_compiled_cpu_step_does_not_keep_its_model_alive():
+    model = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0", seed=4), device="cpu")
+    list(generate_tokens(model.runner, PROMPT, 3, compiled=True))
+    assert model.runner in _BUILT
+    runner = weakref.ref(model.runner)
+    del model
+    gc.collect()
+    assert runner() is None  # and with it, its entry in _BUILT
 
 
 def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(monkeypatch):

@@ -227,7 +227,7 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
     saved = cache.device_length.clone()
 
     def step() -> torch.Tensor:
-        return forward_and_pick(runner, token, cache)
+        return forward_and_pick(runner_ref(), token, cache)
 
     try:
         side = torch.cuda.Stream()
@@ -274,8 +274,11 @@ def _compile_on_cpu(runner: Transformer, cache: StaticKVCache) -> DecodeStep | N
     forward_and_pick = torch.compile(_own_code(_forward_and_pick), dynamic=False,
                                      options={"cpp_wrapper": True, "guard_filter_fn": _guards_on_global_state})
 
+    # The step is the value of a weak dictionary keyed by its runner: a strong reference back would keep both alive.
+    runner_ref = weakref.ref(runner)
+
     def step() -> torch.Tensor:
-        return forward_and_pick(runner, token, cache)
+        return forward_and_pick(runner_ref(), token, cache)
 
     try:
         step()  # compiles
