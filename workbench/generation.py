@@ -227,7 +227,7 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
     saved = cache.device_length.clone()
 
     def step() -> torch.Tensor:
-        return forward_and_pick(runner_ref(), token, cache)
+        return forward_and_pick(runner, token, cache)
 
     try:
         side = torch.cuda.Stream()
