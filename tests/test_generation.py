@@ -115,16 +115,20 @@ def test_cuda_graph_decode_stops_and_samples_like_eager():
     assert list(generate_tokens(model.runner, PROMPT, 12, sampling)) == sampled_eager
 
 
-@needs_cuda
-def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch):
-    model, eager = cuda_model_and_eager_tokens()
-
+def break_torch_compile(monkeypatch) -> None:
+    """Make every ``torch.compile`` build fail when first called, as on a machine without a working compiler."""
     def broken_compile(fn, **kwargs):
         def fails(*args, **kw):
             raise RuntimeError("no compiler here")
         return fails
 
     monkeypatch.setattr(torch, "compile", broken_compile)
+
+
+@needs_cuda
+def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch):
+    model, eager = cuda_model_and_eager_tokens()
+    break_torch_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
         with_graph = list(generate_tokens(model.runner, PROMPT, 12))
     assert with_graph == eager
@@ -191,13 +195,7 @@ def test_compiled_cpu_step_does_not_keep_its_model_alive():
 def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(monkeypatch):
     runner = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0", seed=4), device="cpu").runner
     eager = list(generate_tokens(runner, PROMPT, 8))
-
-    def broken_compile(fn, **kwargs):
-        def fails(*args, **kw):
-            raise RuntimeError("no compiler here")
-        return fails
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
+    break_torch_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="decoding eagerly: no compiler here"):
         assert list(generate_tokens(runner, PROMPT, 8, compiled=True)) == eager
     assert runner not in _BUILT
