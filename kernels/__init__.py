@@ -1,6 +1,8 @@
 """Quantized kernels: GGUF tensor formats kept packed, and the matmuls that run on them."""
 from .formats import FORMATS, QuantFormat, get_format
-from .linear import KERNELS, Kernel, linear, linear_parts, register_kernel, select_kernel
+from .linear import (
+    KERNELS, Kernel, get_numerics, linear, linear_parts, numerics, register_kernel, select_kernel, set_numerics,
+)
 from .quant_tensor import QuantTensor
 
 from . import cpu  # noqa: E402  registers the C++ GGUF kernels (built on first use)
@@ -17,4 +19,7 @@ __all__ = [
     "linear_parts",
     "register_kernel",
     "select_kernel",
+    "numerics",
+    "set_numerics",
+    "get_numerics",
 ]

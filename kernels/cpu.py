@@ -6,7 +6,8 @@ weights in place (resident weight memory is exactly the GGUF bytes), parallelize
 features with torch's OpenMP pool, and is built for the widest of AVX-512, AVX2/FMA or plain C++ that the
 CPU runs (with AVX-512, the 4-bit formats' dot products look each weight up in a 16-float table).
 
-Two numerics, chosen with :func:`set_numerics` or the :func:`numerics` context manager:
+Two numerics, chosen with :func:`set_numerics` or the :func:`numerics` context manager (the switch is
+:mod:`workbench.kernels.linear`'s, re-exported here):
 
 * ``"exact"`` (default): ``x @ dequantize(W).T`` up to fp32 rounding. Small batches dequantize each
   weight group in registers inside the dot product; from :data:`PANEL_MIN_BATCH` rows on, panels of
@@ -20,18 +21,15 @@ the ``blockwise-dequant-matmul`` path of :mod:`workbench.kernels.linear`.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from .linear import BLOCKWISE, Kernel, register_kernel
+from .linear import BLOCKWISE, Kernel, get_numerics, numerics, register_kernel, set_numerics
 from .quant_tensor import QuantTensor
-
-Numerics = Literal["exact", "llamacpp"]
 
 # GGML type number -> name, for the formats the extension implements.
 SUPPORTED_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
@@ -49,8 +47,6 @@ _ISA_FLAGS = {
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _log = logging.getLogger(__name__)
-_numerics: Numerics = "exact"
-_warned_llamacpp_fallback: set[str] = set()
 
 
 def _native_isa() -> str:
@@ -107,29 +103,6 @@ def _build_or_warn(isa: str) -> Any | None:
         return None
 
 
-def set_numerics(mode: Numerics) -> None:
-    """Select how CPU quantized matmuls compute: ``"exact"`` floats or ``"llamacpp"`` Q8 integer dots."""
-    global _numerics
-    if mode not in ("exact", "llamacpp"):
-        raise ValueError(f"numerics must be 'exact' or 'llamacpp', got {mode!r}")
-    _numerics = mode
-
-
-def get_numerics() -> Numerics:
-    return _numerics
-
-
-@contextlib.contextmanager
-def numerics(mode: Numerics) -> Iterator[None]:
-    """``with numerics("llamacpp"): ...`` runs the block under ``mode`` and restores the previous one."""
-    previous = _numerics
-    set_numerics(mode)
-    try:
-        yield
-    finally:
-        set_numerics(previous)
-
-
 def quantize_activations(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The Q8 blocks (GGUF byte layout, ``[M, bytes]``) llama.cpp numerics feed to a weight of ``ggml_type``."""
     ext = extension()
@@ -145,26 +118,6 @@ def _runs_here(x: torch.Tensor, w: QuantTensor) -> bool:
         and w.fmt.ggml_type in SUPPORTED_TYPES
         and extension() is not None
     )
-
-
-def _supports_exact(x: torch.Tensor, w: QuantTensor) -> bool:
-    return _numerics == "exact" and _runs_here(x, w)
-
-
-def _supports_llamacpp(x: torch.Tensor, w: QuantTensor) -> bool:
-    if _numerics != "llamacpp" or x.device.type != "cpu":
-        return False
-    if _runs_here(x, w):
-        return True
-    if w.fmt.name not in _warned_llamacpp_fallback:
-        _warned_llamacpp_fallback.add(w.fmt.name)
-        warnings.warn(
-            f"workbench.kernels.cpu: llama.cpp numerics are not available for {w.fmt.name} weights with "
-            f"{x.dtype} input; these matmuls run exactly on the '{BLOCKWISE.name}' path.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return False
 
 
 def _in_float32(x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -193,8 +146,8 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
 
 
-EXACT = Kernel("cpu-gguf-exact", "cpu", _supports_exact, _run_exact, _run_exact_parts, traceable=True)
-LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _supports_llamacpp, _run_llamacpp, traceable=True)
+EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, traceable=True)
+LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, traceable=True, numerics="llamacpp")
 register_kernel(EXACT)
 register_kernel(LLAMACPP)
 

@@ -1,12 +1,16 @@
 """``linear(x, w)``: every matmul of the model, routed to the best kernel for the device and format."""
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
 from .quant_tensor import FLOAT_DTYPES, QuantTensor
+
+Numerics = Literal["exact", "llamacpp"]
 
 # Rows dequantized at a time by the blockwise path: bounds the float scratch buffer to ~4 MiB.
 _CHUNK_VALUES = 1 << 20
@@ -25,6 +29,8 @@ class Kernel:
     # ``supports`` and ``run`` trace under torch.compile (registered torch ops, no data pointers), so compiled graphs
     # call the kernel directly; other kernels are called through the opaque ``workbench::linear`` op.
     traceable: bool = False
+    # What it computes: "exact" (``x @ dequantize(w).T`` up to float rounding) or "llamacpp" (see ``set_numerics``).
+    numerics: Numerics = "exact"
 
 
 def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -60,20 +66,69 @@ def register_kernel(kernel: Kernel) -> None:
     KERNELS.setdefault(kernel.device_type, []).append(kernel)
 
 
+_numerics: Numerics = "exact"
+_warned_numerics_fallback: set[tuple[str, str, str, torch.dtype]] = set()
+
+
+def set_numerics(mode: Numerics) -> None:
+    """Select what quantized matmuls compute: ``"exact"`` floats, or ``"llamacpp"``: activations quantized to Q8
+    blocks and integer block dot products, as ggml-cpu computes them (the CPU kernels implement it; a matmul with no
+    kernel for the mode runs exactly and warns once, naming the path that ran)."""
+    global _numerics
+    if mode not in ("exact", "llamacpp"):
+        raise ValueError(f"numerics must be 'exact' or 'llamacpp', got {mode!r}")
+    _numerics = mode
+
+
+def get_numerics() -> Numerics:
+    return _numerics
+
+
+@contextlib.contextmanager
+def numerics(mode: Numerics) -> Iterator[None]:
+    """``with numerics("llamacpp"): ...`` runs the block under ``mode`` and restores the previous one."""
+    previous = _numerics
+    set_numerics(mode)
+    try:
+        yield
+    finally:
+        set_numerics(previous)
+
+
 def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
+    """The first kernel registered for ``x``'s device that takes ``(x, w)`` and computes the current numerics; else
+    the first exact one, with a warning when that changes what a quantized matmul computes."""
+    exact = None
     for kernel in KERNELS.get(x.device.type, []):
-        if kernel.supports(x, w):
-            return kernel
-    return DENSE if DENSE.supports(x, w) else BLOCKWISE
+        if kernel.numerics in (_numerics, "exact") and kernel.supports(x, w):
+            if kernel.numerics == _numerics:
+                return kernel
+            exact = exact or kernel
+    exact = exact or (DENSE if DENSE.supports(x, w) else BLOCKWISE)
+    if w.fmt.name not in FLOAT_DTYPES:
+        _warn_numerics_fallback(x, w, exact)
+    return exact
+
+
+def _warn_numerics_fallback(x: torch.Tensor, w: QuantTensor, kernel: Kernel) -> None:
+    key = (_numerics, x.device.type, w.fmt.name, x.dtype)
+    if key not in _warned_numerics_fallback:
+        _warned_numerics_fallback.add(key)
+        warnings.warn(
+            f"workbench.kernels: no {_numerics!r}-numerics kernel for {w.fmt.name} weights with {x.dtype} input on "
+            f"{x.device.type}; these matmuls run exact numerics on the '{kernel.name}' path.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _compiled_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel | None:
     """While torch.compile traces: the kernel to put straight into the graph, or None for the opaque op (a kernel that
-    cannot be traced comes first, so its ``supports`` cannot be asked)."""
+    cannot be traced comes first, so its ``supports`` cannot be asked; or no traceable kernel computes the numerics)."""
     for kernel in KERNELS.get(x.device.type, []):
         if not kernel.traceable:
             return None
-        if kernel.supports(x, w):
+        if kernel.numerics == _numerics and kernel.supports(x, w):
             return kernel
     return None
 

@@ -24,7 +24,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("triton")
 
-from workbench.kernels import QuantTensor, get_format, linear, select_kernel  # noqa: E402
+from workbench.kernels import QuantTensor, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv  # noqa: E402
 from workbench.kernels.triton.matmul import GemmConfig, GemvConfig  # noqa: E402
 
@@ -233,6 +233,17 @@ class TestCuda:
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0].to("cuda")
         x = torch.randn(1, 256, device="cuda", dtype=torch.float64)
         assert not select_kernel(x, w).name.startswith("triton")
+
+    def test_llamacpp_numerics_say_they_run_exactly(self):
+        """The Triton kernels compute exact numerics only: under llama.cpp numerics a CUDA matmul warns, names the
+        kernel that ran, and gives the exact result."""
+        w = random_weight("Q4_K", 64, 256, np.random.default_rng(0))[0].to("cuda")
+        x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+        exact = linear(x, w)
+        with numerics("llamacpp"), pytest.warns(
+            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q4_K .* on cuda; .* on the 'triton-gemv-q4_k' path"
+        ):
+            assert torch.equal(linear(x, w), exact)
 
     def test_device_mismatch(self):
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0]

@@ -254,7 +254,7 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
 
 
 def _guards_on_global_state(entries: list[Any]) -> list[bool]:
-    """torch.compile's guards to keep for a decode step: those on module globals (the CPU numerics mode, the kernel
+    """torch.compile's guards to keep for a decode step: those on module globals (the numerics mode, the kernel
     registry) and on torch's global state. A step is only ever called with the runner, token and cache it was built
     for, so the ~2800 guards on those arguments (every weight's metadata) would protect nothing; checking them took
     ~1 ms of a 5 ms CPU step on the embedded model."""
