@@ -68,7 +68,7 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
         out = torch.empty(n, dtype=torch.int32, device="cuda")
         config = gemv_config(k, "Q4_K")
-        block_u = config.units_per_step
+        block_u = config.block_u
         if gemv_units(k, "Q4_K") % block_u:
             print(f"{f'{n}x{k}':>12}  skipped: the loads kernel needs whole steps of {block_u} chunks")
             continue

@@ -1,7 +1,7 @@
 """Quantized matmul benchmark: ``workbench.kernels.linear`` vs dequantize-then-matmul vs a dense matmul.
 
     python bench/kernels.py --device cuda [--formats Q4_K,Q6_K] [--shapes small|8b|8b-decode|all] [--batches 1,8]
-                            [--quick] [--sweep]
+                            [--quick] [--sweep] [--numerics exact|llamacpp]
 
 For each format, weight shape N x K and batch M it prints the time of ``linear`` (and the kernel that
 ``select_kernel`` picked), of dequantizing the weight and multiplying, and of a dense matmul on an
@@ -14,7 +14,9 @@ the floor, not the copy, is the ceiling a GEMV can reach.
 
 CUDA times are medians over replays of a CUDA graph that runs the call once on each of enough
 weight copies to overflow L2, so launch gaps and cache-resident weights do not flatter the numbers.
-``--sweep`` also times the Triton kernels under a few tile configurations.
+``--sweep`` also times the Triton kernels under a few tile configurations. ``--numerics llamacpp`` runs
+``linear`` in llama.cpp numerics (its time then includes quantizing the activations; formats without such a
+kernel warn and run exactly).
 """
 from __future__ import annotations
 
@@ -74,18 +76,20 @@ class Timer:
 
 def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
     """Time the Triton kernels under other tile configurations and print them, best first."""
-    from workbench.kernels.triton import GemmConfig, GemvConfig, dequant_matmul, gemm, gemv
+    from workbench.kernels.triton import GemmConfig, GemvConfig, dequant_matmul, gemm, gemv, gemv_llamacpp
     from workbench.kernels.triton.matmul import gemv_units
 
     m = x.shape[0]
-    if m == 1:
+    llamacpp = wk.select_kernel(x, w).numerics == "llamacpp"
+    if m == 1 or llamacpp:
         units = gemv_units(w.shape[1], w.fmt.name)
+        # block_u units of block_n rows per step: at least one (row, unit) pair per thread, at most 16
         configs = [
-            GemvConfig(block_n, warps, per_thread)
-            for block_n in (1, 2, 4, 8, 16) for warps in (1, 2, 4, 8) for per_thread in (1, 2, 4)
-            if 32 * warps * per_thread <= max(32, units) and block_n * per_thread <= 16
+            GemvConfig(block_n, warps, block_u)
+            for block_n in (1, 2, 4, 8, 16) for warps in (1, 2, 4, 8) for block_u in (16, 32, 64, 128, 256)
+            if block_u <= max(32, units) and 32 * warps <= block_n * block_u <= 16 * 32 * warps
         ]
-        kernel = gemv
+        kernel = gemv_llamacpp if llamacpp else gemv
     else:
         configs = [
             GemmConfig(block_m, block_n, block_u, warps, stages)
@@ -106,7 +110,7 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             print(f"      sweep {config}: failed ({type(err).__name__})")
             continue
         results.append((seconds, config))
-    if m > 1:
+    if m > 1 and not llamacpp:
         seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
                                 lambda ww: dequant_matmul(x, ww))
         results.append((seconds, "dequantize (triton) + cuBLAS"))
@@ -122,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats, M = 1 and 128 only")
     parser.add_argument("--batches", default=None, help="comma-separated M values (default 1,8,128,512)")
     parser.add_argument("--sweep", action="store_true", help="also time other Triton tile configurations")
+    parser.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help="what linear computes")
     args = parser.parse_args(argv)
+    wk.set_numerics(args.numerics)
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"activations {act_dtype}; dense baseline {dense_name}")
+          f"activations {act_dtype}; dense baseline {dense_name}; numerics {args.numerics}")
     copy_bw = None
     if device == "cuda":
         copy_bw = copy_bandwidth()

@@ -10,7 +10,9 @@ import torch
 
 from workbench.errors import WorkbenchError
 from workbench.kernels import cpu
-from workbench.generation import _BUILT, Sampling, _forward_and_pick, argmax_by_chunks, generate_tokens
+from workbench.generation import (
+    _BUILT, MIN_STEP_CAPACITY, DecodeStep, Sampling, _built_step, _forward_and_pick, argmax_by_chunks, generate_tokens,
+)
 from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config
 
@@ -113,6 +115,36 @@ def test_cuda_graph_decode_stops_and_samples_like_eager():
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
     sampled_eager = list(generate_tokens(model.runner, PROMPT, 12, sampling, compiled=False))
     assert list(generate_tokens(model.runner, PROMPT, 12, sampling)) == sampled_eager
+
+
+def test_built_step_is_reused_only_under_its_numerics(small):
+    """A CUDA graph replays the kernels it captured: a step built under one numerics is not taken under another."""
+    runner = small.runner
+    step = DecodeStep(lambda: None, runner.new_static_cache(MIN_STEP_CAPACITY // 4), torch.zeros(1, dtype=torch.long))
+    assert step.numerics == "exact"
+    _BUILT[runner] = step
+    try:
+        with cpu.numerics("llamacpp"):
+            assert _built_step(runner, step.cache.capacity) is None
+        assert _built_step(runner, step.cache.capacity) is step
+    finally:
+        del _BUILT[runner]
+
+
+@needs_cuda
+def test_cuda_graph_decode_under_llamacpp_numerics():
+    model, _ = cuda_model_and_eager_tokens()
+    list(generate_tokens(model.runner, PROMPT, 12))
+    exact_step = _BUILT[model.runner]
+    with cpu.numerics("llamacpp"), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # every matmul of the model has a llama.cpp kernel on CUDA
+        eager = list(generate_tokens(model.runner, PROMPT, 12, compiled=False))
+        assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
+        step = _BUILT[model.runner]
+        assert step is not exact_step and step.numerics == "llamacpp"
+        quantized, quantized_eager = compiled_step_logits(model.runner, step, eager[:3]), eager_logits(model.runner, eager[:3])
+    exact = compiled_step_logits(model.runner, exact_step, eager[:3])
+    assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(exact, quantized_eager)
 
 
 def break_torch_compile(monkeypatch) -> None:

@@ -24,8 +24,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("triton")
 
-from workbench.kernels import QuantTensor, get_format, linear, numerics, select_kernel  # noqa: E402
-from workbench.kernels.triton import DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv  # noqa: E402
+from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
+from workbench.kernels.triton import (  # noqa: E402
+    DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv, gemv_llamacpp, quantize_q8_k,
+)
 from workbench.kernels.triton.matmul import GemmConfig, GemvConfig  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,6 +49,25 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> t
     data = blocks.reshape(rows, -1)
     reference = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[fmt]).astype(np.float64)
     return QuantTensor(torch.from_numpy(data.copy()), qformat, (rows, cols)), reference
+
+
+def ggml_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml-cpu's Q8_K blocks of ``x`` (the CPU kernels' quantizer) as ``quantize_q8_k`` returns them: values, scales,
+    sums of 32 (from the 292-byte blocks: float32 d, 256 int8, 16 int16 sums of 16)."""
+    if cpu.extension() is None:
+        pytest.skip("the C++ CPU kernels are not available")
+    m, k = x.shape
+    blocks = cpu.quantize_activations(x.float().cpu(), 12).view(m, k // 256, 292)
+    scales = blocks[..., :4].contiguous().view(torch.float32).view(m, -1)
+    values = blocks[..., 4:260].contiguous().view(torch.int8).view(m, k)
+    sums = blocks[..., 260:].contiguous().view(torch.int16).view(m, -1, 2).int().sum(-1)
+    return values, scales, sums
+
+
+def llamacpp_cpu(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """``x @ w.T`` in llama.cpp numerics by the C++ CPU kernel, in float32 on the CPU."""
+    ggml_q8_k(x[:, :256])  # skips where the CPU kernels are missing
+    return cpu.LLAMACPP.run(x.float().cpu(), w.to("cpu"))
 
 
 def relative_error(out: torch.Tensor, expected: np.ndarray) -> float:
@@ -92,7 +113,7 @@ class TestInterpreted:
         w, reference = random_weight(fmt, self.N, self.K, rng)
         x = torch.from_numpy(rng.standard_normal((1, self.K)).astype(np.float32))
         # 64 units per step against 24 in a row: the one step runs past the end of the row.
-        out = gemv(x, w, GemvConfig(block_n=8, num_warps=1, units_per_thread=2))
+        out = gemv(x, w, GemvConfig(block_n=8, num_warps=1, block_u=64))
         assert relative_error(out, x.double().numpy() @ reference.T) < FP32_TOL
 
     @pytest.mark.parametrize("fmt", FORMATS)
@@ -101,7 +122,7 @@ class TestInterpreted:
         rng = np.random.default_rng([FORMATS.index(fmt), 4])
         w, reference = random_weight(fmt, self.N, 2048, rng)
         x = torch.from_numpy(rng.standard_normal((1, 2048)).astype(np.float32))
-        out = gemv(x, w, GemvConfig(block_n=4, num_warps=1, units_per_thread=1))
+        out = gemv(x, w, GemvConfig(block_n=4, num_warps=1, block_u=32))
         assert relative_error(out, x.double().numpy() @ reference.T) < FP32_TOL
 
     # The interpreter's bfloat16 tl.dot is wrong (and truncates); bfloat16 GEMMs are checked on CUDA.
@@ -147,6 +168,29 @@ class TestInterpreted:
         assert relative_error(gemm(x, w), x.double().numpy() @ reference.T) < FP32_TOL
 
 
+    def test_quantize_q8_k_matches_ggml_cpu(self):
+        x = torch.from_numpy(np.random.default_rng(6).standard_normal((3, 1024)).astype(np.float32)) * 3
+        x[0, :256] = 0  # a zero block: zero scale and values
+        x[1, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: ties round to even
+        x[1, 256:512] = 0.25
+        x[1, 300], x[1, 301] = -4.0, 4.0  # equal magnitudes: the first, negative, maps to -127
+        for got, expected in zip(quantize_q8_k(x), ggml_q8_k(x)):
+            assert torch.equal(got, expected)
+
+    @pytest.mark.parametrize("k", [768, 2048])  # a partial last step; whole steps
+    @pytest.mark.parametrize("m", [1, 3])
+    def test_gemv_llamacpp_matches_the_cpu_kernel(self, m, k):
+        rng = np.random.default_rng([m, k])
+        w, reference = random_weight("Q4_K", self.N, k, rng)
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        out = gemv_llamacpp(x, w)
+        expected = llamacpp_cpu(x, w)
+        # the same integer dots; only the float32 sums of the scaled block dots run in another order
+        assert (out - expected).abs().max() < 1e-5 * expected.abs().max()
+        exact = x.double().numpy() @ reference.T
+        assert relative_error(out, exact) > 100 * relative_error(expected, out.double().numpy())
+
+
 class TestBadInput:
     """Rejected before any kernel runs, interpreter or not."""
 
@@ -186,6 +230,14 @@ class TestBadInput:
         misaligned = QuantTensor(shifted, fmt, w.shape)
         with pytest.raises(ValueError, match="multiple of"):
             gemv(torch.zeros(1, 64), misaligned)
+
+    def test_llamacpp_gemv_reads_q4_k_only(self):
+        with pytest.raises(ValueError, match="reads Q4_K weights, got Q4_0"):
+            gemv_llamacpp(torch.zeros(1, 64), self.weight())
+
+    def test_q8_k_needs_whole_blocks(self):
+        with pytest.raises(ValueError, match="multiple of 256"):
+            quantize_q8_k(torch.zeros(1, 96))
 
     def test_gemv_takes_one_row(self):
         with pytest.raises(ValueError, match="at most 1 row"):
@@ -234,14 +286,30 @@ class TestCuda:
         x = torch.randn(1, 256, device="cuda", dtype=torch.float64)
         assert not select_kernel(x, w).name.startswith("triton")
 
-    def test_llamacpp_numerics_say_they_run_exactly(self):
-        """The Triton kernels compute exact numerics only: under llama.cpp numerics a CUDA matmul warns, names the
-        kernel that ran, and gives the exact result."""
-        w = random_weight("Q4_K", 64, 256, np.random.default_rng(0))[0].to("cuda")
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    def test_llamacpp_gemv_matches_the_cpu_kernel(self, dtype):
+        rng = np.random.default_rng(7)
+        for n, k in [(1536, 768), (1024, 4096), (4096, 14336)]:
+            w = random_weight("Q4_K", n, k, rng)[0].to("cuda")
+            for m in (1, 3):
+                x = torch.randn(m, k, device="cuda").to(dtype)
+                for got, expected in zip(quantize_q8_k(x), ggml_q8_k(x)):
+                    assert torch.equal(got.cpu(), expected)
+                with numerics("llamacpp"):
+                    assert select_kernel(x, w).name == "triton-gemv-llamacpp-q4_k"
+                    out = linear(x, w)
+                expected = llamacpp_cpu(x, w)
+                tolerance = 1e-5 if dtype == torch.float32 else 2.0**-8  # a bfloat16 output adds one rounding
+                assert (out.float().cpu() - expected).abs().max() < tolerance * expected.abs().max(), (n, k, m)
+
+    def test_llamacpp_numerics_without_a_kernel_say_they_run_exactly(self):
+        """Q6_K has no llama.cpp-numerics kernel on CUDA: the matmul warns, names the kernel that ran, and gives the
+        exact result."""
+        w = random_weight("Q6_K", 64, 256, np.random.default_rng(0))[0].to("cuda")
         x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
         exact = linear(x, w)
         with numerics("llamacpp"), pytest.warns(
-            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q4_K .* on cuda; .* on the 'triton-gemv-q4_k' path"
+            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q6_K .* on cuda; .* on the 'triton-gemv-q6_k' path"
         ):
             assert torch.equal(linear(x, w), exact)
 

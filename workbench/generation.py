@@ -4,13 +4,14 @@ from __future__ import annotations
 import types
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError
+from workbench.kernels.linear import Numerics, get_numerics
 from workbench.kv_cache import KVCache, StaticKVCache
 from workbench.runner import Hooks, Transformer
 
@@ -100,6 +101,7 @@ class DecodeStep:
     cache: StaticKVCache
     token: torch.Tensor  # [1] long, on the device
     busy: bool = False  # a generation is using it (and its cache)
+    numerics: Numerics = field(default_factory=get_numerics)  # what its matmuls compute, fixed when it was built
 
     def __call__(self, next_token: int) -> torch.Tensor:
         self.token.fill_(next_token)
@@ -111,9 +113,11 @@ _BUILT: "weakref.WeakKeyDictionary[Transformer, DecodeStep]" = weakref.WeakKeyDi
 
 
 def _built_step(runner: Transformer, capacity: int) -> DecodeStep | None:
-    """The runner's built step if it is free and of this size, taken (busy) with its cache emptied."""
+    """The runner's built step if it is free, of this size and of the current numerics (a CUDA graph replays the kernels
+    it captured), taken (busy) with its cache emptied."""
     decode_step = _BUILT.get(runner)
-    if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
+    if (decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity
+            or decode_step.numerics != get_numerics()):
         return None
     decode_step.busy = True
     decode_step.cache.rewind(torch.zeros_like(decode_step.cache.device_length))

@@ -478,3 +478,63 @@ def q4_k_gemv_dots(
     b_lo = -(a_lo + tl.reshape(dmin * min_lo, (BLOCK_N, BLOCK_U)))
     b_hi = -(a_hi + tl.reshape(dmin * min_hi, (BLOCK_N, BLOCK_U)))
     return a_lo * fx_lo + b_lo * sum_x_lo[None, :] + a_hi * fx_hi + b_hi * sum_x_hi[None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp numerics for the batch-1 Q4_K GEMV: the activations come as ggml-cpu's Q8_K blocks (an int8 per value,
+# a float32 scale per 256 values, the sums of the int8s per 32) and each 32-value sub-block's dot is an integer sum
+# of 4-byte products (``dp4a``), as ggml-cpu's ``ggml_vec_dot_q4_K_q8_K`` computes it.
+
+
+@triton.jit
+def dp4a(a, b, acc, USE_ASM: tl.constexpr):
+    """``acc`` plus the sum of the products of the 4 unsigned bytes of int32 ``a`` with the 4 signed bytes of ``b``."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc], dtype=tl.int32, is_pure=True, pack=1,
+        )
+    for byte in tl.static_range(4):
+        acc += ((a >> (8 * byte)) & 0xFF) * ((b << (24 - 8 * byte)) >> 24)
+    return acc
+
+
+@triton.jit
+def q4_k_gemv_dots_q8k(
+    raw, first, n_chunks, xq, xd, x_sums, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """Dots ``[BLOCK_N, BLOCK_U]`` of the chunks ``q4_k_gemv_load`` read (``raw``) with Q8_K activations: ``xq``
+    int32 words of int8 values, ``xd`` a float32 scale per 256 values, ``x_sums`` an int32 sum per 32 values.
+
+    Chunk c of a super-block holds sub-blocks 2c (low nibbles) and 2c + 1 (high), so its dot is
+    ``d8 (d sc_lo sum_lo + d sc_hi sum_hi) - d8 dmin (m_lo x_sum_lo + m_hi x_sum_hi)`` for the integer dots ``sum``.
+    With ``EVEN`` every chunk is in the row; otherwise the re-read chunks past it get zero activations.
+    """
+    header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, chunk % 4)
+
+    x_chunk = first + tl.arange(0, BLOCK_U)
+    inside = x_chunk < n_chunks
+    sum_lo = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
+    sum_hi = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
+    for word in tl.static_range(8):  # bytes 4 word .. 4 word + 3 of the chunk: values 4 word .. + 3 of both sub-blocks
+        q = tl.reshape(raw[4 + word], (BLOCK_N, BLOCK_U))
+        if EVEN:
+            x_lo = tl.load(xq + 16 * x_chunk + word)
+            x_hi = tl.load(xq + 16 * x_chunk + 8 + word)
+        else:
+            x_lo = tl.load(xq + 16 * x_chunk + word, mask=inside, other=0)
+            x_hi = tl.load(xq + 16 * x_chunk + 8 + word, mask=inside, other=0)
+        sum_lo = dp4a(q & 0x0F0F0F0F, x_lo[None, :], sum_lo, USE_ASM)
+        sum_hi = dp4a((q >> 4) & 0x0F0F0F0F, x_hi[None, :], sum_hi, USE_ASM)
+    d8 = tl.load(xd + x_chunk // 4, mask=inside, other=0.0)[None, :]
+    x_sum_lo = tl.load(x_sums + 2 * x_chunk, mask=inside, other=0).to(tl.float32)[None, :]
+    x_sum_hi = tl.load(x_sums + 2 * x_chunk + 1, mask=inside, other=0).to(tl.float32)[None, :]
+    # Integers below 2**24 throughout, so these float sums are exact, as ggml's integer sums are.
+    dots = tl.reshape(scale_lo, (BLOCK_N, BLOCK_U)) * sum_lo.to(tl.float32) \
+        + tl.reshape(scale_hi, (BLOCK_N, BLOCK_U)) * sum_hi.to(tl.float32)
+    mins = tl.reshape(min_lo, (BLOCK_N, BLOCK_U)) * x_sum_lo + tl.reshape(min_hi, (BLOCK_N, BLOCK_U)) * x_sum_hi
+    return d8 * tl.reshape(d, (BLOCK_N, BLOCK_U)) * dots - d8 * tl.reshape(dmin, (BLOCK_N, BLOCK_U)) * mins

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .dequant import Q4_K, dot_units, q4_k_gemv_dots, q4_k_gemv_load, weight_tile
+from .dequant import Q4_K, dot_units, q4_k_gemv_dots, q4_k_gemv_dots_q8k, q4_k_gemv_load, weight_tile
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,7 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class GemvConfig:
     block_n: int = 4  # weight rows per program; each thread holds all of them and shares its activations
     num_warps: int = 4
-    units_per_thread: int = 1  # units of a row each thread reads per loop step (bytes in flight)
-
-    @property
-    def units_per_step(self) -> int:
-        """Units of each row one loop step of the GEMV covers (its ``BLOCK_U``)."""
-        return 32 * self.num_warps * self.units_per_thread
+    block_u: int = 128  # units of each row one loop step covers; per thread, block_n * block_u / (32 * num_warps)
 
 
 @dataclass(frozen=True)
@@ -79,12 +74,18 @@ def gemv_config(k: int, fmt: str) -> GemvConfig:
     registers, does not. Q4_K's 64-value chunks run best one warp per four rows on all three shapes.
     """
     if fmt == "Q4_K":
-        return GemvConfig(block_n=4, num_warps=1)
+        return GemvConfig(block_n=4, num_warps=1, block_u=32)
     units = gemv_units(k, fmt)
     warps = min((4, 2, 1), key=lambda warps: (-(-units // (32 * warps)) * 32 * warps, -warps))
     if warps == 4 and fmt in ("Q4_0", "Q4_1"):
-        return GemvConfig(num_warps=2, units_per_thread=2)
-    return GemvConfig(num_warps=warps)
+        return GemvConfig(num_warps=2, block_u=128)
+    return GemvConfig(num_warps=warps, block_u=32 * warps)
+
+
+def gemv_llamacpp_config(k: int) -> GemvConfig:
+    """The Q8_K-activation Q4_K GEMV's tiling: on an H100 (bench/RESULTS.md, ninth session) 16 chunks per step ran
+    best on rows of 4096 values and 32 on rows of 14336."""
+    return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
 
 
 def gemm_config(m: int, n: int, device: torch.device) -> GemmConfig:
@@ -108,10 +109,14 @@ def _sm_count(device: torch.device) -> int:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, N, K, row_bytes,
+    x_ptr, w_ptr, out_ptr, N, K, row_bytes, x_scales_ptr, x_sums_ptr,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    USE_ASM: tl.constexpr, EVEN: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN: tl.constexpr, Q8K: tl.constexpr,
 ):
+    # With Q8K (Q4_K only) the activations are Q8_K blocks (``quantize_q8_k``): int8 values as int32 words at x_ptr,
+    # their scales and sums; program_id(1) picks the row of activations.
+    m = tl.program_id(1)
+    out_ptr += m * N
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
     pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
@@ -125,13 +130,38 @@ def _gemv_kernel(
         raw = q4_k_gemv_load(rowp, 0, n_chunks, BLOCK_N, BLOCK_U)
         for first in range(0, n_chunks, BLOCK_U):
             raw_next = q4_k_gemv_load(rowp, first + BLOCK_U, n_chunks, BLOCK_N, BLOCK_U)
-            acc += q4_k_gemv_dots(raw, first, x_ptr, K, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+            if Q8K:
+                x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
+                acc += q4_k_gemv_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr + m * (K // 256),
+                                          x_sums_ptr + m * (K // 32), BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+            else:
+                acc += q4_k_gemv_dots(raw, first, x_ptr, K, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
             raw = raw_next
     else:
         n_units = K // 32
         for first in range(0, n_units, BLOCK_U):
             acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _quantize_q8_k_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
+    """One 256-value block of x as ggml's ``quantize_row_q8_K_ref``: the first value of largest magnitude maps to
+    -127, every value to the nearest integer (ties to even) of ``-127 / that value`` times it, at most 127."""
+    block = tl.program_id(0)
+    index = tl.arange(0, 256)
+    x = tl.load(x_ptr + block * 256 + index).to(tl.float32)
+    magnitude = tl.abs(x)
+    amax = tl.max(magnitude, 0)
+    extreme = tl.sum(tl.where(index == tl.argmax(magnitude, 0, tie_break_left=True), x, 0.0), 0)
+    iscale = tl.where(amax == 0.0, 0.0, tl.math.div_rn(-127.0, tl.where(amax == 0.0, 1.0, extreme)))
+    # Adding 1.5 * 2**23 rounds to an integer (ties to even) and leaves it in the low mantissa bits; this needs the
+    # kernel compiled without fused multiply-adds, so that iscale * x is rounded first, as in ggml.
+    rounded = ((iscale * x + 12582912.0).to(tl.int32, bitcast=True) & 0x7FFFFF) - 0x400000
+    q = tl.minimum(rounded, 127)
+    tl.store(q_ptr + block * 256 + index, q.to(tl.int8))
+    tl.store(sums_ptr + block * 8 + tl.arange(0, 8), tl.sum(tl.reshape(q, (8, 32)), 1))
+    tl.store(scales_ptr + block, tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, tl.where(amax == 0.0, 1.0, iscale))))
 
 
 @triton.jit
@@ -258,11 +288,48 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     if m == 0:
         return out
     config = config or gemv_config(k, w.fmt.name)
-    block_u = config.units_per_step
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, w.data, out, n, k, w.data.shape[1],
-        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=block_u,
-        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % block_u == 0,
+    _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
+        x, w.data, out, n, k, w.data.shape[1], x, x,
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
+        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, Q8K=False,
+        num_warps=config.num_warps,
+    )
+    return out
+
+
+def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml-cpu's Q8_K blocks of the rows of ``x`` ``[M, K]`` (K a multiple of 256), as the llama.cpp-numerics GEMV
+    reads them: int8 values ``[M, K]``, a float32 scale per 256 values ``[M, K / 256]`` and the int32 sum of each 32
+    values ``[M, K / 32]`` (ggml's ``bsums`` hold the sums of 16)."""
+    if x.dim() != 2 or x.shape[1] % 256:
+        raise ValueError(f"Q8_K blocks need [M, K] activations with K a multiple of 256, got {tuple(x.shape)}")
+    x = x.contiguous()
+    m, k = x.shape
+    values = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    scales = torch.empty(m, k // 256, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, k // 32, dtype=torch.int32, device=x.device)
+    if x.numel():
+        _quantize_q8_k_kernel[(m * k // 256,)](x, values, scales, sums, num_warps=4, enable_fp_fusion=False)
+    return values, scales, sums
+
+
+def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` for a Q4_K ``w`` in llama.cpp's numerics: each row of ``x`` quantized to Q8_K blocks, integer dot
+    products per sub-block (``dp4a``), scales applied in float32, as ggml-cpu's ``ggml_vec_dot_q4_K_q8_K``. One
+    pass over the weight per row of ``x``: made for decode."""
+    if isinstance(w, QuantTensor) and w.fmt.name != "Q4_K":
+        raise ValueError(f"the llama.cpp-numerics GEMV reads Q4_K weights, got {w.fmt.name}")
+    layout = check_inputs(x, w)
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    config = config or gemv_llamacpp_config(k)
+    values, scales, sums = quantize_q8_k(x)
+    _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
+        values, w.data, out, n, k, w.data.shape[1], scales, sums,
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
+        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, Q8K=True,
         num_warps=config.num_warps,
     )
     return out
