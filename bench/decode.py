@@ -3,6 +3,7 @@
     python bench/decode.py                                  # embedded model, 2 CPU threads, eager and compiled
                                                             # decode, vs llama.cpp if installed
     python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K BF16 [--profile]
+    [--numerics llamacpp]                                   # llama.cpp numerics (Q8 activations, integer dots)
 
 Every figure in one table comes from the same run, so ratios are side by side.
 """
@@ -164,10 +165,13 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="CUDA: also time one decode step alone, by kernel")
+    parser.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact",
+                        help="what the quantized matmuls compute (workbench.kernels.set_numerics)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}")
+    workbench.kernels.set_numerics(args.numerics)
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, numerics {args.numerics}")
 
     if args.synthetic:
         columns = {}
