@@ -53,14 +53,14 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> t
 
 def ggml_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ggml-cpu's Q8_K blocks of ``x`` (the CPU kernels' quantizer) as ``quantize_q8_k`` returns them: values, scales,
-    sums of 32 (from the 292-byte blocks: float32 d, 256 int8, 16 int16 sums of 16)."""
+    sums of 16 (from the 292-byte blocks: float32 d, 256 int8, 16 int16 sums of 16)."""
     if cpu.extension() is None:
         pytest.skip("the C++ CPU kernels are not available")
     m, k = x.shape
     blocks = cpu.quantize_activations(x.float().cpu(), 12).view(m, k // 256, 292)
     scales = blocks[..., :4].contiguous().view(torch.float32).view(m, -1)
     values = blocks[..., 4:260].contiguous().view(torch.int8).view(m, k)
-    sums = blocks[..., 260:].contiguous().view(torch.int16).view(m, -1, 2).int().sum(-1)
+    sums = blocks[..., 260:].contiguous().view(torch.int16).view(m, -1).int()
     return values, scales, sums
 
 
@@ -179,9 +179,10 @@ class TestInterpreted:
 
     @pytest.mark.parametrize("k", [768, 2048])  # a partial last step; whole steps
     @pytest.mark.parametrize("m", [1, 3])
-    def test_gemv_llamacpp_matches_the_cpu_kernel(self, m, k):
+    @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+    def test_gemv_llamacpp_matches_the_cpu_kernel(self, fmt, m, k):
         rng = np.random.default_rng([m, k])
-        w, reference = random_weight("Q4_K", self.N, k, rng)
+        w, reference = random_weight(fmt, self.N, k, rng)
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
         out = gemv_llamacpp(x, w)
         expected = llamacpp_cpu(x, w)
@@ -231,8 +232,8 @@ class TestBadInput:
         with pytest.raises(ValueError, match="multiple of"):
             gemv(torch.zeros(1, 64), misaligned)
 
-    def test_llamacpp_gemv_reads_q4_k_only(self):
-        with pytest.raises(ValueError, match="reads Q4_K weights, got Q4_0"):
+    def test_llamacpp_gemv_reads_k_quants_only(self):
+        with pytest.raises(ValueError, match="reads Q4_K and Q6_K weights, got Q4_0"):
             gemv_llamacpp(torch.zeros(1, 64), self.weight())
 
     def test_q8_k_needs_whole_blocks(self):
@@ -287,29 +288,30 @@ class TestCuda:
         assert not select_kernel(x, w).name.startswith("triton")
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-    def test_llamacpp_gemv_matches_the_cpu_kernel(self, dtype):
+    @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+    def test_llamacpp_gemv_matches_the_cpu_kernel(self, fmt, dtype):
         rng = np.random.default_rng(7)
         for n, k in [(1536, 768), (1024, 4096), (4096, 14336)]:
-            w = random_weight("Q4_K", n, k, rng)[0].to("cuda")
+            w = random_weight(fmt, n, k, rng)[0].to("cuda")
             for m in (1, 3):
                 x = torch.randn(m, k, device="cuda").to(dtype)
                 for got, expected in zip(quantize_q8_k(x), ggml_q8_k(x)):
                     assert torch.equal(got.cpu(), expected)
                 with numerics("llamacpp"):
-                    assert select_kernel(x, w).name == "triton-gemv-llamacpp-q4_k"
+                    assert select_kernel(x, w).name == f"triton-gemv-llamacpp-{fmt.lower()}"
                     out = linear(x, w)
                 expected = llamacpp_cpu(x, w)
                 tolerance = 1e-5 if dtype == torch.float32 else 2.0**-8  # a bfloat16 output adds one rounding
                 assert (out.float().cpu() - expected).abs().max() < tolerance * expected.abs().max(), (n, k, m)
 
     def test_llamacpp_numerics_without_a_kernel_say_they_run_exactly(self):
-        """Q6_K has no llama.cpp-numerics kernel on CUDA: the matmul warns, names the kernel that ran, and gives the
+        """Q8_0 has no llama.cpp-numerics kernel on CUDA: the matmul warns, names the kernel that ran, and gives the
         exact result."""
-        w = random_weight("Q6_K", 64, 256, np.random.default_rng(0))[0].to("cuda")
+        w = random_weight("Q8_0", 64, 256, np.random.default_rng(0))[0].to("cuda")
         x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
         exact = linear(x, w)
         with numerics("llamacpp"), pytest.warns(
-            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q6_K .* on cuda; .* on the 'triton-gemv-q6_k' path"
+            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q8_0 .* on cuda; .* on the 'triton-gemv-q8_0' path"
         ):
             assert torch.equal(linear(x, w), exact)
 

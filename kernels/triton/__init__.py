@@ -3,7 +3,7 @@
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (one row of
 activations), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows) and
 ``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for llama.cpp numerics
-``triton-gemv-llamacpp-q4_k`` (Q8_K activations, integer dot products, one weight pass per row), with
+``triton-gemv-llamacpp-q4_k`` / ``-q6_k`` (Q8_K activations, integer dot products, one weight pass per row), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it
 registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same
 kernels run on CPU tensors through ``gemv`` and ``gemm`` (that is how the tests check them).
@@ -26,8 +26,8 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, LAYOUTS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, dequant_matmul, dequantize, gemm, gemv,
-        gemv_llamacpp, quantize_q8_k,
+        ACTIVATION_DTYPES, LAYOUTS, LLAMACPP_FORMATS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, dequant_matmul,
+        dequantize, gemm, gemv, gemv_llamacpp, quantize_q8_k,
     )
 
     # From this many rows on, dequantize-then-cuBLAS beats the fused GEMM in most shapes measured by
@@ -59,8 +59,9 @@ if AVAILABLE:
             register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, 1), gemv))
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
-        register_kernel(Kernel("triton-gemv-llamacpp-q4_k", "cuda", _supports("Q4_K", None), gemv_llamacpp,
-                               numerics="llamacpp"))
+        for fmt in LLAMACPP_FORMATS:
+            register_kernel(Kernel(f"triton-gemv-llamacpp-{fmt.lower()}", "cuda", _supports(fmt, None), gemv_llamacpp,
+                                   numerics="llamacpp"))
         REGISTERED = True
 
     if torch.cuda.is_available():

@@ -481,9 +481,10 @@ def q4_k_gemv_dots(
 
 
 # ---------------------------------------------------------------------------------------------
-# llama.cpp numerics for the batch-1 Q4_K GEMV: the activations come as ggml-cpu's Q8_K blocks (an int8 per value,
-# a float32 scale per 256 values, the sums of the int8s per 32) and each 32-value sub-block's dot is an integer sum
-# of 4-byte products (``dp4a``), as ggml-cpu's ``ggml_vec_dot_q4_K_q8_K`` computes it.
+# llama.cpp numerics for the K-quant GEMVs: the activations come as ggml-cpu's Q8_K blocks (an int8 per value, a
+# float32 scale per 256 values, the sums of the int8s per 16) and each sub-block's dot is an integer sum of 4-byte
+# products (``dp4a``), scaled in integers and then once per super-block in float32, as ggml-cpu's
+# ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K`` compute it.
 
 
 @triton.jit
@@ -504,7 +505,7 @@ def q4_k_gemv_dots_q8k(
     EVEN: tl.constexpr,
 ):
     """Dots ``[BLOCK_N, BLOCK_U]`` of the chunks ``q4_k_gemv_load`` read (``raw``) with Q8_K activations: ``xq``
-    int32 words of int8 values, ``xd`` a float32 scale per 256 values, ``x_sums`` an int32 sum per 32 values.
+    int32 words of int8 values, ``xd`` a float32 scale per 256 values, ``x_sums`` an int32 sum per 16 values.
 
     Chunk c of a super-block holds sub-blocks 2c (low nibbles) and 2c + 1 (high), so its dot is
     ``d8 (d sc_lo sum_lo + d sc_hi sum_hi) - d8 dmin (m_lo x_sum_lo + m_hi x_sum_hi)`` for the integer dots ``sum``.
@@ -531,10 +532,62 @@ def q4_k_gemv_dots_q8k(
         sum_lo = dp4a(q & 0x0F0F0F0F, x_lo[None, :], sum_lo, USE_ASM)
         sum_hi = dp4a((q >> 4) & 0x0F0F0F0F, x_hi[None, :], sum_hi, USE_ASM)
     d8 = tl.load(xd + x_chunk // 4, mask=inside, other=0.0)[None, :]
-    x_sum_lo = tl.load(x_sums + 2 * x_chunk, mask=inside, other=0).to(tl.float32)[None, :]
-    x_sum_hi = tl.load(x_sums + 2 * x_chunk + 1, mask=inside, other=0).to(tl.float32)[None, :]
+    x_sum_lo = (tl.load(x_sums + 4 * x_chunk, mask=inside, other=0)
+                + tl.load(x_sums + 4 * x_chunk + 1, mask=inside, other=0)).to(tl.float32)[None, :]
+    x_sum_hi = (tl.load(x_sums + 4 * x_chunk + 2, mask=inside, other=0)
+                + tl.load(x_sums + 4 * x_chunk + 3, mask=inside, other=0)).to(tl.float32)[None, :]
     # Integers below 2**24 throughout, so these float sums are exact, as ggml's integer sums are.
     dots = tl.reshape(scale_lo, (BLOCK_N, BLOCK_U)) * sum_lo.to(tl.float32) \
         + tl.reshape(scale_hi, (BLOCK_N, BLOCK_U)) * sum_hi.to(tl.float32)
     mins = tl.reshape(min_lo, (BLOCK_N, BLOCK_U)) * x_sum_lo + tl.reshape(min_hi, (BLOCK_N, BLOCK_U)) * x_sum_hi
     return d8 * tl.reshape(d, (BLOCK_N, BLOCK_U)) * dots - d8 * tl.reshape(dmin, (BLOCK_N, BLOCK_U)) * mins
+
+
+@triton.jit
+def _halfword_pair(p):
+    """The two 32-bit words at 2-byte aligned uint8 pointers ``p`` and ``p + 4``, from four 16-bit loads."""
+    p = p.to(tl.pointer_type(tl.uint16))
+    h0, h1, h2, h3 = (tl.load(p).to(tl.int32), tl.load(p + 1).to(tl.int32), tl.load(p + 2).to(tl.int32),
+                      tl.load(p + 3).to(tl.int32))
+    return h0 | (h1 << 16), h2 | (h3 << 16)
+
+
+@triton.jit
+def q6_k_dots_q8k(
+    rowp, first, n_units, xq, xd, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """Dots ``[BLOCK_N, BLOCK_U]`` of Q6_K units ``first ..`` (``dot_units``' units: half h, group g of a super-block,
+    values ``128 h + 32 k + 8 g + i``) with Q8_K activations (``xq`` int32 words of int8 values, ``xd`` a float32 scale
+    per 256). Per 16-value group, ``scale * (sum q x - 32 sum x)`` in integers, then ``d d8`` once per unit; units past
+    the row get zero activations."""
+    unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
+    half, group = (unit // 4) % 2, unit % 4
+    ql_even = _halfword_pair(blockp + 64 * half + 8 * group)
+    ql_odd = _halfword_pair(blockp + 64 * half + 32 + 8 * group)
+    qh = _halfword_pair(blockp + 128 + 32 * half + 8 * group)
+    scalep = (blockp + 192 + 8 * half + group // 2).to(tl.pointer_type(tl.int8))
+
+    x_unit = first + tl.arange(0, BLOCK_U)
+    inside = x_unit < n_units
+    x_word = 64 * (x_unit // 8) + 32 * ((x_unit // 4) % 2) + 2 * (x_unit % 4)  # word of value 128 h + 8 g
+    isum = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
+    for k in tl.static_range(4):
+        if k % 2 == 0:
+            ql = ql_even
+        else:
+            ql = ql_odd
+        dot = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
+        x_total = tl.zeros((BLOCK_U,), tl.int32)
+        for word in tl.static_range(2):
+            # bytes 4 word .. 4 word + 3 of the group: q = nibble k // 2 of ql | bits 2k, 2k + 1 of qh, above it
+            q = ((ql[word] >> (4 * (k // 2))) & 0x0F0F0F0F) | (((qh[word] >> (2 * k)) << 4) & 0x30303030)
+            x = tl.load(xq + x_word + 8 * k + word, mask=inside, other=0)
+            dot = dp4a(tl.reshape(q, (BLOCK_N, BLOCK_U)), x[None, :], dot, USE_ASM)
+            x_total = dp4a(tl.full((BLOCK_U,), 0x01010101, tl.int32), x, x_total, USE_ASM)
+        scale = tl.reshape(tl.load(scalep + 2 * k).to(tl.int32), (BLOCK_N, BLOCK_U))
+        isum += scale * (dot - 32 * x_total[None, :])
+    d = tl.reshape(load_f16(blockp + 208), (BLOCK_N, BLOCK_U))
+    d8 = tl.load(xd + x_unit // 8, mask=inside, other=0.0)[None, :]
+    return d8 * d * isum.to(tl.float32)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .dequant import Q4_K, dot_units, q4_k_gemv_dots, q4_k_gemv_dots_q8k, q4_k_gemv_load, weight_tile
+from .dequant import Q4_K, dot_units, q4_k_gemv_dots, q4_k_gemv_dots_q8k, q4_k_gemv_load, q6_k_dots_q8k, weight_tile
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,13 @@ def _gemv_kernel(
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     USE_ASM: tl.constexpr, EVEN: tl.constexpr, Q8K: tl.constexpr,
 ):
-    # With Q8K (Q4_K only) the activations are Q8_K blocks (``quantize_q8_k``): int8 values as int32 words at x_ptr,
+    # With Q8K (Q4_K, Q6_K) the activations are Q8_K blocks (``quantize_q8_k``): int8 values as int32 words at x_ptr,
     # their scales and sums; program_id(1) picks the row of activations.
     m = tl.program_id(1)
     out_ptr += m * N
+    x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
+    x_scales_ptr += m * (K // 256)
+    x_sums_ptr += m * (K // 16)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
     pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
@@ -131,16 +134,18 @@ def _gemv_kernel(
         for first in range(0, n_chunks, BLOCK_U):
             raw_next = q4_k_gemv_load(rowp, first + BLOCK_U, n_chunks, BLOCK_N, BLOCK_U)
             if Q8K:
-                x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
-                acc += q4_k_gemv_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr + m * (K // 256),
-                                          x_sums_ptr + m * (K // 32), BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+                acc += q4_k_gemv_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N, BLOCK_U,
+                                          USE_ASM, EVEN)
             else:
                 acc += q4_k_gemv_dots(raw, first, x_ptr, K, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
             raw = raw_next
     else:
         n_units = K // 32
         for first in range(0, n_units, BLOCK_U):
-            acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
+            if Q8K:
+                acc += q6_k_dots_q8k(rowp, first, n_units, x_words, x_scales_ptr, TYPE_SIZE, BLOCK_N, BLOCK_U, USE_ASM)
+            else:
+                acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -160,7 +165,7 @@ def _quantize_q8_k_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
     rounded = ((iscale * x + 12582912.0).to(tl.int32, bitcast=True) & 0x7FFFFF) - 0x400000
     q = tl.minimum(rounded, 127)
     tl.store(q_ptr + block * 256 + index, q.to(tl.int8))
-    tl.store(sums_ptr + block * 8 + tl.arange(0, 8), tl.sum(tl.reshape(q, (8, 32)), 1))
+    tl.store(sums_ptr + block * 16 + tl.arange(0, 16), tl.sum(tl.reshape(q, (16, 16)), 1))
     tl.store(scales_ptr + block, tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, tl.where(amax == 0.0, 1.0, iscale))))
 
 
@@ -299,32 +304,36 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
 
 def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ggml-cpu's Q8_K blocks of the rows of ``x`` ``[M, K]`` (K a multiple of 256), as the llama.cpp-numerics GEMV
-    reads them: int8 values ``[M, K]``, a float32 scale per 256 values ``[M, K / 256]`` and the int32 sum of each 32
-    values ``[M, K / 32]`` (ggml's ``bsums`` hold the sums of 16)."""
+    reads them: int8 values ``[M, K]``, a float32 scale per 256 values ``[M, K / 256]`` and the int32 sum of each 16
+    values ``[M, K / 16]`` (ggml's ``bsums``)."""
     if x.dim() != 2 or x.shape[1] % 256:
         raise ValueError(f"Q8_K blocks need [M, K] activations with K a multiple of 256, got {tuple(x.shape)}")
     x = x.contiguous()
     m, k = x.shape
     values = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scales = torch.empty(m, k // 256, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, k // 32, dtype=torch.int32, device=x.device)
+    sums = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
     if x.numel():
         _quantize_q8_k_kernel[(m * k // 256,)](x, values, scales, sums, num_warps=4, enable_fp_fusion=False)
     return values, scales, sums
 
 
+LLAMACPP_FORMATS = ("Q4_K", "Q6_K")
+
+
 def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """``x @ w.T`` for a Q4_K ``w`` in llama.cpp's numerics: each row of ``x`` quantized to Q8_K blocks, integer dot
-    products per sub-block (``dp4a``), scales applied in float32, as ggml-cpu's ``ggml_vec_dot_q4_K_q8_K``. One
-    pass over the weight per row of ``x``: made for decode."""
-    if isinstance(w, QuantTensor) and w.fmt.name != "Q4_K":
-        raise ValueError(f"the llama.cpp-numerics GEMV reads Q4_K weights, got {w.fmt.name}")
+    """``x @ w.T`` for a Q4_K or Q6_K ``w`` in llama.cpp's numerics: each row of ``x`` quantized to Q8_K blocks,
+    integer dot products per sub-block (``dp4a``), scales applied in float32, as ggml-cpu's
+    ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K``. One pass over the weight per row of ``x``: made for
+    decode."""
+    if isinstance(w, QuantTensor) and w.fmt.name not in LLAMACPP_FORMATS:
+        raise ValueError(f"the llama.cpp-numerics GEMV reads {' and '.join(LLAMACPP_FORMATS)} weights, got {w.fmt.name}")
     layout = check_inputs(x, w)
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    config = config or gemv_llamacpp_config(k)
+    config = config or (gemv_llamacpp_config(k) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
     values, scales, sums = quantize_q8_k(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
         values, w.data, out, n, k, w.data.shape[1], scales, sums,
