@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv, gemv_llamacpp, quantize_q8_k,
+    DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv, gemv_llamacpp, quantize_q8, quantize_q8_k,
 )
 from workbench.kernels.triton.matmul import GemmConfig, GemvConfig  # noqa: E402
 
@@ -62,6 +62,18 @@ def ggml_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     values = blocks[..., 4:260].contiguous().view(torch.int8).view(m, k)
     sums = blocks[..., 260:].contiguous().view(torch.int16).view(m, -1).int()
     return values, scales, sums
+
+
+def ggml_q8(x: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml-cpu's Q8_0 (``ggml_type`` 8) or Q8_1 (3) blocks of ``x`` as ``quantize_q8`` returns them: values, scales,
+    scale * sums (from the 34- or 36-byte blocks: float16 d, for Q8_1 float16 s, 32 int8)."""
+    ggml_q8_k(torch.zeros(1, 256))  # skips where the CPU kernels are missing
+    m, k = x.shape
+    size = 36 if ggml_type == 3 else 34
+    blocks = cpu.quantize_activations(x.float().cpu(), ggml_type).view(m, k // 32, size)
+    halves = blocks[..., : size - 32].contiguous().view(torch.float16).float()
+    values = blocks[..., size - 32 :].contiguous().view(torch.int8).view(m, k)
+    return values, halves[..., 0], halves[..., -1]
 
 
 def llamacpp_cpu(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -177,9 +189,19 @@ class TestInterpreted:
         for got, expected in zip(quantize_q8_k(x), ggml_q8_k(x)):
             assert torch.equal(got, expected)
 
+    def test_quantize_q8_matches_ggml_cpu(self):
+        x = torch.from_numpy(np.random.default_rng(8).standard_normal((3, 256)).astype(np.float32)) * 3
+        x[0, :32] = 0  # a zero block
+        x[1, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # inverse scale 1: ties round to even
+        values, scales, sums = quantize_q8(x)
+        for ggml_type in (8, 3):  # Q8_0 (for Q4_0 and Q8_0 weights), Q8_1 (for Q4_1)
+            expected_values, expected_scales, expected_sums = ggml_q8(x, ggml_type)
+            assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)
+        assert torch.equal(sums, expected_sums)
+
     @pytest.mark.parametrize("k", [768, 2048])  # a partial last step; whole steps
     @pytest.mark.parametrize("m", [1, 3])
-    @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+    @pytest.mark.parametrize("fmt", FORMATS)
     def test_gemv_llamacpp_matches_the_cpu_kernel(self, fmt, m, k):
         rng = np.random.default_rng([m, k])
         w, reference = random_weight(fmt, self.N, k, rng)
@@ -232,13 +254,16 @@ class TestBadInput:
         with pytest.raises(ValueError, match="multiple of"):
             gemv(torch.zeros(1, 64), misaligned)
 
-    def test_llamacpp_gemv_reads_k_quants_only(self):
-        with pytest.raises(ValueError, match="reads Q4_K and Q6_K weights, got Q4_0"):
-            gemv_llamacpp(torch.zeros(1, 64), self.weight())
+    def test_llamacpp_gemv_unsupported_format(self):
+        w = QuantTensor(torch.zeros(8, 22 * 2, dtype=torch.uint8), "Q5_0", (8, 64))
+        with pytest.raises(ValueError, match="Q5_0"):
+            gemv_llamacpp(torch.zeros(1, 64), w)
 
-    def test_q8_k_needs_whole_blocks(self):
+    def test_q8_needs_whole_blocks(self):
         with pytest.raises(ValueError, match="multiple of 256"):
             quantize_q8_k(torch.zeros(1, 96))
+        with pytest.raises(ValueError, match="multiple of 32"):
+            quantize_q8(torch.zeros(1, 48))
 
     def test_gemv_takes_one_row(self):
         with pytest.raises(ValueError, match="at most 1 row"):
@@ -288,14 +313,17 @@ class TestCuda:
         assert not select_kernel(x, w).name.startswith("triton")
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-    @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+    @pytest.mark.parametrize("fmt", FORMATS)
     def test_llamacpp_gemv_matches_the_cpu_kernel(self, fmt, dtype):
         rng = np.random.default_rng(7)
         for n, k in [(1536, 768), (1024, 4096), (4096, 14336)]:
             w = random_weight(fmt, n, k, rng)[0].to("cuda")
             for m in (1, 3):
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                for got, expected in zip(quantize_q8_k(x), ggml_q8_k(x)):
+                k_quant = fmt in ("Q4_K", "Q6_K")
+                quantized = quantize_q8_k(x) if k_quant else quantize_q8(x)
+                expected_blocks = ggml_q8_k(x) if k_quant else ggml_q8(x, 3)
+                for got, expected in zip(quantized, expected_blocks):
                     assert torch.equal(got.cpu(), expected)
                 with numerics("llamacpp"):
                     assert select_kernel(x, w).name == f"triton-gemv-llamacpp-{fmt.lower()}"
@@ -305,13 +333,13 @@ class TestCuda:
                 assert (out.float().cpu() - expected).abs().max() < tolerance * expected.abs().max(), (n, k, m)
 
     def test_llamacpp_numerics_without_a_kernel_say_they_run_exactly(self):
-        """Q8_0 has no llama.cpp-numerics kernel on CUDA: the matmul warns, names the kernel that ran, and gives the
-        exact result."""
-        w = random_weight("Q8_0", 64, 256, np.random.default_rng(0))[0].to("cuda")
+        """Q5_K has no kernel of its own on CUDA: under llama.cpp numerics the matmul warns, names the path that ran,
+        and gives the exact result."""
+        w = QuantTensor.quantize(torch.randn(64, 256), "Q5_K").to("cuda")
         x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
         exact = linear(x, w)
         with numerics("llamacpp"), pytest.warns(
-            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q8_0 .* on cuda; .* on the 'triton-gemv-q8_0' path"
+            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q5_K .* on cuda; .* 'blockwise-dequant-matmul' path"
         ):
             assert torch.equal(linear(x, w), exact)
 

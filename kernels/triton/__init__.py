@@ -3,7 +3,8 @@
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (one row of
 activations), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows) and
 ``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for llama.cpp numerics
-``triton-gemv-llamacpp-q4_k`` / ``-q6_k`` (Q8_K activations, integer dot products, one weight pass per row), with
+``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one weight pass per
+row), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it
 registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same
 kernels run on CPU tensors through ``gemv`` and ``gemm`` (that is how the tests check them).
@@ -27,7 +28,7 @@ REGISTERED = False
 if AVAILABLE:
     from .matmul import (
         ACTIVATION_DTYPES, LAYOUTS, LLAMACPP_FORMATS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, dequant_matmul,
-        dequantize, gemm, gemv, gemv_llamacpp, quantize_q8_k,
+        dequantize, gemm, gemv, gemv_llamacpp, quantize_q8, quantize_q8_k,
     )
 
     # From this many rows on, dequantize-then-cuBLAS beats the fused GEMM in most shapes measured by
@@ -69,7 +70,8 @@ if AVAILABLE:
 
     __all__ = [
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GemmConfig", "GemvConfig",
-        "dequant_matmul", "dequantize", "gemm", "gemv", "gemv_llamacpp", "quantize_q8_k", "register",
+        "dequant_matmul", "dequantize", "gemm", "gemv", "gemv_llamacpp", "quantize_q8", "quantize_q8_k",
+        "register",
     ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

@@ -481,21 +481,30 @@ def q4_k_gemv_dots(
 
 
 # ---------------------------------------------------------------------------------------------
-# llama.cpp numerics for the K-quant GEMVs: the activations come as ggml-cpu's Q8_K blocks (an int8 per value, a
-# float32 scale per 256 values, the sums of the int8s per 16) and each sub-block's dot is an integer sum of 4-byte
-# products (``dp4a``), scaled in integers and then once per super-block in float32, as ggml-cpu's
-# ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K`` compute it.
+# llama.cpp numerics for the GEMVs: the activations come quantized as ggml-cpu quantizes them for the weight's type
+# (Q8_0 / Q8_1 blocks of 32, or Q8_K: an int8 per value, a float32 scale per 256 values, the sums of the int8s per
+# 16) and each block's or sub-block's dot is an integer sum of 4-byte products (``dp4a``), scaled in float32 as
+# ggml-cpu's ``ggml_vec_dot_<type>_q8_<x>`` does it.
 
 
 @triton.jit
-def dp4a(a, b, acc, USE_ASM: tl.constexpr):
-    """``acc`` plus the sum of the products of the 4 unsigned bytes of int32 ``a`` with the 4 signed bytes of ``b``."""
+def dp4a(a, b, acc, USE_ASM: tl.constexpr, SIGNED_A: tl.constexpr = False):
+    """``acc`` plus the sum of the products of the 4 bytes of int32 ``a`` (unsigned, or signed with ``SIGNED_A``) with
+    the 4 signed bytes of ``b``."""
     if USE_ASM:
+        if SIGNED_A:
+            return tl.inline_asm_elementwise(
+                "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc], dtype=tl.int32, is_pure=True, pack=1,
+            )
         return tl.inline_asm_elementwise(
             "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc], dtype=tl.int32, is_pure=True, pack=1,
         )
     for byte in tl.static_range(4):
-        acc += ((a >> (8 * byte)) & 0xFF) * ((b << (24 - 8 * byte)) >> 24)
+        if SIGNED_A:
+            a_byte = (a << (24 - 8 * byte)) >> 24
+        else:
+            a_byte = (a >> (8 * byte)) & 0xFF
+        acc += a_byte * ((b << (24 - 8 * byte)) >> 24)
     return acc
 
 
@@ -591,3 +600,52 @@ def q6_k_dots_q8k(
     d = tl.reshape(load_f16(blockp + 208), (BLOCK_N, BLOCK_U))
     d8 = tl.load(xd + x_unit // 8, mask=inside, other=0.0)[None, :]
     return d8 * d * isum.to(tl.float32)
+
+
+@triton.jit
+def legacy_dots_q8(
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, first, n_units, xq, x_scales, x_sums,
+    BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Dots ``[BLOCK_N, BLOCK_U]`` of Q4_0 / Q4_1 / Q8_0 blocks ``first ..`` with Q8_0 / Q8_1 activations (``xq`` int32
+    words of int8 values; per 32 values the scale ``x_scales`` and, for Q8_1, ``x_sums`` = scale * sum of the int8s,
+    both float16 values in float32): ``d dx sum(q x)``, plus ``m s`` for Q4_1; blocks past the row get zero
+    activations."""
+    unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    blockp = rowp + tl.minimum(unit, n_units - 1) * TYPE_SIZE
+    x_unit = first + tl.arange(0, BLOCK_U)
+    inside = x_unit < n_units
+    dot = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
+    if FMT == Q8_0:
+        for pair in tl.static_range(4):  # words 2 pair, 2 pair + 1: values 8 pair .. 8 pair + 7
+            q0, q1 = _halfword_pair(blockp + 2 + 8 * pair)
+            x0 = tl.load(xq + 8 * x_unit + 2 * pair, mask=inside, other=0)
+            x1 = tl.load(xq + 8 * x_unit + 2 * pair + 1, mask=inside, other=0)
+            dot = dp4a(tl.reshape(q0, (BLOCK_N, BLOCK_U)), x0[None, :], dot, USE_ASM, SIGNED_A=True)
+            dot = dp4a(tl.reshape(q1, (BLOCK_N, BLOCK_U)), x1[None, :], dot, USE_ASM, SIGNED_A=True)
+    else:
+        # 16 bytes of nibbles: byte j holds value j (low nibble) and j + 16 (high); Q4_0's values are q - 8
+        if FMT == Q4_0:
+            quants = blockp + 2
+        else:
+            quants = blockp + 4
+        x_total = tl.zeros((BLOCK_U,), tl.int32)
+        for pair in tl.static_range(2):  # words 2 pair, 2 pair + 1: bytes 8 pair .. 8 pair + 7
+            words = _halfword_pair(quants + 8 * pair)
+            for half in tl.static_range(2):
+                q = tl.reshape(words[half], (BLOCK_N, BLOCK_U))
+                x_lo = tl.load(xq + 8 * x_unit + 2 * pair + half, mask=inside, other=0)
+                x_hi = tl.load(xq + 8 * x_unit + 4 + 2 * pair + half, mask=inside, other=0)
+                dot = dp4a(q & 0x0F0F0F0F, x_lo[None, :], dot, USE_ASM)
+                dot = dp4a((q >> 4) & 0x0F0F0F0F, x_hi[None, :], dot, USE_ASM)
+                if FMT == Q4_0:
+                    ones = tl.full((BLOCK_U,), 0x01010101, tl.int32)
+                    x_total = dp4a(ones, x_hi, dp4a(ones, x_lo, x_total, USE_ASM), USE_ASM)
+        if FMT == Q4_0:
+            dot -= 8 * x_total[None, :]
+    d = tl.reshape(load_f16(blockp), (BLOCK_N, BLOCK_U))
+    dx = tl.load(x_scales + x_unit, mask=inside, other=0.0)[None, :]
+    out = d * dx * dot.to(tl.float32)
+    if FMT == Q4_1:
+        out += tl.reshape(load_f16(blockp + 2), (BLOCK_N, BLOCK_U)) * tl.load(x_sums + x_unit, mask=inside, other=0.0)[None, :]
+    return out

@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .dequant import Q4_K, dot_units, q4_k_gemv_dots, q4_k_gemv_dots_q8k, q4_k_gemv_load, q6_k_dots_q8k, weight_tile
+from .dequant import (
+    Q4_K, Q6_K, dot_units, legacy_dots_q8, q4_k_gemv_dots, q4_k_gemv_dots_q8k, q4_k_gemv_load, q6_k_dots_q8k, weight_tile,
+)
 
 
 @dataclass(frozen=True)
@@ -111,15 +113,19 @@ def _sm_count(device: torch.device) -> int:
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, N, K, row_bytes, x_scales_ptr, x_sums_ptr,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    USE_ASM: tl.constexpr, EVEN: tl.constexpr, Q8K: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr,
 ):
-    # With Q8K (Q4_K, Q6_K) the activations are Q8_K blocks (``quantize_q8_k``): int8 values as int32 words at x_ptr,
-    # their scales and sums; program_id(1) picks the row of activations.
+    # With LLAMACPP the activations are quantized as ggml-cpu quantizes them for the weight (``quantize_activations``):
+    # int8 values as int32 words at x_ptr, their scales and sums; program_id(1) picks the row of activations.
     m = tl.program_id(1)
     out_ptr += m * N
     x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
-    x_scales_ptr += m * (K // 256)
-    x_sums_ptr += m * (K // 16)
+    if FMT == Q4_K or FMT == Q6_K:  # Q8_K: a scale per 256 values, a sum per 16
+        x_scales_ptr += m * (K // 256)
+        x_sums_ptr += m * (K // 16)
+    else:  # Q8_0 / Q8_1: a scale and a sum per 32
+        x_scales_ptr += m * (K // 32)
+        x_sums_ptr += m * (K // 32)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
     pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
@@ -133,7 +139,7 @@ def _gemv_kernel(
         raw = q4_k_gemv_load(rowp, 0, n_chunks, BLOCK_N, BLOCK_U)
         for first in range(0, n_chunks, BLOCK_U):
             raw_next = q4_k_gemv_load(rowp, first + BLOCK_U, n_chunks, BLOCK_N, BLOCK_U)
-            if Q8K:
+            if LLAMACPP:
                 acc += q4_k_gemv_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N, BLOCK_U,
                                           USE_ASM, EVEN)
             else:
@@ -142,8 +148,11 @@ def _gemv_kernel(
     else:
         n_units = K // 32
         for first in range(0, n_units, BLOCK_U):
-            if Q8K:
+            if LLAMACPP and FMT == Q6_K:
                 acc += q6_k_dots_q8k(rowp, first, n_units, x_words, x_scales_ptr, TYPE_SIZE, BLOCK_N, BLOCK_U, USE_ASM)
+            elif LLAMACPP:
+                acc += legacy_dots_q8(FMT, TYPE_SIZE, rowp, first, n_units, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N,
+                                      BLOCK_U, USE_ASM)
             else:
                 acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
@@ -167,6 +176,23 @@ def _quantize_q8_k_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
     tl.store(q_ptr + block * 256 + index, q.to(tl.int8))
     tl.store(sums_ptr + block * 16 + tl.arange(0, 16), tl.sum(tl.reshape(q, (16, 16)), 1))
     tl.store(scales_ptr + block, tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, tl.where(amax == 0.0, 1.0, iscale))))
+
+
+@triton.jit
+def _quantize_q8_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
+    """One 32-value block of x as ggml-cpu's x86 ``quantize_row_q8_0`` / ``_q8_1``: values ``x * 127 / amax`` rounded
+    to the nearest integer (ties to even), the scale ``amax / 127`` and (Q8_1) scale times the values' sum, both
+    rounded to float16."""
+    block = tl.program_id(0)
+    index = tl.arange(0, 32)
+    x = tl.load(x_ptr + block * 32 + index).to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    scale = tl.math.div_rn(amax, 127.0)
+    inverse = tl.where(amax == 0.0, 0.0, tl.math.div_rn(127.0, tl.where(amax == 0.0, 1.0, amax)))
+    q = ((x * inverse + 12582912.0).to(tl.int32, bitcast=True) & 0x7FFFFF) - 0x400000  # see _quantize_q8_k_kernel
+    tl.store(q_ptr + block * 32 + index, q.to(tl.int8))
+    tl.store(scales_ptr + block, scale.to(tl.float16).to(tl.float32))
+    tl.store(sums_ptr + block, (scale * tl.sum(q, 0).to(tl.float32)).to(tl.float16).to(tl.float32))
 
 
 @triton.jit
@@ -296,7 +322,7 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
         x, w.data, out, n, k, w.data.shape[1], x, x,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
-        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, Q8K=False,
+        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, LLAMACPP=False,
         num_warps=config.num_warps,
     )
     return out
@@ -318,27 +344,41 @@ def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return values, scales, sums
 
 
-LLAMACPP_FORMATS = ("Q4_K", "Q6_K")
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml-cpu's Q8_0 / Q8_1 blocks of the rows of ``x`` ``[M, K]`` (K a multiple of 32), as the llama.cpp-numerics
+    GEMV reads them: int8 values ``[M, K]``, the float16 scale of each 32 values and (Q8_1's ``s``) the float16 of
+    scale times their sum, both ``[M, K / 32]`` in float32."""
+    if x.dim() != 2 or x.shape[1] % 32:
+        raise ValueError(f"Q8_0 blocks need [M, K] activations with K a multiple of 32, got {tuple(x.shape)}")
+    x = x.contiguous()
+    m, k = x.shape
+    values = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    scales = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
+    if x.numel():
+        _quantize_q8_kernel[(m * k // 32,)](x, values, scales, sums, num_warps=1, enable_fp_fusion=False)
+    return values, scales, sums
+
+
+LLAMACPP_FORMATS = SUPPORTED_FORMATS
 
 
 def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """``x @ w.T`` for a Q4_K or Q6_K ``w`` in llama.cpp's numerics: each row of ``x`` quantized to Q8_K blocks,
-    integer dot products per sub-block (``dp4a``), scales applied in float32, as ggml-cpu's
-    ``ggml_vec_dot_q4_K_q8_K`` / ``ggml_vec_dot_q6_K_q8_K``. One pass over the weight per row of ``x``: made for
-    decode."""
-    if isinstance(w, QuantTensor) and w.fmt.name not in LLAMACPP_FORMATS:
-        raise ValueError(f"the llama.cpp-numerics GEMV reads {' and '.join(LLAMACPP_FORMATS)} weights, got {w.fmt.name}")
+    """``x @ w.T`` in llama.cpp's numerics: each row of ``x`` quantized as ggml-cpu quantizes activations for ``w``'s
+    type (Q8_0 for Q4_0 and Q8_0, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K), integer dot products per block (``dp4a``),
+    scales applied in float32, as ggml-cpu's ``ggml_vec_dot_<type>_q8_<x>``. One pass over the weight per row of
+    ``x``: made for decode."""
     layout = check_inputs(x, w)
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     config = config or (gemv_llamacpp_config(k) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
-    values, scales, sums = quantize_q8_k(x)
+    values, scales, sums = quantize_q8_k(x) if w.fmt.name in ("Q4_K", "Q6_K") else quantize_q8(x)
     _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
         values, w.data, out, n, k, w.data.shape[1], scales, sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
-        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, Q8K=True,
+        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, LLAMACPP=True,
         num_warps=config.num_warps,
     )
     return out
