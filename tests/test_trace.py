@@ -170,3 +170,15 @@ def test_embedded_trace_replays_identically(model, tmp_path):
     assert workbench.load_trace(path).fingerprint["sha256"] == model.file_sha256
     report = workbench.replay(path, model)
     assert report.verdict == "identical" and report.tensors_compared == 1 + model.config.n_layers
+
+
+def test_replay_computes_in_the_recorded_numerics(model, tmp_path):
+    """A trace recorded under llama.cpp numerics replays bit-identically under them, whatever the caller's mode."""
+    with workbench.kernels.numerics("llamacpp"):
+        trace = model.run("The Eiffel Tower is in the city of", record=["blocks.3.hook_resid_post"])
+    assert trace.backend["numerics"] == "llamacpp" and "cpu-gguf-llamacpp" in trace.backend["kernels"]
+    exact = model.run("The Eiffel Tower is in the city of")
+    assert not torch.equal(exact.logits, trace.logits)
+    report = workbench.replay(trace.save(tmp_path / "llamacpp"), model)
+    assert report.verdict == "identical"
+    assert workbench.kernels.get_numerics() == "exact"

@@ -15,7 +15,7 @@ import torch
 from workbench import hooks as hooks_lib
 from workbench.errors import WorkbenchError
 from workbench.generation import Sampling, generate_tokens
-from workbench.kernels import select_kernel
+from workbench.kernels import get_numerics, select_kernel
 from workbench.kv_cache import KVCache
 from workbench.loading import LoadedCheckpoint, load_checkpoint
 from workbench.runner import Transformer
@@ -214,7 +214,7 @@ class Model:
     def backend(self) -> dict[str, Any]:
         kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
-                "threads": torch.get_num_threads(), "machine": platform.machine()}
+                "numerics": get_numerics(), "threads": torch.get_num_threads(), "machine": platform.machine()}
 
     def tensor_formats(self) -> dict[str, str]:
         return {name: w.fmt.name for name, w in self.runner.weights.named_matrices()}

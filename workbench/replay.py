@@ -11,6 +11,7 @@ import torch
 from workbench.errors import WorkbenchError
 from workbench.hooks import Trace, load_trace
 from workbench.hooks.trace import model_mismatch
+from workbench.kernels import numerics
 from workbench.loading import default_model_path
 from workbench.model import Model, load
 
@@ -50,16 +51,18 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     """Re-run a trace (or an artifact path) and report how far the new tensors are from the recorded ones.
 
     Without ``model``, the model is loaded from the path in the trace's fingerprint (the embedded
-    default when that is its file), with the recorded dtype. A model whose fingerprint (weights sha256,
-    config, tensor formats) differs is refused unless ``force``.
+    default when that is its file), with the recorded dtype. The re-run computes in the recorded numerics
+    (``workbench.kernels.numerics``). A model whose fingerprint (weights sha256, config, tensor formats) differs is
+    refused unless ``force``.
     """
     trace = trace_or_path if isinstance(trace_or_path, Trace) else load_trace(trace_or_path)
     model = model if model is not None else _load_recorded_model(trace)
     mismatch = model_mismatch(trace.fingerprint, model)
     if mismatch and not force:
         raise WorkbenchError(f"the trace was recorded on another model ({mismatch}); pass force=True to replay anyway")
-    fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
-                      chat=trace.chat)
+    with numerics(trace.backend.get("numerics", "exact")):
+        fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
+                          chat=trace.chat)
     report = dict(rtol=rtol, atol=atol, model_forced=bool(mismatch))
     if fresh.ids != list(trace.ids):
         return ReplayReport(DIFFERENT, None, None, 0, reason="the prompt tokenizes to different ids", **report)
