@@ -31,6 +31,18 @@ def test_run_json_matches_forward(capsys, model):
     assert out["top_k"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=1e-5)
 
 
+def test_run_in_llamacpp_numerics(capsys, model):
+    exact = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--json")
+    emulated = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--numerics", "llamacpp", "--json")
+    with workbench.kernels.numerics("llamacpp"):
+        logprobs = model.forward(emulated["ids"])[-1].log_softmax(-1)
+    assert emulated["top_k"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=1e-5)
+    assert emulated["top_k"][0]["logprob"] != pytest.approx(exact["top_k"][0]["logprob"], abs=1e-5)
+    assert workbench.kernels.get_numerics() == "exact"  # the mode lasts for the command only
+    info = run_json(capsys, "info", "--numerics", "llamacpp", "--json")
+    assert info["kernels"]["blocks.0.wq"]["decode"] == "cpu-gguf-llamacpp"
+
+
 def test_generate_json_is_greedy_continuation(capsys, model):
     out = run_json(capsys, "generate", "The capital of France is", "--max-new-tokens", "4", "--json")
     assert len(out["ids"]) == 4

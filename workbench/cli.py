@@ -14,7 +14,13 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
     parser.add_argument("--quantize", default=None, help="quantize a float checkpoint on load (Q8_0, Q4_K, ...)")
+    _numerics_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _numerics_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--numerics", default="exact", choices=["exact", "llamacpp"],
+                        help="what quantized matmuls compute: exact floats, or llama.cpp's Q8 activations and integer dots")
 
 
 def _load(args: argparse.Namespace):
@@ -170,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     mcp.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     mcp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     mcp.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
+    _numerics_arg(mcp)
     mcp.set_defaults(fn=cmd_mcp)
 
     rep = sub.add_parser("replay", help="re-run a saved trace and compare: identical / within tolerance / different")
@@ -183,9 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from workbench.kernels import numerics
+
     args = build_parser().parse_args(argv)
     try:
-        status = args.fn(args)
+        with numerics(getattr(args, "numerics", "exact")):
+            status = args.fn(args)
     except WorkbenchError as err:
         print(f"workbench: error: {err}", file=sys.stderr)
         return 2
