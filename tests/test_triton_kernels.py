@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -331,6 +332,23 @@ class TestCuda:
                 expected = llamacpp_cpu(x, w)
                 tolerance = 1e-5 if dtype == torch.float32 else 2.0**-8  # a bfloat16 output adds one rounding
                 assert (out.float().cpu() - expected).abs().max() < tolerance * expected.abs().max(), (n, k, m)
+
+    @pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K"])
+    def test_llamacpp_numerics_of_a_model_are_the_cpu_ones(self, fmt):
+        """A whole forward (fused projections, float32 activations) on CUDA in llama.cpp numerics gives the CPU
+        kernels' logits, not the exact ones."""
+        from workbench.model import Model
+        from workbench.synthetic import random_checkpoint, random_config
+
+        checkpoint = random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), fmt, seed=4)
+        on_cpu, on_cuda = Model(checkpoint, device="cpu"), Model(checkpoint, device="cuda", dtype="float32")
+        ids = list(range(3, 40, 3))
+        exact = on_cpu.forward(ids)
+        with numerics("llamacpp"), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # every matrix has a llama.cpp-numerics kernel
+            expected, got = on_cpu.forward(ids), on_cuda.forward(ids).cpu()
+        assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
+        assert (exact - expected).abs().max() > 100 * (got - expected).abs().max()
 
     def test_llamacpp_numerics_without_a_kernel_say_they_run_exactly(self):
         """Q5_K has no kernel of its own on CUDA: under llama.cpp numerics the matmul warns, names the path that ran,
