@@ -6,6 +6,8 @@ float32 and returning ``x.dtype``. ``gemv`` (``M == 1``) multiplies on the CUDA 
 dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores), with a skinny tile
 for the few rows of batched decode; ``dequant_matmul`` writes the whole weight out once in ``x.dtype``
 (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize that.
+``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
+(``quantize_q8`` / ``quantize_q8_k``), integer dot products per block, the GEMV's loop run once per row.
 """
 from __future__ import annotations
 
