@@ -38,12 +38,14 @@ ARTIFACT_FILES = (MANIFEST_FILE, TENSORS_FILE)
 MAX_ARTIFACT_BYTES = 1 << 30  # refuse uploaded zips that unpack to more than this
 
 
-def cli_model_path(argv: Sequence[str] | None = None) -> str | None:
-    """The ``--model`` given after ``--`` on the ``streamlit run`` line (None: the embedded model)."""
+def cli_options(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The ``--model`` (None: the embedded model) and ``--numerics`` given after ``--`` on the ``streamlit run``
+    line."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--numerics", default="exact", choices=["exact", "llamacpp"])
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return args.model
+    return args
 
 
 @st.cache_resource(show_spinner=False)
@@ -53,7 +55,7 @@ def _load(path: str | None) -> workbench.Model:
 
 def model() -> workbench.Model:
     """The model of this server, loaded once and shared by every session and rerun."""
-    path = cli_model_path()
+    path = cli_options().model
     with st.spinner(f"Loading {path or 'the embedded SmolLM2-135M'}…"):
         try:
             return _load(path)

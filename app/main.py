@@ -1,6 +1,7 @@
 """The workbench dashboard: ``workbench app [--model PATH] [--port N]`` runs ``streamlit run`` on this file."""
 import streamlit as st
 
+import workbench
 from workbench.app import common
 
 st.set_page_config(page_title="workbench", page_icon=":material/biotech:", layout="wide")
@@ -17,11 +18,14 @@ PAGES = [
 
 page = st.navigation(PAGES)
 common.page_style()
+# The whole server computes in one numerics (``workbench app --numerics``): the mode is process-wide.
+numerics = common.cli_options().numerics
+workbench.kernels.set_numerics(numerics)
 model = common.model()
 with st.sidebar:
     c = model.config
     st.caption(f"**{c.name}** · {c.n_layers} layers · d_model {c.d_model} · {c.n_heads} heads · "
-               f"{str(model.device)} {str(model.dtype).removeprefix('torch.')}")
+               f"{str(model.device)} {str(model.dtype).removeprefix('torch.')} · {numerics} numerics")
 common.prompt_inputs()
 with common.guard():
     page.run()

@@ -109,8 +109,9 @@ def cmd_app(args: argparse.Namespace) -> None:
     command = [sys.executable, "-m", "streamlit", "run", str(script), "--server.port", str(args.port),
                "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
                "--client.toolbarMode", "minimal"]
+    command += ["--", "--numerics", args.numerics]
     if args.model is not None:
-        command += ["--", "--model", str(Path(args.model).resolve())]
+        command += ["--model", str(Path(args.model).resolve())]
     print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
     returncode = subprocess.call(command)
     if returncode:
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     dashboard.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     dashboard.add_argument("--port", type=int, default=8501)
+    _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
 
     mcp = sub.add_parser("mcp", help="MCP server for agents: stdio, or streamable HTTP with --http")
