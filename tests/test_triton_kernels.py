@@ -27,7 +27,7 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv, gemv_llamacpp, quantize_q8, quantize_q8_k,
+    DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv, gemv_llamacpp, quantize_activations,
 )
 from workbench.kernels.triton.matmul import GemmConfig, GemvConfig  # noqa: E402
 
@@ -53,7 +53,7 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> t
 
 
 def ggml_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ggml-cpu's Q8_K blocks of ``x`` (the CPU kernels' quantizer) as ``quantize_q8_k`` returns them: values, scales,
+    """ggml-cpu's Q8_K blocks of ``x`` (the CPU kernels' quantizer) as ``quantize_activations(x, "Q4_K")`` returns them: values, scales,
     sums of 16 (from the 292-byte blocks: float32 d, 256 int8, 16 int16 sums of 16)."""
     if cpu.extension() is None:
         pytest.skip("the C++ CPU kernels are not available")
@@ -66,7 +66,7 @@ def ggml_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def ggml_q8(x: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ggml-cpu's Q8_0 (``ggml_type`` 8) or Q8_1 (3) blocks of ``x`` as ``quantize_q8`` returns them: values, scales,
+    """ggml-cpu's Q8_0 (``ggml_type`` 8) or Q8_1 (3) blocks of ``x`` as ``quantize_activations(x, "Q4_1")`` returns them: values, scales,
     scale * sums (from the 34- or 36-byte blocks: float16 d, for Q8_1 float16 s, 32 int8)."""
     ggml_q8_k(torch.zeros(1, 256))  # skips where the CPU kernels are missing
     m, k = x.shape
@@ -187,14 +187,14 @@ class TestInterpreted:
         x[1, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale 1: ties round to even
         x[1, 256:512] = 0.25
         x[1, 300], x[1, 301] = -4.0, 4.0  # equal magnitudes: the first, negative, maps to -127
-        for got, expected in zip(quantize_q8_k(x), ggml_q8_k(x)):
+        for got, expected in zip(quantize_activations(x, "Q4_K"), ggml_q8_k(x)):
             assert torch.equal(got, expected)
 
     def test_quantize_q8_matches_ggml_cpu(self):
         x = torch.from_numpy(np.random.default_rng(8).standard_normal((3, 256)).astype(np.float32)) * 3
         x[0, :32] = 0  # a zero block
         x[1, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # inverse scale 1: ties round to even
-        values, scales, sums = quantize_q8(x)
+        values, scales, sums = quantize_activations(x, "Q4_1")
         for ggml_type in (8, 3):  # Q8_0 (for Q4_0 and Q8_0 weights), Q8_1 (for Q4_1)
             expected_values, expected_scales, expected_sums = ggml_q8(x, ggml_type)
             assert torch.equal(values, expected_values) and torch.equal(scales, expected_scales)
@@ -262,9 +262,9 @@ class TestBadInput:
 
     def test_q8_needs_whole_blocks(self):
         with pytest.raises(ValueError, match="multiple of 256"):
-            quantize_q8_k(torch.zeros(1, 96))
+            quantize_activations(torch.zeros(1, 96), "Q6_K")
         with pytest.raises(ValueError, match="multiple of 32"):
-            quantize_q8(torch.zeros(1, 48))
+            quantize_activations(torch.zeros(1, 48), "Q8_0")
 
     def test_gemv_takes_one_row(self):
         with pytest.raises(ValueError, match="at most 1 row"):
@@ -321,10 +321,8 @@ class TestCuda:
             w = random_weight(fmt, n, k, rng)[0].to("cuda")
             for m in (1, 3):
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                k_quant = fmt in ("Q4_K", "Q6_K")
-                quantized = quantize_q8_k(x) if k_quant else quantize_q8(x)
-                expected_blocks = ggml_q8_k(x) if k_quant else ggml_q8(x, 3)
-                for got, expected in zip(quantized, expected_blocks):
+                expected_blocks = ggml_q8_k(x) if fmt in ("Q4_K", "Q6_K") else ggml_q8(x, 3)
+                for got, expected in zip(quantize_activations(x, fmt), expected_blocks):
                     assert torch.equal(got.cpu(), expected)
                 with numerics("llamacpp"):
                     assert select_kernel(x, w).name == f"triton-gemv-llamacpp-{fmt.lower()}"

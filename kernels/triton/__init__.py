@@ -28,7 +28,7 @@ REGISTERED = False
 if AVAILABLE:
     from .matmul import (
         ACTIVATION_DTYPES, LAYOUTS, LLAMACPP_FORMATS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, dequant_matmul,
-        dequantize, gemm, gemv, gemv_llamacpp, quantize_q8, quantize_q8_k,
+        dequantize, gemm, gemv, gemv_llamacpp, quantize_activations,
     )
 
     # From this many rows on, dequantize-then-cuBLAS beats the fused GEMM in most shapes measured by
@@ -70,8 +70,7 @@ if AVAILABLE:
 
     __all__ = [
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GemmConfig", "GemvConfig",
-        "dequant_matmul", "dequantize", "gemm", "gemv", "gemv_llamacpp", "quantize_q8", "quantize_q8_k",
-        "register",
+        "dequant_matmul", "dequantize", "gemm", "gemv", "gemv_llamacpp", "quantize_activations", "register",
     ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

@@ -7,7 +7,7 @@ dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cor
 for the few rows of batched decode; ``dequant_matmul`` writes the whole weight out once in ``x.dtype``
 (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize that.
 ``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
-(``quantize_q8`` / ``quantize_q8_k``), integer dot products per block, the GEMV's loop run once per row.
+(``quantize_activations``), integer dot products per block, the GEMV's loop run once per row.
 """
 from __future__ import annotations
 
@@ -330,35 +330,23 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     return out
 
 
-def quantize_q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ggml-cpu's Q8_K blocks of the rows of ``x`` ``[M, K]`` (K a multiple of 256), as the llama.cpp-numerics GEMV
-    reads them: int8 values ``[M, K]``, a float32 scale per 256 values ``[M, K / 256]`` and the int32 sum of each 16
-    values ``[M, K / 16]`` (ggml's ``bsums``)."""
-    if x.dim() != 2 or x.shape[1] % 256:
-        raise ValueError(f"Q8_K blocks need [M, K] activations with K a multiple of 256, got {tuple(x.shape)}")
+def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of ``x`` ``[M, K]`` quantized as ggml-cpu quantizes activations for a weight of ``fmt``, as the
+    llama.cpp-numerics GEMV reads them: int8 values ``[M, K]``, then for the K-quants (Q8_K) a float32 scale per 256
+    values and the int32 sum of each 16 (ggml's ``bsums``), for the others (Q8_0 / Q8_1) the float16 scale of each
+    32 values and the float16 of scale times their sum (Q8_1's ``s``), both in float32."""
+    k_quant = fmt in ("Q4_K", "Q6_K")
+    block, per_sum, kernel, warps = (256, 16, _quantize_q8_k_kernel, 4) if k_quant else (32, 32, _quantize_q8_kernel, 1)
+    if x.dim() != 2 or x.shape[1] % block:
+        raise ValueError(f"{'Q8_K' if k_quant else 'Q8_0'} blocks need [M, K] activations with K a multiple of {block}, "
+                         f"got {tuple(x.shape)}")
     x = x.contiguous()
     m, k = x.shape
     values = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    scales = torch.empty(m, k // 256, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
+    scales = torch.empty(m, k // block, dtype=torch.float32, device=x.device)
+    sums = torch.empty(m, k // per_sum, dtype=torch.int32 if k_quant else torch.float32, device=x.device)
     if x.numel():
-        _quantize_q8_k_kernel[(m * k // 256,)](x, values, scales, sums, num_warps=4, enable_fp_fusion=False)
-    return values, scales, sums
-
-
-def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ggml-cpu's Q8_0 / Q8_1 blocks of the rows of ``x`` ``[M, K]`` (K a multiple of 32), as the llama.cpp-numerics
-    GEMV reads them: int8 values ``[M, K]``, the float16 scale of each 32 values and (Q8_1's ``s``) the float16 of
-    scale times their sum, both ``[M, K / 32]`` in float32."""
-    if x.dim() != 2 or x.shape[1] % 32:
-        raise ValueError(f"Q8_0 blocks need [M, K] activations with K a multiple of 32, got {tuple(x.shape)}")
-    x = x.contiguous()
-    m, k = x.shape
-    values = torch.empty(m, k, dtype=torch.int8, device=x.device)
-    scales = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
-    sums = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
-    if x.numel():
-        _quantize_q8_kernel[(m * k // 32,)](x, values, scales, sums, num_warps=1, enable_fp_fusion=False)
+        kernel[(m * k // block,)](x, values, scales, sums, num_warps=warps, enable_fp_fusion=False)
     return values, scales, sums
 
 
@@ -376,7 +364,7 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
     if m == 0:
         return out
     config = config or (gemv_llamacpp_config(k) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
-    values, scales, sums = quantize_q8_k(x) if w.fmt.name in ("Q4_K", "Q6_K") else quantize_q8(x)
+    values, scales, sums = quantize_activations(x, w.fmt.name)
     _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
         values, w.data, out, n, k, w.data.shape[1], scales, sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
