@@ -121,13 +121,14 @@ def _gemv_kernel(
     # int8 values as int32 words at x_ptr, their scales and sums; program_id(1) picks the row of activations.
     m = tl.program_id(1)
     out_ptr += m * N
-    x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
-    if FMT == Q4_K or FMT == Q6_K:  # Q8_K: a scale per 256 values, a sum per 16
-        x_scales_ptr += m * (K // 256)
-        x_sums_ptr += m * (K // 16)
-    else:  # Q8_0 / Q8_1: a scale and a sum per 32
-        x_scales_ptr += m * (K // 32)
-        x_sums_ptr += m * (K // 32)
+    if LLAMACPP:
+        x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
+        if FMT == Q4_K or FMT == Q6_K:  # Q8_K: a scale per 256 values, a sum per 16
+            x_scales_ptr += m * (K // 256)
+            x_sums_ptr += m * (K // 16)
+        else:  # Q8_0 / Q8_1: a scale and a sum per 32
+            x_scales_ptr += m * (K // 32)
+            x_sums_ptr += m * (K // 32)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
     pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
@@ -161,6 +162,14 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _nearest_int(v):
+    """``v`` (float32, |v| < 2**22) rounded to the nearest integer, ties to even, as int32: adding 1.5 * 2**23 leaves
+    the rounded value in the low mantissa bits. The kernels that call it are compiled without fused multiply-adds, so
+    that a product feeding it is rounded first, as in ggml."""
+    return ((v + 12582912.0).to(tl.int32, bitcast=True) & 0x7FFFFF) - 0x400000
+
+
+@triton.jit
 def _quantize_q8_k_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
     """One 256-value block of x as ggml's ``quantize_row_q8_K_ref``: the first value of largest magnitude maps to
     -127, every value to the nearest integer (ties to even) of ``-127 / that value`` times it, at most 127."""
@@ -171,10 +180,7 @@ def _quantize_q8_k_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
     amax = tl.max(magnitude, 0)
     extreme = tl.sum(tl.where(index == tl.argmax(magnitude, 0, tie_break_left=True), x, 0.0), 0)
     iscale = tl.where(amax == 0.0, 0.0, tl.math.div_rn(-127.0, tl.where(amax == 0.0, 1.0, extreme)))
-    # Adding 1.5 * 2**23 rounds to an integer (ties to even) and leaves it in the low mantissa bits; this needs the
-    # kernel compiled without fused multiply-adds, so that iscale * x is rounded first, as in ggml.
-    rounded = ((iscale * x + 12582912.0).to(tl.int32, bitcast=True) & 0x7FFFFF) - 0x400000
-    q = tl.minimum(rounded, 127)
+    q = tl.minimum(_nearest_int(iscale * x), 127)
     tl.store(q_ptr + block * 256 + index, q.to(tl.int8))
     tl.store(sums_ptr + block * 16 + tl.arange(0, 16), tl.sum(tl.reshape(q, (16, 16)), 1))
     tl.store(scales_ptr + block, tl.where(amax == 0.0, 0.0, tl.math.div_rn(1.0, tl.where(amax == 0.0, 1.0, iscale))))
@@ -191,7 +197,7 @@ def _quantize_q8_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
     amax = tl.max(tl.abs(x), 0)
     scale = tl.math.div_rn(amax, 127.0)
     inverse = tl.where(amax == 0.0, 0.0, tl.math.div_rn(127.0, tl.where(amax == 0.0, 1.0, amax)))
-    q = ((x * inverse + 12582912.0).to(tl.int32, bitcast=True) & 0x7FFFFF) - 0x400000  # see _quantize_q8_k_kernel
+    q = _nearest_int(x * inverse)
     tl.store(q_ptr + block * 32 + index, q.to(tl.int8))
     tl.store(scales_ptr + block, scale.to(tl.float16).to(tl.float32))
     tl.store(sums_ptr + block, (scale * tl.sum(q, 0).to(tl.float32)).to(tl.float16).to(tl.float32))
