@@ -166,6 +166,27 @@ def test_load_model_switches_this_session_only(http_server, http, artifacts):
         assert other.call("load_model", path="embedded")["n_layers"] == 30
 
 
+def test_numerics_are_per_session(http_server, http, model):
+    """One session switches to llama.cpp numerics: its runs match the Python API under them, its traces replay
+    under them; the other session still computes exactly."""
+    assert http.call("model_info")["numerics"] == "exact"
+    with workbench.kernels.numerics("llamacpp"):
+        expected = next_token_logprobs(model, PROMPT)
+    with connect(streamable_http_client(http_server[0])) as other:
+        assert other.call("set_numerics", mode="llamacpp")["numerics"] == "llamacpp"
+        run = other.call("run", prompt=PROMPT, top_k=1)
+        assert run["next_token"]["top"][0]["logprob"] == pytest.approx(expected.max().item(), abs=1e-5)
+        exact_run = http.call("run", prompt=PROMPT, top_k=1)
+        exact = exact_run["next_token"]["top"][0]["logprob"]
+        assert exact == pytest.approx(baseline_logprobs(model).max().item(), abs=1e-5)
+        assert exact != pytest.approx(expected.max().item(), abs=1e-5)
+        # each trace replays under the numerics it was recorded in, whichever session's mode replays it
+        assert other.call("replay_trace", trace_id=run["trace_id"])["verdict"] == "identical"
+        assert http.call("replay_trace", trace_id=exact_run["trace_id"])["verdict"] == "identical"
+        assert "llamacpp" in other.error("set_numerics", mode="ggml")
+    assert workbench.kernels.get_numerics() == "exact"
+
+
 # ------------------------------------------------------------------------------------------ run and read
 
 

@@ -39,6 +39,7 @@ class ModelInfo(BaseModel):
     device: str
     dtype: str
     tensor_formats: dict[str, int]
+    numerics: str  # what this session's quantized matmuls compute: "exact" or "llamacpp"
 
 
 class ModelEntry(BaseModel):

@@ -14,6 +14,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 
 from workbench.errors import WorkbenchError
+from workbench.kernels import numerics
 from workbench.mcp_server.state import Limits
 from workbench.mcp_server.tools import TOOLS, Call, Workbench
 
@@ -48,7 +49,8 @@ async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments
         with bench.lock:
             call = Call(bench.sessions.get(key), cancelled)
             call.check()  # cancelled while waiting for the lock
-            return method(call, **arguments)
+            with numerics(call.session.numerics):  # the mode is process-wide: safe under the lock
+                return method(call, **arguments)
 
     try:
         return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)

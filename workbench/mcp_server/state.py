@@ -12,6 +12,7 @@ import torch
 
 from workbench.errors import WorkbenchError
 from workbench.hooks import Trace
+from workbench.kernels import get_numerics
 from workbench.kv_cache import KVCache
 
 
@@ -47,10 +48,11 @@ class Entry:
 class Session:
     """One client's server-side objects, by id. Ids are random, so they cannot be guessed across sessions."""
 
-    def __init__(self, key: str, limits: Limits, model_name: str):
+    def __init__(self, key: str, limits: Limits, model_name: str, numerics: str = "exact"):
         self.key = key
         self.limits = limits
         self.model_name = model_name
+        self.numerics = numerics  # what this session's quantized matmuls compute (set_numerics)
         self.entries: dict[str, Entry] = {}
         self.last_used = time.monotonic()
 
@@ -110,7 +112,7 @@ class Sessions:
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
-                session = self._sessions[key] = Session(key, self.limits, self._default_model())
+                session = self._sessions[key] = Session(key, self.limits, self._default_model(), get_numerics())
             session.last_used = time.monotonic()
             return session
 

@@ -10,7 +10,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable, Literal
 
 import torch
 from pydantic import Field
@@ -281,7 +281,18 @@ class Workbench:
                            n_layers=c.n_layers, d_model=c.d_model, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
                            d_head=c.d_head, d_mlp=c.d_mlp, vocab_size=c.vocab_size, n_ctx=c.n_ctx,
                            parameters=c.n_params, device=str(model.device),
-                           dtype=str(model.dtype).removeprefix("torch."), tensor_formats=formats)
+                           dtype=str(model.dtype).removeprefix("torch."), tensor_formats=formats,
+                           numerics=call.session.numerics)
+
+    @tool
+    def set_numerics(self, call: Call,
+                     mode: Annotated[Literal["exact", "llamacpp"], Field(
+                         description="'exact' floats, or 'llamacpp': activations quantized to Q8 blocks and integer "
+                                     "dot products, as llama.cpp computes them")]) -> s.ModelInfo:
+        """What this session's quantized matmuls compute from now on, so a finding can be checked under the numerics
+        of the deployed engine; other sessions keep theirs."""
+        call.session.numerics = mode
+        return self.model_info(call)
 
     @tool
     def list_hook_points(self, call: Call,
