@@ -58,6 +58,19 @@ def _dense_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 DENSE = Kernel("dense-matmul", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES, _dense_matmul)
 
+
+def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """ggml-cpu's float dot products: the activations rounded to the weight's type (its ``vec_dot_type``), products
+    and sums in float32; the weight converted a chunk of rows at a time."""
+    rounded = x.to(FLOAT_DTYPES[w.fmt.name]).float()
+    return _blockwise_dequant_matmul(rounded, w).to(x.dtype)
+
+
+DENSE_LLAMACPP = Kernel("dense-matmul-llamacpp", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES,
+                        _dense_matmul_llamacpp, numerics="llamacpp")
+# Kernels for any device, tried after the device's own.
+FALLBACKS = (DENSE_LLAMACPP, DENSE, BLOCKWISE)
+
 # Preferred kernels per device type, best first; backends append to these on import.
 KERNELS: dict[str, list[Kernel]] = {"cpu": [], "cuda": []}
 
@@ -96,17 +109,15 @@ def numerics(mode: Numerics) -> Iterator[None]:
 
 
 def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
-    """The first kernel registered for ``x``'s device that takes ``(x, w)`` and computes the current numerics; else
-    the first exact one, with a warning when that changes what a quantized matmul computes."""
+    """The first kernel (``x``'s device's, then ``FALLBACKS``) that takes ``(x, w)`` and computes the current
+    numerics; else the first exact one, with a warning that names it."""
     exact = None
-    for kernel in KERNELS.get(x.device.type, []):
+    for kernel in (*KERNELS.get(x.device.type, []), *FALLBACKS):
         if kernel.numerics in (_numerics, "exact") and kernel.supports(x, w):
             if kernel.numerics == _numerics:
                 return kernel
             exact = exact or kernel
-    exact = exact or (DENSE if DENSE.supports(x, w) else BLOCKWISE)
-    if w.fmt.name not in FLOAT_DTYPES:
-        _warn_numerics_fallback(x, w, exact)
+    _warn_numerics_fallback(x, w, exact)  # BLOCKWISE takes everything, so there is one
     return exact
 
 

@@ -1,6 +1,8 @@
 """The C++ CPU kernels of workbench.kernels.cpu against the gguf package's reference dequantizer."""
 from __future__ import annotations
 
+import warnings
+
 import gguf
 import numpy as np
 import pytest
@@ -221,6 +223,24 @@ def test_llamacpp_numerics_for_unsupported_format_warns_and_runs_exactly():
     q5k = QuantTensor(torch.zeros(16, 176, dtype=torch.uint8), gguf_format("Q5_K"), (16, 256))
     with cpu.numerics("llamacpp"), pytest.warns(RuntimeWarning, match="no .llamacpp.-numerics kernel for Q5_K .* on cpu; .* exact numerics on the .blockwise-dequant-matmul. path"):
         assert select_kernel(torch.randn(2, 256), q5k) is BLOCKWISE
+
+
+@pytest.mark.parametrize("name", ["F16", "BF16", "F32"])
+def test_llamacpp_numerics_of_float_weights_round_the_activations_to_their_type(name):
+    """ggml-cpu converts the activations to a float weight's type (F16, BF16; F32 unchanged) before its dot products,
+    which it sums in float32."""
+    dtype = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[name]
+    w = QuantTensor.from_floats(torch.randn(24, 64, generator=torch.Generator().manual_seed(2)).to(dtype))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    with cpu.numerics("llamacpp"), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a kernel of these numerics exists: no fallback warning
+        assert select_kernel(x, w).name == "dense-matmul-llamacpp"
+        y = linear(x, w)
+    expected = x.to(dtype).double() @ w.dequantize().double().T
+    assert (y.double() - expected).abs().max() < 1e-5 * expected.abs().max()
+    exact = x.double() @ w.dequantize().double().T
+    if dtype != torch.float32:
+        assert (exact - expected).abs().max() > 100 * (y.double() - expected).abs().max()
 
 
 def test_set_numerics_rejects_unknown_mode():
