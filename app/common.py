@@ -43,7 +43,7 @@ def cli_options(argv: Sequence[str] | None = None) -> argparse.Namespace:
     line."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--numerics", default="exact", choices=["exact", "llamacpp"])
+    parser.add_argument("--numerics", default="exact", choices=workbench.kernels.NUMERICS)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return args
 

@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="CUDA: also time one decode step alone, by kernel")
-    parser.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact",
+    parser.add_argument("--numerics", choices=workbench.kernels.NUMERICS, default="exact",
                         help="what the quantized matmuls compute (workbench.kernels.set_numerics)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats, M = 1 and 128 only")
     parser.add_argument("--batches", default=None, help="comma-separated M values (default 1,8,128,512)")
     parser.add_argument("--sweep", action="store_true", help="also time other Triton tile configurations")
-    parser.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact", help="what linear computes")
+    parser.add_argument("--numerics", choices=wk.NUMERICS, default="exact", help="what linear computes")
     args = parser.parse_args(argv)
     wk.set_numerics(args.numerics)
 

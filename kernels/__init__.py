@@ -1,7 +1,7 @@
 """Quantized kernels: GGUF tensor formats kept packed, and the matmuls that run on them."""
 from .formats import FORMATS, QuantFormat, get_format
 from .linear import (
-    KERNELS, Kernel, get_numerics, linear, linear_parts, numerics, register_kernel, select_kernel, set_numerics,
+    KERNELS, NUMERICS, Kernel, get_numerics, linear, linear_parts, numerics, register_kernel, select_kernel, set_numerics,
 )
 from .quant_tensor import QuantTensor
 
@@ -20,6 +20,7 @@ __all__ = [
     "register_kernel",
     "select_kernel",
     "numerics",
+    "NUMERICS",
     "set_numerics",
     "get_numerics",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import typing
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Sequence
@@ -11,6 +12,7 @@ import torch
 from .quant_tensor import FLOAT_DTYPES, QuantTensor
 
 Numerics = Literal["exact", "llamacpp"]
+NUMERICS: tuple[Numerics, ...] = typing.get_args(Numerics)  # for argument parsers and checks
 
 # Rows dequantized at a time by the blockwise path: bounds the float scratch buffer to ~4 MiB.
 _CHUNK_VALUES = 1 << 20
@@ -88,7 +90,7 @@ def set_numerics(mode: Numerics) -> None:
     blocks and integer block dot products, as ggml-cpu computes them (the CPU kernels implement it; a matmul with no
     kernel for the mode runs exactly and warns once, naming the path that ran)."""
     global _numerics
-    if mode not in ("exact", "llamacpp"):
+    if mode not in NUMERICS:
         raise ValueError(f"numerics must be 'exact' or 'llamacpp', got {mode!r}")
     _numerics = mode
 

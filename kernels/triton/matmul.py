@@ -326,14 +326,21 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    config = config or gemv_config(k, w.fmt.name)
+    _launch_gemv(w, out, layout, config or gemv_config(k, w.fmt.name), x, x, x, llamacpp=False)
+    return out
+
+
+def _launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: GemvConfig, activations: torch.Tensor,
+                 x_scales: torch.Tensor, x_sums: torch.Tensor, llamacpp: bool) -> None:
+    """``_gemv_kernel`` over ``out``'s rows of activations: floats, or (``llamacpp``) ``quantize_activations``'
+    values, scales and sums (the exact GEMV passes its activations for the two unused pointers)."""
+    (m, n), k = out.shape, w.shape[1]
     _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
-        x, w.data, out, n, k, w.data.shape[1], x, x,
+        activations, w.data, out, n, k, w.data.shape[1], x_scales, x_sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
-        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, LLAMACPP=False,
+        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, LLAMACPP=llamacpp,
         num_warps=config.num_warps,
     )
-    return out
 
 
 def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -370,13 +377,7 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
     if m == 0:
         return out
     config = config or (gemv_llamacpp_config(k) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
-    values, scales, sums = quantize_activations(x, w.fmt.name)
-    _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
-        values, w.data, out, n, k, w.data.shape[1], scales, sums,
-        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
-        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, LLAMACPP=True,
-        num_warps=config.num_warps,
-    )
+    _launch_gemv(w, out, layout, config, *quantize_activations(x, w.fmt.name), llamacpp=True)
     return out
 
 
