@@ -76,12 +76,25 @@ class Timer:
 
 def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
     """Time the Triton kernels under other tile configurations and print them, best first."""
-    from workbench.kernels.triton import GemmConfig, GemvConfig, dequant_matmul, gemm, gemv, gemv_llamacpp
+    from workbench.kernels.triton import (
+        GemmConfig, GemvConfig, Int8GemmConfig, dequant_matmul, gemm, gemm_llamacpp, gemv, gemv_llamacpp,
+    )
     from workbench.kernels.triton.matmul import gemv_units
 
     m = x.shape[0]
-    llamacpp = wk.select_kernel(x, w).numerics == "llamacpp"
-    if m == 1 or llamacpp:
+    name = wk.select_kernel(x, w).name
+    llamacpp = "llamacpp" in name
+    if llamacpp and "gemm" in name:
+        configs = [
+            Int8GemmConfig(block_m, block_n, warps, stages)
+            for block_m, block_n, warps, stages in [
+                (16, 32, 4, 2), (16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2),
+                (128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3),
+            ]
+            if block_m <= max(16, 2 * m)
+        ]
+        kernel = gemm_llamacpp
+    elif m == 1 or llamacpp:
         units = gemv_units(w.shape[1], w.fmt.name)
         # block_u units of block_n rows per step: at least one (row, unit) pair per thread, at most 16
         configs = [
@@ -110,10 +123,15 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             print(f"      sweep {config}: failed ({type(err).__name__})")
             continue
         results.append((seconds, config))
-    if m > 1 and not llamacpp:
-        seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
-                                lambda ww: dequant_matmul(x, ww))
-        results.append((seconds, "dequantize (triton) + cuBLAS"))
+    if m > 1:  # the other many-row path, in its default tiling
+        if not llamacpp:
+            other, label = dequant_matmul, "dequantize (triton) + cuBLAS"
+        elif kernel is gemm_llamacpp:
+            other, label = gemv_llamacpp, "a llama.cpp-numerics GEMV pass per row"
+        else:
+            other, label = gemm_llamacpp, "the llama.cpp-numerics int8 GEMM"
+        seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes, lambda ww: other(x, ww))
+        results.append((seconds, label))
     for seconds, config in sorted(results, key=lambda r: r[0])[:8]:
         print(f"      sweep {seconds * 1e6:9.1f} us  {config}")
 

@@ -27,9 +27,10 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    DEQUANT_MATMUL_MIN_ROWS, dequant_matmul, dequantize, gemm, gemv, gemv_llamacpp, quantize_activations,
+    DEQUANT_MATMUL_MIN_ROWS, LLAMACPP_GEMM_MIN_ROWS, dequant_matmul, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp,
+    quantize_activations,
 )
-from workbench.kernels.triton.matmul import GemmConfig, GemvConfig  # noqa: E402
+from workbench.kernels.triton.matmul import GemmConfig, GemvConfig, Int8GemmConfig  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
@@ -215,6 +216,20 @@ class TestInterpreted:
         assert relative_error(out, exact) > 100 * relative_error(expected, out.double().numpy())
 
 
+    @pytest.mark.parametrize("fmt", FORMATS)
+    def test_gemm_llamacpp_matches_the_cpu_kernel(self, fmt):
+        """The tensor-core GEMM: small tiles, so the N = 20 weight rows and M = 20 activation rows each span two
+        tiles with a partial one, and K = 768 leaves a partial last tile row of neither."""
+        rng = np.random.default_rng(FORMATS.index(fmt))
+        w, reference = random_weight(fmt, self.N, self.K, rng)
+        x = torch.from_numpy(rng.standard_normal((20, self.K)).astype(np.float32))
+        out = gemm_llamacpp(x, w, Int8GemmConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, group_m=2))
+        expected = llamacpp_cpu(x, w)
+        assert (out - expected).abs().max() < 1e-5 * expected.abs().max()
+        exact = x.double().numpy() @ reference.T
+        assert relative_error(out, exact) > 100 * relative_error(expected, out.double().numpy())
+
+
 class TestBadInput:
     """Rejected before any kernel runs, interpreter or not."""
 
@@ -255,10 +270,11 @@ class TestBadInput:
         with pytest.raises(ValueError, match="multiple of"):
             gemv(torch.zeros(1, 64), misaligned)
 
-    def test_llamacpp_gemv_unsupported_format(self):
+    @pytest.mark.parametrize("kernel", [gemv_llamacpp, gemm_llamacpp])
+    def test_llamacpp_unsupported_format(self, kernel):
         w = QuantTensor(torch.zeros(8, 22 * 2, dtype=torch.uint8), "Q5_0", (8, 64))
         with pytest.raises(ValueError, match="Q5_0"):
-            gemv_llamacpp(torch.zeros(1, 64), w)
+            kernel(torch.zeros(1, 64), w)
 
     def test_q8_needs_whole_blocks(self):
         with pytest.raises(ValueError, match="multiple of 256"):
@@ -315,17 +331,18 @@ class TestCuda:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
     @pytest.mark.parametrize("fmt", FORMATS)
-    def test_llamacpp_gemv_matches_the_cpu_kernel(self, fmt, dtype):
+    def test_llamacpp_kernels_match_the_cpu_kernel(self, fmt, dtype):
         rng = np.random.default_rng(7)
         for n, k in [(1536, 768), (1024, 4096), (4096, 14336)]:
             w = random_weight(fmt, n, k, rng)[0].to("cuda")
-            for m in (1, 3):
+            for m in (1, 3, LLAMACPP_GEMM_MIN_ROWS, 200):  # GEMV, GEMM
+                kind = "gemv" if m < LLAMACPP_GEMM_MIN_ROWS else "gemm"
                 x = torch.randn(m, k, device="cuda").to(dtype)
                 expected_blocks = ggml_q8_k(x) if fmt in ("Q4_K", "Q6_K") else ggml_q8(x, 3)
                 for got, expected in zip(quantize_activations(x, fmt), expected_blocks):
                     assert torch.equal(got.cpu(), expected)
                 with numerics("llamacpp"):
-                    assert select_kernel(x, w).name == f"triton-gemv-llamacpp-{fmt.lower()}"
+                    assert select_kernel(x, w).name == f"triton-{kind}-llamacpp-{fmt.lower()}"
                     out = linear(x, w)
                 expected = llamacpp_cpu(x, w)
                 tolerance = 1e-5 if dtype == torch.float32 else 2.0**-8  # a bfloat16 output adds one rounding
@@ -333,8 +350,8 @@ class TestCuda:
 
     @pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K"])
     def test_llamacpp_numerics_of_a_model_are_the_cpu_ones(self, fmt):
-        """A whole forward (fused projections, float32 activations) on CUDA in llama.cpp numerics gives the CPU
-        kernels' logits, not the exact ones."""
+        """A whole forward (fused projections, float32 activations, a 13-token prompt: the GEMM) on CUDA in llama.cpp
+        numerics gives the CPU kernels' logits, not the exact ones."""
         from workbench.model import Model
         from workbench.synthetic import random_checkpoint, random_config
 

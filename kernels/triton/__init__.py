@@ -4,7 +4,8 @@ Importing this package registers, for every supported format, ``triton-gemv-<fmt
 activations), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows) and
 ``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for llama.cpp numerics
 ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one weight pass per
-row), with
+row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor
+cores, for more rows), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it
 registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same
 kernels run on CPU tensors through ``gemv`` and ``gemm`` (that is how the tests check them).
@@ -27,13 +28,15 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, LAYOUTS, LLAMACPP_FORMATS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, dequant_matmul,
-        dequantize, gemm, gemv, gemv_llamacpp, quantize_activations,
+        ACTIVATION_DTYPES, LAYOUTS, LLAMACPP_FORMATS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig,
+        dequant_matmul, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, quantize_activations,
     )
 
     # From this many rows on, dequantize-then-cuBLAS beats the fused GEMM in most shapes measured by
     # bench/kernels.py --sweep on an H100 (M = 128 and 512; M = 8 goes to the fused GEMM).
     DEQUANT_MATMUL_MIN_ROWS = 17
+    # From this many rows on, the llama.cpp-numerics GEMM beats a GEMV pass per row (bench/kernels.py on an H100).
+    LLAMACPP_GEMM_MIN_ROWS = 8
 
     def _supports(fmt: str, max_rows: int | None):
         layout = LAYOUTS[fmt]
@@ -61,7 +64,10 @@ if AVAILABLE:
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
         for fmt in LLAMACPP_FORMATS:
-            register_kernel(Kernel(f"triton-gemv-llamacpp-{fmt.lower()}", "cuda", _supports(fmt, None), gemv_llamacpp,
+            name = fmt.lower()
+            register_kernel(Kernel(f"triton-gemv-llamacpp-{name}", "cuda", _supports(fmt, LLAMACPP_GEMM_MIN_ROWS - 1),
+                                   gemv_llamacpp, numerics="llamacpp"))
+            register_kernel(Kernel(f"triton-gemm-llamacpp-{name}", "cuda", _supports(fmt, None), gemm_llamacpp,
                                    numerics="llamacpp"))
         REGISTERED = True
 
@@ -69,8 +75,9 @@ if AVAILABLE:
         register()
 
     __all__ = [
-        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GemmConfig", "GemvConfig",
-        "dequant_matmul", "dequantize", "gemm", "gemv", "gemv_llamacpp", "quantize_activations", "register",
+        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "LLAMACPP_GEMM_MIN_ROWS", "GemmConfig",
+        "GemvConfig", "Int8GemmConfig", "dequant_matmul", "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp",
+        "quantize_activations", "register",
     ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

@@ -146,7 +146,7 @@ def _q8_piece(quad):
 @triton.jit
 def q4_k_chunk_scales(s0, s1, s2, chunk):
     """Q4_K's 6-bit scales and mins of sub-blocks ``2 * chunk`` and ``2 * chunk + 1`` (chunk 0..3) from its 12
-    scale bytes, read as 3 int32 words: ``(scale_lo, min_lo, scale_hi, min_hi)`` as float32.
+    scale bytes, read as 3 int32 words: ``(scale_lo, min_lo, scale_hi, min_hi)`` as int32.
 
     Bytes 0-3 of ``s0`` / ``s1`` hold the scales / mins of sub-blocks 0-3 (low 6 bits) and the top 2 bits of
     those of sub-blocks 4-7, whose low 4 bits are the nibbles of ``s2``; a chunk's two sub-blocks sit in one
@@ -158,6 +158,13 @@ def q4_k_chunk_scales(s0, s1, s2, chunk):
     min_lo = tl.where(low, s1 & 0x3F, ((s2 >> 4) & 0xF) | ((s1 >> 2) & 0x30))
     scale_hi = tl.where(low, (s0 >> 8) & 0x3F, ((s2 >> 8) & 0xF) | ((s0 >> 10) & 0x30))
     min_hi = tl.where(low, (s1 >> 8) & 0x3F, ((s2 >> 12) & 0xF) | ((s1 >> 10) & 0x30))
+    return scale_lo, min_lo, scale_hi, min_hi
+
+
+@triton.jit
+def q4_k_chunk_scales_f32(s0, s1, s2, chunk):
+    """``q4_k_chunk_scales`` as float32."""
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, chunk)
     return scale_lo.to(tl.float32), min_lo.to(tl.float32), scale_hi.to(tl.float32), min_hi.to(tl.float32)
 
 
@@ -167,7 +174,7 @@ def q4_k_affine(blockp, sub):
     # w = d * scale_s * q - dmin * min_s = 16 d scale_s * f - (16 d scale_s + dmin min_s) in sub-block s.
     words = blockp.to(tl.pointer_type(tl.int32))
     s0, s1, s2 = tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
-    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, sub // 2)
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, sub // 2)
     odd = sub % 2 == 1
     scale, minimum = tl.where(odd, scale_hi, scale_lo), tl.where(odd, min_hi, min_lo)
     a = 16.0 * load_f16(blockp) * scale
@@ -451,7 +458,7 @@ def q4_k_gemv_dots(
     chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
     d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, chunk % 4)
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
 
     x_chunk = 64 * (first + tl.arange(0, BLOCK_U))
     fx_lo = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
@@ -524,7 +531,7 @@ def q4_k_gemv_dots_q8k(
     chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
     d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, chunk % 4)
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
 
     x_chunk = first + tl.arange(0, BLOCK_U)
     inside = x_chunk < n_chunks
@@ -649,3 +656,91 @@ def legacy_dots_q8(
     if FMT == Q4_1:
         out += tl.reshape(load_f16(blockp + 2), (BLOCK_N, BLOCK_U)) * tl.load(x_sums + x_unit, mask=inside, other=0.0)[None, :]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp numerics for many rows of activations (prefill): a block's or sub-block's weights become an int8 tile
+# ``[BLOCK_N, 32]`` for ``tl.dot`` with the int8 activations ``[BLOCK_M, 32]`` (tensor cores, exact int32 sums), and
+# the scales apply per block as in the GEMV. ``rowp`` points at each weight row's block, ``x`` at each activation
+# row's first value of it; the int8 tensor-core product takes K = 32 at least, so Q6_K's 16-value groups are dots
+# over 32 values with the other group's weights zeroed.
+
+
+@triton.jit
+def _int8_dot(x, q):
+    """``x @ q.T`` for int8 activations ``[BLOCK_M, 32]`` and int32 weights ``[BLOCK_N, 32]`` in int8 range, in int32."""
+    return tl.dot(x, tl.trans(q.to(tl.int8)), out_dtype=tl.int32)
+
+
+@triton.jit
+def _byte_tile(p, cols):
+    """The bytes at ``p[:, None] + cols[None, :]`` as int32."""
+    return tl.load(p[:, None] + cols[None, :]).to(tl.int32)
+
+
+@triton.jit
+def q4_k_tile_dots_q8k(blockp, x, x_sums, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For one Q4_K super-block of each weight row and its 256 Q8_K activations of each row (``x_sums``: their 16
+    sums of 16), ggml's integer sums ``(sum_j scale_j dot_j, sum_j min_j xsum_j)`` over the 8 sub-blocks j, int32
+    ``[BLOCK_M, BLOCK_N]`` each."""
+    words = blockp.to(tl.pointer_type(tl.int32))
+    s0, s1, s2 = tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    cols = tl.arange(0, 32)
+    dots = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    mins = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    for chunk in tl.static_range(4):  # sub-blocks 2 chunk (low nibbles) and 2 chunk + 1 (high)
+        q = _byte_tile(blockp + 16 + 32 * chunk, cols)
+        scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, chunk)
+        x_lo = tl.load(x[:, None] + 64 * chunk + cols[None, :])
+        x_hi = tl.load(x[:, None] + 64 * chunk + 32 + cols[None, :])
+        dots += _int8_dot(x_lo, q & 0xF) * scale_lo[None, :] + _int8_dot(x_hi, q >> 4) * scale_hi[None, :]
+        sum_lo = tl.load(x_sums + 4 * chunk) + tl.load(x_sums + 4 * chunk + 1)
+        sum_hi = tl.load(x_sums + 4 * chunk + 2) + tl.load(x_sums + 4 * chunk + 3)
+        mins += sum_lo[:, None] * min_lo[None, :] + sum_hi[:, None] * min_hi[None, :]
+    return dots, mins
+
+
+@triton.jit
+def q6_k_tile_dots_q8k(blockp, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For one Q6_K super-block of each weight row and its 256 Q8_K activations of each row, ggml's integer sum
+    ``sum_g scale_g sum (q - 32) x`` over the 16-value groups g, int32 ``[BLOCK_M, BLOCK_N]``."""
+    cols = tl.arange(0, 32)
+    first_group = cols[None, :] < 16
+    scalep = (blockp + 192).to(tl.pointer_type(tl.int8))
+    dots = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    for half in tl.static_range(2):
+        ql_even = _byte_tile(blockp + 64 * half, cols)
+        ql_odd = _byte_tile(blockp + 64 * half + 32, cols)
+        qh = _byte_tile(blockp + 128 + 32 * half, cols)
+        for k in tl.static_range(4):  # values 128 half + 32 k + i: nibble k // 2 of ql, bits 2k, 2k + 1 of qh
+            if k % 2 == 0:
+                ql = ql_even
+            else:
+                ql = ql_odd
+            q = (((ql >> (4 * (k // 2))) & 0xF) | (((qh >> (2 * k)) & 3) << 4)) - 32
+            xs = tl.load(x[:, None] + 128 * half + 32 * k + cols[None, :])
+            group = 8 * half + 2 * k
+            scale_a = tl.load(scalep + group).to(tl.int32)
+            scale_b = tl.load(scalep + group + 1).to(tl.int32)
+            dots += _int8_dot(xs, tl.where(first_group, q, 0)) * scale_a[None, :]
+            dots += _int8_dot(xs, tl.where(first_group, 0, q)) * scale_b[None, :]
+    return dots
+
+
+@triton.jit
+def legacy_tile_dots_q8(FMT: tl.constexpr, blockp, x):
+    """For one Q4_0 / Q4_1 / Q8_0 block of each weight row and its 32 Q8 activations of each row, ``sum q x``
+    (Q4_0's q less 8), int32 ``[BLOCK_M, BLOCK_N]``."""
+    cols = tl.arange(0, 32)
+    if FMT == Q8_0:
+        q = tl.load((blockp + 2).to(tl.pointer_type(tl.int8))[:, None] + cols[None, :]).to(tl.int32)
+    else:
+        # byte i holds value i (low nibble) and i + 16 (high)
+        if FMT == Q4_0:
+            quants = blockp + 2
+        else:
+            quants = blockp + 4
+        q = (_byte_tile(quants, cols % 16) >> (4 * (cols[None, :] // 16))) & 0xF
+        if FMT == Q4_0:
+            q -= 8
+    return _int8_dot(tl.load(x[:, None] + cols[None, :]), q)

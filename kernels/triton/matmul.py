@@ -7,7 +7,8 @@ dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cor
 for the few rows of batched decode; ``dequant_matmul`` writes the whole weight out once in ``x.dtype``
 (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize that.
 ``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
-(``quantize_activations``), integer dot products per block, the GEMV's loop run once per row.
+(``quantize_activations``), integer dot products per block, the GEMV's loop run once per row; ``gemm_llamacpp``
+computes the same for many rows with the integer dot products on the tensor cores (int8 ``tl.dot``).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import triton.language as tl
 
 from ..quant_tensor import QuantTensor
 from .dequant import (
-    Q4_K, Q6_K, dot_units, legacy_dots_q8, q4_k_gemv_dots, q4_k_gemv_dots_q8k, q4_k_gemv_load, q6_k_dots_q8k, weight_tile,
+    Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
+    q4_k_gemv_load, q4_k_tile_dots_q8k, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
 )
 
 
@@ -65,6 +67,17 @@ class GemmConfig:
     group_m: int = 8  # programs that share weight columns run together, so their tiles are reused from L2
 
 
+@dataclass(frozen=True)
+class Int8GemmConfig:
+    """Tiles of the llama.cpp-numerics GEMM, which steps over K one block (Q4_0, Q4_1, Q8_0) or super-block at a time."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    group_m: int = 8
+
+
 def gemv_units(k: int, fmt: str) -> int:
     """Units of one row the GEMV walks: 64-value chunks for Q4_K (see ``q4_k_gemv_dots``), else 32 values."""
     return k // (64 if fmt == "Q4_K" else 32)
@@ -86,10 +99,22 @@ def gemv_config(k: int, fmt: str) -> GemvConfig:
     return GemvConfig(num_warps=warps, block_u=32 * warps)
 
 
-def gemv_llamacpp_config(k: int) -> GemvConfig:
-    """The Q8_K-activation Q4_K GEMV's tiling: on an H100 (bench/RESULTS.md, ninth session) 16 chunks per step ran
-    best on rows of 4096 values and 32 on rows of 14336."""
+def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
+    """The Q8_K-activation Q4_K GEMV's tiling: on an H100 (bench/RESULTS.md, ninth and tenth sessions) 16 chunks per
+    step ran best on rows of 4096 values and 32 on rows of 14336 for one row of activations; for 2-4 rows, sixteen
+    weight rows per program in steps of 16 chunks."""
+    if m > 1:
+        return GemvConfig(block_n=16, num_warps=1, block_u=16)
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
+
+
+def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
+    """The llama.cpp-numerics GEMM's tiles, picked by ``bench/kernels.py --numerics llamacpp --sweep`` on an H100, with
+    weight tiles narrowed as in ``gemm_config`` while there are fewer programs than multiprocessors."""
+    config = Int8GemmConfig(block_m=16 if m <= 16 else 64, block_n=64)
+    while config.block_n > 16 and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
+        config = dataclasses.replace(config, block_n=config.block_n // 2)
+    return config
 
 
 def gemm_config(m: int, n: int, device: torch.device) -> GemmConfig:
@@ -204,11 +229,9 @@ def _quantize_q8_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
 
 
 @triton.jit
-def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes,
-    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_U: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
+def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The first activation row and first weight row of this program's output tile. Programs that share weight rows
+    run together, GROUP_M row blocks at a time, so their weight tiles are reused from L2."""
     pid = tl.program_id(0)
     programs_m = tl.cdiv(M, BLOCK_M)
     programs_n = tl.cdiv(N, BLOCK_N)
@@ -216,13 +239,21 @@ def _gemm_kernel(
     group_size = tl.minimum(programs_m - group_first_m, GROUP_M)
     pid_m = group_first_m + (pid % (GROUP_M * programs_n)) % group_size
     pid_n = (pid % (GROUP_M * programs_n)) // group_size
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
 
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+@triton.jit
+def _gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes,
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_U: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
     # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
     x_rows = x_ptr + tl.minimum(rows_m, M - 1).to(tl.int64)[:, None] * K
     pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
-    pair_rows = tl.minimum(pid_n * BLOCK_N + pair // BLOCK_U, N - 1)
+    pair_rows = tl.minimum(first_n + pair // BLOCK_U, N - 1)
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
     n_units = K // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -231,6 +262,47 @@ def _gemm_kernel(
         k = 32 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
         x = tl.load(x_rows + k, mask=k < K, other=0.0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+    out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
+
+
+@triton.jit
+def _gemm_llamacpp_kernel(
+    xq_ptr, x_scales_ptr, x_sums_ptr, w_ptr, out_ptr, M, N, K, row_bytes,
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # xq, x_scales, x_sums: ``quantize_activations``' int8 values, scales and sums. Per block the integer dots are
+    # scaled as ggml-cpu's vec_dot does: (d_x d_w) * dot, plus Q4_1's m_w s_x, or per super-block
+    # (d_x d) * sum_j scale_j dot_j - (d_x dmin) * sum_j min_j xsum_j (Q4_K), (d_x d) * sum_g scale_g dot_g (Q6_K).
+    first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
+    # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
+    m_rows = tl.minimum(rows_m, M - 1).to(tl.int64)
+    x_rows = xq_ptr + m_rows * K
+    rowp = w_ptr + tl.minimum(rows_n, N - 1).to(tl.int64) * row_bytes
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FMT == Q4_K or FMT == Q6_K:
+        n_blocks = K // 256
+        for block in range(0, n_blocks):
+            blockp = rowp + block * TYPE_SIZE
+            x_scale = tl.load(x_scales_ptr + m_rows * n_blocks + block)[:, None]
+            if FMT == Q4_K:
+                dots, mins = q4_k_tile_dots_q8k(blockp, x_rows + 256 * block, x_sums_ptr + m_rows * (K // 16) + 16 * block,
+                                                BLOCK_M, BLOCK_N)
+                acc += x_scale * load_f16(blockp)[None, :] * dots.to(tl.float32)
+                acc -= x_scale * load_f16(blockp + 2)[None, :] * mins.to(tl.float32)
+            else:
+                dots = q6_k_tile_dots_q8k(blockp, x_rows + 256 * block, BLOCK_M, BLOCK_N)
+                acc += x_scale * load_f16(blockp + 208)[None, :] * dots.to(tl.float32)
+    else:
+        n_blocks = K // 32
+        for block in range(0, n_blocks):
+            blockp = rowp + block * TYPE_SIZE
+            dots = legacy_tile_dots_q8(FMT, blockp, x_rows + 32 * block)
+            x_scale = tl.load(x_scales_ptr + m_rows * n_blocks + block)[:, None]
+            acc += x_scale * load_f16(blockp)[None, :] * dots.to(tl.float32)
+            if FMT == Q4_1:
+                acc += load_f16(blockp + 2)[None, :] * tl.load(x_sums_ptr + m_rows * n_blocks + block)[:, None]
     out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
 
@@ -376,8 +448,27 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    config = config or (gemv_llamacpp_config(k) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
+    config = config or (gemv_llamacpp_config(k, m) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
     _launch_gemv(w, out, layout, config, *quantize_activations(x, w.fmt.name), llamacpp=True)
+    return out
+
+
+def gemm_llamacpp(x: torch.Tensor, w: QuantTensor, config: Int8GemmConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` in llama.cpp's numerics, as ``gemv_llamacpp`` computes them, for many rows of ``x`` (prefill): the
+    integer dot products of each block on the tensor cores, one pass over the weight per tile of rows."""
+    layout = check_inputs(x, w)
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    config = config or int8_gemm_config(m, n, x.device)
+    values, scales, sums = quantize_activations(x, w.fmt.name)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _gemm_llamacpp_kernel[grid](
+        values, scales, sums, w.data, out, m, n, k, w.data.shape[1],
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
     return out
 
 
