@@ -35,7 +35,8 @@ if AVAILABLE:
     # From this many rows on, dequantize-then-cuBLAS beats the fused GEMM in most shapes measured by
     # bench/kernels.py --sweep on an H100 (M = 128 and 512; M = 8 goes to the fused GEMM).
     DEQUANT_MATMUL_MIN_ROWS = 17
-    # From this many rows on, the llama.cpp-numerics GEMM beats a GEMV pass per row (bench/kernels.py on an H100).
+    # From this many rows on, the llama.cpp-numerics GEMM runs instead of a GEMV pass per row. On an H100 (bench/RESULTS.md,
+    # tenth session) it wins from 8 rows on most 8B shapes and by ~12x at 128; rows of 14336 values favour the GEMV to ~16.
     LLAMACPP_GEMM_MIN_ROWS = 8
 
     def _supports(fmt: str, max_rows: int | None):
