@@ -366,6 +366,17 @@ def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None) -
     return layout
 
 
+def _checked_output(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None) -> tuple[Layout, torch.Tensor]:
+    """``check_inputs``, and the uninitialized ``[M, N]`` output of ``x @ w.T`` in ``x.dtype``."""
+    layout = check_inputs(x, w, max_rows)
+    return layout, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+
+
+def _tile_grid(m: int, n: int, config: GemmConfig | Int8GemmConfig) -> tuple[int]:
+    """One program per ``block_m x block_n`` tile of the output (``_tile_origin`` orders them)."""
+    return (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+
+
 def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """All of ``w`` as a dense ``[N, K]`` tensor of ``dtype`` (float16, bfloat16 or float32), in one pass."""
     layout = check_inputs(torch.empty(0, w.shape[1], dtype=dtype, device=w.device), w)  # checks w and dtype
@@ -393,12 +404,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` for one row of ``x`` (decode), on the CUDA cores."""
-    layout = check_inputs(x, w, max_rows=1)
-    (m, k), n = x.shape, w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
+    layout, out = _checked_output(x, w, max_rows=1)
+    if out.shape[0] == 0:
         return out
-    _launch_gemv(w, out, layout, config or gemv_config(k, w.fmt.name), x, x, x, llamacpp=False)
+    _launch_gemv(w, out, layout, config or gemv_config(x.shape[1], w.fmt.name), x, x, x, llamacpp=False)
     return out
 
 
@@ -443,9 +452,8 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
     type (Q8_0 for Q4_0 and Q8_0, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K), integer dot products per block (``dp4a``),
     scales applied in float32, as ggml-cpu's ``ggml_vec_dot_<type>_q8_<x>``. One pass over the weight per row of
     ``x``: made for decode."""
-    layout = check_inputs(x, w)
-    (m, k), n = x.shape, w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    layout, out = _checked_output(x, w)
+    m, k = x.shape
     if m == 0:
         return out
     config = config or (gemv_llamacpp_config(k, m) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
@@ -456,15 +464,13 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
 def gemm_llamacpp(x: torch.Tensor, w: QuantTensor, config: Int8GemmConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` in llama.cpp's numerics, as ``gemv_llamacpp`` computes them, for many rows of ``x`` (prefill): the
     integer dot products of each block on the tensor cores, one pass over the weight per tile of rows."""
-    layout = check_inputs(x, w)
+    layout, out = _checked_output(x, w)
     (m, k), n = x.shape, w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     config = config or int8_gemm_config(m, n, x.device)
     values, scales, sums = quantize_activations(x, w.fmt.name)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _gemm_llamacpp_kernel[grid](
+    _gemm_llamacpp_kernel[_tile_grid(m, n, config)](
         values, scales, sums, w.data, out, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
@@ -474,16 +480,14 @@ def gemm_llamacpp(x: torch.Tensor, w: QuantTensor, config: Int8GemmConfig | None
 
 def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` for any number of rows, dequantizing weight tiles into ``tl.dot``."""
-    layout = check_inputs(x, w)
+    layout, out = _checked_output(x, w)
     (m, k), n = x.shape, w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     config = config or gemm_config(m, n, x.device)
     # A Q6_K tile is reordered within whole super-blocks (8 units).
     block_u = max(config.block_u, 8) if layout.ggml_type == LAYOUTS["Q6_K"].ggml_type else config.block_u
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _gemm_kernel[grid](
+    _gemm_kernel[_tile_grid(m, n, config)](
         x, w.data, out, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype),
