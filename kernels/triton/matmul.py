@@ -101,8 +101,8 @@ def gemv_config(k: int, fmt: str) -> GemvConfig:
 
 def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     """The Q8_K-activation Q4_K GEMV's tiling: on an H100 (bench/RESULTS.md, ninth and tenth sessions) 16 chunks per
-    step ran best on rows of 4096 values and 32 on rows of 14336 for one row of activations; for 2-4 rows, sixteen
-    weight rows per program in steps of 16 chunks."""
+    step ran best on rows of 4096 values and 32 on rows of 14336 for one row of activations; for several rows (2 and 4
+    measured), sixteen weight rows per program in steps of 16 chunks."""
     if m > 1:
         return GemvConfig(block_n=16, num_warps=1, block_u=16)
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
