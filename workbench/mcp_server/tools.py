@@ -10,7 +10,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Literal
+from typing import Annotated, Any, Callable, Iterable
 
 import torch
 from pydantic import Field
@@ -19,6 +19,7 @@ import workbench
 from workbench import hooks, probes
 from workbench.errors import WorkbenchError
 from workbench.hooks.points import axes, head_count
+from workbench.kernels.linear import Numerics
 from workbench.probes.lens import token_id
 from workbench.replay import replay
 from workbench.mcp_server import schemas as s
@@ -286,7 +287,7 @@ class Workbench:
 
     @tool
     def set_numerics(self, call: Call,
-                     mode: Annotated[Literal["exact", "llamacpp"], Field(
+                     mode: Annotated[Numerics, Field(
                          description="'exact' floats, or 'llamacpp': activations quantized to Q8 blocks and integer "
                                      "dot products, as llama.cpp computes them")]) -> s.ModelInfo:
         """What this session's quantized matmuls compute from now on, so a finding can be checked under the numerics
