@@ -94,13 +94,16 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             if block_m <= max(16, 2 * m)
         ]
         kernel = gemm_llamacpp
-    elif m == 1 or llamacpp:
+    elif "gemv" in name:
         units = gemv_units(w.shape[1], w.fmt.name)
-        # block_u units of block_n rows per step: at least one (row, unit) pair per thread, at most 16
+        # block_u units of block_n rows per step: at least one (row, unit) pair per thread, at most 16; exact
+        # numerics also take block_m rows of activations per program (up to 4, and no more than M rounds up to)
         configs = [
-            GemvConfig(block_n, warps, block_u)
+            GemvConfig(block_n, warps, block_u, block_m)
+            for block_m in ((1,) if llamacpp else (1, 2, 4)) if block_m < 2 * m
             for block_n in (1, 2, 4, 8, 16) for warps in (1, 2, 4, 8) for block_u in (16, 32, 64, 128, 256)
             if block_u <= max(32, units) and 32 * warps <= block_n * block_u <= 16 * 32 * warps
+            and block_m * block_n <= 16
         ]
         kernel = gemv_llamacpp if llamacpp else gemv
     else:
@@ -123,15 +126,19 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             print(f"      sweep {config}: failed ({type(err).__name__})")
             continue
         results.append((seconds, config))
-    if m > 1:  # the other many-row path, in its default tiling
+    if m > 1:  # the other many-row paths, in their default tilings
         if not llamacpp:
-            other, label = dequant_matmul, "dequantize (triton) + cuBLAS"
+            others = [(dequant_matmul, "dequantize (triton) + cuBLAS")]
+            if kernel is gemv:
+                others.append((gemm, "the fused GEMM"))
         elif kernel is gemm_llamacpp:
-            other, label = gemv_llamacpp, "a llama.cpp-numerics GEMV pass per row"
+            others = [(gemv_llamacpp, "a llama.cpp-numerics GEMV pass per row")]
         else:
-            other, label = gemm_llamacpp, "the llama.cpp-numerics int8 GEMM"
-        seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes, lambda ww: other(x, ww))
-        results.append((seconds, label))
+            others = [(gemm_llamacpp, "the llama.cpp-numerics int8 GEMM")]
+        for other, label in others:
+            seconds = timer.seconds(lambda: QuantTensor(w.data.clone(), w.fmt, w.shape), w.nbytes,
+                                    lambda ww, other=other: other(x, ww))
+            results.append((seconds, label))
     for seconds, config in sorted(results, key=lambda r: r[0])[:8]:
         print(f"      sweep {seconds * 1e6:9.1f} us  {config}")
 

@@ -12,7 +12,7 @@ integer logic ops, where an int->float conversion runs at a fraction of the ALU 
 ``a * f + b`` for per-unit (or per-sub-block) ``a`` and ``b``, which lets the GEMV sum ``f * x`` and
 ``x`` over a piece and apply ``a`` and ``b`` once per piece instead of once per value.
 
-The batch-1 GEMV reads Q4_K differently (``q4_k_gemv_load`` / ``q4_k_gemv_dots`` at the end): 64-value
+The GEMV reads Q4_K differently (``q4_k_gemv_load`` / ``q4_k_gemv_dots`` at the end): 64-value
 chunks in 16-byte loads, one byte permute per value.
 
 ``tl.join(a, b)`` appends a new innermost axis, so in a nest of joins the outermost join picks the
@@ -272,9 +272,10 @@ def piece_start(FMT: tl.constexpr, unit, piece):
 
 @triton.jit
 def load_x(xp, first, K):
-    """Activations ``xp[first .. first + 7]`` for each unit, as float32 ``[BLOCK_U, 8]``."""
+    """Activations ``xp[first .. first + 7]`` for each row pointer ``xp`` ``[BLOCK_M]`` and unit, as float32
+    ``[BLOCK_M, BLOCK_U, 8]``."""
     index = first[:, None] + tl.arange(0, 8)[None, :]
-    return tl.load(xp + index, mask=index < K, other=0.0).to(tl.float32)
+    return tl.load(xp[:, None, None] + index[None], mask=index[None] < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -282,11 +283,13 @@ def dot_units(
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, first, n_units, xp, K,
     BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
-    """For ``BLOCK_N`` rows and units ``first .. first + BLOCK_U - 1``, the dot of each unit's weights with
-    the activations, ``sum_p a_p * sum(f_p x_p) + b_p * sum(x_p)`` over its pieces p: ``[BLOCK_N, BLOCK_U]``.
+    """For ``BLOCK_N`` weight rows, units ``first .. first + BLOCK_U - 1`` and the activation rows at ``xp``
+    (``[BLOCK_M]`` pointers), the dot of each unit's weights with each row's activations,
+    ``sum_p a_p * sum(f_p x_p) + b_p * sum(x_p)`` over its pieces p: ``[BLOCK_M, BLOCK_N, BLOCK_U]``.
 
     ``rowp`` holds the row pointer of each (row, unit) pair, rows slowest, so a thread holds the same
-    unit of every row and the activations, loaded once per unit (``[BLOCK_U, 8]``), are shared.
+    unit of every weight row and of every activation row: a weight is unpacked once for all activation rows, and
+    the activations, loaded once per unit (``[BLOCK_M, BLOCK_U, 8]``), are shared by all weight rows.
     """
     unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
     x_unit = first + tl.arange(0, BLOCK_U)
@@ -302,11 +305,17 @@ def dot_units(
 
 
 @triton.jit
+def _pieces_of(f, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """A piece ``[units, 8]`` as ``[1, BLOCK_N, BLOCK_U, 8]``, to broadcast over activation rows."""
+    return tl.reshape(f, (1, BLOCK_N, BLOCK_U, 8))
+
+
+@triton.jit
 def _dot_piece(f, a, b, xp, first, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
     """One piece of 8 values starting at ``first`` with its own affine map."""
     x = load_x(xp, first, K)
-    fx = tl.sum(tl.reshape(f, (BLOCK_N, BLOCK_U, 8)) * x[None], axis=2)
-    return _affine(a, b, fx, tl.sum(x, axis=1), BLOCK_N, BLOCK_U)
+    fx = tl.sum(_pieces_of(f, BLOCK_N, BLOCK_U) * x[:, None], axis=3)
+    return _affine(a, b, fx, tl.sum(x, axis=2), BLOCK_N, BLOCK_U)
 
 
 @triton.jit
@@ -317,16 +326,19 @@ def _dot_shared_affine(f0, f1, f2, f3, a, b, xp, first, K, BLOCK_N: tl.constexpr
     x1 = load_x(xp, first + 8, K)
     x2 = load_x(xp, first + 16, K)
     x3 = load_x(xp, first + 24, K)
-    f0, f1 = tl.reshape(f0, (BLOCK_N, BLOCK_U, 8)), tl.reshape(f1, (BLOCK_N, BLOCK_U, 8))
-    f2, f3 = tl.reshape(f2, (BLOCK_N, BLOCK_U, 8)), tl.reshape(f3, (BLOCK_N, BLOCK_U, 8))
-    fx = tl.sum(f0 * x0[None] + f1 * x1[None] + f2 * x2[None] + f3 * x3[None], axis=2)
-    return _affine(a, b, fx, tl.sum(x0 + x1 + x2 + x3, axis=1), BLOCK_N, BLOCK_U)
+    fx = tl.sum(
+        _pieces_of(f0, BLOCK_N, BLOCK_U) * x0[:, None] + _pieces_of(f1, BLOCK_N, BLOCK_U) * x1[:, None]
+        + _pieces_of(f2, BLOCK_N, BLOCK_U) * x2[:, None] + _pieces_of(f3, BLOCK_N, BLOCK_U) * x3[:, None],
+        axis=3,
+    )
+    return _affine(a, b, fx, tl.sum(x0 + x1 + x2 + x3, axis=2), BLOCK_N, BLOCK_U)
 
 
 @triton.jit
 def _affine(a, b, fx, x, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
-    """``a * fx + b * x`` for per-(row, unit) ``a``, ``b``, ``fx`` and per-unit ``x``."""
-    return tl.reshape(a, (BLOCK_N, BLOCK_U)) * fx + tl.reshape(b, (BLOCK_N, BLOCK_U)) * x[None, :]
+    """``a * fx + b * x`` for per-(row, unit) ``a``, ``b``, per-(activation row, row, unit) ``fx`` and
+    per-(activation row, unit) ``x``."""
+    return tl.reshape(a, (1, BLOCK_N, BLOCK_U)) * fx + tl.reshape(b, (1, BLOCK_N, BLOCK_U)) * x[:, None, :]
 
 
 @triton.jit
@@ -350,7 +362,7 @@ def weight_tile(
 
 
 # ---------------------------------------------------------------------------------------------
-# The batch-1 GEMV's path for the 4-bit K-quant. Its unit is a whole 32-byte chunk of one super-block's
+# The GEMV's path for the 4-bit K-quant. Its unit is a whole 32-byte chunk of one super-block's
 # quants (64 values: one sub-block in the low nibbles, the next in the high ones), read with two 16-byte
 # loads beside one 16-byte load of the super-block's header, and unpacked with one integer instruction
 # per value. The integer pipe runs at half the float32 rate, and at a shift and a mask-or per value (the
@@ -369,10 +381,10 @@ def four_words(p):
 
 @triton.jit
 def split8(t):
-    """``[N, 8]`` -> its eight columns ``[N]``, in order."""
-    even, odd = tl.split(tl.reshape(t, (t.shape[0], 4, 2)))
-    e0, e1 = tl.split(tl.reshape(even, (t.shape[0], 2, 2)))
-    o0, o1 = tl.split(tl.reshape(odd, (t.shape[0], 2, 2)))
+    """``[M, N, 8]`` -> its eight ``[M, N]`` slices along the last axis, in order."""
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 4, 2)))
+    e0, e1 = tl.split(tl.reshape(even, (t.shape[0], t.shape[1], 2, 2)))
+    o0, o1 = tl.split(tl.reshape(odd, (t.shape[0], t.shape[1], 2, 2)))
     c0, c4 = tl.split(e0)
     c2, c6 = tl.split(e1)
     c1, c5 = tl.split(o0)
@@ -425,9 +437,10 @@ def nibble_floats(w, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _dot_chain(acc, fs, xs, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
-    """``acc + sum_i fs[i] * xs[i]``, one fused multiply-add per value, for (row, chunk) ``fs`` and per-chunk ``xs``."""
+    """``acc + sum_i fs[i] * xs[i]``, one fused multiply-add per value, for (row, chunk) ``fs``, per-(activation row,
+    chunk) ``xs`` and ``acc`` ``[BLOCK_M, BLOCK_N, BLOCK_U]``."""
     for i in tl.static_range(len(fs)):
-        acc = tl.reshape(fs[i], (BLOCK_N, BLOCK_U)) * xs[i][None, :] + acc
+        acc = tl.reshape(fs[i], (1, BLOCK_N, BLOCK_U)) * xs[i][:, None, :] + acc
     return acc
 
 
@@ -449,7 +462,8 @@ def q4_k_gemv_load(rowp, first, n_chunks, BLOCK_N: tl.constexpr, BLOCK_U: tl.con
 def q4_k_gemv_dots(
     raw, first, xp, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """Dots ``[BLOCK_N, BLOCK_U]`` of the chunks ``q4_k_gemv_load`` read (``raw``) with the activations.
+    """Dots ``[BLOCK_M, BLOCK_N, BLOCK_U]`` of the chunks ``q4_k_gemv_load`` read (``raw``) with the activation rows at
+    ``xp`` (``[BLOCK_M]`` pointers).
 
     With ``EVEN`` every chunk is in the row (no bounds checks on the activations). In sub-block s,
     ``w = d scale_s q - dmin min_s = 128 d scale_s f - (128 d scale_s + dmin min_s)`` for ``f = 1 + q / 128``.
@@ -461,30 +475,30 @@ def q4_k_gemv_dots(
     scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
 
     x_chunk = 64 * (first + tl.arange(0, BLOCK_U))
-    fx_lo = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
-    fx_hi = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
-    sum_x_lo = tl.zeros((BLOCK_U,), tl.float32)
-    sum_x_hi = tl.zeros((BLOCK_U,), tl.float32)
+    fx_lo = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
+    fx_hi = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
+    sum_x_lo = tl.zeros((xp.shape[0], BLOCK_U), tl.float32)
+    sum_x_hi = tl.zeros((xp.shape[0], BLOCK_U), tl.float32)
     for pair in tl.static_range(4):  # words 2 * pair, 2 * pair + 1: values 8 * pair .. + 7 of both sub-blocks
-        index = x_chunk[:, None] + 8 * pair + tl.arange(0, 8)[None, :]
+        index = (x_chunk[:, None] + 8 * pair + tl.arange(0, 8)[None, :])[None]
         if EVEN:
-            x_lo = tl.load(xp + index).to(tl.float32)
-            x_hi = tl.load(xp + index + 32).to(tl.float32)
+            x_lo = tl.load(xp[:, None, None] + index).to(tl.float32)
+            x_hi = tl.load(xp[:, None, None] + index + 32).to(tl.float32)
         else:
-            x_lo = tl.load(xp + index, mask=index < K, other=0.0).to(tl.float32)
-            x_hi = tl.load(xp + index + 32, mask=index + 32 < K, other=0.0).to(tl.float32)
-        sum_x_lo += tl.sum(x_lo, axis=1)
-        sum_x_hi += tl.sum(x_hi, axis=1)
+            x_lo = tl.load(xp[:, None, None] + index, mask=index < K, other=0.0).to(tl.float32)
+            x_hi = tl.load(xp[:, None, None] + index + 32, mask=index + 32 < K, other=0.0).to(tl.float32)
+        sum_x_lo += tl.sum(x_lo, axis=2)
+        sum_x_hi += tl.sum(x_hi, axis=2)
         f_a = nibble_floats(raw[4 + 2 * pair], USE_ASM)
         f_b = nibble_floats(raw[5 + 2 * pair], USE_ASM)
         fx_lo = _dot_chain(fx_lo, f_a[:4] + f_b[:4], split8(x_lo), BLOCK_N, BLOCK_U)
         fx_hi = _dot_chain(fx_hi, f_a[4:] + f_b[4:], split8(x_hi), BLOCK_N, BLOCK_U)
 
-    a_lo = tl.reshape(128.0 * d * scale_lo, (BLOCK_N, BLOCK_U))
-    a_hi = tl.reshape(128.0 * d * scale_hi, (BLOCK_N, BLOCK_U))
-    b_lo = -(a_lo + tl.reshape(dmin * min_lo, (BLOCK_N, BLOCK_U)))
-    b_hi = -(a_hi + tl.reshape(dmin * min_hi, (BLOCK_N, BLOCK_U)))
-    return a_lo * fx_lo + b_lo * sum_x_lo[None, :] + a_hi * fx_hi + b_hi * sum_x_hi[None, :]
+    a_lo = tl.reshape(128.0 * d * scale_lo, (1, BLOCK_N, BLOCK_U))
+    a_hi = tl.reshape(128.0 * d * scale_hi, (1, BLOCK_N, BLOCK_U))
+    b_lo = -(a_lo + tl.reshape(dmin * min_lo, (1, BLOCK_N, BLOCK_U)))
+    b_hi = -(a_hi + tl.reshape(dmin * min_hi, (1, BLOCK_N, BLOCK_U)))
+    return a_lo * fx_lo + b_lo * sum_x_lo[:, None, :] + a_hi * fx_hi + b_hi * sum_x_hi[:, None, :]
 
 
 # ---------------------------------------------------------------------------------------------

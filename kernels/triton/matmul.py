@@ -2,9 +2,9 @@
 
 All compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
 ``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
-float32 and returning ``x.dtype``. ``gemv`` (``M == 1``) multiplies on the CUDA cores; ``gemm``
-dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores), with a skinny tile
-for the few rows of batched decode; ``dequant_matmul`` writes the whole weight out once in ``x.dtype``
+float32 and returning ``x.dtype``. ``gemv`` (decode and batched decode, up to ``GEMV_MAX_ROWS`` rows) multiplies
+on the CUDA cores, unpacking each weight once for a block of rows; ``gemm`` dequantizes weight tiles into registers
+and feeds them to ``tl.dot`` (tensor cores), with a skinny tile for a few rows; ``dequant_matmul`` writes the whole weight out once in ``x.dtype``
 (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize that.
 ``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
 (``quantize_activations``), integer dot products per block, the GEMV's loop run once per row; ``gemm_llamacpp``
@@ -55,6 +55,13 @@ class GemvConfig:
     block_n: int = 4  # weight rows per program; each thread holds all of them and shares its activations
     num_warps: int = 4
     block_u: int = 128  # units of each row one loop step covers; per thread, block_n * block_u / (32 * num_warps)
+    block_m: int = 1  # rows of activations per program (a power of two); each thread unpacks its weights once for all
+
+
+# The most rows of activations the GEMV takes. Beyond them the tensor-core GEMM (or dequantize + cuBLAS) wins: on an
+# H100 (bench/RESULTS.md, eleventh session) from 5 rows on some 8B shapes for these formats, and after 8 for Q4_K,
+# whose GEMM is the slowest.
+GEMV_MAX_ROWS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 4, "Q4_K": 8, "Q6_K": 4}
 
 
 @dataclass(frozen=True)
@@ -83,13 +90,21 @@ def gemv_units(k: int, fmt: str) -> int:
     return k // (64 if fmt == "Q4_K" else 32)
 
 
-def gemv_config(k: int, fmt: str) -> GemvConfig:
-    """Enough warps to cover a row in few steps without leaving many threads idle on the last one.
+def gemv_config(k: int, fmt: str, m: int = 1) -> GemvConfig:
+    """Enough warps to cover a row in few steps without leaving many threads idle on the last one; for several rows of
+    activations, the tilings that ran best on an H100 (bench/RESULTS.md, eleventh session).
 
     ``bench/kernels.py --sweep`` on an H100 (Llama-3-8B shapes): where that is 4 warps (K = 4096), Q4_0 and
     Q4_1 run 5-10 % faster on half the warps with two units per thread; Q6_K, whose units need more
-    registers, does not. Q4_K's 64-value chunks run best one warp per four rows on all three shapes.
+    registers, does not. Q4_K's 64-value chunks run best one warp per four rows on all three shapes, and so do two
+    rows of activations, as two programs side by side that share the weights through L2. From three rows on, every
+    format runs best with two rows of activations per program and eight weight rows per warp, sixteen units a step.
     """
+    if m >= 3:
+        return GemvConfig(block_n=8, num_warps=1, block_u=16, block_m=2)
+    if m == 2 and fmt != "Q4_K":
+        return GemvConfig(block_n=8, num_warps=2, block_u=32, block_m=2) if fmt in ("Q4_0", "Q4_1") else \
+            GemvConfig(block_n=4, num_warps=1, block_u=32, block_m=2)
     if fmt == "Q4_K":
         return GemvConfig(block_n=4, num_warps=1, block_u=32)
     units = gemv_units(k, fmt)
@@ -138,15 +153,22 @@ def _sm_count(device: torch.device) -> int:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, N, K, row_bytes, x_scales_ptr, x_sums_ptr,
-    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, x_scales_ptr, x_sums_ptr,
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr,
 ):
-    # With LLAMACPP the activations are quantized as ggml-cpu quantizes them for the weight (``quantize_activations``):
-    # int8 values as int32 words at x_ptr, their scales and sums; program_id(1) picks the row of activations.
-    m = tl.program_id(1)
-    out_ptr += m * N
+    # Each program takes BLOCK_N weight rows and BLOCK_M rows of activations, unpacking each weight once for all of
+    # them; the programs over one weight block run next to each other, so all but the first read it from L2.
+    # With LLAMACPP (BLOCK_M = 1) the activations are quantized as ggml-cpu quantizes them for the weight
+    # (``quantize_activations``): int8 values as int32 words at x_ptr, their scales and sums.
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    m_block, n_block = tl.program_id(0) % m_blocks, tl.program_id(0) // m_blocks
+    m_rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows of activations past M re-read row M - 1 (never stored), as weight rows past N re-read row N - 1.
+    x_rows = x_ptr + tl.minimum(m_rows, M - 1).to(tl.int64) * K
     if LLAMACPP:
+        tl.static_assert(BLOCK_M == 1, "the llama.cpp-numerics GEMV takes one row of activations per program")
+        m = m_block
         x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
         if FMT == Q4_K or FMT == Q6_K:  # Q8_K: a scale per 256 values, a sum per 16
             x_scales_ptr += m * (K // 256)
@@ -154,12 +176,12 @@ def _gemv_kernel(
         else:  # Q8_0 / Q8_1: a scale and a sum per 32
             x_scales_ptr += m * (K // 32)
             x_sums_ptr += m * (K // 32)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
-    pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
+    pair_rows = tl.minimum(n_block * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
-    # One partial sum per (row, unit), reduced across threads once at the end.
-    acc = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
+    # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
     if FMT == Q4_K:
         n_chunks = K // 64
         # Each step's weights are loaded one step ahead (the last step's look-ahead re-reads the row's last
@@ -169,21 +191,23 @@ def _gemv_kernel(
             raw_next = q4_k_gemv_load(rowp, first + BLOCK_U, n_chunks, BLOCK_N, BLOCK_U)
             if LLAMACPP:
                 acc += q4_k_gemv_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N, BLOCK_U,
-                                          USE_ASM, EVEN)
+                                          USE_ASM, EVEN)[None]
             else:
-                acc += q4_k_gemv_dots(raw, first, x_ptr, K, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+                acc += q4_k_gemv_dots(raw, first, x_rows, K, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
             raw = raw_next
     else:
         n_units = K // 32
         for first in range(0, n_units, BLOCK_U):
             if LLAMACPP and FMT == Q6_K:
-                acc += q6_k_dots_q8k(rowp, first, n_units, x_words, x_scales_ptr, TYPE_SIZE, BLOCK_N, BLOCK_U, USE_ASM)
+                acc += q6_k_dots_q8k(rowp, first, n_units, x_words, x_scales_ptr, TYPE_SIZE, BLOCK_N, BLOCK_U,
+                                     USE_ASM)[None]
             elif LLAMACPP:
                 acc += legacy_dots_q8(FMT, TYPE_SIZE, rowp, first, n_units, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N,
-                                      BLOCK_U, USE_ASM)
+                                      BLOCK_U, USE_ASM)[None]
             else:
-                acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_ptr, K, BLOCK_N, BLOCK_U)
-    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=rows < N)
+                acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_rows, K, BLOCK_N, BLOCK_U)
+    out_ptrs = out_ptr + m_rows.to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(out_ptrs, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=(m_rows[:, None] < M) & (rows[None, :] < N))
 
 
 @triton.jit
@@ -403,11 +427,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """``x @ w.T`` for one row of ``x`` (decode), on the CUDA cores."""
-    layout, out = _checked_output(x, w, max_rows=1)
-    if out.shape[0] == 0:
+    """``x @ w.T`` for up to ``GEMV_MAX_ROWS[format]`` rows of ``x`` (decode, batched decode), on the CUDA cores: one
+    pass over the weight per ``config.block_m`` rows, its programs side by side so that the others read it from L2."""
+    layout, out = _checked_output(x, w, max_rows=GEMV_MAX_ROWS.get(w.fmt.name))
+    m, k = x.shape
+    if m == 0:
         return out
-    _launch_gemv(w, out, layout, config or gemv_config(x.shape[1], w.fmt.name), x, x, x, llamacpp=False)
+    _launch_gemv(w, out, layout, config or gemv_config(k, w.fmt.name, m), x, x, x, llamacpp=False)
     return out
 
 
@@ -416,11 +442,11 @@ def _launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: Gemv
     """``_gemv_kernel`` over ``out``'s rows of activations: floats, or (``llamacpp``) ``quantize_activations``'
     values, scales and sums (the exact GEMV passes its activations for the two unused pointers)."""
     (m, n), k = out.shape, w.shape[1]
-    _gemv_kernel[(triton.cdiv(n, config.block_n), m)](
-        activations, w.data, out, n, k, w.data.shape[1], x_scales, x_sums,
-        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
-        USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0, LLAMACPP=llamacpp,
-        num_warps=config.num_warps,
+    _gemv_kernel[(triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m),)](
+        activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_U=config.block_u, USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0,
+        LLAMACPP=llamacpp, num_warps=config.num_warps,
     )
 
 
