@@ -132,10 +132,14 @@ def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
     return config
 
 
-def gemm_config(m: int, n: int, device: torch.device) -> GemmConfig:
-    """Tiles picked by ``bench/kernels.py --sweep`` on an H100."""
+def gemm_config(m: int, n: int, device: torch.device, fmt: str) -> GemmConfig:
+    """Tiles picked by ``bench/kernels.py --sweep`` on an H100. For a few rows of Q4_K and Q4_0 the loop is not
+    pipelined: staging their many narrow weight loads through shared memory (``cp.async``) cost more than it hid
+    (without it, on the 8B shapes at 5-16 rows, Q4_K ran 1.3-1.8x and Q4_0 up to 1.3x faster; bench/RESULTS.md,
+    eleventh session)."""
     if m <= 16:
-        config = GemmConfig(block_m=16, block_n=64, block_u=8, num_warps=4, num_stages=3)
+        stages = 1 if fmt in ("Q4_K", "Q4_0") else 3
+        config = GemmConfig(block_m=16, block_n=64, block_u=8, num_warps=4, num_stages=stages)
     elif m <= 64:
         config = GemmConfig(block_m=64, block_n=32, block_u=8, num_warps=4, num_stages=3)
     else:
@@ -510,7 +514,7 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return out
-    config = config or gemm_config(m, n, x.device)
+    config = config or gemm_config(m, n, x.device, w.fmt.name)
     # A Q6_K tile is reordered within whole super-blocks (8 units).
     block_u = max(config.block_u, 8) if layout.ggml_type == LAYOUTS["Q6_K"].ggml_type else config.block_u
     _gemm_kernel[_tile_grid(m, n, config)](
