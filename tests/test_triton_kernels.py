@@ -162,10 +162,12 @@ class TestInterpreted:
         rng = np.random.default_rng([FORMATS.index(fmt), 2])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         x = torch.from_numpy(rng.standard_normal((5, self.K))).to(dtype)
-        # Small tiles: several programs in both directions, and row tails in both.
-        out = gemm(x, w, GemmConfig(block_m=4, block_n=8, block_u=2, num_warps=1, num_stages=1, group_m=2))
-        assert out.shape == (5, self.N) and out.dtype == dtype
-        assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype]
+        # Small tiles: several programs in both directions, and row tails in both; K steps of 64 values, and of 512,
+        # whose last step runs past the end of the row.
+        for block_u in (2, 16):
+            out = gemm(x, w, GemmConfig(block_m=4, block_n=8, block_u=block_u, num_warps=1, num_stages=1, group_m=2))
+            assert out.shape == (5, self.N) and out.dtype == dtype
+            assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype], block_u
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_dequantize(self, fmt):

@@ -501,6 +501,35 @@ def q4_k_gemv_dots(
     return a_lo * fx_lo + b_lo * sum_x_lo[:, None, :] + a_hi * fx_hi + b_hi * sum_x_hi[:, None, :]
 
 
+@triton.jit
+def q4_k_weight_tile(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Float32 weights ``[BLOCK_N, 64 * BLOCK_U]``, in row order, of the chunks ``q4_k_gemv_load`` read (``raw``): for
+    the GEMM, whose few rows of activations cannot amortize ``weight_tile``'s narrow loads.
+
+    Byte ``4 j + b`` of a chunk is word j's byte b: value ``4 j + b`` in its low nibble, ``32 + 4 j + b`` in its high
+    one, so the words unpack along axes (nibble, word, byte) in value order. ``f = 1 + q / 16`` and
+    ``w = 16 d scale f - (16 d scale + dmin min)`` per sub-block (nibble).
+    """
+    header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
+    a = tl.join(16.0 * d * scale_lo, 16.0 * d * scale_hi)  # [pairs, nibble]
+    b = -(a + tl.join(dmin * min_lo, dmin * min_hi))
+    # words in order: the outermost join picks the fastest index (see the module docstring)
+    words = tl.join(
+        tl.join(tl.join(raw[4], raw[8]), tl.join(raw[6], raw[10])),
+        tl.join(tl.join(raw[5], raw[9]), tl.join(raw[7], raw[11])),
+    )
+    words = tl.reshape(words, (BLOCK_N * BLOCK_U, 1, 8, 1))
+    shift = 4 * tl.arange(0, 2)[:, None, None] + 8 * tl.arange(0, 4)[None, None, :]  # [nibble, 1, byte]
+    quants = (words >> shift[None]) & 0xF  # [pairs, nibble, word, byte]
+    f = ((quants << 19) | 0x3F800000).to(tl.float32, bitcast=True)
+    w = f * a[:, :, None, None] + b[:, :, None, None]
+    return tl.reshape(w, (BLOCK_N, 64 * BLOCK_U))
+
+
 # ---------------------------------------------------------------------------------------------
 # llama.cpp numerics for the GEMVs: the activations come quantized as ggml-cpu quantizes them for the weight's type
 # (Q8_0 / Q8_1 blocks of 32, or Q8_K: an int8 per value, a float32 scale per 256 values, the sums of the int8s per

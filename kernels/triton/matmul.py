@@ -25,7 +25,7 @@ import triton.language as tl
 from ..quant_tensor import QuantTensor
 from .dequant import (
     Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
-    q4_k_gemv_load, q4_k_tile_dots_q8k, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
+    q4_k_gemv_load, q4_k_tile_dots_q8k, q4_k_weight_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
 )
 
 
@@ -58,10 +58,9 @@ class GemvConfig:
     block_m: int = 1  # rows of activations per program (a power of two); each thread unpacks its weights once for all
 
 
-# The most rows of activations the GEMV takes. Beyond them the tensor-core GEMM (or dequantize + cuBLAS) wins: on an
-# H100 (bench/RESULTS.md, eleventh session) from 5 rows on some 8B shapes for these formats, and after 8 for Q4_K,
-# whose GEMM is the slowest.
-GEMV_MAX_ROWS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 4, "Q4_K": 8, "Q6_K": 4}
+# The most rows of activations the GEMV takes. Beyond them the tensor-core GEMM wins on at least two of the three 8B
+# shapes on an H100 (bench/RESULTS.md, eleventh session): from 5 rows for these formats, from 7 for Q4_K.
+GEMV_MAX_ROWS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 4, "Q4_K": 6, "Q6_K": 4}
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,7 @@ def gemm_config(m: int, n: int, device: torch.device, fmt: str) -> GemmConfig:
     """Tiles picked by ``bench/kernels.py --sweep`` on an H100. For a few rows of Q4_K and Q4_0 the loop is not
     pipelined: staging their many narrow weight loads through shared memory (``cp.async``) cost more than it hid
     (without it, on the 8B shapes at 5-16 rows, Q4_K ran 1.3-1.8x and Q4_0 up to 1.3x faster; bench/RESULTS.md,
-    eleventh session)."""
+    eleventh session). Q4_K's tiles, unpacked from the GEMV's 16-byte chunk loads, then ran 1.1-1.2x faster again."""
     if m <= 16:
         stages = 1 if fmt in ("Q4_K", "Q4_0") else 3
         config = GemmConfig(block_m=16, block_n=64, block_u=8, num_warps=4, num_stages=stages)
@@ -144,8 +143,10 @@ def gemm_config(m: int, n: int, device: torch.device, fmt: str) -> GemmConfig:
         config = GemmConfig(block_m=64, block_n=32, block_u=8, num_warps=4, num_stages=3)
     else:
         config = GemmConfig(block_m=128, block_n=64, block_u=4, num_warps=8, num_stages=3)
-    # Narrower weight tiles while there are too few programs to give every multiprocessor one.
-    while config.block_n > 16 and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
+    # Narrower weight tiles while there are too few programs to give every multiprocessor one; Q4_K's few-row tiles,
+    # unpacked from whole chunks, ran best at 32 rows or more.
+    narrowest = 32 if fmt == "Q4_K" and m <= 16 else 16
+    while config.block_n > narrowest and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
         config = dataclasses.replace(config, block_n=config.block_n // 2)
     return config
 
@@ -280,16 +281,29 @@ def _gemm_kernel(
     rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
     # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
     x_rows = x_ptr + tl.minimum(rows_m, M - 1).to(tl.int64)[:, None] * K
-    pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
-    pair_rows = tl.minimum(first_n + pair // BLOCK_U, N - 1)
-    rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
-    n_units = K // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for first in range(0, n_units, BLOCK_U):
-        w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, n_units, BLOCK_N, BLOCK_U)
-        k = 32 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
-        x = tl.load(x_rows + k, mask=k < K, other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+    if FMT == Q4_K:
+        # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step): 16-byte loads, one step ahead of the unpacking.
+        pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))  # (weight row, chunk) pairs, rows slowest
+        rowp = w_ptr + tl.minimum(first_n + pair // (BLOCK_U // 2), N - 1).to(tl.int64) * row_bytes
+        n_chunks = K // 64
+        raw = q4_k_gemv_load(rowp, 0, n_chunks, BLOCK_N, BLOCK_U // 2)
+        for first in range(0, n_chunks, BLOCK_U // 2):
+            raw_next = q4_k_gemv_load(rowp, first + BLOCK_U // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
+            k = 64 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
+            x = tl.load(x_rows + k, mask=k < K, other=0.0)
+            w = q4_k_weight_tile(raw, first, BLOCK_N, BLOCK_U // 2)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+            raw = raw_next
+    else:
+        pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
+        rowp = w_ptr + tl.minimum(first_n + pair // BLOCK_U, N - 1).to(tl.int64) * row_bytes
+        n_units = K // 32
+        for first in range(0, n_units, BLOCK_U):
+            w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, n_units, BLOCK_N, BLOCK_U)
+            k = 32 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
+            x = tl.load(x_rows + k, mask=k < K, other=0.0)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
 
@@ -515,8 +529,8 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     if m == 0:
         return out
     config = config or gemm_config(m, n, x.device, w.fmt.name)
-    # A Q6_K tile is reordered within whole super-blocks (8 units).
-    block_u = max(config.block_u, 8) if layout.ggml_type == LAYOUTS["Q6_K"].ggml_type else config.block_u
+    # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's steps are whole 64-value chunks (2 units).
+    block_u = max(config.block_u, {"Q6_K": 8, "Q4_K": 2}.get(w.fmt.name, 1))
     _gemm_kernel[_tile_grid(m, n, config)](
         x, w.data, out, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
