@@ -1,7 +1,7 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to
-``GEMV_MAX_ROWS[fmt]`` rows of activations: decode and batched decode), ``triton-gemm-<fmt>`` (up to
+``GEMV_MAX_ROWS`` rows of activations: decode and batched decode), ``triton-gemm-<fmt>`` (up to
 ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows) and
 ``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for llama.cpp numerics
 ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one weight pass per
@@ -62,7 +62,7 @@ if AVAILABLE:
             return
         for fmt in SUPPORTED_FORMATS:
             name = fmt.lower()
-            register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, GEMV_MAX_ROWS[fmt]), gemv))
+            register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, GEMV_MAX_ROWS), gemv))
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
         for fmt in LLAMACPP_FORMATS:

@@ -58,9 +58,9 @@ class GemvConfig:
     block_m: int = 1  # rows of activations per program (a power of two); each thread unpacks its weights once for all
 
 
-# The most rows of activations the GEMV takes. Beyond them the tensor-core GEMM wins on at least two of the three 8B
-# shapes on an H100 (bench/RESULTS.md, eleventh session): from 5 rows for these formats, from 7 for Q4_K.
-GEMV_MAX_ROWS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 4, "Q4_K": 6, "Q6_K": 4}
+# The most rows of activations the GEMV takes. From 5 rows on the tensor-core GEMM wins on at least two of the three 8B
+# shapes on an H100, for every format (bench/RESULTS.md, eleventh session).
+GEMV_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 2
     group_m: int = 8  # programs that share weight columns run together, so their tiles are reused from L2
+    split_k: int = 1  # programs over parts of K per output tile; their float32 partial sums are added after
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,9 @@ def gemm_config(m: int, n: int, device: torch.device, fmt: str) -> GemmConfig:
     narrowest = 32 if fmt == "Q4_K" and m <= 16 else 16
     while config.block_n > narrowest and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
         config = dataclasses.replace(config, block_n=config.block_n // 2)
+    # Still too few: split K in four (Q4_K's 32-row tiles on 4096 rows ran 1.3-1.7x faster so).
+    if m <= 16 and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
+        config = dataclasses.replace(config, split_k=4)
     return config
 
 
@@ -275,10 +279,16 @@ def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_U: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_U: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
+    # program_id(1) picks one of SPLIT_K equal runs of K steps; with SPLIT_K > 1 out_ptr is a float32 [SPLIT_K, M, N]
+    # of partial sums, which the caller adds up.
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
+    n_units = K // 32
+    split_units = tl.cdiv(tl.cdiv(n_units, BLOCK_U), SPLIT_K) * BLOCK_U
+    unit_start = tl.program_id(1) * split_units
+    unit_end = tl.minimum(unit_start + split_units, n_units)
     # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
     x_rows = x_ptr + tl.minimum(rows_m, M - 1).to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -287,8 +297,8 @@ def _gemm_kernel(
         pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))  # (weight row, chunk) pairs, rows slowest
         rowp = w_ptr + tl.minimum(first_n + pair // (BLOCK_U // 2), N - 1).to(tl.int64) * row_bytes
         n_chunks = K // 64
-        raw = q4_k_gemv_load(rowp, 0, n_chunks, BLOCK_N, BLOCK_U // 2)
-        for first in range(0, n_chunks, BLOCK_U // 2):
+        raw = q4_k_gemv_load(rowp, unit_start // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
+        for first in range(unit_start // 2, unit_end // 2, BLOCK_U // 2):
             raw_next = q4_k_gemv_load(rowp, first + BLOCK_U // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
             k = 64 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
             x = tl.load(x_rows + k, mask=k < K, other=0.0)
@@ -298,13 +308,12 @@ def _gemm_kernel(
     else:
         pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
         rowp = w_ptr + tl.minimum(first_n + pair // BLOCK_U, N - 1).to(tl.int64) * row_bytes
-        n_units = K // 32
-        for first in range(0, n_units, BLOCK_U):
+        for first in range(unit_start, unit_end, BLOCK_U):
             w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, n_units, BLOCK_N, BLOCK_U)
             k = 32 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
             x = tl.load(x_rows + k, mask=k < K, other=0.0)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
+    out_ptrs = out_ptr + tl.program_id(1) * M * N + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
 
 
@@ -445,9 +454,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """``x @ w.T`` for up to ``GEMV_MAX_ROWS[format]`` rows of ``x`` (decode, batched decode), on the CUDA cores: one
+    """``x @ w.T`` for up to ``GEMV_MAX_ROWS`` rows of ``x`` (decode, batched decode), on the CUDA cores: one
     pass over the weight per ``config.block_m`` rows, its programs side by side so that the others read it from L2."""
-    layout, out = _checked_output(x, w, max_rows=GEMV_MAX_ROWS.get(w.fmt.name))
+    layout, out = _checked_output(x, w, max_rows=GEMV_MAX_ROWS)
     m, k = x.shape
     if m == 0:
         return out
@@ -529,12 +538,17 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     if m == 0:
         return out
     config = config or gemm_config(m, n, x.device, w.fmt.name)
+    if config.split_k < 1:
+        raise ValueError(f"split_k must be at least 1, got {config.split_k}")
     # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's steps are whole 64-value chunks (2 units).
     block_u = max(config.block_u, {"Q6_K": 8, "Q4_K": 2}.get(w.fmt.name, 1))
-    _gemm_kernel[_tile_grid(m, n, config)](
-        x, w.data, out, m, n, k, w.data.shape[1],
+    partials = out if config.split_k == 1 else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+    _gemm_kernel[(*_tile_grid(m, n, config), config.split_k)](
+        x, w.data, partials, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=config.split_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if config.split_k > 1:
+        out.copy_(partials.sum(dim=0))
     return out
