@@ -459,6 +459,17 @@ def q4_k_gemv_load(rowp, first, n_chunks, BLOCK_N: tl.constexpr, BLOCK_U: tl.con
 
 
 @triton.jit
+def q4_k_chunk_header(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """``(d, dmin, scale_lo, min_lo, scale_hi, min_hi)`` as float32 for the chunks ``q4_k_gemv_load`` read (``raw``):
+    the super-block's two float16 factors and the 6-bit scales and mins of the chunk's two sub-blocks."""
+    header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (d, dmin) + q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
+
+
+@triton.jit
 def q4_k_gemv_dots(
     raw, first, xp, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr,
 ):
@@ -468,11 +479,7 @@ def q4_k_gemv_dots(
     With ``EVEN`` every chunk is in the row (no bounds checks on the activations). In sub-block s,
     ``w = d scale_s q - dmin min_s = 128 d scale_s f - (128 d scale_s + dmin min_s)`` for ``f = 1 + q / 128``.
     """
-    header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
-    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
-    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
+    d, dmin, scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_header(raw, first, BLOCK_N, BLOCK_U)
 
     x_chunk = 64 * (first + tl.arange(0, BLOCK_U))
     fx_lo = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
@@ -510,11 +517,7 @@ def q4_k_weight_tile(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
     one, so the words unpack along axes (nibble, word, byte) in value order. ``f = 1 + q / 16`` and
     ``w = 16 d scale f - (16 d scale + dmin min)`` per sub-block (nibble).
     """
-    header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
-    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
-    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
+    d, dmin, scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_header(raw, first, BLOCK_N, BLOCK_U)
     a = tl.join(16.0 * d * scale_lo, 16.0 * d * scale_hi)  # [pairs, nibble]
     b = -(a + tl.join(dmin * min_lo, dmin * min_hi))
     # words in order: the outermost join picks the fastest index (see the module docstring)
@@ -570,11 +573,7 @@ def q4_k_gemv_dots_q8k(
     ``d8 (d sc_lo sum_lo + d sc_hi sum_hi) - d8 dmin (m_lo x_sum_lo + m_hi x_sum_hi)`` for the integer dots ``sum``.
     With ``EVEN`` every chunk is in the row; otherwise the re-read chunks past it get zero activations.
     """
-    header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
-    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
-    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
+    d, dmin, scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_header(raw, first, BLOCK_N, BLOCK_U)
 
     x_chunk = first + tl.arange(0, BLOCK_U)
     inside = x_chunk < n_chunks

@@ -313,7 +313,7 @@ def _gemm_kernel(
             k = 32 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
             x = tl.load(x_rows + k, mask=k < K, other=0.0)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + tl.program_id(1) * M * N + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
+    out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * M * N + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
 
 
