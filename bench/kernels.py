@@ -77,7 +77,7 @@ class Timer:
 def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
     """Time the Triton kernels under other tile configurations and print them, best first."""
     from workbench.kernels.triton import (
-        GemmConfig, GemvConfig, Int8GemmConfig, dequant_matmul, gemm, gemm_llamacpp, gemv, gemv_llamacpp,
+        GEMV_MAX_ROWS, GemmConfig, GemvConfig, Int8GemmConfig, dequant_matmul, gemm, gemm_llamacpp, gemv, gemv_llamacpp,
     )
     from workbench.kernels.triton.matmul import gemv_units
 
@@ -106,15 +106,21 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             and block_m * block_n <= 16
         ]
         kernel = gemv_llamacpp if llamacpp else gemv
+    elif m <= 16:  # batched decode: K split over programs
+        configs = [
+            GemmConfig(8 if m <= 8 else 16, block_n, block_u, warps, stages, split_k=split_k)
+            for block_n, block_u, warps, stages in [(64, 4, 4, 1), (64, 8, 4, 1), (128, 4, 8, 1), (64, 4, 4, 2)]
+            for split_k in (1, 2, 4, 8, 16)
+        ]
+        kernel = gemm
     else:
         configs = [
             GemmConfig(block_m, block_n, block_u, warps, stages)
             for block_m, block_n, block_u, warps, stages in [
-                (16, 16, 8, 4, 3), (16, 32, 8, 4, 3), (16, 32, 4, 2, 3), (16, 64, 8, 4, 3), (32, 32, 8, 4, 3),
-                (64, 32, 8, 4, 3), (64, 64, 4, 4, 3), (128, 32, 8, 8, 2), (128, 64, 8, 8, 2), (128, 64, 4, 8, 3),
-                (128, 128, 4, 8, 2), (256, 64, 4, 8, 2),
+                (32, 64, 8, 4, 3), (64, 32, 8, 4, 3), (64, 64, 4, 4, 3), (64, 128, 4, 8, 3), (128, 32, 8, 8, 2),
+                (128, 64, 8, 8, 2), (128, 64, 4, 8, 3), (128, 128, 4, 8, 2), (256, 64, 4, 8, 2),
             ]
-            if block_m <= max(16, 2 * m)
+            if block_m <= 2 * m
         ]
         kernel = gemm
     results = []
@@ -131,6 +137,8 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             others = [(dequant_matmul, "dequantize (triton) + cuBLAS")]
             if kernel is gemv:
                 others.append((gemm, "the fused GEMM"))
+            elif m <= GEMV_MAX_ROWS:
+                others.append((gemv, "the GEMV"))
         elif kernel is gemm_llamacpp:
             others = [(gemv_llamacpp, "a llama.cpp-numerics GEMV pass per row")]
         else:

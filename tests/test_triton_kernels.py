@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
     DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, dequant_matmul, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp,
-    quantize_activations,
+    gemv_rows, quantize_activations,
 )
 from workbench.kernels.triton.matmul import GemmConfig, GemvConfig, Int8GemmConfig  # noqa: E402
 
@@ -164,13 +164,15 @@ class TestInterpreted:
         x = torch.from_numpy(rng.standard_normal((5, self.K))).to(dtype)
         # Small tiles: several programs in both directions, and row tails in both; K steps of 64 values, and of 512,
         # whose last step runs past the end of the row; K split in three runs of steps (with 512-value steps the third
-        # run is empty).
+        # run is empty), whose partial sums the last program of each tile adds up. Each call runs twice: a split
+        # leaves its arrival counters zeroed for the next call, and adds the same partial sums in the same order.
         for block_u, split_k in [(2, 1), (16, 1), (2, 3), (16, 3)]:
             config = GemmConfig(block_m=4, block_n=8, block_u=block_u, num_warps=1, num_stages=1, group_m=2,
                                 split_k=split_k)
             out = gemm(x, w, config)
             assert out.shape == (5, self.N) and out.dtype == dtype
             assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype], config
+            assert torch.equal(gemm(x, w, config), out), config
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_dequantize(self, fmt):
@@ -319,10 +321,10 @@ class TestCuda:
     # A model shape whose K leaves a partial last step, K = 4096 (the 4-bit GEMVs' two units per thread)
     # and a Llama-3-8B shape (N x K).
     SHAPES = {32: [(1536, 576), (1024, 4096), (4096, 14336)], 256: [(576, 1536), (1024, 4096), (4096, 14336)]}
-    # (rows, dtype): decode (GEMV), batched decode (GEMV, skinny GEMM), prefill (GEMM, dequantize + cuBLAS).
+    # (rows, dtype): decode (GEMV), batched decode (GEMV, few-row GEMM, K split), prefill (GEMM, dequantize + cuBLAS).
     BATCHES = [
-        (1, torch.bfloat16), (1, torch.float16), (3, torch.bfloat16), (8, torch.bfloat16), (128, torch.float16),
-        (512, torch.bfloat16),
+        (1, torch.bfloat16), (1, torch.float16), (3, torch.bfloat16), (8, torch.bfloat16), (16, torch.float16),
+        (40, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16),
     ]
 
     @pytest.mark.parametrize("fmt", FORMATS)
@@ -334,7 +336,7 @@ class TestCuda:
             reference = torch.from_numpy(reference).cuda()
             for m, dtype in self.BATCHES:
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                kind = "gemv" if m <= GEMV_MAX_ROWS else "gemm" if m < DEQUANT_MATMUL_MIN_ROWS else "dequant-matmul"
+                kind = "gemv" if m <= gemv_rows(fmt) else "gemm" if m < DEQUANT_MATMUL_MIN_ROWS else "dequant-matmul"
                 assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
                 expected = (x.double() @ reference.T).cpu().numpy()
                 # The GEMM and the dense matmul round the weights to the activation dtype too.

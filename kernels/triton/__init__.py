@@ -1,8 +1,7 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
-Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to
-``GEMV_MAX_ROWS`` rows of activations: decode and batched decode), ``triton-gemm-<fmt>`` (up to
-``DEQUANT_MATMUL_MIN_ROWS - 1`` rows) and
+Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
+rows of activations: decode), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched decode, short prompts) and
 ``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for llama.cpp numerics
 ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one weight pass per
 row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor
@@ -30,12 +29,14 @@ REGISTERED = False
 if AVAILABLE:
     from .matmul import (
         ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, SUPPORTED_FORMATS, GemmConfig, GemvConfig,
-        Int8GemmConfig, dequant_matmul, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, quantize_activations,
+        Int8GemmConfig, dequant_matmul, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows,
+        quantize_activations,
     )
 
-    # From this many rows on, dequantize-then-cuBLAS beats the fused GEMM in most shapes measured by
-    # bench/kernels.py --sweep on an H100 (M = 128 and 512; the GEMV's rows are below it).
-    DEQUANT_MATMUL_MIN_ROWS = 17
+    # From this many rows on, dequantize-then-cuBLAS (which also needs the whole weight dequantized, N x K values, for
+    # the call) beats the fused GEMM: on an H100 (bench/RESULTS.md, twelfth session) the GEMM won on at least two of the
+    # three Llama-3-8B shapes for every format at 32 and 64 rows, and lost on most at 128.
+    DEQUANT_MATMUL_MIN_ROWS = 65
     # From this many rows on, the llama.cpp-numerics GEMM runs instead of a GEMV pass per row. On an H100 (bench/RESULTS.md,
     # tenth session) it wins from 8 rows on most 8B shapes and by ~12x at 128; rows of 14336 values favour the GEMV to ~16.
     LLAMACPP_GEMM_MIN_ROWS = 8
@@ -62,7 +63,7 @@ if AVAILABLE:
             return
         for fmt in SUPPORTED_FORMATS:
             name = fmt.lower()
-            register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, GEMV_MAX_ROWS), gemv))
+            register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, gemv_rows(fmt)), gemv))
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
         for fmt in LLAMACPP_FORMATS:
@@ -79,7 +80,7 @@ if AVAILABLE:
     __all__ = [
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
         "GemmConfig", "GemvConfig", "Int8GemmConfig", "dequant_matmul", "dequantize", "gemm", "gemm_llamacpp", "gemv",
-        "gemv_llamacpp", "quantize_activations", "register",
+        "gemv_llamacpp", "gemv_rows", "quantize_activations", "register",
     ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

@@ -2,10 +2,11 @@
 
 All compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
 ``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
-float32 and returning ``x.dtype``. ``gemv`` (decode and batched decode, up to ``GEMV_MAX_ROWS`` rows) multiplies
-on the CUDA cores, unpacking each weight once for a block of rows; ``gemm`` dequantizes weight tiles into registers
-and feeds them to ``tl.dot`` (tensor cores), with a skinny tile for a few rows; ``dequant_matmul`` writes the whole weight out once in ``x.dtype``
-(``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize that.
+float32 and returning ``x.dtype``. ``gemv`` (decode, up to ``GEMV_MAX_ROWS`` rows) multiplies on the CUDA cores,
+unpacking each weight once for a block of rows; ``gemm`` (batched decode and prefill) dequantizes weight tiles into
+registers and feeds them to ``tl.dot`` (tensor cores) as its first operand, with K split over several programs when
+there are few rows; ``dequant_matmul`` writes the whole weight out once in ``x.dtype`` (``dequantize``) and hands it
+to cuBLAS, which wins once there are enough rows to amortize that.
 ``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
 (``quantize_activations``), integer dot products per block, the GEMV's loop run once per row; ``gemm_llamacpp``
 computes the same for many rows with the integer dot products on the tensor cores (int8 ``tl.dot``).
@@ -58,9 +59,14 @@ class GemvConfig:
     block_m: int = 1  # rows of activations per program (a power of two); each thread unpacks its weights once for all
 
 
-# The most rows of activations the GEMV takes. From 5 rows on the tensor-core GEMM wins on at least two of the three 8B
-# shapes on an H100, for every format (bench/RESULTS.md, eleventh session).
+# The most rows of activations the GEMV takes (``gemv_rows`` says up to how many it is the faster kernel).
 GEMV_MAX_ROWS = 4
+
+
+def gemv_rows(fmt: str) -> int:
+    """Rows of activations up to which the GEMV outruns the weight-first GEMM on all three Llama-3-8B shapes on an H100
+    (bench/RESULTS.md, twelfth session): two, and four for Q8_0, whose tensor-core tiles unpack the most bytes."""
+    return 4 if fmt == "Q8_0" else 2
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class GemmConfig:
     num_warps: int = 8
     num_stages: int = 2
     group_m: int = 8  # programs that share weight columns run together, so their tiles are reused from L2
-    split_k: int = 1  # programs over parts of K per output tile; their float32 partial sums are added after
+    split_k: int = 1  # programs over parts of K per output tile; the last to finish adds up their partial sums
 
 
 @dataclass(frozen=True)
@@ -132,27 +138,27 @@ def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
     return config
 
 
-def gemm_config(m: int, n: int, device: torch.device, fmt: str) -> GemmConfig:
-    """Tiles picked by ``bench/kernels.py --sweep`` on an H100. For a few rows of Q4_K and Q4_0 the loop is not
-    pipelined: staging their many narrow weight loads through shared memory (``cp.async``) cost more than it hid
-    (without it, on the 8B shapes at 5-16 rows, Q4_K ran 1.3-1.8x and Q4_0 up to 1.3x faster; bench/RESULTS.md,
-    eleventh session). Q4_K's tiles, unpacked from the GEMV's 16-byte chunk loads, then ran 1.1-1.2x faster again."""
+def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmConfig:
+    """Tiles that ran best on an H100 (bench/RESULTS.md, twelfth session; ``bench/kernels.py --sweep`` times others).
+    Up to 16 rows (batched decode): 64 weight rows by 8 or 16 activation rows per program, the loop not
+    pipelined (staging the many narrow weight loads through shared memory cost more than it hid). Up to 64 rows K is
+    split until there are about 3.5 programs per multiprocessor: that ran 1.3-1.5x faster than fewer, longer programs
+    for a few rows, up to 2x at 32 and 64; at 128 rows and more it lost as often as it won."""
     if m <= 16:
-        stages = 1 if fmt in ("Q4_K", "Q4_0") else 3
-        config = GemmConfig(block_m=16, block_n=64, block_u=8, num_warps=4, num_stages=stages)
-    elif m <= 64:
-        config = GemmConfig(block_m=64, block_n=32, block_u=8, num_warps=4, num_stages=3)
+        config = GemmConfig(block_m=8 if m <= 8 else 16, block_n=64, block_u=8 if fmt == "Q8_0" else 4, num_warps=4,
+                            num_stages=1)
+    # More rows (prefill; linear hands more than 64 to dequantize + cuBLAS): 64 weight rows a tile, so that the
+    # weight-first dot stays on Hopper's warpgroup instructions, and the loop pipelined.
+    elif m <= 32:
+        config = GemmConfig(block_m=32, block_n=64, block_u=8, num_warps=4, num_stages=3)
     else:
-        config = GemmConfig(block_m=128, block_n=64, block_u=4, num_warps=8, num_stages=3)
-    # Narrower weight tiles while there are too few programs to give every multiprocessor one; Q4_K's few-row tiles,
-    # unpacked from whole chunks, ran best at 32 rows or more.
-    narrowest = 32 if fmt == "Q4_K" and m <= 16 else 16
-    while config.block_n > narrowest and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
-        config = dataclasses.replace(config, block_n=config.block_n // 2)
-    # Still too few: split K in four (Q4_K's 32-row tiles on 4096 rows ran 1.3-1.7x faster so).
-    if m <= 16 and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
-        config = dataclasses.replace(config, split_k=4)
-    return config
+        config = GemmConfig(block_m=64 if m <= 64 else 128, block_n=64, block_u=4, num_warps=4, num_stages=3)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    steps = triton.cdiv(k // 32, config.block_u)
+    split_k = 1
+    while m <= 64 and 2 * tiles * split_k < 7 * _sm_count(device) and 2 * split_k <= min(16, steps):
+        split_k *= 2
+    return dataclasses.replace(config, split_k=split_k)
 
 
 @functools.lru_cache
@@ -277,12 +283,14 @@ def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes,
+    x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, row_bytes,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_U: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    # program_id(1) picks one of SPLIT_K equal runs of K steps; with SPLIT_K > 1 out_ptr is a float32 [SPLIT_K, M, N]
-    # of partial sums, which the caller adds up.
+    # The weight tile is the dot's first operand, so the output tile is [BLOCK_N, BLOCK_M] (w @ x.T): on Hopper the
+    # unpacked weights then go to the tensor cores from registers, and a few rows of activations fill an 8- or 16-wide
+    # side of the instruction rather than a 64-row one.
+    # program_id(1) picks one of SPLIT_K equal runs of K steps (see ``_store_tile`` for how their sums meet).
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
     n_units = K // 32
@@ -290,8 +298,8 @@ def _gemm_kernel(
     unit_start = tl.program_id(1) * split_units
     unit_end = tl.minimum(unit_start + split_units, n_units)
     # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
-    x_rows = x_ptr + tl.minimum(rows_m, M - 1).to(tl.int64)[:, None] * K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_columns = x_ptr + tl.minimum(rows_m, M - 1).to(tl.int64)[None, :] * K
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if FMT == Q4_K:
         # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step): 16-byte loads, one step ahead of the unpacking.
         pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))  # (weight row, chunk) pairs, rows slowest
@@ -300,21 +308,42 @@ def _gemm_kernel(
         raw = q4_k_gemv_load(rowp, unit_start // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
         for first in range(unit_start // 2, unit_end // 2, BLOCK_U // 2):
             raw_next = q4_k_gemv_load(rowp, first + BLOCK_U // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
-            k = 64 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
-            x = tl.load(x_rows + k, mask=k < K, other=0.0)
+            k = 64 * first + tl.arange(0, 32 * BLOCK_U)[:, None]
+            x_t = tl.load(x_columns + k, mask=k < K, other=0.0)
             w = q4_k_weight_tile(raw, first, BLOCK_N, BLOCK_U // 2)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision=DOT_PRECISION)
             raw = raw_next
     else:
         pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
         rowp = w_ptr + tl.minimum(first_n + pair // BLOCK_U, N - 1).to(tl.int64) * row_bytes
         for first in range(unit_start, unit_end, BLOCK_U):
             w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, n_units, BLOCK_N, BLOCK_U)
-            k = 32 * first + tl.arange(0, 32 * BLOCK_U)[None, :]
-            x = tl.load(x_rows + k, mask=k < K, other=0.0)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * M * N + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
+            k = 32 * first + tl.arange(0, 32 * BLOCK_U)[:, None]
+            x_t = tl.load(x_columns + k, mask=k < K, other=0.0)
+            acc = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision=DOT_PRECISION)
+    _store_tile(acc, out_ptr, partial_ptr, counter_ptr, rows_m, rows_n, M, N, SPLIT_K)
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, partial_ptr, counter_ptr, rows_m, rows_n, M, N, SPLIT_K: tl.constexpr):
+    """Store a program's ``[BLOCK_N, BLOCK_M]`` tile of ``out`` (``[M, N]``). With ``SPLIT_K`` > 1 it is one of
+    ``SPLIT_K`` partial sums: each goes to ``partial_ptr`` (float32 ``[SPLIT_K, M, N]``), and the last program of
+    the tile to arrive (counted in ``counter_ptr``, one int32 per program along ``program_id(0)``, zero between
+    calls) adds them up in a fixed order, so results repeat exactly, and zeroes its counter for the next call."""
+    tile = rows_m.to(tl.int64)[None, :] * N + rows_n[:, None]
+    mask = (rows_m[None, :] < M) & (rows_n[:, None] < N)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the count says so
+        arrived = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for part in tl.static_range(SPLIT_K):  # from L2 (.cg): the other programs' stores are not in this L1
+                total += tl.load(partial_ptr + part * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -537,18 +566,34 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return out
-    config = config or gemm_config(m, n, x.device, w.fmt.name)
+    config = config or gemm_config(m, n, k, x.device, w.fmt.name)
     if config.split_k < 1:
         raise ValueError(f"split_k must be at least 1, got {config.split_k}")
     # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's steps are whole 64-value chunks (2 units).
     block_u = max(config.block_u, {"Q6_K": 8, "Q4_K": 2}.get(w.fmt.name, 1))
-    partials = out if config.split_k == 1 else torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
-    _gemm_kernel[(*_tile_grid(m, n, config), config.split_k)](
-        x, w.data, partials, m, n, k, w.data.shape[1],
+    grid = (*_tile_grid(m, n, config), config.split_k)
+    partials, counters = out, out  # unused without a split
+    if config.split_k > 1:
+        partials = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device, grid[0])
+    _gemm_kernel[grid](
+        x, w.data, out, partials, counters, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=config.split_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if config.split_k > 1:
-        out.copy_(partials.sum(dim=0))
     return out
+
+
+_SPLIT_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, programs: int) -> torch.Tensor:
+    """The split GEMM's arrival counters (``_store_tile``): int32 zeros, at least one per program along the grid's first
+    axis. The kernels leave them zeroed, so they are kept, one set per device and stream: GEMMs that run at the
+    same time must not share them."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counters = _SPLIT_COUNTERS.get((device, stream))
+    if counters is None or counters.numel() < programs:
+        counters = _SPLIT_COUNTERS[(device, stream)] = torch.zeros(max(programs, 4096), dtype=torch.int32, device=device)
+    return counters
