@@ -335,13 +335,14 @@ def _store_tile(acc, out_ptr, partial_ptr, counter_ptr, rows_m, rows_n, M, N, SP
     if SPLIT_K == 1:
         tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * M * N + tile, acc, mask=mask)
+        plane = M.to(tl.int64) * N
+        tl.store(partial_ptr + tl.program_id(1) * plane + tile, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the count says so
         arrived = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
             for part in tl.static_range(SPLIT_K):  # from L2 (.cg): the other programs' stores are not in this L1
-                total += tl.load(partial_ptr + part * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(partial_ptr + part * plane + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)
 
