@@ -113,14 +113,15 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             for split_k in (1, 2, 4, 8, 16)
         ]
         kernel = gemm
-    else:
+    else:  # up to 64 rows the default tiles split K too (gemm_config)
         configs = [
-            GemmConfig(block_m, block_n, block_u, warps, stages)
+            GemmConfig(block_m, block_n, block_u, warps, stages, split_k=split_k)
             for block_m, block_n, block_u, warps, stages in [
                 (32, 64, 8, 4, 3), (64, 32, 8, 4, 3), (64, 64, 4, 4, 3), (64, 128, 4, 8, 3), (128, 32, 8, 8, 2),
                 (128, 64, 8, 8, 2), (128, 64, 4, 8, 3), (128, 128, 4, 8, 2), (256, 64, 4, 8, 2),
             ]
             if block_m <= 2 * m
+            for split_k in ((1, 2, 4, 8) if m <= 64 else (1,))
         ]
         kernel = gemm
     results = []
