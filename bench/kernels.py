@@ -77,7 +77,8 @@ class Timer:
 def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
     """Time the Triton kernels under other tile configurations and print them, best first."""
     from workbench.kernels.triton import (
-        GEMV_MAX_ROWS, GemmConfig, GemvConfig, Int8GemmConfig, dequant_matmul, gemm, gemm_llamacpp, gemv, gemv_llamacpp,
+        GEMV_MAX_ROWS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, gemm, gemm_llamacpp, gemv,
+        gemv_llamacpp, mma_gemm,
     )
     from workbench.kernels.triton.matmul import gemv_units
 
@@ -94,6 +95,9 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             if block_m <= max(16, 2 * m)
         ]
         kernel = gemm_llamacpp
+    elif "mma" in name:  # warps per 16 weight rows, each over its share of the super-blocks
+        configs = [MmaConfig(warps) for warps in (1, 2, 4, 8, 16) if warps <= w.shape[1] // 256]
+        kernel = mma_gemm
     elif "gemv" in name:
         units = gemv_units(w.shape[1], w.fmt.name)
         # block_u units of block_n rows per step: at least one (row, unit) pair per thread, at most 16; exact
@@ -136,9 +140,9 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
     if m > 1:  # the other many-row paths, in their default tilings
         if not llamacpp:
             others = [(dequant_matmul, "dequantize (triton) + cuBLAS")]
-            if kernel is gemv:
+            if kernel is not gemm:
                 others.append((gemm, "the fused GEMM"))
-            elif m <= GEMV_MAX_ROWS:
+            if kernel is not gemv and m <= GEMV_MAX_ROWS:
                 others.append((gemv, "the GEMV"))
         elif kernel is gemm_llamacpp:
             others = [(gemv_llamacpp, "a llama.cpp-numerics GEMV pass per row")]

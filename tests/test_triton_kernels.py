@@ -27,10 +27,12 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, dequant_matmul, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp,
-    gemv_rows, quantize_activations,
+    DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_FORMATS, MMA_MAX_ROWS, dequant_matmul,
+    dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
 )
-from workbench.kernels.triton.matmul import GemmConfig, GemvConfig, Int8GemmConfig  # noqa: E402
+from workbench.kernels.triton.matmul import (  # noqa: E402
+    GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, mma_config,
+)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
@@ -174,6 +176,21 @@ class TestInterpreted:
             assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype], config
             assert torch.equal(gemm(x, w, config), out), config
 
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+    def test_mma_gemm(self, dtype):
+        """Q4_K on mma.sync fragments: 20 weight rows (a full and a partial tile of 16), 3 super-blocks dealt to 1, 2
+        and 4 warps (the last step of 2 and 4 leaves warps past the row's end), 1, 3 and 8 rows of activations (8 fill
+        the instruction's columns; fewer re-read the last row)."""
+        rng = np.random.default_rng([dtype.itemsize, 6])
+        w, reference = random_weight("Q4_K", self.N, self.K, rng)
+        for m in (1, 3, MMA_MAX_ROWS):
+            x = torch.from_numpy(rng.standard_normal((m, self.K))).to(dtype)
+            expected = x.double().numpy() @ reference.T
+            for warps in (1, 2, 4):
+                out = mma_gemm(x, w, MmaConfig(num_warps=warps))
+                assert out.shape == (m, self.N) and out.dtype == dtype
+                assert relative_error(out, expected) < 2 * ROUNDING_TOL[dtype], (m, warps)
+
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_dequantize(self, fmt):
         rng = np.random.default_rng([FORMATS.index(fmt), 4])
@@ -293,6 +310,20 @@ class TestBadInput:
         with pytest.raises(ValueError, match="multiple of"):
             gemv(torch.zeros(1, 64), misaligned)
 
+    def test_mma_gemm_inputs(self):
+        w = self.weight("Q4_K", 16, 256)
+        with pytest.raises(ValueError, match="float16 or bfloat16"):
+            mma_gemm(torch.zeros(2, 256), w)
+        with pytest.raises(ValueError, match=f"at most {MMA_MAX_ROWS} row"):
+            mma_gemm(torch.zeros(MMA_MAX_ROWS + 1, 256, dtype=torch.bfloat16), w)
+        with pytest.raises(ValueError, match="reads Q4_K"):
+            mma_gemm(torch.zeros(2, 64, dtype=torch.bfloat16), self.weight())
+        shifted = torch.zeros(2 * 256 + 1, dtype=torch.bfloat16)[1:].view(2, 256)
+        with pytest.raises(ValueError, match="multiples of 16 bytes"):
+            mma_gemm(shifted, w)
+        with pytest.raises(ValueError, match="num_warps"):
+            mma_gemm(torch.zeros(2, 256, dtype=torch.bfloat16), w, MmaConfig(num_warps=6))
+
     @pytest.mark.parametrize("kernel", [gemv_llamacpp, gemm_llamacpp])
     def test_llamacpp_unsupported_format(self, kernel):
         w = QuantTensor(torch.zeros(8, 22 * 2, dtype=torch.uint8), "Q5_0", (8, 64))
@@ -336,18 +367,28 @@ class TestCuda:
             reference = torch.from_numpy(reference).cuda()
             for m, dtype in self.BATCHES:
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                kind = "gemv" if m <= gemv_rows(fmt) else "gemm" if m < DEQUANT_MATMUL_MIN_ROWS else "dequant-matmul"
+                mma = fmt in MMA_FORMATS and m <= MMA_MAX_ROWS
+                kind = ("gemv" if m <= gemv_rows(fmt) else "mma" if mma else "gemm" if m < DEQUANT_MATMUL_MIN_ROWS
+                        else "dequant-matmul")
                 assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
                 expected = (x.double() @ reference.T).cpu().numpy()
                 # The GEMM and the dense matmul round the weights to the activation dtype too.
-                tolerance = ROUNDING_TOL[dtype] * (1 if kind == "gemv" else 2)
+                tolerance = ROUNDING_TOL[dtype] * (1 if kind in ("gemv", "mma") else 2)
                 out = linear(x, w)
                 assert relative_error(out, expected) < tolerance, (fmt, n, k, m, dtype)
                 assert torch.equal(out, linear(x, w)), "results differ between runs: a race"
-                if m > 1:  # both many-row paths, whichever linear picked
-                    tolerance = 2 * ROUNDING_TOL[dtype]
-                    assert relative_error(gemm(x, w), expected) < tolerance, (fmt, n, k, m, dtype, "gemm")
-                    assert relative_error(dequant_matmul(x, w), expected) < tolerance, (fmt, n, k, m, dtype)
+                if mma:
+                    assert relative_error(mma_gemm(x, w), expected) < ROUNDING_TOL[dtype], (fmt, n, k, m, dtype, "mma")
+                # the many-row paths, whichever linear picked (one row: the GEMM compiled for M = 1)
+                tolerance = 2 * ROUNDING_TOL[dtype]
+                assert relative_error(gemm(x, w), expected) < tolerance, (fmt, n, k, m, dtype, "gemm")
+                assert relative_error(dequant_matmul(x, w), expected) < tolerance, (fmt, n, k, m, dtype)
+
+    def test_mma_config(self):
+        """Powers of two, and no more warps than a row has super-blocks (6 at K = 1536)."""
+        for n, k in [(576, 1536), (4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (16, 256)]:
+            warps = mma_config(n, k, torch.device("cuda")).num_warps
+            assert warps & (warps - 1) == 0 and 1 <= warps <= k // 256, (n, k, warps)
 
     def test_unsupported_dtype_falls_back(self):
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0].to("cuda")

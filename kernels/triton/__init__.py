@@ -1,14 +1,15 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
-rows of activations: decode), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched decode, short prompts) and
-``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for llama.cpp numerics
-``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one weight pass per
-row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor
-cores, for more rows), with
-``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it
-registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same
-kernels run on CPU tensors through ``gemv`` and ``gemm`` (that is how the tests check them).
+rows of activations: decode), for ``MMA_FORMATS`` ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to
+``MMA_MAX_ROWS`` rows: batched decode), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched
+decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for
+llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one
+weight pass per row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>`` (the same
+numerics on the tensor cores, for more rows), with ``workbench.kernels.linear`` when Triton is installed and a CUDA
+device is present; without either it registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how
+the tests check them).
 """
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, SUPPORTED_FORMATS, GemmConfig, GemvConfig,
-        Int8GemmConfig, dequant_matmul, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows,
-        quantize_activations,
+        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_FORMATS, MMA_MAX_ROWS,
+        SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
+        gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
     )
 
     # From this many rows on, dequantize-then-cuBLAS (which also needs the whole weight dequantized, N x K values, for
@@ -41,8 +42,10 @@ if AVAILABLE:
     # tenth session) it wins from 8 rows on most 8B shapes and by ~12x at 128; rows of 14336 values favour the GEMV to ~16.
     LLAMACPP_GEMM_MIN_ROWS = 8
 
-    def _supports(fmt: str, max_rows: int | None):
-        layout = LAYOUTS[fmt]
+    def _supports(fmt: str, max_rows: int | None, dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES,
+                  alignment: int = 1):
+        # ``alignment``: bytes that both the activations and the packed data must start at a multiple of
+        word_bytes = LAYOUTS[fmt].word_bytes
 
         def supports(x: torch.Tensor, w: QuantTensor) -> bool:
             return (
@@ -50,8 +53,9 @@ if AVAILABLE:
                 and w.fmt.name == fmt
                 and x.dim() == 2
                 and (max_rows is None or x.shape[0] <= max_rows)
-                and x.dtype in ACTIVATION_DTYPES
-                and w.data.data_ptr() % layout.word_bytes == 0
+                and x.dtype in dtypes
+                and w.data.data_ptr() % max(word_bytes, alignment) == 0
+                and x.data_ptr() % alignment == 0
             )
 
         return supports
@@ -64,6 +68,9 @@ if AVAILABLE:
         for fmt in SUPPORTED_FORMATS:
             name = fmt.lower()
             register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, gemv_rows(fmt)), gemv))
+            if fmt in MMA_FORMATS:
+                mma_supports = _supports(fmt, MMA_MAX_ROWS, MMA_DTYPES, alignment=16)
+                register_kernel(Kernel(f"triton-mma-{name}", "cuda", mma_supports, mma_gemm))
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
         for fmt in LLAMACPP_FORMATS:
@@ -79,8 +86,9 @@ if AVAILABLE:
 
     __all__ = [
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
-        "GemmConfig", "GemvConfig", "Int8GemmConfig", "dequant_matmul", "dequantize", "gemm", "gemm_llamacpp", "gemv",
-        "gemv_llamacpp", "gemv_rows", "quantize_activations", "register",
+        "MMA_FORMATS", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
+        "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm", "quantize_activations",
+        "register",
     ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

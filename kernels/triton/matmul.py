@@ -3,10 +3,12 @@
 All compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
 ``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
 float32 and returning ``x.dtype``. ``gemv`` (decode, up to ``GEMV_MAX_ROWS`` rows) multiplies on the CUDA cores,
-unpacking each weight once for a block of rows; ``gemm`` (batched decode and prefill) dequantizes weight tiles into
-registers and feeds them to ``tl.dot`` (tensor cores) as its first operand, with K split over several programs when
-there are few rows; ``dequant_matmul`` writes the whole weight out once in ``x.dtype`` (``dequantize``) and hands it
-to cuBLAS, which wins once there are enough rows to amortize that.
+unpacking each weight once for a block of rows; ``mma_gemm`` (batched decode, up to ``MMA_MAX_ROWS`` rows, Q4_K)
+runs ``mma.sync`` on weights each lane unpacks into its own tensor-core fragment (``fragments``); ``gemm`` (batched
+decode and prefill) dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores) as its first
+operand, with K split over several programs when there are few rows; ``dequant_matmul`` writes the whole weight
+out once in ``x.dtype`` (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize
+that.
 ``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
 (``quantize_activations``), integer dot products per block, the GEMV's loop run once per row; ``gemm_llamacpp``
 computes the same for many rows with the integer dot products on the tensor cores (int8 ``tl.dot``).
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
+from .fragments import q4_k_fragment_dots
 from .dequant import (
     Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
     q4_k_gemv_load, q4_k_tile_dots_q8k, q4_k_weight_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
@@ -64,9 +67,10 @@ GEMV_MAX_ROWS = 4
 
 
 def gemv_rows(fmt: str) -> int:
-    """Rows of activations up to which the GEMV outruns the weight-first GEMM on all three Llama-3-8B shapes on an H100
-    (bench/RESULTS.md, twelfth session): two, and four for Q8_0, whose tensor-core tiles unpack the most bytes."""
-    return 4 if fmt == "Q8_0" else 2
+    """Rows of activations up to which the GEMV outruns the other kernels on all three Llama-3-8B shapes on an H100
+    (bench/RESULTS.md, twelfth and thirteenth sessions): two, four for Q8_0, whose tensor-core tiles unpack the most
+    bytes, and one for the formats of ``mma_gemm``, which is 1.2-1.5x faster than the GEMV from two rows on."""
+    return 1 if fmt in MMA_FORMATS else 4 if fmt == "Q8_0" else 2
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,22 @@ class GemmConfig:
     num_stages: int = 2
     group_m: int = 8  # programs that share weight columns run together, so their tiles are reused from L2
     split_k: int = 1  # programs over parts of K per output tile; the last to finish adds up their partial sums
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """The fragment kernel's programs: 16 weight rows each, K dealt out over ``num_warps`` warps a super-block at a
+    time (their sums added at the end)."""
+
+    num_warps: int = 4
+
+
+# Formats and rows of activations (the m16n8k16 instruction's 8 columns) that ``mma_gemm`` takes. Programs over
+# further 8-row tiles, re-reading each weight tile from L2, were measured: at 12-16 rows they tied with the GEMM on
+# the large Llama-3-8B shapes, from 24 rows on they lost (bench/RESULTS.md, thirteenth session).
+MMA_FORMATS = ("Q4_K",)
+MMA_MAX_ROWS = 8
+MMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -127,6 +147,17 @@ def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     if m > 1:
         return GemvConfig(block_n=16, num_warps=1, block_u=16)
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
+
+
+def mma_config(n: int, k: int, device: torch.device) -> MmaConfig:
+    """8 warps per 16 weight rows while there are at most two such tiles per multiprocessor, 4 up to sixteen, else 2,
+    and no more warps than super-blocks in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for
+    the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session)."""
+    programs, sms = triton.cdiv(n, 16), _sm_count(device)
+    warps = 8 if programs <= 2 * sms else 4 if programs <= 16 * sms else 2
+    while warps > 1 and warps > k // 256:
+        warps //= 2
+    return MmaConfig(num_warps=warps)
 
 
 def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
@@ -268,6 +299,46 @@ def _quantize_q8_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
 
 
 @triton.jit
+def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, WARPS: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    # One program per 16 weight rows; its warps take every WARPS-th super-block of K. Each tensor holds one value per
+    # lane (``fragments``): lane 4 g + t has weight rows g and g + 8, and activation row g (re-reading row M - 1 past
+    # M, never stored).
+    tl.static_assert(FMT == Q4_K, "the fragment kernel reads Q4_K")
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    first_row = tl.program_id(0) * 16
+    lane = tl.arange(0, 32 * WARPS)
+    warp, g, t = lane // 32, (lane % 32) // 4, lane % 4
+    top = w_ptr + tl.minimum(first_row + g, N - 1).to(tl.int64) * row_bytes
+    bottom = w_ptr + tl.minimum(first_row + g + 8, N - 1).to(tl.int64) * row_bytes
+    x_lane = x_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(g, M - 1).to(tl.int64) * (2 * K) + 16 * t
+    acc0 = tl.zeros(lane.shape, tl.float32)
+    acc1, acc2, acc3 = acc0, acc0, acc0
+    n_blocks = K // 256
+    for step in range(0, tl.cdiv(n_blocks, WARPS)):
+        block = step * WARPS + warp
+        valid = block < n_blocks  # a warp past the row's end re-reads its last super-block and adds nothing
+        block = tl.minimum(block, n_blocks - 1)
+        acc0, acc1, acc2, acc3 = q4_k_fragment_dots(acc0, acc1, acc2, acc3, top + block * 144, bottom + block * 144,
+                                                    x_lane + block * 512, valid, BF16, USE_ASM)
+    # Lane 4 g + t now holds out[2 t, row g], out[2 t + 1, row g], out[2 t, row g + 8], out[2 t + 1, row g + 8].
+    lane = tl.arange(0, 32)
+    rows, columns = first_row + lane // 4, 2 * (lane % 4)
+    _store_fragment(acc0, out_ptr, columns, rows, M, N, WARPS)
+    _store_fragment(acc1, out_ptr, columns + 1, rows, M, N, WARPS)
+    _store_fragment(acc2, out_ptr, columns, rows + 8, M, N, WARPS)
+    _store_fragment(acc3, out_ptr, columns + 1, rows + 8, M, N, WARPS)
+
+
+@triton.jit
+def _store_fragment(acc, out_ptr, m_rows, n_rows, M, N, WARPS: tl.constexpr):
+    """The sum over the warps of one result register, stored at ``out[m_rows, n_rows]``."""
+    total = tl.sum(tl.reshape(acc, (WARPS, 32)), axis=0)
+    out = out_ptr + m_rows.to(tl.int64) * N + n_rows
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(m_rows < M) & (n_rows < N))
+
+
+@triton.jit
 def _tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """The first activation row and first weight row of this program's output tile. Programs that share weight rows
     run together, GROUP_M row blocks at a time, so their weight tiles are reused from L2."""
@@ -335,7 +406,7 @@ def _store_tile(acc, out_ptr, partial_ptr, counter_ptr, rows_m, rows_n, M, N, SP
     if SPLIT_K == 1:
         tl.store(out_ptr + tile, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        plane = M.to(tl.int64) * N
+        plane = tl.cast(M, tl.int64) * N  # M is a constant when it is 1
         tl.store(partial_ptr + tl.program_id(1) * plane + tile, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the count says so
         arrived = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
@@ -421,17 +492,23 @@ def layout_of(w: QuantTensor) -> Layout:
     return layout
 
 
-def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None) -> Layout:
-    """Raise a clear error for anything the kernels would otherwise compute wrongly or crash on."""
+def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None, formats: tuple[str, ...] | None = None,
+                 dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1) -> Layout:
+    """Raise a clear error for anything the kernels would otherwise compute wrongly or crash on. A kernel that takes
+    fewer formats or activation dtypes than the others, or needs its data at multiples of ``alignment`` bytes, says
+    so."""
     if not isinstance(w, QuantTensor):
         raise TypeError(f"expected a QuantTensor weight, got {type(w).__name__}")
     layout = layout_of(w)
+    if formats is not None and w.fmt.name not in formats:
+        raise ValueError(f"this kernel reads {', '.join(formats)}; got {w.fmt.name}")
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D input [M, K], got shape {tuple(x.shape)}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"input has {x.shape[1]} features, weight {w.fmt.name} {w.shape} expects {w.shape[1]}")
-    if x.dtype not in ACTIVATION_DTYPES:
-        raise ValueError(f"activations must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dtype not in dtypes:
+        names = [str(dtype).removeprefix("torch.") for dtype in dtypes]
+        raise ValueError(f"activations must be {', '.join(names[:-1])} or {names[-1]}, got {x.dtype}")
     if not x.is_contiguous():
         raise ValueError("input must be contiguous (the kernels index rows with stride K)")
     if not w.data.is_contiguous():
@@ -442,14 +519,17 @@ def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None) -
         raise ValueError(f"this kernel takes at most {max_rows} row(s) of activations, got {x.shape[0]}")
     if w.data.data_ptr() % layout.word_bytes:
         raise ValueError(f"{w.fmt.name} packed data must start at a multiple of {layout.word_bytes} bytes")
+    if x.data_ptr() % alignment or w.data.data_ptr() % alignment:
+        raise ValueError(f"this kernel needs activations and packed data that start at multiples of {alignment} bytes")
     if x.device.type != "cuda" and not _interpreting():
         raise ValueError(f"triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     return layout
 
 
-def _checked_output(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None) -> tuple[Layout, torch.Tensor]:
+def _checked_output(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None,
+                    **limits) -> tuple[Layout, torch.Tensor]:
     """``check_inputs``, and the uninitialized ``[M, N]`` output of ``x @ w.T`` in ``x.dtype``."""
-    layout = check_inputs(x, w, max_rows)
+    layout = check_inputs(x, w, max_rows, **limits)
     return layout, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
 
 
@@ -491,6 +571,24 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     if m == 0:
         return out
     _launch_gemv(w, out, layout, config or gemv_config(k, w.fmt.name, m), x, x, x, llamacpp=False)
+    return out
+
+
+def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` for up to ``MMA_MAX_ROWS`` rows of float16 or bfloat16 ``x`` and a weight in ``MMA_FORMATS``, on the
+    tensor cores, each lane unpacking the weights of its own fragment (``fragments``): batched decode."""
+    if config is not None and config.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {config.num_warps}")
+    # 16-byte loads of the activations and of each super-block's header
+    layout, out = _checked_output(x, w, MMA_MAX_ROWS, formats=MMA_FORMATS, dtypes=MMA_DTYPES, alignment=16)
+    (m, k), n = x.shape, w.shape[0]
+    if m == 0:
+        return out
+    config = config or mma_config(n, k, x.device)
+    _mma_kernel[(triton.cdiv(n, 16),)](
+        x, w.data, out, m, n, k, w.data.shape[1], FMT=layout.ggml_type, WARPS=config.num_warps,
+        USE_ASM=not _interpreting(), num_warps=config.num_warps,
+    )
     return out
 
 
