@@ -58,6 +58,13 @@ def load_f16(p):
 
 
 @triton.jit
+def f16_halves(word):
+    """The two float16 in int32 ``word`` as float32, the low half first."""
+    return ((word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+            ((word >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
 def four_halfwords(p):
     """The 16-bit words at uint8 pointers ``p, p + 2, p + 4, p + 6`` as int32 ``[..., 2, 2]`` in memory order."""
     p = p.to(tl.pointer_type(tl.uint16))
@@ -464,8 +471,7 @@ def q4_k_chunk_header(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
     the super-block's two float16 factors and the 6-bit scales and mins of the chunk's two sub-blocks."""
     header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
     chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
-    d = (header0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = (header0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d, dmin = f16_halves(header0)
     return (d, dmin) + q4_k_chunk_scales_f32(s0, s1, s2, chunk % 4)
 
 

@@ -20,7 +20,7 @@ with ``tl.load`` and computes each instruction as the sums it stands for.
 import triton
 import triton.language as tl
 
-from .dequant import q4_k_chunk_scales
+from .dequant import f16_halves, q4_k_chunk_scales
 
 
 @triton.jit
@@ -62,8 +62,7 @@ def _float_pair(r, BF16: tl.constexpr):
     """The two 16-bit floats of int32 ``r``, low half first, as float32."""
     if BF16:
         return (r << 16).to(tl.float32, bitcast=True), (r & -65536).to(tl.float32, bitcast=True)
-    return ((r & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
-            (r >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+    return f16_halves(r)
 
 
 @triton.jit
@@ -127,13 +126,6 @@ def nibble_sub_block_sums(top0, top1, bottom0, bottom1, x0, x1, x2, x3, SHIFT: t
 
 
 @triton.jit
-def _f16_halves(word):
-    """The two float16 of int32 ``word`` as float32, low half first."""
-    return ((word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
-            ((word >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
-
-
-@triton.jit
 def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16: tl.constexpr,
                        USE_ASM: tl.constexpr):
     """``acc`` (a result fragment) plus the dots of one Q4_K super-block of the lane's rows (uint8 pointers ``top``,
@@ -147,8 +139,8 @@ def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16:
     lane_t = (tl.arange(0, top.shape[0]) % 4) * 8
     top_header, top_s0, top_s1, top_s2 = load_words4(top, USE_ASM)
     bottom_header, bottom_s0, bottom_s1, bottom_s2 = load_words4(bottom, USE_ASM)
-    top_d, top_dmin = _f16_halves(top_header)
-    bottom_d, bottom_dmin = _f16_halves(bottom_header)
+    top_d, top_dmin = f16_halves(top_header)
+    bottom_d, bottom_dmin = f16_halves(bottom_header)
     top_d, top_dmin = tl.where(valid, top_d, 0.0), tl.where(valid, top_dmin, 0.0)
     bottom_d, bottom_dmin = tl.where(valid, bottom_d, 0.0), tl.where(valid, bottom_dmin, 0.0)
     for chunk in tl.static_range(4):
