@@ -20,7 +20,7 @@ with ``tl.load`` and computes each instruction as the sums it stands for.
 import triton
 import triton.language as tl
 
-from .dequant import f16_halves, q4_k_chunk_scales
+from .dequant import f16_halves, four_words, q4_k_chunk_scales
 
 
 @triton.jit
@@ -36,11 +36,10 @@ def load_words2(p, USE_ASM: tl.constexpr):
 @triton.jit
 def load_words4(p, USE_ASM: tl.constexpr):
     """The four int32 words at each 16-byte aligned uint8 pointer ``p``, in one load."""
-    if USE_ASM:
+    if USE_ASM:  # one value per lane, whatever layout the compiler would pick for a [lanes, 4] load
         return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    words = p.to(tl.pointer_type(tl.int32))
-    return tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    return four_words(p)
 
 
 @triton.jit
@@ -126,6 +125,21 @@ def nibble_sub_block_sums(top0, top1, bottom0, bottom1, x0, x1, x2, x3, SHIFT: t
 
 
 @triton.jit
+def _q4_k_header(block, valid, USE_ASM: tl.constexpr):
+    """A Q4_K super-block's d and dmin as float32 (zero where ``valid`` is false), and its 12 scale bytes as 3 words."""
+    header, s0, s1, s2 = load_words4(block, USE_ASM)
+    d, dmin = f16_halves(header)
+    return tl.where(valid, d, 0.0), tl.where(valid, dmin, 0.0), s0, s1, s2
+
+
+@triton.jit
+def _sub_block_affine(d, dmin, scale, minimum, MAGIC: tl.constexpr):
+    """``(a, b)`` with ``a sum (MAGIC + q) x - b sum x`` the dot of a sub-block of 6-bit ``scale`` and ``minimum``."""
+    a = d * scale.to(tl.float32)
+    return a, MAGIC * a + dmin * minimum.to(tl.float32)
+
+
+@triton.jit
 def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16: tl.constexpr,
                        USE_ASM: tl.constexpr):
     """``acc`` (a result fragment) plus the dots of one Q4_K super-block of the lane's rows (uint8 pointers ``top``,
@@ -137,12 +151,8 @@ def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16:
     each chunk: values ``8 t .. 8 t + 7`` of both its sub-blocks."""
     MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
     lane_t = (tl.arange(0, top.shape[0]) % 4) * 8
-    top_header, top_s0, top_s1, top_s2 = load_words4(top, USE_ASM)
-    bottom_header, bottom_s0, bottom_s1, bottom_s2 = load_words4(bottom, USE_ASM)
-    top_d, top_dmin = f16_halves(top_header)
-    bottom_d, bottom_dmin = f16_halves(bottom_header)
-    top_d, top_dmin = tl.where(valid, top_d, 0.0), tl.where(valid, top_dmin, 0.0)
-    bottom_d, bottom_dmin = tl.where(valid, bottom_d, 0.0), tl.where(valid, bottom_dmin, 0.0)
+    top_d, top_dmin, top_s0, top_s1, top_s2 = _q4_k_header(top, valid, USE_ASM)
+    bottom_d, bottom_dmin, bottom_s0, bottom_s1, bottom_s2 = _q4_k_header(bottom, valid, USE_ASM)
     for chunk in tl.static_range(4):
         top0, top1 = load_words2(top + 16 + 32 * chunk + lane_t, USE_ASM)
         bottom0, bottom1 = load_words2(bottom + 16 + 32 * chunk + lane_t, USE_ASM)
@@ -152,10 +162,9 @@ def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16:
             x0, x1, x2, x3 = load_words4(x_lane + 128 * chunk + 64 * half, USE_ASM)
             c0, c1, c2, c3, s0, s1 = nibble_sub_block_sums(top0, top1, bottom0, bottom1, x0, x1, x2, x3, 4 * half,
                                                            BF16, USE_ASM)
-            top_a = top_d * top_scales[2 * half].to(tl.float32)
-            top_b = MAGIC * top_a + top_dmin * top_scales[2 * half + 1].to(tl.float32)
-            bottom_a = bottom_d * bottom_scales[2 * half].to(tl.float32)
-            bottom_b = MAGIC * bottom_a + bottom_dmin * bottom_scales[2 * half + 1].to(tl.float32)
+            top_a, top_b = _sub_block_affine(top_d, top_dmin, top_scales[2 * half], top_scales[2 * half + 1], MAGIC)
+            bottom_a, bottom_b = _sub_block_affine(bottom_d, bottom_dmin, bottom_scales[2 * half],
+                                                   bottom_scales[2 * half + 1], MAGIC)
             acc0 += top_a * c0 - top_b * s0
             acc1 += top_a * c1 - top_b * s1
             acc2 += bottom_a * c2 - bottom_b * s0
