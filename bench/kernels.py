@@ -95,8 +95,11 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
             if block_m <= max(16, 2 * m)
         ]
         kernel = gemm_llamacpp
-    elif "mma" in name:  # warps per 16 weight rows, each over its share of the super-blocks
-        configs = [MmaConfig(warps) for warps in (1, 2, 4, 8, 16) if warps <= w.shape[1] // 256]
+    elif "mma" in name:  # warps per 16 weight rows, each over its share of K: super-blocks, or 1-4 pairs of blocks
+        pairs = (1,) if w.fmt.name == "Q4_K" else (1, 2, 4)
+        step = {pair: 256 if w.fmt.name == "Q4_K" else 64 * pair for pair in pairs}
+        configs = [MmaConfig(warps, pair) for warps in (1, 2, 4, 8, 16) for pair in pairs
+                   if warps <= w.shape[1] // step[pair]]
         kernel = mma_gemm
     elif "gemv" in name:
         units = gemv_units(w.shape[1], w.fmt.name)

@@ -27,7 +27,8 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_FORMATS, MMA_MAX_ROWS, dequant_matmul,
+    DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_FORMATS, MMA_K_MULTIPLE, MMA_MAX_ROWS,
+    dequant_matmul,
     dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
 )
 from workbench.kernels.triton.matmul import (  # noqa: E402
@@ -177,19 +178,20 @@ class TestInterpreted:
             assert torch.equal(gemm(x, w, config), out), config
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-    def test_mma_gemm(self, dtype):
-        """Q4_K on mma.sync fragments: 20 weight rows (a full and a partial tile of 16), 3 super-blocks dealt to 1, 2
-        and 4 warps (the last step of 2 and 4 leaves warps past the row's end), 1, 3 and 8 rows of activations (8 fill
-        the instruction's columns; fewer re-read the last row)."""
-        rng = np.random.default_rng([dtype.itemsize, 6])
-        w, reference = random_weight("Q4_K", self.N, self.K, rng)
-        for m in (1, 3, MMA_MAX_ROWS):
+    @pytest.mark.parametrize("fmt", MMA_FORMATS)
+    def test_mma_gemm(self, fmt, dtype):
+        """On mma.sync fragments: 20 weight rows (a full and a partial tile of 16), K = 768 (3 super-blocks, 12 pairs
+        of blocks) dealt to 1, 2 and 4 warps, one or two pairs a step (the last step of 2 warps for Q4_K, and of 4
+        warps of two pairs, leaves warps past the row's end), 1, 3 and 8 rows of activations (8 fill the instruction's
+        columns; fewer re-read the last row)."""
+        rng = np.random.default_rng([FORMATS.index(fmt), dtype.itemsize, 6])
+        w, reference = random_weight(fmt, self.N, self.K, rng)
+        for m, config in [(1, MmaConfig(num_warps=1)), (3, MmaConfig(num_warps=2)),
+                          (MMA_MAX_ROWS, MmaConfig(num_warps=4, step_pairs=2))]:
             x = torch.from_numpy(rng.standard_normal((m, self.K))).to(dtype)
-            expected = x.double().numpy() @ reference.T
-            for warps in (1, 2, 4):
-                out = mma_gemm(x, w, MmaConfig(num_warps=warps))
-                assert out.shape == (m, self.N) and out.dtype == dtype
-                assert relative_error(out, expected) < 2 * ROUNDING_TOL[dtype], (m, warps)
+            out = mma_gemm(x, w, config)
+            assert out.shape == (m, self.N) and out.dtype == dtype
+            assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype], (m, config)
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_dequantize(self, fmt):
@@ -316,13 +318,17 @@ class TestBadInput:
             mma_gemm(torch.zeros(2, 256), w)
         with pytest.raises(ValueError, match=f"at most {MMA_MAX_ROWS} row"):
             mma_gemm(torch.zeros(MMA_MAX_ROWS + 1, 256, dtype=torch.bfloat16), w)
-        with pytest.raises(ValueError, match="reads Q4_K"):
-            mma_gemm(torch.zeros(2, 64, dtype=torch.bfloat16), self.weight())
+        with pytest.raises(ValueError, match="reads Q4_0, Q4_1, Q8_0, Q4_K; got Q6_K"):
+            mma_gemm(torch.zeros(2, 256, dtype=torch.bfloat16), self.weight("Q6_K", 16, 256))
+        with pytest.raises(ValueError, match=f"multiple of {MMA_K_MULTIPLE} values, got 96"):
+            mma_gemm(torch.zeros(2, 96, dtype=torch.bfloat16), self.weight("Q8_0", 16, 96))
         shifted = torch.zeros(2 * 256 + 1, dtype=torch.bfloat16)[1:].view(2, 256)
         with pytest.raises(ValueError, match="multiples of 16 bytes"):
             mma_gemm(shifted, w)
         with pytest.raises(ValueError, match="num_warps"):
             mma_gemm(torch.zeros(2, 256, dtype=torch.bfloat16), w, MmaConfig(num_warps=6))
+        with pytest.raises(ValueError, match="step_pairs"):
+            mma_gemm(torch.zeros(2, 256, dtype=torch.bfloat16), w, MmaConfig(step_pairs=0))
 
     @pytest.mark.parametrize("kernel", [gemv_llamacpp, gemm_llamacpp])
     def test_llamacpp_unsupported_format(self, kernel):
@@ -367,7 +373,7 @@ class TestCuda:
             reference = torch.from_numpy(reference).cuda()
             for m, dtype in self.BATCHES:
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                mma = fmt in MMA_FORMATS and m <= MMA_MAX_ROWS
+                mma = fmt in MMA_FORMATS and m <= MMA_MAX_ROWS and k % MMA_K_MULTIPLE == 0
                 kind = ("gemv" if m <= gemv_rows(fmt) else "mma" if mma else "gemm" if m < DEQUANT_MATMUL_MIN_ROWS
                         else "dequant-matmul")
                 assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
@@ -384,11 +390,14 @@ class TestCuda:
                 assert relative_error(gemm(x, w), expected) < tolerance, (fmt, n, k, m, dtype, "gemm")
                 assert relative_error(dequant_matmul(x, w), expected) < tolerance, (fmt, n, k, m, dtype)
 
-    def test_mma_config(self):
-        """Powers of two, and no more warps than a row has super-blocks (6 at K = 1536)."""
-        for n, k in [(576, 1536), (4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (16, 256)]:
-            warps = mma_config(n, k, torch.device("cuda")).num_warps
-            assert warps & (warps - 1) == 0 and 1 <= warps <= k // 256, (n, k, warps)
+    @pytest.mark.parametrize("fmt", MMA_FORMATS)
+    def test_mma_config(self, fmt):
+        """Powers of two, and no more warps than a row has steps (6 super-blocks at K = 1536)."""
+        for n, k in [(576, 1536), (4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (16, 256), (16, 64)]:
+            config = mma_config(n, k, torch.device("cuda"), fmt)
+            step = 256 if fmt == "Q4_K" else 64 * config.step_pairs
+            warps = config.num_warps
+            assert warps & (warps - 1) == 0 and 1 <= warps <= max(1, k // step), (n, k, warps)
 
     def test_unsupported_dtype_falls_back(self):
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0].to("cuda")

@@ -2,9 +2,9 @@
 
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
 rows of activations: decode), for ``MMA_FORMATS`` ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to
-``MMA_MAX_ROWS`` rows: batched decode), ``triton-gemm-<fmt>`` (up to ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched
-decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows: one dequantizing pass, then cuBLAS), and for
-llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one
+``MMA_MAX_ROWS`` rows of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
+``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
+one dequantizing pass, then cuBLAS), and for llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one
 weight pass per row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>`` (the same
 numerics on the tensor cores, for more rows), with ``workbench.kernels.linear`` when Triton is installed and a CUDA
 device is present; without either it registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under
@@ -29,7 +29,8 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_FORMATS, MMA_MAX_ROWS,
+        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_FORMATS, MMA_K_MULTIPLE,
+        MMA_MAX_ROWS,
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
         gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
     )
@@ -43,8 +44,9 @@ if AVAILABLE:
     LLAMACPP_GEMM_MIN_ROWS = 8
 
     def _supports(fmt: str, max_rows: int | None, dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES,
-                  alignment: int = 1):
-        # ``alignment``: bytes that both the activations and the packed data must start at a multiple of
+                  alignment: int = 1, k_multiple: int = 1):
+        # ``alignment``: bytes that both the activations and the packed data must start at a multiple of;
+        # ``k_multiple``: what the row length must be a multiple of
         word_bytes = LAYOUTS[fmt].word_bytes
 
         def supports(x: torch.Tensor, w: QuantTensor) -> bool:
@@ -52,6 +54,7 @@ if AVAILABLE:
                 x.device.type == "cuda"
                 and w.fmt.name == fmt
                 and x.dim() == 2
+                and x.shape[1] % k_multiple == 0
                 and (max_rows is None or x.shape[0] <= max_rows)
                 and x.dtype in dtypes
                 and w.data.data_ptr() % max(word_bytes, alignment) == 0
@@ -69,7 +72,7 @@ if AVAILABLE:
             name = fmt.lower()
             register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, gemv_rows(fmt)), gemv))
             if fmt in MMA_FORMATS:
-                mma_supports = _supports(fmt, MMA_MAX_ROWS, MMA_DTYPES, alignment=16)
+                mma_supports = _supports(fmt, MMA_MAX_ROWS, MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
                 register_kernel(Kernel(f"triton-mma-{name}", "cuda", mma_supports, mma_gemm))
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
@@ -86,7 +89,7 @@ if AVAILABLE:
 
     __all__ = [
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
-        "MMA_FORMATS", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
+        "MMA_FORMATS", "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
         "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm", "quantize_activations",
         "register",
     ]

@@ -8,11 +8,18 @@ Here A is 16 weight rows and B's columns are up to 8 rows of activations. Every 
 value per lane (shape ``[32 * warps]``), so each lane loads and unpacks exactly the weights of its own A registers:
 no tile goes through shared memory to reach the tensor cores, as ``tl.dot``'s operands do.
 
-Which 16 values of K one instruction covers is free, as long as A and B agree on it: a lane takes 8 consecutive
-quants of one sub-block of each of its two rows (one 8-byte load) and the 8 matching activations (one 16-byte load).
-A 4-bit quant q becomes the 16-bit float ``MAGIC + q`` (bfloat16 128 + q, float16 1024 + q, both exact) with a mask
-and a byte permute, so a sub-block's instruction sums ``(MAGIC + q) x``; a second one with A all ones sums ``x``, and
-``d scale (sum (MAGIC + q) x) - (MAGIC d scale + dmin min) sum x`` is the sub-block's exact dot in float32.
+Which 16 values of K one instruction covers is free, as long as A and B agree on it. A quant q becomes the 16-bit
+float ``MAGIC + q`` (bfloat16 128 + q for q < 128, float16 1024 + q for q < 1024, both exact) with a mask and a byte
+permute, so an instruction sums ``(MAGIC + q) x``; a second one with A all ones sums ``x``, and a block's scale and
+offset turn the two sums into its exact dot in float32.
+- Q4_K: a lane takes 8 consecutive quants of one sub-block of each of its two rows (one 8-byte load) and the 8
+  matching activations (one 16-byte load); ``d scale (sum (MAGIC + q) x) - (MAGIC d scale + dmin min) sum x``.
+- Q4_0, Q4_1, Q8_0 (32-value blocks of 18, 20 and 34 bytes): a lane takes quant bytes ``4 t .. 4 t + 3`` of each 16
+  of a block. Blocks of 18 and 34 bytes are only 2-byte aligned, so the 4 lanes of a row read a pair of blocks as
+  aligned words, 16 contiguous bytes per load, and pass each other the words that straddle (``shfl``): one load per
+  lane and word instead of two, and no 2-byte loads: the number of load requests, not DRAM, limited the first
+  version (bench/RESULTS.md, fourteenth session). Q8_0's bytes u = q + 128 are one plane in
+  float16, and two nibble planes ``16 (MAGIC + u / 16) + (MAGIC + u % 16)`` in bfloat16.
 
 On CUDA (``USE_ASM``) the loads, permutes and ``mma.sync`` are inline PTX; the interpreter, which runs no PTX, loads
 with ``tl.load`` and computes each instruction as the sums it stands for.
@@ -20,26 +27,33 @@ with ``tl.load`` and computes each instruction as the sums it stands for.
 import triton
 import triton.language as tl
 
-from .dequant import f16_halves, four_words, q4_k_chunk_scales
+from .dequant import Q4_0, Q4_1, Q8_0, f16_halves, four_words, q4_k_chunk_scales
 
 
 @triton.jit
-def load_words2(p, USE_ASM: tl.constexpr):
-    """The two int32 words at each 8-byte aligned uint8 pointer ``p``, in one load."""
+def load_words(p, COUNT: tl.constexpr, USE_ASM: tl.constexpr):
+    """The ``COUNT`` (1, 2 or 4) int32 words at each uint8 pointer ``p`` (a multiple of ``4 COUNT`` bytes), in one
+    load."""
+    tl.static_assert(COUNT == 1 or COUNT == 2 or COUNT == 4, "loads of 1, 2 or 4 words")
+    # One value per lane, whatever layout the compiler would pick for a [lanes, COUNT] load. One return statement:
+    # Triton 3.6 rejects returns of different arity even in branches it never compiles.
     if USE_ASM:
-        return tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [p],
-                                         dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    words = p.to(tl.pointer_type(tl.int32))
-    return tl.load(words), tl.load(words + 1)
-
-
-@triton.jit
-def load_words4(p, USE_ASM: tl.constexpr):
-    """The four int32 words at each 16-byte aligned uint8 pointer ``p``, in one load."""
-    if USE_ASM:  # one value per lane, whatever layout the compiler would pick for a [lanes, 4] load
-        return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
-                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return four_words(p)
+        if COUNT == 1:
+            words = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32,
+                                              is_pure=True, pack=1)
+        elif COUNT == 2:
+            words = tl.inline_asm_elementwise("ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l", [p],
+                                              dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+        else:
+            words = tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
+                                              dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    elif COUNT == 1:
+        words = tl.load(p.to(tl.pointer_type(tl.int32)))
+    elif COUNT == 2:
+        words = tl.load(p.to(tl.pointer_type(tl.int32))), tl.load(p.to(tl.pointer_type(tl.int32)) + 1)
+    else:
+        words = four_words(p)
+    return words
 
 
 @triton.jit
@@ -104,30 +118,45 @@ def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, BF16: tl.constexpr, USE_ASM: tl.
 
 
 @triton.jit
+def plane_mma(top, bottom, x0, x1, c0, c1, c2, c3, BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """``c`` plus one instruction's sums of ``(MAGIC + q) x``: ``top`` and ``bottom`` hold 4 quants (bytes, below 128
+    for bfloat16) of the lane's two weight rows, ``x0``, ``x1`` its 4 matching activations of its column."""
+    MAGIC_BYTE: tl.constexpr = 0x43 if BF16 else 0x64
+    t01, t23 = _magic_pairs(top, MAGIC_BYTE, USE_ASM)
+    b01, b23 = _magic_pairs(bottom, MAGIC_BYTE, USE_ASM)
+    return mma(t01, b01, t23, b23, x0, x1, c0, c1, c2, c3, BF16, USE_ASM)
+
+
+@triton.jit
+def column_sums(x0, x1, x2, x3, BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """The sums of the 8 activations (two instructions' worth) of columns ``2t``, ``2t + 1``: an A of all ones."""
+    ONES: tl.constexpr = 0x3F803F80 if BF16 else 0x3C003C00
+    zero = tl.zeros(x0.shape, tl.float32)
+    ones = tl.full(x0.shape, ONES, tl.int32)
+    s0, s1, _, _ = mma(ones, ones, ones, ones, x0, x1, zero, zero, zero, zero, BF16, USE_ASM)
+    s0, s1, _, _ = mma(ones, ones, ones, ones, x2, x3, s0, s1, zero, zero, BF16, USE_ASM)
+    return s0, s1
+
+
+@triton.jit
 def nibble_sub_block_sums(top0, top1, bottom0, bottom1, x0, x1, x2, x3, SHIFT: tl.constexpr, BF16: tl.constexpr,
                           USE_ASM: tl.constexpr):
     """For 8 bytes of quants of the lane's two weight rows (words ``top0, top1`` and ``bottom0, bottom1``), the nibbles
     at bit ``SHIFT`` of each byte (one sub-block), and the lane's 8 matching activations (words ``x0..x3``): the sums
     of ``(MAGIC + q) x`` as a result fragment ``(c0, c1, c2, c3)``, and those of ``x`` (columns ``2t``, ``2t + 1``)."""
-    MAGIC_BYTE: tl.constexpr = 0x43 if BF16 else 0x64
-    ONES: tl.constexpr = 0x3F803F80 if BF16 else 0x3C003C00
-    t01, t23 = _magic_pairs((top0 >> SHIFT) & 0x0F0F0F0F, MAGIC_BYTE, USE_ASM)
-    t45, t67 = _magic_pairs((top1 >> SHIFT) & 0x0F0F0F0F, MAGIC_BYTE, USE_ASM)
-    b01, b23 = _magic_pairs((bottom0 >> SHIFT) & 0x0F0F0F0F, MAGIC_BYTE, USE_ASM)
-    b45, b67 = _magic_pairs((bottom1 >> SHIFT) & 0x0F0F0F0F, MAGIC_BYTE, USE_ASM)
     zero = tl.zeros(top0.shape, tl.float32)
-    ones = tl.full(top0.shape, ONES, tl.int32)
-    c0, c1, c2, c3 = mma(t01, b01, t23, b23, x0, x1, zero, zero, zero, zero, BF16, USE_ASM)
-    c0, c1, c2, c3 = mma(t45, b45, t67, b67, x2, x3, c0, c1, c2, c3, BF16, USE_ASM)
-    s0, s1, _, _ = mma(ones, ones, ones, ones, x0, x1, zero, zero, zero, zero, BF16, USE_ASM)
-    s0, s1, _, _ = mma(ones, ones, ones, ones, x2, x3, s0, s1, zero, zero, BF16, USE_ASM)
+    c0, c1, c2, c3 = plane_mma((top0 >> SHIFT) & 0x0F0F0F0F, (bottom0 >> SHIFT) & 0x0F0F0F0F, x0, x1,
+                               zero, zero, zero, zero, BF16, USE_ASM)
+    c0, c1, c2, c3 = plane_mma((top1 >> SHIFT) & 0x0F0F0F0F, (bottom1 >> SHIFT) & 0x0F0F0F0F, x2, x3,
+                               c0, c1, c2, c3, BF16, USE_ASM)
+    s0, s1 = column_sums(x0, x1, x2, x3, BF16, USE_ASM)
     return c0, c1, c2, c3, s0, s1
 
 
 @triton.jit
 def _q4_k_header(block, valid, USE_ASM: tl.constexpr):
     """A Q4_K super-block's d and dmin as float32 (zero where ``valid`` is false), and its 12 scale bytes as 3 words."""
-    header, s0, s1, s2 = load_words4(block, USE_ASM)
+    header, s0, s1, s2 = load_words(block, 4, USE_ASM)
     d, dmin = f16_halves(header)
     return tl.where(valid, d, 0.0), tl.where(valid, dmin, 0.0), s0, s1, s2
 
@@ -154,12 +183,12 @@ def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16:
     top_d, top_dmin, top_s0, top_s1, top_s2 = _q4_k_header(top, valid, USE_ASM)
     bottom_d, bottom_dmin, bottom_s0, bottom_s1, bottom_s2 = _q4_k_header(bottom, valid, USE_ASM)
     for chunk in tl.static_range(4):
-        top0, top1 = load_words2(top + 16 + 32 * chunk + lane_t, USE_ASM)
-        bottom0, bottom1 = load_words2(bottom + 16 + 32 * chunk + lane_t, USE_ASM)
+        top0, top1 = load_words(top + 16 + 32 * chunk + lane_t, 2, USE_ASM)
+        bottom0, bottom1 = load_words(bottom + 16 + 32 * chunk + lane_t, 2, USE_ASM)
         top_scales = q4_k_chunk_scales(top_s0, top_s1, top_s2, chunk)  # scale, min of the low, then high sub-block
         bottom_scales = q4_k_chunk_scales(bottom_s0, bottom_s1, bottom_s2, chunk)
         for half in tl.static_range(2):
-            x0, x1, x2, x3 = load_words4(x_lane + 128 * chunk + 64 * half, USE_ASM)
+            x0, x1, x2, x3 = load_words(x_lane + 128 * chunk + 64 * half, 4, USE_ASM)
             c0, c1, c2, c3, s0, s1 = nibble_sub_block_sums(top0, top1, bottom0, bottom1, x0, x1, x2, x3, 4 * half,
                                                            BF16, USE_ASM)
             top_a, top_b = _sub_block_affine(top_d, top_dmin, top_scales[2 * half], top_scales[2 * half + 1], MAGIC)
@@ -169,4 +198,151 @@ def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16:
             acc1 += top_a * c1 - top_b * s1
             acc2 += bottom_a * c2 - bottom_b * s0
             acc3 += bottom_a * c3 - bottom_b * s1
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _group_lane(v, SOURCE: tl.constexpr, USE_ASM: tl.constexpr):
+    """Each lane's value of ``v`` at lane ``t + 1`` (``SOURCE`` = -1, wrapping round) or lane ``SOURCE`` of its group of
+    4 lanes (the lanes of one weight row)."""
+    tl.static_assert(SOURCE == -1 or SOURCE == 0, "lane 0 or the next lane")
+    if USE_ASM:
+        lane = tl.arange(0, v.shape[0]) % 32
+        source = (lane & 28) | (((lane + 1) & 3) if SOURCE == -1 else SOURCE)
+        moved = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [v, source],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        even, odd = tl.split(tl.reshape(v, (v.shape[0] // 4, 2, 2)))  # (t0, t2), (t1, t3)
+        t0, t2 = tl.split(even)
+        t1, t3 = tl.split(odd)
+        if SOURCE == -1:
+            moved = tl.reshape(tl.join(tl.join(t1, t3), tl.join(t2, t0)), v.shape)
+        else:
+            moved = tl.reshape(tl.broadcast_to(t0[:, None], (v.shape[0] // 4, 4)), v.shape)
+    return moved
+
+
+@triton.jit
+def _pair_fields(w_ptr, pair, valid, FMT: tl.constexpr, USE_ASM: tl.constexpr):
+    """The scales d of a pair of Q4_0 or Q8_0 blocks of the lane's row (zero where ``valid`` is false), and the lane's
+    words of quants of each block (``_block_planes``), from the pair at 4-byte aligned byte ``pair`` of ``w_ptr``.
+
+    Blocks: Q4_0 f16 d | 16 bytes (18), Q8_0 f16 d | 32 int8 (34), so the first block's quants sit 2 bytes past a
+    word. The 4 lanes of a row read the pair's words as ``W[t], W[4 + t], ...`` (16 contiguous bytes per load, the
+    last load only for W[4 L]) and pass the rest between them: ``W[4 i + t + 1]`` is the next lane's ``W[4 i + t]``,
+    or for lane 3 lane 0's ``W[4 (i + 1)]``."""
+    t = tl.arange(0, pair.shape[0]) % 4
+    last = t == 3
+    words = (w_ptr + pair).to(tl.pointer_type(tl.int32)) + t
+    r0, r1 = tl.load(words), tl.load(words + 4)
+    next0, next1 = _group_lane(r0, -1, USE_ASM), _group_lane(r1, -1, USE_ASM)
+    w1 = tl.where(last, next1, next0)  # W[t + 1]
+    first_low = ((r0 >> 16) & 0xFFFF) | (w1 << 16)  # bytes 2 + 4 t ..
+    d0 = _group_lane(r0, 0, USE_ASM) & 0xFFFF
+    if FMT == Q4_0:  # 9 words: d0 q0 .. | .. q0 d1 | q1 ..
+        next2 = _group_lane(tl.load(words + 8, mask=t == 0, other=0), -1, USE_ASM)
+        d1 = _group_lane(r1, 0, USE_ASM) >> 16
+        first_high, second_low = first_low, tl.where(last, next2, next1)  # W[5 + t]
+        second_high = second_low
+    else:  # 17 words: d0 q0 .. | .. | .. q0 d1 | q1 .. | ..
+        r2, r3 = tl.load(words + 8), tl.load(words + 12)
+        next2, next3 = _group_lane(r2, -1, USE_ASM), _group_lane(r3, -1, USE_ASM)
+        next4 = _group_lane(tl.load(words + 16, mask=t == 0, other=0), -1, USE_ASM)
+        first_high = ((r1 >> 16) & 0xFFFF) | (tl.where(last, next2, next1) << 16)  # bytes 18 + 4 t ..
+        d1 = _group_lane(r2, 0, USE_ASM) >> 16
+        second_low, second_high = tl.where(last, next3, next2), tl.where(last, next4, next3)  # W[9 + t], W[13 + t]
+    d0, d1 = f16_halves(d0 | (d1 << 16))
+    return tl.where(valid, d0, 0.0), tl.where(valid, d1, 0.0), first_low, first_high, second_low, second_high
+
+
+@triton.jit
+def _block_planes(top_low, top_high, bottom_low, bottom_high, xa0, xa1, xb0, xb1, FMT: tl.constexpr,
+                  BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """A Q4_0, Q4_1 or Q8_0 block's sums C for the lane's two rows, its first 16 values against activations ``xa``
+    and its last 16 against ``xb``: ``sum (MAGIC + q) x`` of the nibbles of words ``low`` (low nibbles), ``high``
+    (high nibbles; the same word) for the 4-bit formats; for Q8_0 of u = q + 128, bytes ``4 t ..`` of each 16 in
+    ``low`` and ``high``, as one plane in float16 and as ``16 (MAGIC + u / 16) + (MAGIC + u % 16)`` in bfloat16,
+    where only values below 128 are exact."""
+    zero = tl.zeros(top_low.shape, tl.float32)
+    if FMT == Q8_0:
+        top_low, top_high = top_low ^ -0x7F7F7F80, top_high ^ -0x7F7F7F80  # 0x80808080: signed bytes as q + 128
+        bottom_low, bottom_high = bottom_low ^ -0x7F7F7F80, bottom_high ^ -0x7F7F7F80
+        if BF16:
+            h0, h1, h2, h3 = plane_mma((top_low >> 4) & 0x0F0F0F0F, (bottom_low >> 4) & 0x0F0F0F0F, xa0, xa1,
+                                       zero, zero, zero, zero, BF16, USE_ASM)
+            h0, h1, h2, h3 = plane_mma((top_high >> 4) & 0x0F0F0F0F, (bottom_high >> 4) & 0x0F0F0F0F, xb0, xb1,
+                                       h0, h1, h2, h3, BF16, USE_ASM)
+            c0, c1, c2, c3 = plane_mma(top_low & 0x0F0F0F0F, bottom_low & 0x0F0F0F0F, xa0, xa1,
+                                       16.0 * h0, 16.0 * h1, 16.0 * h2, 16.0 * h3, BF16, USE_ASM)
+            return plane_mma(top_high & 0x0F0F0F0F, bottom_high & 0x0F0F0F0F, xb0, xb1, c0, c1, c2, c3, BF16,
+                             USE_ASM)
+        c0, c1, c2, c3 = plane_mma(top_low, bottom_low, xa0, xa1, zero, zero, zero, zero, BF16, USE_ASM)
+        return plane_mma(top_high, bottom_high, xb0, xb1, c0, c1, c2, c3, BF16, USE_ASM)
+    c0, c1, c2, c3 = plane_mma(top_low & 0x0F0F0F0F, bottom_low & 0x0F0F0F0F, xa0, xa1, zero, zero, zero, zero, BF16,
+                               USE_ASM)
+    return plane_mma((top_high >> 4) & 0x0F0F0F0F, (bottom_high >> 4) & 0x0F0F0F0F, xb0, xb1, c0, c1, c2, c3, BF16,
+                     USE_ASM)
+
+
+@triton.jit
+def _block_affine(d, m, FMT: tl.constexpr, BF16: tl.constexpr):
+    """``(a, b)`` with ``a C - b S`` a block's dot, C its ``_block_planes`` sums and S the sum of its activations."""
+    MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
+    if FMT == Q4_1:
+        return d, MAGIC * d - m
+    if FMT == Q4_0:
+        return d, (MAGIC + 8.0) * d
+    return d, ((17.0 * MAGIC) if BF16 else MAGIC) * d + 128.0 * d  # Q8_0: q = u - 128
+
+
+@triton.jit
+def _block_dots(acc0, acc1, acc2, acc3, top_d, top_m, top_low, top_high, bottom_d, bottom_m, bottom_low, bottom_high,
+                x_row, FMT: tl.constexpr, BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """``acc`` plus one block's dots, from its scales (and Q4_1 minimums) and the lane's words of quants of its two
+    rows, with the activations at uint8 pointer ``x_row``: lane t takes values ``4 t ..`` of the block's first and
+    last 16."""
+    t8 = (tl.arange(0, top_low.shape[0]) % 4) * 8
+    xa0, xa1 = load_words(x_row + t8, 2, USE_ASM)
+    xb0, xb1 = load_words(x_row + 32 + t8, 2, USE_ASM)
+    s0, s1 = column_sums(xa0, xa1, xb0, xb1, BF16, USE_ASM)
+    c0, c1, c2, c3 = _block_planes(top_low, top_high, bottom_low, bottom_high, xa0, xa1, xb0, xb1, FMT, BF16, USE_ASM)
+    top_a, top_b = _block_affine(top_d, top_m, FMT, BF16)
+    bottom_a, bottom_b = _block_affine(bottom_d, bottom_m, FMT, BF16)
+    return (acc0 + top_a * c0 - top_b * s0, acc1 + top_a * c1 - top_b * s1,
+            acc2 + bottom_a * c2 - bottom_b * s0, acc3 + bottom_a * c3 - bottom_b * s1)
+
+
+@triton.jit
+def _q4_1_fields(w_ptr, block, valid):
+    """d and m of a Q4_1 block (f16 d | f16 m | 16 bytes, 4-byte aligned) of the lane's row, zero where ``valid`` is
+    false, and the lane's word of quants (bytes ``4 t ..``)."""
+    words = (w_ptr + block).to(tl.pointer_type(tl.int32))
+    d, m = f16_halves(tl.load(words))
+    quants = tl.load(words + 1 + tl.arange(0, block.shape[0]) % 4)
+    return tl.where(valid, d, 0.0), tl.where(valid, m, 0.0), quants
+
+
+@triton.jit
+def legacy_pair_dots(acc0, acc1, acc2, acc3, w_ptr, top, bottom, x_row, valid, FMT: tl.constexpr,
+                     BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """``acc`` (a result fragment) plus the dots of a pair of 32-value Q4_0, Q4_1 or Q8_0 blocks of the lane's rows (at
+    4-byte aligned byte offsets ``top``, ``bottom`` of ``w_ptr``) with the activations of its column (uint8 pointer
+    ``x_row`` to the pair's values); nothing where ``valid`` is false."""
+    if FMT == Q4_1:
+        for i in tl.static_range(2):
+            top_d, top_m, top_quants = _q4_1_fields(w_ptr, top + 20 * i, valid)
+            bottom_d, bottom_m, bottom_quants = _q4_1_fields(w_ptr, bottom + 20 * i, valid)
+            acc0, acc1, acc2, acc3 = _block_dots(acc0, acc1, acc2, acc3, top_d, top_m, top_quants, top_quants,
+                                                 bottom_d, bottom_m, bottom_quants, bottom_quants, x_row + 64 * i,
+                                                 FMT, BF16, USE_ASM)
+    else:
+        top_d0, top_d1, top0_low, top0_high, top1_low, top1_high = _pair_fields(w_ptr, top, valid, FMT, USE_ASM)
+        bottom_d0, bottom_d1, bottom0_low, bottom0_high, bottom1_low, bottom1_high = _pair_fields(
+            w_ptr, bottom, valid, FMT, USE_ASM)
+        acc0, acc1, acc2, acc3 = _block_dots(acc0, acc1, acc2, acc3, top_d0, top_d0, top0_low, top0_high,
+                                             bottom_d0, bottom_d0, bottom0_low, bottom0_high, x_row, FMT, BF16,
+                                             USE_ASM)
+        acc0, acc1, acc2, acc3 = _block_dots(acc0, acc1, acc2, acc3, top_d1, top_d1, top1_low, top1_high,
+                                             bottom_d1, bottom_d1, bottom1_low, bottom1_high, x_row + 64, FMT, BF16,
+                                             USE_ASM)
     return acc0, acc1, acc2, acc3

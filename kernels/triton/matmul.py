@@ -3,9 +3,9 @@
 All compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
 ``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
 float32 and returning ``x.dtype``. ``gemv`` (decode, up to ``GEMV_MAX_ROWS`` rows) multiplies on the CUDA cores,
-unpacking each weight once for a block of rows; ``mma_gemm`` (batched decode, up to ``MMA_MAX_ROWS`` rows, Q4_K)
-runs ``mma.sync`` on weights each lane unpacks into its own tensor-core fragment (``fragments``); ``gemm`` (batched
-decode and prefill) dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores) as its first
+unpacking each weight once for a block of rows; ``mma_gemm`` (batched decode, up to ``MMA_MAX_ROWS`` rows, Q4_0,
+Q4_1, Q8_0, Q4_K) runs ``mma.sync`` on weights each lane unpacks into its own tensor-core fragment (``fragments``);
+``gemm`` (batched decode and prefill) dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores) as its first
 operand, with K split over several programs when there are few rows; ``dequant_matmul`` writes the whole weight
 out once in ``x.dtype`` (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize
 that.
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .fragments import q4_k_fragment_dots
+from .fragments import legacy_pair_dots, q4_k_fragment_dots
 from .dequant import (
     Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
     q4_k_gemv_load, q4_k_tile_dots_q8k, q4_k_weight_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
@@ -68,9 +68,10 @@ GEMV_MAX_ROWS = 4
 
 def gemv_rows(fmt: str) -> int:
     """Rows of activations up to which the GEMV outruns the other kernels on all three Llama-3-8B shapes on an H100
-    (bench/RESULTS.md, twelfth and thirteenth sessions): two, four for Q8_0, whose tensor-core tiles unpack the most
-    bytes, and one for the formats of ``mma_gemm``, which is 1.2-1.5x faster than the GEMV from two rows on."""
-    return 1 if fmt in MMA_FORMATS else 4 if fmt == "Q8_0" else 2
+    (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K, whose ``mma_gemm`` is 1.3-1.5x faster than
+    the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the GEMV, from
+    three rows on they are 1.3-1.9x faster)."""
+    return 1 if fmt == "Q4_K" else 2
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,20 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """The fragment kernel's programs: 16 weight rows each, K dealt out over ``num_warps`` warps a super-block at a
-    time (their sums added at the end)."""
+    """The fragment kernel's programs: 16 weight rows each, K dealt out over ``num_warps`` warps a step at a time
+    (their sums added at the end): one super-block for Q4_K, ``step_pairs`` pairs of 32-value blocks for the others."""
 
     num_warps: int = 4
+    step_pairs: int = 1
 
 
 # Formats and rows of activations (the m16n8k16 instruction's 8 columns) that ``mma_gemm`` takes. Programs over
-# further 8-row tiles, re-reading each weight tile from L2, were measured: at 12-16 rows they tied with the GEMM on
-# the large Llama-3-8B shapes, from 24 rows on they lost (bench/RESULTS.md, thirteenth session).
-MMA_FORMATS = ("Q4_K",)
+# further 8-row tiles, re-reading each weight tile from L2, were measured for Q4_K: at 12-16 rows they tied with the
+# GEMM on the large Llama-3-8B shapes, from 24 rows on they lost (bench/RESULTS.md, thirteenth session). Q6_K's
+# 210-byte super-blocks are not in it yet.
+MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
 MMA_MAX_ROWS = 8
+MMA_K_MULTIPLE = 64  # pairs of 32-value blocks, so that each pair starts at a multiple of 4 bytes
 MMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -149,15 +153,18 @@ def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
 
 
-def mma_config(n: int, k: int, device: torch.device) -> MmaConfig:
+def mma_config(n: int, k: int, device: torch.device, fmt: str) -> MmaConfig:
     """8 warps per 16 weight rows while there are at most two such tiles per multiprocessor, 4 up to sixteen, else 2,
-    and no more warps than super-blocks in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for
-    the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session)."""
+    and no more warps than steps in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for Q4_K
+    on the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session)."""
+    # The 32-value formats, measured on the same shapes (fourteenth session), ran best with the same warps and one pair
+    # of blocks per step, or within 10 % of the best (4096x14336 at two rows: 16 warps, 6 % faster).
     programs, sms = triton.cdiv(n, 16), _sm_count(device)
-    warps = 8 if programs <= 2 * sms else 4 if programs <= 16 * sms else 2
-    while warps > 1 and warps > k // 256:
-        warps //= 2
-    return MmaConfig(num_warps=warps)
+    config = MmaConfig(num_warps=8 if programs <= 2 * sms else 4 if programs <= 16 * sms else 2)
+    step_values = 256 if fmt == "Q4_K" else 64 * config.step_pairs
+    while config.num_warps > 1 and config.num_warps > k // step_values:
+        config = dataclasses.replace(config, num_warps=config.num_warps // 2)
+    return config
 
 
 def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
@@ -299,28 +306,40 @@ def _quantize_q8_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
 
 
 @triton.jit
-def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, WARPS: tl.constexpr,
-                USE_ASM: tl.constexpr):
-    # One program per 16 weight rows; its warps take every WARPS-th super-block of K. Each tensor holds one value per
-    # lane (``fragments``): lane 4 g + t has weight rows g and g + 8, and activation row g (re-reading row M - 1 past
-    # M, never stored).
-    tl.static_assert(FMT == Q4_K, "the fragment kernel reads Q4_K")
+def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                STEP_PAIRS: tl.constexpr, WARPS: tl.constexpr, USE_ASM: tl.constexpr):
+    # One program per 16 weight rows; its warps take every WARPS-th step of K: a super-block (Q4_K) or STEP_PAIRS
+    # pairs of blocks. Each tensor holds one value per lane (``fragments``): lane 4 g + t has weight rows g and g + 8,
+    # and activation row g (re-reading row M - 1 past M, never stored).
+    tl.static_assert(FMT != Q6_K, "the fragment kernel reads Q4_0, Q4_1, Q8_0 and Q4_K")
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     first_row = tl.program_id(0) * 16
     lane = tl.arange(0, 32 * WARPS)
     warp, g, t = lane // 32, (lane % 32) // 4, lane % 4
-    top = w_ptr + tl.minimum(first_row + g, N - 1).to(tl.int64) * row_bytes
-    bottom = w_ptr + tl.minimum(first_row + g + 8, N - 1).to(tl.int64) * row_bytes
-    x_lane = x_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(g, M - 1).to(tl.int64) * (2 * K) + 16 * t
+    top = tl.minimum(first_row + g, N - 1).to(tl.int64) * row_bytes
+    bottom = tl.minimum(first_row + g + 8, N - 1).to(tl.int64) * row_bytes
+    x_row = x_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(g, M - 1).to(tl.int64) * (2 * K)
     acc0 = tl.zeros(lane.shape, tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
-    n_blocks = K // 256
-    for step in range(0, tl.cdiv(n_blocks, WARPS)):
-        block = step * WARPS + warp
-        valid = block < n_blocks  # a warp past the row's end re-reads its last super-block and adds nothing
-        block = tl.minimum(block, n_blocks - 1)
-        acc0, acc1, acc2, acc3 = q4_k_fragment_dots(acc0, acc1, acc2, acc3, top + block * 144, bottom + block * 144,
-                                                    x_lane + block * 512, valid, BF16, USE_ASM)
+    if FMT == Q4_K:
+        n_blocks = K // 256
+        for step in range(0, tl.cdiv(n_blocks, WARPS)):
+            block = step * WARPS + warp
+            valid = block < n_blocks  # a warp past the row's end re-reads its last super-block and adds nothing
+            block = tl.minimum(block, n_blocks - 1)
+            acc0, acc1, acc2, acc3 = q4_k_fragment_dots(
+                acc0, acc1, acc2, acc3, w_ptr + top + block * 144, w_ptr + bottom + block * 144,
+                x_row + block * 512 + 16 * t, valid, BF16, USE_ASM)
+    else:
+        n_pairs = K // 64
+        for step in range(0, tl.cdiv(n_pairs, STEP_PAIRS * WARPS)):
+            for i in tl.static_range(STEP_PAIRS):
+                pair = (step * WARPS + warp) * STEP_PAIRS + i
+                valid = pair < n_pairs
+                pair = tl.minimum(pair, n_pairs - 1)
+                acc0, acc1, acc2, acc3 = legacy_pair_dots(
+                    acc0, acc1, acc2, acc3, w_ptr, top + pair * (2 * TYPE_SIZE), bottom + pair * (2 * TYPE_SIZE),
+                    x_row + pair * 128, valid, FMT, BF16, USE_ASM)
     # Lane 4 g + t now holds out[2 t, row g], out[2 t + 1, row g], out[2 t, row g + 8], out[2 t + 1, row g + 8].
     lane = tl.arange(0, 32)
     rows, columns = first_row + lane // 4, 2 * (lane % 4)
@@ -493,10 +512,11 @@ def layout_of(w: QuantTensor) -> Layout:
 
 
 def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None, formats: tuple[str, ...] | None = None,
-                 dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1) -> Layout:
+                 dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1,
+                 k_multiple: int = 1) -> Layout:
     """Raise a clear error for anything the kernels would otherwise compute wrongly or crash on. A kernel that takes
-    fewer formats or activation dtypes than the others, or needs its data at multiples of ``alignment`` bytes, says
-    so."""
+    fewer formats or activation dtypes than the others, needs its data at multiples of ``alignment`` bytes or rows of
+    a multiple of ``k_multiple`` values, says so."""
     if not isinstance(w, QuantTensor):
         raise TypeError(f"expected a QuantTensor weight, got {type(w).__name__}")
     layout = layout_of(w)
@@ -519,6 +539,8 @@ def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None, f
         raise ValueError(f"this kernel takes at most {max_rows} row(s) of activations, got {x.shape[0]}")
     if w.data.data_ptr() % layout.word_bytes:
         raise ValueError(f"{w.fmt.name} packed data must start at a multiple of {layout.word_bytes} bytes")
+    if x.shape[1] % k_multiple:
+        raise ValueError(f"this kernel needs rows of a multiple of {k_multiple} values, got {x.shape[1]}")
     if x.data_ptr() % alignment or w.data.data_ptr() % alignment:
         raise ValueError(f"this kernel needs activations and packed data that start at multiples of {alignment} bytes")
     if x.device.type != "cuda" and not _interpreting():
@@ -579,15 +601,18 @@ def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -
     tensor cores, each lane unpacking the weights of its own fragment (``fragments``): batched decode."""
     if config is not None and config.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {config.num_warps}")
+    if config is not None and config.step_pairs < 1:
+        raise ValueError(f"step_pairs must be at least 1, got {config.step_pairs}")
     # 16-byte loads of the activations and of each super-block's header
-    layout, out = _checked_output(x, w, MMA_MAX_ROWS, formats=MMA_FORMATS, dtypes=MMA_DTYPES, alignment=16)
+    layout, out = _checked_output(x, w, MMA_MAX_ROWS, formats=MMA_FORMATS, dtypes=MMA_DTYPES, alignment=16,
+                                  k_multiple=MMA_K_MULTIPLE)
     (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return out
-    config = config or mma_config(n, k, x.device)
+    config = config or mma_config(n, k, x.device, w.fmt.name)
     _mma_kernel[(triton.cdiv(n, 16),)](
-        x, w.data, out, m, n, k, w.data.shape[1], FMT=layout.ggml_type, WARPS=config.num_warps,
-        USE_ASM=not _interpreting(), num_warps=config.num_warps,
+        x, w.data, out, m, n, k, w.data.shape[1], FMT=layout.ggml_type, TYPE_SIZE=layout.type_size,
+        STEP_PAIRS=config.step_pairs, WARPS=config.num_warps, USE_ASM=not _interpreting(), num_warps=config.num_warps,
     )
     return out
 
