@@ -157,8 +157,8 @@ def mma_config(n: int, k: int, device: torch.device, fmt: str) -> MmaConfig:
     """8 warps per 16 weight rows while there are at most two such tiles per multiprocessor, 4 up to sixteen, else 2,
     and no more warps than steps in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for Q4_K
     on the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session)."""
-    # The 32-value formats, measured on the same shapes (fourteenth session), ran best with the same warps and one pair
-    # of blocks per step, or within 10 % of the best (4096x14336 at two rows: 16 warps, 6 % faster).
+    # The 32-value formats, measured on the same shapes at 8 rows (fourteenth session), ran best with the same warps
+    # and one pair of blocks per step, or within 3 % of the best.
     programs, sms = triton.cdiv(n, 16), _sm_count(device)
     config = MmaConfig(num_warps=8 if programs <= 2 * sms else 4 if programs <= 16 * sms else 2)
     step_values = 256 if fmt == "Q4_K" else 64 * config.step_pairs
