@@ -96,8 +96,9 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
         ]
         kernel = gemm_llamacpp
     elif "mma" in name:  # warps per 16 weight rows, each over its share of K: super-blocks, or 1-4 pairs of blocks
-        pairs = (1,) if w.fmt.name == "Q4_K" else (1, 2, 4)
-        step = {pair: 256 if w.fmt.name == "Q4_K" else 64 * pair for pair in pairs}
+        super_blocks = w.fmt.block_size == 256
+        pairs = (1,) if super_blocks else (1, 2, 4)
+        step = {pair: 256 if super_blocks else 64 * pair for pair in pairs}
         configs = [MmaConfig(warps, pair) for warps in (1, 2, 4, 8, 16) for pair in pairs
                    if warps <= w.shape[1] // step[pair]]
         kernel = mma_gemm

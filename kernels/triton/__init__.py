@@ -1,7 +1,7 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
-rows of activations: decode), for ``MMA_FORMATS`` ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to
+rows of activations: decode), ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to
 ``MMA_MAX_ROWS`` rows of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
 ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
 one dequantizing pass, then cuBLAS), and for llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one
@@ -29,7 +29,7 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_FORMATS, MMA_K_MULTIPLE,
+        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_K_MULTIPLE,
         MMA_MAX_ROWS,
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
         gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
@@ -71,9 +71,8 @@ if AVAILABLE:
         for fmt in SUPPORTED_FORMATS:
             name = fmt.lower()
             register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, gemv_rows(fmt)), gemv))
-            if fmt in MMA_FORMATS:
-                mma_supports = _supports(fmt, MMA_MAX_ROWS, MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
-                register_kernel(Kernel(f"triton-mma-{name}", "cuda", mma_supports, mma_gemm))
+            mma_supports = _supports(fmt, MMA_MAX_ROWS, MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
+            register_kernel(Kernel(f"triton-mma-{name}", "cuda", mma_supports, mma_gemm))
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
         for fmt in LLAMACPP_FORMATS:
@@ -89,7 +88,7 @@ if AVAILABLE:
 
     __all__ = [
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
-        "MMA_FORMATS", "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
+        "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
         "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm", "quantize_activations",
         "register",
     ]

@@ -20,6 +20,9 @@ offset turn the two sums into its exact dot in float32.
   lane and word instead of two, and no 2-byte loads: the number of load requests, not DRAM, limited the first
   version (bench/RESULTS.md, fourteenth session). Q8_0's bytes u = q + 128 are one plane in
   float16, and two nibble planes ``16 (MAGIC + u / 16) + (MAGIC + u % 16)`` in bfloat16.
+- Q6_K (210-byte super-blocks, every other one 2 bytes past a word): the same aligned loads and shuffles, a lane taking
+  values ``4 t ..`` of each 16-value scale group, one instruction per group; its 4 bits of ql and 2 of qh make
+  ``q`` in 0..63, and ``d scale (sum (MAGIC + q) x - (MAGIC + 32) sum x)`` is the group's dot.
 
 On CUDA (``USE_ASM``) the loads, permutes and ``mma.sync`` are inline PTX; the interpreter, which runs no PTX, loads
 with ``tl.load`` and computes each instruction as the sums it stands for.
@@ -128,13 +131,13 @@ def plane_mma(top, bottom, x0, x1, c0, c1, c2, c3, BF16: tl.constexpr, USE_ASM: 
 
 
 @triton.jit
-def column_sums(x0, x1, x2, x3, BF16: tl.constexpr, USE_ASM: tl.constexpr):
-    """The sums of the 8 activations (two instructions' worth) of columns ``2t``, ``2t + 1``: an A of all ones."""
+def column_sum(x0, x1, s0, s1, BF16: tl.constexpr, USE_ASM: tl.constexpr):
+    """``s`` plus the sums of one instruction's 4 activations per lane (``x0``, ``x1``) of columns ``2t``, ``2t + 1``:
+    an A of all ones."""
     ONES: tl.constexpr = 0x3F803F80 if BF16 else 0x3C003C00
-    zero = tl.zeros(x0.shape, tl.float32)
     ones = tl.full(x0.shape, ONES, tl.int32)
-    s0, s1, _, _ = mma(ones, ones, ones, ones, x0, x1, zero, zero, zero, zero, BF16, USE_ASM)
-    s0, s1, _, _ = mma(ones, ones, ones, ones, x2, x3, s0, s1, zero, zero, BF16, USE_ASM)
+    zero = tl.zeros(x0.shape, tl.float32)
+    s0, s1, _, _ = mma(ones, ones, ones, ones, x0, x1, s0, s1, zero, zero, BF16, USE_ASM)
     return s0, s1
 
 
@@ -149,7 +152,8 @@ def nibble_sub_block_sums(top0, top1, bottom0, bottom1, x0, x1, x2, x3, SHIFT: t
                                zero, zero, zero, zero, BF16, USE_ASM)
     c0, c1, c2, c3 = plane_mma((top1 >> SHIFT) & 0x0F0F0F0F, (bottom1 >> SHIFT) & 0x0F0F0F0F, x2, x3,
                                c0, c1, c2, c3, BF16, USE_ASM)
-    s0, s1 = column_sums(x0, x1, x2, x3, BF16, USE_ASM)
+    s0, s1 = column_sum(x0, x1, zero, zero, BF16, USE_ASM)
+    s0, s1 = column_sum(x2, x3, s0, s1, BF16, USE_ASM)
     return c0, c1, c2, c3, s0, s1
 
 
@@ -203,9 +207,9 @@ def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16:
 
 @triton.jit
 def _group_lane(v, SOURCE: tl.constexpr, USE_ASM: tl.constexpr):
-    """Each lane's value of ``v`` at lane ``t + 1`` (``SOURCE`` = -1, wrapping round) or lane ``SOURCE`` of its group of
-    4 lanes (the lanes of one weight row)."""
-    tl.static_assert(SOURCE == -1 or SOURCE == 0, "lane 0 or the next lane")
+    """Each lane's value of ``v`` at lane ``t + 1`` (``SOURCE`` = -1, wrapping round) or lane ``SOURCE`` (0-3) of its
+    group of 4 lanes (the lanes of one weight row)."""
+    tl.static_assert(SOURCE >= -1 and SOURCE <= 3, "the next lane, or lane 0, 1, 2 or 3")
     if USE_ASM:
         lane = tl.arange(0, v.shape[0]) % 32
         source = (lane & 28) | (((lane + 1) & 3) if SOURCE == -1 else SOURCE)
@@ -218,7 +222,15 @@ def _group_lane(v, SOURCE: tl.constexpr, USE_ASM: tl.constexpr):
         if SOURCE == -1:
             moved = tl.reshape(tl.join(tl.join(t1, t3), tl.join(t2, t0)), v.shape)
         else:
-            moved = tl.reshape(tl.broadcast_to(t0[:, None], (v.shape[0] // 4, 4)), v.shape)
+            if SOURCE == 0:
+                source = t0
+            elif SOURCE == 1:
+                source = t1
+            elif SOURCE == 2:
+                source = t2
+            else:
+                source = t3
+            moved = tl.reshape(tl.broadcast_to(source[:, None], (v.shape[0] // 4, 4)), v.shape)
     return moved
 
 
@@ -304,7 +316,9 @@ def _block_dots(acc0, acc1, acc2, acc3, top_d, top_m, top_low, top_high, bottom_
     t8 = (tl.arange(0, top_low.shape[0]) % 4) * 8
     xa0, xa1 = load_words(x_row + t8, 2, USE_ASM)
     xb0, xb1 = load_words(x_row + 32 + t8, 2, USE_ASM)
-    s0, s1 = column_sums(xa0, xa1, xb0, xb1, BF16, USE_ASM)
+    zero = tl.zeros(xa0.shape, tl.float32)
+    s0, s1 = column_sum(xa0, xa1, zero, zero, BF16, USE_ASM)
+    s0, s1 = column_sum(xb0, xb1, s0, s1, BF16, USE_ASM)
     c0, c1, c2, c3 = _block_planes(top_low, top_high, bottom_low, bottom_high, xa0, xa1, xb0, xb1, FMT, BF16, USE_ASM)
     top_a, top_b = _block_affine(top_d, top_m, FMT, BF16)
     bottom_a, bottom_b = _block_affine(bottom_d, bottom_m, FMT, BF16)
@@ -345,4 +359,112 @@ def legacy_pair_dots(acc0, acc1, acc2, acc3, w_ptr, top, bottom, x_row, valid, F
         acc0, acc1, acc2, acc3 = _block_dots(acc0, acc1, acc2, acc3, top_d1, top_d1, top1_low, top1_high,
                                              bottom_d1, bottom_d1, bottom1_low, bottom1_high, x_row + 64, FMT, BF16,
                                              USE_ASM)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _funnel(low, high, shift, USE_ASM: tl.constexpr):
+    """The 4 bytes ``shift / 8`` (0 or 2) bytes into the 8 of ``low``, ``high``."""
+    if USE_ASM:
+        word = tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [low, high, shift],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        word = tl.where(shift == 0, low, ((low >> 16) & 0xFFFF) | (high << 16))
+    return word
+
+
+@triton.jit
+def _field(r, next_r, next_after, last, shift, USE_ASM: tl.constexpr):
+    """The lane's word of a 16-byte row of a super-block ``shift / 8`` bytes past the aligned words ``r`` the row's
+    lanes loaded: its own word and the next one, which lane 3 takes from the following row (``next_after``)."""
+    return _funnel(r, tl.where(last, next_after, next_r), shift, USE_ASM)
+
+
+@triton.jit
+def _q6_k_row(w_ptr, block, valid, USE_ASM: tl.constexpr):
+    """The lane's words (word t of each 16-byte row: ql 0-7, qh 8-11, scales 12) of the Q6_K super-block at even byte
+    ``block`` of the 4-byte aligned ``w_ptr``, and its d as float32 (zero where ``valid`` is false).
+
+    Super-block (210 bytes): 128 bytes ql (low 4 bits) | 64 bytes qh (high 2 bits) | 16 int8 scales | f16 d. Every
+    other one starts 2 bytes past a word, so the 4 lanes of a row load the aligned words ``W[4 i + t]`` around it and
+    pass each other the next word, as ``_pair_fields`` does."""
+    t = tl.arange(0, block.shape[0]) % 4
+    last = t == 3
+    shift = (block & 2).to(tl.int32) * 8
+    words = (w_ptr + (block - (block & 2))).to(tl.pointer_type(tl.int32)) + t
+    r0, r1, r2, r3 = tl.load(words), tl.load(words + 4), tl.load(words + 8), tl.load(words + 12)
+    r4, r5, r6, r7 = tl.load(words + 16), tl.load(words + 20), tl.load(words + 24), tl.load(words + 28)
+    r8, r9, r10, r11 = tl.load(words + 32), tl.load(words + 36), tl.load(words + 40), tl.load(words + 44)
+    r12, r13 = tl.load(words + 48), tl.load(words + 52, mask=t == 0, other=0)  # d, and the word after the scales
+    n0, n1, n2, n3 = (_group_lane(r0, -1, USE_ASM), _group_lane(r1, -1, USE_ASM), _group_lane(r2, -1, USE_ASM),
+                      _group_lane(r3, -1, USE_ASM))
+    n4, n5, n6, n7 = (_group_lane(r4, -1, USE_ASM), _group_lane(r5, -1, USE_ASM), _group_lane(r6, -1, USE_ASM),
+                      _group_lane(r7, -1, USE_ASM))
+    n8, n9, n10, n11 = (_group_lane(r8, -1, USE_ASM), _group_lane(r9, -1, USE_ASM), _group_lane(r10, -1, USE_ASM),
+                        _group_lane(r11, -1, USE_ASM))
+    n12, n13 = _group_lane(r12, -1, USE_ASM), _group_lane(r13, -1, USE_ASM)
+    d = ((_group_lane(r13, 0, USE_ASM) >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (_field(r0, n0, n1, last, shift, USE_ASM), _field(r1, n1, n2, last, shift, USE_ASM),
+            _field(r2, n2, n3, last, shift, USE_ASM), _field(r3, n3, n4, last, shift, USE_ASM),
+            _field(r4, n4, n5, last, shift, USE_ASM), _field(r5, n5, n6, last, shift, USE_ASM),
+            _field(r6, n6, n7, last, shift, USE_ASM), _field(r7, n7, n8, last, shift, USE_ASM),
+            _field(r8, n8, n9, last, shift, USE_ASM), _field(r9, n9, n10, last, shift, USE_ASM),
+            _field(r10, n10, n11, last, shift, USE_ASM), _field(r11, n11, n12, last, shift, USE_ASM),
+            _field(r12, n12, n13, last, shift, USE_ASM), tl.where(valid, d, 0.0))
+
+
+@triton.jit
+def _q6_k_quarter(acc0, acc1, acc2, acc3, top_a, top_b, top_high, top_scales, top_d, bottom_a, bottom_b, bottom_high,
+                  bottom_scales, bottom_d, x_quarter, H: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr,
+                  USE_ASM: tl.constexpr):
+    """``acc`` plus the dots of the 4 scale groups ``8 H + HALF + 2 j`` of a Q6_K super-block (values
+    ``128 H + 32 j + 16 HALF ..``, activations from uint8 pointer ``x_quarter``, ``j`` apart by 64 bytes), one
+    instruction each: the low (j = 0, 1) or high (j = 2, 3) nibbles of ql word ``a`` (even j) or ``b`` (odd j), and
+    bits ``2 j`` of qh word ``high``, make ``q`` in 0..63; the group's dot is ``d scale (sum (MAGIC + q) x - (MAGIC +
+    32) sum x)``."""
+    MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
+    t8 = (tl.arange(0, top_a.shape[0]) % 4) * 8
+    zero = tl.zeros(top_a.shape, tl.float32)
+    for j in tl.static_range(4):
+        if j % 2 == 0:
+            top_low, bottom_low = top_a, bottom_a
+        else:
+            top_low, bottom_low = top_b, bottom_b
+        top_q = ((top_low >> (4 * (j // 2))) & 0x0F0F0F0F) | (((top_high >> (2 * j)) & 0x03030303) << 4)
+        bottom_q = ((bottom_low >> (4 * (j // 2))) & 0x0F0F0F0F) | (((bottom_high >> (2 * j)) & 0x03030303) << 4)
+        x0, x1 = load_words(x_quarter + 64 * j + t8, 2, USE_ASM)
+        c0, c1, c2, c3 = plane_mma(top_q, bottom_q, x0, x1, zero, zero, zero, zero, BF16, USE_ASM)
+        s0, s1 = column_sum(x0, x1, zero, zero, BF16, USE_ASM)
+        # group 8 H + HALF + 2 j: byte (HALF + 2 j) % 4 of the scales word of lane 2 H + (HALF + 2 j) // 4
+        shift = 24 - 8 * ((HALF + 2 * j) % 4)
+        top_word = _group_lane(top_scales, 2 * H + (HALF + 2 * j) // 4, USE_ASM)
+        bottom_word = _group_lane(bottom_scales, 2 * H + (HALF + 2 * j) // 4, USE_ASM)
+        top_a_j = top_d * ((top_word << shift) >> 24).to(tl.float32)
+        bottom_a_j = bottom_d * ((bottom_word << shift) >> 24).to(tl.float32)
+        acc0 += top_a_j * (c0 - (MAGIC + 32.0) * s0)
+        acc1 += top_a_j * (c1 - (MAGIC + 32.0) * s1)
+        acc2 += bottom_a_j * (c2 - (MAGIC + 32.0) * s0)
+        acc3 += bottom_a_j * (c3 - (MAGIC + 32.0) * s1)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def q6_k_fragment_dots(acc0, acc1, acc2, acc3, w_ptr, top, bottom, x_row, valid, BF16: tl.constexpr,
+                       USE_ASM: tl.constexpr):
+    """``acc`` (a result fragment) plus the dots of one Q6_K super-block of the lane's rows (at even byte offsets
+    ``top``, ``bottom`` of ``w_ptr``) with the activations of its column (uint8 pointer ``x_row`` to the super-block's
+    values); nothing where ``valid`` is false. Each 16-value scale group is one instruction, lane t taking values
+    ``4 t .. 4 t + 3`` of it."""
+    (t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, top_scales, top_d) = _q6_k_row(w_ptr, top, valid, USE_ASM)
+    (b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, bottom_scales, bottom_d) = _q6_k_row(w_ptr, bottom, valid,
+                                                                                          USE_ASM)
+    # quarter (H, HALF): ql rows 4 H + HALF (a) and 4 H + 2 + HALF (b), qh row 8 + 2 H + HALF
+    acc0, acc1, acc2, acc3 = _q6_k_quarter(acc0, acc1, acc2, acc3, t0, t2, t8, top_scales, top_d, b0, b2, b8,
+                                           bottom_scales, bottom_d, x_row, 0, 0, BF16, USE_ASM)
+    acc0, acc1, acc2, acc3 = _q6_k_quarter(acc0, acc1, acc2, acc3, t1, t3, t9, top_scales, top_d, b1, b3, b9,
+                                           bottom_scales, bottom_d, x_row + 32, 0, 1, BF16, USE_ASM)
+    acc0, acc1, acc2, acc3 = _q6_k_quarter(acc0, acc1, acc2, acc3, t4, t6, t10, top_scales, top_d, b4, b6, b10,
+                                           bottom_scales, bottom_d, x_row + 256, 1, 0, BF16, USE_ASM)
+    acc0, acc1, acc2, acc3 = _q6_k_quarter(acc0, acc1, acc2, acc3, t5, t7, t11, top_scales, top_d, b5, b7, b11,
+                                           bottom_scales, bottom_d, x_row + 288, 1, 1, BF16, USE_ASM)
     return acc0, acc1, acc2, acc3

@@ -3,8 +3,8 @@
 All compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32) and a ``QuantTensor``
 ``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
 float32 and returning ``x.dtype``. ``gemv`` (decode, up to ``GEMV_MAX_ROWS`` rows) multiplies on the CUDA cores,
-unpacking each weight once for a block of rows; ``mma_gemm`` (batched decode, up to ``MMA_MAX_ROWS`` rows, Q4_0,
-Q4_1, Q8_0, Q4_K) runs ``mma.sync`` on weights each lane unpacks into its own tensor-core fragment (``fragments``);
+unpacking each weight once for a block of rows; ``mma_gemm`` (batched decode, up to ``MMA_MAX_ROWS`` rows) runs
+``mma.sync`` on weights each lane unpacks into its own tensor-core fragment (``fragments``);
 ``gemm`` (batched decode and prefill) dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores) as its first
 operand, with K split over several programs when there are few rows; ``dequant_matmul`` writes the whole weight
 out once in ``x.dtype`` (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .fragments import legacy_pair_dots, q4_k_fragment_dots
+from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
     Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
     q4_k_gemv_load, q4_k_tile_dots_q8k, q4_k_weight_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
@@ -68,10 +68,10 @@ GEMV_MAX_ROWS = 4
 
 def gemv_rows(fmt: str) -> int:
     """Rows of activations up to which the GEMV outruns the other kernels on all three Llama-3-8B shapes on an H100
-    (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K, whose ``mma_gemm`` is 1.3-1.5x faster than
-    the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the GEMV, from
-    three rows on they are 1.3-1.9x faster)."""
-    return 1 if fmt == "Q4_K" else 2
+    (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K and Q6_K, whose ``mma_gemm`` is 1.3-1.5x
+    faster than the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the
+    GEMV, from three rows on they are 1.3-1.9x faster)."""
+    return 1 if fmt in ("Q4_K", "Q6_K") else 2
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,9 @@ class MmaConfig:
     step_pairs: int = 1
 
 
-# Formats and rows of activations (the m16n8k16 instruction's 8 columns) that ``mma_gemm`` takes. Programs over
+# Rows of activations (the m16n8k16 instruction's 8 columns) that ``mma_gemm`` takes, for every format. Programs over
 # further 8-row tiles, re-reading each weight tile from L2, were measured for Q4_K: at 12-16 rows they tied with the
-# GEMM on the large Llama-3-8B shapes, from 24 rows on they lost (bench/RESULTS.md, thirteenth session). Q6_K's
-# 210-byte super-blocks are not in it yet.
-MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+# GEMM on the large Llama-3-8B shapes, from 24 rows on they lost (bench/RESULTS.md, thirteenth session).
 MMA_MAX_ROWS = 8
 MMA_K_MULTIPLE = 64  # pairs of 32-value blocks, so that each pair starts at a multiple of 4 bytes
 MMA_DTYPES = (torch.float16, torch.bfloat16)
@@ -156,12 +154,14 @@ def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
 def mma_config(n: int, k: int, device: torch.device, fmt: str) -> MmaConfig:
     """8 warps per 16 weight rows while there are at most two such tiles per multiprocessor, 4 up to sixteen, else 2,
     and no more warps than steps in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for Q4_K
-    on the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session)."""
-    # The 32-value formats, measured on the same shapes at 8 rows (fourteenth session), ran best with the same warps
-    # and one pair of blocks per step, or within 3 % of the best.
+    on the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session). Q6_K ran best on
+    8 warps on all of them, or within 1 % (fourteenth session)."""
+    # The 32-value formats, measured on the same shapes at 8 rows (fourteenth session), ran best with Q4_K's warps and
+    # one pair of blocks per step, or within 3 % of the best.
     programs, sms = triton.cdiv(n, 16), _sm_count(device)
-    config = MmaConfig(num_warps=8 if programs <= 2 * sms else 4 if programs <= 16 * sms else 2)
-    step_values = 256 if fmt == "Q4_K" else 64 * config.step_pairs
+    warps = 8 if programs <= 2 * sms or fmt == "Q6_K" else 4 if programs <= 16 * sms else 2
+    config = MmaConfig(num_warps=warps)
+    step_values = 256 if fmt in ("Q4_K", "Q6_K") else 64 * config.step_pairs
     while config.num_warps > 1 and config.num_warps > k // step_values:
         config = dataclasses.replace(config, num_warps=config.num_warps // 2)
     return config
@@ -311,7 +311,6 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TY
     # One program per 16 weight rows; its warps take every WARPS-th step of K: a super-block (Q4_K) or STEP_PAIRS
     # pairs of blocks. Each tensor holds one value per lane (``fragments``): lane 4 g + t has weight rows g and g + 8,
     # and activation row g (re-reading row M - 1 past M, never stored).
-    tl.static_assert(FMT != Q6_K, "the fragment kernel reads Q4_0, Q4_1, Q8_0 and Q4_K")
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     first_row = tl.program_id(0) * 16
     lane = tl.arange(0, 32 * WARPS)
@@ -321,15 +320,20 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TY
     x_row = x_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(g, M - 1).to(tl.int64) * (2 * K)
     acc0 = tl.zeros(lane.shape, tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
-    if FMT == Q4_K:
+    if FMT == Q4_K or FMT == Q6_K:
         n_blocks = K // 256
         for step in range(0, tl.cdiv(n_blocks, WARPS)):
             block = step * WARPS + warp
             valid = block < n_blocks  # a warp past the row's end re-reads its last super-block and adds nothing
             block = tl.minimum(block, n_blocks - 1)
-            acc0, acc1, acc2, acc3 = q4_k_fragment_dots(
-                acc0, acc1, acc2, acc3, w_ptr + top + block * 144, w_ptr + bottom + block * 144,
-                x_row + block * 512 + 16 * t, valid, BF16, USE_ASM)
+            if FMT == Q4_K:
+                acc0, acc1, acc2, acc3 = q4_k_fragment_dots(
+                    acc0, acc1, acc2, acc3, w_ptr + top + block * 144, w_ptr + bottom + block * 144,
+                    x_row + block * 512 + 16 * t, valid, BF16, USE_ASM)
+            else:
+                acc0, acc1, acc2, acc3 = q6_k_fragment_dots(
+                    acc0, acc1, acc2, acc3, w_ptr, top + block * 210, bottom + block * 210, x_row + block * 512,
+                    valid, BF16, USE_ASM)
     else:
         n_pairs = K // 64
         for step in range(0, tl.cdiv(n_pairs, STEP_PAIRS * WARPS)):
@@ -511,17 +515,15 @@ def layout_of(w: QuantTensor) -> Layout:
     return layout
 
 
-def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None, formats: tuple[str, ...] | None = None,
+def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None,
                  dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1,
                  k_multiple: int = 1) -> Layout:
     """Raise a clear error for anything the kernels would otherwise compute wrongly or crash on. A kernel that takes
-    fewer formats or activation dtypes than the others, needs its data at multiples of ``alignment`` bytes or rows of
-    a multiple of ``k_multiple`` values, says so."""
+    fewer activation dtypes than the others, needs its data at multiples of ``alignment`` bytes or rows of a multiple
+    of ``k_multiple`` values, says so."""
     if not isinstance(w, QuantTensor):
         raise TypeError(f"expected a QuantTensor weight, got {type(w).__name__}")
     layout = layout_of(w)
-    if formats is not None and w.fmt.name not in formats:
-        raise ValueError(f"this kernel reads {', '.join(formats)}; got {w.fmt.name}")
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D input [M, K], got shape {tuple(x.shape)}")
     if x.shape[1] != w.shape[1]:
@@ -597,15 +599,14 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
 
 
 def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -> torch.Tensor:
-    """``x @ w.T`` for up to ``MMA_MAX_ROWS`` rows of float16 or bfloat16 ``x`` and a weight in ``MMA_FORMATS``, on the
+    """``x @ w.T`` for up to ``MMA_MAX_ROWS`` rows of float16 or bfloat16 ``x`` (K a multiple of ``MMA_K_MULTIPLE``), on the
     tensor cores, each lane unpacking the weights of its own fragment (``fragments``): batched decode."""
     if config is not None and config.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {config.num_warps}")
     if config is not None and config.step_pairs < 1:
         raise ValueError(f"step_pairs must be at least 1, got {config.step_pairs}")
     # 16-byte loads of the activations and of each super-block's header
-    layout, out = _checked_output(x, w, MMA_MAX_ROWS, formats=MMA_FORMATS, dtypes=MMA_DTYPES, alignment=16,
-                                  k_multiple=MMA_K_MULTIPLE)
+    layout, out = _checked_output(x, w, MMA_MAX_ROWS, dtypes=MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
     (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return out
