@@ -235,6 +235,25 @@ def _group_lane(v, SOURCE: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _funnel(low, high, shift, USE_ASM: tl.constexpr):
+    """The 4 bytes ``shift / 8`` (0 or 2) bytes into the 8 of ``low``, ``high``."""
+    if USE_ASM:
+        word = tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [low, high, shift],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        word = tl.where(shift == 0, low, ((low >> 16) & 0xFFFF) | (high << 16))
+    return word
+
+
+@triton.jit
+def _field(r, next_r, next_after, last, shift, USE_ASM: tl.constexpr):
+    """The lane's word of a field ``shift / 8`` bytes past the aligned words ``r`` that the 4 lanes of a row loaded
+    (16 contiguous bytes): from its own word and the next lane's (``next_r``), which for lane 3 is lane 0's of the
+    following 16 bytes (``next_after``)."""
+    return _funnel(r, tl.where(last, next_after, next_r), shift, USE_ASM)
+
+
+@triton.jit
 def _pair_fields(w_ptr, pair, valid, FMT: tl.constexpr, USE_ASM: tl.constexpr):
     """The scales d of a pair of Q4_0 or Q8_0 blocks of the lane's row (zero where ``valid`` is false), and the lane's
     words of quants of each block (``_block_planes``), from the pair at 4-byte aligned byte ``pair`` of ``w_ptr``.
@@ -247,9 +266,9 @@ def _pair_fields(w_ptr, pair, valid, FMT: tl.constexpr, USE_ASM: tl.constexpr):
     last = t == 3
     words = (w_ptr + pair).to(tl.pointer_type(tl.int32)) + t
     r0, r1 = tl.load(words), tl.load(words + 4)
+    sixteen = tl.full(pair.shape, 16, tl.int32)
     next0, next1 = _group_lane(r0, -1, USE_ASM), _group_lane(r1, -1, USE_ASM)
-    w1 = tl.where(last, next1, next0)  # W[t + 1]
-    first_low = ((r0 >> 16) & 0xFFFF) | (w1 << 16)  # bytes 2 + 4 t ..
+    first_low = _field(r0, next0, next1, last, sixteen, USE_ASM)  # bytes 2 + 4 t ..
     d0 = _group_lane(r0, 0, USE_ASM) & 0xFFFF
     if FMT == Q4_0:  # 9 words: d0 q0 .. | .. q0 d1 | q1 ..
         next2 = _group_lane(tl.load(words + 8, mask=t == 0, other=0), -1, USE_ASM)
@@ -260,7 +279,7 @@ def _pair_fields(w_ptr, pair, valid, FMT: tl.constexpr, USE_ASM: tl.constexpr):
         r2, r3 = tl.load(words + 8), tl.load(words + 12)
         next2, next3 = _group_lane(r2, -1, USE_ASM), _group_lane(r3, -1, USE_ASM)
         next4 = _group_lane(tl.load(words + 16, mask=t == 0, other=0), -1, USE_ASM)
-        first_high = ((r1 >> 16) & 0xFFFF) | (tl.where(last, next2, next1) << 16)  # bytes 18 + 4 t ..
+        first_high = _field(r1, next1, next2, last, sixteen, USE_ASM)  # bytes 18 + 4 t ..
         d1 = _group_lane(r2, 0, USE_ASM) >> 16
         second_low, second_high = tl.where(last, next3, next2), tl.where(last, next4, next3)  # W[9 + t], W[13 + t]
     d0, d1 = f16_halves(d0 | (d1 << 16))
@@ -363,24 +382,6 @@ def legacy_pair_dots(acc0, acc1, acc2, acc3, w_ptr, top, bottom, x_row, valid, F
 
 
 @triton.jit
-def _funnel(low, high, shift, USE_ASM: tl.constexpr):
-    """The 4 bytes ``shift / 8`` (0 or 2) bytes into the 8 of ``low``, ``high``."""
-    if USE_ASM:
-        word = tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [low, high, shift],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        word = tl.where(shift == 0, low, ((low >> 16) & 0xFFFF) | (high << 16))
-    return word
-
-
-@triton.jit
-def _field(r, next_r, next_after, last, shift, USE_ASM: tl.constexpr):
-    """The lane's word of a 16-byte row of a super-block ``shift / 8`` bytes past the aligned words ``r`` the row's
-    lanes loaded: its own word and the next one, which lane 3 takes from the following row (``next_after``)."""
-    return _funnel(r, tl.where(last, next_after, next_r), shift, USE_ASM)
-
-
-@triton.jit
 def _q6_k_row(w_ptr, block, valid, USE_ASM: tl.constexpr):
     """The lane's words (word t of each 16-byte row: ql 0-7, qh 8-11, scales 12) of the Q6_K super-block at even byte
     ``block`` of the 4-byte aligned ``w_ptr``, and its d as float32 (zero where ``valid`` is false).
@@ -403,7 +404,7 @@ def _q6_k_row(w_ptr, block, valid, USE_ASM: tl.constexpr):
     n8, n9, n10, n11 = (_group_lane(r8, -1, USE_ASM), _group_lane(r9, -1, USE_ASM), _group_lane(r10, -1, USE_ASM),
                         _group_lane(r11, -1, USE_ASM))
     n12, n13 = _group_lane(r12, -1, USE_ASM), _group_lane(r13, -1, USE_ASM)
-    d = ((_group_lane(r13, 0, USE_ASM) >> shift) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    d, _ = f16_halves(_group_lane(r13, 0, USE_ASM) >> shift)
     return (_field(r0, n0, n1, last, shift, USE_ASM), _field(r1, n1, n2, last, shift, USE_ASM),
             _field(r2, n2, n3, last, shift, USE_ASM), _field(r3, n3, n4, last, shift, USE_ASM),
             _field(r4, n4, n5, last, shift, USE_ASM), _field(r5, n5, n6, last, shift, USE_ASM),
