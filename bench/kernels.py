@@ -96,11 +96,9 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
         ]
         kernel = gemm_llamacpp
     elif "mma" in name:  # warps per 16 weight rows, each over its share of K: super-blocks, or 1-4 pairs of blocks
-        super_blocks = w.fmt.block_size == 256
-        pairs = (1,) if super_blocks else (1, 2, 4)
-        step = {pair: 256 if super_blocks else 64 * pair for pair in pairs}
+        pairs = (1,) if w.fmt.block_size == 256 else (1, 2, 4)
         configs = [MmaConfig(warps, pair) for warps in (1, 2, 4, 8, 16) for pair in pairs
-                   if warps <= w.shape[1] // step[pair]]
+                   if warps <= w.shape[1] // MmaConfig(warps, pair).step_values(w.fmt.name)]
         kernel = mma_gemm
     elif "gemv" in name:
         units = gemv_units(w.shape[1], w.fmt.name)

@@ -394,9 +394,8 @@ class TestCuda:
         """Powers of two, and no more warps than a row has steps (6 super-blocks at K = 1536)."""
         for n, k in [(576, 1536), (4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (16, 256), (16, 64)]:
             config = mma_config(n, k, torch.device("cuda"), fmt)
-            step = 256 if fmt == "Q4_K" else 64 * config.step_pairs
             warps = config.num_warps
-            assert warps & (warps - 1) == 0 and 1 <= warps <= max(1, k // step), (n, k, warps)
+            assert warps & (warps - 1) == 0 and 1 <= warps <= max(1, k // config.step_values(fmt)), (n, k, warps)
 
     def test_unsupported_dtype_falls_back(self):
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0].to("cuda")

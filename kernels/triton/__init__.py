@@ -1,15 +1,15 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
-rows of activations: decode), ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to
-``MMA_MAX_ROWS`` rows of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
+rows of activations: decode), ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to ``MMA_MAX_ROWS`` rows
+of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
 ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
-one dequantizing pass, then cuBLAS), and for llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one
-weight pass per row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>`` (the same
-numerics on the tensor cores, for more rows), with ``workbench.kernels.linear`` when Triton is installed and a CUDA
-device is present; without either it registers nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under
-``TRITON_INTERPRET=1`` the same kernels run on CPU tensors through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how
-the tests check them).
+one dequantizing pass, then cuBLAS), and for llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized
+as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and
+``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor cores, for more rows), with
+``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it registers
+nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
+through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them).
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_K_MULTIPLE,
-        MMA_MAX_ROWS,
+        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_K_MULTIPLE, MMA_MAX_ROWS,
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
         gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
     )

@@ -4,9 +4,9 @@ All compute ``out = x @ w.T`` for ``x`` ``[M, K]`` (float16, bfloat16 or float32
 ``w`` ``[N, K]``, reading ``w.data`` (the GGUF bytes, never a repacked copy) directly, accumulating in
 float32 and returning ``x.dtype``. ``gemv`` (decode, up to ``GEMV_MAX_ROWS`` rows) multiplies on the CUDA cores,
 unpacking each weight once for a block of rows; ``mma_gemm`` (batched decode, up to ``MMA_MAX_ROWS`` rows) runs
-``mma.sync`` on weights each lane unpacks into its own tensor-core fragment (``fragments``);
-``gemm`` (batched decode and prefill) dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores) as its first
-operand, with K split over several programs when there are few rows; ``dequant_matmul`` writes the whole weight
+``mma.sync`` on weights each lane unpacks into its own tensor-core fragment (``fragments``); ``gemm`` (batched decode
+and prefill) dequantizes weight tiles into registers and feeds them to ``tl.dot`` (tensor cores) as its first operand,
+with K split over several programs when there are few rows; ``dequant_matmul`` writes the whole weight
 out once in ``x.dtype`` (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize
 that.
 ``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
@@ -88,10 +88,15 @@ class GemmConfig:
 @dataclass(frozen=True)
 class MmaConfig:
     """The fragment kernel's programs: 16 weight rows each, K dealt out over ``num_warps`` warps a step at a time
-    (their sums added at the end): one super-block for Q4_K, ``step_pairs`` pairs of 32-value blocks for the others."""
+    (their sums added at the end): one super-block for Q4_K and Q6_K, ``step_pairs`` pairs of 32-value blocks for the
+    others."""
 
     num_warps: int = 4
     step_pairs: int = 1
+
+    def step_values(self, fmt: str) -> int:
+        """Values of a row one warp takes per step."""
+        return 256 if fmt in ("Q4_K", "Q6_K") else 64 * self.step_pairs
 
 
 # Rows of activations (the m16n8k16 instruction's 8 columns) that ``mma_gemm`` takes, for every format. Programs over
@@ -161,8 +166,7 @@ def mma_config(n: int, k: int, device: torch.device, fmt: str) -> MmaConfig:
     programs, sms = triton.cdiv(n, 16), _sm_count(device)
     warps = 8 if programs <= 2 * sms or fmt == "Q6_K" else 4 if programs <= 16 * sms else 2
     config = MmaConfig(num_warps=warps)
-    step_values = 256 if fmt in ("Q4_K", "Q6_K") else 64 * config.step_pairs
-    while config.num_warps > 1 and config.num_warps > k // step_values:
+    while config.num_warps > 1 and config.num_warps > k // config.step_values(fmt):
         config = dataclasses.replace(config, num_warps=config.num_warps // 2)
     return config
 
