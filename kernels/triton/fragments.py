@@ -415,37 +415,45 @@ def _q6_k_row(w_ptr, block, valid, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _q6_k_quants(ql, qh, J: tl.constexpr):
+    """The 6-bit quants of group ``j`` of a quarter (``_q6_k_quarter``) in one word: the low (j = 0, 1) or high
+    (j = 2, 3) nibbles of ``ql`` under bits ``2 j`` of ``qh``."""
+    return ((ql >> (4 * (J // 2))) & 0x0F0F0F0F) | (((qh >> (2 * J)) & 0x03030303) << 4)
+
+
+@triton.jit
+def _q6_k_group_scale(scales, d, GROUP: tl.constexpr, USE_ASM: tl.constexpr):
+    """``d`` times the int8 scale of 16-value group ``GROUP``: byte ``GROUP % 4`` of the scales word that lane
+    ``GROUP // 4`` of the row holds."""
+    word = _group_lane(scales, GROUP // 4, USE_ASM)
+    return d * ((word << (24 - 8 * (GROUP % 4))) >> 24).to(tl.float32)
+
+
+@triton.jit
 def _q6_k_quarter(acc0, acc1, acc2, acc3, top_a, top_b, top_high, top_scales, top_d, bottom_a, bottom_b, bottom_high,
                   bottom_scales, bottom_d, x_quarter, H: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr,
                   USE_ASM: tl.constexpr):
     """``acc`` plus the dots of the 4 scale groups ``8 H + HALF + 2 j`` of a Q6_K super-block (values
     ``128 H + 32 j + 16 HALF ..``, activations from uint8 pointer ``x_quarter``, ``j`` apart by 64 bytes), one
-    instruction each: the low (j = 0, 1) or high (j = 2, 3) nibbles of ql word ``a`` (even j) or ``b`` (odd j), and
-    bits ``2 j`` of qh word ``high``, make ``q`` in 0..63; the group's dot is ``d scale (sum (MAGIC + q) x - (MAGIC +
-    32) sum x)``."""
+    instruction each: ql word ``a`` (even j) or ``b`` (odd j) and qh word ``high`` make ``q`` in 0..63
+    (``_q6_k_quants``); the group's dot is ``d scale (sum (MAGIC + q) x - (MAGIC + 32) sum x)``."""
     MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
     t8 = (tl.arange(0, top_a.shape[0]) % 4) * 8
     zero = tl.zeros(top_a.shape, tl.float32)
     for j in tl.static_range(4):
         if j % 2 == 0:
-            top_low, bottom_low = top_a, bottom_a
+            top_q, bottom_q = _q6_k_quants(top_a, top_high, j), _q6_k_quants(bottom_a, bottom_high, j)
         else:
-            top_low, bottom_low = top_b, bottom_b
-        top_q = ((top_low >> (4 * (j // 2))) & 0x0F0F0F0F) | (((top_high >> (2 * j)) & 0x03030303) << 4)
-        bottom_q = ((bottom_low >> (4 * (j // 2))) & 0x0F0F0F0F) | (((bottom_high >> (2 * j)) & 0x03030303) << 4)
+            top_q, bottom_q = _q6_k_quants(top_b, top_high, j), _q6_k_quants(bottom_b, bottom_high, j)
         x0, x1 = load_words(x_quarter + 64 * j + t8, 2, USE_ASM)
         c0, c1, c2, c3 = plane_mma(top_q, bottom_q, x0, x1, zero, zero, zero, zero, BF16, USE_ASM)
         s0, s1 = column_sum(x0, x1, zero, zero, BF16, USE_ASM)
-        # group 8 H + HALF + 2 j: byte (HALF + 2 j) % 4 of the scales word of lane 2 H + (HALF + 2 j) // 4
-        shift = 24 - 8 * ((HALF + 2 * j) % 4)
-        top_word = _group_lane(top_scales, 2 * H + (HALF + 2 * j) // 4, USE_ASM)
-        bottom_word = _group_lane(bottom_scales, 2 * H + (HALF + 2 * j) // 4, USE_ASM)
-        top_a_j = top_d * ((top_word << shift) >> 24).to(tl.float32)
-        bottom_a_j = bottom_d * ((bottom_word << shift) >> 24).to(tl.float32)
-        acc0 += top_a_j * (c0 - (MAGIC + 32.0) * s0)
-        acc1 += top_a_j * (c1 - (MAGIC + 32.0) * s1)
-        acc2 += bottom_a_j * (c2 - (MAGIC + 32.0) * s0)
-        acc3 += bottom_a_j * (c3 - (MAGIC + 32.0) * s1)
+        top_scale = _q6_k_group_scale(top_scales, top_d, 8 * H + HALF + 2 * j, USE_ASM)
+        bottom_scale = _q6_k_group_scale(bottom_scales, bottom_d, 8 * H + HALF + 2 * j, USE_ASM)
+        acc0 += top_scale * (c0 - (MAGIC + 32.0) * s0)
+        acc1 += top_scale * (c1 - (MAGIC + 32.0) * s1)
+        acc2 += bottom_scale * (c2 - (MAGIC + 32.0) * s0)
+        acc3 += bottom_scale * (c3 - (MAGIC + 32.0) * s1)
     return acc0, acc1, acc2, acc3
 
 
