@@ -27,8 +27,7 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS,
-    dequant_matmul,
+    DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, dequant_matmul,
     dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
 )
 from workbench.kernels.triton.matmul import (  # noqa: E402
