@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
     DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, dequant_matmul,
-    dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
+    dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
 )
 from workbench.kernels.triton.matmul import (  # noqa: E402
     GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, mma_config,
@@ -182,16 +182,19 @@ class TestInterpreted:
         """On mma.sync fragments: 20 weight rows (a full and a partial tile of 16), K = 768 (3 super-blocks, 12 pairs
         of blocks; Q6_K rows of 630 bytes, so every other row starts 2 bytes past a word) dealt to 1, 2 and 4 warps,
         one or two pairs a step (the last step of 2 warps over super-blocks, and of 4 warps of two pairs, leaves warps
-        past the row's end), 1, 3 and 8 rows of activations (8 fill the instruction's columns; fewer re-read the last
-        row)."""
+        past the row's end), 1, 3, 8 and 13 rows of activations (8 fill the instruction's columns; fewer re-read the
+        last row; 13 take a second tile of 8, partly filled, on the same unpacked weights, and leave the first tile's
+        results as they are without it)."""
         rng = np.random.default_rng([FORMATS.index(fmt), dtype.itemsize, 6])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         for m, config in [(1, MmaConfig(num_warps=1)), (3, MmaConfig(num_warps=2)),
-                          (MMA_MAX_ROWS, MmaConfig(num_warps=4, step_pairs=2))]:
+                          (8, MmaConfig(num_warps=4, step_pairs=2)), (13, MmaConfig(num_warps=2))]:
             x = torch.from_numpy(rng.standard_normal((m, self.K))).to(dtype)
             out = mma_gemm(x, w, config)
             assert out.shape == (m, self.N) and out.dtype == dtype
             assert relative_error(out, x.double().numpy() @ reference.T) < 2 * ROUNDING_TOL[dtype], (m, config)
+            if m > 8:
+                assert torch.equal(out[:8], mma_gemm(x[:8].contiguous(), w, config)), config
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_dequantize(self, fmt):
@@ -358,8 +361,8 @@ class TestCuda:
     SHAPES = {32: [(1536, 576), (1024, 4096), (4096, 14336)], 256: [(576, 1536), (1024, 4096), (4096, 14336)]}
     # (rows, dtype): decode (GEMV), batched decode (GEMV, few-row GEMM, K split), prefill (GEMM, dequantize + cuBLAS).
     BATCHES = [
-        (1, torch.bfloat16), (1, torch.float16), (3, torch.bfloat16), (8, torch.bfloat16), (16, torch.float16),
-        (40, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16),
+        (1, torch.bfloat16), (1, torch.float16), (3, torch.bfloat16), (8, torch.bfloat16), (12, torch.bfloat16),
+        (16, torch.float16), (40, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16),
     ]
 
     @pytest.mark.parametrize("fmt", FORMATS)
@@ -372,8 +375,8 @@ class TestCuda:
             for m, dtype in self.BATCHES:
                 x = torch.randn(m, k, device="cuda").to(dtype)
                 mma = m <= MMA_MAX_ROWS and k % MMA_K_MULTIPLE == 0
-                kind = ("gemv" if m <= gemv_rows(fmt) else "mma" if mma else "gemm" if m < DEQUANT_MATMUL_MIN_ROWS
-                        else "dequant-matmul")
+                kind = ("gemv" if m <= gemv_rows(fmt) else "mma" if mma and m <= mma_rows(fmt) else "gemm"
+                        if m < DEQUANT_MATMUL_MIN_ROWS else "dequant-matmul")
                 assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
                 expected = (x.double() @ reference.T).cpu().numpy()
                 # The GEMM and the dense matmul round the weights to the activation dtype too.
@@ -390,11 +393,13 @@ class TestCuda:
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_mma_config(self, fmt):
-        """Powers of two, and no more warps than a row has steps (6 super-blocks at K = 1536)."""
+        """Powers of two, and no more warps than a row has steps (6 super-blocks at K = 1536), for one and two tiles of
+        activation rows."""
         for n, k in [(576, 1536), (4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (16, 256), (16, 64)]:
-            config = mma_config(n, k, torch.device("cuda"), fmt)
-            warps = config.num_warps
-            assert warps & (warps - 1) == 0 and 1 <= warps <= max(1, k // config.step_values(fmt)), (n, k, warps)
+            for m in (8, MMA_MAX_ROWS):
+                config = mma_config(n, k, torch.device("cuda"), fmt, m)
+                warps = config.num_warps
+                assert warps & (warps - 1) == 0 and 1 <= warps <= max(1, k // config.step_values(fmt)), (n, k, m, warps)
 
     def test_unsupported_dtype_falls_back(self):
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0].to("cuda")

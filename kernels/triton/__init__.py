@@ -1,7 +1,7 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
-rows of activations: decode), ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to ``MMA_MAX_ROWS`` rows
+rows of activations: decode), ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to ``mma_rows(fmt)`` rows
 of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
 ``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
 one dequantizing pass, then cuBLAS), and for llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized
@@ -31,7 +31,7 @@ if AVAILABLE:
     from .matmul import (
         ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_K_MULTIPLE, MMA_MAX_ROWS,
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
-        gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, quantize_activations,
+        gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
 
     # From this many rows on, dequantize-then-cuBLAS (which also needs the whole weight dequantized, N x K values, for
@@ -70,7 +70,7 @@ if AVAILABLE:
         for fmt in SUPPORTED_FORMATS:
             name = fmt.lower()
             register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, gemv_rows(fmt)), gemv))
-            mma_supports = _supports(fmt, MMA_MAX_ROWS, MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
+            mma_supports = _supports(fmt, mma_rows(fmt), MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
             register_kernel(Kernel(f"triton-mma-{name}", "cuda", mma_supports, mma_gemm))
             register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
             register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
@@ -88,7 +88,8 @@ if AVAILABLE:
     __all__ = [
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
-        "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm", "quantize_activations",
+        "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm", "mma_rows",
+        "quantize_activations",
         "register",
     ]
 else:

@@ -4,9 +4,11 @@
 its registers (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane ``4 g + t`` holds A's rows ``g`` and ``g + 8`` at
 k = ``2t, 2t + 1`` and ``2t + 8, 2t + 9`` (two 16-bit values per register, four registers), B's column ``g`` at the
 same k (two registers), and the result's rows ``g``, ``g + 8`` at columns ``2t``, ``2t + 1`` (four float32).
-Here A is 16 weight rows and B's columns are up to 8 rows of activations. Every tensor of these kernels holds one
+Here A is 16 weight rows and B's columns are 8 rows of activations. Every weight tensor of these kernels holds one
 value per lane (shape ``[32 * warps]``), so each lane loads and unpacks exactly the weights of its own A registers:
-no tile goes through shared memory to reach the tensor cores, as ``tl.dot``'s operands do.
+no tile goes through shared memory to reach the tensor cores, as ``tl.dot``'s operands do. Activations (B) and sums
+(C) come in tiles of 8 rows, shape ``[tiles, 32 * warps]``, a lane holding its value of each tile: the weights,
+broadcast over the tiles, are unpacked once for one instruction per tile.
 
 Which 16 values of K one instruction covers is free, as long as A and B agree on it. A quant q becomes the 16-bit
 float ``MAGIC + q`` (bfloat16 128 + q for q < 128, float16 1024 + q for q < 1024, both exact) with a mask and a byte
@@ -30,7 +32,7 @@ with ``tl.load`` and computes each instruction as the sums it stands for.
 import triton
 import triton.language as tl
 
-from .dequant import Q4_0, Q4_1, Q8_0, f16_halves, four_words, q4_k_chunk_scales
+from .dequant import Q4_0, Q4_1, Q8_0, f16_halves, q4_k_chunk_scales
 
 
 @triton.jit
@@ -50,12 +52,14 @@ def load_words(p, COUNT: tl.constexpr, USE_ASM: tl.constexpr):
         else:
             words = tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [p],
                                               dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    elif COUNT == 1:
-        words = tl.load(p.to(tl.pointer_type(tl.int32)))
-    elif COUNT == 2:
-        words = tl.load(p.to(tl.pointer_type(tl.int32))), tl.load(p.to(tl.pointer_type(tl.int32)) + 1)
-    else:
-        words = four_words(p)
+    else:  # word by word, for pointers of any shape
+        p = p.to(tl.pointer_type(tl.int32))
+        if COUNT == 1:
+            words = tl.load(p)
+        elif COUNT == 2:
+            words = tl.load(p), tl.load(p + 1)
+        else:
+            words = tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
     return words
 
 
@@ -115,19 +119,30 @@ def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, BF16: tl.constexpr, USE_ASM: tl.
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
             "{$10, $11, $12, $13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    d0, d1 = _emulated_mma_rows(a0, a2, b0, b1, BF16)
-    d2, d3 = _emulated_mma_rows(a1, a3, b0, b1, BF16)
-    return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+    # Emulated over the lanes of every tile: B and C are [tiles, lanes], A [1, lanes] (the same weights in each tile).
+    a0, a1, a2, a3 = _flat(a0, b0), _flat(a1, b0), _flat(a2, b0), _flat(a3, b0)
+    x0, x1 = _flat(b0, b0), _flat(b1, b0)
+    d0, d1 = _emulated_mma_rows(a0, a2, x0, x1, BF16)
+    d2, d3 = _emulated_mma_rows(a1, a3, x0, x1, BF16)
+    return (c0 + tl.reshape(d0, b0.shape), c1 + tl.reshape(d1, b0.shape), c2 + tl.reshape(d2, b0.shape),
+            c3 + tl.reshape(d3, b0.shape))
+
+
+@triton.jit
+def _flat(v, like):
+    """``v`` broadcast to the 2-D shape of ``like``, flattened."""
+    return tl.reshape(tl.broadcast_to(v, like.shape), (like.shape[0] * like.shape[1],))
 
 
 @triton.jit
 def plane_mma(top, bottom, x0, x1, c0, c1, c2, c3, BF16: tl.constexpr, USE_ASM: tl.constexpr):
-    """``c`` plus one instruction's sums of ``(MAGIC + q) x``: ``top`` and ``bottom`` hold 4 quants (bytes, below 128
-    for bfloat16) of the lane's two weight rows, ``x0``, ``x1`` its 4 matching activations of its column."""
+    """``c`` plus one instruction's sums of ``(MAGIC + q) x`` per tile: ``top`` and ``bottom`` hold 4 quants (bytes,
+    below 128 for bfloat16) of the lane's two weight rows, ``x0``, ``x1`` its 4 matching activations of its column in
+    each tile."""
     MAGIC_BYTE: tl.constexpr = 0x43 if BF16 else 0x64
     t01, t23 = _magic_pairs(top, MAGIC_BYTE, USE_ASM)
     b01, b23 = _magic_pairs(bottom, MAGIC_BYTE, USE_ASM)
-    return mma(t01, b01, t23, b23, x0, x1, c0, c1, c2, c3, BF16, USE_ASM)
+    return mma(t01[None, :], b01[None, :], t23[None, :], b23[None, :], x0, x1, c0, c1, c2, c3, BF16, USE_ASM)
 
 
 @triton.jit
@@ -147,7 +162,7 @@ def nibble_sub_block_sums(top0, top1, bottom0, bottom1, x0, x1, x2, x3, SHIFT: t
     """For 8 bytes of quants of the lane's two weight rows (words ``top0, top1`` and ``bottom0, bottom1``), the nibbles
     at bit ``SHIFT`` of each byte (one sub-block), and the lane's 8 matching activations (words ``x0..x3``): the sums
     of ``(MAGIC + q) x`` as a result fragment ``(c0, c1, c2, c3)``, and those of ``x`` (columns ``2t``, ``2t + 1``)."""
-    zero = tl.zeros(top0.shape, tl.float32)
+    zero = tl.zeros(x0.shape, tl.float32)
     c0, c1, c2, c3 = plane_mma((top0 >> SHIFT) & 0x0F0F0F0F, (bottom0 >> SHIFT) & 0x0F0F0F0F, x0, x1,
                                zero, zero, zero, zero, BF16, USE_ASM)
     c0, c1, c2, c3 = plane_mma((top1 >> SHIFT) & 0x0F0F0F0F, (bottom1 >> SHIFT) & 0x0F0F0F0F, x2, x3,
@@ -175,13 +190,13 @@ def _sub_block_affine(d, dmin, scale, minimum, MAGIC: tl.constexpr):
 @triton.jit
 def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16: tl.constexpr,
                        USE_ASM: tl.constexpr):
-    """``acc`` (a result fragment) plus the dots of one Q4_K super-block of the lane's rows (uint8 pointers ``top``,
-    ``bottom`` to it) with the activations of its column (uint8 pointer ``x_lane`` to the super-block's values, moved
-    on by the lane's ``16 t`` bytes); nothing where ``valid`` is false.
+    """``acc`` (a result fragment per tile) plus the dots of one Q4_K super-block of the lane's rows (uint8 pointers
+    ``top``, ``bottom`` to it) with the activations of its column in each tile (uint8 pointers ``x_lane`` to the
+    super-block's values, moved on by the lane's ``16 t`` bytes); nothing where ``valid`` is false.
 
-    Super-block (144 bytes): f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | 4 chunks of 32 bytes, whose
-    low nibbles are sub-block ``2 c`` and high nibbles sub-block ``2 c + 1``. Lane t takes bytes ``8 t .. 8 t + 7`` of
-    each chunk: values ``8 t .. 8 t + 7`` of both its sub-blocks."""
+    Super-block (144 bytes): f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | 4 chunks of 32 bytes, whose low
+    nibbles are sub-block ``2 c`` and high nibbles sub-block ``2 c + 1``. Lane t takes bytes ``8 t .. 8 t + 7`` of each
+    chunk: values ``8 t .. 8 t + 7`` of both its sub-blocks."""
     MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
     lane_t = (tl.arange(0, top.shape[0]) % 4) * 8
     top_d, top_dmin, top_s0, top_s1, top_s2 = _q4_k_header(top, valid, USE_ASM)
@@ -198,10 +213,10 @@ def q4_k_fragment_dots(acc0, acc1, acc2, acc3, top, bottom, x_lane, valid, BF16:
             top_a, top_b = _sub_block_affine(top_d, top_dmin, top_scales[2 * half], top_scales[2 * half + 1], MAGIC)
             bottom_a, bottom_b = _sub_block_affine(bottom_d, bottom_dmin, bottom_scales[2 * half],
                                                    bottom_scales[2 * half + 1], MAGIC)
-            acc0 += top_a * c0 - top_b * s0
-            acc1 += top_a * c1 - top_b * s1
-            acc2 += bottom_a * c2 - bottom_b * s0
-            acc3 += bottom_a * c3 - bottom_b * s1
+            acc0 += top_a[None, :] * c0 - top_b[None, :] * s0
+            acc1 += top_a[None, :] * c1 - top_b[None, :] * s1
+            acc2 += bottom_a[None, :] * c2 - bottom_b[None, :] * s0
+            acc3 += bottom_a[None, :] * c3 - bottom_b[None, :] * s1
     return acc0, acc1, acc2, acc3
 
 
@@ -294,7 +309,7 @@ def _block_planes(top_low, top_high, bottom_low, bottom_high, xa0, xa1, xb0, xb1
     (high nibbles; the same word) for the 4-bit formats; for Q8_0 of u = q + 128, bytes ``4 t ..`` of each 16 in
     ``low`` and ``high``, as one plane in float16 and as ``16 (MAGIC + u / 16) + (MAGIC + u % 16)`` in bfloat16,
     where only values below 128 are exact."""
-    zero = tl.zeros(top_low.shape, tl.float32)
+    zero = tl.zeros(xa0.shape, tl.float32)
     if FMT == Q8_0:
         top_low, top_high = top_low ^ -0x7F7F7F80, top_high ^ -0x7F7F7F80  # 0x80808080: signed bytes as q + 128
         bottom_low, bottom_high = bottom_low ^ -0x7F7F7F80, bottom_high ^ -0x7F7F7F80
@@ -333,14 +348,14 @@ def _block_dots(acc0, acc1, acc2, acc3, top_d, top_m, top_low, top_high, bottom_
     rows, with the activations at uint8 pointer ``x_row``: lane t takes values ``4 t ..`` of the block's first and
     last 16."""
     t8 = (tl.arange(0, top_low.shape[0]) % 4) * 8
-    xa0, xa1 = load_words(x_row + t8, 2, USE_ASM)
-    xb0, xb1 = load_words(x_row + 32 + t8, 2, USE_ASM)
+    xa0, xa1 = load_words(x_row + t8[None, :], 2, USE_ASM)
+    xb0, xb1 = load_words(x_row + 32 + t8[None, :], 2, USE_ASM)
     zero = tl.zeros(xa0.shape, tl.float32)
     s0, s1 = column_sum(xa0, xa1, zero, zero, BF16, USE_ASM)
     s0, s1 = column_sum(xb0, xb1, s0, s1, BF16, USE_ASM)
     c0, c1, c2, c3 = _block_planes(top_low, top_high, bottom_low, bottom_high, xa0, xa1, xb0, xb1, FMT, BF16, USE_ASM)
-    top_a, top_b = _block_affine(top_d, top_m, FMT, BF16)
-    bottom_a, bottom_b = _block_affine(bottom_d, bottom_m, FMT, BF16)
+    top_a, top_b = _block_affine(top_d[None, :], top_m[None, :], FMT, BF16)
+    bottom_a, bottom_b = _block_affine(bottom_d[None, :], bottom_m[None, :], FMT, BF16)
     return (acc0 + top_a * c0 - top_b * s0, acc1 + top_a * c1 - top_b * s1,
             acc2 + bottom_a * c2 - bottom_b * s0, acc3 + bottom_a * c3 - bottom_b * s1)
 
@@ -358,9 +373,9 @@ def _q4_1_fields(w_ptr, block, valid):
 @triton.jit
 def legacy_pair_dots(acc0, acc1, acc2, acc3, w_ptr, top, bottom, x_row, valid, FMT: tl.constexpr,
                      BF16: tl.constexpr, USE_ASM: tl.constexpr):
-    """``acc`` (a result fragment) plus the dots of a pair of 32-value Q4_0, Q4_1 or Q8_0 blocks of the lane's rows (at
-    4-byte aligned byte offsets ``top``, ``bottom`` of ``w_ptr``) with the activations of its column (uint8 pointer
-    ``x_row`` to the pair's values); nothing where ``valid`` is false."""
+    """``acc`` (a result fragment per tile) plus the dots of a pair of 32-value Q4_0, Q4_1 or Q8_0 blocks of the lane's
+    rows (at 4-byte aligned byte offsets ``top``, ``bottom`` of ``w_ptr``) with the activations of its column in each
+    tile (uint8 pointers ``x_row`` to the pair's values); nothing where ``valid`` is false."""
     if FMT == Q4_1:
         for i in tl.static_range(2):
             top_d, top_m, top_quants = _q4_1_fields(w_ptr, top + 20 * i, valid)
@@ -439,17 +454,17 @@ def _q6_k_quarter(acc0, acc1, acc2, acc3, top_a, top_b, top_high, top_scales, to
     (``_q6_k_quants``); the group's dot is ``d scale (sum (MAGIC + q) x - (MAGIC + 32) sum x)``."""
     MAGIC: tl.constexpr = 128.0 if BF16 else 1024.0
     t8 = (tl.arange(0, top_a.shape[0]) % 4) * 8
-    zero = tl.zeros(top_a.shape, tl.float32)
     for j in tl.static_range(4):
         if j % 2 == 0:
             top_q, bottom_q = _q6_k_quants(top_a, top_high, j), _q6_k_quants(bottom_a, bottom_high, j)
         else:
             top_q, bottom_q = _q6_k_quants(top_b, top_high, j), _q6_k_quants(bottom_b, bottom_high, j)
-        x0, x1 = load_words(x_quarter + 64 * j + t8, 2, USE_ASM)
+        x0, x1 = load_words(x_quarter + 64 * j + t8[None, :], 2, USE_ASM)
+        zero = tl.zeros(x0.shape, tl.float32)
         c0, c1, c2, c3 = plane_mma(top_q, bottom_q, x0, x1, zero, zero, zero, zero, BF16, USE_ASM)
         s0, s1 = column_sum(x0, x1, zero, zero, BF16, USE_ASM)
-        top_scale = _q6_k_group_scale(top_scales, top_d, 8 * H + HALF + 2 * j, USE_ASM)
-        bottom_scale = _q6_k_group_scale(bottom_scales, bottom_d, 8 * H + HALF + 2 * j, USE_ASM)
+        top_scale = _q6_k_group_scale(top_scales, top_d, 8 * H + HALF + 2 * j, USE_ASM)[None, :]
+        bottom_scale = _q6_k_group_scale(bottom_scales, bottom_d, 8 * H + HALF + 2 * j, USE_ASM)[None, :]
         acc0 += top_scale * (c0 - (MAGIC + 32.0) * s0)
         acc1 += top_scale * (c1 - (MAGIC + 32.0) * s1)
         acc2 += bottom_scale * (c2 - (MAGIC + 32.0) * s0)
@@ -460,10 +475,10 @@ def _q6_k_quarter(acc0, acc1, acc2, acc3, top_a, top_b, top_high, top_scales, to
 @triton.jit
 def q6_k_fragment_dots(acc0, acc1, acc2, acc3, w_ptr, top, bottom, x_row, valid, BF16: tl.constexpr,
                        USE_ASM: tl.constexpr):
-    """``acc`` (a result fragment) plus the dots of one Q6_K super-block of the lane's rows (at even byte offsets
-    ``top``, ``bottom`` of ``w_ptr``) with the activations of its column (uint8 pointer ``x_row`` to the super-block's
-    values); nothing where ``valid`` is false. Each 16-value scale group is one instruction, lane t taking values
-    ``4 t .. 4 t + 3`` of it."""
+    """``acc`` (a result fragment per tile) plus the dots of one Q6_K super-block of the lane's rows (at even byte
+    offsets ``top``, ``bottom`` of ``w_ptr``) with the activations of its column in each tile (uint8 pointers ``x_row``
+    to the super-block's values); nothing where ``valid`` is false. Each 16-value scale group is one instruction, lane t
+    taking values ``4 t .. 4 t + 3`` of it."""
     (t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, top_scales, top_d) = _q6_k_row(w_ptr, top, valid, USE_ASM)
     (b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, bottom_scales, bottom_d) = _q6_k_row(w_ptr, bottom, valid,
                                                                                           USE_ASM)

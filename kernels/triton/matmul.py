@@ -99,12 +99,21 @@ class MmaConfig:
         return 256 if fmt in ("Q4_K", "Q6_K") else 64 * self.step_pairs
 
 
-# Rows of activations (the m16n8k16 instruction's 8 columns) that ``mma_gemm`` takes, for every format. Programs over
-# further 8-row tiles, re-reading each weight tile from L2, were measured for Q4_K: at 12-16 rows they tied with the
-# GEMM on the large Llama-3-8B shapes, from 24 rows on they lost (bench/RESULTS.md, thirteenth session).
-MMA_MAX_ROWS = 8
+# Rows of activations ``mma_gemm`` takes: one or two tiles of 8 (the m16n8k16 instruction's columns), each tile an
+# instruction on the same unpacked weights. Four tiles (17-32 rows) ran at 0.66-1.01x the GEMM's speed on the
+# Llama-3-8B shapes in every format on an H100 (bench/RESULTS.md, fifteenth session); programs over further 8-row tiles
+# that re-read the weights from L2 had tied with it at 12-16 rows (thirteenth session).
+MMA_MAX_ROWS = 16
 MMA_K_MULTIPLE = 64  # pairs of 32-value blocks, so that each pair starts at a multiple of 4 bytes
 MMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def mma_rows(fmt: str) -> int:
+    """Rows of activations up to which ``mma_gemm`` outruns the GEMM on the Llama-3-8B shapes on an H100
+    (bench/RESULTS.md, fifteenth session): at 9-16 rows, two tiles of 8, it is 1.04-1.46x faster in every format but
+    Q4_1, whose GEMM is the faster on two of the three shapes (0.84-0.91x); for Q4_1 the one-tile kernel, up to 8
+    rows."""
+    return 8 if fmt == "Q4_1" else MMA_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -156,15 +165,16 @@ def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
 
 
-def mma_config(n: int, k: int, device: torch.device, fmt: str) -> MmaConfig:
+def mma_config(n: int, k: int, device: torch.device, fmt: str, m: int = 8) -> MmaConfig:
     """8 warps per 16 weight rows while there are at most two such tiles per multiprocessor, 4 up to sixteen, else 2,
     and no more warps than steps in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for Q4_K
     on the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session). Q6_K ran best on
-    8 warps on all of them, or within 1 % (fourteenth session)."""
+    8 warps on all of them up to 8 rows, or within 1 % (fourteenth session); at 16 rows it takes Q4_K's rule
+    (14336x4096: 45.8 us on 4 warps against 52.8 on 8, fifteenth session)."""
     # The 32-value formats, measured on the same shapes at 8 rows (fourteenth session), ran best with Q4_K's warps and
     # one pair of blocks per step, or within 3 % of the best.
     programs, sms = triton.cdiv(n, 16), _sm_count(device)
-    warps = 8 if programs <= 2 * sms or fmt == "Q6_K" else 4 if programs <= 16 * sms else 2
+    warps = 8 if programs <= 2 * sms or (fmt == "Q6_K" and m <= 8) else 4 if programs <= 16 * sms else 2
     config = MmaConfig(num_warps=warps)
     while config.num_warps > 1 and config.num_warps > k // config.step_values(fmt):
         config = dataclasses.replace(config, num_warps=config.num_warps // 2)
@@ -311,18 +321,21 @@ def _quantize_q8_kernel(x_ptr, q_ptr, scales_ptr, sums_ptr):
 
 @triton.jit
 def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                STEP_PAIRS: tl.constexpr, WARPS: tl.constexpr, USE_ASM: tl.constexpr):
-    # One program per 16 weight rows; its warps take every WARPS-th step of K: a super-block (Q4_K) or STEP_PAIRS
-    # pairs of blocks. Each tensor holds one value per lane (``fragments``): lane 4 g + t has weight rows g and g + 8,
-    # and activation row g (re-reading row M - 1 past M, never stored).
+                STEP_PAIRS: tl.constexpr, WARPS: tl.constexpr, TILES: tl.constexpr, USE_ASM: tl.constexpr):
+    # One program per 16 weight rows; its warps take every WARPS-th step of K: a super-block (Q4_K, Q6_K) or STEP_PAIRS
+    # pairs of blocks. Each weight tensor holds one value per lane (``fragments``): lane 4 g + t has weight rows g and
+    # g + 8. The activations come in TILES tiles of 8 rows, one instruction each on the same unpacked weights: the
+    # activation tensors are [TILES, lanes], lane 4 g + t holding row 8 i + g of tile i (re-reading row M - 1 past M,
+    # never stored).
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     first_row = tl.program_id(0) * 16
     lane = tl.arange(0, 32 * WARPS)
     warp, g, t = lane // 32, (lane % 32) // 4, lane % 4
     top = tl.minimum(first_row + g, N - 1).to(tl.int64) * row_bytes
     bottom = tl.minimum(first_row + g + 8, N - 1).to(tl.int64) * row_bytes
-    x_row = x_ptr.to(tl.pointer_type(tl.uint8)) + tl.minimum(g, M - 1).to(tl.int64) * (2 * K)
-    acc0 = tl.zeros(lane.shape, tl.float32)
+    x_rows = tl.minimum(8 * tl.arange(0, TILES)[:, None] + g[None, :], M - 1)
+    x_row = x_ptr.to(tl.pointer_type(tl.uint8)) + x_rows.to(tl.int64) * (2 * K)
+    acc0 = tl.zeros((TILES, 32 * WARPS), tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     if FMT == Q4_K or FMT == Q6_K:
         n_blocks = K // 256
@@ -333,11 +346,11 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TY
             if FMT == Q4_K:
                 acc0, acc1, acc2, acc3 = q4_k_fragment_dots(
                     acc0, acc1, acc2, acc3, w_ptr + top + block * 144, w_ptr + bottom + block * 144,
-                    x_row + block * 512 + 16 * t, valid, BF16, USE_ASM)
+                    x_row + (block * 512 + 16 * t)[None, :], valid, BF16, USE_ASM)
             else:
                 acc0, acc1, acc2, acc3 = q6_k_fragment_dots(
-                    acc0, acc1, acc2, acc3, w_ptr, top + block * 210, bottom + block * 210, x_row + block * 512,
-                    valid, BF16, USE_ASM)
+                    acc0, acc1, acc2, acc3, w_ptr, top + block * 210, bottom + block * 210,
+                    x_row + (block * 512)[None, :], valid, BF16, USE_ASM)
     else:
         n_pairs = K // 64
         for step in range(0, tl.cdiv(n_pairs, STEP_PAIRS * WARPS)):
@@ -347,10 +360,11 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TY
                 pair = tl.minimum(pair, n_pairs - 1)
                 acc0, acc1, acc2, acc3 = legacy_pair_dots(
                     acc0, acc1, acc2, acc3, w_ptr, top + pair * (2 * TYPE_SIZE), bottom + pair * (2 * TYPE_SIZE),
-                    x_row + pair * 128, valid, FMT, BF16, USE_ASM)
-    # Lane 4 g + t now holds out[2 t, row g], out[2 t + 1, row g], out[2 t, row g + 8], out[2 t + 1, row g + 8].
+                    x_row + (pair * 128)[None, :], valid, FMT, BF16, USE_ASM)
+    # In tile i, lane 4 g + t now holds out[8 i + 2 t, row g], out[8 i + 2 t + 1, row g], out[8 i + 2 t, row g + 8],
+    # out[8 i + 2 t + 1, row g + 8].
     lane = tl.arange(0, 32)
-    rows, columns = first_row + lane // 4, 2 * (lane % 4)
+    rows, columns = first_row + lane // 4, 8 * tl.arange(0, TILES)[:, None] + 2 * (lane % 4)[None, :]
     _store_fragment(acc0, out_ptr, columns, rows, M, N, WARPS)
     _store_fragment(acc1, out_ptr, columns + 1, rows, M, N, WARPS)
     _store_fragment(acc2, out_ptr, columns, rows + 8, M, N, WARPS)
@@ -359,10 +373,11 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TY
 
 @triton.jit
 def _store_fragment(acc, out_ptr, m_rows, n_rows, M, N, WARPS: tl.constexpr):
-    """The sum over the warps of one result register, stored at ``out[m_rows, n_rows]``."""
-    total = tl.sum(tl.reshape(acc, (WARPS, 32)), axis=0)
-    out = out_ptr + m_rows.to(tl.int64) * N + n_rows
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(m_rows < M) & (n_rows < N))
+    """The sum over the warps of one result register (``[tiles, lanes]``), stored at ``out[m_rows, n_rows]``
+    (``[tiles, 32]``, ``[32]``)."""
+    total = tl.sum(tl.reshape(acc, (acc.shape[0], WARPS, 32)), axis=1)
+    out = out_ptr + m_rows.to(tl.int64) * N + n_rows[None, :]
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(m_rows < M) & (n_rows < N)[None, :])
 
 
 @triton.jit
@@ -604,7 +619,8 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
 
 def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` for up to ``MMA_MAX_ROWS`` rows of float16 or bfloat16 ``x`` (K a multiple of ``MMA_K_MULTIPLE``), on the
-    tensor cores, each lane unpacking the weights of its own fragment (``fragments``): batched decode."""
+    tensor cores, each lane unpacking the weights of its own fragment (``fragments``) once for every 8 rows of ``x``:
+    batched decode."""
     if config is not None and config.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {config.num_warps}")
     if config is not None and config.step_pairs < 1:
@@ -614,10 +630,11 @@ def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -
     (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return out
-    config = config or mma_config(n, k, x.device, w.fmt.name)
+    config = config or mma_config(n, k, x.device, w.fmt.name, m)
     _mma_kernel[(triton.cdiv(n, 16),)](
         x, w.data, out, m, n, k, w.data.shape[1], FMT=layout.ggml_type, TYPE_SIZE=layout.type_size,
-        STEP_PAIRS=config.step_pairs, WARPS=config.num_warps, USE_ASM=not _interpreting(), num_warps=config.num_warps,
+        STEP_PAIRS=config.step_pairs, WARPS=config.num_warps, TILES=triton.cdiv(m, 8),
+        USE_ASM=not _interpreting(), num_warps=config.num_warps,
     )
     return out
 
