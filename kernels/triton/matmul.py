@@ -110,7 +110,7 @@ MMA_DTYPES = (torch.float16, torch.bfloat16)
 
 def mma_rows(fmt: str) -> int:
     """Rows of activations up to which ``mma_gemm`` outruns the GEMM on the Llama-3-8B shapes on an H100
-    (bench/RESULTS.md, fifteenth session): at 9-16 rows, two tiles of 8, it is 1.04-1.46x faster in every format but
+    (bench/RESULTS.md, fifteenth session): at 9-16 rows, two tiles of 8, it is 1.02-1.54x faster in every format but
     Q4_1, whose GEMM is the faster on two of the three shapes (0.84-0.91x); for Q4_1 the one-tile kernel, up to 8
     rows."""
     return 8 if fmt == "Q4_1" else MMA_MAX_ROWS
