@@ -194,8 +194,10 @@ def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmC
     """Tiles that ran best on an H100 (bench/RESULTS.md, twelfth session; ``bench/kernels.py --sweep`` times others).
     Up to 16 rows (batched decode): 64 weight rows by 8 or 16 activation rows per program, the loop not
     pipelined (staging the many narrow weight loads through shared memory cost more than it hid). Up to 64 rows K is
-    split until there are about 3.5 programs per multiprocessor: that ran 1.3-1.5x faster than fewer, longer programs
-    for a few rows, up to 2x at 32 and 64; at 128 rows and more it lost as often as it won."""
+    split in two while that leaves fewer than 7 programs per multiprocessor (up to 16 rows), or 2 (17-64 rows): for a
+    few rows that ran 1.3-1.5x faster than fewer, longer programs; from 17 rows on the fewer programs ran 1.12x faster
+    than splits to 7 per multiprocessor (geometric mean over every format and Llama-3-8B shape at 17-64 rows, at most
+    1.14x from the best split; fifteenth session); at 128 rows and more splitting lost as often as it won."""
     if m <= 16:
         config = GemmConfig(block_m=8 if m <= 8 else 16, block_n=64, block_u=8 if fmt == "Q8_0" else 4, num_warps=4,
                             num_stages=1)
@@ -207,8 +209,8 @@ def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmC
         config = GemmConfig(block_m=64 if m <= 64 else 128, block_n=64, block_u=4, num_warps=4, num_stages=3)
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     steps = triton.cdiv(k // 32, config.block_u)
-    split_k = 1
-    while m <= 64 and 2 * tiles * split_k < 7 * _sm_count(device) and 2 * split_k <= min(16, steps):
+    split_k, programs_per_sm = 1, 7 if m <= 16 else 2
+    while m <= 64 and 2 * tiles * split_k < programs_per_sm * _sm_count(device) and 2 * split_k <= min(16, steps):
         split_k *= 2
     return dataclasses.replace(config, split_k=split_k)
 
