@@ -165,7 +165,7 @@ def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
 
 
-def mma_config(n: int, k: int, device: torch.device, fmt: str, m: int = 8) -> MmaConfig:
+def mma_config(n: int, k: int, device: torch.device, fmt: str, m: int) -> MmaConfig:
     """8 warps per 16 weight rows while there are at most two such tiles per multiprocessor, 4 up to sixteen, else 2,
     and no more warps than steps in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for Q4_K
     on the Llama-3-8B shapes from 4096x4096 to 128256x4096 (bench/RESULTS.md, thirteenth session). Q6_K ran best on
