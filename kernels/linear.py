@@ -166,8 +166,14 @@ def _check_input(x: torch.Tensor, w: QuantTensor) -> None:
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
+    """``x`` as contiguous ``[rows, features]``; a 2-D input, the forward's case, costs no op call."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def _as_input_shape(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``[rows, out_features]`` result in ``x``'s leading shape."""
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -176,7 +182,7 @@ def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     x2 = _as_rows(x)
     kernel = _compiled_kernel(x2, w) if torch.compiler.is_compiling() else select_kernel(x2, w)
     out = _linear_op(x2, w.data, w.fmt.name, *w.shape) if kernel is None else kernel.run(x2, w)
-    return out.reshape(*x.shape[:-1], w.shape[0])
+    return _as_input_shape(out, x)
 
 
 def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Tensor]:
@@ -191,5 +197,5 @@ def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Te
     kernel = pick(x2, parts[0])
     if kernel is None or kernel.run_parts is None or any(pick(x2, w) is not kernel for w in parts[1:]):
         return [linear(x, w) for w in parts]
-    out = kernel.run_parts(x2, parts)
-    return list(out.reshape(*x.shape[:-1], out.shape[-1]).split([w.shape[0] for w in parts], dim=-1))
+    out = _as_input_shape(kernel.run_parts(x2, parts), x)
+    return list(out.split([w.shape[0] for w in parts], dim=-1))

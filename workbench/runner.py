@@ -95,10 +95,16 @@ class _Points:
         return x
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, with no op call when ``x`` already has it: the eager forward pays per call, even for a no-op."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, names: tuple[str, str],
              layer: int | None) -> torch.Tensor:
     """RMSNorm with TransformerLens' two hook points: the scale, and the normalized input before the weight."""
-    scale = point(names[0], torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype), layer)
+    scale = torch.rsqrt(as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + eps)
+    scale = point(names[0], as_dtype(scale, x.dtype), layer)
     normalized = point(names[1], x * scale, layer)
     return normalized * weight
 
@@ -121,7 +127,7 @@ def query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     if torch.compiler.is_compiling() and queries.shape[1] <= 16:
         return (queries.float()[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1).to(queries.dtype)
-    return queries @ keys.transpose(1, 2)
+    return torch.bmm(queries, keys.transpose(1, 2))
 
 
 class Transformer:
@@ -169,20 +175,25 @@ class Transformer:
         return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
     def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, d_head / 2]`` of each token's rope angles."""
-        return self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        """The factors ``rope`` multiplies by, ``[T, 1, d_head]`` each, laid out as the pairs it rotates: cos of the
+        pair's angle at both of its values, and sin with the sign each value's partner takes (-sin at the first)."""
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        if self.config.rope_interleaved:
+            return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def rope(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate ``[T, heads, d_head]`` (adjacent pairs, or the two halves of each head for "neox")."""
+        """Rotate each pair of ``[T, heads, d_head]`` (adjacent values, or for "neox" the two halves of each head):
+        ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, in three element-wise ops."""
         cos, sin = rotation
-        xf = x.float()
-        if self.config.rope_interleaved:
-            x0, x1 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-        else:
-            x0, x1 = xf.chunk(2, dim=-1)
-            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return out.to(x.dtype)
+        xf = as_dtype(x, torch.float32)
+        return as_dtype(xf * cos + self.partners(xf) * sin, x.dtype)
+
+    def partners(self, x: torch.Tensor) -> torch.Tensor:
+        """Each value's rope partner in its place: ``[.., x1, x0, ..]`` for a pair ``(x0, x1)``."""
+        half = self.config.d_head // 2
+        pairs = x.unflatten(-1, (half, 2) if self.config.rope_interleaved else (2, half))
+        return pairs.flip(-1 if self.config.rope_interleaved else -2).flatten(-2)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0) -> torch.Tensor:
@@ -246,10 +257,11 @@ class Transformer:
         group = c.n_heads // c.n_kv_heads
         # Query head h reads key/value head h // group, as in llama.cpp's broadcast.
         q_grouped = q.transpose(0, 1).reshape(c.n_kv_heads, group * n_new, c.d_head)
-        scores = query_key_dots(q_grouped, keys).view(c.n_heads, n_new, n_slots).float() / math.sqrt(c.d_head)
+        scores = as_dtype(query_key_dots(q_grouped, keys).view(c.n_heads, n_new, n_slots), torch.float32)
+        scores = scores / math.sqrt(c.d_head)
         scores = point(names["attn.hook_attn_scores"], scores.masked_fill(blocked, float("-inf")), i)
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
-        z = (pattern.to(values.dtype).view(c.n_kv_heads, group * n_new, n_slots) @ values)
+        z = torch.bmm(as_dtype(pattern, values.dtype).view(c.n_kv_heads, group * n_new, n_slots), values)
         z = point(names["attn.hook_z"], z.view(c.n_heads, n_new, c.d_head).transpose(0, 1), i)
         out = linear(z.reshape(n_new, c.n_heads * c.d_head), layer.wo)
         if point.wants(names["attn.hook_result"]):
