@@ -146,8 +146,10 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
 
 
-EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, traceable=True)
-LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, traceable=True, numerics="llamacpp")
+EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, traceable=True,
+               formats=tuple(SUPPORTED_TYPES.values()))
+LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, traceable=True, numerics="llamacpp",
+                  formats=tuple(SUPPORTED_TYPES.values()))
 register_kernel(EXACT)
 register_kernel(LLAMACPP)
 

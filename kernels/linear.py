@@ -33,6 +33,8 @@ class Kernel:
     traceable: bool = False
     # What it computes: "exact" (``x @ dequantize(w).T`` up to float rounding) or "llamacpp" (see ``set_numerics``).
     numerics: Numerics = "exact"
+    # The weight formats it reads (``supports`` is only asked for these); None: any, ``supports`` decides.
+    formats: tuple[str, ...] | None = None
 
 
 def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ def _dense_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return x @ weight.T
 
 
-DENSE = Kernel("dense-matmul", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES, _dense_matmul)
+DENSE = Kernel("dense-matmul", "any", lambda x, w: True, _dense_matmul, formats=tuple(FLOAT_DTYPES))
 
 
 def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -68,8 +70,8 @@ def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _blockwise_dequant_matmul(rounded, w).to(x.dtype)
 
 
-DENSE_LLAMACPP = Kernel("dense-matmul-llamacpp", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES,
-                        _dense_matmul_llamacpp, numerics="llamacpp")
+DENSE_LLAMACPP = Kernel("dense-matmul-llamacpp", "any", lambda x, w: True, _dense_matmul_llamacpp,
+                        numerics="llamacpp", formats=tuple(FLOAT_DTYPES))
 # Kernels for any device, tried after the device's own.
 FALLBACKS = (DENSE_LLAMACPP, DENSE, BLOCKWISE)
 
@@ -79,6 +81,20 @@ KERNELS: dict[str, list[Kernel]] = {"cpu": [], "cuda": []}
 
 def register_kernel(kernel: Kernel) -> None:
     KERNELS.setdefault(kernel.device_type, []).append(kernel)
+    _CANDIDATES.clear()
+
+
+# (device type, format) -> the kernels that may read it, in ``select_kernel``'s order: a matmul asks the ``supports`` of
+# a few kernels instead of every kernel of every format (on CUDA, 30).
+_CANDIDATES: dict[tuple[str, str], tuple[Kernel, ...]] = {}
+
+
+def _candidates(device_type: str, fmt: str) -> tuple[Kernel, ...]:
+    kernels = _CANDIDATES.get((device_type, fmt))
+    if kernels is None:
+        kernels = _CANDIDATES[(device_type, fmt)] = tuple(
+            k for k in (*KERNELS.get(device_type, []), *FALLBACKS) if k.formats is None or fmt in k.formats)
+    return kernels
 
 
 _numerics: Numerics = "exact"
@@ -114,7 +130,7 @@ def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
     """The first kernel (``x``'s device's, then ``FALLBACKS``) that takes ``(x, w)`` and computes the current
     numerics; else the first exact one, with a warning that names it."""
     exact = None
-    for kernel in (*KERNELS.get(x.device.type, []), *FALLBACKS):
+    for kernel in _candidates(x.device.type, w.fmt.name):
         if kernel.numerics in (_numerics, "exact") and kernel.supports(x, w):
             if kernel.numerics == _numerics:
                 return kernel

@@ -13,9 +13,11 @@ through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from ..linear import Kernel, register_kernel
+from ..linear import Kernel, Numerics, register_kernel
 from ..quant_tensor import QuantTensor
 
 try:
@@ -62,24 +64,24 @@ if AVAILABLE:
 
         return supports
 
+    def _register(kind: str, fmt: str, supports: Callable[[torch.Tensor, QuantTensor], bool],
+                  run: Callable[[torch.Tensor, QuantTensor], torch.Tensor], numerics: Numerics = "exact") -> None:
+        register_kernel(Kernel(f"triton-{kind}-{fmt.lower()}", "cuda", supports, run, numerics=numerics, formats=(fmt,)))
+
     def register() -> None:
         """Add the kernels to ``linear``'s CUDA list, narrowest first, since it takes the first that fits."""
         global REGISTERED
         if REGISTERED:
             return
         for fmt in SUPPORTED_FORMATS:
-            name = fmt.lower()
-            register_kernel(Kernel(f"triton-gemv-{name}", "cuda", _supports(fmt, gemv_rows(fmt)), gemv))
-            mma_supports = _supports(fmt, mma_rows(fmt), MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
-            register_kernel(Kernel(f"triton-mma-{name}", "cuda", mma_supports, mma_gemm))
-            register_kernel(Kernel(f"triton-gemm-{name}", "cuda", _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm))
-            register_kernel(Kernel(f"triton-dequant-matmul-{name}", "cuda", _supports(fmt, None), dequant_matmul))
+            _register("gemv", fmt, _supports(fmt, gemv_rows(fmt)), gemv)
+            _register("mma", fmt, _supports(fmt, mma_rows(fmt), MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE),
+                      mma_gemm)
+            _register("gemm", fmt, _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm)
+            _register("dequant-matmul", fmt, _supports(fmt, None), dequant_matmul)
         for fmt in LLAMACPP_FORMATS:
-            name = fmt.lower()
-            register_kernel(Kernel(f"triton-gemv-llamacpp-{name}", "cuda", _supports(fmt, LLAMACPP_GEMM_MIN_ROWS - 1),
-                                   gemv_llamacpp, numerics="llamacpp"))
-            register_kernel(Kernel(f"triton-gemm-llamacpp-{name}", "cuda", _supports(fmt, None), gemm_llamacpp,
-                                   numerics="llamacpp"))
+            _register("gemv-llamacpp", fmt, _supports(fmt, LLAMACPP_GEMM_MIN_ROWS - 1), gemv_llamacpp, "llamacpp")
+            _register("gemm-llamacpp", fmt, _supports(fmt, None), gemm_llamacpp, "llamacpp")
         REGISTERED = True
 
     if torch.cuda.is_available():

@@ -132,6 +132,7 @@ def gemv_units(k: int, fmt: str) -> int:
     return k // (64 if fmt == "Q4_K" else 32)
 
 
+@functools.cache  # a pure function of its arguments, asked on every matmul
 def gemv_config(k: int, fmt: str, m: int = 1) -> GemvConfig:
     """Enough warps to cover a row in few steps without leaving many threads idle on the last one; for several rows of
     activations, the tilings that ran best on an H100 (bench/RESULTS.md, eleventh session).
@@ -156,6 +157,7 @@ def gemv_config(k: int, fmt: str, m: int = 1) -> GemvConfig:
     return GemvConfig(num_warps=warps, block_u=32 * warps)
 
 
+@functools.cache  # a pure function of its arguments, asked on every matmul
 def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     """The Q8_K-activation Q4_K GEMV's tiling: on an H100 (bench/RESULTS.md, ninth and tenth sessions) 16 chunks per
     step ran best on rows of 4096 values and 32 on rows of 14336 for one row of activations; for several rows (2 and 4
@@ -165,6 +167,7 @@ def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
 
 
+@functools.cache  # a pure function of its arguments, asked on every matmul
 def mma_config(n: int, k: int, device: torch.device, fmt: str, m: int) -> MmaConfig:
     """8 warps per 16 weight rows while there are at most two such tiles per multiprocessor, 4 up to sixteen, else 2,
     and no more warps than steps in a row: the best, or within 3 % of the best, of 1-16 warps on an H100 for Q4_K
@@ -181,6 +184,7 @@ def mma_config(n: int, k: int, device: torch.device, fmt: str, m: int) -> MmaCon
     return config
 
 
+@functools.cache  # a pure function of its arguments, asked on every matmul
 def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
     """The llama.cpp-numerics GEMM's tiles, picked by ``bench/kernels.py --numerics llamacpp --sweep`` on an H100, with
     weight tiles narrowed as in ``gemm_config`` while there are fewer programs than multiprocessors."""
@@ -190,6 +194,7 @@ def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
     return config
 
 
+@functools.cache  # a pure function of its arguments, asked on every matmul
 def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmConfig:
     """Tiles that ran best on an H100 (bench/RESULTS.md, twelfth session; ``bench/kernels.py --sweep`` times others).
     Up to 16 rows (batched decode): 64 weight rows by 8 or 16 activation rows per program, the loop not
