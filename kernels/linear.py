@@ -33,7 +33,8 @@ class Kernel:
     traceable: bool = False
     # What it computes: "exact" (``x @ dequantize(w).T`` up to float rounding) or "llamacpp" (see ``set_numerics``).
     numerics: Numerics = "exact"
-    # The weight formats it reads (``supports`` is only asked for these); None: any, ``supports`` decides.
+    # The weight formats it reads, so that ``select_kernel`` skips it for others without asking ``supports`` (which
+    # still says no to them); None: any format.
     formats: tuple[str, ...] | None = None
 
 
@@ -60,7 +61,8 @@ def _dense_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return x @ weight.T
 
 
-DENSE = Kernel("dense-matmul", "any", lambda x, w: True, _dense_matmul, formats=tuple(FLOAT_DTYPES))
+DENSE = Kernel("dense-matmul", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES, _dense_matmul,
+               formats=tuple(FLOAT_DTYPES))
 
 
 def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -70,8 +72,8 @@ def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _blockwise_dequant_matmul(rounded, w).to(x.dtype)
 
 
-DENSE_LLAMACPP = Kernel("dense-matmul-llamacpp", "any", lambda x, w: True, _dense_matmul_llamacpp,
-                        numerics="llamacpp", formats=tuple(FLOAT_DTYPES))
+DENSE_LLAMACPP = Kernel("dense-matmul-llamacpp", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES,
+                        _dense_matmul_llamacpp, numerics="llamacpp", formats=tuple(FLOAT_DTYPES))
 # Kernels for any device, tried after the device's own.
 FALLBACKS = (DENSE_LLAMACPP, DENSE, BLOCKWISE)
 

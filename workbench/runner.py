@@ -184,7 +184,8 @@ class Transformer:
 
     def rope(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate each pair of ``[T, heads, d_head]`` (adjacent values, or for "neox" the two halves of each head):
-        ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, in three element-wise ops."""
+        ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, as two products and a sum over each value's
+        partner: the same floats as the formula, in fewer op calls."""
         cos, sin = rotation
         xf = as_dtype(x, torch.float32)
         return as_dtype(xf * cos + self.partners(xf) * sin, x.dtype)
