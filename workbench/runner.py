@@ -188,13 +188,18 @@ class Transformer:
         partner: the same floats as the formula, in fewer op calls."""
         cos, sin = rotation
         xf = as_dtype(x, torch.float32)
-        return as_dtype(xf * cos + self.partners(xf) * sin, x.dtype)
-
-    def partners(self, x: torch.Tensor) -> torch.Tensor:
-        """Each value's rope partner in its place: ``[.., x1, x0, ..]`` for a pair ``(x0, x1)``."""
         half = self.config.d_head // 2
-        pairs = x.unflatten(-1, (half, 2) if self.config.rope_interleaved else (2, half))
-        return pairs.flip(-1 if self.config.rope_interleaved else -2).flatten(-2)
+        shape, member_axis = ((half, 2), -1) if self.config.rope_interleaved else ((2, half), -2)
+        pairs = xf.unflatten(-1, shape)
+        if torch.compiler.is_compiling() and x.device.type == "cpu":
+            # inductor's C++ code runs the formula over the pair members faster than the flip, its Triton code slower
+            # (compiled decode steps, bench/RESULTS.md, sixteenth session)
+            x0, x1 = pairs.unbind(member_axis)
+            cos, sin = cos.unflatten(-1, shape).select(member_axis, 0), sin.unflatten(-1, shape).select(member_axis, 1)
+            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=member_axis).flatten(-2)
+        else:
+            out = xf * cos + pairs.flip(member_axis).flatten(-2) * sin
+        return as_dtype(out, x.dtype)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0) -> torch.Tensor:
