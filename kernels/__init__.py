@@ -6,6 +6,7 @@ from .linear import (
 from .quant_tensor import QuantTensor
 
 from . import cpu  # noqa: E402  registers the C++ GGUF kernels (built on first use)
+from . import layer_ops  # noqa: E402
 from . import triton as _triton  # noqa: E402  registers the Triton CUDA kernels where CUDA and triton exist
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "KERNELS",
     "linear",
     "linear_parts",
+    "layer_ops",
     "register_kernel",
     "select_kernel",
     "numerics",

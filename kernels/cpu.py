@@ -113,7 +113,7 @@ def quantize_activations(x: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 def _runs_here(x: torch.Tensor, w: QuantTensor) -> bool:
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.dtype in _FLOAT_DTYPES
         and w.fmt.ggml_type in SUPPORTED_TYPES
         and extension() is not None

@@ -91,6 +91,11 @@ def register_kernel(kernel: Kernel) -> None:
 _CANDIDATES: dict[tuple[str, str], tuple[Kernel, ...]] = {}
 
 
+def device_type(x: torch.Tensor) -> str:
+    """``x.device.type``, without building a device object for CPU tensors: asked on every matmul."""
+    return "cpu" if x.is_cpu else x.device.type
+
+
 def _candidates(device_type: str, fmt: str) -> tuple[Kernel, ...]:
     kernels = _CANDIDATES.get((device_type, fmt))
     if kernels is None:
@@ -132,7 +137,7 @@ def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
     """The first kernel (``x``'s device's, then ``FALLBACKS``) that takes ``(x, w)`` and computes the current
     numerics; else the first exact one, with a warning that names it."""
     exact = None
-    for kernel in _candidates(x.device.type, w.fmt.name):
+    for kernel in _candidates(device_type(x), w.fmt.name):
         if kernel.numerics in (_numerics, "exact") and kernel.supports(x, w):
             if kernel.numerics == _numerics:
                 return kernel
@@ -216,4 +221,4 @@ def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Te
     if kernel is None or kernel.run_parts is None or any(pick(x2, w) is not kernel for w in parts[1:]):
         return [linear(x, w) for w in parts]
     out = _as_input_shape(kernel.run_parts(x2, parts), x)
-    return list(out.split([w.shape[0] for w in parts], dim=-1))
+    return list(out.split_with_sizes([w.shape[0] for w in parts], dim=-1))

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.kernels import linear
+from workbench.kernels import layer_ops, linear
 
 from .activations import block_hook
 
@@ -23,8 +23,7 @@ _ROWS_PER_CHUNK = 1024
 def final_norm(model: Any, resid: torch.Tensor) -> torch.Tensor:
     """The final RMSNorm of the model on a residual ``[..., d_model]``, op for op as the runner computes it."""
     x = resid.to(model.device, model.dtype)
-    scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + model.config.rms_eps).to(x.dtype)
-    return x * scale * model.runner.weights.final_norm
+    return layer_ops.rms_norm(x, model.runner.weights.final_norm, model.config.rms_eps)[1]
 
 
 def unembed(model: Any, normed: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,20 @@ def test_recording_everything_leaves_logits_bit_identical(tiny):
     assert set(recorded.activations) == set(tiny.hook_points())
 
 
+def test_edits_of_either_norm_point_reach_the_output(tiny):
+    """Doubling a norm's scale and doubling its normalized input are the same edit (a power of two scales exactly), so
+    the logits agree bit for bit, and differ from the plain run's, whichever norm it is."""
+    def double(x, ctx):
+        return 2 * x
+
+    plain = tiny.forward(IDS)
+    for norm in ("blocks.0.ln1", "blocks.1.ln2", "ln_final"):
+        by_scale = tiny.forward(IDS, interventions=[(f"{norm}.hook_scale", double)])
+        by_normalized = tiny.forward(IDS, interventions=[(f"{norm}.hook_normalized", double)])
+        assert torch.equal(by_scale, by_normalized), norm
+        assert not torch.equal(by_scale, plain), norm
+
+
 def test_recorded_shapes_match_hook_points(tiny):
     trace = tiny.run(IDS, record=["*"])
     T = len(IDS)

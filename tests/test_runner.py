@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workbench.kernels import layer_ops
 from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config
 
@@ -34,3 +35,36 @@ def test_rope_rotates_each_pair_by_its_angle(device, architecture, dtype):
     assert rotated.dtype == dtype
     assert torch.equal(rotated, expected.to(dtype))
     assert not torch.equal(rotated[1:], x[1:])  # positions past 0 do rotate
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 4096), (2, 3, 96)])  # a decode row, prefill rows, a stack of them
+def test_rms_norm_matches_its_definition(device, dtype, shape):
+    """The scale is 1 / sqrt(mean(x^2) + eps) to float32 rounding (then rounded to the dtype), and the output is
+    (x * scale) * weight rounded product by product, as the hooked forward recomputes it from the scale."""
+    generator = torch.Generator().manual_seed(len(shape))
+    x = (3 * torch.randn(shape, generator=generator)).to(device, dtype)
+    weight = torch.randn(shape[-1], generator=generator).to(device, dtype)
+    eps = 1e-5
+    scale, out = layer_ops.rms_norm(x, weight, eps)
+    assert scale.shape == (*shape[:-1], 1) and scale.dtype == dtype and out.shape == shape and out.dtype == dtype
+
+    expected = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    tolerance = 4 * 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    assert ((scale.double() - expected).abs() / expected).max() <= tolerance
+    assert torch.equal(out, x * scale * weight)
+
+
+def test_cpu_layer_ops_refuse_bad_shapes():
+    """The C++ ops check what they are given; the forward never hands them these."""
+    from workbench.kernels import cpu
+    ext = cpu.extension()
+    if ext is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    with pytest.raises(RuntimeError, match="rms_norm weight has 5 values for rows of 4"):
+        ext.rms_norm(torch.randn(2, 4), torch.randn(5), 1e-5)
+    with pytest.raises(RuntimeError, match="rope needs x"):
+        ext.rope(torch.randn(1, 2, 8), torch.randn(1, 1, 6), torch.randn(1, 1, 6), False)
+    with pytest.raises(RuntimeError, match="contiguous 3-D float32"):
+        ext.rope(torch.randn(1, 2, 8).double(), torch.randn(1, 1, 8), torch.randn(1, 1, 8), False)

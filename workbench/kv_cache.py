@@ -8,8 +8,11 @@ import torch
 from workbench.errors import WorkbenchError
 
 
-def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor:
-    """True where new token i (the last ``n_new`` of ``n_slots``) may not attend: slots after its own."""
+def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor | None:
+    """True where new token i (the last ``n_new`` of ``n_slots``) may not attend: slots after its own. None for one
+    new token, which sees every slot: a decode step then masks nothing (and calls no op to do it)."""
+    if n_new == 1:
+        return None
     return torch.ones(n_new, n_slots, dtype=torch.bool, device=device).triu(n_slots - n_new + 1)
 
 
@@ -45,8 +48,9 @@ class KVCache:
     def capacity(self) -> int:
         return self._positions.shape[0]
 
-    def prepare(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for ``n_new`` tokens; their rope positions ``[T]`` and the slots each may not see ``[T, S]``."""
+    def prepare(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Room for ``n_new`` tokens; their rope positions ``[T]`` and the slots each may not see ``[T, S]`` (None:
+        every slot)."""
         self.reserve(n_new)
         start = self.next_position
         positions = torch.arange(start, start + n_new, device=self.device)

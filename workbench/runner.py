@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError
-from workbench.kernels import QuantTensor, linear, linear_parts
+from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
+from workbench.kernels.layer_ops import as_dtype
 from workbench.kv_cache import KVCache, StaticKVCache, causal_mask
 from workbench.weights import ModelWeights
 
@@ -95,16 +96,15 @@ class _Points:
         return x
 
 
-def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, with no op call when ``x`` already has it: the eager forward pays per call, even for a no-op."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, names: tuple[str, str],
              layer: int | None) -> torch.Tensor:
-    """RMSNorm with TransformerLens' two hook points: the scale, and the normalized input before the weight."""
-    scale = torch.rsqrt(as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + eps)
-    scale = point(names[0], as_dtype(scale, x.dtype), layer)
+    """RMSNorm with TransformerLens' two hook points: the scale, and the normalized input before the weight. With a
+    hook on either, the products after it are taken from what the hooks return; they round as the norm's own do,
+    so a hook that returns its input changes no bit."""
+    scale, out = layer_ops.rms_norm(x, weight, eps)
+    if not (point.wants(names[0]) or point.wants(names[1])):
+        return out
+    scale = point(names[0], scale, layer)
     normalized = point(names[1], x * scale, layer)
     return normalized * weight
 
@@ -114,7 +114,7 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     kernel call for all of them where the kernel takes several weights (``linear_parts``)."""
     if stacked is None:
         return linear_parts(x, parts)
-    return list(linear(x, stacked).split([w.shape[0] for w in parts], dim=-1))
+    return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
 def query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -184,22 +184,8 @@ class Transformer:
 
     def rope(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate each pair of ``[T, heads, d_head]`` (adjacent values, or for "neox" the two halves of each head):
-        ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, as two products and a sum over each value's
-        partner: the same floats as the formula, in fewer op calls."""
-        cos, sin = rotation
-        xf = as_dtype(x, torch.float32)
-        half = self.config.d_head // 2
-        shape, member_axis = ((half, 2), -1) if self.config.rope_interleaved else ((2, half), -2)
-        pairs = xf.unflatten(-1, shape)
-        if torch.compiler.is_compiling() and x.device.type == "cpu":
-            # inductor's C++ code runs the formula over the pair members faster than the flip, its Triton code slower
-            # (compiled decode steps, bench/RESULTS.md, sixteenth session)
-            x0, x1 = pairs.unbind(member_axis)
-            cos, sin = cos.unflatten(-1, shape).select(member_axis, 0), sin.unflatten(-1, shape).select(member_axis, 1)
-            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=member_axis).flatten(-2)
-        else:
-            out = xf * cos + pairs.flip(member_axis).flatten(-2) * sin
-        return as_dtype(out, x.dtype)
+        ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32."""
+        return layer_ops.rope(x, *rotation, self.config.rope_interleaved)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0) -> torch.Tensor:
@@ -240,8 +226,8 @@ class Transformer:
             cache.commit(positions, ids)
         return logits
 
-    def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor], blocked: torch.Tensor,
-                  cache: KVCache | None, point: _Points) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
+                  blocked: torch.Tensor | None, cache: KVCache | None, point: _Points) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
         q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
@@ -265,7 +251,9 @@ class Transformer:
         q_grouped = q.transpose(0, 1).reshape(c.n_kv_heads, group * n_new, c.d_head)
         scores = as_dtype(query_key_dots(q_grouped, keys).view(c.n_heads, n_new, n_slots), torch.float32)
         scores = scores / math.sqrt(c.d_head)
-        scores = point(names["attn.hook_attn_scores"], scores.masked_fill(blocked, float("-inf")), i)
+        if blocked is not None:
+            scores = scores.masked_fill(blocked, float("-inf"))
+        scores = point(names["attn.hook_attn_scores"], scores, i)
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
         z = torch.bmm(as_dtype(pattern, values.dtype).view(c.n_kv_heads, group * n_new, n_slots), values)
         z = point(names["attn.hook_z"], z.view(c.n_heads, n_new, c.d_head).transpose(0, 1), i)

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 #if defined(__AVX2__)
@@ -663,6 +664,91 @@ torch::Tensor quantize_activations(const torch::Tensor& x, int64_t ggml_type) {
   return visit_format(ggml_type, [&](auto format) { return quantize_activations_as<typename decltype(format)::Act>(x); });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The forward's small per-token ops: one op call each where torch takes four to six. In an eager decode step these
+// ops cost their calls, not their arithmetic. Each product and sum is rounded to float32 on its own (no contraction
+// into fused multiply-adds), as the separate torch ops round them.
+
+void check_floats(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == dim,
+              "workbench cpu kernels: ", name, " must be a contiguous ", dim, "-D float32 CPU tensor, got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+// RMSNorm of each row of x [T, d]: scale = 1 / sqrt(mean(x^2) + eps) as [T, 1] (squares rounded to float32, summed
+// in double), and out = (x * scale) * weight.
+__attribute__((optimize("fp-contract=off")))
+std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_floats(x, "x", 2);
+  check_floats(weight, "weight", 1);
+  TORCH_CHECK(weight.size(0) == x.size(1), "workbench cpu kernels: rms_norm weight has ", weight.size(0),
+              " values for rows of ", x.size(1));
+  const int64_t rows = x.size(0), d = x.size(1);
+  torch::Tensor scale = torch::empty({rows, 1}, x.options()), out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = scale.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = xp + t * d;
+      double sum = 0.0;
+      for (int64_t i = 0; i < d; ++i) {
+        const float square = xr[i] * xr[i];
+        sum += square;
+      }
+      const float mean = static_cast<float>(sum / static_cast<double>(d));
+      const float s = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+      sp[t] = s;
+      for (int64_t i = 0; i < d; ++i) {
+        const float normalized = xr[i] * s;
+        op[t * d + i] = normalized * wp[i];
+      }
+    }
+  });
+  return {scale, out};
+}
+
+// Rope of x [T, H, D]: out = x * cos + partner(x) * sin with cos and sin [T, 1, D] (the runner's rotation(): cos at
+// both values of a pair, sin signed for each value), the partner of value i being i ^ 1 (adjacent pairs) or i +- D/2
+// (the two halves of each head).
+__attribute__((optimize("fp-contract=off")))
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved) {
+  check_floats(x, "x", 3);
+  check_floats(cos, "cos", 3);
+  check_floats(sin, "sin", 3);
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(d % 2 == 0 && cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == 1 && cos.size(2) == d,
+              "workbench cpu kernels: rope needs x [T, H, D] (D even) and cos, sin [T, 1, D], got ", x.sizes(), ", ",
+              cos.sizes(), ", ", sin.sizes());
+  torch::Tensor out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tokens * heads, std::max<int64_t>(1, (1 << 15) / d), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float *xr = xp + row * d, *c = cp + row / heads * d, *s = sp + row / heads * d;
+      float* o = op + row * d;
+      if (interleaved) {
+        for (int64_t i = 0; i < d; i += 2) {
+          const float a0 = xr[i] * c[i], b0 = xr[i + 1] * s[i];
+          const float a1 = xr[i + 1] * c[i + 1], b1 = xr[i] * s[i + 1];
+          o[i] = a0 + b0;
+          o[i + 1] = a1 + b1;
+        }
+      } else {
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = xr[i] * c[i], b = xr[i + half] * s[i];
+          o[i] = a + b;
+        }
+        for (int64_t i = half; i < d; ++i) {
+          const float a = xr[i] * c[i], b = xr[i - half] * s[i];
+          o[i] = a + b;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // Registered as torch ops in a namespace named after the build (one per ISA, so several builds can be loaded at
@@ -677,10 +763,15 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("linear_llamacpp(Tensor x, Tensor packed, int ggml_type, int rows, int cols) -> Tensor");
   // ggml-cpu's Q8_0 / Q8_1 / Q8_K blocks of x for a weight type
   m.def("quantize_activations(Tensor x, int ggml_type) -> Tensor");
+  // RMSNorm's scale and output, and the rope, for the runner's eager CPU forward
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
 }
 
 WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("linear_exact", &linear_exact);
   m.impl("linear_llamacpp", &linear_llamacpp);
   m.impl("quantize_activations", &quantize_activations);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
 }

@@ -1,0 +1,62 @@
+"""The forward's small per-token ops besides the matmuls: RMSNorm and the rope.
+
+On the CPU, for float32 tensors outside ``torch.compile``, each is one call of the C++ extension
+(``csrc/cpu_kernels.cpp``), where the torch formula takes four to six op calls: an eager CPU decode step pays
+per call far more than these ops' arithmetic costs. Everywhere else (CUDA, other dtypes, compiled graphs, no
+built extension) they are the torch formulas, which ``torch.compile`` fuses with their neighbours. Both compute
+every product and sum with float32 rounding; the norm's mean of squares is summed in double in C++ and by
+torch's reduction otherwise, so the two may differ in the last bit of the scale.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+
+
+def _native(x: torch.Tensor, factor: torch.Tensor) -> bool:
+    """Whether the C++ op takes ``x`` and its factors (``weight``, or ``cos`` and ``sin``, of ``factor``'s device and
+    dtype): float32 CPU tensors, eager, and the extension built. Attribute reads only: this runs per op call."""
+    return (
+        x.is_cpu and factor.is_cpu and x.dtype == torch.float32 and factor.dtype == torch.float32
+        and not torch.compiler.is_compiling() and cpu.extension() is not None
+    )
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, with no op call when ``x`` already has it: the eager forward pays per call, even for a no-op."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last axis of ``x`` ``[..., d]``: the scale ``1 / sqrt(mean(x^2) + eps)`` ``[..., 1]``
+    (computed in float32, in ``x``'s dtype) and ``(x * scale) * weight``."""
+    if _native(x, weight):
+        if x.dim() == 2:  # the forward's case: no reshapes
+            return cpu.extension().rms_norm(x.contiguous(), weight.contiguous(), eps)
+        scale, out = cpu.extension().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
+        return scale.view(*x.shape[:-1], 1), out.view(x.shape)
+    scale = as_dtype(torch.rsqrt(as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    return scale, x * scale * weight
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate each pair of values of ``x`` ``[T, heads, d_head]`` (adjacent values, or the two halves of each head):
+    ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, returned in ``x``'s dtype. ``cos`` and ``sin``
+    ``[T, 1, d_head]`` hold each pair's factors at both of its values, sin signed for each value (-sin at the first):
+    ``x * cos + partner(x) * sin`` is the formula in two products and a sum."""
+    if _native(x, cos):
+        return cpu.extension().rope(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
+    xf = as_dtype(x, torch.float32)
+    half = x.shape[-1] // 2
+    shape, member_axis = ((half, 2), -1) if interleaved else ((2, half), -2)
+    pairs = xf.unflatten(-1, shape)
+    if torch.compiler.is_compiling() and x.device.type == "cpu":
+        # inductor's C++ code runs the formula over the pair members faster than the flip, its Triton code slower
+        # (compiled decode steps, bench/RESULTS.md, sixteenth session)
+        x0, x1 = pairs.unbind(member_axis)
+        cos, sin = cos.unflatten(-1, shape).select(member_axis, 0), sin.unflatten(-1, shape).select(member_axis, 1)
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=member_axis).flatten(-2)
+    else:
+        out = xf * cos + pairs.flip(member_axis).flatten(-2) * sin
+    return as_dtype(out, x.dtype)
