@@ -51,7 +51,7 @@ def test_rms_norm_matches_its_definition(device, dtype, shape):
     assert scale.shape == (*shape[:-1], 1) and scale.dtype == dtype and out.shape == shape and out.dtype == dtype
 
     expected = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
-    tolerance = 4 * 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    tolerance = 2.0**-21 if dtype == torch.float32 else 2.0**-8  # a few float32 roundings; one bfloat16 rounding
     assert ((scale.double() - expected).abs() / expected).max() <= tolerance
     assert torch.equal(out, x * scale * weight)
 
