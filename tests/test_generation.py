@@ -34,6 +34,19 @@ def test_cached_decode_equals_full_recompute(small):
     assert list(generate_tokens(small.runner, prompt, 8)) == greedy_by_full_forward(small, prompt, 8)
 
 
+def test_a_callers_cache_stays_editable_after_generation(small):
+    """Generation runs its own cache under inference mode, never a caller's: a cache grown during generation keeps
+    ordinary tensors, which surgery edits in place afterwards, and the tokens are those of the loop's own cache."""
+    prompt = [10, 20, 30, 40]
+    cache = small.runner.new_cache(capacity=2)  # grown inside the forward
+    tokens = list(generate_tokens(small.runner, prompt, 8, cache=cache))
+    assert tokens == list(generate_tokens(small.runner, prompt, 8))
+    assert not any(t.is_inference() for t in (*cache._keys, *cache._values))
+    cache.delete_positions([1])
+    cache.truncate(5)
+    assert cache.length == 5
+
+
 def test_cache_logits_match_full_forward(small):
     ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
     full = small.runner.forward(ids)
