@@ -1,17 +1,18 @@
 """The forward's small per-token ops besides the matmuls: RMSNorm and the rope.
 
-On the CPU, for float32 tensors outside ``torch.compile``, each is one call of the C++ extension
-(``csrc/cpu_kernels.cpp``), where the torch formula takes four to six op calls: an eager CPU decode step pays
-per call far more than these ops' arithmetic costs. Everywhere else (CUDA, other dtypes, compiled graphs, no
-built extension) they are the torch formulas, which ``torch.compile`` fuses with their neighbours. Both compute
-every product and sum with float32 rounding; the norm's mean of squares is summed in double in C++ and by
-torch's reduction otherwise, so the two may differ in the last bit of the scale.
+Eagerly, each is one call where the torch formula takes four to eight op calls, and an eager forward pays per call
+far more than these ops' arithmetic costs: on the CPU (float32) a call of the C++ extension (``csrc/cpu_kernels.cpp``),
+on CUDA a Triton kernel (``triton/norm_rope.py``). Elsewhere (CPU half precision, inside ``torch.compile``, which
+fuses them with their neighbours, or with neither backend built) they are the torch formulas. All compute every
+product and sum with float32 rounding, the rope to the same bits; the norm's scale may differ between them in the
+last bit, since each sums the squares in its own order.
 """
 from __future__ import annotations
 
 import torch
 
 from . import cpu
+from . import triton as _triton
 
 
 def _native(x: torch.Tensor, factor: torch.Tensor) -> bool:
@@ -21,6 +22,11 @@ def _native(x: torch.Tensor, factor: torch.Tensor) -> bool:
         x.is_cpu and factor.is_cpu and x.dtype == torch.float32 and factor.dtype == torch.float32
         and not torch.compiler.is_compiling() and cpu.extension() is not None
     )
+
+
+def _on_triton(x: torch.Tensor, factor: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes ``x`` and its factors: CUDA tensors, eager, Triton installed."""
+    return x.is_cuda and factor.is_cuda and _triton.AVAILABLE and not torch.compiler.is_compiling()
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -36,6 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
             return cpu.extension().rms_norm(x.contiguous(), weight.contiguous(), eps)
         scale, out = cpu.extension().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
         return scale.view(*x.shape[:-1], 1), out.view(x.shape)
+    if _on_triton(x, weight) and weight.dtype == x.dtype:
+        return _triton.rms_norm(x, weight, eps)
     scale = as_dtype(torch.rsqrt(as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + eps), x.dtype)
     return scale, x * scale * weight
 
@@ -47,6 +55,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     ``x * cos + partner(x) * sin`` is the formula in two products and a sum."""
     if _native(x, cos):
         return cpu.extension().rope(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
+    if _on_triton(x, cos):
+        return _triton.rope(x, cos, sin, interleaved)
     xf = as_dtype(x, torch.float32)
     half = x.shape[-1] // 2
     shape, member_axis = ((half, 2), -1) if interleaved else ((2, half), -2)

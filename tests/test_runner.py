@@ -68,3 +68,22 @@ def test_cpu_layer_ops_refuse_bad_shapes():
         ext.rope(torch.randn(1, 2, 8), torch.randn(1, 1, 6), torch.randn(1, 1, 6), False)
     with pytest.raises(RuntimeError, match="contiguous 3-D float32"):
         ext.rope(torch.randn(1, 2, 8).double(), torch.randn(1, 1, 8), torch.randn(1, 1, 8), False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype):
+    """On CUDA the norms run as one Triton kernel and the hooked path multiplies in torch: recording every point
+    leaves the logits as they are, and doubling a scale equals doubling its normalized input."""
+    checkpoint = random_checkpoint(random_config("llama", n_layers=2), "Q8_0", seed=3)
+    model = Model(checkpoint, device="cuda", dtype=dtype)
+    ids = [5, 17, 42, 99, 7]
+    plain = model.run(ids).logits
+    assert torch.equal(model.run(ids, record=["*"]).logits, plain)
+
+    def double(x, ctx):
+        return 2 * x
+
+    by_scale = model.forward(ids, interventions=[("blocks.1.ln1.hook_scale", double)])
+    assert torch.equal(by_scale, model.forward(ids, interventions=[("blocks.1.ln1.hook_normalized", double)]))
+    assert not torch.equal(by_scale, model.forward(ids))

@@ -28,7 +28,8 @@ pytest.importorskip("triton")
 from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
     DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, dequant_matmul,
-    dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
+    dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations, rms_norm,
+    rope,
 )
 from workbench.kernels.triton.matmul import (  # noqa: E402
     GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, mma_config,
@@ -122,6 +123,38 @@ class TestInterpreted:
         assert out.shape == (1, self.N) and out.dtype == dtype
         tolerance = 2 * ROUNDING_TOL[dtype] if dtype == torch.bfloat16 else ROUNDING_TOL[dtype]
         assert relative_error(out, x.double().numpy() @ reference.T) < tolerance
+
+    # bfloat16 is left to the CUDA tests (tests/test_runner.py): the interpreter truncates to it instead of rounding.
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_rms_norm(self, dtype):
+        """Rows of 40 and 96 values (blocks of 64 and 128 with masked lanes), 2-D and 3-D: the scale to a few float32
+        roundings, the output the torch ops' products of it, bit for bit."""
+        generator = torch.Generator().manual_seed(8)
+        for shape in [(3, 40), (2, 2, 96)]:
+            x = (3 * torch.randn(shape, generator=generator)).to(dtype)
+            weight = torch.randn(shape[-1], generator=generator).to(dtype)
+            scale, out = rms_norm(x, weight, 1e-5)
+            expected = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+            bound = 2.0**-21 if dtype == torch.float32 else 2.0**-11
+            assert scale.shape == (*shape[:-1], 1) and scale.dtype == dtype
+            assert ((scale.double() - expected).abs() / expected).max() <= bound, shape
+            assert torch.equal(out, x * scale * weight), shape
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    @pytest.mark.parametrize("interleaved", [True, False], ids=["adjacent-pairs", "halves"])
+    def test_rope(self, dtype, interleaved):
+        """Heads of 48 values (a block of 64 with masked lanes) read from a slice of a wider row, as the forward's q is a
+        slice of the stacked q/k/v output; 20 heads in two blocks of 16: the torch formula's bits."""
+        generator = torch.Generator().manual_seed(9)
+        tokens, heads, d = 3, 20, 48
+        wide = torch.randn(tokens, heads * d + 16, generator=generator).to(dtype)
+        x = wide[:, : heads * d].view(tokens, heads, d)
+        cos, sin = torch.randn(2, tokens, 1, d, generator=generator).unbind(0)
+        half = d // 2
+        shape, axis = ((half, 2), -1) if interleaved else ((2, half), -2)
+        expected = (x.float() * cos + x.float().unflatten(-1, shape).flip(axis).flatten(-2) * sin).to(dtype)
+        out = rope(x, cos, sin, interleaved)
+        assert out.is_contiguous() and torch.equal(out, expected)
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_gemv_several_units_per_thread(self, fmt):
