@@ -34,14 +34,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {weight.dtype} {tuple(weight.shape)} for input {x.dtype} {tuple(x.shape)}")
     d = x.shape[-1]
-    rows = x.reshape(-1, d).contiguous()
+    # The forward's [T, d] input costs no reshape, copy or view: each is a host op call of its own.
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, d).contiguous()
     scale = torch.empty(rows.shape[0], 1, dtype=x.dtype, device=x.device)
     out = torch.empty_like(rows)
     if rows.numel():
         block = triton.next_power_of_2(d)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), scale, out, d, eps, BLOCK=block,
-                                           num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
-    return scale.view(*x.shape[:-1], 1), out.view(x.shape)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight if weight.is_contiguous() else weight.contiguous(), scale, out,
+                                           d, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+                                           enable_fp_fusion=False)
+    return (scale, out) if x.dim() == 2 else (scale.view(*x.shape[:-1], 1), out.view(x.shape))
 
 
 @triton.jit
@@ -74,7 +76,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     if out.numel():
         block_h = min(triton.next_power_of_2(heads), 16)
         _rope_kernel[(tokens, triton.cdiv(heads, block_h))](
-            x, cos.contiguous(), sin.contiguous(), out, heads, x.stride(0), x.stride(1), d,
+            x, cos if cos.is_contiguous() else cos.contiguous(), sin if sin.is_contiguous() else sin.contiguous(), out,
+            heads, x.stride(0), x.stride(1), d,
             INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 64 else 2,
             enable_fp_fusion=False,
         )
