@@ -1,11 +1,13 @@
-"""The forward's small per-token ops besides the matmuls: RMSNorm and the rope.
+"""The forward's per-token ops besides the weight matmuls: RMSNorm, the rope, and attention's two products.
 
 Eagerly, each is one call where the torch formula takes four to eight op calls, and an eager forward pays per call
 far more than these ops' arithmetic costs: on the CPU (float32) a call of the C++ extension (``csrc/cpu_kernels.cpp``),
 on CUDA a Triton kernel (``triton/norm_rope.py``). Elsewhere (CPU half precision, inside ``torch.compile``, which
 fuses them with their neighbours, or with neither backend built) they are the torch formulas. All compute every
 product and sum with float32 rounding, the rope to the same bits; the norm's scale may differ between them in the
-last bit, since each sums the squares in its own order.
+last bit, since each sums the squares in its own order. Attention's query-key and pattern-value products run on
+CUDA as one Triton kernel each (with the scaling, the mask and the layout changes around them), elsewhere as
+batched matmuls; their sums may be ordered differently, each rounded to the inputs' dtype as a matmul rounds it.
 """
 from __future__ import annotations
 
@@ -70,3 +72,41 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     else:
         out = xf * cos + pairs.flip(member_axis).flatten(-2) * sin
     return as_dtype(out, x.dtype)
+
+
+def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``queries @ keys.T`` per kv head (``[H, M, d] x [H, S, d] -> [H, M, S]``), summed in float32 and rounded
+    once to the inputs' dtype, as a matmul does.
+
+    Inside ``torch.compile`` with a few query rows (decode), written as a product summed over ``d``: the
+    compiler then fuses it with the rope of the queries into one small kernel, where a batched matmul
+    stays a cuBLAS call of its own.
+    """
+    if torch.compiler.is_compiling() and queries.shape[1] <= 16:
+        return (queries.float()[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1).to(queries.dtype)
+    return torch.bmm(queries, keys.transpose(1, 2))
+
+
+def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocked: torch.Tensor | None) -> torch.Tensor:
+    """Float32 scores ``[heads, T, S]``: each query ``q`` ``[T, heads, d]`` dotted with the ``keys`` ``[kv_heads, S,
+    d]`` of its kv head (query head h reads kv head ``h // (heads / kv_heads)``), the dot rounded to the inputs' dtype
+    as a matmul rounds it, divided by ``divisor``, and -inf where ``blocked`` ``[T, S]`` is True (None: nowhere)."""
+    if (_on_triton(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
+            and (blocked is None or blocked.stride(-1) == 1)):
+        return _triton.attention_scores(q, keys, divisor, blocked)
+    tokens, heads, d = q.shape
+    kv_heads, slots = keys.shape[0], keys.shape[1]
+    q_grouped = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads * tokens, d)
+    scores = as_dtype(_query_key_dots(q_grouped, keys).view(heads, tokens, slots), torch.float32) / divisor
+    return scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
+
+
+def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``z`` ``[T, heads, d]`` in the values' dtype: the float32 ``pattern`` ``[heads, T, S]``, rounded to the values'
+    dtype, times the ``values`` ``[kv_heads, S, d]`` of each head's kv head."""
+    if _on_triton(pattern, values) and values.stride(-1) == 1 and pattern.dtype == torch.float32:
+        return _triton.attend(pattern, values)
+    heads, tokens, slots = pattern.shape
+    kv_heads, d = values.shape[0], values.shape[2]
+    z = torch.bmm(as_dtype(pattern, values.dtype).view(kv_heads, heads // kv_heads * tokens, slots), values)
+    return z.view(heads, tokens, d).transpose(0, 1)

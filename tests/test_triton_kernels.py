@@ -13,6 +13,7 @@ dtype before the tensor-core product.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -25,11 +26,11 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("triton")
 
-from workbench.kernels import QuantTensor, cpu, get_format, linear, numerics, select_kernel  # noqa: E402
+from workbench.kernels import QuantTensor, cpu, get_format, layer_ops, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
     DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, dequant_matmul,
-    dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations, rms_norm,
-    rope,
+    attend, attention_scores, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
+    quantize_activations, rms_norm, rope,
 )
 from workbench.kernels.triton.matmul import (  # noqa: E402
     GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, mma_config,
@@ -155,6 +156,30 @@ class TestInterpreted:
         expected = (x.float() * cos + x.float().unflatten(-1, shape).flip(axis).flatten(-2) * sin).to(dtype)
         out = rope(x, cos, sin, interleaved)
         assert out.is_contiguous() and torch.equal(out, expected)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_attention_products(self, dtype):
+        """6 query heads on 2 kv heads, 20 tokens against 70 slots read from a longer cache (blocks of 16 tokens and
+        64 slots, both with tails), heads of 48 values (a block of 64), with and without a causal mask: the scores and
+        z of the batched matmuls (``layer_ops``' CPU path), up to sums in another order rounded to the dtype."""
+        generator = torch.Generator().manual_seed(10)
+        tokens, heads, kv_heads, slots, d = 20, 6, 2, 70, 48
+        q = torch.randn(tokens, heads, d, generator=generator).to(dtype)
+        keys = torch.randn(kv_heads, 96, d, generator=generator).to(dtype)[:, :slots]
+        values = torch.randn(kv_heads, 96, d, generator=generator).to(dtype)[:, :slots]
+        bound = 2 * ROUNDING_TOL[dtype]
+        for blocked in (None, torch.ones(tokens, slots, dtype=torch.bool).triu(slots - tokens + 1)):
+            scores = attention_scores(q, keys, math.sqrt(d), blocked)
+            expected = layer_ops.attention_scores(q, keys, math.sqrt(d), blocked)
+            assert scores.shape == (heads, tokens, slots) and scores.dtype == torch.float32
+            assert torch.equal(scores.isinf(), expected.isinf())
+            assert int(scores.isinf().sum()) == (0 if blocked is None else heads * int(blocked.sum()))
+            visible = ~expected.isinf()
+            assert relative_error(scores[visible], expected[visible].double().numpy()) < bound
+            pattern = expected.softmax(-1)
+            z = attend(pattern, values)
+            assert z.shape == (tokens, heads, d) and z.dtype == dtype and z.is_contiguous()
+            assert relative_error(z, layer_ops.attend(pattern, values).double().numpy()) < bound
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_gemv_several_units_per_thread(self, fmt):

@@ -117,19 +117,6 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
-def query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``queries @ keys.T`` per kv head (``[H, M, d] x [H, S, d] -> [H, M, S]``), summed in float32 and rounded
-    once to the inputs' dtype, as a matmul does.
-
-    Inside ``torch.compile`` with a few query rows (decode), written as a product summed over ``d``: the
-    compiler then fuses it with the rope of the queries into one small kernel, where a batched matmul
-    stays a cuBLAS call of its own.
-    """
-    if torch.compiler.is_compiling() and queries.shape[1] <= 16:
-        return (queries.float()[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1).to(queries.dtype)
-    return torch.bmm(queries, keys.transpose(1, 2))
-
-
 class Transformer:
     """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3) over quantized weights."""
 
@@ -245,18 +232,11 @@ class Transformer:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
         if cache is not None:
             keys, values = cache.write(i, keys, values)
-        n_slots = keys.shape[1]
-        group = c.n_heads // c.n_kv_heads
-        # Query head h reads key/value head h // group, as in llama.cpp's broadcast.
-        q_grouped = q.transpose(0, 1).reshape(c.n_kv_heads, group * n_new, c.d_head)
-        scores = as_dtype(query_key_dots(q_grouped, keys).view(c.n_heads, n_new, n_slots), torch.float32)
-        scores = scores / math.sqrt(c.d_head)
-        if blocked is not None:
-            scores = scores.masked_fill(blocked, float("-inf"))
+        # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
+        scores = layer_ops.attention_scores(q, keys, math.sqrt(c.d_head), blocked)
         scores = point(names["attn.hook_attn_scores"], scores, i)
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
-        z = torch.bmm(as_dtype(pattern, values.dtype).view(c.n_kv_heads, group * n_new, n_slots), values)
-        z = point(names["attn.hook_z"], z.view(c.n_heads, n_new, c.d_head).transpose(0, 1), i)
+        z = point(names["attn.hook_z"], layer_ops.attend(pattern, values), i)
         out = linear(z.reshape(n_new, c.n_heads * c.d_head), layer.wo)
         if point.wants(names["attn.hook_result"]):
             out = out + self._edited_head_results(z, layer, i, point)

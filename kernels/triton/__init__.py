@@ -9,8 +9,8 @@ as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACP
 ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor cores, for more rows), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it registers
 nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
-through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm`` and ``rope`` are the
-forward's other per-token ops, for ``workbench.kernels.layer_ops``.
+through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm``, ``rope``,
+``attention_scores`` and ``attend`` are the forward's other per-token ops, for ``workbench.kernels.layer_ops``.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ if AVAILABLE:
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
         gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
-    from .norm_rope import rms_norm, rope
+    from .norm_rope import attend, attention_scores, rms_norm, rope
 
     # From this many rows on, dequantize-then-cuBLAS (which also needs the whole weight dequantized, N x K values, for
     # the call) beats the fused GEMM: on an H100 (bench/RESULTS.md, twelfth session) the GEMM won on at least two of the
@@ -93,7 +93,7 @@ if AVAILABLE:
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
         "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm", "mma_rows",
-        "quantize_activations", "rms_norm", "rope",
+        "quantize_activations", "rms_norm", "rope", "attention_scores", "attend",
         "register",
     ]
 else:

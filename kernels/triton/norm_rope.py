@@ -82,3 +82,85 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
             enable_fp_fusion=False,
         )
     return out
+
+
+@triton.jit
+def _scores_kernel(q_ptr, k_ptr, blocked_ptr, out_ptr, T, S, d, group, q_stride_t, q_stride_h, k_stride_h, k_stride_s,
+                   blocked_stride_t, divisor, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    head, t_block, s_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = t_block * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    s = s_block * BLOCK_S + tl.arange(0, BLOCK_S)[:, None]
+    i = tl.arange(0, BLOCK_D)[None, :]
+    q = tl.load(q_ptr + t * q_stride_t + head * q_stride_h + i, mask=(t < T) & (i < d), other=0.0)
+    k = tl.load(k_ptr + (head // group) * k_stride_h + s * k_stride_s + i, mask=(s < S) & (i < d), other=0.0)
+    # rounded to the inputs' dtype, as a matmul's output is, then divided in float32
+    scores = tl.div_rn(tl.dot(q, tl.trans(k), input_precision=PRECISION).to(q.dtype).to(tl.float32), divisor)
+    s_row = tl.trans(s)
+    if MASKED:
+        blocked = tl.load(blocked_ptr + t * blocked_stride_t + s_row, mask=(t < T) & (s_row < S), other=0)
+        scores = tl.where(blocked != 0, float("-inf"), scores)
+    tl.store(out_ptr + (head * T + t).to(tl.int64) * S + s_row, scores, mask=(t < T) & (s_row < S))
+
+
+@triton.jit
+def _attend_kernel(pattern_ptr, v_ptr, out_ptr, T, S, d, group, heads, v_stride_h, v_stride_s,
+                   PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    head, t_block = tl.program_id(0), tl.program_id(1)
+    t = t_block * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    i = tl.arange(0, BLOCK_D)[None, :]
+    dtype = v_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for first in range(0, S, BLOCK_S):
+        s_row = first + tl.arange(0, BLOCK_S)[None, :]
+        s = tl.trans(s_row)
+        # the pattern rounded to the values' dtype, as the torch formula converts it before its matmul
+        p = tl.load(pattern_ptr + (head * T + t).to(tl.int64) * S + s_row, mask=(t < T) & (s_row < S), other=0.0)
+        v = tl.load(v_ptr + (head // group) * v_stride_h + s * v_stride_s + i, mask=(s < S) & (i < d), other=0.0)
+        acc = tl.dot(p.to(dtype), v, acc, input_precision=PRECISION)
+    tl.store(out_ptr + (t * heads + head) * d + i, acc.to(dtype), mask=(t < T) & (i < d))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # float32 stays float32; the others ignore it
+
+
+def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocked: torch.Tensor | None) -> torch.Tensor:
+    """``layer_ops.attention_scores``: float32 ``[heads, T, S]`` from ``q`` ``[T, heads, d]`` and ``keys``
+    ``[kv_heads, S, d]`` (any strides but the last), query head h reading kv head ``h // (heads / kv_heads)``."""
+    tokens, heads, d = q.shape
+    kv_heads, slots = keys.shape[0], keys.shape[1]
+    if keys.shape[2] != d or heads % kv_heads or keys.dtype != q.dtype or q.stride(2) != 1 or keys.stride(2) != 1:
+        raise ValueError(f"attention_scores: q {q.dtype} {tuple(q.shape)} and keys {keys.dtype} {tuple(keys.shape)}")
+    out = torch.empty(heads, tokens, slots, dtype=torch.float32, device=q.device)
+    if blocked is not None and (blocked.shape != (tokens, slots) or blocked.stride(1) != 1):
+        raise ValueError(f"attention_scores: mask {tuple(blocked.shape)} for {tokens} tokens and {slots} slots")
+    if out.numel():
+        block_t, block_s = 16, 64
+        mask = blocked.view(torch.uint8) if blocked is not None else out
+        _scores_kernel[(heads, triton.cdiv(tokens, block_t), triton.cdiv(slots, block_s))](
+            q, keys, mask, out, tokens, slots, d, heads // kv_heads, q.stride(0), q.stride(1), keys.stride(0),
+            keys.stride(1), blocked.stride(0) if blocked is not None else 0, divisor, MASKED=blocked is not None,
+            PRECISION=_precision(q.dtype), BLOCK_T=block_t, BLOCK_S=block_s,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+        )
+    return out
+
+
+def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``layer_ops.attend``: ``z`` ``[T, heads, d]`` in the values' dtype from the float32 ``pattern`` ``[heads, T, S]``
+    (rounded to the values' dtype) and ``values`` ``[kv_heads, S, d]`` (any strides but the last)."""
+    heads, tokens, slots = pattern.shape
+    kv_heads, d = values.shape[0], values.shape[2]
+    if values.shape[1] != slots or heads % kv_heads or values.stride(2) != 1 or pattern.dtype != torch.float32:
+        raise ValueError(f"attend: pattern {pattern.dtype} {tuple(pattern.shape)}, values {tuple(values.shape)}")
+    pattern = pattern if pattern.is_contiguous() else pattern.contiguous()
+    out = torch.empty(tokens, heads, d, dtype=values.dtype, device=values.device)
+    if out.numel():
+        block_t = 16
+        _attend_kernel[(heads, triton.cdiv(tokens, block_t))](
+            pattern, values, out, tokens, slots, d, heads // kv_heads, heads, values.stride(0), values.stride(1),
+            PRECISION=_precision(values.dtype), BLOCK_T=block_t, BLOCK_S=64, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            num_warps=4,
+        )
+    return out
