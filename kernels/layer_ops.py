@@ -2,7 +2,7 @@
 
 Eagerly, each is one call where the torch formula takes four to eight op calls, and an eager forward pays per call
 far more than these ops' arithmetic costs: on the CPU (float32) a call of the C++ extension (``csrc/cpu_kernels.cpp``),
-on CUDA a Triton kernel (``triton/norm_rope.py``). Elsewhere (CPU half precision, inside ``torch.compile``, which
+on CUDA a Triton kernel (``triton/layer_ops.py``). Elsewhere (CPU half precision, inside ``torch.compile``, which
 fuses them with their neighbours, or with neither backend built) they are the torch formulas. All compute every
 product and sum with float32 rounding, the rope to the same bits; the norm's scale may differ between them in the
 last bit, since each sums the squares in its own order. Attention's query-key and pattern-value products run on

@@ -36,7 +36,7 @@ if AVAILABLE:
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
         gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
-    from .norm_rope import attend, attention_scores, rms_norm, rope
+    from .layer_ops import attend, attention_scores, rms_norm, rope
 
     # From this many rows on, dequantize-then-cuBLAS (which also needs the whole weight dequantized, N x K values, for
     # the call) beats the fused GEMM: on an H100 (bench/RESULTS.md, twelfth session) the GEMM won on at least two of the

@@ -1,10 +1,12 @@
-"""RMSNorm and the rope on CUDA, one Triton launch each where the torch formulas launch six to eight kernels
-(conversions included): an eager CUDA forward spends its time launching kernels, not running them.
+"""The forward's glue on CUDA, for ``workbench.kernels.layer_ops``: RMSNorm, the rope, and attention's query-key and
+pattern-value products, one Triton launch each where the torch formulas launch six to eight kernels (layout changes
+and conversions included): an eager CUDA forward spends its time launching kernels, not running them.
 
-Both round as the torch formulas of ``workbench.kernels.layer_ops`` do, product by product (compiled without fused
-multiply-adds): the rope gives the same bits; the norm's scale is a float32 sum of squares, its square root and
-division correctly rounded, so it may differ from torch's reduction in the last bit, and ``(x * scale) * weight``
-is rounded product by product in ``x``'s dtype. Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
+The norm and the rope are compiled without fused multiply-adds and round as the torch formulas do, product by
+product: the rope gives the same bits; the norm's scale is a float32 sum of squares with a correctly rounded square
+root and division, so it may differ from torch's reduction in the last bit, and ``(x * scale) * weight`` is rounded
+product by product in ``x``'s dtype; the attention's sums run in their own order. Under ``TRITON_INTERPRET=1`` they
+run on CPU tensors (the tests).
 """
 from __future__ import annotations
 
