@@ -1,13 +1,16 @@
-"""The forward's per-token ops besides the weight matmuls: RMSNorm, the rope, and attention's two products.
+"""The forward's glue between the weight matmuls: RMSNorm, the rope, and attention's two products.
 
-Eagerly, each is one call where the torch formula takes four to eight op calls, and an eager forward pays per call
-far more than these ops' arithmetic costs: on the CPU (float32) a call of the C++ extension (``csrc/cpu_kernels.cpp``),
-on CUDA a Triton kernel (``triton/layer_ops.py``). Elsewhere (CPU half precision, inside ``torch.compile``, which
-fuses them with their neighbours, or with neither backend built) they are the torch formulas. All compute every
-product and sum with float32 rounding, the rope to the same bits; the norm's scale may differ between them in the
-last bit, since each sums the squares in its own order. Attention's query-key and pattern-value products run on
-CUDA as one Triton kernel each (with the scaling, the mask and the layout changes around them), elsewhere as
-batched matmuls; their sums may be ordered differently, each rounded to the inputs' dtype as a matmul rounds it.
+Eagerly, each is one call where the torch formulas take four to eight op calls, and an eager forward pays per call
+far more than these ops' arithmetic costs:
+
+- on the CPU (float32), RMSNorm and the rope are calls of the C++ extension (``csrc/cpu_kernels.cpp``), and
+  attention's products batched matmuls;
+- on CUDA, all four are Triton kernels (``triton/layer_ops.py``).
+
+Elsewhere (CPU half precision; inside ``torch.compile``, which fuses them with their neighbours; without either
+backend) they are the torch formulas. Every product and sum is rounded to float32 alike, the rope to the same bits;
+the norm's scale and attention's sums may differ between implementations in the last bit, each summing in its own
+order, with attention's dots rounded to the inputs' dtype as a matmul rounds them.
 """
 from __future__ import annotations
 

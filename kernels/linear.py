@@ -91,7 +91,7 @@ def register_kernel(kernel: Kernel) -> None:
 _CANDIDATES: dict[tuple[str, str], tuple[Kernel, ...]] = {}
 
 
-def device_type(x: torch.Tensor) -> str:
+def _device_type(x: torch.Tensor) -> str:
     """``x.device.type``, without building a device object for CPU tensors: asked on every matmul."""
     return "cpu" if x.is_cpu else x.device.type
 
@@ -137,7 +137,7 @@ def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
     """The first kernel (``x``'s device's, then ``FALLBACKS``) that takes ``(x, w)`` and computes the current
     numerics; else the first exact one, with a warning that names it."""
     exact = None
-    for kernel in _candidates(device_type(x), w.fmt.name):
+    for kernel in _candidates(_device_type(x), w.fmt.name):
         if kernel.numerics in (_numerics, "exact") and kernel.supports(x, w):
             if kernel.numerics == _numerics:
                 return kernel

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
-from workbench.kernels.layer_ops import as_dtype
 from workbench.kv_cache import KVCache, StaticKVCache, causal_mask
 from workbench.weights import ModelWeights
 
