@@ -34,6 +34,15 @@ def _on_triton(x: torch.Tensor, factor: torch.Tensor) -> bool:
     return x.is_cuda and factor.is_cuda and _triton.AVAILABLE and not torch.compiler.is_compiling()
 
 
+def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """What runs each op in an eager forward on ``device`` in ``dtype`` (for ``workbench info``): ``"cpu-cxx"``,
+    ``"triton"``, or the torch formulas (``"torch"``; attention's products as ``"torch-bmm"``)."""
+    probe = torch.empty(1, 1, device=device, dtype=dtype)
+    glue = "cpu-cxx" if _native(probe, probe) else "triton" if _on_triton(probe, probe) else "torch"
+    attention = "triton" if _on_triton(probe, probe) else "torch-bmm"
+    return {"rms_norm": glue, "rope": glue, "attention_scores": attention, "attend": attention}
+
+
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, with no op call when ``x`` already has it: the eager forward pays per call, even for a no-op."""
     return x if x.dtype == dtype else x.to(dtype)

@@ -87,3 +87,9 @@ def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype):
     by_scale = model.forward(ids, interventions=[("blocks.1.ln1.hook_scale", double)])
     assert torch.equal(by_scale, model.forward(ids, interventions=[("blocks.1.ln1.hook_normalized", double)]))
     assert not torch.equal(by_scale, model.forward(ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_info_names_the_triton_glue():
+    model = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0"), device="cuda", dtype=torch.bfloat16)
+    assert model.info()["layer_ops"] == {op: "triton" for op in ("rms_norm", "rope", "attention_scores", "attend")}

@@ -95,6 +95,7 @@ def cmd_info(args: argparse.Namespace) -> None:
         by_kernel.setdefault((k["format"], f"decode: {k['decode']}, prefill: {k['prefill']}"), []).append(name)
     for (fmt, kernels), names in by_kernel.items():
         print(f"  {fmt:6} {len(names):4} matrices  {kernels}")
+    print("  between the matrices (eager): " + ", ".join(f"{op} {impl}" for op, impl in info["layer_ops"].items()))
 
 
 def cmd_app(args: argparse.Namespace) -> None:

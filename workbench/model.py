@@ -15,7 +15,7 @@ import torch
 from workbench import hooks as hooks_lib
 from workbench.errors import WorkbenchError
 from workbench.generation import Sampling, generate_tokens
-from workbench.kernels import get_numerics, select_kernel
+from workbench.kernels import get_numerics, layer_ops, select_kernel
 from workbench.kv_cache import KVCache
 from workbench.loading import LoadedCheckpoint, load_checkpoint
 from workbench.runner import Transformer
@@ -254,6 +254,7 @@ class Model:
                 name: {"decode": kernels_decode[name], "prefill": kernels_prefill[name], "format": fmt}
                 for name, fmt in self.tensor_formats().items()
             },
+            "layer_ops": layer_ops.implementations(self.device, self.dtype),
         }
 
     def __repr__(self) -> str:
