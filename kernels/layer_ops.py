@@ -14,10 +14,28 @@ order, with attention's dots rounded to the inputs' dtype as a matmul rounds the
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 from . import cpu
 from . import triton as _triton
+
+# Set by ``torch_formulas()``: every op runs its torch formula, whatever the backend.
+_FORCE_TORCH = {"on": False}
+
+
+@contextlib.contextmanager
+def torch_formulas() -> Iterator[None]:
+    """``with torch_formulas(): ...`` runs these ops as their torch formulas on every device: to compare numerics, or
+    to time what the C++ and Triton implementations save (``bench/eager_forward.py``)."""
+    previous = _FORCE_TORCH["on"]
+    _FORCE_TORCH["on"] = True
+    try:
+        yield
+    finally:
+        _FORCE_TORCH["on"] = previous
 
 
 def _native(x: torch.Tensor, factor: torch.Tensor) -> bool:
@@ -25,13 +43,14 @@ def _native(x: torch.Tensor, factor: torch.Tensor) -> bool:
     dtype): float32 CPU tensors, eager, and the extension built. Attribute reads only: this runs per op call."""
     return (
         x.is_cpu and factor.is_cpu and x.dtype == torch.float32 and factor.dtype == torch.float32
-        and not torch.compiler.is_compiling() and cpu.extension() is not None
+        and not torch.compiler.is_compiling() and not _FORCE_TORCH["on"] and cpu.extension() is not None
     )
 
 
 def _on_triton(x: torch.Tensor, factor: torch.Tensor) -> bool:
     """Whether the Triton kernel takes ``x`` and its factors: CUDA tensors, eager, Triton installed."""
-    return x.is_cuda and factor.is_cuda and _triton.AVAILABLE and not torch.compiler.is_compiling()
+    return (x.is_cuda and factor.is_cuda and _triton.AVAILABLE and not torch.compiler.is_compiling()
+            and not _FORCE_TORCH["on"])
 
 
 def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:

@@ -93,3 +93,19 @@ def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype):
 def test_cuda_info_names_the_triton_glue():
     model = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0"), device="cuda", dtype=torch.bfloat16)
     assert model.info()["layer_ops"] == {op: "triton" for op in ("rms_norm", "rope", "attention_scores", "attend")}
+
+
+def test_torch_formulas_switch_the_glue_and_agree_with_it():
+    """``layer_ops.torch_formulas()`` runs the glue as its torch formulas (for comparisons and bench/eager_forward.py),
+    which agree with the C++ ops to float32 rounding, and the switch is undone on leaving."""
+    from workbench.kernels import cpu
+    model = Model(random_checkpoint(random_config("llama", n_layers=2), "Q8_0", seed=3))
+    ids = [5, 17, 42, 99]
+    own = model.forward(ids)
+    with layer_ops.torch_formulas():
+        assert layer_ops.implementations(model.device, model.dtype) == {
+            "rms_norm": "torch", "rope": "torch", "attention_scores": "torch-bmm", "attend": "torch-bmm"}
+        formulas = model.forward(ids)
+    expected_norm = "cpu-cxx" if cpu.extension() is not None else "torch"
+    assert layer_ops.implementations(model.device, model.dtype)["rms_norm"] == expected_norm
+    torch.testing.assert_close(formulas, own, rtol=1e-5, atol=1e-5)

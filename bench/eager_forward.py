@@ -1,0 +1,85 @@
+"""The eager forward (every hooked run, every prompt's prefill) with the glue's own implementations against its torch
+formulas: ``workbench.kernels.layer_ops`` (RMSNorm, rope, attention's products) as C++ calls (CPU) or Triton kernels
+(CUDA), or under ``layer_ops.torch_formulas()``. Both run in one process, alternating round by round, so a noisy host
+slows them alike; each figure is the median (and min) of ``--repeats`` forwards after 3 warm-ups.
+
+    python bench/eager_forward.py                                              # embedded model, CPU, 2 threads
+    python bench/eager_forward.py --device cuda --synthetic llama3-8b --format Q4_K
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import statistics
+import time
+
+import torch
+
+import workbench
+from decode import SHAPES, synchronize, synthetic_model
+from workbench.kernels import layer_ops
+
+
+def forward_ms(runner, ids: torch.Tensor, repeats: int) -> tuple[float, float]:
+    for _ in range(3):
+        runner.forward(ids, last_logits_only=True)
+    times = []
+    for _ in range(repeats):
+        synchronize(runner.device)
+        start = time.perf_counter()
+        runner.forward(ids, last_logits_only=True)
+        synchronize(runner.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), min(times)
+
+
+def op_counts(runner, ids: torch.Tensor) -> tuple[int, int, float]:
+    """Top-level host op calls, GPU kernels and their milliseconds for one forward."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        runner.forward(ids, last_logits_only=True)
+        synchronize(runner.device)
+    host = collections.Counter(e.name for e in prof.events()
+                               if e.device_type != torch.autograd.DeviceType.CUDA and e.cpu_parent is None)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(host.values()), len(kernels), sum(e.device_time for e in kernels) / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--synthetic", choices=sorted(SHAPES), help="random weights of a real model's shape")
+    parser.add_argument("--format", default="Q4_K", help="weight format for --synthetic")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = (synthetic_model(args.synthetic, args.format, args.device, None) if args.synthetic
+             else workbench.load(device=args.device))
+    runner = model.runner
+    print(f"torch {torch.__version__}, {model.config.name} on {runner.device}, {runner.dtype}; "
+          f"the glue: {layer_ops.implementations(runner.device, runner.dtype)}")
+    inputs = {n: torch.randint(0, model.config.vocab_size, (n,)) for n in args.tokens}
+    modes = {"torch formulas": layer_ops.torch_formulas, "layer_ops": contextlib.nullcontext}
+    for round_ in range(1, args.rounds + 1):
+        for label, mode in modes.items():
+            with mode():
+                times = [forward_ms(runner, inputs[n], args.repeats) for n in args.tokens]
+            print(f"round {round_}  {label:<15}" + "".join(f"  {n} tokens {m:7.2f} / {lo:7.2f} ms"
+                                                          for n, (m, lo) in zip(args.tokens, times)))
+    n = args.tokens[min(1, len(args.tokens) - 1)]
+    for label, mode in modes.items():
+        with mode():
+            host, kernels, gpu_ms = op_counts(runner, inputs[n])
+        gpu = f", {kernels} GPU kernels taking {gpu_ms:.2f} ms" if runner.device.type == "cuda" else ""
+        print(f"{label:<15} {n} tokens: {host} host op calls{gpu}")
+
+
+if __name__ == "__main__":
+    main()
