@@ -57,8 +57,9 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """What runs each op in an eager forward on ``device`` in ``dtype`` (for ``workbench info``): ``"cpu-cxx"``,
     ``"triton"``, or the torch formulas (``"torch"``; attention's products as ``"torch-bmm"``)."""
     probe = torch.empty(1, 1, device=device, dtype=dtype)
-    glue = "cpu-cxx" if _native(probe, probe) else "triton" if _on_triton(probe, probe) else "torch"
-    attention = "triton" if _on_triton(probe, probe) else "torch-bmm"
+    on_triton = _on_triton(probe, probe)
+    glue = "cpu-cxx" if _native(probe, probe) else "triton" if on_triton else "torch"
+    attention = "triton" if on_triton else "torch-bmm"
     return {"rms_norm": glue, "rope": glue, "attention_scores": attention, "attend": attention}
 
 
@@ -70,13 +71,13 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last axis of ``x`` ``[..., d]``: the scale ``1 / sqrt(mean(x^2) + eps)`` ``[..., 1]``
     (computed in float32, in ``x``'s dtype) and ``(x * scale) * weight``."""
-    if _native(x, weight):
-        if x.dim() == 2:  # the forward's case: no reshapes
-            return cpu.extension().rms_norm(x.contiguous(), weight.contiguous(), eps)
-        scale, out = cpu.extension().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
+    native = _native(x, weight)
+    if native or (_on_triton(x, weight) and weight.dtype == x.dtype):
+        kernel = cpu.extension().rms_norm if native else _triton.rms_norm
+        if x.dim() == 2:  # the forward's case: no reshapes, each a host op call of its own
+            return kernel(x.contiguous(), weight.contiguous(), eps)
+        scale, out = kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
         return scale.view(*x.shape[:-1], 1), out.view(x.shape)
-    if _on_triton(x, weight) and weight.dtype == x.dtype:
-        return _triton.rms_norm(x, weight, eps)
     scale = as_dtype(torch.rsqrt(as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + eps), x.dtype)
     return scale, x * scale * weight
 

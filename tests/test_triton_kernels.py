@@ -128,10 +128,13 @@ class TestInterpreted:
     # bfloat16 is left to the CUDA tests (tests/test_runner.py): the interpreter truncates to it instead of rounding.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
     def test_rms_norm(self, dtype):
-        """Rows of 40 and 96 values (blocks of 64 and 128 with masked lanes), 2-D and 3-D: the scale to a few float32
-        roundings, the output the torch ops' products of it, bit for bit."""
+        """Rows of 40 and 96 values (blocks of 64 and 128 with masked lanes): the scale to a few float32 roundings, the
+        output the torch ops' products of it, bit for bit. Other shapes are for ``layer_ops`` to flatten
+        (tests/test_runner.py); given here, they are refused."""
         generator = torch.Generator().manual_seed(8)
-        for shape in [(3, 40), (2, 2, 96)]:
+        with pytest.raises(ValueError, match="contiguous"):
+            rms_norm(torch.randn(2, 2, 96).to(dtype), torch.randn(96).to(dtype), 1e-5)
+        for shape in [(3, 40), (4, 96)]:
             x = (3 * torch.randn(shape, generator=generator)).to(dtype)
             weight = torch.randn(shape[-1], generator=generator).to(dtype)
             scale, out = rms_norm(x, weight, 1e-5)

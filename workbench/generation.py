@@ -129,7 +129,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     if max_new_tokens == 0:
         return
     # With a cache of its own and no hooks, nothing of the forward outlives a step but token ids: it runs under
-    # inference mode, which skips autograd's bookkeeping on every op (the eager CPU decode step, ~5 % faster).
+    # inference mode, which skips autograd's bookkeeping on every op (eager CPU decode 5-10 % faster, bench/RESULTS.md).
     inference = cache is None and not hooks
     decode_step = None
     if built_step:  # a power of two, so most prompts reuse the step built for an earlier one

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .matmul import dot_precision
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, d, eps, BLOCK: tl.constexpr):
@@ -31,21 +33,19 @@ def _rms_norm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, d, eps, BLOCK: tl.constex
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layer_ops.rms_norm`` for ``x`` ``[..., d]`` and ``weight`` ``[d]`` of one float dtype: the scale
-    ``[..., 1]`` and ``(x * scale) * weight``."""
-    if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm: weight {weight.dtype} {tuple(weight.shape)} for input {x.dtype} {tuple(x.shape)}")
-    d = x.shape[-1]
-    # The forward's [T, d] input costs no reshape, copy or view: each is a host op call of its own.
-    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, d).contiguous()
-    scale = torch.empty(rows.shape[0], 1, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(rows)
-    if rows.numel():
+    """``layer_ops.rms_norm`` for contiguous rows ``x`` ``[T, d]`` and ``weight`` ``[d]`` of one float dtype: the
+    scale ``[T, 1]`` and ``(x * scale) * weight``."""
+    if x.dim() != 2 or not x.is_contiguous() or weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight {weight.dtype} {tuple(weight.shape)} for input {x.dtype} {tuple(x.shape)} "
+                         f"(contiguous [T, d] rows)")
+    rows, d = x.shape
+    scale = torch.empty(rows, 1, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    if x.numel():
         block = triton.next_power_of_2(d)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight if weight.is_contiguous() else weight.contiguous(), scale, out,
-                                           d, eps, BLOCK=block, num_warps=min(16, max(1, block // 512)),
-                                           enable_fp_fusion=False)
-    return (scale, out) if x.dim() == 2 else (scale.view(*x.shape[:-1], 1), out.view(x.shape))
+        _rms_norm_kernel[(rows,)](x, weight.contiguous(), scale, out, d, eps, BLOCK=block,
+                                  num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
+    return scale, out
 
 
 @triton.jit
@@ -123,10 +123,6 @@ def _attend_kernel(pattern_ptr, v_ptr, out_ptr, T, S, d, group, heads, v_stride_
     tl.store(out_ptr + (t * heads + head) * d + i, acc.to(dtype), mask=(t < T) & (i < d))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # float32 stays float32; the others ignore it
-
-
 def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocked: torch.Tensor | None) -> torch.Tensor:
     """``layer_ops.attention_scores``: float32 ``[heads, T, S]`` from ``q`` ``[T, heads, d]`` and ``keys``
     ``[kv_heads, S, d]`` (any strides but the last), query head h reading kv head ``h // (heads / kv_heads)``."""
@@ -143,7 +139,7 @@ def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocke
         _scores_kernel[(heads, triton.cdiv(tokens, block_t), triton.cdiv(slots, block_s))](
             q, keys, mask, out, tokens, slots, d, heads // kv_heads, q.stride(0), q.stride(1), keys.stride(0),
             keys.stride(1), blocked.stride(0) if blocked is not None else 0, divisor, MASKED=blocked is not None,
-            PRECISION=_precision(q.dtype), BLOCK_T=block_t, BLOCK_S=block_s,
+            PRECISION=dot_precision(q.dtype), BLOCK_T=block_t, BLOCK_S=block_s,
             BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
         )
     return out
@@ -162,7 +158,7 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         block_t = 16
         _attend_kernel[(heads, triton.cdiv(tokens, block_t))](
             pattern, values, out, tokens, slots, d, heads // kv_heads, heads, values.stride(0), values.stride(1),
-            PRECISION=_precision(values.dtype), BLOCK_T=block_t, BLOCK_S=64, BLOCK_D=max(16, triton.next_power_of_2(d)),
-            num_warps=4,
+            PRECISION=dot_precision(values.dtype), BLOCK_T=block_t, BLOCK_S=64,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
         )
     return out

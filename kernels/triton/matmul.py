@@ -608,7 +608,7 @@ def dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return F.linear(x, dequantize(w, x.dtype))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs are for tests: keep them exact rather than rounding to tf32.
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -732,7 +732,7 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     _gemm_kernel[grid](
         x, w.data, out, partials, counters, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=config.split_k,
+        BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=dot_precision(x.dtype), SPLIT_K=config.split_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
