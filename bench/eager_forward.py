@@ -1,7 +1,9 @@
 """The eager forward (every hooked run, every prompt's prefill) with the glue's own implementations against its torch
 formulas: ``workbench.kernels.layer_ops`` (RMSNorm, rope, attention's products) as C++ calls (CPU) or Triton kernels
-(CUDA), or under ``layer_ops.torch_formulas()``. Both run in one process, alternating round by round, so a noisy host
-slows them alike; each figure is the median (and min) of ``--repeats`` forwards after 3 warm-ups.
+(CUDA), or under ``layer_ops.torch_formulas()``; on CUDA also with every Triton kernel (the matmuls' too) launched
+through Triton's own launcher instead of ``workbench.kernels.triton.launch``'s kept kernels. All run in one process,
+taking turns forward by forward, so a noisy host slows them alike; each figure is the median (and min) of ``--repeats``
+forwards after 3 warm-ups, and the ratio the median of the paired forwards' ratios.
 
     python bench/eager_forward.py                                              # embedded model, CPU, 2 threads
     python bench/eager_forward.py --device cuda --synthetic llama3-8b --format Q4_K
@@ -21,17 +23,25 @@ from decode import SHAPES, synchronize, synthetic_model
 from workbench.kernels import layer_ops
 
 
-def forward_ms(runner, ids: torch.Tensor, repeats: int) -> tuple[float, float]:
-    for _ in range(3):
-        runner.forward(ids, last_logits_only=True)
-    times = []
-    for _ in range(repeats):
-        synchronize(runner.device)
-        start = time.perf_counter()
-        runner.forward(ids, last_logits_only=True)
-        synchronize(runner.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), min(times)
+def forward_ms(runner, ids: torch.Tensor) -> float:
+    synchronize(runner.device)
+    start = time.perf_counter()
+    runner.forward(ids, last_logits_only=True)
+    synchronize(runner.device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def paired_times(runner, ids: torch.Tensor, modes: dict, repeats: int) -> dict[str, list[float]]:
+    """Milliseconds of ``repeats`` forwards in each mode, the modes taking turns forward by forward, so that a host
+    that slows down for a while slows them alike."""
+    times: dict[str, list[float]] = {label: [] for label in modes}
+    for repeat in range(3 + repeats):
+        for label, mode in modes.items():
+            with mode():
+                elapsed = forward_ms(runner, ids)
+            if repeat >= 3:  # warm-ups
+                times[label].append(elapsed)
+    return times
 
 
 def op_counts(runner, ids: torch.Tensor) -> tuple[int, int, float]:
@@ -67,12 +77,18 @@ def main() -> None:
           f"the glue: {layer_ops.implementations(runner.device, runner.dtype)}")
     inputs = {n: torch.randint(0, model.config.vocab_size, (n,)) for n in args.tokens}
     modes = {"torch formulas": layer_ops.torch_formulas, "layer_ops": contextlib.nullcontext}
+    if runner.device.type == "cuda":
+        from workbench.kernels.triton.launch import through_triton
+
+        modes = {"Triton launcher": through_triton, **modes}
     for round_ in range(1, args.rounds + 1):
-        for label, mode in modes.items():
-            with mode():
-                times = [forward_ms(runner, inputs[n], args.repeats) for n in args.tokens]
-            print(f"round {round_}  {label:<15}" + "".join(f"  {n} tokens {m:7.2f} / {lo:7.2f} ms"
-                                                          for n, (m, lo) in zip(args.tokens, times)))
+        for n in args.tokens:
+            times = paired_times(runner, inputs[n], modes, args.repeats)
+            ratios = {label: statistics.median(a / b for a, b in zip(t, times["layer_ops"]))
+                      for label, t in times.items() if label != "layer_ops"}
+            print(f"round {round_}  {n:4} tokens" + "".join(
+                f"  {label} {statistics.median(t):6.2f} / {min(t):6.2f} ms" for label, t in times.items())
+                  + "  over layer_ops (paired):" + "".join(f" {label} {r:.2f}x" for label, r in ratios.items()))
     n = args.tokens[min(1, len(args.tokens) - 1)]
     for label, mode in modes.items():
         with mode():

@@ -32,6 +32,7 @@ from workbench.kernels.triton import (  # noqa: E402
     attend, attention_scores, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
     quantize_activations, rms_norm, rope,
 )
+from workbench.kernels.triton import launch  # noqa: E402
 from workbench.kernels.triton.matmul import (  # noqa: E402
     GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, mma_config,
 )
@@ -336,6 +337,29 @@ class TestInterpreted:
         assert relative_error(out, exact) > 100 * relative_error(expected, out.double().numpy())
 
 
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter launches through Triton")
+def test_the_launch_key_is_at_least_as_fine_as_tritons_specialization():
+    """``launch`` reuses a compiled kernel for arguments of the same class; Triton compiles one kernel per
+    specialization, so no class may hold arguments that Triton specializes differently (a Triton that specialized on
+    something new would fail here)."""
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    from triton.backends.compiler import BaseBackend
+
+    from workbench.kernels.triton.launch import _argument_class
+
+    specialize = getattr(libtriton, "native_specialize_impl", None)
+    if specialize is None:
+        pytest.skip("this Triton specializes in Python")
+    ints = [0, 1, 2, 3, 8, 15, 16, 17, 32, 48, 576, 4096, 14336, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**32 + 8,
+            2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16, -(2**31), -(2**31) - 1, -(2**63)]
+    buffers = [torch.zeros(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int32)]
+    tensors = [buffer[offset:] for buffer in buffers for offset in range(17)]
+    classes: dict = {}
+    for arg in [*ints, *tensors, True, False, 0.5, 1.0, 1e30]:
+        classes.setdefault(_argument_class(arg), set()).add(specialize(BaseBackend, arg, False, True, True))
+    assert all(len(specializations) == 1 for specializations in classes.values()), classes
+
+
 class TestBadInput:
     """Rejected before any kernel runs, interpreter or not."""
 
@@ -518,3 +542,25 @@ class TestCuda:
         w = random_weight("Q4_0", 64, 256, np.random.default_rng(0))[0]
         with pytest.raises(ValueError, match="weight on cpu"):
             gemv(torch.randn(1, 256, device="cuda"), w)
+
+    def test_launches_reuse_a_compiled_kernel_only_where_it_holds(self):
+        """``launch`` keeps one compiled kernel per argument class. Rows at and off 16-byte boundaries, and widths of 1
+        (a constant to Triton), multiples of 16 and neither, in an order that reuses every kept kernel: each norm
+        equals the torch formula's and each GEMV the aligned copy's."""
+        buffer = torch.randn(8 * 64 + 16, device="cuda", dtype=torch.bfloat16)
+        for d in (64, 1, 17, 48, 1, 64):
+            weight = torch.randn(d, device="cuda", dtype=torch.bfloat16)
+            for offset in (0, 1, 8, 3, 0):
+                x = buffer[offset:offset + 8 * d].view(8, d)
+                assert (x.data_ptr() % 16 == 0) == (offset % 8 == 0)
+                scale, out = rms_norm(x, weight, 1e-6)
+                with layer_ops.torch_formulas():
+                    expected_scale, expected = layer_ops.rms_norm(x, weight, 1e-6)
+                torch.testing.assert_close(scale, expected_scale, rtol=2**-7, atol=0)
+                torch.testing.assert_close(out, expected, rtol=2**-7, atol=1e-5)
+        w = random_weight("Q4_K", 512, 1024, np.random.default_rng(3))[0].to("cuda")
+        for offset in (0, 1, 8, 5, 0):
+            x = torch.randn(1024 + 8, device="cuda", dtype=torch.bfloat16)[offset:offset + 1024].view(1, 1024)
+            assert torch.equal(gemv(x, w), gemv(x.clone(), w)), offset
+        kept = [key[0].fn.__name__ for key in launch._COMPILED]
+        assert "_rms_norm_kernel" in kept and "_gemv_kernel" in kept, "the kept kernels are never launched directly"

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .matmul import dot_precision
 
 
@@ -43,8 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     out = torch.empty_like(x)
     if x.numel():
         block = triton.next_power_of_2(d)
-        _rms_norm_kernel[(rows,)](x, weight.contiguous(), scale, out, d, eps, BLOCK=block,
-                                  num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
+        launch(_rms_norm_kernel, (rows,), x, weight.contiguous(), scale, out, d, eps, BLOCK=block,
+               num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
     return scale, out
 
 
@@ -77,7 +78,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     out = torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
     if out.numel():
         block_h = min(triton.next_power_of_2(heads), 16)
-        _rope_kernel[(tokens, triton.cdiv(heads, block_h))](
+        launch(_rope_kernel, (tokens, triton.cdiv(heads, block_h)),
             x, cos if cos.is_contiguous() else cos.contiguous(), sin if sin.is_contiguous() else sin.contiguous(), out,
             heads, x.stride(0), x.stride(1), d,
             INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 64 else 2,
@@ -136,7 +137,7 @@ def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocke
     if out.numel():
         block_t, block_s = 16, 64
         mask = blocked.view(torch.uint8) if blocked is not None else out
-        _scores_kernel[(heads, triton.cdiv(tokens, block_t), triton.cdiv(slots, block_s))](
+        launch(_scores_kernel, (heads, triton.cdiv(tokens, block_t), triton.cdiv(slots, block_s)),
             q, keys, mask, out, tokens, slots, d, heads // kv_heads, q.stride(0), q.stride(1), keys.stride(0),
             keys.stride(1), blocked.stride(0) if blocked is not None else 0, divisor, MASKED=blocked is not None,
             PRECISION=dot_precision(q.dtype), BLOCK_T=block_t, BLOCK_S=block_s,
@@ -156,7 +157,7 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, heads, d, dtype=values.dtype, device=values.device)
     if out.numel():
         block_t = 16
-        _attend_kernel[(heads, triton.cdiv(tokens, block_t))](
+        launch(_attend_kernel, (heads, triton.cdiv(tokens, block_t)),
             pattern, values, out, tokens, slots, d, heads // kv_heads, heads, values.stride(0), values.stride(1),
             PRECISION=dot_precision(values.dtype), BLOCK_T=block_t, BLOCK_S=64,
             BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
+from .launch import INTERPRETING, launch
 from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
     Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
@@ -524,10 +524,6 @@ def _dequantize_kernel(
     tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < N) & (cols[None, :] < K))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def layout_of(w: QuantTensor) -> Layout:
     """The kernel layout for ``w``'s format; raises ``ValueError`` for a format these kernels don't read."""
     layout = LAYOUTS.get(w.fmt.name)
@@ -571,7 +567,7 @@ def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None,
         raise ValueError(f"this kernel needs rows of a multiple of {k_multiple} values, got {x.shape[1]}")
     if x.data_ptr() % alignment or w.data.data_ptr() % alignment:
         raise ValueError(f"this kernel needs activations and packed data that start at multiples of {alignment} bytes")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not INTERPRETING:
         raise ValueError(f"triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {x.device}")
     return layout
 
@@ -594,7 +590,7 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.device)
     block_n, block_u = 16, 8  # Q6_K's reorder needs whole super-blocks of 8 units
-    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k // 32, block_u))](
+    launch(_dequantize_kernel, (triton.cdiv(n, block_n), triton.cdiv(k // 32, block_u)),
         w.data, out, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=block_n, BLOCK_U=block_u, num_warps=4,
     )
@@ -638,10 +634,10 @@ def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -
     if m == 0:
         return out
     config = config or mma_config(n, k, x.device, w.fmt.name, m)
-    _mma_kernel[(triton.cdiv(n, 16),)](
+    launch(_mma_kernel, (triton.cdiv(n, 16),),
         x, w.data, out, m, n, k, w.data.shape[1], FMT=layout.ggml_type, TYPE_SIZE=layout.type_size,
         STEP_PAIRS=config.step_pairs, WARPS=config.num_warps, TILES=triton.cdiv(m, 8),
-        USE_ASM=not _interpreting(), num_warps=config.num_warps,
+        USE_ASM=not INTERPRETING, num_warps=config.num_warps,
     )
     return out
 
@@ -651,10 +647,10 @@ def _launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: Gemv
     """``_gemv_kernel`` over ``out``'s rows of activations: floats, or (``llamacpp``) ``quantize_activations``'
     values, scales and sums (the exact GEMV passes its activations for the two unused pointers)."""
     (m, n), k = out.shape, w.shape[1]
-    _gemv_kernel[(triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m),)](
+    launch(_gemv_kernel, (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m),),
         activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_U=config.block_u, USE_ASM=not _interpreting(), EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0,
+        BLOCK_U=config.block_u, USE_ASM=not INTERPRETING, EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0,
         LLAMACPP=llamacpp, num_warps=config.num_warps,
     )
 
@@ -675,7 +671,7 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     scales = torch.empty(m, k // block, dtype=torch.float32, device=x.device)
     sums = torch.empty(m, k // per_sum, dtype=torch.int32 if k_quant else torch.float32, device=x.device)
     if x.numel():
-        kernel[(m * k // block,)](x, values, scales, sums, num_warps=warps, enable_fp_fusion=False)
+        launch(kernel, (m * k // block,), x, values, scales, sums, num_warps=warps, enable_fp_fusion=False)
     return values, scales, sums
 
 
@@ -705,7 +701,7 @@ def gemm_llamacpp(x: torch.Tensor, w: QuantTensor, config: Int8GemmConfig | None
         return out
     config = config or int8_gemm_config(m, n, x.device)
     values, scales, sums = quantize_activations(x, w.fmt.name)
-    _gemm_llamacpp_kernel[_tile_grid(m, n, config)](
+    launch(_gemm_llamacpp_kernel, _tile_grid(m, n, config),
         values, scales, sums, w.data, out, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
@@ -729,7 +725,7 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     if config.split_k > 1:
         partials = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device, grid[0])
-    _gemm_kernel[grid](
+    launch(_gemm_kernel, grid,
         x, w.data, out, partials, counters, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=dot_precision(x.dtype), SPLIT_K=config.split_k,
