@@ -30,6 +30,16 @@ _direct = True
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)``, for the host: ``triton.cdiv`` is a constexpr function, whose Python call costs microseconds."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` >= 1, for the host (see ``cdiv``)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _int_class(value: int) -> tuple[bool, bool, int]:
     # Triton makes 1 a constant, marks multiples of 16, and passes 32-bit, 64-bit or unsigned 64-bit ints.
     width = 32 if -(1 << 31) <= value < (1 << 31) else 64 if -(1 << 63) <= value < (1 << 63) else 65

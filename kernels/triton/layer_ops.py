@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 from .matmul import dot_precision
 
 
@@ -43,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     scale = torch.empty(rows, 1, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     if x.numel():
-        block = triton.next_power_of_2(d)
+        block = next_power_of_2(d)
         launch(_rms_norm_kernel, (rows,), x, weight.contiguous(), scale, out, d, eps, BLOCK=block,
                num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
     return scale, out
@@ -77,11 +77,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         x = x.contiguous()
     out = torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
     if out.numel():
-        block_h = min(triton.next_power_of_2(heads), 16)
-        launch(_rope_kernel, (tokens, triton.cdiv(heads, block_h)),
+        block_h = min(next_power_of_2(heads), 16)
+        launch(_rope_kernel, (tokens, cdiv(heads, block_h)),
             x, cos if cos.is_contiguous() else cos.contiguous(), sin if sin.is_contiguous() else sin.contiguous(), out,
             heads, x.stride(0), x.stride(1), d,
-            INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 64 else 2,
+            INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=next_power_of_2(d), num_warps=1 if d <= 64 else 2,
             enable_fp_fusion=False,
         )
     return out
@@ -137,11 +137,11 @@ def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocke
     if out.numel():
         block_t, block_s = 16, 64
         mask = blocked.view(torch.uint8) if blocked is not None else out
-        launch(_scores_kernel, (heads, triton.cdiv(tokens, block_t), triton.cdiv(slots, block_s)),
+        launch(_scores_kernel, (heads, cdiv(tokens, block_t), cdiv(slots, block_s)),
             q, keys, mask, out, tokens, slots, d, heads // kv_heads, q.stride(0), q.stride(1), keys.stride(0),
             keys.stride(1), blocked.stride(0) if blocked is not None else 0, divisor, MASKED=blocked is not None,
             PRECISION=dot_precision(q.dtype), BLOCK_T=block_t, BLOCK_S=block_s,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+            BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
         )
     return out
 
@@ -157,9 +157,9 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, heads, d, dtype=values.dtype, device=values.device)
     if out.numel():
         block_t = 16
-        launch(_attend_kernel, (heads, triton.cdiv(tokens, block_t)),
+        launch(_attend_kernel, (heads, cdiv(tokens, block_t)),
             pattern, values, out, tokens, slots, d, heads // kv_heads, heads, values.stride(0), values.stride(1),
             PRECISION=dot_precision(values.dtype), BLOCK_T=block_t, BLOCK_S=64,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+            BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
         )
     return out

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .launch import INTERPRETING, launch
+from .launch import INTERPRETING, cdiv, launch
 from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
     Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
@@ -176,7 +176,7 @@ def mma_config(n: int, k: int, device: torch.device, fmt: str, m: int) -> MmaCon
     (14336x4096: 45.8 us on 4 warps against 52.8 on 8, fifteenth session)."""
     # The 32-value formats, measured on the same shapes at 8 rows (fourteenth session), ran best with Q4_K's warps and
     # one pair of blocks per step, or within 3 % of the best.
-    programs, sms = triton.cdiv(n, 16), _sm_count(device)
+    programs, sms = cdiv(n, 16), _sm_count(device)
     warps = 8 if programs <= 2 * sms or (fmt == "Q6_K" and m <= 8) else 4 if programs <= 16 * sms else 2
     config = MmaConfig(num_warps=warps)
     while config.num_warps > 1 and config.num_warps > k // config.step_values(fmt):
@@ -189,7 +189,7 @@ def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
     """The llama.cpp-numerics GEMM's tiles, picked by ``bench/kernels.py --numerics llamacpp --sweep`` on an H100, with
     weight tiles narrowed as in ``gemm_config`` while there are fewer programs than multiprocessors."""
     config = Int8GemmConfig(block_m=16 if m <= 16 else 64, block_n=64)
-    while config.block_n > 16 and triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) < _sm_count(device):
+    while config.block_n > 16 and cdiv(m, config.block_m) * cdiv(n, config.block_n) < _sm_count(device):
         config = dataclasses.replace(config, block_n=config.block_n // 2)
     return config
 
@@ -212,8 +212,8 @@ def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmC
         config = GemmConfig(block_m=32, block_n=64, block_u=8, num_warps=4, num_stages=3)
     else:
         config = GemmConfig(block_m=64 if m <= 64 else 128, block_n=64, block_u=4, num_warps=4, num_stages=3)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    steps = triton.cdiv(k // 32, config.block_u)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
+    steps = cdiv(k // 32, config.block_u)
     split_k, programs_per_sm = 1, 7 if m <= 16 else 2
     while m <= 64 and 2 * tiles * split_k < programs_per_sm * _sm_count(device) and 2 * split_k <= min(16, steps):
         split_k *= 2
@@ -581,7 +581,7 @@ def _checked_output(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None
 
 def _tile_grid(m: int, n: int, config: GemmConfig | Int8GemmConfig) -> tuple[int]:
     """One program per ``block_m x block_n`` tile of the output (``_tile_origin`` orders them)."""
-    return (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    return (cdiv(m, config.block_m) * cdiv(n, config.block_n),)
 
 
 def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -590,7 +590,7 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.device)
     block_n, block_u = 16, 8  # Q6_K's reorder needs whole super-blocks of 8 units
-    launch(_dequantize_kernel, (triton.cdiv(n, block_n), triton.cdiv(k // 32, block_u)),
+    launch(_dequantize_kernel, (cdiv(n, block_n), cdiv(k // 32, block_u)),
         w.data, out, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=block_n, BLOCK_U=block_u, num_warps=4,
     )
@@ -634,9 +634,9 @@ def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -
     if m == 0:
         return out
     config = config or mma_config(n, k, x.device, w.fmt.name, m)
-    launch(_mma_kernel, (triton.cdiv(n, 16),),
+    launch(_mma_kernel, (cdiv(n, 16),),
         x, w.data, out, m, n, k, w.data.shape[1], FMT=layout.ggml_type, TYPE_SIZE=layout.type_size,
-        STEP_PAIRS=config.step_pairs, WARPS=config.num_warps, TILES=triton.cdiv(m, 8),
+        STEP_PAIRS=config.step_pairs, WARPS=config.num_warps, TILES=cdiv(m, 8),
         USE_ASM=not INTERPRETING, num_warps=config.num_warps,
     )
     return out
@@ -647,7 +647,7 @@ def _launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: Gemv
     """``_gemv_kernel`` over ``out``'s rows of activations: floats, or (``llamacpp``) ``quantize_activations``'
     values, scales and sums (the exact GEMV passes its activations for the two unused pointers)."""
     (m, n), k = out.shape, w.shape[1]
-    launch(_gemv_kernel, (triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m),),
+    launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
         activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=config.block_u, USE_ASM=not INTERPRETING, EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0,
