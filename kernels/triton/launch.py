@@ -69,7 +69,8 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **constants: 
         kernel[grid](*args, **constants)
         return
     device = driver.active.get_current_device()
-    key = (kernel, device, tuple(constants.items()), tuple(map(_argument_class, args)))
+    # the Python function: it hashes faster than its JITFunction, whose hash reads a property
+    key = (kernel.fn, device, tuple(constants.items()), tuple(map(_argument_class, args)))
     entry = _COMPILED.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **constants)
