@@ -564,3 +564,6 @@ class TestCuda:
             assert torch.equal(gemv(x, w), gemv(x.clone(), w)), offset
         kept = [key[0].__name__ for key in launch._COMPILED]
         assert "_rms_norm_kernel" in kept and "_gemv_kernel" in kept, "the kept kernels are never launched directly"
+        # A host tensor where a kept kernel reads device memory: Triton's C launcher refuses it, as its Python one did.
+        with pytest.raises(ValueError, match="cannot be accessed"):
+            rms_norm(buffer[:64].view(1, 64), torch.randn(64, dtype=torch.bfloat16), 1e-6)
