@@ -10,7 +10,8 @@ as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACP
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it registers
 nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
 through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm``, ``rope``,
-``attention_scores`` and ``attend`` are the forward's other per-token ops, for ``workbench.kernels.layer_ops``.
+``attention_scores`` and ``attend`` are the forward's other per-token ops, for ``workbench.kernels.layer_ops``. Every
+kernel is launched through ``launch``, which keeps each compiled kernel to launch it again without Triton's launcher.
 """
 from __future__ import annotations
 
