@@ -147,9 +147,9 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 
 EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, traceable=True,
-               formats=tuple(SUPPORTED_TYPES.values()))
+               formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, traceable=True, numerics="llamacpp",
-                  formats=tuple(SUPPORTED_TYPES.values()))
+                  formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 register_kernel(EXACT)
 register_kernel(LLAMACPP)
 

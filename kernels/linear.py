@@ -36,6 +36,9 @@ class Kernel:
     # The weight formats it reads, so that ``select_kernel`` skips it for others without asking ``supports`` (which
     # still says no to them); None: any format.
     formats: tuple[str, ...] | None = None
+    # ``supports`` reads only the input's device type and dtype and the weight's format, so ``select_kernel`` may keep
+    # its answer for them (the CPU kernels, the fallbacks); a CUDA kernel also reads row counts and alignment.
+    by_type: bool = False
 
 
 def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -51,7 +54,7 @@ def _blockwise_dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return out
 
 
-BLOCKWISE = Kernel("blockwise-dequant-matmul", "any", lambda x, w: True, _blockwise_dequant_matmul)
+BLOCKWISE = Kernel("blockwise-dequant-matmul", "any", lambda x, w: True, _blockwise_dequant_matmul, by_type=True)
 
 def _dense_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """Float weights are their own bytes viewed as floats: a plain BLAS/cuBLAS matmul, no conversion."""
@@ -62,7 +65,7 @@ def _dense_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 
 DENSE = Kernel("dense-matmul", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES, _dense_matmul,
-               formats=tuple(FLOAT_DTYPES))
+               formats=tuple(FLOAT_DTYPES), by_type=True)
 
 
 def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -73,7 +76,7 @@ def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 
 DENSE_LLAMACPP = Kernel("dense-matmul-llamacpp", "any", lambda x, w: w.fmt.name in FLOAT_DTYPES,
-                        _dense_matmul_llamacpp, numerics="llamacpp", formats=tuple(FLOAT_DTYPES))
+                        _dense_matmul_llamacpp, numerics="llamacpp", formats=tuple(FLOAT_DTYPES), by_type=True)
 # Kernels for any device, tried after the device's own.
 FALLBACKS = (DENSE_LLAMACPP, DENSE, BLOCKWISE)
 
@@ -84,6 +87,7 @@ KERNELS: dict[str, list[Kernel]] = {"cpu": [], "cuda": []}
 def register_kernel(kernel: Kernel) -> None:
     KERNELS.setdefault(kernel.device_type, []).append(kernel)
     _CANDIDATES.clear()
+    _CHOSEN.clear()
 
 
 # (device type, format) -> the kernels that may read it, in ``select_kernel``'s order: a matmul asks the ``supports`` of
@@ -133,17 +137,34 @@ def numerics(mode: Numerics) -> Iterator[None]:
         set_numerics(previous)
 
 
+# (device type, format, input dtype, numerics) -> the kernel ``select_kernel`` chose, where it asked only ``by_type``
+# kernels: an eager CPU decode token asks ~200 times.
+_CHOSEN: dict[tuple[str, str, torch.dtype, Numerics], Kernel] = {}
+
+
 def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
     """The first kernel (``x``'s device's, then ``FALLBACKS``) that takes ``(x, w)`` and computes the current
     numerics; else the first exact one, with a warning that names it."""
-    exact = None
-    for kernel in _candidates(_device_type(x), w.fmt.name):
-        if kernel.numerics in (_numerics, "exact") and kernel.supports(x, w):
-            if kernel.numerics == _numerics:
-                return kernel
-            exact = exact or kernel
-    _warn_numerics_fallback(x, w, exact)  # BLOCKWISE takes everything, so there is one
-    return exact
+    device_type = _device_type(x)
+    key = (device_type, w.fmt.name, x.dtype, _numerics)
+    chosen = _CHOSEN.get(key)
+    if chosen is not None:
+        return chosen
+    exact, asked = None, []
+    for kernel in _candidates(device_type, w.fmt.name):
+        if kernel.numerics in (_numerics, "exact"):
+            asked.append(kernel)
+            if kernel.supports(x, w):
+                if kernel.numerics == _numerics:
+                    chosen = kernel
+                    break
+                exact = exact or kernel
+    if chosen is None:
+        _warn_numerics_fallback(x, w, exact)  # BLOCKWISE takes everything, so there is one
+        chosen = exact
+    if all(kernel.by_type for kernel in asked):
+        _CHOSEN[key] = chosen
+    return chosen
 
 
 def _warn_numerics_fallback(x: torch.Tensor, w: QuantTensor, kernel: Kernel) -> None:

@@ -1,6 +1,7 @@
 """The C++ CPU kernels of workbench.kernels.cpu against the gguf package's reference dequantizer."""
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import gguf
@@ -136,11 +137,33 @@ def test_build_failure_warns_and_falls_back_to_blockwise(monkeypatch):
     def no_compiler(isa):
         raise RuntimeError("no C++ compiler")
 
+    # a fresh process: nothing built yet, no kernel chosen yet
     monkeypatch.setattr(cpu, "_build_extension", no_compiler)
     monkeypatch.setattr(cpu, "_extension", {})
+    monkeypatch.setattr(importlib.import_module("workbench.kernels.linear"), "_CHOSEN", {})
     w = random_weight("Q8_0", 8, 256)
     with pytest.warns(RuntimeWarning, match="blockwise-dequant-matmul"):
         assert select_kernel(torch.randn(1, 256), w) is BLOCKWISE
+
+
+def test_kernel_choices_are_kept_only_where_they_depend_on_types_alone(monkeypatch):
+    """``select_kernel`` keeps the CPU kernels' choice per (device type, format, dtype, numerics); a kernel whose
+    ``supports`` reads more (here the row count, as the CUDA kernels do) is asked again every time."""
+    linear_module = importlib.import_module("workbench.kernels.linear")
+    monkeypatch.setattr(linear_module, "KERNELS", {**linear_module.KERNELS, "meta": []})
+    monkeypatch.setattr(linear_module, "_CANDIDATES", {})
+    monkeypatch.setattr(linear_module, "_CHOSEN", {})
+    one_row = linear_module.Kernel("one-row", "meta", lambda x, w: x.shape[0] == 1, lambda x, w: x @ w.T)
+    linear_module.register_kernel(one_row)
+    w = random_weight("Q8_0", 8, 256)
+    for rows, expected in [(1, one_row), (2, BLOCKWISE), (1, one_row), (2, BLOCKWISE)]:
+        assert select_kernel(torch.empty(rows, 256, device="meta"), w) is expected, rows
+    x = torch.randn(1, 256)
+    assert select_kernel(x, w) is cpu.EXACT is select_kernel(x, w)
+    with cpu.numerics("llamacpp"):
+        assert select_kernel(x, w) is cpu.LLAMACPP
+    assert select_kernel(x, w) is cpu.EXACT
+    assert set(linear_module._CHOSEN.values()) == {cpu.EXACT, cpu.LLAMACPP}
 
 
 # --- llama.cpp numerics --------------------------------------------------------------------------
