@@ -28,8 +28,8 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, layer_ops, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    DEQUANT_MATMUL_MIN_ROWS, GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, dequant_matmul,
-    attend, attention_scores, dequantize, gemm, gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
+    GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, dequant_matmul, attend, attention_scores,
+    dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
     quantize_activations, rms_norm, rope,
 )
 from workbench.kernels.triton import launch  # noqa: E402
@@ -444,16 +444,19 @@ class TestCuda:
     # A model shape whose K leaves a partial last step, K = 4096 (the 4-bit GEMVs' two units per thread)
     # and a Llama-3-8B shape (N x K).
     SHAPES = {32: [(1536, 576), (1024, 4096), (4096, 14336)], 256: [(576, 1536), (1024, 4096), (4096, 14336)]}
-    # (rows, dtype): decode (GEMV), batched decode (GEMV, few-row GEMM, K split), prefill (GEMM, dequantize + cuBLAS).
+    # (rows, dtype): decode (GEMV), batched decode (GEMV, few-row GEMM, K split), prefill (GEMM, one partial tile of
+    # 128 rows included; dequantize + cuBLAS).
     BATCHES = [
         (1, torch.bfloat16), (1, torch.float16), (3, torch.bfloat16), (8, torch.bfloat16), (12, torch.bfloat16),
-        (16, torch.float16), (40, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16),
+        (16, torch.float16), (40, torch.bfloat16), (100, torch.bfloat16), (128, torch.float16), (512, torch.bfloat16),
     ]
 
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_full_shapes(self, fmt):
         rng = np.random.default_rng(FORMATS.index(fmt))
-        for n, k in self.SHAPES[get_format(fmt).block_size]:
+        # and a weight of one 64-row tile per multiprocessor, where the fused GEMM takes up to 128 rows (not in Q6_K)
+        wide = (64 * torch.cuda.get_device_properties(0).multi_processor_count, 256)
+        for n, k in [*self.SHAPES[get_format(fmt).block_size], wide]:
             w, reference = random_weight(fmt, n, k, rng)
             w = w.to("cuda")
             reference = torch.from_numpy(reference).cuda()
@@ -461,7 +464,9 @@ class TestCuda:
                 x = torch.randn(m, k, device="cuda").to(dtype)
                 mma = m <= MMA_MAX_ROWS and k % MMA_K_MULTIPLE == 0
                 kind = ("gemv" if m <= gemv_rows(fmt) else "mma" if mma and m <= mma_rows(fmt) else "gemm"
-                        if m < DEQUANT_MATMUL_MIN_ROWS else "dequant-matmul")
+                        if m <= gemm_rows(fmt, n, x.device) else "dequant-matmul")
+                if (n, k) == wide and m in (128, 512):
+                    assert kind == ("dequant-matmul" if fmt == "Q6_K" or m == 512 else "gemm")
                 assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
                 expected = (x.double() @ reference.T).cpu().numpy()
                 # The GEMM and the dense matmul round the weights to the activation dtype too.

@@ -3,7 +3,7 @@
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
 rows of activations: decode), ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to ``mma_rows(fmt)`` rows
 of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
-``DEQUANT_MATMUL_MIN_ROWS - 1`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
+``gemm_rows(fmt, n, device)`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
 one dequantizing pass, then cuBLAS), and for llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized
 as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and
 ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor cores, for more rows), with
@@ -35,20 +35,17 @@ if AVAILABLE:
     from .matmul import (
         ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_K_MULTIPLE, MMA_MAX_ROWS,
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
-        gemm_llamacpp, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
+        gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
     from .layer_ops import attend, attention_scores, rms_norm, rope
 
-    # From this many rows on, dequantize-then-cuBLAS (which also needs the whole weight dequantized, N x K values, for
-    # the call) beats the fused GEMM: on an H100 (bench/RESULTS.md, twelfth session) the GEMM won on at least two of the
-    # three Llama-3-8B shapes for every format at 32 and 64 rows, and lost on most at 128.
-    DEQUANT_MATMUL_MIN_ROWS = 65
     # From this many rows on, the llama.cpp-numerics GEMM runs instead of a GEMV pass per row. On an H100 (bench/RESULTS.md,
     # tenth session) it wins from 8 rows on most 8B shapes and by ~12x at 128; rows of 14336 values favour the GEMV to ~16.
     LLAMACPP_GEMM_MIN_ROWS = 8
 
-    def _supports(fmt: str, max_rows: int | None, dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES,
-                  alignment: int = 1, k_multiple: int = 1):
+    def _supports(fmt: str, max_rows: int | Callable[[QuantTensor, torch.device], int] | None,
+                  dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1, k_multiple: int = 1):
+        # ``max_rows``: the most rows of activations, or a function of the weight and device that says it;
         # ``alignment``: bytes that both the activations and the packed data must start at a multiple of;
         # ``k_multiple``: what the row length must be a multiple of
         word_bytes = LAYOUTS[fmt].word_bytes
@@ -59,7 +56,7 @@ if AVAILABLE:
                 and w.fmt.name == fmt
                 and x.dim() == 2
                 and x.shape[1] % k_multiple == 0
-                and (max_rows is None or x.shape[0] <= max_rows)
+                and (max_rows is None or x.shape[0] <= (max_rows(w, x.device) if callable(max_rows) else max_rows))
                 and x.dtype in dtypes
                 and w.data.data_ptr() % max(word_bytes, alignment) == 0
                 and x.data_ptr() % alignment == 0
@@ -80,7 +77,7 @@ if AVAILABLE:
             _register("gemv", fmt, _supports(fmt, gemv_rows(fmt)), gemv)
             _register("mma", fmt, _supports(fmt, mma_rows(fmt), MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE),
                       mma_gemm)
-            _register("gemm", fmt, _supports(fmt, DEQUANT_MATMUL_MIN_ROWS - 1), gemm)
+            _register("gemm", fmt, _supports(fmt, lambda w, device, fmt=fmt: gemm_rows(fmt, w.shape[0], device)), gemm)
             _register("dequant-matmul", fmt, _supports(fmt, None), dequant_matmul)
         for fmt in LLAMACPP_FORMATS:
             _register("gemv-llamacpp", fmt, _supports(fmt, LLAMACPP_GEMM_MIN_ROWS - 1), gemv_llamacpp, "llamacpp")
@@ -91,11 +88,10 @@ if AVAILABLE:
         register()
 
     __all__ = [
-        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "DEQUANT_MATMUL_MIN_ROWS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
+        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
-        "dequantize", "gemm", "gemm_llamacpp", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm", "mma_rows",
-        "quantize_activations", "rms_norm", "rope", "attention_scores", "attend",
-        "register",
+        "dequantize", "gemm", "gemm_llamacpp", "gemm_rows", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm",
+        "mma_rows", "quantize_activations", "rms_norm", "rope", "attention_scores", "attend", "register",
     ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

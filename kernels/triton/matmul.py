@@ -85,6 +85,18 @@ class GemmConfig:
     split_k: int = 1  # programs over parts of K per output tile; the last to finish adds up their partial sums
 
 
+# The most rows of activations the fused GEMM takes (``gemm_rows`` says up to how many it is the faster kernel).
+GEMM_MAX_ROWS = 128
+
+
+def gemm_rows(fmt: str, n: int, device: torch.device) -> int:
+    """Rows of activations up to which the fused GEMM outruns dequantize + cuBLAS on an H100 (bench/RESULTS.md,
+    eighteenth session): 64; or one tile of 128, for weights of at least one 64-row tile per multiprocessor in every
+    format but Q6_K. At 65-128 rows the GEMM ran 1.34-1.81x faster on 14336x4096 and 28672x4096 in Q4_0, Q4_1, Q8_0 and
+    Q4_K, and lost on 4096 and 6144 rows (too few programs for the device) and in Q6_K; at 256 rows it tied at best."""
+    return GEMM_MAX_ROWS if fmt != "Q6_K" and cdiv(n, 64) >= _sm_count(device) else 64
+
+
 @dataclass(frozen=True)
 class MmaConfig:
     """The fragment kernel's programs: 16 weight rows each, K dealt out over ``num_warps`` warps a step at a time
@@ -238,8 +250,8 @@ def _gemv_kernel(
     m_blocks = tl.cdiv(M, BLOCK_M)
     m_block, n_block = tl.program_id(0) % m_blocks, tl.program_id(0) // m_blocks
     m_rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Rows of activations past M re-read row M - 1 (never stored), as weight rows past N re-read row N - 1.
-    x_rows = x_ptr + tl.minimum(m_rows, M - 1).to(tl.int64) * K
+    # Rows of activations past M re-read rows from the first (never stored), weight rows past N re-read row N - 1.
+    x_rows = x_ptr + (m_rows % M).to(tl.int64) * K
     if LLAMACPP:
         tl.static_assert(BLOCK_M == 1, "the llama.cpp-numerics GEMV takes one row of activations per program")
         m = m_block
@@ -332,15 +344,15 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TY
     # One program per 16 weight rows; its warps take every WARPS-th step of K: a super-block (Q4_K, Q6_K) or STEP_PAIRS
     # pairs of blocks. Each weight tensor holds one value per lane (``fragments``): lane 4 g + t has weight rows g and
     # g + 8. The activations come in TILES tiles of 8 rows, one instruction each on the same unpacked weights: the
-    # activation tensors are [TILES, lanes], lane 4 g + t holding row 8 i + g of tile i (re-reading row M - 1 past M,
-    # never stored).
+    # activation tensors are [TILES, lanes], lane 4 g + t holding row 8 i + g of tile i (re-reading rows from the first
+    # past M, as ``_gemm_kernel`` does; never stored).
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     first_row = tl.program_id(0) * 16
     lane = tl.arange(0, 32 * WARPS)
     warp, g, t = lane // 32, (lane % 32) // 4, lane % 4
     top = tl.minimum(first_row + g, N - 1).to(tl.int64) * row_bytes
     bottom = tl.minimum(first_row + g + 8, N - 1).to(tl.int64) * row_bytes
-    x_rows = tl.minimum(8 * tl.arange(0, TILES)[:, None] + g[None, :], M - 1)
+    x_rows = (8 * tl.arange(0, TILES)[:, None] + g[None, :]) % M
     x_row = x_ptr.to(tl.pointer_type(tl.uint8)) + x_rows.to(tl.int64) * (2 * K)
     acc0 = tl.zeros((TILES, 32 * WARPS), tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
@@ -417,8 +429,9 @@ def _gemm_kernel(
     split_units = tl.cdiv(tl.cdiv(n_units, BLOCK_U), SPLIT_K) * BLOCK_U
     unit_start = tl.program_id(1) * split_units
     unit_end = tl.minimum(unit_start + split_units, n_units)
-    # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
-    x_columns = x_ptr + tl.minimum(rows_m, M - 1).to(tl.int64)[None, :] * K
+    # Rows past M re-read rows from the first instead of masking loads; they are never stored. Not all the last row:
+    # a tile's loads of one address from every row past M ran up to 2.4x slower (bench/RESULTS.md, eighteenth session).
+    x_columns = x_ptr + (rows_m % M).to(tl.int64)[None, :] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if FMT == Q4_K:
         # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step): 16-byte loads, one step ahead of the unpacking.
@@ -477,8 +490,8 @@ def _gemm_llamacpp_kernel(
     # (d_x d) * sum_j scale_j dot_j - (d_x dmin) * sum_j min_j xsum_j (Q4_K), (d_x d) * sum_g scale_g dot_g (Q6_K).
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
-    # Out-of-range rows re-read the last row instead of masking loads; they are never stored.
-    m_rows = tl.minimum(rows_m, M - 1).to(tl.int64)
+    # Rows past M re-read rows from the first instead of masking loads (as in ``_gemm_kernel``); never stored.
+    m_rows = (rows_m % M).to(tl.int64)
     x_rows = xq_ptr + m_rows * K
     rowp = w_ptr + tl.minimum(rows_n, N - 1).to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
