@@ -25,12 +25,12 @@ import triton
 import triton.language as tl
 
 from ..quant_tensor import QuantTensor
-from .launch import INTERPRETING, cdiv, launch
 from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
     Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
     q4_k_gemv_load, q4_k_tile_dots_q8k, q4_k_weight_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
 )
+from .launch import INTERPRETING, cdiv, launch
 
 
 @dataclass(frozen=True)
@@ -85,16 +85,12 @@ class GemmConfig:
     split_k: int = 1  # programs over parts of K per output tile; the last to finish adds up their partial sums
 
 
-# The most rows of activations the fused GEMM takes (``gemm_rows`` says up to how many it is the faster kernel).
-GEMM_MAX_ROWS = 128
-
-
 def gemm_rows(fmt: str, n: int, device: torch.device) -> int:
     """Rows of activations up to which the fused GEMM outruns dequantize + cuBLAS on an H100 (bench/RESULTS.md,
     eighteenth session): 64; or one tile of 128, for weights of at least one 64-row tile per multiprocessor in every
     format but Q6_K. At 65-128 rows the GEMM ran 1.34-1.81x faster on 14336x4096 and 28672x4096 in Q4_0, Q4_1, Q8_0 and
     Q4_K, and lost on 4096 and 6144 rows (too few programs for the device) and in Q6_K; at 256 rows it tied at best."""
-    return GEMM_MAX_ROWS if fmt != "Q6_K" and cdiv(n, 64) >= _sm_count(device) else 64
+    return 128 if fmt != "Q6_K" and cdiv(n, 64) >= _sm_count(device) else 64
 
 
 @dataclass(frozen=True)
