@@ -89,7 +89,8 @@ def gemm_rows(fmt: str, n: int, device: torch.device) -> int:
     """Rows of activations up to which the fused GEMM outruns dequantize + cuBLAS on an H100 (bench/RESULTS.md,
     eighteenth session): 64; or one tile of 128, for weights of at least one 64-row tile per multiprocessor in every
     format but Q6_K. At 65-128 rows the GEMM ran 1.34-1.81x faster on 14336x4096 and 28672x4096 in Q4_0, Q4_1, Q8_0 and
-    Q4_K, and lost on 4096 and 6144 rows (too few programs for the device) and in Q6_K; at 256 rows it tied at best."""
+    Q4_K, and lost in Q6_K and on 4096 and 6144 rows, where its tiling leaves too few programs for the device (a split of
+    K won there in Q4_K only); from 256 rows it re-unpacks the weights per tile and tied or lost on all but one shape."""
     return 128 if fmt != "Q6_K" and cdiv(n, 64) >= _sm_count(device) else 64
 
 
