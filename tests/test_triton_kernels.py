@@ -34,7 +34,7 @@ from workbench.kernels.triton import (  # noqa: E402
 )
 from workbench.kernels.triton import launch  # noqa: E402
 from workbench.kernels.triton.matmul import (  # noqa: E402
-    GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, mma_config,
+    GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, gemm_config, mma_config,
 )
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -207,7 +207,7 @@ class TestInterpreted:
     def test_gemv_several_rows(self, fmt):
         """Batched decode: each weight unpacked once for a block of activation rows. The default tilings (two rows per
         program: two rows fill one block, three leave the last block with one), and four rows per program for three
-        rows, whose missing row re-reads the last one and is never stored."""
+        rows, whose missing row re-reads the first and is never stored."""
         rng = np.random.default_rng([FORMATS.index(fmt), 5])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         for m, config in [(2, None), (GEMV_MAX_ROWS - 1, None),
@@ -244,8 +244,8 @@ class TestInterpreted:
         """On mma.sync fragments: 20 weight rows (a full and a partial tile of 16), K = 768 (3 super-blocks, 12 pairs
         of blocks; Q6_K rows of 630 bytes, so every other row starts 2 bytes past a word) dealt to 1, 2 and 4 warps,
         one or two pairs a step (the last step of 2 warps over super-blocks, and of 4 warps of two pairs, leaves warps
-        past the row's end), 1, 3, 8 and 13 rows of activations (8 fill the instruction's columns; fewer re-read the
-        last row; 13 take a second tile of 8, partly filled, on the same unpacked weights, and leave the first tile's
+        past the row's end), 1, 3, 8 and 13 rows of activations (8 fill the instruction's columns; fewer re-read rows
+        from the first; 13 take a second tile of 8, partly filled, on the same unpacked weights, and leave the first tile's
         results as they are without it)."""
         rng = np.random.default_rng([FORMATS.index(fmt), dtype.itemsize, 6])
         w, reference = random_weight(fmt, self.N, self.K, rng)
@@ -454,8 +454,9 @@ class TestCuda:
     @pytest.mark.parametrize("fmt", FORMATS)
     def test_full_shapes(self, fmt):
         rng = np.random.default_rng(FORMATS.index(fmt))
-        # and a weight of one 64-row tile per multiprocessor, where the fused GEMM takes up to 128 rows (not in Q6_K)
-        wide = (64 * torch.cuda.get_device_properties(0).multi_processor_count, 256)
+        # and a weight of one 64-row tile per multiprocessor, where the fused GEMM takes up to 128 rows (not in Q6_K);
+        # its last 4-, 16- and 64-row tiles are partial
+        wide = (64 * torch.cuda.get_device_properties(0).multi_processor_count - 22, 256)
         for n, k in [*self.SHAPES[get_format(fmt).block_size], wide]:
             w, reference = random_weight(fmt, n, k, rng)
             w = w.to("cuda")
@@ -465,8 +466,10 @@ class TestCuda:
                 mma = m <= MMA_MAX_ROWS and k % MMA_K_MULTIPLE == 0
                 kind = ("gemv" if m <= gemv_rows(fmt) else "mma" if mma and m <= mma_rows(fmt) else "gemm"
                         if m <= gemm_rows(fmt, n, x.device) else "dequant-matmul")
-                if (n, k) == wide and m in (128, 512):
+                if n >= 4096 and m in (128, 512):
                     assert kind == ("dequant-matmul" if fmt == "Q6_K" or m == 512 else "gemm")
+                if (n, k) == (4096, 14336) and kind == "gemm":  # K split at 65-128 rows
+                    assert gemm_config(m, n, k, x.device, fmt).split_k > 1
                 assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
                 expected = (x.double() @ reference.T).cpu().numpy()
                 # The GEMM and the dense matmul round the weights to the activation dtype too.

@@ -87,11 +87,12 @@ class GemmConfig:
 
 def gemm_rows(fmt: str, n: int, device: torch.device) -> int:
     """Rows of activations up to which the fused GEMM outruns dequantize + cuBLAS on an H100 (bench/RESULTS.md,
-    eighteenth session): 64; or one tile of 128, for weights of at least one 64-row tile per multiprocessor in every
-    format but Q6_K. At 65-128 rows the GEMM ran 1.34-1.81x faster on 14336x4096 and 28672x4096 in Q4_0, Q4_1, Q8_0 and
-    Q4_K, and lost in Q6_K and on 4096 and 6144 rows, where its tiling leaves too few programs for the device (a split of
-    K won there in Q4_K only); from 256 rows it re-unpacks the weights per tile and tied or lost on all but one shape."""
-    return 128 if fmt != "Q6_K" and cdiv(n, 64) >= _sm_count(device) else 64
+    eighteenth and nineteenth sessions): 64; or one tile of 128 in every format but Q6_K for weights of at least one
+    64-row tile per four multiprocessors, where ``gemm_config`` splits K at most four ways. At 65-128 rows such weights
+    (4096 to 28672 rows of 4096 or 14336 values) ran 1.26-2.09x faster in the GEMM in Q4_K, 1.02-1.66x in Q4_0 and Q4_1,
+    0.93-1.39x in Q8_0 (whose one loss is 6144x4096); narrower weights, split eight ways or more, and Q6_K mostly lost.
+    From 256 rows the GEMM re-unpacks the weights per tile and tied or lost on all but one shape."""
+    return 128 if fmt != "Q6_K" and 4 * cdiv(n, 64) >= _sm_count(device) else 64
 
 
 @dataclass(frozen=True)
@@ -207,11 +208,13 @@ def int8_gemm_config(m: int, n: int, device: torch.device) -> Int8GemmConfig:
 def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmConfig:
     """Tiles that ran best on an H100 (bench/RESULTS.md, twelfth session; ``bench/kernels.py --sweep`` times others).
     Up to 16 rows (batched decode): 64 weight rows by 8 or 16 activation rows per program, the loop not
-    pipelined (staging the many narrow weight loads through shared memory cost more than it hid). Up to 64 rows K is
-    split in two while that leaves fewer than 7 programs per multiprocessor (up to 16 rows), or 2 (17-64 rows): for a
+    pipelined (staging the many narrow weight loads through shared memory cost more than it hid). Up to 128 rows K is
+    split in two while that leaves fewer than 7 programs per multiprocessor (up to 16 rows), or 2 (17-128 rows): for a
     few rows that ran 1.3-1.5x faster than fewer, longer programs; from 17 rows on the fewer programs ran 1.12x faster
     than splits to 7 per multiprocessor (geometric mean over every format and Llama-3-8B shape at 17-64 rows, at most
-    1.14x from the best split; fifteenth session); at 128 rows and more splitting lost as often as it won."""
+    1.14x from the best split; fifteenth session). At 65-128 rows this split was the best of itself, half and double
+    on every weight ``gemm_rows`` gives the GEMM there (4096-8192 rows of 4096 or 14336 values measured in Q4_0, Q4_1,
+    Q4_K and Q8_0), or within 3 % (nineteenth session); from 256 rows splitting lost as often as it won."""
     if m <= 16:
         config = GemmConfig(block_m=8 if m <= 8 else 16, block_n=64, block_u=8 if fmt == "Q8_0" else 4, num_warps=4,
                             num_stages=1)
@@ -224,7 +227,7 @@ def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmC
     tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     steps = cdiv(k // 32, config.block_u)
     split_k, programs_per_sm = 1, 7 if m <= 16 else 2
-    while m <= 64 and 2 * tiles * split_k < programs_per_sm * _sm_count(device) and 2 * split_k <= min(16, steps):
+    while m <= 128 and 2 * tiles * split_k < programs_per_sm * _sm_count(device) and 2 * split_k <= min(16, steps):
         split_k *= 2
     return dataclasses.replace(config, split_k=split_k)
 
@@ -247,7 +250,7 @@ def _gemv_kernel(
     m_blocks = tl.cdiv(M, BLOCK_M)
     m_block, n_block = tl.program_id(0) % m_blocks, tl.program_id(0) // m_blocks
     m_rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Rows of activations past M re-read rows from the first (never stored), weight rows past N re-read row N - 1.
+    # Rows of activations past M and weight rows past N re-read rows from the first (never stored).
     x_rows = x_ptr + (m_rows % M).to(tl.int64) * K
     if LLAMACPP:
         tl.static_assert(BLOCK_M == 1, "the llama.cpp-numerics GEMV takes one row of activations per program")
@@ -260,8 +263,8 @@ def _gemv_kernel(
             x_scales_ptr += m * (K // 32)
             x_sums_ptr += m * (K // 32)
     rows = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Row of each (row, unit) pair, rows slowest. Rows past N re-read row N - 1 rather than masking every load.
-    pair_rows = tl.minimum(n_block * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U, N - 1)
+    # Row of each (row, unit) pair, rows slowest; rows past N are read rather than masking every load.
+    pair_rows = (n_block * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U) % N
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
     # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
@@ -342,13 +345,13 @@ def _mma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, FMT: tl.constexpr, TY
     # pairs of blocks. Each weight tensor holds one value per lane (``fragments``): lane 4 g + t has weight rows g and
     # g + 8. The activations come in TILES tiles of 8 rows, one instruction each on the same unpacked weights: the
     # activation tensors are [TILES, lanes], lane 4 g + t holding row 8 i + g of tile i (re-reading rows from the first
-    # past M, as ``_gemm_kernel`` does; never stored).
+    # past M, and weight rows past N, as ``_gemm_kernel`` does; never stored).
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     first_row = tl.program_id(0) * 16
     lane = tl.arange(0, 32 * WARPS)
     warp, g, t = lane // 32, (lane % 32) // 4, lane % 4
-    top = tl.minimum(first_row + g, N - 1).to(tl.int64) * row_bytes
-    bottom = tl.minimum(first_row + g + 8, N - 1).to(tl.int64) * row_bytes
+    top = ((first_row + g) % N).to(tl.int64) * row_bytes
+    bottom = ((first_row + g + 8) % N).to(tl.int64) * row_bytes
     x_rows = (8 * tl.arange(0, TILES)[:, None] + g[None, :]) % M
     x_row = x_ptr.to(tl.pointer_type(tl.uint8)) + x_rows.to(tl.int64) * (2 * K)
     acc0 = tl.zeros((TILES, 32 * WARPS), tl.float32)
@@ -426,14 +429,15 @@ def _gemm_kernel(
     split_units = tl.cdiv(tl.cdiv(n_units, BLOCK_U), SPLIT_K) * BLOCK_U
     unit_start = tl.program_id(1) * split_units
     unit_end = tl.minimum(unit_start + split_units, n_units)
-    # Rows past M re-read rows from the first instead of masking loads; they are never stored. Not all the last row:
-    # a tile's loads of one address from every row past M ran up to 2.4x slower (bench/RESULTS.md, eighteenth session).
+    # Rows past M (and weight rows past N) re-read rows from the first instead of masking loads; they are never stored.
+    # Not all the last row: a tile's loads of one address from every row past M ran up to 2.4x slower (bench/RESULTS.md,
+    # eighteenth session).
     x_columns = x_ptr + (rows_m % M).to(tl.int64)[None, :] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if FMT == Q4_K:
         # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step): 16-byte loads, one step ahead of the unpacking.
         pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))  # (weight row, chunk) pairs, rows slowest
-        rowp = w_ptr + tl.minimum(first_n + pair // (BLOCK_U // 2), N - 1).to(tl.int64) * row_bytes
+        rowp = w_ptr + ((first_n + pair // (BLOCK_U // 2)) % N).to(tl.int64) * row_bytes
         n_chunks = K // 64
         raw = q4_k_gemv_load(rowp, unit_start // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
         for first in range(unit_start // 2, unit_end // 2, BLOCK_U // 2):
@@ -445,7 +449,7 @@ def _gemm_kernel(
             raw = raw_next
     else:
         pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
-        rowp = w_ptr + tl.minimum(first_n + pair // BLOCK_U, N - 1).to(tl.int64) * row_bytes
+        rowp = w_ptr + ((first_n + pair // BLOCK_U) % N).to(tl.int64) * row_bytes
         for first in range(unit_start, unit_end, BLOCK_U):
             w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, n_units, BLOCK_N, BLOCK_U)
             k = 32 * first + tl.arange(0, 32 * BLOCK_U)[:, None]
@@ -487,10 +491,10 @@ def _gemm_llamacpp_kernel(
     # (d_x d) * sum_j scale_j dot_j - (d_x dmin) * sum_j min_j xsum_j (Q4_K), (d_x d) * sum_g scale_g dot_g (Q6_K).
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
-    # Rows past M re-read rows from the first instead of masking loads (as in ``_gemm_kernel``); never stored.
+    # Rows past M and N re-read rows from the first instead of masking loads (as in ``_gemm_kernel``); never stored.
     m_rows = (rows_m % M).to(tl.int64)
     x_rows = xq_ptr + m_rows * K
-    rowp = w_ptr + tl.minimum(rows_n, N - 1).to(tl.int64) * row_bytes
+    rowp = w_ptr + (rows_n % N).to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FMT == Q4_K or FMT == Q6_K:
         n_blocks = K // 256
@@ -526,7 +530,7 @@ def _dequantize_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     first = tl.program_id(1) * BLOCK_U
     pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (row, unit) pairs, rows slowest
-    pair_rows = tl.minimum(tl.program_id(0) * BLOCK_N + pair // BLOCK_U, N - 1)
+    pair_rows = (tl.program_id(0) * BLOCK_N + pair // BLOCK_U) % N
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
     w = weight_tile(FMT, TYPE_SIZE, rowp, first + pair % BLOCK_U, K // 32, BLOCK_N, BLOCK_U)
     cols = 32 * first + tl.arange(0, 32 * BLOCK_U)
