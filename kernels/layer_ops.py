@@ -1,11 +1,12 @@
-"""The forward's glue between the weight matmuls: RMSNorm, the rope, and attention's two products.
+"""The forward's glue between the weight matmuls: RMSNorm (alone, or with the residual sum before it), the rope,
+attention's two products, and the MLP's SwiGLU.
 
-Eagerly, each is one call where the torch formulas take four to eight op calls, and an eager forward pays per call
+Eagerly, each is one call where the torch formulas take two to eight op calls, and an eager forward pays per call
 far more than these ops' arithmetic costs:
 
-- on the CPU (float32), RMSNorm and the rope are calls of the C++ extension (``csrc/cpu_kernels.cpp``), and
-  attention's products batched matmuls;
-- on CUDA, all four are Triton kernels (``triton/layer_ops.py``).
+- on the CPU (float32), RMSNorm and the rope are calls of the C++ extension (``csrc/cpu_kernels.cpp``), attention's
+  products batched matmuls, the residual sum and SwiGLU their torch formulas (one call fewer each measured no faster);
+- on CUDA, all six are Triton kernels (``triton/layer_ops.py``).
 
 Elsewhere (CPU half precision; inside ``torch.compile``, which fuses them with their neighbours; without either
 backend) they are the torch formulas. Every product and sum is rounded to float32 alike, the rope to the same bits;
@@ -18,6 +19,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from . import cpu
 from . import triton as _triton
@@ -60,7 +62,8 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     on_triton = _on_triton(probe, probe)
     glue = "cpu-cxx" if _native(probe, probe) else "triton" if on_triton else "torch"
     attention = "triton" if on_triton else "torch-bmm"
-    return {"rms_norm": glue, "rope": glue, "attention_scores": attention, "attend": attention}
+    return {"rms_norm": glue, "add_rms_norm": "triton" if on_triton else f"torch add + {glue}", "rope": glue,
+            "attention_scores": attention, "attend": attention, "swiglu": "triton" if on_triton else "torch"}
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,6 +83,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
         return scale.view(*x.shape[:-1], 1), out.view(x.shape)
     scale = as_dtype(torch.rsqrt(as_dtype(x, torch.float32).pow(2).mean(-1, keepdim=True) + eps), x.dtype)
     return scale, x * scale * weight
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual sum ``x + delta`` (both ``[T, d]``, in ``x``'s dtype) and ``rms_norm`` of it: the sum, its scale and
+    its normalized output, as ``x + delta`` then ``rms_norm`` give them bit for bit; one call on CUDA."""
+    if (_on_triton(x, weight) and x.dim() == 2 and delta.shape == x.shape and weight.dtype == x.dtype
+            and delta.is_cuda and delta.dtype == x.dtype):
+        return _triton.add_rms_norm(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
+    total = x + delta
+    return (total, *rms_norm(total, weight, eps))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate`` and ``up`` ``[T, d]``, each product rounded to their dtype as the torch formula
+    rounds it: one call on CUDA."""
+    if (_on_triton(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype
+            and gate.stride(-1) == 1 and up.stride(-1) == 1):
+        return _triton.swiglu(gate, up)
+    return F.silu(gate) * up
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Building blocks of the forward, checked against their definitions."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -56,6 +58,40 @@ def test_rms_norm_matches_its_definition(device, dtype, shape):
     assert torch.equal(out, x * scale * weight)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_sum_then_the_norm(device, dtype):
+    """The residual sum and the norm after it in one call give what ``x + delta`` then ``rms_norm`` give, bit for bit
+    (the forward takes either, depending on the hooks between them), on the Triton kernel and the torch formulas."""
+    generator = torch.Generator().manual_seed(11)
+    for rows, d in [(1, 576), (7, 4096), (3, 40)]:
+        x, delta = ((3 * torch.randn(rows, d, generator=generator)).to(device, dtype) for _ in range(2))
+        weight = torch.randn(d, generator=generator).to(device, dtype)
+        for formulas in (False, True):
+            with layer_ops.torch_formulas() if formulas else contextlib.nullcontext():
+                total, scale, out = layer_ops.add_rms_norm(x, delta, weight, 1e-5)
+                expected_scale, expected = layer_ops.rms_norm(x + delta, weight, 1e-5)
+            assert torch.equal(total, x + delta) and total.dtype == dtype, (rows, d, formulas)
+            assert torch.equal(scale, expected_scale) and torch.equal(out, expected), (rows, d, formulas)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_swiglu_is_silu_times_up(device, dtype):
+    """SwiGLU on the two halves of a fused gate/up output (rows strided past their width), against the torch formula:
+    the same bits in bfloat16 and float16, float32 to an ulp of its exp."""
+    gate_up = (4 * torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(12))).to(device, dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # silu's ends and zeros
+    gate, up = gate_up.split(1536, dim=-1)
+    out = layer_ops.swiglu(gate, up)
+    expected = torch.nn.functional.silu(gate) * up
+    assert out.shape == gate.shape and out.dtype == dtype and out.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=2**-22, atol=0)
+    else:
+        assert torch.equal(out, expected)
+
+
 def test_cpu_layer_ops_refuse_bad_shapes():
     """The C++ ops check what they are given; the forward never hands them these."""
     from workbench.kernels import cpu
@@ -92,19 +128,21 @@ def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 def test_cuda_info_names_the_triton_glue():
     model = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0"), device="cuda", dtype=torch.bfloat16)
-    assert model.info()["layer_ops"] == {op: "triton" for op in ("rms_norm", "rope", "attention_scores", "attend")}
+    assert model.info()["layer_ops"] == {
+        op: "triton" for op in ("rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu")}
 
 
 def test_torch_formulas_switch_the_glue_and_agree_with_it():
     """``layer_ops.torch_formulas()`` runs the glue as its torch formulas (for comparisons and bench/eager_forward.py),
     which agree with the C++ ops to float32 rounding, and the switch is undone on leaving."""
     from workbench.kernels import cpu
-    model = Model(random_checkpoint(random_config("llama", n_layers=2), "Q8_0", seed=3))
+    model = Model(random_checkpoint(random_config("llama", n_layers=2), "Q8_0", seed=3), device="cpu")
     ids = [5, 17, 42, 99]
     own = model.forward(ids)
     with layer_ops.torch_formulas():
         assert layer_ops.implementations(model.device, model.dtype) == {
-            "rms_norm": "torch", "rope": "torch", "attention_scores": "torch-bmm", "attend": "torch-bmm"}
+            "rms_norm": "torch", "add_rms_norm": "torch add + torch", "rope": "torch", "attention_scores": "torch-bmm",
+            "attend": "torch-bmm", "swiglu": "torch"}
         formulas = model.forward(ids)
     expected_norm = "cpu-cxx" if cpu.extension() is not None else "torch"
     assert layer_ops.implementations(model.device, model.dtype)["rms_norm"] == expected_norm

@@ -28,9 +28,9 @@ pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, layer_ops, linear, numerics, select_kernel  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
-    GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, dequant_matmul, attend, attention_scores,
-    dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
-    quantize_activations, rms_norm, rope,
+    GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, add_rms_norm, attend, attention_scores,
+    dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
+    quantize_activations, rms_norm, rope, swiglu,
 )
 from workbench.kernels.triton import launch  # noqa: E402
 from workbench.kernels.triton.matmul import (  # noqa: E402
@@ -144,6 +144,32 @@ class TestInterpreted:
             assert scale.shape == (*shape[:-1], 1) and scale.dtype == dtype
             assert ((scale.double() - expected).abs() / expected).max() <= bound, shape
             assert torch.equal(out, x * scale * weight), shape
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_add_rms_norm(self, dtype):
+        """The residual sum and its norm in one launch: the sum as torch adds, the norm ``rms_norm``'s of that sum, bit
+        for bit; a delta of another shape is refused."""
+        generator = torch.Generator().manual_seed(9)
+        x, delta = ((3 * torch.randn(4, 96, generator=generator)).to(dtype) for _ in range(2))
+        weight = torch.randn(96, generator=generator).to(dtype)
+        total, scale, out = add_rms_norm(x, delta, weight, 1e-5)
+        assert torch.equal(total, x + delta)
+        expected_scale, expected = rms_norm(x + delta, weight, 1e-5)
+        assert torch.equal(scale, expected_scale) and torch.equal(out, expected)
+        with pytest.raises(ValueError, match="delta"):
+            add_rms_norm(x, delta[:3], weight, 1e-5)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_swiglu(self, dtype):
+        """silu(gate) * up on the halves of a fused output (rows strided past their width; 300 values: a block with
+        masked lanes), as the torch formula rounds it; other layouts are refused."""
+        gate_up = (4 * torch.randn(3, 600, generator=torch.Generator().manual_seed(10))).to(dtype)
+        gate, up = gate_up.split(300, dim=-1)
+        out = swiglu(gate, up)
+        torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=2**-22 if dtype == torch.float32
+                                   else 0, atol=0)
+        with pytest.raises(ValueError, match="swiglu"):
+            swiglu(gate.t(), up.t())
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
     @pytest.mark.parametrize("interleaved", [True, False], ids=["adjacent-pairs", "halves"])

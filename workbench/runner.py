@@ -100,7 +100,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, 
     """RMSNorm with TransformerLens' two hook points: the scale, and the normalized input before the weight. With a
     hook on either, the products after it are taken from what the hooks return; they round as the norm's own do,
     so a hook that returns its input changes no bit."""
-    scale, out = layer_ops.rms_norm(x, weight, eps)
+    return _norm_points(x, *layer_ops.rms_norm(x, weight, eps), weight, point, names, layer)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points,
+                 stream_points: Sequence[tuple[str, int]], names: tuple[str, str],
+                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream ``x + delta`` through its hook points (``(name, layer)`` each), and ``rms_norm`` of it. With
+    none of those points hooked, the sum and the norm are one call (``layer_ops.add_rms_norm``), with the same bits."""
+    if any(point.wants(name) for name, _ in stream_points):
+        x = x + delta
+        for name, at in stream_points:
+            x = point(name, x, at)
+        return x, rms_norm(x, weight, eps, point, names, layer)
+    x, scale, out = layer_ops.add_rms_norm(x, delta, weight, eps)
+    return x, _norm_points(x, scale, out, weight, point, names, layer)
+
+
+def _norm_points(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, point: _Points,
+                 names: tuple[str, str], layer: int | None) -> torch.Tensor:
     if not (point.wants(names[0]) or point.wants(names[1])):
         return out
     scale = point(names[0], scale, layer)
@@ -195,14 +213,23 @@ class Transformer:
         rotation = self.rotation(positions)
 
         x = point("hook_embed", w.embed.dequantize_rows(ids).to(self.dtype))
+        x = point(self._names[0]["hook_resid_pre"], x, 0)
+        normalized = rms_norm(x, w.layers[0].attn_norm, c.rms_eps, point, self._names[0]["ln1"], 0)
+        # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
+        # hook sits between them the two are one call.
         for i, layer in enumerate(w.layers):
             names = self._names[i]
-            x = point(names["hook_resid_pre"], x, i)
-            attn_out = self.attention(rms_norm(x, layer.attn_norm, c.rms_eps, point, names["ln1"], i),
-                                      layer, i, rotation, blocked, cache, point)
-            x = point(names["hook_resid_mid"], x + attn_out, i)
-            mlp_out = self.mlp(rms_norm(x, layer.mlp_norm, c.rms_eps, point, names["ln2"], i), layer, i, point)
-            x = point(names["hook_resid_post"], x + mlp_out, i)
+            attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point)
+            x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, [(names["hook_resid_mid"], i)],
+                                         names["ln2"], i)
+            mlp_out = self.mlp(normalized, layer, i, point)
+            if i + 1 < c.n_layers:
+                after = self._names[i + 1]
+                x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
+                                             [(names["hook_resid_post"], i), (after["hook_resid_pre"], i + 1)],
+                                             after["ln1"], i + 1)
+            else:
+                x = point(names["hook_resid_post"], x + mlp_out, i)
 
         if last_logits_only:
             x = x[-1:]
@@ -258,5 +285,5 @@ class Transformer:
         gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
         gate = point(names["mlp.hook_pre"], gate, i)
         up = point(names["mlp.hook_pre_linear"], up, i)
-        hidden = point(names["mlp.hook_post"], F.silu(gate) * up, i)
+        hidden = point(names["mlp.hook_post"], layer_ops.swiglu(gate, up), i)
         return point(names["hook_mlp_out"], linear(hidden, layer.w_down), i)

@@ -9,8 +9,9 @@ as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACP
 ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor cores, for more rows), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it registers
 nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
-through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm``, ``rope``,
-``attention_scores`` and ``attend`` are the forward's other per-token ops, for ``workbench.kernels.layer_ops``. Every
+through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm``, ``add_rms_norm``,
+``rope``, ``attention_scores``, ``attend`` and ``swiglu`` are the forward's other per-token ops, for
+``workbench.kernels.layer_ops``. Every
 kernel is launched through ``launch``, which keeps each compiled kernel to launch it again without Triton's launcher.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ if AVAILABLE:
         SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
         gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
-    from .layer_ops import attend, attention_scores, rms_norm, rope
+    from .layer_ops import add_rms_norm, attend, attention_scores, rms_norm, rope, swiglu
 
     # From this many rows on, the llama.cpp-numerics GEMM runs instead of a GEMV pass per row. On an H100 (bench/RESULTS.md,
     # tenth session) it wins from 8 rows on most 8B shapes and by ~12x at 128; rows of 14336 values favour the GEMV to ~16.
@@ -91,7 +92,8 @@ if AVAILABLE:
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
         "dequantize", "gemm", "gemm_llamacpp", "gemm_rows", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm",
-        "mma_rows", "quantize_activations", "rms_norm", "rope", "attention_scores", "attend", "register",
+        "mma_rows", "quantize_activations", "rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu",
+        "register",
     ]
 else:
     __all__ = ["AVAILABLE", "REGISTERED"]

@@ -1,29 +1,36 @@
-"""The forward's glue on CUDA, for ``workbench.kernels.layer_ops``: RMSNorm, the rope, and attention's query-key and
-pattern-value products, one Triton launch each where the torch formulas launch six to eight kernels (layout changes
-and conversions included): an eager CUDA forward spends its time launching kernels, not running them.
+"""The forward's glue on CUDA, for ``workbench.kernels.layer_ops``: RMSNorm (with the residual sum before it), the
+rope, attention's query-key and pattern-value products, and the MLP's SwiGLU, one Triton launch each where the torch
+formulas launch two to eight kernels (layout changes and conversions included): an eager CUDA forward spends its time
+launching kernels, not running them.
 
-The norm and the rope are compiled without fused multiply-adds and round as the torch formulas do, product by
-product: the rope gives the same bits; the norm's scale is a float32 sum of squares with a correctly rounded square
-root and division, so it may differ from torch's reduction in the last bit, and ``(x * scale) * weight`` is rounded
-product by product in ``x``'s dtype; the attention's sums run in their own order. Under ``TRITON_INTERPRET=1`` they
-run on CPU tensors (the tests).
+The norm, the rope and SwiGLU are compiled without fused multiply-adds and round as the torch formulas do, product by
+product: the rope and the residual sum give the same bits, SwiGLU too where its exp (libdevice's, as CUDA's ``expf``)
+rounds as torch's does; the norm's scale is a float32 sum of squares with a correctly rounded square root and
+division, so it may differ from torch's reduction in the last bit, and ``(x * scale) * weight`` is rounded product by
+product in ``x``'s dtype; the attention's sums run in their own order. Under ``TRITON_INTERPRET=1`` they run on CPU
+tensors (the tests).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from .launch import cdiv, launch, next_power_of_2
+from .launch import INTERPRETING, cdiv, launch, next_power_of_2
 from .matmul import dot_precision
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, d, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, total_ptr, w_ptr, scale_ptr, out_ptr, d, eps, RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, BLOCK)
     inside = index < d
     x = tl.load(x_ptr + row * d + index, mask=inside, other=0.0)
+    if RESIDUAL:  # the norm of x + delta, rounded to x's dtype as the torch sum is, and that sum stored
+        x = (x.to(tl.float32) + tl.load(delta_ptr + row * d + index, mask=inside, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(total_ptr + row * d + index, x, mask=inside)
     xf = x.to(tl.float32)
     mean = tl.sum(xf * xf, axis=0) / d
     scale = tl.div_rn(1.0, tl.sqrt_rn(mean + eps)).to(x.dtype)  # in x's dtype, as the hook point holds it
@@ -36,17 +43,65 @@ def _rms_norm_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, d, eps, BLOCK: tl.constex
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``layer_ops.rms_norm`` for contiguous rows ``x`` ``[T, d]`` and ``weight`` ``[d]`` of one float dtype: the
     scale ``[T, 1]`` and ``(x * scale) * weight``."""
+    _, scale, out = _rms_norm(x, None, weight, eps)
+    return scale, out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer_ops.add_rms_norm``: the sum ``x + delta`` (contiguous ``[T, d]`` rows of one dtype), then ``rms_norm`` of
+    it, in one launch: the norm's arithmetic on the sum is ``rms_norm``'s."""
+    return _rms_norm(x, delta, weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.dim() != 2 or not x.is_contiguous() or weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight {weight.dtype} {tuple(weight.shape)} for input {x.dtype} {tuple(x.shape)} "
                          f"(contiguous [T, d] rows)")
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype or not delta.is_contiguous()):
+        raise ValueError(f"add_rms_norm: delta {delta.dtype} {tuple(delta.shape)} for input {x.dtype} {tuple(x.shape)}")
     rows, d = x.shape
     scale = torch.empty(rows, 1, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
+    total = x if delta is None else torch.empty_like(x)
     if x.numel():
         block = next_power_of_2(d)
-        launch(_rms_norm_kernel, (rows,), x, weight.contiguous(), scale, out, d, eps, BLOCK=block,
-               num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
-    return scale, out
+        launch(_rms_norm_kernel, (rows,), x, x if delta is None else delta, total, weight.contiguous(), scale, out, d,
+               eps, RESIDUAL=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+               enable_fp_fusion=False)
+    return total, scale, out
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, cols, gate_stride, up_stride, BLOCK: tl.constexpr,
+                   LIBDEVICE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < cols
+    gate = tl.load(gate_ptr + row * gate_stride + index, mask=inside, other=0.0)
+    g = gate.to(tl.float32)
+    # torch's silu, x / (1 + exp(-x)) in float32 with an accurate exp (numpy's under the interpreter), rounded; then
+    # the product, rounded
+    exp = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+    silu = tl.div_rn(g, 1.0 + exp).to(gate.dtype)
+    up = tl.load(up_ptr + row * up_stride + index, mask=inside, other=0.0)
+    tl.store(out_ptr + row * cols + index, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=inside)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``layer_ops.swiglu``: ``silu(gate) * up`` for ``gate`` and ``up`` ``[T, d]`` of one float dtype, each row a
+    contiguous run of values (such as the two halves of a fused projection's output), as a new contiguous tensor."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError(f"swiglu: gate {gate.dtype} {tuple(gate.shape)} and up {up.dtype} {tuple(up.shape)} "
+                         f"([T, d] rows of contiguous values)")
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        block = min(1024, next_power_of_2(cols))
+        launch(_swiglu_kernel, (rows, cdiv(cols, block)), gate, up, out, cols, gate.stride(0), up.stride(0),
+               BLOCK=block, LIBDEVICE=not INTERPRETING, num_warps=4, enable_fp_fusion=False)
+    return out
 
 
 @triton.jit
