@@ -218,8 +218,8 @@ def gemm_config(m: int, n: int, k: int, device: torch.device, fmt: str) -> GemmC
     if m <= 16:
         config = GemmConfig(block_m=8 if m <= 8 else 16, block_n=64, block_u=8 if fmt == "Q8_0" else 4, num_warps=4,
                             num_stages=1)
-    # More rows (prefill; linear hands more than 64 to dequantize + cuBLAS): 64 weight rows a tile, so that the
-    # weight-first dot stays on Hopper's warpgroup instructions, and the loop pipelined.
+    # More rows (prefill; linear hands more than ``gemm_rows`` to dequantize + cuBLAS): 64 weight rows a tile, so that
+    # the weight-first dot stays on Hopper's warpgroup instructions, and the loop pipelined.
     elif m <= 32:
         config = GemmConfig(block_m=32, block_n=64, block_u=8, num_warps=4, num_stages=3)
     else:
