@@ -166,6 +166,9 @@ class Transformer:
         names: dict = {p: f"blocks.{i}.{p}" for p in BLOCK_POINTS}
         for norm in ("ln1", "ln2"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
+        # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
+        names["after_attn"] = ((names["hook_resid_mid"], i),)
+        names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
         return names
 
     def new_cache(self, capacity: int = 64) -> KVCache:
@@ -220,14 +223,12 @@ class Transformer:
         for i, layer in enumerate(w.layers):
             names = self._names[i]
             attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point)
-            x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, [(names["hook_resid_mid"], i)],
+            x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
                                          names["ln2"], i)
             mlp_out = self.mlp(normalized, layer, i, point)
             if i + 1 < c.n_layers:
-                after = self._names[i + 1]
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
-                                             [(names["hook_resid_post"], i), (after["hook_resid_pre"], i + 1)],
-                                             after["ln1"], i + 1)
+                                             names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
             else:
                 x = point(names["hook_resid_post"], x + mlp_out, i)
 

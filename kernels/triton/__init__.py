@@ -11,8 +11,8 @@ as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACP
 nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
 through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm``, ``add_rms_norm``,
 ``rope``, ``attention_scores``, ``attend`` and ``swiglu`` are the forward's other per-token ops, for
-``workbench.kernels.layer_ops``. Every
-kernel is launched through ``launch``, which keeps each compiled kernel to launch it again without Triton's launcher.
+``workbench.kernels.layer_ops``. Every kernel is launched through ``launch``, which keeps each compiled kernel to launch
+it again without Triton's launcher.
 """
 from __future__ import annotations
 
