@@ -1,9 +1,10 @@
 """The eager forward (every hooked run, every prompt's prefill) with the glue's own implementations against its torch
-formulas: ``workbench.kernels.layer_ops`` (RMSNorm, rope, attention's products) as C++ calls (CPU) or Triton kernels
-(CUDA), or under ``layer_ops.torch_formulas()``; on CUDA also with every Triton kernel (the matmuls' too) launched
-through Triton's own launcher instead of ``workbench.kernels.triton.launch``'s kept kernels. All run in one process,
-taking turns forward by forward, so a noisy host slows them alike; each figure is the median (and min) of ``--repeats``
-forwards after 3 warm-ups, and the ratio the median of the paired forwards' ratios.
+formulas: ``workbench.kernels.layer_ops`` (RMSNorm, the residual sum with its norm, rope, attention's products,
+SwiGLU) as C++ calls (CPU) or Triton kernels (CUDA), or under ``layer_ops.torch_formulas()``; on CUDA also with every
+Triton kernel (the matmuls' too) launched through Triton's own launcher instead of ``workbench.kernels.triton.launch``'s
+kept kernels. All run in one process, taking turns forward by forward, so a noisy host slows them alike; each figure
+is the median (and min) of ``--repeats`` forwards after 3 warm-ups, and the ratio the median of the paired forwards'
+ratios.
 
     python bench/eager_forward.py                                              # embedded model, CPU, 2 threads
     python bench/eager_forward.py --device cuda --synthetic llama3-8b --format Q4_K
