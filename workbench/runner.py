@@ -159,16 +159,17 @@ class Transformer:
         angles = torch.arange(c.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.rope_cos = angles.cos().to(torch.float32).to(self.device)
         self.rope_sin = angles.sin().to(torch.float32).to(self.device)
-        self._names = [self._block_names(i) for i in range(c.n_layers)]
+        self._names = [self._block_names(i, last=i + 1 == c.n_layers) for i in range(c.n_layers)]
 
     @staticmethod
-    def _block_names(i: int) -> dict:
+    def _block_names(i: int, last: bool) -> dict:
         names: dict = {p: f"blocks.{i}.{p}" for p in BLOCK_POINTS}
         for norm in ("ln1", "ln2"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
         names["after_attn"] = ((names["hook_resid_mid"], i),)
-        names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
+        if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
+            names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
         return names
 
     def new_cache(self, capacity: int = 64) -> KVCache:
