@@ -42,7 +42,8 @@ SHAPES = {
 SHAPES["8b-decode"] = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 SHAPES["all"] = SHAPES["small"] + SHAPES["8b"]
 BATCHES = (1, 8, 128, 512)
-FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+# the formats with kernels of their own: every one the C++ extension reads on CPU, the Triton ones on CUDA
+FORMATS = {"cpu": tuple(wk.cpu.SUPPORTED_TYPES.values()), "cuda": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")}
 
 
 def cpu_seconds(call: Callable[[], object], repeats: int) -> float:
@@ -161,7 +162,8 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, e.g. Q4_K,Q6_K")
+    parser.add_argument("--formats", default=None,
+                        help="comma-separated, e.g. Q4_K,Q6_K (default: those with kernels of their own on the device)")
     parser.add_argument("--shapes", choices=tuple(SHAPES), default=None, help="default: all on CUDA, small on CPU")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, M = 1 and 128 only")
     parser.add_argument("--batches", default=None, help="comma-separated M values (default 1,8,128,512)")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
 
-    formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()]
+    formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()] if args.formats else FORMATS[device]
     shapes = SHAPES[args.shapes or ("all" if device == "cuda" else "small")]
     batches = [int(m) for m in args.batches.split(",")] if args.batches else (1, 128) if args.quick else BATCHES
     timer = Timer(device, args.quick)

@@ -1,4 +1,4 @@
-"""Fast CPU matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K).
+"""Fast CPU matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
 
 The work is done by a small C++ extension (``csrc/cpu_kernels.cpp``), compiled on first use with
 ``torch.utils.cpp_extension.load`` and cached in the torch extensions directory. It reads the packed
@@ -32,7 +32,9 @@ from .linear import BLOCKWISE, Kernel, get_numerics, numerics, register_kernel, 
 from .quant_tensor import QuantTensor
 
 # GGML type number -> name, for the formats the extension implements.
-SUPPORTED_TYPES: dict[int, str] = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+SUPPORTED_TYPES: dict[int, str] = {
+    2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+}
 
 # Batch size from which exact matmuls dequantize panels of W for the BLAS instead of fusing the
 # dequantization into the dot products (the measured crossover on 2 threads; see the tests' timing).

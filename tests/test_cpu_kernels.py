@@ -14,9 +14,12 @@ from workbench.kernels.formats import QuantFormat
 from workbench.kernels.linear import BLOCKWISE, linear, linear_parts, select_kernel
 from workbench.kernels.quant_tensor import QuantTensor
 
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # Byte offsets of the fp16 scale / min fields in each block; every other byte may be anything.
-HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+HALF_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}
 K = 512
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -98,8 +101,13 @@ def test_exact_keeps_batch_dims_and_half_precision_inputs():
 def test_unsupported_format_and_dtype_take_blockwise_path():
     w = random_weight("Q4_1", 16, 256)
     assert select_kernel(torch.randn(2, 256, dtype=torch.float64), w) is BLOCKWISE
-    q5k = QuantTensor(torch.zeros(16, 176, dtype=torch.uint8), gguf_format("Q5_K"), (16, 256))
-    assert select_kernel(torch.randn(2, 256), q5k) is BLOCKWISE
+    # a format the extension has no code for (here gguf's IQ4_NL, with gguf's dequantizer) still multiplies
+    blocks = torch.arange(16 * 8 * 18).remainder(251).to(torch.uint8).reshape(-1, 18)
+    blocks[:, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)  # each block's scale d
+    iq4 = QuantTensor(blocks.reshape(16, 144), gguf_format("IQ4_NL"), (16, 256))
+    x = torch.randn(2, 256)
+    assert select_kernel(x, iq4) is BLOCKWISE
+    torch.testing.assert_close(linear(x, iq4), x @ iq4.dequantize().T)
 
 
 @pytest.mark.parametrize("m", [1, 5, 20])
@@ -128,7 +136,7 @@ def test_extension_rejects_malformed_weights():
     with pytest.raises(RuntimeError, match="packed weight must be"):
         cpu.extension().linear_exact(x, [torch.zeros(8, 100, dtype=torch.uint8)], [3], [8], 256, 32)
     with pytest.raises(RuntimeError, match="unsupported GGML type"):
-        cpu.extension().linear_exact(x, [torch.zeros(8, 160, dtype=torch.uint8)], [13], [8], 256, 32)
+        cpu.extension().linear_exact(x, [torch.zeros(8, 144, dtype=torch.uint8)], [20], [8], 256, 32)  # IQ4_NL
     with pytest.raises(RuntimeError, match="one type and row count per packed weight"):
         cpu.extension().linear_exact(x, [torch.zeros(8, 160, dtype=torch.uint8)], [2, 2], [8], 256, 32)
 
@@ -169,7 +177,10 @@ def test_kernel_choices_are_kept_only_where_they_depend_on_types_alone(monkeypat
 # --- llama.cpp numerics --------------------------------------------------------------------------
 
 # The activation type ggml-cpu pairs with each weight type (its vec_dot_type).
-ACTIVATION_TYPE = {"Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1", "Q4_K": "Q8_K", "Q6_K": "Q8_K"}
+ACTIVATION_TYPE = {
+    "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1",
+    **{k_quant: "Q8_K" for k_quant in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
+}
 
 
 def quantize_q8_reference(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -243,9 +254,9 @@ def test_llamacpp_matches_quantized_reference(name, m):
 
 
 def test_llamacpp_numerics_for_unsupported_format_warns_and_runs_exactly():
-    q5k = QuantTensor(torch.zeros(16, 176, dtype=torch.uint8), gguf_format("Q5_K"), (16, 256))
-    with cpu.numerics("llamacpp"), pytest.warns(RuntimeWarning, match="no .llamacpp.-numerics kernel for Q5_K .* on cpu; .* exact numerics on the .blockwise-dequant-matmul. path"):
-        assert select_kernel(torch.randn(2, 256), q5k) is BLOCKWISE
+    iq4 = QuantTensor(torch.zeros(16, 144, dtype=torch.uint8), gguf_format("IQ4_NL"), (16, 256))
+    with cpu.numerics("llamacpp"), pytest.warns(RuntimeWarning, match="no .llamacpp.-numerics kernel for IQ4_NL .* on cpu; .* exact numerics on the .blockwise-dequant-matmul. path"):
+        assert select_kernel(torch.randn(2, 256), iq4) is BLOCKWISE
 
 
 @pytest.mark.parametrize("name", ["F16", "BF16", "F32"])

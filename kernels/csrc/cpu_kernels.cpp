@@ -170,6 +170,7 @@ inline Ints dot_bytes(Bytes q, const int8_t* y) {
 }
 inline Ints scale_ints(Ints v, int lo, int hi) { return _mm256_mullo_epi32(v, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)); }
 inline Ints add_ints(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
+inline Ints load_ints(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Floats ints_to_floats(Ints v) { return _mm256_cvtepi32_ps(v); }
 
 #else  // portable fallback with the same semantics
@@ -214,20 +215,25 @@ inline Ints dot_bytes(Bytes q, const int8_t* y) {
 }
 inline Ints scale_ints(Ints v, int lo, int hi) { for (int l = 0; l < 8; ++l) v.v[l] *= l < 4 ? lo : hi; return v; }
 inline Ints add_ints(Ints a, Ints b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
+inline Ints load_ints(const int32_t* p) { Ints r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
 inline Floats ints_to_floats(Ints v) { Floats r; for (int l = 0; l < 8; ++l) r.v[l] = static_cast<float>(v.v[l]); return r; }
 #endif
 
 // ---------------------------------------------------------------------------------------------
 // Weight formats. Every block is a run of groups of 32 weights; group(block, g) gives a group's
-// integer values q with its float scale and offset: w[j] = scale * q[j] + offset, where the scale of
-// values 16..31 may differ (Q6_K scales every 16 values). These are gguf's dequantization formulas
-// (with one rounding less where the reference rounds twice).
+// integer values q with its float scale and offset: w[j] = scale * q[j] + offset, where values 16..31
+// may have their own (Q2_K, Q3_K and Q6_K scale every 16 values). These are gguf's dequantization
+// formulas (with one rounding less where the reference rounds twice).
 // dot(block, act, acc, mins) adds ggml's vec_dot contribution of one block against its Q8 activation
 // block: integer products in acc (per lane, scaled in float as ggml does) and the min/offset terms in mins.
 
 struct Group {
   Bytes q;
-  float scale_lo, scale_hi, offset;
+  float scale_lo, scale_hi;    // of values 0..15 and 16..31
+  float offset_lo, offset_hi;
+  Group(Bytes q, float scale, float offset) : Group(q, scale, scale, offset, offset) {}
+  Group(Bytes q, float scale_lo, float scale_hi, float offset_lo, float offset_hi)
+      : q(q), scale_lo(scale_lo), scale_hi(scale_hi), offset_lo(offset_lo), offset_hi(offset_hi) {}
 };
 
 // 6-bit scale and min of sub-block j of a Q4_K super-block (ggml's get_scale_min_k4).
@@ -250,7 +256,7 @@ inline void dot_legacy(const Group& g, float dw, const Act& y, Floats& acc) {
 struct Q4_0 {
   static constexpr int kType = 2, kValues = kQK, kBytes = 18;
   using Act = BlockQ8_0;
-  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {sub_bytes(nibbles(b + 2), 8), d, d, 0.0f}; }
+  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {sub_bytes(nibbles(b + 2), 8), d, 0.0f}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
   // Byte j holds value j (low nibble) and j + 16 (high): w = d * q - 8 d, rounded once as d * (q - 8) is.
   template <class Dot>
@@ -263,7 +269,7 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int kType = 3, kValues = kQK, kBytes = 20;
   using Act = BlockQ8_1;
-  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {nibbles(b + 4), d, d, half_at(b + 2)}; }
+  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {nibbles(b + 4), d, half_at(b + 2)}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
     dot_legacy(group(b, 0), half_at(b), y, acc);
     mins += half_at(b + 2) * half_at(&y.s);
@@ -281,7 +287,7 @@ struct Q5_0 {
   using Act = BlockQ8_0;
   static Group group(const uint8_t* b, int) {
     const float d = half_at(b);
-    return {sub_bytes(or_bytes(nibbles(b + 6), bits_to_bytes(b + 2, 0x10)), 16), d, d, 0.0f};
+    return {sub_bytes(or_bytes(nibbles(b + 6), bits_to_bytes(b + 2, 0x10)), 16), d, 0.0f};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
 };
@@ -291,7 +297,7 @@ struct Q5_1 {
   using Act = BlockQ8_1;
   static Group group(const uint8_t* b, int) {
     const float d = half_at(b);
-    return {or_bytes(nibbles(b + 8), bits_to_bytes(b + 4, 0x10)), d, d, half_at(b + 2)};
+    return {or_bytes(nibbles(b + 8), bits_to_bytes(b + 4, 0x10)), d, half_at(b + 2)};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
     dot_legacy(group(b, 0), half_at(b), y, acc);
@@ -302,19 +308,16 @@ struct Q5_1 {
 struct Q8_0 {
   static constexpr int kType = 8, kValues = kQK, kBytes = 34;
   using Act = BlockQ8_0;
-  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {load_bytes(b + 2), d, d, 0.0f}; }
+  static Group group(const uint8_t* b, int) { const float d = half_at(b); return {load_bytes(b + 2), d, 0.0f}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
 };
 
-// Q4_K: d, dmin (fp16), 12 bytes of 6-bit scales/mins of 8 sub-blocks of 32, 128 bytes of nibbles;
-// sub-blocks 2i and 2i+1 are the low and high nibbles of qs[32i .. 32i+32).
-struct Q4_K {
-  static constexpr int kType = 12, kValues = kQKK, kBytes = 144;
+// The K-quants with a 6-bit scale and min per sub-block of 32 (Q4_K, Q5_K): d, dmin (fp16), 12 bytes of scales and
+// mins, then the codes, which F::values(block, g) reads for sub-block g.
+template <class F>
+struct AffineK {
+  static constexpr int kValues = kQKK;
   using Act = BlockQ8_K;
-  static Bytes values(const uint8_t* b, int g) {
-    const Bytes raw = load_bytes(b + 16 + 32 * (g / 2));
-    return g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F);
-  }
   // Sub-block g's weights are scale * q + offset.
   static void affine(const uint8_t* b, int g, float& scale, float& offset) {
     int sc, m;
@@ -325,7 +328,7 @@ struct Q4_K {
   static Group group(const uint8_t* b, int g) {
     float scale, offset;
     affine(b, g, scale, offset);
-    return {values(b, g), scale, scale, offset};
+    return {F::values(b, g), scale, offset};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
     Ints sumi = zero_ints();
@@ -333,11 +336,20 @@ struct Q4_K {
     for (int g = 0; g < 8; ++g) {
       int sc, m;
       scale_min_k4(g, b + 4, sc, m);
-      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), sc, sc));
+      sumi = add_ints(sumi, scale_ints(dot_bytes(F::values(b, g), y.qs + 32 * g), sc, sc));
       summ += m * (y.bsums[2 * g] + y.bsums[2 * g + 1]);
     }
     acc = fmadd(broadcast(y.d * half_at(b)), ints_to_floats(sumi), acc);
     mins += -y.d * half_at(b + 2) * static_cast<float>(summ);
+  }
+};
+
+// Q4_K: 128 bytes of nibbles; sub-blocks 2i and 2i+1 are the low and high nibbles of qs[32i .. 32i+32).
+struct Q4_K : AffineK<Q4_K> {
+  static constexpr int kType = 12, kBytes = 144;
+  static Bytes values(const uint8_t* b, int g) {
+    const Bytes raw = load_bytes(b + 16 + 32 * (g / 2));
+    return g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F);
   }
   // Chunk c (32 bytes): low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
   template <class Dot>
@@ -351,6 +363,71 @@ struct Q4_K {
       dot.run(quants, lo_table, pos + 64 * c, hi_table, pos + 64 * c + 32);
       dot.run(quants + 16, lo_table, pos + 64 * c + 16, hi_table, pos + 64 * c + 48);
     }
+  }
+};
+
+// Bit `bit` of each of the 32 bytes at p, moved to bit `to`.
+inline Bytes bit_of_bytes(const uint8_t* p, int bit, int to) { return shl_bytes(and_bytes(shr_bytes(load_bytes(p), bit), 1), to); }
+// Bits 2j, 2j + 1 of each of the 32 bytes at p.
+inline Bytes crumbs(const uint8_t* p, int j) { return and_bytes(shr_bytes(load_bytes(p), 2 * j), 3); }
+
+// Q5_K: 32 bytes of fifth bits (bit g of byte l: value l of sub-block g), then Q4_K's nibbles.
+struct Q5_K : AffineK<Q5_K> {
+  static constexpr int kType = 13, kBytes = 176;
+  static Bytes values(const uint8_t* b, int g) {
+    const Bytes raw = load_bytes(b + 48 + 32 * (g / 2));
+    return or_bytes(g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F), bit_of_bytes(b + 16, g, 4));
+  }
+};
+
+// Q2_K: 16 bytes of 4-bit scales (low nibble) and mins (high), one byte per 16 values; 64 bytes of 2-bit codes, group
+// g = 4 * half + j in bits 2j, 2j + 1 of bytes 32 * half .. + 32; d, dmin. Value = d * scale * q - dmin * min.
+struct Q2_K {
+  static constexpr int kType = 10, kValues = kQKK, kBytes = 84;
+  using Act = BlockQ8_K;
+  static Bytes values(const uint8_t* b, int g) { return crumbs(b + 16 + 32 * (g / 4), g % 4); }
+  static Group group(const uint8_t* b, int g) {
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+    const int lo = b[2 * g], hi = b[2 * g + 1];
+    return {values(b, g), d * static_cast<float>(lo & 0x0F), d * static_cast<float>(hi & 0x0F),
+            -dmin * static_cast<float>(lo >> 4), -dmin * static_cast<float>(hi >> 4)};
+  }
+  // As ggml's AVX2 code: the mins' products with the activations' 16-value sums first, lane l taking mins 2l and
+  // 2l + 1, then the codes' products, both into the float lanes.
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
+    int32_t min_sums[8];
+    for (int l = 0; l < 8; ++l) min_sums[l] = (b[2 * l] >> 4) * y.bsums[2 * l] + (b[2 * l + 1] >> 4) * y.bsums[2 * l + 1];
+    acc = fmadd(broadcast(-y.d * half_at(b + 82)), ints_to_floats(load_ints(min_sums)), acc);
+    Ints sumi = zero_ints();
+    for (int g = 0; g < 8; ++g)
+      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), b[2 * g] & 0x0F, b[2 * g + 1] & 0x0F));
+    acc = fmadd(broadcast(y.d * half_at(b + 80)), ints_to_floats(sumi), acc);
+  }
+};
+
+// Q3_K: 32 bytes of high bits (bit g of byte l: value l of group g), 64 bytes of 2-bit lows laid out as Q2_K's codes,
+// 12 bytes of 6-bit scales stored + 32 (one per 16 values), d. Value = d * scale * (q - 4), q the 3-bit code.
+struct Q3_K {
+  static constexpr int kType = 11, kValues = kQKK, kBytes = 110;
+  using Act = BlockQ8_K;
+  static Bytes values(const uint8_t* b, int g) {
+    return sub_bytes(or_bytes(crumbs(b + 32 + 32 * (g / 4), g % 4), bit_of_bytes(b, g, 2)), 4);
+  }
+  // Scale s: low 4 bits in byte s (s < 8) or the high nibble of byte s - 8; top 2 bits in bits 2(s / 4) of byte 8 + s % 4.
+  static int scale(const uint8_t* b, int s) {
+    const uint8_t* scales = b + 96;
+    const int low = s < 8 ? scales[s] & 0x0F : scales[s - 8] >> 4;
+    return (low | ((scales[8 + s % 4] >> (2 * (s / 4))) & 3) << 4) - 32;
+  }
+  static Group group(const uint8_t* b, int g) {
+    const float d = half_at(b + 108);
+    return {values(b, g), d * static_cast<float>(scale(b, 2 * g)), d * static_cast<float>(scale(b, 2 * g + 1)), 0.0f, 0.0f};
+  }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
+    Ints sumi = zero_ints();
+    for (int g = 0; g < 8; ++g)
+      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), scale(b, 2 * g), scale(b, 2 * g + 1)));
+    acc = fmadd(broadcast(y.d * half_at(b + 108)), ints_to_floats(sumi), acc);
   }
 };
 
@@ -369,7 +446,7 @@ struct Q6_K {
   static int scale(const uint8_t* b, int g, int part) { return reinterpret_cast<const int8_t*>(b + 192)[2 * g + part]; }
   static Group group(const uint8_t* b, int g) {
     const float d = half_at(b + 208);
-    return {values(b, g), d * static_cast<float>(scale(b, g, 0)), d * static_cast<float>(scale(b, g, 1)), 0.0f};
+    return {values(b, g), d * static_cast<float>(scale(b, g, 0)), d * static_cast<float>(scale(b, g, 1)), 0.0f, 0.0f};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
     Ints sumi = zero_ints();
@@ -387,7 +464,10 @@ auto visit_format(int64_t ggml_type, Fn&& fn) {
     case Q5_0::kType: return fn(Q5_0{});
     case Q5_1::kType: return fn(Q5_1{});
     case Q8_0::kType: return fn(Q8_0{});
+    case Q2_K::kType: return fn(Q2_K{});
+    case Q3_K::kType: return fn(Q3_K{});
     case Q4_K::kType: return fn(Q4_K{});
+    case Q5_K::kType: return fn(Q5_K{});
     case Q6_K::kType: return fn(Q6_K{});
   }
   TORCH_CHECK(false, "workbench cpu kernels: unsupported GGML type ", ggml_type);
@@ -395,7 +475,8 @@ auto visit_format(int64_t ggml_type, Fn&& fn) {
 
 // The 32 float weights of a group, as four vectors of 8.
 inline void group_floats(const Group& g, Floats w[4]) {
-  for (int i = 0; i < 4; ++i) w[i] = fmadd(bytes_to_floats(g.q, i), broadcast(i < 2 ? g.scale_lo : g.scale_hi), broadcast(g.offset));
+  for (int i = 0; i < 4; ++i)
+    w[i] = fmadd(bytes_to_floats(g.q, i), broadcast(i < 2 ? g.scale_lo : g.scale_hi), broadcast(i < 2 ? g.offset_lo : g.offset_hi));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -409,12 +490,13 @@ inline WideFloats wide_zeros() { return _mm512_setzero_ps(); }
 inline WideFloats wide_load(const float* p) { return _mm512_loadu_ps(p); }
 inline WideFloats fmadd(WideFloats a, WideFloats b, WideFloats c) { return _mm512_fmadd_ps(a, b, c); }
 inline float wide_sum(WideFloats a, WideFloats b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
-// The 32 float weights of a group as two vectors of 16 (values 16..31 take scale_hi), as group_floats.
+// The 32 float weights of a group as two vectors of 16 (values 16..31 take the _hi scale and offset), as group_floats.
 inline void group_floats(const Group& g, WideFloats w[2]) {
   const __m128i halves[2] = {_mm256_castsi256_si128(g.q), _mm256_extracti128_si256(g.q, 1)};
   for (int i = 0; i < 2; ++i)
     w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(halves[i])),
-                           _mm512_set1_ps(i == 0 ? g.scale_lo : g.scale_hi), _mm512_set1_ps(g.offset));
+                           _mm512_set1_ps(i == 0 ? g.scale_lo : g.scale_hi),
+                           _mm512_set1_ps(i == 0 ? g.offset_lo : g.offset_hi));
 }
 #else
 using WideFloats = Floats;
