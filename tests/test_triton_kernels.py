@@ -38,9 +38,11 @@ from workbench.kernels.triton.matmul import (  # noqa: E402
 )
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # also the formats of the llama.cpp-numerics kernels
+FORMATS = MMA_FORMATS + ("Q5_0", "Q5_1", "Q5_K")
 # Byte offsets of each block's float16 fields (scales, mins); every other byte is a quant.
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
+              "Q5_1": (0, 2), "Q5_K": (0, 2)}
 # Relative error bound of a float32 result, and of a result rounded once to each activation dtype.
 FP32_TOL = 2e-5
 ROUNDING_TOL = {torch.float32: FP32_TOL, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -265,7 +267,7 @@ class TestInterpreted:
             assert torch.equal(gemm(x, w, config), out), config
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", MMA_FORMATS)
     def test_mma_gemm(self, fmt, dtype):
         """On mma.sync fragments: 20 weight rows (a full and a partial tile of 16), K = 768 (3 super-blocks, 12 pairs
         of blocks; Q6_K rows of 630 bytes, so every other row starts 2 bytes past a word) dealt to 1, 2 and 4 warps,
@@ -336,7 +338,7 @@ class TestInterpreted:
 
     @pytest.mark.parametrize("k", [768, 2048])  # a partial last step; whole steps
     @pytest.mark.parametrize("m", [1, 3])
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", MMA_FORMATS)
     def test_gemv_llamacpp_matches_the_cpu_kernel(self, fmt, m, k):
         rng = np.random.default_rng([m, k])
         w, reference = random_weight(fmt, self.N, k, rng)
@@ -349,7 +351,7 @@ class TestInterpreted:
         assert relative_error(out, exact) > 100 * relative_error(expected, out.double().numpy())
 
 
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", MMA_FORMATS)
     def test_gemm_llamacpp_matches_the_cpu_kernel(self, fmt):
         """The tensor-core GEMM: small tiles, so the N = 20 weight rows and M = 20 activation rows each span two
         tiles with a partial one, and K = 768 leaves a partial last tile row of neither."""
@@ -414,9 +416,14 @@ class TestBadInput:
 
     @pytest.mark.parametrize("kernel", [gemv, mma_gemm, gemm])
     def test_unsupported_format(self, kernel):
-        w = QuantTensor(torch.zeros(8, 22 * 2, dtype=torch.uint8), "Q5_0", (8, 64))
-        with pytest.raises(ValueError, match="Q5_0"):
-            kernel(torch.zeros(1, 64), w)
+        w = QuantTensor(torch.zeros(8, 110, dtype=torch.uint8), "Q3_K", (8, 256))
+        with pytest.raises(ValueError, match="Q3_K"):
+            kernel(torch.zeros(1, 256, dtype=torch.bfloat16), w)
+
+    def test_mma_gemm_reads_only_its_formats(self):
+        w = QuantTensor(torch.zeros(16, 22 * 4, dtype=torch.uint8), "Q5_0", (16, 128))
+        with pytest.raises(ValueError, match="this kernel reads Q4_0, .*; got Q5_0"):
+            mma_gemm(torch.zeros(1, 128, dtype=torch.bfloat16), w)
 
     @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
     def test_misaligned_data(self, fmt):
@@ -489,11 +496,11 @@ class TestCuda:
             reference = torch.from_numpy(reference).cuda()
             for m, dtype in self.BATCHES:
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                mma = m <= MMA_MAX_ROWS and k % MMA_K_MULTIPLE == 0
+                mma = fmt in MMA_FORMATS and m <= MMA_MAX_ROWS and k % MMA_K_MULTIPLE == 0
                 kind = ("gemv" if m <= gemv_rows(fmt) else "mma" if mma and m <= mma_rows(fmt) else "gemm"
                         if m <= gemm_rows(fmt, n, x.device) else "dequant-matmul")
                 if n >= 4096 and m in (128, 512):
-                    assert kind == ("dequant-matmul" if fmt == "Q6_K" or m == 512 else "gemm")
+                    assert kind == ("dequant-matmul" if fmt in ("Q5_K", "Q6_K") or m == 512 else "gemm")
                 if (n, k) == (4096, 14336) and kind == "gemm":  # K split at 65-128 rows
                     assert gemm_config(m, n, k, x.device, fmt).split_k > 1
                 assert select_kernel(x, w).name == f"triton-{kind}-{fmt.lower()}"
@@ -510,7 +517,7 @@ class TestCuda:
                 assert relative_error(gemm(x, w), expected) < tolerance, (fmt, n, k, m, dtype, "gemm")
                 assert relative_error(dequant_matmul(x, w), expected) < tolerance, (fmt, n, k, m, dtype)
 
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", MMA_FORMATS)
     def test_mma_config(self, fmt):
         """Powers of two, and no more warps than a row has steps (6 super-blocks at K = 1536), for one and two tiles of
         activation rows."""
@@ -526,7 +533,7 @@ class TestCuda:
         assert not select_kernel(x, w).name.startswith("triton")
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", MMA_FORMATS)
     def test_llamacpp_kernels_match_the_cpu_kernel(self, fmt, dtype):
         rng = np.random.default_rng(7)
         for n, k in [(1536, 768), (1024, 4096), (4096, 14336)]:
@@ -562,13 +569,13 @@ class TestCuda:
         assert (exact - expected).abs().max() > 100 * (got - expected).abs().max()
 
     def test_llamacpp_numerics_without_a_kernel_say_they_run_exactly(self):
-        """Q5_K has no kernel of its own on CUDA: under llama.cpp numerics the matmul warns, names the path that ran,
-        and gives the exact result."""
+        """Q5_K has no llama.cpp-numerics kernel on CUDA: under those numerics the matmul warns, names the path that
+        ran, and gives the exact result."""
         w = QuantTensor.quantize(torch.randn(64, 256), "Q5_K").to("cuda")
         x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
         exact = linear(x, w)
         with numerics("llamacpp"), pytest.warns(
-            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q5_K .* on cuda; .* 'blockwise-dequant-matmul' path"
+            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q5_K .* on cuda; .* 'triton-gemv-q5_k' path"
         ):
             assert torch.equal(linear(x, w), exact)
 

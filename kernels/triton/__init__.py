@@ -1,10 +1,10 @@
 """CUDA backend in Triton: fused dequantize-matmul kernels that read packed GGUF blocks in place.
 
 Importing this package registers, for every supported format, ``triton-gemv-<fmt>`` (up to ``gemv_rows(fmt)``
-rows of activations: decode), ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to ``mma_rows(fmt)`` rows
-of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
+rows of activations: decode), for ``MMA_FORMATS`` ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to
+``mma_rows(fmt)`` rows of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
 ``gemm_rows(fmt, n, device)`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
-one dequantizing pass, then cuBLAS), and for llama.cpp numerics ``triton-gemv-llamacpp-<fmt>`` (activations quantized
+one dequantizing pass, then cuBLAS), and for llama.cpp numerics (``LLAMACPP_FORMATS``) ``triton-gemv-llamacpp-<fmt>`` (activations quantized
 as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and
 ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor cores, for more rows), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it registers
@@ -34,8 +34,8 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_K_MULTIPLE, MMA_MAX_ROWS,
-        SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
+        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_FORMATS, MMA_K_MULTIPLE,
+        MMA_MAX_ROWS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
         gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
     from .layer_ops import add_rms_norm, attend, attention_scores, rms_norm, rope, swiglu
@@ -76,8 +76,9 @@ if AVAILABLE:
             return
         for fmt in SUPPORTED_FORMATS:
             _register("gemv", fmt, _supports(fmt, gemv_rows(fmt)), gemv)
-            _register("mma", fmt, _supports(fmt, mma_rows(fmt), MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE),
-                      mma_gemm)
+            if fmt in MMA_FORMATS:
+                _register("mma", fmt,
+                          _supports(fmt, mma_rows(fmt), MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE), mma_gemm)
             _register("gemm", fmt, _supports(fmt, lambda w, device, fmt=fmt: gemm_rows(fmt, w.shape[0], device)), gemm)
             _register("dequant-matmul", fmt, _supports(fmt, None), dequant_matmul)
         for fmt in LLAMACPP_FORMATS:
@@ -89,7 +90,7 @@ if AVAILABLE:
         register()
 
     __all__ = [
-        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
+        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "MMA_FORMATS", "LLAMACPP_FORMATS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
         "dequantize", "gemm", "gemm_llamacpp", "gemm_rows", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm",
         "mma_rows", "quantize_activations", "rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu",

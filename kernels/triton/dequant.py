@@ -24,8 +24,11 @@ import triton.language as tl
 # GGML type numbers, used as the FMT compile-time constant.
 Q4_0 = tl.constexpr(2)
 Q4_1 = tl.constexpr(3)
+Q5_0 = tl.constexpr(6)
+Q5_1 = tl.constexpr(7)
 Q8_0 = tl.constexpr(8)
 Q4_K = tl.constexpr(12)
+Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
 
 
@@ -92,6 +95,30 @@ def halfword_nibbles(quad, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _five(bits, POS: tl.constexpr, high, HIGH_POS: tl.constexpr):
+    """``1 + q / 32`` for the 5-bit q whose low 4 bits are at bit POS of ``bits`` and whose top bit is bit HIGH_POS of
+    ``high``."""
+    return mantissa_to_f32(field(bits, POS, 4, 18) | field(high, HIGH_POS, 1, 22))
+
+
+@triton.jit
+def halfword_fives(quad, SHIFT: tl.constexpr, high_byte):
+    """As ``halfword_nibbles`` for 5-bit values: the top bit of byte i's value is bit i of int32 ``high_byte``."""
+    high = tl.join(tl.join(high_byte, high_byte >> 4), tl.join(high_byte >> 2, high_byte >> 6))  # halfword h: >> 2h
+    return flat8(tl.join(_five(quad, SHIFT, high, 0), _five(quad, SHIFT + 8, high, 1)))
+
+
+@triton.jit
+def word_fives(pair, high_pair):
+    """As ``word_nibbles(pair, 0)`` for 5-bit values: the top bit of each byte's value is bit 0 of the same byte of
+    ``high_pair``."""
+    return flat8(tl.join(
+        tl.join(_five(pair, 0, high_pair, 0), _five(pair, 16, high_pair, 16)),
+        tl.join(_five(pair, 8, high_pair, 8), _five(pair, 24, high_pair, 24)),
+    ))
+
+
+@triton.jit
 def word_nibbles(pair, SHIFT: tl.constexpr):
     """Nibble ``SHIFT // 4`` of each of the 8 bytes of a word pair: a piece ``[..., 8]``."""
     return flat8(tl.join(
@@ -131,6 +158,41 @@ def q4_1_pieces(blockp):
         word_nibbles(first, 4), word_nibbles(second, 4),
         a, m - a,
     )
+
+
+@triton.jit
+def _q5_pieces(quants, high_bits):
+    # 16 bytes of nibbles as in Q4_0; bit i of the int32 ``high_bits`` is the top bit of value i; f = 1 + q / 32.
+    first, second = four_halfwords(quants), four_halfwords(quants + 8)
+    return (
+        halfword_fives(first, 0, high_bits), halfword_fives(second, 0, high_bits >> 8),
+        halfword_fives(first, 4, high_bits >> 16), halfword_fives(second, 4, high_bits >> 24),
+    )
+
+
+@triton.jit
+def _halfword_pair_word(p):
+    """The 32-bit word at 2-byte aligned uint8 pointers ``p``, as int32."""
+    p = p.to(tl.pointer_type(tl.uint16))
+    return tl.load(p).to(tl.int32) | (tl.load(p + 1).to(tl.int32) << 16)
+
+
+@triton.jit
+def q5_0_pieces(blockp):
+    # Block (22 bytes): f16 d | 4 bytes of top bits | 16 bytes of nibbles; w = d * (q - 16) = 32 d * f - 48 d.
+    d = load_f16(blockp)
+    f0, f1, f2, f3 = _q5_pieces(blockp + 6, _halfword_pair_word(blockp + 2))
+    return f0, f1, f2, f3, 32.0 * d, -48.0 * d
+
+
+@triton.jit
+def q5_1_pieces(blockp):
+    # Block (24 bytes): f16 d | f16 m | 4 bytes of top bits | 16 bytes of nibbles; w = d * q + m = 32 d * f + m - 32 d.
+    d = load_f16(blockp)
+    m = load_f16(blockp + 2)
+    f0, f1, f2, f3 = _q5_pieces(blockp + 8, tl.load((blockp + 4).to(tl.pointer_type(tl.int32))))
+    a = 32.0 * d
+    return f0, f1, f2, f3, a, m - a
 
 
 @triton.jit
@@ -176,27 +238,45 @@ def q4_k_chunk_scales_f32(s0, s1, s2, chunk):
 
 
 @triton.jit
-def q4_k_affine(blockp, sub):
-    # Super-block (144 bytes): f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | 128 bytes of quants.
-    # w = d * scale_s * q - dmin * min_s = 16 d scale_s * f - (16 d scale_s + dmin min_s) in sub-block s.
+def k_affine(blockp, sub, STEPS: tl.constexpr):
+    # Q4_K / Q5_K super-block: f16 d | f16 dmin | 12 bytes of 6-bit scales and mins | the codes. With f = 1 + q / STEPS,
+    # w = d * scale_s * q - dmin * min_s = STEPS d scale_s * f - (STEPS d scale_s + dmin min_s) in sub-block s.
     words = blockp.to(tl.pointer_type(tl.int32))
     s0, s1, s2 = tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales_f32(s0, s1, s2, sub // 2)
     odd = sub % 2 == 1
     scale, minimum = tl.where(odd, scale_hi, scale_lo), tl.where(odd, min_hi, min_lo)
-    a = 16.0 * load_f16(blockp) * scale
+    a = STEPS * load_f16(blockp) * scale
     return a, -(a + load_f16(blockp + 2) * minimum)
 
 
 @triton.jit
 def q4_k_pieces(blockp, sub):
-    # Sub-block s (32 values) is nibble s % 2 of the 32 bytes of chunk s // 2.
+    # Super-block (144 bytes): the header, then 128 bytes of codes. Sub-block s (32 values) is nibble s % 2 of the
+    # 32 bytes of chunk s // 2.
     quants = blockp + 16 + 32 * (sub // 2)
     shift = 4 * (sub % 2)
-    a, b = q4_k_affine(blockp, sub)
+    a, b = k_affine(blockp, sub, 16.0)
     return (
         word_nibbles(two_words(quants, shift), 0), word_nibbles(two_words(quants + 8, shift), 0),
         word_nibbles(two_words(quants + 16, shift), 0), word_nibbles(two_words(quants + 24, shift), 0),
+        a, b,
+    )
+
+
+@triton.jit
+def q5_k_pieces(blockp, sub):
+    # Super-block (176 bytes): the header, 32 bytes of top bits (bit s of byte i: value i of sub-block s), then Q4_K's
+    # 128 bytes of nibbles.
+    quants = blockp + 48 + 32 * (sub // 2)
+    high = blockp + 16
+    shift = 4 * (sub % 2)
+    a, b = k_affine(blockp, sub, 32.0)
+    return (
+        word_fives(two_words(quants, shift), two_words(high, sub)),
+        word_fives(two_words(quants + 8, shift), two_words(high + 8, sub)),
+        word_fives(two_words(quants + 16, shift), two_words(high + 16, sub)),
+        word_fives(two_words(quants + 24, shift), two_words(high + 24, sub)),
         a, b,
     )
 
@@ -246,9 +326,12 @@ def _q6_piece(ql, QL_SHIFT: tl.constexpr, qh, QH_SHIFT: tl.constexpr):
 @triton.jit
 def unit_pieces(FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units):
     """The unit's four pieces and their affine maps: ``(f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3)``."""
-    if FMT == Q4_K:
+    if FMT == Q4_K or FMT == Q5_K:
         blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
-        f0, f1, f2, f3, a, b = q4_k_pieces(blockp, unit % 8)
+        if FMT == Q4_K:
+            f0, f1, f2, f3, a, b = q4_k_pieces(blockp, unit % 8)
+        else:
+            f0, f1, f2, f3, a, b = q5_k_pieces(blockp, unit % 8)
         pieces = f0, f1, f2, f3, a, b, a, b, a, b, a, b
     elif FMT == Q6_K:
         blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
@@ -259,6 +342,10 @@ def unit_pieces(FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units)
             f0, f1, f2, f3, a, b = q4_0_pieces(blockp)
         elif FMT == Q4_1:
             f0, f1, f2, f3, a, b = q4_1_pieces(blockp)
+        elif FMT == Q5_0:
+            f0, f1, f2, f3, a, b = q5_0_pieces(blockp)
+        elif FMT == Q5_1:
+            f0, f1, f2, f3, a, b = q5_1_pieces(blockp)
         else:
             tl.static_assert(FMT == Q8_0, "unsupported format")
             f0, f1, f2, f3, a, b = q8_0_pieces(blockp)

@@ -46,11 +46,18 @@ class Layout:
 LAYOUTS: dict[str, Layout] = {
     "Q4_0": Layout(2, 32, 18, 2),
     "Q4_1": Layout(3, 32, 20, 4),
+    "Q5_0": Layout(6, 32, 22, 2),
+    "Q5_1": Layout(7, 32, 24, 4),
     "Q8_0": Layout(8, 32, 34, 2),
     "Q4_K": Layout(12, 256, 144, 4),
+    "Q5_K": Layout(13, 256, 176, 4),
     "Q6_K": Layout(14, 256, 210, 2),
 }
-SUPPORTED_FORMATS = tuple(LAYOUTS)
+SUPPORTED_FORMATS = tuple(LAYOUTS)  # the GEMV, the GEMM and the dequantizer read every one of them
+# The formats with tensor-core fragment kernels (``mma_gemm``) and llama.cpp-numerics kernels; the others (Q5_0, Q5_1,
+# Q5_K) hand batched decode to the GEMM and run llama.cpp numerics exactly, with a warning.
+MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+LLAMACPP_FORMATS = MMA_FORMATS
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -70,7 +77,8 @@ def gemv_rows(fmt: str) -> int:
     """Rows of activations up to which the GEMV outruns the other kernels on all three Llama-3-8B shapes on an H100
     (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K and Q6_K, whose ``mma_gemm`` is 1.3-1.5x
     faster than the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the
-    GEMV, from three rows on they are 1.3-1.9x faster)."""
+    GEMV, from three rows on they are 1.3-1.9x faster). Q5_0, Q5_1 and Q5_K, which have no fragment kernel, hand three
+    rows on to the GEMM, 1.1-1.4x faster than the GEMV there (twenty-first session)."""
     return 1 if fmt in ("Q4_K", "Q6_K") else 2
 
 
@@ -91,7 +99,12 @@ def gemm_rows(fmt: str, n: int, device: torch.device) -> int:
     64-row tile per four multiprocessors, where ``gemm_config`` splits K at most four ways. At 65-128 rows such weights
     (4096 to 28672 rows of 4096 or 14336 values) ran 1.26-2.09x faster in the GEMM in Q4_K, 1.02-1.66x in Q4_0 and Q4_1,
     0.93-1.39x in Q8_0 (whose one loss is 6144x4096); narrower weights, split eight ways or more, and Q6_K mostly lost.
-    From 256 rows the GEMM re-unpacks the weights per tile and tied or lost on all but one shape."""
+    From 256 rows the GEMM re-unpacks the weights per tile and tied or lost on all but one shape.
+    Q5_0 and Q5_1 follow the rule (at 65-128 rows their GEMM ran 1.3-1.6x faster on the two larger 8B matrices and tied
+    on 4096x4096); Q5_K's GEMM, which decodes its super-block's scales for each 32-value unit, runs 1.2-1.6x faster at
+    8-16 rows and 0.4-0.6x from 32 (twenty-first session), so it takes 16."""
+    if fmt == "Q5_K":
+        return 16
     return 128 if fmt != "Q6_K" and 4 * cdiv(n, 64) >= _sm_count(device) else 64
 
 
@@ -553,13 +566,15 @@ def layout_of(w: QuantTensor) -> Layout:
 
 def check_inputs(x: torch.Tensor, w: QuantTensor, max_rows: int | None = None,
                  dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1,
-                 k_multiple: int = 1) -> Layout:
-    """Raise a clear error for anything the kernels would otherwise compute wrongly or crash on. A kernel that takes
-    fewer activation dtypes than the others, needs its data at multiples of ``alignment`` bytes or rows of a multiple
-    of ``k_multiple`` values, says so."""
+                 k_multiple: int = 1, formats: tuple[str, ...] = SUPPORTED_FORMATS) -> Layout:
+    """Raise a clear error for anything the kernels would otherwise compute wrongly or crash on. A kernel that reads
+    fewer formats or takes fewer activation dtypes than the others, needs its data at multiples of ``alignment`` bytes
+    or rows of a multiple of ``k_multiple`` values, says so."""
     if not isinstance(w, QuantTensor):
         raise TypeError(f"expected a QuantTensor weight, got {type(w).__name__}")
     layout = layout_of(w)
+    if w.fmt.name not in formats:
+        raise ValueError(f"this kernel reads {', '.join(formats)}; got {w.fmt.name}")
     if x.dim() != 2:
         raise ValueError(f"expected a 2-D input [M, K], got shape {tuple(x.shape)}")
     if x.shape[1] != w.shape[1]:
@@ -643,7 +658,8 @@ def mma_gemm(x: torch.Tensor, w: QuantTensor, config: MmaConfig | None = None) -
     if config is not None and config.step_pairs < 1:
         raise ValueError(f"step_pairs must be at least 1, got {config.step_pairs}")
     # 16-byte loads of the activations and of each super-block's header
-    layout, out = _checked_output(x, w, MMA_MAX_ROWS, dtypes=MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE)
+    layout, out = _checked_output(x, w, MMA_MAX_ROWS, dtypes=MMA_DTYPES, alignment=16, k_multiple=MMA_K_MULTIPLE,
+                                  formats=MMA_FORMATS)
     (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return out
@@ -689,15 +705,12 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     return values, scales, sums
 
 
-LLAMACPP_FORMATS = SUPPORTED_FORMATS
-
-
 def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` in llama.cpp's numerics: each row of ``x`` quantized as ggml-cpu quantizes activations for ``w``'s
     type (Q8_0 for Q4_0 and Q8_0, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K), integer dot products per block (``dp4a``),
     scales applied in float32, as ggml-cpu's ``ggml_vec_dot_<type>_q8_<x>``. One pass over the weight per row of
     ``x``: made for decode."""
-    layout, out = _checked_output(x, w)
+    layout, out = _checked_output(x, w, formats=LLAMACPP_FORMATS)
     m, k = x.shape
     if m == 0:
         return out
@@ -709,7 +722,7 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
 def gemm_llamacpp(x: torch.Tensor, w: QuantTensor, config: Int8GemmConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` in llama.cpp's numerics, as ``gemv_llamacpp`` computes them, for many rows of ``x`` (prefill): the
     integer dot products of each block on the tensor cores, one pass over the weight per tile of rows."""
-    layout, out = _checked_output(x, w)
+    layout, out = _checked_output(x, w, formats=LLAMACPP_FORMATS)
     (m, k), n = x.shape, w.shape[0]
     if m == 0:
         return out
