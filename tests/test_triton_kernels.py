@@ -27,6 +27,7 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("triton")
 
 from workbench.kernels import QuantTensor, cpu, get_format, layer_ops, linear, numerics, select_kernel  # noqa: E402
+from workbench.kernels.formats import QuantFormat  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
     GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, add_rms_norm, attend, attention_scores,
     dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
@@ -39,10 +40,10 @@ from workbench.kernels.triton.matmul import (  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # also the formats of the llama.cpp-numerics kernels
-FORMATS = MMA_FORMATS + ("Q5_0", "Q5_1", "Q5_K")
+FORMATS = MMA_FORMATS + ("Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K")
 # Byte offsets of each block's float16 fields (scales, mins); every other byte is a quant.
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
-              "Q5_1": (0, 2), "Q5_K": (0, 2)}
+              "Q5_1": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,)}
 # Relative error bound of a float32 result, and of a result rounded once to each activation dtype.
 FP32_TOL = 2e-5
 ROUNDING_TOL = {torch.float32: FP32_TOL, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -416,8 +417,10 @@ class TestBadInput:
 
     @pytest.mark.parametrize("kernel", [gemv, mma_gemm, gemm])
     def test_unsupported_format(self, kernel):
-        w = QuantTensor(torch.zeros(8, 110, dtype=torch.uint8), "Q3_K", (8, 256))
-        with pytest.raises(ValueError, match="Q3_K"):
+        # gguf's IQ4_NL (32 values in 18 bytes), which no kernel of ours reads
+        iq4_nl = QuantFormat("IQ4_NL", 20, 32, 18, dequantize=lambda blocks: None, quantize=lambda values: None)
+        w = QuantTensor(torch.zeros(8, 18 * 8, dtype=torch.uint8), iq4_nl, (8, 256))
+        with pytest.raises(ValueError, match="IQ4_NL"):
             kernel(torch.zeros(1, 256, dtype=torch.bfloat16), w)
 
     def test_mma_gemm_reads_only_its_formats(self):

@@ -27,6 +27,8 @@ Q4_1 = tl.constexpr(3)
 Q5_0 = tl.constexpr(6)
 Q5_1 = tl.constexpr(7)
 Q8_0 = tl.constexpr(8)
+Q2_K = tl.constexpr(10)
+Q3_K = tl.constexpr(11)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
@@ -106,6 +108,20 @@ def halfword_fives(quad, SHIFT: tl.constexpr, high_byte):
     """As ``halfword_nibbles`` for 5-bit values: the top bit of byte i's value is bit i of int32 ``high_byte``."""
     high = tl.join(tl.join(high_byte, high_byte >> 4), tl.join(high_byte >> 2, high_byte >> 6))  # halfword h: >> 2h
     return flat8(tl.join(_five(quad, SHIFT, high, 0), _five(quad, SHIFT + 8, high, 1)))
+
+
+@triton.jit
+def _three(bits, POS: tl.constexpr, high):
+    """``1 + q / 8`` for the 3-bit q whose low 2 bits are at bit POS of ``bits`` and whose top bit is bit POS of
+    ``high``."""
+    return mantissa_to_f32(field(bits, POS, 2, 20) | field(high, POS, 1, 22))
+
+
+@triton.jit
+def halfword_threes(quad, high):
+    """``1 + q / 8`` for each of the 8 bytes of a halfword quad: q's low 2 bits are the byte's bits 0-1 in ``quad``, its
+    top bit bit 0 of the same byte of ``high`` (zero for 2-bit codes)."""
+    return flat8(tl.join(_three(quad, 0, high), _three(quad, 8, high)))
 
 
 @triton.jit
@@ -282,6 +298,55 @@ def q5_k_pieces(blockp, sub):
 
 
 @triton.jit
+def _small_k_pieces(quants, shift, high, high_shift, HAS_HIGH: tl.constexpr):
+    """The four pieces of a Q2_K / Q3_K sub-block: bits ``shift``, ``shift + 1`` of the 32 bytes at ``quants``, with
+    bit ``high_shift`` of the 32 bytes at ``high`` above them where HAS_HIGH."""
+    shift = shift[:, None, None]  # per unit, over its [units, 2, 2] halfword quads
+    low0, low1 = four_halfwords(quants) >> shift, four_halfwords(quants + 8) >> shift
+    low2, low3 = four_halfwords(quants + 16) >> shift, four_halfwords(quants + 24) >> shift
+    if HAS_HIGH:
+        high_shift = high_shift[:, None, None]
+        top0, top1 = four_halfwords(high) >> high_shift, four_halfwords(high + 8) >> high_shift
+        top2, top3 = four_halfwords(high + 16) >> high_shift, four_halfwords(high + 24) >> high_shift
+    else:
+        top0, top1, top2, top3 = low0 & 0, low1 & 0, low2 & 0, low3 & 0
+    return halfword_threes(low0, top0), halfword_threes(low1, top1), halfword_threes(low2, top2), halfword_threes(low3, top3)
+
+
+@triton.jit
+def q2_k_pieces(blockp, sub):
+    # Super-block (84 bytes): 16 scale bytes (4-bit scale low, 4-bit min high, one per 16 values) | 64 bytes of 2-bit
+    # codes (sub-block s = 4 h + j: bits 2j, 2j + 1 of bytes 32 h .. + 32) | f16 d | f16 dmin.
+    # w = d * scale * q - dmin * min = 8 d scale * f - (8 d scale + dmin min), f = 1 + q / 8.
+    f0, f1, f2, f3 = _small_k_pieces(blockp + 16 + 32 * (sub // 4), 2 * (sub % 4), blockp, 0, False)
+    d, dmin = load_f16(blockp + 80), load_f16(blockp + 82)
+    first, second = tl.load(blockp + 2 * sub).to(tl.int32), tl.load(blockp + 2 * sub + 1).to(tl.int32)
+    a0, a1 = 8.0 * d * (first & 0xF).to(tl.float32), 8.0 * d * (second & 0xF).to(tl.float32)
+    b0, b1 = -(a0 + dmin * (first >> 4).to(tl.float32)), -(a1 + dmin * (second >> 4).to(tl.float32))
+    return f0, f1, f2, f3, a0, b0, a0, b0, a1, b1, a1, b1
+
+
+@triton.jit
+def _q3_k_scale(scalep, s):
+    """Q3_K's signed 6-bit scale s (0..15): low 4 bits in byte s (s < 8) or the high nibble of byte s - 8, top 2 bits
+    at bits 2 (s // 4) of byte 8 + s % 4, stored + 32."""
+    low = tl.where(s < 8, tl.load(scalep + s % 8).to(tl.int32) & 0xF, tl.load(scalep + s % 8).to(tl.int32) >> 4)
+    top = (tl.load(scalep + 8 + s % 4).to(tl.int32) >> (2 * (s // 4))) & 3
+    return ((low | (top << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def q3_k_pieces(blockp, sub):
+    # Super-block (110 bytes): 32 bytes of top bits (bit s of byte i: value i of sub-block s) | 64 bytes of low 2 bits
+    # laid out as Q2_K's codes | 12 scale bytes (one 6-bit scale per 16 values) | f16 d.
+    # w = d * scale * (q - 4) = 8 d scale * f - 12 d scale, f = 1 + q / 8.
+    f0, f1, f2, f3 = _small_k_pieces(blockp + 32 + 32 * (sub // 4), 2 * (sub % 4), blockp, sub, True)
+    d = load_f16(blockp + 108)
+    a0, a1 = 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub), 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub + 1)
+    return f0, f1, f2, f3, a0, -1.5 * a0, a0, -1.5 * a0, a1, -1.5 * a1, a1, -1.5 * a1
+
+
+@triton.jit
 def q6_k_pieces(blockp, half, group):
     # Super-block (210 bytes): 128 bytes ql | 64 bytes qh | 16 int8 scales | f16 d. Value
     # 128 * h + 32 * k + i (h < 2, k < 4, i < 32) is nibble k // 2 of ql[64 * h + 32 * (k % 2) + i]
@@ -336,6 +401,12 @@ def unit_pieces(FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units)
     elif FMT == Q6_K:
         blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
         pieces = q6_k_pieces(blockp, (unit // 4) % 2, unit % 4)
+    elif FMT == Q2_K or FMT == Q3_K:
+        blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
+        if FMT == Q2_K:
+            pieces = q2_k_pieces(blockp, unit % 8)
+        else:
+            pieces = q3_k_pieces(blockp, unit % 8)
     else:
         blockp = rowp + tl.minimum(unit, n_units - 1) * TYPE_SIZE
         if FMT == Q4_0:
@@ -388,7 +459,7 @@ def dot_units(
     unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
     x_unit = first + tl.arange(0, BLOCK_U)
     f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3 = unit_pieces(FMT, TYPE_SIZE, rowp, unit, n_units)
-    if FMT == Q6_K:
+    if FMT == Q6_K or FMT == Q2_K or FMT == Q3_K:  # an affine map per 16 values
         dot = _dot_piece(f0, a0, b0, xp, piece_start(FMT, x_unit, 0), K, BLOCK_N, BLOCK_U)
         dot += _dot_piece(f1, a1, b1, xp, piece_start(FMT, x_unit, 1), K, BLOCK_N, BLOCK_U)
         dot += _dot_piece(f2, a2, b2, xp, piece_start(FMT, x_unit, 2), K, BLOCK_N, BLOCK_U)

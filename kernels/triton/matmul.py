@@ -49,13 +49,15 @@ LAYOUTS: dict[str, Layout] = {
     "Q5_0": Layout(6, 32, 22, 2),
     "Q5_1": Layout(7, 32, 24, 4),
     "Q8_0": Layout(8, 32, 34, 2),
+    "Q2_K": Layout(10, 256, 84, 2),
+    "Q3_K": Layout(11, 256, 110, 2),
     "Q4_K": Layout(12, 256, 144, 4),
     "Q5_K": Layout(13, 256, 176, 4),
     "Q6_K": Layout(14, 256, 210, 2),
 }
 SUPPORTED_FORMATS = tuple(LAYOUTS)  # the GEMV, the GEMM and the dequantizer read every one of them
 # The formats with tensor-core fragment kernels (``mma_gemm``) and llama.cpp-numerics kernels; the others (Q5_0, Q5_1,
-# Q5_K) hand batched decode to the GEMM and run llama.cpp numerics exactly, with a warning.
+# Q2_K, Q3_K, Q5_K) hand batched decode to the GEMM and run llama.cpp numerics exactly, with a warning.
 MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 LLAMACPP_FORMATS = MMA_FORMATS
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,8 +79,9 @@ def gemv_rows(fmt: str) -> int:
     """Rows of activations up to which the GEMV outruns the other kernels on all three Llama-3-8B shapes on an H100
     (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K and Q6_K, whose ``mma_gemm`` is 1.3-1.5x
     faster than the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the
-    GEMV, from three rows on they are 1.3-1.9x faster). Q5_0, Q5_1 and Q5_K, which have no fragment kernel, hand three
-    rows on to the GEMM, 1.1-1.4x faster than the GEMV there (twenty-first session)."""
+    GEMV, from three rows on they are 1.3-1.9x faster). The formats without a fragment kernel hand three rows on to the
+    GEMM, which ran 1.1-1.4x faster than the GEMV there in Q5_0, Q5_1 and Q5_K and 0.86-1.14x in Q2_K and Q3_K
+    (twenty-first session)."""
     return 1 if fmt in ("Q4_K", "Q6_K") else 2
 
 
@@ -100,9 +103,9 @@ def gemm_rows(fmt: str, n: int, device: torch.device) -> int:
     (4096 to 28672 rows of 4096 or 14336 values) ran 1.26-2.09x faster in the GEMM in Q4_K, 1.02-1.66x in Q4_0 and Q4_1,
     0.93-1.39x in Q8_0 (whose one loss is 6144x4096); narrower weights, split eight ways or more, and Q6_K mostly lost.
     From 256 rows the GEMM re-unpacks the weights per tile and tied or lost on all but one shape.
-    Q5_0 and Q5_1 follow the rule (at 65-128 rows their GEMM ran 1.3-1.6x faster on the two larger 8B matrices and tied
-    on 4096x4096); Q5_K's GEMM, which decodes its super-block's scales for each 32-value unit, runs 1.2-1.6x faster at
-    8-16 rows and 0.4-0.6x from 32 (twenty-first session), so it takes 16."""
+    Q5_0, Q5_1, Q2_K and Q3_K follow the rule: at 64-128 rows their GEMM ran 1.15-1.6x faster on the two larger 8B
+    matrices and 0.85-1.17x on 4096x4096. Q5_K's GEMM, which decodes its super-block's scales for each 32-value unit,
+    ran 1.2-1.6x faster at 8-16 rows and 0.4-0.6x from 32 (twenty-first session), so it takes 16."""
     if fmt == "Q5_K":
         return 16
     return 128 if fmt != "Q6_K" and 4 * cdiv(n, 64) >= _sm_count(device) else 64
