@@ -367,7 +367,9 @@ struct Q4_K : AffineK<Q4_K> {
 };
 
 // Bit `bit` of each of the 32 bytes at p, moved to bit `to`.
-inline Bytes bit_of_bytes(const uint8_t* p, int bit, int to) { return shl_bytes(and_bytes(shr_bytes(load_bytes(p), bit), 1), to); }
+inline Bytes bit_of_bytes(const uint8_t* p, int bit, int to) {
+  return shl_bytes(and_bytes(shr_bytes(load_bytes(p), bit), 1), to);
+}
 // Bits 2j, 2j + 1 of each of the 32 bytes at p.
 inline Bytes crumbs(const uint8_t* p, int j) { return and_bytes(shr_bytes(load_bytes(p), 2 * j), 3); }
 
@@ -396,7 +398,8 @@ struct Q2_K {
   // 2l + 1, then the codes' products, both into the float lanes.
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
     int32_t min_sums[8];
-    for (int l = 0; l < 8; ++l) min_sums[l] = (b[2 * l] >> 4) * y.bsums[2 * l] + (b[2 * l + 1] >> 4) * y.bsums[2 * l + 1];
+    for (int l = 0; l < 8; ++l)
+      min_sums[l] = (b[2 * l] >> 4) * y.bsums[2 * l] + (b[2 * l + 1] >> 4) * y.bsums[2 * l + 1];
     acc = fmadd(broadcast(-y.d * half_at(b + 82)), ints_to_floats(load_ints(min_sums)), acc);
     Ints sumi = zero_ints();
     for (int g = 0; g < 8; ++g)
@@ -413,7 +416,8 @@ struct Q3_K {
   static Bytes values(const uint8_t* b, int g) {
     return sub_bytes(or_bytes(crumbs(b + 32 + 32 * (g / 4), g % 4), bit_of_bytes(b, g, 2)), 4);
   }
-  // Scale s: low 4 bits in byte s (s < 8) or the high nibble of byte s - 8; top 2 bits in bits 2(s / 4) of byte 8 + s % 4.
+  // Scale s: low 4 bits in byte s (s < 8) or the high nibble of byte s - 8; top 2 bits at bit 2 (s / 4) of byte
+  // 8 + s % 4.
   static int scale(const uint8_t* b, int s) {
     const uint8_t* scales = b + 96;
     const int low = s < 8 ? scales[s] & 0x0F : scales[s - 8] >> 4;
@@ -421,7 +425,8 @@ struct Q3_K {
   }
   static Group group(const uint8_t* b, int g) {
     const float d = half_at(b + 108);
-    return {values(b, g), d * static_cast<float>(scale(b, 2 * g)), d * static_cast<float>(scale(b, 2 * g + 1)), 0.0f, 0.0f};
+    return {values(b, g), d * static_cast<float>(scale(b, 2 * g)), d * static_cast<float>(scale(b, 2 * g + 1)), 0.0f,
+            0.0f};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
     Ints sumi = zero_ints();

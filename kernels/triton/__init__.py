@@ -4,9 +4,10 @@ Importing this package registers, for every supported format, ``triton-gemv-<fmt
 rows of activations: decode), for ``MMA_FORMATS`` ``triton-mma-<fmt>`` (float16 and bfloat16 activations, up to
 ``mma_rows(fmt)`` rows of a multiple of ``MMA_K_MULTIPLE`` values: batched decode), ``triton-gemm-<fmt>`` (up to
 ``gemm_rows(fmt, n, device)`` rows: batched decode, short prompts) and ``triton-dequant-matmul-<fmt>`` (more rows:
-one dequantizing pass, then cuBLAS), and for llama.cpp numerics (``LLAMACPP_FORMATS``) ``triton-gemv-llamacpp-<fmt>`` (activations quantized
-as ggml-cpu does, integer dot products, one weight pass per row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and
-``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor cores, for more rows), with
+one dequantizing pass, then cuBLAS), and for llama.cpp numerics (``LLAMACPP_FORMATS``)
+``triton-gemv-llamacpp-<fmt>`` (activations quantized as ggml-cpu does, integer dot products, one weight pass per
+row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>`` (the same numerics on the tensor
+cores, for more rows), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it registers
 nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
 through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm``, ``add_rms_norm``,
@@ -35,8 +36,8 @@ REGISTERED = False
 if AVAILABLE:
     from .matmul import (
         ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_FORMATS, MMA_K_MULTIPLE,
-        MMA_MAX_ROWS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize, gemm,
-        gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
+        MMA_MAX_ROWS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize,
+        gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
     from .layer_ops import add_rms_norm, attend, attention_scores, rms_norm, rope, swiglu
 
@@ -90,7 +91,8 @@ if AVAILABLE:
         register()
 
     __all__ = [
-        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "MMA_FORMATS", "LLAMACPP_FORMATS", "GEMV_MAX_ROWS", "LLAMACPP_GEMM_MIN_ROWS",
+        "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "MMA_FORMATS", "LLAMACPP_FORMATS", "GEMV_MAX_ROWS",
+        "LLAMACPP_GEMM_MIN_ROWS",
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
         "dequantize", "gemm", "gemm_llamacpp", "gemm_rows", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm",
         "mma_rows", "quantize_activations", "rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu",

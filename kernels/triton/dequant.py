@@ -145,7 +145,7 @@ def word_nibbles(pair, SHIFT: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------------
 # Formats. Each ``<fmt>_pieces`` returns the unit's pieces in value order with the affine map
-# ``(a, b)`` of each (``weight = a * f + b``), one per unit.
+# ``(a, b)`` of each (``weight = a * f + b``): one per unit, or per 16 values (Q2_K, Q3_K) or per piece (Q6_K).
 
 
 @triton.jit
@@ -310,7 +310,8 @@ def _small_k_pieces(quants, shift, high, high_shift, HAS_HIGH: tl.constexpr):
         top2, top3 = four_halfwords(high + 16) >> high_shift, four_halfwords(high + 24) >> high_shift
     else:
         top0, top1, top2, top3 = low0 & 0, low1 & 0, low2 & 0, low3 & 0
-    return halfword_threes(low0, top0), halfword_threes(low1, top1), halfword_threes(low2, top2), halfword_threes(low3, top3)
+    return (halfword_threes(low0, top0), halfword_threes(low1, top1),
+            halfword_threes(low2, top2), halfword_threes(low3, top3))
 
 
 @triton.jit
@@ -384,8 +385,9 @@ def _q6_piece(ql, QL_SHIFT: tl.constexpr, qh, QH_SHIFT: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------
-# Units: 32 values of one row, owned by one thread: a block (Q4_0, Q4_1, Q8_0), a Q4_K sub-block, or
-# for Q6_K the k = 0..3 pieces of one group. ``unit`` counts units along the row, ``n_units = K // 32``.
+# Units: 32 values of one row, owned by one thread: a block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), a sub-block of 32
+# (Q2_K, Q3_K, Q4_K, Q5_K), or for Q6_K the k = 0..3 pieces of one group. ``unit`` counts units along the row,
+# ``n_units = K // 32``.
 
 
 @triton.jit
