@@ -12,8 +12,8 @@ integer logic ops, where an int->float conversion runs at a fraction of the ALU 
 ``a * f + b`` for per-unit (or per-sub-block) ``a`` and ``b``, which lets the GEMV sum ``f * x`` and
 ``x`` over a piece and apply ``a`` and ``b`` once per piece instead of once per value.
 
-The GEMV reads Q4_K differently (``q4_k_gemv_load`` / ``q4_k_gemv_dots`` at the end): 64-value
-chunks in 16-byte loads, one byte permute per value.
+The GEMV and the GEMM read Q4_K and Q5_K differently (``k_chunk_load`` / ``k_chunk_dots`` / ``k_chunk_tile`` at
+the end): 64-value chunks in 16-byte loads, one byte permute per value.
 
 ``tl.join(a, b)`` appends a new innermost axis, so in a nest of joins the outermost join picks the
 fastest-varying index of the flattened result.
@@ -529,10 +529,10 @@ def weight_tile(
 
 
 # ---------------------------------------------------------------------------------------------
-# The GEMV's path for the 4-bit K-quant. Its unit is a whole 32-byte chunk of one super-block's
+# The GEMV's path for Q4_K and Q5_K. Its unit is a whole 32-byte chunk of one super-block's
 # quants (64 values: one sub-block in the low nibbles, the next in the high ones), read with two 16-byte
-# loads beside one 16-byte load of the super-block's header, and unpacked with one integer instruction
-# per value. The integer pipe runs at half the float32 rate, and at a shift and a mask-or per value (the
+# loads beside one 16-byte load of the super-block's header (and, for Q5_K, two of its fifth bits), and
+# unpacked with one integer instruction per value. The integer pipe runs at half the float32 rate, and at a shift and a mask-or per value (the
 # pieces above) it, not memory, set the pace of this GEMV (bench/RESULTS.md).
 
 
@@ -570,15 +570,16 @@ def _byte2_float(t, BYTE: tl.constexpr):
 
 
 @triton.jit
-def nibble_floats(w, USE_ASM: tl.constexpr):
-    """The nibbles of int32 ``w`` as floats ``1 + q / 128``: those of bytes 0-3 low, then high.
+def nibble_floats(w, top_lo, top_hi, USE_ASM: tl.constexpr):
+    """The nibbles of int32 ``w`` as floats ``1 + q / 128``: those of bytes 0-3 low, then high; ``top_lo`` /
+    ``top_hi`` (0 or 0x10 in each byte, or 0) are OR-ed into the low / high nibbles' bytes as a fifth bit.
 
-    A nibble q becomes byte 2 of ``0x3F8q0000`` (``0x80 | q`` under the exponent byte of 1.0). On CUDA
+    A value q < 128 becomes byte 2 of ``0x3F8q0000`` (``0x80 | q`` under the exponent byte of 1.0). On CUDA
     (``USE_ASM``) that is two mask-ors per word and one ``prmt`` (byte permute) per value; the interpreter,
     which runs no PTX, computes the same bits with shifts and masks.
     """
-    lo = (w & 0x0F0F0F0F) | -0x7F7F7F80  # every byte 0x80 | its low nibble
-    hi = ((w >> 4) & 0x0F0F0F0F) | -0x7F7F7F80
+    lo = (w & 0x0F0F0F0F) | top_lo | -0x7F7F7F80  # every byte 0x80 | its low nibble (and fifth bit)
+    hi = ((w >> 4) & 0x0F0F0F0F) | top_hi | -0x7F7F7F80
     if USE_ASM:
         floats = tl.inline_asm_elementwise(
             """
@@ -612,22 +613,44 @@ def _dot_chain(acc, fs, xs, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
 
 
 @triton.jit
-def q4_k_gemv_load(rowp, first, n_chunks, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
-    """The bytes of chunks ``first .. first + BLOCK_U - 1`` of each row in ``rowp`` (one pointer per (row, chunk)
-    pair, rows slowest; chunks past the row re-read the last one): the super-block's first 16 bytes (d, dmin,
-    scales) and the chunk's 32 bytes of quants, as twelve int32 tensors."""
+def k_chunk_load(rowp, first, n_chunks, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """The bytes of Q4_K / Q5_K chunks ``first .. first + BLOCK_U - 1`` of each row in ``rowp`` (one pointer per (row,
+    chunk) pair, rows slowest; chunks past the row re-read the last one): the super-block's first 16 bytes (d, dmin,
+    scales) and the chunk's 32 bytes of nibbles, as twelve int32 tensors; for Q5_K then the super-block's 32 bytes of
+    fifth bits (bit s of byte i: value i of sub-block s), as eight more."""
     chunk = tl.minimum(first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U, n_chunks - 1)
-    blockp = rowp + (chunk // 4) * 144
+    if FMT == Q5_K:
+        blockp = rowp + (chunk // 4) * 176
+        quants = blockp + 48 + 32 * (chunk % 4)
+    else:
+        blockp = rowp + (chunk // 4) * 144
+        quants = blockp + 16 + 32 * (chunk % 4)
     header0, s0, s1, s2 = four_words(blockp)
-    quants = blockp + 16 + 32 * (chunk % 4)
     q0, q1, q2, q3 = four_words(quants)
     q4, q5, q6, q7 = four_words(quants + 16)
-    return header0, s0, s1, s2, q0, q1, q2, q3, q4, q5, q6, q7
+    raw = (header0, s0, s1, s2, q0, q1, q2, q3, q4, q5, q6, q7)
+    if FMT == Q5_K:
+        t0, t1, t2, t3 = four_words(blockp + 16)
+        t4, t5, t6, t7 = four_words(blockp + 32)
+        raw = raw + (t0, t1, t2, t3, t4, t5, t6, t7)
+    return raw
+
+
+@triton.jit
+def _fifth_bits(raw, word, chunk, FMT: tl.constexpr):
+    """For quant word ``word`` of the chunks in ``raw``, the fifth bits of its low- and high-nibble values as 0x10 in
+    each byte (Q5_K), or zeros (Q4_K)."""
+    if FMT == Q5_K:
+        top = raw[12 + word] >> (2 * (chunk % 4))  # sub-blocks 2c (low nibbles) and 2c + 1 (high)
+        top_lo, top_hi = (top & 0x01010101) << 4, (top & 0x02020202) << 3
+    else:
+        top_lo, top_hi = 0, 0
+    return top_lo, top_hi
 
 
 @triton.jit
 def q4_k_chunk_header(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
-    """``(d, dmin, scale_lo, min_lo, scale_hi, min_hi)`` as float32 for the chunks ``q4_k_gemv_load`` read (``raw``):
+    """``(d, dmin, scale_lo, min_lo, scale_hi, min_hi)`` as float32 for the chunks ``k_chunk_load`` read (``raw``):
     the super-block's two float16 factors and the 6-bit scales and mins of the chunk's two sub-blocks."""
     header0, s0, s1, s2 = raw[0], raw[1], raw[2], raw[3]
     chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
@@ -636,16 +659,18 @@ def q4_k_chunk_header(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
 
 
 @triton.jit
-def q4_k_gemv_dots(
-    raw, first, xp, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr, EVEN: tl.constexpr,
+def k_chunk_dots(
+    raw, first, xp, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
-    """Dots ``[BLOCK_M, BLOCK_N, BLOCK_U]`` of the chunks ``q4_k_gemv_load`` read (``raw``) with the activation rows at
+    """Dots ``[BLOCK_M, BLOCK_N, BLOCK_U]`` of the chunks ``k_chunk_load`` read (``raw``) with the activation rows at
     ``xp`` (``[BLOCK_M]`` pointers).
 
     With ``EVEN`` every chunk is in the row (no bounds checks on the activations). In sub-block s,
     ``w = d scale_s q - dmin min_s = 128 d scale_s f - (128 d scale_s + dmin min_s)`` for ``f = 1 + q / 128``.
     """
     d, dmin, scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_header(raw, first, BLOCK_N, BLOCK_U)
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
 
     x_chunk = 64 * (first + tl.arange(0, BLOCK_U))
     fx_lo = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
@@ -662,8 +687,10 @@ def q4_k_gemv_dots(
             x_hi = tl.load(xp[:, None, None] + index + 32, mask=index + 32 < K, other=0.0).to(tl.float32)
         sum_x_lo += tl.sum(x_lo, axis=2)
         sum_x_hi += tl.sum(x_hi, axis=2)
-        f_a = nibble_floats(raw[4 + 2 * pair], USE_ASM)
-        f_b = nibble_floats(raw[5 + 2 * pair], USE_ASM)
+        top_lo_a, top_hi_a = _fifth_bits(raw, 2 * pair, chunk, FMT)
+        top_lo_b, top_hi_b = _fifth_bits(raw, 2 * pair + 1, chunk, FMT)
+        f_a = nibble_floats(raw[4 + 2 * pair], top_lo_a, top_hi_a, USE_ASM)
+        f_b = nibble_floats(raw[5 + 2 * pair], top_lo_b, top_hi_b, USE_ASM)
         fx_lo = _dot_chain(fx_lo, f_a[:4] + f_b[:4], split8(x_lo), BLOCK_N, BLOCK_U)
         fx_hi = _dot_chain(fx_hi, f_a[4:] + f_b[4:], split8(x_hi), BLOCK_N, BLOCK_U)
 
@@ -675,16 +702,18 @@ def q4_k_gemv_dots(
 
 
 @triton.jit
-def q4_k_weight_tile(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Float32 weights ``[BLOCK_N, 64 * BLOCK_U]``, in row order, of the chunks ``q4_k_gemv_load`` read (``raw``): for
+def k_chunk_tile(raw, first, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Float32 weights ``[BLOCK_N, 64 * BLOCK_U]``, in row order, of the chunks ``k_chunk_load`` read (``raw``): for
     the GEMM, whose few rows of activations cannot amortize ``weight_tile``'s narrow loads.
 
     Byte ``4 j + b`` of a chunk is word j's byte b: value ``4 j + b`` in its low nibble, ``32 + 4 j + b`` in its high
-    one, so the words unpack along axes (nibble, word, byte) in value order. ``f = 1 + q / 16`` and
-    ``w = 16 d scale f - (16 d scale + dmin min)`` per sub-block (nibble).
+    one, so the words unpack along axes (nibble, word, byte) in value order. For the 4-bit (Q4_K) or 5-bit (Q5_K) q,
+    ``f = 1 + q / STEPS`` and ``w = STEPS d scale f - (STEPS d scale + dmin min)`` per sub-block (nibble), STEPS = 2**bits.
     """
+    BITS: tl.constexpr = 5 if FMT == Q5_K else 4
+    STEPS: tl.constexpr = 1 << BITS
     d, dmin, scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_header(raw, first, BLOCK_N, BLOCK_U)
-    a = tl.join(16.0 * d * scale_lo, 16.0 * d * scale_hi)  # [pairs, nibble]
+    a = tl.join(STEPS * d * scale_lo, STEPS * d * scale_hi)  # [pairs, nibble]
     b = -(a + tl.join(dmin * min_lo, dmin * min_hi))
     # words in order: the outermost join picks the fastest index (see the module docstring)
     words = tl.join(
@@ -694,7 +723,17 @@ def q4_k_weight_tile(raw, first, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
     words = tl.reshape(words, (BLOCK_N * BLOCK_U, 1, 8, 1))
     shift = 4 * tl.arange(0, 2)[:, None, None] + 8 * tl.arange(0, 4)[None, None, :]  # [nibble, 1, byte]
     quants = (words >> shift[None]) & 0xF  # [pairs, nibble, word, byte]
-    f = ((quants << 19) | 0x3F800000).to(tl.float32, bitcast=True)
+    if FMT == Q5_K:  # bit 2 c + nibble of the same byte of the fifth bits, for chunk c
+        tops = tl.join(
+            tl.join(tl.join(raw[12], raw[16]), tl.join(raw[14], raw[18])),
+            tl.join(tl.join(raw[13], raw[17]), tl.join(raw[15], raw[19])),
+        )
+        tops = tl.reshape(tops, (BLOCK_N * BLOCK_U, 1, 8, 1))
+        chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+        top_shift = 2 * (chunk % 4)[:, None, None, None] + tl.arange(0, 2)[None, :, None, None] \
+            + 8 * tl.arange(0, 4)[None, None, None, :]
+        quants |= ((tops >> top_shift) & 1) << 4
+    f = ((quants << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
     w = f * a[:, :, None, None] + b[:, :, None, None]
     return tl.reshape(w, (BLOCK_N, 64 * BLOCK_U))
 
@@ -732,7 +771,7 @@ def q4_k_gemv_dots_q8k(
     raw, first, n_chunks, xq, xd, x_sums, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    """Dots ``[BLOCK_N, BLOCK_U]`` of the chunks ``q4_k_gemv_load`` read (``raw``) with Q8_K activations: ``xq``
+    """Dots ``[BLOCK_N, BLOCK_U]`` of the chunks ``k_chunk_load`` read (``raw``) with Q8_K activations: ``xq``
     int32 words of int8 values, ``xd`` a float32 scale per 256 values, ``x_sums`` an int32 sum per 16 values.
 
     Chunk c of a super-block holds sub-blocks 2c (low nibbles) and 2c + 1 (high), so its dot is

@@ -27,8 +27,8 @@ import triton.language as tl
 from ..quant_tensor import QuantTensor
 from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
-    Q4_1, Q4_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q4_k_gemv_dots, q4_k_gemv_dots_q8k,
-    q4_k_gemv_load, q4_k_tile_dots_q8k, q4_k_weight_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
+    Q4_1, Q4_K, Q5_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, k_chunk_dots, q4_k_gemv_dots_q8k,
+    k_chunk_load, q4_k_tile_dots_q8k, k_chunk_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
 )
 from .launch import INTERPRETING, cdiv, launch
 
@@ -80,7 +80,7 @@ def gemv_rows(fmt: str) -> int:
     (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K and Q6_K, whose ``mma_gemm`` is 1.3-1.5x
     faster than the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the
     GEMV, from three rows on they are 1.3-1.9x faster). The formats without a fragment kernel hand three rows on to the
-    GEMM, which ran 1.1-1.4x faster than the GEMV there in Q5_0, Q5_1 and Q5_K and 0.86-1.14x in Q2_K and Q3_K
+    GEMM, which ran 1.07-1.33x faster than the GEMV there in Q5_0, Q5_1 and Q5_K and 0.86-1.14x in Q2_K and Q3_K
     (twenty-first session)."""
     return 1 if fmt in ("Q4_K", "Q6_K") else 2
 
@@ -103,11 +103,8 @@ def gemm_rows(fmt: str, n: int, device: torch.device) -> int:
     (4096 to 28672 rows of 4096 or 14336 values) ran 1.26-2.09x faster in the GEMM in Q4_K, 1.02-1.66x in Q4_0 and Q4_1,
     0.93-1.39x in Q8_0 (whose one loss is 6144x4096); narrower weights, split eight ways or more, and Q6_K mostly lost.
     From 256 rows the GEMM re-unpacks the weights per tile and tied or lost on all but one shape.
-    Q5_0, Q5_1, Q2_K and Q3_K follow the rule: at 64-128 rows their GEMM ran 1.15-1.6x faster on the two larger 8B
-    matrices and 0.85-1.17x on 4096x4096. Q5_K's GEMM, which decodes its super-block's scales for each 32-value unit,
-    ran 1.2-1.6x faster at 8-16 rows and 0.4-0.6x from 32 (twenty-first session), so it takes 16."""
-    if fmt == "Q5_K":
-        return 16
+    Q5_0, Q5_1, Q2_K, Q3_K and Q5_K follow the rule: at 64-128 rows their GEMM ran 1.15-1.9x faster on the two larger
+    8B matrices and 0.85-1.35x on 4096x4096 (twenty-first session)."""
     return 128 if fmt != "Q6_K" and 4 * cdiv(n, 64) >= _sm_count(device) else 64
 
 
@@ -154,8 +151,8 @@ class Int8GemmConfig:
 
 
 def gemv_units(k: int, fmt: str) -> int:
-    """Units of one row the GEMV walks: 64-value chunks for Q4_K (see ``q4_k_gemv_dots``), else 32 values."""
-    return k // (64 if fmt == "Q4_K" else 32)
+    """Units of one row the GEMV walks: 64-value chunks for Q4_K and Q5_K (see ``k_chunk_dots``), else 32 values."""
+    return k // (64 if fmt in ("Q4_K", "Q5_K") else 32)
 
 
 @functools.cache  # a pure function of its arguments, asked on every matmul
@@ -171,10 +168,10 @@ def gemv_config(k: int, fmt: str, m: int = 1) -> GemvConfig:
     """
     if m >= 3:
         return GemvConfig(block_n=8, num_warps=1, block_u=16, block_m=2)
-    if m == 2 and fmt != "Q4_K":
+    if m == 2 and fmt not in ("Q4_K", "Q5_K"):
         return GemvConfig(block_n=8, num_warps=2, block_u=32, block_m=2) if fmt in ("Q4_0", "Q4_1") else \
             GemvConfig(block_n=4, num_warps=1, block_u=32, block_m=2)
-    if fmt == "Q4_K":
+    if fmt in ("Q4_K", "Q5_K"):  # Q5_K's chunks take Q4_K's tiling, unswept
         return GemvConfig(block_n=4, num_warps=1, block_u=32)
     units = gemv_units(k, fmt)
     warps = min((4, 2, 1), key=lambda warps: (-(-units // (32 * warps)) * 32 * warps, -warps))
@@ -284,18 +281,18 @@ def _gemv_kernel(
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
     # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
-    if FMT == Q4_K:
+    if FMT == Q4_K or FMT == Q5_K:
         n_chunks = K // 64
         # Each step's weights are loaded one step ahead (the last step's look-ahead re-reads the row's last
         # chunk, which is cached): an 8B decode step's GEMVs took 4.5 % less time on an H100 (bench/RESULTS.md).
-        raw = q4_k_gemv_load(rowp, 0, n_chunks, BLOCK_N, BLOCK_U)
+        raw = k_chunk_load(rowp, 0, n_chunks, FMT, BLOCK_N, BLOCK_U)
         for first in range(0, n_chunks, BLOCK_U):
-            raw_next = q4_k_gemv_load(rowp, first + BLOCK_U, n_chunks, BLOCK_N, BLOCK_U)
+            raw_next = k_chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
             if LLAMACPP:
                 acc += q4_k_gemv_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N, BLOCK_U,
                                           USE_ASM, EVEN)[None]
             else:
-                acc += q4_k_gemv_dots(raw, first, x_rows, K, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+                acc += k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
             raw = raw_next
     else:
         n_units = K // 32
@@ -450,17 +447,17 @@ def _gemm_kernel(
     # eighteenth session).
     x_columns = x_ptr + (rows_m % M).to(tl.int64)[None, :] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if FMT == Q4_K:
+    if FMT == Q4_K or FMT == Q5_K:
         # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step): 16-byte loads, one step ahead of the unpacking.
         pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))  # (weight row, chunk) pairs, rows slowest
         rowp = w_ptr + ((first_n + pair // (BLOCK_U // 2)) % N).to(tl.int64) * row_bytes
         n_chunks = K // 64
-        raw = q4_k_gemv_load(rowp, unit_start // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
+        raw = k_chunk_load(rowp, unit_start // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
         for first in range(unit_start // 2, unit_end // 2, BLOCK_U // 2):
-            raw_next = q4_k_gemv_load(rowp, first + BLOCK_U // 2, n_chunks, BLOCK_N, BLOCK_U // 2)
+            raw_next = k_chunk_load(rowp, first + BLOCK_U // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
             k = 64 * first + tl.arange(0, 32 * BLOCK_U)[:, None]
             x_t = tl.load(x_columns + k, mask=k < K, other=0.0)
-            w = q4_k_weight_tile(raw, first, BLOCK_N, BLOCK_U // 2)
+            w = k_chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U // 2)
             acc = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision=DOT_PRECISION)
             raw = raw_next
     else:
@@ -748,8 +745,9 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     config = config or gemm_config(m, n, k, x.device, w.fmt.name)
     if config.split_k < 1:
         raise ValueError(f"split_k must be at least 1, got {config.split_k}")
-    # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's steps are whole 64-value chunks (2 units).
-    block_u = max(config.block_u, {"Q6_K": 8, "Q4_K": 2}.get(w.fmt.name, 1))
+    # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's and Q5_K's steps are whole 64-value chunks
+    # (2 units).
+    block_u = max(config.block_u, {"Q6_K": 8, "Q4_K": 2, "Q5_K": 2}.get(w.fmt.name, 1))
     grid = (*_tile_grid(m, n, config), config.split_k)
     partials, counters = out, out  # unused without a split
     if config.split_k > 1:
