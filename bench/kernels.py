@@ -42,8 +42,8 @@ SHAPES = {
 SHAPES["8b-decode"] = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 SHAPES["all"] = SHAPES["small"] + SHAPES["8b"]
 BATCHES = (1, 8, 128, 512)
-# the formats with kernels of their own: every one the C++ extension reads on CPU, the Triton ones on CUDA
-FORMATS = {"cpu": tuple(wk.cpu.SUPPORTED_TYPES.values()), "cuda": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")}
+# every quantized format (each has kernels of its own on both devices)
+FORMATS = tuple(name for name, fmt in wk.FORMATS.items() if fmt.block_size > 1)
 
 
 def cpu_seconds(call: Callable[[], object], repeats: int) -> float:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--formats", default=None,
-                        help="comma-separated, e.g. Q4_K,Q6_K (default: those with kernels of their own on the device)")
+                        help="comma-separated, e.g. Q4_K,Q6_K (default: every quantized format)")
     parser.add_argument("--shapes", choices=tuple(SHAPES), default=None, help="default: all on CUDA, small on CPU")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, M = 1 and 128 only")
     parser.add_argument("--batches", default=None, help="comma-separated M values (default 1,8,128,512)")
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
 
-    formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()] if args.formats else FORMATS[device]
+    formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()] if args.formats else FORMATS
     shapes = SHAPES[args.shapes or ("all" if device == "cuda" else "small")]
     batches = [int(m) for m in args.batches.split(",")] if args.batches else (1, 128) if args.quick else BATCHES
     timer = Timer(device, args.quick)

@@ -344,13 +344,17 @@ struct AffineK {
   }
 };
 
-// Q4_K: 128 bytes of nibbles; sub-blocks 2i and 2i+1 are the low and high nibbles of qs[32i .. 32i+32).
+// The 4-bit codes of sub-block g in 128 bytes of nibbles at qs: the low (even g) or high (odd g) nibbles of
+// qs[32 (g / 2) .. + 32).
+inline Bytes sub_block_nibbles(const uint8_t* qs, int g) {
+  const Bytes raw = load_bytes(qs + 32 * (g / 2));
+  return g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F);
+}
+
+// Q4_K: 128 bytes of nibbles.
 struct Q4_K : AffineK<Q4_K> {
   static constexpr int kType = 12, kBytes = 144;
-  static Bytes values(const uint8_t* b, int g) {
-    const Bytes raw = load_bytes(b + 16 + 32 * (g / 2));
-    return g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F);
-  }
+  static Bytes values(const uint8_t* b, int g) { return sub_block_nibbles(b + 16, g); }
   // Chunk c (32 bytes): low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
   template <class Dot>
   static void nibble_runs(const uint8_t* b, int64_t pos, Dot& dot) {
@@ -377,8 +381,7 @@ inline Bytes crumbs(const uint8_t* p, int j) { return and_bytes(shr_bytes(load_b
 struct Q5_K : AffineK<Q5_K> {
   static constexpr int kType = 13, kBytes = 176;
   static Bytes values(const uint8_t* b, int g) {
-    const Bytes raw = load_bytes(b + 48 + 32 * (g / 2));
-    return or_bytes(g % 2 ? shr_bytes(raw, 4) : and_bytes(raw, 0x0F), bit_of_bytes(b + 16, g, 4));
+    return or_bytes(sub_block_nibbles(b + 48, g), bit_of_bytes(b + 16, g, 4));
   }
 };
 

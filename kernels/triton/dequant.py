@@ -97,31 +97,24 @@ def halfword_nibbles(quad, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _five(bits, POS: tl.constexpr, high, HIGH_POS: tl.constexpr):
-    """``1 + q / 32`` for the 5-bit q whose low 4 bits are at bit POS of ``bits`` and whose top bit is bit HIGH_POS of
-    ``high``."""
-    return mantissa_to_f32(field(bits, POS, 4, 18) | field(high, HIGH_POS, 1, 22))
+def _with_top_bit(bits, POS: tl.constexpr, LOW_BITS: tl.constexpr, high, HIGH_POS: tl.constexpr):
+    """``1 + q / 2**(LOW_BITS + 1)`` for the q whose low LOW_BITS bits are at bit POS of ``bits`` and whose top bit is
+    bit HIGH_POS of ``high``."""
+    return mantissa_to_f32(field(bits, POS, LOW_BITS, 22 - LOW_BITS) | field(high, HIGH_POS, 1, 22))
 
 
 @triton.jit
 def halfword_fives(quad, SHIFT: tl.constexpr, high_byte):
     """As ``halfword_nibbles`` for 5-bit values: the top bit of byte i's value is bit i of int32 ``high_byte``."""
     high = tl.join(tl.join(high_byte, high_byte >> 4), tl.join(high_byte >> 2, high_byte >> 6))  # halfword h: >> 2h
-    return flat8(tl.join(_five(quad, SHIFT, high, 0), _five(quad, SHIFT + 8, high, 1)))
-
-
-@triton.jit
-def _three(bits, POS: tl.constexpr, high):
-    """``1 + q / 8`` for the 3-bit q whose low 2 bits are at bit POS of ``bits`` and whose top bit is bit POS of
-    ``high``."""
-    return mantissa_to_f32(field(bits, POS, 2, 20) | field(high, POS, 1, 22))
+    return flat8(tl.join(_with_top_bit(quad, SHIFT, 4, high, 0), _with_top_bit(quad, SHIFT + 8, 4, high, 1)))
 
 
 @triton.jit
 def halfword_threes(quad, high):
     """``1 + q / 8`` for each of the 8 bytes of a halfword quad: q's low 2 bits are the byte's bits 0-1 in ``quad``, its
     top bit bit 0 of the same byte of ``high`` (zero for 2-bit codes)."""
-    return flat8(tl.join(_three(quad, 0, high), _three(quad, 8, high)))
+    return flat8(tl.join(_with_top_bit(quad, 0, 2, high, 0), _with_top_bit(quad, 8, 2, high, 8)))
 
 
 @triton.jit
@@ -129,8 +122,8 @@ def word_fives(pair, high_pair):
     """As ``word_nibbles(pair, 0)`` for 5-bit values: the top bit of each byte's value is bit 0 of the same byte of
     ``high_pair``."""
     return flat8(tl.join(
-        tl.join(_five(pair, 0, high_pair, 0), _five(pair, 16, high_pair, 16)),
-        tl.join(_five(pair, 8, high_pair, 8), _five(pair, 24, high_pair, 24)),
+        tl.join(_with_top_bit(pair, 0, 4, high_pair, 0), _with_top_bit(pair, 16, 4, high_pair, 16)),
+        tl.join(_with_top_bit(pair, 8, 4, high_pair, 8), _with_top_bit(pair, 24, 4, high_pair, 24)),
     ))
 
 

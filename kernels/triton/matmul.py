@@ -60,6 +60,8 @@ SUPPORTED_FORMATS = tuple(LAYOUTS)  # the GEMV, the GEMM and the dequantizer rea
 # Q2_K, Q3_K, Q5_K) hand batched decode to the GEMM and run llama.cpp numerics exactly, with a warning.
 MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 LLAMACPP_FORMATS = MMA_FORMATS
+# The formats the GEMV and the GEMM read in whole 64-value chunks (``k_chunk_load``) instead of 32-value units.
+CHUNK_FORMATS = ("Q4_K", "Q5_K")
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -152,7 +154,7 @@ class Int8GemmConfig:
 
 def gemv_units(k: int, fmt: str) -> int:
     """Units of one row the GEMV walks: 64-value chunks for Q4_K and Q5_K (see ``k_chunk_dots``), else 32 values."""
-    return k // (64 if fmt in ("Q4_K", "Q5_K") else 32)
+    return k // (64 if fmt in CHUNK_FORMATS else 32)
 
 
 @functools.cache  # a pure function of its arguments, asked on every matmul
@@ -168,10 +170,10 @@ def gemv_config(k: int, fmt: str, m: int = 1) -> GemvConfig:
     """
     if m >= 3:
         return GemvConfig(block_n=8, num_warps=1, block_u=16, block_m=2)
-    if m == 2 and fmt not in ("Q4_K", "Q5_K"):
+    if m == 2 and fmt not in CHUNK_FORMATS:
         return GemvConfig(block_n=8, num_warps=2, block_u=32, block_m=2) if fmt in ("Q4_0", "Q4_1") else \
             GemvConfig(block_n=4, num_warps=1, block_u=32, block_m=2)
-    if fmt in ("Q4_K", "Q5_K"):  # Q5_K's chunks take Q4_K's tiling, unswept
+    if fmt in CHUNK_FORMATS:  # Q5_K's chunks take Q4_K's tiling, unswept
         return GemvConfig(block_n=4, num_warps=1, block_u=32)
     units = gemv_units(k, fmt)
     warps = min((4, 2, 1), key=lambda warps: (-(-units // (32 * warps)) * 32 * warps, -warps))
@@ -747,7 +749,7 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
         raise ValueError(f"split_k must be at least 1, got {config.split_k}")
     # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's and Q5_K's steps are whole 64-value chunks
     # (2 units).
-    block_u = max(config.block_u, {"Q6_K": 8, "Q4_K": 2, "Q5_K": 2}.get(w.fmt.name, 1))
+    block_u = max(config.block_u, 8 if w.fmt.name == "Q6_K" else 2 if w.fmt.name in CHUNK_FORMATS else 1)
     grid = (*_tile_grid(m, n, config), config.split_k)
     partials, counters = out, out  # unused without a split
     if config.split_k > 1:
