@@ -39,8 +39,8 @@ from workbench.kernels.triton.matmul import (  # noqa: E402
 )
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # also the formats of the llama.cpp-numerics kernels
-FORMATS = MMA_FORMATS + ("Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K")
+MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+FORMATS = MMA_FORMATS + ("Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K")  # each has a GEMV, a GEMM and llama.cpp numerics
 # Byte offsets of each block's float16 fields (scales, mins); every other byte is a quant.
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
               "Q5_1": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,)}
@@ -339,7 +339,7 @@ class TestInterpreted:
 
     @pytest.mark.parametrize("k", [768, 2048])  # a partial last step; whole steps
     @pytest.mark.parametrize("m", [1, 3])
-    @pytest.mark.parametrize("fmt", MMA_FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS)
     def test_gemv_llamacpp_matches_the_cpu_kernel(self, fmt, m, k):
         rng = np.random.default_rng([m, k])
         w, reference = random_weight(fmt, self.N, k, rng)
@@ -352,7 +352,7 @@ class TestInterpreted:
         assert relative_error(out, exact) > 100 * relative_error(expected, out.double().numpy())
 
 
-    @pytest.mark.parametrize("fmt", MMA_FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS)
     def test_gemm_llamacpp_matches_the_cpu_kernel(self, fmt):
         """The tensor-core GEMM: small tiles, so the N = 20 weight rows and M = 20 activation rows each span two
         tiles with a partial one, and K = 768 leaves a partial last tile row of neither."""
@@ -454,8 +454,8 @@ class TestBadInput:
 
     @pytest.mark.parametrize("kernel", [gemv_llamacpp, gemm_llamacpp])
     def test_llamacpp_unsupported_format(self, kernel):
-        w = QuantTensor(torch.zeros(8, 22 * 2, dtype=torch.uint8), "Q5_0", (8, 64))
-        with pytest.raises(ValueError, match="Q5_0"):
+        w = QuantTensor(torch.zeros(8, 64 * 2, dtype=torch.uint8), "F16", (8, 64))
+        with pytest.raises(ValueError, match="F16"):
             kernel(torch.zeros(1, 64), w)
 
     def test_q8_needs_whole_blocks(self):
@@ -536,7 +536,7 @@ class TestCuda:
         assert not select_kernel(x, w).name.startswith("triton")
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-    @pytest.mark.parametrize("fmt", MMA_FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS)
     def test_llamacpp_kernels_match_the_cpu_kernel(self, fmt, dtype):
         rng = np.random.default_rng(7)
         for n, k in [(1536, 768), (1024, 4096), (4096, 14336)]:
@@ -544,7 +544,7 @@ class TestCuda:
             for m in (1, 3, LLAMACPP_GEMM_MIN_ROWS, 200):  # GEMV, GEMM
                 kind = "gemv" if m < LLAMACPP_GEMM_MIN_ROWS else "gemm"
                 x = torch.randn(m, k, device="cuda").to(dtype)
-                expected_blocks = ggml_q8_k(x) if fmt in ("Q4_K", "Q6_K") else ggml_q8(x, 3)
+                expected_blocks = ggml_q8_k(x) if fmt.endswith("_K") else ggml_q8(x, 3)
                 for got, expected in zip(quantize_activations(x, fmt), expected_blocks):
                     assert torch.equal(got.cpu(), expected)
                 with numerics("llamacpp"):
@@ -554,7 +554,7 @@ class TestCuda:
                 tolerance = 1e-5 if dtype == torch.float32 else 2.0**-8  # a bfloat16 output adds one rounding
                 assert (out.float().cpu() - expected).abs().max() < tolerance * expected.abs().max(), (n, k, m)
 
-    @pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K"])
+    @pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K", "Q5_K", "Q2_K"])
     def test_llamacpp_numerics_of_a_model_are_the_cpu_ones(self, fmt):
         """A whole forward (fused projections, float32 activations, a 13-token prompt: the GEMM) on CUDA in llama.cpp
         numerics gives the CPU kernels' logits, not the exact ones."""
@@ -572,13 +572,17 @@ class TestCuda:
         assert (exact - expected).abs().max() > 100 * (got - expected).abs().max()
 
     def test_llamacpp_numerics_without_a_kernel_say_they_run_exactly(self):
-        """Q5_K has no llama.cpp-numerics kernel on CUDA: under those numerics the matmul warns, names the path that
-        ran, and gives the exact result."""
-        w = QuantTensor.quantize(torch.randn(64, 256), "Q5_K").to("cuda")
+        """Packed data at an odd address fits no Triton kernel (they load whole 16-bit words): under llama.cpp numerics
+        the matmul warns, names the path that ran, and gives the exact result."""
+        packed = QuantTensor.quantize(torch.randn(64, 256), "Q4_0").to("cuda")
+        buffer = torch.empty(packed.data.numel() + 1, dtype=torch.uint8, device="cuda")
+        w = QuantTensor(buffer[1:].view(packed.data.shape), packed.fmt, packed.shape)
+        w.data.copy_(packed.data)
         x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+        assert select_kernel(x, w).name == "blockwise-dequant-matmul"
         exact = linear(x, w)
         with numerics("llamacpp"), pytest.warns(
-            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q5_K .* on cuda; .* 'triton-gemv-q5_k' path"
+            RuntimeWarning, match="no 'llamacpp'-numerics kernel for Q4_0 .* on cuda; .* 'blockwise-dequant-matmul' path"
         ):
             assert torch.equal(linear(x, w), exact)
 

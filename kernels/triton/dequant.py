@@ -326,7 +326,7 @@ def _q3_k_scale(scalep, s):
     at bits 2 (s // 4) of byte 8 + s % 4, stored + 32."""
     low = tl.where(s < 8, tl.load(scalep + s % 8).to(tl.int32) & 0xF, tl.load(scalep + s % 8).to(tl.int32) >> 4)
     top = (tl.load(scalep + 8 + s % 4).to(tl.int32) >> (2 * (s // 4))) & 3
-    return ((low | (top << 4)) - 32).to(tl.float32)
+    return (low | (top << 4)) - 32
 
 
 @triton.jit
@@ -336,7 +336,8 @@ def q3_k_pieces(blockp, sub):
     # w = d * scale * (q - 4) = 8 d scale * f - 12 d scale, f = 1 + q / 8.
     f0, f1, f2, f3 = _small_k_pieces(blockp + 32 + 32 * (sub // 4), 2 * (sub % 4), blockp, sub, True)
     d = load_f16(blockp + 108)
-    a0, a1 = 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub), 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub + 1)
+    a0 = 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub).to(tl.float32)
+    a1 = 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub + 1).to(tl.float32)
     return f0, f1, f2, f3, a0, -1.5 * a0, a0, -1.5 * a0, a1, -1.5 * a1, a1, -1.5 * a1
 
 
@@ -760,33 +761,36 @@ def dp4a(a, b, acc, USE_ASM: tl.constexpr, SIGNED_A: tl.constexpr = False):
 
 
 @triton.jit
-def q4_k_gemv_dots_q8k(
-    raw, first, n_chunks, xq, xd, x_sums, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN: tl.constexpr,
+def k_chunk_dots_q8k(
+    raw, first, n_chunks, xq, xd, x_sums, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN: tl.constexpr,
 ):
-    """Dots ``[BLOCK_N, BLOCK_U]`` of the chunks ``k_chunk_load`` read (``raw``) with Q8_K activations: ``xq``
-    int32 words of int8 values, ``xd`` a float32 scale per 256 values, ``x_sums`` an int32 sum per 16 values.
+    """Dots ``[BLOCK_N, BLOCK_U]`` of the Q4_K / Q5_K chunks ``k_chunk_load`` read (``raw``) with Q8_K activations:
+    ``xq`` int32 words of int8 values, ``xd`` a float32 scale per 256 values, ``x_sums`` an int32 sum per 16 values.
 
     Chunk c of a super-block holds sub-blocks 2c (low nibbles) and 2c + 1 (high), so its dot is
     ``d8 (d sc_lo sum_lo + d sc_hi sum_hi) - d8 dmin (m_lo x_sum_lo + m_hi x_sum_hi)`` for the integer dots ``sum``.
     With ``EVEN`` every chunk is in the row; otherwise the re-read chunks past it get zero activations.
     """
     d, dmin, scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_header(raw, first, BLOCK_N, BLOCK_U)
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
 
     x_chunk = first + tl.arange(0, BLOCK_U)
     inside = x_chunk < n_chunks
     sum_lo = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
     sum_hi = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
     for word in tl.static_range(8):  # bytes 4 word .. 4 word + 3 of the chunk: values 4 word .. + 3 of both sub-blocks
-        q = tl.reshape(raw[4 + word], (BLOCK_N, BLOCK_U))
+        top_lo, top_hi = _fifth_bits(raw, word, chunk, FMT)
+        q_lo = tl.reshape((raw[4 + word] & 0x0F0F0F0F) | top_lo, (BLOCK_N, BLOCK_U))
+        q_hi = tl.reshape(((raw[4 + word] >> 4) & 0x0F0F0F0F) | top_hi, (BLOCK_N, BLOCK_U))
         if EVEN:
             x_lo = tl.load(xq + 16 * x_chunk + word)
             x_hi = tl.load(xq + 16 * x_chunk + 8 + word)
         else:
             x_lo = tl.load(xq + 16 * x_chunk + word, mask=inside, other=0)
             x_hi = tl.load(xq + 16 * x_chunk + 8 + word, mask=inside, other=0)
-        sum_lo = dp4a(q & 0x0F0F0F0F, x_lo[None, :], sum_lo, USE_ASM)
-        sum_hi = dp4a((q >> 4) & 0x0F0F0F0F, x_hi[None, :], sum_hi, USE_ASM)
+        sum_lo = dp4a(q_lo, x_lo[None, :], sum_lo, USE_ASM)
+        sum_hi = dp4a(q_hi, x_hi[None, :], sum_hi, USE_ASM)
     d8 = tl.load(xd + x_chunk // 4, mask=inside, other=0.0)[None, :]
     x_sum_lo = (tl.load(x_sums + 4 * x_chunk, mask=inside, other=0)
                 + tl.load(x_sums + 4 * x_chunk + 1, mask=inside, other=0)).to(tl.float32)[None, :]
@@ -797,6 +801,78 @@ def q4_k_gemv_dots_q8k(
         + tl.reshape(scale_hi, (BLOCK_N, BLOCK_U)) * sum_hi.to(tl.float32)
     mins = tl.reshape(min_lo, (BLOCK_N, BLOCK_U)) * x_sum_lo + tl.reshape(min_hi, (BLOCK_N, BLOCK_U)) * x_sum_hi
     return d8 * tl.reshape(d, (BLOCK_N, BLOCK_U)) * dots - d8 * tl.reshape(dmin, (BLOCK_N, BLOCK_U)) * mins
+
+
+@triton.jit
+def small_k_codes(FMT: tl.constexpr, low, high, sub):
+    """The unsigned codes of Q2_K / Q3_K sub-block ``sub`` from its code bytes ``low`` and (Q3_K) top-bit bytes
+    ``high``, either 4 bytes to an int32 word or one byte per int32 (each mask repeats per byte): bits ``2 (sub % 4)``,
+    ``+ 1`` of each code byte, and for Q3_K bit ``sub`` of each top-bit byte above them (the weight is then
+    ``d scale (q - 4)``)."""
+    codes = (low >> (2 * (sub % 4))) & 0x03030303
+    if FMT == Q3_K:
+        codes |= ((high >> sub) & 0x01010101) << 2
+    return codes
+
+
+@triton.jit
+def small_k_sub_block(FMT: tl.constexpr, blockp, sub):
+    """Where Q2_K / Q3_K sub-block ``sub`` (0..7) of the super-block at ``blockp`` keeps its bytes, and its integer
+    scales: ``(low, high, scale_lo, scale_hi, min_lo, min_hi)``, ``low`` / ``high`` pointing at the 32 code and top-bit
+    bytes (``small_k_codes``), the scales and mins of values 0-15 and 16-31 (Q3_K's mins are zero)."""
+    if FMT == Q2_K:
+        low, high = blockp + 16 + 32 * (sub // 4), blockp
+        first, second = tl.load(blockp + 2 * sub).to(tl.int32), tl.load(blockp + 2 * sub + 1).to(tl.int32)
+        scale_lo, scale_hi, min_lo, min_hi = first & 0xF, second & 0xF, first >> 4, second >> 4
+    else:
+        tl.static_assert(FMT == Q3_K, "Q2_K or Q3_K")
+        low, high = blockp + 32 + 32 * (sub // 4), blockp
+        scale_lo, scale_hi = _q3_k_scale(blockp + 96, 2 * sub), _q3_k_scale(blockp + 96, 2 * sub + 1)
+        min_lo, min_hi = scale_lo * 0, scale_hi * 0
+    return low, high, scale_lo, scale_hi, min_lo, min_hi
+
+
+@triton.jit
+def small_k_dots_q8k(
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, first, n_units, xq, xd, x_sums,
+    BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Dots ``[BLOCK_N, BLOCK_U]`` of Q2_K / Q3_K sub-blocks ``first ..`` (``dot_units``' units) with Q8_K
+    activations (as ``k_chunk_dots_q8k``), as ggml sums them: per 16 values ``scale * sum(q x)`` in integers, less
+    Q3_K's ``4 scale sum(x)``, then ``d d8`` on the sum and, for Q2_K, ``- dmin d8 sum(min * x_sum)``; units past the
+    row get zero activations."""
+    unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
+    sub = unit % 8
+    low, high, scale_lo, scale_hi, min_lo, min_hi = small_k_sub_block(FMT, blockp, sub)
+    x_unit = first + tl.arange(0, BLOCK_U)
+    inside = x_unit < n_units
+    dot_lo = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
+    dot_hi = tl.zeros((BLOCK_N, BLOCK_U), tl.int32)
+    for word in tl.static_range(8):  # values 4 word .. 4 word + 3 of the sub-block
+        low_word = _halfword_pair_word(low + 4 * word)
+        if FMT == Q3_K:
+            high_word = _halfword_pair_word(high + 4 * word)
+        else:
+            high_word = low_word
+        q = tl.reshape(small_k_codes(FMT, low_word, high_word, sub), (BLOCK_N, BLOCK_U))
+        x = tl.load(xq + 8 * x_unit + word, mask=inside, other=0)[None, :]
+        if word < 4:
+            dot_lo = dp4a(q, x, dot_lo, USE_ASM)
+        else:
+            dot_hi = dp4a(q, x, dot_hi, USE_ASM)
+    x_sum_lo = tl.load(x_sums + 2 * x_unit, mask=inside, other=0)[None, :]
+    x_sum_hi = tl.load(x_sums + 2 * x_unit + 1, mask=inside, other=0)[None, :]
+    scale_lo, scale_hi = tl.reshape(scale_lo, (BLOCK_N, BLOCK_U)), tl.reshape(scale_hi, (BLOCK_N, BLOCK_U))
+    d8 = tl.load(xd + x_unit // 8, mask=inside, other=0.0)[None, :]
+    if FMT == Q3_K:
+        isum = scale_lo * (dot_lo - 4 * x_sum_lo) + scale_hi * (dot_hi - 4 * x_sum_hi)
+        out = d8 * tl.reshape(load_f16(blockp + 108), (BLOCK_N, BLOCK_U)) * isum.to(tl.float32)
+    else:
+        mins = tl.reshape(min_lo, (BLOCK_N, BLOCK_U)) * x_sum_lo + tl.reshape(min_hi, (BLOCK_N, BLOCK_U)) * x_sum_hi
+        out = d8 * tl.reshape(load_f16(blockp + 80), (BLOCK_N, BLOCK_U)) * (scale_lo * dot_lo + scale_hi * dot_hi).to(tl.float32) \
+            - d8 * tl.reshape(load_f16(blockp + 82), (BLOCK_N, BLOCK_U)) * mins.to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -850,14 +926,36 @@ def q6_k_dots_q8k(
 
 
 @triton.jit
+def _legacy_layout(FMT: tl.constexpr, blockp):
+    """Where a Q4_0 / Q4_1 / Q5_0 / Q5_1 block keeps its 16 bytes of nibbles and (Q5_x) the 32-bit word of fifth bits
+    (bit j: value j)."""
+    if FMT == Q4_0:
+        quants, high = blockp + 2, blockp
+    elif FMT == Q4_1:
+        quants, high = blockp + 4, blockp
+    elif FMT == Q5_0:
+        quants, high = blockp + 6, blockp + 2
+    else:
+        tl.static_assert(FMT == Q5_1, "a legacy 4- or 5-bit format")
+        quants, high = blockp + 8, blockp + 4
+    return quants, high
+
+
+@triton.jit
+def _spread_bits(bits):
+    """Bits 0-3 of int32 ``bits`` as bit 4 of bytes 0-3."""
+    return ((bits & 1) | ((bits & 2) << 7) | ((bits & 4) << 14) | ((bits & 8) << 21)) << 4
+
+
+@triton.jit
 def legacy_dots_q8(
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, first, n_units, xq, x_scales, x_sums,
     BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
 ):
-    """Dots ``[BLOCK_N, BLOCK_U]`` of Q4_0 / Q4_1 / Q8_0 blocks ``first ..`` with Q8_0 / Q8_1 activations (``xq`` int32
-    words of int8 values; per 32 values the scale ``x_scales`` and, for Q8_1, ``x_sums`` = scale * sum of the int8s,
-    both float16 values in float32): ``d dx sum(q x)``, plus ``m s`` for Q4_1; blocks past the row get zero
-    activations."""
+    """Dots ``[BLOCK_N, BLOCK_U]`` of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks ``first ..`` with Q8_0 / Q8_1 activations
+    (``xq`` int32 words of int8 values; per 32 values the scale ``x_scales`` and, for Q8_1, ``x_sums`` = scale * sum of
+    the int8s, both float16 values in float32): ``d dx sum(q x)``, plus ``m s`` for Q4_1 and Q5_1; blocks past the
+    row get zero activations."""
     unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
     blockp = rowp + tl.minimum(unit, n_units - 1) * TYPE_SIZE
     x_unit = first + tl.arange(0, BLOCK_U)
@@ -871,29 +969,32 @@ def legacy_dots_q8(
             dot = dp4a(tl.reshape(q0, (BLOCK_N, BLOCK_U)), x0[None, :], dot, USE_ASM, SIGNED_A=True)
             dot = dp4a(tl.reshape(q1, (BLOCK_N, BLOCK_U)), x1[None, :], dot, USE_ASM, SIGNED_A=True)
     else:
-        # 16 bytes of nibbles: byte j holds value j (low nibble) and j + 16 (high); Q4_0's values are q - 8
-        if FMT == Q4_0:
-            quants = blockp + 2
-        else:
-            quants = blockp + 4
+        # 16 bytes of nibbles: byte j holds value j (low nibble) and j + 16 (high); the weight is d (q - OFFSET) or d q + m
+        OFFSET: tl.constexpr = 8 if FMT == Q4_0 else 16 if FMT == Q5_0 else 0
+        quants, high = _legacy_layout(FMT, blockp)
+        if FMT == Q5_0 or FMT == Q5_1:
+            fifths = _halfword_pair_word(high)
         x_total = tl.zeros((BLOCK_U,), tl.int32)
         for pair in tl.static_range(2):  # words 2 pair, 2 pair + 1: bytes 8 pair .. 8 pair + 7
             words = _halfword_pair(quants + 8 * pair)
             for half in tl.static_range(2):
-                q = tl.reshape(words[half], (BLOCK_N, BLOCK_U))
+                q_lo, q_hi = words[half] & 0x0F0F0F0F, (words[half] >> 4) & 0x0F0F0F0F
+                if FMT == Q5_0 or FMT == Q5_1:  # values 8 pair + 4 half .. + 3 and 16 more
+                    q_lo |= _spread_bits(fifths >> (8 * pair + 4 * half))
+                    q_hi |= _spread_bits(fifths >> (16 + 8 * pair + 4 * half))
                 x_lo = tl.load(xq + 8 * x_unit + 2 * pair + half, mask=inside, other=0)
                 x_hi = tl.load(xq + 8 * x_unit + 4 + 2 * pair + half, mask=inside, other=0)
-                dot = dp4a(q & 0x0F0F0F0F, x_lo[None, :], dot, USE_ASM)
-                dot = dp4a((q >> 4) & 0x0F0F0F0F, x_hi[None, :], dot, USE_ASM)
-                if FMT == Q4_0:
+                dot = dp4a(tl.reshape(q_lo, (BLOCK_N, BLOCK_U)), x_lo[None, :], dot, USE_ASM)
+                dot = dp4a(tl.reshape(q_hi, (BLOCK_N, BLOCK_U)), x_hi[None, :], dot, USE_ASM)
+                if OFFSET != 0:
                     ones = tl.full((BLOCK_U,), 0x01010101, tl.int32)
                     x_total = dp4a(ones, x_hi, dp4a(ones, x_lo, x_total, USE_ASM), USE_ASM)
-        if FMT == Q4_0:
-            dot -= 8 * x_total[None, :]
+        if OFFSET != 0:
+            dot -= OFFSET * x_total[None, :]
     d = tl.reshape(load_f16(blockp), (BLOCK_N, BLOCK_U))
     dx = tl.load(x_scales + x_unit, mask=inside, other=0.0)[None, :]
     out = d * dx * dot.to(tl.float32)
-    if FMT == Q4_1:
+    if FMT == Q4_1 or FMT == Q5_1:
         out += tl.reshape(load_f16(blockp + 2), (BLOCK_N, BLOCK_U)) * tl.load(x_sums + x_unit, mask=inside, other=0.0)[None, :]
     return out
 
@@ -919,21 +1020,29 @@ def _byte_tile(p, cols):
 
 
 @triton.jit
-def q4_k_tile_dots_q8k(blockp, x, x_sums, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For one Q4_K super-block of each weight row and its 256 Q8_K activations of each row (``x_sums``: their 16
-    sums of 16), ggml's integer sums ``(sum_j scale_j dot_j, sum_j min_j xsum_j)`` over the 8 sub-blocks j, int32
+def k_chunk_tile_dots_q8k(FMT: tl.constexpr, blockp, x, x_sums, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For one Q4_K / Q5_K super-block of each weight row and its 256 Q8_K activations of each row (``x_sums``: their
+    16 sums of 16), ggml's integer sums ``(sum_j scale_j dot_j, sum_j min_j xsum_j)`` over the 8 sub-blocks j, int32
     ``[BLOCK_M, BLOCK_N]`` each."""
     words = blockp.to(tl.pointer_type(tl.int32))
     s0, s1, s2 = tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     cols = tl.arange(0, 32)
+    if FMT == Q5_K:  # bit j of byte i: the fifth bit of value i of sub-block j
+        tops, quants = _byte_tile(blockp + 16, cols), blockp + 48
+    else:
+        quants = blockp + 16
     dots = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
     mins = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
     for chunk in tl.static_range(4):  # sub-blocks 2 chunk (low nibbles) and 2 chunk + 1 (high)
-        q = _byte_tile(blockp + 16 + 32 * chunk, cols)
+        q = _byte_tile(quants + 32 * chunk, cols)
+        q_lo, q_hi = q & 0xF, q >> 4
+        if FMT == Q5_K:
+            q_lo |= ((tops >> (2 * chunk)) & 1) << 4
+            q_hi |= ((tops >> (2 * chunk + 1)) & 1) << 4
         scale_lo, min_lo, scale_hi, min_hi = q4_k_chunk_scales(s0, s1, s2, chunk)
         x_lo = tl.load(x[:, None] + 64 * chunk + cols[None, :])
         x_hi = tl.load(x[:, None] + 64 * chunk + 32 + cols[None, :])
-        dots += _int8_dot(x_lo, q & 0xF) * scale_lo[None, :] + _int8_dot(x_hi, q >> 4) * scale_hi[None, :]
+        dots += _int8_dot(x_lo, q_lo) * scale_lo[None, :] + _int8_dot(x_hi, q_hi) * scale_hi[None, :]
         sum_lo = tl.load(x_sums + 4 * chunk) + tl.load(x_sums + 4 * chunk + 1)
         sum_hi = tl.load(x_sums + 4 * chunk + 2) + tl.load(x_sums + 4 * chunk + 3)
         mins += sum_lo[:, None] * min_lo[None, :] + sum_hi[:, None] * min_hi[None, :]
@@ -941,11 +1050,20 @@ def q4_k_tile_dots_q8k(blockp, x, x_sums, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
+def _halves_dot(x, q, scale_a, scale_b):
+    """``scale_a * x[:, :16] @ q[:, :16].T + scale_b * x[:, 16:] @ q[:, 16:].T`` (int32) for int8 activations ``x``
+    ``[BLOCK_M, 32]``, weights ``q`` ``[BLOCK_N, 32]`` and per-row scales ``[BLOCK_N]``: two products over 32 values
+    with the other half's weights zeroed, the int8 tensor-core product taking K = 32 at least."""
+    first_half = tl.arange(0, 32)[None, :] < 16
+    return _int8_dot(x, tl.where(first_half, q, 0)) * scale_a[None, :] \
+        + _int8_dot(x, tl.where(first_half, 0, q)) * scale_b[None, :]
+
+
+@triton.jit
 def q6_k_tile_dots_q8k(blockp, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """For one Q6_K super-block of each weight row and its 256 Q8_K activations of each row, ggml's integer sum
     ``sum_g scale_g sum (q - 32) x`` over the 16-value groups g, int32 ``[BLOCK_M, BLOCK_N]``."""
     cols = tl.arange(0, 32)
-    first_group = cols[None, :] < 16
     scalep = (blockp + 192).to(tl.pointer_type(tl.int8))
     dots = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
     for half in tl.static_range(2):
@@ -960,27 +1078,47 @@ def q6_k_tile_dots_q8k(blockp, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
             q = (((ql >> (4 * (k // 2))) & 0xF) | (((qh >> (2 * k)) & 3) << 4)) - 32
             xs = tl.load(x[:, None] + 128 * half + 32 * k + cols[None, :])
             group = 8 * half + 2 * k
-            scale_a = tl.load(scalep + group).to(tl.int32)
-            scale_b = tl.load(scalep + group + 1).to(tl.int32)
-            dots += _int8_dot(xs, tl.where(first_group, q, 0)) * scale_a[None, :]
-            dots += _int8_dot(xs, tl.where(first_group, 0, q)) * scale_b[None, :]
+            dots += _halves_dot(xs, q, tl.load(scalep + group).to(tl.int32), tl.load(scalep + group + 1).to(tl.int32))
     return dots
 
 
 @triton.jit
+def small_k_tile_dots_q8k(FMT: tl.constexpr, blockp, x, x_sums, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For one Q2_K / Q3_K super-block of each weight row and its 256 Q8_K activations of each row (``x_sums``: their
+    16 sums of 16), ggml's integer sums ``(sum_g scale_g dot_g, sum_g min_g xsum_g)`` over the 16-value groups g, int32
+    ``[BLOCK_M, BLOCK_N]`` each (Q3_K's dots are of ``q - 4``, its mins zero)."""
+    cols = tl.arange(0, 32)
+    dots = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    mins = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+    for sub in tl.static_range(8):
+        low, high, scale_lo, scale_hi, min_lo, min_hi = small_k_sub_block(FMT, blockp, sub)
+        low = _byte_tile(low, cols)
+        if FMT == Q3_K:
+            q = small_k_codes(FMT, low, _byte_tile(high, cols), sub) - 4
+        else:
+            q = small_k_codes(FMT, low, low, sub)
+        dots += _halves_dot(tl.load(x[:, None] + 32 * sub + cols[None, :]), q, scale_lo, scale_hi)
+        if FMT == Q2_K:
+            mins += tl.load(x_sums + 2 * sub)[:, None] * min_lo[None, :] \
+                + tl.load(x_sums + 2 * sub + 1)[:, None] * min_hi[None, :]
+    return dots, mins
+
+
+@triton.jit
 def legacy_tile_dots_q8(FMT: tl.constexpr, blockp, x):
-    """For one Q4_0 / Q4_1 / Q8_0 block of each weight row and its 32 Q8 activations of each row, ``sum q x``
-    (Q4_0's q less 8), int32 ``[BLOCK_M, BLOCK_N]``."""
+    """For one Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 block of each weight row and its 32 Q8 activations of each row,
+    ``sum q x`` (Q4_0's q less 8, Q5_0's less 16), int32 ``[BLOCK_M, BLOCK_N]``."""
     cols = tl.arange(0, 32)
     if FMT == Q8_0:
         q = tl.load((blockp + 2).to(tl.pointer_type(tl.int8))[:, None] + cols[None, :]).to(tl.int32)
     else:
-        # byte i holds value i (low nibble) and i + 16 (high)
-        if FMT == Q4_0:
-            quants = blockp + 2
-        else:
-            quants = blockp + 4
+        # byte i holds value i (low nibble) and i + 16 (high); bit i of the Q5 formats' fifth-bit word is value i's
+        quants, high = _legacy_layout(FMT, blockp)
         q = (_byte_tile(quants, cols % 16) >> (4 * (cols[None, :] // 16))) & 0xF
+        if FMT == Q5_0 or FMT == Q5_1:
+            q |= ((_halfword_pair_word(high)[:, None] >> cols[None, :]) & 1) << 4
         if FMT == Q4_0:
             q -= 8
+        elif FMT == Q5_0:
+            q -= 16
     return _int8_dot(tl.load(x[:, None] + cols[None, :]), q)

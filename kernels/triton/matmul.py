@@ -27,8 +27,9 @@ import triton.language as tl
 from ..quant_tensor import QuantTensor
 from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
-    Q4_1, Q4_K, Q5_K, Q6_K, dot_units, legacy_dots_q8, legacy_tile_dots_q8, load_f16, k_chunk_dots, q4_k_gemv_dots_q8k,
-    k_chunk_load, q4_k_tile_dots_q8k, k_chunk_tile, q6_k_dots_q8k, q6_k_tile_dots_q8k, weight_tile,
+    Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, dot_units, k_chunk_dots, k_chunk_dots_q8k, k_chunk_load, k_chunk_tile,
+    k_chunk_tile_dots_q8k, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q6_k_dots_q8k, q6_k_tile_dots_q8k,
+    small_k_dots_q8k, small_k_tile_dots_q8k, weight_tile,
 )
 from .launch import INTERPRETING, cdiv, launch
 
@@ -55,11 +56,12 @@ LAYOUTS: dict[str, Layout] = {
     "Q5_K": Layout(13, 256, 176, 4),
     "Q6_K": Layout(14, 256, 210, 2),
 }
-SUPPORTED_FORMATS = tuple(LAYOUTS)  # the GEMV, the GEMM and the dequantizer read every one of them
-# The formats with tensor-core fragment kernels (``mma_gemm``) and llama.cpp-numerics kernels; the others (Q5_0, Q5_1,
-# Q2_K, Q3_K, Q5_K) hand batched decode to the GEMM and run llama.cpp numerics exactly, with a warning.
+SUPPORTED_FORMATS = tuple(LAYOUTS)  # the GEMV, the GEMM, the dequantizer and the llama.cpp-numerics kernels read them all
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # llama.cpp quantizes their activations to Q8_K, the others' to Q8_0/1
+# The formats with tensor-core fragment kernels (``mma_gemm``); the others (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K) hand batched
+# decode to the GEMM.
 MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
-LLAMACPP_FORMATS = MMA_FORMATS
+LLAMACPP_FORMATS = SUPPORTED_FORMATS
 # The formats the GEMV and the GEMM read in whole 64-value chunks (``k_chunk_load``) instead of 32-value units.
 CHUNK_FORMATS = ("Q4_K", "Q5_K")
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -186,7 +188,7 @@ def gemv_config(k: int, fmt: str, m: int = 1) -> GemvConfig:
 def gemv_llamacpp_config(k: int, m: int) -> GemvConfig:
     """The Q8_K-activation Q4_K GEMV's tiling: on an H100 (bench/RESULTS.md, ninth and tenth sessions) 16 chunks per
     step ran best on rows of 4096 values and 32 on rows of 14336 for one row of activations; for several rows (2 and 4
-    measured), sixteen weight rows per program in steps of 16 chunks."""
+    measured), sixteen weight rows per program in steps of 16 chunks. Q5_K's chunks take the same tiling, unswept."""
     if m > 1:
         return GemvConfig(block_n=16, num_warps=1, block_u=16)
     return GemvConfig(block_n=4, num_warps=1, block_u=16 if k <= 4096 else 32)
@@ -271,7 +273,7 @@ def _gemv_kernel(
         tl.static_assert(BLOCK_M == 1, "the llama.cpp-numerics GEMV takes one row of activations per program")
         m = m_block
         x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
-        if FMT == Q4_K or FMT == Q6_K:  # Q8_K: a scale per 256 values, a sum per 16
+        if FMT >= Q2_K:  # the K-quants (GGML types 10-14): Q8_K, a scale per 256 values, a sum per 16
             x_scales_ptr += m * (K // 256)
             x_sums_ptr += m * (K // 16)
         else:  # Q8_0 / Q8_1: a scale and a sum per 32
@@ -291,8 +293,8 @@ def _gemv_kernel(
         for first in range(0, n_chunks, BLOCK_U):
             raw_next = k_chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
             if LLAMACPP:
-                acc += q4_k_gemv_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N, BLOCK_U,
-                                          USE_ASM, EVEN)[None]
+                acc += k_chunk_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, FMT, BLOCK_N, BLOCK_U,
+                                        USE_ASM, EVEN)[None]
             else:
                 acc += k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
             raw = raw_next
@@ -302,6 +304,9 @@ def _gemv_kernel(
             if LLAMACPP and FMT == Q6_K:
                 acc += q6_k_dots_q8k(rowp, first, n_units, x_words, x_scales_ptr, TYPE_SIZE, BLOCK_N, BLOCK_U,
                                      USE_ASM)[None]
+            elif LLAMACPP and (FMT == Q2_K or FMT == Q3_K):
+                acc += small_k_dots_q8k(FMT, TYPE_SIZE, rowp, first, n_units, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N,
+                                        BLOCK_U, USE_ASM)[None]
             elif LLAMACPP:
                 acc += legacy_dots_q8(FMT, TYPE_SIZE, rowp, first, n_units, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N,
                                       BLOCK_U, USE_ASM)[None]
@@ -502,8 +507,9 @@ def _gemm_llamacpp_kernel(
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # xq, x_scales, x_sums: ``quantize_activations``' int8 values, scales and sums. Per block the integer dots are
-    # scaled as ggml-cpu's vec_dot does: (d_x d_w) * dot, plus Q4_1's m_w s_x, or per super-block
-    # (d_x d) * sum_j scale_j dot_j - (d_x dmin) * sum_j min_j xsum_j (Q4_K), (d_x d) * sum_g scale_g dot_g (Q6_K).
+    # scaled as ggml-cpu's vec_dot does: (d_x d_w) * dot, plus Q4_1's and Q5_1's m_w s_x, or per super-block
+    # (d_x d) * sum_j scale_j dot_j - (d_x dmin) * sum_j min_j xsum_j over its sub-blocks or 16-value groups j (the
+    # K-quants; Q3_K and Q6_K have no mins).
     first_m, first_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows_m, rows_n = first_m + tl.arange(0, BLOCK_M), first_n + tl.arange(0, BLOCK_N)
     # Rows past M and N re-read rows from the first instead of masking loads (as in ``_gemm_kernel``); never stored.
@@ -511,19 +517,27 @@ def _gemm_llamacpp_kernel(
     x_rows = xq_ptr + m_rows * K
     rowp = w_ptr + (rows_n % N).to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FMT == Q4_K or FMT == Q6_K:
+    if FMT >= Q2_K:  # the K-quants: Q8_K activations, a scale per 256 values and a sum per 16
         n_blocks = K // 256
         for block in range(0, n_blocks):
             blockp = rowp + block * TYPE_SIZE
             x_scale = tl.load(x_scales_ptr + m_rows * n_blocks + block)[:, None]
-            if FMT == Q4_K:
-                dots, mins = q4_k_tile_dots_q8k(blockp, x_rows + 256 * block, x_sums_ptr + m_rows * (K // 16) + 16 * block,
-                                                BLOCK_M, BLOCK_N)
-                acc += x_scale * load_f16(blockp)[None, :] * dots.to(tl.float32)
-                acc -= x_scale * load_f16(blockp + 2)[None, :] * mins.to(tl.float32)
-            else:
-                dots = q6_k_tile_dots_q8k(blockp, x_rows + 256 * block, BLOCK_M, BLOCK_N)
+            x_block, x_sums = x_rows + 256 * block, x_sums_ptr + m_rows * (K // 16) + 16 * block
+            if FMT == Q6_K:
+                dots = q6_k_tile_dots_q8k(blockp, x_block, BLOCK_M, BLOCK_N)
                 acc += x_scale * load_f16(blockp + 208)[None, :] * dots.to(tl.float32)
+            elif FMT == Q3_K:
+                dots, _ = small_k_tile_dots_q8k(FMT, blockp, x_block, x_sums, BLOCK_M, BLOCK_N)
+                acc += x_scale * load_f16(blockp + 108)[None, :] * dots.to(tl.float32)
+            else:  # d and dmin: at the start of Q4_K's and Q5_K's super-blocks, at byte 80 of Q2_K's
+                if FMT == Q2_K:
+                    dots, mins = small_k_tile_dots_q8k(FMT, blockp, x_block, x_sums, BLOCK_M, BLOCK_N)
+                    factors = blockp + 80
+                else:
+                    dots, mins = k_chunk_tile_dots_q8k(FMT, blockp, x_block, x_sums, BLOCK_M, BLOCK_N)
+                    factors = blockp
+                acc += x_scale * load_f16(factors)[None, :] * dots.to(tl.float32)
+                acc -= x_scale * load_f16(factors + 2)[None, :] * mins.to(tl.float32)
     else:
         n_blocks = K // 32
         for block in range(0, n_blocks):
@@ -531,7 +545,7 @@ def _gemm_llamacpp_kernel(
             dots = legacy_tile_dots_q8(FMT, blockp, x_rows + 32 * block)
             x_scale = tl.load(x_scales_ptr + m_rows * n_blocks + block)[:, None]
             acc += x_scale * load_f16(blockp)[None, :] * dots.to(tl.float32)
-            if FMT == Q4_1:
+            if FMT == Q4_1 or FMT == Q5_1:
                 acc += load_f16(blockp + 2)[None, :] * tl.load(x_sums_ptr + m_rows * n_blocks + block)[:, None]
     out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows_m[:, None] < M) & (rows_n[None, :] < N))
@@ -692,7 +706,7 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
     llama.cpp-numerics GEMV reads them: int8 values ``[M, K]``, then for the K-quants (Q8_K) a float32 scale per 256
     values and the int32 sum of each 16 (ggml's ``bsums``), for the others (Q8_0 / Q8_1) the float16 scale of each
     32 values and the float16 of scale times their sum (Q8_1's ``s``), both in float32."""
-    k_quant = fmt in ("Q4_K", "Q6_K")
+    k_quant = fmt in K_QUANTS
     block, per_sum, kernel, warps = (256, 16, _quantize_q8_k_kernel, 4) if k_quant else (32, 32, _quantize_q8_kernel, 1)
     if x.dim() != 2 or x.shape[1] % block:
         raise ValueError(f"{'Q8_K' if k_quant else 'Q8_0'} blocks need [M, K] activations with K a multiple of {block}, "
@@ -709,14 +723,15 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
 
 def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` in llama.cpp's numerics: each row of ``x`` quantized as ggml-cpu quantizes activations for ``w``'s
-    type (Q8_0 for Q4_0 and Q8_0, Q8_1 for Q4_1, Q8_K for Q4_K and Q6_K), integer dot products per block (``dp4a``),
+    type (Q8_0 for Q4_0, Q5_0 and Q8_0, Q8_1 for Q4_1 and Q5_1, Q8_K for the K-quants), integer dot products per block
+    (``dp4a``),
     scales applied in float32, as ggml-cpu's ``ggml_vec_dot_<type>_q8_<x>``. One pass over the weight per row of
     ``x``: made for decode."""
     layout, out = _checked_output(x, w, formats=LLAMACPP_FORMATS)
     m, k = x.shape
     if m == 0:
         return out
-    config = config or (gemv_llamacpp_config(k, m) if w.fmt.name == "Q4_K" else gemv_config(k, w.fmt.name))
+    config = config or (gemv_llamacpp_config(k, m) if w.fmt.name in CHUNK_FORMATS else gemv_config(k, w.fmt.name))
     _launch_gemv(w, out, layout, config, *quantize_activations(x, w.fmt.name), llamacpp=True)
     return out
 
