@@ -102,7 +102,7 @@ def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
                    if warps <= w.shape[1] // MmaConfig(warps, pair).step_values(w.fmt.name)]
         kernel = mma_gemm
     elif "gemv" in name:
-        units = gemv_units(w.shape[1], w.fmt.name)
+        units = gemv_units(w.shape[1], w.fmt.name, llamacpp)
         # block_u units of block_n rows per step: at least one (row, unit) pair per thread, at most 16; exact
         # numerics also take block_m rows of activations per program (up to 4, and no more than M rounds up to)
         configs = [

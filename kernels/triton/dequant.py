@@ -13,7 +13,9 @@ integer logic ops, where an int->float conversion runs at a fraction of the ALU 
 ``x`` over a piece and apply ``a`` and ``b`` once per piece instead of once per value.
 
 The GEMV and the GEMM read Q4_K and Q5_K differently (``k_chunk_load`` / ``k_chunk_dots`` / ``k_chunk_tile`` at
-the end): 64-value chunks in 16-byte loads, one byte permute per value.
+the end): 64-value chunks in 16-byte loads, one byte permute per value. The exact GEMV reads Q2_K and Q3_K in
+64-value chunks too (``small_k_chunk_load`` / ``small_k_chunk_dots``): a chunk's 16 code bytes hold four pieces of 16
+values, so each byte is loaded once, not once per piece.
 
 ``tl.join(a, b)`` appends a new innermost axis, so in a nest of joins the outermost join picks the
 fastest-varying index of the flattened result.
@@ -566,14 +568,20 @@ def _byte2_float(t, BYTE: tl.constexpr):
 @triton.jit
 def nibble_floats(w, top_lo, top_hi, USE_ASM: tl.constexpr):
     """The nibbles of int32 ``w`` as floats ``1 + q / 128``: those of bytes 0-3 low, then high; ``top_lo`` /
-    ``top_hi`` (0 or 0x10 in each byte, or 0) are OR-ed into the low / high nibbles' bytes as a fifth bit.
-
-    A value q < 128 becomes byte 2 of ``0x3F8q0000`` (``0x80 | q`` under the exponent byte of 1.0). On CUDA
-    (``USE_ASM``) that is two mask-ors per word and one ``prmt`` (byte permute) per value; the interpreter,
-    which runs no PTX, computes the same bits with shifts and masks.
-    """
+    ``top_hi`` (0 or 0x10 in each byte, or 0) are OR-ed into the low / high nibbles' bytes as a fifth bit."""
     lo = (w & 0x0F0F0F0F) | top_lo | -0x7F7F7F80  # every byte 0x80 | its low nibble (and fifth bit)
     hi = ((w >> 4) & 0x0F0F0F0F) | top_hi | -0x7F7F7F80
+    return byte_floats(lo, hi, USE_ASM)
+
+
+@triton.jit
+def byte_floats(lo, hi, USE_ASM: tl.constexpr):
+    """The bytes ``0x80 | q`` (q < 128) of int32 words ``lo`` then ``hi`` as the 8 floats ``1 + q / 128``.
+
+    Each byte becomes byte 2 of ``0x3F8q0000`` (``0x80 | q`` under the exponent byte of 1.0): on CUDA
+    (``USE_ASM``) one ``prmt`` (byte permute) per value; the interpreter, which runs no PTX, computes the same bits
+    with shifts and masks.
+    """
     if USE_ASM:
         floats = tl.inline_asm_elementwise(
             """
@@ -730,6 +738,89 @@ def k_chunk_tile(raw, first, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: 
     f = ((quants << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
     w = f * a[:, :, None, None] + b[:, :, None, None]
     return tl.reshape(w, (BLOCK_N, 64 * BLOCK_U))
+
+
+@triton.jit
+def small_k_chunk_load(rowp, first, n_chunks, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """The bytes of Q2_K / Q3_K chunks ``first .. first + BLOCK_U - 1`` of each row in ``rowp`` (as ``k_chunk_load``).
+
+    Chunk c of a super-block is its code bytes ``16 c .. 16 c + 15``: bits ``2 j``, ``2 j + 1`` of byte i are value
+    ``128 h + 32 j + 16 l + i`` (h, l = c // 2, c % 2), scale number ``8 h + 2 j + l``, and for Q3_K its top bit is
+    bit ``4 h + j`` of top-bit byte ``16 l + i`` (ggml's loop order). Returned as int32 words: the four code words;
+    Q2_K then scale bytes ``8 h .. 8 h + 7`` and the word of d, dmin; Q3_K the four top-bit words, the 12 scale bytes
+    and the word holding d. Q2_K's 84-byte super-blocks are read in words, Q3_K's 110-byte ones in halfwords.
+    """
+    chunk = tl.minimum(first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U, n_chunks - 1)
+    c = chunk % 4
+    if FMT == Q2_K:
+        words = (rowp + (chunk // 4) * 84).to(tl.pointer_type(tl.int32))
+        codes = words + 4 + 4 * c
+        raw = (tl.load(codes), tl.load(codes + 1), tl.load(codes + 2), tl.load(codes + 3),
+               tl.load(words + 2 * (c // 2)), tl.load(words + 2 * (c // 2) + 1), tl.load(words + 20))
+    else:
+        tl.static_assert(FMT == Q3_K, "Q2_K or Q3_K")
+        blockp = rowp + (chunk // 4) * 110
+        codes, tops = blockp + 32 + 16 * c, blockp + 16 * (c % 2)
+        raw = (_halfword_pair_word(codes), _halfword_pair_word(codes + 4), _halfword_pair_word(codes + 8),
+               _halfword_pair_word(codes + 12), _halfword_pair_word(tops), _halfword_pair_word(tops + 4),
+               _halfword_pair_word(tops + 8), _halfword_pair_word(tops + 12), _halfword_pair_word(blockp + 96),
+               _halfword_pair_word(blockp + 100), _halfword_pair_word(blockp + 104),
+               tl.load((blockp + 108).to(tl.pointer_type(tl.uint16))).to(tl.int32))
+    return raw
+
+
+@triton.jit
+def small_k_chunk_affine(raw, chunk, FMT: tl.constexpr, j: tl.constexpr):
+    """``(a, b)``: weight ``a f + b`` for ``f = 1 + q / 128`` in piece j of the chunks ``small_k_chunk_load`` read."""
+    h, l = (chunk % 4) // 2, chunk % 2
+    byte_shift = 8 * (2 * (j % 2) + l)  # scale 8 h + 2 j + l is byte 2 (j % 2) + l of the word holding it
+    if FMT == Q2_K:  # w = d scale q - dmin min
+        d, dmin = f16_halves(raw[6])
+        scale_byte = (raw[4 + j // 2] >> byte_shift) & 0xFF
+        a = 128.0 * d * (scale_byte & 0xF).to(tl.float32)
+        b = -(a + dmin * (scale_byte >> 4).to(tl.float32))
+    else:  # w = d scale (q - 4), the signed 6-bit scale as ``_q3_k_scale`` reads it
+        d, _ = f16_halves(raw[11])
+        low = (raw[8 + j // 2] >> (byte_shift + 4 * h)) & 0xF
+        top = (raw[10] >> (byte_shift + 2 * (2 * h + j // 2))) & 3
+        scale = 4.0 * d * ((low | (top << 4)) - 32).to(tl.float32)
+        a = 32.0 * scale
+        b = -(a + scale)
+    return a, b
+
+
+@triton.jit
+def small_k_chunk_dots(
+    raw, first, xp, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, USE_ASM: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """Dots ``[BLOCK_M, BLOCK_N, BLOCK_U]`` of the Q2_K / Q3_K chunks ``small_k_chunk_load`` read (``raw``) with the
+    activation rows at ``xp`` (as ``k_chunk_dots``): per piece of 16 values ``a sum(f x) + b sum(x)``."""
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    h = (chunk % 4) // 2
+    x_chunk = first + tl.arange(0, BLOCK_U)
+    x_start = 256 * (x_chunk // 4) + 128 * ((x_chunk % 4) // 2) + 16 * (x_chunk % 2)
+    dots = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
+    for j in tl.static_range(4):
+        fx = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
+        sum_x = tl.zeros((xp.shape[0], BLOCK_U), tl.float32)
+        for group in tl.static_range(2):  # values 8 group .. + 7 of the piece: code words 2 group, 2 group + 1
+            index = (x_start[:, None] + 32 * j + 8 * group + tl.arange(0, 8)[None, :])[None]
+            if EVEN:
+                x = tl.load(xp[:, None, None] + index).to(tl.float32)
+            else:
+                x = tl.load(xp[:, None, None] + index, mask=index < K, other=0.0).to(tl.float32)
+            sum_x += tl.sum(x, axis=2)
+            if FMT == Q3_K:
+                top_a, top_b = raw[4 + 2 * group], raw[5 + 2 * group]
+            else:
+                top_a, top_b = raw[2 * group], raw[2 * group + 1]
+            code_a = small_k_codes(FMT, raw[2 * group], top_a, 4 * h + j) | -0x7F7F7F80  # every byte 0x80 | q
+            code_b = small_k_codes(FMT, raw[2 * group + 1], top_b, 4 * h + j) | -0x7F7F7F80
+            fx = _dot_chain(fx, byte_floats(code_a, code_b, USE_ASM), split8(x), BLOCK_N, BLOCK_U)
+        a, b = small_k_chunk_affine(raw, chunk, FMT, j)
+        dots += tl.reshape(a, (1, BLOCK_N, BLOCK_U)) * fx + tl.reshape(b, (1, BLOCK_N, BLOCK_U)) * sum_x[:, None, :]
+    return dots
 
 
 # ---------------------------------------------------------------------------------------------

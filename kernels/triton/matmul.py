@@ -29,7 +29,7 @@ from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
     Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, dot_units, k_chunk_dots, k_chunk_dots_q8k, k_chunk_load, k_chunk_tile,
     k_chunk_tile_dots_q8k, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q6_k_dots_q8k, q6_k_tile_dots_q8k,
-    small_k_dots_q8k, small_k_tile_dots_q8k, weight_tile,
+    small_k_chunk_dots, small_k_chunk_load, small_k_dots_q8k, small_k_tile_dots_q8k, weight_tile,
 )
 from .launch import INTERPRETING, cdiv, launch
 
@@ -64,6 +64,7 @@ MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 LLAMACPP_FORMATS = SUPPORTED_FORMATS
 # The formats the GEMV and the GEMM read in whole 64-value chunks (``k_chunk_load``) instead of 32-value units.
 CHUNK_FORMATS = ("Q4_K", "Q5_K")
+SMALL_K_FORMATS = ("Q2_K", "Q3_K")  # the exact GEMV walks their 64-value chunks too (``small_k_chunk_dots``)
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -83,10 +84,11 @@ def gemv_rows(fmt: str) -> int:
     """Rows of activations up to which the GEMV outruns the other kernels on all three Llama-3-8B shapes on an H100
     (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K and Q6_K, whose ``mma_gemm`` is 1.3-1.5x
     faster than the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the
-    GEMV, from three rows on they are 1.3-1.9x faster). The formats without a fragment kernel hand three rows on to the
-    GEMM, which ran 1.07-1.33x faster than the GEMV there in Q5_0, Q5_1 and Q5_K and 0.86-1.14x in Q2_K and Q3_K
-    (twenty-first session)."""
-    return 1 if fmt in ("Q4_K", "Q6_K") else 2
+    GEMV, from three rows on they are 1.3-1.9x faster). Q5_0, Q5_1 and Q5_K, which have no fragment kernel, hand three
+    rows on to the GEMM, which ran 1.07-1.33x faster than the GEMV there (twenty-first session). Q2_K and Q3_K keep
+    all of ``GEMV_MAX_ROWS``: on their 64-value chunks the GEMV ran 1.12-1.53x faster than the GEMM at three and four
+    rows (twenty-third session)."""
+    return 1 if fmt in ("Q4_K", "Q6_K") else GEMV_MAX_ROWS if fmt in SMALL_K_FORMATS else 2
 
 
 @dataclass(frozen=True)
@@ -154,30 +156,38 @@ class Int8GemmConfig:
     group_m: int = 8
 
 
-def gemv_units(k: int, fmt: str) -> int:
-    """Units of one row the GEMV walks: 64-value chunks for Q4_K and Q5_K (see ``k_chunk_dots``), else 32 values."""
-    return k // (64 if fmt in CHUNK_FORMATS else 32)
+def walks_chunks(fmt: str, llamacpp: bool = False) -> bool:
+    """Whether the GEMV walks 64-value chunks of ``fmt`` (``k_chunk_dots``, ``small_k_chunk_dots``), not 32 values."""
+    return fmt in CHUNK_FORMATS or (fmt in SMALL_K_FORMATS and not llamacpp)
+
+
+def gemv_units(k: int, fmt: str, llamacpp: bool = False) -> int:
+    """Units of one row the GEMV walks (``walks_chunks``)."""
+    return k // (64 if walks_chunks(fmt, llamacpp) else 32)
 
 
 @functools.cache  # a pure function of its arguments, asked on every matmul
-def gemv_config(k: int, fmt: str, m: int = 1) -> GemvConfig:
+def gemv_config(k: int, fmt: str, m: int = 1, llamacpp: bool = False) -> GemvConfig:
     """Enough warps to cover a row in few steps without leaving many threads idle on the last one; for several rows of
     activations, the tilings that ran best on an H100 (bench/RESULTS.md, eleventh session).
 
     ``bench/kernels.py --sweep`` on an H100 (Llama-3-8B shapes): where that is 4 warps (K = 4096), Q4_0 and
     Q4_1 run 5-10 % faster on half the warps with two units per thread; Q6_K, whose units need more
     registers, does not. Q4_K's 64-value chunks run best one warp per four rows on all three shapes, and so do two
-    rows of activations, as two programs side by side that share the weights through L2. From three rows on, every
-    format runs best with two rows of activations per program and eight weight rows per warp, sixteen units a step.
+    rows of activations, as two programs side by side that share the weights through L2. Q5_K's chunks take that
+    tiling unswept; Q2_K's and Q3_K's ran best on it, or within 0.5 us of the best (twenty-third session). From three
+    rows on, every format runs best with two rows of activations per program and eight weight rows per warp, sixteen
+    units a step.
     """
     if m >= 3:
         return GemvConfig(block_n=8, num_warps=1, block_u=16, block_m=2)
-    if m == 2 and fmt not in CHUNK_FORMATS:
+    chunks = walks_chunks(fmt, llamacpp)
+    if m == 2 and not chunks:
         return GemvConfig(block_n=8, num_warps=2, block_u=32, block_m=2) if fmt in ("Q4_0", "Q4_1") else \
             GemvConfig(block_n=4, num_warps=1, block_u=32, block_m=2)
-    if fmt in CHUNK_FORMATS:  # Q5_K's chunks take Q4_K's tiling, unswept
+    if chunks:
         return GemvConfig(block_n=4, num_warps=1, block_u=32)
-    units = gemv_units(k, fmt)
+    units = gemv_units(k, fmt, llamacpp)
     warps = min((4, 2, 1), key=lambda warps: (-(-units // (32 * warps)) * 32 * warps, -warps))
     if warps == 4 and fmt in ("Q4_0", "Q4_1"):
         return GemvConfig(num_warps=2, block_u=128)
@@ -297,6 +307,13 @@ def _gemv_kernel(
                                         USE_ASM, EVEN)[None]
             else:
                 acc += k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+            raw = raw_next
+    elif (FMT == Q2_K or FMT == Q3_K) and not LLAMACPP:
+        n_chunks = K // 64  # as Q4_K's chunks, loaded one step ahead
+        raw = small_k_chunk_load(rowp, 0, n_chunks, FMT, BLOCK_N, BLOCK_U)
+        for first in range(0, n_chunks, BLOCK_U):
+            raw_next = small_k_chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
+            acc += small_k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
             raw = raw_next
     else:
         n_units = K // 32
@@ -696,7 +713,7 @@ def _launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: Gemv
     launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
         activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_U=config.block_u, USE_ASM=not INTERPRETING, EVEN=gemv_units(k, w.fmt.name) % config.block_u == 0,
+        BLOCK_U=config.block_u, USE_ASM=not INTERPRETING, EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0,
         LLAMACPP=llamacpp, num_warps=config.num_warps,
     )
 
@@ -724,14 +741,14 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
 def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
     """``x @ w.T`` in llama.cpp's numerics: each row of ``x`` quantized as ggml-cpu quantizes activations for ``w``'s
     type (Q8_0 for Q4_0, Q5_0 and Q8_0, Q8_1 for Q4_1 and Q5_1, Q8_K for the K-quants), integer dot products per block
-    (``dp4a``),
-    scales applied in float32, as ggml-cpu's ``ggml_vec_dot_<type>_q8_<x>``. One pass over the weight per row of
-    ``x``: made for decode."""
+    (``dp4a``), scales applied in float32, as ggml-cpu's ``ggml_vec_dot_<type>_q8_<x>``. One pass over the weight per
+    row of ``x``: made for decode."""
     layout, out = _checked_output(x, w, formats=LLAMACPP_FORMATS)
     m, k = x.shape
     if m == 0:
         return out
-    config = config or (gemv_llamacpp_config(k, m) if w.fmt.name in CHUNK_FORMATS else gemv_config(k, w.fmt.name))
+    config = config or (gemv_llamacpp_config(k, m) if w.fmt.name in CHUNK_FORMATS else
+                        gemv_config(k, w.fmt.name, llamacpp=True))
     _launch_gemv(w, out, layout, config, *quantize_activations(x, w.fmt.name), llamacpp=True)
     return out
 
