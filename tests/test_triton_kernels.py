@@ -259,8 +259,9 @@ class TestInterpreted:
         # whose last step runs past the end of the row; K split in three runs of steps (with 512-value steps the third
         # run is empty), whose partial sums the last program of each tile adds up. Each call runs twice: a split
         # leaves its arrival counters zeroed for the next call, and adds the same partial sums in the same order.
-        for block_u, split_k in [(2, 1), (16, 1), (2, 3), (16, 3)]:
-            config = GemmConfig(block_m=4, block_n=8, block_u=block_u, num_warps=1, num_stages=1, group_m=2,
+        # Last, one tile of 128 rows, where Q2_K and Q3_K read 32-value units instead of 64-value chunks.
+        for block_m, block_u, split_k in [(4, 2, 1), (4, 16, 1), (4, 2, 3), (4, 16, 3), (128, 4, 1)]:
+            config = GemmConfig(block_m=block_m, block_n=8, block_u=block_u, num_warps=1, num_stages=1, group_m=2,
                                 split_k=split_k)
             out = gemm(x, w, config)
             assert out.shape == (5, self.N) and out.dtype == dtype

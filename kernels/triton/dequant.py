@@ -770,6 +770,13 @@ def small_k_chunk_load(rowp, first, n_chunks, FMT: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
+def small_k_chunk_start(chunk):
+    """Index within the row of value 0 of piece 0 of Q2_K / Q3_K chunk ``chunk`` (``small_k_chunk_load``); piece j's
+    16 values follow at ``+ 32 j``."""
+    return 256 * (chunk // 4) + 128 * ((chunk % 4) // 2) + 16 * (chunk % 2)
+
+
+@triton.jit
 def small_k_chunk_affine(raw, chunk, FMT: tl.constexpr, j: tl.constexpr):
     """``(a, b)``: weight ``a f + b`` for ``f = 1 + q / 128`` in piece j of the chunks ``small_k_chunk_load`` read."""
     h, l = (chunk % 4) // 2, chunk % 2
@@ -798,8 +805,7 @@ def small_k_chunk_dots(
     activation rows at ``xp`` (as ``k_chunk_dots``): per piece of 16 values ``a sum(f x) + b sum(x)``."""
     chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
     h = (chunk % 4) // 2
-    x_chunk = first + tl.arange(0, BLOCK_U)
-    x_start = 256 * (x_chunk // 4) + 128 * ((x_chunk % 4) // 2) + 16 * (x_chunk % 2)
+    x_start = small_k_chunk_start(first + tl.arange(0, BLOCK_U))
     dots = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
     for j in tl.static_range(4):
         fx = tl.zeros((xp.shape[0], BLOCK_N, BLOCK_U), tl.float32)
@@ -821,6 +827,39 @@ def small_k_chunk_dots(
         a, b = small_k_chunk_affine(raw, chunk, FMT, j)
         dots += tl.reshape(a, (1, BLOCK_N, BLOCK_U)) * fx + tl.reshape(b, (1, BLOCK_N, BLOCK_U)) * sum_x[:, None, :]
     return dots
+
+
+@triton.jit
+def small_k_chunk_tile(raw, first, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Float32 weights ``[BLOCK_N, 64 * BLOCK_U]`` of the Q2_K / Q3_K chunks ``small_k_chunk_load`` read (``raw``), in
+    chunk order: column ``64 u + 16 j + i`` is value i of piece j of chunk ``first + u``, at
+    ``small_k_chunk_columns(first, BLOCK_U)`` in the row. For the GEMM, which gathers its activations in that order
+    rather than permute the weights."""
+    chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    # the outermost join picks the fastest index (see the module docstring): words 0-3 in order
+    words = tl.reshape(tl.join(tl.join(raw[0], raw[2]), tl.join(raw[1], raw[3])), (BLOCK_N * BLOCK_U, 1, 4, 1))
+    piece = tl.arange(0, 4)[None, :, None, None]
+    byte = tl.arange(0, 4)[None, None, None, :]
+    codes = (words >> (2 * piece + 8 * byte)) & 3  # [pairs, piece, word, byte]: value 4 word + byte of the piece
+    if FMT == Q3_K:
+        tops = tl.reshape(tl.join(tl.join(raw[4], raw[6]), tl.join(raw[5], raw[7])), (BLOCK_N * BLOCK_U, 1, 4, 1))
+        h = ((chunk % 4) // 2)[:, None, None, None]
+        codes |= ((tops >> (8 * byte + 4 * h + piece)) & 1) << 2
+    f = ((codes << 16) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 128
+    a0, b0 = small_k_chunk_affine(raw, chunk, FMT, 0)
+    a1, b1 = small_k_chunk_affine(raw, chunk, FMT, 1)
+    a2, b2 = small_k_chunk_affine(raw, chunk, FMT, 2)
+    a3, b3 = small_k_chunk_affine(raw, chunk, FMT, 3)
+    a = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_N * BLOCK_U, 4, 1, 1))
+    b = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BLOCK_N * BLOCK_U, 4, 1, 1))
+    return tl.reshape(f * a + b, (BLOCK_N, 64 * BLOCK_U))
+
+
+@triton.jit
+def small_k_chunk_columns(first, BLOCK_U: tl.constexpr):
+    """Row indices ``[64 * BLOCK_U]`` of ``small_k_chunk_tile``'s columns."""
+    column = tl.arange(0, 64 * BLOCK_U)
+    return small_k_chunk_start(first + column // 64) + 32 * ((column // 16) % 4) + column % 16
 
 
 # ---------------------------------------------------------------------------------------------

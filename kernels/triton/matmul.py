@@ -29,7 +29,8 @@ from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
     Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, dot_units, k_chunk_dots, k_chunk_dots_q8k, k_chunk_load, k_chunk_tile,
     k_chunk_tile_dots_q8k, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q6_k_dots_q8k, q6_k_tile_dots_q8k,
-    small_k_chunk_dots, small_k_chunk_load, small_k_dots_q8k, small_k_tile_dots_q8k, weight_tile,
+    small_k_chunk_columns, small_k_chunk_dots, small_k_chunk_load, small_k_chunk_tile, small_k_dots_q8k,
+    small_k_tile_dots_q8k, weight_tile,
 )
 from .launch import INTERPRETING, cdiv, launch
 
@@ -84,11 +85,11 @@ def gemv_rows(fmt: str) -> int:
     """Rows of activations up to which the GEMV outruns the other kernels on all three Llama-3-8B shapes on an H100
     (bench/RESULTS.md, thirteenth and fourteenth sessions): one for Q4_K and Q6_K, whose ``mma_gemm`` is 1.3-1.5x
     faster than the GEMV at two rows, else two (at two rows the fragment kernels of Q4_0, Q4_1 and Q8_0 tie with the
-    GEMV, from three rows on they are 1.3-1.9x faster). Q5_0, Q5_1 and Q5_K, which have no fragment kernel, hand three
-    rows on to the GEMM, which ran 1.07-1.33x faster than the GEMV there (twenty-first session). Q2_K and Q3_K keep
-    all of ``GEMV_MAX_ROWS``: on their 64-value chunks the GEMV ran 1.12-1.53x faster than the GEMM at three and four
-    rows (twenty-third session)."""
-    return 1 if fmt in ("Q4_K", "Q6_K") else GEMV_MAX_ROWS if fmt in SMALL_K_FORMATS else 2
+    GEMV, from three rows on they are 1.3-1.9x faster). The formats without a fragment kernel hand three rows on to the
+    GEMM, which ran 1.07-1.33x faster than the GEMV there in Q5_0, Q5_1 and Q5_K (twenty-first session); in Q2_K and
+    Q3_K, with both kernels on 64-value chunks, it tied on 4096x4096 and ran up to 1.27x faster on the larger 8B
+    matrices at three and four rows (twenty-third session)."""
+    return 1 if fmt in ("Q4_K", "Q6_K") else 2
 
 
 @dataclass(frozen=True)
@@ -484,6 +485,21 @@ def _gemm_kernel(
             w = k_chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U // 2)
             acc = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision=DOT_PRECISION)
             raw = raw_next
+    elif (FMT == Q2_K or FMT == Q3_K) and BLOCK_M <= 64:
+        # The GEMV's 64-value chunks, the activations gathered in the tile's chunk order: 1.06-1.63x faster than the
+        # 32-value units below at 8 and 64 rows on an H100, 0.82-0.93x in 128-row tiles, which keep the units
+        # (bench/RESULTS.md, twenty-third session).
+        pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))
+        rowp = w_ptr + ((first_n + pair // (BLOCK_U // 2)) % N).to(tl.int64) * row_bytes
+        n_chunks = K // 64
+        raw = small_k_chunk_load(rowp, unit_start // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
+        for first in range(unit_start // 2, unit_end // 2, BLOCK_U // 2):
+            raw_next = small_k_chunk_load(rowp, first + BLOCK_U // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
+            k = small_k_chunk_columns(first, BLOCK_U // 2)[:, None]
+            x_t = tl.load(x_columns + k, mask=k < K, other=0.0)
+            w = small_k_chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U // 2)
+            acc = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision=DOT_PRECISION)
+            raw = raw_next
     else:
         pair = tl.arange(0, BLOCK_N * BLOCK_U)  # (weight row, unit) pairs, rows slowest
         rowp = w_ptr + ((first_n + pair // BLOCK_U) % N).to(tl.int64) * row_bytes
@@ -780,8 +796,8 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     if config.split_k < 1:
         raise ValueError(f"split_k must be at least 1, got {config.split_k}")
     # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's and Q5_K's steps are whole 64-value chunks
-    # (2 units).
-    block_u = max(config.block_u, 8 if w.fmt.name == "Q6_K" else 2 if w.fmt.name in CHUNK_FORMATS else 1)
+    # (2 units), and so are Q2_K's and Q3_K's in tiles of up to 64 rows.
+    block_u = max(config.block_u, 8 if w.fmt.name == "Q6_K" else 2 if walks_chunks(w.fmt.name) else 1)
     grid = (*_tile_grid(m, n, config), config.split_k)
     partials, counters = out, out  # unused without a split
     if config.split_k > 1:
