@@ -13,9 +13,10 @@ integer logic ops, where an int->float conversion runs at a fraction of the ALU 
 ``x`` over a piece and apply ``a`` and ``b`` once per piece instead of once per value.
 
 The GEMV and the GEMM read Q4_K and Q5_K differently (``k_chunk_load`` / ``k_chunk_dots`` / ``k_chunk_tile`` at
-the end): 64-value chunks in 16-byte loads, one byte permute per value. The exact GEMV reads Q2_K and Q3_K in
-64-value chunks too (``small_k_chunk_load`` / ``small_k_chunk_dots``): a chunk's 16 code bytes hold four pieces of 16
-values, so each byte is loaded once, not once per piece.
+the end): 64-value chunks in 16-byte loads, one byte permute per value. The exact GEMV and the GEMM (in tiles of up
+to 64 rows) read Q2_K and Q3_K in 64-value chunks too (``small_k_chunk_load`` / ``small_k_chunk_dots`` /
+``small_k_chunk_tile``): a chunk's 16 code bytes hold four pieces of 16 values, so each byte is loaded once, not once
+per piece.
 
 ``tl.join(a, b)`` appends a new innermost axis, so in a nest of joins the outermost join picks the
 fastest-varying index of the flattened result.
