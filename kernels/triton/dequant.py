@@ -839,13 +839,14 @@ def small_k_chunk_tile(raw, first, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLO
     chunk = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
     # the outermost join picks the fastest index (see the module docstring): words 0-3 in order
     words = tl.reshape(tl.join(tl.join(raw[0], raw[2]), tl.join(raw[1], raw[3])), (BLOCK_N * BLOCK_U, 1, 4, 1))
-    piece = tl.arange(0, 4)[None, :, None, None]
-    byte = tl.arange(0, 4)[None, None, None, :]
-    codes = (words >> (2 * piece + 8 * byte)) & 3  # [pairs, piece, word, byte]: value 4 word + byte of the piece
     if FMT == Q3_K:
         tops = tl.reshape(tl.join(tl.join(raw[4], raw[6]), tl.join(raw[5], raw[7])), (BLOCK_N * BLOCK_U, 1, 4, 1))
-        h = ((chunk % 4) // 2)[:, None, None, None]
-        codes |= ((tops >> (8 * byte + 4 * h + piece)) & 1) << 2
+    else:
+        tops = words
+    sub = 4 * ((chunk % 4) // 2)[:, None, None, None] + tl.arange(0, 4)[None, :, None, None]  # 4 h + piece
+    byte = tl.arange(0, 4)[None, None, None, :]
+    # [pairs, piece, word, byte]: value 4 word + byte of the piece
+    codes = (small_k_codes(FMT, words, tops, sub) >> (8 * byte)) & 0xFF
     f = ((codes << 16) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 128
     a0, b0 = small_k_chunk_affine(raw, chunk, FMT, 0)
     a1, b1 = small_k_chunk_affine(raw, chunk, FMT, 1)
@@ -861,6 +862,37 @@ def small_k_chunk_columns(first, BLOCK_U: tl.constexpr):
     """Row indices ``[64 * BLOCK_U]`` of ``small_k_chunk_tile``'s columns."""
     column = tl.arange(0, 64 * BLOCK_U)
     return small_k_chunk_start(first + column // 64) + 32 * ((column // 16) % 4) + column % 16
+
+
+@triton.jit
+def chunk_load(rowp, first, n_chunks, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """``k_chunk_load`` (Q4_K, Q5_K) or ``small_k_chunk_load`` (Q2_K, Q3_K)."""
+    if FMT == Q4_K or FMT == Q5_K:
+        raw = k_chunk_load(rowp, first, n_chunks, FMT, BLOCK_N, BLOCK_U)
+    else:
+        raw = small_k_chunk_load(rowp, first, n_chunks, FMT, BLOCK_N, BLOCK_U)
+    return raw
+
+
+@triton.jit
+def chunk_tile(raw, first, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """``k_chunk_tile`` or ``small_k_chunk_tile`` of the chunks ``chunk_load`` read."""
+    if FMT == Q4_K or FMT == Q5_K:
+        tile = k_chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U)
+    else:
+        tile = small_k_chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U)
+    return tile
+
+
+@triton.jit
+def chunk_columns(first, FMT: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Row index of each of ``chunk_tile``'s ``64 * BLOCK_U`` columns: in order for Q4_K and Q5_K, whose chunks are 64
+    consecutive values, else ``small_k_chunk_columns``."""
+    if FMT == Q4_K or FMT == Q5_K:
+        columns = 64 * first + tl.arange(0, 64 * BLOCK_U)
+    else:
+        columns = small_k_chunk_columns(first, BLOCK_U)
+    return columns
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,10 +27,9 @@ import triton.language as tl
 from ..quant_tensor import QuantTensor
 from .fragments import legacy_pair_dots, q4_k_fragment_dots, q6_k_fragment_dots
 from .dequant import (
-    Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, dot_units, k_chunk_dots, k_chunk_dots_q8k, k_chunk_load, k_chunk_tile,
-    k_chunk_tile_dots_q8k, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q6_k_dots_q8k, q6_k_tile_dots_q8k,
-    small_k_chunk_columns, small_k_chunk_dots, small_k_chunk_load, small_k_chunk_tile, small_k_dots_q8k,
-    small_k_tile_dots_q8k, weight_tile,
+    Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, chunk_columns, chunk_load, chunk_tile, dot_units, k_chunk_dots,
+    k_chunk_dots_q8k, k_chunk_tile_dots_q8k, legacy_dots_q8, legacy_tile_dots_q8, load_f16, q6_k_dots_q8k,
+    q6_k_tile_dots_q8k, small_k_chunk_dots, small_k_dots_q8k, small_k_tile_dots_q8k, weight_tile,
 )
 from .launch import INTERPRETING, cdiv, launch
 
@@ -65,7 +64,7 @@ MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 LLAMACPP_FORMATS = SUPPORTED_FORMATS
 # The formats the GEMV and the GEMM read in whole 64-value chunks (``k_chunk_load``) instead of 32-value units.
 CHUNK_FORMATS = ("Q4_K", "Q5_K")
-SMALL_K_FORMATS = ("Q2_K", "Q3_K")  # the exact GEMV walks their 64-value chunks too (``small_k_chunk_dots``)
+SMALL_K_FORMATS = ("Q2_K", "Q3_K")  # chunks too in the exact GEMV and the GEMM's narrower tiles (``small_k_chunk_*``)
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -296,25 +295,20 @@ def _gemv_kernel(
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
     # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
-    if FMT == Q4_K or FMT == Q5_K:
+    if FMT == Q4_K or FMT == Q5_K or ((FMT == Q2_K or FMT == Q3_K) and not LLAMACPP):  # ``walks_chunks``
         n_chunks = K // 64
         # Each step's weights are loaded one step ahead (the last step's look-ahead re-reads the row's last
         # chunk, which is cached): an 8B decode step's GEMVs took 4.5 % less time on an H100 (bench/RESULTS.md).
-        raw = k_chunk_load(rowp, 0, n_chunks, FMT, BLOCK_N, BLOCK_U)
+        raw = chunk_load(rowp, 0, n_chunks, FMT, BLOCK_N, BLOCK_U)
         for first in range(0, n_chunks, BLOCK_U):
-            raw_next = k_chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
+            raw_next = chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
             if LLAMACPP:
                 acc += k_chunk_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, FMT, BLOCK_N, BLOCK_U,
                                         USE_ASM, EVEN)[None]
-            else:
+            elif FMT == Q4_K or FMT == Q5_K:
                 acc += k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
-            raw = raw_next
-    elif (FMT == Q2_K or FMT == Q3_K) and not LLAMACPP:
-        n_chunks = K // 64  # as Q4_K's chunks, loaded one step ahead
-        raw = small_k_chunk_load(rowp, 0, n_chunks, FMT, BLOCK_N, BLOCK_U)
-        for first in range(0, n_chunks, BLOCK_U):
-            raw_next = small_k_chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
-            acc += small_k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+            else:
+                acc += small_k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
             raw = raw_next
     else:
         n_units = K // 32
@@ -472,32 +466,20 @@ def _gemm_kernel(
     # eighteenth session).
     x_columns = x_ptr + (rows_m % M).to(tl.int64)[None, :] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if FMT == Q4_K or FMT == Q5_K:
-        # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step): 16-byte loads, one step ahead of the unpacking.
+    if FMT == Q4_K or FMT == Q5_K or ((FMT == Q2_K or FMT == Q3_K) and BLOCK_M <= 64):
+        # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step), loaded one step ahead of the unpacking, the
+        # activations gathered in the tile's column order. Q2_K's and Q3_K's ran 1.06-1.63x faster than the 32-value
+        # units below at 8 and 64 rows on an H100, 0.82-0.93x in 128-row tiles, which keep the units (bench/RESULTS.md,
+        # twenty-third session).
         pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))  # (weight row, chunk) pairs, rows slowest
         rowp = w_ptr + ((first_n + pair // (BLOCK_U // 2)) % N).to(tl.int64) * row_bytes
         n_chunks = K // 64
-        raw = k_chunk_load(rowp, unit_start // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
+        raw = chunk_load(rowp, unit_start // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
         for first in range(unit_start // 2, unit_end // 2, BLOCK_U // 2):
-            raw_next = k_chunk_load(rowp, first + BLOCK_U // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
-            k = 64 * first + tl.arange(0, 32 * BLOCK_U)[:, None]
+            raw_next = chunk_load(rowp, first + BLOCK_U // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
+            k = chunk_columns(first, FMT, BLOCK_U // 2)[:, None]
             x_t = tl.load(x_columns + k, mask=k < K, other=0.0)
-            w = k_chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U // 2)
-            acc = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision=DOT_PRECISION)
-            raw = raw_next
-    elif (FMT == Q2_K or FMT == Q3_K) and BLOCK_M <= 64:
-        # The GEMV's 64-value chunks, the activations gathered in the tile's chunk order: 1.06-1.63x faster than the
-        # 32-value units below at 8 and 64 rows on an H100, 0.82-0.93x in 128-row tiles, which keep the units
-        # (bench/RESULTS.md, twenty-third session).
-        pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))
-        rowp = w_ptr + ((first_n + pair // (BLOCK_U // 2)) % N).to(tl.int64) * row_bytes
-        n_chunks = K // 64
-        raw = small_k_chunk_load(rowp, unit_start // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
-        for first in range(unit_start // 2, unit_end // 2, BLOCK_U // 2):
-            raw_next = small_k_chunk_load(rowp, first + BLOCK_U // 2, n_chunks, FMT, BLOCK_N, BLOCK_U // 2)
-            k = small_k_chunk_columns(first, BLOCK_U // 2)[:, None]
-            x_t = tl.load(x_columns + k, mask=k < K, other=0.0)
-            w = small_k_chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U // 2)
+            w = chunk_tile(raw, first, FMT, BLOCK_N, BLOCK_U // 2)
             acc = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision=DOT_PRECISION)
             raw = raw_next
     else:
@@ -729,8 +711,8 @@ def _launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: Gemv
     launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
         activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_U=config.block_u, USE_ASM=not INTERPRETING, EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0,
-        LLAMACPP=llamacpp, num_warps=config.num_warps,
+        BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
+        EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp, num_warps=config.num_warps,
     )
 
 
