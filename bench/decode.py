@@ -157,7 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     parser.add_argument("--synthetic", choices=sorted(SHAPES), help="random weights of a real model's shape")
-    parser.add_argument("--formats", nargs="+", default=["Q4_K", "BF16"], help="formats for --synthetic")
+    parser.add_argument("--formats", nargs="+", default=["Q4_K", "BF16"], help="formats or mixes (Q4_K_M, ...) for --synthetic")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=2)

@@ -13,7 +13,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
-    parser.add_argument("--quantize", default=None, help="quantize a float checkpoint on load (Q8_0, Q4_K, ...)")
+    parser.add_argument("--quantize", default=None,
+                        help="quantize a float checkpoint on load: a format for every matrix (Q8_0, Q4_K, ...) "
+                        "or llama.cpp's mix (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S)")
     _numerics_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

@@ -14,6 +14,7 @@ from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError
 from workbench.kernels import QuantTensor, get_format
 from workbench.kernels.quant_tensor import FLOAT_DTYPES
+from workbench.quant_mix import check_quantize, matrix_format
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
 
@@ -242,9 +243,6 @@ _HF_GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-# As llama.cpp's quantizer: rows too short for a 256-value K-quant super-block take a 32-block format.
-_ROW_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
-
 
 def gguf_name(hf_name: str) -> str | None:
     """The llama.cpp tensor name for a Hugging Face one (None for tensors the model does not use)."""
@@ -305,7 +303,8 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
-    target = get_format(quantize) if quantize else None
+    if quantize is not None:
+        check_quantize(quantize)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -328,11 +327,9 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             heads = config.n_heads if name.endswith("attn_q.weight") else config.n_kv_heads
             tensor = permute_for_interleaved_rope(tensor, heads)
         matrix = tensor.reshape(1, -1) if tensor.dim() == 1 else tensor
-        if tensor.dim() == 2 and target is not None:
-            fmt = target
-            if matrix.shape[1] % fmt.block_size and fmt.name in _ROW_FALLBACK:
-                fmt = get_format(_ROW_FALLBACK[fmt.name])
-            if matrix.shape[1] % fmt.block_size == 0:
+        if tensor.dim() == 2 and quantize is not None:
+            fmt = matrix_format(quantize, name, config, matrix.shape[1])
+            if fmt is not None:
                 return QuantTensor.quantize(matrix, fmt)
         if tensor.dim() == 1 or tensor.dtype not in FLOAT_DTYPES.values():
             matrix = matrix.float()  # norms and biases stay F32, as llama.cpp keeps them

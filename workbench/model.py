@@ -267,8 +267,9 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
          quantize: str | None = None) -> Model:
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
-    ``quantize`` ("Q4_K", "Q8_0", ...) quantizes a float checkpoint's matrices on load.
-    """
+    ``quantize`` quantizes a float checkpoint's matrices on load: all into one format ("Q4_K", "Q8_0", ...), or each
+    into the format llama.cpp's quantizer gives it in a mix ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S";
+    ``workbench.quant_mix``)."""
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)
     return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started)

@@ -13,6 +13,7 @@ import torch
 from workbench.config import ModelConfig
 from workbench.kernels import QuantTensor
 from workbench.loading import ARCHITECTURES, LoadedCheckpoint
+from workbench.quant_mix import matrix_format
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
 
@@ -89,12 +90,16 @@ def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: t
 
 def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu",
                    distinct_rows: int | None = None) -> ModelWeights:
-    """Gaussian weights quantized into ``fmt`` (norms stay F32 around 1); ``distinct_rows`` as in random_matrix."""
+    """Gaussian weights quantized into ``fmt``, a format or a mix such as Q4_K_M (``workbench.quant_mix``; norms stay
+    F32 around 1); ``distinct_rows`` as in random_matrix."""
     c = config
     g = torch.Generator(device=device).manual_seed(seed)
 
-    def matrix(rows: int, cols: int, std: float) -> QuantTensor:
-        return random_matrix(rows, cols, fmt, std, g, device, distinct_rows)
+    def matrix(name: str, rows: int, cols: int, std: float) -> QuantTensor:
+        matrix_fmt = matrix_format(fmt, name, c, cols)
+        if matrix_fmt is None:
+            raise ValueError(f"{name}: rows of {cols} values fit no block of {fmt}")
+        return random_matrix(rows, cols, matrix_fmt.name, std, g, device, distinct_rows)
 
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
@@ -106,18 +111,21 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
     q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
     layers = [
         LayerWeights(
-            attn_norm=norm(c.d_model), wq=matrix(q_dim, c.d_model, std), wk=matrix(kv_dim, c.d_model, std),
-            wv=matrix(kv_dim, c.d_model, std), wo=matrix(c.d_model, q_dim, q_dim**-0.5), mlp_norm=norm(c.d_model),
-            w_gate=matrix(c.d_mlp, c.d_model, std), w_up=matrix(c.d_mlp, c.d_model, std),
-            w_down=matrix(c.d_model, c.d_mlp, c.d_mlp**-0.5),
+            attn_norm=norm(c.d_model), wq=matrix(f"blk.{i}.attn_q.weight", q_dim, c.d_model, std),
+            wk=matrix(f"blk.{i}.attn_k.weight", kv_dim, c.d_model, std),
+            wv=matrix(f"blk.{i}.attn_v.weight", kv_dim, c.d_model, std),
+            wo=matrix(f"blk.{i}.attn_output.weight", c.d_model, q_dim, q_dim**-0.5), mlp_norm=norm(c.d_model),
+            w_gate=matrix(f"blk.{i}.ffn_gate.weight", c.d_mlp, c.d_model, std),
+            w_up=matrix(f"blk.{i}.ffn_up.weight", c.d_mlp, c.d_model, std),
+            w_down=matrix(f"blk.{i}.ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
             bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
             bv=bias(kv_dim) if c.qkv_bias else None,
             q_norm=norm(c.d_head) if c.qk_norm else None, k_norm=norm(c.d_head) if c.qk_norm else None,
         )
-        for _ in range(c.n_layers)
+        for i in range(c.n_layers)
     ]
-    embed = matrix(c.vocab_size, c.d_model, 1.0)
-    unembed = embed if c.tied_embeddings else matrix(c.vocab_size, c.d_model, std)
+    embed = matrix("token_embd.weight", c.vocab_size, c.d_model, 1.0)
+    unembed = embed if c.tied_embeddings else matrix("output.weight", c.vocab_size, c.d_model, std)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=unembed)
 
 
