@@ -90,8 +90,9 @@ def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: t
 
 def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu",
                    distinct_rows: int | None = None) -> ModelWeights:
-    """Gaussian weights quantized into ``fmt``, a format or a mix such as Q4_K_M (``workbench.quant_mix``; norms stay
-    F32 around 1); ``distinct_rows`` as in random_matrix."""
+    """Gaussian weights quantized into ``fmt``, a format or a mix such as Q4_K_M, each matrix as quantizing on load
+    would store it (``workbench.quant_mix``: rows too short for a K-quant's blocks fall back to a 32-value format);
+    norms stay F32 around 1; ``distinct_rows`` as in random_matrix."""
     c = config
     g = torch.Generator(device=device).manual_seed(seed)
 
