@@ -39,26 +39,27 @@ MAX_ARTIFACT_BYTES = 1 << 30  # refuse uploaded zips that unpack to more than th
 
 
 def cli_options(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The ``--model`` (None: the embedded model) and ``--numerics`` given after ``--`` on the ``streamlit run``
-    line."""
+    """The ``--model`` (None: the embedded model), ``--quantize`` and ``--numerics`` given after ``--`` on the
+    ``streamlit run`` line."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--quantize", default=None)
     parser.add_argument("--numerics", default="exact", choices=workbench.kernels.NUMERICS)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return args
 
 
 @st.cache_resource(show_spinner=False)
-def _load(path: str | None) -> workbench.Model:
-    return workbench.load(path)
+def _load(path: str | None, quantize: str | None) -> workbench.Model:
+    return workbench.load(path, quantize=quantize)
 
 
 def model() -> workbench.Model:
     """The model of this server, loaded once and shared by every session and rerun."""
-    path = cli_options().model
-    with st.spinner(f"Loading {path or 'the embedded SmolLM2-135M'}…"):
+    options = cli_options()
+    with st.spinner(f"Loading {options.model or 'the embedded SmolLM2-135M'}…"):
         try:
-            return _load(path)
+            return _load(options.model, options.quantize)
         except WorkbenchError as err:
             st.error(f"Could not load the model: {err}")
             st.stop()

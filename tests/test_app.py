@@ -175,9 +175,11 @@ def test_app_command_refuses_a_missing_model(tmp_path, capsys):
 
     assert main(["app", "--model", str(tmp_path / "missing.gguf")]) == 2
     assert "model not found" in capsys.readouterr().err
-    options = common.cli_options(["--model", "some.gguf", "--numerics", "llamacpp"])
-    assert options.model == "some.gguf" and options.numerics == "llamacpp"
+    options = common.cli_options(["--model", "some", "--quantize", "Q4_K_M", "--numerics", "llamacpp"])
+    assert (options.model, options.quantize, options.numerics) == ("some", "Q4_K_M", "llamacpp")
     assert common.cli_options([]).model is None and common.cli_options([]).numerics == "exact"
+    assert main(["app", "--quantize", "Q9_K"]) == 2
+    assert "unknown quantization 'Q9_K'" in capsys.readouterr().err
 
 
 def test_the_server_computes_in_its_numerics(monkeypatch, model):

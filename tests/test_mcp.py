@@ -166,6 +166,25 @@ def test_load_model_switches_this_session_only(http_server, http, artifacts):
         assert other.call("load_model", path="embedded")["n_layers"] == 30
 
 
+def test_load_model_quantizes_a_checkpoint(http_server, artifacts):
+    """A Hugging Face checkpoint in the artifacts folder, loaded as llama.cpp's Q4_K_M mix. Its rows of 64 and 96
+    values take the mix's fallbacks: Q5_0 for Q4_K, and Q8_0 for the Q6_K of the output and of the last layer's value
+    and down projections."""
+    from test_loading import hf_model
+
+    hf_model("llama", artifacts / "hf-tiny", tie=False)
+    with connect(streamable_http_client(http_server[0])) as other:
+        info = other.call("load_model", path="hf-tiny", quantize="q4_k_m")
+        assert info["name"] == "hf-tiny@Q4_K_M" and info["n_layers"] == 2
+        assert info["tensor_formats"] == {"Q5_0": 13, "Q8_0": 3}
+        assert other.call("list_models")["current"] == "hf-tiny@Q4_K_M"
+        assert "unknown quantization 'Q9_K'" in other.error("load_model", path="hf-tiny", quantize="Q9_K")
+        config = random_config("llama", n_layers=1)
+        write_gguf(artifacts / "quantized.gguf", config, random_weights(config))
+        assert "applies to float checkpoints" in other.error("load_model", path="quantized.gguf", quantize="Q8_0")
+        assert other.call("model_info")["name"] == "hf-tiny@Q4_K_M"  # a refused load leaves the session's model
+
+
 def test_numerics_are_per_session(http_server, http, model):
     """One session switches to llama.cpp numerics: its runs match the Python API under them, its traces replay
     under them; the other session still computes exactly."""

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import workbench
+from workbench.cli import main
+from workbench.errors import QuantizeError
 from workbench.model import Model
 from workbench.quant_mix import check_quantize, matrix_format, use_more_bits
 from workbench.synthetic import random_checkpoint, random_config, write_gguf
@@ -115,9 +117,14 @@ def test_quantize_mix_on_load(tmp_path):
     assert 0 < drift < 0.5
 
 
-def test_unknown_quantization_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="unknown quantization 'Q4_K_X'.*Q4_K_M"):
+def test_unknown_quantization_is_refused(tmp_path, capsys):
+    with pytest.raises(QuantizeError, match="unknown quantization 'Q4_K_X'.*Q4_K_M"):
         check_quantize("Q4_K_X")
     hf_model("llama", tmp_path, tie=False)
-    with pytest.raises(ValueError, match="unknown quantization"):
+    with pytest.raises(QuantizeError, match="unknown quantization"):
         workbench.load(tmp_path, device="cpu", quantize="Q7_K_M")
+    with pytest.raises(QuantizeError, match="unknown quantization"):
+        random_checkpoint(random_config("llama"), "Q4_K_X")
+    # the command line prints the message, with no traceback
+    assert main(["run", "hello", "--model", str(tmp_path), "--quantize", "Q7_K_M"]) == 2
+    assert "workbench: error: unknown quantization 'Q7_K_M'" in capsys.readouterr().err

@@ -13,11 +13,15 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
+    _quantize_arg(parser)
+    _numerics_arg(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _quantize_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", default=None,
                         help="quantize a float checkpoint on load: a format for every matrix (Q8_0, Q4_K, ...) "
                         "or llama.cpp's mix (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S)")
-    _numerics_arg(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _numerics_arg(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +109,7 @@ def cmd_app(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from workbench import app
+    from workbench.quant_mix import check_quantize
 
     if args.model is not None and not Path(args.model).exists():
         raise WorkbenchError(f"model not found: {args.model}")
@@ -115,6 +120,9 @@ def cmd_app(args: argparse.Namespace) -> None:
     command += ["--", "--numerics", args.numerics]
     if args.model is not None:
         command += ["--model", str(Path(args.model).resolve())]
+    if args.quantize is not None:
+        check_quantize(args.quantize)
+        command += ["--quantize", args.quantize]
     print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
     returncode = subprocess.call(command)
     if returncode:
@@ -135,7 +143,7 @@ def cmd_mcp(args: argparse.Namespace) -> None:
     from workbench.mcp_server import serve
 
     serve(args.model, args.artifacts, http=args.http, host=args.host, port=args.port, device=args.device,
-          dtype=args.dtype)
+          dtype=args.dtype, quantize=args.quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     dashboard.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     dashboard.add_argument("--port", type=int, default=8501)
+    _quantize_arg(dashboard)
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
 
@@ -181,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     mcp.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     mcp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     mcp.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
+    _quantize_arg(mcp)
     _numerics_arg(mcp)
     mcp.set_defaults(fn=cmd_mcp)
 

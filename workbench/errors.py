@@ -11,3 +11,7 @@ class ModelLoadError(WorkbenchError):
 
 class HookError(WorkbenchError, ValueError):
     """An unknown hook point, or an intervention that does not fit the activation it targets."""
+
+
+class QuantizeError(WorkbenchError, ValueError):
+    """A quantization to load into that is neither a known format nor a known mix."""

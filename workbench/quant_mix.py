@@ -19,6 +19,7 @@ Mixture-of-experts and Falcon models have further rules; this project's architec
 from __future__ import annotations
 
 from workbench.config import ModelConfig
+from workbench.errors import QuantizeError
 from workbench.kernels import get_format
 from workbench.kernels.formats import QuantFormat
 
@@ -35,7 +36,7 @@ def check_quantize(quantize: str) -> None:
     try:
         get_format(quantize)
     except ValueError:
-        raise ValueError(f"unknown quantization {quantize!r}: expected a format (Q8_0, Q4_K, ...) or a mix "
+        raise QuantizeError(f"unknown quantization {quantize!r}: expected a format (Q8_0, Q4_K, ...) or a mix "
                          f"({', '.join(MIXES)})") from None
 
 

@@ -130,12 +130,15 @@ def http_app(server: MCPServer, bench: Workbench, host: str = "127.0.0.1"):
 
 
 def serve(model: str | None = None, artifacts: str = "artifacts", http: bool = False, host: str = "127.0.0.1",
-          port: int = 8000, device: str | None = None, dtype: str | None = None, limits: Limits = Limits()) -> None:
-    """Load the model, then serve until the client goes away (stdio) or the process is stopped (HTTP)."""
+          port: int = 8000, device: str | None = None, dtype: str | None = None, limits: Limits = Limits(),
+          quantize: str | None = None) -> None:
+    """Load the model (quantized on load as ``quantize`` says), then serve until the client goes away (stdio) or the
+    process is stopped (HTTP)."""
     import workbench
 
-    loaded = workbench.load(model, device=device, dtype=dtype)
-    bench = Workbench(loaded, artifacts, limits, loader=lambda path: workbench.load(path, device=device, dtype=dtype))
+    loaded = workbench.load(model, device=device, dtype=dtype, quantize=quantize)
+    bench = Workbench(loaded, artifacts, limits, loader=lambda path, quantize: workbench.load(
+        path, device=device, dtype=dtype, quantize=quantize))
     server = build_server(bench)
     print(f"workbench mcp: {loaded!r}, artifacts in {bench.artifacts.root}", file=sys.stderr)
     if not http:

@@ -182,7 +182,7 @@ class Models:
     EMBEDDED = "embedded"
 
     def __init__(self, default: Any, default_name: str, limits: Limits,
-                 loader: Callable[[Path | None], Any]):
+                 loader: Callable[[Path | None, str | None], Any]):
         self.default_name = default_name
         self.limits = limits
         self._loader = loader
@@ -201,17 +201,24 @@ class Models:
         with self._lock:
             return dict(self._paths)
 
-    def load(self, name: str, path: Path | None, in_use: set[str]) -> Any:
-        """The model called ``name`` (loading it from ``path`` first, None meaning the embedded one)."""
+    def load(self, name: str, path: Path | None, in_use: set[str], quantize: str | None = None,
+             replaces: str | None = None) -> Any:
+        """The model called ``name`` (loading it from ``path`` first, None meaning the embedded one, quantized on load
+        as ``quantize`` says). Models no session uses are dropped to make room; ``replaces``, the model the caller
+        leaves, only once the new one has loaded, so that a failed load loses nothing."""
         with self._lock:
             if name in self._models:
                 return self._models[name]
-            for unused in [n for n in self._models if n != self.default_name and n not in in_use]:
-                del self._models[unused], self._paths[unused]
-            if len(self._models) >= self.limits.max_models:
+            droppable = [n for n in self._models if n != self.default_name and n not in in_use]
+            for unused in droppable:
+                if unused != replaces:
+                    del self._models[unused], self._paths[unused]
+            if len(self._models) - (replaces in droppable) >= self.limits.max_models:
                 raise WorkbenchError(f"{len(self._models)} models are resident (the limit) and in use by sessions: "
                                      f"{', '.join(self._models)}")
-            model = self._loader(path)
+            model = self._loader(path, quantize)
+            if replaces in droppable:
+                del self._models[replaces], self._paths[replaces]
             self._models[name] = model
             self._paths[name] = str(model.path)
             return model

@@ -21,6 +21,7 @@ from workbench.errors import WorkbenchError
 from workbench.hooks.points import axes, head_count
 from workbench.kernels.linear import Numerics
 from workbench.probes.lens import token_id
+from workbench.quant_mix import check_quantize
 from workbench.replay import replay
 from workbench.mcp_server import schemas as s
 from workbench.mcp_server.state import Artifacts, Cancelled, Limits, Models, Session, Sessions
@@ -102,12 +103,13 @@ class Workbench:
     """The shared model(s), every session's objects, the artifacts folder and the limits."""
 
     def __init__(self, model: Any, artifacts: str | Path = "artifacts", limits: Limits = Limits(),
-                 model_name: str | None = None, loader: Callable[[Path | None], Any] | None = None):
+                 model_name: str | None = None, loader: Callable[[Path | None, str | None], Any] | None = None):
         self.limits = limits
         self.artifacts = Artifacts(artifacts)
         default_name = model_name or (Models.EMBEDDED if model.path == _embedded_path() else Path(model.path).name)
         self.models = Models(model, default_name, limits,
-                             loader or (lambda path: workbench.load(path, device=str(model.device))))
+                             loader or (lambda path, quantize: workbench.load(path, device=str(model.device),
+                                                                               quantize=quantize)))
         self.sessions = Sessions(limits, lambda: self.models.default_name)
         # One forward at a time: concurrent clients then get exactly what they would get one after another.
         self.lock = threading.Lock()
@@ -256,17 +258,24 @@ class Workbench:
     @tool
     def load_model(self, call: Call,
                    path: Annotated[str, Field(description="'embedded', or a GGUF file / HF checkpoint folder "
-                                                          "inside the artifacts folder")]) -> s.ModelInfo:
+                                                          "inside the artifacts folder")],
+                   quantize: Annotated[str | None, Field(
+                       description="HF checkpoints only: quantize on load, every matrix into one format ('Q8_0', "
+                                   "'Q4_K', ...) or as llama.cpp's mix ('Q4_K_M', 'Q4_K_S', 'Q5_K_M', 'Q5_K_S')")]
+                   = None) -> s.ModelInfo:
         """Load a model (or reuse it when loaded) and make it the one this session's tools use."""
-        if path == Models.EMBEDDED or path in self.models.loaded():
+        if quantize is not None:
+            check_quantize(quantize)
+            quantize = quantize.upper()
+        if path == Models.EMBEDDED or (quantize is None and path in self.models.loaded()):
             name, file = path, None
         else:
             file = self.artifacts.path(path)
             if not file.exists():
                 raise WorkbenchError(f"no model {path!r} in the artifacts folder {self.artifacts.root}")
-            name = self.artifacts.relative(file)
+            name = self.artifacts.relative(file) + (f"@{quantize}" if quantize else "")
         in_use = self.sessions.models_in_use() - {call.session.model_name}
-        self.models.load(name, file, in_use)
+        self.models.load(name, file, in_use, quantize, replaces=call.session.model_name)
         call.session.model_name = name
         return self.model_info(call)
 
