@@ -185,6 +185,20 @@ def test_load_model_quantizes_a_checkpoint(http_server, artifacts):
         assert other.call("model_info")["name"] == "hf-tiny@Q4_K_M"  # a refused load leaves the session's model
 
 
+def test_a_model_another_session_uses_stays(http_server, artifacts):
+    """Two sessions on one model: when one of them moves on, the other keeps it (here the move is refused, since the
+    shared model cannot make room under the limit of two resident models)."""
+    config = random_config("llama", n_layers=1)
+    for name in ("shared.gguf", "next.gguf"):
+        write_gguf(artifacts / name, config, random_weights(config))
+    with connect(streamable_http_client(http_server[0])) as first, \
+            connect(streamable_http_client(http_server[0])) as second:
+        assert first.call("load_model", path="shared.gguf")["name"] == second.call("load_model", path="shared.gguf")["name"]
+        assert "resident (the limit)" in first.error("load_model", path="next.gguf")
+        assert second.call("run", prompt="the cat")["tokens"] == ["t", "he", " c", "at"]
+        assert first.call("model_info")["name"] == "shared.gguf"
+
+
 def test_numerics_are_per_session(http_server, http, model):
     """One session switches to llama.cpp numerics: its runs match the Python API under them, its traces replay
     under them; the other session still computes exactly."""

@@ -132,9 +132,10 @@ class Sessions:
         with self._lock:
             return list(self._sessions)
 
-    def models_in_use(self) -> set[str]:
+    def models_in_use(self, besides: Session | None = None) -> set[str]:
+        """The models sessions use, leaving out ``besides``'s (a model it shares with another session stays in)."""
         with self._lock:
-            return {s.model_name for s in self._sessions.values()}
+            return {s.model_name for s in self._sessions.values() if s is not besides}
 
 
 class Artifacts:

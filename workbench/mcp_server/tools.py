@@ -274,7 +274,7 @@ class Workbench:
             if not file.exists():
                 raise WorkbenchError(f"no model {path!r} in the artifacts folder {self.artifacts.root}")
             name = self.artifacts.relative(file) + (f"@{quantize}" if quantize else "")
-        in_use = self.sessions.models_in_use() - {call.session.model_name}
+        in_use = self.sessions.models_in_use(besides=call.session)
         self.models.load(name, file, in_use, quantize, replaces=call.session.model_name)
         call.session.model_name = name
         return self.model_info(call)
