@@ -1,4 +1,4 @@
-"""llama.cpp's mixes (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S) on load: the format of each matrix, and the models they make."""
+"""llama.cpp's mixes (Q4_K_M, Q3_K_L, ...) on load: the format of each matrix, and the models they make."""
 from __future__ import annotations
 
 import collections
@@ -61,6 +61,17 @@ def test_q4_k_s_q5_k_s_q5_k_m_on_llama3_8b():
     assert [m5[f"blk.{i}.ffn_down.weight"] for i in (5, 6)] == ["Q5_K", "Q6_K"]
 
 
+def test_q3_k_mixes_on_llama3_8b():
+    s3, m3, l3 = formats("Q3_K_S", LLAMA3_8B), formats("Q3_K_M", LLAMA3_8B), formats("Q3_K_L", LLAMA3_8B)
+    assert collections.Counter(s3.values()) == {"Q3_K": 225, "Q6_K": 1}
+    assert [m3[f"blk.{i}.attn_v.weight"] for i in (0, 1, 2, 31)] == ["Q5_K", "Q5_K", "Q4_K", "Q4_K"]
+    assert [m3[f"blk.{i}.ffn_down.weight"] for i in (0, 1, 2, 31)] == ["Q5_K", "Q5_K", "Q4_K", "Q4_K"]  # 32 // 16 = 2
+    assert {m3[f"blk.{i}.attn_output.weight"] for i in range(32)} == {"Q4_K"}
+    assert m3["blk.7.attn_q.weight"] == m3["blk.7.ffn_up.weight"] == m3["token_embd.weight"] == "Q3_K"
+    assert {l3[f"blk.{i}.{m}.weight"] for i in range(32) for m in ("attn_v", "attn_output", "ffn_down")} == {"Q5_K"}
+    assert collections.Counter(l3.values()) == {"Q3_K": 129, "Q5_K": 96, "Q6_K": 1}
+
+
 def test_70b_value_projections():
     """80 layers with grouped-query attention: value projections left in Q4_K take Q5_K; the 65B (one key-value head
     per query head) keeps them."""
@@ -69,6 +80,8 @@ def test_70b_value_projections():
     assert matrix_format("Q4_K_M", "blk.9.attn_v.weight", LLAMA3_70B, 8192).name == "Q6_K"
     assert matrix_format("Q4_K_M", "blk.10.ffn_down.weight", LLAMA3_70B, 28672).name == "Q4_K"
     assert matrix_format("Q4_K_M", "blk.10.attn_v.weight", LLAMA_65B, 8192).name == "Q4_K"
+    assert matrix_format("Q3_K_S", "blk.10.attn_v.weight", LLAMA3_70B, 8192).name == "Q5_K"
+    assert matrix_format("Q3_K_S", "blk.10.attn_q.weight", LLAMA3_70B, 8192).name == "Q3_K"
 
 
 def test_output_rule_matches_llama_cpp_on_the_embedded_model(model):

@@ -21,7 +21,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 def _quantize_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", default=None,
                         help="quantize a float checkpoint on load: a format for every matrix (Q8_0, Q4_K, ...) "
-                        "or llama.cpp's mix (Q4_K_M, Q4_K_S, Q5_K_M, Q5_K_S)")
+                        "or llama.cpp's mix (Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M)")
 
 
 def _numerics_arg(parser: argparse.ArgumentParser) -> None:

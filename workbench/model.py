@@ -268,7 +268,7 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
     ``quantize`` quantizes a float checkpoint's matrices on load: all into one format ("Q4_K", "Q8_0", ...), or each
-    into the format llama.cpp's quantizer gives it in a mix ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S";
+    into the format llama.cpp's quantizer gives it in a mix ("Q4_K_M", "Q3_K_L", ...;
     ``workbench.quant_mix``)."""
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)

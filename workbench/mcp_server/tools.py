@@ -261,7 +261,7 @@ class Workbench:
                                                           "inside the artifacts folder")],
                    quantize: Annotated[str | None, Field(
                        description="HF checkpoints only: quantize on load, every matrix into one format ('Q8_0', "
-                                   "'Q4_K', ...) or as llama.cpp's mix ('Q4_K_M', 'Q4_K_S', 'Q5_K_M', 'Q5_K_S')")]
+                                   "'Q4_K', ...) or as llama.cpp's mix ('Q3_K_S/M/L', 'Q4_K_S/M', 'Q5_K_S/M')")]
                    = None) -> s.ModelInfo:
         """Load a model (or reuse it when loaded) and make it the one this session's tools use."""
         if quantize is not None:
