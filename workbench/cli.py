@@ -10,18 +10,22 @@ from workbench.errors import WorkbenchError
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
-    _quantize_arg(parser)
+    _model_source_args(parser)
+    _device_args(parser)
     _numerics_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def _quantize_arg(parser: argparse.ArgumentParser) -> None:
+def _model_source_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
     parser.add_argument("--quantize", default=None,
                         help="quantize a float checkpoint on load: a format for every matrix (Q8_0, Q4_K, ...) "
                         "or llama.cpp's mix (Q3_K_S/M/L, Q4_K_S/M, Q5_K_S/M)")
+
+
+def _device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
 
 
 def _numerics_arg(parser: argparse.ArgumentParser) -> None:
@@ -176,9 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(fn=cmd_info)
 
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
-    dashboard.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
+    _model_source_args(dashboard)
     dashboard.add_argument("--port", type=int, default=8501)
-    _quantize_arg(dashboard)
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
 
@@ -187,10 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     mcp.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
     mcp.add_argument("--port", type=int, default=8000)
     mcp.add_argument("--artifacts", default="artifacts", help="the only folder tools read and write (default: ./artifacts)")
-    mcp.add_argument("--model", default=None, help="GGUF file or Hugging Face checkpoint dir (default: embedded SmolLM2-135M)")
-    mcp.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    mcp.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
-    _quantize_arg(mcp)
+    _model_source_args(mcp)
+    _device_args(mcp)
     _numerics_arg(mcp)
     mcp.set_defaults(fn=cmd_mcp)
 
