@@ -161,6 +161,13 @@ def walks_chunks(fmt: str, llamacpp: bool = False) -> bool:
     return fmt in CHUNK_FORMATS or (fmt in SMALL_K_FORMATS and not llamacpp)
 
 
+def gemm_walks_chunks(fmt: str, block_m: int) -> bool:
+    """Whether the fused GEMM reads ``fmt`` in 64-value chunks: Q4_K and Q5_K always; Q2_K and Q3_K in tiles of up to
+    64 rows of activations, where chunks ran 1.06-1.63x faster than 32-value units on an H100, and not in 128-row tiles,
+    where they ran 0.82-0.93x (bench/RESULTS.md, twenty-third session)."""
+    return fmt in CHUNK_FORMATS or (fmt in SMALL_K_FORMATS and block_m <= 64)
+
+
 def gemv_units(k: int, fmt: str, llamacpp: bool = False) -> int:
     """Units of one row the GEMV walks (``walks_chunks``)."""
     return k // (64 if walks_chunks(fmt, llamacpp) else 32)
@@ -268,7 +275,7 @@ def _sm_count(device: torch.device) -> int:
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, x_scales_ptr, x_sums_ptr,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr, CHUNKS: tl.constexpr,
 ):
     # Each program takes BLOCK_N weight rows and BLOCK_M rows of activations, unpacking each weight once for all of
     # them; the programs over one weight block run next to each other, so all but the first read it from L2.
@@ -295,7 +302,7 @@ def _gemv_kernel(
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
     # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
-    if FMT == Q4_K or FMT == Q5_K or ((FMT == Q2_K or FMT == Q3_K) and not LLAMACPP):  # ``walks_chunks``
+    if CHUNKS:  # ``walks_chunks``
         n_chunks = K // 64
         # Each step's weights are loaded one step ahead (the last step's look-ahead re-reads the row's last
         # chunk, which is cached): an 8B decode step's GEMVs took 4.5 % less time on an H100 (bench/RESULTS.md).
@@ -450,6 +457,7 @@ def _gemm_kernel(
     x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, row_bytes,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_U: tl.constexpr, GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
     # The weight tile is the dot's first operand, so the output tile is [BLOCK_N, BLOCK_M] (w @ x.T): on Hopper the
     # unpacked weights then go to the tensor cores from registers, and a few rows of activations fill an 8- or 16-wide
@@ -466,11 +474,9 @@ def _gemm_kernel(
     # eighteenth session).
     x_columns = x_ptr + (rows_m % M).to(tl.int64)[None, :] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if FMT == Q4_K or FMT == Q5_K or ((FMT == Q2_K or FMT == Q3_K) and BLOCK_M <= 64):
+    if CHUNKS:  # ``gemm_walks_chunks``
         # The GEMV's 64-value chunks (BLOCK_U // 2 per row and step), loaded one step ahead of the unpacking, the
-        # activations gathered in the tile's column order. Q2_K's and Q3_K's ran 1.06-1.63x faster than the 32-value
-        # units below at 8 and 64 rows on an H100, 0.82-0.93x in 128-row tiles, which keep the units (bench/RESULTS.md,
-        # twenty-third session).
+        # activations gathered in the tile's column order.
         pair = tl.arange(0, BLOCK_N * (BLOCK_U // 2))  # (weight row, chunk) pairs, rows slowest
         rowp = w_ptr + ((first_n + pair // (BLOCK_U // 2)) % N).to(tl.int64) * row_bytes
         n_chunks = K // 64
@@ -712,7 +718,8 @@ def _launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: Gemv
         activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
-        EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp, num_warps=config.num_warps,
+        EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp,
+        CHUNKS=walks_chunks(w.fmt.name, llamacpp), num_warps=config.num_warps,
     )
 
 
@@ -777,9 +784,10 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
     config = config or gemm_config(m, n, k, x.device, w.fmt.name)
     if config.split_k < 1:
         raise ValueError(f"split_k must be at least 1, got {config.split_k}")
-    # A Q6_K tile is reordered within whole super-blocks (8 units); Q4_K's and Q5_K's steps are whole 64-value chunks
-    # (2 units), and so are Q2_K's and Q3_K's in tiles of up to 64 rows.
-    block_u = max(config.block_u, 8 if w.fmt.name == "Q6_K" else 2 if walks_chunks(w.fmt.name) else 1)
+    # A Q6_K tile is reordered within whole super-blocks (8 units); a chunk tile's steps are whole 64-value chunks
+    # (2 units).
+    chunks = gemm_walks_chunks(w.fmt.name, config.block_m)
+    block_u = max(config.block_u, 8 if w.fmt.name == "Q6_K" else 2 if chunks else 1)
     grid = (*_tile_grid(m, n, config), config.split_k)
     partials, counters = out, out  # unused without a split
     if config.split_k > 1:
@@ -789,7 +797,7 @@ def gemm(x: torch.Tensor, w: QuantTensor, config: GemmConfig | None = None) -> t
         x, w.data, out, partials, counters, m, n, k, w.data.shape[1],
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=block_u, GROUP_M=config.group_m, DOT_PRECISION=dot_precision(x.dtype), SPLIT_K=config.split_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        CHUNKS=chunks, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
