@@ -4,7 +4,7 @@
 
 For each weight shape it times, side by side in one run (CUDA graph replays over weight copies that
 overflow L2, as ``kernels.py`` does):
-- ``loads``: a kernel with the GEMV's grid, warps and weight loads (``q4_k_gemv_load``, the same addresses
+- ``loads``: a kernel with the GEMV's grid, warps and weight loads (``k_chunk_load``, the same addresses
   in the same order, less the GEMV's final look-ahead, which re-reads cached bytes) that only folds the
   loaded words together: the cost of the GEMV's access pattern;
 - ``loads + x``: the same, also loading each unit's activations as the GEMV does;
@@ -25,7 +25,7 @@ from common import copy_bandwidth
 from kernels import SHAPES, Timer, read_floor_seconds
 from workbench.kernels import QuantTensor
 from workbench.kernels.triton import gemv
-from workbench.kernels.triton.dequant import q4_k_gemv_load
+from workbench.kernels.triton.dequant import Q4_K, k_chunk_load
 from workbench.kernels.triton.matmul import gemv_config, gemv_units
 from workbench.synthetic import random_matrix
 
@@ -38,7 +38,7 @@ def _loads_kernel(w_ptr, x_ptr, out_ptr, N, K, row_bytes, BLOCK_N: tl.constexpr,
     folded = tl.zeros((BLOCK_N * BLOCK_U,), tl.int32)
     n_chunks = K // 64
     for first in range(0, n_chunks, BLOCK_U):
-        raw = q4_k_gemv_load(rowp, first, n_chunks, BLOCK_N, BLOCK_U)
+        raw = k_chunk_load(rowp, first, n_chunks, Q4_K, BLOCK_N, BLOCK_U)
         for i in tl.static_range(len(raw)):
             folded ^= raw[i]
         if WITH_X:  # each chunk's 64 activations, as the GEMV loads them, summed as integers
