@@ -1,7 +1,7 @@
 """Quantized matmul benchmark: ``workbench.kernels.linear`` vs dequantize-then-matmul vs a dense matmul.
 
     python bench/kernels.py --device cuda [--formats Q4_K,Q6_K] [--shapes small|8b|8b-decode|all] [--batches 1,8]
-                            [--quick] [--sweep] [--numerics exact|llamacpp]
+                            [--quick] [--sweep] [--numerics exact|llamacpp] [--in-l2]
 
 For each format, weight shape N x K and batch M it prints the time of ``linear`` (and the kernel that
 ``select_kernel`` picked), of dequantizing the weight and multiplying, and of a dense matmul on an
@@ -11,6 +11,10 @@ of a device-to-device copy measured in the same run, and the *read floor*: the t
 reads as many bytes as the packed weight (``read_floor.py``), with ``linear``'s speed as a share of it.
 A 1 GiB copy hides the launch, first-load latency and tail that a 10 MB read cannot, so on small weights
 the floor, not the copy, is the ceiling a GEMV can reach.
+
+``--in-l2`` (CUDA) also times ``linear`` and the read floor with the weight already in L2 (one weight called 20
+times in the graph). A kernel cannot read its weight from DRAM faster than from L2, so ``linear``'s time in L2
+bounds from below what any overlap of its loads and arithmetic could give it.
 
 CUDA times are medians over replays of a CUDA graph that runs the call once on each of enough
 weight copies to overflow L2, so launch gaps and cache-resident weights do not flatter the numbers.
@@ -73,6 +77,10 @@ class Timer:
         if self.device == "cpu":
             return cpu_seconds(lambda: run(weights[0]), self.repeats)
         return cuda_seconds([lambda w=w: run(w) for w in weights], self.repeats)
+
+    def seconds_in_l2(self, weight: object, run: Callable[[object], object]) -> float:
+        """CUDA: the time of ``run(weight)`` with ``weight`` in L2 (called 20 times; all but the first find it there)."""
+        return cuda_seconds([lambda: run(weight)] * 20, self.repeats)
 
 
 def sweep(w: QuantTensor, x: torch.Tensor, timer: Timer) -> None:
@@ -169,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default=None, help="comma-separated M values (default 1,8,128,512)")
     parser.add_argument("--sweep", action="store_true", help="also time other Triton tile configurations")
     parser.add_argument("--numerics", choices=wk.NUMERICS, default="exact", help="what linear computes")
+    parser.add_argument("--in-l2", action="store_true",
+                        help="CUDA: also time linear and the read floor with the weight already in L2")
     args = parser.parse_args(argv)
     wk.set_numerics(args.numerics)
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    if args.in_l2 and device != "cuda":
+        parser.error("--in-l2 times CUDA kernels")
 
     formats = [f.strip().upper() for f in args.formats.split(",") if f.strip()] if args.formats else FORMATS
     shapes = SHAPES[args.shapes or ("all" if device == "cuda" else "small")]
@@ -194,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'dense us':>10} {'deq+mm/lin':>10} {'dense/lin':>10}")
     if device == "cuda":
         header += f" {'lin GB/s':>9} {'% copy':>7} {'floor us':>9} {'% floor':>8}"
+    if args.in_l2:
+        header += f" {'L2 lin us':>9} {'L2 floor':>9}"
     print(header)
 
     for fmt in formats:
@@ -201,29 +215,37 @@ def main(argv: list[str] | None = None) -> int:
             if k % wk.get_format(fmt).block_size:
                 print(f"{fmt:6} {f'{n}x{k}':>12}    -  skipped: K is not a multiple of the {fmt} block")
                 continue
-            bench_shape(fmt, n, k, batches, timer, act_dtype, copy_bw, args.sweep)
+            bench_shape(fmt, n, k, batches, timer, act_dtype, copy_bw, args.sweep, args.in_l2)
             if device == "cuda":
                 torch.cuda.empty_cache()
     return 0
 
 
-def read_floor_seconds(nbytes: int, timer: Timer) -> float:
-    """Time of reading ``nbytes`` and nothing else, on as many buffer copies as a weight of that size gets."""
+def read_floor_seconds(nbytes: int, timer: Timer, in_l2: bool = False) -> float:
+    """Time of reading ``nbytes`` and nothing else, on as many buffer copies as a weight of that size gets (or, with
+    ``in_l2``, on one buffer that stays in L2)."""
     from read_floor import BLOCK, read_all
 
     words = -(-nbytes // 4)
     partials = torch.empty(-(-words // BLOCK), dtype=torch.int32, device="cuda")
-    return timer.seconds(lambda: torch.zeros(words, dtype=torch.int32, device="cuda"), nbytes,
-                         lambda buffer: read_all(buffer, partials))
+
+    def buffer() -> torch.Tensor:
+        return torch.zeros(words, dtype=torch.int32, device="cuda")
+
+    def read(words_buffer: torch.Tensor) -> None:
+        read_all(words_buffer, partials)
+
+    return timer.seconds_in_l2(buffer(), read) if in_l2 else timer.seconds(buffer, nbytes, read)
 
 
 def bench_shape(fmt: str, n: int, k: int, batches, timer: Timer, act_dtype: torch.dtype, copy_bw: float | None,
-                with_sweep: bool) -> None:
+                with_sweep: bool, in_l2: bool = False) -> None:
     """Print one line per batch size for an N x K weight in ``fmt``."""
     device = timer.device
     w = random_matrix(n, k, fmt, device=device, distinct_rows=256)  # quantizing is slow on CPU: tile 256 rows
     dense = torch.randn(n, k, device=device).to(act_dtype)
     floor_s = read_floor_seconds(w.nbytes, timer) if device == "cuda" else None
+    floor_l2_s = read_floor_seconds(w.nbytes, timer, in_l2=True) if in_l2 else None
     for m in batches:
         x = torch.randn(m, k, device=device).to(act_dtype)
         kernel = wk.select_kernel(x, w)
@@ -237,6 +259,8 @@ def bench_shape(fmt: str, n: int, k: int, batches, timer: Timer, act_dtype: torc
             read_bw = (w.nbytes + x.numel() * x.element_size()) / linear_s
             line += f" {read_bw / 1e9:9.0f} {100 * read_bw / copy_bw:6.0f}%"
             line += f" {floor_s * 1e6:9.1f} {100 * floor_s / linear_s:7.0f}%"
+        if in_l2:
+            line += f" {timer.seconds_in_l2(w, lambda ww: wk.linear(x, ww)) * 1e6:9.1f} {floor_l2_s * 1e6:9.1f}"
         print(line, flush=True)
         if with_sweep and device == "cuda" and kernel.name.startswith("triton"):
             sweep(w, x, timer)
