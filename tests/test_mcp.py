@@ -24,7 +24,7 @@ import workbench
 from workbench import hooks, probes
 from workbench.errors import WorkbenchError
 from workbench.mcp_server import TOOLS, Limits, Workbench, build_server, http_app
-from workbench.mcp_server.state import Session
+from workbench.mcp_server.state import Session, Sessions
 from workbench.synthetic import random_checkpoint, random_config, random_weights, write_gguf
 
 PROMPT = "The capital of France is"
@@ -596,18 +596,71 @@ def test_idle_sessions_are_released():
     from mcp.client import Client as InProcessClient
 
     model = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)))
-    bench = Workbench(model, "artifacts-unused", Limits(idle_seconds=0.3))
+    bench = Workbench(model, "artifacts-unused", Limits(idle_seconds=1.0))
 
     async def scenario() -> None:
         async with InProcessClient(build_server(bench), mode="legacy") as client:
             trace_id = (await client.call_tool("run", {"prompt": "the cat"})).structured_content["trace_id"]
             assert len(bench.sessions.keys()) == 1
-            await anyio.sleep(1.0)
+            await anyio.sleep(2.5)  # the sweep runs once a second
             assert bench.sessions.keys() == []
             result = await client.call_tool("get_activation", {"trace_id": trace_id, "hook": "hook_embed"})
             assert result.is_error and "unknown trace id" in result.content[0].text
 
     anyio.run(scenario)
+
+
+def test_a_busy_session_is_never_idle():
+    sessions = Sessions(Limits(idle_seconds=1.0), "model", "exact")
+    with sessions.using("a") as session:
+        session.put("trace", object())
+        assert sessions.expire_idle(now=time.monotonic() + 60) == []  # a call longer than the idle limit
+    assert sessions.expire_idle(now=time.monotonic() + 0.5) == []  # the idle clock starts when the call ends
+    with sessions.using("a") as again:
+        assert again is session and len(again.entries) == 1
+    assert sessions.expire_idle(now=time.monotonic() + 60) == ["a"] and sessions.keys() == []
+
+
+def test_a_new_session_starts_in_the_servers_numerics_whatever_another_call_has_set():
+    """Sessions are made as a request arrives, outside the model lock, while another session's call may hold the
+    process-wide numerics: the new one still starts in the server's."""
+    sessions = Sessions(Limits(), "model", "exact")
+    with workbench.kernels.numerics("llamacpp"):  # another session's call, running
+        with sessions.using("new") as session:
+            assert session.numerics == "exact" and session.model_name == "model"
+
+
+def test_a_call_waiting_for_the_model_past_the_idle_limit_keeps_its_session():
+    """A session with a trace makes a second call while another session's long call holds the model. The call waits
+    three idle limits (and sweeps), then runs: the first trace is still there, beside the second."""
+    from mcp.client import Client as InProcessClient
+
+    model = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)))
+    bench = Workbench(model, "artifacts-unused", Limits(idle_seconds=0.3))
+    answers = {}
+
+    async def run(client, name: str) -> None:
+        answers[name] = (await client.call_tool("run", {"prompt": "the cat"})).structured_content["trace_id"]
+
+    async def scenario() -> None:
+        async with InProcessClient(build_server(bench), mode="legacy") as client:
+            await run(client, "first")
+            bench.lock.acquire()
+            released = False
+            try:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(run, client, "second")
+                    await anyio.sleep(1.0)
+                    bench.lock.release()
+                    released = True
+            finally:
+                if not released:
+                    bench.lock.release()
+            listed = (await client.call_tool("list_traces", {})).structured_content["traces"]
+            answers["listed"] = {t["trace_id"] for t in listed}
+
+    anyio.run(scenario)
+    assert answers["listed"] == {answers["first"], answers["second"]}
 
 
 # ------------------------------------------------------------------------------------------ worked example

@@ -42,23 +42,25 @@ def session_key(ctx: Context) -> str:
 
 
 async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments: dict[str, Any]) -> Any:
-    """Run a tool on a worker thread under the model lock; a client's cancel stops it at the next step."""
+    """Run a tool on a worker thread under the model lock; a client's cancel stops it at the next step. The session
+    is busy from the request's arrival to its answer, so the idle sweep never releases it under a call."""
     cancelled = threading.Event()
 
-    def work() -> Any:
-        with bench.lock:
-            call = Call(bench.sessions.get(key), cancelled)
-            call.check()  # cancelled while waiting for the lock
-            with numerics(call.session.numerics):  # the mode is process-wide: safe under the lock
-                return method(call, **arguments)
+    with bench.sessions.using(key) as session:
+        def work() -> Any:
+            with bench.lock:
+                call = Call(session, cancelled)
+                call.check()  # cancelled while waiting for the lock
+                with numerics(session.numerics):  # the mode is process-wide: safe under the lock
+                    return method(call, **arguments)
 
-    try:
-        return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
-    except anyio.get_cancelled_exc_class():
-        cancelled.set()
-        raise
-    except (WorkbenchError, ValueError) as err:  # the user's mistake: its message goes back as the tool error
-        raise ToolError(str(err)) from err
+        try:
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            cancelled.set()
+            raise
+        except (WorkbenchError, ValueError) as err:  # the user's mistake: its message goes back as the tool error
+            raise ToolError(str(err)) from err
 
 
 def _publish(server: MCPServer, bench: Workbench, name: str) -> None:

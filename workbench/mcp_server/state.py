@@ -4,15 +4,15 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from workbench.errors import WorkbenchError
 from workbench.hooks import Trace
-from workbench.kernels import get_numerics
 from workbench.kv_cache import KVCache
 
 
@@ -54,7 +54,8 @@ class Session:
         self.model_name = model_name
         self.numerics = numerics  # what this session's quantized matmuls compute (set_numerics)
         self.entries: dict[str, Entry] = {}
-        self.last_used = time.monotonic()
+        self.last_used = time.monotonic()  # when its last call ended
+        self.calls = 0  # calls in flight, waiting for the model or running: a busy session is never idle
 
     def put(self, kind: str, value: Any, **note: Any) -> str:
         held = sum(_nbytes(e.value) for e in self.entries.values())
@@ -100,21 +101,32 @@ def _nbytes(value: Any) -> int:
 
 
 class Sessions:
-    """Sessions by key (the transport's session id), released on disconnect or after an idle limit."""
+    """Sessions by key (the transport's session id), released on disconnect or after an idle limit. A new session
+    starts on ``default_model`` in ``default_numerics``: values fixed when the server starts, since a session is made
+    as its first request arrives, outside the model lock, while another call may hold the process-wide numerics."""
 
-    def __init__(self, limits: Limits, default_model: Callable[[], str]):
+    def __init__(self, limits: Limits, default_model: str, default_numerics: str):
         self.limits = limits
         self._default_model = default_model
+        self._default_numerics = default_numerics
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> Session:
+    @contextmanager
+    def using(self, key: str) -> Iterator[Session]:
+        """The session of ``key`` (made on first use), busy for the block: a call that waits for the model or runs
+        longer than the idle limit keeps its session, and the idle clock starts when the call ends."""
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
-                session = self._sessions[key] = Session(key, self.limits, self._default_model(), get_numerics())
-            session.last_used = time.monotonic()
-            return session
+                session = self._sessions[key] = Session(key, self.limits, self._default_model, self._default_numerics)
+            session.calls += 1
+        try:
+            yield session
+        finally:
+            with self._lock:
+                session.calls -= 1
+                session.last_used = time.monotonic()
 
     def release(self, key: str) -> bool:
         with self._lock:
@@ -123,7 +135,8 @@ class Sessions:
     def expire_idle(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         with self._lock:
-            idle = [k for k, s in self._sessions.items() if now - s.last_used > self.limits.idle_seconds]
+            idle = [k for k, s in self._sessions.items()
+                    if not s.calls and now - s.last_used > self.limits.idle_seconds]
             for key in idle:
                 del self._sessions[key]
         return idle

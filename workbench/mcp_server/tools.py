@@ -19,6 +19,7 @@ import workbench
 from workbench import hooks, probes
 from workbench.errors import WorkbenchError
 from workbench.hooks.points import axes, head_count
+from workbench.kernels import get_numerics
 from workbench.kernels.linear import Numerics
 from workbench.probes.lens import token_id
 from workbench.quant_mix import check_quantize
@@ -110,7 +111,7 @@ class Workbench:
         self.models = Models(model, default_name, limits,
                              loader or (lambda path, quantize: workbench.load(path, device=str(model.device),
                                                                                quantize=quantize)))
-        self.sessions = Sessions(limits, lambda: self.models.default_name)
+        self.sessions = Sessions(limits, default_name, get_numerics())  # the numerics the server runs in
         # One forward at a time: concurrent clients then get exactly what they would get one after another.
         self.lock = threading.Lock()
 
