@@ -26,6 +26,5 @@ def pytest_collection_modifyitems(config, items):
     if not shard:
         return
     index, count = map(int, shard.split("/"))
-    kept = [item for position, item in enumerate(items) if position % count == index]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-    items[:] = kept
+    config.hook.pytest_deselected(items=[item for position, item in enumerate(items) if position % count != index])
+    items[:] = items[index::count]
