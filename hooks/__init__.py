@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from workbench.errors import HookError
 from workbench.runner import HookContext, HookFn
 
+from .batching import BatchRecorder, per_prompt_hooks
 from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
                             RunShape, Scale, Steer, ZeroAblate, from_spec, merge_hooks)
 from .patching import PatchingResult, patching_sweep
@@ -31,8 +33,30 @@ def compile_hooks(model: Any, interventions: Sequence[Intervention | dict] = (),
     return hooks, recorder, [i.to_spec() for i in parsed]
 
 
+def compile_prompt_hooks(model: Any, interventions: Sequence[Sequence[Intervention | dict]],
+                         prompt_lens: Sequence[int], total_lens: Sequence[int]
+                         ) -> list[tuple[dict[str, list[HookFn]], list[dict]]]:
+    """``compile_hooks`` for each prompt of a batch (its interventions, prompt length and longest run): every prompt's
+    interventions are validated, and an error names the prompt, before anything is computed; donor prompts are run
+    once for the whole batch."""
+    parsed, runs, donor_runs = [], [], {}
+    for i, (prompt_interventions, prompt_len, total_len) in enumerate(zip(interventions, prompt_lens, total_lens)):
+        run = RunShape(model, prompt_len, max(total_len, prompt_len), donor_runs)
+        try:
+            items = [from_spec(x) for x in prompt_interventions]
+            for intervention in items:
+                intervention.validate(run)
+        except HookError as err:
+            raise HookError(f"prompt {i}: {err}") from None
+        parsed.append(items)
+        runs.append(run)
+    return [(merge_hooks(x.compile(run) for x in items), [x.to_spec() for x in items])
+            for items, run in zip(parsed, runs)]
+
+
 __all__ = [
     "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale",
     "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
-    "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult",
+    "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
+    "per_prompt_hooks", "compile_prompt_hooks",
 ]

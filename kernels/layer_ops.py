@@ -145,23 +145,32 @@ def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocked: torch.Tensor | None) -> torch.Tensor:
     """Float32 scores ``[heads, T, S]``: each query ``q`` ``[T, heads, d]`` dotted with the ``keys`` ``[kv_heads, S,
     d]`` of its kv head (query head h reads kv head ``h // (heads / kv_heads)``), the dot rounded to the inputs' dtype
-    as a matmul rounds it, divided by ``divisor``, and -inf where ``blocked`` ``[T, S]`` is True (None: nowhere)."""
-    if (_on_triton(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
+    as a matmul rounds it, divided by ``divisor``, and -inf where ``blocked`` ``[T, S]`` is True (None: nowhere).
+
+    A batch of sequences adds a leading axis to each: ``q`` ``[B, T, heads, d]``, ``keys`` ``[B, kv_heads, S, d]``,
+    ``blocked`` broadcastable to ``[B, 1, T, S]``, scores ``[B, heads, T, S]``; it takes the batched matmul."""
+    if (q.dim() == 3 and _on_triton(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
             and (blocked is None or blocked.stride(-1) == 1)):
         return _triton.attention_scores(q, keys, divisor, blocked)
-    tokens, heads, d = q.shape
-    kv_heads, slots = keys.shape[0], keys.shape[1]
-    q_grouped = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads * tokens, d)
-    scores = as_dtype(_query_key_dots(q_grouped, keys).view(heads, tokens, slots), torch.float32) / divisor
+    *batch, tokens, heads, d = q.shape
+    kv_heads, slots = keys.shape[-3], keys.shape[-2]
+    rows = kv_heads * (batch[0] if batch else 1)
+    q_grouped = q.transpose(-3, -2).reshape(rows, heads // kv_heads * tokens, d)
+    dots = _query_key_dots(q_grouped, keys.reshape(rows, slots, d))
+    scores = as_dtype(dots.view(*batch, heads, tokens, slots), torch.float32) / divisor
     return scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
 
 
 def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``z`` ``[T, heads, d]`` in the values' dtype: the float32 ``pattern`` ``[heads, T, S]``, rounded to the values'
-    dtype, times the ``values`` ``[kv_heads, S, d]`` of each head's kv head."""
-    if _on_triton(pattern, values) and values.stride(-1) == 1 and pattern.dtype == torch.float32:
+    dtype, times the ``values`` ``[kv_heads, S, d]`` of each head's kv head. A batch adds a leading axis to each
+    (``[B, heads, T, S]`` and ``[B, kv_heads, S, d]`` give ``[B, T, heads, d]``)."""
+    if (pattern.dim() == 3 and _on_triton(pattern, values) and values.stride(-1) == 1
+            and pattern.dtype == torch.float32):
         return _triton.attend(pattern, values)
-    heads, tokens, slots = pattern.shape
-    kv_heads, d = values.shape[0], values.shape[2]
-    z = torch.bmm(as_dtype(pattern, values.dtype).view(kv_heads, heads // kv_heads * tokens, slots), values)
-    return z.view(heads, tokens, d).transpose(0, 1)
+    *batch, heads, tokens, slots = pattern.shape
+    kv_heads, d = values.shape[-3], values.shape[-1]
+    rows = kv_heads * (batch[0] if batch else 1)
+    z = torch.bmm(as_dtype(pattern, values.dtype).reshape(rows, heads // kv_heads * tokens, slots),
+                  values.reshape(rows, slots, d))
+    return z.view(*batch, heads, tokens, d).transpose(-3, -2)

@@ -8,9 +8,9 @@ import torch
 from workbench import hooks
 from workbench.errors import HookError, WorkbenchError
 from workbench.hooks.points import axes
+from workbench.progress import Progress, progress_callback
 
 POOLINGS = ("last", "mean")
-Progress = bool | Callable[[int, int], Any] | None
 
 
 def block_hook(model: Any, layer: int, point: str) -> str:
@@ -31,21 +31,6 @@ def check_prompts(prompts: Sequence[str]) -> list[str]:
         if not isinstance(prompt, str) or not prompt.strip():
             raise WorkbenchError(f"prompt {i} is empty or not a string: {prompt!r}")
     return prompts
-
-
-def progress_callback(progress: Progress, total: int,
-                      description: str) -> tuple[Callable[[int], None], Callable[[], None]]:
-    """(update(done), close()) for ``progress``: None (silent), True (a tqdm bar) or ``callable(done, total)``."""
-    if progress is True:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc=description)
-        return (lambda done: bar.update(done - bar.n)), bar.close
-    if callable(progress):
-        return (lambda done: progress(done, total)), (lambda: None)
-    if progress not in (None, False):
-        raise WorkbenchError(f"progress must be None, True or a callable(done, total), got {progress!r}")
-    return (lambda done: None), (lambda: None)
 
 
 def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence[str], pooling: str = "last",

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from workbench.errors import WorkbenchError
 from workbench.kernels.linear import Numerics, get_numerics
 from workbench.kv_cache import KVCache, StaticKVCache
-from workbench.runner import Hooks, Transformer
+from workbench.runner import BatchLayout, Hooks, Transformer
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,42 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     finally:
         if decode_step is not None:
             decode_step.busy = False
+
+
+def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int,
+                          sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(),
+                          hooks: Hooks | None = None) -> Iterator[tuple[int, int]]:
+    """Yield ``(prompt, token id)`` for a batch of prompts (``{prompt index: ids}``) decoded together: one batched
+    prefill, then one batched step per token over a ``BatchKVCache``, each prompt with its own generator (seeded
+    alike, so each samples what ``generate_tokens`` samples for it alone). A prompt leaves the batch, and its cache
+    row is dropped, when it stops. ``hooks`` are batch-level (``hooks.per_prompt_hooks``)."""
+    if max_new_tokens == 0:
+        return
+    order = list(prompts)
+    lengths = [len(prompts[i]) for i in order]
+    cache = runner.new_batch_cache(len(order), max(lengths) + max_new_tokens)
+    generators = [sampling.generator() for _ in order]
+    layout = BatchLayout(lengths, runner.device, prompts=order)
+    packed = torch.tensor([t for i in order for t in prompts[i]], dtype=torch.long)
+    with torch.inference_mode(not hooks):
+        for step in range(max_new_tokens):
+            logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout)
+            if sampling.temperature == 0:
+                tokens = logits.argmax(-1).tolist()  # one read-back for the whole batch
+            else:
+                tokens = [sampling.pick(row, g) for row, g in zip(logits, generators)]
+            keep = []
+            for b, (prompt, token) in enumerate(zip(order, tokens)):
+                yield prompt, token
+                if token not in stop_ids and step + 1 < max_new_tokens:
+                    keep.append(b)
+            if not keep:
+                return
+            if len(keep) < len(order):
+                cache.keep_rows(keep)
+                order, tokens, generators = ([xs[b] for b in keep] for xs in (order, tokens, generators))
+            layout = BatchLayout([1] * len(order), runner.device, prompts=order, cached=cache.lengths)
+            packed = torch.tensor(tokens, dtype=torch.long)
 
 
 def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int]) -> Iterator[int]:

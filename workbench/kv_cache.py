@@ -223,3 +223,157 @@ class StaticKVCache(KVCache):
     @property
     def device_length(self) -> torch.Tensor:
         return self._length
+
+
+class BatchKVCache:
+    """Keys and values of a batch of sequences, one row each with a length of its own.
+
+    Row ``b`` holds its sequence's slots ``0 .. lengths[b] - 1`` in ``[B, n_kv_heads, capacity, d_head]`` stores; a
+    batched forward (``Transformer.forward`` with a ``BatchLayout``) appends each row's new tokens after its own slots,
+    and each row's tokens attend to that row alone. Surgery is per row: ``row(b)`` is a :class:`KVCache` copy to edit
+    with every operation it has, and ``set_row(b, cache)`` puts one back. ``keep_rows`` drops finished sequences.
+    """
+
+    def __init__(self, n_rows: int, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype,
+                 device: torch.device | str, capacity: int = 64):
+        self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (n_rows, n_kv_heads, capacity, d_head)
+        self._keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        self._values = [torch.zeros_like(k) for k in self._keys]
+        self._positions = torch.zeros(n_rows, capacity, dtype=torch.long)
+        self._tokens: list[list[int]] = [[] for _ in range(n_rows)]
+        self.lengths = [0] * n_rows
+        self._pending = None  # the layout of the forward between prepare and commit
+
+    @classmethod
+    def from_caches(cls, caches: Sequence[KVCache], capacity: int = 0) -> "BatchKVCache":
+        """One row per cache (copies), with room for ``capacity`` slots a row (at least the longest)."""
+        if not caches:
+            raise WorkbenchError("a batch cache needs at least one row")
+        first = caches[0]
+        out = cls(len(caches), first.n_layers, first.n_kv_heads, first.d_head, first.dtype, first.device,
+                  max(capacity, max(c.length for c in caches), 1))
+        for b, cache in enumerate(caches):
+            out.set_row(b, cache)
+        return out
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self._positions.shape[1]
+
+    @property
+    def next_positions(self) -> list[int]:
+        return [int(self._positions[b, :n].max()) + 1 if n else 0 for b, n in enumerate(self.lengths)]
+
+    # ----------------------------------------------------------------------------- used by the runner
+
+    def prepare(self, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for the layout's new tokens; their packed rope positions ``[N]`` and the slots each may not see,
+        ``[B, 1, T_max, S]`` (``S`` = the longest row's slots after the write, padded writes included)."""
+        if layout.size != self.n_rows or tuple(layout.cached) != tuple(self.lengths):
+            raise WorkbenchError(f"the batch layout ({layout.size} rows holding {list(layout.cached)}) does not match "
+                                 f"the cache ({self.n_rows} rows holding {self.lengths})")
+        self.reserve(max(self.lengths) + layout.width)
+        self._pending = layout
+        positions = layout.positions(self.next_positions)
+        slots = torch.arange(max(self.lengths) + layout.width, device=self.device)
+        cached = torch.tensor(self.lengths, device=self.device)[:, None, None]
+        steps = torch.arange(layout.width, device=self.device)[None, :, None]
+        return positions, (slots > cached + steps)[:, None]
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` slots a row (amortized doubling)."""
+        if slots <= self.capacity:
+            return
+        capacity = max(slots, 2 * self.capacity)
+        longest = max(self.lengths)
+        for store in (self._keys, self._values):
+            for i, old in enumerate(store):
+                grown = old.new_zeros(self.n_rows, self.n_kv_heads, capacity, self.d_head)
+                grown[:, :, :longest] = old[:, :, :longest]
+                store[i] = grown
+        positions = torch.zeros(self.n_rows, capacity, dtype=torch.long)
+        positions[:, :longest] = self._positions[:, :longest]
+        self._positions = positions
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new ``[B, n_kv, T_max, d_head]`` keys/values after each row's slots; return every row's slots
+        up to the longest, ``[B, n_kv, S, d_head]`` (slots past a row's end hold padding, which the mask hides)."""
+        width = keys.shape[2]
+        stop = max(self.lengths) + width
+        if len(set(self.lengths)) == 1:
+            start = self.lengths[0]
+            self._keys[layer][:, :, start:stop] = keys
+            self._values[layer][:, :, start:stop] = values
+        else:
+            slots = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
+            index = slots[:, None, :, None].expand_as(keys)
+            self._keys[layer].scatter_(2, index, keys)
+            self._values[layer].scatter_(2, index, values)
+        return self._keys[layer][:, :, :stop], self._values[layer][:, :, :stop]
+
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        layout, self._pending = self._pending, None
+        positions, tokens = positions.cpu(), tokens.tolist()
+        for b in range(self.n_rows):
+            rows, n = layout.rows(b), layout.lengths[b]
+            self._positions[b, self.lengths[b]:self.lengths[b] + n] = positions[rows]
+            self._tokens[b].extend(tokens[rows])
+            self.lengths[b] += n
+
+    # ---------------------------------------------------------------------------------------- per row
+
+    def row(self, b: int) -> KVCache:
+        """A copy of row ``b`` as a single-sequence cache."""
+        self._check_row(b)
+        n = self.lengths[b]
+        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.device, max(n, 1))
+        for layer in range(self.n_layers):
+            out._keys[layer][:, :n] = self._keys[layer][b, :, :n]
+            out._values[layer][:, :n] = self._values[layer][b, :, :n]
+        out._positions[:n] = self._positions[b, :n]
+        out._tokens = list(self._tokens[b])
+        out.length = n
+        return out
+
+    def set_row(self, b: int, cache: KVCache) -> None:
+        """Replace row ``b`` with (a copy of) a single-sequence cache of the same model."""
+        self._check_row(b)
+        if (cache.n_layers, cache.n_kv_heads, cache.d_head) != (self.n_layers, self.n_kv_heads, self.d_head):
+            raise WorkbenchError("kv set_row: the cache belongs to a model of another shape")
+        n = cache.length
+        self.reserve(n)
+        for layer in range(self.n_layers):
+            self._keys[layer][b, :, :n] = cache._keys[layer][:, :n].to(self.device, self.dtype)
+            self._values[layer][b, :, :n] = cache._values[layer][:, :n].to(self.device, self.dtype)
+        self._positions[b, :n] = cache._positions[:n]
+        self._tokens[b] = list(cache._tokens)
+        self.lengths[b] = n
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Keep only these rows, in this order (finished sequences leave a generating batch)."""
+        for b in rows:
+            self._check_row(b)
+        index = torch.tensor(list(rows), dtype=torch.long)
+        on_device = index.to(self.device)
+        self._keys = [k[on_device] for k in self._keys]
+        self._values = [v[on_device] for v in self._values]
+        self._positions = self._positions[index]
+        self._tokens = [self._tokens[b] for b in rows]
+        self.lengths = [self.lengths[b] for b in rows]
+
+    def tokens(self, b: int) -> list[int]:
+        self._check_row(b)
+        return list(self._tokens[b])
+
+    def _check_row(self, b: int) -> None:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.n_rows:
+            raise WorkbenchError(f"kv: row {b!r} outside 0..{self.n_rows - 1}")
+
+    def __repr__(self) -> str:
+        return f"BatchKVCache(rows={self.n_rows}, layers={self.n_layers}, lengths={self.lengths})"

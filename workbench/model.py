@@ -14,11 +14,12 @@ import torch
 
 from workbench import hooks as hooks_lib
 from workbench.errors import WorkbenchError
-from workbench.generation import Sampling, generate_tokens
+from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
 from workbench.kernels import get_numerics, layer_ops, select_kernel
-from workbench.kv_cache import KVCache
+from workbench.kv_cache import BatchKVCache, KVCache
 from workbench.loading import LoadedCheckpoint, load_checkpoint
-from workbench.runner import Transformer
+from workbench.progress import Progress, progress_callback
+from workbench.runner import BatchLayout, Transformer
 from workbench.tokenizer import StreamDecoder
 
 # Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
@@ -152,6 +153,177 @@ class Model:
             fingerprint=self.fingerprint(), backend=self.backend(), versions=package_versions(), chat=chat,
         )
 
+    # ---------------------------------------------------------------------------------------- batches
+
+    def run_batch(self, prompts: Sequence[str | Sequence[int]], *, record: Sequence[str] | None = None,
+                  interventions: Sequence[Any] = (), per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
+                  batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
+                  record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
+                  logits: str = "all", progress: Progress = False) -> list[hooks_lib.Trace]:
+        """``run`` over many prompts in batched forwards: one Trace per prompt, in the prompts' order, with the shapes
+        and meaning ``model.run(prompt)`` gives (see docs/batches.md).
+
+        ``interventions`` apply to every prompt, ``per_prompt_interventions[i]`` to prompt i alone; positions are each
+        prompt's own. ``batch_size`` prompts go through one forward (None: as many as a token budget that fits the
+        device allows; prompts are grouped by length). Recorded activations are kept on ``record_device`` in
+        ``record_dtype``; ``reduce`` keeps one row per prompt as they are recorded (``"last"``, ``"mean"`` or a position).
+        ``logits="last"`` keeps only each prompt's last row of logits (``[1, vocab]``).
+        """
+        if logits not in ("all", "last"):
+            raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
+        ids = self._batch_ids(prompts, chat)
+        lengths = [len(x) for x in ids]
+        recorder = None
+        if record:
+            names = hooks_lib.Recorder.for_patterns(record, self.config).names
+            recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce)
+            hooks_lib.batching.check_reduce_positions(reduce, lengths)
+        prompt_hooks, specs = self._batch_hooks(interventions, per_prompt_interventions, lengths, lengths)
+        traces: list[hooks_lib.Trace | None] = [None] * len(ids)
+        fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
+        for layout in self._batches(lengths, batch_size, progress, vocab_rows=logits == "all"):
+            hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
+                                           recorder.hooks() if recorder else {}])
+            packed = torch.tensor([t for i in layout.prompts for t in ids[i]], dtype=torch.long)
+            out = self.runner.forward(packed, hooks=hooks or None, layout=layout,
+                                      last_logits_only=logits == "last").cpu()
+            for b, i in enumerate(layout.prompts):
+                rows = layout.rows(b) if logits == "all" else slice(b, b + 1)
+                traces[i] = hooks_lib.Trace(
+                    prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
+                    tokens=self.token_texts(ids[i]), logits=out[rows].clone(),
+                    activations=recorder.take(i) if recorder else {}, interventions=specs[i],
+                    fingerprint=fingerprint, backend=backend, versions=versions, chat=chat)
+        return traces
+
+    def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
+                      batch_size: int | None = None, last_only: bool = False) -> list[torch.Tensor]:
+        """``forward`` over many prompts in batched forwards: float32 logits per prompt, ``[len(ids), vocab_size]``
+        (``[1, vocab_size]``, the last position, with ``last_only``)."""
+        traces = self.run_batch(prompts, interventions=interventions, batch_size=batch_size,
+                                logits="last" if last_only else "all")
+        return [t.logits for t in traces]
+
+    def stream_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32, *,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     chat: bool = False, interventions: Sequence[Any] = (),
+                     per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
+                     batch_size: int | None = None) -> Iterator[tuple[int, int, str]]:
+        """Yield ``(prompt index, token_id, new_text)`` as each prompt's tokens are generated, in batched decode steps;
+        each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
+        from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does."""
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        ids = self._batch_ids(prompts, chat)
+        lengths = [len(x) for x in ids]
+        if max_new_tokens < 0:
+            raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        for i, n in enumerate(lengths):
+            if n + max_new_tokens > self.config.n_ctx:
+                raise WorkbenchError(f"prompt {i}: {n} tokens + {max_new_tokens} new tokens exceed the context of "
+                                     f"{self.config.n_ctx}")
+        prompt_hooks, _ = self._batch_hooks(interventions, per_prompt_interventions, lengths,
+                                            [n + max_new_tokens for n in lengths])
+        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size)
+
+    def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                      prompt_hooks: list[dict], batch_size: int | None) -> Iterator[tuple[int, int, str]]:
+        decoders = [StreamDecoder(self.tokenizer) for _ in ids]
+        stop_ids = self.tokenizer.stop_ids
+        lengths = [len(x) for x in ids]
+        for layout in self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False):
+            hooks = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
+            rows = {i: ids[i] for i in layout.prompts}
+            for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None):
+                yield i, token, "" if token in stop_ids else decoders[i].feed(token)
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32,
+                       **kwargs: Any) -> list[str]:
+        """Each prompt's generated continuation as text (see ``stream_batch``), in the prompts' order."""
+        texts = [""] * len(prompts) if isinstance(prompts, Sequence) else []
+        for i, _, text in self.stream_batch(prompts, max_new_tokens, **kwargs):
+            texts[i] += text
+        return texts
+
+    def new_batch_cache(self, n_rows: int) -> BatchKVCache:
+        return self.runner.new_batch_cache(n_rows)
+
+    def _batch_ids(self, prompts: Sequence[str | Sequence[int]], chat: bool) -> list[list[int]]:
+        """Token ids of every prompt of a batch, checked before any compute (errors name the prompt)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise WorkbenchError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        if not prompts:
+            raise WorkbenchError("the list of prompts is empty")
+        ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(self.to_ids(prompt, chat=chat))
+            except (WorkbenchError, TypeError, ValueError) as err:
+                raise WorkbenchError(f"prompt {i}: {err}") from None
+        return ids
+
+    def _batch_hooks(self, interventions: Sequence[Any], per_prompt: Sequence[Sequence[Any]] | None,
+                     prompt_lens: list[int], total_lens: list[int]) -> tuple[list[dict], list[list[dict]]]:
+        """Each prompt's hooks and intervention specs: the enclosing ``hooks()`` blocks', ``interventions`` and its own
+        ``per_prompt`` ones, all validated before any compute."""
+        if per_prompt is not None and (isinstance(per_prompt, (str, dict)) or len(per_prompt) != len(prompt_lens)):
+            raise WorkbenchError(f"per_prompt_interventions needs one list per prompt ({len(prompt_lens)})")
+        scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
+        shared = [i for parsed, _ in scoped for i in parsed] + list(interventions)
+        own = per_prompt if per_prompt is not None else [()] * len(prompt_lens)
+        compiled = hooks_lib.compile_prompt_hooks(self, [shared + list(x) for x in own], prompt_lens, total_lens)
+        outer = [r.hooks() for _, r in scoped if r is not None]
+        return [hooks_lib.merge_hooks([hooks, *outer]) for hooks, _ in compiled], [specs for _, specs in compiled]
+
+    def _batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
+                 vocab_rows: bool) -> Iterator[BatchLayout]:
+        """Layouts of the forwards a batch runs in: prompts of similar length together (longest first), each forward
+        within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory."""
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                       or batch_size < 1):
+            raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        per_token, per_score, budget = self.batch_bytes(vocab_rows)
+        update, close = progress_callback(progress, len(lengths), "prompts")
+        done, chunk = 0, []
+        try:
+            for i in order + [None]:
+                if i is not None and chunk and batch_size:
+                    fits = len(chunk) < batch_size
+                elif i is not None and chunk:  # padded tokens, and attention's [B, heads, T_max, T_max] rows
+                    tokens = (len(chunk) + 1) * lengths[chunk[0]]
+                    fits = tokens <= self._max_batch_tokens() and (
+                        tokens * (per_token + per_score * lengths[chunk[0]]) <= budget)
+                else:
+                    fits = i is not None
+                if fits:
+                    chunk.append(i)
+                    continue
+                yield BatchLayout([lengths[j] for j in chunk], self.device, prompts=chunk)
+                done += len(chunk)
+                update(done)
+                chunk = [i]
+        finally:
+            close()
+
+    def _max_batch_tokens(self) -> int:
+        # past this many rows the quantized matmuls run no faster per token (docs/performance.md, "Batches")
+        return 8192 if self.device.type == "cuda" else 2048
+
+    def batch_bytes(self, vocab_rows: bool = True) -> tuple[int, int, int]:
+        """What a batched forward is sized by when no ``batch_size`` is given: bytes of working memory per token
+        (activations, and float32 logits with ``vocab_rows``), per token per attended slot (attention's scores and
+        pattern), and the budget: a quarter of the device's free memory."""
+        c = self.config
+        element = torch.finfo(self.dtype).bits // 8
+        per_token = element * (6 * c.d_model + 3 * c.d_mlp + 2 * c.n_heads * c.d_head)
+        per_token += 8 * c.vocab_size if vocab_rows else 0
+        per_score = 12 * c.n_heads
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = _available_memory()
+        return per_token, per_score, free // 4
+
     def new_cache(self) -> KVCache:
         return self.runner.new_cache()
 
@@ -273,6 +445,18 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)
     return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started)
+
+
+def _available_memory() -> int:
+    """Bytes of memory available to this process (Linux), or 8 GiB where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
 
 
 def package_versions() -> dict[str, str]:

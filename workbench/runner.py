@@ -5,6 +5,7 @@ forward on the quantized kernels of ``workbench.kernels``.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
-from workbench.kv_cache import KVCache, StaticKVCache, causal_mask
+from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
 from workbench.weights import ModelWeights
 
 
@@ -27,6 +28,73 @@ class HookContext:
     layer: int | None
     positions: torch.Tensor  # absolute (rope) positions of the tokens in this forward, [T]
     step: int  # 0 for the prompt, then 1, 2, ... for each generated token
+    prompt: int = 0  # which prompt of a batch this is (0 outside batches)
+    layout: "BatchLayout | None" = None  # set only for a hook that sees a whole batch at once
+
+
+class BatchLayout:
+    """How the tokens of a batched forward are laid out.
+
+    The sequences' new tokens are packed one after another, ``[N, ...]`` with no padding, so every matmul, norm and
+    MLP sees exactly the real tokens. Only attention pads: queries, keys and values are gathered into ``[B, T_max,
+    ...]`` (a zero row past each sequence's end), each sequence attends to its own keys alone, and padded slots are
+    masked out (causally: a real token never reaches past its own sequence's end).
+
+    ``prompts`` names each row's prompt (its index in the caller's list); ``cached`` is how many slots each row already
+    holds in a :class:`BatchKVCache` (all zero without one).
+    """
+
+    def __init__(self, lengths: Sequence[int], device: torch.device | str, prompts: Sequence[int] | None = None,
+                 cached: Sequence[int] | None = None):
+        self.lengths = tuple(int(n) for n in lengths)
+        self.prompts = tuple(prompts) if prompts is not None else tuple(range(len(self.lengths)))
+        self.cached = tuple(cached) if cached is not None else (0,) * len(self.lengths)
+        self.starts = tuple(itertools.accumulate(self.lengths, initial=0))[:-1]
+        self.width = max(self.lengths)
+        self.n_tokens = sum(self.lengths)
+        self.device = torch.device(device)
+        self.uniform = len(set(self.lengths)) == 1  # padding is then a reshape
+        if not self.uniform:
+            steps = torch.arange(self.width)
+            length = torch.tensor(self.lengths)[:, None]
+            start = torch.tensor(self.starts)[:, None]
+            # [B, T_max] packed row of each (sequence, step); past a sequence's end, the zero row appended at N
+            self.gather = torch.where(steps < length, start + steps, self.n_tokens).to(self.device)
+            # [N] where each packed token sits in the flattened [B * T_max]
+            self.scatter = torch.cat([b * self.width + torch.arange(n) for b, n in enumerate(self.lengths)]).to(
+                self.device)
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths)
+
+    def rows(self, b: int) -> slice:
+        """Sequence ``b``'s tokens in the packed axis."""
+        return slice(self.starts[b], self.starts[b] + self.lengths[b])
+
+    def slots(self, b: int) -> int:
+        """How many key slots sequence ``b``'s tokens attend over (cached plus new)."""
+        return self.cached[b] + self.lengths[b]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``[N, ...]`` to ``[B, T_max, ...]``, zeros past each sequence's end."""
+        if self.uniform:
+            return x.view(self.size, self.width, *x.shape[1:])
+        return torch.cat((x, x.new_zeros(1, *x.shape[1:])))[self.gather]
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T_max, ...]`` back to the packed ``[N, ...]``."""
+        flat = x.reshape(self.size * self.width, *x.shape[2:])
+        return flat if self.uniform else flat[self.scatter]
+
+    def last_rows(self) -> torch.Tensor:
+        """The packed index of each sequence's last token, ``[B]``."""
+        return torch.tensor([s + n - 1 for s, n in zip(self.starts, self.lengths)], device=self.device)
+
+    def positions(self, next_positions: Sequence[int] | None = None) -> torch.Tensor:
+        """Rope positions of the packed tokens, each sequence counting on from its own next position."""
+        starts = next_positions or (0,) * self.size
+        return torch.cat([torch.arange(p, p + n) for p, n in zip(starts, self.lengths)]).to(self.device)
 
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
@@ -73,10 +141,11 @@ def hook_point_names(n_layers: int) -> list[str]:
 class _Points:
     """Fires hooks; built once per forward so each point costs one dictionary lookup."""
 
-    def __init__(self, hooks: Hooks | None, positions: torch.Tensor, step: int):
+    def __init__(self, hooks: Hooks | None, positions: torch.Tensor, step: int, layout: BatchLayout | None = None):
         self.hooks = hooks or {}
         self.positions = positions
         self.step = step
+        self.layout = layout
 
     def wants(self, name: str) -> bool:
         return name in self.hooks
@@ -85,7 +154,7 @@ class _Points:
         fns = self.hooks.get(name)
         if not fns:
             return x
-        ctx = HookContext(name, layer, self.positions, self.step)
+        ctx = HookContext(name, layer, self.positions, self.step, layout=self.layout)
         for fn in fns:
             out = fn(x, ctx)
             if out is not None:
@@ -176,6 +245,10 @@ class Transformer:
         c = self.config
         return KVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
+    def new_batch_cache(self, n_rows: int, capacity: int = 64) -> BatchKVCache:
+        c = self.config
+        return BatchKVCache(n_rows, c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
+
     def new_static_cache(self, capacity: int) -> StaticKVCache:
         c = self.config
         if not 0 < capacity <= c.n_ctx:
@@ -196,24 +269,17 @@ class Transformer:
         return layer_ops.rope(x, *rotation, self.config.rope_interleaved)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
-                last_logits_only: bool = False, step: int = 0) -> torch.Tensor:
+                last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
+        With a ``layout``, ``ids`` are the packed tokens of a batch of sequences: the logits are packed alike (each
+        sequence's last row alone with ``last_logits_only``, ``[B, vocab]``) and a cache is a ``BatchKVCache``.
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
-        n_new = ids.shape[0]
-        if not isinstance(cache, StaticKVCache):  # a static cache's length lives on the device, within its capacity
-            end = n_new + (cache.next_position if cache is not None else 0)
-            if end > c.n_ctx:
-                raise WorkbenchError(f"positions up to {end - 1} lie past the model's context of {c.n_ctx}")
-        if cache is None:
-            positions = torch.arange(n_new, device=self.device)
-            blocked = causal_mask(n_new, n_new, self.device)
-        else:
-            positions, blocked = cache.prepare(n_new)
-        point = _Points(hooks, positions, step)
+        positions, blocked = self._positions(ids.shape[0], cache, layout)
+        point = _Points(hooks, positions, step, layout)
         rotation = self.rotation(positions)
 
         x = point("hook_embed", w.embed.dequantize_rows(ids).to(self.dtype))
@@ -223,7 +289,7 @@ class Transformer:
         # hook sits between them the two are one call.
         for i, layer in enumerate(w.layers):
             names = self._names[i]
-            attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point)
+            attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout)
             x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
                                          names["ln2"], i)
             mlp_out = self.mlp(normalized, layer, i, point)
@@ -234,15 +300,35 @@ class Transformer:
                 x = point(names["hook_resid_post"], x + mlp_out, i)
 
         if last_logits_only:
-            x = x[-1:]
+            x = x[-1:] if layout is None else x[layout.last_rows()]
         x = rms_norm(x, w.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"), None)
         logits = point("hook_logits", linear(x, w.unembed).float())
         if cache is not None:
             cache.commit(positions, ids)
         return logits
 
+    def _positions(self, n_new: int, cache: KVCache | None, layout: BatchLayout | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The new tokens' rope positions ``[N]`` and the key slots each may not see (None: every slot may be seen),
+        checked against the context (a static cache keeps its length on the device, within its capacity)."""
+        if layout is not None and cache is not None and not isinstance(cache, BatchKVCache):
+            raise WorkbenchError("a batched forward takes a BatchKVCache")
+        if layout is not None:
+            starts = cache.next_positions if cache is not None else (0,) * layout.size
+            end = max(p + n for p, n in zip(starts, layout.lengths))
+        else:
+            end = n_new + (cache.next_position if cache is not None and not isinstance(cache, StaticKVCache) else 0)
+        if end > self.config.n_ctx:
+            raise WorkbenchError(f"positions up to {end - 1} lie past the model's context of {self.config.n_ctx}")
+        if cache is not None:
+            return cache.prepare(layout if layout is not None else n_new)
+        if layout is not None:  # a [T_max, T_max] mask, the same for every sequence (padding lies past their ends)
+            return layout.positions(), causal_mask(layout.width, layout.width, self.device)
+        return torch.arange(n_new, device=self.device), causal_mask(n_new, n_new, self.device)
+
     def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
-                  blocked: torch.Tensor | None, cache: KVCache | None, point: _Points) -> torch.Tensor:
+                  blocked: torch.Tensor | None, cache: KVCache | None, point: _Points,
+                  layout: BatchLayout | None = None) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
         q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
@@ -258,13 +344,16 @@ class Transformer:
         k = point(names["attn.hook_rot_k"], self.rope(k, rotation), i)
 
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
+        if layout is not None:  # each sequence's own queries, keys and values: [B, T_max, ...]
+            q, keys, values = layout.pad(q), layout.pad(k).transpose(1, 2), layout.pad(v).transpose(1, 2)
         if cache is not None:
             keys, values = cache.write(i, keys, values)
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
         scores = layer_ops.attention_scores(q, keys, math.sqrt(c.d_head), blocked)
         scores = point(names["attn.hook_attn_scores"], scores, i)
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
-        z = point(names["attn.hook_z"], layer_ops.attend(pattern, values), i)
+        z = layer_ops.attend(pattern, values)
+        z = point(names["attn.hook_z"], z if layout is None else layout.unpad(z), i)
         out = linear(z.reshape(n_new, c.n_heads * c.d_head), layer.wo)
         if point.wants(names["attn.hook_result"]):
             out = out + self._edited_head_results(z, layer, i, point)

@@ -1,0 +1,136 @@
+"""Hooks in a batched forward: each prompt's hooks see that prompt alone, as in ``model.run``.
+
+A batched forward packs its sequences' tokens into one ``[N, ...]`` activation (attention scores and patterns are
+``[B, heads, T_max, S]``, see ``workbench.runner.BatchLayout``). Interventions and plain function hooks are written
+for one prompt: ``per_prompt_hooks`` calls each prompt's hooks on that prompt's slice, with the prompt's own positions
+and index in the ``HookContext``, and writes back what they return. So a hook, intervention or recorder means in a
+batch exactly what it means in a run of its prompt alone, whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from workbench.errors import HookError
+from workbench.runner import BatchLayout, HookContext, HookFn, Hooks
+
+from .points import axes
+
+# How recorded activations are reduced over positions as they are recorded: every position, the last, or the mean.
+REDUCTIONS = ("last", "mean")
+
+
+def row_view(x: torch.Tensor, name: str, layout: BatchLayout, b: int) -> torch.Tensor:
+    """Row ``b``'s part of a batched activation, shaped as ``model.run`` of its prompt alone gives it (a view)."""
+    if axes(name).token == 1:  # [B, heads, T_max, S] scores and patterns
+        return x[b, :, : layout.lengths[b], : layout.slots(b)]
+    if x.shape[0] == layout.size != layout.n_tokens:  # one row per sequence (the last tokens' logits)
+        return x[b : b + 1]
+    return x[layout.rows(b)]
+
+
+def _row_positions(ctx: HookContext, x: torch.Tensor, name: str, b: int) -> torch.Tensor:
+    layout = ctx.layout
+    positions = ctx.positions[layout.rows(b)]
+    if axes(name).token == 0 and x.shape[0] == layout.size != layout.n_tokens:
+        return positions[-1:]
+    return positions
+
+
+def per_prompt_hooks(prompt_hooks: Mapping[int, Hooks]) -> dict[str, list[HookFn]]:
+    """One batch-level hook per hooked point that runs each prompt's hooks (``{prompt index: hooks}``) on its slice."""
+    names = dict.fromkeys(name for hooks in prompt_hooks.values() for name in hooks)
+    return {name: [_splitter(name, prompt_hooks)] for name in names}
+
+
+def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
+    def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
+        layout = ctx.layout
+        edited = []
+        for b, prompt in enumerate(layout.prompts):
+            fns = prompt_hooks.get(prompt, {}).get(name)
+            if not fns:
+                continue
+            view = row_view(x, name, layout, b)
+            row_ctx = HookContext(name, ctx.layer, _row_positions(ctx, x, name, b), ctx.step, prompt)
+            out = view
+            for hook in fns:
+                result = hook(out, row_ctx)
+                if result is not None:
+                    if result.shape != out.shape:
+                        raise HookError(f"hook on {name} returned shape {tuple(result.shape)}, "
+                                        f"expected {tuple(out.shape)}")
+                    out = result.to(out.dtype)
+            if out is not view:
+                edited.append((b, out))
+        if not edited:
+            return None
+        x = x.clone()
+        for b, out in edited:
+            row_view(x, name, layout, b).copy_(out)
+        return x
+
+    return fn
+
+
+class BatchRecorder:
+    """Records named activations of batched forwards, split per prompt.
+
+    Each point is copied once per forward (not once per prompt) to ``device`` in ``dtype``; ``reduce`` keeps one row
+    per prompt as it records (``"last"`` position, ``"mean"`` over positions, or an ``int`` position, negative from
+    the prompt's end), so that activations of many prompts fit in memory.
+    """
+
+    def __init__(self, names: Sequence[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 reduce: str | int | None = None):
+        if reduce is not None and not (reduce in REDUCTIONS or (isinstance(reduce, int)
+                                                                 and not isinstance(reduce, bool))):
+            raise HookError(f"reduce must be None, {', '.join(map(repr, REDUCTIONS))} or a position, got {reduce!r}")
+        if reduce is not None:
+            grown = [n for n in names if axes(n).token != 0]
+            if grown:
+                raise HookError(f"reduce works on token-major hook points, not {grown[0]}")
+        self.names, self.device, self.dtype, self.reduce = list(names), device, dtype, reduce
+        self._rows: dict[int, dict[str, torch.Tensor]] = {}
+
+    def hooks(self) -> dict[str, list[HookFn]]:
+        def record(x: torch.Tensor, ctx: HookContext) -> None:
+            layout = ctx.layout
+            x = self._reduced(x.detach(), layout) if self.reduce is not None else x.detach()
+            kept = x.to(self.device, self.dtype, copy=True)
+            for b, prompt in enumerate(layout.prompts):
+                if self.reduce is not None:
+                    part = kept[b]
+                elif axes(ctx.name).token == 1:
+                    part = kept[b, :, : layout.lengths[b], : layout.slots(b)]
+                else:
+                    part = kept[layout.rows(b)]
+                self._rows.setdefault(prompt, {})[ctx.name] = part
+
+        return {name: [record] for name in self.names}
+
+    def _reduced(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """One row per sequence ``[B, ...]``."""
+        if self.reduce == "mean":
+            return torch.stack([x[layout.rows(b)].float().mean(0) for b in range(layout.size)])
+        index = []
+        for b, n in enumerate(layout.lengths):
+            at = n - 1 if self.reduce == "last" else self.reduce % n if -n <= self.reduce < n else None
+            if at is None:
+                raise HookError(f"prompt {layout.prompts[b]} has {n} tokens; reduce={self.reduce} lies outside them")
+            index.append(layout.starts[b] + at)
+        return x[torch.tensor(index, device=x.device)]
+
+    def take(self, prompt: int) -> dict[str, torch.Tensor]:
+        """The activations recorded for one prompt (each tensor its own storage), forgotten here."""
+        return {name: t.clone() for name, t in self._rows.pop(prompt, {}).items()}
+
+
+def check_reduce_positions(reduce: str | int | None, lengths: Sequence[int]) -> None:
+    """Refuse, naming the prompt, an int ``reduce`` position outside a prompt (before any compute)."""
+    if isinstance(reduce, int) and not isinstance(reduce, bool):
+        for i, n in enumerate(lengths):
+            if not -n <= reduce < n:
+                raise HookError(f"prompt {i} has {n} tokens; reduce={reduce} lies outside them")
+
