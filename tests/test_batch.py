@@ -1,0 +1,318 @@
+"""Batched runs: many prompts in one forward mean what each prompt means alone.
+
+Batched logits differ from one prompt's only where the quantized matmuls take another kernel for more rows; the bound
+checked here (BOUND) is what bench/batch_parity.py measures on the CPU in float32 (docs/batches.md, "Correctness").
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench
+from workbench import hooks
+from workbench.errors import HookError, WorkbenchError
+from workbench.runner import BatchLayout
+from workbench.synthetic import random_checkpoint, random_config
+
+# ids prompts of different lengths for the random models (their tokenizer is byte-level)
+PROMPTS = [[5, 17, 42, 99, 7, 23, 61], [8, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [40, 41, 42, 43]]
+TEXTS = ["The capital of France is", "Hello", "One two three four five six seven eight nine ten", "Water boils at"]
+BOUND = 2e-4  # max |logit diff|, batched against one prompt at a time (float32, CPU)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny(request):
+    return workbench.Model(random_checkpoint(random_config(request.param, n_layers=2), seed=3))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return workbench.Model(random_checkpoint(random_config("llama", n_layers=2), seed=3))
+
+
+def assert_close_logits(batched: torch.Tensor, single: torch.Tensor) -> None:
+    assert batched.shape == single.shape
+    assert (batched - single).abs().max().item() <= BOUND
+    assert torch.equal(batched.argmax(-1), single.argmax(-1))
+
+
+# ------------------------------------------------------------------------------------------- forward
+
+
+def test_batched_logits_equal_each_prompt_alone(tiny):
+    traces = tiny.run_batch(PROMPTS)
+    for prompt, trace in zip(PROMPTS, traces):
+        assert trace.ids == prompt
+        assert_close_logits(trace.logits, tiny.forward(prompt))
+
+
+def test_batched_logits_on_the_embedded_model(model):
+    for text, logits in zip(TEXTS, model.forward_batch(TEXTS)):
+        assert_close_logits(logits, model.forward(text))
+
+
+def test_a_much_longer_or_shorter_neighbour_changes_nothing(llama):
+    base = llama.run_batch(PROMPTS[:2])
+    longer = llama.run_batch(PROMPTS[:2] + [list(range(1, 200))])
+    shorter = llama.run_batch([[9]] + PROMPTS[:2])
+    for a, b, c in zip(base, longer, shorter[1:]):
+        assert_close_logits(b.logits, a.logits)
+        assert_close_logits(c.logits, a.logits)
+
+
+def test_padding_never_reaches_a_real_token(llama):
+    """Two rows of equal lengths take the reshape path, unequal ones the gather path; both give each row what it gives
+    alone, and a row's result does not depend on what the padding holds (the zero row appended past the end)."""
+    ids = PROMPTS[0]
+    runner = llama.runner
+    alone = runner.forward(torch.tensor(ids))
+    layout = BatchLayout([len(ids), 3], runner.device)
+    packed = runner.forward(torch.tensor(ids + [1, 2, 3]), layout=layout)
+    assert_close_logits(packed[layout.rows(0)], alone)
+    assert not layout.uniform and layout.pad(torch.ones(layout.n_tokens, 1))[1, 3:].eq(0).all()
+
+
+def test_recording_everything_in_a_batch_is_bit_identical(tiny):
+    plain = tiny.run_batch(PROMPTS)
+    recorded = tiny.run_batch(PROMPTS, record=["*"])
+    for a, b in zip(plain, recorded):
+        assert torch.equal(a.logits, b.logits)
+        assert set(b.activations) == set(tiny.hook_points())
+
+
+def test_recorded_activations_have_run_shapes_and_values(llama):
+    names = ["blocks.*.hook_resid_post", "blocks.1.attn.hook_pattern", "blocks.0.attn.hook_z", "ln_final.hook_scale"]
+    for prompt, trace in zip(PROMPTS, llama.run_batch(PROMPTS, record=names)):
+        single = llama.run(prompt, record=names)
+        assert set(trace.activations) == set(single.activations)
+        for name, value in single.activations.items():
+            assert trace.activations[name].shape == value.shape, name
+            assert torch.allclose(trace.activations[name], value, atol=1e-3, rtol=1e-3), name
+
+
+def test_reduced_recording_keeps_one_row_per_prompt(llama):
+    name = "blocks.1.hook_resid_post"
+    full = llama.run_batch(PROMPTS, record=[name])
+    for reduce, pick in (("last", lambda a: a[-1]), ("mean", lambda a: a.mean(0)), (1, lambda a: a[1]),
+                         (-2, lambda a: a[-2])):
+        reduced = llama.run_batch(PROMPTS, record=[name], reduce=reduce, record_dtype=torch.float16)
+        for a, b in zip(full, reduced):
+            assert b.activations[name].dtype == torch.float16
+            torch.testing.assert_close(b.activations[name].float(), pick(a.activations[name]), atol=2e-3, rtol=1e-3)
+
+
+def test_last_logits_only(llama):
+    last = llama.forward_batch(PROMPTS, last_only=True)
+    for prompt, row in zip(PROMPTS, last):
+        assert row.shape == (1, llama.config.vocab_size)
+        assert_close_logits(row, llama.forward(prompt)[-1:])
+
+
+def test_batch_size_splits_into_forwards_with_the_same_results(llama, monkeypatch):
+    calls = []
+    forward = llama.runner.forward
+    monkeypatch.setattr(llama.runner, "forward", lambda *a, **k: calls.append(k["layout"].size) or forward(*a, **k))
+    whole = llama.run_batch(PROMPTS)
+    assert calls == [4]
+    calls.clear()
+    split = llama.run_batch(PROMPTS, batch_size=3)
+    assert sorted(calls) == [1, 3]
+    for a, b in zip(whole, split):
+        assert_close_logits(b.logits, a.logits)
+
+
+def test_batches_group_prompts_by_length_within_the_memory_budget(llama, monkeypatch):
+    per_token, per_score, _ = llama.batch_bytes()
+    longest = max(len(p) for p in PROMPTS)
+    monkeypatch.setattr(llama, "batch_bytes",
+                        lambda vocab_rows=True: (per_token, per_score, 2 * longest * (per_token + per_score * longest)))
+    layouts = list(llama._batches([len(p) for p in PROMPTS], None, False, True))
+    assert [list(layout.prompts) for layout in layouts] == [[2, 0], [3, 1]]  # longest first, two rows a forward
+
+
+# ------------------------------------------------------------------------------------- interventions
+
+
+def test_interventions_keep_their_per_prompt_meaning(llama):
+    """Negative positions count from each prompt's end; heads and neurons select as in one run."""
+    vector = torch.randn(llama.config.d_model, generator=torch.Generator().manual_seed(0))
+    edits = [hooks.Steer("blocks.0.hook_resid_post", vector, scale=3.0, positions=[-1]),
+             hooks.ZeroAblate("blocks.1.attn.hook_z", heads=[1], positions=[0, -2]),
+             hooks.Scale("blocks.0.mlp.hook_post", 0.5, neurons=[3, 4])]
+    for prompt, trace in zip(PROMPTS, llama.run_batch(PROMPTS, interventions=edits)):
+        assert_close_logits(trace.logits, llama.forward(prompt, interventions=edits))
+        assert [e["type"] for e in trace.interventions] == ["steer", "zero_ablate", "scale"]
+
+
+def test_per_prompt_interventions_as_rows_of_one_batch(llama):
+    """A scale sweep of one steering vector as the rows of a batch equals one run per scale."""
+    vector = torch.randn(llama.config.d_model, generator=torch.Generator().manual_seed(1))
+    scales = [0.0, 2.0, -4.0, 8.0]
+    rows = [[hooks.Steer("blocks.1.hook_resid_pre", vector, scale=s)] for s in scales]
+    traces = llama.run_batch([PROMPTS[0]] * len(scales), per_prompt_interventions=rows)
+    for row, trace in zip(rows, traces):
+        assert_close_logits(trace.logits, llama.forward(PROMPTS[0], interventions=row))
+    assert not torch.equal(traces[0].logits, traces[3].logits)
+
+
+def test_patch_with_a_donor_of_another_length(llama):
+    patch = hooks.Patch("blocks.0.hook_resid_post", donor=PROMPTS[2], positions=[0, 1])
+    for prompt, trace in zip(PROMPTS, llama.run_batch(PROMPTS, interventions=[patch])):
+        assert_close_logits(trace.logits, llama.forward(prompt, interventions=[patch]))
+
+
+def test_plain_function_hooks_see_one_prompt_at_a_time(llama):
+    seen = []
+
+    def look(x, ctx):
+        seen.append((ctx.prompt, tuple(x.shape), tuple(ctx.positions.tolist())))
+
+    llama.run_batch(PROMPTS, interventions=[("blocks.0.hook_resid_pre", look), ("blocks.1.attn.hook_pattern", look)])
+    heads = llama.config.n_heads
+    expected = {(i, (len(p), llama.config.d_model), tuple(range(len(p)))) for i, p in enumerate(PROMPTS)}
+    expected |= {(i, (heads, len(p), len(p)), tuple(range(len(p)))) for i, p in enumerate(PROMPTS)}
+    assert set(seen) == expected
+
+
+def test_a_function_hook_edits_only_its_prompt(llama):
+    def zero_second_prompt(x, ctx):
+        return torch.zeros_like(x) if ctx.prompt == 1 else None
+
+    traces = llama.run_batch(PROMPTS, interventions=[("blocks.1.hook_mlp_out", zero_second_prompt)])
+    plain = llama.run_batch(PROMPTS)
+    ablated = llama.forward(PROMPTS[1], interventions=[("blocks.1.hook_mlp_out", lambda x, ctx: torch.zeros_like(x))])
+    for i, (a, b) in enumerate(zip(traces, plain)):
+        if i == 1:
+            assert_close_logits(a.logits, ablated)
+        else:
+            assert torch.equal(a.logits, b.logits)
+
+
+def test_hooks_blocks_apply_to_batches(llama):
+    with llama.hooks([hooks.ZeroAblate("blocks.0.hook_attn_out")], record=["blocks.0.hook_attn_out"]) as rec:
+        traces = llama.run_batch(PROMPTS[:2])
+    recorded = rec.activations()["blocks.0.hook_attn_out"]
+    assert recorded.shape[0] == sum(len(p) for p in PROMPTS[:2]) and recorded.abs().max() == 0
+    for prompt, trace in zip(PROMPTS, traces):
+        assert_close_logits(trace.logits, llama.forward(prompt, interventions=[hooks.ZeroAblate("blocks.0.hook_attn_out")]))
+
+
+# ---------------------------------------------------------------------------------------- generation
+
+
+def test_greedy_generation_equals_each_prompt_alone(model):
+    assert model.generate_batch(TEXTS, 10) == [model.generate(t, 10) for t in TEXTS]
+
+
+def test_sampled_generation_equals_each_prompt_alone(llama):
+    batched = llama.generate_batch(PROMPTS, 8, temperature=0.9, top_k=20, seed=5)
+    assert batched == [llama.generate(p, 8, temperature=0.9, top_k=20, seed=5) for p in PROMPTS]
+
+
+def test_each_sequence_stops_on_its_own(llama):
+    """A prompt whose next token is a stop token leaves the batch; the others go on as they would alone."""
+    first = [int(llama.forward(p)[-1].argmax()) for p in PROMPTS]
+    llama.tokenizer.stop_ids.add(first[1])
+    try:
+        events = list(llama.stream_batch(PROMPTS, 6))
+    finally:
+        llama.tokenizer.stop_ids.discard(first[1])
+    per_prompt = {i: [t for j, t, _ in events if j == i] for i in range(len(PROMPTS))}
+    assert per_prompt[1] == [first[1]]
+    for i in (0, 2, 3):
+        alone = [t for t, _ in llama.stream(PROMPTS[i], 6)]
+        assert per_prompt[i] == alone
+
+
+def test_steered_generation_with_generated_positions(llama):
+    vector = torch.randn(llama.config.d_model, generator=torch.Generator().manual_seed(2))
+    steer = hooks.Steer("blocks.0.hook_resid_post", vector, scale=6.0, positions="generated")
+    batched = llama.generate_batch(PROMPTS, 6, interventions=[steer])
+    assert batched == [llama.generate(p, 6, interventions=[steer]) for p in PROMPTS]
+    assert batched != llama.generate_batch(PROMPTS, 6)
+
+
+# -------------------------------------------------------------------------------------- batch caches
+
+
+def test_batch_cache_continues_each_row(llama):
+    runner = llama.runner
+    cache = runner.new_batch_cache(len(PROMPTS))
+    heads = [p[:-1] for p in PROMPTS]
+    runner.forward(torch.tensor(sum(heads, [])), cache=cache, layout=BatchLayout([len(h) for h in heads], "cpu"))
+    assert cache.lengths == [len(h) for h in heads]
+    layout = BatchLayout([1] * len(PROMPTS), "cpu", cached=cache.lengths)
+    last = runner.forward(torch.tensor([p[-1] for p in PROMPTS]), cache=cache, layout=layout)
+    for b, prompt in enumerate(PROMPTS):
+        assert_close_logits(last[b : b + 1], runner.forward(torch.tensor(prompt))[-1:])
+        assert cache.tokens(b) == prompt
+
+
+def test_surgery_on_one_row_equals_surgery_on_its_own_cache(llama):
+    runner = llama.runner
+    cache = runner.new_batch_cache(2)
+    rows = [PROMPTS[0], PROMPTS[2]]
+    runner.forward(torch.tensor(sum(rows, [])), cache=cache, layout=BatchLayout([len(r) for r in rows], "cpu"))
+    edited = cache.row(1)
+    edited.delete_positions([2, 3])
+    cache.set_row(1, edited)
+    layout = BatchLayout([1, 1], "cpu", cached=cache.lengths)
+    out = runner.forward(torch.tensor([4, 4]), cache=cache, layout=layout)
+    single = runner.new_cache()
+    runner.forward(torch.tensor(rows[1]), cache=single)
+    single.delete_positions([2, 3])
+    expected = runner.forward(torch.tensor([4]), cache=single)
+    assert_close_logits(out[1:2], expected)
+    assert cache.row(1).positions.tolist() == single.positions.tolist()
+
+
+def test_keep_rows_drops_rows(llama):
+    cache = llama.runner.new_batch_cache(3)
+    llama.runner.forward(torch.tensor(sum(PROMPTS[:3], [])), cache=cache,
+                         layout=BatchLayout([len(p) for p in PROMPTS[:3]], "cpu"))
+    cache.keep_rows([2, 0])
+    assert cache.lengths == [len(PROMPTS[2]), len(PROMPTS[0])] and cache.tokens(1) == PROMPTS[0]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([], "the list of prompts is empty"),
+    ("a string", "must be a list of prompts"),
+    ([[1, 2], []], "prompt 1: the prompt is empty"),
+    ([[1], [10**9]], "prompt 1: token ids out of range"),
+])
+def test_bad_prompt_lists(llama, prompts, message):
+    with pytest.raises(WorkbenchError, match=message):
+        llama.run_batch(prompts)
+
+
+def test_a_prompt_past_the_context_is_named(llama):
+    with pytest.raises(WorkbenchError, match="prompt 1: the prompt has"):
+        llama.run_batch([[1, 2], [3] * (llama.config.n_ctx + 1)])
+    with pytest.raises(WorkbenchError, match="prompt 0: .* exceed the context"):
+        llama.generate_batch([[3] * (llama.config.n_ctx - 2)], 8)
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_bad_batch_sizes(llama, size):
+    with pytest.raises(WorkbenchError, match="batch_size must be a positive integer"):
+        llama.run_batch(PROMPTS, batch_size=size)
+
+
+def test_a_position_that_fits_one_prompt_but_not_another_is_refused_before_compute(llama, monkeypatch):
+    ran = []
+    monkeypatch.setattr(llama.runner, "forward", lambda *a, **k: ran.append(1))
+    with pytest.raises(HookError, match="prompt 1: position 5 is out of range"):
+        llama.run_batch(PROMPTS, interventions=[hooks.ZeroAblate("blocks.0.hook_resid_post", positions=[5])])
+    with pytest.raises(HookError, match="prompt 1 has 2 tokens; reduce=-3"):
+        llama.run_batch(PROMPTS, record=["blocks.0.hook_resid_post"], reduce=-3)
+    with pytest.raises(WorkbenchError, match="one list per prompt"):
+        llama.run_batch(PROMPTS, per_prompt_interventions=[[]])
+    assert not ran
+
+
+def test_reduce_needs_token_major_points(llama):
+    with pytest.raises(HookError, match="token-major"):
+        llama.run_batch(PROMPTS, record=["blocks.0.attn.hook_pattern"], reduce="last")
