@@ -5,7 +5,6 @@ trace, so a sweep of L layers x T positions costs L*T + 2 forwards.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -127,16 +126,13 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
     cells = [(i, name, pos, head) for i, name in enumerate(names)
              for pos in (positions if "positions" in over else [None])
              for head in (heads if sweep_heads else [None])]
+    # every cell is a row of batched forwards of the corrupt prompt, each row with its own patch
+    patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
+                      donor=clean_trace)] for _, name, pos, head in cells]
     grid = torch.empty(len(cells))
-    report = _Progress(progress, len(cells))
-    try:
-        for n, (_, name, pos, head) in enumerate(cells):
-            patch = Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
-                          donor=clean_trace)
-            grid[n] = float(metric(model.forward(corrupt_ids, interventions=[patch])))
-            report(n + 1, len(cells))
-    finally:
-        report.close()
+    for n, trace in model.iter_batch([corrupt_ids] * len(cells), per_prompt_interventions=patches,
+                                     progress=progress):
+        grid[n] = float(metric(trace.logits))
     shape = [len(layers)] + ([len(positions)] if "positions" in over else []) + ([len(heads)] if sweep_heads else [])
     grid = grid.view(shape)
     if normalize:
@@ -166,31 +162,3 @@ def _token_id(model: Any, answer: int | str) -> int:
     if not 0 <= int(answer) < model.config.vocab_size:
         raise HookError(f"answer token id {answer} out of range 0..{model.config.vocab_size - 1}")
     return int(answer)
-
-
-class _Progress:
-    """Reports cells done: a tqdm bar (or a stderr counter without tqdm), a callback, or nothing."""
-
-    def __init__(self, progress: bool | ProgressFn, total: int):
-        self.callback = progress if callable(progress) else None
-        self.bar = None
-        self.counter = False
-        if progress is True:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, desc="patching", unit="cell")
-            except ImportError:
-                self.counter = True
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.callback:
-            self.callback(done, total)
-        if self.bar is not None:
-            self.bar.update(1)
-        elif self.counter:
-            print(f"\rpatching {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -1,4 +1,4 @@
-"""Collecting pooled activations over many prompts: one forward per prompt records every hook asked for."""
+"""Collecting pooled activations over many prompts: batched forwards record every hook asked for, pooled as they go."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -8,7 +8,7 @@ import torch
 from workbench import hooks
 from workbench.errors import HookError, WorkbenchError
 from workbench.hooks.points import axes
-from workbench.progress import Progress, progress_callback
+from workbench.progress import Progress
 
 POOLINGS = ("last", "mean")
 
@@ -35,7 +35,7 @@ def check_prompts(prompts: Sequence[str]) -> list[str]:
 
 def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence[str], pooling: str = "last",
                         progress: Progress = None) -> dict[str, torch.Tensor]:
-    """Pooled activations ``{hook: [len(prompts), features]}`` (float32 CPU), one forward per prompt.
+    """Pooled activations ``{hook: [len(prompts), features]}`` (float32 CPU), from batched forwards.
 
     ``pooling="last"`` keeps the last token (what the model knows when it must predict), ``"mean"``
     averages over the prompt's tokens. Multi-axis points (``attn.hook_z`` [T, heads, d_head]) are
@@ -48,17 +48,6 @@ def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence
     token_major = [n for n in names if axes(n).token != 0]
     if token_major:
         raise HookError(f"{token_major[0]} is not token-major ([heads, T, S]); it cannot be pooled over tokens")
-    update, close = progress_callback(progress, len(prompts), "activations")
-    rows: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    try:
-        for done, prompt in enumerate(prompts, start=1):
-            trace = model.run(prompt, record=names)
-            for name in names:
-                act = trace.activations[name]
-                pooled = act[-1] if pooling == "last" else act.mean(0)
-                rows[name].append(pooled.flatten())
-            update(done)
-    finally:
-        close()
-    return {name: torch.stack(r) for name, r in rows.items()}
+    traces = model.run_batch(prompts, record=names, reduce=pooling, logits="last", progress=progress)
+    return {name: torch.stack([t.activations[name].flatten() for t in traces]) for name in names}
 

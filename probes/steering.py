@@ -22,8 +22,9 @@ import torch
 
 from workbench.errors import WorkbenchError
 from workbench.hooks import Steer
+from workbench.progress import progress_callback
 
-from .activations import Progress, block_hook, collect_activations, progress_callback
+from .activations import Progress, block_hook, collect_activations
 from .data import Dataset, load_dataset, pairs_dataset
 from .lens import token_id
 
@@ -178,24 +179,24 @@ class SteeringSweep:
 def steering_sweep(model: Any, vector: SteeringVector, prompt: str, target_tokens: Sequence[int | str],
                    scales: Sequence[float] = (-8, -4, -2, 0, 2, 4, 8), max_new_tokens: int = 20,
                    positions: Sequence[int] | str | None = None, progress: Progress = None) -> SteeringSweep:
-    """Next-token log-probs of the targets at each scale (greedy generations too, when ``max_new_tokens`` > 0)."""
+    """Next-token log-probs of the targets at each scale (greedy generations too, when ``max_new_tokens`` > 0); the
+    scales run as the rows of one batch."""
     ids = [token_id(model, t) for t in target_tokens]
     if not ids:
         raise WorkbenchError("give at least one target token")
     scales = [float(s) for s in scales]
     if not scales:
         raise WorkbenchError("give at least one scale")
-    update, close = progress_callback(progress, len(scales) + 1, "steering sweep")
+    update, close = progress_callback(progress, 2, "steering sweep")  # the log-probs, then the generations
     try:
-        baseline = model.forward(prompt)[-1].log_softmax(-1)[ids]
+        # the unsteered run and every scale as the rows of one batch
+        rows = [[]] + [vector.interventions(scale, positions) for scale in scales]
+        last = model.forward_batch([prompt] * len(rows), per_prompt_interventions=rows, last_only=True)
+        baseline, *logprobs = (logits[-1].log_softmax(-1)[ids] for logits in last)
         update(1)
-        logprobs, generations = [], []
-        for done, scale in enumerate(scales, start=2):
-            interventions = vector.interventions(scale, positions)
-            logprobs.append(model.forward(prompt, interventions=interventions)[-1].log_softmax(-1)[ids])
-            if max_new_tokens > 0:
-                generations.append(model.generate(prompt, max_new_tokens, interventions=interventions))
-            update(done)
+        generations = (model.generate_batch([prompt] * len(scales), max_new_tokens, per_prompt_interventions=rows[1:])
+                       if max_new_tokens > 0 else [])
+        update(2)
     finally:
         close()
     return SteeringSweep(prompt, scales, model.token_texts(ids), torch.stack(logprobs), baseline, generations)

@@ -17,7 +17,7 @@ import torch
 
 from workbench.errors import WorkbenchError
 
-from .activations import Progress, check_prompts, progress_callback
+from .activations import Progress, check_prompts
 from .data import load_dataset
 from .saving import check_signature, model_signature, read_artifact, write_artifact
 
@@ -76,20 +76,14 @@ def train_tuned_lens(model: Any, prompts: Sequence[str] | None = None, ridge: fl
     cross = torch.zeros(c.n_layers, c.d_model, c.d_model, dtype=torch.float64)
     sum_y = torch.zeros(c.d_model, dtype=torch.float64)
     n = 0
-    update, close = progress_callback(progress, len(prompts), "tuned lens")
-    try:
-        for done, prompt in enumerate(prompts, start=1):
-            acts = model.run(prompt, record=names).activations
-            x = torch.stack([acts[name] for name in names]).double()  # [layers, T, d]
-            y = x[-1]
-            sum_x += x.sum(1)
-            sum_y += y.sum(0)
-            gram += x.transpose(1, 2) @ x
-            cross += x.transpose(1, 2) @ y
-            n += y.shape[0]
-            update(done)
-    finally:
-        close()
+    for _, trace in model.iter_batch(prompts, record=names, logits="last", progress=progress):
+        x = torch.stack([trace.activations[name] for name in names]).double()  # [layers, T, d]
+        y = x[-1]
+        sum_x += x.sum(1)
+        sum_y += y.sum(0)
+        gram += x.transpose(1, 2) @ x
+        cross += x.transpose(1, 2) @ y
+        n += y.shape[0]
     if n <= c.d_model:
         raise WorkbenchError(f"{n} token positions are too few to fit {c.d_model}-wide translators; give more prompts")
     mean_x, mean_y = sum_x / n, sum_y / n

@@ -11,6 +11,7 @@ from workbench.synthetic import random_checkpoint, random_config
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"
 SAME_TOKENS = [0, 4, 5, 6, 7, 8]  # positions where the two prompts have the same token
+BOUND = 2e-4  # batched against one-prompt logits, tests/test_batch.py
 
 
 def test_embedded_layer0_positions_with_the_same_token_have_no_effect(model):
@@ -19,8 +20,9 @@ def test_embedded_layer0_positions_with_the_same_token_have_no_effect(model):
     assert result.labels["positions"][1] == "1:  E" and result.labels["layers"] == ["L0"]
     assert "' Paris' - ' Rome'" in result.metric_name and result.clean_metric > 0 > result.corrupt_metric
     # resid_pre at layer 0 is the token embedding: where the tokens agree, the patch changes nothing
-    assert torch.equal(result.grid[0, SAME_TOKENS], torch.full((6,), result.corrupt_metric))
-    assert (result.grid[0, 1:4] != result.corrupt_metric).all()
+    # (cells run batched, the baselines alone: they agree within the batched kernels' rounding, docs/batches.md)
+    torch.testing.assert_close(result.grid[0, SAME_TOKENS], torch.full((6,), result.corrupt_metric), atol=BOUND, rtol=0)
+    assert ((result.grid[0, 1:4] - result.corrupt_metric).abs() > 0.1).all()
 
 
 def test_embedded_last_layer_final_position_restores_the_clean_metric(model):
@@ -28,8 +30,8 @@ def test_embedded_last_layer_final_position_restores_the_clean_metric(model):
     result = hooks.patching_sweep(model, CLEAN, CORRUPT, hook="blocks.{layer}.hook_resid_post", layers=[last],
                                   normalize=True, progress=False)
     # after the last block nothing mixes positions: only the final position matters, and it restores fully
-    assert result.grid[0, -1].item() == 1.0
-    assert torch.equal(result.grid[0, :-1], torch.zeros(8))
+    assert result.grid[0, -1].item() == pytest.approx(1.0, abs=BOUND)
+    torch.testing.assert_close(result.grid[0, :-1], torch.zeros(8), atol=BOUND, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def tiny():
 CLEAN_IDS, CORRUPT_IDS = [5, 17, 42, 99, 7], [5, 17, 60, 99, 7]
 
 
-def test_one_forward_per_cell(tiny, monkeypatch):
+def test_cells_run_as_the_rows_of_batched_forwards(tiny, monkeypatch):
     calls = []
     forward = tiny.runner.forward
     monkeypatch.setattr(tiny.runner, "forward", lambda ids, *a, **k: calls.append(len(ids)) or forward(ids, *a, **k))
@@ -48,10 +50,10 @@ def test_one_forward_per_cell(tiny, monkeypatch):
     result = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11),
                                   progress=lambda done, total: progress.append((done, total)))
     assert result.grid.shape == (2, 5)
-    assert len(calls) == 2 + 10  # clean (recorded once), corrupt baseline, one per cell
-    assert progress == [(i, 10) for i in range(1, 11)]
+    assert calls == [5, 5, 50]  # clean (recorded once), corrupt baseline, then the 10 cells as rows of one forward
+    assert progress == [(10, 10)]
     # positions before the first differing token have no effect at any layer
-    assert torch.equal(result.grid[:, :2], torch.full((2, 2), result.corrupt_metric))
+    torch.testing.assert_close(result.grid[:, :2], torch.full((2, 2), result.corrupt_metric), atol=BOUND, rtol=0)
 
 
 def test_a_cell_is_the_metric_of_one_patched_run(tiny):
@@ -61,7 +63,7 @@ def test_a_cell_is_the_metric_of_one_patched_run(tiny):
                                   layers=[1], positions=[2, -1], progress=False)
     assert result.grid.shape == (1, 2, 4) and result.labels["heads"] == ["H0", "H1", "H2", "H3"]
     patch = hooks.Patch("blocks.1.attn.hook_z", positions=[4], heads=[3], donor=clean)
-    assert result.grid[0, 1, 3].item() == pytest.approx(metric(tiny.forward(CORRUPT_IDS, interventions=[patch])), abs=1e-6)
+    assert result.grid[0, 1, 3].item() == pytest.approx(metric(tiny.forward(CORRUPT_IDS, interventions=[patch])), abs=BOUND)
     assert result.metric_name == "<lambda>"
 
 

@@ -155,19 +155,28 @@ class Model:
 
     # ---------------------------------------------------------------------------------------- batches
 
-    def run_batch(self, prompts: Sequence[str | Sequence[int]], *, record: Sequence[str] | None = None,
-                  interventions: Sequence[Any] = (), per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
-                  batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
-                  record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
-                  logits: str = "all", progress: Progress = False) -> list[hooks_lib.Trace]:
+    def run_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[hooks_lib.Trace]:
         """``run`` over many prompts in batched forwards: one Trace per prompt, in the prompts' order, with the shapes
-        and meaning ``model.run(prompt)`` gives (see docs/batches.md).
+        and meaning ``model.run(prompt)`` gives (docs/batches.md). Keywords as ``iter_batch``."""
+        traces: list[hooks_lib.Trace | None] = [None] * (len(prompts) if isinstance(prompts, Sequence) else 0)
+        for i, trace in self.iter_batch(prompts, **kwargs):
+            traces[i] = trace
+        return traces
+
+    def iter_batch(self, prompts: Sequence[str | Sequence[int]], *, record: Sequence[str] | None = None,
+                   interventions: Sequence[Any] = (), per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
+                   batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
+                   record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
+                   logits: str = "all", progress: Progress = False) -> Iterator[tuple[int, hooks_lib.Trace]]:
+        """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
+        in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
+        is called, before any compute.
 
         ``interventions`` apply to every prompt, ``per_prompt_interventions[i]`` to prompt i alone; positions are each
-        prompt's own. ``batch_size`` prompts go through one forward (None: as many as a token budget that fits the
-        device allows; prompts are grouped by length). Recorded activations are kept on ``record_device`` in
-        ``record_dtype``; ``reduce`` keeps one row per prompt as they are recorded (``"last"``, ``"mean"`` or a position).
-        ``logits="last"`` keeps only each prompt's last row of logits (``[1, vocab]``).
+        prompt's own. ``batch_size`` prompts go through one forward (None: as many as fit ``batch_bytes``). Recorded
+        activations are kept on ``record_device`` in ``record_dtype``; ``reduce`` keeps one row per prompt as they are
+        recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
+        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``.
         """
         if logits not in ("all", "last"):
             raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
@@ -179,29 +188,34 @@ class Model:
             recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce)
             hooks_lib.batching.check_reduce_positions(reduce, lengths)
         prompt_hooks, specs = self._batch_hooks(interventions, per_prompt_interventions, lengths, lengths)
-        traces: list[hooks_lib.Trace | None] = [None] * len(ids)
+        layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all")
+        return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat)
+
+    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat
+                     ) -> Iterator[tuple[int, hooks_lib.Trace]]:
         fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
-        for layout in self._batches(lengths, batch_size, progress, vocab_rows=logits == "all"):
+        for layout in layouts:
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
             packed = torch.tensor([t for i in layout.prompts for t in ids[i]], dtype=torch.long)
-            out = self.runner.forward(packed, hooks=hooks or None, layout=layout,
-                                      last_logits_only=logits == "last").cpu()
+            with torch.inference_mode(not hooks):
+                out = self.runner.forward(packed, hooks=hooks or None, layout=layout,
+                                          last_logits_only=logits == "last").cpu()
             for b, i in enumerate(layout.prompts):
                 rows = layout.rows(b) if logits == "all" else slice(b, b + 1)
-                traces[i] = hooks_lib.Trace(
+                yield i, hooks_lib.Trace(
                     prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
                     tokens=self.token_texts(ids[i]), logits=out[rows].clone(),
                     activations=recorder.take(i) if recorder else {}, interventions=specs[i],
                     fingerprint=fingerprint, backend=backend, versions=versions, chat=chat)
-        return traces
 
     def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
-                      batch_size: int | None = None, last_only: bool = False) -> list[torch.Tensor]:
+                      per_prompt_interventions: Sequence[Sequence[Any]] | None = None, batch_size: int | None = None,
+                      last_only: bool = False) -> list[torch.Tensor]:
         """``forward`` over many prompts in batched forwards: float32 logits per prompt, ``[len(ids), vocab_size]``
         (``[1, vocab_size]``, the last position, with ``last_only``)."""
-        traces = self.run_batch(prompts, interventions=interventions, batch_size=batch_size,
-                                logits="last" if last_only else "all")
+        traces = self.run_batch(prompts, interventions=interventions, per_prompt_interventions=per_prompt_interventions,
+                                batch_size=batch_size, logits="last" if last_only else "all")
         return [t.logits for t in traces]
 
     def stream_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32, *,
