@@ -1,8 +1,10 @@
 """Lenses, attribution and probes: turn traces into answers.
 
-- ``logit_lens``: every layer's residual read through the final norm and unembedding
+- ``logit_lens`` (``logit_lens_batch`` for many prompts): every layer's residual read through the final norm and
+  unembedding
   (``train_tuned_lens``: per-layer affine translators for a tuned lens).
-- ``direct_logit_attribution``: the logit split over embedding, attention heads and MLPs.
+- ``direct_logit_attribution`` (``_batch`` for many prompts): the logit split over embedding, attention heads and
+  MLPs.
 - ``depth_sweep`` / ``probe_at_depth_fraction`` / ``train_probe``: linear probes across depth.
 - ``steering_vector`` / ``steering_sweep``: contrastive directions, applied with ``hooks.Steer``;
   llama.cpp control-vector GGUF export and import.
@@ -10,16 +12,16 @@
 """
 from .activations import collect_activations
 from .data import Dataset, list_datasets, load_dataset, make_dataset, pairs_dataset
-from .dla import Attribution, direct_logit_attribution
-from .lens import LogitLens, TokenTrack, logit_lens
+from .dla import Attribution, direct_logit_attribution, direct_logit_attribution_batch
+from .lens import LogitLens, TokenTrack, logit_lens, logit_lens_batch
 from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_at_depth_fraction, train_probe,
                       wilson_interval)
 from .steering import SteeringSweep, SteeringVector, steering_sweep, steering_vector
 from .tuned_lens import TunedLens, train_tuned_lens
 
 __all__ = [
-    "logit_lens", "LogitLens", "TokenTrack", "train_tuned_lens", "TunedLens",
-    "direct_logit_attribution", "Attribution",
+    "logit_lens", "logit_lens_batch", "LogitLens", "TokenTrack", "train_tuned_lens", "TunedLens",
+    "direct_logit_attribution", "direct_logit_attribution_batch", "Attribution",
     "collect_activations", "train_probe", "probe_at_depth_fraction", "depth_sweep", "layer_at_fraction",
     "wilson_interval", "Probe", "DepthSweep",
     "steering_vector", "steering_sweep", "SteeringVector", "SteeringSweep",

@@ -66,14 +66,41 @@ class Attribution:
         return fig
 
 
+RECORD = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out", "ln_final.hook_scale"]
+
+
 def direct_logit_attribution(model: Any, prompt: str | Sequence[int], target: int | str,
                              baseline: int | str | None = None, position: int = -1, chat: bool = False) -> Attribution:
     """Split the logit of ``target`` (minus ``baseline``'s, when given) at ``position`` over the components."""
     target_id = token_id(model, target)
     baseline_id = None if baseline is None else token_id(model, baseline)
+    return _attribution(model, model.run(prompt, record=RECORD, chat=chat), target_id, baseline_id, position)
+
+
+def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[int]],
+                                   targets: int | str | Sequence[int | str],
+                                   baselines: int | str | Sequence[int | str] | None = None, position: int = -1,
+                                   chat: bool = False, batch_size: int | None = None,
+                                   progress: Any = False) -> list[Attribution]:
+    """``direct_logit_attribution`` of every prompt, run in batched forwards: ``targets`` (and ``baselines``) one token
+    for all prompts, or a list with one per prompt."""
+    def per_prompt(tokens, what: str) -> list[int | None]:
+        if tokens is None or isinstance(tokens, (int, str)):
+            return [None if tokens is None else token_id(model, tokens)] * len(prompts)
+        if len(tokens) != len(prompts):
+            raise WorkbenchError(f"{what} needs one token per prompt ({len(prompts)}), got {len(tokens)}")
+        return [token_id(model, t) for t in tokens]
+
+    target_ids, baseline_ids = per_prompt(targets, "targets"), per_prompt(baselines, "baselines")
+    for i, ids in enumerate(model.batch_ids(prompts, chat)):
+        if not -len(ids) <= position < len(ids):
+            raise WorkbenchError(f"prompt {i}: position {position} is out of range for a prompt of {len(ids)} tokens")
+    traces = model.run_batch(prompts, record=RECORD, chat=chat, batch_size=batch_size, progress=progress)
+    return [_attribution(model, trace, t, b, position) for trace, t, b in zip(traces, target_ids, baseline_ids)]
+
+
+def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None, position: int) -> Attribution:
     c = model.config
-    record = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out", "ln_final.hook_scale"]
-    trace = model.run(prompt, record=record, chat=chat)
     n_pos = len(trace.ids)
     if not -n_pos <= position < n_pos:
         raise WorkbenchError(f"position {position} is out of range for a prompt of {n_pos} tokens")

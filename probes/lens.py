@@ -158,6 +158,24 @@ def logit_lens(model: Any, prompt: str | Sequence[int], points: str | Sequence[s
 
     With ``tuned`` (a :class:`TunedLens`), each layer's ``resid_post`` first goes through its translator.
     """
+    points, names = _lens_points(model, points, k, tuned)
+    trace = model.run(prompt, record=[n for group in names.values() for n in group], chat=chat)
+    return _lens_of_trace(model, trace, names, k, tuned)
+
+
+def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points: str | Sequence[str] = ("resid_post",),
+                     k: int = 10, chat: bool = False, tuned: Any | None = None, batch_size: int | None = None,
+                     progress: Any = False) -> list[LogitLens]:
+    """``logit_lens`` of every prompt, the prompts run in batched forwards (``model.run_batch``)."""
+    points, names = _lens_points(model, points, k, tuned)
+    traces = model.run_batch(prompts, record=[n for group in names.values() for n in group], chat=chat,
+                             batch_size=batch_size, logits="last", progress=progress)
+    return [_lens_of_trace(model, trace, names, k, tuned) for trace in traces]
+
+
+def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | None
+                 ) -> tuple[tuple[str, ...], dict[str, list[str]]]:
+    """The lens points in forward order and the hook names of each, checked."""
     points = (points,) if isinstance(points, str) else tuple(points)
     bad = [p for p in points if p not in POINTS]
     if bad or not points:
@@ -169,12 +187,14 @@ def logit_lens(model: Any, prompt: str | Sequence[int], points: str | Sequence[s
             raise WorkbenchError("a tuned lens translates resid_post only; use points=('resid_post',)")
     if not 1 <= k <= model.config.vocab_size:
         raise WorkbenchError(f"k must be in 1..{model.config.vocab_size}, got {k}")
-    names = {p: [block_hook(model, layer, p) for layer in range(model.config.n_layers)] for p in points}
-    trace = model.run(prompt, record=[n for group in names.values() for n in group], chat=chat)
+    return points, {p: [block_hook(model, layer, p) for layer in range(model.config.n_layers)] for p in points}
+
+
+def _lens_of_trace(model: Any, trace: Any, names: dict[str, list[str]], k: int, tuned: Any | None) -> LogitLens:
     normed, top_ids, top_probs = {}, {}, {}
     for point, group in names.items():
         resid = torch.stack([trace.activations[n] for n in group])
         normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
         values, indices = zip(*(logits.softmax(-1).topk(k) for logits in _layer_logits(model, normed[point])))
         top_probs[point], top_ids[point] = torch.stack(values), torch.stack(indices)
-    return LogitLens(model, trace.ids, trace.tokens, points, normed, top_ids, top_probs)
+    return LogitLens(model, trace.ids, trace.tokens, tuple(names), normed, top_ids, top_probs)

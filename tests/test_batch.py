@@ -316,3 +316,32 @@ def test_a_position_that_fits_one_prompt_but_not_another_is_refused_before_compu
 def test_reduce_needs_token_major_points(llama):
     with pytest.raises(HookError, match="token-major"):
         llama.run_batch(PROMPTS, record=["blocks.0.attn.hook_pattern"], reduce="last")
+
+
+# ------------------------------------------------------------------------------------ batched probes
+
+
+def test_logit_lens_batch_equals_each_prompt(model):
+    from workbench import probes
+
+    lenses = probes.logit_lens_batch(model, TEXTS[:3], k=3)
+    for text, lens in zip(TEXTS, lenses):
+        alone = probes.logit_lens(model, text, k=3)
+        assert lens.tokens == alone.tokens
+        top = lens.top_ids["resid_post"][:, :, 0]
+        assert (top == alone.top_ids["resid_post"][:, :, 0]).float().mean() > 0.99
+
+
+def test_dla_batch_equals_each_prompt(llama):
+    from workbench import probes
+
+    attributions = probes.direct_logit_attribution_batch(llama, PROMPTS, targets=[10, 11, 12, 13], baselines=20)
+    for prompt, target, attribution in zip(PROMPTS, [10, 11, 12, 13], attributions):
+        alone = probes.direct_logit_attribution(llama, prompt, target, 20)
+        assert attribution.labels == alone.labels
+        torch.testing.assert_close(attribution.contributions, alone.contributions, atol=1e-3, rtol=1e-3)
+        assert attribution.total == pytest.approx(attribution.logit, abs=1e-3)
+    with pytest.raises(WorkbenchError, match="prompt 1: position -3 is out of range"):
+        probes.direct_logit_attribution_batch(llama, PROMPTS, targets=10, position=-3)
+    with pytest.raises(WorkbenchError, match="one token per prompt"):
+        probes.direct_logit_attribution_batch(llama, PROMPTS, targets=[10, 11])

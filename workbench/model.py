@@ -180,7 +180,7 @@ class Model:
         """
         if logits not in ("all", "last"):
             raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
-        ids = self._batch_ids(prompts, chat)
+        ids = self.batch_ids(prompts, chat)
         lengths = [len(x) for x in ids]
         recorder = None
         if record:
@@ -227,7 +227,7 @@ class Model:
         each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
         from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does."""
         sampling = Sampling(temperature, top_k, top_p, seed)
-        ids = self._batch_ids(prompts, chat)
+        ids = self.batch_ids(prompts, chat)
         lengths = [len(x) for x in ids]
         if max_new_tokens < 0:
             raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -261,7 +261,7 @@ class Model:
     def new_batch_cache(self, n_rows: int) -> BatchKVCache:
         return self.runner.new_batch_cache(n_rows)
 
-    def _batch_ids(self, prompts: Sequence[str | Sequence[int]], chat: bool) -> list[list[int]]:
+    def batch_ids(self, prompts: Sequence[str | Sequence[int]], chat: bool = False) -> list[list[int]]:
         """Token ids of every prompt of a batch, checked before any compute (errors name the prompt)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise WorkbenchError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
