@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from workbench import results
 from workbench.errors import WorkbenchError
 from workbench.hooks import Trace
+from workbench.mcp_server import schemas
 
 
 class Vocab:
@@ -242,3 +245,59 @@ def test_relative_change_and_activation_summaries():
     brief = results.summarize_activation("blocks.0.attn.hook_attn_scores", scores, per_position=False)
     assert brief.position_norms == [] and brief.norm == summary.norm
     assert [s.hook for s in results.summarize_activations(base)] == ["blocks.0.hook_resid_post"]
+
+
+# ---------------------------------------------------------------------------------------------- MCP schemas
+
+
+def test_mcp_schemas_are_derived_from_the_result_types():
+    names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
+    assert list(schemas.Distribution.model_fields) == names(results.Distribution)
+    assert list(schemas.TokenProb.model_fields) == names(results.TokenProb)
+    assert list(schemas.EditResult.model_fields) == ["trace_id", "baseline_trace_id", "interventions",
+                                                     *[n for n in names(results.NextTokenComparison)
+                                                       if n != "baseline_top1"]]
+    assert list(schemas.Comparison.model_fields) == ["a", "b", "same_tokens", "top1_a", "top1_b", "kl",
+                                                     "max_abs_logit_diff", "activations"]
+    assert schemas.EditResult.model_fields["kl"].description.startswith("KL(baseline || edited)")
+    assert schemas.Distribution.model_fields["top"].annotation == list[schemas.TokenProb]
+    assert "size limit" in schemas.ActivationSummary.model_fields["position_norms"].description
+    cmp = results.compare_next_token(logits(30, seed=12), logits(30, seed=13), Vocab(), k=3, targets=[7])
+    out = schemas.EditResult(trace_id="t", baseline_trace_id="u", interventions=[], **cmp.to_dict())
+    expected = {k: v for k, v in cmp.to_dict().items() if k != "baseline_top1"}
+    assert out.model_dump(exclude={"trace_id", "baseline_trace_id", "interventions"}) == expected
+
+
+# ------------------------------------------------------------------------------------ one KL on every surface
+
+
+def test_the_app_and_the_mcp_server_give_one_kl_for_one_pair(model, tmp_path):
+    """The same two traces compared on the dashboard's Artifacts page and by the MCP compare_traces tool."""
+    streamlit_testing = pytest.importorskip("streamlit.testing.v1")
+    from workbench.app import common
+    from workbench.mcp_server import Workbench
+    from workbench.mcp_server.tools import Call
+
+    a = model.run(common.DEFAULT_PROMPT, record=["blocks.*.hook_resid_post"])
+    edited = a.logits.clone()
+    edited[-1, int(a.logits[-1].argmax())] -= 60.0  # the favourite drops below 1e-12: clamping would matter
+    b = dataclasses.replace(a, logits=edited)
+
+    bench = Workbench(model, tmp_path)
+    with bench.sessions.using("kl") as session:
+        call = Call(session, threading.Event())
+        a_id, b_id = session.put("trace", a), session.put("trace", b)
+        mcp_kl = bench.compare_traces(call, a=a_id, b=b_id).kl
+    assert mcp_kl == common.next_token_comparison(model, a.logits[-1], b.logits[-1]).kl
+    assert mcp_kl == pytest.approx(direct_kl(a.logits[-1], b.logits[-1]), rel=1e-12)
+    assert mcp_kl - clamped_kl(a.logits[-1], b.logits[-1]) > 0.1  # what the page showed before
+
+    main = str(Path(common.__file__).with_name("main.py"))
+    at = streamlit_testing.AppTest.from_file(main, default_timeout=240)
+    at.session_state["traces"] = {"A": a, "B": b}
+    at.session_state["ar_compare_a"], at.session_state["ar_compare_b"] = "A", "B"
+    at.run()
+    at.switch_page("page_artifacts.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    shown = next(m.value for m in at.metric if m.label.startswith("KL(A"))
+    assert shown == f"{mcp_kl:.3f} nats"
