@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import plotly.graph_objects as go
 import streamlit as st
-import torch
 
 import workbench
+from workbench import results
 from workbench.errors import WorkbenchError
 from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE
 
@@ -302,34 +302,33 @@ def residual_change(base: "workbench.hooks.Trace", other: "workbench.hooks.Trace
         raise WorkbenchError(f"both traces must record blocks.*.hook_resid_post (missing {missing[0]})")
     if base.ids != other.ids:
         raise WorkbenchError("the traces are of different prompts; the residual change needs the same tokens")
-    change = torch.stack([(other.activations[n] - base.activations[n]).norm(dim=-1) / base.activations[n].norm(dim=-1)
-                          for n in names])
+    change = results.relative_change(base, other, names)
     return heatmap(change.tolist(), axis_labels(base.tokens), [f"L{i}" for i in range(n_layers)], title=title,
                    colorbar="relative change", colorscale="Reds", zmin=0, zmax=max(float(change.max()), 1e-6),
                    height=520)
 
 
+def next_token_comparison(m: workbench.Model, base_logits, other_logits) -> results.NextTokenComparison:
+    """What ``compare_next_token`` shows: ``workbench.results.compare_next_token`` with the top 8 of each."""
+    return results.compare_next_token(base_logits, other_logits, m, k=8)
+
+
 def compare_next_token(m: workbench.Model, base_logits, other_logits, names: tuple[str, str], key: str) -> None:
     """KL, the baseline favourite's probability shift and both top-k charts, side by side."""
-    base, other = base_logits.float().softmax(-1), other_logits.float().softmax(-1)
-    favourite = int(base.argmax())
-    kl = float((base * (base.clamp_min(1e-12).log() - other.clamp_min(1e-12).log())).sum())
+    comparison = next_token_comparison(m, base_logits, other_logits)
+    favourite, top = comparison.baseline_top1, comparison.edited.top[0]
     first, second, third = st.columns(3)
-    first.metric(f"KL({names[0]} ‖ {names[1]})", f"{kl:.3f} nats")
-    second.metric(f"p({visible(m.tokenizer.token_text(favourite))})", f"{float(other[favourite]):.3f}",
-                  f"{float(other[favourite] - base[favourite]):+.3f}")
-    top = int(other.argmax())
-    third.metric(f"{names[1]} top: {visible(m.tokenizer.token_text(top))}", f"{float(other[top]):.3f}")
+    first.metric(f"KL({names[0]} ‖ {names[1]})", f"{comparison.kl:.3f} nats")
+    second.metric(f"p({visible(favourite.token)})", f"{favourite.edited_prob:.3f}", f"{favourite.prob_delta:+.3f}")
+    third.metric(f"{names[1]} top: {visible(top.token)}", f"{top.prob:.3f}")
     left, right = st.columns(2)
-    left.plotly_chart(top_k_bars(next_token_top_k(m, base_logits, 8), names[0]), key=f"{key}_a")
-    right.plotly_chart(top_k_bars(next_token_top_k(m, other_logits, 8), names[1], color="#EF553B"), key=f"{key}_b")
+    left.plotly_chart(top_k_bars(token_probs(comparison.baseline), names[0]), key=f"{key}_a")
+    right.plotly_chart(top_k_bars(token_probs(comparison.edited), names[1], color="#EF553B"), key=f"{key}_b")
 
 
-def next_token_top_k(m: workbench.Model, logits, k: int = 10) -> list[tuple[str, float]]:
-    """(token text, probability) of the k most likely next tokens from a row of logits."""
-    probs = logits.float().softmax(-1)
-    values, indices = probs.topk(k)
-    return [(m.tokenizer.token_text(int(i)), float(v)) for v, i in zip(values, indices)]
+def token_probs(distribution: results.Distribution) -> list[tuple[str, float]]:
+    """(token text, probability) of a distribution's top tokens, for ``top_k_bars``."""
+    return [(t.token, t.prob) for t in distribution.top]
 
 
 def parse_positions(text: str) -> list[int] | str | None:

@@ -1,7 +1,7 @@
 """Patching: patch clean activations into the corrupt run cell by cell and map where the answer lives."""
 import streamlit as st
 
-from workbench import hooks, probes
+from workbench import hooks, probes, results
 from workbench.app import common
 
 SWEEPS = {"Layers × positions": ("layers", "positions"), "Layers × heads": ("layers", "heads"),
@@ -48,7 +48,7 @@ def metric_and_answers():
     answer = probes.lens.token_id(model, answers[0]) if answers[0] else int(model.forward(clean)[-1].argmax())
 
     def probability_of_clean_answer(logits):
-        return float(logits[-1].softmax(-1)[answer])
+        return float(results.probs(logits[-1])[answer])
 
     return probability_of_clean_answer, None
 

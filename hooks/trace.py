@@ -12,11 +12,14 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:  # the results layer sits above this module: imported where used
+    from workbench.results import Distribution, TraceComparison
 
 SCHEMA = "workbench.trace"
 SCHEMA_VERSION = 1
@@ -46,9 +49,23 @@ class Trace:
 
     def top_tokens(self, position: int = -1, k: int = 10) -> list[tuple[int, float]]:
         """(token id, probability) of the k most likely next tokens at a position."""
-        probs = self.logits[position].softmax(-1)
-        values, indices = probs.topk(k)
-        return [(int(i), float(v)) for i, v in zip(indices, values)]
+        from workbench.results import top_k
+
+        return [(t.id, t.prob) for t in top_k(self.logits[position], k)]
+
+    def next_token(self, k: int = 10, vocab: Any = None, position: int = -1) -> "Distribution":
+        """The next-token distribution at a position: top ``k`` (named by ``vocab``, a model or its tokenizer) and
+        entropy (``workbench.results.next_token``)."""
+        from workbench.results import next_token
+
+        return next_token(self.logits[position], k, vocab)
+
+    def compare(self, other: "Trace", vocab: Any = None, per_position: bool = True) -> "TraceComparison":
+        """How ``other`` differs from this trace: KL, top-1, logits, activations
+        (``workbench.results.compare_traces``)."""
+        from workbench.results import compare_traces
+
+        return compare_traces(self, other, vocab, per_position)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Logits and activations under the keys the artifact stores them by."""

@@ -25,7 +25,7 @@ def run_json(capsys, *argv) -> dict:
 def test_run_json_matches_forward(capsys, model):
     out = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--json")
     assert out["ids"] == model.tokenize("The capital of France is")
-    logprobs = model.forward(out["ids"])[-1].log_softmax(-1)
+    logprobs = model.forward(out["ids"])[-1].double().log_softmax(-1)  # the results layer's float64
     assert [row["id"] for row in out["top_k"]] == logprobs.topk(5).indices.tolist()
     assert out["top_k"][0]["token"] == " Paris"
     assert out["top_k"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=1e-5)
@@ -35,7 +35,7 @@ def test_run_in_llamacpp_numerics(capsys, model):
     exact = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--json")
     emulated = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--numerics", "llamacpp", "--json")
     with workbench.kernels.numerics("llamacpp"):
-        logprobs = model.forward(emulated["ids"])[-1].log_softmax(-1)
+        logprobs = model.forward(emulated["ids"])[-1].double().log_softmax(-1)
     assert emulated["top_k"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=1e-5)
     assert emulated["top_k"][0]["logprob"] != pytest.approx(exact["top_k"][0]["logprob"], abs=1e-5)
     assert workbench.kernels.get_numerics() == "exact"  # the mode lasts for the command only

@@ -41,17 +41,10 @@ def _load(args: argparse.Namespace):
 
 def next_token_distribution(model, ids: list[int], top_k: int) -> dict[str, Any]:
     """The next-token top-k of a prompt, with token text and log-probabilities (JSON-ready)."""
-    logits = model.forward(ids)
-    logprobs = logits[-1].log_softmax(-1)
-    values, indices = logprobs.topk(top_k)
-    return {
-        "tokens": model.token_texts(ids),
-        "ids": ids,
-        "top_k": [
-            {"id": int(i), "token": model.tokenizer.token_text(int(i)), "logprob": float(v), "prob": float(v.exp())}
-            for v, i in zip(values, indices)
-        ],
-    }
+    from workbench.results import top_k as most_likely
+
+    top = most_likely(model.forward(ids)[-1], top_k, model)
+    return {"tokens": model.token_texts(ids), "ids": ids, "top_k": [t.to_dict() for t in top]}
 
 
 def cmd_run(args: argparse.Namespace) -> None:

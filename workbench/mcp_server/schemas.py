@@ -1,26 +1,62 @@
-"""Structured results of the MCP tools: each tool's output schema is one of these models."""
+"""Structured results of the MCP tools: each tool's output schema is one of these models.
+
+The models of what ``workbench.results`` computes (distributions, comparisons, summaries) are derived from its
+dataclasses, field descriptions included, so the schema and the numbers have one definition.
+"""
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
+
+from workbench import results
 
 # Numbers that may be -inf (masked attention scores) travel as null.
 Value = float | None
 
-
-class TokenProb(BaseModel):
-    id: int
-    token: str
-    logprob: float
-    prob: float
+_DERIVED: dict[type, type[BaseModel]] = {}  # results dataclass -> its model, for fields that nest one
 
 
-class Distribution(BaseModel):
-    """The next-token distribution after the last prompt token."""
+def _model_type(annotation: Any) -> Any:
+    """An annotation with every results dataclass in it replaced by its derived model."""
+    if annotation in _DERIVED:
+        return _DERIVED[annotation]
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is None or not args:
+        return annotation
+    args = tuple(_model_type(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[args]
+    return origin[args if len(args) > 1 else args[0]]
 
-    top: list[TokenProb]
-    entropy: float = Field(description="entropy in nats")
+
+def derive(result: type, name: str | None = None, *, before: dict[str, Any] | None = None,
+           exclude: tuple[str, ...] = (), descriptions: dict[str, str] | None = None) -> type[BaseModel]:
+    """The model of a ``workbench.results`` dataclass: its fields (less ``exclude``) after the extra ``before`` ones
+    (name -> (type, Field)), its docstring, the descriptions in its field metadata unless ``descriptions`` overrides
+    one. Registered for nesting when it keeps the dataclass's name. A model built from ``result.to_dict()`` ignores
+    the excluded keys."""
+    hints = typing.get_type_hints(result)
+    fields: dict[str, Any] = dict(before or {})
+    for f in dataclasses.fields(result):
+        if f.name not in exclude:
+            description = (descriptions or {}).get(f.name, f.metadata.get("description"))
+            fields[f.name] = (_model_type(hints[f.name]), Field(description=description))
+    model = create_model(name or result.__name__, __doc__=result.__doc__, __module__=__name__, **fields)
+    if name is None:
+        _DERIVED[result] = model
+    return model
+
+
+TokenProb = derive(results.TokenProb)
+Distribution = derive(results.Distribution)
+TokenChange = derive(results.TokenChange)
+HookDiff = derive(results.HookDiff)
+ActivationSummary = derive(results.ActivationSummary, descriptions={
+    "position_norms": "L2 norm at each token position (empty when recorded hooks x positions exceed the size limit)"})
 
 
 class ModelInfo(BaseModel):
@@ -65,15 +101,6 @@ class Tokenization(BaseModel):
     tokens: list[str]
 
 
-class ActivationSummary(BaseModel):
-    hook: str
-    shape: list[int]
-    norm: float
-    max_abs: float
-    position_norms: list[float] = Field(description="L2 norm at each token position (empty when recorded hooks x "
-                                                    "positions exceed the size limit)")
-
-
 class RunResult(BaseModel):
     trace_id: str
     tokens: list[str]
@@ -92,24 +119,10 @@ class ActivationSlice(BaseModel):
     values: list[Value]
 
 
-class TokenChange(BaseModel):
-    id: int
-    token: str
-    baseline_logprob: float
-    edited_logprob: float
-    delta: float
-
-
-class EditResult(BaseModel):
-    trace_id: str = Field(description="trace of the edited run (save_trace / replay_trace take it)")
-    baseline_trace_id: str
-    interventions: list[dict[str, Any]] = Field(description="as applied; long vectors shown as {size, norm}")
-    baseline: Distribution
-    edited: Distribution
-    kl: float = Field(description="KL(baseline || edited) of the next-token distributions, nats")
-    top1_changed: bool
-    changes: list[TokenChange] = Field(description="tokens of either top-k, largest |delta| first")
-    targets: list[TokenChange]
+EditResult = derive(results.NextTokenComparison, "EditResult", exclude=("baseline_top1",), before=dict(
+    trace_id=(str, Field(description="trace of the edited run (save_trace / replay_trace take it)")),
+    baseline_trace_id=(str, Field()),
+    interventions=(list[dict[str, Any]], Field(description="as applied; long vectors shown as {size, norm}"))))
 
 
 class Generation(BaseModel):
@@ -175,21 +188,8 @@ class Saved(BaseModel):
     bytes: int
 
 
-class HookDiff(BaseModel):
-    hook: str
-    max_abs_diff: float
-    relative_diff: float = Field(description="||a - b|| / ||a||")
-
-
-class Comparison(BaseModel):
-    a: str
-    b: str
-    same_tokens: bool
-    top1_a: TokenProb
-    top1_b: TokenProb
-    kl: float = Field(description="KL(a || b) of the next-token distributions, nats")
-    max_abs_logit_diff: float
-    activations: list[HookDiff]
+Comparison = derive(results.TraceComparison, "Comparison", before=dict(a=(str, Field()), b=(str, Field())),
+                    exclude=("max_abs_deviation", "worst_tensor", "kl_per_position", "top1_changes"))
 
 
 class Replay(BaseModel):

@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 import workbench
-from workbench import hooks, probes
+from workbench import hooks, probes, results
 from workbench.errors import WorkbenchError
 from workbench.hooks.points import axes, head_count
 from workbench.kernels import get_numerics
@@ -139,11 +139,7 @@ class Workbench:
             raise WorkbenchError(f"{what} must be between 1 and {limit}, got {n}")
 
     def _distribution(self, model: Any, logits: torch.Tensor, top_k: int) -> s.Distribution:
-        logprobs = logits.float().log_softmax(-1)
-        values, indices = logprobs.topk(top_k)
-        top = [s.TokenProb(id=int(i), token=model.tokenizer.token_text(int(i)), logprob=float(v),
-                           prob=float(v.exp())) for v, i in zip(values, indices)]
-        return s.Distribution(top=top, entropy=float(-(logprobs.exp() * logprobs).sum()))
+        return s.Distribution(**results.next_token(logits, top_k, model).to_dict())
 
     def _record_names(self, model: Any, record: list[str], n_tokens: int) -> list[str]:
         names = list(dict.fromkeys(n for pattern in record for n in hooks.resolve(pattern, model.config)))
@@ -197,14 +193,8 @@ class Workbench:
     def _summaries(self, trace: hooks.Trace) -> list[s.ActivationSummary]:
         """Shape, norm and max of each recorded activation; per-position norms while they fit the size limit."""
         per_position = len(trace.activations) * len(trace.ids) <= self.limits.max_values
-        out = []
-        for name, act in trace.activations.items():
-            rows = act.movedim(axes(name).token, 0).flatten(1).float()
-            finite = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
-            out.append(s.ActivationSummary(hook=name, shape=_shape(act), norm=float(finite.norm()),
-                                           max_abs=float(finite.abs().max()),
-                                           position_norms=finite.norm(dim=1).tolist() if per_position else []))
-        return out
+        return [s.ActivationSummary(**summary.to_dict())
+                for summary in results.summarize_activations(trace, per_position)]
 
     def _compare(self, call: Call, prompt: str, specs: list[dict[str, Any]], chat: bool, top_k: int,
                  targets: list[str], record: list[str] = ()) -> s.EditResult:
@@ -215,22 +205,9 @@ class Workbench:
         target_ids = [token_id(model, t) for t in targets]
         baseline_id, baseline = self._run(call, prompt, chat, record)
         edited_id, edited = self._run(call, prompt, chat, record, interventions)
-        before, after = baseline.logits[-1].log_softmax(-1), edited.logits[-1].log_softmax(-1)
-        dist_before = self._distribution(model, baseline.logits[-1], top_k)
-        dist_after = self._distribution(model, edited.logits[-1], top_k)
-
-        def change(i: int) -> s.TokenChange:
-            b, a = float(before[i]), float(after[i])
-            return s.TokenChange(id=i, token=model.tokenizer.token_text(i), baseline_logprob=b, edited_logprob=a,
-                                 delta=a - b)
-
-        shown = dict.fromkeys(t.id for t in dist_before.top + dist_after.top)
-        changes = sorted((change(i) for i in shown), key=lambda c: -abs(c.delta))
-        return s.EditResult(
-            trace_id=edited_id, baseline_trace_id=baseline_id, interventions=_compact(edited.interventions),
-            baseline=dist_before, edited=dist_after, kl=float((before.exp() * (before - after)).sum()),
-            top1_changed=dist_before.top[0].id != dist_after.top[0].id, changes=changes[:top_k],
-            targets=[change(i) for i in target_ids])
+        comparison = results.compare_next_token(baseline.logits[-1], edited.logits[-1], model, top_k, target_ids)
+        return s.EditResult(trace_id=edited_id, baseline_trace_id=baseline_id,
+                            interventions=_compact(edited.interventions), **comparison.to_dict())
 
     def trace_summary(self, call: Call, trace_id: str) -> s.TraceSummary:
         """What list_traces and the trace:// resources show of one trace."""
@@ -898,26 +875,8 @@ class Workbench:
 
     def _comparison(self, call: Call, a_id: str, b_id: str) -> s.Comparison:
         a, b = call.session.get("trace", a_id), call.session.get("trace", b_id)
-        model = self.model(call)
-        la, lb = a.logits[-1].log_softmax(-1), b.logits[-1].log_softmax(-1)
-        same_tokens = a.ids == b.ids
-        logit_diff = (a.logits - b.logits).abs().max() if same_tokens else (a.logits[-1] - b.logits[-1]).abs().max()
-        diffs = []
-        for name in a.activations.keys() & b.activations.keys():
-            x, y = a.activations[name], b.activations[name]
-            if x.shape != y.shape:
-                continue
-            both = torch.isfinite(x) & torch.isfinite(y)
-            delta = torch.where(both, x - y, torch.zeros_like(x))
-            reference = torch.where(both, x, torch.zeros_like(x)).norm()
-            diffs.append(s.HookDiff(hook=name, max_abs_diff=float(delta.abs().max()),
-                                    relative_diff=float(delta.norm() / reference) if reference > 0 else 0.0))
-        return s.Comparison(
-            a=a_id, b=b_id, same_tokens=same_tokens,
-            top1_a=self._distribution(model, a.logits[-1], 1).top[0],
-            top1_b=self._distribution(model, b.logits[-1], 1).top[0],
-            kl=float((la.exp() * (la - lb)).sum()), max_abs_logit_diff=float(logit_diff),
-            activations=sorted(diffs, key=lambda d: d.hook))
+        comparison = results.compare_traces(a, b, self.model(call), per_position=False)
+        return s.Comparison(a=a_id, b=b_id, **comparison.to_dict())
 
     @tool
     def release(self, call: Call, ids: Annotated[list[str], Field(description="ids of traces, caches, probes, "
