@@ -1,6 +1,6 @@
 """Produce the llama.cpp reference fixtures in tests/fixtures/ (needs the optional `reference` extra).
 
-    pip install --no-deps llama-cpp-python   # source build; see README "Reference fixtures"
+    pip install --no-deps llama-cpp-python   # source build; see docs/faithfulness.md, "Regenerating the fixtures"
     python scripts/make_llamacpp_fixtures.py [--model PATH]
 
 Writes:

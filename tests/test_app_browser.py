@@ -1,8 +1,8 @@
 """The dashboard in a real browser: ``workbench app`` on loopback, every page in headless Chromium.
 
 Each page does its main action the way a user would; the test checks that a plotly chart rendered and
-that no exception or error is on the page, and saves a screenshot (to docs/screenshots/, the README's, when
-WORKBENCH_SCREENSHOTS=docs/screenshots is set).
+that no exception or error is on the page, and saves a screenshot (to docs/screenshots/, those of
+docs/dashboard.md, when WORKBENCH_SCREENSHOTS=docs/screenshots is set).
 Skipped unless the ``playwright`` package and a system Chromium are installed (no browser download).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).is_file():
     pytest.skip("no system Chromium (apt-get install chromium)", allow_module_level=True)
 
-# Screenshots go to a scratch folder; WORKBENCH_SCREENSHOTS=docs/screenshots refreshes the README's.
+# Screenshots go to a scratch folder; WORKBENCH_SCREENSHOTS=docs/screenshots refreshes docs/dashboard.md's.
 SCREENSHOTS = Path(os.environ.get("WORKBENCH_SCREENSHOTS") or Path(tempfile.gettempdir()) / "workbench-screenshots")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run"]

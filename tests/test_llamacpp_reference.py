@@ -11,7 +11,7 @@ from workbench.kernels import numerics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
-# Measured on the embedded model (README "Faithfulness"): mean KL 0.0045, max 0.035 nats, most of it
+# Measured on the embedded model (docs/faithfulness.md, "Against llama.cpp"): mean KL 0.0045, max 0.035 nats, most of it
 # from llama.cpp quantizing activations to Q8_1/Q8_0 and keeping an f16 KV cache. The bounds leave 2-3x
 # room for BLAS and thread-count rounding yet fail on real bugs: the wrong rope pairing gives mean KL
 # 0.62 and 59% top-1; a norm epsilon 100x too large gives max KL 0.11 and 96% top-1.

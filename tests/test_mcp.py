@@ -668,7 +668,7 @@ def test_a_call_waiting_for_the_model_past_the_idle_limit_keeps_its_session():
 
 
 def test_full_experiment_through_tools_alone(stdio, artifacts):
-    """README's worked example: lens -> find a layer -> steer -> verify -> save an artifact -> replay."""
+    """The worked example of docs/mcp.md: lens -> find a layer -> steer -> verify -> save an artifact -> replay."""
     prompt = "Today I feel so"
     # 1. lens: where does the model start considering " happy" for the next token?
     track = stdio.call("track_token", prompt=prompt, tokens=[" happy", " sad"])

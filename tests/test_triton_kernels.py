@@ -571,7 +571,8 @@ class TestCuda:
         Each matrix gets the CPU run's input, patched in: the activations' quantizer is discontinuous, so where the two
         devices' float32 sums (the same integer dots, scaled in another order) round one value to different int8s, every
         later activation differs by about as much as the numerics themselves differ from exact ones. Unpatched, that
-        happened in about a third of such random models on an H100 (bench/RESULTS.md, twenty-second session)."""
+        happened in about a third of such random models on an H100 (docs/kernels.md, "Numerics: exact and
+        llama.cpp")."""
         from workbench.hooks import Patch
         from workbench.model import Model
         from workbench.synthetic import random_checkpoint, random_config
