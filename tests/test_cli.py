@@ -91,3 +91,29 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"workbench: error: no model at {missing}"
     assert "Traceback" not in proc.stderr
+
+
+def test_run_file_prints_one_json_line_per_prompt(capsys, tmp_path, model):
+    prompts = ["The capital of France is", "Hello", "Water boils at"]
+    path = tmp_path / "prompts.txt"
+    path.write_text(prompts[0] + "\n\n" + "\n".join(prompts[1:]) + "\n", encoding="utf-8")
+    assert cli.main(["run", "--file", str(path), "--json", "--top-k", "3"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    for prompt, line in zip(prompts, lines):
+        logprobs = model.forward(prompt)[-1].double().log_softmax(-1)
+        assert line["ids"] == model.tokenize(prompt)
+        assert [row["id"] for row in line["top_k"]] == logprobs.topk(3).indices.tolist()
+        assert line["top_k"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=2e-4)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run"], "give one prompt, or --file"),
+    (["run", "x", "--file", "p.txt"], "give one prompt, or --file"),
+    (["run", "--file", "/nonexistent/prompts.txt"], "prompt file not found"),
+    (["run", "x", "--top-k", "0"], "--top-k must be at least 1"),
+])
+def test_run_file_errors_are_one_line(capsys, args, message):
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

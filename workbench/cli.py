@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from workbench.errors import WorkbenchError
@@ -39,24 +40,51 @@ def _load(args: argparse.Namespace):
     return workbench.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
 
 
-def next_token_distribution(model, ids: list[int], top_k: int) -> dict[str, Any]:
-    """The next-token top-k of a prompt, with token text and log-probabilities (JSON-ready)."""
+def next_token_distribution(model, ids: list[int], top_k: int, logits=None) -> dict[str, Any]:
+    """The next-token top-k of a prompt, with token text and log-probabilities (JSON-ready); ``logits`` are the
+    prompt's last row when already computed."""
     from workbench.results import top_k as most_likely
 
-    top = most_likely(model.forward(ids)[-1], top_k, model)
+    last = model.forward(ids)[-1] if logits is None else logits
+    top = most_likely(last, top_k, model)
     return {"tokens": model.token_texts(ids), "ids": ids, "top_k": [t.to_dict() for t in top]}
 
 
+def read_prompts(path: str) -> list[str]:
+    """One prompt per non-empty line of a UTF-8 text file (``-``: standard input)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkbenchError(f"prompt file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise WorkbenchError(f"cannot read prompts from {path}: {err.__class__.__name__}: {err}") from None
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise WorkbenchError(f"{path} holds no prompts (one a line)")
+    return prompts
+
+
 def cmd_run(args: argparse.Namespace) -> None:
+    if (args.prompt is None) == (args.file is None):
+        raise WorkbenchError("give one prompt, or --file with a prompt a line")
+    if args.top_k < 1:
+        raise WorkbenchError(f"--top-k must be at least 1, got {args.top_k}")
     model = _load(args)
-    ids = model.to_ids(args.prompt, chat=args.chat)
-    result = next_token_distribution(model, ids, args.top_k)
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(f"{len(ids)} tokens: " + " ".join(repr(t) for t in result["tokens"]))
-    for row in result["top_k"]:
-        print(f"{row['prob']:8.4f}  {row['logprob']:9.4f}  {row['id']:>7}  {row['token']!r}")
+    if args.file is not None:
+        prompts = read_prompts(args.file)
+        ids = model.batch_ids(prompts, chat=args.chat)
+        logits = model.forward_batch(ids, batch_size=args.batch_size, last_only=True)
+        results = [next_token_distribution(model, i, args.top_k, row[-1]) for i, row in zip(ids, logits)]
+    else:
+        ids = [model.to_ids(args.prompt, chat=args.chat)]
+        results = [next_token_distribution(model, ids[0], args.top_k)]
+    for index, result in enumerate(results):
+        if args.json:  # one JSON object a line, in the prompts' order
+            print(json.dumps({"index": index, **result} if args.file is not None else result))
+            continue
+        print(f"{len(result['ids'])} tokens: " + " ".join(repr(t) for t in result["tokens"]))
+        for row in result["top_k"]:
+            print(f"{row['prob']:8.4f}  {row['logprob']:9.4f}  {row['id']:>7}  {row['token']!r}")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -147,8 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="next-token distribution of a prompt")
-    run.add_argument("prompt")
+    run = sub.add_parser("run", help="next-token distribution of a prompt (or of every line of --file, batched)")
+    run.add_argument("prompt", nargs="?")
+    run.add_argument("--file", default=None, help="a text file of prompts, one a line ('-': standard input); with "
+                     "--json, one JSON object a line")
+    run.add_argument("--batch-size", type=int, default=None, help="prompts a forward (default: as many as fit)")
     run.add_argument("--top-k", type=int, default=10)
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _model_args(run)
