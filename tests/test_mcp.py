@@ -152,6 +152,22 @@ def test_model_tools(stdio, model):
     assert "".join(tokens["tokens"]) == PROMPT
 
 
+def test_run_batch_and_generate_batch(stdio, model):
+    prompts = [PROMPT, "Hello", "Water boils at"]
+    out = stdio.call("run_batch", prompts=prompts, top_k=3)
+    for prompt, result in zip(prompts, out["results"]):
+        logprobs = next_token_logprobs(model, prompt)
+        assert result["tokens"] == model.token_texts(model.tokenize(prompt))
+        assert [t["id"] for t in result["next_token"]["top"]] == logprobs.topk(3).indices.tolist()
+        assert result["next_token"]["top"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=2e-4)
+    generated = stdio.call("generate_batch", prompts=prompts, max_new_tokens=6)["generations"]
+    assert [g["text"] for g in generated] == [model.generate(p, 6) for p in prompts]
+    too_many = [PROMPT] * (Limits().max_batch + 1)
+    assert "prompts must be between 1 and" in stdio.error("run_batch", prompts=too_many)
+    assert "prompts must be between 1 and" in stdio.error("generate_batch", prompts=[])
+    assert "this server takes at most" in stdio.error("run_batch", prompts=["a " * 600])
+
+
 def test_load_model_switches_this_session_only(http_server, http, artifacts):
     config = random_config("llama", n_layers=2)
     (artifacts / "models").mkdir()

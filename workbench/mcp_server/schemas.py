@@ -108,6 +108,15 @@ class RunResult(BaseModel):
     recorded: list[ActivationSummary]
 
 
+class PromptNextToken(BaseModel):
+    tokens: list[str]
+    next_token: Distribution
+
+
+class BatchRunResult(BaseModel):
+    results: list[PromptNextToken] = Field(description="one per prompt, in the prompts' order")
+
+
 class ActivationSlice(BaseModel):
     trace_id: str
     hook: str
@@ -130,6 +139,10 @@ class Generation(BaseModel):
     ids: list[int]
     tokens: list[str]
     stopped: bool = Field(description="ended on an end-of-turn / end-of-text token")
+
+
+class BatchGeneration(BaseModel):
+    generations: list[Generation] = Field(description="one per prompt, in the prompts' order")
 
 
 class AttentionPattern(BaseModel):

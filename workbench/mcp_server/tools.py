@@ -51,6 +51,7 @@ class Call:
 # ------------------------------------------------------------------------------------------ argument types
 
 Prompt = Annotated[str, Field(description="prompt text")]
+Prompts = Annotated[list[str], Field(description="prompt texts, run together in batched forwards")]
 Chat = Annotated[bool, Field(description="wrap the prompt in the model's chat template")]
 TopK = Annotated[int, Field(description="how many most likely next tokens to return")]
 Hook = Annotated[str, Field(description="hook point name, e.g. blocks.12.hook_resid_post (list_hook_points)")]
@@ -320,6 +321,24 @@ class Workbench:
                            recorded=self._summaries(trace))
 
     @tool
+    def run_batch(self, call: Call, prompts: Prompts, top_k: TopK = 10, interventions: Specs = [],
+                  chat: Chat = False) -> s.BatchRunResult:
+        """Many prompts in batched forwards (with the same interventions for each, positions counted per prompt): each
+        prompt's tokens and next-token distribution. No traces are kept; use run for activations."""
+        model = self.model(call)
+        self._check_count("top_k", top_k, self.limits.max_top_k)
+        self._check_count("prompts", len(prompts), self.limits.max_batch)
+        for prompt in prompts:
+            self._ids(model, prompt, chat)
+        edits = self._interventions(call, interventions)
+        call.check()
+        traces = model.run_batch(prompts, interventions=edits, chat=chat, logits="last",
+                                 progress=lambda done, total: call.check())
+        return s.BatchRunResult(results=[s.PromptNextToken(tokens=t.tokens,
+                                                           next_token=self._distribution(model, t.logits[-1], top_k))
+                                         for t in traces])
+
+    @tool
     def get_activation(self, call: Call, trace_id: TraceId, hook: Hook, positions: Positions = None,
                        heads: Heads = None,
                        feature_start: Annotated[int, Field(description="first index of the last axis")] = 0,
@@ -478,10 +497,9 @@ class Workbench:
                 for reference in reference_prompts:
                     self._ids(model, reference)
                 hooks.resolve(hook, model.config)
-                references = []
-                for reference in reference_prompts:
-                    call.check()
-                    references.append(model.run(reference, record=[hook]))
+                call.check()
+                references = model.run_batch(reference_prompts, record=[hook], logits="last",
+                                             progress=lambda done, total: call.check())
                 region.pop("hook")
                 spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
         else:
@@ -537,6 +555,29 @@ class Workbench:
         self._ids(model, prompt, chat)
         return self._generate(call, model, prompt, max_new_tokens, interventions,
                               dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat))
+
+    @tool
+    def generate_batch(self, call: Call, prompts: Prompts, max_new_tokens: MaxNew = 32, interventions: Specs = [],
+                       temperature: Temperature = 0.0, seed: Seed = 0, chat: Chat = False) -> s.BatchGeneration:
+        """Generate a continuation of each prompt, decoded together in batched steps (each prompt stops on its own;
+        interventions act on each, positions counted per prompt)."""
+        model = self.model(call)
+        self._check_count("prompts", len(prompts), self.limits.max_batch)
+        self._check_count("max_new_tokens", max_new_tokens, self.limits.max_new_tokens)
+        for prompt in prompts:
+            self._ids(model, prompt, chat)
+        edits = self._interventions(call, interventions)
+        ids: list[list[int]] = [[] for _ in prompts]
+        pieces: list[list[str]] = [[] for _ in prompts]
+        for i, token, text in model.stream_batch(prompts, max_new_tokens, interventions=edits, chat=chat,
+                                                 temperature=temperature, seed=seed):
+            ids[i].append(token)
+            pieces[i].append(text)
+            call.check()
+        stop = model.tokenizer.stop_ids
+        return s.BatchGeneration(generations=[
+            s.Generation(text="".join(p), ids=i, tokens=model.token_texts(i), stopped=bool(i) and i[-1] in stop)
+            for i, p in zip(ids, pieces)])
 
     def _generate(self, call: Call, model: Any, prompt: str, max_new_tokens: int, specs: list[dict[str, Any]],
                   sampling: dict[str, Any], cache: Any = None) -> s.Generation:
