@@ -18,7 +18,7 @@ with settings:
                         key="pr_dataset", help="Pairs datasets probe positive vs negative.")
     st.caption(probes.list_datasets()[name])
     examples = st.slider("Examples", 10, 80, 16, 2, key="pr_examples",
-                         help="A seeded, class-balanced sample: one forward per prompt.")
+                         help="A seeded, class-balanced sample, run in batched forwards.")
     point = st.selectbox("Point", ["resid_post", "resid_mid", "resid_pre"], key="pr_point")
     pooling = st.radio("Pooling", ["last", "mean"], horizontal=True, key="pr_pooling",
                        help="The last token's activation, or the mean over the prompt's tokens.")
@@ -34,7 +34,7 @@ if run:
 
 with chart:
     if "pr_sweep" not in st.session_state:
-        st.info("Pick a dataset and run the sweep: one forward per prompt records every layer at once.")
+        st.info("Pick a dataset and run the sweep: batched forwards record every layer at once.")
         st.stop()
     dataset, sweep = st.session_state.pr_sweep
     peak = sweep.peak_layer

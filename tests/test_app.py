@@ -212,13 +212,29 @@ def test_patching_grid_restores_the_clean_answer_at_the_last_position(model):
     grid = values(chart(at, "pt_figure")["data"][0]["z"])
     # After the last block only the last position reaches the logits: patching it restores the clean run.
     assert grid.shape == (1, n_tokens)
-    assert float(grid[0, -1]) == pytest.approx(1.0, abs=1e-5)
-    assert grid[0, :-1].abs().max() == 0
+    # (cells run batched, the baselines alone: equal within the batched kernels' rounding, tests/test_batch.py)
+    assert float(grid[0, -1]) == pytest.approx(1.0, abs=2e-4)
+    assert grid[0, :-1].abs().max() <= 2e-4
 
     at.text_input(key="pt_corrupt").set_value("The Colosseum in Rome is in the city of").run()
     button(at, "Run sweep").click().run()
     assert_clean(at, errors=1)
     assert "same number of tokens" in at.error[0].value
+
+
+def test_batch_page_shows_each_prompts_next_token(model):
+    at = start("page_batch.py")
+    prompts = ["The capital of France is", "Hello", "Water boils at"]
+    at.text_area(key="ba_prompts").set_value("\n".join(prompts) + "\n\n").run()
+    button(at, "Run batch").click().run()
+    assert_clean(at)
+    table = at.dataframe[0].value
+    assert list(table["prompt"]) == prompts
+    for prompt, token, p in zip(prompts, table["next token"], table["p"]):
+        logprobs = model.forward(prompt)[-1].double().log_softmax(-1)
+        assert token == common.visible(model.tokenizer.token_text(int(logprobs.argmax())))
+        assert p == pytest.approx(float(logprobs.max().exp()), abs=1e-3)
+    assert len(chart(at, "ba_norms")["data"]) == 3
 
 
 def test_probe_depth_sweep_and_pca(model):
