@@ -11,7 +11,7 @@ from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, P
                             RunShape, Scale, Steer, ZeroAblate, from_spec, merge_hooks)
 from .patching import PatchingResult, patching_sweep
 from .points import point_shapes, resolve
-from .recording import Recorder
+from .recording import Recorder, join_tokens
 from .trace import Trace, TraceError, load_trace
 
 
@@ -58,5 +58,5 @@ __all__ = [
     "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale",
     "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
-    "per_prompt_hooks", "compile_prompt_hooks",
+    "per_prompt_hooks", "compile_prompt_hooks", "join_tokens",
 ]

@@ -35,14 +35,15 @@ class Recorder:
         return {name: [record] for name in self.names}
 
     def activations(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, chunks in self._chunks.items():
-            if not chunks:
-                continue
-            token_axis = axes(name).token
-            if token_axis == 1:  # scores/patterns [heads, T, S]: S grows with the cache, so pad each step
-                n_slots = chunks[-1].shape[-1]
-                fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
-                chunks = [torch.nn.functional.pad(c, (0, n_slots - c.shape[-1]), value=fill) for c in chunks]
-            out[name] = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=token_axis)
-        return out
+        return {name: join_tokens(name, chunks) for name, chunks in self._chunks.items() if chunks}
+
+
+def join_tokens(name: str, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Activations of consecutive tokens of one sequence joined along the token axis. Scores and patterns ``[heads,
+    T, S]`` attend over more slots in later chunks: earlier ones are padded with what a blocked slot holds."""
+    token_axis = axes(name).token
+    if token_axis == 1:
+        n_slots = chunks[-1].shape[-1]
+        fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
+        chunks = [torch.nn.functional.pad(c, (0, n_slots - c.shape[-1]), value=fill) for c in chunks]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=token_axis)

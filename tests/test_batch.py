@@ -345,3 +345,44 @@ def test_dla_batch_equals_each_prompt(llama):
         probes.direct_logit_attribution_batch(llama, PROMPTS, targets=10, position=-3)
     with pytest.raises(WorkbenchError, match="one token per prompt"):
         probes.direct_logit_attribution_batch(llama, PROMPTS, targets=[10, 11])
+
+
+# ---------------------------------------------------------------------------------------- shared prefix
+
+TEMPLATE = list(range(30, 60))  # 30 tokens every prompt starts with
+
+
+def test_a_shared_prefix_is_computed_once_with_the_same_results(llama, monkeypatch):
+    prompts = [TEMPLATE + p for p in PROMPTS]
+    names = ["blocks.*.hook_resid_post", "blocks.1.attn.hook_pattern", "blocks.0.attn.hook_attn_scores"]
+    separate = llama.run_batch(prompts, record=names, share_prefix=False)
+    widths = []
+    forward = llama.runner.forward
+    monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
+    shared = llama.run_batch(prompts, record=names)
+    assert widths == [len(TEMPLATE), sum(len(p) for p in PROMPTS)]  # the template once, then each prompt's own tokens
+    for a, b in zip(shared, separate):
+        assert_close_logits(a.logits, b.logits)
+        for name, value in b.activations.items():
+            assert a.activations[name].shape == value.shape
+            torch.testing.assert_close(a.activations[name], value, atol=1e-3, rtol=1e-3)
+    last = llama.run_batch(prompts, record=["blocks.1.hook_resid_post"], reduce="last", logits="last")
+    for a, b in zip(last, separate):
+        assert_close_logits(a.logits, b.logits[-1:])
+        torch.testing.assert_close(a.activations["blocks.1.hook_resid_post"], b.activations["blocks.1.hook_resid_post"][-1],
+                                   atol=1e-3, rtol=1e-3)
+
+
+def test_generation_shares_the_prefix(llama):
+    prompts = [TEMPLATE + p for p in PROMPTS]
+    assert llama.generate_batch(prompts, 6) == [llama.generate(p, 6) for p in prompts]
+
+
+def test_no_sharing_with_interventions_or_short_prefixes(llama, monkeypatch):
+    widths = []
+    forward = llama.runner.forward
+    monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
+    prompts = [TEMPLATE + p for p in PROMPTS]
+    llama.run_batch(prompts, interventions=[hooks.ZeroAblate("blocks.0.hook_mlp_out", positions=[3])])
+    llama.run_batch([TEMPLATE[:10] + p for p in PROMPTS])
+    assert widths == [sum(map(len, prompts)), 10 * len(PROMPTS) + sum(map(len, PROMPTS))]

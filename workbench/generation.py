@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError
 from workbench.kernels.linear import Numerics, get_numerics
-from workbench.kv_cache import KVCache, StaticKVCache
+from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
 from workbench.runner import BatchLayout, Hooks, Transformer
 
 
@@ -183,30 +183,37 @@ def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], ma
     if max_new_tokens == 0:
         return
     order = list(prompts)
-    lengths = [len(prompts[i]) for i in order]
-    cache = runner.new_batch_cache(len(order), max(lengths) + max_new_tokens)
+    rows = [prompts[i] for i in order]
+    capacity = max(map(len, rows)) + max_new_tokens
     generators = [sampling.generator() for _ in order]
-    layout = BatchLayout(lengths, runner.device, prompts=order)
-    packed = torch.tensor([t for i in order for t in prompts[i]], dtype=torch.long)
-    with torch.inference_mode(not hooks):
-        for step in range(max_new_tokens):
+    # with no hooks, a prefix every prompt starts with (a system prompt, a template) is computed once
+    shared = 0 if hooks else shared_prefix(rows)
+    with torch.inference_mode(not hooks):  # (entered around each forward alone: the caller runs between yields)
+        if shared:
+            cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True)
+        else:
+            cache = runner.new_batch_cache(len(rows), capacity)
+    layout = BatchLayout([len(r) - shared for r in rows], runner.device, prompts=order, cached=cache.lengths)
+    packed = torch.tensor([t for r in rows for t in r[shared:]], dtype=torch.long)
+    for step in range(max_new_tokens):
+        with torch.inference_mode(not hooks):
             logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout)
-            if sampling.temperature == 0:
-                tokens = logits.argmax(-1).tolist()  # one read-back for the whole batch
-            else:
-                tokens = [sampling.pick(row, g) for row, g in zip(logits, generators)]
-            keep = []
-            for b, (prompt, token) in enumerate(zip(order, tokens)):
-                yield prompt, token
-                if token not in stop_ids and step + 1 < max_new_tokens:
-                    keep.append(b)
-            if not keep:
-                return
-            if len(keep) < len(order):
-                cache.keep_rows(keep)
-                order, tokens, generators = ([xs[b] for b in keep] for xs in (order, tokens, generators))
-            layout = BatchLayout([1] * len(order), runner.device, prompts=order, cached=cache.lengths)
-            packed = torch.tensor(tokens, dtype=torch.long)
+        if sampling.temperature == 0:
+            tokens = logits.argmax(-1).tolist()  # one read-back for the whole batch
+        else:
+            tokens = [sampling.pick(row, g) for row, g in zip(logits, generators)]
+        keep = []
+        for b, (prompt, token) in enumerate(zip(order, tokens)):
+            yield prompt, token
+            if token not in stop_ids and step + 1 < max_new_tokens:
+                keep.append(b)
+        if not keep:
+            return
+        if len(keep) < len(order):
+            cache.keep_rows(keep)
+            order, tokens, generators = ([xs[b] for b in keep] for xs in (order, tokens, generators))
+        layout = BatchLayout([1] * len(order), runner.device, prompts=order, cached=cache.lengths)
+        packed = torch.tensor(tokens, dtype=torch.long)
 
 
 def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int]) -> Iterator[int]:

@@ -16,6 +16,22 @@ def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.T
     return torch.ones(n_new, n_slots, dtype=torch.bool, device=device).triu(n_slots - n_new + 1)
 
 
+# Fewest leading tokens shared by every sequence of a batched forward that are computed once, not once a sequence.
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix(rows: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens every row shares, when worth computing once (at least MIN_SHARED_PREFIX, in a batch of
+    two or more rows); each row keeps at least one token of its own."""
+    if len(rows) < 2:
+        return 0
+    shortest = min(len(r) for r in rows)
+    length = 0
+    while length < shortest - 1 and all(r[length] == rows[0][length] for r in rows):
+        length += 1
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
 class KVCache:
     """Rotated keys and values of every layer for the tokens seen so far.
 
@@ -354,6 +370,13 @@ class BatchKVCache:
         self._positions[b, :n] = cache._positions[:n]
         self._tokens[b] = list(cache._tokens)
         self.lengths[b] = n
+
+    def repeat_row(self, n_rows: int, capacity: int = 0) -> "BatchKVCache":
+        """A cache of ``n_rows`` copies of this one-row cache (a prefix computed once for many sequences), with room
+        for ``capacity`` slots a row."""
+        if self.n_rows != 1:
+            raise WorkbenchError(f"kv repeat_row: the cache has {self.n_rows} rows, not one")
+        return BatchKVCache.from_caches([self.row(0)] * n_rows, capacity)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (finished sequences leave a generating batch)."""

@@ -16,7 +16,7 @@ from workbench import hooks as hooks_lib
 from workbench.errors import WorkbenchError
 from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
 from workbench.kernels import get_numerics, layer_ops, select_kernel
-from workbench.kv_cache import BatchKVCache, KVCache
+from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, load_checkpoint
 from workbench.progress import Progress, progress_callback
 from workbench.runner import BatchLayout, Transformer
@@ -167,7 +167,8 @@ class Model:
                    interventions: Sequence[Any] = (), per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
-                   logits: str = "all", progress: Progress = False) -> Iterator[tuple[int, hooks_lib.Trace]]:
+                   logits: str = "all", share_prefix: bool = True, progress: Progress = False
+                   ) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
         in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
         is called, before any compute.
@@ -177,6 +178,10 @@ class Model:
         activations are kept on ``record_device`` in ``record_dtype``; ``reduce`` keeps one row per prompt as they are
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
         (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``.
+
+        With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
+        prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
+        values seed each prompt's cache row, and their logits and recorded activations are each prompt's own.
         """
         if logits not in ("all", "last"):
             raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
@@ -189,25 +194,40 @@ class Model:
             hooks_lib.batching.check_reduce_positions(reduce, lengths)
         prompt_hooks, specs = self._batch_hooks(interventions, per_prompt_interventions, lengths, lengths)
         layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all")
-        return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat)
+        return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix)
 
-    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat
+    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix
                      ) -> Iterator[tuple[int, hooks_lib.Trace]]:
         fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
         for layout in layouts:
+            rows = [ids[i] for i in layout.prompts]
+            shared = shared_prefix(rows) if share_prefix and not any(prompt_hooks[i] for i in layout.prompts) \
+                and (recorder is None or recorder.reduce in (None, "last")) else 0
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
-            packed = torch.tensor([t for i in layout.prompts for t in ids[i]], dtype=torch.long)
             with torch.inference_mode(not hooks):
-                out = self.runner.forward(packed, hooks=hooks or None, layout=layout,
+                cache, head = None, None
+                if shared:  # computed once, its keys and values copied into every row's cache
+                    cache, head = self.runner.prefill_shared(rows[0][:shared], layout.size, max(map(len, rows)),
+                                                             hooks or None, last_logits_only=logits == "last")
+                    layout = BatchLayout([len(r) - shared for r in rows], self.device, layout.prompts,
+                                         cached=cache.lengths)
+                packed = torch.tensor([t for r in rows for t in r[shared:]], dtype=torch.long)
+                out = self.runner.forward(packed, cache=cache, hooks=hooks or None, layout=layout,
                                           last_logits_only=logits == "last").cpu()
+            prefix_activations = recorder.take(-1) if shared and recorder else {}
             for b, i in enumerate(layout.prompts):
-                rows = layout.rows(b) if logits == "all" else slice(b, b + 1)
+                row_logits = out[layout.rows(b)] if logits == "all" else out[b : b + 1]
+                if shared and logits == "all":
+                    row_logits = torch.cat((head.cpu(), row_logits))
+                activations = recorder.take(i) if recorder else {}
+                if prefix_activations and recorder.reduce is None:
+                    activations = {name: hooks_lib.join_tokens(name, [prefix_activations[name], tail])
+                                   for name, tail in activations.items()}
                 yield i, hooks_lib.Trace(
                     prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
-                    tokens=self.token_texts(ids[i]), logits=out[rows].clone(),
-                    activations=recorder.take(i) if recorder else {}, interventions=specs[i],
-                    fingerprint=fingerprint, backend=backend, versions=versions, chat=chat)
+                    tokens=self.token_texts(ids[i]), logits=row_logits.clone(), activations=activations,
+                    interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions, chat=chat)
 
     def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
                       per_prompt_interventions: Sequence[Sequence[Any]] | None = None, batch_size: int | None = None,

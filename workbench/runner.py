@@ -249,6 +249,16 @@ class Transformer:
         c = self.config
         return BatchKVCache(n_rows, c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
+    def prefill_shared(self, prefix: Sequence[int], n_rows: int, capacity: int, hooks: Hooks | None = None,
+                       last_logits_only: bool = False) -> tuple[BatchKVCache, torch.Tensor]:
+        """The forward of a prefix that ``n_rows`` sequences share, computed once: a BatchKVCache whose every row
+        holds its keys and values (room for ``capacity`` slots a row), and its logits. Hooks see it as prompt -1."""
+        cache = self.new_batch_cache(1, len(prefix))
+        layout = BatchLayout([len(prefix)], self.device, prompts=(-1,))
+        logits = self.forward(torch.tensor(list(prefix), dtype=torch.long), cache=cache, hooks=hooks, layout=layout,
+                              last_logits_only=last_logits_only)
+        return cache.repeat_row(n_rows, capacity), logits
+
     def new_static_cache(self, capacity: int) -> StaticKVCache:
         c = self.config
         if not 0 < capacity <= c.n_ctx:
