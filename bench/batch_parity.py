@@ -12,17 +12,22 @@ at a time (median of 3 after a warm-up each).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 import workbench
-from workbench.probes import load_dataset
+
+DATASETS = Path(__file__).resolve().parent.parent / "datasets"
 
 
 def prompts(n: int) -> list[str]:
-    pool = [p for name in ("sentiment", "facts", "capitals") for p in load_dataset(name).prompts]
+    # read the shipped JSONL directly: the device machine need not have the probes' dependencies (scikit-learn)
+    pool = [json.loads(line)["text"] for name in ("sentiment", "facts", "capitals")
+            for line in (DATASETS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
     chosen = [pool[i % len(pool)] for i in range(n)]
     chosen[n // 2] = " ".join(chosen[:10])  # one much longer prompt
     return chosen

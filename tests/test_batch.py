@@ -386,3 +386,42 @@ def test_no_sharing_with_interventions_or_short_prefixes(llama, monkeypatch):
     llama.run_batch(prompts, interventions=[hooks.ZeroAblate("blocks.0.hook_mlp_out", positions=[3])])
     llama.run_batch([TEMPLATE[:10] + p for p in PROMPTS])
     assert widths == [sum(map(len, prompts)), 10 * len(PROMPTS) + sum(map(len, PROMPTS))]
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+# bfloat16 activations round each matmul's output to 8 bits of mantissa, so a matmul of more rows (another kernel or
+# tiling) can move a logit by a few of its units in the last place: the bound is relative to the logits' range.
+CUDA_BOUNDS = {"float32": 1e-4, "bfloat16": 3e-2}
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module", params=[pytest.param(d, marks=needs_cuda) for d in CUDA_BOUNDS])
+def cuda_model(request):
+    config = random_config("llama", n_layers=2, d_model=256, n_heads=4, d_mlp=512)
+    checkpoint = random_checkpoint(config, fmt="Q4_K", seed=3)
+    return workbench.Model(checkpoint, device="cuda", dtype=request.param), CUDA_BOUNDS[request.param]
+
+
+def test_cuda_batches_equal_each_prompt(cuda_model):
+    model, bound = cuda_model
+    long = list(range(1, 100))
+    prompts = PROMPTS + [long]
+    traces = model.run_batch(prompts, record=["blocks.*.hook_resid_post"])
+    for prompt, trace in zip(prompts, traces):
+        alone = model.forward(prompt)
+        scale = alone.abs().max().item()
+        assert (trace.logits - alone).abs().max().item() <= bound * scale
+        assert (trace.logits.argmax(-1) == alone.argmax(-1)).float().mean() >= 0.95
+    recorded_everything = model.run_batch(prompts, record=["*"])
+    plain = model.run_batch(prompts)
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(recorded_everything, plain))
+
+
+def test_cuda_batched_generation_equals_each_prompt(cuda_model):
+    model, _ = cuda_model
+    steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(256), scale=2.0, positions="generated")
+    for interventions in ([], [steer]):
+        batched = model.generate_batch(PROMPTS, 8, interventions=interventions)
+        alone = [model.generate(p, 8, interventions=interventions, compiled=False) for p in PROMPTS]
+        assert sum(a == b for a, b in zip(batched, alone)) >= len(PROMPTS) - 1  # a near-tie may flip in bfloat16
