@@ -6,7 +6,7 @@
 Parity: the prompts (the shipped datasets' prompts, one of them made ~10x longer so batches mix lengths) run once
 through ``model.run_batch`` and once each through ``model.run``; printed are the largest |logit difference| over every
 position of every prompt, the share of positions whose top-1 token agrees, and whether greedy ``generate_batch`` of
-16 tokens equals ``generate`` per prompt. Timing: recording every ``hook_resid_post`` for the prompts, batched and one
+16 tokens equals ``generate`` per prompt; in half precision, how far each is from the float32 forward. Timing: recording every ``hook_resid_post`` for the prompts, batched and one
 at a time (median of 3 after a warm-up each).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     model = workbench.load(args.model, device=args.device, dtype=args.dtype)
     texts = prompts(args.prompts)
     batched = model.forward_batch(texts)
-    single = [model.forward(t) for t in texts]
+    single = [model.forward(t).cpu() for t in texts]
     diff = max(float((b - s).abs().max()) for b, s in zip(batched, single))
     agree = sum(int((b.argmax(-1) == s.argmax(-1)).sum()) for b, s in zip(batched, single))
     positions = sum(s.shape[0] for s in single)
@@ -70,6 +70,14 @@ def main() -> None:
     print(f"{model.config.name} on {name}, {args.dtype}, {len(texts)} prompts, {positions} positions")
     print(f"max |logit diff| batched vs one at a time: {diff:.3g}; top-1 agrees at {agree}/{positions} positions; "
           f"greedy generate_batch equals generate for {same}/16 prompts")
+    if model.dtype != torch.float32:  # how far each is from the float32 forward: the dtype's own rounding
+        reference = workbench.load(args.model, device=args.device, dtype="float32")
+        exact = [reference.forward(t).cpu() for t in texts]
+        for label, runs in (("one at a time", single), ("batched", batched)):
+            err = max(float((r - e).abs().max()) for r, e in zip(runs, exact))
+            top = sum(int((r.argmax(-1) == e.argmax(-1)).sum()) for r, e in zip(runs, exact))
+            print(f"{args.dtype} {label} vs float32: max |logit diff| {err:.3g}, top-1 agrees at {top} positions")
+        del reference
     if args.skip_timing:
         return
     record = ["blocks.*.hook_resid_post"]

@@ -409,7 +409,7 @@ def test_cuda_batches_equal_each_prompt(cuda_model):
     prompts = PROMPTS + [long]
     traces = model.run_batch(prompts, record=["blocks.*.hook_resid_post"])
     for prompt, trace in zip(prompts, traces):
-        alone = model.forward(prompt)
+        alone = model.forward(prompt).cpu()
         scale = alone.abs().max().item()
         assert (trace.logits - alone).abs().max().item() <= bound * scale
         assert (trace.logits.argmax(-1) == alone.argmax(-1)).float().mean() >= 0.95
