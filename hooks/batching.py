@@ -16,6 +16,7 @@ from workbench.errors import HookError
 from workbench.runner import BatchLayout, HookContext, HookFn, Hooks
 
 from .points import axes
+from .recording import join_tokens
 
 # How recorded activations are reduced over positions as they are recorded: every position, the last, or the mean.
 REDUCTIONS = ("last", "mean")
@@ -79,7 +80,8 @@ class BatchRecorder:
 
     Each point is copied once per forward (not once per prompt) to ``device`` in ``dtype``; ``reduce`` keeps one row
     per prompt as it records (``"last"`` position, ``"mean"`` over positions, or an ``int`` position, negative from
-    the prompt's end), so that activations of many prompts fit in memory.
+    the prompt's end), so that activations of many prompts fit in memory. A prompt whose tokens run over several
+    forwards (a long prompt in chunks, or after a shared prefix) is recorded whole and reduced when it is taken.
     """
 
     def __init__(self, names: Sequence[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -92,39 +94,49 @@ class BatchRecorder:
             if grown:
                 raise HookError(f"reduce works on token-major hook points, not {grown[0]}")
         self.names, self.device, self.dtype, self.reduce = list(names), device, dtype, reduce
-        self._rows: dict[int, dict[str, torch.Tensor]] = {}
+        self._parts: dict[int, dict[str, list[torch.Tensor]]] = {}
+        self._reduced: set[int] = set()  # prompts whose one recorded row is already reduced
 
     def hooks(self) -> dict[str, list[HookFn]]:
         def record(x: torch.Tensor, ctx: HookContext) -> None:
             layout = ctx.layout
-            x = self._reduced(x.detach(), layout) if self.reduce is not None else x.detach()
-            kept = x.to(self.device, self.dtype, copy=True)
+            whole = [b for b in range(layout.size) if layout.cached[b] == 0 and layout.complete]
+            reduce_now = self.reduce is not None and len(whole) == layout.size
+            kept = (self._reduce_rows(x.detach(), layout) if reduce_now else x.detach()).to(
+                self.device, self.dtype, copy=True)
             for b, prompt in enumerate(layout.prompts):
-                if self.reduce is not None:
-                    part = kept[b]
-                elif axes(ctx.name).token == 1:
-                    part = kept[b, :, : layout.lengths[b], : layout.slots(b)]
-                else:
-                    part = kept[layout.rows(b)]
-                self._rows.setdefault(prompt, {})[ctx.name] = part
+                part = kept[b] if reduce_now else row_view(kept, ctx.name, layout, b)
+                self._parts.setdefault(prompt, {}).setdefault(ctx.name, []).append(part)
+                if reduce_now:
+                    self._reduced.add(prompt)
 
         return {name: [record] for name in self.names}
 
-    def _reduced(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+    def _reduce_rows(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """One row per sequence ``[B, ...]``."""
-        if self.reduce == "mean":
-            return torch.stack([x[layout.rows(b)].float().mean(0) for b in range(layout.size)])
-        index = []
-        for b, n in enumerate(layout.lengths):
-            at = n - 1 if self.reduce == "last" else self.reduce % n if -n <= self.reduce < n else None
-            if at is None:
-                raise HookError(f"prompt {layout.prompts[b]} has {n} tokens; reduce={self.reduce} lies outside them")
-            index.append(layout.starts[b] + at)
-        return x[torch.tensor(index, device=x.device)]
+        return torch.stack([reduce_tokens(x[layout.rows(b)], self.reduce, layout.prompts[b])
+                            for b in range(layout.size)])
 
     def take(self, prompt: int) -> dict[str, torch.Tensor]:
         """The activations recorded for one prompt (each tensor its own storage), forgotten here."""
-        return {name: t.clone() for name, t in self._rows.pop(prompt, {}).items()}
+        parts = self._parts.pop(prompt, {})
+        if prompt in self._reduced or self.reduce is None:
+            self._reduced.discard(prompt)
+            return {name: join_tokens(name, chunks).clone() for name, chunks in parts.items()}
+        return {name: reduce_tokens(join_tokens(name, chunks), self.reduce, prompt).to(self.dtype)
+                for name, chunks in parts.items()}
+
+
+def reduce_tokens(x: torch.Tensor, reduce: str | int, prompt: int) -> torch.Tensor:
+    """One prompt's token-major activation ``[T, ...]`` reduced to one row: the last, the mean (in float32), or the
+    row at a position (negative from the end)."""
+    if reduce == "mean":
+        return x.float().mean(0)
+    n = x.shape[0]
+    at = n - 1 if reduce == "last" else reduce
+    if not -n <= at < n:
+        raise HookError(f"prompt {prompt} has {n} tokens; reduce={reduce} lies outside them")
+    return x[at]
 
 
 def check_reduce_positions(reduce: str | int | None, lengths: Sequence[int]) -> None:

@@ -425,3 +425,26 @@ def test_cuda_batched_generation_equals_each_prompt(cuda_model):
         batched = model.generate_batch(PROMPTS, 8, interventions=interventions)
         alone = [model.generate(p, 8, interventions=interventions, compiled=False) for p in PROMPTS]
         assert sum(a == b for a, b in zip(batched, alone)) >= len(PROMPTS) - 1  # a near-tie may flip in bfloat16
+
+
+def test_a_prompt_longer_than_a_forward_runs_in_chunks(llama, monkeypatch):
+    names = ["blocks.1.hook_resid_post", "blocks.0.attn.hook_pattern"]
+    long = list(range(1, 40))
+    whole = llama.run_batch([long], record=names)[0]
+    steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(llama.config.d_model), positions=[-1, 3])
+    steered = llama.run_batch([long], interventions=[steer])[0]
+    monkeypatch.setattr(llama, "_max_batch_tokens", lambda: 16)
+    widths = []
+    forward = llama.runner.forward
+    monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
+    chunked = llama.run_batch([long], record=names)[0]
+    assert widths == [16, 16, 7]
+    assert_close_logits(chunked.logits, whole.logits)
+    for name in names:
+        assert chunked.activations[name].shape == whole.activations[name].shape
+        torch.testing.assert_close(chunked.activations[name], whole.activations[name], atol=1e-3, rtol=1e-3)
+    assert_close_logits(llama.run_batch([long], interventions=[steer])[0].logits, steered.logits)
+    for reduce in ("mean", -3):
+        reduced = llama.run_batch([long], record=names[:1], reduce=reduce)[0].activations[names[0]]
+        expected = whole.activations[names[0]].mean(0) if reduce == "mean" else whole.activations[names[0]][-3]
+        torch.testing.assert_close(reduced, expected, atol=1e-3, rtol=1e-3)

@@ -201,25 +201,16 @@ class Model:
         fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
-            shared = shared_prefix(rows) if share_prefix and not any(prompt_hooks[i] for i in layout.prompts) \
-                and (recorder is None or recorder.reduce in (None, "last")) else 0
+            edited = any(prompt_hooks[i] for i in layout.prompts)
+            shared = shared_prefix(rows) if share_prefix and not edited and (
+                recorder is None or recorder.reduce in (None, "last")) else 0
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
             with torch.inference_mode(not hooks):
-                cache, head = None, None
-                if shared:  # computed once, its keys and values copied into every row's cache
-                    cache, head = self.runner.prefill_shared(rows[0][:shared], layout.size, max(map(len, rows)),
-                                                             hooks or None, last_logits_only=logits == "last")
-                    layout = BatchLayout([len(r) - shared for r in rows], self.device, layout.prompts,
-                                         cached=cache.lengths)
-                packed = torch.tensor([t for r in rows for t in r[shared:]], dtype=torch.long)
-                out = self.runner.forward(packed, cache=cache, hooks=hooks or None, layout=layout,
-                                          last_logits_only=logits == "last").cpu()
+                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared).cpu()
             prefix_activations = recorder.take(-1) if shared and recorder else {}
             for b, i in enumerate(layout.prompts):
-                row_logits = out[layout.rows(b)] if logits == "all" else out[b : b + 1]
-                if shared and logits == "all":
-                    row_logits = torch.cat((head.cpu(), row_logits))
+                row_logits = out[b : b + 1] if logits == "last" else out[sum(map(len, rows[:b])):][:len(rows[b])]
                 activations = recorder.take(i) if recorder else {}
                 if prefix_activations and recorder.reduce is None:
                     activations = {name: hooks_lib.join_tokens(name, [prefix_activations[name], tail])
@@ -228,6 +219,34 @@ class Model:
                     prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
                     tokens=self.token_texts(ids[i]), logits=row_logits.clone(), activations=activations,
                     interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions, chat=chat)
+
+    def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
+                      shared: int) -> torch.Tensor:
+        """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``). A prefix all
+        rows share is computed once first; a prompt longer than a forward takes runs in chunks through a cache, as a
+        long prefill does."""
+        longest = max(map(len, rows))
+        if shared:
+            cache, head = self.runner.prefill_shared(rows[0][:shared], len(rows), longest, hooks, last_only)
+            tails = BatchLayout([len(r) - shared for r in rows], self.device, layout.prompts, cached=cache.lengths)
+            out = self.runner.forward(torch.tensor([t for r in rows for t in r[shared:]]), cache=cache, hooks=hooks,
+                                      layout=tails, last_logits_only=last_only)
+            if last_only:
+                return out
+            n_tail = [len(r) - shared for r in rows]  # each row's prefix logits before its own
+            return torch.cat([x for b, tail in enumerate(out.split(n_tail)) for x in (head, tail)])
+        chunk = self._max_batch_tokens()
+        if len(rows) > 1 or longest <= chunk:
+            return self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
+                                       last_logits_only=last_only)
+        cache, pieces = self.runner.new_batch_cache(1, longest), []
+        for start in range(0, longest, chunk):
+            piece = rows[0][start:start + chunk]
+            part = BatchLayout([len(piece)], self.device, layout.prompts, cached=cache.lengths,
+                               complete=start + chunk >= longest)
+            pieces.append(self.runner.forward(torch.tensor(piece), cache=cache, hooks=hooks, layout=part,
+                                              last_logits_only=last_only))
+        return pieces[-1] if last_only else torch.cat(pieces)
 
     def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
                       per_prompt_interventions: Sequence[Sequence[Any]] | None = None, batch_size: int | None = None,

@@ -41,11 +41,13 @@ class BatchLayout:
     masked out (causally: a real token never reaches past its own sequence's end).
 
     ``prompts`` names each row's prompt (its index in the caller's list); ``cached`` is how many slots each row already
-    holds in a :class:`BatchKVCache` (all zero without one).
+    holds in a :class:`BatchKVCache` (all zero without one); ``complete`` is False when later forwards continue the rows
+    (a long prompt fed in chunks).
     """
 
     def __init__(self, lengths: Sequence[int], device: torch.device | str, prompts: Sequence[int] | None = None,
-                 cached: Sequence[int] | None = None):
+                 cached: Sequence[int] | None = None, complete: bool = True):
+        self.complete = complete
         self.lengths = tuple(int(n) for n in lengths)
         self.prompts = tuple(prompts) if prompts is not None else tuple(range(len(self.lengths)))
         self.cached = tuple(cached) if cached is not None else (0,) * len(self.lengths)
