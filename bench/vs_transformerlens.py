@@ -60,9 +60,9 @@ Tasks (each library does the same work; times exclude loading):
     ``for _ in tracer.all(): layer.output = layer.output + delta`` (HF's ``generate``).
 (d) The logit lens over 64 prompts: every layer's ``resid_post`` at every position through the final RMSNorm (scale
     recomputed from that residual) and the unembedding, softmax, top-10 tokens and probabilities.
-    workbench: ``run_batch`` recording every ``resid_post`` (kept on the device), then ``probes.lens.final_norm`` and
-    ``probes.lens.unembed`` over all rows in chunks of 1024; also ``probes.logit_lens(model, ids)`` per prompt (its
-    one-prompt API). TL: ``run_with_cache`` per batch, then ``bridge.ln_final`` and ``bridge.unembed`` per layer.
+    workbench: ``probes.logit_lens_batch(model, prompts)`` (``run_batch`` recording every ``resid_post`` on the device,
+    then the final norm and the production unembedding kernel per prompt); also ``probes.logit_lens(model, ids)`` per
+    prompt (its one-prompt API). TL: ``run_with_cache`` per batch, then ``bridge.ln_final`` and ``bridge.unembed`` per layer.
     nnsight: inside one trace per batch, ``lm_head(model.norm(layer.output)).softmax(-1).topk(10)`` per layer, then
     ``tracer.stop()`` (the canonical nnsight logit lens).
 
@@ -111,7 +111,7 @@ VARIANTS = {
           ("tl", "transformer-lens"), ("nn", "nnsight")],
     "b": [("wb", "workbench (hooks.patching_sweep)"), ("tl", "transformer-lens"), ("nn", "nnsight")],
     "c": [("wb", "workbench (stream_batch)"), ("tl", "transformer-lens"), ("nn", "nnsight")],
-    "d": [("wb", "workbench (run_batch + lens fns)"), ("wb_single", "workbench (probes.logit_lens per prompt)"),
+    "d": [("wb", "workbench (logit_lens_batch)"), ("wb_single", "workbench (probes.logit_lens per prompt)"),
           ("tl", "transformer-lens"), ("nn", "nnsight")],
 }
 SIZES = {
@@ -120,7 +120,6 @@ SIZES = {
 }
 CLEAN, CORRUPT, ANSWERS = "The Eiffel Tower is in the city of", "The Colosseum is in the city of", (" Paris", " Rome")
 LENS_K = 10
-LENS_CHUNK_ROWS = 1024  # what probes.logit_lens unembeds at once
 
 
 # ------------------------------------------------------------------------------------------------ memory and time
@@ -250,7 +249,6 @@ class Workbench:
 
     def job(self, task: str, variant: str) -> Callable[[], Any]:
         from workbench import hooks, probes
-        from workbench.probes import lens
 
         model, inp = self.model, self.inputs
         if task == "a":
@@ -276,20 +274,7 @@ class Workbench:
             if variant == "wb_single":
                 return lambda: [probes.logit_lens(model, p, k=LENS_K) for p in prompts]
 
-            def lens_batch():
-                traces = model.run_batch(prompts, record=self.resid_post, logits="last", record_device=model.device)
-                # [layers, T_i, d] per prompt, all rows together: [sum of layers * T_i, d]
-                rows = torch.cat([torch.stack([t.activations[n] for n in self.resid_post]).flatten(0, 1)
-                                  for t in traces])
-                top_p, top_i = [], []
-                for chunk in rows.split(LENS_CHUNK_ROWS):
-                    p, i = lens.unembed(model, lens.final_norm(model, chunk)).softmax(-1).topk(LENS_K)
-                    top_p.append(p.cpu())
-                    top_i.append(i.cpu())
-                sizes = [len(t.ids) * len(self.resid_post) for t in traces]
-                return [(p.view(len(self.resid_post), -1, LENS_K), i.view(len(self.resid_post), -1, LENS_K))
-                        for p, i in zip(torch.cat(top_p).split(sizes), torch.cat(top_i).split(sizes))]
-            return lens_batch
+            return lambda: probes.logit_lens_batch(model, prompts, k=LENS_K)
         raise ValueError(task)
 
     def summary(self, task: str, variant: str, out: Any) -> dict:
@@ -301,9 +286,7 @@ class Workbench:
         if task == "c":
             return {"tokens": [cut_at_stop(t, self.inputs["stop_ids"]) for t in out]}
         if task == "d":
-            if variant == "wb_single":
-                return {"top1": [lens_.top_ids["resid_post"][..., 0] for lens_ in out]}
-            return {"top1": [i[..., 0] for _, i in out]}
+            return {"top1": [lens_.top_ids["resid_post"][..., 0].cpu() for lens_ in out]}
         raise ValueError(task)
 
 

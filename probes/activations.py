@@ -1,7 +1,7 @@
 """Collecting pooled activations over many prompts: batched forwards record every hook asked for, pooled as they go."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 

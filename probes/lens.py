@@ -169,7 +169,7 @@ def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points:
     """``logit_lens`` of every prompt, the prompts run in batched forwards (``model.run_batch``)."""
     points, names = _lens_points(model, points, k, tuned)
     traces = model.run_batch(prompts, record=[n for group in names.values() for n in group], chat=chat,
-                             batch_size=batch_size, logits="last", progress=progress)
+                             batch_size=batch_size, logits="last", record_device=model.device, progress=progress)
     return [_lens_of_trace(model, trace, names, k, tuned) for trace in traces]
 
 
