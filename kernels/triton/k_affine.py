@@ -67,34 +67,26 @@ def k_affine(blockp, sub, STEPS: tl.constexpr):
 
 
 @triton.jit
-def q4_k_pieces(blockp, sub):
-    # Super-block (144 bytes): the header, then 128 bytes of codes. Sub-block s (32 values) is nibble s % 2 of the
-    # 32 bytes of chunk s // 2.
-    quants = blockp + 16 + 32 * (sub // 2)
+def k_affine_pieces(FMT: tl.constexpr, blockp, sub):
+    # Sub-block s (32 values) is nibble s % 2 of the 32 bytes of chunk s // 2, after the header (and Q5_K's 32 bytes of
+    # top bits: bit s of byte i, value i of sub-block s); f = 1 + q / 16 (Q4_K) or 1 + q / 32 (Q5_K).
+    if FMT == Q5_K:
+        quants = blockp + 48 + 32 * (sub // 2)
+        high = blockp + 16
+    else:
+        quants = blockp + 16 + 32 * (sub // 2)
     shift = 4 * (sub % 2)
-    a, b = k_affine(blockp, sub, 16.0)
-    return (
-        word_nibbles(two_words(quants, shift), 0), word_nibbles(two_words(quants + 8, shift), 0),
-        word_nibbles(two_words(quants + 16, shift), 0), word_nibbles(two_words(quants + 24, shift), 0),
-        a, b,
-    )
-
-
-@triton.jit
-def q5_k_pieces(blockp, sub):
-    # Super-block (176 bytes): the header, 32 bytes of top bits (bit s of byte i: value i of sub-block s), then Q4_K's
-    # 128 bytes of nibbles.
-    quants = blockp + 48 + 32 * (sub // 2)
-    high = blockp + 16
-    shift = 4 * (sub % 2)
-    a, b = k_affine(blockp, sub, 32.0)
-    return (
-        word_fives(two_words(quants, shift), two_words(high, sub)),
-        word_fives(two_words(quants + 8, shift), two_words(high + 8, sub)),
-        word_fives(two_words(quants + 16, shift), two_words(high + 16, sub)),
-        word_fives(two_words(quants + 24, shift), two_words(high + 24, sub)),
-        a, b,
-    )
+    if FMT == Q5_K:
+        a, b = k_affine(blockp, sub, 32.0)
+        f0 = word_fives(two_words(quants, shift), two_words(high, sub))
+        f1 = word_fives(two_words(quants + 8, shift), two_words(high + 8, sub))
+        f2 = word_fives(two_words(quants + 16, shift), two_words(high + 16, sub))
+        f3 = word_fives(two_words(quants + 24, shift), two_words(high + 24, sub))
+    else:
+        a, b = k_affine(blockp, sub, 16.0)
+        f0, f1 = word_nibbles(two_words(quants, shift), 0), word_nibbles(two_words(quants + 8, shift), 0)
+        f2, f3 = word_nibbles(two_words(quants + 16, shift), 0), word_nibbles(two_words(quants + 24, shift), 0)
+    return f0, f1, f2, f3, a, b
 
 # ---------------------------------------------------------------------------------------------
 # 64-value chunks, for the GEMV and the GEMM (``readers.chunk_load``)

@@ -41,15 +41,22 @@ def _small_k_pieces(quants, shift, high, high_shift, HAS_HIGH: tl.constexpr):
 
 
 @triton.jit
-def q2_k_pieces(blockp, sub):
-    # Super-block (84 bytes): 16 scale bytes (4-bit scale low, 4-bit min high, one per 16 values) | 64 bytes of 2-bit
-    # codes (sub-block s = 4 h + j: bits 2j, 2j + 1 of bytes 32 h .. + 32) | f16 d | f16 dmin.
-    # w = d * scale * q - dmin * min = 8 d scale * f - (8 d scale + dmin min), f = 1 + q / 8.
-    f0, f1, f2, f3 = _small_k_pieces(blockp + 16 + 32 * (sub // 4), 2 * (sub % 4), blockp, 0, False)
-    d, dmin = load_f16(blockp + 80), load_f16(blockp + 82)
-    first, second = tl.load(blockp + 2 * sub).to(tl.int32), tl.load(blockp + 2 * sub + 1).to(tl.int32)
-    a0, a1 = 8.0 * d * (first & 0xF).to(tl.float32), 8.0 * d * (second & 0xF).to(tl.float32)
-    b0, b1 = -(a0 + dmin * (first >> 4).to(tl.float32)), -(a1 + dmin * (second >> 4).to(tl.float32))
+def small_k_pieces(FMT: tl.constexpr, blockp, sub):
+    """The pieces of Q2_K / Q3_K sub-block ``sub`` and the maps of its two 16-value halves, f = 1 + q / 8:
+    Q2_K's ``w = d scale q - dmin min = 8 d scale f - (8 d scale + dmin min)``, Q3_K's
+    ``w = d scale (q - 4) = 8 d scale f - 12 d scale``."""
+    low, high = small_k_planes(FMT, blockp, sub)
+    f0, f1, f2, f3 = _small_k_pieces(low, 2 * (sub % 4), high, sub, FMT == Q3_K)
+    if FMT == Q2_K:
+        d, dmin = load_f16(blockp + 80), load_f16(blockp + 82)
+    else:
+        d = load_f16(blockp + 108)
+    scale_lo, scale_hi, min_lo, min_hi = small_k_scales(FMT, blockp, sub)
+    a0, a1 = 8.0 * d * scale_lo.to(tl.float32), 8.0 * d * scale_hi.to(tl.float32)
+    if FMT == Q2_K:
+        b0, b1 = -(a0 + dmin * min_lo.to(tl.float32)), -(a1 + dmin * min_hi.to(tl.float32))
+    else:
+        b0, b1 = -1.5 * a0, -1.5 * a1
     return f0, f1, f2, f3, a0, b0, a0, b0, a1, b1, a1, b1
 
 
@@ -62,16 +69,6 @@ def _q3_k_scale(scalep, s):
     return (low | (top << 4)) - 32
 
 
-@triton.jit
-def q3_k_pieces(blockp, sub):
-    # Super-block (110 bytes): 32 bytes of top bits (bit s of byte i: value i of sub-block s) | 64 bytes of low 2 bits
-    # laid out as Q2_K's codes | 12 scale bytes (one 6-bit scale per 16 values) | f16 d.
-    # w = d * scale * (q - 4) = 8 d scale * f - 12 d scale, f = 1 + q / 8.
-    f0, f1, f2, f3 = _small_k_pieces(blockp + 32 + 32 * (sub // 4), 2 * (sub % 4), blockp, sub, True)
-    d = load_f16(blockp + 108)
-    a0 = 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub).to(tl.float32)
-    a1 = 8.0 * d * _q3_k_scale(blockp + 96, 2 * sub + 1).to(tl.float32)
-    return f0, f1, f2, f3, a0, -1.5 * a0, a0, -1.5 * a0, a1, -1.5 * a1, a1, -1.5 * a1
 
 # ---------------------------------------------------------------------------------------------
 # Codes and scales of a sub-block, for the integer readers
@@ -90,19 +87,36 @@ def small_k_codes(FMT: tl.constexpr, low, high, sub):
 
 
 @triton.jit
-def small_k_sub_block(FMT: tl.constexpr, blockp, sub):
-    """Where Q2_K / Q3_K sub-block ``sub`` (0..7) of the super-block at ``blockp`` keeps its bytes, and its integer
-    scales: ``(low, high, scale_lo, scale_hi, min_lo, min_hi)``, ``low`` / ``high`` pointing at the 32 code and top-bit
-    bytes (``small_k_codes``), the scales and mins of values 0-15 and 16-31 (Q3_K's mins are zero)."""
+def small_k_planes(FMT: tl.constexpr, blockp, sub):
+    """Where Q2_K / Q3_K sub-block ``sub`` (0..7) of the super-block at ``blockp`` keeps its bytes: ``(low, high)``
+    pointing at its 32 code bytes and (Q3_K) the 32 top-bit bytes (``small_k_codes``)."""
     if FMT == Q2_K:
         low, high = blockp + 16 + 32 * (sub // 4), blockp
-        first, second = tl.load(blockp + 2 * sub).to(tl.int32), tl.load(blockp + 2 * sub + 1).to(tl.int32)
-        scale_lo, scale_hi, min_lo, min_hi = first & 0xF, second & 0xF, first >> 4, second >> 4
     else:
         tl.static_assert(FMT == Q3_K, "Q2_K or Q3_K")
         low, high = blockp + 32 + 32 * (sub // 4), blockp
+    return low, high
+
+
+@triton.jit
+def small_k_scales(FMT: tl.constexpr, blockp, sub):
+    """The integer scales and mins of values 0-15 and 16-31 of Q2_K / Q3_K sub-block ``sub``:
+    ``(scale_lo, scale_hi, min_lo, min_hi)`` (Q3_K's mins are zero)."""
+    if FMT == Q2_K:
+        first, second = tl.load(blockp + 2 * sub).to(tl.int32), tl.load(blockp + 2 * sub + 1).to(tl.int32)
+        scale_lo, scale_hi, min_lo, min_hi = first & 0xF, second & 0xF, first >> 4, second >> 4
+    else:
         scale_lo, scale_hi = _q3_k_scale(blockp + 96, 2 * sub), _q3_k_scale(blockp + 96, 2 * sub + 1)
         min_lo, min_hi = scale_lo * 0, scale_hi * 0
+    return scale_lo, scale_hi, min_lo, min_hi
+
+
+@triton.jit
+def small_k_sub_block(FMT: tl.constexpr, blockp, sub):
+    """``small_k_planes`` and ``small_k_scales`` of sub-block ``sub``:
+    ``(low, high, scale_lo, scale_hi, min_lo, min_hi)``."""
+    low, high = small_k_planes(FMT, blockp, sub)
+    scale_lo, scale_hi, min_lo, min_hi = small_k_scales(FMT, blockp, sub)
     return low, high, scale_lo, scale_hi, min_lo, min_hi
 
 # ---------------------------------------------------------------------------------------------

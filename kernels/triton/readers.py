@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from .formats import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from .k_affine import k_chunk_load, k_chunk_tile, q4_k_pieces, q5_k_pieces
-from .k_small import q2_k_pieces, q3_k_pieces, small_k_chunk_columns, small_k_chunk_load, small_k_chunk_tile
+from .k_affine import k_affine_pieces, k_chunk_load, k_chunk_tile
+from .k_small import small_k_chunk_columns, small_k_chunk_load, small_k_chunk_tile, small_k_pieces
 from .legacy import q4_0_pieces, q4_1_pieces, q5_0_pieces, q5_1_pieces, q8_0_pieces
 from .q6_k import q6_k_pieces
 
@@ -46,20 +46,14 @@ def unit_pieces(FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units)
     """The unit's four pieces and their affine maps: ``(f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3)``."""
     if FMT == Q4_K or FMT == Q5_K:
         blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
-        if FMT == Q4_K:
-            f0, f1, f2, f3, a, b = q4_k_pieces(blockp, unit % 8)
-        else:
-            f0, f1, f2, f3, a, b = q5_k_pieces(blockp, unit % 8)
+        f0, f1, f2, f3, a, b = k_affine_pieces(FMT, blockp, unit % 8)
         pieces = f0, f1, f2, f3, a, b, a, b, a, b, a, b
     elif FMT == Q6_K:
         blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
         pieces = q6_k_pieces(blockp, (unit // 4) % 2, unit % 4)
     elif FMT == Q2_K or FMT == Q3_K:
         blockp = rowp + tl.minimum(unit // 8, n_units // 8 - 1) * TYPE_SIZE
-        if FMT == Q2_K:
-            pieces = q2_k_pieces(blockp, unit % 8)
-        else:
-            pieces = q3_k_pieces(blockp, unit % 8)
+        pieces = small_k_pieces(FMT, blockp, unit % 8)
     else:
         blockp = rowp + tl.minimum(unit, n_units - 1) * TYPE_SIZE
         if FMT == Q4_0:
