@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import launch_choices
 from .formats.table import QUANTIZED_FORMATS, SPECS
 from .linear import BLOCKWISE, Kernel, get_numerics, numerics, register_kernel, set_numerics
 from .quant_tensor import QuantTensor
@@ -36,8 +37,8 @@ from .quant_tensor import QuantTensor
 SUPPORTED_TYPES: dict[int, str] = dict(sorted((SPECS[name].ggml_type, name) for name in QUANTIZED_FORMATS))
 
 # Batch size from which exact matmuls dequantize panels of W for the BLAS instead of fusing the
-# dequantization into the dot products (the measured crossover on 2 threads; see the tests' timing).
-PANEL_MIN_BATCH = 16
+# dequantization into the dot products (a launch choice, ``launch_choices``' ``cpu.panel_min_batch``).
+PANEL_MIN_BATCH = launch_choices.PANEL_MIN_BATCH
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _ISA_FLAGS = {
@@ -51,8 +52,9 @@ _log = logging.getLogger(__name__)
 
 
 def format_macros() -> list[str]:
-    """The format table as the C++ source reads it: ``-DWB_<FORMAT>_TYPE=.. -DWB_<FORMAT>_VALUES=.. -DWB_<FORMAT>_BYTES=..``
-    for every format the extension reads and every activation block of llama.cpp numerics."""
+    """The format table as the C++ source reads it, ``-DWB_<FORMAT>_TYPE=..``, ``-DWB_<FORMAT>_VALUES=..`` and
+    ``-DWB_<FORMAT>_BYTES=..``, for every format the extension reads and every activation block of llama.cpp
+    numerics."""
     names = dict.fromkeys([*SUPPORTED_TYPES.values(), *(SPECS[name].activation for name in SUPPORTED_TYPES.values())])
     return [f"-DWB_{name}_{field}={value}" for name in names for field, value in
             (("TYPE", SPECS[name].ggml_type), ("VALUES", SPECS[name].block_size), ("BYTES", SPECS[name].type_size))]

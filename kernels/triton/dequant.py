@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..launch_choices import dequant_config
 from ..quant_tensor import QuantTensor
 from .common import check_inputs
 from .launch import cdiv, launch
@@ -35,10 +36,11 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     layout = check_inputs(torch.empty(0, w.shape[1], dtype=dtype, device=w.device), w)  # checks w and dtype
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.device)
-    block_n, block_u = 16, 8  # Q6_K's reorder needs whole super-blocks of 8 units
-    launch(_dequantize_kernel, (cdiv(n, block_n), cdiv(k // 32, block_u)),
+    config = dequant_config()
+    launch(_dequantize_kernel, (cdiv(n, config.block_n), cdiv(k // 32, config.block_u)),
         w.data, out, n, k, w.data.shape[1],
-        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=block_n, BLOCK_U=block_u, num_warps=4,
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_N=config.block_n, BLOCK_U=config.block_u,
+        num_warps=config.num_warps,
     )
     return out
 

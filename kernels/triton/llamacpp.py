@@ -9,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_choices import GemvConfig, Int8GemmConfig, gemv_config, gemv_llamacpp_config, int8_gemm_config
-from ..launch_choices import CHUNK_FORMATS
+from ..launch_choices import GemvConfig, Int8GemmConfig, gemv_llamacpp_config, int8_gemm_config
 from ..quant_tensor import QuantTensor
 from .bits import load_f16
 from .common import checked_output, tile_grid
@@ -102,8 +101,7 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
     m, k = x.shape
     if m == 0:
         return out
-    config = config or (gemv_llamacpp_config(k, m) if w.fmt.name in CHUNK_FORMATS else
-                        gemv_config(k, w.fmt.name, llamacpp=True))
+    config = config or gemv_llamacpp_config(k, w.fmt.name, m)
     launch_gemv(w, out, layout, config, *quantize_activations(x, w.fmt.name), llamacpp=True)
     return out
 

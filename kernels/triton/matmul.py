@@ -22,9 +22,9 @@ names.
 from __future__ import annotations
 
 from ..launch_choices import (
-    GEMV_MAX_ROWS, MMA_MAX_ROWS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, gemm_config, gemm_rows,
-    gemm_walks_chunks, gemv_config, gemv_llamacpp_config, gemv_rows, gemv_units, int8_gemm_config, mma_config, mma_rows,
-    walks_chunks,
+    GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_MAX_ROWS, DequantConfig, GemmConfig, GemvConfig, Int8GemmConfig,
+    MmaConfig, dequant_config, gemm_config, gemm_rows, gemm_walks_chunks, gemv_config, gemv_llamacpp_config, gemv_rows,
+    gemv_units, int8_gemm_config, mma_config, mma_rows, walks_chunks,
 )
 from .common import ACTIVATION_DTYPES, check_inputs, dot_precision, layout_of
 from .dequant import dequant_matmul, dequantize
@@ -35,10 +35,10 @@ from .llamacpp import gemm_llamacpp, gemv_llamacpp, quantize_activations
 from .mma import MMA_DTYPES, MMA_K_MULTIPLE, mma_gemm
 
 __all__ = [
-    "ACTIVATION_DTYPES", "GEMV_MAX_ROWS", "K_QUANTS", "LAYOUTS", "LLAMACPP_FORMATS", "MMA_DTYPES", "MMA_FORMATS",
-    "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "SUPPORTED_FORMATS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "Layout",
-    "MmaConfig", "check_inputs", "dequant_matmul", "dequantize", "dot_precision", "gemm", "gemm_config",
-    "gemm_llamacpp", "gemm_rows", "gemm_walks_chunks", "gemv", "gemv_config", "gemv_llamacpp", "gemv_llamacpp_config",
-    "gemv_rows", "gemv_units", "int8_gemm_config", "layout_of", "mma_config", "mma_gemm", "mma_rows",
-    "quantize_activations", "walks_chunks",
+    "ACTIVATION_DTYPES", "GEMV_MAX_ROWS", "K_QUANTS", "LAYOUTS", "LLAMACPP_FORMATS", "LLAMACPP_GEMM_MIN_ROWS",
+    "MMA_DTYPES", "MMA_FORMATS", "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "SUPPORTED_FORMATS", "GemmConfig", "GemvConfig",
+    "Int8GemmConfig", "Layout", "DequantConfig", "MmaConfig", "check_inputs", "dequant_config", "dequant_matmul",
+    "dequantize", "dot_precision", "gemm", "gemm_config", "gemm_llamacpp", "gemm_rows", "gemm_walks_chunks", "gemv",
+    "gemv_config", "gemv_llamacpp", "gemv_llamacpp_config", "gemv_rows", "gemv_units", "int8_gemm_config",
+    "layout_of", "mma_config", "mma_gemm", "mma_rows", "quantize_activations", "walks_chunks",
 ]
