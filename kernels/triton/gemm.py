@@ -46,8 +46,8 @@ def _gemm_kernel(
     unit_start = tl.program_id(1) * split_units
     unit_end = tl.minimum(unit_start + split_units, n_units)
     # Rows past M (and weight rows past N) re-read rows from the first instead of masking loads; they are never stored.
-    # Not all the last row: a tile's loads of one address from every row past M ran up to 2.4x slower (bench/RESULTS.md,
-    # eighteenth session).
+    # Not all the last row: a partial tile whose rows past M all load one address runs much slower (docs/performance.md,
+    # "Fused GEMM tiles and split-K").
     x_columns = x_ptr + (rows_m % M).to(tl.int64)[None, :] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if CHUNKS:  # ``gemm_walks_chunks``

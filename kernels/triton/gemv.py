@@ -132,7 +132,8 @@ def _gemv_kernel(
     if CHUNKS:  # ``walks_chunks``
         n_chunks = K // 64
         # Each step's weights are loaded one step ahead (the last step's look-ahead re-reads the row's last
-        # chunk, which is cached): an 8B decode step's GEMVs took 4.5 % less time on an H100 (bench/RESULTS.md).
+        # chunk, which is cached), so that a step's loads are in flight while the previous step's chunks are unpacked
+        # (docs/performance.md, "The Q4_K GEMV").
         raw = chunk_load(rowp, 0, n_chunks, FMT, BLOCK_N, BLOCK_U)
         for first in range(0, n_chunks, BLOCK_U):
             raw_next = chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
