@@ -2,8 +2,9 @@
 
 The numbers come from the ``gguf`` package (``GGMLQuantizationType``, ``GGML_QUANT_SIZES``); nothing else in
 ``workbench.kernels`` writes them down. The Python formats (``define_format``), the C++ CPU kernels (compiled with
-them as macros, ``cpu.format_macros``) and the Triton kernels (``triton.common``) all read them from here, and
-``tests/test_formats.py`` checks that every side agrees with this table.
+them as macros, ``cpu.format_macros``) and the Triton kernels (``triton.formats``) all read them from here, and
+``tests/test_formats.py`` checks that every side agrees with this table. (Byte offsets within a block, and the
+kernels' arithmetic over 32-value units and 256-value super-blocks, are each format's layout code, not table entries.)
 
 Beside the weight formats the table holds the activation blocks llama.cpp's integer dot products take (Q8_0, Q8_1,
 Q8_K): ``FormatSpec.activation`` names the one ggml-cpu quantizes activations to for a weight format (its
