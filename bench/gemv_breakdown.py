@@ -25,7 +25,8 @@ from common import copy_bandwidth
 from kernels import SHAPES, Timer, read_floor_seconds
 from workbench.kernels import QuantTensor
 from workbench.kernels.triton import gemv
-from workbench.kernels.triton.dequant import Q4_K, k_chunk_load
+from workbench.kernels.triton.formats import Q4_K
+from workbench.kernels.triton.k_affine import k_chunk_load
 from workbench.kernels.triton.matmul import gemv_config, gemv_units
 from workbench.synthetic import random_matrix
 

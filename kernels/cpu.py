@@ -28,17 +28,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import launch_choices
+from .formats.table import QUANTIZED_FORMATS, SPECS
 from .linear import BLOCKWISE, Kernel, get_numerics, numerics, register_kernel, set_numerics
 from .quant_tensor import QuantTensor
 
-# GGML type number -> name, for the formats the extension implements.
-SUPPORTED_TYPES: dict[int, str] = {
-    2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
-}
+# GGML type number -> name, for the formats the extension implements: every quantized format of the format table.
+SUPPORTED_TYPES: dict[int, str] = dict(sorted((SPECS[name].ggml_type, name) for name in QUANTIZED_FORMATS))
 
 # Batch size from which exact matmuls dequantize panels of W for the BLAS instead of fusing the
-# dequantization into the dot products (the measured crossover on 2 threads; see the tests' timing).
-PANEL_MIN_BATCH = 16
+# dequantization into the dot products (a launch choice, ``launch_choices``' ``cpu.panel_min_batch``).
+PANEL_MIN_BATCH = launch_choices.PANEL_MIN_BATCH
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _ISA_FLAGS = {
@@ -49,6 +49,15 @@ _ISA_FLAGS = {
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _log = logging.getLogger(__name__)
+
+
+def format_macros() -> list[str]:
+    """The format table as the C++ source reads it, ``-DWB_<FORMAT>_TYPE=..``, ``-DWB_<FORMAT>_VALUES=..`` and
+    ``-DWB_<FORMAT>_BYTES=..``, for every format the extension reads and every activation block of llama.cpp
+    numerics."""
+    names = dict.fromkeys([*SUPPORTED_TYPES.values(), *(SPECS[name].activation for name in SUPPORTED_TYPES.values())])
+    return [f"-DWB_{name}_{field}={value}" for name in names for field, value in
+            (("TYPE", SPECS[name].ggml_type), ("VALUES", SPECS[name].block_size), ("BYTES", SPECS[name].type_size))]
 
 
 def _native_isa() -> str:
@@ -65,7 +74,7 @@ def _build_extension(isa: str) -> Any:
     load(
         name=name,
         sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa]],
+        extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa], *format_macros()],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
     )

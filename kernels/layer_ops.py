@@ -120,7 +120,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     pairs = xf.unflatten(-1, shape)
     if torch.compiler.is_compiling() and x.device.type == "cpu":
         # inductor's C++ code runs the formula over the pair members faster than the flip, its Triton code slower
-        # (compiled decode steps, bench/RESULTS.md, sixteenth session)
+        # (docs/performance.md, "The compiled decode step")
         x0, x1 = pairs.unbind(member_axis)
         cos, sin = cos.unflatten(-1, shape).select(member_axis, 0), sin.unflatten(-1, shape).select(member_axis, 1)
         out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=member_axis).flatten(-2)

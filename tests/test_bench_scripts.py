@@ -7,6 +7,7 @@ would shadow the Hugging Face package of that name.
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,19 @@ def test_every_bench_script_imports():
     assert result.returncode == 0, result.stderr
     failures = json.loads(result.stdout.strip().splitlines()[-1])
     assert failures == {}, failures
+
+
+def test_every_launch_choice_names_a_bench_command_that_runs():
+    """Each row of the launch-choice table names the benchmark that measures it: a script in bench/ and options it
+    takes, and the section of docs/performance.md with the measurements."""
+    from workbench.kernels.launch_choices import CHOICES
+
+    for choice in CHOICES:
+        argv = shlex.split(choice.bench)
+        assert argv[0] == "python" and argv[1].startswith("bench/"), choice
+        script = BENCH.parent / argv[1]
+        assert script.is_file(), choice
+        source = script.read_text()
+        for flag in (arg.split("=")[0] for arg in argv[2:] if arg.startswith("--")):
+            assert f'"{flag}"' in source, (choice.setting, choice.bench, flag)
+        assert choice.docs.startswith("docs/performance.md, "), choice

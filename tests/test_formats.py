@@ -13,7 +13,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
 
-from workbench.kernels.formats import BY_GGML_TYPE, FORMATS, get_format
+from workbench.kernels.formats import BY_GGML_TYPE, FORMATS, SPECS, get_format
+from workbench.kernels.formats.table import GGUF_EXCEPTIONS, QUANTIZED_FORMATS
 from workbench.kernels.quant_tensor import QuantTensor
 
 ALL_FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -111,6 +112,50 @@ def test_every_format_is_registered_with_gguf_sizes():
         assert fmt.ggml_type == int(gguf_type(name))
         assert BY_GGML_TYPE[fmt.ggml_type] is fmt
         assert (fmt.block_size, fmt.type_size) == GGML_QUANT_SIZES[gguf_type(name)]
+
+
+# --- the format table: gguf's numbers, and every side reads them -----------------------------------
+
+
+def test_format_table_holds_gguf_numbers():
+    for name, spec in SPECS.items():
+        qtype = gguf_type(name)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        assert (spec.ggml_type, spec.block_size) == (int(qtype), block_size), name
+        # where the table departs from gguf it says why, and only while gguf still differs
+        assert (spec.type_size != type_size) == (name in GGUF_EXCEPTIONS), name
+        if spec.activation is not None:
+            assert SPECS[spec.activation].block_size in (spec.block_size, 256), name
+    assert set(FORMATS) == {name for name, spec in SPECS.items() if spec.family != "activation"}
+
+
+def test_cpu_kernels_are_built_from_the_format_table():
+    from workbench.kernels import cpu
+
+    assert sorted(cpu.SUPPORTED_TYPES.values()) == sorted(QUANTIZED_FORMATS)
+    ext = cpu.extension()
+    if ext is None:
+        pytest.skip("the C++ CPU kernels could not be built")
+    for ggml_type, name in cpu.SUPPORTED_TYPES.items():
+        spec = SPECS[name]
+        assert ggml_type == spec.ggml_type
+        assert list(ext.format_layout(ggml_type)) == [
+            spec.block_size, spec.type_size, SPECS[spec.activation].ggml_type], name
+
+
+def test_triton_kernels_read_the_format_table():
+    pytest.importorskip("triton")
+    from workbench.kernels.triton import formats as triton_formats
+
+    assert set(triton_formats.LAYOUTS) == set(QUANTIZED_FORMATS)
+    for name, layout in triton_formats.LAYOUTS.items():
+        spec = SPECS[name]
+        assert (layout.ggml_type, layout.block_size, layout.type_size) == (spec.ggml_type, spec.block_size,
+                                                                          spec.type_size), name
+        # the FMT constants the device code compares against, and the block strides it steps by
+        assert getattr(triton_formats, name).value == spec.ggml_type, name
+        assert getattr(triton_formats, f"{name}_BYTES").value == spec.type_size, name
+    assert set(triton_formats.K_QUANTS) == {name for name in QUANTIZED_FORMATS if SPECS[name].activation == "Q8_K"}
 
 
 # --- dequantize: bit-identical to gguf ------------------------------------------------------------

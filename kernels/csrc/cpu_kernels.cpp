@@ -11,6 +11,10 @@
 // The code is plain C++ over a few AVX2 primitives (with a portable fallback); the exact dot products
 // also have AVX-512 code (16 lanes, and table lookups for the 4-bit formats). cpu.py compiles it for the
 // widest vector ISA the CPU has (AVX-512, AVX2+FMA, or none).
+//
+// The formats' GGML type numbers and block sizes are not written here: cpu.py passes the format table
+// (kernels/formats/table.py) as macros, WB_<FORMAT>_TYPE, WB_<FORMAT>_VALUES and WB_<FORMAT>_BYTES for every weight
+// format below and for the activation blocks Q8_0, Q8_1 and Q8_K.
 #include <torch/library.h>
 #include <torch/types.h>
 
@@ -23,15 +27,23 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#if !defined(WB_Q8_0_TYPE) || !defined(WB_Q8_K_VALUES)
+#error "the format table's macros are missing: build this file through workbench.kernels.cpu"
+#endif
+
+// A format's numbers from the format table.
+#define WB_FORMAT(F) static constexpr int kType = WB_##F##_TYPE, kValues = WB_##F##_VALUES, kBytes = WB_##F##_BYTES
+
 namespace {
 
-constexpr int kQK = 32;    // values per block of the legacy formats and of Q8_0 / Q8_1
-constexpr int kQKK = 256;  // values per K-quant super-block and of Q8_K
+constexpr int kQK = WB_Q8_0_VALUES;   // values per block of the legacy formats and of Q8_0 / Q8_1
+constexpr int kQKK = WB_Q8_K_VALUES;  // values per K-quant super-block and of Q8_K
 
 inline float half_at(const void* p) {
   uint16_t bits;
@@ -45,20 +57,25 @@ inline uint16_t float_to_half(float v) { return c10::detail::fp16_ieee_from_fp32
 // Activation blocks of the llama.cpp numerics (byte layouts as ggml's block_q8_0/_1/_K).
 
 struct BlockQ8_0 {
+  WB_FORMAT(Q8_0);
   uint16_t d;  // fp16
   int8_t qs[kQK];
 };
 struct BlockQ8_1 {
+  WB_FORMAT(Q8_1);
   uint16_t d;  // fp16
   uint16_t s;  // fp16 of d * sum(qs)
   int8_t qs[kQK];
 };
 struct BlockQ8_K {
+  WB_FORMAT(Q8_K);
   float d;
   int8_t qs[kQKK];
   int16_t bsums[kQKK / 16];
 };
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ8_1) == 36 && sizeof(BlockQ8_K) == 292, "ggml layout");
+static_assert(sizeof(BlockQ8_0) == BlockQ8_0::kBytes && sizeof(BlockQ8_1) == BlockQ8_1::kBytes &&
+                  sizeof(BlockQ8_K) == BlockQ8_K::kBytes && BlockQ8_0::kValues == kQK && BlockQ8_1::kValues == kQK,
+              "the activation blocks' layout (ggml's block_q8_0 / _1 / _K) disagrees with the format table");
 
 float abs_max(const float* x, int n) {
   float amax = 0.0f;
@@ -254,7 +271,7 @@ inline void dot_legacy(const Group& g, float dw, const Act& y, Floats& acc) {
 }
 
 struct Q4_0 {
-  static constexpr int kType = 2, kValues = kQK, kBytes = 18;
+  WB_FORMAT(Q4_0);
   using Act = BlockQ8_0;
   static Group group(const uint8_t* b, int) { const float d = half_at(b); return {sub_bytes(nibbles(b + 2), 8), d, 0.0f}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
@@ -267,7 +284,7 @@ struct Q4_0 {
 };
 
 struct Q4_1 {
-  static constexpr int kType = 3, kValues = kQK, kBytes = 20;
+  WB_FORMAT(Q4_1);
   using Act = BlockQ8_1;
   static Group group(const uint8_t* b, int) { const float d = half_at(b); return {nibbles(b + 4), d, half_at(b + 2)}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
@@ -283,7 +300,7 @@ struct Q4_1 {
 
 // Q5_x: the fifth bit of value j is bit j of the 32-bit qh.
 struct Q5_0 {
-  static constexpr int kType = 6, kValues = kQK, kBytes = 22;
+  WB_FORMAT(Q5_0);
   using Act = BlockQ8_0;
   static Group group(const uint8_t* b, int) {
     const float d = half_at(b);
@@ -293,7 +310,7 @@ struct Q5_0 {
 };
 
 struct Q5_1 {
-  static constexpr int kType = 7, kValues = kQK, kBytes = 24;
+  WB_FORMAT(Q5_1);
   using Act = BlockQ8_1;
   static Group group(const uint8_t* b, int) {
     const float d = half_at(b);
@@ -306,7 +323,7 @@ struct Q5_1 {
 };
 
 struct Q8_0 {
-  static constexpr int kType = 8, kValues = kQK, kBytes = 34;
+  WB_FORMAT(Q8_0);
   using Act = BlockQ8_0;
   static Group group(const uint8_t* b, int) { const float d = half_at(b); return {load_bytes(b + 2), d, 0.0f}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
@@ -316,7 +333,6 @@ struct Q8_0 {
 // mins, then the codes, which F::values(block, g) reads for sub-block g.
 template <class F>
 struct AffineK {
-  static constexpr int kValues = kQKK;
   using Act = BlockQ8_K;
   // Sub-block g's weights are scale * q + offset.
   static void affine(const uint8_t* b, int g, float& scale, float& offset) {
@@ -353,7 +369,7 @@ inline Bytes sub_block_nibbles(const uint8_t* qs, int g) {
 
 // Q4_K: 128 bytes of nibbles.
 struct Q4_K : AffineK<Q4_K> {
-  static constexpr int kType = 12, kBytes = 144;
+  WB_FORMAT(Q4_K);
   static Bytes values(const uint8_t* b, int g) { return sub_block_nibbles(b + 16, g); }
   // Chunk c (32 bytes): low nibbles are sub-block 2c, high nibbles sub-block 2c + 1.
   template <class Dot>
@@ -379,7 +395,7 @@ inline Bytes crumbs(const uint8_t* p, int j) { return and_bytes(shr_bytes(load_b
 
 // Q5_K: 32 bytes of fifth bits (bit g of byte l: value l of sub-block g), then Q4_K's nibbles.
 struct Q5_K : AffineK<Q5_K> {
-  static constexpr int kType = 13, kBytes = 176;
+  WB_FORMAT(Q5_K);
   static Bytes values(const uint8_t* b, int g) {
     return or_bytes(sub_block_nibbles(b + 48, g), bit_of_bytes(b + 16, g, 4));
   }
@@ -388,7 +404,7 @@ struct Q5_K : AffineK<Q5_K> {
 // Q2_K: 16 bytes of 4-bit scales (low nibble) and mins (high), one byte per 16 values; 64 bytes of 2-bit codes, group
 // g = 4 * half + j in bits 2j, 2j + 1 of bytes 32 * half .. + 32; d, dmin. Value = d * scale * q - dmin * min.
 struct Q2_K {
-  static constexpr int kType = 10, kValues = kQKK, kBytes = 84;
+  WB_FORMAT(Q2_K);
   using Act = BlockQ8_K;
   static Bytes values(const uint8_t* b, int g) { return crumbs(b + 16 + 32 * (g / 4), g % 4); }
   static Group group(const uint8_t* b, int g) {
@@ -414,7 +430,7 @@ struct Q2_K {
 // Q3_K: 32 bytes of high bits (bit g of byte l: value l of group g), 64 bytes of 2-bit lows laid out as Q2_K's codes,
 // 12 bytes of 6-bit scales stored + 32 (one per 16 values), d. Value = d * scale * (q - 4), q the 3-bit code.
 struct Q3_K {
-  static constexpr int kType = 11, kValues = kQKK, kBytes = 110;
+  WB_FORMAT(Q3_K);
   using Act = BlockQ8_K;
   static Bytes values(const uint8_t* b, int g) {
     return sub_bytes(or_bytes(crumbs(b + 32 + 32 * (g / 4), g % 4), bit_of_bytes(b, g, 2)), 4);
@@ -442,7 +458,7 @@ struct Q3_K {
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), d.
 // Group g = 4 * half + quarter (ggml's dequantize_row_q6_K order).
 struct Q6_K {
-  static constexpr int kType = 14, kValues = kQKK, kBytes = 210;
+  WB_FORMAT(Q6_K);
   using Act = BlockQ8_K;
   static Bytes values(const uint8_t* b, int g) {
     const int half = g / 4, quarter = g % 4;
@@ -479,6 +495,15 @@ auto visit_format(int64_t ggml_type, Fn&& fn) {
     case Q6_K::kType: return fn(Q6_K{});
   }
   TORCH_CHECK(false, "workbench cpu kernels: unsupported GGML type ", ggml_type);
+}
+
+// What this build reads for ggml_type: {values per block, bytes per block, GGML type of its activation blocks}, for
+// the tests to check against the format table.
+std::vector<int64_t> format_layout(int64_t ggml_type) {
+  return visit_format(ggml_type, [](auto format) {
+    using F = decltype(format);
+    return std::vector<int64_t>{F::kValues, F::kBytes, F::Act::kType};
+  });
 }
 
 // The 32 float weights of a group, as four vectors of 8.
@@ -853,6 +878,8 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("linear_llamacpp(Tensor x, Tensor packed, int ggml_type, int rows, int cols) -> Tensor");
   // ggml-cpu's Q8_0 / Q8_1 / Q8_K blocks of x for a weight type
   m.def("quantize_activations(Tensor x, int ggml_type) -> Tensor");
+  // {values, bytes, activation type} of a weight type as compiled in, from the format table's macros
+  m.def("format_layout(int ggml_type) -> int[]", &format_layout);
   // RMSNorm's scale and output, and the rope, for the runner's eager CPU forward
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");

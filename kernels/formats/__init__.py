@@ -1,15 +1,14 @@
-"""Registry of GGUF tensor formats, one small module each."""
+"""Registry of GGUF tensor formats, one small module each, over the format table (``table``)."""
 from __future__ import annotations
 
 import importlib
 
 from .base import QuantFormat
-
-_MODULES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+from .table import SPECS, WEIGHT_FORMATS, FormatSpec
 
 FORMATS: dict[str, QuantFormat] = {}
-for _name in _MODULES:
-    _fmt = importlib.import_module(f"{__name__}.{_name}").FORMAT
+for _name in WEIGHT_FORMATS:  # the format table's order
+    _fmt = importlib.import_module(f"{__name__}.{_name.lower()}").FORMAT
     FORMATS[_fmt.name] = _fmt
 
 BY_GGML_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values()}
@@ -27,4 +26,4 @@ def get_format(key: str | int) -> QuantFormat:
     return fmt
 
 
-__all__ = ["QuantFormat", "FORMATS", "BY_GGML_TYPE", "get_format"]
+__all__ = ["QuantFormat", "FormatSpec", "FORMATS", "SPECS", "BY_GGML_TYPE", "get_format"]

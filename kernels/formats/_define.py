@@ -7,18 +7,25 @@ import torch
 
 from ._bits import float_bytes, view_bytes
 from .base import QuantFormat
+from .table import spec
 
 
 def define_format(
     name: str,
-    ggml_type: int,
-    block_size: int,
-    type_size: int,
     dequantize_blocks: Callable[[torch.Tensor], torch.Tensor],
     quantize_blocks: Callable[[torch.Tensor], torch.Tensor],
+    layout_bytes: int | None = None,
 ) -> QuantFormat:
     """Wrap a format's raw block functions with dtype/shape checks (metadata only, no device sync
-    on the dequantize hot path) so that bad input raises a clear error instead of being misread."""
+    on the dequantize hot path) so that bad input raises a clear error instead of being misread.
+
+    The type number and block sizes come from the format table; ``layout_bytes``, where given, is the block size
+    the format's layout code adds up to, which must agree with it.
+    """
+    fmt_spec = spec(name)
+    ggml_type, block_size, type_size = fmt_spec.ggml_type, fmt_spec.block_size, fmt_spec.type_size
+    if layout_bytes is not None and layout_bytes != type_size:
+        raise ValueError(f"{name}: the layout code reads {layout_bytes}-byte blocks, the format table says {type_size}")
 
     def dequantize(blocks: torch.Tensor) -> torch.Tensor:
         if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8:
@@ -43,16 +50,14 @@ def define_format(
     return QuantFormat(name, ggml_type, block_size, type_size, dequantize, quantize)
 
 
-def define_float_format(name: str, ggml_type: int, dtype: torch.dtype) -> QuantFormat:
+def define_float_format(name: str, dtype: torch.dtype) -> QuantFormat:
     """A plain float format: one value per "block" of ``itemsize`` bytes, widened to float32 exactly."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     return define_format(
         name,
-        ggml_type,
-        1,
-        itemsize,
         lambda blocks: view_bytes(blocks, 0, itemsize, dtype).float(),
         lambda values: float_bytes(values, dtype),
+        layout_bytes=itemsize,
     )
 
 

@@ -13,8 +13,6 @@ from ._bits import float_bytes, narrow_float, pack_fields, pack_k_scales, read_f
 from ._define import define_format
 from .base import QuantFormat
 
-QK_K = 256
-
 # Code ranges tried per sub-block, as offsets to the min-max choice: a slightly coarser grid
 # (negative offset) clips outliers, a finer one spends the codes on the bulk of the values.
 _SEARCH_OFFSETS = [step / 10 for step in range(-10, 11)]
@@ -146,7 +144,7 @@ def _round_codes(targets: torch.Tensor, steps: torch.Tensor, low: int, high: int
     return torch.where(steps != 0, torch.round(targets / steps), 0.0).clamp(low, high)
 
 
-def affine_k_format(name: str, ggml_type: int, code_bits: int) -> QuantFormat:
+def affine_k_format(name: str, code_bits: int) -> QuantFormat:
     """Q4_K (4-bit codes) and Q5_K (5-bit): 8 sub-blocks of 32, ``value = (d * scale) * q - (dmin * min)``.
 
     Block layout: ``d`` f16, ``dmin`` f16, 12 bytes of 6-bit scales and mins (:func:`unpack_k_scales`),
@@ -173,4 +171,4 @@ def affine_k_format(name: str, ggml_type: int, code_bits: int) -> QuantFormat:
         parts.append(pack_fields((codes & 0x0F).unflatten(1, (4, 2)), 4).flatten(1))
         return torch.cat(parts, dim=-1)
 
-    return define_format(name, ggml_type, QK_K, nibbles_at + 128, dequantize, quantize)
+    return define_format(name, dequantize, quantize, layout_bytes=nibbles_at + 128)

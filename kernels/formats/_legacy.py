@@ -11,8 +11,6 @@ from ._bits import float_bytes, pack_fields, read_f16, unpack_fields
 from ._define import define_format
 from .base import QuantFormat
 
-BLOCK_SIZE = 32
-
 
 def divide(values: torch.Tensor, divisor: float) -> torch.Tensor:
     """``values / divisor``, correctly rounded on every device."""
@@ -58,7 +56,7 @@ def affine_codes(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     return scale, low, codes.clamp(0, top).to(torch.uint8)
 
 
-def legacy_format(name: str, ggml_type: int, bits: int, affine: bool) -> QuantFormat:
+def legacy_format(name: str, bits: int, affine: bool) -> QuantFormat:
     """Q4_0 / Q4_1 / Q5_0 / Q5_1: ``bits``-bit codes, symmetric (``d * (q - 2**(bits-1))``) or affine (``d * q + m``).
 
     Block layout: ``d`` f16, then ``m`` f16 if affine, then (5-bit only) a little-endian 32-bit word
@@ -93,4 +91,4 @@ def legacy_format(name: str, ggml_type: int, bits: int, affine: bool) -> QuantFo
         parts.append(pack_fields((codes & 0x0F).unflatten(1, (2, 16)), 4))
         return torch.cat(parts, dim=-1)
 
-    return define_format(name, ggml_type, BLOCK_SIZE, nibbles_at + 16, dequantize, quantize)
+    return define_format(name, dequantize, quantize, layout_bytes=nibbles_at + 16)

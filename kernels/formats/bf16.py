@@ -3,4 +3,4 @@ import torch
 
 from ._define import define_float_format
 
-FORMAT = define_float_format("BF16", 30, torch.bfloat16)
+FORMAT = define_float_format("BF16", torch.bfloat16)

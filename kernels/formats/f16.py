@@ -3,4 +3,4 @@ import torch
 
 from ._define import define_float_format
 
-FORMAT = define_float_format("F16", 1, torch.float16)
+FORMAT = define_float_format("F16", torch.float16)

@@ -3,4 +3,4 @@ import torch
 
 from ._define import define_float_format
 
-FORMAT = define_float_format("F32", 0, torch.float32)
+FORMAT = define_float_format("F32", torch.float32)

@@ -8,7 +8,7 @@ import torch
 
 from ._bits import float_bytes, pack_fields, read_f16, unpack_fields
 from ._define import define_format
-from ._kquant import QK_K, dequantize_affine, quantize_affine
+from ._kquant import dequantize_affine, quantize_affine
 
 
 def _dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -27,4 +27,4 @@ def _quantize(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed_scales, packed_codes, header], dim=-1)
 
 
-FORMAT = define_format("Q2_K", 10, QK_K, 84, _dequantize, _quantize)
+FORMAT = define_format("Q2_K", _dequantize, _quantize)

@@ -10,7 +10,7 @@ import torch
 
 from ._bits import float_bytes, pack_fields, read_f16, unpack_fields
 from ._define import define_format
-from ._kquant import QK_K, dequantize_symmetric, quantize_symmetric
+from ._kquant import dequantize_symmetric, quantize_symmetric
 
 _CODE_OFFSET = 4
 _SCALE_OFFSET = 32
@@ -38,4 +38,4 @@ def _quantize(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([high, low, scale_low, scale_high, float_bytes(super_scale, torch.float16)], dim=-1)
 
 
-FORMAT = define_format("Q3_K", 11, QK_K, 110, _dequantize, _quantize)
+FORMAT = define_format("Q3_K", _dequantize, _quantize)

@@ -1,4 +1,4 @@
 """Q5_1: 32 values as 5-bit codes with an f16 scale and an f16 minimum (value = d * q + m)."""
 from ._legacy import legacy_format
 
-FORMAT = legacy_format("Q5_1", 7, bits=5, affine=True)
+FORMAT = legacy_format("Q5_1", bits=5, affine=True)

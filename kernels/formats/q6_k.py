@@ -8,7 +8,7 @@ import torch
 
 from ._bits import float_bytes, pack_fields, read_f16, unpack_fields
 from ._define import define_format
-from ._kquant import QK_K, dequantize_symmetric, quantize_symmetric
+from ._kquant import dequantize_symmetric, quantize_symmetric
 
 _OFFSET = 32  # stored codes are q + 32 in 0..63
 
@@ -30,4 +30,4 @@ def _quantize(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([low, high, scale_bytes, float_bytes(super_scale, torch.float16)], dim=-1)
 
 
-FORMAT = define_format("Q6_K", 14, QK_K, 210, _dequantize, _quantize)
+FORMAT = define_format("Q6_K", _dequantize, _quantize)

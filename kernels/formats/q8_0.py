@@ -6,7 +6,7 @@ import torch
 
 from ._bits import float_bytes, read_f16
 from ._define import define_format
-from ._legacy import BLOCK_SIZE, divide, inverse_or_zero, round_half_away
+from ._legacy import divide, inverse_or_zero, round_half_away
 
 
 def _dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -19,4 +19,4 @@ def _quantize(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([float_bytes(scale, torch.float16), codes.view(torch.uint8)], dim=-1)
 
 
-FORMAT = define_format("Q8_0", 8, BLOCK_SIZE, 34, _dequantize, _quantize)
+FORMAT = define_format("Q8_0", _dequantize, _quantize)

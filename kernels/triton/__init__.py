@@ -35,15 +35,12 @@ REGISTERED = False
 
 if AVAILABLE:
     from .matmul import (
-        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, MMA_DTYPES, MMA_FORMATS, MMA_K_MULTIPLE,
-        MMA_MAX_ROWS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig, dequant_matmul, dequantize,
-        gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows, quantize_activations,
+        ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, LLAMACPP_GEMM_MIN_ROWS, MMA_DTYPES, MMA_FORMATS,
+        MMA_K_MULTIPLE, MMA_MAX_ROWS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig,
+        dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
+        quantize_activations,
     )
     from .layer_ops import add_rms_norm, attend, attention_scores, rms_norm, rope, swiglu
-
-    # From this many rows on, the llama.cpp-numerics GEMM runs instead of a GEMV pass per row. On an H100 (bench/RESULTS.md,
-    # tenth session) it wins from 8 rows on most 8B shapes and by ~12x at 128; rows of 14336 values favour the GEMV to ~16.
-    LLAMACPP_GEMM_MIN_ROWS = 8
 
     def _supports(fmt: str, max_rows: int | Callable[[QuantTensor, torch.device], int] | None,
                   dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1, k_multiple: int = 1):

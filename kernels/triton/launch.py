@@ -1,9 +1,9 @@
 """``launch(kernel, grid, *args, **constants)``: ``kernel[grid](*args, **constants)`` for about half the host time.
 
 An eager CUDA forward launches ~300 Triton kernels, and Triton's launcher (binding the arguments, specializing them,
-building the cache key, reading its knobs) costs 21-27 us a launch on the lent H100's host, against 8 us for the
-compiled kernel's own launch and 13-15 us for ``launch`` (bench/RESULTS.md, eighteenth session). ``launch`` goes
-through Triton once per specialization, keeps the compiled kernel it returns, and launches that directly afterwards.
+building the cache key, reading its knobs) takes several times the host time of the compiled kernel's own launch, so
+an eager forward is bound by the host (docs/performance.md, "Triton launches"). ``launch`` goes through Triton once
+per specialization, keeps the compiled kernel it returns, and launches that directly afterwards.
 
 The cache key is at least as fine as Triton's specialization of the arguments, so a kept kernel is only reused for
 arguments Triton would have compiled it for: each tensor's dtype and whether its data starts at a multiple of 16

@@ -1,0 +1,188 @@
+"""The GEMV: ``x @ w.T`` for a few rows of activations (decode), on the CUDA cores, each weight unpacked once for all
+of them. The same kernel computes llama.cpp's numerics (``llamacpp.gemv_llamacpp``): integer dot products of the
+activations quantized as ggml-cpu quantizes them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..launch_choices import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_units, walks_chunks
+from ..quant_tensor import QuantTensor
+from .common import checked_output
+from .formats import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Layout
+from .k_affine import k_chunk_dots, k_chunk_dots_q8k
+from .k_small import small_k_chunk_dots, small_k_dots_q8k
+from .launch import INTERPRETING, cdiv, launch
+from .legacy import legacy_dots_q8
+from .q6_k import q6_k_dots_q8k
+from .readers import chunk_load, piece_start, unit_pieces
+
+# ---------------------------------------------------------------------------------------------
+# The dot of 32-value units with float activations (exact numerics)
+
+
+@triton.jit
+def load_x(xp, first, K):
+    """Activations ``xp[first .. first + 7]`` for each row pointer ``xp`` ``[BLOCK_M]`` and unit, as float32
+    ``[BLOCK_M, BLOCK_U, 8]``."""
+    index = first[:, None] + tl.arange(0, 8)[None, :]
+    return tl.load(xp[:, None, None] + index[None], mask=index[None] < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def dot_units(
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, first, n_units, xp, K,
+    BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+):
+    """For ``BLOCK_N`` weight rows, units ``first .. first + BLOCK_U - 1`` and the activation rows at ``xp``
+    (``[BLOCK_M]`` pointers), the dot of each unit's weights with each row's activations,
+    ``sum_p a_p * sum(f_p x_p) + b_p * sum(x_p)`` over its pieces p: ``[BLOCK_M, BLOCK_N, BLOCK_U]``.
+
+    ``rowp`` holds the row pointer of each (row, unit) pair, rows slowest, so a thread holds the same
+    unit of every weight row and of every activation row: a weight is unpacked once for all activation rows, and
+    the activations, loaded once per unit (``[BLOCK_M, BLOCK_U, 8]``), are shared by all weight rows.
+    """
+    unit = first + tl.arange(0, BLOCK_N * BLOCK_U) % BLOCK_U
+    x_unit = first + tl.arange(0, BLOCK_U)
+    f0, f1, f2, f3, a0, b0, a1, b1, a2, b2, a3, b3 = unit_pieces(FMT, TYPE_SIZE, rowp, unit, n_units)
+    if FMT == Q6_K or FMT == Q2_K or FMT == Q3_K:  # an affine map per 16 values
+        dot = _dot_piece(f0, a0, b0, xp, piece_start(FMT, x_unit, 0), K, BLOCK_N, BLOCK_U)
+        dot += _dot_piece(f1, a1, b1, xp, piece_start(FMT, x_unit, 1), K, BLOCK_N, BLOCK_U)
+        dot += _dot_piece(f2, a2, b2, xp, piece_start(FMT, x_unit, 2), K, BLOCK_N, BLOCK_U)
+        dot += _dot_piece(f3, a3, b3, xp, piece_start(FMT, x_unit, 3), K, BLOCK_N, BLOCK_U)
+    else:
+        dot = _dot_shared_affine(f0, f1, f2, f3, a0, b0, xp, 32 * x_unit, K, BLOCK_N, BLOCK_U)
+    return dot
+
+
+@triton.jit
+def _pieces_of(f, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """A piece ``[units, 8]`` as ``[1, BLOCK_N, BLOCK_U, 8]``, to broadcast over activation rows."""
+    return tl.reshape(f, (1, BLOCK_N, BLOCK_U, 8))
+
+
+@triton.jit
+def _dot_piece(f, a, b, xp, first, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """One piece of 8 values starting at ``first`` with its own affine map."""
+    x = load_x(xp, first, K)
+    fx = tl.sum(_pieces_of(f, BLOCK_N, BLOCK_U) * x[:, None], axis=3)
+    return _affine(a, b, fx, tl.sum(x, axis=2), BLOCK_N, BLOCK_U)
+
+
+@triton.jit
+def _dot_shared_affine(f0, f1, f2, f3, a, b, xp, first, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """Four pieces of 32 consecutive values starting at ``first`` with one affine map: sum them element-wise
+    first (a fused multiply-add per value), then across the 8 values of a piece."""
+    x0 = load_x(xp, first, K)
+    x1 = load_x(xp, first + 8, K)
+    x2 = load_x(xp, first + 16, K)
+    x3 = load_x(xp, first + 24, K)
+    fx = tl.sum(
+        _pieces_of(f0, BLOCK_N, BLOCK_U) * x0[:, None] + _pieces_of(f1, BLOCK_N, BLOCK_U) * x1[:, None]
+        + _pieces_of(f2, BLOCK_N, BLOCK_U) * x2[:, None] + _pieces_of(f3, BLOCK_N, BLOCK_U) * x3[:, None],
+        axis=3,
+    )
+    return _affine(a, b, fx, tl.sum(x0 + x1 + x2 + x3, axis=2), BLOCK_N, BLOCK_U)
+
+
+@triton.jit
+def _affine(a, b, fx, x, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """``a * fx + b * x`` for per-(row, unit) ``a``, ``b``, per-(activation row, row, unit) ``fx`` and
+    per-(activation row, unit) ``x``."""
+    return tl.reshape(a, (1, BLOCK_N, BLOCK_U)) * fx + tl.reshape(b, (1, BLOCK_N, BLOCK_U)) * x[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, x_scales_ptr, x_sums_ptr,
+    FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr, CHUNKS: tl.constexpr,
+):
+    # Each program takes BLOCK_N weight rows and BLOCK_M rows of activations, unpacking each weight once for all of
+    # them; the programs over one weight block run next to each other, so all but the first read it from L2.
+    # With LLAMACPP (BLOCK_M = 1) the activations are quantized as ggml-cpu quantizes them for the weight
+    # (``quantize_activations``): int8 values as int32 words at x_ptr, their scales and sums.
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    m_block, n_block = tl.program_id(0) % m_blocks, tl.program_id(0) // m_blocks
+    m_rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows of activations past M and weight rows past N re-read rows from the first (never stored).
+    x_rows = x_ptr + (m_rows % M).to(tl.int64) * K
+    if LLAMACPP:
+        tl.static_assert(BLOCK_M == 1, "the llama.cpp-numerics GEMV takes one row of activations per program")
+        m = m_block
+        x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
+        if FMT >= Q2_K:  # the K-quants (GGML types 10-14): Q8_K, a scale per 256 values, a sum per 16
+            x_scales_ptr += m * (K // 256)
+            x_sums_ptr += m * (K // 16)
+        else:  # Q8_0 / Q8_1: a scale and a sum per 32
+            x_scales_ptr += m * (K // 32)
+            x_sums_ptr += m * (K // 32)
+    rows = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Row of each (row, unit) pair, rows slowest; rows past N are read rather than masking every load.
+    pair_rows = (n_block * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U) % N
+    rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
+    # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
+    if CHUNKS:  # ``walks_chunks``
+        n_chunks = K // 64
+        # Each step's weights are loaded one step ahead (the last step's look-ahead re-reads the row's last
+        # chunk, which is cached), so that a step's loads are in flight while the previous step's chunks are unpacked
+        # (docs/performance.md, "The Q4_K GEMV").
+        raw = chunk_load(rowp, 0, n_chunks, FMT, BLOCK_N, BLOCK_U)
+        for first in range(0, n_chunks, BLOCK_U):
+            raw_next = chunk_load(rowp, first + BLOCK_U, n_chunks, FMT, BLOCK_N, BLOCK_U)
+            if LLAMACPP:
+                acc += k_chunk_dots_q8k(raw, first, n_chunks, x_words, x_scales_ptr, x_sums_ptr, FMT, BLOCK_N, BLOCK_U,
+                                        USE_ASM, EVEN)[None]
+            elif FMT == Q4_K or FMT == Q5_K:
+                acc += k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+            else:
+                acc += small_k_chunk_dots(raw, first, x_rows, K, FMT, BLOCK_N, BLOCK_U, USE_ASM, EVEN)
+            raw = raw_next
+    else:
+        n_units = K // 32
+        for first in range(0, n_units, BLOCK_U):
+            if LLAMACPP and FMT == Q6_K:
+                acc += q6_k_dots_q8k(rowp, first, n_units, x_words, x_scales_ptr, TYPE_SIZE, BLOCK_N, BLOCK_U,
+                                     USE_ASM)[None]
+            elif LLAMACPP and (FMT == Q2_K or FMT == Q3_K):
+                acc += small_k_dots_q8k(FMT, TYPE_SIZE, rowp, first, n_units, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N,
+                                        BLOCK_U, USE_ASM)[None]
+            elif LLAMACPP:
+                acc += legacy_dots_q8(FMT, TYPE_SIZE, rowp, first, n_units, x_words, x_scales_ptr, x_sums_ptr, BLOCK_N,
+                                      BLOCK_U, USE_ASM)[None]
+            else:
+                acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_rows, K, BLOCK_N, BLOCK_U)
+    out_ptrs = out_ptr + m_rows.to(tl.int64)[:, None] * N + rows[None, :]
+    tl.store(out_ptrs, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=(m_rows[:, None] < M) & (rows[None, :] < N))
+
+
+def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` for up to ``GEMV_MAX_ROWS`` rows of ``x`` (decode, batched decode), on the CUDA cores: one
+    pass over the weight per ``config.block_m`` rows, its programs side by side so that the others read it from L2."""
+    layout, out = checked_output(x, w, max_rows=GEMV_MAX_ROWS)
+    m, k = x.shape
+    if m == 0:
+        return out
+    launch_gemv(w, out, layout, config or gemv_config(k, w.fmt.name, m), x, x, x, llamacpp=False)
+    return out
+
+
+def launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: GemvConfig, activations: torch.Tensor,
+                 x_scales: torch.Tensor, x_sums: torch.Tensor, llamacpp: bool) -> None:
+    """``_gemv_kernel`` over ``out``'s rows of activations: floats, or (``llamacpp``) ``quantize_activations``'
+    values, scales and sums (the exact GEMV passes its activations for the two unused pointers)."""
+    (m, n), k = out.shape, w.shape[1]
+    launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
+        activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
+        FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
+        EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp,
+        CHUNKS=walks_chunks(w.fmt.name, llamacpp), num_warps=config.num_warps,
+    )
