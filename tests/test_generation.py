@@ -115,31 +115,36 @@ def test_cuda_graph_decode_stops_and_samples_like_eager():
     assert list(generate_tokens(model.runner, PROMPT, 1)) == eager[:1]
     assert list(generate_tokens(model.runner, PROMPT, 2)) == eager[:2]
     # the captured step is kept for the next call of the same size; a second stream meanwhile gets its own
-    captured = _BUILT[model.runner]
+    captured = _BUILT[model.runner]["exact"]
     first, second = generate_tokens(model.runner, PROMPT, 12), generate_tokens(model.runner, [9, 3], 12)
     interleaved = list(zip(first, second))
     assert next(second, None) is None  # zip left it suspended after its last token; this finishes it
     assert [a for a, _ in interleaved] == eager
     assert [b for _, b in interleaved] == list(generate_tokens(model.runner, [9, 3], 12, compiled=False))
-    replacement = _BUILT[model.runner]
+    replacement = _BUILT[model.runner]["exact"]
     assert replacement is not captured and not captured.busy and not replacement.busy
     assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
-    assert _BUILT[model.runner] is replacement  # reused, not captured again
+    assert _BUILT[model.runner]["exact"] is replacement  # reused, not captured again
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
     sampled_eager = list(generate_tokens(model.runner, PROMPT, 12, sampling, compiled=False))
     assert list(generate_tokens(model.runner, PROMPT, 12, sampling)) == sampled_eager
 
 
 def test_built_step_is_reused_only_under_its_numerics(small):
-    """A CUDA graph replays the kernels it captured: a step built under one numerics is not taken under another."""
+    """A CUDA graph replays the kernels it captured: a step built under one numerics is not taken under another, and
+    runs in its own whatever block it is called in."""
     runner = small.runner
-    step = DecodeStep(lambda: None, runner.new_static_cache(MIN_STEP_CAPACITY // 4), torch.zeros(1, dtype=torch.long))
+    seen = []
+    step = DecodeStep(lambda: seen.append(cpu.get_numerics()), runner.new_static_cache(MIN_STEP_CAPACITY // 4),
+                      torch.zeros(1, dtype=torch.long))
     assert step.numerics == "exact"
-    _BUILT[runner] = step
+    _BUILT[runner] = {"exact": step}
     try:
+        assert _built_step(runner, step.cache.capacity, "llamacpp") is None
+        assert _built_step(runner, step.cache.capacity, "exact") is step
         with cpu.numerics("llamacpp"):
-            assert _built_step(runner, step.cache.capacity) is None
-        assert _built_step(runner, step.cache.capacity) is step
+            step(3)
+        assert seen == ["exact"] and int(step.token) == 3
     finally:
         del _BUILT[runner]
 
@@ -148,12 +153,12 @@ def test_built_step_is_reused_only_under_its_numerics(small):
 def test_cuda_graph_decode_under_llamacpp_numerics():
     model, _ = cuda_model_and_eager_tokens()
     list(generate_tokens(model.runner, PROMPT, 12))
-    exact_step = _BUILT[model.runner]
+    exact_step = _BUILT[model.runner]["exact"]
     with cpu.numerics("llamacpp"), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # every matmul of the model has a llama.cpp kernel on CUDA
         eager = list(generate_tokens(model.runner, PROMPT, 12, compiled=False))
         assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
-        step = _BUILT[model.runner]
+        step = _BUILT[model.runner]["llamacpp"]
         assert step is not exact_step and step.numerics == "llamacpp"
         quantized, quantized_eager = compiled_step_logits(model.runner, step, eager[:3]), eager_logits(model.runner, eager[:3])
     exact = compiled_step_logits(model.runner, exact_step, eager[:3])
@@ -180,9 +185,11 @@ def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch
 
 
 def compiled_step_logits(runner, step, tokens: list[int]) -> list[torch.Tensor]:
-    """The built step's logits for each of ``tokens`` in turn, after PROMPT prefilled eagerly into its cache."""
+    """The built step's logits for each of ``tokens`` in turn, after PROMPT prefilled eagerly into its cache, all in the
+    step's numerics."""
     step.cache.rewind(torch.zeros_like(step.cache.device_length))
-    runner.forward(torch.tensor(PROMPT), cache=step.cache)
+    with cpu.numerics(step.numerics):
+        runner.forward(torch.tensor(PROMPT), cache=step.cache)
     return [step(token).clone() for token in tokens]
 
 
@@ -206,7 +213,7 @@ def test_compiled_cpu_decode_matches_eager(small):
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager decoding fails the test
         for m in (model, small):
             assert list(generate_tokens(m.runner, PROMPT, 12, compiled=True)) == greedy[m]
-    built = {m: _BUILT[m.runner] for m in (model, small)}
+    built = {m: _BUILT[m.runner]["exact"] for m in (model, small)}
     for m in (model, small):
         tokens = greedy[m][:4]
         assert max_difference(compiled_step_logits(m.runner, built[m], tokens), eager_logits(m.runner, tokens)) < 1e-4
@@ -218,13 +225,20 @@ def test_compiled_cpu_decode_matches_eager(small):
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
     assert list(generate_tokens(runner, PROMPT, 12, sampling, compiled=True)) == list(
         generate_tokens(runner, PROMPT, 12, sampling))
-    assert _BUILT[runner] is built[model] and not built[model].busy  # kept for the next call of its size
+    assert _BUILT[runner]["exact"] is built[model] and not built[model].busy  # kept for the next call of its size
 
-    # The step keeps torch.compile's guards on global state: switching to llama.cpp numerics recompiles it.
+    # torch.compile reads the numerics as a constant of the graph, unguarded: a step built in exact numerics computes
+    # them in a llama.cpp-numerics block too, and generating there builds (and keeps) a step of those numerics.
     with cpu.numerics("llamacpp"):
-        quantized, quantized_eager = compiled_step_logits(runner, built[model], tokens[:2]), eager_logits(runner, tokens[:2])
-    exact = compiled_step_logits(runner, built[model], tokens[:2])
-    assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(exact, quantized_eager)
+        quantized_eager = eager_logits(runner, tokens[:2])
+        still_exact = compiled_step_logits(runner, built[model], tokens[:2])
+        list(generate_tokens(runner, PROMPT, 3, compiled=True))
+        quantized_step = _BUILT[runner]["llamacpp"]
+        quantized = compiled_step_logits(runner, quantized_step, tokens[:2])
+    assert quantized_step is not built[model] and _BUILT[runner]["exact"] is built[model]
+    exact_eager = eager_logits(runner, tokens[:2])
+    assert max_difference(still_exact, exact_eager) < 1e-4 < max_difference(still_exact, quantized_eager)
+    assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(quantized, exact_eager)
 
 
 def test_compiled_cpu_step_does_not_keep_its_model_alive():

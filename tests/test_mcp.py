@@ -621,11 +621,11 @@ def test_a_busy_session_is_never_idle():
     assert sessions.expire_idle(now=time.monotonic() + 60) == ["a"] and sessions.keys() == []
 
 
-def test_a_new_session_starts_in_the_servers_numerics_whatever_another_call_has_set():
-    """Sessions are made as a request arrives, outside the model lock, while another session's call may hold the
-    process-wide numerics: the new one still starts in the server's."""
+def test_a_new_session_starts_in_the_servers_numerics_whatever_block_it_is_made_in():
+    """Sessions are made as a request arrives: a new one starts in the server's numerics, whatever numerics block the
+    code that makes it runs in."""
     sessions = Sessions(Limits(), "model", "exact")
-    with workbench.kernels.numerics("llamacpp"):  # another session's call, running
+    with workbench.kernels.numerics("llamacpp"):
         with sessions.using("new") as session:
             assert session.numerics == "exact" and session.model_name == "model"
 
