@@ -13,8 +13,6 @@ from workbench.kernels import cpu
 from workbench.kernels.formats import QuantFormat
 from workbench.kernels.linear import BLOCKWISE, REGISTRY, Kernel, linear, linear_parts, select_kernel
 from workbench.kernels.quant_tensor import QuantTensor
-from workbench.model import Model
-from workbench.synthetic import random_checkpoint, random_config
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # Byte offsets of the fp16 scale / min fields in each block; every other byte may be anything.
@@ -318,11 +316,11 @@ def test_narrower_builds_match_the_native_build(isa):
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_K"])
-def test_models_in_the_newer_k_quants_run_on_the_extension(name, monkeypatch):
+def test_models_in_the_newer_k_quants_run_on_the_extension(name, monkeypatch, tiny_model):
     """Every matrix of a random model in these formats goes through the C++ kernels, for decode and for prefill, and
     the logits are those of the blockwise fallback, which multiplies gguf-exact dequantized weights."""
-    config = random_config("llama", d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, tied_embeddings=False)
-    model = Model(random_checkpoint(config, name, seed=2), device="cpu")
+    model = tiny_model("llama", name, seed=2, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, tied_embeddings=False,
+                       device="cpu")
     assert set(model.kernel_report(1).values()) == set(model.kernel_report(64).values()) == {"cpu-gguf-exact"}
     prompts = [list(range(3, 60, 3)), [7]]  # dequantized panels for the BLAS; the fused dot products of decode
     logits = [model.forward(ids) for ids in prompts]

@@ -13,16 +13,14 @@ from workbench.kernels import cpu
 from workbench.generation import (
     _BUILT, MIN_STEP_CAPACITY, DecodeStep, Sampling, _built_step, _forward_and_pick, argmax_by_chunks, generate_tokens,
 )
-from workbench.model import Model
-from workbench.synthetic import random_checkpoint, random_config
 
 
 @pytest.fixture(scope="module")
-def small():
-    return Model(random_checkpoint(random_config("qwen2", n_layers=2, n_ctx=64), "Q8_0", seed=3), device="cpu")
+def small(tiny_model):
+    return tiny_model("qwen2", "Q8_0", seed=3, n_layers=2, n_ctx=64, device="cpu")
 
 
-def greedy_by_full_forward(model: Model, ids: list[int], n: int) -> list[int]:
+def greedy_by_full_forward(model, ids: list[int], n: int) -> list[int]:
     ids = list(ids)
     for _ in range(n):
         ids.append(int(model.forward(ids)[-1].argmax()))
@@ -90,16 +88,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPT = [5, 6, 7, 8]
 
 
-def cuda_model_and_eager_tokens() -> tuple[Model, list[int]]:
+def cuda_model_and_eager_tokens(tiny_model):
     """A fresh 2-layer Q4_K model on CUDA (nothing captured yet) and its eager greedy 12 tokens after PROMPT."""
-    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
-                  device="cuda", dtype="float32")
+    model = tiny_model("llama", "Q4_K", n_layers=2, d_model=256, d_mlp=512, device="cuda", dtype="float32",
+                       cached=False)
     return model, list(generate_tokens(model.runner, PROMPT, 12, compiled=False))
 
 
 @needs_cuda
-def test_cuda_graph_decode_matches_eager():
-    model, eager = cuda_model_and_eager_tokens()
+def test_cuda_graph_decode_matches_eager(tiny_model):
+    model, eager = cuda_model_and_eager_tokens(tiny_model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the eager capture fails the test
         with_compiled_graph = list(generate_tokens(model.runner, PROMPT, 12))
@@ -107,8 +105,8 @@ def test_cuda_graph_decode_matches_eager():
 
 
 @needs_cuda
-def test_cuda_graph_decode_stops_and_samples_like_eager():
-    model, eager = cuda_model_and_eager_tokens()
+def test_cuda_graph_decode_stops_and_samples_like_eager(tiny_model):
+    model, eager = cuda_model_and_eager_tokens(tiny_model)
     # greedy tokens are read one step behind the GPU: a stop token must still end the stream at once
     stop = eager[6]
     assert list(generate_tokens(model.runner, PROMPT, 12, stop_ids={stop})) == eager[:eager.index(stop) + 1]
@@ -150,8 +148,8 @@ def test_built_step_is_reused_only_under_its_numerics(small):
 
 
 @needs_cuda
-def test_cuda_graph_decode_under_llamacpp_numerics():
-    model, _ = cuda_model_and_eager_tokens()
+def test_cuda_graph_decode_under_llamacpp_numerics(tiny_model):
+    model, _ = cuda_model_and_eager_tokens(tiny_model)
     list(generate_tokens(model.runner, PROMPT, 12))
     exact_step = _BUILT[model.runner]["exact"]
     with cpu.numerics("llamacpp"), warnings.catch_warnings():
@@ -176,8 +174,8 @@ def break_torch_compile(monkeypatch) -> None:
 
 
 @needs_cuda
-def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch):
-    model, eager = cuda_model_and_eager_tokens()
+def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch, tiny_model):
+    model, eager = cuda_model_and_eager_tokens(tiny_model)
     break_torch_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
         with_graph = list(generate_tokens(model.runner, PROMPT, 12))
@@ -202,11 +200,11 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def test_compiled_cpu_decode_matches_eager(small):
+def test_compiled_cpu_decode_matches_eager(small, tiny_model):
     # The CPU compiles of the suite (~1 min on 2 cores without torch's on-disk cache). Two models' steps live in one
     # process, each must run its own build; the steps' logits over four decode positions match the eager forward's.
-    config = random_config("llama", n_layers=2, d_model=256, d_mlp=512, tied_embeddings=False)  # untied: varied tokens
-    model = Model(random_checkpoint(config, "Q4_K", seed=5), device="cpu")
+    model = tiny_model("llama", "Q4_K", seed=5, n_layers=2, d_model=256, d_mlp=512, tied_embeddings=False,  # varied tokens
+                       device="cpu", cached=False)
     greedy = {m: list(generate_tokens(m.runner, PROMPT, 12)) for m in (model, small)}  # eager: the CPU default
     assert model.runner not in _BUILT
     with warnings.catch_warnings():
@@ -241,8 +239,8 @@ def test_compiled_cpu_decode_matches_eager(small):
     assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(quantized, exact_eager)
 
 
-def test_compiled_cpu_step_does_not_keep_its_model_alive():
-    model = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0", seed=4), device="cpu")
+def test_compiled_cpu_step_does_not_keep_its_model_alive(tiny_model):
+    model = tiny_model("llama", "Q8_0", seed=4, n_layers=1, device="cpu", cached=False)
     list(generate_tokens(model.runner, PROMPT, 3, compiled=True))
     assert model.runner in _BUILT
     runner = weakref.ref(model.runner)
@@ -251,8 +249,8 @@ def test_compiled_cpu_step_does_not_keep_its_model_alive():
     assert runner() is None  # and with it, its entry in _BUILT
 
 
-def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(monkeypatch):
-    runner = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0", seed=4), device="cpu").runner
+def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(monkeypatch, tiny_model):
+    runner = tiny_model("llama", "Q8_0", seed=4, n_layers=1, device="cpu", cached=False).runner
     eager = list(generate_tokens(runner, PROMPT, 8))
     break_torch_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="decoding eagerly: no compiler here"):

@@ -13,7 +13,7 @@ from workbench.generation import generate_tokens
 from workbench.kernels import (
     REGISTRY, KernelRegistry, QuantTensor, cpu, get_numerics, linear, numerics, select_kernel, set_numerics,
 )
-from workbench.kernels.linear import BLOCKWISE, Kernel, _traced_numerics
+from workbench.kernels.linear import Kernel, _traced_numerics
 
 IDS = [5, 17, 42, 99, 7, 23]
 

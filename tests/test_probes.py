@@ -10,12 +10,11 @@ import torch
 
 import workbench
 from workbench import probes
-from workbench.synthetic import random_checkpoint, random_config
 
 
 @pytest.fixture(scope="module")
-def small():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=3)), device="cpu")
+def small(tiny_model):
+    return tiny_model("llama", n_layers=3, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +110,7 @@ def test_collect_activations_pools_the_trace(small):
 
 # -------------------------------------------------------------------------------------------- probes
 
-def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path):
+def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path, tiny_model):
     probe = probes.probe_at_depth_fraction(small, ending_dataset, 1.0)
     assert probe.hook == "blocks.2.hook_resid_post"
     assert probe.accuracy >= 0.9 and probe.ci[0] <= probe.accuracy <= probe.ci[1]
@@ -125,10 +124,10 @@ def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path):
     assert loaded.classes == probe.classes and loaded.accuracy == probe.accuracy
     torch.testing.assert_close(loaded.predict_proba(small, new_prompts), probe.predict_proba(small, new_prompts))
 
-    wider = workbench.Model(random_checkpoint(random_config("llama", n_layers=3, d_model=128)), device="cpu")
+    wider = tiny_model("llama", n_layers=3, d_model=128, device="cpu")
     with pytest.raises(workbench.WorkbenchError, match="d_model 64"):
         probes.Probe.load(tmp_path / "ending", wider)
-    shallower = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)), device="cpu")
+    shallower = tiny_model("llama", n_layers=2, device="cpu")
     with pytest.raises(workbench.WorkbenchError, match="does not have"):
         loaded.predict(shallower, new_prompts)
     with pytest.raises(workbench.WorkbenchError, match="not found"):
