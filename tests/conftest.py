@@ -1,13 +1,32 @@
+"""Shared fixtures: the embedded model, and tiny random models (``tiny_model``, ``tiny_checkpoint``) built once each.
+
+The suite runs on pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject.toml's addopts; ``-n 0`` runs it in
+one process). Each test module is one xdist group, run on one worker in its order with its module fixtures built once,
+except ``TestInterpreted``, whose tests spread over every worker. Without CUDA, every process of it runs Triton's interpreter (``TRITON_INTERPRET=1``), so that the Triton kernels'
+tests (tests/test_triton_kernels.py ``TestInterpreted``) check their logic on the CPU: the switch is read when triton is
+imported, so it is set here, before anything imports workbench. The CUDA backend registers its kernels only where a
+GPU is present, so nothing else runs interpreted.
+"""
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-import workbench
-from workbench.loading import LoadedCheckpoint, default_model_path
-from workbench.synthetic import random_checkpoint, random_config
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import workbench  # noqa: E402
+from workbench.loading import LoadedCheckpoint, default_model_path  # noqa: E402
+from workbench.synthetic import random_checkpoint, random_config  # noqa: E402
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    # Workers side by side share the cores: each takes its part of torch's threads instead of all of them, since
+    # OpenMP threads that outnumber the cores wait on each other.
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 
 @pytest.fixture(scope="session")
@@ -66,12 +85,13 @@ def tiny_model(tiny_checkpoint):
     return make
 
 
+# The tests that go to any worker, one by one: those of the Triton interpreter, which runs on one core.
+_SPREAD = ("test_triton_kernels.py::TestInterpreted::",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """``WORKBENCH_TEST_SHARD=i/n`` keeps every n-th collected test from the i-th: ``test_interpreted_suite`` runs the
-    interpreted Triton tests as shards side by side, one per core."""
-    shard = os.environ.get("WORKBENCH_TEST_SHARD")
-    if not shard:
-        return
-    index, count = map(int, shard.split("/"))
-    config.hook.pytest_deselected(items=[item for position, item in enumerate(items) if position % count != index])
-    items[:] = items[index::count]
+    """Put each test module's tests in one xdist group (the module's path), but for those of ``_SPREAD``."""
+    for item in items:
+        if not any(spread in item.nodeid for spread in _SPREAD):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
