@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +39,24 @@ def write_jsonl(path, records):
 
 
 # ------------------------------------------------------------------------------------------- datasets
+
+def test_import_datasets_at_the_repository_root_never_finds_our_folder():
+    """The top-level datasets/ folder (installed as workbench.datasets) has no __init__.py: ``python -c "import
+    datasets"`` run from the repository root, which puts the root first on sys.path, imports Hugging Face's package
+    (a dependency of transformer-lens), or fails where it is missing, and never imports the folder."""
+    root = Path(__file__).resolve().parents[1]
+    folder = root / "datasets"
+    assert folder.is_dir() and not (folder / "__init__.py").exists()
+    code = "import datasets; print(getattr(datasets, '__file__', None)); print(list(getattr(datasets, '__path__', [])))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    if result.returncode:
+        assert "ModuleNotFoundError: No module named 'datasets'" in result.stderr, result.stderr[-2000:]
+    else:
+        file, path = result.stdout.splitlines()[-2:]
+        assert file != "None" and not Path(file).resolve().is_relative_to(root), result.stdout
+        assert str(folder) not in path, result.stdout
+    assert str(probes.data.SHIPPED) == str(folder.resolve())  # this checkout's files are the ones shipped
+
 
 def test_shipped_datasets():
     assert set(probes.list_datasets()) >= {"sentiment", "facts", "capitals", "happy_sad"}
