@@ -19,14 +19,15 @@ PAGES = [
 
 page = st.navigation(PAGES)
 common.page_style()
-# The whole server computes in one numerics (``workbench app --numerics``): the mode is process-wide.
+# The whole server computes in one numerics (``workbench app --numerics``): each run of this script, in its own
+# thread, computes in them.
 numerics = common.cli_options().numerics
-workbench.kernels.set_numerics(numerics)
-model = common.model()
-with st.sidebar:
-    c = model.config
-    st.caption(f"**{c.name}** · {c.n_layers} layers · d_model {c.d_model} · {c.n_heads} heads · "
-               f"{str(model.device)} {str(model.dtype).removeprefix('torch.')} · {numerics} numerics")
-common.prompt_inputs()
-with common.guard():
-    page.run()
+with workbench.kernels.numerics(numerics):
+    model = common.model()
+    with st.sidebar:
+        c = model.config
+        st.caption(f"**{c.name}** · {c.n_layers} layers · d_model {c.d_model} · {c.n_heads} heads · "
+                   f"{str(model.device)} {str(model.dtype).removeprefix('torch.')} · {numerics} numerics")
+    common.prompt_inputs()
+    with common.guard():
+        page.run()

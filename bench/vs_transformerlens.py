@@ -242,7 +242,7 @@ class Workbench:
     def __init__(self, inputs: dict, args: argparse.Namespace):
         import workbench
 
-        self.model = workbench.load(device=args.device, dtype=args.wb_dtype)
+        self.model = workbench.load(args.model, device=args.device, dtype=args.wb_dtype)
         touch(w.data for _, w in self.model.runner.weights.named_matrices())
         self.inputs, self.args = inputs, args
         self.resid_post = [f"blocks.{i}.hook_resid_post" for i in range(inputs["n_layers"])]
@@ -630,7 +630,7 @@ def make_inputs(args: argparse.Namespace, work: Path, hf_dir: Path) -> dict:
     from workbench.probes import load_dataset
     from transformers import AutoTokenizer
 
-    model = workbench.load(device="cpu")
+    model = workbench.load(args.model, device="cpu")
     c = model.config
     sizes = SIZES["quick" if args.quick else "full"]
     texts = load_dataset("sentiment").prompts
@@ -645,7 +645,7 @@ def make_inputs(args: argparse.Namespace, work: Path, hf_dir: Path) -> dict:
         "clean_ids": model.to_ids(CLEAN), "corrupt_ids": model.to_ids(CORRUPT),
         "answer_ids": [model.tokenize(a, add_bos=False)[0] for a in ANSWERS],
         "b_layers": list(range(0, c.n_layers, sizes["b_layer_step"])),
-        "stop_ids": sorted(model.tokenizer.stop_ids), "pad_id": int(hf_tokenizer.pad_token_id),
+        "stop_ids": sorted(model.tokenizer.stop_ids), "pad_id": int(next(t for t in (hf_tokenizer.pad_token_id, hf_tokenizer.eos_token_id, 0) if t is not None)),
         "steer_hook": f"blocks.{c.n_layers // 2}.hook_resid_post", "steer_vector": (vector / vector.norm()).tolist(),
         "texts": texts, "hf_tokenizer_same_ids": same_ids, "model_name": c.name, "model_path": str(model.path),
     }
@@ -658,7 +658,7 @@ def run_child(args: argparse.Namespace, work: Path, task: str, variant: str) -> 
     command = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--task", task, "--work", str(work),
                "--out", str(out), "--device", args.device, "--threads", str(args.threads), "--repeats",
                str(args.repeats), "--batch-size", str(args.batch_size), "--steer-scale", str(args.steer_scale),
-               "--wb-dtype", args.wb_dtype]
+               "--wb-dtype", args.wb_dtype] + (["--model", str(Path(args.model).resolve())] if args.model else [])
     started = time.perf_counter()
     result = subprocess.run(command, cwd=work, capture_output=True, text=True)
     if result.returncode != 0 or not out.exists():
@@ -779,6 +779,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="rows per forward for TL and nnsight")
     parser.add_argument("--steer-scale", type=float, default=64.0, help="steering: scale of the random unit vector")
     parser.add_argument("--wb-dtype", default="float32", help="workbench activation dtype")
+    parser.add_argument("--model", default=None, help="the GGUF file (default: the embedded SmolLM2-135M Q4_1)")
     parser.add_argument("--hf-dir", default=None, help="where to keep (and reuse) the dequantized float32 HF copy")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -805,7 +806,7 @@ def main() -> None:
         hf_dir = Path(args.hf_dir) if args.hf_dir else work / "hf"
         from workbench.loading import default_model_path
 
-        gguf = Path(default_model_path())
+        gguf = Path(args.model or default_model_path())
         if not (hf_dir / "config.json").exists():
             seconds = save_hf_copy(gguf, hf_dir)
             print(f"dequantized {gguf.name} to a float32 HF checkpoint in {seconds:.1f} s ({hf_dir})")

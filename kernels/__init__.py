@@ -1,7 +1,8 @@
 """Quantized kernels: GGUF tensor formats kept packed, and the matmuls that run on them."""
 from .formats import FORMATS, QuantFormat, get_format
 from .linear import (
-    KERNELS, NUMERICS, Kernel, get_numerics, linear, linear_parts, numerics, register_kernel, select_kernel, set_numerics,
+    KERNELS, NUMERICS, REGISTRY, Kernel, KernelRegistry, get_numerics, linear, linear_parts, numerics, register_kernel,
+    select_kernel, set_numerics,
 )
 from .quant_tensor import QuantTensor
 
@@ -16,6 +17,8 @@ __all__ = [
     "QuantTensor",
     "Kernel",
     "KERNELS",
+    "KernelRegistry",
+    "REGISTRY",
     "linear",
     "linear_parts",
     "layer_ops",

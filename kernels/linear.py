@@ -1,10 +1,21 @@
-"""``linear(x, w)``: every matmul of the model, routed to the best kernel for the device and format."""
+"""``linear(x, w)``: every matmul of the model, routed to the best kernel for the device and format.
+
+Two pieces of state decide which kernel runs, both explicit:
+
+* the numerics (what quantized matmuls compute): ``with numerics("llamacpp"):`` sets them for the block, in this
+  thread or async task only (a ``ContextVar``); outside any block they are the process default of
+  ``set_numerics`` ("exact" unless changed). ``workbench.load(..., numerics=...)`` gives a model its own, which its
+  calls use outside any block.
+* the kernel registry, ``REGISTRY``: the kernels per device type (backends register theirs on import) and what
+  ``select_kernel`` keeps of its choices; ``REGISTRY.reset()`` forgets those, ``REGISTRY.copy()`` makes another.
+"""
 from __future__ import annotations
 
 import contextlib
 import typing
 import warnings
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
 import torch
@@ -80,19 +91,157 @@ DENSE_LLAMACPP = Kernel("dense-matmul-llamacpp", "any", lambda x, w: w.fmt.name 
 # Kernels for any device, tried after the device's own.
 FALLBACKS = (DENSE_LLAMACPP, DENSE, BLOCKWISE)
 
-# Preferred kernels per device type, best first; backends append to these on import.
-KERNELS: dict[str, list[Kernel]] = {"cpu": [], "cuda": []}
+
+def check_numerics(mode: str) -> Numerics:
+    """``mode`` if it names numerics, else a ValueError that lists them."""
+    if mode not in NUMERICS:
+        raise ValueError(f"numerics must be 'exact' or 'llamacpp', got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+# The process default, and the mode of the innermost ``numerics()`` block of this thread or async task (None: none).
+_default_numerics: Numerics = "exact"
+_scoped_numerics: ContextVar[Numerics | None] = ContextVar("workbench_numerics", default=None)
+
+
+def set_numerics(mode: Numerics) -> None:
+    """Set the process-wide default of what quantized matmuls compute: ``"exact"`` floats, or ``"llamacpp"``:
+    activations quantized to Q8 blocks and integer block dot products, as ggml-cpu computes them (the CPU kernels
+    implement it; a matmul with no kernel for the mode runs exactly and warns once, naming the path that ran).
+
+    The default holds wherever no ``numerics()`` block (nor a model's own numerics, ``workbench.load(numerics=...)``)
+    says otherwise; for a scope of its own, concurrent code should use ``with numerics(mode):``."""
+    global _default_numerics
+    _default_numerics = check_numerics(mode)
+
+
+def get_numerics() -> Numerics:
+    """The numerics matmuls compute here and now: the innermost ``numerics()`` block's, else the process default."""
+    mode = _scoped_numerics.get()
+    return _default_numerics if mode is None else mode
+
+
+def scoped_numerics() -> Numerics | None:
+    """The mode of the innermost ``numerics()`` block around this call (this thread or async task), None outside."""
+    return _scoped_numerics.get()
+
+
+@contextlib.contextmanager
+def numerics(mode: Numerics) -> Iterator[None]:
+    """``with numerics("llamacpp"): ...`` runs the block under ``mode``: in this thread or async task only (threads and
+    tasks started elsewhere keep theirs), restoring the previous mode after it."""
+    token = _scoped_numerics.set(check_numerics(mode))
+    try:
+        yield
+    finally:
+        _scoped_numerics.reset(token)
+
+
+def _traced_numerics() -> Numerics:
+    """``get_numerics()`` for torch.compile's tracing, which cannot trace a ``ContextVar``: read once, as a constant of
+    the graph, with no guard on it. A graph compiled under one numerics therefore keeps it for the kernels it calls
+    directly, whatever block it later runs in: compile once per numerics and run each build under its own (what the
+    decode steps of ``workbench.generation`` do)."""
+    return get_numerics()
+
+
+# The mark ``torch.compiler.assume_constant_result`` sets, set by hand: that function imports torch._dynamo, seconds
+# at every ``import workbench`` (tests/test_numerics.py checks that the two agree).
+_traced_numerics._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+# (device type, format, input dtype, numerics) of a choice ``select`` keeps; (numerics, device type, format, dtype) of
+# a fallback it warned about.
+_ChoiceKey = tuple[str, str, torch.dtype, Numerics]
+
+
+@dataclass(eq=False)
+class KernelRegistry:
+    """The matmul kernels per device type, best first (backends register theirs on import; ``fallbacks``, for any
+    device, come after them), and what ``select`` keeps of its answers. ``linear`` uses the module's ``REGISTRY``."""
+
+    kernels: dict[str, list[Kernel]] = field(default_factory=lambda: {"cpu": [], "cuda": []})
+    fallbacks: tuple[Kernel, ...] = FALLBACKS
+    # (device type, format) -> the kernels that may read it, in ``select``'s order: a matmul asks the ``supports`` of a
+    # few kernels instead of every kernel of every format (on CUDA, 30).
+    _candidates: dict[tuple[str, str], tuple[Kernel, ...]] = field(default_factory=dict, repr=False)
+    # The kernel chosen per ``_ChoiceKey``, where ``select`` asked only ``by_type`` kernels: an eager CPU decode token
+    # asks ~200 times.
+    _chosen: dict[_ChoiceKey, Kernel] = field(default_factory=dict, repr=False)
+    _warned: set[tuple[str, str, str, torch.dtype]] = field(default_factory=set, repr=False)
+
+    def register(self, kernel: Kernel) -> None:
+        """Add ``kernel`` after the others of its device type (the first that fits runs)."""
+        self.kernels.setdefault(kernel.device_type, []).append(kernel)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every kept choice and every fallback warned about: the next matmuls ask the kernels again."""
+        self._candidates.clear()
+        self._chosen.clear()
+        self._warned.clear()
+
+    def copy(self) -> "KernelRegistry":
+        """Another registry with the same kernels and nothing kept: registering in one leaves the other alone."""
+        return KernelRegistry({device: list(kernels) for device, kernels in self.kernels.items()}, self.fallbacks)
+
+    @property
+    def chosen(self) -> dict[_ChoiceKey, Kernel]:
+        """The choices ``select`` keeps, by (device type, format, input dtype, numerics)."""
+        return dict(self._chosen)
+
+    def candidates(self, device_type: str, fmt: str) -> tuple[Kernel, ...]:
+        kernels = self._candidates.get((device_type, fmt))
+        if kernels is None:
+            kernels = self._candidates[(device_type, fmt)] = tuple(
+                k for k in (*self.kernels.get(device_type, []), *self.fallbacks) if k.formats is None or fmt in k.formats)
+        return kernels
+
+    def select(self, x: torch.Tensor, w: QuantTensor, mode: Numerics | None = None) -> Kernel:
+        """The first kernel (``x``'s device's, then the fallbacks) that takes ``(x, w)`` and computes ``mode`` (default:
+        the current numerics); else the first exact one, with a warning that names it."""
+        mode = get_numerics() if mode is None else mode
+        device_type = _device_type(x)
+        key = (device_type, w.fmt.name, x.dtype, mode)
+        chosen = self._chosen.get(key)
+        if chosen is not None:
+            return chosen
+        exact, asked = None, []
+        for kernel in self.candidates(device_type, w.fmt.name):
+            if kernel.numerics in (mode, "exact"):
+                asked.append(kernel)
+                if kernel.supports(x, w):
+                    if kernel.numerics == mode:
+                        chosen = kernel
+                        break
+                    exact = exact or kernel
+        if chosen is None:
+            self._warn_fallback(x, w, exact, mode)  # BLOCKWISE takes everything, so there is one
+            chosen = exact
+        if all(kernel.by_type for kernel in asked):
+            self._chosen[key] = chosen
+        return chosen
+
+    def _warn_fallback(self, x: torch.Tensor, w: QuantTensor, kernel: Kernel, mode: Numerics) -> None:
+        key = (mode, x.device.type, w.fmt.name, x.dtype)
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(
+                f"workbench.kernels: no {mode!r}-numerics kernel for {w.fmt.name} weights with {x.dtype} input on "
+                f"{x.device.type}; these matmuls run exact numerics on the '{kernel.name}' path.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+
+REGISTRY = KernelRegistry()
+# The default registry's kernels per device type, best first (the same dict as ``REGISTRY.kernels``).
+KERNELS = REGISTRY.kernels
 
 
 def register_kernel(kernel: Kernel) -> None:
-    KERNELS.setdefault(kernel.device_type, []).append(kernel)
-    _CANDIDATES.clear()
-    _CHOSEN.clear()
-
-
-# (device type, format) -> the kernels that may read it, in ``select_kernel``'s order: a matmul asks the ``supports`` of
-# a few kernels instead of every kernel of every format (on CUDA, 30).
-_CANDIDATES: dict[tuple[str, str], tuple[Kernel, ...]] = {}
+    """Add ``kernel`` to the default registry (``REGISTRY.register``)."""
+    REGISTRY.register(kernel)
 
 
 def _device_type(x: torch.Tensor) -> str:
@@ -100,92 +249,19 @@ def _device_type(x: torch.Tensor) -> str:
     return "cpu" if x.is_cpu else x.device.type
 
 
-def _candidates(device_type: str, fmt: str) -> tuple[Kernel, ...]:
-    kernels = _CANDIDATES.get((device_type, fmt))
-    if kernels is None:
-        kernels = _CANDIDATES[(device_type, fmt)] = tuple(
-            k for k in (*KERNELS.get(device_type, []), *FALLBACKS) if k.formats is None or fmt in k.formats)
-    return kernels
-
-
-_numerics: Numerics = "exact"
-_warned_numerics_fallback: set[tuple[str, str, str, torch.dtype]] = set()
-
-
-def set_numerics(mode: Numerics) -> None:
-    """Select what quantized matmuls compute: ``"exact"`` floats, or ``"llamacpp"``: activations quantized to Q8
-    blocks and integer block dot products, as ggml-cpu computes them (the CPU kernels implement it; a matmul with no
-    kernel for the mode runs exactly and warns once, naming the path that ran)."""
-    global _numerics
-    if mode not in NUMERICS:
-        raise ValueError(f"numerics must be 'exact' or 'llamacpp', got {mode!r}")
-    _numerics = mode
-
-
-def get_numerics() -> Numerics:
-    return _numerics
-
-
-@contextlib.contextmanager
-def numerics(mode: Numerics) -> Iterator[None]:
-    """``with numerics("llamacpp"): ...`` runs the block under ``mode`` and restores the previous one."""
-    previous = _numerics
-    set_numerics(mode)
-    try:
-        yield
-    finally:
-        set_numerics(previous)
-
-
-# (device type, format, input dtype, numerics) -> the kernel ``select_kernel`` chose, where it asked only ``by_type``
-# kernels: an eager CPU decode token asks ~200 times.
-_CHOSEN: dict[tuple[str, str, torch.dtype, Numerics], Kernel] = {}
-
-
-def select_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel:
-    """The first kernel (``x``'s device's, then ``FALLBACKS``) that takes ``(x, w)`` and computes the current
-    numerics; else the first exact one, with a warning that names it."""
-    device_type = _device_type(x)
-    key = (device_type, w.fmt.name, x.dtype, _numerics)
-    chosen = _CHOSEN.get(key)
-    if chosen is not None:
-        return chosen
-    exact, asked = None, []
-    for kernel in _candidates(device_type, w.fmt.name):
-        if kernel.numerics in (_numerics, "exact"):
-            asked.append(kernel)
-            if kernel.supports(x, w):
-                if kernel.numerics == _numerics:
-                    chosen = kernel
-                    break
-                exact = exact or kernel
-    if chosen is None:
-        _warn_numerics_fallback(x, w, exact)  # BLOCKWISE takes everything, so there is one
-        chosen = exact
-    if all(kernel.by_type for kernel in asked):
-        _CHOSEN[key] = chosen
-    return chosen
-
-
-def _warn_numerics_fallback(x: torch.Tensor, w: QuantTensor, kernel: Kernel) -> None:
-    key = (_numerics, x.device.type, w.fmt.name, x.dtype)
-    if key not in _warned_numerics_fallback:
-        _warned_numerics_fallback.add(key)
-        warnings.warn(
-            f"workbench.kernels: no {_numerics!r}-numerics kernel for {w.fmt.name} weights with {x.dtype} input on "
-            f"{x.device.type}; these matmuls run exact numerics on the '{kernel.name}' path.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def select_kernel(x: torch.Tensor, w: QuantTensor, mode: Numerics | None = None) -> Kernel:
+    """The kernel ``linear(x, w)`` runs: ``REGISTRY.select`` under ``mode`` (default: the current numerics)."""
+    return REGISTRY.select(x, w, mode)
 
 
 def _compiled_kernel(x: torch.Tensor, w: QuantTensor) -> Kernel | None:
     """While torch.compile traces: the kernel to put straight into the graph, or None for the opaque op (a kernel that
     cannot be traced comes first, so its ``supports`` cannot be asked; or no traceable kernel computes the numerics)."""
-    for kernel in KERNELS.get(x.device.type, []):
+    mode = _traced_numerics()
+    for kernel in REGISTRY.kernels.get(x.device.type, []):
         if not kernel.traceable:
             return None
-        if kernel.numerics == _numerics and kernel.supports(x, w):
+        if kernel.numerics == mode and kernel.supports(x, w):
             return kernel
     return None
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,6 +21,12 @@ KINDS = {
     "completion": ("text", "answer"),
     "pairs": ("positive", "negative"),
 }
+# The shipped files: the repository's top-level datasets/ folder, installed as the data-only package
+# workbench.datasets. It has no __init__.py, so that ``import datasets`` from the repository root finds Hugging Face's
+# package, not this folder; and no importer reads it, since an editable install cannot import a package without one
+# from a mapped folder. The installed layout mirrors the repository's (probes/ -> workbench/probes, datasets/ ->
+# workbench/datasets), so it lies beside this package's folder in both.
+SHIPPED = Path(__file__).resolve().parent.parent / "datasets"
 # Label names for the two sides of a pairs dataset when it is used as a classification set.
 PAIR_LABELS = ("positive", "negative")
 DESCRIPTIONS = {
@@ -145,9 +150,8 @@ def pairs_dataset(positive: Sequence[str], negative: Sequence[str], name: str = 
     return make_dataset(name, [{"positive": p, "negative": n} for p, n in zip(positive, negative)])
 
 
-def _shipped() -> dict[str, Any]:
-    folder = resources.files("workbench.datasets")
-    return {f.name.removesuffix(".jsonl"): f for f in folder.iterdir() if f.name.endswith(".jsonl")}
+def _shipped() -> dict[str, Path]:
+    return {f.name.removesuffix(".jsonl"): f for f in SHIPPED.iterdir() if f.name.endswith(".jsonl")}
 
 
 

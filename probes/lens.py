@@ -27,8 +27,10 @@ def final_norm(model: Any, resid: torch.Tensor) -> torch.Tensor:
 
 
 def unembed(model: Any, normed: torch.Tensor) -> torch.Tensor:
-    """Float32 logits of final-normed residuals ``[N, d_model]``, on the production unembedding kernel."""
-    return linear(normed, model.runner.weights.unembed).float()
+    """Float32 logits of final-normed residuals ``[N, d_model]``, on the production unembedding kernel, in the model's
+    numerics (``Model.current_numerics``)."""
+    with model.numerics_scope():
+        return linear(normed, model.runner.weights.unembed).float()
 
 
 def token_id(model: Any, token: int | str) -> int:

@@ -183,21 +183,19 @@ def test_app_command_refuses_a_missing_model(tmp_path, capsys):
 
 
 def test_the_server_computes_in_its_numerics(monkeypatch, model):
-    """``workbench app --numerics llamacpp``: every run of the server's script sets the mode, and the sidebar says it."""
+    """``workbench app --numerics llamacpp``: every run of the server's script computes in them (in its own thread: the
+    process default stays), and the sidebar says it."""
     import workbench
 
     monkeypatch.setattr("sys.argv", ["main.py", "--numerics", "llamacpp"])
-    try:
-        at = start()
-        assert "llamacpp numerics" in at.sidebar.caption[0].value
-        with workbench.kernels.numerics("llamacpp"):
-            expected = float(model.forward(PROMPT)[-1].softmax(-1).max())
-        with workbench.kernels.numerics("exact"):
-            exact = float(model.forward(PROMPT)[-1].softmax(-1).max())
-        shown = chart(at, "lens_next_token")["data"][0]["x"][0]
-        assert shown == pytest.approx(expected, abs=1e-6) and shown != pytest.approx(exact, abs=1e-5)
-    finally:
-        workbench.kernels.set_numerics("exact")
+    at = start()
+    assert "llamacpp numerics" in at.sidebar.caption[0].value
+    assert workbench.kernels.get_numerics() == "exact"
+    with workbench.kernels.numerics("llamacpp"):
+        expected = float(model.forward(PROMPT)[-1].softmax(-1).max())
+    exact = float(model.forward(PROMPT)[-1].softmax(-1).max())
+    shown = chart(at, "lens_next_token")["data"][0]["x"][0]
+    assert shown == pytest.approx(expected, abs=1e-6) and shown != pytest.approx(exact, abs=1e-5)
 
 
 def test_patching_grid_restores_the_clean_answer_at_the_last_position(model):

@@ -11,10 +11,8 @@ import torch
 
 from workbench.kernels import cpu
 from workbench.kernels.formats import QuantFormat
-from workbench.kernels.linear import BLOCKWISE, linear, linear_parts, select_kernel
+from workbench.kernels.linear import BLOCKWISE, REGISTRY, Kernel, linear, linear_parts, select_kernel
 from workbench.kernels.quant_tensor import QuantTensor
-from workbench.model import Model
-from workbench.synthetic import random_checkpoint, random_config
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 # Byte offsets of the fp16 scale / min fields in each block; every other byte may be anything.
@@ -143,37 +141,46 @@ def test_extension_rejects_malformed_weights():
         cpu.extension().linear_exact(x, [torch.zeros(8, 160, dtype=torch.uint8)], [2, 2], [8], 256, 32)
 
 
-def test_build_failure_warns_and_falls_back_to_blockwise(monkeypatch):
+@pytest.fixture()
+def fresh_registry():
+    """The kernel registry with no choice kept, before the test and after it (which may have kept a choice that only
+    holds in its patched world)."""
+    REGISTRY.reset()
+    yield REGISTRY
+    REGISTRY.reset()
+
+
+def test_build_failure_warns_and_falls_back_to_blockwise(monkeypatch, fresh_registry):
     def no_compiler(isa):
         raise RuntimeError("no C++ compiler")
 
     # a fresh process: nothing built yet, no kernel chosen yet
     monkeypatch.setattr(cpu, "_build_extension", no_compiler)
     monkeypatch.setattr(cpu, "_extension", {})
-    monkeypatch.setattr(importlib.import_module("workbench.kernels.linear"), "_CHOSEN", {})
     w = random_weight("Q8_0", 8, 256)
     with pytest.warns(RuntimeWarning, match="blockwise-dequant-matmul"):
         assert select_kernel(torch.randn(1, 256), w) is BLOCKWISE
 
 
-def test_kernel_choices_are_kept_only_where_they_depend_on_types_alone(monkeypatch):
-    """``select_kernel`` keeps the CPU kernels' choice per (device type, format, dtype, numerics); a kernel whose
-    ``supports`` reads more (here the row count, as the CUDA kernels do) is asked again every time."""
-    linear_module = importlib.import_module("workbench.kernels.linear")
-    monkeypatch.setattr(linear_module, "KERNELS", {**linear_module.KERNELS, "meta": []})
-    monkeypatch.setattr(linear_module, "_CANDIDATES", {})
-    monkeypatch.setattr(linear_module, "_CHOSEN", {})
-    one_row = linear_module.Kernel("one-row", "meta", lambda x, w: x.shape[0] == 1, lambda x, w: x @ w.T)
-    linear_module.register_kernel(one_row)
+def test_kernel_choices_are_kept_only_where_they_depend_on_types_alone():
+    """A registry keeps the CPU kernels' choice per (device type, format, dtype, numerics); a kernel whose ``supports``
+    reads more (here the row count, as the CUDA kernels do) is asked again every time."""
+    registry = REGISTRY.copy()  # the default registry's kernels; registering here leaves that one alone
+    one_row = Kernel("one-row", "meta", lambda x, w: x.shape[0] == 1, lambda x, w: x @ w.T)
+    registry.register(one_row)
     w = random_weight("Q8_0", 8, 256)
     for rows, expected in [(1, one_row), (2, BLOCKWISE), (1, one_row), (2, BLOCKWISE)]:
-        assert select_kernel(torch.empty(rows, 256, device="meta"), w) is expected, rows
+        assert registry.select(torch.empty(rows, 256, device="meta"), w) is expected, rows
+    assert registry.chosen == {}
     x = torch.randn(1, 256)
-    assert select_kernel(x, w) is cpu.EXACT is select_kernel(x, w)
+    assert registry.select(x, w) is cpu.EXACT is registry.select(x, w)
     with cpu.numerics("llamacpp"):
-        assert select_kernel(x, w) is cpu.LLAMACPP
-    assert select_kernel(x, w) is cpu.EXACT
-    assert set(linear_module._CHOSEN.values()) == {cpu.EXACT, cpu.LLAMACPP}
+        assert registry.select(x, w) is cpu.LLAMACPP
+    assert registry.select(x, w) is cpu.EXACT
+    assert registry.select(x, w, "llamacpp") is cpu.LLAMACPP  # numerics given rather than current
+    assert registry.chosen == {("cpu", "Q8_0", torch.float32, "exact"): cpu.EXACT,
+                               ("cpu", "Q8_0", torch.float32, "llamacpp"): cpu.LLAMACPP}
+    assert "meta" not in REGISTRY.kernels
 
 
 # --- llama.cpp numerics --------------------------------------------------------------------------
@@ -255,7 +262,7 @@ def test_llamacpp_matches_quantized_reference(name, m):
     assert (y.double() - exact).abs().max() > 100 * (y.double() - ref).abs().max()
 
 
-def test_llamacpp_numerics_for_unsupported_format_warns_and_runs_exactly():
+def test_llamacpp_numerics_for_unsupported_format_warns_and_runs_exactly(fresh_registry):
     iq4 = QuantTensor(torch.zeros(16, 144, dtype=torch.uint8), gguf_format("IQ4_NL"), (16, 256))
     with cpu.numerics("llamacpp"), pytest.warns(RuntimeWarning, match="no .llamacpp.-numerics kernel for IQ4_NL .* on cpu; .* exact numerics on the .blockwise-dequant-matmul. path"):
         assert select_kernel(torch.randn(2, 256), iq4) is BLOCKWISE
@@ -309,11 +316,11 @@ def test_narrower_builds_match_the_native_build(isa):
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_K"])
-def test_models_in_the_newer_k_quants_run_on_the_extension(name, monkeypatch):
+def test_models_in_the_newer_k_quants_run_on_the_extension(name, monkeypatch, tiny_model):
     """Every matrix of a random model in these formats goes through the C++ kernels, for decode and for prefill, and
     the logits are those of the blockwise fallback, which multiplies gguf-exact dequantized weights."""
-    config = random_config("llama", d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, tied_embeddings=False)
-    model = Model(random_checkpoint(config, name, seed=2), device="cpu")
+    model = tiny_model("llama", name, seed=2, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, tied_embeddings=False,
+                       device="cpu")
     assert set(model.kernel_report(1).values()) == set(model.kernel_report(64).values()) == {"cpu-gguf-exact"}
     prompts = [list(range(3, 60, 3)), [7]]  # dequantized panels for the BLAS; the fused dot products of decode
     logits = [model.forward(ids) for ids in prompts]

@@ -5,12 +5,11 @@ import pytest
 
 import workbench
 from workbench import probes
-from workbench.synthetic import random_checkpoint, random_config
 
 
 @pytest.fixture(scope="module")
-def small():
-    return workbench.Model(random_checkpoint(random_config("qwen2", n_layers=3, n_heads=4, n_kv_heads=2)), device="cpu")
+def small(tiny_model):
+    return tiny_model("qwen2", n_layers=3, n_heads=4, n_kv_heads=2, device="cpu")
 
 
 def test_contributions_sum_to_the_logit(small):

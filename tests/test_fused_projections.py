@@ -1,21 +1,25 @@
 """q/k/v and gate/up stacked into one matrix each (the CUDA default): same model, same hook points."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from workbench.kernels import QuantTensor
-from workbench.model import Model
 from workbench.runner import Transformer
-from workbench.synthetic import random_checkpoint, random_config
 
 POINTS = ("blocks.1.attn.hook_q", "blocks.1.attn.hook_k", "blocks.1.attn.hook_v", "blocks.0.mlp.hook_pre",
           "blocks.0.mlp.hook_pre_linear", "blocks.1.hook_resid_post")
 
 
-def runners(arch: str = "qwen2", fmt: str = "Q4_K"):
-    checkpoint = random_checkpoint(random_config(arch, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512), fmt)
-    return (Transformer(checkpoint.config, checkpoint.weights, fuse_projections=False),
-            Transformer(checkpoint.config, checkpoint.weights, fuse_projections=True))
+@pytest.fixture()
+def runners(tiny_checkpoint):
+    """``runners(arch, fmt)``: a random model's runner with separate projections and one with stacked ones."""
+    def make(arch: str = "qwen2", fmt: str = "Q4_K"):
+        checkpoint = tiny_checkpoint(arch, fmt, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512)
+        return (Transformer(checkpoint.config, checkpoint.weights, fuse_projections=False),
+                Transformer(checkpoint.config, checkpoint.weights, fuse_projections=True))
+
+    return make
 
 
 def record(runner: Transformer, ids: torch.Tensor, cache=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -24,7 +28,7 @@ def record(runner: Transformer, ids: torch.Tensor, cache=None) -> tuple[torch.Te
     return runner.forward(ids, cache=cache, hooks=hooks), seen
 
 
-def test_fused_forward_and_hooks_match_separate_matmuls():
+def test_fused_forward_and_hooks_match_separate_matmuls(runners):
     separate, fused = runners()
     assert all(l.wqkv is not None and l.w_gate_up is not None for l in fused.weights.layers)
     assert all(l.wqkv is None and l.w_gate_up is None for l in separate.weights.layers)
@@ -42,7 +46,7 @@ def test_fused_forward_and_hooks_match_separate_matmuls():
         torch.testing.assert_close(fused_step, step, rtol=1e-5, atol=1e-5)
 
 
-def test_hook_edit_on_a_fused_part_acts_like_on_a_separate_one():
+def test_hook_edit_on_a_fused_part_acts_like_on_a_separate_one(runners):
     separate, fused = runners("llama")
     ids = torch.tensor([3, 17, 5, 40])
     hooks = {"blocks.0.attn.hook_v": [lambda v, ctx: v * 0], "blocks.1.mlp.hook_pre_linear": [lambda u, ctx: u + 1]}
@@ -50,7 +54,7 @@ def test_hook_edit_on_a_fused_part_acts_like_on_a_separate_one():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_parts_are_views_of_the_stacked_matrix():
+def test_parts_are_views_of_the_stacked_matrix(runners):
     separate, fused = runners()
     layer = fused.weights.layers[0]
     storage = layer.wqkv.data.untyped_storage().data_ptr()
@@ -62,8 +66,8 @@ def test_parts_are_views_of_the_stacked_matrix():
         assert torch.equal(a.data, b.data) and a.shape == b.shape
 
 
-def test_parts_of_different_formats_stay_apart():
-    checkpoint = random_checkpoint(random_config("llama", d_model=256, d_mlp=512), "Q4_K")
+def test_parts_of_different_formats_stay_apart(tiny_checkpoint):
+    checkpoint = tiny_checkpoint("llama", "Q4_K", d_model=256, d_mlp=512, cached=False)  # edited
     for layer in checkpoint.weights.layers:  # as in Q4_K_M, where some layers keep wv in Q6_K
         layer.wv = QuantTensor.quantize(layer.wv.dequantize(), "Q6_K")
     separate = Transformer(checkpoint.config, checkpoint.weights, fuse_projections=False)
@@ -73,8 +77,8 @@ def test_parts_of_different_formats_stay_apart():
     torch.testing.assert_close(fused.forward(ids), separate.forward(ids), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_report_names_the_kernel_of_the_stacked_matrix():
-    model = Model(random_checkpoint(random_config("llama", d_model=256, d_mlp=512), "Q8_0"), device="cpu")
+def test_kernel_report_names_the_kernel_of_the_stacked_matrix(tiny_model):
+    model = tiny_model("llama", "Q8_0", d_model=256, d_mlp=512, device="cpu", cached=False)  # edited
     model.runner.weights.layers[0].fuse_projections()
     report = model.kernel_report(1)
     assert {"blocks.0.wq", "blocks.0.wk", "blocks.0.wv", "blocks.0.w_gate", "blocks.0.w_up"} <= set(report)

@@ -13,16 +13,14 @@ from workbench.kernels import cpu
 from workbench.generation import (
     _BUILT, MIN_STEP_CAPACITY, DecodeStep, Sampling, _built_step, _forward_and_pick, argmax_by_chunks, generate_tokens,
 )
-from workbench.model import Model
-from workbench.synthetic import random_checkpoint, random_config
 
 
 @pytest.fixture(scope="module")
-def small():
-    return Model(random_checkpoint(random_config("qwen2", n_layers=2, n_ctx=64), "Q8_0", seed=3), device="cpu")
+def small(tiny_model):
+    return tiny_model("qwen2", "Q8_0", seed=3, n_layers=2, n_ctx=64, device="cpu")
 
 
-def greedy_by_full_forward(model: Model, ids: list[int], n: int) -> list[int]:
+def greedy_by_full_forward(model, ids: list[int], n: int) -> list[int]:
     ids = list(ids)
     for _ in range(n):
         ids.append(int(model.forward(ids)[-1].argmax()))
@@ -90,16 +88,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 PROMPT = [5, 6, 7, 8]
 
 
-def cuda_model_and_eager_tokens() -> tuple[Model, list[int]]:
+def cuda_model_and_eager_tokens(tiny_model):
     """A fresh 2-layer Q4_K model on CUDA (nothing captured yet) and its eager greedy 12 tokens after PROMPT."""
-    model = Model(random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), "Q4_K"),
-                  device="cuda", dtype="float32")
+    model = tiny_model("llama", "Q4_K", n_layers=2, d_model=256, d_mlp=512, device="cuda", dtype="float32",
+                       cached=False)
     return model, list(generate_tokens(model.runner, PROMPT, 12, compiled=False))
 
 
 @needs_cuda
-def test_cuda_graph_decode_matches_eager():
-    model, eager = cuda_model_and_eager_tokens()
+def test_cuda_graph_decode_matches_eager(tiny_model):
+    model, eager = cuda_model_and_eager_tokens(tiny_model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the eager capture fails the test
         with_compiled_graph = list(generate_tokens(model.runner, PROMPT, 12))
@@ -107,53 +105,58 @@ def test_cuda_graph_decode_matches_eager():
 
 
 @needs_cuda
-def test_cuda_graph_decode_stops_and_samples_like_eager():
-    model, eager = cuda_model_and_eager_tokens()
+def test_cuda_graph_decode_stops_and_samples_like_eager(tiny_model):
+    model, eager = cuda_model_and_eager_tokens(tiny_model)
     # greedy tokens are read one step behind the GPU: a stop token must still end the stream at once
     stop = eager[6]
     assert list(generate_tokens(model.runner, PROMPT, 12, stop_ids={stop})) == eager[:eager.index(stop) + 1]
     assert list(generate_tokens(model.runner, PROMPT, 1)) == eager[:1]
     assert list(generate_tokens(model.runner, PROMPT, 2)) == eager[:2]
     # the captured step is kept for the next call of the same size; a second stream meanwhile gets its own
-    captured = _BUILT[model.runner]
+    captured = _BUILT[model.runner]["exact"]
     first, second = generate_tokens(model.runner, PROMPT, 12), generate_tokens(model.runner, [9, 3], 12)
     interleaved = list(zip(first, second))
     assert next(second, None) is None  # zip left it suspended after its last token; this finishes it
     assert [a for a, _ in interleaved] == eager
     assert [b for _, b in interleaved] == list(generate_tokens(model.runner, [9, 3], 12, compiled=False))
-    replacement = _BUILT[model.runner]
+    replacement = _BUILT[model.runner]["exact"]
     assert replacement is not captured and not captured.busy and not replacement.busy
     assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
-    assert _BUILT[model.runner] is replacement  # reused, not captured again
+    assert _BUILT[model.runner]["exact"] is replacement  # reused, not captured again
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
     sampled_eager = list(generate_tokens(model.runner, PROMPT, 12, sampling, compiled=False))
     assert list(generate_tokens(model.runner, PROMPT, 12, sampling)) == sampled_eager
 
 
 def test_built_step_is_reused_only_under_its_numerics(small):
-    """A CUDA graph replays the kernels it captured: a step built under one numerics is not taken under another."""
+    """A CUDA graph replays the kernels it captured: a step built under one numerics is not taken under another, and
+    runs in its own whatever block it is called in."""
     runner = small.runner
-    step = DecodeStep(lambda: None, runner.new_static_cache(MIN_STEP_CAPACITY // 4), torch.zeros(1, dtype=torch.long))
+    seen = []
+    step = DecodeStep(lambda: seen.append(cpu.get_numerics()), runner.new_static_cache(MIN_STEP_CAPACITY // 4),
+                      torch.zeros(1, dtype=torch.long))
     assert step.numerics == "exact"
-    _BUILT[runner] = step
+    _BUILT[runner] = {"exact": step}
     try:
+        assert _built_step(runner, step.cache.capacity, "llamacpp") is None
+        assert _built_step(runner, step.cache.capacity, "exact") is step
         with cpu.numerics("llamacpp"):
-            assert _built_step(runner, step.cache.capacity) is None
-        assert _built_step(runner, step.cache.capacity) is step
+            step(3)
+        assert seen == ["exact"] and int(step.token) == 3
     finally:
         del _BUILT[runner]
 
 
 @needs_cuda
-def test_cuda_graph_decode_under_llamacpp_numerics():
-    model, _ = cuda_model_and_eager_tokens()
+def test_cuda_graph_decode_under_llamacpp_numerics(tiny_model):
+    model, _ = cuda_model_and_eager_tokens(tiny_model)
     list(generate_tokens(model.runner, PROMPT, 12))
-    exact_step = _BUILT[model.runner]
+    exact_step = _BUILT[model.runner]["exact"]
     with cpu.numerics("llamacpp"), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # every matmul of the model has a llama.cpp kernel on CUDA
         eager = list(generate_tokens(model.runner, PROMPT, 12, compiled=False))
         assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
-        step = _BUILT[model.runner]
+        step = _BUILT[model.runner]["llamacpp"]
         assert step is not exact_step and step.numerics == "llamacpp"
         quantized, quantized_eager = compiled_step_logits(model.runner, step, eager[:3]), eager_logits(model.runner, eager[:3])
     exact = compiled_step_logits(model.runner, exact_step, eager[:3])
@@ -171,8 +174,8 @@ def break_torch_compile(monkeypatch) -> None:
 
 
 @needs_cuda
-def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch):
-    model, eager = cuda_model_and_eager_tokens()
+def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch, tiny_model):
+    model, eager = cuda_model_and_eager_tokens(tiny_model)
     break_torch_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
         with_graph = list(generate_tokens(model.runner, PROMPT, 12))
@@ -180,9 +183,11 @@ def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch
 
 
 def compiled_step_logits(runner, step, tokens: list[int]) -> list[torch.Tensor]:
-    """The built step's logits for each of ``tokens`` in turn, after PROMPT prefilled eagerly into its cache."""
+    """The built step's logits for each of ``tokens`` in turn, after PROMPT prefilled eagerly into its cache, all in the
+    step's numerics."""
     step.cache.rewind(torch.zeros_like(step.cache.device_length))
-    runner.forward(torch.tensor(PROMPT), cache=step.cache)
+    with cpu.numerics(step.numerics):
+        runner.forward(torch.tensor(PROMPT), cache=step.cache)
     return [step(token).clone() for token in tokens]
 
 
@@ -195,18 +200,18 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def test_compiled_cpu_decode_matches_eager(small):
+def test_compiled_cpu_decode_matches_eager(small, tiny_model):
     # The CPU compiles of the suite (~1 min on 2 cores without torch's on-disk cache). Two models' steps live in one
     # process, each must run its own build; the steps' logits over four decode positions match the eager forward's.
-    config = random_config("llama", n_layers=2, d_model=256, d_mlp=512, tied_embeddings=False)  # untied: varied tokens
-    model = Model(random_checkpoint(config, "Q4_K", seed=5), device="cpu")
+    model = tiny_model("llama", "Q4_K", seed=5, n_layers=2, d_model=256, d_mlp=512, tied_embeddings=False,  # varied tokens
+                       device="cpu", cached=False)
     greedy = {m: list(generate_tokens(m.runner, PROMPT, 12)) for m in (model, small)}  # eager: the CPU default
     assert model.runner not in _BUILT
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager decoding fails the test
         for m in (model, small):
             assert list(generate_tokens(m.runner, PROMPT, 12, compiled=True)) == greedy[m]
-    built = {m: _BUILT[m.runner] for m in (model, small)}
+    built = {m: _BUILT[m.runner]["exact"] for m in (model, small)}
     for m in (model, small):
         tokens = greedy[m][:4]
         assert max_difference(compiled_step_logits(m.runner, built[m], tokens), eager_logits(m.runner, tokens)) < 1e-4
@@ -218,17 +223,24 @@ def test_compiled_cpu_decode_matches_eager(small):
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
     assert list(generate_tokens(runner, PROMPT, 12, sampling, compiled=True)) == list(
         generate_tokens(runner, PROMPT, 12, sampling))
-    assert _BUILT[runner] is built[model] and not built[model].busy  # kept for the next call of its size
+    assert _BUILT[runner]["exact"] is built[model] and not built[model].busy  # kept for the next call of its size
 
-    # The step keeps torch.compile's guards on global state: switching to llama.cpp numerics recompiles it.
+    # torch.compile reads the numerics as a constant of the graph, unguarded: a step built in exact numerics computes
+    # them in a llama.cpp-numerics block too, and generating there builds (and keeps) a step of those numerics.
     with cpu.numerics("llamacpp"):
-        quantized, quantized_eager = compiled_step_logits(runner, built[model], tokens[:2]), eager_logits(runner, tokens[:2])
-    exact = compiled_step_logits(runner, built[model], tokens[:2])
-    assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(exact, quantized_eager)
+        quantized_eager = eager_logits(runner, tokens[:2])
+        still_exact = compiled_step_logits(runner, built[model], tokens[:2])
+        list(generate_tokens(runner, PROMPT, 3, compiled=True))
+        quantized_step = _BUILT[runner]["llamacpp"]
+        quantized = compiled_step_logits(runner, quantized_step, tokens[:2])
+    assert quantized_step is not built[model] and _BUILT[runner]["exact"] is built[model]
+    exact_eager = eager_logits(runner, tokens[:2])
+    assert max_difference(still_exact, exact_eager) < 1e-4 < max_difference(still_exact, quantized_eager)
+    assert max_difference(quantized, quantized_eager) < 1e-4 < max_difference(quantized, exact_eager)
 
 
-def test_compiled_cpu_step_does_not_keep_its_model_alive():
-    model = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0", seed=4), device="cpu")
+def test_compiled_cpu_step_does_not_keep_its_model_alive(tiny_model):
+    model = tiny_model("llama", "Q8_0", seed=4, n_layers=1, device="cpu", cached=False)
     list(generate_tokens(model.runner, PROMPT, 3, compiled=True))
     assert model.runner in _BUILT
     runner = weakref.ref(model.runner)
@@ -237,8 +249,8 @@ def test_compiled_cpu_step_does_not_keep_its_model_alive():
     assert runner() is None  # and with it, its entry in _BUILT
 
 
-def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(monkeypatch):
-    runner = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0", seed=4), device="cpu").runner
+def test_compiled_cpu_decode_falls_back_to_eager_when_compiling_fails(monkeypatch, tiny_model):
+    runner = tiny_model("llama", "Q8_0", seed=4, n_layers=1, device="cpu", cached=False).runner
     eager = list(generate_tokens(runner, PROMPT, 8))
     break_torch_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="decoding eagerly: no compiler here"):

@@ -9,7 +9,6 @@ import torch
 
 import workbench
 from workbench import hooks
-from workbench.synthetic import random_checkpoint, random_config
 
 IDS = [5, 17, 42, 99, 7, 23, 61]
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -17,13 +16,13 @@ PROMPT = "The Eiffel Tower is in the city of"
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def tiny(request):
-    return workbench.Model(random_checkpoint(random_config(request.param, n_layers=2), seed=3))
+def tiny(request, tiny_model):
+    return tiny_model(request.param, n_layers=2, seed=3)
 
 
 @pytest.fixture(scope="module")
-def llama():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=2), seed=3))
+def llama(tiny_model):
+    return tiny_model("llama", n_layers=2, seed=3)
 
 
 def ablate_head_by_hand(model, ids, layer: int, head: int) -> torch.Tensor:

@@ -6,15 +6,14 @@ import torch
 
 import workbench
 from workbench import hooks
-from workbench.synthetic import random_checkpoint, random_config
 
 IDS = [5, 17, 42, 99, 7]
 D = 64  # d_model of the random model; 4 heads / 2 kv heads of 16, d_mlp 128
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=2), seed=1))
+def tiny(tiny_model):
+    return tiny_model("llama", n_layers=2, seed=1)
 
 
 @pytest.fixture()
@@ -23,11 +22,6 @@ def forwards(tiny, monkeypatch):
     calls = []
     monkeypatch.setattr(tiny.runner, "forward", lambda *a, **k: calls.append(1))
     return calls
-
-
-def other_model_trace():
-    other = workbench.Model(random_checkpoint(random_config("llama", n_layers=2), seed=2))
-    return other.run(IDS, record=["blocks.0.hook_resid_pre"])
 
 
 BAD = {
@@ -54,7 +48,6 @@ BAD = {
     "empty donor": (lambda: hooks.Patch("hook_embed", donor=""), "empty"),
     "short donor": (lambda: hooks.Patch("hook_embed", donor=[1, 2]), "donor has 2 tokens"),
     "no donor": (lambda: hooks.Patch("hook_embed"), "needs a donor"),
-    "foreign donor": (lambda: hooks.Patch("blocks.0.hook_resid_pre", donor=other_model_trace()), "another model"),
     "not callable": (lambda: hooks.FunctionHook("hook_embed", 3), "callable"),
     "unknown type": (lambda: {"type": "explode", "hook": "hook_embed"}, "unknown intervention type"),
     "bad spec keys": (lambda: {"type": "zero_ablate", "hook": "hook_embed", "strength": 2}, "bad zero_ablate spec"),
@@ -67,6 +60,13 @@ def test_bad_intervention_is_refused_before_any_compute(tiny, forwards, case):
     make, message = BAD[case]
     with pytest.raises(workbench.HookError, match=message):
         tiny.run(IDS, interventions=[make()])
+    assert forwards == []
+
+
+def test_a_donor_trace_of_another_model_is_refused_before_any_compute(tiny, tiny_model, forwards):
+    other = tiny_model("llama", n_layers=2, seed=2).run(IDS, record=["blocks.0.hook_resid_pre"])
+    with pytest.raises(workbench.HookError, match="another model"):
+        tiny.run(IDS, interventions=[hooks.Patch("blocks.0.hook_resid_pre", donor=other)])
     assert forwards == []
 
 

@@ -6,36 +6,39 @@ import torch
 
 import workbench
 from workbench import hooks
-from workbench.synthetic import random_checkpoint, random_config
 
 PROMPT = [5, 17, 42, 99, 7]
 NEW = 6
 
 
 @pytest.fixture()
-def tiny():
-    model = workbench.Model(random_checkpoint(random_config("llama", n_layers=2), seed=11))
-    model.tokenizer.stop_ids = set()  # a random model may emit an end token; these tests want every step
+def tiny(tiny_model, monkeypatch):
+    model = tiny_model("llama", n_layers=2, seed=11)
+    monkeypatch.setattr(model.tokenizer, "stop_ids", set())  # a random model may emit an end token; these tests want every step
     return model
 
 
-def count_forwards(model) -> list[int]:
-    """Record how many tokens each runner forward is fed."""
-    fed, forward = [], model.runner.forward
+@pytest.fixture()
+def count_forwards(monkeypatch):
+    """``count_forwards(model)``: record how many tokens each runner forward of ``model`` is fed, for the test."""
+    def count(model) -> list[int]:
+        fed, forward = [], model.runner.forward
 
-    def counting(ids, *args, **kwargs):
-        fed.append(len(ids))
-        return forward(ids, *args, **kwargs)
+        def counting(ids, *args, **kwargs):
+            fed.append(len(ids))
+            return forward(ids, *args, **kwargs)
 
-    model.runner.forward = counting
-    return fed
+        monkeypatch.setattr(model.runner, "forward", counting)
+        return fed
+
+    return count
 
 
 def tokens(model, prompt=PROMPT, **kwargs) -> list[int]:
     return [t for t, _ in model.stream(prompt, NEW, **kwargs)]
 
 
-def test_hooked_generation_uses_the_kv_cache(tiny):
+def test_hooked_generation_uses_the_kv_cache(tiny, count_forwards):
     fed = count_forwards(tiny)
     steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(tiny.config.d_model))
     out = tokens(tiny, interventions=[steer])
@@ -98,7 +101,7 @@ def test_hook_context_sees_positions_and_steps(tiny):
     assert seen == [(0, list(range(n)))] + [(step, [n + step - 1]) for step in range(1, NEW)]
 
 
-def test_positions_beyond_the_generation_are_refused_before_any_compute(tiny):
+def test_positions_beyond_the_generation_are_refused_before_any_compute(tiny, count_forwards):
     fed = count_forwards(tiny)
     steer = hooks.Steer("blocks.0.hook_resid_pre", torch.ones(tiny.config.d_model), positions=[len(PROMPT) + NEW])
     with pytest.raises(workbench.HookError, match="out of range"):

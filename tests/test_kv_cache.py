@@ -5,15 +5,14 @@ import pytest
 import torch
 
 import workbench
-from workbench.synthetic import random_checkpoint, random_config
 
 PROMPT = [5, 17, 42, 99, 7, 23, 61, 8]
 NEXT = [30, 12]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def tiny(request):
-    return workbench.Model(random_checkpoint(random_config(request.param, n_layers=2), seed=5))
+def tiny(request, tiny_model):
+    return tiny_model(request.param, n_layers=2, seed=5)
 
 
 def prefilled(model, ids=PROMPT):

@@ -8,12 +8,11 @@ import torch
 
 import workbench
 from workbench import probes
-from workbench.synthetic import random_checkpoint, random_config
 
 
 @pytest.fixture(scope="module")
-def small():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=3)), device="cpu")
+def small(tiny_model):
+    return tiny_model("llama", n_layers=3, device="cpu")
 
 
 def test_last_layer_lens_is_the_models_output(small):
@@ -81,7 +80,7 @@ def mean_kl_to_output(lens, logits: torch.Tensor, layers) -> float:
     return sum(kl) / len(kl)
 
 
-def test_tuned_lens_is_closer_to_the_output_and_round_trips(small, tmp_path):
+def test_tuned_lens_is_closer_to_the_output_and_round_trips(small, tmp_path, tiny_model):
     rng = random.Random(0)
     words = "the cat sat on mat in an hot sun tea is at".split()
     prompts = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(44)]
@@ -96,7 +95,7 @@ def test_tuned_lens_is_closer_to_the_output_and_round_trips(small, tmp_path):
     tuned.save(tmp_path / "tuned")
     loaded = probes.TunedLens.load(tmp_path / "tuned.json", small)
     assert torch.equal(loaded.weight, tuned.weight) and loaded.n_positions == tuned.n_positions
-    wider = workbench.Model(random_checkpoint(random_config("llama", n_layers=3, d_model=128)), device="cpu")
+    wider = tiny_model("llama", n_layers=3, d_model=128, device="cpu")
     with pytest.raises(workbench.WorkbenchError, match="d_model 64"):
         probes.TunedLens.load(tmp_path / "tuned", wider)
     with pytest.raises(workbench.WorkbenchError, match="resid_post only"):

@@ -10,8 +10,7 @@ import torch
 import workbench
 from workbench.errors import ModelLoadError, WorkbenchError
 from workbench.loading import load_checkpoint
-from workbench.model import Model
-from workbench.synthetic import random_checkpoint, random_config, tokenizer_metadata, write_gguf
+from workbench.synthetic import tokenizer_metadata, write_gguf
 from workbench.tokenizer import Tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -78,19 +77,20 @@ def test_quantize_on_load(fmt, stored, tmp_path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt", ["F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-def test_gguf_round_trip(arch, fmt, tmp_path):
+def test_gguf_round_trip(arch, fmt, tmp_path, tiny_checkpoint, tiny_model):
     """A model written as llama.cpp stores it loads back to the same tensors and the same logits."""
-    config = random_config(arch, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=256, tied_embeddings=arch != "qwen2")
-    checkpoint = random_checkpoint(config, fmt, seed=1)
+    shape = dict(d_model=256, n_heads=4, n_kv_heads=2, d_mlp=256, tied_embeddings=arch != "qwen2")
+    checkpoint = tiny_checkpoint(arch, fmt, seed=1, **shape)
+    config = checkpoint.config
     path = write_gguf(tmp_path / f"{arch}-{fmt}.gguf", config, checkpoint.weights, checkpoint.metadata)
     loaded = workbench.load(path, device="cpu")
     assert loaded.config == config
     assert set(loaded.tensor_formats().values()) == {fmt}
-    for (name, a), (_, b) in zip(Model(checkpoint).runner.weights.named_matrices(),
+    for (name, a), (_, b) in zip(tiny_model(arch, fmt, seed=1, **shape).runner.weights.named_matrices(),
                                  loaded.runner.weights.named_matrices()):
         assert torch.equal(a.data, b.data), name
     ids = [4, 8, 15, 16, 23, 42]
-    assert torch.equal(Model(checkpoint, device="cpu").forward(ids), loaded.forward(ids))
+    assert torch.equal(tiny_model(arch, fmt, seed=1, device="cpu", **shape).forward(ids), loaded.forward(ids))
 
 
 def test_embedded_model_config(model):
@@ -139,9 +139,9 @@ def test_unsupported_architecture(tmp_path):
         workbench.load(path)
 
 
-def test_missing_tensor_names_the_tensor(tmp_path):
-    config = random_config("llama")
-    checkpoint = random_checkpoint(config)
+def test_missing_tensor_names_the_tensor(tmp_path, tiny_checkpoint):
+    checkpoint = tiny_checkpoint("llama", cached=False)  # edited
+    config = checkpoint.config
     checkpoint.weights.layers.pop()  # one block fewer than block_count says
     path = write_gguf(tmp_path / "short.gguf", config, checkpoint.weights, checkpoint.metadata)
     with pytest.raises(ModelLoadError, match="blk.1.attn_norm.weight is missing"):
@@ -153,20 +153,20 @@ def test_hf_dir_without_config(tmp_path):
         load_checkpoint(tmp_path)
 
 
-def test_prompt_errors(model):
+def test_prompt_errors(model, tiny_model):
     with pytest.raises(WorkbenchError, match="empty"):
         model.forward("")
-    small = Model(random_checkpoint(random_config("llama", n_ctx=16)))
+    small = tiny_model("llama", n_ctx=16)
     with pytest.raises(WorkbenchError, match="context holds 16"):
         small.forward("a long prompt that is certainly more than sixteen byte tokens long")
     with pytest.raises(WorkbenchError, match="out of range"):
         small.forward([1, 2, 10**6])
 
 
-def test_unsupported_tensor_type_names_the_tensor(tmp_path):
+def test_unsupported_tensor_type_names_the_tensor(tmp_path, tiny_checkpoint):
     """A tensor in a format we have no kernel for (IQ4_NL here) is refused by name, before anything loads."""
-    config = random_config("llama")
-    checkpoint = random_checkpoint(config)
+    checkpoint = tiny_checkpoint("llama")
+    config = checkpoint.config
     path = write_gguf(tmp_path / "iq4nl.gguf", config, checkpoint.weights, checkpoint.metadata)
     reader = gguf.GGUFReader(str(path), "r+")  # edit the tensor's type field in the file's header in place
     info = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight").field

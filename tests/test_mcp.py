@@ -25,7 +25,7 @@ from workbench import hooks, probes
 from workbench.errors import WorkbenchError
 from workbench.mcp_server import TOOLS, Limits, Workbench, build_server, http_app
 from workbench.mcp_server.state import Session, Sessions
-from workbench.synthetic import random_checkpoint, random_config, random_weights, write_gguf
+from workbench.synthetic import write_gguf
 
 PROMPT = "The capital of France is"
 
@@ -168,10 +168,11 @@ def test_run_batch_and_generate_batch(stdio, model):
     assert "this server takes at most" in stdio.error("run_batch", prompts=["a " * 600])
 
 
-def test_load_model_switches_this_session_only(http_server, http, artifacts):
-    config = random_config("llama", n_layers=2)
+def test_load_model_switches_this_session_only(http_server, http, artifacts, tiny_checkpoint):
+    checkpoint = tiny_checkpoint("llama", n_layers=2)
+    config = checkpoint.config
     (artifacts / "models").mkdir()
-    write_gguf(artifacts / "models" / "tiny.gguf", config, random_weights(config))
+    write_gguf(artifacts / "models" / "tiny.gguf", config, checkpoint.weights)
     tiny = {"name": "models/tiny.gguf", "path": "models/tiny.gguf", "loaded": False}
     assert tiny in http.call("list_models")["models"]
     with connect(streamable_http_client(http_server[0])) as other:
@@ -183,7 +184,7 @@ def test_load_model_switches_this_session_only(http_server, http, artifacts):
         assert other.call("load_model", path="embedded")["n_layers"] == 30
 
 
-def test_load_model_quantizes_a_checkpoint(http_server, artifacts):
+def test_load_model_quantizes_a_checkpoint(http_server, artifacts, tiny_checkpoint):
     """A Hugging Face checkpoint in the artifacts folder, loaded as llama.cpp's Q4_K_M mix. Its rows of 64 and 96
     values take the mix's fallbacks: Q5_0 for Q4_K, and Q8_0 for the Q6_K of the output and of the last layer's value
     and down projections."""
@@ -196,18 +197,18 @@ def test_load_model_quantizes_a_checkpoint(http_server, artifacts):
         assert info["tensor_formats"] == {"Q5_0": 13, "Q8_0": 3}
         assert other.call("list_models")["current"] == "hf-tiny@Q4_K_M"
         assert "unknown quantization 'Q9_K'" in other.error("load_model", path="hf-tiny", quantize="Q9_K")
-        config = random_config("llama", n_layers=1)
-        write_gguf(artifacts / "quantized.gguf", config, random_weights(config))
+        quantized = tiny_checkpoint("llama", n_layers=1)
+        write_gguf(artifacts / "quantized.gguf", quantized.config, quantized.weights)
         assert "applies to float checkpoints" in other.error("load_model", path="quantized.gguf", quantize="Q8_0")
         assert other.call("model_info")["name"] == "hf-tiny@Q4_K_M"  # a refused load leaves the session's model
 
 
-def test_a_model_another_session_uses_stays(http_server, artifacts):
+def test_a_model_another_session_uses_stays(http_server, artifacts, tiny_checkpoint):
     """Two sessions on one model: when one of them moves on, the other keeps it (here the move is refused, since the
     shared model cannot make room under the limit of two resident models)."""
-    config = random_config("llama", n_layers=1)
+    checkpoint = tiny_checkpoint("llama", n_layers=1)
     for name in ("shared.gguf", "next.gguf"):
-        write_gguf(artifacts / name, config, random_weights(config))
+        write_gguf(artifacts / name, checkpoint.config, checkpoint.weights)
     with connect(streamable_http_client(http_server[0])) as first, \
             connect(streamable_http_client(http_server[0])) as second:
         assert first.call("load_model", path="shared.gguf")["name"] == second.call("load_model", path="shared.gguf")["name"]
@@ -609,10 +610,10 @@ def test_cancelled_generation_stops_at_the_next_token(http):
     assert http.call("tokenize", text="still serving")["tokens"] == ["still", " serving"]
 
 
-def test_idle_sessions_are_released():
+def test_idle_sessions_are_released(tiny_model):
     from mcp.client import Client as InProcessClient
 
-    model = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)))
+    model = tiny_model("llama", n_layers=2)
     bench = Workbench(model, "artifacts-unused", Limits(idle_seconds=1.0))
 
     async def scenario() -> None:
@@ -638,21 +639,21 @@ def test_a_busy_session_is_never_idle():
     assert sessions.expire_idle(now=time.monotonic() + 60) == ["a"] and sessions.keys() == []
 
 
-def test_a_new_session_starts_in_the_servers_numerics_whatever_another_call_has_set():
-    """Sessions are made as a request arrives, outside the model lock, while another session's call may hold the
-    process-wide numerics: the new one still starts in the server's."""
+def test_a_new_session_starts_in_the_servers_numerics_whatever_block_it_is_made_in():
+    """Sessions are made as a request arrives: a new one starts in the server's numerics, whatever numerics block the
+    code that makes it runs in."""
     sessions = Sessions(Limits(), "model", "exact")
-    with workbench.kernels.numerics("llamacpp"):  # another session's call, running
+    with workbench.kernels.numerics("llamacpp"):
         with sessions.using("new") as session:
             assert session.numerics == "exact" and session.model_name == "model"
 
 
-def test_a_call_waiting_for_the_model_past_the_idle_limit_keeps_its_session():
+def test_a_call_waiting_for_the_model_past_the_idle_limit_keeps_its_session(tiny_model):
     """A session with a trace makes a second call while another session's long call holds the model. The call waits
     three idle limits (and sweeps), then runs: the first trace is still there, beside the second."""
     from mcp.client import Client as InProcessClient
 
-    model = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)))
+    model = tiny_model("llama", n_layers=2)
     bench = Workbench(model, "artifacts-unused", Limits(idle_seconds=0.3))
     answers = {}
 

@@ -6,7 +6,6 @@ import torch
 
 import workbench
 from workbench import hooks
-from workbench.synthetic import random_checkpoint, random_config
 
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"
@@ -35,8 +34,8 @@ def test_embedded_last_layer_final_position_restores_the_clean_metric(model):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=2), seed=4))
+def tiny(tiny_model):
+    return tiny_model("llama", n_layers=2, seed=4)
 
 
 CLEAN_IDS, CORRUPT_IDS = [5, 17, 42, 99, 7], [5, 17, 60, 99, 7]

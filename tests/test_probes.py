@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,12 +13,11 @@ import torch
 
 import workbench
 from workbench import probes
-from workbench.synthetic import random_checkpoint, random_config
 
 
 @pytest.fixture(scope="module")
-def small():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=3)), device="cpu")
+def small(tiny_model):
+    return tiny_model("llama", n_layers=3, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,24 @@ def write_jsonl(path, records):
 
 
 # ------------------------------------------------------------------------------------------- datasets
+
+def test_import_datasets_at_the_repository_root_never_finds_our_folder():
+    """The top-level datasets/ folder (installed as workbench.datasets) has no __init__.py: ``python -c "import
+    datasets"`` run from the repository root, which puts the root first on sys.path, imports Hugging Face's package
+    (a dependency of transformer-lens), or fails where it is missing, and never imports the folder."""
+    root = Path(__file__).resolve().parents[1]
+    folder = root / "datasets"
+    assert folder.is_dir() and not (folder / "__init__.py").exists()
+    code = "import datasets; print(getattr(datasets, '__file__', None)); print(list(getattr(datasets, '__path__', [])))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    if result.returncode:
+        assert "ModuleNotFoundError: No module named 'datasets'" in result.stderr, result.stderr[-2000:]
+    else:
+        file, path = result.stdout.splitlines()[-2:]
+        assert file != "None" and not Path(file).resolve().is_relative_to(root), result.stdout
+        assert str(folder) not in path, result.stdout
+    assert str(probes.data.SHIPPED) == str(folder.resolve())  # this checkout's files are the ones shipped
+
 
 def test_shipped_datasets():
     assert set(probes.list_datasets()) >= {"sentiment", "facts", "capitals", "happy_sad"}
@@ -111,7 +131,7 @@ def test_collect_activations_pools_the_trace(small):
 
 # -------------------------------------------------------------------------------------------- probes
 
-def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path):
+def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path, tiny_model):
     probe = probes.probe_at_depth_fraction(small, ending_dataset, 1.0)
     assert probe.hook == "blocks.2.hook_resid_post"
     assert probe.accuracy >= 0.9 and probe.ci[0] <= probe.accuracy <= probe.ci[1]
@@ -125,10 +145,10 @@ def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path):
     assert loaded.classes == probe.classes and loaded.accuracy == probe.accuracy
     torch.testing.assert_close(loaded.predict_proba(small, new_prompts), probe.predict_proba(small, new_prompts))
 
-    wider = workbench.Model(random_checkpoint(random_config("llama", n_layers=3, d_model=128)), device="cpu")
+    wider = tiny_model("llama", n_layers=3, d_model=128, device="cpu")
     with pytest.raises(workbench.WorkbenchError, match="d_model 64"):
         probes.Probe.load(tmp_path / "ending", wider)
-    shallower = workbench.Model(random_checkpoint(random_config("llama", n_layers=2)), device="cpu")
+    shallower = tiny_model("llama", n_layers=2, device="cpu")
     with pytest.raises(workbench.WorkbenchError, match="does not have"):
         loaded.predict(shallower, new_prompts)
     with pytest.raises(workbench.WorkbenchError, match="not found"):

@@ -9,7 +9,6 @@ import torch
 import workbench
 from workbench.cli import main
 from workbench.errors import QuantizeError
-from workbench.model import Model
 from workbench.quant_mix import check_quantize, matrix_format, use_more_bits
 from workbench.synthetic import random_checkpoint, random_config, write_gguf
 
@@ -97,11 +96,11 @@ def test_output_rule_matches_llama_cpp_on_the_embedded_model(model):
     assert matrix_format("Q4_K_M", "blk.4.ffn_down.weight", config, 1536).name == "Q4_K"
 
 
-def test_random_q4_k_m_model_runs_and_round_trips(tmp_path):
-    config = random_config("llama", n_layers=8, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512,
-                           tied_embeddings=False)
-    checkpoint = random_checkpoint(config, "Q4_K_M", seed=3)
-    model = Model(checkpoint, device="cpu")
+def test_random_q4_k_m_model_runs_and_round_trips(tmp_path, tiny_checkpoint, tiny_model):
+    shape = dict(n_layers=8, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, tied_embeddings=False)
+    checkpoint = tiny_checkpoint("llama", "Q4_K_M", seed=3, **shape)
+    config = checkpoint.config
+    model = tiny_model("llama", "Q4_K_M", seed=3, device="cpu", **shape)
     got = model.tensor_formats()
     assert [got[f"blocks.{i}.wv"] for i in range(8)] == ["Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K"]
     assert [got[f"blocks.{i}.w_down"] for i in range(8)] == [got[f"blocks.{i}.wv"] for i in range(8)]

@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from workbench.kernels import layer_ops
-from workbench.model import Model
-from workbench.synthetic import random_checkpoint, random_config
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -17,9 +15,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # adjacent pairs / the two halves of each head
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_rotates_each_pair_by_its_angle(device, architecture, dtype):
-    checkpoint = random_checkpoint(random_config(architecture, n_layers=1, n_ctx=64), "F32")
-    runner = Model(checkpoint, device=device, dtype=dtype).runner
+def test_rope_rotates_each_pair_by_its_angle(device, architecture, dtype, tiny_model):
+    runner = tiny_model(architecture, "F32", n_layers=1, n_ctx=64, device=device, dtype=dtype).runner
     d_head, half = runner.config.d_head, runner.config.d_head // 2
     positions = torch.tensor([0, 5, 63], device=device)
     x = torch.randn(3, 4, d_head, generator=torch.Generator().manual_seed(0)).to(device, dtype)
@@ -108,11 +105,10 @@ def test_cpu_layer_ops_refuse_bad_shapes():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype):
+def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype, tiny_model):
     """On CUDA the norms run as one Triton kernel and the hooked path multiplies in torch: recording every point
     leaves the logits as they are, and doubling a scale equals doubling its normalized input."""
-    checkpoint = random_checkpoint(random_config("llama", n_layers=2), "Q8_0", seed=3)
-    model = Model(checkpoint, device="cuda", dtype=dtype)
+    model = tiny_model("llama", "Q8_0", seed=3, n_layers=2, device="cuda", dtype=dtype)
     ids = [5, 17, 42, 99, 7]
     plain = model.run(ids).logits
     assert torch.equal(model.run(ids, record=["*"]).logits, plain)
@@ -126,17 +122,17 @@ def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_cuda_info_names_the_triton_glue():
-    model = Model(random_checkpoint(random_config("llama", n_layers=1), "Q8_0"), device="cuda", dtype=torch.bfloat16)
+def test_cuda_info_names_the_triton_glue(tiny_model):
+    model = tiny_model("llama", "Q8_0", n_layers=1, device="cuda", dtype=torch.bfloat16)
     assert model.info()["layer_ops"] == {
         op: "triton" for op in ("rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu")}
 
 
-def test_torch_formulas_switch_the_glue_and_agree_with_it():
+def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
     """``layer_ops.torch_formulas()`` runs the glue as its torch formulas (for comparisons and bench/eager_forward.py),
     which agree with the C++ ops to float32 rounding, and the switch is undone on leaving."""
     from workbench.kernels import cpu
-    model = Model(random_checkpoint(random_config("llama", n_layers=2), "Q8_0", seed=3), device="cpu")
+    model = tiny_model("llama", "Q8_0", seed=3, n_layers=2, device="cpu")
     ids = [5, 17, 42, 99]
     own = model.forward(ids)
     with layer_ops.torch_formulas():

@@ -8,15 +8,14 @@ import torch
 
 import workbench
 from workbench import probes
-from workbench.synthetic import random_checkpoint, random_config
 
 POSITIVE = ["the sun is hot", "a hot tea", "hot sun on the mat"]
 NEGATIVE = ["the cat is in", "an old cat", "cat on the mat in"]
 
 
 @pytest.fixture(scope="module")
-def small():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=4)), device="cpu")
+def small(tiny_model):
+    return tiny_model("llama", n_layers=4, device="cpu")
 
 
 def test_vector_is_the_mean_difference_and_steers_by_scale(small):

@@ -10,17 +10,17 @@ import workbench
 from workbench import hooks
 from workbench.cli import main
 from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE, TraceError
-from workbench.synthetic import random_checkpoint, random_config, random_weights, write_gguf
+from workbench.synthetic import write_gguf
 
 IDS = [5, 17, 42, 99, 7, 23]
 RECORD = ["blocks.*.hook_resid_post", "blocks.1.attn.hook_pattern", "ln_final.hook_scale"]
 
 
 @pytest.fixture(scope="module")
-def gguf_model(tmp_path_factory):
+def gguf_model(tmp_path_factory, tiny_checkpoint):
     """A small random model loaded from a GGUF file, so a replay can find it by the path in the trace."""
-    config = random_config("qwen2", n_layers=2)
-    path = write_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", config, random_weights(config, seed=2))
+    checkpoint = tiny_checkpoint("qwen2", seed=2, n_layers=2)
+    path = write_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", checkpoint.config, checkpoint.weights)
     return workbench.load(path, device="cpu", dtype="float32")
 
 
@@ -104,8 +104,8 @@ def test_replay_reports_within_tolerance_and_different_with_the_largest_deviatio
     assert "logits" in str(clearly)
 
 
-def test_replay_refuses_another_model_unless_forced(trace, tmp_path):
-    other = workbench.Model(random_checkpoint(random_config("qwen2", n_layers=2), seed=9))
+def test_replay_refuses_another_model_unless_forced(trace, tmp_path, tiny_model):
+    other = tiny_model("qwen2", n_layers=2, seed=9)
     path = trace.save(tmp_path / "artifact")
     with pytest.raises(workbench.WorkbenchError, match="another model"):
         workbench.replay(path, other)

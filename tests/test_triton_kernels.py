@@ -1,9 +1,9 @@
 """The Triton GEMV/GEMM kernels against gguf's reference dequantizer, in float64.
 
-On CPU the kernels run under ``TRITON_INTERPRET=1``. That switch must be set before the kernels are
-defined and would leak into every other test module of the process, so ``test_interpreted_suite``
-runs this file again in a subprocess with it set, where ``TestInterpreted`` does the work.
-``TestCuda`` runs full model shapes on a GPU and is skipped without one.
+On CPU the kernels run under ``TRITON_INTERPRET=1`` (``TestInterpreted``). That switch must be set before triton is
+imported: tests/conftest.py sets it for the whole run where no CUDA device is present (the CUDA backend then registers
+no kernel, so no other test runs interpreted), and the xdist workers spread these tests over the cores, since the
+interpreter runs on one. ``TestCuda`` runs full model shapes on a GPU and is skipped without one.
 
 Weights are random bytes with sane float16 scale fields, so every bit pattern of the quants occurs.
 Tolerances are relative Frobenius-norm errors: float32 accumulation over K <= 14336 products stays
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -98,29 +96,8 @@ def relative_error(out: torch.Tensor, expected: np.ndarray) -> float:
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
-@pytest.mark.skipif(INTERPRETING, reason="this is the subprocess")
-def test_interpreted_suite():
-    """Run ``TestInterpreted`` with TRITON_INTERPRET=1 in fresh interpreters: one shard per core (at most four), side
-    by side, since the interpreter runs on one core (a single one took 9.3 of the suite's 13.8 minutes on 2 cores)."""
-    shards = max(1, min(4, os.cpu_count() or 1))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    # Run from tests/: ``python -m`` puts the working directory first on sys.path, and the repository root
-    # holds folders (datasets/) that would shadow installed packages.
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::TestInterpreted"]
-    runs = [subprocess.Popen(command, env={**env, "WORKBENCH_TEST_SHARD": f"{shard}/{shards}"}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
-            for shard in range(shards)]
-    try:
-        outputs = [run.communicate(timeout=600) for run in runs]
-    finally:
-        for run in runs:
-            run.kill()
-    for run, (stdout, stderr) in zip(runs, outputs):
-        assert run.returncode == 0, stdout[-6000:] + stderr[-3000:]
-        assert " passed" in stdout and "skipped" not in stdout.splitlines()[-1], stdout[-2000:]
-
-
-@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess of test_interpreted_suite")
+@pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1, which tests/conftest.py sets where no CUDA "
+                                               "device is present")
 class TestInterpreted:
     # 20 rows: not a multiple of any row block. K = 768: 24 blocks / 3 super-blocks, so the last
     # step of every kernel runs past the end of the row.
@@ -375,7 +352,6 @@ class TestInterpreted:
         assert relative_error(out, exact) > 100 * relative_error(expected, out.double().numpy())
 
 
-@pytest.mark.skipif(INTERPRETING, reason="the interpreter launches through Triton")
 def test_the_launch_key_is_at_least_as_fine_as_tritons_specialization():
     """``launch`` reuses a compiled kernel for arguments of the same class; Triton compiles one kernel per
     specialization, so no class may hold arguments that Triton specializes differently (a Triton that specialized on
@@ -477,8 +453,10 @@ class TestBadInput:
         with pytest.raises(ValueError, match=f"at most {GEMV_MAX_ROWS} row"):
             gemv(torch.zeros(GEMV_MAX_ROWS + 1, 64), self.weight())
 
-    @pytest.mark.skipif(INTERPRETING, reason="the interpreter runs CPU tensors")
-    def test_cpu_tensors_without_interpreter(self):
+    def test_cpu_tensors_without_interpreter(self, monkeypatch):
+        from workbench.kernels.triton import matmul
+
+        monkeypatch.setattr(matmul, "INTERPRETING", False)  # as in a process without TRITON_INTERPRET=1
         with pytest.raises(ValueError, match="CUDA"):
             gemv(torch.zeros(1, 64), self.weight())
 
@@ -564,7 +542,7 @@ class TestCuda:
                 assert (out.float().cpu() - expected).abs().max() < tolerance * expected.abs().max(), (n, k, m)
 
     @pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K", "Q5_K", "Q2_K"])
-    def test_llamacpp_numerics_of_a_model_are_the_cpu_ones(self, fmt):
+    def test_llamacpp_numerics_of_a_model_are_the_cpu_ones(self, fmt, tiny_model):
         """Every matrix of a model (fused projections, float32 activations, a 13-token prompt: the GEMM) computes on
         CUDA in llama.cpp numerics what the CPU kernels compute, not the exact product.
 
@@ -574,11 +552,10 @@ class TestCuda:
         happened in about a third of such random models on an H100 (docs/kernels.md, "Numerics: exact and
         llama.cpp")."""
         from workbench.hooks import Patch
-        from workbench.model import Model
-        from workbench.synthetic import random_checkpoint, random_config
 
-        checkpoint = random_checkpoint(random_config("llama", n_layers=2, d_model=256, d_mlp=512), fmt, seed=4)
-        on_cpu, on_cuda = Model(checkpoint, device="cpu"), Model(checkpoint, device="cuda", dtype="float32")
+        shape = dict(n_layers=2, d_model=256, d_mlp=512)
+        on_cpu = tiny_model("llama", fmt, seed=4, device="cpu", **shape)
+        on_cuda = tiny_model("llama", fmt, seed=4, device="cuda", dtype="float32", **shape)
         ids = list(range(3, 40, 3))
         inputs = [f"blocks.{i}.{p}" for i in range(2)
                   for p in ("ln1.hook_normalized", "attn.hook_z", "ln2.hook_normalized", "mlp.hook_post")]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError
-from workbench.kernels.linear import Numerics, get_numerics
+from workbench.kernels.linear import NUMERICS, Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
 from workbench.runner import BatchLayout, Hooks, Transformer
 
@@ -71,9 +71,12 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     on CUDA the build is captured as a CUDA graph and replayed, on the CPU the compiled step is called
     per token. Either way it is the same forward without a Python round trip per op. The first build for
     a cache size compiles it (tens of seconds on an 8B GPU model; on a 2-core CPU about 2.5 minutes the
-    first time, then seconds from torch's on-disk cache); the runner keeps its last step, with its
-    cache, for the next call of that size. On CUDA, greedy decoding also picks each next token inside
+    first time, then seconds from torch's on-disk cache); the runner keeps its last step per numerics,
+    with its cache, for the next call of that size. On CUDA, greedy decoding also picks each next token inside
     the graph and reads tokens back one step behind, so the GPU never waits on Python between steps.
+
+    The numerics (``workbench.kernels.numerics``) are taken when this is called: every step computes in them,
+    wherever the tokens are read.
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
@@ -88,14 +91,17 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     if compiled is None:
         compiled = runner.device.type == "cuda"
     built_step = compiled and cache is None and not hooks
-    return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step)
+    return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step,
+                   get_numerics())
 
 
 @dataclass(eq=False)
 class DecodeStep:
     """A one-token forward over a static cache, built once: ``step(token)`` runs it and returns its logits.
     The step also writes the argmax of the logits into ``token``, its own next input when decoding greedily.
-    ``run`` replays a CUDA graph (on CUDA) or calls the compiled forward (on the CPU)."""
+    ``run`` replays a CUDA graph (on CUDA) or calls the compiled forward (on the CPU); ``step(token)`` runs it in the
+    numerics it was built in, whatever numerics block the caller is in, so a build never computes in other ones
+    (torch.compile cannot guard on a ``ContextVar``: the numerics are a constant of the graph)."""
 
     run: Callable[[], torch.Tensor]  # one step on ``token``, returning its logits [1, vocab] float32
     cache: StaticKVCache
@@ -105,19 +111,19 @@ class DecodeStep:
 
     def __call__(self, next_token: int) -> torch.Tensor:
         self.token.fill_(next_token)
-        return self.run()
+        with numerics(self.numerics):
+            return self.run()
 
 
-# Each runner's last built step, reused by the next generation of the same cache size.
-_BUILT: "weakref.WeakKeyDictionary[Transformer, DecodeStep]" = weakref.WeakKeyDictionary()
+# Each runner's last built step per numerics, reused by the next generation of the same cache size and numerics.
+_BUILT: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, DecodeStep]]" = weakref.WeakKeyDictionary()
 
 
-def _built_step(runner: Transformer, capacity: int) -> DecodeStep | None:
-    """The runner's built step if it is free, of this size and of the current numerics (a CUDA graph replays the kernels
-    it captured), taken (busy) with its cache emptied."""
-    decode_step = _BUILT.get(runner)
-    if (decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity
-            or decode_step.numerics != get_numerics()):
+def _built_step(runner: Transformer, capacity: int, mode: Numerics) -> DecodeStep | None:
+    """The runner's built step of numerics ``mode`` (a CUDA graph replays the kernels it captured, a compiled graph
+    calls those it was traced with) if it is free and of this size, taken (busy) with its cache emptied."""
+    decode_step = _BUILT.get(runner, {}).get(mode)
+    if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
         return None
     decode_step.busy = True
     decode_step.cache.rewind(torch.zeros_like(decode_step.cache.device_length))
@@ -125,7 +131,7 @@ def _built_step(runner: Transformer, capacity: int) -> DecodeStep | None:
 
 
 def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_ids: set[int],
-            hooks: Hooks | None, cache: KVCache | None, built_step: bool) -> Iterator[int]:
+            hooks: Hooks | None, cache: KVCache | None, built_step: bool, mode: Numerics) -> Iterator[int]:
     if max_new_tokens == 0:
         return
     # With a cache of its own and no hooks, nothing of the forward outlives a step but token ids: it runs under
@@ -136,13 +142,14 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     if built_step:  # a power of two, so most prompts reuse the step built for an earlier one
         capacity = len(prompt_ids) + max_new_tokens
         capacity = min(runner.config.n_ctx, max(MIN_STEP_CAPACITY, 1 << (capacity - 1).bit_length()))
-        decode_step = _built_step(runner, capacity)
+        decode_step = _built_step(runner, capacity, mode)
         cache = decode_step.cache if decode_step is not None else runner.new_static_cache(capacity)
     elif cache is None:
         cache = runner.new_cache(len(prompt_ids) + max_new_tokens)
     try:
         generator = sampling.generator()
-        with torch.inference_mode(inference):
+        # Each forward enters the numerics itself: a block around a ``yield`` would leak into the reader's code.
+        with torch.inference_mode(inference), numerics(mode):
             logits = runner.forward(torch.tensor(prompt_ids, dtype=torch.long), cache=cache, hooks=hooks,
                                     last_logits_only=True)
         token = sampling.pick(logits[-1], generator)
@@ -150,10 +157,11 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
         if token in stop_ids or max_new_tokens == 1:
             return
         if built_step and decode_step is None:
-            decode_step = build_decode_step(runner, cache)
+            with numerics(mode):
+                decode_step = build_decode_step(runner, cache)
             if decode_step is not None:
                 decode_step.busy = True
-                _BUILT[runner] = decode_step
+                _BUILT.setdefault(runner, {})[mode] = decode_step
         if decode_step is not None and sampling.temperature == 0 and runner.device.type == "cuda":
             yield from _replay_greedy(decode_step, token, max_new_tokens - 1, stop_ids)
             return
@@ -161,7 +169,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             if decode_step is not None:
                 logits = decode_step(token)
             else:
-                with torch.inference_mode(inference):
+                with torch.inference_mode(inference), numerics(mode):
                     logits = runner.forward(torch.tensor([token]), cache=cache, hooks=hooks, last_logits_only=True,
                                             step=step)
             token = sampling.pick(logits[-1], generator)
@@ -175,11 +183,18 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
 
 def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int,
                           sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(),
-                          hooks: Hooks | None = None) -> Iterator[tuple[int, int]]:
+                          hooks: Hooks | None = None, mode: Numerics | None = None) -> Iterator[tuple[int, int]]:
     """Yield ``(prompt, token id)`` for a batch of prompts (``{prompt index: ids}``) decoded together: one batched
     prefill, then one batched step per token over a ``BatchKVCache``, each prompt with its own generator (seeded
     alike, so each samples what ``generate_tokens`` samples for it alone). A prompt leaves the batch, and its cache
-    row is dropped, when it stops. ``hooks`` are batch-level (``hooks.per_prompt_hooks``)."""
+    row is dropped, when it stops. ``hooks`` are batch-level (``hooks.per_prompt_hooks``). Every forward computes in
+    the numerics ``mode`` (default: those current when this is called)."""
+    mode = mode or get_numerics()
+    return _decode_batch(runner, prompts, max_new_tokens, sampling, stop_ids, hooks, mode)
+
+
+def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int, sampling: Sampling,
+                  stop_ids: set[int], hooks: Hooks | None, mode: Numerics) -> Iterator[tuple[int, int]]:
     if max_new_tokens == 0:
         return
     order = list(prompts)
@@ -188,7 +203,7 @@ def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], ma
     generators = [sampling.generator() for _ in order]
     # with no hooks, a prefix every prompt starts with (a system prompt, a template) is computed once
     shared = 0 if hooks else shared_prefix(rows)
-    with torch.inference_mode(not hooks):  # (entered around each forward alone: the caller runs between yields)
+    with torch.inference_mode(not hooks), numerics(mode):  # around each forward alone: the caller runs between yields
         if shared:
             cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True)
         else:
@@ -196,7 +211,7 @@ def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], ma
     layout = BatchLayout([len(r) - shared for r in rows], runner.device, prompts=order, cached=cache.lengths)
     packed = torch.tensor([t for r in rows for t in r[shared:]], dtype=torch.long)
     for step in range(max_new_tokens):
-        with torch.inference_mode(not hooks):
+        with torch.inference_mode(not hooks), numerics(mode):
             logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout)
         if sampling.temperature == 0:
             tokens = logits.argmax(-1).tolist()  # one read-back for the whole batch
@@ -224,7 +239,7 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
     """
     host = torch.empty(1, dtype=torch.long, pin_memory=True)
     copied = torch.cuda.Event()
-    decode_step(token)
+    decode_step(token)  # the replays below select no kernels: the graph holds those of its numerics
     for remaining in range(max_new_tokens - 1, -1, -1):
         host.copy_(decode_step.token, non_blocking=True)
         copied.record()
@@ -244,7 +259,7 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     between the matmuls (norms, rope, attention softmax, the argmax over the vocabulary); the matmuls stay
     our kernels. On CUDA the step is captured as a CUDA graph (if compiling fails, the eager forward is
     captured); on the CPU it is the compiled forward (generated C++ calling our kernels' ops), and
-    ``compiled=False`` has nothing to build.
+    ``compiled=False`` has nothing to build. The step computes in the numerics current here (``DecodeStep.numerics``).
     """
     if runner.device.type != "cuda":
         return _compile_on_cpu(runner, cache) if compiled else None
@@ -252,7 +267,7 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
         # Combo kernels launch independent neighbours together (the ropes and the cache writes): 7 glue kernels per
         # layer instead of 9, and the 8B Q4_K step 1.7-1.9 % faster on an H100 (docs/performance.md, "Why the kernels
         # and the forward are built as they are").
-        step = _capture(runner, cache, torch.compile(_forward_and_pick, dynamic=False,
+        step = _capture(runner, cache, torch.compile(_STEP_CODE[get_numerics()], dynamic=False,
                                                      options={"combo_kernels": True}),
                         "capturing the eager forward instead")
         if step is not None:
@@ -311,8 +326,9 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
 
 
 def _guards_on_global_state(entries: list[Any]) -> list[bool]:
-    """torch.compile's guards to keep for a decode step: those on module globals (the numerics mode, the kernel
-    registry) and on torch's global state. A step is only ever called with the runner, token and cache it was built
+    """torch.compile's guards to keep for a decode step: those on module globals (the kernel registry) and on torch's
+    global state. (The numerics are a ``ContextVar``, which torch.compile reads as a constant without a guard: each
+    build is of one numerics, a code object of its own, and runs in them, see ``DecodeStep``.) A step is only ever called with the runner, token and cache it was built
     for, so the ~2800 guards on those arguments (every weight's metadata) would protect nothing; checking them took
     ~1 ms of a 5 ms CPU step on the embedded model."""
     return [entry.is_global or not entry.name for entry in entries]
@@ -322,6 +338,11 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with a code object of its own. torch.compile keeps its builds per code object; without the guards on
     the arguments, a step sharing one with another runner's step could run that runner's build."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+# The CUDA steps' forward, one code object per numerics: torch.compile keeps its builds per code object and guards
+# on the arguments there, so a build is reused for another runner or cache of the same numerics, never of others.
+_STEP_CODE: dict[Numerics, Callable[..., torch.Tensor]] = {mode: _own_code(_forward_and_pick) for mode in NUMERICS}
 
 
 def _compile_on_cpu(runner: Transformer, cache: StaticKVCache) -> DecodeStep | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import cached_property
 from pathlib import Path
@@ -15,7 +15,8 @@ import torch
 from workbench import hooks as hooks_lib
 from workbench.errors import WorkbenchError
 from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
-from workbench.kernels import get_numerics, layer_ops, select_kernel
+from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
+from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, load_checkpoint
 from workbench.progress import Progress, progress_callback
@@ -44,10 +45,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 class Model:
-    """A loaded model. ``workbench.load()`` makes one."""
+    """A loaded model. ``workbench.load()`` makes one.
+
+    ``numerics`` ("exact", "llamacpp" or None) is what its quantized matmuls compute where no
+    ``with workbench.kernels.numerics(...):`` block around a call says otherwise; None: the process default
+    (``set_numerics``). A block always wins, so a trace replays in its recorded numerics whatever the model's."""
 
     def __init__(self, checkpoint: LoadedCheckpoint, device: str | None = None,
-                 dtype: str | torch.dtype | None = None, load_seconds: float | None = None):
+                 dtype: str | torch.dtype | None = None, load_seconds: float | None = None,
+                 numerics: Numerics | None = None):
+        self.numerics: Numerics | None = None if numerics is None else check_numerics(numerics)
         device = device or default_device()
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise WorkbenchError("device 'cuda' asked for, but no CUDA device is available")
@@ -65,6 +72,19 @@ class Model:
     @property
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
+
+    def current_numerics(self) -> Numerics:
+        """What this model's matmuls compute in a call made here: the innermost ``numerics()`` block's mode, else the
+        model's own ``numerics``, else the process default."""
+        return scoped_numerics() or self.numerics or get_numerics()
+
+    def numerics_scope(self):
+        """A context manager that runs its block in ``current_numerics()``: the model's own numerics where no
+        ``numerics()`` block is open (every call of the model enters it; so do functions that run its weights
+        themselves, such as the logit lens)."""
+        if self.numerics is None or scoped_numerics() is not None:
+            return nullcontext()
+        return numerics(self.numerics)
 
     # ------------------------------------------------------------------------------------------ text
 
@@ -138,19 +158,22 @@ class Model:
             ids = ids.tolist()
         ids = self.to_ids(ids)
         start = cache.next_position if cache is not None else 0
-        hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids))
-        return self.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks)
+        with self.numerics_scope():
+            hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids))
+            return self.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks)
 
     def run(self, prompt: str | Sequence[int], *, record: Sequence[str] | None = None,
             interventions: Sequence[Any] = (), chat: bool = False) -> hooks_lib.Trace:
         """One forward over the prompt: a Trace with logits and the recorded activations."""
         ids = self.to_ids(prompt, chat=chat)
-        hooks, recorder, specs = self._call_hooks(interventions, record, len(ids), len(ids))
-        logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks)
+        with self.numerics_scope():
+            hooks, recorder, specs = self._call_hooks(interventions, record, len(ids), len(ids))
+            logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks)
+            backend = self.backend()
         return hooks_lib.Trace(
             prompt=prompt if isinstance(prompt, str) else list(ids), ids=ids, tokens=self.token_texts(ids),
             logits=logits.cpu(), activations=recorder.activations() if recorder else {}, interventions=specs,
-            fingerprint=self.fingerprint(), backend=self.backend(), versions=package_versions(), chat=chat,
+            fingerprint=self.fingerprint(), backend=backend, versions=package_versions(), chat=chat,
         )
 
     # ---------------------------------------------------------------------------------------- batches
@@ -192,13 +215,17 @@ class Model:
             names = hooks_lib.Recorder.for_patterns(record, self.config).names
             recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce)
             hooks_lib.batching.check_reduce_positions(reduce, lengths)
-        prompt_hooks, specs = self._batch_hooks(interventions, per_prompt_interventions, lengths, lengths)
+        with self.numerics_scope():  # donor prompts run in the call's numerics
+            prompt_hooks, specs = self._batch_hooks(interventions, per_prompt_interventions, lengths, lengths)
         layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all")
-        return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix)
+        return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix,
+                                 self.current_numerics())
 
-    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix
+    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix, mode
                      ) -> Iterator[tuple[int, hooks_lib.Trace]]:
-        fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
+        # each forward enters the numerics taken at the call: a block around a ``yield`` would leak into the reader's code
+        with numerics(mode):
+            fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
             edited = any(prompt_hooks[i] for i in layout.prompts)
@@ -206,7 +233,7 @@ class Model:
                 recorder is None or recorder.reduce in (None, "last")) else 0
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
-            with torch.inference_mode(not hooks):
+            with torch.inference_mode(not hooks), numerics(mode):
                 out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared).cpu()
             prefix_activations = recorder.take(-1) if shared and recorder else {}
             for b, i in enumerate(layout.prompts):
@@ -274,19 +301,22 @@ class Model:
             if n + max_new_tokens > self.config.n_ctx:
                 raise WorkbenchError(f"prompt {i}: {n} tokens + {max_new_tokens} new tokens exceed the context of "
                                      f"{self.config.n_ctx}")
-        prompt_hooks, _ = self._batch_hooks(interventions, per_prompt_interventions, lengths,
-                                            [n + max_new_tokens for n in lengths])
-        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size)
+        with self.numerics_scope():
+            prompt_hooks, _ = self._batch_hooks(interventions, per_prompt_interventions, lengths,
+                                                [n + max_new_tokens for n in lengths])
+        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size, self.current_numerics())
 
     def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                      prompt_hooks: list[dict], batch_size: int | None) -> Iterator[tuple[int, int, str]]:
+                      prompt_hooks: list[dict], batch_size: int | None, mode: Numerics
+                      ) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         stop_ids = self.tokenizer.stop_ids
         lengths = [len(x) for x in ids]
         for layout in self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False):
             hooks = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
             rows = {i: ids[i] for i in layout.prompts}
-            for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None):
+            for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
+                                                  mode):
                 yield i, token, "" if token in stop_ids else decoders[i].feed(token)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32,
@@ -389,15 +419,16 @@ class Model:
         ``compiled`` builds the decode step with ``torch.compile`` (default: on CUDA only; on the CPU it pays for
         long or repeated generations, as a build takes seconds even from torch's on-disk cache); see
         :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
-        Everything is validated, and the hooks of enclosing ``hooks()`` blocks taken, when this is called,
-        not when iteration starts.
+        Everything is validated, and the hooks of enclosing ``hooks()`` blocks and the numerics
+        (``current_numerics()``) taken, when this is called, not when iteration starts.
         """
         sampling = Sampling(temperature, top_k, top_p, seed)
         ids = self.to_ids(prompt, chat=chat)
         start = cache.next_position if cache is not None else 0
-        hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens)
-        tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks, cache,
-                                 compiled)
+        with self.numerics_scope():
+            hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens)
+            tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks,
+                                     cache, compiled)
         return self._with_text(tokens)
 
     def _with_text(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
@@ -439,20 +470,23 @@ class Model:
     def backend(self) -> dict[str, Any]:
         kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
-                "numerics": get_numerics(), "threads": torch.get_num_threads(), "machine": platform.machine()}
+                "numerics": self.current_numerics(), "threads": torch.get_num_threads(),
+                "machine": platform.machine()}
 
     def tensor_formats(self) -> dict[str, str]:
         return {name: w.fmt.name for name, w in self.runner.weights.named_matrices()}
 
     def kernel_report(self, n_tokens: int = 1) -> dict[str, str]:
-        """Which kernel serves each matrix for a forward of ``n_tokens`` tokens on this device."""
+        """Which kernel serves each matrix for a forward of ``n_tokens`` tokens on this device, in
+        ``current_numerics()``."""
+        mode = self.current_numerics()
         probe = torch.empty(n_tokens, 1, dtype=self.dtype, device=self.device)
         chosen: dict[tuple, str] = {}  # selection depends on format, shape and alignment: ask once per kind
         report = {}
         for name, w in self.runner.weights.named_matrices(served=True):
             key = (w.fmt.name, w.shape, w.data.data_ptr() % 16)
             if key not in chosen:
-                chosen[key] = select_kernel(probe.expand(n_tokens, w.shape[1]), w).name
+                chosen[key] = select_kernel(probe.expand(n_tokens, w.shape[1]), w, mode).name
             report[name] = chosen[key]
         return report
 
@@ -480,6 +514,7 @@ class Model:
                 for name, fmt in self.tensor_formats().items()
             },
             "layer_ops": layer_ops.implementations(self.device, self.dtype),
+            "numerics": self.current_numerics(),
         }
 
     def __repr__(self) -> str:
@@ -489,15 +524,18 @@ class Model:
 
 
 def load(path: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-         quantize: str | None = None) -> Model:
+         quantize: str | None = None, numerics: Numerics | None = None) -> Model:
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
     ``quantize`` quantizes a float checkpoint's matrices on load: all into one format ("Q4_K", "Q8_0", ...), or each
     into the format llama.cpp's quantizer gives it in a mix ("Q4_K_M", "Q3_K_L", ...;
-    ``workbench.quant_mix``)."""
+    ``workbench.quant_mix``). ``numerics`` is what the model's quantized matmuls compute where no
+    ``workbench.kernels.numerics(...)`` block says otherwise (``Model.numerics``; None: the process default)."""
+    if numerics is not None:
+        check_numerics(numerics)
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)
-    return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started)
+    return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics)
 
 
 def _available_memory() -> int:

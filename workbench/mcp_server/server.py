@@ -42,17 +42,17 @@ def session_key(ctx: Context) -> str:
 
 
 async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments: dict[str, Any]) -> Any:
-    """Run a tool on a worker thread under the model lock; a client's cancel stops it at the next step. The session
-    is busy from the request's arrival to its answer, so the idle sweep never releases it under a call."""
+    """Run a tool on a worker thread under the model lock, in its session's numerics (for this call and thread only);
+    a client's cancel stops it at the next step. The session is busy from the request's arrival to its answer, so the
+    idle sweep never releases it under a call."""
     cancelled = threading.Event()
 
     with bench.sessions.using(key) as session:
         def work() -> Any:
-            with bench.lock:
+            with numerics(session.numerics), bench.lock:
                 call = Call(session, cancelled)
                 call.check()  # cancelled while waiting for the lock
-                with numerics(session.numerics):  # the mode is process-wide: safe under the lock
-                    return method(call, **arguments)
+                return method(call, **arguments)
 
         try:
             return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)

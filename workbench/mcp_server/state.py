@@ -52,7 +52,7 @@ class Session:
         self.key = key
         self.limits = limits
         self.model_name = model_name
-        self.numerics = numerics  # what this session's quantized matmuls compute (set_numerics)
+        self.numerics = numerics  # what this session's quantized matmuls compute (the set_numerics tool)
         self.entries: dict[str, Entry] = {}
         self.last_used = time.monotonic()  # when its last call ended
         self.calls = 0  # calls in flight, waiting for the model or running: a busy session is never idle
@@ -102,8 +102,7 @@ def _nbytes(value: Any) -> int:
 
 class Sessions:
     """Sessions by key (the transport's session id), released on disconnect or after an idle limit. A new session
-    starts on ``default_model`` in ``default_numerics``: values fixed when the server starts, since a session is made
-    as its first request arrives, outside the model lock, while another call may hold the process-wide numerics."""
+    starts on ``default_model`` in ``default_numerics``, the server's."""
 
     def __init__(self, limits: Limits, default_model: str, default_numerics: str):
         self.limits = limits

@@ -112,7 +112,7 @@ class Workbench:
         self.models = Models(model, default_name, limits,
                              loader or (lambda path, quantize: workbench.load(path, device=str(model.device),
                                                                                quantize=quantize)))
-        self.sessions = Sessions(limits, default_name, get_numerics())  # the numerics the server runs in
+        self.sessions = Sessions(limits, default_name, get_numerics())  # the numerics the server starts in
         # One forward at a time: concurrent clients then get exactly what they would get one after another.
         self.lock = threading.Lock()
 
