@@ -8,11 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import workbench
 from workbench import hooks
 from workbench.errors import HookError, WorkbenchError
 from workbench.runner import BatchLayout
-from workbench.synthetic import random_checkpoint, random_config
 
 # ids prompts of different lengths for the random models (their tokenizer is byte-level)
 PROMPTS = [[5, 17, 42, 99, 7, 23, 61], [8, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [40, 41, 42, 43]]
@@ -21,13 +19,13 @@ BOUND = 2e-4  # max |logit diff|, batched against one prompt at a time (float32,
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def tiny(request):
-    return workbench.Model(random_checkpoint(random_config(request.param, n_layers=2), seed=3))
+def tiny(request, tiny_model):
+    return tiny_model(request.param, seed=3, device="cpu")
 
 
 @pytest.fixture(scope="module")
-def llama():
-    return workbench.Model(random_checkpoint(random_config("llama", n_layers=2), seed=3))
+def llama(tiny_model):
+    return tiny_model("llama", seed=3, device="cpu")
 
 
 def assert_close_logits(batched: torch.Tensor, single: torch.Tensor) -> None:
@@ -209,14 +207,11 @@ def test_sampled_generation_equals_each_prompt_alone(llama):
     assert batched == [llama.generate(p, 8, temperature=0.9, top_k=20, seed=5) for p in PROMPTS]
 
 
-def test_each_sequence_stops_on_its_own(llama):
+def test_each_sequence_stops_on_its_own(llama, monkeypatch):
     """A prompt whose next token is a stop token leaves the batch; the others go on as they would alone."""
     first = [int(llama.forward(p)[-1].argmax()) for p in PROMPTS]
-    llama.tokenizer.stop_ids.add(first[1])
-    try:
-        events = list(llama.stream_batch(PROMPTS, 6))
-    finally:
-        llama.tokenizer.stop_ids.discard(first[1])
+    monkeypatch.setattr(llama.tokenizer, "stop_ids", llama.tokenizer.stop_ids | {first[1]})
+    events = list(llama.stream_batch(PROMPTS, 6))
     per_prompt = {i: [t for j, t, _ in events if j == i] for i in range(len(PROMPTS))}
     assert per_prompt[1] == [first[1]]
     for i in (0, 2, 3):
@@ -397,10 +392,9 @@ needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module", params=[pytest.param(d, marks=needs_cuda) for d in CUDA_BOUNDS])
-def cuda_model(request):
-    config = random_config("llama", n_layers=2, d_model=256, n_heads=4, d_mlp=512)
-    checkpoint = random_checkpoint(config, fmt="Q4_K", seed=3)
-    return workbench.Model(checkpoint, device="cuda", dtype=request.param), CUDA_BOUNDS[request.param]
+def cuda_model(request, tiny_model):
+    model = tiny_model("llama", "Q4_K", seed=3, device="cuda", dtype=request.param, d_model=256, n_heads=4, d_mlp=512)
+    return model, CUDA_BOUNDS[request.param]
 
 
 def test_cuda_batches_equal_each_prompt(cuda_model):
@@ -448,3 +442,18 @@ def test_a_prompt_longer_than_a_forward_runs_in_chunks(llama, monkeypatch):
         reduced = llama.run_batch([long], record=names[:1], reduce=reduce)[0].activations[names[0]]
         expected = whole.activations[names[0]].mean(0) if reduce == "mean" else whole.activations[names[0]][-3]
         torch.testing.assert_close(reduced, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_batches_compute_in_the_numerics_of_the_call(llama):
+    from workbench.kernels import numerics
+
+    with numerics("llamacpp"):
+        emulated = llama.forward_batch(PROMPTS)
+        generated = llama.generate_batch(PROMPTS, 4)
+        alone = [llama.forward(p) for p in PROMPTS]
+        alone_generated = [llama.generate(p, 4) for p in PROMPTS]
+    exact = llama.forward_batch(PROMPTS)
+    for a, b, c in zip(emulated, alone, exact):
+        assert_close_logits(a, b)
+        assert not torch.equal(a, c)
+    assert generated == alone_generated
