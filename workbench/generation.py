@@ -136,7 +136,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
         return
     # With a cache of its own and no hooks, nothing of the forward outlives a step but token ids: it runs under
     # inference mode, which skips autograd's bookkeeping on every op (eager CPU decode 5-10 % faster:
-    # docs/performance.md, "Why the kernels and the forward are built as they are").
+    # docs/performance.md, "Eager decode under inference mode").
     inference = cache is None and not hooks
     decode_step = None
     if built_step:  # a power of two, so most prompts reuse the step built for an earlier one
@@ -265,8 +265,8 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
         return _compile_on_cpu(runner, cache) if compiled else None
     if compiled:
         # Combo kernels launch independent neighbours together (the ropes and the cache writes): 7 glue kernels per
-        # layer instead of 9, and the 8B Q4_K step 1.7-1.9 % faster on an H100 (docs/performance.md, "Why the kernels
-        # and the forward are built as they are").
+        # layer instead of 9, and the 8B Q4_K step 1.7-1.9 % faster on an H100 (docs/performance.md, "The compiled
+        # decode step").
         step = _capture(runner, cache, torch.compile(_STEP_CODE[get_numerics()], dynamic=False,
                                                      options={"combo_kernels": True}),
                         "capturing the eager forward instead")
