@@ -235,14 +235,16 @@ class RegionEdit(Intervention):
 
 def _region_mask(x: torch.Tensor, ax, token_positions: torch.Tensor, positions, heads, neurons,
                  prompt_len: int) -> torch.Tensor | None:
-    """Boolean mask broadcastable to ``x`` selecting the region, or None when nothing here is selected."""
+    """Boolean mask broadcastable to ``x`` selecting the region, or None when nothing here is selected (known without
+    asking the GPU: there the test would make the host wait for the device at every hook, and a mask that selects
+    nothing leaves every value as it is)."""
     if positions is None:
         token_mask = torch.ones_like(token_positions, dtype=torch.bool)
     elif isinstance(positions, str):  # "generated"
         token_mask = token_positions >= prompt_len
     else:
         token_mask = torch.isin(token_positions, positions)
-    if not bool(token_mask.any()):
+    if token_mask.device.type == "cpu" and not bool(token_mask.any()):
         return None
     shape = [1] * x.dim()
     shape[ax.token] = x.shape[ax.token]

@@ -5,6 +5,7 @@ recomputed from the residual, as the forward does) and the same unembedding kern
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -114,14 +115,14 @@ class LogitLens:
         ids = [token_id(self.model, t) for t in tokens]
         if not ids:
             raise WorkbenchError("track_race needs at least one token")
-        chosen = torch.tensor(ids)
+        chosen = torch.tensor(ids, device=self.normed[point].device)
         probs, ranks = [], []
         for logits in _layer_logits(self.model, self.normed[point]):
             target = logits[:, chosen]  # [positions, tokens]
             probs.append((target - logits.logsumexp(-1, keepdim=True)).exp().T)
             ranks.append((logits[:, None, :] > target[:, :, None]).sum(-1).T)
         return TokenTrack(ids, self.model.token_texts(ids), self.tokens, point,
-                          torch.stack(probs, 1), torch.stack(ranks, 1))
+                          torch.stack(probs, 1).cpu(), torch.stack(ranks, 1).cpu())
 
     def figure(self, point: str | None = None):
         """Heatmap layers x positions coloured by the top token's probability; hover lists the top-k."""
@@ -145,12 +146,13 @@ class LogitLens:
 
 
 def _layer_logits(model: Any, normed: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Lens logits ``[positions, vocab]`` (CPU) of each layer, unembedding several layers per kernel call."""
+    """Lens logits ``[positions, vocab]`` of each layer (on the model's device), unembedding several layers per kernel
+    call."""
     n_layers, n_pos, d = normed.shape
     per_chunk = max(1, _ROWS_PER_CHUNK // n_pos)
     for start in range(0, n_layers, per_chunk):
         block = normed[start:start + per_chunk]
-        logits = unembed(model, block.reshape(-1, d)).cpu().view(block.shape[0], n_pos, -1)
+        logits = unembed(model, block.reshape(-1, d)).view(block.shape[0], n_pos, -1)
         yield from logits
 
 
@@ -162,17 +164,18 @@ def logit_lens(model: Any, prompt: str | Sequence[int], points: str | Sequence[s
     """
     points, names = _lens_points(model, points, k, tuned)
     trace = model.run(prompt, record=[n for group in names.values() for n in group], chat=chat)
-    return _lens_of_trace(model, trace, names, k, tuned)
+    return _lenses(model, [trace], names, k, tuned)[0]
 
 
 def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points: str | Sequence[str] = ("resid_post",),
                      k: int = 10, chat: bool = False, tuned: Any | None = None, batch_size: int | None = None,
                      progress: Any = False) -> list[LogitLens]:
-    """``logit_lens`` of every prompt, the prompts run in batched forwards (``model.run_batch``)."""
+    """``logit_lens`` of every prompt: the prompts run in batched forwards (``model.run_batch``), and every prompt's
+    residuals go through the final norm and the unembedding together."""
     points, names = _lens_points(model, points, k, tuned)
     traces = model.run_batch(prompts, record=[n for group in names.values() for n in group], chat=chat,
                              batch_size=batch_size, logits="last", record_device=model.device, progress=progress)
-    return [_lens_of_trace(model, trace, names, k, tuned) for trace in traces]
+    return _lenses(model, traces, names, k, tuned)
 
 
 def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | None
@@ -192,11 +195,17 @@ def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | N
     return points, {p: [block_hook(model, layer, p) for layer in range(model.config.n_layers)] for p in points}
 
 
-def _lens_of_trace(model: Any, trace: Any, names: dict[str, list[str]], k: int, tuned: Any | None) -> LogitLens:
+def _lenses(model: Any, traces: Sequence[Any], names: dict[str, list[str]], k: int, tuned: Any | None
+            ) -> list[LogitLens]:
+    """The lens of each trace. Every trace's positions are normed and unembedded together, the top-k taken on the
+    model's device; each lens keeps its own slice."""
+    sizes = [len(trace.ids) for trace in traces]
     normed, top_ids, top_probs = {}, {}, {}
     for point, group in names.items():
-        resid = torch.stack([trace.activations[n] for n in group])
+        resid = torch.cat([torch.stack([t.activations[n].to(model.device) for n in group]) for t in traces], dim=1)
         normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
         values, indices = zip(*(logits.softmax(-1).topk(k) for logits in _layer_logits(model, normed[point])))
-        top_probs[point], top_ids[point] = torch.stack(values), torch.stack(indices)
-    return LogitLens(model, trace.ids, trace.tokens, tuple(names), normed, top_ids, top_probs)
+        top_probs[point], top_ids[point] = torch.stack(values).cpu(), torch.stack(indices).cpu()
+    return [LogitLens(model, trace.ids, trace.tokens, tuple(names),
+                      *({point: x[point][:, start:start + n] for point in names} for x in (normed, top_ids, top_probs)))
+            for trace, start, n in zip(traces, itertools.accumulate([0] + sizes[:-1]), sizes)]

@@ -37,7 +37,8 @@ class TunedLens:
 
     def translate(self, resid: torch.Tensor) -> torch.Tensor:
         """Translate residuals ``[n_layers, positions, d_model]`` (one slice per layer)."""
-        return (resid.double() @ self.weight + self.bias[:, None, :]).float()
+        weight, bias = self.weight.to(resid.device), self.bias.to(resid.device)
+        return (resid.double() @ weight + bias[:, None, :]).float()
 
     def save(self, path: str | Path) -> tuple[Path, Path]:
         """Write ``path.safetensors`` (the translators) and ``path.json`` (model signature, fit settings)."""

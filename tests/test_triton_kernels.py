@@ -454,9 +454,9 @@ class TestBadInput:
             gemv(torch.zeros(GEMV_MAX_ROWS + 1, 64), self.weight())
 
     def test_cpu_tensors_without_interpreter(self, monkeypatch):
-        from workbench.kernels.triton import matmul
+        from workbench.kernels.triton import common
 
-        monkeypatch.setattr(matmul, "INTERPRETING", False)  # as in a process without TRITON_INTERPRET=1
+        monkeypatch.setattr(common, "INTERPRETING", False)  # as in a process without TRITON_INTERPRET=1
         with pytest.raises(ValueError, match="CUDA"):
             gemv(torch.zeros(1, 64), self.weight())
 
