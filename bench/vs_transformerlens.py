@@ -605,6 +605,9 @@ def device_name(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores visible)"
 
 
+COMPLETE = "hf-copy-complete"
+
+
 def save_hf_copy(gguf: Path, target: Path) -> float:
     """Dequantize the GGUF with transformers and save it as a float32 HF checkpoint (seconds taken)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -621,6 +624,7 @@ def save_hf_copy(gguf: Path, target: Path) -> float:
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(target)
     tokenizer.save_pretrained(target)
+    (target / COMPLETE).touch()  # written last: a copy cut short is made again
     return time.perf_counter() - started
 
 
@@ -807,7 +811,7 @@ def main() -> None:
         from workbench.loading import default_model_path
 
         gguf = Path(args.model or default_model_path())
-        if not (hf_dir / "config.json").exists():
+        if not (hf_dir / COMPLETE).exists():
             seconds = save_hf_copy(gguf, hf_dir)
             print(f"dequantized {gguf.name} to a float32 HF checkpoint in {seconds:.1f} s ({hf_dir})")
         inputs = make_inputs(args, work, hf_dir)
