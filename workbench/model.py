@@ -474,6 +474,11 @@ class Model:
                 "machine": platform.machine()}
 
     def tensor_formats(self) -> dict[str, str]:
+        return dict(self._tensor_formats)
+
+    @cached_property
+    def _tensor_formats(self) -> dict[str, str]:
+        # fixed once loaded; read by every fingerprint check (a patching sweep checks its donor once per cell)
         return {name: w.fmt.name for name, w in self.runner.weights.named_matrices()}
 
     def kernel_report(self, n_tokens: int = 1) -> dict[str, str]:

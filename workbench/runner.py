@@ -5,6 +5,7 @@ forward on the quantized kernels of ``workbench.kernels``.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -134,10 +135,12 @@ GLOBAL_POINTS: dict[str, str] = {
 }
 
 
-def hook_point_names(n_layers: int) -> list[str]:
-    """Every hook point in the order the forward reaches them."""
+@functools.lru_cache(maxsize=16)
+def hook_point_names(n_layers: int) -> tuple[str, ...]:
+    """Every hook point in the order the forward reaches them (built once per depth: every intervention resolves its
+    hook name against them)."""
     blocks = [f"blocks.{i}.{p}" for i in range(n_layers) for p in BLOCK_POINTS]
-    return ["hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits"]
+    return ("hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
 
 
 class _Points:
