@@ -118,23 +118,14 @@ class BatchRecorder:
                             for b in range(layout.size)])
 
     def take(self, prompt: int) -> dict[str, torch.Tensor]:
-        """The activations recorded for one prompt, forgotten here. They are copied out of the forward's tensors into
-        one buffer of the prompt's own (a copy per prompt, not one per point), so a kept trace holds no other
-        prompt's activations."""
+        """The activations recorded for one prompt (each tensor its own storage, so a kept trace holds no other
+        prompt's activations), forgotten here."""
         parts = self._parts.pop(prompt, {})
-        reduced = prompt in self._reduced or self.reduce is None
-        self._reduced.discard(prompt)
-        joined = {name: join_tokens(name, chunks) for name, chunks in parts.items()}
-        if not reduced:
-            joined = {name: reduce_tokens(x, self.reduce, prompt).to(self.dtype) for name, x in joined.items()}
-        if not joined:
-            return {}
-        buffer = torch.cat([x.reshape(-1) for x in joined.values()])
-        out, start = {}, 0
-        for name, x in joined.items():
-            out[name] = buffer[start:start + x.numel()].view(x.shape)
-            start += x.numel()
-        return out
+        if prompt in self._reduced or self.reduce is None:
+            self._reduced.discard(prompt)
+            return {name: join_tokens(name, chunks).clone() for name, chunks in parts.items()}
+        return {name: reduce_tokens(join_tokens(name, chunks), self.reduce, prompt).to(self.dtype)
+                for name, chunks in parts.items()}
 
 
 def reduce_tokens(x: torch.Tensor, reduce: str | int, prompt: int) -> torch.Tensor:
