@@ -109,6 +109,7 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
 
     clean_trace = model.run(clean_ids, record=names)
     corrupt_logits = model.forward(corrupt_ids)
+    default_metric = metric is None
     if metric is None:
         clean_answer, corrupt_answer = answer_ids or (int(clean_trace.logits[-1].argmax()),
                                                       int(corrupt_logits[-1].argmax()))
@@ -130,7 +131,9 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
     patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
                       donor=clean_trace)] for _, name, pos, head in cells]
     grid = torch.empty(len(cells))
-    for n, trace in model.iter_batch([corrupt_ids] * len(cells), per_prompt_interventions=patches,
+    # the default metric reads the last position alone: the cells then skip every other position's unembedding
+    rows = "last" if default_metric else "all"
+    for n, trace in model.iter_batch([corrupt_ids] * len(cells), per_prompt_interventions=patches, logits=rows,
                                      progress=progress):
         grid[n] = float(metric(trace.logits))
     shape = [len(layers)] + ([len(positions)] if "positions" in over else []) + ([len(heads)] if sweep_heads else [])
