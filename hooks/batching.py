@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from workbench.errors import HookError
-from workbench.runner import BatchLayout, HookContext, HookFn, Hooks
+from workbench.runner import BatchLayout, HookContext, HookFn, Hooks, run_hooks
 
 from .points import axes
 from .recording import join_tokens
@@ -26,17 +26,15 @@ def row_view(x: torch.Tensor, name: str, layout: BatchLayout, b: int) -> torch.T
     """Row ``b``'s part of a batched activation, shaped as ``model.run`` of its prompt alone gives it (a view)."""
     if axes(name).token == 1:  # [B, heads, T_max, S] scores and patterns
         return x[b, :, : layout.lengths[b], : layout.slots(b)]
-    if x.shape[0] == layout.size != layout.n_tokens:  # one row per sequence (the last tokens' logits)
+    if _last_rows_only(x, layout):
         return x[b : b + 1]
     return x[layout.rows(b)]
 
 
-def _row_positions(ctx: HookContext, x: torch.Tensor, name: str, b: int) -> torch.Tensor:
-    layout = ctx.layout
-    positions = ctx.positions[layout.rows(b)]
-    if axes(name).token == 0 and x.shape[0] == layout.size != layout.n_tokens:
-        return positions[-1:]
-    return positions
+def _last_rows_only(x: torch.Tensor, layout: BatchLayout) -> bool:
+    """Whether a token-major activation holds one row per sequence: its last token's (the final norm and logits of a
+    forward that keeps only those)."""
+    return x.shape[0] == layout.size != layout.n_tokens
 
 
 def per_prompt_hooks(prompt_hooks: Mapping[int, Hooks]) -> dict[str, list[HookFn]]:
@@ -48,21 +46,16 @@ def per_prompt_hooks(prompt_hooks: Mapping[int, Hooks]) -> dict[str, list[HookFn
 def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
     def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
         layout = ctx.layout
+        last_only = axes(name).token == 0 and _last_rows_only(x, layout)
         edited = []
         for b, prompt in enumerate(layout.prompts):
             fns = prompt_hooks.get(prompt, {}).get(name)
             if not fns:
                 continue
             view = row_view(x, name, layout, b)
-            row_ctx = HookContext(name, ctx.layer, _row_positions(ctx, x, name, b), ctx.step, prompt)
-            out = view
-            for hook in fns:
-                result = hook(out, row_ctx)
-                if result is not None:
-                    if result.shape != out.shape:
-                        raise HookError(f"hook on {name} returned shape {tuple(result.shape)}, "
-                                        f"expected {tuple(out.shape)}")
-                    out = result.to(out.dtype)
+            positions = ctx.positions[layout.rows(b)]
+            row_ctx = HookContext(name, ctx.layer, positions[-1:] if last_only else positions, ctx.step, prompt)
+            out = run_hooks(fns, view, row_ctx)
             if out is not view:
                 edited.append((b, out))
         if not edited:
@@ -133,17 +126,19 @@ def reduce_tokens(x: torch.Tensor, reduce: str | int, prompt: int) -> torch.Tens
     row at a position (negative from the end)."""
     if reduce == "mean":
         return x.float().mean(0)
-    n = x.shape[0]
+    return x[_reduce_position(reduce, x.shape[0], prompt)]
+
+
+def _reduce_position(reduce: str | int, n: int, prompt: int) -> int:
+    """The row ``reduce`` ("last" or a position) keeps of a prompt of ``n`` tokens, checked."""
     at = n - 1 if reduce == "last" else reduce
     if not -n <= at < n:
         raise HookError(f"prompt {prompt} has {n} tokens; reduce={reduce} lies outside them")
-    return x[at]
+    return at
 
 
 def check_reduce_positions(reduce: str | int | None, lengths: Sequence[int]) -> None:
     """Refuse, naming the prompt, an int ``reduce`` position outside a prompt (before any compute)."""
     if isinstance(reduce, int) and not isinstance(reduce, bool):
         for i, n in enumerate(lengths):
-            if not -n <= reduce < n:
-                raise HookError(f"prompt {i} has {n} tokens; reduce={reduce} lies outside them")
-
+            _reduce_position(reduce, n, i)

@@ -92,10 +92,12 @@ def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[
         return [token_id(model, t) for t in tokens]
 
     target_ids, baseline_ids = per_prompt(targets, "targets"), per_prompt(baselines, "baselines")
-    for i, ids in enumerate(model.batch_ids(prompts, chat)):
-        if not -len(ids) <= position < len(ids):
-            raise WorkbenchError(f"prompt {i}: position {position} is out of range for a prompt of {len(ids)} tokens")
-    traces = model.run_batch(prompts, record=RECORD, chat=chat, batch_size=batch_size, progress=progress)
+    ids = model.batch_ids(prompts, chat)  # run as ids: the chat template is applied once, here
+    for i, prompt_ids in enumerate(ids):
+        if not -len(prompt_ids) <= position < len(prompt_ids):
+            raise WorkbenchError(f"prompt {i}: position {position} is out of range for a prompt of "
+                                 f"{len(prompt_ids)} tokens")
+    traces = model.run_batch(ids, record=RECORD, batch_size=batch_size, progress=progress)
     return [_attribution(model, trace, t, b, position) for trace, t, b in zip(traces, target_ids, baseline_ids)]
 
 

@@ -236,8 +236,8 @@ class Model:
             with torch.inference_mode(not hooks), numerics(mode):
                 out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared).cpu()
             prefix_activations = recorder.take(-1) if shared and recorder else {}
-            for b, i in enumerate(layout.prompts):
-                row_logits = out[b : b + 1] if logits == "last" else out[sum(map(len, rows[:b])):][:len(rows[b])]
+            per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
+            for i, row_logits in zip(layout.prompts, per_row):
                 activations = recorder.take(i) if recorder else {}
                 if prefix_activations and recorder.reduce is None:
                     activations = {name: hooks_lib.join_tokens(name, [prefix_activations[name], tail])
@@ -389,7 +389,8 @@ class Model:
             close()
 
     def _max_batch_tokens(self) -> int:
-        # past this many rows the quantized matmuls run no faster per token (docs/performance.md, "Batches")
+        # bounds one forward's padded tokens whatever the memory budget: the attention rows of a batch holding one long
+        # prompt grow with its length squared
         return 8192 if self.device.type == "cuda" else 2048
 
     def batch_bytes(self, vocab_rows: bool = True) -> tuple[int, int, int]:

@@ -159,14 +159,19 @@ class _Points:
         fns = self.hooks.get(name)
         if not fns:
             return x
-        ctx = HookContext(name, layer, self.positions, self.step, layout=self.layout)
-        for fn in fns:
-            out = fn(x, ctx)
-            if out is not None:
-                if out.shape != x.shape:
-                    raise HookError(f"hook on {name} returned shape {tuple(out.shape)}, expected {tuple(x.shape)}")
-                x = out.to(x.dtype)
-        return x
+        return run_hooks(fns, x, HookContext(name, layer, self.positions, self.step, layout=self.layout))
+
+
+def run_hooks(fns: Sequence[HookFn], x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+    """``x`` through hook functions in order: each may return a replacement of the same shape (cast to ``x``'s dtype)
+    or None; ``x`` itself is returned when none replaces it."""
+    for fn in fns:
+        out = fn(x, ctx)
+        if out is not None:
+            if out.shape != x.shape:
+                raise HookError(f"hook on {ctx.name} returned shape {tuple(out.shape)}, expected {tuple(x.shape)}")
+            x = out.to(x.dtype)
+    return x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, names: tuple[str, str],

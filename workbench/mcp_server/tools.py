@@ -328,12 +328,10 @@ class Workbench:
         model = self.model(call)
         self._check_count("top_k", top_k, self.limits.max_top_k)
         self._check_count("prompts", len(prompts), self.limits.max_batch)
-        for prompt in prompts:
-            self._ids(model, prompt, chat)
+        ids = [self._ids(model, prompt, chat) for prompt in prompts]  # run as ids: templated and checked once
         edits = self._interventions(call, interventions)
         call.check()
-        traces = model.run_batch(prompts, interventions=edits, chat=chat, logits="last",
-                                 progress=lambda done, total: call.check())
+        traces = model.run_batch(ids, interventions=edits, logits="last", progress=lambda done, total: call.check())
         return s.BatchRunResult(results=[s.PromptNextToken(tokens=t.tokens,
                                                            next_token=self._distribution(model, t.logits[-1], top_k))
                                          for t in traces])
@@ -494,11 +492,10 @@ class Workbench:
                 spec = {"type": "resample_ablate", "donors": reference_prompts, **region}
             else:
                 model = self.model(call)
-                for reference in reference_prompts:
-                    self._ids(model, reference)
+                reference_ids = [self._ids(model, reference) for reference in reference_prompts]
                 hooks.resolve(hook, model.config)
                 call.check()
-                references = model.run_batch(reference_prompts, record=[hook], logits="last",
+                references = model.run_batch(reference_ids, record=[hook], logits="last",
                                              progress=lambda done, total: call.check())
                 region.pop("hook")
                 spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
@@ -564,12 +561,11 @@ class Workbench:
         model = self.model(call)
         self._check_count("prompts", len(prompts), self.limits.max_batch)
         self._check_count("max_new_tokens", max_new_tokens, self.limits.max_new_tokens)
-        for prompt in prompts:
-            self._ids(model, prompt, chat)
+        prompt_ids = [self._ids(model, prompt, chat) for prompt in prompts]  # run as ids: templated and checked once
         edits = self._interventions(call, interventions)
         ids: list[list[int]] = [[] for _ in prompts]
         pieces: list[list[str]] = [[] for _ in prompts]
-        for i, token, text in model.stream_batch(prompts, max_new_tokens, interventions=edits, chat=chat,
+        for i, token, text in model.stream_batch(prompt_ids, max_new_tokens, interventions=edits,
                                                  temperature=temperature, seed=seed):
             ids[i].append(token)
             pieces[i].append(text)
