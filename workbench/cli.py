@@ -26,6 +26,9 @@ def _model_source_args(parser: argparse.ArgumentParser) -> None:
 
 def _device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--devices", default=None, type=_device_list,
+                        help="split the layers over several devices, comma-separated (cuda:0,cuda:1): contiguous "
+                        "ranges sized by each device's free memory")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
 
 
@@ -37,7 +40,15 @@ def _numerics_arg(parser: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     import workbench
 
-    return workbench.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    return workbench.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
+                          devices=args.devices)
+
+
+def _device_list(text: str) -> list[str]:
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    if not devices:
+        raise argparse.ArgumentTypeError("give devices separated by commas, such as cuda:0,cuda:1")
+    return devices
 
 
 def next_token_distribution(model, ids: list[int], top_k: int, logits=None) -> dict[str, Any]:
@@ -148,6 +159,8 @@ def cmd_app(args: argparse.Namespace) -> None:
     if args.quantize is not None:
         check_quantize(args.quantize)
         command += ["--quantize", args.quantize]
+    if args.devices is not None:
+        command += ["--devices", ",".join(args.devices)]
     print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
     returncode = subprocess.call(command)
     if returncode:
@@ -168,7 +181,7 @@ def cmd_mcp(args: argparse.Namespace) -> None:
     from workbench.mcp_server import serve
 
     serve(args.model, args.artifacts, http=args.http, host=args.host, port=args.port, device=args.device,
-          dtype=args.dtype, quantize=args.quantize)
+          dtype=args.dtype, quantize=args.quantize, devices=args.devices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     _model_source_args(dashboard)
     dashboard.add_argument("--port", type=int, default=8501)
+    dashboard.add_argument("--devices", default=None, type=_device_list,
+                           help="split the model's layers over several devices, comma-separated (cuda:0,cuda:1)")
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
 
