@@ -140,6 +140,29 @@ def cmd_info(args: argparse.Namespace) -> None:
     print("  between the matrices (eager): " + ", ".join(f"{op} {impl}" for op, impl in info["layer_ops"].items()))
 
 
+def cmd_harvest(args: argparse.Namespace) -> None:
+    """Runs as one process, or as every rank of a ``torchrun`` job (each on its own GPU unless --device/--devices)."""
+    import workbench
+    from workbench import distributed
+
+    reduce = None if args.reduce == "none" else int(args.reduce) if args.reduce.lstrip("-").isdigit() else args.reduce
+    prompts = read_prompts(args.file)
+    rank = distributed.init()
+    device = args.device
+    if device is None and args.devices is None and rank.world > 1:
+        device = distributed.local_devices()[0]
+    model = workbench.load(args.model, device=device, dtype=args.dtype, quantize=args.quantize, devices=args.devices)
+    manifest = distributed.harvest(model, prompts, args.hook, reduce=reduce, out=args.out, shard_size=args.shard_size,
+                                   batch_size=args.batch_size, retries=args.retries)
+    if rank.rank == 0:
+        meta = json.loads(manifest.read_text(encoding="utf-8"))
+        summary = {"manifest": str(manifest), "prompts": meta["n_prompts"], "shards": len(meta["shards"]),
+                   "rows": sum(s["rows"] for s in meta["shards"]), "ranks": rank.world}
+        print(json.dumps(summary) if args.json else
+              f"{summary['rows']} rows of {', '.join(meta['hooks'])} from {summary['prompts']} prompts in "
+              f"{summary['shards']} shards ({rank.world} rank{'s' if rank.world > 1 else ''}): {manifest}")
+
+
 def cmd_app(args: argparse.Namespace) -> None:
     import subprocess
     from pathlib import Path
@@ -215,6 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="config, tensor formats, memory, kernels")
     _model_args(info)
     info.set_defaults(fn=cmd_info)
+
+    har = sub.add_parser("harvest", help="activations of every prompt of a file to safetensors shards (SAE training "
+                         "data, probe datasets); under torchrun, sharded over the ranks")
+    har.add_argument("--file", required=True, help="a text file of prompts, one a line ('-': standard input)")
+    har.add_argument("--hook", required=True, action="append", help="a hook point name or glob (repeatable)")
+    har.add_argument("--out", required=True, help="the folder of shards and manifest.json")
+    har.add_argument("--reduce", default="none", help="none (every token's row), last, mean, or a position")
+    har.add_argument("--shard-size", type=int, default=64, help="prompts a shard (a file, and a unit of retry)")
+    har.add_argument("--batch-size", type=int, default=None, help="prompts a forward (default: as many as fit)")
+    har.add_argument("--retries", type=int, default=2, help="times a failed shard is retried on another rank")
+    _model_args(har)
+    har.set_defaults(fn=cmd_harvest)
 
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     _model_source_args(dashboard)
