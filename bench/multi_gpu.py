@@ -2,7 +2,7 @@
 
     python bench/multi_gpu.py [--model PATH] [--prompts 2048] [--tokens 128] [--gpus 2] [--skip-split]
 
-Sweep: ``workbench.distributed.harvest`` of the last position's ``hook_resid_post`` of every layer over ``--prompts``
+Sweep: ``workbench.distributed.harvest`` of the last position's ``blocks.8.hook_resid_post`` over ``--prompts``
 random prompts of ``--tokens`` tokens, launched with ``torchrun --nproc-per-node 1`` and then ``--gpus``; each rank
 loads the model on its own GPU, warms up on a shard, and the sweep is timed from a barrier to the gathered result
 (model loading excluded; the gather of every rank's rows included). Printed: prompts/s of each and the ratio.
@@ -28,7 +28,7 @@ import workbench
 from workbench import distributed
 from workbench.synthetic import random_checkpoint, random_config
 
-HOOK = "blocks.*.hook_resid_post"
+HOOK = "blocks.8.hook_resid_post"
 
 
 def load(model_path: str | None, **kwargs) -> workbench.Model:

@@ -251,7 +251,8 @@ class Transformer:
         self.dtype = dtype
         self.weights = weights.placed(self.devices, dtype)
         # the unembedding where the logits are computed (a copy of a tied embedding that lives on another device)
-        self.unembed = self.weights.unembed.to(self.output_device)
+        unembed = self.weights.unembed
+        self.unembed = unembed if unembed.device == self.output_device else unembed.to(self.output_device)
         if fuse_projections if fuse_projections is not None else self.device.type == "cuda":
             for layer in self.weights.layers:
                 layer.fuse_projections()
