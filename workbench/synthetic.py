@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workbench.architectures import ARCHITECTURES, GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.kernels import QuantTensor
-from workbench.loading import ARCHITECTURES, LoadedCheckpoint
+from workbench.loading import LoadedCheckpoint, row_ranges, swa_layers
 from workbench.quant_mix import matrix_format
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
@@ -62,16 +63,34 @@ def tokenizer_metadata(n_merges: int = 64) -> dict:
     }
 
 
+# Each family's special settings in a random model, small enough that a short prompt crosses the sliding window.
+FAMILY_SETTINGS: dict[str, dict] = {
+    "gemma2": dict(sliding_window=4, attn_softcap=50.0, final_softcap=30.0),
+    "gemma3": dict(sliding_window=4, rope_base=1e6, rope_base_local=10000.0),
+    "phi3": dict(partial_rotary=0.5),
+}
+
+
 def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int = 64, n_heads: int = 4,
                   n_kv_heads: int = 2, d_mlp: int = 128, vocab_size: int | None = None, n_ctx: int = 256,
-                  d_head: int | None = None, tied_embeddings: bool = True) -> ModelConfig:
+                  d_head: int | None = None, tied_embeddings: bool = True, **settings) -> ModelConfig:
+    """A small config of ``architecture`` with its family's special features on (``FAMILY_SETTINGS``); ``settings``
+    set any other ModelConfig field (``sliding_window=4`` on llama: Mistral with a window), or ``partial_rotary``, the
+    fraction of each head the rope turns. Sliding-window families alternate sliding and global layers."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    settings = {**FAMILY_SETTINGS.get(architecture, {}), **settings}
     vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    d_head = d_head or d_model // n_heads
+    partial = settings.pop("partial_rotary", None)
+    if partial is not None:
+        settings["d_rotary"] = int(d_head * partial)
+    if settings.get("sliding_window") and "sliding_layers" not in settings:
+        settings["sliding_layers"] = swa_layers(n_layers, 2 if ARCHITECTURES[architecture].swa_period else 0)
     return ModelConfig(architecture=architecture, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-                       n_kv_heads=n_kv_heads, d_head=d_head or d_model // n_heads, d_mlp=d_mlp, vocab_size=vocab,
-                       n_ctx=n_ctx, rope_base=10000.0, rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
-                       name=f"random-{architecture}", **ARCHITECTURES[architecture])
+                       n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp, vocab_size=vocab, n_ctx=n_ctx,
+                       rope_base=settings.pop("rope_base", 10000.0), rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
+                       name=f"random-{architecture}", **ARCHITECTURES[architecture].config_flags(), **settings)
 
 
 def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: torch.Generator | None = None,
@@ -109,22 +128,32 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
         return 0.02 * torch.randn(n, generator=g, device=device)
 
     std = c.d_model**-0.5
+    family = c.arch
     q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    layers = [
-        LayerWeights(
-            attn_norm=norm(c.d_model), wq=matrix(f"blk.{i}.attn_q.weight", q_dim, c.d_model, std),
-            wk=matrix(f"blk.{i}.attn_k.weight", kv_dim, c.d_model, std),
-            wv=matrix(f"blk.{i}.attn_v.weight", kv_dim, c.d_model, std),
-            wo=matrix(f"blk.{i}.attn_output.weight", c.d_model, q_dim, q_dim**-0.5), mlp_norm=norm(c.d_model),
-            w_gate=matrix(f"blk.{i}.ffn_gate.weight", c.d_mlp, c.d_model, std),
-            w_up=matrix(f"blk.{i}.ffn_up.weight", c.d_mlp, c.d_model, std),
-            w_down=matrix(f"blk.{i}.ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
+    rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": c.d_mlp, "w_up": c.d_mlp}
+    qk_norm = {"head": (c.d_head, c.d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm)
+    layers = []
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        # a family that stores q/k/v or gate/up fused draws (and quantizes) them as one matrix, as its GGUF keeps them
+        parts = {}
+        for fused, names in family.fused.items():
+            stacked = matrix(p + fused, sum(rows[n] for n in names), c.d_model, std)
+            parts.update(zip(names, row_ranges(stacked, [rows[n] for n in names])))
+        for name in rows:
+            if name not in parts:
+                parts[name] = matrix(p + LAYER_TENSORS[name], rows[name], c.d_model, std)
+        layers.append(LayerWeights(
+            attn_norm=norm(c.d_model) if family.pre_norms else None, **parts,
+            wo=matrix(p + "attn_output.weight", c.d_model, q_dim, q_dim**-0.5),
+            mlp_norm=norm(c.d_model) if family.pre_norms else None,
+            w_down=matrix(p + "ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
             bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
             bv=bias(kv_dim) if c.qkv_bias else None,
-            q_norm=norm(c.d_head) if c.qk_norm else None, k_norm=norm(c.d_head) if c.qk_norm else None,
-        )
-        for i in range(c.n_layers)
-    ]
+            q_norm=norm(qk_norm[0]) if qk_norm else None, k_norm=norm(qk_norm[1]) if qk_norm else None,
+            attn_post_norm=norm(c.d_model) if family.post_norms else None,
+            mlp_post_norm=norm(c.d_model) if family.post_norms else None,
+        ))
     embed = matrix("token_embd.weight", c.vocab_size, c.d_model, 1.0)
     unembed = embed if c.tied_embeddings else matrix("output.weight", c.vocab_size, c.d_model, std)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=unembed)
@@ -142,20 +171,34 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
     import gguf
 
     path = Path(path)
-    arch = config.architecture
+    c, arch = config, config.architecture
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(config.name)
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.n_ctx)
-    writer.add_embedding_length(config.d_model)
-    writer.add_feed_forward_length(config.d_mlp)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_key_length(config.d_head)
-    writer.add_value_length(config.d_head)
-    writer.add_rope_freq_base(config.rope_base)
-    writer.add_layer_norm_rms_eps(config.rms_eps)
-    writer.add_vocab_size(config.vocab_size)
+    writer.add_name(c.name)
+    writer.add_block_count(c.n_layers)
+    writer.add_context_length(c.n_ctx)
+    writer.add_embedding_length(c.d_model)
+    writer.add_feed_forward_length(c.d_mlp)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_key_length(c.d_head)
+    writer.add_value_length(c.d_head)
+    writer.add_rope_freq_base(c.rope_base)
+    writer.add_layer_norm_rms_eps(c.rms_eps)
+    writer.add_vocab_size(c.vocab_size)
+    if c.sliding_window:
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", list(c.sliding_layers))
+        if c.rope_base_local is not None:
+            writer.add_rope_freq_base_swa(c.rope_base_local)
+    if c.rope_scale != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_scale)
+    if c.d_rotary is not None:
+        writer.add_rope_dimension_count(c.d_rotary)
+    if c.attn_softcap:
+        writer.add_attn_logit_softcapping(c.attn_softcap)
+    if c.final_softcap:
+        writer.add_final_logit_softcapping(c.final_softcap)
     for key, value in (metadata or tokenizer_metadata()).items():
         _add_metadata(writer, key, value)
 
@@ -169,20 +212,23 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
             data = tensor.data.cpu().numpy()
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
 
-    add("token_embd.weight", weights.embed)
+    add(GLOBAL_TENSORS["embed"], weights.embed)
     for i, layer in enumerate(weights.layers):
         p = f"blk.{i}."
-        for name, value in [("attn_norm.weight", layer.attn_norm), ("attn_q.weight", layer.wq),
-                            ("attn_k.weight", layer.wk), ("attn_v.weight", layer.wv),
-                            ("attn_output.weight", layer.wo), ("attn_q.bias", layer.bq), ("attn_k.bias", layer.bk),
-                            ("attn_v.bias", layer.bv), ("attn_q_norm.weight", layer.q_norm),
-                            ("attn_k_norm.weight", layer.k_norm), ("ffn_norm.weight", layer.mlp_norm),
-                            ("ffn_gate.weight", layer.w_gate), ("ffn_up.weight", layer.w_up),
-                            ("ffn_down.weight", layer.w_down)]:
-            add(p + name, value)
-    add("output_norm.weight", weights.final_norm)
+        fused = {field: name for name, fields in c.arch.fused.items() for field in fields}
+        for name, fields in c.arch.fused.items():
+            parts = [getattr(layer, f) for f in fields]
+            if len({w.fmt.name for w in parts}) != 1:
+                raise ValueError(f"{p}{name}: its parts have different formats")
+            add(p + name, QuantTensor(torch.cat([w.data for w in parts]), parts[0].fmt,
+                                      (sum(w.shape[0] for w in parts), parts[0].shape[1])))
+        for field, name in LAYER_TENSORS.items():
+            if field not in fused:
+                add(p + name, getattr(layer, field))
+    add(GLOBAL_TENSORS["final_norm"], weights.final_norm)
     if weights.unembed is not weights.embed:
-        add("output.weight", weights.unembed)
+        add(GLOBAL_TENSORS["unembed"], weights.unembed)
+    add(GLOBAL_TENSORS["rope_freq_factors"], weights.rope_freq_factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
