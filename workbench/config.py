@@ -6,6 +6,10 @@ from dataclasses import asdict, dataclass
 from workbench.architectures import ARCHITECTURES, Architecture
 
 
+_FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
+                     "final_softcap")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a family of ``workbench.architectures``: "llama" (also SmolLM, Mistral, Llama-3), "gemma2", ...
@@ -46,6 +50,13 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def family(self) -> dict:
+        """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""
+        settings = {name: getattr(self, name) for name in _FEATURE_SETTINGS if getattr(self, name) not in (None, 1.0)}
+        if self.sliding_window:
+            settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
+        return {"name": self.architecture, "features": list(self.arch.features), **settings}
 
     def to_dict(self) -> dict:
         return asdict(self)
