@@ -12,7 +12,7 @@ import torch
 import workbench
 from workbench import hooks
 from workbench.errors import ModelLoadError
-from workbench.synthetic import random_config, tokenizer_metadata, write_gguf
+from workbench.synthetic import random_hf_checkpoint, write_gguf
 
 from test_loading import write_hf_tokenizer
 
@@ -20,45 +20,10 @@ FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]
 IDS = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
 
 
-def hf_family_model(family: str, tmp_path, tie: bool = True):
-    """A tiny random transformers model of ``family`` (``mistral``: llama's family with a sliding window), saved."""
-    import transformers
-
-    vocab = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=tie,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    alternating = ["sliding_attention", "full_attention"] * 2
-    config_cls, model_cls, extra = {
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=4)),
-        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-                   dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=24,
-                        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-                   dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=16,
-                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
-                                                            "factor": 8.0}})),
-        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
-                 dict(partial_rotary_factor=0.5, original_max_position_embeddings=128)),
-        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, {}),
-    }[family]
-    config = config_cls(**common, **extra)
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    with torch.no_grad():  # norm weights away from their initial values, so a wrong offset or a missed norm shows
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0.0 if "gemma" in family else 1.0, 0.3)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    write_hf_tokenizer(tmp_path)
-    return model
-
-
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "phi3", "olmo2"])
 def test_hf_checkpoint_matches_transformers(family, tmp_path):
-    reference = hf_family_model(family, tmp_path)
+    reference = random_hf_checkpoint(family, tmp_path)
+    write_hf_tokenizer(tmp_path)
     ours = workbench.load(tmp_path, device="cpu")
     assert ours.config.architecture == ("llama" if family == "mistral" else family)
     if family in ("mistral", "gemma2", "gemma3"):

@@ -249,3 +249,56 @@ def _add_metadata(writer, key: str, value) -> None:
         writer.add_array(key, value)
     else:
         raise TypeError(f"cannot write metadata {key} of type {type(value).__name__}")
+
+
+# transformers' class and config of each family in ``random_hf_checkpoint`` ("mistral": llama's family with a window)
+_HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+}
+
+
+def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None = None, n_layers: int = 4,
+                         tie: bool = True, seed: int = 0, **settings):
+    """A tiny random transformers model of ``family`` saved to ``path`` (safetensors and config.json, no tokenizer);
+    returns the model. Each family's features are on where a short prompt shows them (``settings`` override any
+    config key): a sliding window of 4, alternating sliding and global layers, soft caps, a query scale other than
+    sqrt(d_head), a linear-scaled global rope of its own base, partial rotary. Norm weights are drawn away from their
+    initial values, so a wrong norm offset or a missed norm shows."""
+    import transformers
+
+    config_name, model_name = _HF_FAMILIES[family]
+    vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(n_layers)]
+    options = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    options.update({
+        "qwen3": dict(head_dim=16),
+        "mistral": dict(sliding_window=4),
+        "gemma2": dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=24,
+                       attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        "gemma3": dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=16,
+                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
+        "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
+    }.get(family, {}))
+    options.update(settings)
+    config = getattr(transformers, config_name)(**options)
+    config._attn_implementation = "eager"  # the one that takes soft caps
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma stores w for a norm that multiplies by 1 + w
+                param.normal_(0.0 if family.startswith("gemma") else 1.0, 0.3)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
