@@ -510,6 +510,7 @@ class Model:
             "model": self.config.name,
             "path": str(self.path),
             "config": self.config.to_dict(),
+            "family": self.config.family(),
             "parameters": self.config.n_params,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
