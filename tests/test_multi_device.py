@@ -21,7 +21,7 @@ LAYERS = 4
 SPLITS = ([1, 3], [2, 2], [1, 1, 2])
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "olmo2"])
 def checkpoint(request, tiny_checkpoint):
     return tiny_checkpoint(request.param, "Q8_0", n_layers=LAYERS, tied_embeddings=request.param != "qwen2")
 
