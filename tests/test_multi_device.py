@@ -63,7 +63,7 @@ def test_interventions_at_a_boundary_act_as_on_one_device(checkpoint, whole):
     edits = [Steer("blocks.2.hook_resid_pre", vector, scale=3.0, positions=[3, 4]),
              ZeroAblate("blocks.1.hook_resid_post", positions=[5]),
              Patch("blocks.3.attn.hook_z", donor=donor, heads=[1]),
-             ZeroAblate("blocks.2.ln1.hook_normalized", positions=[7])]
+             ZeroAblate("blocks.2.attn.hook_q", positions=[7])]
     for edit in edits:
         ref = whole.run(PROMPT, interventions=[edit], record=["blocks.3.hook_resid_post"])
         out = model.run(PROMPT, interventions=[edit], record=["blocks.3.hook_resid_post"])
