@@ -3,7 +3,7 @@
 ``torchrun ... distributed_job.py MODEL OUT [--fail]``: a tiny model's activations harvested to files and in memory,
 collected for a probe, and swept by patching, over prompts sharded three to a shard. With ``--fail``, the forward of the
 one prompt of 12 tokens fails the first time any rank runs it in each harvest (a marker file in OUT says it has): in
-the harvest to files it kills its process (torchrun restarts the job, which keeps the shard files already written), in
+the harvest to files it kills its process (the job fails; run again, it keeps the shard files already written), in
 the harvest in memory it raises (the shard is retried on the other rank). Rank 0 writes OUT/results.safetensors.
 """
 from __future__ import annotations
