@@ -1,8 +1,10 @@
 """Load GGUF files and Hugging Face safetensors checkpoints into (config, weights, tokenizer)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,9 +71,26 @@ def load_checkpoint(path: str | Path | None = None, quantize: str | None = None)
         raise ModelLoadError(f"no model at {path}")
     if path.is_dir():
         return load_hf_checkpoint(path, quantize)
+    if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or device would block or never end
+        raise ModelLoadError(f"{path} is not a regular file")
     if quantize is not None:
         raise ModelLoadError("quantize= applies to float checkpoints; a GGUF file keeps its own formats")
     return load_gguf(path)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files a model's weights come from: the GGUF file, or a checkpoint folder's safetensors files."""
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def hash_files(files: list[Path], h: Any = None) -> str:
+    """sha256 over the files' bytes in order (a model's fingerprint hash)."""
+    h = hashlib.sha256() if h is None else h
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- GGUF

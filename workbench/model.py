@@ -18,7 +18,7 @@ from workbench.generation import Sampling, generate_batch_tokens, generate_token
 from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
-from workbench.loading import LoadedCheckpoint, load_checkpoint
+from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
 from workbench.runner import BatchLayout, Transformer
 from workbench.tokenizer import StreamDecoder
@@ -450,11 +450,8 @@ class Model:
         A model built in memory (workbench.synthetic) has no file: its packed weights are hashed instead.
         """
         h = hashlib.sha256()
-        files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
-        for file in files:
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
+        files = checkpoint_files(self.path)
+        hash_files(files, h)
         if not files:
             weights = self.runner.weights
             tensors = [w.data for _, w in weights.named_matrices()] + [weights.final_norm] + [
