@@ -164,7 +164,7 @@ class Tokenizer:
         if model == "gpt2":
             merges = [_split_merge(merge) for merge in _required_list(metadata, KEY.MERGES, str)]
             spec = _pre_tokenizer_spec(metadata.get(KEY.PRE))
-            backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=spec.ignore_merges))
+            backend = _bpe(vocab, merges, ignore_merges=spec.ignore_merges)
             backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in spec.regexes]
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -174,9 +174,8 @@ class Tokenizer:
             if len(scores) != len(texts):
                 raise ValueError(f"{KEY.SCORES} has {len(scores)} entries for {len(texts)} tokens")
             unk_id = metadata.get(KEY.UNK_ID)
-            backend = tokenizers.Tokenizer(models.BPE(
-                vocab, _merges_from_scores(texts, scores), byte_fallback=True,
-                unk_token=texts[unk_id] if unk_id is not None and 0 <= unk_id < len(texts) else None))
+            backend = _bpe(vocab, _merges_from_scores(texts, scores), byte_fallback=True,
+                           unk_token=texts[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(texts) else None)
             escape_spaces = normalizers.Replace(" ", SPACE_MARKER)
             # Normalizers run on each stretch of text between added tokens, which is exactly
             # where llama.cpp prepends its space.
@@ -371,6 +370,13 @@ class StreamDecoder:
     def flush(self) -> str:
         """Text still held back at the end; an unfinished character becomes U+FFFD."""
         return self._utf8.decode(b"", final=True)
+
+
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer(models.BPE(vocab, merges, **options))
+    except Exception as err:  # the Rust library raises a bare Exception, e.g. on a merge of an unknown token
+        raise ValueError(f"invalid BPE vocabulary: {str(err)[:200]}") from None
 
 
 def _piece_bytes(text: str, token_type: int, byte_level: bool) -> bytes:
