@@ -323,8 +323,9 @@ def model_mismatch(fingerprint: dict[str, Any], model: Any) -> str | None:
     sha = fingerprint.get("sha256")
     if sha != model.file_sha256:
         return f"weights sha256 {str(sha)[:12]}... vs this model's {model.file_sha256[:12]}..."
-    config, recorded = model.config.to_dict(), fingerprint.get("config")
-    recorded = recorded if isinstance(recorded, dict) else {}
+    # compared as JSON gives them back: a saved fingerprint's tuples (sliding_layers) come back as lists
+    config, recorded = json.loads(json.dumps(model.config.to_dict())), fingerprint.get("config")
+    recorded = json.loads(json.dumps(recorded, default=str)) if isinstance(recorded, dict) else {}
     differing = sorted(str(k) for k in config.keys() | recorded.keys() if config.get(k) != recorded.get(k))
     if differing:
         return f"config differs in {clip(', '.join(differing), 200)}"

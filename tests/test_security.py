@@ -178,7 +178,7 @@ def write_metadata_gguf(path, **overrides):
     (dict(head_count=0), "n_heads must be a positive integer"),
     (dict(head_count=4, head_count_kv=3), "do not split"),
     (dict(layer_norm_rms_eps=float("nan")), "rms_eps must be a positive finite number"),
-    (dict(block_count=0), "n_layers must be a positive integer"),
+    (dict(block_count=0), "0 layers; a model has between 1 and"),
 ])
 def test_gguf_hyperparameters_no_forward_can_use_are_refused(tmp_path, overrides, message, capsys):
     path = write_metadata_gguf(tmp_path / "bad.gguf", **overrides)
