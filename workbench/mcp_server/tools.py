@@ -17,7 +17,7 @@ from pydantic import Field
 
 import workbench
 from workbench import hooks, probes, results
-from workbench.errors import WorkbenchError, clip
+from workbench.errors import WorkbenchError, clip, shorten
 from workbench.hooks.points import axes, head_count
 from workbench.kernels import get_numerics
 from workbench.kernels.linear import Numerics
@@ -211,7 +211,7 @@ class Workbench:
             layer = next((layer for layer in vector.layers if vector.hook(layer) == spec["hook"]), None)
             if layer is None:
                 raise WorkbenchError(f"vector {spec['vector']['id']} has directions at "
-                                     f"{[vector.hook(layer) for layer in vector.layers]}, not {spec['hook']!r}")
+                                     f"{[vector.hook(layer) for layer in vector.layers]}, not {shorten(spec['hook'])}")
             spec["vector"] = vector.directions[layer]
         return [hooks.from_spec(spec)]
 
@@ -286,7 +286,7 @@ class Workbench:
         else:
             file = self.artifacts.path(path)
             if not file.exists():
-                raise WorkbenchError(f"no model {path!r} in the artifacts folder {self.artifacts.root}")
+                raise WorkbenchError(f"no model {shorten(path)} in the artifacts folder {self.artifacts.root}")
             name = self.artifacts.relative(file) + (f"@{quantize}" if quantize else "")
         in_use = self.sessions.models_in_use(besides=call.session)
         self.models.load(name, file, in_use, quantize, replaces=call.session.model_name)
@@ -380,7 +380,7 @@ class Workbench:
         """A slice of a recorded activation (size-bounded): positions x heads x a range of the last axis."""
         trace = call.session.get("trace", trace_id)
         if hook not in trace.activations:
-            raise WorkbenchError(f"trace {trace_id} did not record {hook!r}; it recorded: "
+            raise WorkbenchError(f"trace {trace_id} did not record {shorten(hook)}; it recorded: "
                                  f"{', '.join(trace.activations) or 'nothing (run with record=[...])'}")
         act, ax = trace.activations[hook], axes(hook)
         n_tokens = act.shape[ax.token]
@@ -535,7 +535,7 @@ class Workbench:
                 region.pop("hook")
                 spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
         else:
-            raise WorkbenchError(f"method must be 'zero', 'mean' or 'resample', got {method!r}")
+            raise WorkbenchError(f"method must be 'zero', 'mean' or 'resample', got {shorten(method)}")
         return self._compare(call, prompt, [spec], chat, top_k, targets)
 
     @tool
@@ -967,7 +967,7 @@ class Workbench:
         """Free server-side objects of this session."""
         unknown = [i for i in ids if i not in call.session.entries]
         if unknown:
-            raise WorkbenchError(f"unknown ids {unknown}; nothing released")
+            raise WorkbenchError(f"unknown ids {shorten(unknown)}; nothing released")
         for object_id in ids:
             call.session.release(object_id)
         return s.Released(released=ids)
