@@ -75,7 +75,7 @@ def split(args: argparse.Namespace) -> dict:
     one = load(args.model, device="cuda:0")
     two = load(args.model, devices=["cuda:0", "cuda:1"])
     prompt = random_prompts(1, 512, one.config.vocab_size)[0]
-    out = {"same_logits": bool(torch.equal(one.forward(prompt), two.forward(prompt))),
+    out = {"same_logits": bool(torch.equal(one.forward(prompt).cpu(), two.forward(prompt).cpu())),
            "layers": [[d, r.start, r.stop - 1] for d, r in two.devices]}
     for name, model in (("one_gpu", one), ("two_gpus", two)):
         model.generate(prompt[:16], 8, compiled=False)  # warm-up

@@ -89,8 +89,34 @@ def _all_gather(value: Any) -> list[Any]:
     if rank.world == 1:
         return [value]
     gathered: list[Any] = [None] * rank.world
-    dist.all_gather_object(gathered, value)
-    return gathered
+    dist.all_gather_object(gathered, _tree_map(value, _Bytes.of, torch.Tensor))
+    return [_tree_map(part, _Bytes.tensor, _Bytes) for part in gathered]
+
+
+class _Bytes:
+    """A tensor as raw bytes while it is pickled: torch pickles each tensor through its serializer (about 0.4 ms
+    apiece, which made gathering a sweep's per-prompt rows slower than computing them), a numpy array in one copy."""
+
+    def __init__(self, data: Any, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.data, self.dtype, self.shape = data, dtype, shape
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "_Bytes":
+        return cls(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), x.dtype, tuple(x.shape))
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.data.copy()).view(self.dtype).reshape(self.shape)
+
+
+def _tree_map(value: Any, fn: Callable[[Any], Any], leaf: type) -> Any:
+    """``value`` with ``fn`` applied to every ``leaf`` inside its dicts, lists and tuples."""
+    if isinstance(value, leaf):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _tree_map(v, fn, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_tree_map(v, fn, leaf) for v in value)
+    return value
 
 
 def run_sharded(items: Sequence[T], work: Callable[[Shard], Sequence[R]], *, shard_size: int = 64,

@@ -64,6 +64,11 @@ def _hooked(hook: Any) -> bool:
 def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **constants: Any) -> None:
     """Run ``kernel`` over ``grid`` (one to three ints) with the runtime arguments ``args`` (positional, in the
     kernel's order) and its constexpr parameters and launch options (``num_warps``, ...) as keywords."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is not None and first.is_cuda and first.device.index != torch.cuda.current_device():
+        # Triton launches on the current device: a model split over GPUs runs some layers on another one
+        with torch.cuda.device(first.device):
+            return launch(kernel, grid, *args, **constants)
     hooks = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if not _direct or INTERPRETING or _hooked(hooks[0]) or _hooked(hooks[1]):
         kernel[grid](*args, **constants)
