@@ -441,9 +441,9 @@ def resolve_sae(reference: SAE | str | Path) -> SAE:
 
 
 def sae_reference(sae: SAE) -> str:
-    """How a spec names ``sae``: its registered name, else its file; an SAE with neither is registered under a name
-    made from its hook (so that a spec never embeds weights)."""
-    for name, registered in _REGISTERED.items():
+    """How a spec names ``sae``: its latest registered name, else its file; an SAE with neither is registered under a
+    name made from its hook (so that a spec never embeds weights)."""
+    for name, registered in reversed(_REGISTERED.items()):
         if registered is sae:
             return name
     if sae.source is not None:
