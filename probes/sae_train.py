@@ -169,8 +169,8 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
               seed: int = 0) -> TrainResult:
     """Train a TopK SAE on ``hook`` (a TopK transcoder from ``hook`` to ``hook_out`` when given) over ``prompts``.
 
-    Training runs until ``tokens`` training tokens (default: one pass over the prompts) or ``max_seconds`` (activation
-    runs included), in steps of ``batch_tokens`` drawn from a shuffled buffer of ``buffer_prompts`` prompts'
+    Training runs until ``tokens`` training tokens or ``max_seconds`` (activation runs included), whichever comes
+    first (with neither: one pass over the prompts), in steps of ``batch_tokens`` drawn from a shuffled buffer of ``buffer_prompts`` prompts'
     activations. ``lr`` defaults to Gao et al.'s 2e-4 scaled by ``sqrt(16384 / d_sae)``. Every ``checkpoint_every``
     steps, and at the end, the SAE is saved to ``checkpoint_dir/step_<n>`` (and ``checkpoint_dir/final``). With
     ``heldout`` prompts, the result carries ``evaluate_sae`` of them."""
@@ -195,12 +195,15 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
 
     rng = random.Random(seed)
     order = list(range(len(prompts)))
-    budget = tokens if tokens is not None else None
+    budget = tokens
+    # progress in tokens against a token budget, else in seconds against the time budget
+    by_time = budget is None and max_seconds is not None
     lr = lr if lr is not None else 2e-4 * math.sqrt(16384 / d_sae)
     trainer = _Trainer(sae, lr, aux_k_coefficient, dead_tokens)
     history: list[dict[str, float]] = []
-    update, close = progress_callback(progress, budget or 0, "tokens")
-    seen, step, epoch = 0, 0, 0
+    update, close = progress_callback(progress, int(max_seconds) if by_time else (budget or 0),
+                                      "seconds" if by_time else "tokens")
+    seen, step = 0, 0
     try:
         while True:
             rng.shuffle(order)
@@ -220,12 +223,14 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
                     history.append({"step": step, "tokens": seen, **metrics})
                     if checkpoint_dir is not None and step % checkpoint_every == 0:
                         trainer.folded().save(Path(checkpoint_dir) / f"step_{step}")
-                    update(seen) if budget else None
+                    if by_time:
+                        update(min(int(time.perf_counter() - started), int(max_seconds)))
+                    elif budget:
+                        update(seen)
                     if (budget is not None and seen >= budget) or (
                             max_seconds is not None and time.perf_counter() - started >= max_seconds):
                         raise _Done
-            epoch += 1
-            if budget is None:
+            if budget is None and max_seconds is None:
                 raise _Done
     except _Done:
         pass
