@@ -876,7 +876,7 @@ class Workbench:
         if not isinstance(reference, str):
             raise WorkbenchError(f"an SAE is {{'id': <sae id>}} (sae_load) or a path in the artifacts folder, got "
                                  f"{reference!r}")
-        return probes.resolve_sae(self.artifacts.path(reference, must_exist=True))
+        return probes.resolve_sae(self.artifacts.path(reference))  # a folder: load_sae says when nothing is there
 
     def _sae_info(self, sae_id: str, sae: Any) -> s.SaeInfo:
         path = sae.source
@@ -899,7 +899,7 @@ class Workbench:
                  hook: Annotated[str | None, Field(description="the hook it reads, where the file does not say "
                                                                "(params.npz)")] = None) -> s.SaeInfo:
         """Load a sparse autoencoder or transcoder into this session, checked against the model; returns its id."""
-        sae = probes.load_sae(self.artifacts.path(path, must_exist=True), hook=hook)
+        sae = probes.load_sae(self.artifacts.path(path), hook=hook)
         hooks.check_saes([sae], self.model(call).config)
         return self._sae_info(call.session.put("sae", sae), sae)
 
@@ -964,6 +964,7 @@ class Workbench:
                                      ] = None,
                   max_seconds: Annotated[float, Field(description="training time budget (the server caps it)")
                                          ] = 60.0,
+                  batch_tokens: Annotated[int, Field(description="tokens per training step")] = 1024,
                   seed: Seed = 0) -> s.SaeTrained:
         """Train a TopK SAE (or transcoder) on a hook within a time budget; held-out figures (FVU, CE loss
         recovered, L0, dead features); saved in SAELens' format and kept in this session."""
@@ -978,7 +979,7 @@ class Workbench:
         heldout = corpus[-max(1, len(corpus) // 20):][:64]
         train = corpus[:len(corpus) - len(heldout)]
         result = probes.train_sae(model, train, hook, d_sae=d_sae, k=k, hook_out=hook_out, max_seconds=max_seconds,
-                                  heldout=heldout, seed=seed, buffer_prompts=64, tokens=10 ** 9,
+                                  heldout=heldout, seed=seed, buffer_prompts=64, batch_tokens=batch_tokens,
                                   progress=lambda done, total: call.check())
         result.sae.save(folder)
         return s.SaeTrained(sae=self._sae_info(call.session.put("sae", result.sae), result.sae),
