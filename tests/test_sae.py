@@ -245,3 +245,33 @@ def test_training_reports_figures_the_saved_file_gives(model, tmp_path):
     clean = torch.cat([torch.nn.functional.cross_entropy(model.run(p).logits[1:-1], torch.tensor(p[2:]),
                                                          reduction="none") for p in heldout])
     assert figures["ce_loss_clean"] == pytest.approx(float(clean.mean()), rel=1e-5)
+
+
+def test_feature_reading_tools(model, sae):
+    from workbench import probes
+
+    # on the last block's output the direct contributions sum to the model's own logit difference
+    attribution = probes.feature_attribution(model, sae, PROMPTS[0], target=5, baseline=7, position=-1)
+    logits = model.run(PROMPTS[0]).logits[-1]
+    assert attribution.total == pytest.approx(float(logits[5] - logits[7]), abs=1e-3)
+    acts = sae.encode(model.run(PROMPTS[0], record=[HOOK]).activations[HOOK])
+    assert {f for f, _ in attribution.top(50)} <= set(torch.nonzero(acts[-1]).flatten().tolist())
+
+    stats = probes.feature_stats(model, sae, PROMPTS, n=3)
+    all_acts = torch.cat([sae.encode(model.run(p, record=[HOOK]).activations[HOOK]) for p in PROMPTS])
+    torch.testing.assert_close(stats.density, (all_acts > 0).float().mean(0))
+    torch.testing.assert_close(stats.top_values, all_acts.topk(3, dim=0).values.T, rtol=1e-5, atol=1e-5)
+    feature = int(all_acts.max(0).values.argmax())
+    best = stats.examples(model, feature, context=2)[0]
+    prompt, position = best["prompt"], best["position"]
+    assert float(acts_at := sae.encode(model.run(PROMPTS[prompt], record=[HOOK]).activations[HOOK])[
+        position, feature]) == pytest.approx(best["activation"]) and acts_at == all_acts[:, feature].max()
+    assert best["tokens"][best["at"]] == model.token_texts([PROMPTS[prompt][position]])[0]
+
+    rows = probes.top_features(model, sae, PROMPTS[1], k=2)
+    assert [[f for f, _ in r["features"]] for r in rows] == sae.encode(
+        model.run(PROMPTS[1], record=[HOOK]).activations[HOOK]).topk(2).indices.tolist()
+    promoted = probes.promoted_tokens(model, sae, feature, k=3)["promoted"]
+    direction_logits = model.runner.weights.unembed.dequantize_rows(torch.arange(model.config.vocab_size)).float() @ (
+        sae.W_dec[feature] * model.runner.weights.final_norm)
+    assert [v for _, v in promoted] == pytest.approx(direction_logits.topk(3).values.tolist(), rel=1e-5)
