@@ -33,7 +33,7 @@ def check_saes(saes: Sequence[Any], config: ModelConfig) -> list[Any]:
         return []
     if isinstance(saes, (str, bytes)) or not isinstance(saes, Sequence):
         raise HookError(f"saes must be a list of SAEs, got {type(saes).__name__}")
-    names = hook_point_names(config.n_layers)
+    names = hook_point_names(config)
     seen: dict[str, Any] = {}
     for sae in saes:
         if not all(hasattr(sae, a) for a in ("hook", "hook_out", "forward", "d_in", "d_out")):

@@ -148,7 +148,7 @@ def feature_attribution(model: Any, sae: SAE, prompt: str | Sequence[int], targe
     unembedding = model.runner.weights.unembed
     rows = unembedding.dequantize_rows(torch.tensor(ids, device=unembedding.device)).cpu().double()
     direction = (rows[0] if baseline_id is None else rows[0] - rows[1]) * model.runner.weights.final_norm.cpu().double()
-    scale = float(trace.activations["ln_final.hook_scale"][position, 0])
+    scale = 1.0 / float(trace.activations["ln_final.hook_scale"][position, 0])  # the hook point holds the divisor
     w_dec = sae.W_dec.detach().cpu().double()
     if sae.rescale_acts_by_decoder_norm:
         w_dec = w_dec / w_dec.norm(dim=-1, keepdim=True)
