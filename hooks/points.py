@@ -109,7 +109,8 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
     """Length of the last (feature) axis that a vector added at this point must have."""
     sae_point = split_sae_point(name)
     if sae_point:  # an SAE's feature axis is the SAE's own (its width is not the model's to tell)
-        return None if sae_point[1] in ("hook_sae_acts_pre", "hook_sae_acts_post") else feature_size(sae_point[0], config)
+        acts = sae_point[1] in ("hook_sae_acts_pre", "hook_sae_acts_post")
+        return None if acts else feature_size(sae_point[0], config)
     a = axes(name)
     if a.feature is None:
         return None

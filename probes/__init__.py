@@ -20,7 +20,8 @@ from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_a
                       wilson_interval)
 from .sae import (SAE, FeatureAblate, FeatureClamp, FeatureSteer, load_sae, register_sae, registered_saes,
                   resolve_sae)
-from .sae_analysis import FeatureAttribution, FeatureStats, feature_attribution, feature_stats, promoted_tokens, top_features
+from .sae_analysis import (FeatureAttribution, FeatureStats, feature_attribution, feature_stats, promoted_tokens,
+                           top_features)
 from .sae_train import (TrainResult, evaluate_sae, generated_corpus, init_sae, python_docs_corpus, train_sae)
 from .steering import SteeringSweep, SteeringVector, steering_sweep, steering_vector
 from .tuned_lens import TunedLens, train_tuned_lens
@@ -32,7 +33,8 @@ __all__ = [
     "wilson_interval", "Probe", "DepthSweep",
     "steering_vector", "steering_sweep", "SteeringVector", "SteeringSweep",
     "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset",
-    "SAE", "load_sae", "register_sae", "registered_saes", "resolve_sae", "FeatureSteer", "FeatureAblate", "FeatureClamp",
+    "SAE", "load_sae", "register_sae", "registered_saes", "resolve_sae",
+    "FeatureSteer", "FeatureAblate", "FeatureClamp",
     "train_sae", "evaluate_sae", "init_sae", "python_docs_corpus", "generated_corpus", "TrainResult",
     "feature_stats", "FeatureStats", "promoted_tokens", "top_features", "feature_attribution", "FeatureAttribution",
 ]

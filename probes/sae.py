@@ -1,9 +1,10 @@
 """Sparse autoencoders and transcoders in SAELens' format: load, save, encode, decode, attach, edit features.
 
-An SAE reads the activation at its hook point (SAELens and TransformerLens name hooks alike, ``blocks.12.hook_resid_post``)
-and writes a reconstruction of it; a transcoder reads one point (the MLP's input) and writes another (its output).
-The math and parameter names are SAELens 6.x's (``W_enc [d_in, d_sae]``, ``b_enc``, ``W_dec [d_sae, d_out]``,
-``b_dec``, ``threshold``, ``b_gate``, ``b_mag``, ``r_mag``, ``W_skip [d_out, d_in]``) so that a file moves both ways.
+An SAE reads the activation at its hook point (SAELens and TransformerLens name hooks alike,
+``blocks.12.hook_resid_post``) and writes a reconstruction of it; a transcoder reads one point (the MLP's input) and
+writes another (its output). The math and parameter names are SAELens 6.x's (``W_enc [d_in, d_sae]``, ``b_enc``,
+``W_dec [d_sae, d_out]``, ``b_dec``, ``threshold``, ``b_gate``, ``b_mag``, ``r_mag``, ``W_skip [d_out, d_in]``), so that
+a file moves both ways.
 
 Attached to a run (``model.run(prompt, saes=[sae])``), an SAE fires the hook points SAELens gives it under its hook:
 ``<hook>.hook_sae_input``, ``.hook_sae_acts_pre``, ``.hook_sae_acts_post``, ``.hook_sae_recons``, ``.hook_sae_error``,
@@ -174,6 +175,17 @@ class SAE:
         out = f", hook_out={self.hook_out!r}" if self.is_transcoder else ""
         return (f"SAE({self.architecture!r}, hook={self.hook!r}{out}, d_in={self.d_in}, d_sae={self.d_sae}"
                 + (f", k={self.k}" if self.k else "") + ")")
+
+    def on(self, device: str | torch.device) -> "SAE":
+        """This SAE on ``device``: itself when it is there, else a copy made once and kept."""
+        device = torch.device(device)
+        if self.device == device or (device.type == self.device.type and device.index is None):
+            return self
+        copies = self.__dict__.setdefault("_copies", {})
+        if device not in copies:
+            copies[device] = self.to(device)
+            copies[device].name = self.name
+        return copies[device]
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "SAE":
         """This SAE with its tensors moved (a new object; the original is untouched)."""

@@ -61,7 +61,7 @@ def feature_stats(model: Any, sae: SAE, prompts: Sequence[Any], n: int = 10, bat
     with torch.no_grad():
         for i, trace in model.iter_batch(ids, record=[sae.hook], logits="last", batch_size=batch_size,
                                           progress=progress):
-            acts = sae.encode(trace.activations[sae.hook].to(sae.device)).float().cpu()  # [T, d_sae]
+            acts = sae.on(model.device).encode(trace.activations[sae.hook].to(model.device)).float().cpu()  # [T, d_sae]
             tokens += acts.shape[0]
             fired += (acts > 0).sum(0)
             m = min(n, acts.shape[0])

@@ -137,7 +137,7 @@ def _activations(model: Any, prompts: Sequence[Any], hooks: Sequence[str], batch
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(input, target) activations of each prompt, its first token left out; an SAE's target is its input."""
     for _, trace in model.iter_batch(list(prompts), record=list(dict.fromkeys(hooks)), logits="last",
-                                     batch_size=batch_size):
+                                     batch_size=batch_size, record_device=model.device):
         x = trace.activations[hooks[0]][1:]
         yield x, trace.activations[hooks[-1]][1:] if hooks[-1] != hooks[0] else x
 
@@ -170,10 +170,10 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
     """Train a TopK SAE on ``hook`` (a TopK transcoder from ``hook`` to ``hook_out`` when given) over ``prompts``.
 
     Training runs until ``tokens`` training tokens or ``max_seconds`` (activation runs included), whichever comes
-    first (with neither: one pass over the prompts), in steps of ``batch_tokens`` drawn from a shuffled buffer of ``buffer_prompts`` prompts'
-    activations. ``lr`` defaults to Gao et al.'s 2e-4 scaled by ``sqrt(16384 / d_sae)``. Every ``checkpoint_every``
-    steps, and at the end, the SAE is saved to ``checkpoint_dir/step_<n>`` (and ``checkpoint_dir/final``). With
-    ``heldout`` prompts, the result carries ``evaluate_sae`` of them."""
+    first (with neither: one pass over the prompts), in steps of ``batch_tokens`` drawn from a shuffled buffer of
+    ``buffer_prompts`` prompts' activations. ``lr`` defaults to Gao et al.'s 2e-4 scaled by ``sqrt(16384 / d_sae)``.
+    Every ``checkpoint_every`` steps, and at the end, the SAE is saved to ``checkpoint_dir/step_<n>`` (and
+    ``checkpoint_dir/final``). With ``heldout`` prompts, the result carries ``evaluate_sae`` of them."""
     started = time.perf_counter()
     hooks_in_out = [hook, hook_out or hook]
     if not prompts:
@@ -199,7 +199,7 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
     # progress in tokens against a token budget, else in seconds against the time budget
     by_time = budget is None and max_seconds is not None
     lr = lr if lr is not None else 2e-4 * math.sqrt(16384 / d_sae)
-    trainer = _Trainer(sae, lr, aux_k_coefficient, dead_tokens)
+    trainer = _Trainer(sae.on(model.device), lr, aux_k_coefficient, dead_tokens)
     history: list[dict[str, float]] = []
     update, close = progress_callback(progress, int(max_seconds) if by_time else (budget or 0),
                                       "seconds" if by_time else "tokens")
@@ -214,7 +214,7 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
                 y = torch.cat([p[1] for p in pairs]).float()
                 if trainer.scale_in is None:  # b_dec starts at the data's mean, as Gao et al.'s does (its median)
                     trainer.start(x, y)
-                perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed + step))
+                perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed + step)).to(x.device)
                 for i in range(0, x.shape[0] - batch_tokens + 1, batch_tokens):
                     rows = perm[i:i + batch_tokens]
                     metrics = trainer.step(x[rows], y[rows])
@@ -258,7 +258,7 @@ class _Trainer:
         self.params = {n: sae.params[n].clone().float().requires_grad_(True) for n in ("W_enc", "b_enc", "W_dec",
                                                                                        "b_dec")}
         self.optimizer = torch.optim.Adam(self.params.values(), lr=lr, betas=(0.9, 0.999))
-        self.since_fired = torch.zeros(sae.d_sae, dtype=torch.long)
+        self.since_fired = torch.zeros(sae.d_sae, dtype=torch.long, device=sae.device)
         self.scale_in: float | None = None
         self.scale_out: float | None = None
 
@@ -279,11 +279,12 @@ class _Trainer:
         residual = y - recons
         mse = residual.pow(2).sum(-1).mean()
         with torch.no_grad():
-            fired = torch.zeros(sae.d_sae, dtype=torch.bool).index_fill_(0, indices[values > 0].unique(), True)
+            fired = torch.zeros(sae.d_sae, dtype=torch.bool, device=pre.device)
+            fired[indices[values > 0]] = True
             self.since_fired = torch.where(fired, 0, self.since_fired + x.shape[0])
             dead = self.since_fired >= self.dead_tokens
         loss = mse
-        aux = torch.zeros(())
+        aux = torch.zeros((), device=pre.device)
         n_dead = int(dead.sum())
         if n_dead and self.aux_k_coefficient:
             k_aux = min(y.shape[1] // 2, n_dead)
@@ -307,7 +308,7 @@ class _Trainer:
     def folded(self) -> SAE:
         """The SAE reading and writing the model's own scale: the input scale folded into W_enc, the output's into
         W_dec and b_dec."""
-        p = {n: v.detach().clone() for n, v in self.params.items()}
+        p = {n: v.detach().cpu().clone() for n, v in self.params.items()}
         scale_in, scale_out = self.scale_in or 1.0, self.scale_out or 1.0
         # an SAE's scales are one: (x s - b) W = (x - b / s) (s W), and (a W + b) / s = a (W / s) + b / s
         p["W_enc"] *= scale_in
@@ -334,6 +335,7 @@ def evaluate_sae(model: Any, sae: SAE, prompts: Sequence[Any], batch_size: int |
     from workbench import hooks as hooks_lib
 
     hooks_lib.check_saes([sae], model.config)
+    sae = sae.on(model.device)
     prompts = list(prompts)
     hooks_in_out = [sae.hook, sae.hook_out]
     residual = total = l0 = 0.0
@@ -342,8 +344,8 @@ def evaluate_sae(model: Any, sae: SAE, prompts: Sequence[Any], batch_size: int |
     n = 0
     with torch.no_grad():
         for x, y in _activations(model, prompts, hooks_in_out, batch_size):
-            acts, out = sae.forward(x.to(sae.device))
-            out = out.float().cpu()
+            acts, out = sae.forward(x)
+            x, y, out = x.float().cpu(), y.float().cpu(), out.float().cpu()
             residual += float((y - out).pow(2).sum())
             sum_y = y.sum(0) if sum_y is None else sum_y + y.sum(0)
             sum_y2 = float(y.pow(2).sum()) + (sum_y2 or 0.0)

@@ -146,7 +146,8 @@ class Model:
         """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks, with the
         SAEs it attaches (``saes``, and those its feature interventions need) run at their points."""
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
-        all_interventions = [i for parsed, _ in scoped for i in parsed] + [hooks_lib.from_spec(i) for i in interventions]
+        all_interventions = [i for parsed, _ in scoped for i in parsed]
+        all_interventions += [hooks_lib.from_spec(i) for i in interventions]
         attached = self._call_saes(saes, [all_interventions])
         hooks, recorder, specs = hooks_lib.compile_hooks(self, all_interventions, record, prompt_len, total_len)
         outer = [r.hooks() for _, r in scoped if r is not None]
@@ -165,7 +166,7 @@ class Model:
                     if not any(a is sae or (a.hook == sae.hook and a.source and a.source == sae.source)
                                for a in attached):
                         attached.append(sae)
-        return hooks_lib.check_saes(attached, self.config)
+        return [sae.on(self.device) for sae in hooks_lib.check_saes(attached, self.config)]
 
     def forward(self, ids: str | Sequence[int] | torch.Tensor, interventions: Sequence[Any] = (),
                 cache: KVCache | None = None, saes: Sequence[Any] = (), use_error_term: bool = True) -> torch.Tensor:
