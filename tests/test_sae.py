@@ -275,3 +275,24 @@ def test_feature_reading_tools(model, sae):
     direction_logits = model.runner.weights.unembed.dequantize_rows(torch.arange(model.config.vocab_size)).float() @ (
         sae.W_dec[feature] * model.runner.weights.final_norm)
     assert [v for _, v in promoted] == pytest.approx(direction_logits.topk(3).values.tolist(), rel=1e-5)
+
+
+def test_training_a_transcoder(model, tmp_path):
+    from workbench.probes.sae_train import evaluate_sae, train_sae
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (10,), generator=g).tolist() for _ in range(20)]
+    result = train_sae(model, prompts[:16], "blocks.1.ln2.hook_normalized", hook_out="blocks.1.hook_mlp_out",
+                       d_sae=96, k=6, tokens=6 * 64, batch_tokens=64, buffer_prompts=8, heldout=prompts[16:], lr=1e-2)
+    assert result.sae.architecture == "topk_transcoder" and result.sae.hook_out == "blocks.1.hook_mlp_out"
+    assert result.history[0]["fvu"] > result.history[-1]["fvu"]
+    result.sae.save(tmp_path / "tc")
+    loaded = load_sae(tmp_path / "tc")
+    assert (loaded.architecture, loaded.hook, loaded.hook_out, loaded.k) == (
+        "topk_transcoder", "blocks.1.ln2.hook_normalized", "blocks.1.hook_mlp_out", 6)
+    assert evaluate_sae(model, loaded, prompts[16:]) == result.evaluation
+    # attached with its error term it changes nothing; its features are recordable under its input hook
+    plain = model.run(prompts[0])
+    traced = model.run(prompts[0], saes=[loaded], record=["blocks.1.ln2.hook_normalized.hook_sae_acts_post"])
+    assert torch.equal(traced.logits, plain.logits)
+    assert traced.activations["blocks.1.ln2.hook_normalized.hook_sae_acts_post"].shape == (10, 96)
