@@ -482,6 +482,11 @@ class FeatureEdit(RegionEdit):
     def saes(self) -> list[Any]:
         return [self.sae]
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.sae is self.sae and other.to_spec() == self.to_spec()
+
+    __hash__ = None  # mutable, as the other interventions
+
     def to_spec(self) -> dict[str, Any]:
         spec = {"type": self.kind, "sae": sae_reference(self.sae), "feature": self.feature}
         if self.positions is not None:
