@@ -296,3 +296,13 @@ def test_training_a_transcoder(model, tmp_path):
     traced = model.run(prompts[0], saes=[loaded], record=["blocks.1.ln2.hook_normalized.hook_sae_acts_post"])
     assert torch.equal(traced.logits, plain.logits)
     assert traced.activations["blocks.1.ln2.hook_normalized.hook_sae_acts_post"].shape == (10, 96)
+
+
+def test_generated_corpus_is_cached_per_model(model, tmp_path, monkeypatch):
+    from workbench.probes.sae_train import SEED_PROMPTS, generated_corpus
+
+    texts = generated_corpus(model, 5, tmp_path / "corpus.jsonl", max_new_tokens=3, batch_size=2)
+    assert [t[: len(s)] for t, s in zip(texts, SEED_PROMPTS)] == list(SEED_PROMPTS[:5])
+    assert all(len(t) > len(s) for t, s in zip(texts, SEED_PROMPTS))
+    monkeypatch.setattr(model, "generate_batch", lambda *a, **k: pytest.fail("the cache should answer"))
+    assert generated_corpus(model, 4, tmp_path / "corpus.jsonl", max_new_tokens=3) == texts[:4]
