@@ -67,7 +67,7 @@ PROMPTS = [[3, 9, 4, 17, 8, 22, 5, 11, 30], [7, 2, 40, 13], [5, 6, 19, 21, 33, 8
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
-    return tiny_model()
+    return tiny_model(device="cpu")  # float32: the comparisons below are to float32 rounding
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +306,26 @@ def test_generated_corpus_is_cached_per_model(model, tmp_path, monkeypatch):
     assert all(len(t) > len(s) for t, s in zip(texts, SEED_PROMPTS))
     monkeypatch.setattr(model, "generate_batch", lambda *a, **k: pytest.fail("the cache should answer"))
     assert generated_corpus(model, 4, tmp_path / "corpus.jsonl", max_new_tokens=3) == texts[:4]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda(tiny_model, sae, tmp_path):
+    from workbench.probes.sae_train import evaluate_sae, train_sae
+
+    gpu = tiny_model(device="cuda")  # bfloat16: the SAE computes in its own float32 and moves to the GPU once
+    plain = gpu.run(PROMPTS[0])
+    traced = gpu.run(PROMPTS[0], saes=[sae], record=[f"{HOOK}.hook_sae_acts_post"])
+    assert torch.equal(traced.logits, plain.logits) and sae.device.type == "cpu"
+    assert torch.equal(gpu.run_batch(PROMPTS, saes=[sae])[1].logits, gpu.run_batch(PROMPTS)[1].logits)
+    steered = gpu.run(PROMPTS[0], interventions=[FeatureSteer(sae, 3, 2.0)]).logits
+    torch.testing.assert_close(steered, gpu.run(PROMPTS[0], interventions=[hooks.Steer(HOOK, sae.W_dec[3], 2.0)]
+                                                ).logits, rtol=0.02, atol=0.25)
+    assert not torch.equal(steered, plain.logits)
+    assert len(gpu.generate(PROMPTS[0], 5, interventions=[FeatureSteer(sae, 3, 2.0)])) > 0
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, gpu.config.vocab_size, (12,), generator=g).tolist() for _ in range(24)]
+    result = train_sae(gpu, prompts[:20], HOOK, d_sae=128, k=4, tokens=256, batch_tokens=64, heldout=prompts[20:])
+    assert result.steps == 4 and result.sae.device.type == "cpu"
+    result.sae.save(tmp_path / "gpu")
+    assert evaluate_sae(gpu, load_sae(tmp_path / "gpu"), prompts[20:]) == result.evaluation
