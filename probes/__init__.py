@@ -19,7 +19,7 @@ from .lens import LogitLens, TokenTrack, logit_lens, logit_lens_batch
 from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_at_depth_fraction, train_probe,
                       wilson_interval)
 from .sae import (SAE, FeatureAblate, FeatureClamp, FeatureSteer, load_sae, register_sae, registered_saes,
-                  resolve_sae)
+                  resolve_sae, sae_paths_within)
 from .sae_analysis import (FeatureAttribution, FeatureStats, feature_attribution, feature_stats, promoted_tokens,
                            top_features)
 from .sae_train import (TrainResult, evaluate_sae, generated_corpus, init_sae, python_docs_corpus, train_sae)
@@ -33,7 +33,7 @@ __all__ = [
     "wilson_interval", "Probe", "DepthSweep",
     "steering_vector", "steering_sweep", "SteeringVector", "SteeringSweep",
     "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset",
-    "SAE", "load_sae", "register_sae", "registered_saes", "resolve_sae",
+    "SAE", "load_sae", "register_sae", "registered_saes", "resolve_sae", "sae_paths_within",
     "FeatureSteer", "FeatureAblate", "FeatureClamp",
     "train_sae", "evaluate_sae", "init_sae", "python_docs_corpus", "generated_corpus", "TrainResult",
     "feature_stats", "FeatureStats", "promoted_tokens", "top_features", "feature_attribution", "FeatureAttribution",

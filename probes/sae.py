@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 import torch
@@ -416,6 +418,19 @@ def _dtype(name: str) -> torch.dtype:
 # ------------------------------------------------------------------------------------------ references
 
 _REGISTERED: dict[str, SAE] = {}
+# Where a spec's SAE path may point: None (anywhere) for the Python API; the artifacts folder inside MCP tool calls,
+# so a forged trace cannot make the server read a file outside it.
+_PATH_ROOT: ContextVar[Path | None] = ContextVar("workbench_sae_path_root", default=None)
+
+
+@contextmanager
+def sae_paths_within(root: str | Path) -> Iterator[None]:
+    """Inside the block (this thread or task only), SAEs named by path load only from inside ``root``."""
+    token = _PATH_ROOT.set(Path(root).resolve())
+    try:
+        yield
+    finally:
+        _PATH_ROOT.reset(token)
 _LOADED: dict[tuple[str, int], SAE] = {}  # (resolved path, modification time) -> SAE, so a replay loads a file once
 
 
@@ -443,6 +458,9 @@ def resolve_sae(reference: SAE | str | Path) -> SAE:
     if str(reference) in _REGISTERED:
         return _REGISTERED[str(reference)]
     path = Path(reference).expanduser()
+    root = _PATH_ROOT.get()
+    if root is not None and not path.resolve().is_relative_to(root):
+        raise HookError(f"SAE path {str(reference)[:80]!r} is outside the folder SAEs may be read from ({root})")
     if not path.exists():
         known = ", ".join(sorted(_REGISTERED)) or "none"
         raise HookError(f"no SAE named or stored at {str(reference)!r} (registered: {known})")

@@ -329,3 +329,16 @@ def test_on_cuda(tiny_model, sae, tmp_path):
     assert result.steps == 4 and result.sae.device.type == "cpu"
     result.sae.save(tmp_path / "gpu")
     assert evaluate_sae(gpu, load_sae(tmp_path / "gpu"), prompts[20:]) == result.evaluation
+
+
+def test_spec_paths_stay_inside_the_allowed_folder(sae, tmp_path):
+    from workbench.probes.sae import sae_paths_within
+
+    sae.to().save(tmp_path / "inside" / "sae")
+    sae.to().save(tmp_path / "outside")
+    spec = {"type": "feature_ablate", "sae": str(tmp_path / "outside"), "feature": 1}
+    with sae_paths_within(tmp_path / "inside"):
+        assert hooks.from_spec(dict(spec, sae=str(tmp_path / "inside" / "sae"))).feature == 1
+        with pytest.raises(HookError, match="outside the folder SAEs may be read from"):
+            hooks.from_spec(spec)
+    assert hooks.from_spec(spec).sae.hook == HOOK  # the Python API reads what it is given
