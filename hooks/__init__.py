@@ -12,6 +12,7 @@ from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, P
 from .patching import PatchingResult, patching_sweep
 from .points import point_shapes, resolve
 from .recording import Recorder, join_tokens
+from .saes import SAE_POINTS, attach_saes, check_sae_points, check_saes
 from .trace import Trace, TraceError, load_trace
 
 
@@ -58,5 +59,15 @@ __all__ = [
     "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale",
     "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
-    "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves",
+    "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
+    "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The feature edits live with the SAEs (workbench.probes.sae), which build on this package: loaded on first use.
+    if name in ("FeatureSteer", "FeatureAblate", "FeatureClamp"):
+        from workbench.probes import sae
+
+        return getattr(sae, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

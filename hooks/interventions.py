@@ -33,6 +33,8 @@ from .recording import Recorder
 from .trace import model_mismatch
 
 Positions = Sequence[int] | str | None
+# Edits of an SAE's features, defined with the SAEs in workbench.probes.sae
+FEATURE_KINDS = ("feature_steer", "feature_ablate", "feature_clamp")
 Editor = Callable[[torch.Tensor, torch.Tensor, HookContext], torch.Tensor]
 
 
@@ -143,6 +145,10 @@ class Intervention(ABC):
     @abstractmethod
     def to_spec(self) -> dict[str, Any]:
         """A JSON-serializable dict that ``from_spec`` turns back into an equal intervention."""
+
+    def saes(self) -> list[Any]:
+        """The SAEs whose points this edits: a call attaches them where it does not already (hooks/saes.py)."""
+        return []
 
 
 @dataclass
@@ -530,6 +536,9 @@ class Composite(Intervention):
     def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
         return merge_hooks(part.compile(run) for part in self.parts)
 
+    def saes(self) -> list[Any]:
+        return [sae for part in self.parts for sae in part.saes()]
+
 
 def merge_hooks(hook_maps) -> dict[str, list[HookFn]]:
     merged: dict[str, list[HookFn]] = {}
@@ -577,6 +586,10 @@ def from_spec(spec: dict[str, Any] | Intervention | tuple) -> Intervention:
     spec = dict(spec)
     kind = spec.pop("type")
     cls = Intervention.registry.get(kind) if isinstance(kind, str) else None
+    if cls is None and kind in FEATURE_KINDS:
+        import workbench.probes.sae  # noqa: F401  (defines and registers the feature edits, which need SAEs)
+
+        cls = Intervention.registry.get(kind)
     if cls is None:
         raise HookError(f"unknown intervention type {shorten(kind)}; known: {', '.join(sorted(Intervention.registry))}")
     if cls is FunctionHook:

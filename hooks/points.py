@@ -34,6 +34,16 @@ _AXES = {
 }
 _TOKEN_MAJOR = Axes(0, None, 1)
 
+# The points an SAE attached at a hook fires under it (``blocks.3.hook_resid_post.hook_sae_acts_post``; hooks/saes.py)
+SAE_POINTS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons", "hook_sae_error",
+              "hook_sae_output")
+
+
+def split_sae_point(name: str) -> tuple[str, str] | None:
+    """``(SAE hook, point)`` of an SAE hook point name, else None."""
+    base, _, suffix = name.rpartition(".")
+    return (base, suffix) if suffix in SAE_POINTS and base else None
+
 
 @lru_cache(maxsize=4096)  # called for every recorded point of every prompt
 def axes(name: str) -> Axes:
@@ -72,8 +82,11 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
 def token_shape(name: str, config: ModelConfig) -> tuple[int, ...] | None:
     """Shape of one token's slice of the activation (e.g. ``(d_model,)``, ``(n_heads, d_head)``).
 
-    None for attention scores and patterns, whose slices grow with the attended slots.
+    None for attention scores and patterns, whose slices grow with the attended slots, and for an SAE's features.
     """
+    if split_sae_point(name):
+        size = feature_size(name, config)
+        return None if size is None else (size,)
     return _token_shapes(config)[name]
 
 
@@ -94,6 +107,10 @@ def head_count(name: str, config: ModelConfig) -> int | None:
 
 def feature_size(name: str, config: ModelConfig) -> int | None:
     """Length of the last (feature) axis that a vector added at this point must have."""
+    sae_point = split_sae_point(name)
+    if sae_point:  # an SAE's feature axis is the SAE's own (its width is not the model's to tell)
+        acts = sae_point[1] in ("hook_sae_acts_pre", "hook_sae_acts_post")
+        return None if acts else feature_size(sae_point[0], config)
     a = axes(name)
     if a.feature is None:
         return None
@@ -114,6 +131,9 @@ def resolve(pattern: str, config: ModelConfig) -> list[str]:
         raise HookError(f"a hook name must be a non-empty string, got {shorten(pattern)}")
     if len(pattern) > MAX_NAME_LENGTH:  # no point is named so; a huge glob or layer number costs time to reject
         raise HookError(f"unknown hook point {shorten(pattern)}: longer than {MAX_NAME_LENGTH} characters")
+    sae_point = split_sae_point(pattern)
+    if sae_point:  # a point of an SAE at the hook (the call checks that one is attached)
+        return [f"{base}.{sae_point[1]}" for base in resolve(sae_point[0], config)]
     if any(ch in pattern for ch in "*?["):
         matched = fnmatch.filter(names, pattern)
         if not matched:

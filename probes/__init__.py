@@ -8,6 +8,8 @@
 - ``depth_sweep`` / ``probe_at_depth_fraction`` / ``train_probe``: linear probes across depth.
 - ``steering_vector`` / ``steering_sweep``: contrastive directions, applied with ``hooks.Steer``;
   llama.cpp control-vector GGUF export and import.
+- ``load_sae`` (SAELens folders, Gemma Scope params.npz), ``train_sae`` / ``evaluate_sae``, ``feature_stats``,
+  ``promoted_tokens``, ``top_features``, ``feature_attribution``: sparse autoencoders and transcoders (docs/saes.md).
 - ``load_dataset`` / ``list_datasets``: the labelled prompt sets of ``workbench.datasets`` or your own JSONL.
 """
 from .activations import collect_activations
@@ -16,6 +18,11 @@ from .dla import Attribution, direct_logit_attribution, direct_logit_attribution
 from .lens import LogitLens, TokenTrack, logit_lens, logit_lens_batch
 from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_at_depth_fraction, train_probe,
                       wilson_interval)
+from .sae import (SAE, FeatureAblate, FeatureClamp, FeatureSteer, load_sae, register_sae, registered_saes,
+                  resolve_sae, sae_paths_within)
+from .sae_analysis import (FeatureAttribution, FeatureStats, feature_attribution, feature_stats, promoted_tokens,
+                           top_features)
+from .sae_train import (TrainResult, evaluate_sae, generated_corpus, init_sae, python_docs_corpus, train_sae)
 from .steering import SteeringSweep, SteeringVector, steering_sweep, steering_vector
 from .tuned_lens import TunedLens, train_tuned_lens
 
@@ -26,4 +33,8 @@ __all__ = [
     "wilson_interval", "Probe", "DepthSweep",
     "steering_vector", "steering_sweep", "SteeringVector", "SteeringSweep",
     "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset",
+    "SAE", "load_sae", "register_sae", "registered_saes", "resolve_sae", "sae_paths_within",
+    "FeatureSteer", "FeatureAblate", "FeatureClamp",
+    "train_sae", "evaluate_sae", "init_sae", "python_docs_corpus", "generated_corpus", "TrainResult",
+    "feature_stats", "FeatureStats", "promoted_tokens", "top_features", "feature_attribution", "FeatureAttribution",
 ]

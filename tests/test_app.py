@@ -310,3 +310,29 @@ def test_artifacts_replay_compare_and_corrupt_uploads(model):
         assert message in at.error[0].value
     button(at, "Replay").click().run()  # the page still works after a bad upload
     assert not at.exception and at.success
+
+
+def test_sae_page_shows_a_features_contexts_density_and_steers(model, tmp_path):
+    from workbench.probes.sae_train import init_sae
+
+    sae = init_sae("topk", model.config.d_model, 256, "blocks.3.hook_resid_post", k=8, seed=3)
+    sae.save(tmp_path / "sae")
+    at = start("page_sae.py")
+    at.text_input(key="sae_path").set_value(str(tmp_path / "sae")).run()
+    at.selectbox(key="sae_dataset").set_value("capitals").run()
+    at.slider(key="sae_prompts").set_value(4).run()
+    assert_clean(at)
+    feature = at.selectbox(key="sae_active").value
+    prompts = probes.load_dataset("capitals").prompts[:4]
+    stats = probes.feature_stats(model, sae, prompts)
+    assert metric(at, "Density") == f"{float(stats.density[feature]):.4%}"
+    assert float(metric(at, "Max activation")) == pytest.approx(float(stats.max_act[feature]), abs=1e-3)
+    promoted = probes.promoted_tokens(model, sae, feature, 10)["promoted"]
+    bars = chart(at, "sae_promoted")["data"][0]
+    assert values(bars["x"]).tolist() == pytest.approx([v for _, v in promoted], abs=1e-4)
+    button(at, "Generate").click().run()
+    assert_clean(at)
+    plain = at.text_area(key="sae_plain_text").value
+    assert plain == model.generate(PROMPT, 16)
+    at.text_input(key="sae_path").set_value(str(tmp_path / "missing")).run()
+    assert_clean(at, errors=1)

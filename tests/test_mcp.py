@@ -725,3 +725,39 @@ def test_session_memory_and_object_limits():
         session.put("vector", object())
     with pytest.raises(WorkbenchError, match="unknown trace id"):
         session.get("trace", ids[0])  # an id of another kind
+
+
+def test_sae_tools(http, artifacts, model):
+    sae = probes.init_sae("topk", 576, 512, "blocks.6.hook_resid_post", k=16, seed=4)
+    sae.save(artifacts / "saes" / "l6")
+    info = http.call("sae_load", path="saes/l6")
+    assert (info["architecture"], info["hook"], info["d_sae"], info["k"]) == ("topk", "blocks.6.hook_resid_post", 512,
+                                                                               16)
+    assert info["path"] == "saes/l6"
+    features = http.call("sae_features", prompt=PROMPT, sae_id=info["sae_id"], top_k=3)["tokens"]
+    expected = probes.top_features(model, sae, PROMPT, 3)
+    assert [[f for f, _ in t["features"]] for t in features] == [[f for f, _ in r["features"]] for r in expected]
+    feature = int(features[-1]["features"][0][0])
+
+    prompts = ["The capital of Spain is", "A cat sat on the mat", PROMPT]
+    examples = http.call("feature_top_examples", sae_id=info["sae_id"], feature=feature, prompts=prompts, n=3)
+    stats = probes.feature_stats(model, sae, prompts, 3)
+    assert examples["density"] == pytest.approx(float(stats.density[feature]))
+    assert [e["activation"] for e in examples["examples"]] == pytest.approx(
+        [e["activation"] for e in stats.examples(model, feature)], abs=1e-5)
+    assert examples["promoted"][0][0] == probes.promoted_tokens(model, sae, feature)["promoted"][0][0]
+
+    out = http.call("feature_steer", prompt=PROMPT, sae_id=info["sae_id"], feature=feature, scale=20.0, top_k=5)
+    _check_edit(out, model, [probes.FeatureSteer(sae, feature, 20.0)])
+    assert out["interventions"][0]["sae"].endswith("l6") and out["kl"] > 0
+    by_path = [{"type": "feature_ablate", "sae": "saes/l6", "feature": feature}]
+    out = http.call("run_with_interventions", prompt=PROMPT, interventions=by_path, top_k=5)
+    _check_edit(out, model, [probes.FeatureAblate(sae, feature)])
+
+    assert "out of range 0..511" in http.error("feature_steer", prompt=PROMPT, sae_id=info["sae_id"], feature=512)
+    assert "artifacts folder" in http.error("sae_load", path="/etc")
+    assert "max_seconds" in http.error("sae_train", hook="blocks.6.hook_resid_post", path="saes/new", max_seconds=1e6)
+    trained = http.call("sae_train", hook="blocks.6.hook_resid_post", path="saes/new", d_sae=64, k=4,
+                        prompts=prompts * 4, max_seconds=5, batch_tokens=16)
+    assert trained["summary"]["steps"] >= 1 and (artifacts / "saes" / "new" / "cfg.json").is_file()
+    assert trained["summary"]["heldout"]["tokens"] > 0

@@ -180,33 +180,56 @@ class Model:
             _ACTIVE.reset(token)
 
     def _call_hooks(self, interventions: Sequence[Any], record: Sequence[str] | None, prompt_len: int,
-                    total_len: int):
-        """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks."""
+                    total_len: int, saes: Sequence[Any] = (), use_error_term: bool = True):
+        """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks, with the
+        SAEs it attaches (``saes``, and those its feature interventions need) run at their points."""
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
-        all_interventions = [i for parsed, _ in scoped for i in parsed] + list(interventions)
+        all_interventions = [i for parsed, _ in scoped for i in parsed]
+        all_interventions += [hooks_lib.from_spec(i) for i in interventions]
+        attached = self._call_saes(saes, [all_interventions])
         hooks, recorder, specs = hooks_lib.compile_hooks(self, all_interventions, record, prompt_len, total_len)
         outer = [r.hooks() for _, r in scoped if r is not None]
         if outer:
             hooks = hooks_lib.merge_hooks([hooks, *outer])
+        hooks = hooks_lib.attach_saes(hooks, attached, _check_flag(use_error_term))
         return hooks or None, recorder, specs
 
+    def _call_saes(self, saes: Sequence[Any], interventions: Sequence[Sequence[Any]]) -> list[Any]:
+        """The SAEs a call attaches, checked against the model: ``saes``, then those its interventions edit features
+        of (an intervention's SAE at a hook where ``saes`` has one from the same file is that one)."""
+        attached = hooks_lib.check_saes(saes, self.config)
+        for items in interventions:
+            for intervention in items:
+                for sae in intervention.saes():
+                    if not any(a is sae or (a.hook == sae.hook and a.source and a.source == sae.source)
+                               for a in attached):
+                        attached.append(sae)
+        return [sae.on(self.device) for sae in hooks_lib.check_saes(attached, self.config)]
+
     def forward(self, ids: str | Sequence[int] | torch.Tensor, interventions: Sequence[Any] = (),
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, saes: Sequence[Any] = (), use_error_term: bool = True) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab_size]``, one row per position."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         ids = self.to_ids(ids)
         start = cache.next_position if cache is not None else 0
         with self.numerics_scope():
-            hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids))
+            hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids), saes,
+                                           use_error_term)
             return self.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks)
 
     def run(self, prompt: str | Sequence[int], *, record: Sequence[str] | None = None,
-            interventions: Sequence[Any] = (), chat: bool = False) -> hooks_lib.Trace:
-        """One forward over the prompt: a Trace with logits and the recorded activations."""
+            interventions: Sequence[Any] = (), chat: bool = False, saes: Sequence[Any] = (),
+            use_error_term: bool = True) -> hooks_lib.Trace:
+        """One forward over the prompt: a Trace with logits and the recorded activations.
+
+        ``saes`` attaches sparse autoencoders or transcoders (``workbench.probes.load_sae``) at their hook points,
+        whose own points (``<hook>.hook_sae_acts_post``, ...) can then be recorded and hooked; with ``use_error_term``
+        the SAE's error is added back, so that only edits of its points change the output (docs/saes.md)."""
         ids = self.to_ids(prompt, chat=chat)
         with self.numerics_scope():
-            hooks, recorder, specs = self._call_hooks(interventions, record, len(ids), len(ids))
+            hooks, recorder, specs = self._call_hooks(interventions, record, len(ids), len(ids), saes,
+                                                      use_error_term)
             logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks)
             backend = self.backend()
         return hooks_lib.Trace(
@@ -229,8 +252,8 @@ class Model:
                    interventions: Sequence[Any] = (), per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
-                   logits: str = "all", share_prefix: bool = True, progress: Progress = False
-                   ) -> Iterator[tuple[int, hooks_lib.Trace]]:
+                   logits: str = "all", share_prefix: bool = True, progress: Progress = False,
+                   saes: Sequence[Any] = (), use_error_term: bool = True) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
         in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
         is called, before any compute.
@@ -239,7 +262,8 @@ class Model:
         prompt's own. ``batch_size`` prompts go through one forward (None: as many as fit ``batch_bytes``). Recorded
         activations are kept on ``record_device`` in ``record_dtype``; ``reduce`` keeps one row per prompt as they are
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
-        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``.
+        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
+        ``use_error_term`` as in ``run``.
 
         With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
         prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
@@ -255,13 +279,16 @@ class Model:
             recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce)
             hooks_lib.batching.check_reduce_positions(reduce, lengths)
         with self.numerics_scope():  # donor prompts run in the call's numerics
-            prompt_hooks, specs = self._batch_hooks(interventions, per_prompt_interventions, lengths, lengths)
+            prompt_hooks, specs, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
+                                                              lengths, saes)
+        hooks_lib.check_sae_points([n for h in prompt_hooks for n in h] + (recorder.names if recorder else []),
+                                   attached)
         layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all")
         return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix,
-                                 self.current_numerics())
+                                 self.current_numerics(), attached, _check_flag(use_error_term))
 
-    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix, mode
-                     ) -> Iterator[tuple[int, hooks_lib.Trace]]:
+    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix, mode,
+                     saes, use_error_term) -> Iterator[tuple[int, hooks_lib.Trace]]:
         # each forward enters the numerics taken at the call: a block around a ``yield`` would leak into the reader's code
         with numerics(mode):
             fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
@@ -272,6 +299,7 @@ class Model:
                 recorder is None or recorder.reduce in (None, "last")) else 0
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
+            hooks = hooks_lib.attach_saes(hooks, saes, use_error_term)
             with torch.inference_mode(not hooks), numerics(mode):
                 out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared)
             out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
@@ -328,7 +356,8 @@ class Model:
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      chat: bool = False, interventions: Sequence[Any] = (),
                      per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
-                     batch_size: int | None = None) -> Iterator[tuple[int, int, str]]:
+                     batch_size: int | None = None, saes: Sequence[Any] = (), use_error_term: bool = True
+                     ) -> Iterator[tuple[int, int, str]]:
         """Yield ``(prompt index, token_id, new_text)`` as each prompt's tokens are generated, in batched decode steps;
         each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
         from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does."""
@@ -342,18 +371,21 @@ class Model:
                 raise WorkbenchError(f"prompt {i}: {n} tokens + {max_new_tokens} new tokens exceed the context of "
                                      f"{self.config.n_ctx}")
         with self.numerics_scope():
-            prompt_hooks, _ = self._batch_hooks(interventions, per_prompt_interventions, lengths,
-                                                [n + max_new_tokens for n in lengths])
-        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size, self.current_numerics())
+            prompt_hooks, _, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
+                                                          [n + max_new_tokens for n in lengths], saes)
+        hooks_lib.check_sae_points([n for h in prompt_hooks for n in h], attached)
+        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size, self.current_numerics(),
+                                  attached, _check_flag(use_error_term))
 
     def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                      prompt_hooks: list[dict], batch_size: int | None, mode: Numerics
-                      ) -> Iterator[tuple[int, int, str]]:
+                      prompt_hooks: list[dict], batch_size: int | None, mode: Numerics, saes: list[Any],
+                      use_error_term: bool) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         stop_ids = self.tokenizer.stop_ids
         lengths = [len(x) for x in ids]
         for layout in self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False):
-            hooks = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
+            hooks = hooks_lib.attach_saes(hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
+                                          saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
                                                   mode):
@@ -385,17 +417,25 @@ class Model:
         return ids
 
     def _batch_hooks(self, interventions: Sequence[Any], per_prompt: Sequence[Sequence[Any]] | None,
-                     prompt_lens: list[int], total_lens: list[int]) -> tuple[list[dict], list[list[dict]]]:
+                     prompt_lens: list[int], total_lens: list[int], saes: Sequence[Any] = ()
+                     ) -> tuple[list[dict], list[list[dict]], list[Any]]:
         """Each prompt's hooks and intervention specs: the enclosing ``hooks()`` blocks', ``interventions`` and its own
-        ``per_prompt`` ones, all validated before any compute."""
+        ``per_prompt`` ones, all validated before any compute; and the SAEs the batch attaches."""
         if per_prompt is not None and (isinstance(per_prompt, (str, dict)) or len(per_prompt) != len(prompt_lens)):
             raise WorkbenchError(f"per_prompt_interventions needs one list per prompt ({len(prompt_lens)})")
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
-        shared = [i for parsed, _ in scoped for i in parsed] + list(interventions)
-        own = per_prompt if per_prompt is not None else [()] * len(prompt_lens)
-        compiled = hooks_lib.compile_prompt_hooks(self, [shared + list(x) for x in own], prompt_lens, total_lens)
+        shared = [i for parsed, _ in scoped for i in parsed] + [hooks_lib.from_spec(i) for i in interventions]
+        own = []
+        for i, items in enumerate(per_prompt if per_prompt is not None else [()] * len(prompt_lens)):
+            try:
+                own.append([hooks_lib.from_spec(x) for x in items])
+            except WorkbenchError as err:
+                raise type(err)(f"prompt {i}: {err}") from None
+        attached = self._call_saes(saes, [shared, *own])
+        compiled = hooks_lib.compile_prompt_hooks(self, [shared + x for x in own], prompt_lens, total_lens)
         outer = [r.hooks() for _, r in scoped if r is not None]
-        return [hooks_lib.merge_hooks([hooks, *outer]) for hooks, _ in compiled], [specs for _, specs in compiled]
+        return ([hooks_lib.merge_hooks([hooks, *outer]) for hooks, _ in compiled], [specs for _, specs in compiled],
+                attached)
 
     def _batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
                  vocab_rows: bool) -> Iterator[BatchLayout]:
@@ -451,7 +491,8 @@ class Model:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                interventions: Sequence[Any] = (), cache: KVCache | None = None,
-               compiled: bool | None = None) -> Iterator[tuple[int, str]]:
+               compiled: bool | None = None, saes: Sequence[Any] = (), use_error_term: bool = True
+               ) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step.
 
         ``compiled`` builds the decode step with ``torch.compile`` (default: on CUDA only; on the CPU it pays for
@@ -464,7 +505,8 @@ class Model:
         ids = self.to_ids(prompt, chat=chat)
         start = cache.next_position if cache is not None else 0
         with self.numerics_scope():
-            hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens)
+            hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens,
+                                           saes, use_error_term)
             tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks,
                                      cache, compiled)
         return self._with_text(tokens)
@@ -590,6 +632,12 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     checkpoint = load_checkpoint(path, quantize)
     return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics,
                  devices=devices, split=split)
+
+
+def _check_flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise WorkbenchError(f"use_error_term must be True or False, got {value!r}")
+    return value
 
 
 def package_versions() -> dict[str, str]:

@@ -354,3 +354,49 @@ class ExportedVector(BaseModel):
     path: str
     bytes: int
     scale: float
+
+
+class SaeInfo(BaseModel):
+    sae_id: str
+    architecture: str
+    hook: str = Field(description="the hook point it reads (its points are named under it: <hook>.hook_sae_acts_post)")
+    hook_out: str = Field(description="the hook point it writes (a transcoder's output point; else its hook)")
+    d_in: int
+    d_sae: int = Field(description="number of features")
+    k: int | None = None
+    path: str | None = Field(default=None, description="where it was loaded from or saved to, in the artifacts folder")
+
+
+class TokenFeatures(BaseModel):
+    position: int
+    token: str
+    features: list[list[float]] = Field(description="[feature, activation] pairs, strongest first")
+
+
+class SaeFeatures(BaseModel):
+    sae_id: str
+    tokens: list[TokenFeatures]
+
+
+class FeatureExample(BaseModel):
+    activation: float
+    prompt: int = Field(description="index of the prompt")
+    position: int
+    tokens: list[str] = Field(description="the context around the firing token")
+    at: int = Field(description="index of the firing token in tokens")
+
+
+class FeatureExamples(BaseModel):
+    sae_id: str
+    feature: int
+    density: float = Field(description="fraction of the prompts' tokens it fires on")
+    examples: list[FeatureExample]
+    promoted: list[list[Any]] = Field(description="[token, logit] the decoder direction promotes most (empty for "
+                                                  "dictionaries that do not write the residual stream)")
+    suppressed: list[list[Any]]
+
+
+class SaeTrained(BaseModel):
+    sae: SaeInfo
+    summary: dict[str, Any] = Field(description="steps, tokens, seconds, dead fraction and held-out figures (fvu, "
+                                                "ce_recovered, l0, ...)")

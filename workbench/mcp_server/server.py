@@ -17,6 +17,7 @@ from workbench.errors import WorkbenchError, clip
 from workbench.kernels import numerics
 from workbench.mcp_server.state import Limits
 from workbench.mcp_server.tools import TOOLS, Call, Workbench
+from workbench.probes.sae import sae_paths_within
 
 INSTRUCTIONS = """\
 Mechanistic interpretability on a local LLM. Start with model_info and list_hook_points; `run` a prompt with
@@ -50,7 +51,7 @@ async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments
 
     with bench.sessions.using(key) as session:
         def work() -> Any:
-            with numerics(session.numerics), bench.lock:
+            with numerics(session.numerics), bench.lock, sae_paths_within(bench.artifacts.root):
                 call = Call(session, cancelled)
                 call.check()  # cancelled while waiting for the lock
                 return method(call, **arguments)

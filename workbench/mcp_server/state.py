@@ -32,6 +32,8 @@ class Limits:
     max_session_bytes: int = 1 << 30  # their tensors, all together
     max_models: int = 2  # models resident at once (the default one included)
     idle_seconds: float = 1800.0  # a session unused this long is released
+    max_train_seconds: float = 600.0  # one sae_train call
+    max_sae_features: int = 65_536  # features of an SAE sae_train makes
 
 
 class Cancelled(WorkbenchError):

@@ -204,6 +204,8 @@ class Workbench:
             spec["parts"] = [i for part in spec["parts"] for i in self._expand(call, part)]
         if _is_ref(spec.get("donor")):
             spec["donor"] = call.session.get("trace", spec["donor"]["id"])
+        if spec.get("type") in hooks.interventions.FEATURE_KINDS:
+            spec["sae"] = self._sae(call, spec.get("sae"))
         if _is_ref(spec.get("vector")):
             vector = call.session.get("vector", spec["vector"]["id"])
             if "hook" not in spec:
@@ -905,6 +907,124 @@ class Workbench:
                                                            self.model(call))
         vector.source = path  # the artifacts-relative name, not the server's absolute path
         return self._vector_info(call.session.put("vector", vector), vector)
+
+    # -------------------------------------------------------------------------------- sparse autoencoders
+
+    def _sae(self, call: Call, reference: Any) -> Any:
+        """An SAE from {'id': <sae id>} or a path inside the artifacts folder (never a path outside it)."""
+        if _is_ref(reference):
+            return call.session.get("sae", reference["id"])
+        if not isinstance(reference, str):
+            raise WorkbenchError(f"an SAE is {{'id': <sae id>}} (sae_load) or a path in the artifacts folder, got "
+                                 f"{reference!r}")
+        return probes.resolve_sae(self.artifacts.path(reference))  # a folder: load_sae says when nothing is there
+
+    def _sae_info(self, sae_id: str, sae: Any) -> s.SaeInfo:
+        path = sae.source
+        if path is not None and Path(path).is_relative_to(self.artifacts.root):
+            path = self.artifacts.relative(Path(path))
+        return s.SaeInfo(sae_id=sae_id, architecture=sae.architecture, hook=sae.hook, hook_out=sae.hook_out,
+                         d_in=sae.d_in, d_sae=sae.d_sae, k=sae.k, path=path)
+
+    def _prompt_list(self, call: Call, prompts: list[str]) -> list[str]:
+        self._check_count("number of prompts", len(prompts), self.limits.max_batch)
+        model = self.model(call)
+        for prompt in prompts:
+            self._ids(model, prompt)
+        return prompts
+
+    @tool
+    def sae_load(self, call: Call,
+                 path: Annotated[str, Field(description="a SAELens folder (cfg.json + sae_weights.safetensors) or a "
+                                                        "Gemma Scope params.npz, inside the artifacts folder")],
+                 hook: Annotated[str | None, Field(description="the hook it reads, where the file does not say "
+                                                               "(params.npz)")] = None) -> s.SaeInfo:
+        """Load a sparse autoencoder or transcoder into this session, checked against the model; returns its id."""
+        sae = probes.load_sae(self.artifacts.path(path), hook=hook)
+        hooks.check_saes([sae], self.model(call).config)
+        return self._sae_info(call.session.put("sae", sae), sae)
+
+    @tool
+    def sae_features(self, call: Call, prompt: Prompt, sae_id: Annotated[str, Field(description="an SAE id")],
+                     top_k: Annotated[int, Field(description="features per token")] = 5) -> s.SaeFeatures:
+        """The most active features of each token of a prompt."""
+        self._check_count("top_k", top_k, self.limits.max_top_k)
+        sae, model = call.session.get("sae", sae_id), self.model(call)
+        ids = self._ids(model, prompt)
+        call.check()
+        rows = probes.top_features(model, sae, ids, top_k)
+        return s.SaeFeatures(sae_id=sae_id, tokens=[s.TokenFeatures(position=r["position"], token=r["token"],
+                                                                    features=[list(f) for f in r["features"]])
+                                                    for r in rows])
+
+    @tool
+    def feature_top_examples(self, call: Call, sae_id: Annotated[str, Field(description="an SAE id")],
+                             feature: Annotated[int, Field(description="feature index")],
+                             prompts: Annotated[list[str], Field(description="the corpus to search")],
+                             n: Annotated[int, Field(description="how many top contexts")] = 10,
+                             context: Annotated[int, Field(description="tokens shown either side")] = 8
+                             ) -> s.FeatureExamples:
+        """Where a feature fires most over the given prompts (contexts and activations), its density there, and the
+        tokens its decoder direction promotes and suppresses."""
+        sae, model = call.session.get("sae", sae_id), self.model(call)
+        sae.check_feature(feature)
+        self._check_count("n", n, self.limits.max_top_k)
+        self._check_count("context", context + 1, 65)
+        prompts = self._prompt_list(call, prompts)
+        stats = probes.feature_stats(model, sae, prompts, n, progress=lambda done, total: call.check())
+        promoted = probes.promoted_tokens(model, sae, feature) if sae.d_out == model.config.d_model else {
+            "promoted": [], "suppressed": []}
+        return s.FeatureExamples(sae_id=sae_id, feature=feature, density=float(stats.density[feature]),
+                                 examples=[s.FeatureExample(**e) for e in stats.examples(model, feature, context)],
+                                 promoted=[list(p) for p in promoted["promoted"]],
+                                 suppressed=[list(p) for p in promoted["suppressed"]])
+
+    @tool
+    def feature_steer(self, call: Call, prompt: Prompt, sae_id: Annotated[str, Field(description="an SAE id")],
+                      feature: Annotated[int, Field(description="feature index")],
+                      scale: Annotated[float, Field(description="added to the feature's activation")] = 1.0,
+                      positions: Positions = None, targets: Targets = [], top_k: TopK = 10,
+                      chat: Chat = False) -> s.EditResult:
+        """Steer along a feature's decoder direction (its activation plus scale; the SAE's error term kept): baseline
+        vs steered distributions. Feature edits also go into any tool's interventions as {'type': 'feature_steer' |
+        'feature_ablate' | 'feature_clamp', 'sae': {'id': <sae id>}, 'feature': ..., 'scale' | 'value', ...}."""
+        spec: dict[str, Any] = {"type": "feature_steer", "sae": {"id": sae_id}, "feature": feature, "scale": scale}
+        if positions is not None:
+            spec["positions"] = positions
+        return self._compare(call, prompt, [spec], chat, top_k, targets)
+
+    @tool
+    def sae_train(self, call: Call, hook: Hook,
+                  path: Annotated[str, Field(description="folder to save it to, inside the artifacts folder")],
+                  d_sae: Annotated[int, Field(description="number of features")] = 4608,
+                  k: Annotated[int, Field(description="active features per token (TopK)")] = 32,
+                  hook_out: Annotated[str | None, Field(description="train a transcoder writing this point "
+                                                                    "(e.g. blocks.3.hook_mlp_out)")] = None,
+                  prompts: Annotated[list[str] | None, Field(description="training prompts; omitted: prose shipped "
+                                                                         "with Python (docstrings, help topics)")
+                                     ] = None,
+                  max_seconds: Annotated[float, Field(description="training time budget (the server caps it)")
+                                         ] = 60.0,
+                  batch_tokens: Annotated[int, Field(description="tokens per training step")] = 1024,
+                  seed: Seed = 0) -> s.SaeTrained:
+        """Train a TopK SAE (or transcoder) on a hook within a time budget; held-out figures (FVU, CE loss
+        recovered, L0, dead features); saved in SAELens' format and kept in this session."""
+        model = self.model(call)
+        if not 0 < max_seconds <= self.limits.max_train_seconds:
+            raise WorkbenchError(f"max_seconds must be in (0, {self.limits.max_train_seconds}], got {max_seconds}")
+        self._check_count("d_sae", d_sae, self.limits.max_sae_features)
+        folder = self.artifacts.target(path)
+        corpus = self._prompt_list(call, prompts) if prompts is not None else probes.python_docs_corpus()
+        if len(corpus) < 2:
+            raise WorkbenchError("training needs at least two prompts (one is held out)")
+        heldout = corpus[-max(1, len(corpus) // 20):][:64]
+        train = corpus[:len(corpus) - len(heldout)]
+        result = probes.train_sae(model, train, hook, d_sae=d_sae, k=k, hook_out=hook_out, max_seconds=max_seconds,
+                                  heldout=heldout, seed=seed, buffer_prompts=64, batch_tokens=batch_tokens,
+                                  progress=lambda done, total: call.check())
+        result.sae.save(folder)
+        return s.SaeTrained(sae=self._sae_info(call.session.put("sae", result.sae), result.sae),
+                            summary=result.summary())
 
     # --------------------------------------------------------------------------------------- artifacts
 
