@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from workbench.config import ModelConfig
 from workbench.errors import WorkbenchError
 
 if TYPE_CHECKING:  # the results layer sits above this module: imported where used
@@ -185,8 +186,12 @@ def model_mismatch(fingerprint: dict[str, Any], model: Any) -> str | None:
     if sha != model.file_sha256:
         return f"weights sha256 {str(sha)[:12]}... vs this model's {model.file_sha256[:12]}..."
     config = model.config.to_dict()
-    differing = sorted(k for k in config.keys() | fingerprint.get("config", {}).keys()
-                       if config.get(k) != fingerprint.get("config", {}).get(k))
+    recorded = fingerprint.get("config", {})
+    try:  # a trace from before a setting existed recorded its default
+        recorded = ModelConfig(**recorded).to_dict()
+    except TypeError:
+        pass
+    differing = sorted(k for k in config.keys() | recorded.keys() if config.get(k) != recorded.get(k))
     if differing:
         return f"config differs in {', '.join(differing)}"
     formats = fingerprint.get("formats")
