@@ -35,6 +35,7 @@ _AXES = {
 _TOKEN_MAJOR = Axes(0, None, 1)
 
 
+@lru_cache(maxsize=4096)  # called for every recorded point of every prompt
 def axes(name: str) -> Axes:
     """Axis layout of a hook point by its name."""
     suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
