@@ -144,3 +144,11 @@ def test_batches_slide_as_single_prompts(family, tiny_model):
         torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=1e-5, atol=1e-5)
     batched = model.generate_batch(prompts, 6, temperature=0.0)
     assert batched == [model.generate(p, 6, temperature=0.0) for p in prompts]
+
+
+def test_direct_logit_attribution_refuses_post_norm_families(tiny_model):
+    from workbench import probes
+    from workbench.errors import WorkbenchError
+
+    with pytest.raises(WorkbenchError, match="gemma2 norms that output first"):
+        probes.direct_logit_attribution(tiny_model("gemma2", "Q8_0", device="cpu"), IDS, 5)
