@@ -9,6 +9,7 @@ file is reported instead of read. Nothing is pickled, and nothing is read or wri
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from workbench.config import ModelConfig
 from workbench.errors import WorkbenchError, clip, shorten
 
 from .points import axes
@@ -318,6 +320,10 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                    if f.default is not dataclasses.MISSING}
+
+
 def model_mismatch(fingerprint: dict[str, Any], model: Any) -> str | None:
     """Why a trace's fingerprint does not describe ``model`` (weights hash, config, tensor formats), or None."""
     sha = fingerprint.get("sha256")
@@ -326,6 +332,8 @@ def model_mismatch(fingerprint: dict[str, Any], model: Any) -> str | None:
     # compared as JSON gives them back: a saved fingerprint's tuples (sliding_layers) come back as lists
     config, recorded = json.loads(json.dumps(model.config.to_dict())), fingerprint.get("config")
     recorded = json.loads(json.dumps(recorded, default=str)) if isinstance(recorded, dict) else {}
+    # a trace from before a setting existed recorded its default
+    recorded = {**json.loads(json.dumps(_CONFIG_DEFAULTS)), **recorded}
     differing = sorted(str(k) for k in config.keys() | recorded.keys() if config.get(k) != recorded.get(k))
     if differing:
         return f"config differs in {clip(', '.join(differing), 200)}"

@@ -69,9 +69,18 @@ class Attribution:
 RECORD = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out", "ln_final.hook_scale"]
 
 
+def check_linear_heads(model: Any) -> None:
+    """Refuse a family whose attention output is normed before it joins the stream (Gemma 2/3, OLMo 2): the heads'
+    outputs no longer add up to what the stream receives."""
+    if model.config.arch.post_norms:
+        raise WorkbenchError(f"direct logit attribution splits attention into heads that add up to its output; "
+                             f"{model.config.architecture} norms that output first, so its heads do not add up")
+
+
 def direct_logit_attribution(model: Any, prompt: str | Sequence[int], target: int | str,
                              baseline: int | str | None = None, position: int = -1, chat: bool = False) -> Attribution:
     """Split the logit of ``target`` (minus ``baseline``'s, when given) at ``position`` over the components."""
+    check_linear_heads(model)
     target_id = token_id(model, target)
     baseline_id = None if baseline is None else token_id(model, baseline)
     return _attribution(model, model.run(prompt, record=RECORD, chat=chat), target_id, baseline_id, position)
@@ -91,6 +100,7 @@ def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[
             raise WorkbenchError(f"{what} needs one token per prompt ({len(prompts)}), got {len(tokens)}")
         return [token_id(model, t) for t in tokens]
 
+    check_linear_heads(model)
     target_ids, baseline_ids = per_prompt(targets, "targets"), per_prompt(baselines, "baselines")
     ids = model.batch_ids(prompts, chat)  # run as ids: the chat template is applied once, here
     for i, prompt_ids in enumerate(ids):

@@ -132,3 +132,36 @@ def test_info_names_the_family_features(tiny_model):
     info = tiny_model("gemma2", "Q8_0", device="cpu").info()
     assert "attention-logit and final-logit soft-capping" in info["family"]["features"]
     assert info["family"]["sliding_window"] == 4
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_batches_slide_as_single_prompts(family, tiny_model):
+    """Batched runs (padded to the longest prompt, a shared prefix computed once) and batched greedy decoding through
+    a BatchKVCache mask each sliding layer's window by position as one prompt at a time does."""
+    model = tiny_model(family, "Q8_0", device="cpu")
+    prompts = [IDS, IDS[:5], IDS[:3] + [7, 8, 9, 10, 11, 12, 13, 14, 15], [9] * 20 + IDS, [9] * 20 + [1, 2, 3]]
+    for prompt, trace in zip(prompts, model.run_batch(prompts)):
+        torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=1e-5, atol=1e-5)
+    batched = model.generate_batch(prompts, 6, temperature=0.0)
+    assert batched == [model.generate(p, 6, temperature=0.0) for p in prompts]
+
+
+def test_direct_logit_attribution_refuses_post_norm_families(tiny_model):
+    from workbench import probes
+    from workbench.errors import WorkbenchError
+
+    with pytest.raises(WorkbenchError, match="gemma2 norms that output first"):
+        probes.direct_logit_attribution(tiny_model("gemma2", "Q8_0", device="cpu"), IDS, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "olmo2"])
+def test_cuda_matches_cpu(family, tiny_model):
+    """On CUDA (Triton glue, fused projections, the compiled decode step) each family computes what it computes on the
+    CPU: float32 logits within 1e-4, and greedy decoding past the window gives the same tokens, compiled or not."""
+    cpu = tiny_model(family, "Q8_0", device="cpu")
+    cuda = tiny_model(family, "Q8_0", device="cuda", dtype=torch.float32)
+    assert (cuda.forward(IDS).cpu() - cpu.forward(IDS)).abs().max().item() < 1e-4
+    expected = cpu.generate(IDS, 12, temperature=0.0)
+    assert cuda.generate(IDS, 12, temperature=0.0, compiled=False) == expected
+    assert cuda.generate(IDS, 12, temperature=0.0, compiled=True) == expected

@@ -82,7 +82,8 @@ class ModelConfig:
         return {"name": self.architecture, "features": list(self.arch.features), **settings}
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as JSON keeps them (lists for tuples), so a saved fingerprint compares equal."""
+        return {**asdict(self), "sliding_layers": list(self.sliding_layers)}
 
     @property
     def n_params(self) -> int:

@@ -1,0 +1,203 @@
+"""Produce the llama.cpp fixtures of every model family in tests/fixtures/families/ (needs the `reference` extra and
+llama.cpp's source tree for its converter).
+
+    pip install --no-deps llama-cpp-python
+    python scripts/make_family_fixtures.py --llama-cpp path/to/llama.cpp   # the tree with convert_hf_to_gguf.py
+
+For each family: a tiny random transformers checkpoint (``workbench.synthetic.random_hf_checkpoint``, fixed seed),
+converted to an F32 GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` and quantized by llama.cpp
+(``llama_model_quantize``) to Q8_0 and Q4_K_M. Writes, per family and format, the quantized GGUF (tens of KB:
+d_model 64, whose rows are too short for K-quant blocks, so Q4_K_M falls back to Q5_0/Q5_1/Q8_0 as llama.cpp's
+quantizer does) and llama.cpp's top log-probabilities at every position of a few prompts (and the tail's mass), its token
+ids for the fixture strings, and, as a check of the converter's layout, our forward on the F32 GGUF against
+transformers (the script fails above 1e-4).
+
+The random tokenizers are a tiny SentencePiece model trained here (llama, Gemma, Phi-3) and the byte-level BPE of
+``workbench.synthetic`` (OLMo 2, whose converter reads tokenizer.json); the converter knows neither BPE pre-tokenizer
+hash, so it is told "default".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "families"
+FORMATS = {"Q8_0": 7, "Q4_K_M": 15}  # llama_ftype values
+# family -> n_layers: Gemma 3 needs six for llama.cpp's default layout to reach a global layer
+FAMILIES = {"llama": 2, "gemma2": 2, "gemma3": 6, "phi3": 2, "olmo2": 2}
+SPM_VOCAB = 320
+# weights 15x transformers' default spread: next-token distributions as peaked as a real model's (top-1 probability
+# ~0.1-0.5 instead of ~1/vocab), so that a wrong computation shows in KL and top-1
+INIT = 0.3
+TOP = 48  # log-probabilities kept per position (of 273-320), the rest lumped into one tail bucket
+CORPUS = [
+    "The capital of France is Paris, and the capital of Italy is Rome.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)",
+    "Water boils at 100 degrees Celsius, which is 212 degrees Fahrenheit.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
+    "Les chats sont des animaux tres independants et curieux.",
+    "1, 2, 3, 5, 8, 13, 21, 34, 55, 89 are Fibonacci numbers.",
+    "Interpretability researchers record, ablate, steer and patch activations.",
+] * 20
+PROMPTS = [
+    "The capital of France is Paris, and the capital of Italy is",
+    "Once upon a time, in a small village by the sea, there lived",
+    "def fibonacci(n):\n    if n < 2:\n        return n",
+]
+TOKENIZER_STRINGS = PROMPTS + ["Hello world", "  two  spaces", "ünïcödé and emoji 🙂", "tab\tand\nnewline"]
+
+
+def train_sentencepiece(out: Path) -> None:
+    import sentencepiece as spm
+
+    corpus = out / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS) + "\n")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(out / "tokenizer"), vocab_size=SPM_VOCAB, model_type="bpe",
+        byte_fallback=True, num_threads=1, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        add_dummy_prefix=False, minloglevel=2)
+
+
+def make_checkpoint(family: str, folder: Path, spm_dir: Path):
+    from workbench.synthetic import random_hf_checkpoint, tokenizer_metadata
+    from workbench.tokenizer import Tokenizer
+
+    if family == "olmo2":
+        model = random_hf_checkpoint(family, folder, n_layers=FAMILIES[family], tie=False,  # as llama.cpp needs it
+                                     initializer_range=INIT)
+        (folder / "tokenizer.json").write_text(Tokenizer.from_gguf_metadata(tokenizer_metadata()).to_hf_json())
+        (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+        return model
+    # llama.cpp uses sqrt(d_head) as Gemma's query scale whatever the config says
+    settings = {"query_pre_attn_scalar": 16} if family.startswith("gemma") else {}
+    if family == "gemma2":
+        settings["final_logit_softcapping"] = 15.0
+    if family == "gemma3":  # llama.cpp's default layout (every sixth layer global), which its converter assumes
+        settings["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
+    model = random_hf_checkpoint(family, folder, vocab_size=SPM_VOCAB, n_layers=FAMILIES[family],
+                                 initializer_range=INIT, **settings)
+    (folder / "tokenizer.model").write_bytes((spm_dir / "tokenizer.model").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    return model
+
+
+def convert(llama_cpp: Path, folder: Path, out: Path) -> None:
+    """llama.cpp's converter in a process of its own (its gguf-py, not the installed gguf)."""
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']\n"
+        "import conversion.base as base\n"
+        "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'default'\n"
+        "import convert_hf_to_gguf\n"
+        "sys.argv = ['convert_hf_to_gguf.py', sys.argv[2], '--outfile', sys.argv[3], '--outtype', 'f32']\n"
+        "convert_hf_to_gguf.main()\n"
+    )
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    subprocess.run([sys.executable, "-c", code, str(llama_cpp), str(folder), str(out)], check=True, env=env,
+                   stdout=subprocess.DEVNULL)
+
+
+def quantize(source: Path, out: Path, ftype: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source}")
+
+
+def without_extra_buffer_types(llama_cpp) -> None:
+    """Make ``llama_cpp.Llama`` load models without ggml's extra CPU buffer types: its AMX matmul crashes where the
+    CPU has AMX but the machine does not grant its tile state (seen on a cloud VM); the plain CPU kernels compute the
+    same products."""
+    bindings = llama_cpp.llama_cpp  # the module ``Llama`` reads them from
+    default = bindings.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    bindings.llama_model_default_params = params
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def main() -> None:
+    import llama_cpp
+
+    import workbench
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    without_extra_buffer_types(llama_cpp)
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    source = {"llama_cpp_python": llama_cpp.__version__, "machine": platform.machine(), "threads": args.threads}
+    summary = {**source, "families": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train_sentencepiece(tmp)
+        for family in FAMILIES:
+            # a folder name without the family's: llama.cpp gives a model named "phi3" Phi-3's special tokens
+            folder = tmp / family / "model"
+            reference = make_checkpoint(family, folder, tmp)
+            f32 = tmp / f"{family}-f32.gguf"
+            convert(args.llama_cpp, folder, f32)
+            ours = workbench.load(f32, device="cpu")
+            ids = list(range(3, 40))
+            with torch.no_grad():
+                expected = reference(torch.tensor([ids])).logits[0].float()
+            float_diff = (ours.forward(ids) - expected).abs().max().item()
+            if float_diff > 1e-4:
+                raise SystemExit(f"{family}: our forward on the converted F32 GGUF is {float_diff:.2e} from transformers")
+            entry = {"converted_f32_vs_transformers_max_abs_diff": float_diff}
+            for fmt, ftype in FORMATS.items():
+                path = FIXTURES / f"{family}-{fmt}.gguf"
+                quantize(f32, path, ftype)
+                llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=args.threads,
+                                      seed=0)
+                tensors, prompts = {}, []
+                for i, prompt in enumerate(PROMPTS):
+                    prompt_ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+                    llm.reset()
+                    llm.eval(prompt_ids)
+                    logprobs = log_softmax(np.array(llm.scores[: len(prompt_ids)], dtype=np.float32))
+                    top_ids = np.argsort(-logprobs, axis=-1)[:, :TOP]
+                    top_lp = np.take_along_axis(logprobs, top_ids, axis=-1)
+                    tail = np.log1p(-np.minimum(np.exp(top_lp).sum(-1), 1 - 1e-12))
+                    tensors[f"prompt{i}.top_ids"] = torch.from_numpy(top_ids.astype(np.int32))
+                    tensors[f"prompt{i}.top_logprobs"] = torch.from_numpy(top_lp.astype(np.float32))
+                    tensors[f"prompt{i}.tail_logprob"] = torch.from_numpy(tail.astype(np.float32))
+                    prompts.append({"text": prompt, "ids": [int(t) for t in prompt_ids]})
+                save_file(tensors, FIXTURES / f"{family}-{fmt}.logprobs.safetensors")
+                max_tail = max(float(np.exp(t).max()) for k, t in tensors.items() if k.endswith("tail_logprob"))
+                tokens = [{"text": t, "ids": [int(x) for x in llm.tokenize(t.encode(), add_bos=True, special=True)]}
+                          for t in TOKENIZER_STRINGS]
+                entry[fmt] = {"gguf_bytes": path.stat().st_size, "max_tail_mass": max_tail, "prompts": prompts,
+                              "tokens": tokens}
+                del llm
+            summary["families"][family] = entry
+            print(f"{family}: F32 conversion within {float_diff:.1e} of transformers")
+    (FIXTURES / "llamacpp_families.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote fixtures for {len(FAMILIES)} families to {FIXTURES}")
+
+
+if __name__ == "__main__":
+    main()
