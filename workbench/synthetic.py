@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workbench.config import ModelConfig
+from workbench import moe as moe_lib
+from workbench.config import ModelConfig, MoEConfig
 from workbench.kernels import QuantTensor
 from workbench.loading import ARCHITECTURES, LoadedCheckpoint
 from workbench.quant_mix import matrix_format
@@ -64,14 +65,21 @@ def tokenizer_metadata(n_merges: int = 64) -> dict:
 
 def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int = 64, n_heads: int = 4,
                   n_kv_heads: int = 2, d_mlp: int = 128, vocab_size: int | None = None, n_ctx: int = 256,
-                  d_head: int | None = None, tied_embeddings: bool = True) -> ModelConfig:
+                  d_head: int | None = None, tied_embeddings: bool = True, n_experts: int = 0,
+                  n_experts_used: int = 2, d_expert: int | None = None, d_shared_expert: int = 0) -> ModelConfig:
+    """A model config; with ``n_experts`` (a "qwen2moe"/"qwen3moe" architecture: 4 by default) every block's MLP is
+    that many experts of ``d_expert`` (default ``d_mlp``) hidden units, ``n_experts_used`` per token, weighted as
+    llama.cpp weights that architecture's (Mixtral is "llama" with experts)."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
     vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    n_experts = n_experts or (4 if architecture.endswith("moe") else 0)
+    moe = MoEConfig(n_experts, n_experts_used, d_expert or d_mlp, normalize_weights=architecture != "qwen2moe",
+                    d_shared_expert=d_shared_expert) if n_experts else None
     return ModelConfig(architecture=architecture, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
                        n_kv_heads=n_kv_heads, d_head=d_head or d_model // n_heads, d_mlp=d_mlp, vocab_size=vocab,
                        n_ctx=n_ctx, rope_base=10000.0, rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
-                       name=f"random-{architecture}", **ARCHITECTURES[architecture])
+                       name=f"random-{architecture}", moe=moe, **ARCHITECTURES[architecture])
 
 
 def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: torch.Generator | None = None,
@@ -102,6 +110,24 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
             raise ValueError(f"{name}: rows of {cols} values fit no block of {fmt}")
         return random_matrix(rows, cols, matrix_fmt.name, std, g, device, distinct_rows)
 
+    def experts(i: int) -> moe_lib.MoEWeights:
+        m, p = c.moe, f"blk.{i}."
+        rows, f, s = m.n_experts * m.d_expert, m.d_expert, m.d_shared_expert
+        shared = dict(shared_gate=matrix(p + "ffn_gate_shexp.weight", s, c.d_model, std),
+                      shared_up=matrix(p + "ffn_up_shexp.weight", s, c.d_model, std),
+                      shared_down=matrix(p + "ffn_down_shexp.weight", c.d_model, s, s**-0.5),
+                      shared_router=QuantTensor.from_floats(torch.randn(1, c.d_model, generator=g, device=device)
+                                                            * std)) if s else {}
+        # the router stays float32, as llama.cpp's quantizer leaves it
+        router = QuantTensor.from_floats(torch.randn(m.n_experts, c.d_model, generator=g, device=device) * std)
+        return moe_lib.MoEWeights(router=router, gate=matrix(p + "ffn_gate_exps.weight", rows, c.d_model, std),
+                                  up=matrix(p + "ffn_up_exps.weight", rows, c.d_model, std),
+                                  down=matrix(p + "ffn_down_exps.weight", m.n_experts * c.d_model, f, f**-0.5),
+                                  **shared)
+
+    def dense(name: str, rows: int, cols: int, std: float) -> QuantTensor | None:
+        return None if c.moe else matrix(name, rows, cols, std)
+
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
 
@@ -116,12 +142,13 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
             wk=matrix(f"blk.{i}.attn_k.weight", kv_dim, c.d_model, std),
             wv=matrix(f"blk.{i}.attn_v.weight", kv_dim, c.d_model, std),
             wo=matrix(f"blk.{i}.attn_output.weight", c.d_model, q_dim, q_dim**-0.5), mlp_norm=norm(c.d_model),
-            w_gate=matrix(f"blk.{i}.ffn_gate.weight", c.d_mlp, c.d_model, std),
-            w_up=matrix(f"blk.{i}.ffn_up.weight", c.d_mlp, c.d_model, std),
-            w_down=matrix(f"blk.{i}.ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
+            w_gate=dense(f"blk.{i}.ffn_gate.weight", c.d_mlp, c.d_model, std),
+            w_up=dense(f"blk.{i}.ffn_up.weight", c.d_mlp, c.d_model, std),
+            w_down=dense(f"blk.{i}.ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
             bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
             bv=bias(kv_dim) if c.qkv_bias else None,
             q_norm=norm(c.d_head) if c.qk_norm else None, k_norm=norm(c.d_head) if c.qk_norm else None,
+            moe=experts(i) if c.moe else None,
         )
         for i in range(c.n_layers)
     ]
@@ -156,10 +183,19 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
     writer.add_rope_freq_base(config.rope_base)
     writer.add_layer_norm_rms_eps(config.rms_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.moe is not None:
+        m = config.moe
+        writer.add_expert_count(m.n_experts)
+        writer.add_expert_used_count(m.n_experts_used)
+        writer.add_expert_feed_forward_length(m.d_expert)
+        writer.add_expert_weights_norm(m.normalize_weights)
+        if m.d_shared_expert:
+            writer.add_expert_shared_feed_forward_length(m.d_shared_expert)
     for key, value in (metadata or tokenizer_metadata()).items():
         _add_metadata(writer, key, value)
 
-    def add(name: str, tensor: QuantTensor | torch.Tensor | None) -> None:
+    def add(name: str, tensor: QuantTensor | torch.Tensor | None, shape: tuple[int, ...] | None = None) -> None:
+        """``shape`` (torch order) for a tensor that is not 2-D: a vector's, or stacked experts' [n_experts, ...]."""
         if tensor is None:
             return
         if isinstance(tensor, torch.Tensor):  # norms and biases are stored F32
@@ -167,6 +203,8 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
             data = tensor.data.cpu().numpy().reshape(-1)
         else:
             data = tensor.data.cpu().numpy()
+            if shape is not None:
+                data = data.reshape(*shape[:-1], -1)
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
 
     add("token_embd.weight", weights.embed)
@@ -180,6 +218,9 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
                             ("ffn_gate.weight", layer.w_gate), ("ffn_up.weight", layer.w_up),
                             ("ffn_down.weight", layer.w_down)]:
             add(p + name, value)
+        if layer.moe is not None:
+            for name, value, shape in moe_lib.gguf_tensors(p, layer.moe):
+                add(name, value, shape)
     add("output_norm.weight", weights.final_norm)
     if weights.unembed is not weights.embed:
         add("output.weight", weights.unembed)
