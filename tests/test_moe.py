@@ -76,7 +76,8 @@ def reference_moe_logits(model, ids: list[int]) -> torch.Tensor:
         down_all = w.down.dequantize().double().view(m.n_experts, c.d_model, m.d_expert)
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
-            probs = (w.router.dequantize().double() @ x[t]).softmax(-1)
+            logits = w.router.dequantize().double() @ x[t]
+            probs = logits.softmax(-1) if m.gating == "softmax" else logits.sigmoid()
             top = probs.topk(m.n_experts_used).indices
             weights = probs[top] / (probs[top].sum() if m.normalize_weights else 1)
             for e, weight in zip(top.tolist(), weights):
@@ -137,6 +138,31 @@ def test_gguf_missing_expert_tensor_is_named(tiny_checkpoint, tmp_path, monkeypa
     path = write_gguf(tmp_path / "cut.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
     with pytest.raises(ModelLoadError, match="blk.1.ffn_up_exps.weight is missing"):
         workbench.load(path)
+
+
+def test_sigmoid_routing_matches_per_token_reference(tiny_checkpoint):
+    """Sigmoid gating (llama.cpp's expert_gating_func 2), on a Qwen3-MoE-shaped model."""
+    from dataclasses import replace
+
+    from workbench.loading import LoadedCheckpoint
+
+    checkpoint = tiny_checkpoint("qwen3moe", n_experts=8, n_experts_used=3)
+    config = replace(checkpoint.config, moe=replace(checkpoint.config.moe, gating="sigmoid"))
+    model = workbench.Model(LoadedCheckpoint(config, checkpoint.weights, checkpoint.tokenizer, checkpoint.path,
+                                             checkpoint.metadata), "cpu")
+    ours, reference = model.forward(IDS), reference_moe_logits(model, IDS)
+    assert (ours - reference).abs().max().item() < 1e-3 * reference.abs().max().item()
+    assert not torch.allclose(ours, workbench.Model(checkpoint, "cpu").forward(IDS), atol=1e-3)
+
+
+def test_quantize_on_load_keeps_the_router_float(hf_moe):
+    _, path = hf_moe("qwen2moe")
+    exact, quantized = workbench.load(path, device="cpu"), workbench.load(path, device="cpu", quantize="Q8_0")
+    formats = quantized.tensor_formats()
+    assert formats["blocks.0.moe.router"] == "F32"  # as llama.cpp's quantizer leaves ffn_gate_inp
+    assert formats["blocks.0.moe.gate"] == formats["blocks.1.moe.shared_gate"] == "Q8_0"
+    # Q8_0's rounding, on logits of magnitude ~1 (a close routing choice may flip)
+    assert 0 < (quantized.forward(IDS) - exact.forward(IDS)).abs().max().item() < 0.1
 
 
 # ------------------------------------------------------------------------------------------- hook points

@@ -100,7 +100,8 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
     The routing is computed in float32 from the router logits: probabilities (softmax over all experts, or sigmoid),
     the top ``n_experts_used`` by probability, their probabilities as weights (normalized to sum to one where the
     model does so). A hook that replaces the chosen experts gets their weights from the same probabilities."""
-    logits = point(names["mlp.hook_router_logits"], linear(x, w.router).float(), layer)
+    # the router in float32 whatever the activations' dtype: a choice between experts turns on small differences
+    logits = point(names["mlp.hook_router_logits"], linear(x.float(), w.router), layer)
     probs = logits.softmax(dim=-1) if moe.gating == "softmax" else logits.sigmoid()
     indices = probs.topk(moe.n_experts_used, dim=-1).indices
     if point.wants(names["mlp.hook_expert_indices"]):
