@@ -8,8 +8,7 @@ from functools import lru_cache
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError
-from workbench.moe import MOE_POINTS, SHARED_POINTS
-from workbench.runner import BLOCK_POINTS, GLOBAL_POINTS, hook_point_names
+from workbench.runner import GLOBAL_POINTS, block_points, hook_point_names
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,10 @@ _AXES = {
     "attn.hook_rot_q": Axes(0, 1, 2), "attn.hook_rot_k": Axes(0, 1, 2), "attn.hook_z": Axes(0, 1, 2),
     "attn.hook_result": Axes(0, 1, 2),
     "attn.hook_attn_scores": Axes(1, 0, None), "attn.hook_pattern": Axes(1, 0, None),
+    "attn.q_norm.hook_scale": Axes(0, 1, None), "attn.k_norm.hook_scale": Axes(0, 1, None),
+    "attn.q_norm.hook_normalized": Axes(0, 1, 2), "attn.k_norm.hook_normalized": Axes(0, 1, 2),
     "ln1.hook_scale": Axes(0, None, None), "ln2.hook_scale": Axes(0, None, None),
+    "ln1_post.hook_scale": Axes(0, None, None), "ln2_post.hook_scale": Axes(0, None, None),
     "ln_final.hook_scale": Axes(0, None, None),
     "mlp.hook_expert_indices": Axes(0, None, None), "mlp.hook_expert_weights": Axes(0, None, None),
     "mlp.hook_expert_out": Axes(0, None, 2),  # [T, top_k, d_model]: a vector added reaches every chosen expert
@@ -35,6 +37,7 @@ _AXES = {
 _TOKEN_MAJOR = Axes(0, None, 1)
 
 
+@lru_cache(maxsize=4096)  # called for every recorded point of every prompt
 def axes(name: str) -> Axes:
     """Axis layout of a hook point by its name."""
     suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
@@ -56,7 +59,6 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
             "d_head": config.d_head, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
     if config.moe is not None:
         dims.update(n_experts=config.moe.n_experts, top_k=config.moe.n_experts_used)
-    shapes = {**BLOCK_POINTS, **MOE_POINTS, **SHARED_POINTS}
 
     def fill(shape: str) -> str:
         for key, value in dims.items():
@@ -64,9 +66,10 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
         return shape
 
     out = []
-    for name in hook_point_names(config.n_layers, config.moe):
+    blocks = block_points(config)
+    for name in hook_point_names(config):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
-        out.append((name, fill(shapes.get(suffix) or GLOBAL_POINTS[suffix])))
+        out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix])))
     return tuple(out)
 
 
@@ -90,7 +93,7 @@ def _token_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
 def head_count(name: str, config: ModelConfig) -> int | None:
     if axes(name).head is None:
         return None
-    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) else config.n_heads
+    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) or ".k_norm." in name else config.n_heads
 
 
 def feature_size(name: str, config: ModelConfig) -> int | None:
@@ -109,7 +112,7 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
 
 def resolve(pattern: str, config: ModelConfig) -> list[str]:
     """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``)."""
-    names = hook_point_names(config.n_layers, config.moe)
+    names = hook_point_names(config)
     if not isinstance(pattern, str) or not pattern:
         raise HookError(f"a hook name must be a non-empty string, got {pattern!r}")
     if any(ch in pattern for ch in "*?["):

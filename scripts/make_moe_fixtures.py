@@ -29,8 +29,10 @@ from moe_reference import FAMILIES, convert_with_llama_cpp, hf_moe_model  # noqa
 FIXTURES = ROOT / "tests" / "fixtures" / "moe"
 SEQUENCES = [[5, 77, 120, 3, 250, 9, 14, 200, 31, 64], [40, 41, 42, 100, 101, 7, 7, 7, 263, 80, 90, 12]]
 # quantization -> (llama.cpp file type, the checkpoint's size)
-QUANTS = {"Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", dict(d_model=64, d_expert=48, n_layers=2)),
-          "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", dict(d_model=256, d_expert=256, n_layers=1))}
+QUANTS = {"Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", dict(n_layers=2)),
+          "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", dict(n_layers=1, hidden_size=256, intermediate_size=256,
+                                                       moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                                                       head_dim=64))}
 
 
 def quantize(source: Path, out: Path, ftype: str) -> None:

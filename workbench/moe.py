@@ -34,7 +34,7 @@ DENSE_MLP_POINTS = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 _MIN_WEIGHT_SUM = 6.103515625e-5
 
 
-def block_points(dense_points: dict[str, str], moe: MoEConfig | None) -> dict[str, str]:
+def with_moe_points(dense_points: dict[str, str], moe: MoEConfig | None) -> dict[str, str]:
     """A block's hook points with their shapes: the dense block's, with the MLP's points replaced for an MoE block."""
     if moe is None:
         return dense_points
@@ -47,15 +47,6 @@ def block_points(dense_points: dict[str, str], moe: MoEConfig | None) -> dict[st
         if name not in DENSE_MLP_POINTS:
             out[name] = shape
     return out
-
-
-def describe_moe(moe: MoEConfig) -> str:
-    """One line naming an MoE model's features (``workbench info``)."""
-    weights = "normalized" if moe.normalize_weights else "as routed"
-    scale = f" x {moe.weights_scale:g}" if moe.weights_scale != 1.0 else ""
-    shared = f"; shared expert of {moe.d_shared_expert} gated by sigmoid" if moe.d_shared_expert else ""
-    return (f"mixture of experts: {moe.n_experts} experts of {moe.d_expert}, {moe.n_experts_used} per token by "
-            f"{moe.gating} routing, weights {weights}{scale}{shared}")
 
 
 @dataclass
@@ -95,7 +86,8 @@ def _rows(w: QuantTensor, e: int, n_experts: int) -> QuantTensor:
 
 
 def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[str, str], layer: int) -> torch.Tensor:
-    """The MoE MLP of normalized ``x`` ``[T, d_model]``, through its hook points (``point(name, value, layer)``).
+    """The MoE MLP of normalized ``x`` ``[T, d_model]``, through its hook points (``point(name, value, layer)``; the
+    forward fires ``hook_mlp_out`` on what it returns).
 
     The routing is computed in float32 from the router logits: probabilities (softmax over all experts, or sigmoid),
     the top ``n_experts_used`` by probability, their probabilities as weights (normalized to sum to one where the
@@ -120,7 +112,7 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
         gate, up = linear_parts(x, (w.shared_gate, w.shared_up))
         shared = linear(layer_ops.swiglu(gate, up), w.shared_down) * linear(x, w.shared_router).sigmoid()
         out = out + point(names["mlp.hook_shared_expert_out"], shared, layer)
-    return point(names["hook_mlp_out"], out, layer)
+    return out
 
 
 def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights) -> torch.Tensor:

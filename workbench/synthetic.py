@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from workbench import moe as moe_lib
+from workbench.architectures import ARCHITECTURES, GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig, MoEConfig
 from workbench.kernels import QuantTensor
-from workbench.loading import ARCHITECTURES, LoadedCheckpoint
+from workbench.loading import LoadedCheckpoint, row_ranges, swa_layers
 from workbench.quant_mix import matrix_format
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
@@ -63,23 +64,43 @@ def tokenizer_metadata(n_merges: int = 64) -> dict:
     }
 
 
+# Each family's special settings in a random model, small enough that a short prompt crosses the sliding window.
+FAMILY_SETTINGS: dict[str, dict] = {
+    "gemma2": dict(sliding_window=4, attn_softcap=50.0, final_softcap=30.0),
+    "gemma3": dict(sliding_window=4, rope_base=1e6, rope_base_local=10000.0),
+    "phi3": dict(partial_rotary=0.5),
+}
+
+
 def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int = 64, n_heads: int = 4,
                   n_kv_heads: int = 2, d_mlp: int = 128, vocab_size: int | None = None, n_ctx: int = 256,
-                  d_head: int | None = None, tied_embeddings: bool = True, n_experts: int = 0,
-                  n_experts_used: int = 2, d_expert: int | None = None, d_shared_expert: int = 0) -> ModelConfig:
-    """A model config; with ``n_experts`` (a "qwen2moe"/"qwen3moe" architecture: 4 by default) every block's MLP is
-    that many experts of ``d_expert`` (default ``d_mlp``) hidden units, ``n_experts_used`` per token, weighted as
-    llama.cpp weights that architecture's (Mixtral is "llama" with experts)."""
+                  d_head: int | None = None, tied_embeddings: bool = True, n_experts: int = 0, n_experts_used: int = 2,
+                  d_expert: int | None = None, d_shared_expert: int = 0, **settings) -> ModelConfig:
+    """A small config of ``architecture`` with its family's special features on (``FAMILY_SETTINGS``); ``settings``
+    set any other ModelConfig field (``sliding_window=4`` on llama: Mistral with a window), or ``partial_rotary``, the
+    fraction of each head the rope turns. Sliding-window families alternate sliding and global layers.
+
+    With ``n_experts`` (a "qwen2moe"/"qwen3moe" architecture: 4 by default) every block's MLP is that many experts of
+    ``d_expert`` (default ``d_mlp``) hidden units, ``n_experts_used`` per token, weighted as llama.cpp weights that
+    family's (Mixtral is "llama" with experts)."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
-    vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    settings = {**FAMILY_SETTINGS.get(architecture, {}), **settings}
     n_experts = n_experts or (4 if architecture.endswith("moe") else 0)
-    moe = MoEConfig(n_experts, n_experts_used, d_expert or d_mlp, normalize_weights=architecture != "qwen2moe",
-                    d_shared_expert=d_shared_expert) if n_experts else None
+    if n_experts:
+        settings["moe"] = MoEConfig(n_experts, n_experts_used, d_expert or d_mlp, d_shared_expert=d_shared_expert,
+                                    normalize_weights=architecture != "qwen2moe")
+    vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    d_head = d_head or d_model // n_heads
+    partial = settings.pop("partial_rotary", None)
+    if partial is not None:
+        settings["d_rotary"] = int(d_head * partial)
+    if settings.get("sliding_window") and "sliding_layers" not in settings:
+        settings["sliding_layers"] = swa_layers(n_layers, 2 if ARCHITECTURES[architecture].swa_period else 0)
     return ModelConfig(architecture=architecture, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-                       n_kv_heads=n_kv_heads, d_head=d_head or d_model // n_heads, d_mlp=d_mlp, vocab_size=vocab,
-                       n_ctx=n_ctx, rope_base=10000.0, rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
-                       name=f"random-{architecture}", moe=moe, **ARCHITECTURES[architecture])
+                       n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp, vocab_size=vocab, n_ctx=n_ctx,
+                       rope_base=settings.pop("rope_base", 10000.0), rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
+                       name=f"random-{architecture}", **ARCHITECTURES[architecture].config_flags(), **settings)
 
 
 def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: torch.Generator | None = None,
@@ -125,9 +146,6 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
                                   down=matrix(p + "ffn_down_exps.weight", m.n_experts * c.d_model, f, f**-0.5),
                                   **shared)
 
-    def dense(name: str, rows: int, cols: int, std: float) -> QuantTensor | None:
-        return None if c.moe else matrix(name, rows, cols, std)
-
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
 
@@ -135,23 +153,34 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
         return 0.02 * torch.randn(n, generator=g, device=device)
 
     std = c.d_model**-0.5
+    family = c.arch
     q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    layers = [
-        LayerWeights(
-            attn_norm=norm(c.d_model), wq=matrix(f"blk.{i}.attn_q.weight", q_dim, c.d_model, std),
-            wk=matrix(f"blk.{i}.attn_k.weight", kv_dim, c.d_model, std),
-            wv=matrix(f"blk.{i}.attn_v.weight", kv_dim, c.d_model, std),
-            wo=matrix(f"blk.{i}.attn_output.weight", c.d_model, q_dim, q_dim**-0.5), mlp_norm=norm(c.d_model),
-            w_gate=dense(f"blk.{i}.ffn_gate.weight", c.d_mlp, c.d_model, std),
-            w_up=dense(f"blk.{i}.ffn_up.weight", c.d_mlp, c.d_model, std),
-            w_down=dense(f"blk.{i}.ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
+    rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": c.d_mlp, "w_up": c.d_mlp}
+    qk_norm = {"head": (c.d_head, c.d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm)
+    layers = []
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        # a family that stores q/k/v or gate/up fused draws (and quantizes) them as one matrix, as its GGUF keeps them
+        parts = {}
+        for fused, names in family.fused.items():
+            stacked = matrix(p + fused, sum(rows[n] for n in names), c.d_model, std)
+            parts.update(zip(names, row_ranges(stacked, [rows[n] for n in names])))
+        for name in rows:
+            if name not in parts:
+                parts[name] = None if c.moe and name.startswith("w_") else matrix(p + LAYER_TENSORS[name], rows[name],
+                                                                                  c.d_model, std)
+        layers.append(LayerWeights(
+            attn_norm=norm(c.d_model) if family.pre_norms else None, **parts,
+            wo=matrix(p + "attn_output.weight", c.d_model, q_dim, q_dim**-0.5),
+            mlp_norm=norm(c.d_model) if family.pre_norms else None,
+            w_down=None if c.moe else matrix(p + "ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
             bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
             bv=bias(kv_dim) if c.qkv_bias else None,
-            q_norm=norm(c.d_head) if c.qk_norm else None, k_norm=norm(c.d_head) if c.qk_norm else None,
+            q_norm=norm(qk_norm[0]) if qk_norm else None, k_norm=norm(qk_norm[1]) if qk_norm else None,
+            attn_post_norm=norm(c.d_model) if family.post_norms else None,
+            mlp_post_norm=norm(c.d_model) if family.post_norms else None,
             moe=experts(i) if c.moe else None,
-        )
-        for i in range(c.n_layers)
-    ]
+        ))
     embed = matrix("token_embd.weight", c.vocab_size, c.d_model, 1.0)
     unembed = embed if c.tied_embeddings else matrix("output.weight", c.vocab_size, c.d_model, std)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=unembed)
@@ -169,33 +198,46 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
     import gguf
 
     path = Path(path)
-    arch = config.architecture
+    c, arch = config, config.architecture
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(config.name)
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.n_ctx)
-    writer.add_embedding_length(config.d_model)
-    writer.add_feed_forward_length(config.d_mlp)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_key_length(config.d_head)
-    writer.add_value_length(config.d_head)
-    writer.add_rope_freq_base(config.rope_base)
-    writer.add_layer_norm_rms_eps(config.rms_eps)
-    writer.add_vocab_size(config.vocab_size)
-    if config.moe is not None:
-        m = config.moe
-        writer.add_expert_count(m.n_experts)
-        writer.add_expert_used_count(m.n_experts_used)
-        writer.add_expert_feed_forward_length(m.d_expert)
-        writer.add_expert_weights_norm(m.normalize_weights)
-        if m.d_shared_expert:
-            writer.add_expert_shared_feed_forward_length(m.d_shared_expert)
+    writer.add_name(c.name)
+    writer.add_block_count(c.n_layers)
+    writer.add_context_length(c.n_ctx)
+    writer.add_embedding_length(c.d_model)
+    writer.add_feed_forward_length(c.d_mlp)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_key_length(c.d_head)
+    writer.add_value_length(c.d_head)
+    writer.add_rope_freq_base(c.rope_base)
+    writer.add_layer_norm_rms_eps(c.rms_eps)
+    writer.add_vocab_size(c.vocab_size)
+    if c.sliding_window:
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", list(c.sliding_layers))
+        if c.rope_base_local is not None:
+            writer.add_rope_freq_base_swa(c.rope_base_local)
+    if c.rope_scale != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_scale)
+    if c.d_rotary is not None:
+        writer.add_rope_dimension_count(c.d_rotary)
+    if c.attn_softcap:
+        writer.add_attn_logit_softcapping(c.attn_softcap)
+    if c.final_softcap:
+        writer.add_final_logit_softcapping(c.final_softcap)
+    if c.moe is not None:
+        writer.add_expert_count(c.moe.n_experts)
+        writer.add_expert_used_count(c.moe.n_experts_used)
+        writer.add_expert_feed_forward_length(c.moe.d_expert)
+        writer.add_expert_weights_norm(c.moe.normalize_weights)
+        if c.moe.d_shared_expert:
+            writer.add_expert_shared_feed_forward_length(c.moe.d_shared_expert)
     for key, value in (metadata or tokenizer_metadata()).items():
         _add_metadata(writer, key, value)
 
     def add(name: str, tensor: QuantTensor | torch.Tensor | None, shape: tuple[int, ...] | None = None) -> None:
-        """``shape`` (torch order) for a tensor that is not 2-D: a vector's, or stacked experts' [n_experts, ...]."""
+        """``shape`` (torch order) for stacked experts, ``[n_experts, rows, cols]``."""
         if tensor is None:
             return
         if isinstance(tensor, torch.Tensor):  # norms and biases are stored F32
@@ -207,23 +249,26 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
                 data = data.reshape(*shape[:-1], -1)
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
 
-    add("token_embd.weight", weights.embed)
+    add(GLOBAL_TENSORS["embed"], weights.embed)
     for i, layer in enumerate(weights.layers):
         p = f"blk.{i}."
-        for name, value in [("attn_norm.weight", layer.attn_norm), ("attn_q.weight", layer.wq),
-                            ("attn_k.weight", layer.wk), ("attn_v.weight", layer.wv),
-                            ("attn_output.weight", layer.wo), ("attn_q.bias", layer.bq), ("attn_k.bias", layer.bk),
-                            ("attn_v.bias", layer.bv), ("attn_q_norm.weight", layer.q_norm),
-                            ("attn_k_norm.weight", layer.k_norm), ("ffn_norm.weight", layer.mlp_norm),
-                            ("ffn_gate.weight", layer.w_gate), ("ffn_up.weight", layer.w_up),
-                            ("ffn_down.weight", layer.w_down)]:
-            add(p + name, value)
+        fused = {field: name for name, fields in c.arch.fused.items() for field in fields}
+        for name, fields in c.arch.fused.items():
+            parts = [getattr(layer, f) for f in fields]
+            if len({w.fmt.name for w in parts}) != 1:
+                raise ValueError(f"{p}{name}: its parts have different formats")
+            add(p + name, QuantTensor(torch.cat([w.data for w in parts]), parts[0].fmt,
+                                      (sum(w.shape[0] for w in parts), parts[0].shape[1])))
+        for field, name in LAYER_TENSORS.items():
+            if field not in fused:
+                add(p + name, getattr(layer, field))
         if layer.moe is not None:
             for name, value, shape in moe_lib.gguf_tensors(p, layer.moe):
                 add(name, value, shape)
-    add("output_norm.weight", weights.final_norm)
+    add(GLOBAL_TENSORS["final_norm"], weights.final_norm)
     if weights.unembed is not weights.embed:
-        add("output.weight", weights.unembed)
+        add(GLOBAL_TENSORS["unembed"], weights.unembed)
+    add(GLOBAL_TENSORS["rope_freq_factors"], weights.rope_freq_factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -244,3 +289,64 @@ def _add_metadata(writer, key: str, value) -> None:
         writer.add_array(key, value)
     else:
         raise TypeError(f"cannot write metadata {key} of type {type(value).__name__}")
+
+
+# transformers' class and config of each family in ``random_hf_checkpoint`` ("mistral": llama's family with a window)
+_HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
+def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None = None, n_layers: int = 4,
+                         tie: bool = True, seed: int = 0, **settings):
+    """A tiny random transformers model of ``family`` saved to ``path`` (safetensors and config.json, no tokenizer);
+    returns the model. Each family's features are on where a short prompt shows them (``settings`` override any
+    config key): a sliding window of 4, alternating sliding and global layers, soft caps, a query scale other than
+    sqrt(d_head), a linear-scaled global rope of its own base, partial rotary. Norm weights are drawn away from their
+    initial values, so a wrong norm offset or a missed norm shows."""
+    import transformers
+
+    config_name, model_name = _HF_FAMILIES[family]
+    vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(n_layers)]
+    options = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    options.update({
+        "qwen3": dict(head_dim=16),
+        "mistral": dict(sliding_window=4),
+        "gemma2": dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=24,
+                       attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        "gemma3": dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=16,
+                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
+        "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "qwen2moe": dict(moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
+                         num_experts_per_tok=2),
+        "qwen3moe": dict(head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+                         norm_topk_prob=True),
+    }.get(family, {}))
+    options.update(settings)
+    config = getattr(transformers, config_name)(**options)
+    config._attn_implementation = "eager"  # the one that takes soft caps
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma stores w for a norm that multiplies by 1 + w
+                param.normal_(0.0 if family.startswith("gemma") else 1.0, 0.3)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
