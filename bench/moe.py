@@ -31,6 +31,9 @@ SHAPES = {
     "qwen3-30b-a3b": ("qwen3moe", dict(n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, d_head=128, d_mlp=6144,
                                        d_expert=768, vocab_size=151936, n_experts=128, n_experts_used=8,
                                        tied_embeddings=False)),
+    # a few MB, to check the script end to end
+    "smoke": ("qwen3moe", dict(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, d_expert=256,
+                               n_experts=8, n_experts_used=2, tied_embeddings=False)),
 }
 
 
@@ -69,7 +72,7 @@ def llama_bench(binary: str, path: Path, decode: int, threads: int, device: str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=sorted(SHAPES))
+    parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"])
     parser.add_argument("--format", default="Q4_K", help="a format or a mix (Q4_K_M, ...)")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers of the same shape (CPU: memory)")
     parser.add_argument("--device", default="cpu")
