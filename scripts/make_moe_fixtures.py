@@ -11,7 +11,6 @@ vocabulary at every position of the token sequences in SEQUENCES.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import platform
 import sys
@@ -24,7 +23,7 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from moe_reference import FAMILIES, convert_with_llama_cpp, hf_moe_model  # noqa: E402
+from moe_reference import FAMILIES, convert_with_llama_cpp, hf_moe_model, quantize_with_llama_cpp  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "moe"
 SEQUENCES = [[5, 77, 120, 3, 250, 9, 14, 200, 31, 64], [40, 41, 42, 100, 101, 7, 7, 7, 263, 80, 90, 12]]
@@ -33,15 +32,6 @@ QUANTS = {"Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", dict(n_layers=2)),
           "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", dict(n_layers=1, hidden_size=256, intermediate_size=256,
                                                        moe_intermediate_size=256, shared_expert_intermediate_size=256,
                                                        head_dim=64))}
-
-
-def quantize(source: Path, out: Path, ftype: str) -> None:
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, ftype)
-    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama.cpp could not quantize {source}")
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -62,7 +52,7 @@ def main() -> None:
                 hf_moe_model(family, hf_dir, **size)
                 f32 = convert_with_llama_cpp(hf_dir, Path(tmp) / f"{family}-{quant}-f32.gguf")
                 out = FIXTURES / f"{family}-{quant}.gguf"
-                quantize(f32, out, ftype)
+                quantize_with_llama_cpp(f32, out, ftype)
                 llm = llama_cpp.Llama(str(out), n_ctx=64, logits_all=True, n_threads=2, verbose=False, seed=0)
                 for i, ids in enumerate(SEQUENCES):
                     llm.reset()

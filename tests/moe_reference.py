@@ -39,3 +39,17 @@ def convert_with_llama_cpp(hf_dir: Path, out: Path) -> Path:
     subprocess.run([sys.executable, "-c", _CONVERT, str(LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py"), str(hf_dir),
                     "--outfile", str(out), "--outtype", "f32"], env=env, check=True, capture_output=True)
     return out
+
+
+def quantize_with_llama_cpp(source: Path, out: Path, ftype: str) -> Path:
+    """``llama_model_quantize`` (the optional ``reference`` extra's llama-cpp-python) of a GGUF into ``ftype``, a
+    ``LLAMA_FTYPE_*`` name such as ``"LLAMA_FTYPE_MOSTLY_Q4_K_M"``."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, ftype)
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source}")
+    return out

@@ -13,7 +13,7 @@ from workbench.errors import HookError, ModelLoadError
 from workbench.hooks import from_spec
 from workbench.synthetic import write_gguf
 
-from moe_reference import FAMILIES, LLAMA_CPP_SOURCE, convert_with_llama_cpp, hf_moe_model
+from moe_reference import FAMILIES, LLAMA_CPP_SOURCE, convert_with_llama_cpp, hf_moe_model, quantize_with_llama_cpp
 
 IDS = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64]
 # Mixtral is "llama" with experts; (architecture, random_config keywords)
@@ -61,6 +61,31 @@ def test_llama_cpp_converted_gguf_matches(family, hf_moe, tmp_path):
     assert from_gguf.config.moe == from_hf.config.moe
     assert from_gguf.config.architecture == {"mixtral": "llama"}.get(family, family)
     assert (from_gguf.forward(IDS) - from_hf.forward(IDS)).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not (LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py").is_file(),
+                    reason="llama.cpp's source tree (WORKBENCH_LLAMA_CPP_SOURCE) is not here")
+def test_llama_cpp_q4_k_m_gguf_loads(tmp_path):
+    """Qwen3-MoE converted and quantized to Q4_K_M by llama.cpp (rows of 256, so its K-quant mix applies: Q4_K and
+    Q6_K experts, the router left F32) loads, and stays as close to the float checkpoint as our own Q4_K_M of it."""
+    pytest.importorskip("llama_cpp")
+    reference = hf_moe_model("qwen3moe", tmp_path / "hf", n_layers=1, hidden_size=256, moe_intermediate_size=256,
+                             head_dim=64)
+    f32 = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "f32.gguf")
+    model = workbench.load(quantize_with_llama_cpp(f32, tmp_path / "q4km.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M"),
+                           device="cpu")
+    formats = model.tensor_formats()
+    assert formats["blocks.0.moe.router"] == "F32" and {formats["blocks.0.moe.gate"], formats["blocks.0.moe.down"]} <= {
+        "Q4_K", "Q5_K", "Q6_K"}
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    ours = workbench.load(tmp_path / "hf", device="cpu", quantize="Q4_K_M")  # our quantizer, the same mix
+
+    def error(m) -> float:  # relative to the float logits
+        return ((m.forward(IDS) - expected).norm() / expected.norm()).item()
+
+    # a misread layout would be far off; llama.cpp's quantization is as close as ours (0.125 and 0.136 when written)
+    assert 0 < error(model) < 1.5 * error(ours) and error(model) < 0.2
 
 
 def reference_moe_logits(model, ids: list[int]) -> torch.Tensor:
