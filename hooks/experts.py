@@ -20,7 +20,8 @@ import torch
 from workbench.errors import HookError
 from workbench.runner import HookContext, HookFn
 
-from .interventions import Positions, Region, RegionEdit, RunShape, _as_int_list, _as_vector, _check_finite, _region_mask
+from .interventions import (Positions, Region, RegionEdit, RunShape, _as_int_list, _as_vector, _check_finite,
+                            _region_mask)
 from .points import axes
 
 MODES = ("drop", "reroute")

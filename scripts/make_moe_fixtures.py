@@ -1,5 +1,5 @@
-"""Produce the llama.cpp reference fixtures of the mixture-of-experts families in tests/fixtures/moe/ (needs the optional
-`reference` extra and llama.cpp's source tree for its converter, see tests/moe_reference.py).
+"""Produce the llama.cpp reference fixtures of the mixture-of-experts families in tests/fixtures/moe/ (needs the
+optional `reference` extra and llama.cpp's source tree for its converter, see tests/moe_reference.py).
 
     python scripts/make_moe_fixtures.py
 

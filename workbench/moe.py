@@ -99,7 +99,8 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
     if point.wants(names["mlp.hook_expert_indices"]):
         indices = point(names["mlp.hook_expert_indices"], indices, layer)
         if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < moe.n_experts):
-            raise HookError(f"a hook on {names['mlp.hook_expert_indices']} chose experts outside 0..{moe.n_experts - 1}")
+            raise HookError(f"a hook on {names['mlp.hook_expert_indices']} chose experts outside "
+                            f"0..{moe.n_experts - 1}")
     weights = probs.gather(-1, indices)
     if moe.normalize_weights:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
