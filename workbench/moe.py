@@ -202,7 +202,8 @@ def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -
         # llama.cpp's qwen2moe never normalizes, its llama (Mixtral) and qwen3moe always do
         normalize_weights=bool(key("expert_weights_norm", architecture != "qwen2moe")),
         weights_scale=scale if scale else 1.0,
-        d_shared_expert=int(key("expert_shared_feed_forward_length", 0)),
+        # llama.cpp reads the shared expert's width for qwen2moe only (a Qwen3-MoE GGUF may carry the key unused)
+        d_shared_expert=int(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
     )
 
 
@@ -255,9 +256,18 @@ def assemble(prefix: str, d_model: int, moe: MoEConfig, get, source: str) -> MoE
         shared = dict(shared_gate=matrix(SHARED["shared_gate"], (s, d_model)),
                       shared_up=matrix(SHARED["shared_up"], (s, d_model)),
                       shared_down=matrix(SHARED["shared_down"], (d_model, s)),
-                      shared_router=matrix(SHARED["shared_router"], (1, d_model)))
+                      shared_router=_one_row(lambda shape: matrix(SHARED["shared_router"], shape), d_model))
     return MoEWeights(router=matrix(ROUTER, (n, d_model)), gate=matrix(GATE, (n, f, d_model)),
                       up=matrix(UP, (n, f, d_model)), down=matrix(DOWN, (n, d_model, f)), **shared)
+
+
+def _one_row(matrix: Callable[[tuple[int, ...]], QuantTensor], cols: int) -> QuantTensor:
+    """A ``[1, cols]`` tensor that files store as either shape: llama.cpp's converter writes the shared expert's gate
+    ``[1, d_model]``, its quantizer ``[d_model]``."""
+    try:
+        return matrix((1, cols))
+    except ModelLoadError:
+        return matrix((cols,))
 
 
 def gguf_tensors(prefix: str, w: MoEWeights) -> list[tuple[str, QuantTensor, tuple[int, ...]]]:
