@@ -1,9 +1,11 @@
 """The architecture of a loaded model, read from GGUF metadata or a Hugging Face config.json."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 
 from workbench.architectures import ARCHITECTURES, Architecture
+from workbench.errors import ModelLoadError
 
 
 _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
@@ -21,6 +23,14 @@ class MoEConfig:
     normalize_weights: bool = False  # the chosen experts' probabilities divided by their sum (Mixtral, Qwen3-MoE)
     weights_scale: float = 1.0
     d_shared_expert: int = 0  # Qwen2-MoE: a SwiGLU every token goes through, gated by sigmoid(w . x)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.n_experts, int) and isinstance(self.n_experts_used, int)
+                and 1 <= self.n_experts_used <= self.n_experts and self.d_expert >= 1):
+            raise ModelLoadError(f"a mixture of experts needs 1 to {self.n_experts} experts per token and experts of "
+                                 f"a positive width, got {self.n_experts_used} of {self.n_experts} of {self.d_expert}")
+        if self.gating not in ("softmax", "sigmoid"):
+            raise ModelLoadError(f"expert gating must be softmax or sigmoid, got {self.gating!r}")
 
     def describe(self) -> str:
         """One line naming the features (``workbench info``)."""
@@ -64,10 +74,31 @@ class ModelConfig:
     moe: MoEConfig | None = None  # every block's MLP is a mixture of experts
 
     def __post_init__(self) -> None:
+        """Refuse hyperparameters no forward can use (zero heads, a NaN epsilon...) here, where they are read, instead
+        of as a ZeroDivisionError or NaN outputs later."""
         if not isinstance(self.sliding_layers, tuple):  # a JSON round trip (trace fingerprints) gives a list
             object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
         if isinstance(self.moe, dict):  # from ``to_dict`` (a trace's fingerprint)
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        where = self.name or "model"
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.type.endswith("| None"):
+                continue
+            if f.type.startswith("int") and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ModelLoadError(f"{where}: {f.name} must be a positive integer, got {value!r}")
+            if f.type.startswith("float") and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                               or not math.isfinite(value) or value <= 0):
+                raise ModelLoadError(f"{where}: {f.name} must be a positive finite number, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelLoadError(f"{where}: {self.n_heads} attention heads do not split into {self.n_kv_heads} "
+                                 "key/value groups")
+        rotary = self.d_rotary or self.d_head
+        if rotary % 2 or rotary > self.d_head:
+            raise ModelLoadError(f"{where}: rotary embeddings need an even size of at most the head size "
+                                 f"{self.d_head}, got {rotary}")
+        if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
+            raise ModelLoadError(f"{where}: {len(self.sliding_layers)} sliding-window flags for {self.n_layers} layers")
 
     @property
     def arch(self) -> Architecture:

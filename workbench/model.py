@@ -14,12 +14,12 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from workbench import hooks as hooks_lib
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
 from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
-from workbench.loading import LoadedCheckpoint, load_checkpoint
+from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
 from workbench.runner import BatchLayout, Transformer
 from workbench.tokenizer import StreamDecoder
@@ -29,6 +29,15 @@ from workbench.tokenizer import StreamDecoder
 _ACTIVE: ContextVar[tuple] = ContextVar("workbench_active_hooks", default=())
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def is_utf8(text: str) -> bool:
+    """Whether a str encodes as UTF-8 (Python keeps undecodable command-line bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def default_device() -> str:
@@ -103,11 +112,17 @@ class Model:
         if isinstance(prompt, str):
             if not prompt.strip() and not chat:
                 raise WorkbenchError("the prompt is empty")
+            if not is_utf8(prompt):
+                raise WorkbenchError("the prompt is not valid UTF-8 text (it holds lone surrogates, e.g. from "
+                                     "undecodable bytes in a command line)")
             text = self.chat_prompt(prompt) if chat else prompt
             # a rendered chat template carries its own BOS where the model wants one
             ids = self.tokenize(text, add_bos=False if chat else None)
         else:
-            ids = [int(i) for i in prompt]
+            try:
+                ids = [int(i) for i in prompt]
+            except (TypeError, ValueError, OverflowError):
+                raise WorkbenchError(f"a prompt is a text or a list of token ids, got {shorten(prompt)}") from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
@@ -452,11 +467,8 @@ class Model:
         A model built in memory (workbench.synthetic) has no file: its packed weights are hashed instead.
         """
         h = hashlib.sha256()
-        files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
-        for file in files:
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
+        files = checkpoint_files(self.path)
+        hash_files(files, h)
         if not files:
             weights = self.runner.weights
             tensors = [w.data for _, w in weights.named_matrices()] + [weights.final_norm] + [
