@@ -433,3 +433,29 @@ def test_mcp_tools_on_an_moe_model(qwen2moe, tmp_path):
     assert sum(layer["load"]) == pytest.approx(2.0)  # two experts per token
     assert out["ablated"]["layers"][0]["load"][0] == 0.0
     assert len(out["edit"]["results"]) == 2
+
+
+def test_bad_moe_configs_are_named(hf_moe, tmp_path):
+    import shutil
+
+    from workbench.config import MoEConfig
+
+    with pytest.raises(ModelLoadError, match="1 to 4 experts per token"):
+        MoEConfig(n_experts=4, n_experts_used=5, d_expert=64)
+    _, path = hf_moe("mixtral")
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
+    with pytest.raises(ModelLoadError, match="experts per token"):
+        workbench.load(broken)
+    (broken / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_experts_per_tok"}))
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
+        workbench.load(broken)
+    (broken / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(broken / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if ".experts.1." not in n}, str(broken / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="expert 1 of blk.0.ffn_.*_exps.weight is missing"):
+        workbench.load(broken)
