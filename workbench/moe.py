@@ -75,6 +75,10 @@ class MoEWeights:
             if isinstance(value, QuantTensor):
                 yield f.name, value
 
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for _, w in self.matrices())
+
     def map(self, fn_matrix: Callable[[QuantTensor], QuantTensor]) -> "MoEWeights":
         return MoEWeights(**{name: fn_matrix(w) for name, w in self.matrices()})
 
