@@ -15,6 +15,7 @@ PAGES = [
     st.Page("page_probes.py", url_path="probes", title="Probes", icon=":material/scatter_plot:"),
     st.Page("page_sae.py", url_path="sae", title="SAE features", icon=":material/blur_on:"),
     st.Page("page_kv_cache.py", url_path="kv-cache", title="KV cache", icon=":material/memory:"),
+    st.Page("page_experts.py", url_path="experts", title="Experts", icon=":material/hub:"),
     st.Page("page_artifacts.py", url_path="artifacts", title="Artifacts", icon=":material/inventory_2:"),
 ]
 

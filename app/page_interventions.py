@@ -17,7 +17,7 @@ SITES = {
     "Attention heads (attn.hook_z)": ("attn.hook_z", "heads"),
     "MLP neurons (mlp.hook_post)": ("mlp.hook_post", "neurons"),
 }
-STEERABLE = [label for label, (_, selector) in SITES.items() if selector is None]
+
 KINDS = ["Steer", "Zero-ablate", "Mean-ablate", "Scale", "Patch"]
 SOURCES = ["Trace difference", "Dataset steering vector", "Control vector file"]
 RECORD = ["blocks.*.hook_resid_post"]
@@ -29,6 +29,9 @@ baseline = common.session_trace(model, RECORD)
 if baseline is None:
     st.stop()
 n_layers = model.config.n_layers
+# the sites this model has (an MoE block has no mlp.hook_post)
+SITES = {label: site for label, site in SITES.items() if f"blocks.0.{site[0]}" in model.hook_points()}
+STEERABLE = [label for label, (_, selector) in SITES.items() if selector is None]
 steering_sets = [name for name, kind in
                  ((n, probes.load_dataset(n).kind) for n in probes.list_datasets()) if kind != "completion"]
 

@@ -7,6 +7,7 @@ from workbench.errors import HookError
 from workbench.runner import HookContext, HookFn
 
 from .batching import BatchRecorder, per_prompt_hooks
+from .experts import AblateExpert, ForceRouting, SteerExpert
 from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
                             RunShape, Scale, Steer, ZeroAblate, from_spec, merge_hooks, spec_leaves)
 from .patching import PatchingResult, patching_sweep
@@ -60,7 +61,8 @@ __all__ = [
     "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
     "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
-    "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp",
+    "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert", "ForceRouting",
+    "SteerExpert",
 ]
 
 

@@ -43,6 +43,9 @@ class _MLP:
 
     @cached_property
     def W_out(self) -> torch.Tensor:  # [d_mlp, d_model]
+        if self._w_down is None:
+            raise WorkbenchError("a mixture-of-experts block has no single W_out (its experts' outputs are recorded at "
+                                 "mlp.hook_expert_out)")
         return self._w_down.dequantize(torch.float32).cpu().T
 
 

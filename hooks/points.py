@@ -31,6 +31,8 @@ _AXES = {
     "ln1.hook_scale": Axes(0, None, None), "ln2.hook_scale": Axes(0, None, None),
     "ln1_post.hook_scale": Axes(0, None, None), "ln2_post.hook_scale": Axes(0, None, None),
     "ln_final.hook_scale": Axes(0, None, None),
+    "mlp.hook_expert_indices": Axes(0, None, None), "mlp.hook_expert_weights": Axes(0, None, None),
+    "mlp.hook_expert_out": Axes(0, None, 2),  # [T, top_k, d_model]: a vector added reaches every chosen expert
 }
 _TOKEN_MAJOR = Axes(0, None, 1)
 
@@ -65,6 +67,8 @@ def point_shapes(config: ModelConfig) -> dict[str, str]:
 def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     dims = {"d_model": config.d_model, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
             "d_head": config.d_head, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
+    if config.moe is not None:
+        dims.update(n_experts=config.moe.n_experts, top_k=config.moe.n_experts_used)
 
     def fill(shape: str) -> str:
         for key, value in dims.items():
@@ -118,6 +122,8 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
         return config.d_model if name.endswith("hook_result") else config.d_head
     if name.endswith(("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")):
         return config.d_mlp
+    if name.endswith("mlp.hook_router_logits"):
+        return config.moe.n_experts
     return config.vocab_size if name == "hook_logits" else config.d_model
 
 

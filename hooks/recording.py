@@ -12,7 +12,7 @@ from .points import axes, resolve
 
 
 class Recorder:
-    """Keeps a float32 CPU copy of each named activation; generation steps join along the token axis.
+    """Keeps a float32 CPU copy of each named activation (integers as they are); generation steps join along the token axis.
 
     The recorder of a ``model.hooks(record=...)`` block sees every call inside the block: their
     activations join along the token axis in call order (one call per block keeps them apart).
@@ -30,7 +30,9 @@ class Recorder:
 
     def hooks(self) -> dict[str, list[HookFn]]:
         def record(x: torch.Tensor, ctx: HookContext) -> None:
-            self._chunks[ctx.name].append(x.detach().to("cpu", torch.float32, copy=True))
+            # the chosen experts' indices stay integers
+            dtype = torch.float32 if x.is_floating_point() else x.dtype
+            self._chunks[ctx.name].append(x.detach().to("cpu", dtype, copy=True))
 
         return {name: [record] for name in self.names}
 

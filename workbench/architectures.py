@@ -123,10 +123,13 @@ _GEMMA_FEATURES = ("(1+w) RMSNorm", "norms after attention and MLP", "embeddings
                    "query pre-attention scale", "sliding-window and global layers")
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("llama", ("LlamaForCausalLM", "MistralForCausalLM"), rope_interleaved=True,
+    Architecture("llama", ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"), rope_interleaved=True,
                  features=("sliding window where the checkpoint sets one (Mistral)",)),
     Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
     Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
+    # their mixture of experts is in ModelConfig.moe (workbench.moe), which ``workbench info`` describes
+    Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
+    Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
     Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
                  activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=2,
                  default_window=4096, wide_query_scale_layers=46,

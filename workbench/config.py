@@ -13,6 +13,35 @@ _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotar
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: a router picks ``n_experts_used`` of ``n_experts`` SwiGLU experts for each token."""
+
+    n_experts: int
+    n_experts_used: int
+    d_expert: int  # each expert's hidden width
+    gating: str = "softmax"  # router logits to probabilities: "softmax" over all experts, or "sigmoid"
+    normalize_weights: bool = False  # the chosen experts' probabilities divided by their sum (Mixtral, Qwen3-MoE)
+    weights_scale: float = 1.0
+    d_shared_expert: int = 0  # Qwen2-MoE: a SwiGLU every token goes through, gated by sigmoid(w . x)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.n_experts, int) and isinstance(self.n_experts_used, int)
+                and 1 <= self.n_experts_used <= self.n_experts and self.d_expert >= 1):
+            raise ModelLoadError(f"a mixture of experts needs 1 to {self.n_experts} experts per token and experts of "
+                                 f"a positive width, got {self.n_experts_used} of {self.n_experts} of {self.d_expert}")
+        if self.gating not in ("softmax", "sigmoid"):
+            raise ModelLoadError(f"expert gating must be softmax or sigmoid, got {self.gating!r}")
+
+    def describe(self) -> str:
+        """One line naming the features (``workbench info``)."""
+        weights = "normalized" if self.normalize_weights else "as routed"
+        scale = f" x {self.weights_scale:g}" if self.weights_scale != 1.0 else ""
+        shared = f", a shared expert of {self.d_shared_expert} gated by sigmoid" if self.d_shared_expert else ""
+        return (f"mixture of experts: {self.n_experts} experts of {self.d_expert}, {self.n_experts_used} per token by "
+                f"{self.gating} routing, weights {weights}{scale}{shared}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a family of ``workbench.architectures``: "llama" (also SmolLM, Mistral, Llama-3), "gemma2", ...
     n_layers: int
@@ -42,11 +71,15 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
+    moe: MoEConfig | None = None  # every block's MLP is a mixture of experts
+
     def __post_init__(self) -> None:
         """Refuse hyperparameters no forward can use (zero heads, a NaN epsilon...) here, where they are read, instead
         of as a ZeroDivisionError or NaN outputs later."""
         if not isinstance(self.sliding_layers, tuple):  # a JSON round trip (trace fingerprints) gives a list
             object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+        if isinstance(self.moe, dict):  # from ``to_dict`` (a trace's fingerprint)
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         where = self.name or "model"
         for f in fields(self):
             value = getattr(self, f.name)
@@ -79,7 +112,8 @@ class ModelConfig:
         settings = {name: getattr(self, name) for name in _FEATURE_SETTINGS if getattr(self, name) not in (None, 1.0)}
         if self.sliding_window:
             settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
-        return {"name": self.architecture, "features": list(self.arch.features), **settings}
+        moe = [self.moe.describe()] if self.moe is not None else []
+        return {"name": self.architecture, "features": list(self.arch.features) + moe, **settings}
 
     def to_dict(self) -> dict:
         """The fields as JSON keeps them (lists for tuples), so a saved fingerprint compares equal."""
@@ -90,5 +124,9 @@ class ModelConfig:
         d, h = self.d_model, self.d_head
         attn = d * h * (self.n_heads * 2 + self.n_kv_heads * 2)
         mlp = 3 * d * self.d_mlp
+        if self.moe is not None:
+            m = self.moe
+            mlp = d * m.n_experts + 3 * d * m.d_expert * m.n_experts + (3 * d * m.d_shared_expert + d
+                                                                         if m.d_shared_expert else 0)
         embed = self.vocab_size * d * (1 if self.tied_embeddings else 2)
         return self.n_layers * (attn + mlp) + embed

@@ -264,6 +264,8 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     """
     if runner.device.type != "cuda":
         return _compile_on_cpu(runner, cache) if compiled else None
+    if runner.config.moe is not None:
+        return None  # the experts are grouped by the routing read on the host, which a CUDA graph cannot hold
     if compiled:
         # Combo kernels launch independent neighbours together (the ropes and the cache writes): 7 glue kernels per
         # layer instead of 9, and the 8B Q4_K step 1.7-1.9 % faster on an H100 (docs/performance.md, "The compiled

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, clip, shorten
@@ -142,6 +143,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         window = int(window) if window and any(sliding) else None
         scaling = optional("rope.scaling.type")
         d_rotary = optional("rope.dimension_count")
+        d_mlp = int(key("feed_forward_length"))
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
@@ -149,7 +151,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             n_heads=n_heads,
             n_kv_heads=int(key("attention.head_count_kv", n_heads)),
             d_head=d_head,
-            d_mlp=int(key("feed_forward_length")),
+            d_mlp=d_mlp,
             vocab_size=int(vocab),
             n_ctx=int(key("context_length", 2048)),
             rope_base=float(key("rope.freq_base", 10000.0)),
@@ -164,6 +166,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
             attn_softcap=_cap(optional("attn_logit_softcapping")),
             final_softcap=_cap(optional("final_logit_softcapping")),
+            moe=moe_lib.gguf_config(key, arch, d_mlp),
             **family.config_flags(),
         )
 
@@ -230,7 +233,7 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
         raw, actual = _gguf_tensor_bytes(tensors[name], path)
         if actual != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {actual}, expected {shape}")
-        rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+        rows, cols = math.prod(shape[:-1]), shape[-1]  # a vector is one row; stacked experts, all their rows
         return QuantTensor(raw.reshape(rows, -1), get_format(int(tensors[name].tensor_type)), (rows, cols))
 
     weights = _assemble(config, get, str(path))
@@ -283,9 +286,9 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
                 wv=part("wv", c.d_model),
                 wo=matrix(p + LAYER_TENSORS["wo"], (c.d_model, q_dim)),
                 mlp_norm=norm("mlp_norm", c.d_model, family.pre_norms),
-                w_gate=part("w_gate", c.d_model),
-                w_up=part("w_up", c.d_model),
-                w_down=matrix(p + LAYER_TENSORS["w_down"], (c.d_model, c.d_mlp)),
+                w_gate=None if c.moe else part("w_gate", c.d_model),
+                w_up=None if c.moe else part("w_up", c.d_model),
+                w_down=None if c.moe else matrix(p + LAYER_TENSORS["w_down"], (c.d_model, c.d_mlp)),
                 bq=norm("bq", q_dim, c.qkv_bias),
                 bk=norm("bk", kv_dim, c.qkv_bias),
                 bv=norm("bv", kv_dim, c.qkv_bias),
@@ -293,6 +296,7 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
                 k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm else None,
                 attn_post_norm=norm("attn_post_norm", c.d_model, True) if family.post_norms else None,
                 mlp_post_norm=norm("mlp_post_norm", c.d_model, True) if family.post_norms else None,
+                moe=moe_lib.assemble(p, c.d_model, c.moe, get, source) if c.moe else None,
             )
         )
     embed = matrix(GLOBAL_TENSORS["embed"], (c.vocab_size, c.d_model))
@@ -391,6 +395,7 @@ def _hf_config(path: Path) -> ModelConfig:
                 attn_scale=math.sqrt(scalar) if scalar else None,
                 attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
                 final_softcap=_cap(cfg.get("final_logit_softcapping")),
+                moe=moe_lib.hf_config(cfg, arch),
                 **ARCHITECTURES[arch].config_flags(),
             )
     except KeyError as err:
@@ -408,6 +413,7 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     if quantize is not None:
         check_quantize(quantize)
     tensors: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # an MoE's per-expert matrices, stacked once all are read
     for file in files:
         try:
             loaded = load_file(str(file))
@@ -416,6 +422,9 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         for name, tensor in loaded.items():
             if (mapped := gguf_name(name, config.arch)) is not None:
                 tensors[mapped] = tensor
+            elif (moe_tensors := moe_lib.hf_tensor(name, tensor, experts)) is not None:
+                tensors.update(moe_tensors)
+    tensors.update(moe_lib.stack_experts(experts, str(path)))
     if "output.weight" not in tensors:
         config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
 
@@ -430,8 +439,9 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             tensor = permute_for_interleaved_rope(tensor, heads)
         if name.endswith("norm.weight") and config.arch.norm_offset:
             tensor = tensor.float() + config.arch.norm_offset  # as llama.cpp's converter stores Gemma's norms
-        matrix = tensor.reshape(1, -1) if tensor.dim() == 1 else tensor
-        if tensor.dim() == 2 and quantize is not None:
+        matrix = tensor.reshape(-1, tensor.shape[-1])  # a vector is one row; stacked experts, all their rows
+        # the router stays float, as llama.cpp's quantizer leaves ffn_gate_inp
+        if tensor.dim() >= 2 and quantize is not None and not name.endswith(moe_lib.ROUTER):
             fmt = matrix_format(quantize, name, config, matrix.shape[1])
             if fmt is not None:
                 return QuantTensor.quantize(matrix, fmt)

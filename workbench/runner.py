@@ -19,6 +19,7 @@ from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
+from workbench.moe import MOE_POINTS, SHARED_POINTS, moe_mlp, with_moe_points
 from workbench.weights import ModelWeights
 
 
@@ -171,7 +172,7 @@ def block_points(config: ModelConfig) -> dict[str, str]:
             points.update(POST_NORM_POINTS.get(name, {}))
     if family.qk_norm == "projection":  # one scale per token over all heads
         points["attn.q_norm.hook_scale"] = points["attn.k_norm.hook_scale"] = "[T, 1, 1]"
-    return points
+    return with_moe_points(points, config.moe)
 
 
 @functools.lru_cache(maxsize=16)
@@ -283,8 +284,9 @@ def gguf_head_order(x: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer:
-    """A decoder of any family of ``workbench.architectures`` (llama, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2) over quantized
-    weights: llama's block, with each family's differences where its description switches them on."""
+    """A decoder of any family of ``workbench.architectures`` (llama, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, the
+    mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE) over quantized weights: llama's block, with each family's
+    differences where its description switches them on."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, fuse_projections: bool | None = None,
@@ -337,7 +339,8 @@ class Transformer:
 
     @staticmethod
     def _block_names(i: int, last: bool) -> dict:
-        points = list(BLOCK_POINTS) + list(QK_NORM_POINTS) + [p for extra in POST_NORM_POINTS.values() for p in extra]
+        points = [*BLOCK_POINTS, *QK_NORM_POINTS, *(p for extra in POST_NORM_POINTS.values() for p in extra),
+                  *MOE_POINTS, *SHARED_POINTS]
         names: dict = {p: f"blocks.{i}.{p}" for p in points}
         for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
@@ -577,6 +580,8 @@ class Transformer:
 
     def mlp(self, x: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
         names = self._names[i]
+        if layer.moe is not None:
+            return moe_mlp(x, layer.moe, self.config.moe, point, names, i)
         gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
         gate = point(names["mlp.hook_pre"], gate, i)
         up = point(names["mlp.hook_pre_linear"], up, i)

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, GLOBAL_TENSORS, LAYER_TENSORS
-from workbench.config import ModelConfig
+from workbench.config import ModelConfig, MoEConfig
 from workbench.kernels import QuantTensor
 from workbench.loading import LoadedCheckpoint, row_ranges, swa_layers
 from workbench.quant_mix import matrix_format
@@ -73,13 +74,22 @@ FAMILY_SETTINGS: dict[str, dict] = {
 
 def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int = 64, n_heads: int = 4,
                   n_kv_heads: int = 2, d_mlp: int = 128, vocab_size: int | None = None, n_ctx: int = 256,
-                  d_head: int | None = None, tied_embeddings: bool = True, **settings) -> ModelConfig:
+                  d_head: int | None = None, tied_embeddings: bool = True, n_experts: int = 0, n_experts_used: int = 2,
+                  d_expert: int | None = None, d_shared_expert: int = 0, **settings) -> ModelConfig:
     """A small config of ``architecture`` with its family's special features on (``FAMILY_SETTINGS``); ``settings``
     set any other ModelConfig field (``sliding_window=4`` on llama: Mistral with a window), or ``partial_rotary``, the
-    fraction of each head the rope turns. Sliding-window families alternate sliding and global layers."""
+    fraction of each head the rope turns. Sliding-window families alternate sliding and global layers.
+
+    With ``n_experts`` (a "qwen2moe"/"qwen3moe" architecture: 4 by default) every block's MLP is that many experts of
+    ``d_expert`` (default ``d_mlp``) hidden units, ``n_experts_used`` per token, weighted as llama.cpp weights that
+    family's (Mixtral is "llama" with experts)."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
     settings = {**FAMILY_SETTINGS.get(architecture, {}), **settings}
+    n_experts = n_experts or (4 if architecture.endswith("moe") else 0)
+    if n_experts:
+        settings["moe"] = MoEConfig(n_experts, n_experts_used, d_expert or d_mlp, d_shared_expert=d_shared_expert,
+                                    normalize_weights=architecture != "qwen2moe")
     vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
     d_head = d_head or d_model // n_heads
     partial = settings.pop("partial_rotary", None)
@@ -121,6 +131,21 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
             raise ValueError(f"{name}: rows of {cols} values fit no block of {fmt}")
         return random_matrix(rows, cols, matrix_fmt.name, std, g, device, distinct_rows)
 
+    def experts(i: int) -> moe_lib.MoEWeights:
+        m, p = c.moe, f"blk.{i}."
+        rows, f, s = m.n_experts * m.d_expert, m.d_expert, m.d_shared_expert
+        shared = dict(shared_gate=matrix(p + "ffn_gate_shexp.weight", s, c.d_model, std),
+                      shared_up=matrix(p + "ffn_up_shexp.weight", s, c.d_model, std),
+                      shared_down=matrix(p + "ffn_down_shexp.weight", c.d_model, s, s**-0.5),
+                      shared_router=QuantTensor.from_floats(torch.randn(1, c.d_model, generator=g, device=device)
+                                                            * std)) if s else {}
+        # the router stays float32, as llama.cpp's quantizer leaves it
+        router = QuantTensor.from_floats(torch.randn(m.n_experts, c.d_model, generator=g, device=device) * std)
+        return moe_lib.MoEWeights(router=router, gate=matrix(p + "ffn_gate_exps.weight", rows, c.d_model, std),
+                                  up=matrix(p + "ffn_up_exps.weight", rows, c.d_model, std),
+                                  down=matrix(p + "ffn_down_exps.weight", m.n_experts * c.d_model, f, f**-0.5),
+                                  **shared)
+
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
 
@@ -142,17 +167,19 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
             parts.update(zip(names, row_ranges(stacked, [rows[n] for n in names])))
         for name in rows:
             if name not in parts:
-                parts[name] = matrix(p + LAYER_TENSORS[name], rows[name], c.d_model, std)
+                parts[name] = None if c.moe and name.startswith("w_") else matrix(p + LAYER_TENSORS[name], rows[name],
+                                                                                  c.d_model, std)
         layers.append(LayerWeights(
             attn_norm=norm(c.d_model) if family.pre_norms else None, **parts,
             wo=matrix(p + "attn_output.weight", c.d_model, q_dim, q_dim**-0.5),
             mlp_norm=norm(c.d_model) if family.pre_norms else None,
-            w_down=matrix(p + "ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
+            w_down=None if c.moe else matrix(p + "ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
             bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
             bv=bias(kv_dim) if c.qkv_bias else None,
             q_norm=norm(qk_norm[0]) if qk_norm else None, k_norm=norm(qk_norm[1]) if qk_norm else None,
             attn_post_norm=norm(c.d_model) if family.post_norms else None,
             mlp_post_norm=norm(c.d_model) if family.post_norms else None,
+            moe=experts(i) if c.moe else None,
         ))
     embed = matrix("token_embd.weight", c.vocab_size, c.d_model, 1.0)
     unembed = embed if c.tied_embeddings else matrix("output.weight", c.vocab_size, c.d_model, std)
@@ -199,10 +226,18 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         writer.add_attn_logit_softcapping(c.attn_softcap)
     if c.final_softcap:
         writer.add_final_logit_softcapping(c.final_softcap)
+    if c.moe is not None:
+        writer.add_expert_count(c.moe.n_experts)
+        writer.add_expert_used_count(c.moe.n_experts_used)
+        writer.add_expert_feed_forward_length(c.moe.d_expert)
+        writer.add_expert_weights_norm(c.moe.normalize_weights)
+        if c.moe.d_shared_expert:
+            writer.add_expert_shared_feed_forward_length(c.moe.d_shared_expert)
     for key, value in (metadata or tokenizer_metadata()).items():
         _add_metadata(writer, key, value)
 
-    def add(name: str, tensor: QuantTensor | torch.Tensor | None) -> None:
+    def add(name: str, tensor: QuantTensor | torch.Tensor | None, shape: tuple[int, ...] | None = None) -> None:
+        """``shape`` (torch order) for stacked experts, ``[n_experts, rows, cols]``."""
         if tensor is None:
             return
         if isinstance(tensor, torch.Tensor):  # norms and biases are stored F32
@@ -210,6 +245,8 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
             data = tensor.data.cpu().numpy().reshape(-1)
         else:
             data = tensor.data.cpu().numpy()
+            if shape is not None:
+                data = data.reshape(*shape[:-1], -1)
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
 
     add(GLOBAL_TENSORS["embed"], weights.embed)
@@ -225,6 +262,9 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         for field, name in LAYER_TENSORS.items():
             if field not in fused:
                 add(p + name, getattr(layer, field))
+        if layer.moe is not None:
+            for name, value, shape in moe_lib.gguf_tensors(p, layer.moe):
+                add(name, value, shape)
     add(GLOBAL_TENSORS["final_norm"], weights.final_norm)
     if weights.unembed is not weights.embed:
         add(GLOBAL_TENSORS["unembed"], weights.unembed)
@@ -261,6 +301,9 @@ _HF_FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -288,6 +331,11 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
         "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "qwen2moe": dict(moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
+                         num_experts_per_tok=2),
+        "qwen3moe": dict(head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+                         norm_topk_prob=True),
     }.get(family, {}))
     options.update(settings)
     config = getattr(transformers, config_name)(**options)

@@ -7,6 +7,7 @@ from typing import Iterator, Sequence
 import torch
 
 from workbench.kernels import QuantTensor
+from workbench.moe import MoEWeights
 
 
 # Stacked matrix -> the parts whose rows it holds, in order (see LayerWeights.fuse_projections).
@@ -21,9 +22,9 @@ class LayerWeights:
     wv: QuantTensor
     wo: QuantTensor  # [d_model, n_heads * d_head]
     mlp_norm: torch.Tensor | None
-    w_gate: QuantTensor  # [d_mlp, d_model]
-    w_up: QuantTensor
-    w_down: QuantTensor  # [d_model, d_mlp]
+    w_gate: QuantTensor | None  # [d_mlp, d_model]; None in an MoE block
+    w_up: QuantTensor | None
+    w_down: QuantTensor | None  # [d_model, d_mlp]
     bq: torch.Tensor | None = None  # Qwen2 projection biases
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
@@ -31,6 +32,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     attn_post_norm: torch.Tensor | None = None  # norms of attention's and the MLP's outputs (Gemma 2/3, OLMo 2)
     mlp_post_norm: torch.Tensor | None = None
+    moe: MoEWeights | None = None  # the experts that replace w_gate/w_up/w_down in an MoE block
     # After ``fuse_projections``: wq/wk/wv (and w_gate/w_up) as row ranges of one matrix, one matmul each.
     wqkv: QuantTensor | None = None
     w_gate_up: QuantTensor | None = None
@@ -44,7 +46,7 @@ class LayerWeights:
 
     def _stack(self, names: tuple[str, ...]) -> QuantTensor | None:
         parts = [getattr(self, name) for name in names]
-        if len({(w.fmt.name, w.shape[1], w.device) for w in parts}) != 1:
+        if None in parts or len({(w.fmt.name, w.shape[1], w.device) for w in parts}) != 1:
             return None
         stacked = QuantTensor(torch.cat([w.data for w in parts]), parts[0].fmt,
                               (sum(w.shape[0] for w in parts), parts[0].shape[1]))
@@ -78,6 +80,9 @@ class ModelWeights:
                 value = getattr(layer, f.name)
                 if isinstance(value, QuantTensor) and f.name not in STACKS:
                     yield f"blocks.{i}.{f.name}", layer.serving(f.name) if served else value
+            if layer.moe is not None:
+                for name, w in layer.moe.matrices():
+                    yield f"blocks.{i}.moe.{name}", w
         if self.unembed is not self.embed:
             yield "unembed", self.unembed
 
@@ -91,6 +96,8 @@ class ModelWeights:
                 return value.to(device)
             if isinstance(value, torch.Tensor):
                 return value.to(device, dtype)
+            if isinstance(value, MoEWeights):
+                return value.map(lambda w: w.to(device))
             return value
 
         layers = [LayerWeights(**{f.name: place(getattr(l, f.name), device) for f in fields(l) if f.name not in STACKS})

@@ -76,6 +76,8 @@ class ModelInfo(BaseModel):
     dtype: str
     tensor_formats: dict[str, int]
     numerics: str  # what this session's quantized matmuls compute: "exact" or "llamacpp"
+    moe: dict[str, Any] | None = Field(None, description="a mixture-of-experts model's experts, routing and "
+                                                         "shared expert (workbench.config.MoEConfig)")
 
 
 class ModelEntry(BaseModel):
@@ -87,6 +89,19 @@ class ModelEntry(BaseModel):
 class ModelList(BaseModel):
     current: str = Field(description="the model this session's tools use")
     models: list[ModelEntry]
+
+
+class LayerRouting(BaseModel):
+    layer: int
+    experts: list[list[int]] = Field(description="per token, the chosen experts, best first")
+    weights: list[list[float]] = Field(description="per token, the chosen experts' weights")
+    load: list[float] = Field(description="per expert, the share of the tokens routed to it")
+
+
+class MoERouting(BaseModel):
+    tokens: list[str]
+    n_experts: int
+    layers: list[LayerRouting]
 
 
 class HookPoints(BaseModel):

@@ -62,7 +62,9 @@ Positions = Annotated[list[int] | None, Field(description="token positions (nega
 Heads = Annotated[list[int] | None, Field(description="attention heads (for per-head points); all when omitted")]
 Specs = Annotated[list[dict[str, Any]], Field(description=(
     "intervention specs as in workbench.hooks: {'type': 'zero_ablate'|'mean_ablate'|'resample_ablate'|'steer'|"
-    "'patch'|'scale'|'composite', 'hook': ..., 'positions'?, 'heads'?, 'neurons'?, ...}. A steer 'vector' may be "
+    "'patch'|'scale'|'composite', 'hook': ..., 'positions'?, 'heads'?, 'neurons'?, ...}; on mixture-of-experts "
+    "models also {'type': 'ablate_expert'|'force_routing'|'steer_expert', 'experts': [...], 'layer'?, ...} "
+    "(docs/families.md). A steer 'vector' may be "
     "{'id': <vector id>} (without 'hook': at every layer of that vector), a patch 'donor' a prompt or "
     "{'id': <trace id>}"))]
 Targets = Annotated[list[str], Field(description="single-token strings (e.g. ' Paris') whose logprobs to report")]
@@ -308,7 +310,7 @@ class Workbench:
                            d_head=c.d_head, d_mlp=c.d_mlp, vocab_size=c.vocab_size, n_ctx=c.n_ctx,
                            parameters=c.n_params, device=str(model.device),
                            dtype=str(model.dtype).removeprefix("torch."), tensor_formats=formats,
-                           numerics=call.session.numerics)
+                           numerics=call.session.numerics, moe=c.to_dict()["moe"])
 
     @tool
     def set_numerics(self, call: Call,
@@ -333,6 +335,30 @@ class Workbench:
         matching = hooks.resolve(pattern, model.config) if pattern is not None else []
         return s.HookPoints(n_layers=model.config.n_layers, block_points=block, global_points=global_points,
                             matching=matching)
+
+    @tool
+    def moe_routing(self, call: Call, prompt: Prompt,
+                    layers: Annotated[list[int] | None, Field(description="layers to report; all when omitted")]
+                    = None, interventions: Specs = [], chat: Chat = False) -> s.MoERouting:
+        """A mixture-of-experts model's routing of a prompt: per layer, each token's chosen experts and weights, and
+        each expert's share of the tokens (with interventions, e.g. an 'ablate_expert' spec, the edited routing)."""
+        model = self.model(call)
+        moe = model.config.moe
+        if moe is None:
+            raise WorkbenchError(f"{call.session.model_name} is not a mixture-of-experts model")
+        layers = list(range(model.config.n_layers)) if layers is None else layers
+        bad = [i for i in layers if not 0 <= i < model.config.n_layers]
+        if bad:
+            raise WorkbenchError(f"layers {bad} out of range 0..{model.config.n_layers - 1}")
+        record = [f"blocks.{i}.mlp.hook_expert_{part}" for i in layers for part in ("indices", "weights")]
+        _, trace = self._run(call, prompt, chat, record, self._interventions(call, interventions))
+        out = []
+        for i in layers:
+            experts = trace.activations[f"blocks.{i}.mlp.hook_expert_indices"]
+            load = torch.bincount(experts.reshape(-1).long(), minlength=moe.n_experts) / experts.shape[0]
+            out.append(s.LayerRouting(layer=i, experts=experts.tolist(), load=load.tolist(),
+                                      weights=trace.activations[f"blocks.{i}.mlp.hook_expert_weights"].tolist()))
+        return s.MoERouting(tokens=trace.tokens, n_experts=moe.n_experts, layers=out)
 
     @tool
     def tokenize(self, call: Call, text: Annotated[str, Field(description="text to tokenize")],

@@ -1,0 +1,104 @@
+"""Decode tokens/s of random-weight mixture-of-experts models, ours vs llama.cpp's ``llama-bench`` on the same GGUF.
+
+    python bench/moe.py --device cuda --shape mixtral-8x7b --llama-bench ~/llama.cpp/build/bin/llama-bench
+    python bench/moe.py --device cuda --shape qwen3-30b-a3b --llama-bench ...
+    python bench/moe.py --threads 2 --shape mixtral-8x7b --layers 6 --llama-bench ...   # CPU: fewer layers fit 24 GB
+
+Each model is built by ``workbench.synthetic`` (256 distinct rows per matrix, tiled: quantizing is slow), written as
+a GGUF (``--gguf-dir``; an existing file of the same name is reused), loaded from that file by both, and timed in
+one run, so the ratio is side by side. ``--layers`` keeps the shape of every layer and cuts their number (decode time
+is proportional to it), for machines where the whole model does not fit. llama-bench runs ``-p 0 -n DECODE``
+(``-ngl 99`` on CUDA) and reports its mean tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+import workbench
+from decode import ours, print_table
+from workbench.synthetic import random_checkpoint, random_config, write_gguf
+
+SHAPES = {
+    # Mixtral-8x7B: llama with 8 experts of 14336, 2 per token
+    "mixtral-8x7b": ("llama", dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=32000,
+                                   n_experts=8, n_experts_used=2, tied_embeddings=False)),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 per token, 128-wide heads with q/k norms
+    "qwen3-30b-a3b": ("qwen3moe", dict(n_layers=48, d_model=2048, n_heads=32, n_kv_heads=4, d_head=128, d_mlp=6144,
+                                       d_expert=768, vocab_size=151936, n_experts=128, n_experts_used=8,
+                                       tied_embeddings=False)),
+    # a few MB, to check the script end to end
+    "smoke": ("qwen3moe", dict(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, d_expert=256,
+                               n_experts=8, n_experts_used=2, tied_embeddings=False)),
+}
+
+
+def build_gguf(shape: str, fmt: str, layers: int | None, folder: Path) -> Path:
+    arch, dims = SHAPES[shape]
+    dims = {**dims, "n_layers": layers or dims["n_layers"]}
+    path = folder / f"{shape}-{dims['n_layers']}l-{fmt}.gguf"
+    if path.exists():
+        return path
+    config = random_config(arch, n_ctx=4096, **dims)
+    checkpoint = random_checkpoint(config, fmt, distinct_rows=256)
+    print(f"writing {path} ...", flush=True)
+    write_gguf(path, config, checkpoint.weights, checkpoint.metadata)
+    return path
+
+
+def active_bytes(model: workbench.Model) -> int:
+    """Bytes one decode step reads: every matrix but the embedding, and of each block's experts only the chosen."""
+    total = 0
+    moe = model.config.moe
+    for name, w in model.runner.weights.named_matrices():
+        if name == "embed":
+            continue
+        share = moe.n_experts_used / moe.n_experts if name.split(".")[-1] in ("gate", "up", "down") else 1
+        total += int(w.nbytes * share)
+    return total
+
+
+def llama_bench(binary: str, path: Path, decode: int, threads: int, device: str, repeats: int) -> float:
+    command = [binary, "-m", str(path), "-p", "0", "-n", str(decode), "-r", str(repeats), "-o", "json",
+               "-t", str(threads), "-ngl", "99" if device == "cuda" else "0"]
+    print(" ".join(command), flush=True)
+    result = subprocess.run(command, check=True, capture_output=True, text=True)
+    return float(json.loads(result.stdout)[0]["avg_ts"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"])
+    parser.add_argument("--format", default="Q4_K", help="a format or a mix (Q4_K_M, ...)")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers of the same shape (CPU: memory)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary (built with CUDA on GPU)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}")
+    for shape in args.shape:
+        path = build_gguf(shape, args.format, args.layers, args.gguf_dir)
+        model = workbench.load(path, device=args.device, dtype=args.dtype)
+        step = active_bytes(model)
+        print(f"{path.name}: resident weights {model.runner.weights.nbytes / 2**30:.2f} GiB, "
+              f"{step / 2**30:.2f} GiB read per decoded token")
+        columns = {"workbench": ours(model, [], args.decode, args.repeats, compiled=False)}
+        del model
+        if args.llama_bench:
+            columns["llama.cpp"] = {f"decode {args.decode}": llama_bench(args.llama_bench, path, args.decode,
+                                                                         args.threads, args.device, args.repeats)}
+        print_table(f"{path.name} on {args.device}", columns, "llama.cpp" if args.llama_bench else None)
+
+
+if __name__ == "__main__":
+    main()

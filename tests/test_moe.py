@@ -1,0 +1,461 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): loading, the forward against transformers and against
+a per-token reference on the packed experts, llama.cpp's converter, the hook points and the expert interventions."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench
+from workbench.errors import HookError, ModelLoadError
+from workbench.hooks import from_spec
+from workbench.synthetic import write_gguf
+
+from moe_reference import FAMILIES, LLAMA_CPP_SOURCE, convert_with_llama_cpp, hf_moe_model, quantize_with_llama_cpp
+
+IDS = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64]
+# Mixtral is "llama" with experts; (architecture, random_config keywords)
+SYNTHETIC = {
+    "mixtral": ("llama", dict(n_experts=4, n_experts_used=2)),
+    "qwen3moe": ("qwen3moe", dict(n_experts=8, n_experts_used=3, d_expert=64)),
+    "qwen2moe": ("qwen2moe", dict(n_experts=4, n_experts_used=2, d_expert=64, d_shared_expert=96)),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    """``hf_moe(family)``: (transformers model, its checkpoint folder), built once per family."""
+    built = {}
+
+    def make(family: str):
+        if family not in built:
+            path = tmp_path_factory.mktemp(family)
+            built[family] = (hf_moe_model(family, path), path)
+        return built[family]
+
+    return make
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_checkpoint_matches_transformers(family, hf_moe):
+    reference, path = hf_moe(family)
+    ours = workbench.load(path, device="cpu")
+    assert ours.config.moe is not None
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    trace = ours.run(IDS, record=["blocks.*.mlp.hook_expert_indices"])
+    assert (trace.logits - expected).abs().max().item() < 1e-4
+    # the test means something only if tokens go to different experts
+    assert len(trace.activations["blocks.0.mlp.hook_expert_indices"].unique()) > ours.config.moe.n_experts_used
+
+
+@pytest.mark.skipif(not (LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py").is_file(),
+                    reason="llama.cpp's source tree (WORKBENCH_LLAMA_CPP_SOURCE) is not here")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_converted_gguf_matches(family, hf_moe, tmp_path):
+    _, path = hf_moe(family)
+    gguf_path = convert_with_llama_cpp(path, tmp_path / f"{family}.gguf")
+    from_gguf, from_hf = workbench.load(gguf_path, device="cpu"), workbench.load(path, device="cpu")
+    assert from_gguf.config.moe == from_hf.config.moe
+    assert from_gguf.config.architecture == {"mixtral": "llama"}.get(family, family)
+    assert (from_gguf.forward(IDS) - from_hf.forward(IDS)).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not (LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py").is_file(),
+                    reason="llama.cpp's source tree (WORKBENCH_LLAMA_CPP_SOURCE) is not here")
+def test_llama_cpp_q4_k_m_gguf_loads(tmp_path):
+    """Qwen3-MoE converted and quantized to Q4_K_M by llama.cpp (rows of 256, so its K-quant mix applies: Q4_K and
+    Q6_K experts, the router left F32) loads, and stays as close to the float checkpoint as our own Q4_K_M of it."""
+    pytest.importorskip("llama_cpp")
+    reference = hf_moe_model("qwen3moe", tmp_path / "hf", n_layers=1, hidden_size=256, moe_intermediate_size=256,
+                             head_dim=64)
+    f32 = convert_with_llama_cpp(tmp_path / "hf", tmp_path / "f32.gguf")
+    model = workbench.load(quantize_with_llama_cpp(f32, tmp_path / "q4km.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M"),
+                           device="cpu")
+    formats = model.tensor_formats()
+    assert formats["blocks.0.moe.router"] == "F32" and {formats["blocks.0.moe.gate"], formats["blocks.0.moe.down"]} <= {
+        "Q4_K", "Q5_K", "Q6_K"}
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    ours = workbench.load(tmp_path / "hf", device="cpu", quantize="Q4_K_M")  # our quantizer, the same mix
+
+    def error(m) -> float:  # relative to the float logits
+        return ((m.forward(IDS) - expected).norm() / expected.norm()).item()
+
+    # a misread layout would be far off; llama.cpp's quantization is as close as ours (0.125 and 0.136 when written)
+    assert 0 < error(model) < 1.5 * error(ours) and error(model) < 0.2
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "moe"
+LLAMACPP = json.loads((FIXTURES / "llamacpp_logits.json").read_text())
+
+
+@pytest.mark.parametrize("name", LLAMACPP["files"])
+def test_logits_agree_with_llamacpp(name):
+    """Each family converted and quantized by llama.cpp (Q8_0, Q4_K_M; scripts/make_moe_fixtures.py) against
+    llama.cpp's own log-probabilities over the whole vocabulary. Measured when written (22 positions a file): KL at
+    most 3.5e-5 in exact numerics with at most one near-tie flipping the top token, at most 9e-6 in llama.cpp's
+    numerics with every top token agreeing and a lower mean KL in every file."""
+    from safetensors.torch import load_file
+
+    reference = load_file(str(FIXTURES / "llamacpp_logits.safetensors"))
+    model = workbench.load(FIXTURES / name, device="cpu")
+    results = {}
+    for mode in ("exact", "llamacpp"):
+        kl, agree = [], []
+        with workbench.kernels.numerics(mode):
+            for i, ids in enumerate(LLAMACPP["sequences"]):
+                ours = model.forward(ids).double().log_softmax(-1)
+                theirs = reference[f"{name.removesuffix('.gguf')}.{i}"].double()
+                kl.append((theirs.exp() * (theirs - ours)).sum(-1))
+                agree.append(ours.argmax(-1) == theirs.argmax(-1))
+        results[mode] = torch.cat(kl), torch.cat(agree)
+    (kl_exact, agree_exact), (kl_llamacpp, agree_llamacpp) = results["exact"], results["llamacpp"]
+    assert kl_exact.max() < 1e-4 and agree_exact.sum() >= len(agree_exact) - 1
+    assert kl_llamacpp.max() < 2e-5 and agree_llamacpp.all()
+    assert kl_llamacpp.mean() < kl_exact.mean()
+
+
+def reference_moe_logits(model, ids: list[int]) -> torch.Tensor:
+    """The MoE model's logits with its MLPs computed token by token on dequantized experts (the attention and norms
+    from our own runner's hooks): an independent check of grouping, gathering and the weighted sum."""
+    c, m = model.config, model.config.moe
+
+    def mlp(x: torch.Tensor, ctx) -> torch.Tensor:
+        w = model.runner.weights.layers[ctx.layer].moe
+        x = x.double()
+        gate_all = w.gate.dequantize().double().view(m.n_experts, m.d_expert, c.d_model)
+        up_all = w.up.dequantize().double().view(m.n_experts, m.d_expert, c.d_model)
+        down_all = w.down.dequantize().double().view(m.n_experts, c.d_model, m.d_expert)
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            logits = w.router.dequantize().double() @ x[t]
+            probs = logits.softmax(-1) if m.gating == "softmax" else logits.sigmoid()
+            top = probs.topk(m.n_experts_used).indices
+            weights = probs[top] / (probs[top].sum() if m.normalize_weights else 1)
+            for e, weight in zip(top.tolist(), weights):
+                hidden = torch.nn.functional.silu(gate_all[e] @ x[t]) * (up_all[e] @ x[t])
+                out[t] += weight * (down_all[e] @ hidden)
+            if w.shared_router is not None:
+                hidden = torch.nn.functional.silu(w.shared_gate.dequantize().double() @ x[t]) * (
+                    w.shared_up.dequantize().double() @ x[t])
+                out[t] += torch.sigmoid(w.shared_router.dequantize().double()[0] @ x[t]) * (
+                    w.shared_down.dequantize().double() @ hidden)
+        return out.float()
+
+    normalized = {}
+    hooks = {f"blocks.{i}.ln2.hook_normalized": [lambda x, ctx: normalized.__setitem__(ctx.layer, x)]
+             for i in range(c.n_layers)}
+    weights = {i: model.runner.weights.layers[i].mlp_norm for i in range(c.n_layers)}
+    hooks.update({f"blocks.{i}.hook_mlp_out": [lambda x, ctx: mlp(normalized[ctx.layer] * weights[ctx.layer], ctx)]
+                  for i in range(c.n_layers)})
+    return model.runner.forward(torch.tensor(ids), hooks=hooks)
+
+
+# K-quant blocks are 256 values: rows of 256 for every matrix
+K_SHAPE = dict(d_model=256, n_heads=4, n_kv_heads=2, d_mlp=256, n_experts=8, n_experts_used=3, d_expert=256)
+
+
+@pytest.mark.parametrize("family, fmt", [(f, "Q8_0") for f in SYNTHETIC] + [("qwen3moe", "Q4_K")])
+def test_packed_experts_match_per_token_reference(family, fmt, tiny_model):
+    arch, shape = SYNTHETIC[family]
+    model = tiny_model(arch, fmt, device="cpu", **(K_SHAPE if fmt == "Q4_K" else shape))
+    experts = model.runner.weights.layers[0].moe
+    # each expert's matrices are row ranges of the stacked tensor as stored, not copies
+    gate, _, down = experts.experts[1]
+    assert gate.data.data_ptr() == experts.gate.data.data_ptr() + gate.data.shape[0] * gate.data.shape[1]
+    assert down.data.untyped_storage().data_ptr() == experts.down.data.untyped_storage().data_ptr()
+    assert experts.gate.fmt.name == fmt
+    ours, reference = model.forward(IDS), reference_moe_logits(model, IDS)
+    assert (ours - reference).abs().max().item() < 1e-3 * reference.abs().max().item()
+
+
+@pytest.mark.parametrize("family, fmt", [("mixtral", "Q8_0"), ("qwen2moe", "Q8_0"), ("qwen3moe", "Q4_K")])
+def test_gguf_round_trip(family, fmt, tiny_checkpoint, tmp_path):
+    arch, shape = SYNTHETIC[family]
+    checkpoint = tiny_checkpoint(arch, fmt, **(K_SHAPE if fmt == "Q4_K" else shape))
+    path = write_gguf(tmp_path / f"{family}.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
+    loaded = workbench.load(path, device="cpu")
+    assert loaded.config == checkpoint.config
+    assert torch.equal(loaded.forward(IDS), workbench.Model(checkpoint, "cpu").forward(IDS))
+    assert loaded.tensor_formats()["blocks.1.moe.down"] == fmt
+
+
+def test_gguf_missing_expert_tensor_is_named(tiny_checkpoint, tmp_path, monkeypatch):
+    from workbench import moe
+
+    every = moe.gguf_tensors
+    monkeypatch.setattr(moe, "gguf_tensors", lambda prefix, w: [t for t in every(prefix, w)
+                                                                 if t[0] != "blk.1.ffn_up_exps.weight"])
+    checkpoint = tiny_checkpoint("qwen3moe")
+    path = write_gguf(tmp_path / "cut.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
+    with pytest.raises(ModelLoadError, match="blk.1.ffn_up_exps.weight is missing"):
+        workbench.load(path)
+
+
+def test_sigmoid_routing_matches_per_token_reference(tiny_checkpoint):
+    """Sigmoid gating (llama.cpp's expert_gating_func 2), on a Qwen3-MoE-shaped model."""
+    from dataclasses import replace
+
+    from workbench.loading import LoadedCheckpoint
+
+    checkpoint = tiny_checkpoint("qwen3moe", n_experts=8, n_experts_used=3)
+    config = replace(checkpoint.config, moe=replace(checkpoint.config.moe, gating="sigmoid"))
+    model = workbench.Model(LoadedCheckpoint(config, checkpoint.weights, checkpoint.tokenizer, checkpoint.path,
+                                             checkpoint.metadata), "cpu")
+    ours, reference = model.forward(IDS), reference_moe_logits(model, IDS)
+    assert (ours - reference).abs().max().item() < 1e-3 * reference.abs().max().item()
+    assert not torch.allclose(ours, workbench.Model(checkpoint, "cpu").forward(IDS), atol=1e-3)
+
+
+def test_quantize_on_load_keeps_the_router_float(hf_moe):
+    _, path = hf_moe("qwen2moe")
+    exact, quantized = workbench.load(path, device="cpu"), workbench.load(path, device="cpu", quantize="Q8_0")
+    formats = quantized.tensor_formats()
+    assert formats["blocks.0.moe.router"] == "F32"  # as llama.cpp's quantizer leaves ffn_gate_inp
+    assert formats["blocks.0.moe.gate"] == formats["blocks.1.moe.shared_gate"] == "Q8_0"
+    # Q8_0's rounding, on logits of magnitude ~1 (a close routing choice may flip)
+    assert 0 < (quantized.forward(IDS) - exact.forward(IDS)).abs().max().item() < 0.1
+
+
+# ------------------------------------------------------------------------------------------- hook points
+
+
+@pytest.fixture(scope="module")
+def qwen2moe(tiny_model):
+    return tiny_model("qwen2moe", "Q8_0", device="cpu", n_experts=4, n_experts_used=2, d_shared_expert=64)
+
+
+def test_hook_points_and_shapes(qwen2moe):
+    shapes = qwen2moe.hook_points()
+    assert shapes["blocks.0.mlp.hook_router_logits"] == "[T, 4]"
+    assert shapes["blocks.0.mlp.hook_expert_indices"] == "[T, 2]"
+    assert shapes["blocks.1.mlp.hook_expert_out"] == "[T, 2, 64]"
+    assert shapes["blocks.1.mlp.hook_shared_expert_out"] == "[T, 64]"
+    assert "blocks.0.mlp.hook_post" not in shapes
+    names = list(shapes)
+    assert names.index("blocks.0.mlp.hook_router_logits") < names.index("blocks.0.mlp.hook_expert_out") < names.index(
+        "blocks.0.hook_mlp_out")
+
+
+def test_recording_everything_is_bit_identical(qwen2moe):
+    clean = qwen2moe.run(IDS)
+    recorded = qwen2moe.run(IDS, record=["*"])
+    assert torch.equal(clean.logits, recorded.logits)
+    a = recorded.activations
+    assert a["blocks.0.mlp.hook_expert_indices"].dtype == torch.int64
+    # the recorded parts add up to the MLP's output
+    weighted = (a["blocks.1.mlp.hook_expert_out"] * a["blocks.1.mlp.hook_expert_weights"][..., None]).sum(1)
+    total = weighted + a["blocks.1.mlp.hook_shared_expert_out"]
+    assert torch.allclose(total, a["blocks.1.hook_mlp_out"], atol=1e-6)
+    probs = a["blocks.1.mlp.hook_router_logits"].softmax(-1)
+    assert torch.equal(probs.topk(2).indices, a["blocks.1.mlp.hook_expert_indices"])
+
+
+def test_zero_steers_are_identities(qwen2moe):
+    clean = qwen2moe.run(IDS).logits
+    for spec in [{"type": "steer_expert", "experts": [0, 1, 2, 3], "scale": 1.0, "vector": [0.0] * 64},
+                 {"type": "steer", "hook": "blocks.*.mlp.hook_expert_out", "vector": [0.0] * 64},
+                 {"type": "steer", "hook": "blocks.*.mlp.hook_shared_expert_out", "vector": [0.0] * 64}]:
+        edited = qwen2moe.run(IDS, interventions=[spec]).logits
+        assert torch.equal(edited, clean), spec
+
+
+def _mlp_parts(model, layer: int, interventions=()) -> dict[str, torch.Tensor]:
+    points = ["router_logits", "expert_indices", "expert_weights", "expert_out", "shared_expert_out"]
+    trace = model.run(IDS, record=[f"blocks.{layer}.mlp.hook_{p}" for p in points] + [f"blocks.{layer}.hook_mlp_out"],
+                      interventions=interventions)
+    return {name.rsplit("hook_", 1)[1]: value for name, value in trace.activations.items()}
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_drop_ablation_equals_hand_computation(qwen2moe, renormalize):
+    clean = _mlp_parts(qwen2moe, 1)
+    expert = int(clean["expert_indices"][0, 0])  # one that token 0 uses
+    spec = {"type": "ablate_expert", "experts": [expert], "layer": 1, "mode": "drop", "renormalize": renormalize}
+    ablated = _mlp_parts(qwen2moe, 1, [spec])
+    assert torch.equal(ablated["expert_indices"], clean["expert_indices"])  # the choice stays; the weight goes
+    weights = clean["expert_weights"].clone()
+    hit = clean["expert_indices"] == expert
+    kept = weights.masked_fill(hit, 0.0)
+    if renormalize:
+        kept = kept * weights.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)
+    expected = (clean["expert_out"] * kept[..., None]).sum(1) + clean["shared_expert_out"]
+    assert hit.any() and (~hit).any()
+    assert torch.allclose(ablated["mlp_out"], expected, atol=1e-6)
+    assert not torch.allclose(ablated["mlp_out"], clean["mlp_out"], atol=1e-3)
+
+
+def test_reroute_ablation_equals_hand_computation(qwen2moe):
+    clean = _mlp_parts(qwen2moe, 0)
+    expert = int(clean["expert_indices"][0, 0])
+    ablated = _mlp_parts(qwen2moe, 0, [{"type": "ablate_expert", "experts": [expert], "layer": 0, "mode": "reroute"}])
+    logits = clean["router_logits"].clone()
+    logits[:, expert] = float("-inf")
+    probs = logits.softmax(-1)  # qwen2moe: softmax over the remaining experts, no renormalization after top-k
+    top = probs.topk(2)
+    assert torch.equal(ablated["expert_indices"], top.indices)
+    assert not (ablated["expert_indices"] == expert).any()
+    assert torch.allclose(ablated["expert_weights"], top.values, atol=1e-7)
+    # layer 0's input is unchanged, so each expert's output is the clean one where the clean run chose it
+    same = clean["expert_indices"] == ablated["expert_indices"]
+    assert torch.equal(ablated["expert_out"][same], clean["expert_out"][same])
+
+
+def test_force_routing(qwen2moe):
+    clean = _mlp_parts(qwen2moe, 0)
+    spec = {"type": "force_routing", "experts": [3, 1], "layer": 0, "positions": [2, -1]}
+    forced = _mlp_parts(qwen2moe, 0, [spec])
+    rows = [2, len(IDS) - 1]
+    assert forced["expert_indices"][rows].tolist() == [[3, 1], [3, 1]]
+    others = [t for t in range(len(IDS)) if t not in rows]
+    assert torch.equal(forced["expert_indices"][others], clean["expert_indices"][others])
+    # the router's own probabilities weight the forced experts
+    probs = clean["router_logits"].softmax(-1)
+    assert torch.allclose(forced["expert_weights"][rows], probs[rows][:, [3, 1]], atol=1e-7)
+    with_weights = _mlp_parts(qwen2moe, 0, [{**spec, "weights": [0.25, 0.75]}])
+    assert with_weights["expert_weights"][rows].tolist() == [[0.25, 0.75], [0.25, 0.75]]
+
+
+def test_steer_expert_scales_its_output(qwen2moe):
+    clean = _mlp_parts(qwen2moe, 1)
+    expert = int(clean["expert_indices"][0, 1])
+    scaled = _mlp_parts(qwen2moe, 1, [{"type": "steer_expert", "experts": [expert], "layer": 1, "scale": 0.0}])
+    hit = clean["expert_indices"] == expert
+    weights = clean["expert_weights"].masked_fill(hit, 0.0)
+    expected = (clean["expert_out"] * weights[..., None]).sum(1) + clean["shared_expert_out"]
+    assert torch.allclose(scaled["mlp_out"], expected, atol=1e-6)
+
+
+def test_specs_round_trip_and_bad_input(qwen2moe, tiny_model):
+    spec = {"type": "ablate_expert", "experts": [2], "layer": 1, "positions": [0, 1], "mode": "reroute",
+            "renormalize": False}
+    assert from_spec(spec).to_spec() == spec
+    steer = {"type": "steer_expert", "experts": [0], "layer": None, "scale": 2.0, "vector": [1.0] * 64}
+    assert from_spec(steer).to_spec() == steer
+    cases = [
+        ({"type": "ablate_expert", "experts": [4]}, "out of range 0..3"),
+        ({"type": "ablate_expert", "experts": [0], "layer": 7}, "out of range"),
+        ({"type": "ablate_expert", "experts": [0, 1, 2], "mode": "reroute"}, "fewer than the 2"),
+        ({"type": "ablate_expert", "experts": [0], "mode": "skip"}, "mode must be one of"),
+        ({"type": "force_routing", "experts": [1]}, "needs 2 distinct experts"),
+        ({"type": "steer_expert", "experts": [0], "vector": [1.0] * 3}, r"shape \(64,\)"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(HookError, match=message):
+            qwen2moe.run(IDS, interventions=[bad])
+    with pytest.raises(HookError, match="mixture-of-experts"):
+        tiny_model("llama").run(IDS, interventions=[{"type": "ablate_expert", "experts": [0]}])
+
+
+def test_batch_matches_single_runs(qwen2moe):
+    prompts = [IDS, IDS[:4], IDS[3:9]]
+    spec = {"type": "ablate_expert", "experts": [1], "mode": "drop", "renormalize": True}
+    batched = qwen2moe.run_batch(prompts, record=["blocks.0.mlp.hook_expert_indices"], interventions=[spec])
+    for prompt, trace in zip(prompts, batched):
+        single = qwen2moe.run(prompt, record=["blocks.0.mlp.hook_expert_indices"], interventions=[spec])
+        assert torch.allclose(trace.logits, single.logits, atol=1e-5)
+        assert torch.equal(trace.activations["blocks.0.mlp.hook_expert_indices"].long(),
+                           single.activations["blocks.0.mlp.hook_expert_indices"])
+
+
+def test_generation_with_kv_cache_matches_full_forward(qwen2moe):
+    new = [token for token, _ in qwen2moe.stream(IDS[:5], max_new_tokens=4, compiled=False)]
+    ids = IDS[:5] + new
+    assert len(new) == 4
+    full = qwen2moe.forward(ids[:-1]).argmax(-1)[4:]
+    assert full.tolist() == ids[5:]
+
+
+# ------------------------------------------------------------------------------------------------ surfaces
+
+
+def test_dashboard_experts_page(monkeypatch, tiny_checkpoint, tmp_path):
+    streamlit_testing = pytest.importorskip("streamlit.testing.v1")
+    from workbench.app import common
+    from workbench.moe import routing_matrix
+
+    checkpoint = tiny_checkpoint("qwen3moe", n_experts=8, n_experts_used=3)
+    path = write_gguf(tmp_path / "moe.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
+    monkeypatch.setattr("sys.argv", ["main.py", "--model", str(path)])
+    at = streamlit_testing.AppTest.from_file(str(Path(common.__file__).with_name("main.py")), default_timeout=240)
+    at.run()
+    at.switch_page("page_experts.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    model = workbench.load(path, device="cpu")
+    trace = model.run(common.DEFAULT_PROMPT, record=["blocks.1.mlp.hook_expert_indices",
+                                                      "blocks.1.mlp.hook_expert_weights"])
+    expected = routing_matrix(trace.activations["blocks.1.mlp.hook_expert_indices"],
+                              trace.activations["blocks.1.mlp.hook_expert_weights"], 8)
+    at.selectbox(key="ex_layer").set_value(1).run()
+    charts = {c.key: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    assert torch.allclose(torch.tensor(charts["ex_routing"]["data"][0]["z"]), expected, atol=1e-6)
+    assert {"ex_load", "ex_residual", "ex_next_a"} <= set(charts)
+    at.radio(key="ex_mode").set_value("reroute").run()
+    assert not at.exception and "ex_rerouted" in {c.key for c in at.get("plotly_chart")}
+    at.switch_page("page_interventions.py").run()  # the MLP-neuron site is not offered on an MoE model
+    assert not at.exception, [e.message for e in at.exception]
+
+
+def test_mcp_tools_on_an_moe_model(qwen2moe, tmp_path):
+    import anyio
+    from mcp.client import Client as InProcessClient
+
+    from workbench.mcp_server import Workbench, build_server
+
+    bench = Workbench(qwen2moe, tmp_path)
+    ablate = {"type": "ablate_expert", "experts": [0], "layer": 1, "mode": "reroute"}
+
+    async def scenario() -> dict:
+        async with InProcessClient(build_server(bench), mode="legacy") as client:
+            async def call(name: str, **arguments) -> dict:
+                result = await client.call_tool(name, arguments)
+                assert not result.is_error, result.content[0].text
+                return result.structured_content
+
+            info = await call("model_info")
+            run = await call("run", prompt="the cat sat", record=["blocks.*.mlp.*"])
+            routing = await call("moe_routing", prompt="the cat sat", layers=[1])
+            ablated = await call("moe_routing", prompt="the cat sat", layers=[1], interventions=[ablate])
+            edit = await call("run_batch", prompts=["the cat", "a dog"], interventions=[ablate])
+            return dict(info=info, run=run, routing=routing, ablated=ablated, edit=edit)
+
+    out = anyio.run(scenario)
+    assert out["info"]["moe"]["n_experts"] == 4 and out["info"]["moe"]["d_shared_expert"] == 64
+    assert {"blocks.0.mlp.hook_expert_indices", "blocks.1.mlp.hook_shared_expert_out"} <= {
+        r["hook"] for r in out["run"]["recorded"]}
+    trace = qwen2moe.run("the cat sat", record=["blocks.1.mlp.hook_expert_indices", "blocks.1.mlp.hook_expert_weights"])
+    layer = out["routing"]["layers"][0]
+    assert layer["experts"] == trace.activations["blocks.1.mlp.hook_expert_indices"].tolist()
+    assert torch.allclose(torch.tensor(layer["weights"]), trace.activations["blocks.1.mlp.hook_expert_weights"])
+    assert sum(layer["load"]) == pytest.approx(2.0)  # two experts per token
+    assert out["ablated"]["layers"][0]["load"][0] == 0.0
+    assert len(out["edit"]["results"]) == 2
+
+
+def test_bad_moe_configs_are_named(hf_moe, tmp_path):
+    import shutil
+
+    from workbench.config import MoEConfig
+
+    with pytest.raises(ModelLoadError, match="1 to 4 experts per token"):
+        MoEConfig(n_experts=4, n_experts_used=5, d_expert=64)
+    _, path = hf_moe("mixtral")
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
+    with pytest.raises(ModelLoadError, match="experts per token"):
+        workbench.load(broken)
+    (broken / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "num_experts_per_tok"}))
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
+        workbench.load(broken)
+    (broken / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(broken / "model.safetensors"))
+    save_file({n: t for n, t in tensors.items() if ".experts.1." not in n}, str(broken / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="expert 1 of blk.0.ffn_.*_exps.weight is missing"):
+        workbench.load(broken)

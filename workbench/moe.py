@@ -1,0 +1,287 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE), computed as llama.cpp's ``build_moe_ffn`` does.
+
+A router scores every expert for each token; the top ``n_experts_used`` run, and their outputs are summed with the
+router's weights. The experts' matrices stay as the GGUF stores them, one packed tensor per kind stacked over experts
+(``ffn_gate_exps`` ``[n_experts * d_expert, d_model]`` ...); each expert is a row range of it, a view, so only the
+chosen experts' bytes are read, by the same quantized kernels as any other matrix. The tokens of a forward are
+grouped by expert: one matmul per active expert over the tokens that chose it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterator
+
+import torch
+
+from workbench.config import MoEConfig
+from workbench.errors import HookError, ModelLoadError
+from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
+
+# The hook points of an MoE block's MLP, in the order the forward reaches them (they replace mlp.hook_pre,
+# mlp.hook_pre_linear and mlp.hook_post, which a token has once per chosen expert here).
+MOE_POINTS: dict[str, str] = {
+    "mlp.hook_router_logits": "[T, n_experts]",
+    "mlp.hook_expert_indices": "[T, top_k]",
+    "mlp.hook_expert_weights": "[T, top_k]",
+    "mlp.hook_expert_out": "[T, top_k, d_model]",
+}
+SHARED_POINTS: dict[str, str] = {"mlp.hook_shared_expert_out": "[T, d_model]"}
+# The MLP points of a dense block, which an MoE block does not have.
+DENSE_MLP_POINTS = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
+
+# llama.cpp clamps the sum of the chosen weights before dividing by it (the smallest normal float16).
+_MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+def with_moe_points(dense_points: dict[str, str], moe: MoEConfig | None) -> dict[str, str]:
+    """A block's hook points with their shapes: the dense block's, with the MLP's points replaced for an MoE block."""
+    if moe is None:
+        return dense_points
+    out = {}
+    for name, shape in dense_points.items():
+        if name == "hook_mlp_out":
+            out.update(MOE_POINTS)
+            if moe.d_shared_expert:
+                out.update(SHARED_POINTS)
+        if name not in DENSE_MLP_POINTS:
+            out[name] = shape
+    return out
+
+
+@dataclass
+class MoEWeights:
+    """One block's experts: the router, the stacked expert matrices as stored, and Qwen2-MoE's shared expert."""
+
+    router: QuantTensor  # ffn_gate_inp [n_experts, d_model]
+    gate: QuantTensor  # ffn_gate_exps [n_experts * d_expert, d_model]
+    up: QuantTensor  # ffn_up_exps [n_experts * d_expert, d_model]
+    down: QuantTensor  # ffn_down_exps [n_experts * d_model, d_expert]
+    shared_gate: QuantTensor | None = None  # ffn_gate_shexp [d_shared_expert, d_model]
+    shared_up: QuantTensor | None = None
+    shared_down: QuantTensor | None = None  # [d_model, d_shared_expert]
+    shared_router: QuantTensor | None = None  # ffn_gate_inp_shexp [1, d_model]
+    # per expert: its (gate, up, down) as views of the stacked matrices' rows
+    experts: list[tuple[QuantTensor, QuantTensor, QuantTensor]] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        n_experts = self.router.shape[0]
+        self.experts = [tuple(_rows(w, e, n_experts) for w in (self.gate, self.up, self.down))
+                        for e in range(n_experts)]
+
+    def matrices(self) -> Iterator[tuple[str, QuantTensor]]:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, QuantTensor):
+                yield f.name, value
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for _, w in self.matrices())
+
+    def map(self, fn_matrix: Callable[[QuantTensor], QuantTensor]) -> "MoEWeights":
+        return MoEWeights(**{name: fn_matrix(w) for name, w in self.matrices()})
+
+
+def _rows(w: QuantTensor, e: int, n_experts: int) -> QuantTensor:
+    """Expert ``e``'s matrix: its rows of the stacked ``w``, a view of the same bytes."""
+    rows = w.shape[0] // n_experts
+    return QuantTensor(w.data[e * rows:(e + 1) * rows], w.fmt, (rows, w.shape[1]))
+
+
+def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[str, str], layer: int) -> torch.Tensor:
+    """The MoE MLP of normalized ``x`` ``[T, d_model]``, through its hook points (``point(name, value, layer)``; the
+    forward fires ``hook_mlp_out`` on what it returns).
+
+    The routing is computed in float32 from the router logits: probabilities (softmax over all experts, or sigmoid),
+    the top ``n_experts_used`` by probability, their probabilities as weights (normalized to sum to one where the
+    model does so). A hook that replaces the chosen experts gets their weights from the same probabilities."""
+    # the router in float32 whatever the activations' dtype: a choice between experts turns on small differences
+    logits = point(names["mlp.hook_router_logits"], linear(x.float(), w.router), layer)
+    probs = logits.softmax(dim=-1) if moe.gating == "softmax" else logits.sigmoid()
+    indices = probs.topk(moe.n_experts_used, dim=-1).indices
+    if point.wants(names["mlp.hook_expert_indices"]):
+        indices = point(names["mlp.hook_expert_indices"], indices, layer)
+        if indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < moe.n_experts):
+            raise HookError(f"a hook on {names['mlp.hook_expert_indices']} chose experts outside "
+                            f"0..{moe.n_experts - 1}")
+    weights = probs.gather(-1, indices)
+    if moe.normalize_weights:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
+    if moe.weights_scale != 1.0:
+        weights = weights * moe.weights_scale
+    weights = point(names["mlp.hook_expert_weights"], weights, layer)
+    expert_out = point(names["mlp.hook_expert_out"], run_experts(x, indices, w), layer)
+    out = (expert_out * weights.to(expert_out.dtype)[..., None]).sum(dim=1)
+    if w.shared_router is not None:
+        gate, up = linear_parts(x, (w.shared_gate, w.shared_up))
+        shared = linear(layer_ops.swiglu(gate, up), w.shared_down) * linear(x, w.shared_router).sigmoid()
+        out = out + point(names["mlp.hook_shared_expert_out"], shared, layer)
+    return out
+
+
+def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """Each chosen expert's SwiGLU output for its token, ``[T, k, d_model]`` (unweighted).
+
+    The (token, slot) pairs are sorted by expert, so each active expert runs once, on all its tokens: its rows of the
+    stacked matrices are read once per forward, and experts no token chose are not read at all."""
+    n_tokens, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(w.experts)).tolist()  # the host needs the group sizes
+    out = x.new_empty(n_tokens * k, x.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        gate_w, up_w, down_w = w.experts[expert]
+        tokens = x.index_select(0, pairs // k)
+        gate, up = linear_parts(tokens, (gate_w, up_w))
+        out[pairs] = linear(layer_ops.swiglu(gate, up), down_w)
+    return out.view(n_tokens, k, x.shape[1])
+
+
+def routing_matrix(indices: torch.Tensor, weights: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The routing of a block as ``[T, n_experts]``: each token's weight on each expert, zero where not chosen (from
+    the recorded ``hook_expert_indices`` and ``hook_expert_weights``)."""
+    dense = torch.zeros(indices.shape[0], n_experts, dtype=torch.float32)
+    return dense.scatter_add_(1, indices.long().cpu(), weights.float().cpu())
+
+
+# ------------------------------------------------------------------------------------------------- loading
+
+# llama.cpp's tensor names of an MoE block (after ``blk.N.``)
+ROUTER, GATE, UP, DOWN = "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"
+SHARED = {"shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.weight",
+          "shared_down": "ffn_down_shexp.weight", "shared_router": "ffn_gate_inp_shexp.weight"}
+
+# Hugging Face names (after ``model.layers.N.``) of the router and shared expert; experts are matched by _HF_EXPERT.
+_HF_NAMES = {
+    "block_sparse_moe.gate.weight": ROUTER,  # Mixtral
+    "mlp.gate.weight": ROUTER,  # Qwen2-MoE, Qwen3-MoE
+    "mlp.shared_expert.gate_proj.weight": SHARED["shared_gate"],
+    "mlp.shared_expert.up_proj.weight": SHARED["shared_up"],
+    "mlp.shared_expert.down_proj.weight": SHARED["shared_down"],
+    "mlp.shared_expert_gate.weight": SHARED["shared_router"],
+}
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_HF_EXPERT_KIND = {"w1": GATE, "w3": UP, "w2": DOWN, "gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
+# transformers' own in-memory layout, [n_experts, 2 * d_expert, d_model] and [n_experts, d_model, d_expert]
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
+
+
+def hf_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
+    """The MoE part of a Hugging Face config.json (None for a dense model)."""
+    n_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not n_experts:
+        return None
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ModelLoadError("MoE models with dense layers between the sparse ones are not supported")
+    return MoEConfig(
+        n_experts=int(n_experts), n_experts_used=int(cfg["num_experts_per_tok"]),
+        d_expert=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        # Mixtral always normalizes; the Qwen configs say whether they do
+        normalize_weights=bool(cfg.get("norm_topk_prob", architecture == "llama")),
+        d_shared_expert=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -> MoEConfig | None:
+    """The MoE part of a GGUF's metadata (``key(name, default)`` reads ``{arch}.{name}``), as llama.cpp reads it for
+    Mixtral (llama with experts), Qwen2-MoE and Qwen3-MoE."""
+    n_experts = int(key("expert_count", 0))
+    if not n_experts:
+        if architecture.endswith("moe"):
+            raise ModelLoadError(f"{architecture}: metadata key '{architecture}.expert_count' is missing")
+        return None
+    gating = {0: "softmax", 1: "softmax", 2: "sigmoid"}.get(int(key("expert_gating_func", 0)))
+    if gating is None:
+        raise ModelLoadError(f"{architecture}: unsupported expert gating function {key('expert_gating_func', 0)}")
+    scale = float(key("expert_weights_scale", 0.0))
+    return MoEConfig(
+        n_experts=n_experts, n_experts_used=int(key("expert_used_count", None)),
+        d_expert=int(key("expert_feed_forward_length", d_mlp)), gating=gating,
+        # llama.cpp's qwen2moe never normalizes, its llama (Mixtral) and qwen3moe always do
+        normalize_weights=bool(key("expert_weights_norm", architecture != "qwen2moe")),
+        weights_scale=scale if scale else 1.0,
+        # llama.cpp reads the shared expert's width for qwen2moe only (a Qwen3-MoE GGUF may carry the key unused)
+        d_shared_expert=int(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
+    )
+
+
+def hf_tensor(name: str, tensor: torch.Tensor, experts: dict[str, dict[int, torch.Tensor]]
+              ) -> dict[str, torch.Tensor] | None:
+    """The llama.cpp tensors a Hugging Face MoE tensor gives (None: not an MoE tensor). Per-expert matrices are
+    collected into ``experts`` (by stacked name, then expert) for ``stack_experts``."""
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_NAMES:
+        mapped = _HF_NAMES[parts[3]]
+        return {f"blk.{parts[2]}.{mapped}": tensor}
+    if match := _HF_EXPERT.fullmatch(name):
+        layer, expert, kind = match.groups()
+        if kind in _HF_EXPERT_KIND:
+            experts.setdefault(f"blk.{layer}.{_HF_EXPERT_KIND[kind]}", {})[int(expert)] = tensor
+            return {}
+    if match := _HF_FUSED.fullmatch(name):
+        layer, kind = match.groups()
+        if kind == "down_proj":
+            return {f"blk.{layer}.{DOWN}": tensor}
+        gate, up = tensor.chunk(2, dim=1)
+        return {f"blk.{layer}.{GATE}": gate, f"blk.{layer}.{UP}": up}
+    return None
+
+
+def stack_experts(experts: dict[str, dict[int, torch.Tensor]], source: str) -> dict[str, torch.Tensor]:
+    """Each collected kind's per-expert matrices as one ``[n_experts, rows, cols]`` tensor, as the converter stacks
+    them; a missing expert is named."""
+    out = {}
+    for name, by_expert in experts.items():
+        missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
+        if missing:
+            raise ModelLoadError(f"{source}: expert {missing[0]} of {name} is missing")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def assemble(prefix: str, d_model: int, moe: MoEConfig, get, source: str) -> MoEWeights:
+    """One block's MoEWeights from ``get(gguf_name, shape)`` (as the loader's ``_assemble``), every shape checked."""
+
+    def matrix(name: str, shape: tuple[int, ...]) -> QuantTensor:
+        tensor = get(prefix + name, shape)
+        if tensor is None:
+            raise ModelLoadError(f"{source}: tensor {prefix}{name} is missing")
+        return tensor
+
+    n, f, s = moe.n_experts, moe.d_expert, moe.d_shared_expert
+    shared = {}
+    if s:
+        shared = dict(shared_gate=matrix(SHARED["shared_gate"], (s, d_model)),
+                      shared_up=matrix(SHARED["shared_up"], (s, d_model)),
+                      shared_down=matrix(SHARED["shared_down"], (d_model, s)),
+                      shared_router=_one_row(lambda shape: matrix(SHARED["shared_router"], shape), d_model))
+    return MoEWeights(router=matrix(ROUTER, (n, d_model)), gate=matrix(GATE, (n, f, d_model)),
+                      up=matrix(UP, (n, f, d_model)), down=matrix(DOWN, (n, d_model, f)), **shared)
+
+
+def _one_row(matrix: Callable[[tuple[int, ...]], QuantTensor], cols: int) -> QuantTensor:
+    """A ``[1, cols]`` tensor that files store as either shape: llama.cpp's converter writes the shared expert's gate
+    ``[1, d_model]``, its quantizer ``[d_model]``."""
+    try:
+        return matrix((1, cols))
+    except ModelLoadError:
+        return matrix((cols,))
+
+
+def gguf_tensors(prefix: str, w: MoEWeights) -> list[tuple[str, QuantTensor, tuple[int, ...]]]:
+    """The GGUF tensors of one block's experts, with their torch-order shapes (for a writer)."""
+    n = w.router.shape[0]
+    out = [(ROUTER, w.router, w.router.shape)]
+    for name, m in ((GATE, w.gate), (UP, w.up), (DOWN, w.down)):
+        out.append((name, m, (n, m.shape[0] // n, m.shape[1])))
+    for attr, name in SHARED.items():
+        m = getattr(w, attr)
+        if m is not None:
+            out.append((name, m, m.shape))
+    return [(prefix + name, m, shape) for name, m, shape in out]
