@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 import weakref
 
@@ -277,3 +278,47 @@ def test_decode_step_compiles_without_graph_breaks(small):
     runner.forward(torch.tensor([1, 2, 3]), cache=cache)
     explained = torch._dynamo.explain(_forward_and_pick)(runner, torch.tensor([4]), cache)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_eager_code_beside_a_compile_in_another_thread_is_not_traced():
+    from workbench.kernels.tracing import compiling
+
+    with torch.compiler._compile_session_context():  # what another thread's compile sets, process-wide
+        assert torch.compiler.is_compiling() and not compiling()
+    assert torch.compile(lambda x: x + compiling(), fullgraph=True)(torch.zeros(1)).item() == 1
+
+
+def _join_builds() -> None:
+    for thread in threading.enumerate():
+        if thread.name == "workbench-decode-build":
+            thread.join()
+
+
+def test_background_build_answers_eagerly_then_takes_over(monkeypatch, tiny_model):
+    """The first tokens come from the eager forward while the step builds; the built step then decodes the rest from
+    a copy of the eager cache, the greedy tokens unchanged. A build its generation outlives is kept, free."""
+    import workbench.generation as generation
+
+    runner = tiny_model("llama", "Q8_0", seed=4, n_layers=1, device="cpu", cached=False).runner
+    eager = list(generate_tokens(runner, PROMPT, 10))
+    release, real_build = threading.Event(), generation._compile_on_cpu
+    monkeypatch.setattr(generation, "_compile_on_cpu", lambda *a: release.wait() and real_build(*a))
+    steps = []
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, t, call=DecodeStep.__call__: steps.append(t) or call(self, t))
+
+    tokens = generate_tokens(runner, PROMPT, 10, compiled="background")
+    first = [next(tokens) for _ in range(4)]  # answered before the build finished
+    assert runner not in _BUILT and not steps
+    release.set()
+    _join_builds()
+    assert first + list(tokens) == eager
+    assert steps and not _BUILT[runner]["exact"].busy
+    del _BUILT[runner]
+
+    release.clear()
+    assert list(generate_tokens(runner, PROMPT, 3, compiled="background")) == eager[:3]  # done before the build
+    release.set()
+    _join_builds()
+    assert not _BUILT[runner]["exact"].busy
+    with pytest.raises(WorkbenchError, match="compiled must be"):
+        generate_tokens(runner, PROMPT, 3, compiled="later")
