@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError
-from workbench.runner import BLOCK_POINTS, GLOBAL_POINTS, hook_point_names
+from workbench.runner import GLOBAL_POINTS, block_points, hook_point_names
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,16 @@ _AXES = {
     "attn.hook_rot_q": Axes(0, 1, 2), "attn.hook_rot_k": Axes(0, 1, 2), "attn.hook_z": Axes(0, 1, 2),
     "attn.hook_result": Axes(0, 1, 2),
     "attn.hook_attn_scores": Axes(1, 0, None), "attn.hook_pattern": Axes(1, 0, None),
+    "attn.q_norm.hook_scale": Axes(0, 1, None), "attn.k_norm.hook_scale": Axes(0, 1, None),
+    "attn.q_norm.hook_normalized": Axes(0, 1, 2), "attn.k_norm.hook_normalized": Axes(0, 1, 2),
     "ln1.hook_scale": Axes(0, None, None), "ln2.hook_scale": Axes(0, None, None),
+    "ln1_post.hook_scale": Axes(0, None, None), "ln2_post.hook_scale": Axes(0, None, None),
     "ln_final.hook_scale": Axes(0, None, None),
 }
 _TOKEN_MAJOR = Axes(0, None, 1)
 
 
+@lru_cache(maxsize=4096)  # called for every recorded point of every prompt
 def axes(name: str) -> Axes:
     """Axis layout of a hook point by its name."""
     suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
@@ -58,9 +62,10 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
         return shape
 
     out = []
-    for name in hook_point_names(config.n_layers):
+    blocks = block_points(config)
+    for name in hook_point_names(config):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
-        out.append((name, fill(BLOCK_POINTS.get(suffix) or GLOBAL_POINTS[suffix])))
+        out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix])))
     return tuple(out)
 
 
@@ -84,7 +89,7 @@ def _token_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
 def head_count(name: str, config: ModelConfig) -> int | None:
     if axes(name).head is None:
         return None
-    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) else config.n_heads
+    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) or ".k_norm." in name else config.n_heads
 
 
 def feature_size(name: str, config: ModelConfig) -> int | None:
@@ -101,7 +106,7 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
 
 def resolve(pattern: str, config: ModelConfig) -> list[str]:
     """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``)."""
-    names = hook_point_names(config.n_layers)
+    names = hook_point_names(config)
     if not isinstance(pattern, str) or not pattern:
         raise HookError(f"a hook name must be a non-empty string, got {pattern!r}")
     if any(ch in pattern for ch in "*?["):

@@ -3,10 +3,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from workbench.architectures import ARCHITECTURES, Architecture
+
+
+_FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
+                     "final_softcap")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" (also SmolLM, Mistral, Llama-3), "qwen2", "qwen3"
+    architecture: str  # a family of ``workbench.architectures``: "llama" (also SmolLM, Mistral, Llama-3), "gemma2", ...
     n_layers: int
     d_model: int
     n_heads: int
@@ -21,9 +27,36 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     # llama.cpp rotates adjacent pairs for llama (its converter permutes Q/K rows to match) and the two
-    # halves of each head for Qwen ("neox").
+    # halves of each head for the others ("neox").
     rope_interleaved: bool = True
     name: str = ""
+    # The numbers a family's checkpoint sets (None: the feature is off).
+    sliding_window: int | None = None  # on sliding layers, keys this many positions or more behind the query are masked
+    sliding_layers: tuple[bool, ...] = ()  # per layer, whether it slides (empty: none does)
+    rope_base_local: float | None = None  # the sliding layers' rope base (None: rope_base)
+    rope_scale: float = 1.0  # linear rope scaling of the global layers: positions divided by it
+    d_rotary: int | None = None  # values of each head the rope rotates, the first ones (None: all d_head)
+    attn_scale: float | None = None  # attention scores are divided by it (None: sqrt(d_head)), as TransformerLens names it
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sliding_layers, tuple):  # a JSON round trip (trace fingerprints) gives a list
+            object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+
+    @property
+    def arch(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def family(self) -> dict:
+        """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""
+        settings = {name: getattr(self, name) for name in _FEATURE_SETTINGS if getattr(self, name) not in (None, 1.0)}
+        if self.sliding_window:
+            settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
+        return {"name": self.architecture, "features": list(self.arch.features), **settings}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,6 +1,7 @@
 """The public model object: load once, then tokenize, forward, generate (and, via workbench.hooks, trace)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import time
@@ -234,7 +235,8 @@ class Model:
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
             with torch.inference_mode(not hooks), numerics(mode):
-                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared).cpu()
+                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared)
+            out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
             prefix_activations = recorder.take(-1) if shared and recorder else {}
             per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
             for i, row_logits in zip(layout.prompts, per_row):
@@ -509,6 +511,7 @@ class Model:
             "model": self.config.name,
             "path": str(self.path),
             "config": self.config.to_dict(),
+            "family": self.config.family(),
             "parameters": self.config.n_params,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -558,6 +561,13 @@ def _available_memory() -> int:
 
 
 def package_versions() -> dict[str, str]:
+    """Versions of the packages a trace's numbers depend on (read once per process: each look-up scans the installed
+    distributions)."""
+    return dict(_package_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _package_versions() -> dict[str, str]:
     from importlib import metadata
 
     versions = {"python": platform.python_version()}

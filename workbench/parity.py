@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.runner import gguf_head_order
 
 INSTALL_HINT = "pip install 'workbench[reference]'  (llama-cpp-python, built from source; see docs/faithfulness.md)"
 
@@ -189,10 +190,15 @@ def compare(captured: dict[str, np.ndarray], recorded: dict[str, torch.Tensor], 
 
 
 def record_points(model, ids: Sequence[int], captured_names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Our activations at the hook points the captured tensors map to, from one run of ``ids``."""
+    """Our activations at the hook points the captured tensors map to, from one run of ``ids``, laid out as llama.cpp
+    lays them out."""
     wanted = list(dict.fromkeys(mapped.point for _, mapped in mapped_tensors(captured_names)))
     trace = model.run(list(ids), record=[p for p in wanted if p != "hook_logits"])
-    return {**trace.activations, "hook_logits": trace.logits}
+    recorded = {**trace.activations, "hook_logits": trace.logits}
+    if model.config.rope_interleaved:  # q/k hooks show heads in Hugging Face's order; llama.cpp keeps the file's
+        recorded = {name: gguf_head_order(x) if name.endswith(("hook_rot_q", "hook_rot_k")) else x
+                    for name, x in recorded.items()}
+    return recorded
 
 
 def norm_weights(model) -> dict[str, Any]:
