@@ -124,11 +124,16 @@ class DecodeStep:
 
 # Each runner's last built step per numerics, reused by the next generation of the same cache size and numerics.
 _BUILT: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, DecodeStep]]" = weakref.WeakKeyDictionary()
+# CUDA builds finished after their generation ended, their graphs still to capture (``BackgroundBuild``).
+_PENDING: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, BackgroundBuild]]" = weakref.WeakKeyDictionary()
 
 
 def _built_step(runner: Transformer, capacity: int, mode: Numerics) -> DecodeStep | None:
     """The runner's built step of numerics ``mode`` (a CUDA graph replays the kernels it captured, a compiled graph
     calls those it was traced with) if it is free and of this size, taken (busy) with its cache emptied."""
+    pending = _PENDING.get(runner, {}).pop(mode, None)
+    if pending is not None:  # a CUDA build that outlived its generation: its graph is captured here
+        pending.keep_free()
     decode_step = _BUILT.get(runner, {}).get(mode)
     if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
         return None
@@ -234,8 +239,11 @@ class BackgroundBuild:
         finally:
             self._done.set()
             with self._lock:
-                if self._abandoned and self.step is not None:  # a CUDA step is captured on a caller's thread only
+                if self._abandoned and self.step is not None:
                     self._keep(busy=False)
+                elif self._abandoned and self._warm is not None and runner is not None:
+                    # a CUDA graph is captured on a caller's thread only: the next generation's
+                    _PENDING.setdefault(runner, {})[self.mode] = self
 
     def ready(self) -> bool:
         return self._done.is_set()
@@ -252,6 +260,9 @@ class BackgroundBuild:
             self._abandoned = True
             if self.ready():
                 self._keep(busy=False)
+
+    def keep_free(self) -> None:
+        self._keep(busy=False)
 
     def _keep(self, busy: bool) -> None:
         runner = self._runner()
