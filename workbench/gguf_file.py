@@ -2,7 +2,7 @@
 
 gguf-py's ``GGUFReader`` builds numpy views for every field part, ~250,000 of them for a 49k-token vocabulary
 (3-7 s on a busy 2-core machine); this reads the same header with ``struct`` in one pass (docs/performance.md,
-"Load time"). Values come back as ``GGUFReader``'s ``field.contents()`` gives them: ints, floats, bools, str, and
+"Load time and memory"). Values come back as ``GGUFReader``'s ``field.contents()`` gives them: ints, floats, bools, str, and
 lists of those. Tensor bytes are views of a copy-on-write map of the file, as llama.cpp maps its weights.
 """
 from __future__ import annotations
