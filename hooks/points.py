@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError
+from workbench.errors import HookError, shorten
 from workbench.runner import GLOBAL_POINTS, block_points, hook_point_names
 
 
@@ -104,23 +104,28 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
     return config.vocab_size if name == "hook_logits" else config.d_model
 
 
+MAX_NAME_LENGTH = 256
+
+
 def resolve(pattern: str, config: ModelConfig) -> list[str]:
     """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``)."""
     names = hook_point_names(config)
     if not isinstance(pattern, str) or not pattern:
-        raise HookError(f"a hook name must be a non-empty string, got {pattern!r}")
+        raise HookError(f"a hook name must be a non-empty string, got {shorten(pattern)}")
+    if len(pattern) > MAX_NAME_LENGTH:  # no point is named so; a huge glob or layer number costs time to reject
+        raise HookError(f"unknown hook point {shorten(pattern)}: longer than {MAX_NAME_LENGTH} characters")
     if any(ch in pattern for ch in "*?["):
         matched = fnmatch.filter(names, pattern)
         if not matched:
-            raise HookError(f"no hook point matches {pattern!r}{_suggestion(pattern.replace('*', '0'), names)}")
+            raise HookError(f"no hook point matches {shorten(pattern)}{_suggestion(pattern.replace('*', '0'), names)}")
         return matched
     if pattern in names:
         return [pattern]
-    if pattern.startswith("blocks.") and pattern.split(".")[1].isdigit():
+    if pattern.startswith("blocks.") and pattern.split(".")[1].isascii() and pattern.split(".")[1].isdigit():
         layer = int(pattern.split(".")[1])
         if not 0 <= layer < config.n_layers:
-            raise HookError(f"layer {layer} in {pattern!r} is out of range: the model has layers 0..{config.n_layers - 1}")
-    raise HookError(f"unknown hook point {pattern!r}{_suggestion(pattern, names)}")
+            raise HookError(f"layer {layer} in {shorten(pattern)} is out of range: the model has layers 0..{config.n_layers - 1}")
+    raise HookError(f"unknown hook point {shorten(pattern)}{_suggestion(pattern, names)}")
 
 
 def _suggestion(name: str, names: list[str]) -> str:

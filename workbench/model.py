@@ -14,12 +14,13 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from workbench import hooks as hooks_lib
-from workbench.errors import WorkbenchError
+from workbench.devices import check_device, check_devices, free_memory, split_layers
+from workbench.errors import WorkbenchError, shorten
 from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
 from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
-from workbench.loading import LoadedCheckpoint, load_checkpoint
+from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
 from workbench.runner import BatchLayout, Transformer
 from workbench.tokenizer import StreamDecoder
@@ -29,6 +30,15 @@ from workbench.tokenizer import StreamDecoder
 _ACTIVE: ContextVar[tuple] = ContextVar("workbench_active_hooks", default=())
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def is_utf8(text: str) -> bool:
+    """Whether a str encodes as UTF-8 (Python keeps undecodable command-line bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def default_device() -> str:
@@ -54,21 +64,43 @@ class Model:
 
     def __init__(self, checkpoint: LoadedCheckpoint, device: str | None = None,
                  dtype: str | torch.dtype | None = None, load_seconds: float | None = None,
-                 numerics: Numerics | None = None):
+                 numerics: Numerics | None = None, devices: Sequence[str] | None = None,
+                 split: Sequence[int] | None = None):
         self.numerics: Numerics | None = None if numerics is None else check_numerics(numerics)
-        device = device or default_device()
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise WorkbenchError("device 'cuda' asked for, but no CUDA device is available")
+        if devices is not None and device is not None:
+            raise WorkbenchError("give device (one) or devices (a model split over several), not both")
+        if split is not None and devices is None:
+            raise WorkbenchError("split gives the layers of each of devices=[...]")
+        if devices is not None:
+            counts = split_layers(checkpoint.weights, devices, split)
+            ranges = list(zip(check_devices(devices), counts))
+            device = str(ranges[0][0])
+        else:
+            device = device or default_device()
+            check_device(device)
+            ranges = None
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.path = checkpoint.path
         self.metadata = checkpoint.metadata
-        self.runner = Transformer(checkpoint.config, checkpoint.weights, device, resolve_dtype(dtype, device))
+        self.runner = Transformer(checkpoint.config, checkpoint.weights, device, resolve_dtype(dtype, device),
+                                  split=ranges)
         self.load_seconds = load_seconds
 
     @property
     def device(self) -> torch.device:
+        """The device of the embedding (the first layer's, for a model split over devices)."""
         return self.runner.device
+
+    @property
+    def devices(self) -> list[tuple[str, range]]:
+        """``(device, layers)`` of each layer range: one range unless the model is split over devices."""
+        starts = [0, *sorted(self.runner.range_starts), self.config.n_layers]
+        return [(str(self.runner.devices[a]), range(a, b)) for a, b in zip(starts, starts[1:])]
+
+    def point_device(self, name: str) -> torch.device:
+        """Where a hook point's activation lives (its layer's device): interventions place their tensors there."""
+        return self.runner.point_device(name)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,11 +135,17 @@ class Model:
         if isinstance(prompt, str):
             if not prompt.strip() and not chat:
                 raise WorkbenchError("the prompt is empty")
+            if not is_utf8(prompt):
+                raise WorkbenchError("the prompt is not valid UTF-8 text (it holds lone surrogates, e.g. from "
+                                     "undecodable bytes in a command line)")
             text = self.chat_prompt(prompt) if chat else prompt
             # a rendered chat template carries its own BOS where the model wants one
             ids = self.tokenize(text, add_bos=False if chat else None)
         else:
-            ids = [int(i) for i in prompt]
+            try:
+                ids = [int(i) for i in prompt]
+            except (TypeError, ValueError, OverflowError):
+                raise WorkbenchError(f"a prompt is a text or a list of token ids, got {shorten(prompt)}") from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
@@ -404,10 +442,7 @@ class Model:
         per_token = element * (6 * c.d_model + 3 * c.d_mlp + 2 * c.n_heads * c.d_head)
         per_token += 8 * c.vocab_size if vocab_rows else 0
         per_score = 12 * c.n_heads
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free = _available_memory()
+        free = min(free_memory(d) for d in set(self.runner.devices))
         return per_token, per_score, free // 4
 
     def new_cache(self) -> KVCache:
@@ -453,11 +488,8 @@ class Model:
         A model built in memory (workbench.synthetic) has no file: its packed weights are hashed instead.
         """
         h = hashlib.sha256()
-        files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
-        for file in files:
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
+        files = checkpoint_files(self.path)
+        hash_files(files, h)
         if not files:
             weights = self.runner.weights
             tensors = [w.data for _, w in weights.named_matrices()] + [weights.final_norm] + [
@@ -473,7 +505,7 @@ class Model:
 
     def backend(self) -> dict[str, Any]:
         kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))
-        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
+        return {"device": str(self.device), **self._split_info(), "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
                 "numerics": self.current_numerics(), "threads": torch.get_num_threads(),
                 "machine": platform.machine()}
 
@@ -514,6 +546,7 @@ class Model:
             "family": self.config.family(),
             "parameters": self.config.n_params,
             "device": str(self.device),
+            **self._split_info(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "tensor_formats": formats,
             "weight_bytes": weights.nbytes,
@@ -527,6 +560,12 @@ class Model:
             "numerics": self.current_numerics(),
         }
 
+    def _split_info(self) -> dict[str, Any]:
+        """The layer ranges of a model split over devices (nothing for one device)."""
+        if not self.runner.is_split:
+            return {}
+        return {"devices": [{"device": d, "layers": [r.start, r.stop - 1]} for d, r in self.devices]}
+
     def __repr__(self) -> str:
         c = self.config
         return (f"Model({c.name!r}, arch={c.architecture}, layers={c.n_layers}, d_model={c.d_model}, "
@@ -534,30 +573,24 @@ class Model:
 
 
 def load(path: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-         quantize: str | None = None, numerics: Numerics | None = None) -> Model:
+         quantize: str | None = None, numerics: Numerics | None = None, devices: Sequence[str] | None = None,
+         split: Sequence[int] | None = None) -> Model:
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
     ``quantize`` quantizes a float checkpoint's matrices on load: all into one format ("Q4_K", "Q8_0", ...), or each
     into the format llama.cpp's quantizer gives it in a mix ("Q4_K_M", "Q3_K_L", ...;
     ``workbench.quant_mix``). ``numerics`` is what the model's quantized matmuls compute where no
-    ``workbench.kernels.numerics(...)`` block says otherwise (``Model.numerics``; None: the process default)."""
+    ``workbench.kernels.numerics(...)`` block says otherwise (``Model.numerics``; None: the process default).
+
+    ``devices`` splits the layers over several devices in contiguous ranges (``["cuda:0", "cuda:1"]``; the embedding
+    on the first, the unembedding on the last), ``split`` layers each (default: in proportion to each device's free
+    memory; ``workbench.devices.split_layers``). Everything else works as on one device (docs/scaling.md)."""
     if numerics is not None:
         check_numerics(numerics)
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)
-    return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics)
-
-
-def _available_memory() -> int:
-    """Bytes of memory available to this process (Linux), or 8 GiB where that cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics,
+                 devices=devices, split=split)
 
 
 def package_versions() -> dict[str, str]:

@@ -13,7 +13,7 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, clip
 from workbench.kernels import numerics
 from workbench.mcp_server.state import Limits
 from workbench.mcp_server.tools import TOOLS, Call, Workbench
@@ -28,6 +28,7 @@ Objects live in this session only and are released when it ends."""
 SESSION_HEADER = "mcp-session-id"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SWEEP_SECONDS = 60.0
+MAX_ERROR_CHARS = 2000  # an error message never carries a request's bulk back
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments
             cancelled.set()
             raise
         except (WorkbenchError, ValueError) as err:  # the user's mistake: its message goes back as the tool error
-            raise ToolError(str(err)) from err
+            raise ToolError(clip(str(err), MAX_ERROR_CHARS)) from err
+        except Exception as err:  # a bug, not the user's mistake: still one line with a reason, the traceback logged
+            logger.exception("tool %s failed", getattr(method, "__name__", method))
+            raise ToolError(f"internal error ({type(err).__name__}): {clip(str(err), 200)}") from err
 
 
 def _publish(server: MCPServer, bench: Workbench, name: str) -> None:
@@ -133,14 +137,14 @@ def http_app(server: MCPServer, bench: Workbench, host: str = "127.0.0.1"):
 
 def serve(model: str | None = None, artifacts: str = "artifacts", http: bool = False, host: str = "127.0.0.1",
           port: int = 8000, device: str | None = None, dtype: str | None = None, limits: Limits = Limits(),
-          quantize: str | None = None) -> None:
-    """Load the model (quantized on load as ``quantize`` says), then serve until the client goes away (stdio) or the
+          quantize: str | None = None, devices: list[str] | None = None) -> None:
+    """Load the model (quantized on load as ``quantize`` says; split over ``devices`` when given), then serve until the client goes away (stdio) or the
     process is stopped (HTTP)."""
     import workbench
 
-    loaded = workbench.load(model, device=device, dtype=dtype, quantize=quantize)
+    loaded = workbench.load(model, device=device, dtype=dtype, quantize=quantize, devices=devices)
     bench = Workbench(loaded, artifacts, limits, loader=lambda path, quantize: workbench.load(
-        path, device=device, dtype=dtype, quantize=quantize))
+        path, device=device, dtype=dtype, quantize=quantize, devices=devices))
     server = build_server(bench)
     print(f"workbench mcp: {loaded!r}, artifacts in {bench.artifacts.root}", file=sys.stderr)
     if not http:
