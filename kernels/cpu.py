@@ -21,7 +21,10 @@ the ``blockwise-dequant-matmul`` path of :mod:`workbench.kernels.linear`.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -29,6 +32,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import launch_choices
+from workbench.cache import cache_dir
+
 from .formats.table import QUANTIZED_FORMATS, SPECS
 from .linear import BLOCKWISE, Kernel, get_numerics, numerics, register_kernel, set_numerics
 from .quant_tensor import QuantTensor
@@ -65,19 +70,38 @@ def _native_isa() -> str:
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
 
 
-def _build_extension(isa: str) -> Any:
-    """Build (or load the cached build of) the kernels for ``isa``; they register as ``torch.ops.<name>.*``."""
-    _log.info("building workbench CPU kernels (%s); the first build takes about a minute", isa)
-    from torch.utils.cpp_extension import load
+def _build_stamp(name: str, cflags: list[str]) -> Path:
+    """Where the path of this build's library is noted: one file per source, flags, torch, Python and extensions
+    directory, so that any change of them misses it and builds through ``cpp_extension`` again."""
+    key = hashlib.sha256("\0".join([
+        _SOURCE.read_text(), *cflags, torch.__version__, sys.version, os.environ.get("TORCH_EXTENSIONS_DIR", ""),
+    ]).encode()).hexdigest()[:24]
+    return cache_dir("cpu_kernels") / f"{name}-{key}.path"
 
+
+def _build_extension(isa: str) -> Any:
+    """Build (or load the cached build of) the kernels for ``isa``; they register as ``torch.ops.<name>.*``.
+
+    A library this source and these flags already built is loaded straight from the path noted in its stamp:
+    ``cpp_extension.load`` imports setuptools and runs ninja to find the build up to date, ~0.5 s of a first call
+    (docs/performance.md, "Load time and memory")."""
     name = f"workbench_cpu_kernels_{isa}"
-    load(
-        name=name,
-        sources=[str(_SOURCE)],
-        extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS[isa], *format_macros()],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
+    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa], *format_macros()]
+    stamp = _build_stamp(name, cflags)
+    built = Path(stamp.read_text()) if stamp.is_file() else None
+    try:
+        if built is None or not built.is_file():
+            raise OSError("no build noted")
+        torch.ops.load_library(str(built))
+    except OSError:
+        _log.info("building workbench CPU kernels (%s); the first build takes about a minute", isa)
+        from torch.utils.cpp_extension import load
+
+        load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+             is_python_module=False)
+        library = next((p for p in torch.ops.loaded_libraries if Path(p).name.startswith(name)), None)
+        if library is not None:
+            stamp.write_text(library)
     ops = getattr(torch.ops, name)
     # Output shapes for torch.compile's tracing; the ops themselves only run on real CPU tensors.
     torch.library.register_fake(f"{name}::linear_exact")(

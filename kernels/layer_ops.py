@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from . import cpu
 from . import triton as _triton
+from .tracing import compiling
 
 # Set by ``torch_formulas()``: every op runs its torch formula, whatever the backend.
 _FORCE_TORCH = {"on": False}
@@ -45,13 +46,13 @@ def _native(x: torch.Tensor, factor: torch.Tensor) -> bool:
     dtype): float32 CPU tensors, eager, and the extension built. Attribute reads only: this runs per op call."""
     return (
         x.is_cpu and factor.is_cpu and x.dtype == torch.float32 and factor.dtype == torch.float32
-        and not torch.compiler.is_compiling() and not _FORCE_TORCH["on"] and cpu.extension() is not None
+        and not compiling() and not _FORCE_TORCH["on"] and cpu.extension() is not None
     )
 
 
 def _on_triton(x: torch.Tensor, factor: torch.Tensor) -> bool:
     """Whether the Triton kernel takes ``x`` and its factors: CUDA tensors, eager, Triton installed."""
-    return (x.is_cuda and factor.is_cuda and _triton.AVAILABLE and not torch.compiler.is_compiling()
+    return (x.is_cuda and factor.is_cuda and _triton.AVAILABLE and not compiling()
             and not _FORCE_TORCH["on"])
 
 
@@ -118,7 +119,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     half = x.shape[-1] // 2
     shape, member_axis = ((half, 2), -1) if interleaved else ((2, half), -2)
     pairs = xf.unflatten(-1, shape)
-    if torch.compiler.is_compiling() and x.device.type == "cpu":
+    if compiling() and x.device.type == "cpu":
         # inductor's C++ code runs the formula over the pair members faster than the flip, its Triton code slower
         # (docs/performance.md, "The compiled decode step")
         x0, x1 = pairs.unbind(member_axis)
@@ -137,7 +138,7 @@ def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     compiler then fuses it with the rope of the queries into one small kernel, where a batched matmul
     stays a cuBLAS call of its own.
     """
-    if torch.compiler.is_compiling() and queries.shape[1] <= 16:
+    if compiling() and queries.shape[1] <= 16:
         return (queries.float()[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1).to(queries.dtype)
     return torch.bmm(queries, keys.transpose(1, 2))
 
@@ -174,3 +175,71 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     z = torch.bmm(as_dtype(pattern, values.dtype).reshape(rows, heads // kv_heads * tokens, slots),
                   values.reshape(rows, slots, d))
     return z.view(*batch, heads, tokens, d).transpose(-3, -2)
+
+
+# Bytes of float32 scores one attention call holds at most where no hook asks for them: past this, queries run in
+# chunks on the CPU and through SDPA on CUDA (docs/performance.md, "Long prompts").
+SCORES_BUDGET = 64 << 20
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor: float,
+              blocked: torch.Tensor | None, budget: int | None = None) -> torch.Tensor:
+    """``z`` as ``attend(attention_scores(...).softmax(-1), values)`` gives it (shapes as there, a batch's leading axis
+    included), holding at most about ``budget`` bytes of scores (None: ``SCORES_BUDGET``).
+
+    A forward whose scores fit takes exactly those three calls. Past the budget, on CUDA, one
+    ``scaled_dot_product_attention`` call (flash or memory-efficient: scores in float32 registers, never rounded to the
+    inputs' dtype as the matmul rounds them, so bf16 logits differ from the materialized path's in the last bits); on
+    the CPU, the same calls per chunk of query rows, with the same bits: a row's dots and weighted sum are those of the
+    whole matrix (a matmul's row does not depend on how many rows it runs with), and its softmax runs over the key
+    slots the chunk can see, rounded up to a multiple of ``_SOFTMAX_SPAN``, past which it would only add exact zeros in
+    the same lanes; the weighted sum still runs over every slot, zeros included, as a matmul's sum over a shorter axis
+    would block it differently (``tests/test_runner.py`` checks both)."""
+    budget = SCORES_BUDGET if budget is None else budget
+    *batch, tokens, heads, d = q.shape
+    slots = keys.shape[-2]
+    n_batch = batch[0] if batch else 1
+    if heads * tokens * slots * 4 * n_batch <= budget:
+        return attend(attention_scores(q, keys, divisor, blocked).softmax(dim=-1), values)
+    if q.is_cuda and not _FORCE_TORCH["on"]:
+        return _sdpa(q, keys, values, divisor, blocked)
+    # chunks of equal size, none of a few rows: a matmul of one row takes another kernel, with other roundings
+    n_chunks = -(-tokens // max(_MIN_CHUNK_ROWS, budget // (4 * heads * slots * n_batch)))
+    rows = -(-tokens // n_chunks)
+    z = values.new_empty(*batch, tokens, heads, values.shape[-1])
+    pattern = q.new_zeros(*batch, heads, rows, slots, dtype=torch.float32)
+    for start in range(0, tokens, rows):
+        stop = min(tokens, start + rows)
+        mask = None if blocked is None else blocked[..., start:stop, :]
+        reach = slots if mask is None else min(slots, -(-_reach(mask) // _SOFTMAX_SPAN) * _SOFTMAX_SPAN)
+        scores = attention_scores(q[..., start:stop, :, :], keys[..., :reach, :], divisor,
+                                  None if mask is None else mask[..., :reach])
+        chunk = pattern[..., :stop - start, :]
+        chunk[..., :reach] = scores.softmax(dim=-1)
+        chunk[..., reach:] = 0
+        z[..., start:stop, :, :] = attend(chunk, values)
+    return z
+
+
+# Key slots a chunk's softmax spans are rounded up to a multiple of this: the vectorized sum then meets the slots in
+# the same lanes as over every slot (masked slots add exact zeros).
+_SOFTMAX_SPAN = 64
+_MIN_CHUNK_ROWS = 16
+
+
+def _reach(blocked: torch.Tensor) -> int:
+    """One past the last key slot any row of ``blocked`` ``[..., rows, S]`` may see (at least 1)."""
+    seen = (~blocked).reshape(-1, blocked.shape[-2], blocked.shape[-1]).any(dim=1).any(dim=0)
+    where = seen.nonzero()
+    return int(where[-1]) + 1 if where.numel() else 1
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor: float,
+          blocked: torch.Tensor | None) -> torch.Tensor:
+    """Fused attention for ``attention``'s shapes: ``[.., T, heads, d]`` queries, ``[.., kv_heads, S, d]`` keys and
+    values, kv head ``h // (heads / kv_heads)`` for query head ``h``."""
+    allowed = None if blocked is None else ~blocked
+    z = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=allowed, scale=1.0 / divisor,
+                                       enable_gqa=keys.shape[-3] != q.shape[-2])
+    return z.transpose(-3, -2)
+

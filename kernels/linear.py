@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 
 from .quant_tensor import FLOAT_DTYPES, QuantTensor
+from .tracing import compiling
 
 Numerics = Literal["exact", "llamacpp"]
 NUMERICS: tuple[Numerics, ...] = typing.get_args(Numerics)  # for argument parsers and checks
@@ -300,7 +301,7 @@ def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks."""
     _check_input(x, w)
     x2 = _as_rows(x)
-    kernel = _compiled_kernel(x2, w) if torch.compiler.is_compiling() else select_kernel(x2, w)
+    kernel = _compiled_kernel(x2, w) if compiling() else select_kernel(x2, w)
     out = _linear_op(x2, w.data, w.fmt.name, *w.shape) if kernel is None else kernel.run(x2, w)
     return _as_input_shape(out, x)
 
@@ -313,7 +314,7 @@ def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Te
     for w in parts:
         _check_input(x, w)
     x2 = _as_rows(x)
-    pick = _compiled_kernel if torch.compiler.is_compiling() else select_kernel
+    pick = _compiled_kernel if compiling() else select_kernel
     kernel = pick(x2, parts[0])
     if kernel is None or kernel.run_parts is None or any(pick(x2, w) is not kernel for w in parts[1:]):
         return [linear(x, w) for w in parts]

@@ -10,6 +10,8 @@ Writes:
   when the tail is small, which the json records).
 - llamacpp_tokens.json: llama.cpp's token ids for the strings of tokenizer_cases.json.
 - llamacpp_greedy.json: greedy continuations for a few prompts.
+- llamacpp_parity.safetensors + llamacpp_parity.json: llama.cpp's named intermediate tensors (workbench.parity) for a
+  tiny random model (``PARITY_MODEL``) on ``PARITY_IDS``, and the sha256 of that model's GGUF file.
 """
 from __future__ import annotations
 
@@ -36,6 +38,28 @@ PROMPTS = [
     "Les chats sont des animaux très",
 ]
 GREEDY_PROMPTS = [PROMPTS[0], PROMPTS[6]]
+# workbench.synthetic.random_checkpoint(random_config(arch), fmt, seed=0), and the token ids it runs
+PARITY_MODEL = ("llama", "Q8_0")
+PARITY_IDS = list(range(1, 20))
+
+
+def write_parity_fixture(threads: int) -> None:
+    import hashlib
+    import tempfile
+
+    from workbench import parity
+    from workbench.synthetic import random_checkpoint, random_config, write_gguf
+
+    arch, fmt = PARITY_MODEL
+    checkpoint = random_checkpoint(random_config(arch), fmt, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_gguf(Path(tmp) / "parity.gguf", checkpoint.config, checkpoint.weights)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        run = parity.capture_llamacpp(path, PARITY_IDS, threads=threads)
+    save_file({k: torch.from_numpy(v) for k, v in run.tensors.items()}, FIXTURES / "llamacpp_parity.safetensors")
+    meta = {"model": list(PARITY_MODEL), "sha256": digest, "ids": PARITY_IDS, "order": list(run.tensors),
+            **run.settings}
+    (FIXTURES / "llamacpp_parity.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -52,7 +76,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parity-only", action="store_true", help="write the parity fixture alone")
     args = parser.parse_args()
+    write_parity_fixture(args.threads)
+    if args.parity_only:
+        return
     model_path = args.model or default_model_path()
     llm = llama_cpp.Llama(str(model_path), n_ctx=512, logits_all=True, verbose=False, n_threads=args.threads,
                           seed=0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 import weakref
 
@@ -100,7 +101,7 @@ def test_cuda_graph_decode_matches_eager(tiny_model):
     model, eager = cuda_model_and_eager_tokens(tiny_model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the eager capture fails the test
-        with_compiled_graph = list(generate_tokens(model.runner, PROMPT, 12))
+        with_compiled_graph = list(generate_tokens(model.runner, PROMPT, 12, compiled=True))
     assert with_compiled_graph == eager
 
 
@@ -109,23 +110,23 @@ def test_cuda_graph_decode_stops_and_samples_like_eager(tiny_model):
     model, eager = cuda_model_and_eager_tokens(tiny_model)
     # greedy tokens are read one step behind the GPU: a stop token must still end the stream at once
     stop = eager[6]
-    assert list(generate_tokens(model.runner, PROMPT, 12, stop_ids={stop})) == eager[:eager.index(stop) + 1]
-    assert list(generate_tokens(model.runner, PROMPT, 1)) == eager[:1]
-    assert list(generate_tokens(model.runner, PROMPT, 2)) == eager[:2]
+    assert list(generate_tokens(model.runner, PROMPT, 12, stop_ids={stop}, compiled=True)) == eager[:eager.index(stop) + 1]
+    assert list(generate_tokens(model.runner, PROMPT, 1, compiled=True)) == eager[:1]
+    assert list(generate_tokens(model.runner, PROMPT, 2, compiled=True)) == eager[:2]
     # the captured step is kept for the next call of the same size; a second stream meanwhile gets its own
     captured = _BUILT[model.runner]["exact"]
-    first, second = generate_tokens(model.runner, PROMPT, 12), generate_tokens(model.runner, [9, 3], 12)
+    first, second = generate_tokens(model.runner, PROMPT, 12, compiled=True), generate_tokens(model.runner, [9, 3], 12, compiled=True)
     interleaved = list(zip(first, second))
     assert next(second, None) is None  # zip left it suspended after its last token; this finishes it
     assert [a for a, _ in interleaved] == eager
     assert [b for _, b in interleaved] == list(generate_tokens(model.runner, [9, 3], 12, compiled=False))
     replacement = _BUILT[model.runner]["exact"]
     assert replacement is not captured and not captured.busy and not replacement.busy
-    assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
+    assert list(generate_tokens(model.runner, PROMPT, 12, compiled=True)) == eager
     assert _BUILT[model.runner]["exact"] is replacement  # reused, not captured again
     sampling = Sampling(temperature=0.8, top_k=20, seed=3)
     sampled_eager = list(generate_tokens(model.runner, PROMPT, 12, sampling, compiled=False))
-    assert list(generate_tokens(model.runner, PROMPT, 12, sampling)) == sampled_eager
+    assert list(generate_tokens(model.runner, PROMPT, 12, sampling, compiled=True)) == sampled_eager
 
 
 def test_built_step_is_reused_only_under_its_numerics(small):
@@ -150,12 +151,12 @@ def test_built_step_is_reused_only_under_its_numerics(small):
 @needs_cuda
 def test_cuda_graph_decode_under_llamacpp_numerics(tiny_model):
     model, _ = cuda_model_and_eager_tokens(tiny_model)
-    list(generate_tokens(model.runner, PROMPT, 12))
+    list(generate_tokens(model.runner, PROMPT, 12, compiled=True))
     exact_step = _BUILT[model.runner]["exact"]
     with cpu.numerics("llamacpp"), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # every matmul of the model has a llama.cpp kernel on CUDA
         eager = list(generate_tokens(model.runner, PROMPT, 12, compiled=False))
-        assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
+        assert list(generate_tokens(model.runner, PROMPT, 12, compiled=True)) == eager
         step = _BUILT[model.runner]["llamacpp"]
         assert step is not exact_step and step.numerics == "llamacpp"
         quantized, quantized_eager = compiled_step_logits(model.runner, step, eager[:3]), eager_logits(model.runner, eager[:3])
@@ -178,7 +179,7 @@ def test_cuda_graph_falls_back_to_eager_capture_when_compiling_fails(monkeypatch
     model, eager = cuda_model_and_eager_tokens(tiny_model)
     break_torch_compile(monkeypatch)
     with pytest.warns(RuntimeWarning, match="capturing the eager forward instead: no compiler here"):
-        with_graph = list(generate_tokens(model.runner, PROMPT, 12))
+        with_graph = list(generate_tokens(model.runner, PROMPT, 12, compiled=True))
     assert with_graph == eager
 
 
@@ -277,3 +278,57 @@ def test_decode_step_compiles_without_graph_breaks(small):
     runner.forward(torch.tensor([1, 2, 3]), cache=cache)
     explained = torch._dynamo.explain(_forward_and_pick)(runner, torch.tensor([4]), cache)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_eager_code_beside_a_compile_in_another_thread_is_not_traced():
+    from workbench.kernels.tracing import compiling
+
+    with torch.compiler._compile_session_context():  # what another thread's compile sets, process-wide
+        assert torch.compiler.is_compiling() and not compiling()
+    assert torch.compile(lambda x: x + compiling(), fullgraph=True)(torch.zeros(1)).item() == 1
+
+
+def _join_builds() -> None:
+    for thread in threading.enumerate():
+        if thread.name == "workbench-decode-build":
+            thread.join()
+
+
+def test_background_build_answers_eagerly_then_takes_over(monkeypatch, tiny_model):
+    """The first tokens come from the eager forward while the step builds; the built step then decodes the rest from
+    a copy of the eager cache, the greedy tokens unchanged. A build its generation outlives is kept, free."""
+    import workbench.generation as generation
+
+    runner = tiny_model("llama", "Q8_0", seed=4, n_layers=1, device="cpu", cached=False).runner
+    eager = list(generate_tokens(runner, PROMPT, 10))
+    release, real_build = threading.Event(), generation._compile_on_cpu
+    monkeypatch.setattr(generation, "_compile_on_cpu", lambda *a: release.wait() and real_build(*a))
+    steps = []
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, t, call=DecodeStep.__call__: steps.append(t) or call(self, t))
+
+    tokens = generate_tokens(runner, PROMPT, 10, compiled="background")
+    first = [next(tokens) for _ in range(4)]  # answered before the build finished
+    assert runner not in _BUILT and not steps
+    release.set()
+    _join_builds()
+    assert first + list(tokens) == eager
+    assert steps and not _BUILT[runner]["exact"].busy
+    del _BUILT[runner]
+
+    release.clear()
+    assert list(generate_tokens(runner, PROMPT, 3, compiled="background")) == eager[:3]  # done before the build
+    release.set()
+    _join_builds()
+    assert not _BUILT[runner]["exact"].busy
+    with pytest.raises(WorkbenchError, match="compiled must be"):
+        generate_tokens(runner, PROMPT, 3, compiled="later")
+
+
+@needs_cuda
+def test_cuda_background_build_answers_eagerly_then_replays(tiny_model):
+    model, eager = cuda_model_and_eager_tokens(tiny_model)
+    _BUILT.pop(model.runner, None)
+    assert list(generate_tokens(model.runner, PROMPT, 12)) == eager  # the default: "background"
+    _join_builds()
+    assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
+    assert not _BUILT[model.runner]["exact"].busy

@@ -149,3 +149,48 @@ def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
     expected_norm = "cpu-cxx" if cpu.extension() is not None else "torch"
     assert layer_ops.implementations(model.device, model.dtype)["rms_norm"] == expected_norm
     torch.testing.assert_close(formulas, own, rtol=1e-5, atol=1e-5)
+
+
+def _attention_rows(monkeypatch) -> list[int]:
+    """The query rows of every ``attention_scores`` call from here on."""
+    rows, scores = [], layer_ops.attention_scores
+    monkeypatch.setattr(layer_ops, "attention_scores", lambda q, *a: rows.append(q.shape[-3]) or scores(q, *a))
+    return rows
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # grouped-query heads / as many kv heads as heads
+def test_long_prompts_attend_in_chunks_with_the_same_bits(architecture, tiny_model, monkeypatch):
+    model = tiny_model(architecture, "Q8_0", n_ctx=256)
+    ids = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = model.forward(ids)
+    rows = _attention_rows(monkeypatch)
+    monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 4 * model.config.n_heads * 150 * 40)  # 40 query rows of scores
+    chunked = model.forward(ids)
+    assert rows and max(rows) < 150  # no call held every row's scores
+    assert torch.equal(chunked, whole)
+    # a hook on the pattern sees the whole matrix, and the logits keep their bits
+    trace = model.run(ids, record=["blocks.0.attn.hook_pattern"])
+    assert trace.activations["blocks.0.attn.hook_pattern"].shape[-2:] == (150, 150)
+    assert torch.equal(trace.logits, whole)
+    # continuing a cache, and a batch of prompts of different lengths, chunk alike
+    cache = model.new_cache()
+    model.forward(ids[:50], cache=cache)
+    assert torch.equal(model.forward(ids[50:], cache=cache), whole[50:])
+    batch = model.forward_batch([ids, ids[:120]], batch_size=2)
+    monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 1 << 30)
+    assert all(torch.equal(a, b) for a, b in zip(batch, model.forward_batch([ids, ids[:120]], batch_size=2)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_long_prompts_take_fused_attention_within_rounding(dtype, tiny_model, monkeypatch):
+    model = tiny_model("llama", "Q8_0", n_ctx=256, device="cuda", dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = model.forward(ids)
+    rows = _attention_rows(monkeypatch)
+    monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 4 * model.config.n_heads * 150 * 40)
+    fused = model.forward(ids)
+    assert not rows  # one SDPA call a layer
+    bound = 1e-4 if dtype == torch.float32 else 0.1
+    assert (fused - whole).abs().max().item() < bound * whole.abs().max().item()
+    assert torch.equal(fused.argmax(-1), whole.argmax(-1)) or dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""The `workbench` command: run, generate, info (and the other surfaces' entry points)."""
+"""The `workbench` command: run, generate, info, parity (and the other surfaces' entry points)."""
 from __future__ import annotations
 
 import argparse
@@ -204,6 +204,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    """Exit status 0 when no point parts from llama.cpp by more than --tolerance, 1 when one does."""
+    from workbench import parity
+
+    parity.require_llama_cpp()
+    model = _load(args)
+    if args.control_vector_layer is not None:
+        found = parity.control_vector_point(model, args.prompt, args.control_vector_layer, threads=args.threads)
+        print(json.dumps(found) if args.json else
+              f"llama.cpp adds direction.{found['layer']} at {found['first_changed']}: our {found['hook_point']}"
+              f"{' (the change is the direction itself)' if found['delta_is_direction'] else ''}")
+        return 0
+    report = parity.parity(model, args.prompt, tolerance=args.tolerance, threads=args.threads,
+                           flash_attention=args.flash_attention)
+    print(json.dumps(report.to_dict()) if args.json else parity.format_report(report))
+    return 0 if report.first_parting is None else 1
+
+
 def cmd_mcp(args: argparse.Namespace) -> None:
     from workbench.mcp_server import serve
 
@@ -262,6 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
                            help="split the model's layers over several devices, comma-separated (cuda:0,cuda:1)")
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
+
+    par = sub.add_parser("parity", help="llama.cpp beside workbench, layer by layer, on one prompt (needs the "
+                         "'reference' extra)")
+    par.add_argument("prompt")
+    par.add_argument("--tolerance", type=float, default=0.05,
+                     help="a point parts where its largest difference passes this share of llama.cpp's largest value")
+    par.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
+    par.add_argument("--flash-attention", default="auto", choices=["auto", "on", "off"],
+                     help="llama.cpp's flash attention setting (its default: auto)")
+    par.add_argument("--control-vector-layer", type=int, default=None, metavar="N",
+                     help="instead: find which hook point llama.cpp's control vector direction.N acts on")
+    _model_args(par)
+    par.set_defaults(fn=cmd_parity)
 
     mcp = sub.add_parser("mcp", help="MCP server for agents: stdio, or streamable HTTP with --http")
     mcp.add_argument("--http", action="store_true", help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio")

@@ -1,6 +1,7 @@
 """Sampling and the decode loop over the runner's KV cache."""
 from __future__ import annotations
 
+import threading
 import types
 import warnings
 import weakref
@@ -62,17 +63,21 @@ MIN_STEP_CAPACITY = 256
 
 def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
                     sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(), hooks: Hooks | None = None,
-                    cache: KVCache | None = None, compiled: bool | None = None) -> Iterator[int]:
+                    cache: KVCache | None = None, compiled: bool | str | None = None) -> Iterator[int]:
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
     With ``cache``, the prompt tokens continue it and generation appends to it. With no hooks and no
-    caller-owned cache, ``compiled`` (default: on CUDA only) builds the decode step once with
+    caller-owned cache, ``compiled`` (default: ``"background"`` on CUDA, False on the CPU) builds the decode step once with
     ``torch.compile``, which fuses the small ops between the matmuls (our kernels, called from the graph):
     on CUDA the build is captured as a CUDA graph and replayed, on the CPU the compiled step is called
     per token. Either way it is the same forward without a Python round trip per op. The first build for
     a cache size compiles it (tens of seconds on an 8B GPU model; on a 2-core CPU about 2.5 minutes the
     first time, then seconds from torch's on-disk cache); the runner keeps its last step per numerics,
-    with its cache, for the next call of that size. On CUDA, greedy decoding also picks each next token inside
+    with its cache, for the next call of that size. ``compiled="background"`` (the default on CUDA) answers at
+    once: the tokens come from the eager forward while a thread builds the step, and the step takes over at
+    the first token boundary after it is ready (its cache a copy of the eager steps'). The compiled step
+    fuses ops, so its logits may differ from the eager forward's in the last bits; which tokens of a
+    generation each computed then depends on when the build finished: ``compiled=True`` waits for it. On CUDA, greedy decoding also picks each next token inside
     the graph and reads tokens back one step behind, so the GPU never waits on Python between steps.
 
     The numerics (``workbench.kernels.numerics``) are taken when this is called: every step computes in them,
@@ -89,9 +94,11 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
             f"exceed the context of {runner.config.n_ctx}"
         )
     if compiled is None:
-        compiled = runner.device.type == "cuda"
+        compiled = "background" if runner.device.type == "cuda" else False
+    if compiled not in (True, False, "background"):
+        raise WorkbenchError(f"compiled must be True, False, 'background' or None, got {compiled!r}")
     # a model split over devices decodes eagerly: a CUDA graph captures the stream of one device
-    built_step = compiled and cache is None and not hooks and not runner.is_split
+    built_step = compiled if cache is None and not hooks and not runner.is_split else False
     return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step,
                    get_numerics())
 
@@ -118,11 +125,16 @@ class DecodeStep:
 
 # Each runner's last built step per numerics, reused by the next generation of the same cache size and numerics.
 _BUILT: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, DecodeStep]]" = weakref.WeakKeyDictionary()
+# CUDA builds finished after their generation ended, their graphs still to capture (``BackgroundBuild``).
+_PENDING: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, BackgroundBuild]]" = weakref.WeakKeyDictionary()
 
 
 def _built_step(runner: Transformer, capacity: int, mode: Numerics) -> DecodeStep | None:
     """The runner's built step of numerics ``mode`` (a CUDA graph replays the kernels it captured, a compiled graph
     calls those it was traced with) if it is free and of this size, taken (busy) with its cache emptied."""
+    pending = _PENDING.get(runner, {}).pop(mode, None)
+    if pending is not None:  # a CUDA build that outlived its generation: its graph is captured here
+        pending.keep_free()
     decode_step = _BUILT.get(runner, {}).get(mode)
     if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
         return None
@@ -139,11 +151,13 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     # inference mode, which skips autograd's bookkeeping on every op (eager CPU decode 5-10 % faster:
     # docs/performance.md, "Eager decode under inference mode").
     inference = cache is None and not hooks
-    decode_step = None
+    decode_step = build = None
     if built_step:  # a power of two, so most prompts reuse the step built for an earlier one
         capacity = len(prompt_ids) + max_new_tokens
         capacity = min(runner.config.n_ctx, max(MIN_STEP_CAPACITY, 1 << (capacity - 1).bit_length()))
         decode_step = _built_step(runner, capacity, mode)
+        if decode_step is None and built_step == "background" and max_new_tokens > 1:
+            build = BackgroundBuild.start(runner, capacity, mode)
         cache = decode_step.cache if decode_step is not None else runner.new_static_cache(capacity)
     elif cache is None:
         cache = runner.new_cache(len(prompt_ids) + max_new_tokens)
@@ -157,16 +171,18 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
         yield token
         if token in stop_ids or max_new_tokens == 1:
             return
-        if built_step and decode_step is None:
+        if built_step is True and decode_step is None:
             with numerics(mode):
                 decode_step = build_decode_step(runner, cache)
             if decode_step is not None:
                 decode_step.busy = True
                 _BUILT.setdefault(runner, {})[mode] = decode_step
-        if decode_step is not None and sampling.temperature == 0 and runner.device.type == "cuda":
-            yield from _replay_greedy(decode_step, token, max_new_tokens - 1, stop_ids)
-            return
         for step in range(1, max_new_tokens):
+            if build is not None and build.ready():
+                decode_step, build = build.take(cache), None
+            if decode_step is not None and sampling.temperature == 0 and runner.device.type == "cuda":
+                yield from _replay_greedy(decode_step, token, max_new_tokens - step, stop_ids)
+                return
             if decode_step is not None:
                 logits = decode_step(token)
             else:
@@ -180,6 +196,84 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     finally:
         if decode_step is not None:
             decode_step.busy = False
+        if build is not None:
+            build.abandon()
+
+
+class BackgroundBuild:
+    """A decode step built in a thread of its own, on a static cache of its own, while the caller decodes eagerly.
+
+    The thread computes in the numerics of the call (a ``ContextVar`` does not cross into a new thread). On CUDA it
+    compiles and warms the step up on a side stream; the graph is captured by ``take``, on the caller's thread,
+    with no other thread launching kernels. ``take(cache)`` copies the eager steps' ``cache`` into the step's and
+    keeps the step as the runner's built step of its numerics (busy, as ``_built_step`` hands one out). A build
+    still running when its generation ends finishes and is kept the same way, free, for the next generation."""
+
+    def __init__(self, runner: Transformer, capacity: int, mode: Numerics):
+        self._runner = weakref.ref(runner)
+        self.mode = mode
+        self.cache = runner.new_static_cache(capacity)
+        self.step: DecodeStep | None = None
+        self._warm: Callable[[], torch.Tensor] | None = None
+        self._abandoned = False
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(cls, runner: Transformer, capacity: int, mode: Numerics) -> "BackgroundBuild":
+        build = cls(runner, capacity, mode)
+        threading.Thread(target=build._run, name="workbench-decode-build", daemon=True).start()
+        return build
+
+    def _run(self) -> None:
+        runner = self._runner()
+        try:
+            if runner is None:
+                return
+            with numerics(self.mode):
+                if runner.device.type == "cuda":
+                    self._warm = _compiled_cuda_forward(runner, self.cache)
+                else:
+                    self.step = _compile_on_cpu(runner, self.cache)
+        except Exception as err:  # a failed build leaves the generation eager
+            warnings.warn(f"building the decode step failed, decoding eagerly: {err}", RuntimeWarning, stacklevel=2)
+        finally:
+            self._done.set()
+            with self._lock:
+                if self._abandoned and self.step is not None:
+                    self._keep(busy=False)
+                elif self._abandoned and self._warm is not None and runner is not None:
+                    # a CUDA graph is captured on a caller's thread only: the next generation's
+                    _PENDING.setdefault(runner, {})[self.mode] = self
+
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def take(self, cache: StaticKVCache) -> DecodeStep | None:
+        """The built step, continuing from ``cache`` (None if the build failed)."""
+        self._keep(busy=True)
+        if self.step is not None:
+            self.step.cache.copy_from(cache)
+        return self.step
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            if self.ready():
+                self._keep(busy=False)
+
+    def keep_free(self) -> None:
+        self._keep(busy=False)
+
+    def _keep(self, busy: bool) -> None:
+        runner = self._runner()
+        if self.step is None and self._warm is not None and runner is not None:
+            with numerics(self.mode):  # the capture runs the warmed-up forward once more, in the build's numerics
+                self.step = _capture(runner, self.cache, self._warm, "decoding eagerly", warm=False)
+            self._warm = None
+        if self.step is not None and runner is not None:
+            self.step.busy = busy
+            _BUILT.setdefault(runner, {})[self.mode] = self.step
 
 
 def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int,
@@ -267,15 +361,36 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     if runner.config.moe is not None:
         return None  # the experts are grouped by the routing read on the host, which a CUDA graph cannot hold
     if compiled:
-        # Combo kernels launch independent neighbours together (the ropes and the cache writes): 7 glue kernels per
-        # layer instead of 9, and the 8B Q4_K step 1.7-1.9 % faster on an H100 (docs/performance.md, "The compiled
-        # decode step").
-        step = _capture(runner, cache, torch.compile(_STEP_CODE[get_numerics()], dynamic=False,
-                                                     options={"combo_kernels": True}),
+        step = _capture(runner, cache, _compiled_cuda_forward(runner, cache, warm=False),
                         "capturing the eager forward instead")
         if step is not None:
             return step
     return _capture(runner, cache, _forward_and_pick, "decoding eagerly")
+
+
+def _compiled_cuda_forward(runner: Transformer, cache: StaticKVCache, warm: bool = True) -> Callable[..., torch.Tensor]:
+    """``torch.compile``'s build of the one-token forward for a CUDA step, compiled by two warm-up runs on a side
+    stream when ``warm`` (the cache rewound after them)."""
+    # Combo kernels launch independent neighbours together (the ropes and the cache writes): 7 glue kernels per
+    # layer instead of 9, and the 8B Q4_K step 1.7-1.9 % faster on an H100 (docs/performance.md, "The compiled
+    # decode step").
+    forward = torch.compile(_STEP_CODE[get_numerics()], dynamic=False, options={"combo_kernels": True})
+    if warm:
+        _warm_up(runner, cache, forward, torch.zeros(1, dtype=torch.long, device=runner.device))
+    return forward
+
+
+def _warm_up(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callable[..., torch.Tensor],
+             token: torch.Tensor) -> None:
+    """Two runs on a side stream (compiling kernels, settling allocations), the cache rewound after them."""
+    saved = cache.device_length.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward_and_pick(runner, token, cache)
+            cache.rewind(saved)
+    torch.cuda.current_stream().wait_stream(side)
 
 
 def _forward_and_pick(runner: Transformer, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -297,7 +412,9 @@ def argmax_by_chunks(values: torch.Tensor, chunks: int = 128) -> torch.Tensor:
 
 
 def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callable[..., torch.Tensor],
-             fallback: str) -> DecodeStep | None:
+             fallback: str, warm: bool = True) -> DecodeStep | None:
+    """A CUDA graph of ``forward_and_pick`` on ``cache``, after two warm-up runs unless ``warm`` is False (they ran
+    already, ``_compiled_cuda_forward``)."""
     token = torch.zeros(1, dtype=torch.long, device=runner.device)
     saved = cache.device_length.clone()
 
@@ -305,13 +422,8 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
         return forward_and_pick(runner, token, cache)
 
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up compiles kernels and settles allocations, off the graph
-            for _ in range(2):
-                step()
-                cache.rewind(saved)
-        torch.cuda.current_stream().wait_stream(side)
+        if warm:  # warm-up compiles kernels and settles allocations, off the graph
+            _warm_up(runner, cache, forward_and_pick, token)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = step()

@@ -261,6 +261,13 @@ class StaticKVCache(KVCache):
         """Set the device-side length back (after warm-up runs of a step about to be captured)."""
         self._length.copy_(length)
 
+    def copy_from(self, other: "StaticKVCache") -> None:
+        """Hold what ``other`` (of the same capacity) holds, in place: a built step's cache taking over from the cache
+        of eager steps."""
+        for mine, theirs in zip((*self._keys, *self._values), (*other._keys, *other._values)):
+            mine.copy_(theirs)
+        self._length.copy_(other._length)
+
     @property
     def device_length(self) -> torch.Tensor:
         return self._length

@@ -5,24 +5,27 @@ import hashlib
 import json
 import math
 import stat
+import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, clip, shorten
+from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
 from workbench.kernels.quant_tensor import FLOAT_DTYPES
 from workbench.quant_mix import check_quantize, matrix_format
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
 
+_GGML_TYPES = {t.value for t in GGMLQuantizationType}
 # What building a tokenizer raises on a vocabulary of the wrong shape (a corrupt tokenizer.json or GGUF metadata):
 # a missing key, a number where a list belongs, nesting deeper than the parser follows.
 TOKENIZER_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
@@ -91,20 +94,14 @@ def hash_files(files: list[Path], h: Any = None) -> str:
 # --------------------------------------------------------------------------------------------- GGUF
 
 
-def _read_gguf(path: Path):
-    import gguf
-
+def _read_gguf(path: Path) -> GGUFFile:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
     try:
-        # copy-on-write mmap: tensors are views of the file's pages, as llama.cpp maps its weights
-        reader = gguf.GGUFReader(str(path), "c")
-        metadata = {key: field.contents() for key, field in reader.fields.items()}
-        tensors = {t.name: t for t in reader.tensors}
-    except (ValueError, IndexError, KeyError, OSError, TypeError) as err:
+        return GGUFFile(path)
+    except (ValueError, OSError, struct.error) as err:
         raise ModelLoadError(f"{path} is corrupt or truncated: {err}") from None
-    return metadata, tensors
 
 
 def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelConfig:
@@ -202,25 +199,26 @@ def swa_layers(n_layers: int, period: int) -> tuple[bool, ...]:
     return tuple(period == 0 or i % period < period - 1 for i in range(n_layers))
 
 
-def _gguf_tensor_bytes(tensor, path: Path) -> tuple[torch.Tensor, tuple[int, ...]]:
+def _gguf_tensor_bytes(file: GGUFFile, tensor: TensorInfo, path: Path) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Raw bytes ``[rows, row_bytes]`` (a view of the mapped file) and the torch-order shape of one GGUF tensor."""
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
     cols = shape[-1]
     rows = math.prod(shape[:-1])
     try:
-        fmt = get_format(int(tensor.tensor_type))
+        fmt = get_format(tensor.ggml_type)
     except ValueError:
-        raise ModelLoadError(
-            f"{path}: tensor {tensor.name} has unsupported type {tensor.tensor_type.name}"
-        ) from None
-    raw = np.ascontiguousarray(tensor.data).view(np.uint8)
-    if raw.size != rows * fmt.row_bytes(cols):
-        raise ModelLoadError(f"{path}: tensor {tensor.name} is truncated ({raw.size} bytes)")
+        name = GGMLQuantizationType(tensor.ggml_type).name if tensor.ggml_type in _GGML_TYPES else tensor.ggml_type
+        raise ModelLoadError(f"{path}: tensor {tensor.name} has unsupported type {name}") from None
+    try:
+        raw = file.data(tensor, rows * fmt.row_bytes(cols))
+    except ValueError:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is truncated") from None
     return torch.from_numpy(raw.reshape(rows, -1)), shape
 
 
 def load_gguf(path: Path) -> LoadedCheckpoint:
-    metadata, tensors = _read_gguf(path)
+    file = _read_gguf(path)
+    metadata, tensors = file.metadata, file.tensors
     config = _gguf_config(metadata, tensors, path)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
@@ -230,11 +228,11 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
     def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
         if name not in tensors:
             return None
-        raw, actual = _gguf_tensor_bytes(tensors[name], path)
+        raw, actual = _gguf_tensor_bytes(file, tensors[name], path)
         if actual != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {actual}, expected {shape}")
         rows, cols = math.prod(shape[:-1]), shape[-1]  # a vector is one row; stacked experts, all their rows
-        return QuantTensor(raw.reshape(rows, -1), get_format(int(tensors[name].tensor_type)), (rows, cols))
+        return QuantTensor(raw.reshape(rows, -1), get_format(tensors[name].ggml_type), (rows, cols))
 
     weights = _assemble(config, get, str(path))
     # the vocabulary lists now live in the tokenizer; keep the scalar metadata (and the chat template)

@@ -491,12 +491,13 @@ class Model:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                interventions: Sequence[Any] = (), cache: KVCache | None = None,
-               compiled: bool | None = None, saes: Sequence[Any] = (), use_error_term: bool = True
+               compiled: bool | str | None = None, saes: Sequence[Any] = (), use_error_term: bool = True
                ) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step.
 
-        ``compiled`` builds the decode step with ``torch.compile`` (default: on CUDA only; on the CPU it pays for
-        long or repeated generations, as a build takes seconds even from torch's on-disk cache); see
+        ``compiled`` builds the decode step with ``torch.compile``: True waits for the build, ``"background"`` decodes
+        eagerly until it is ready (default: ``"background"`` on CUDA, False on the CPU, where it pays for long or
+        repeated generations, as a build takes seconds even from torch's on-disk cache); see
         :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
         Everything is validated, and the hooks of enclosing ``hooks()`` blocks and the numerics
         (``current_numerics()``) taken, when this is called, not when iteration starts.

@@ -552,14 +552,17 @@ class Transformer:
         if cache is not None:
             keys, values = cache.write(i, keys, values)
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
-        if c.attn_softcap:  # capped before the mask, which must stay -inf
-            scores = soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
-            scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
-        else:
-            scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
-        scores = point(names["attn.hook_attn_scores"], scores, i)
-        pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
-        z = layer_ops.attend(pattern, values)
+        if c.attn_softcap or point.wants(names["attn.hook_attn_scores"]) or point.wants(names["attn.hook_pattern"]):
+            if c.attn_softcap:  # capped before the mask, which must stay -inf
+                scores = soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
+                scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
+            else:
+                scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
+            scores = point(names["attn.hook_attn_scores"], scores, i)
+            pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
+            z = layer_ops.attend(pattern, values)
+        else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
+            z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
         z = point(names["attn.hook_z"], z if layout is None else layout.unpad(z), i)
         out = linear(z.reshape(n_new, c.n_heads * c.d_head), layer.wo)
         if point.wants(names["attn.hook_result"]):

@@ -129,7 +129,9 @@ class Tokenizer:
             raise ValueError(f"space_prefix must be 'never', 'first' or 'always', got {space_prefix!r}")
         self._backend = backend
         self.vocab_size = len(token_texts)
-        self._pieces = [_piece_bytes(text, kind, byte_level) for text, kind in zip(token_texts, token_types)]
+        # each token's bytes, rendered when first asked for (all 49k at load took a third of the load time)
+        self._texts, self._types, self._byte_level = token_texts, token_types, byte_level
+        self._pieces: dict[int, bytes] = {}
         self._added_ids = frozenset(i for i, kind in enumerate(token_types) if kind in ADDED_TOKEN_TYPES)
         self._hidden_ids = frozenset(i for i, kind in enumerate(token_types) if kind in HIDDEN_TOKEN_TYPES)
         self._space_prefix = space_prefix
@@ -277,7 +279,7 @@ class Tokenizer:
         at_prefix_point = self._space_prefix != "never"  # the start of the text
         for token_id in ids:
             token_id = self._check_id(token_id)
-            piece = self._pieces[token_id]
+            piece = self._piece(token_id)
             if token_id in self._added_ids:
                 at_prefix_point = self._space_prefix == "always"
                 if skip_special and token_id in self._hidden_ids:
@@ -290,7 +292,14 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes one token stands for; may be part of a UTF-8 character."""
-        return self._pieces[self._check_id(token_id)]
+        return self._piece(self._check_id(token_id))
+
+    def _piece(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = _piece_bytes(self._texts[token_id], self._types[token_id],
+                                                          self._byte_level)
+        return piece
 
     def token_text(self, token_id: int) -> str:
         """Readable piece of one token, e.g. " Paris"; a partial character shows as U+FFFD."""

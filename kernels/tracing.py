@@ -1,0 +1,20 @@
+"""Whether the code running now is being traced by ``torch.compile``.
+
+``torch.compiler.is_compiling()`` alone says so inside traced code, but in eager code it reads a process-wide flag
+that is True for as long as any thread compiles: an eager forward beside a decode step compiling in the background
+(``workbench.generation``) would take the traced code's branches. The tracing context is per thread.
+"""
+from __future__ import annotations
+
+import torch
+import torch._guards
+
+
+@torch._dynamo.assume_constant_result
+def _tracing_in_this_thread() -> bool:
+    return torch._guards.TracingContext.try_get() is not None
+
+
+def compiling() -> bool:
+    """True while ``torch.compile`` traces this code (in this thread), False in eager code."""
+    return torch.compiler.is_compiling() and _tracing_in_this_thread()
