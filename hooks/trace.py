@@ -46,6 +46,7 @@ class Trace:
     seed: int | None = None
     chat: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # LoRA adapters run with: name, scale, path, sha256
 
     def top_tokens(self, position: int = -1, k: int = 10) -> list[tuple[int, float]]:
         """(token id, probability) of the k most likely next tokens at a position."""
@@ -98,6 +99,7 @@ class Trace:
             "seed": self.seed,
             "interventions": self.interventions,
             "metrics": self.metrics,
+            "adapters": self.adapters,
             "tensors": {key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                               "sha256": tensor_sha256(t)} for key, t in tensors.items()},
             "tensors_file": {"name": TENSORS_FILE, "bytes": tensors_path.stat().st_size,
@@ -163,7 +165,8 @@ def load_trace(path: str | Path) -> Trace:
     return Trace(prompt=prompt, ids=list(ids), tokens=list(tokens), logits=tensors["logits"], activations=activations,
                  interventions=manifest.get("interventions", []), fingerprint=manifest.get("fingerprint", {}),
                  backend=manifest.get("backend", {}), versions=manifest.get("versions", {}), seed=manifest.get("seed"),
-                 chat=bool(manifest.get("chat", False)), metrics=manifest.get("metrics", {}))
+                 chat=bool(manifest.get("chat", False)), metrics=manifest.get("metrics", {}),
+                 adapters=manifest.get("adapters", []))
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

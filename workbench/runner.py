@@ -102,6 +102,9 @@ class BatchLayout:
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
 Hooks = Mapping[str, Sequence[HookFn]]
+# The LoRA adapters of a call (workbench.adapters), per layer: {projection: (A [rank, in], s * B [out, rank])}, a mix's
+# adapters stacked along the rank. The forward adds ``x A^T B^T`` to each adapted projection's output.
+Lora = Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor]]]
 
 # Per-block hook points and their shapes (T = tokens in this forward, S = all attended slots).
 BLOCK_POINTS: dict[str, str] = {
@@ -126,6 +129,12 @@ BLOCK_POINTS: dict[str, str] = {
     "mlp.hook_post": "[T, d_mlp]",
     "hook_mlp_out": "[T, d_model]",
     "hook_resid_post": "[T, d_model]",
+}
+# Each adapted projection's LoRA term, fired only in a call with an adapter on that projection; listed apart from
+# BLOCK_POINTS (globs match them only where they name them: see hooks.points).
+LORA_POINTS: dict[str, str] = {
+    "wq": "attn.hook_q_lora", "wk": "attn.hook_k_lora", "wv": "attn.hook_v_lora", "wo": "attn.hook_o_lora",
+    "w_gate": "mlp.hook_gate_lora", "w_up": "mlp.hook_up_lora", "w_down": "mlp.hook_down_lora",
 }
 GLOBAL_POINTS: dict[str, str] = {
     "hook_embed": "[T, d_model]",
@@ -213,6 +222,15 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
+def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: Sequence[str],
+             lora: Mapping[str, tuple[torch.Tensor, torch.Tensor]], point: _Points, names: Mapping[str, str],
+             layer: int) -> list[torch.Tensor]:
+    """Each projection's output ``outs[j]`` of ``x``, plus its LoRA term ``s * B (A x)`` (through the term's hook point)
+    where the call's adapters have one for ``parts[j]``."""
+    return [y if (ab := lora.get(p)) is None else y + point(names[p], F.linear(F.linear(x, ab[0]), ab[1]), layer)
+            for y, p in zip(outs, parts)]
+
+
 class Transformer:
     """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3) over quantized weights."""
 
@@ -247,6 +265,7 @@ class Transformer:
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
         names["after_attn"] = ((names["hook_resid_mid"], i),)
+        names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
         if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
         return names
@@ -260,13 +279,13 @@ class Transformer:
         return BatchKVCache(n_rows, c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
     def prefill_shared(self, prefix: Sequence[int], n_rows: int, capacity: int, hooks: Hooks | None = None,
-                       last_logits_only: bool = False) -> tuple[BatchKVCache, torch.Tensor]:
+                       last_logits_only: bool = False, lora: Lora | None = None) -> tuple[BatchKVCache, torch.Tensor]:
         """The forward of a prefix that ``n_rows`` sequences share, computed once: a BatchKVCache whose every row
         holds its keys and values (room for ``capacity`` slots a row), and its logits. Hooks see it as prompt -1."""
         cache = self.new_batch_cache(1, len(prefix))
         layout = BatchLayout([len(prefix)], self.device, prompts=(-1,))
         logits = self.forward(torch.tensor(list(prefix), dtype=torch.long), cache=cache, hooks=hooks, layout=layout,
-                              last_logits_only=last_logits_only)
+                              last_logits_only=last_logits_only, lora=lora)
         return cache.repeat_row(n_rows, capacity), logits
 
     def new_static_cache(self, capacity: int) -> StaticKVCache:
@@ -289,12 +308,14 @@ class Transformer:
         return layer_ops.rope(x, *rotation, self.config.rope_interleaved)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
-                last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None) -> torch.Tensor:
+                last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
+                lora: Lora | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
         With a ``layout``, ``ids`` are the packed tokens of a batch of sequences: the logits are packed alike (each
         sequence's last row alone with ``last_logits_only``, ``[B, vocab]``) and a cache is a ``BatchKVCache``.
+        ``lora``: the adapters' terms to add to the projections (None: the base model).
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
@@ -309,10 +330,11 @@ class Transformer:
         # hook sits between them the two are one call.
         for i, layer in enumerate(w.layers):
             names = self._names[i]
-            attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout)
+            adapter = lora[i] if lora else None
+            attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter)
             x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
                                          names["ln2"], i)
-            mlp_out = self.mlp(normalized, layer, i, point)
+            mlp_out = self.mlp(normalized, layer, i, point, adapter)
             if i + 1 < c.n_layers:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
@@ -348,10 +370,12 @@ class Transformer:
 
     def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
                   blocked: torch.Tensor | None, cache: KVCache | None, point: _Points,
-                  layout: BatchLayout | None = None) -> torch.Tensor:
+                  layout: BatchLayout | None = None, lora: Mapping | None = None) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
         q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
+        if lora:
+            q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
         if c.qkv_bias:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         q = point(names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
@@ -374,7 +398,10 @@ class Transformer:
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
         z = layer_ops.attend(pattern, values)
         z = point(names["attn.hook_z"], z if layout is None else layout.unpad(z), i)
-        out = linear(z.reshape(n_new, c.n_heads * c.d_head), layer.wo)
+        z_flat = z.reshape(n_new, c.n_heads * c.d_head)
+        out = linear(z_flat, layer.wo)
+        if lora:
+            out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)
         if point.wants(names["attn.hook_result"]):
             out = out + self._edited_head_results(z, layer, i, point)
         return point(names["hook_attn_out"], out, i)
@@ -391,10 +418,15 @@ class Transformer:
         edited = point(self._names[i]["attn.hook_result"], result.clone(), i)
         return (edited - result).sum(dim=1)
 
-    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: Mapping | None = None) -> torch.Tensor:
         names = self._names[i]
         gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
+        if lora:
+            gate, up = add_lora(x, (gate, up), ("w_gate", "w_up"), lora, point, names["lora"], i)
         gate = point(names["mlp.hook_pre"], gate, i)
         up = point(names["mlp.hook_pre_linear"], up, i)
         hidden = point(names["mlp.hook_post"], layer_ops.swiglu(gate, up), i)
-        return point(names["hook_mlp_out"], linear(hidden, layer.w_down), i)
+        out = linear(hidden, layer.w_down)
+        if lora:
+            out, = add_lora(hidden, (out,), ("w_down",), lora, point, names["lora"], i)
+        return point(names["hook_mlp_out"], out, i)
