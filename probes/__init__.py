@@ -8,11 +8,14 @@
 - ``depth_sweep`` / ``probe_at_depth_fraction`` / ``train_probe``: linear probes across depth.
 - ``steering_vector`` / ``steering_sweep``: contrastive directions, applied with ``hooks.Steer``;
   llama.cpp control-vector GGUF export and import.
+- ``compare_models``: base against a LoRA adapter on the same prompts (residual differences, lens of the difference,
+  KL, attribution of the change, the "adapter minus base" steering vector).
 - ``load_dataset`` / ``list_datasets``: the labelled prompt sets of ``workbench.datasets`` or your own JSONL.
 """
 from .activations import collect_activations
 from .data import Dataset, list_datasets, load_dataset, make_dataset, pairs_dataset
 from .dla import Attribution, direct_logit_attribution, direct_logit_attribution_batch
+from .model_diff import ModelDiff, compare_models
 from .lens import LogitLens, TokenTrack, logit_lens, logit_lens_batch
 from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_at_depth_fraction, train_probe,
                       wilson_interval)
@@ -25,5 +28,5 @@ __all__ = [
     "collect_activations", "train_probe", "probe_at_depth_fraction", "depth_sweep", "layer_at_fraction",
     "wilson_interval", "Probe", "DepthSweep",
     "steering_vector", "steering_sweep", "SteeringVector", "SteeringSweep",
-    "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset",
+    "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset", "compare_models", "ModelDiff",
 ]

@@ -271,3 +271,38 @@ def test_bad_adapters_are_refused_before_compute(hf_llama, tmp_path, tiny_model)
     with pytest.raises(AdapterError, match="no adapter"):
         hf_llama.load_adapter(tmp_path / "missing", name="missing")
     assert sorted(hf_llama.adapters) == ["a", "b"]  # nothing half-loaded
+
+
+# ------------------------------------------------------------------------------------ diffing
+
+
+def test_compare_models_against_plain_runs(hf_llama):
+    from workbench.probes import compare_models
+
+    prompts = [IDS, IDS[:4], [30, 31, 32, 33, 34]]
+    diff = compare_models(hf_llama, prompts, "a", k=3, batch_size=2)
+    n_layers = hf_llama.config.n_layers
+    points = [f"blocks.{l}.hook_resid_post" for l in range(n_layers)]
+    runs = [(hf_llama.run(p, record=points, adapter="a"), hf_llama.run(p, record=points)) for p in prompts]
+    deltas = [torch.stack([a.activations[n] - b.activations[n] for n in points]) for a, b in runs]  # [L, T, d]
+    rows = torch.cat([d.norm(dim=-1) for d in deltas], dim=1)  # [L, all positions]
+    torch.testing.assert_close(diff.resid_norms, rows.mean(1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(diff.steering.directions[1], torch.cat([d[1] for d in deltas]).mean(0),
+                               rtol=1e-4, atol=1e-5)
+    for kl, (a, b) in zip(diff.kl, runs):
+        expected = torch.nn.functional.kl_div(b.logits.log_softmax(-1), a.logits.log_softmax(-1), log_target=True,
+                                              reduction="none").sum(-1)
+        torch.testing.assert_close(kl, expected, rtol=1e-4, atol=1e-6)
+    # the last layer's lens is the model's output: its change is the mean change of the last position's logits
+    change = sum(a.logits[-1] - b.logits[-1] for a, b in runs) / len(runs)
+    assert [t for t, _ in diff.lens_promoted[-1]] == hf_llama.token_texts(change.topk(3).indices.tolist())
+    assert [t for t, _ in diff.lens_suppressed[-1]] == hf_llama.token_texts((-change).topk(3).indices.tolist())
+    # the attribution of the change sums to the change of the target's logit, and the target is the most raised
+    assert hf_llama.token_texts([int(change.argmax())])[0] in diff.attribution.target
+    assert abs(diff.attribution.total - diff.attribution.logit) < 1e-3
+    assert abs(diff.attribution.logit - float(change.max())) < 1e-3
+    same = compare_models(hf_llama, prompts[:1], "a", "a")
+    assert same.mean_kl == 0 and float(same.resid_norms.abs().max()) == 0
+    assert diff.summary()["a"] == "adapter 'a'" and diff.summary()["b"] == "base"
+    with pytest.raises(WorkbenchError, match="unknown adapter"):
+        compare_models(hf_llama, prompts, "missing")
