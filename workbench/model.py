@@ -21,7 +21,7 @@ from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, load_checkpoint
 from workbench.progress import Progress, progress_callback
-from workbench.runner import BatchLayout, Lora, Transformer
+from workbench.runner import LORA_GROUPS, BatchLayout, Lora, Transformer
 from workbench.tokenizer import StreamDecoder
 
 # Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
@@ -149,18 +149,23 @@ class Model:
             return None
         key = tuple(sorted(scales.items()))
         if key not in self._lora:
-            lora = []
-            for i in range(self.config.n_layers):
-                terms = {}
-                for proj in {p for name in scales for p in self.adapters[name].layers[i]}:
-                    pairs = [(self.adapters[name].layers[i][proj], scale) for name, scale in scales.items()
-                             if proj in self.adapters[name].layers[i]]
-                    a = torch.cat([a for (a, _), _ in pairs]).to(self.device, self.dtype)
-                    b = torch.cat([b * scale for (_, b), scale in pairs], dim=1).to(self.device, self.dtype)
-                    terms[proj] = (a, b)
-                lora.append(terms)
-            self._lora[key] = lora
+            self._lora[key] = [self._layer_lora(i, scales) for i in range(self.config.n_layers)]
         return self._lora[key]
+
+    def _layer_lora(self, i: int, scales: dict[str, float]) -> dict:
+        """One layer's terms (``runner.Lora``): per group of projections sharing an input, the adapted ones' A rows
+        stacked and their scaled B's as the blocks of one block-diagonal matrix (two matmuls per group)."""
+        terms = {}
+        for group in LORA_GROUPS:
+            adapted = tuple(p for p in group if any(p in self.adapters[name].layers[i] for name in scales))
+            if not adapted:
+                continue
+            pieces = [[(self.adapters[name].layers[i][p], scale) for name, scale in scales.items()
+                       if p in self.adapters[name].layers[i]] for p in adapted]
+            a = torch.cat([a for piece in pieces for (a, _), _ in piece])
+            b = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1) for piece in pieces])
+            terms[group] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype), adapted)
+        return terms
 
     def adapter_record(self, adapter: AdapterChoice) -> list[dict[str, Any]]:
         """What a trace keeps of a call's adapters: name, scale, format, file path and sha256."""

@@ -102,9 +102,11 @@ class BatchLayout:
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
 Hooks = Mapping[str, Sequence[HookFn]]
-# The LoRA adapters of a call (workbench.adapters), per layer: {projection: (A [rank, in], s * B [out, rank])}, a mix's
-# adapters stacked along the rank. The forward adds ``x A^T B^T`` to each adapted projection's output.
-Lora = Sequence[Mapping[str, tuple[torch.Tensor, torch.Tensor]]]
+# The LoRA adapters of a call (Model.lora_terms), per layer: {projections that share an input (LORA_GROUPS): (A, B,
+# the adapted ones)}, A the adapted projections' (and a mix's adapters') A rows stacked, B their s * B as blocks of a
+# block-diagonal matrix: one pair of matmuls gives every adapted projection of the group its term ``s * B (A x)``.
+Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]]]
+LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 # Per-block hook points and their shapes (T = tokens in this forward, S = all attended slots).
 BLOCK_POINTS: dict[str, str] = {
@@ -222,13 +224,20 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
-def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: Sequence[str],
-             lora: Mapping[str, tuple[torch.Tensor, torch.Tensor]], point: _Points, names: Mapping[str, str],
-             layer: int) -> list[torch.Tensor]:
-    """Each projection's output ``outs[j]`` of ``x``, plus its LoRA term ``s * B (A x)`` (through the term's hook point)
-    where the call's adapters have one for ``parts[j]``."""
-    return [y if (ab := lora.get(p)) is None else y + point(names[p], F.linear(F.linear(x, ab[0]), ab[1]), layer)
-            for y, p in zip(outs, parts)]
+def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...],
+             lora: Mapping[tuple[str, ...], tuple], point: _Points, names: Mapping[str, str],
+             layer: int) -> Sequence[torch.Tensor]:
+    """The outputs ``outs`` of projections ``parts`` of ``x``, each adapted one plus its LoRA term ``s * B (A x)``
+    (through the term's hook point)."""
+    if parts not in lora:
+        return outs
+    a, b, adapted = lora[parts]
+    terms = F.linear(F.linear(x, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+    outs = list(outs)
+    for p, term in zip(adapted, terms):
+        j = parts.index(p)
+        outs[j] = outs[j] + point(names[p], term, layer)
+    return outs
 
 
 class Transformer:
