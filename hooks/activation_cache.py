@@ -1,8 +1,8 @@
 """Traces as ``transformer_lens.ActivationCache``, so TransformerLens utilities run on our activations.
 
-The conversion adds the batch dimension of 1 TransformerLens expects and turns our RMSNorm
-``*.hook_scale`` (the multiplier ``rsqrt(mean(x^2) + eps)``) into TransformerLens' divisor
-``sqrt(mean(x^2) + eps)``; every other activation is passed as recorded, under the same name.
+The conversion adds the batch dimension of 1 TransformerLens expects; every activation is passed as recorded, under
+the same name, since each hook point already holds TransformerLens' value (``*.hook_scale`` the divisor
+``sqrt(mean(x^2) + eps)``, ``attn.hook_q``/``hook_k`` in Hugging Face's per-head order).
 
 The cache's ``model`` is a stand-in that follows TransformerLens' folded-LayerNorm convention
 (``fold_ln=True``): ``cfg.normalization_type`` is "RMSPre", ``ln_final`` normalizes without a weight and
@@ -111,9 +111,5 @@ def to_activation_cache(trace: Any, model: Any = None):
         config = model.config
     else:
         config = ModelConfig(**trace.fingerprint["config"])
-    cache = {}
-    for name, t in trace.activations.items():
-        if name.endswith("hook_scale"):
-            t = 1.0 / t
-        cache[name] = t.unsqueeze(0)
+    cache = {name: t.unsqueeze(0) for name, t in trace.activations.items()}
     return ActivationCache(cache, ModelView(config, model), has_batch_dim=True)

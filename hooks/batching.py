@@ -71,10 +71,11 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
 class BatchRecorder:
     """Records named activations of batched forwards, split per prompt.
 
-    Each point is copied once per forward (not once per prompt) to ``device`` in ``dtype``; ``reduce`` keeps one row
-    per prompt as it records (``"last"`` position, ``"mean"`` over positions, or an ``int`` position, negative from
-    the prompt's end), so that activations of many prompts fit in memory. A prompt whose tokens run over several
-    forwards (a long prompt in chunks, or after a shared prefix) is recorded whole and reduced when it is taken.
+    Each point is copied once per forward (not once per prompt) to ``device`` in ``dtype``; from a GPU to the CPU the
+    copy goes to pinned memory without waiting, so it overlaps the rest of the forward. ``reduce`` keeps one row per
+    prompt as it records (``"last"`` position, ``"mean"`` over positions, or an ``int`` position, negative from the
+    prompt's end), so that activations of many prompts fit in memory. A prompt whose tokens run over several forwards
+    (a long prompt in chunks, or after a shared prefix) is recorded whole and reduced when it is taken.
     """
 
     def __init__(self, names: Sequence[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -86,22 +87,18 @@ class BatchRecorder:
             grown = [n for n in names if axes(n).token != 0]
             if grown:
                 raise HookError(f"reduce works on token-major hook points, not {grown[0]}")
-        self.names, self.device, self.dtype, self.reduce = list(names), device, dtype, reduce
-        self._parts: dict[int, dict[str, list[torch.Tensor]]] = {}
-        self._reduced: set[int] = set()  # prompts whose one recorded row is already reduced
+        self.names, self.device, self.dtype, self.reduce = list(names), torch.device(device), dtype, reduce
+        self._forwards: list[_Recorded] = []  # forwards with prompts not yet taken, in order
 
     def hooks(self) -> dict[str, list[HookFn]]:
         def record(x: torch.Tensor, ctx: HookContext) -> None:
             layout = ctx.layout
-            whole = [b for b in range(layout.size) if layout.cached[b] == 0 and layout.complete]
-            reduce_now = self.reduce is not None and len(whole) == layout.size
-            kept = (self._reduce_rows(x.detach(), layout) if reduce_now else x.detach()).to(
-                self.device, self.dtype, copy=True)
-            for b, prompt in enumerate(layout.prompts):
-                part = kept[b] if reduce_now else row_view(kept, ctx.name, layout, b)
-                self._parts.setdefault(prompt, {}).setdefault(ctx.name, []).append(part)
-                if reduce_now:
-                    self._reduced.add(prompt)
+            if not self._forwards or self._forwards[-1].layout is not layout:
+                reduce_now = self.reduce is not None and layout.complete and not any(layout.cached)
+                self._forwards.append(_Recorded(layout, reduce_now))
+            forward = self._forwards[-1]
+            kept = self._reduce_rows(x.detach(), layout) if forward.reduced else x.detach()
+            forward.tensors[ctx.name] = forward.copy(kept, self.device, self.dtype)
 
         return {name: [record] for name in self.names}
 
@@ -111,14 +108,63 @@ class BatchRecorder:
                             for b in range(layout.size)])
 
     def take(self, prompt: int) -> dict[str, torch.Tensor]:
-        """The activations recorded for one prompt (each tensor its own storage, so a kept trace holds no other
-        prompt's activations), forgotten here."""
-        parts = self._parts.pop(prompt, {})
-        if prompt in self._reduced or self.reduce is None:
-            self._reduced.discard(prompt)
-            return {name: join_tokens(name, chunks).clone() for name, chunks in parts.items()}
+        """The activations recorded for one prompt, forgotten here. They share one buffer of their own, so a kept
+        trace holds no other prompt's activations (one copy per prompt, not one per point)."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        reduced = False
+        for forward in self._forwards:
+            b = forward.row.get(prompt)
+            if b is None:
+                continue
+            forward.wait()
+            reduced = forward.reduced
+            for name, x in forward.tensors.items():
+                parts.setdefault(name, []).append(x[b] if reduced else row_view(x, name, forward.layout, b))
+            forward.untaken -= 1
+        self._forwards = [f for f in self._forwards if f.untaken]
+        if reduced or self.reduce is None:
+            return _own_buffer({name: join_tokens(name, chunks) for name, chunks in parts.items()})
         return {name: reduce_tokens(join_tokens(name, chunks), self.reduce, prompt).to(self.dtype)
                 for name, chunks in parts.items()}
+
+
+class _Recorded:
+    """What one batched forward recorded: each point's activation for the whole batch."""
+
+    def __init__(self, layout: BatchLayout, reduced: bool):
+        self.layout, self.reduced = layout, reduced
+        self.row = {prompt: b for b, prompt in enumerate(layout.prompts)}
+        self.untaken = layout.size
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None  # set while copies from it to pinned memory may be in flight
+
+    def copy(self, x: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if x.is_cuda and device.type == "cpu":
+            self._stream = torch.cuda.current_stream(x.device)
+            return pinned_copy(x, dtype, wait=False)
+        return x.to(device, dtype, copy=True)
+
+    def wait(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+            self._stream = None
+
+
+def pinned_copy(x: torch.Tensor, dtype: torch.dtype | None = None, wait: bool = True) -> torch.Tensor:
+    """A GPU tensor copied to pinned CPU memory (several times faster than to pageable memory; torch caches the pinned
+    blocks). With ``wait=False`` the copy may still be in flight: synchronize the current stream before reading it."""
+    out = torch.empty(x.shape, dtype=dtype or x.dtype, pin_memory=True)
+    out.copy_(x, non_blocking=not wait)
+    return out
+
+
+def _own_buffer(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors copied into one new buffer, each a view of its own part."""
+    if not tensors:
+        return {}
+    flat = torch.cat([x.reshape(-1) for x in tensors.values()])
+    pieces = flat.split([x.numel() for x in tensors.values()])
+    return {name: piece.view(x.shape) for (name, x), piece in zip(tensors.items(), pieces)}
 
 
 def reduce_tokens(x: torch.Tensor, reduce: str | int, prompt: int) -> torch.Tensor:

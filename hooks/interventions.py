@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError, WorkbenchError
+from workbench.errors import HookError, WorkbenchError, shorten
 from workbench.runner import LORA_POINTS, HookContext, HookFn
 
 from .points import axes, feature_size, head_count, resolve, token_shape
@@ -53,7 +53,7 @@ class RunShape:
         try:
             return self.model.to_ids(prompt)
         except (WorkbenchError, TypeError, ValueError) as err:
-            raise HookError(f"donor prompt {prompt!r}: {err}") from None
+            raise HookError(f"donor prompt {shorten(prompt)}: {err}") from None
 
     def record_donor(self, prompt: Any, names: list[str]) -> dict[str, torch.Tensor]:
         """Activations of a clean run of a donor prompt; each (prompt, names) is run once per call."""
@@ -89,7 +89,7 @@ def _as_int_list(values, what: str) -> list[int] | None:
             raise TypeError
         out = [operator.index(v) for v in values]
     except TypeError:
-        raise HookError(f"{what} must be a list of integers, got {values!r}") from None
+        raise HookError(f"{what} must be a list of integers, got {shorten(values)}") from None
     if not out:
         raise HookError(f"{what} is empty")
     return out
@@ -114,10 +114,10 @@ def _as_vector(value, what: str) -> torch.Tensor:
 def _check_finite(value, what: str) -> float:
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise HookError(f"{what} must be a number, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise HookError(f"{what} must be a number, got {shorten(value)}") from None
     if not math.isfinite(number):
-        raise HookError(f"{what} must be finite, got {value}")
+        raise HookError(f"{what} must be finite, got {shorten(value)}")
     return number
 
 
@@ -154,6 +154,10 @@ class RegionEdit(Intervention):
     heads: Sequence[int] | None = None
     neurons: Sequence[int] | None = None
 
+    def __post_init__(self):
+        if not isinstance(self.hook, str) or not self.hook:
+            raise HookError(f"an intervention's hook must be a hook point name, got {shorten(self.hook)}")
+
     def to_spec(self) -> dict[str, Any]:
         spec = {"type": self.kind, "hook": self.hook}
         for key in ("positions", "heads", "neurons"):
@@ -186,7 +190,7 @@ class RegionEdit(Intervention):
             return None
         if isinstance(self.positions, str):
             if self.positions != "generated":
-                raise HookError(f"positions must be a list of integers, None or 'generated', got {self.positions!r}")
+                raise HookError(f"positions must be a list of integers, None or 'generated', got {shorten(self.positions)}")
             return "generated"
         resolved = []
         for p in _as_int_list(self.positions, "positions"):
@@ -353,7 +357,7 @@ class MeanAblate(RegionEdit):
         rows = []
         for trace in traces:
             if hook not in trace.activations:
-                raise HookError(f"trace of {trace.prompt!r} did not record {hook}")
+                raise HookError(f"trace of {shorten(trace.prompt)} did not record {hook}")
             rows.append(trace.activations[hook].movedim(axes(hook).token, 0))
         shapes = {tuple(r.shape[1:]) for r in rows}
         if len(shapes) > 1:
@@ -460,7 +464,7 @@ class ResampleAblate(RegionEdit):
         if not isinstance(self.donors, (list, tuple)) or not self.donors:
             raise HookError("resample ablation needs a list of donor prompts")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise HookError(f"resample seed must be an integer, got {self.seed!r}")
+            raise HookError(f"resample seed must be an integer, got {shorten(self.seed)}")
         if axes(region.name).token != 0:
             raise HookError(f"resample ablation works on token-major hook points, not {region.name}")
         for donor in self.donors:
@@ -559,6 +563,8 @@ class Composite(Intervention):
     kind: ClassVar[str] = "composite"
 
     def __post_init__(self):
+        if not isinstance(self.parts, (list, tuple)):
+            raise HookError(f"a composite's parts must be a list of interventions, got {shorten(self.parts)}")
         self.parts = [from_spec(p) for p in self.parts]
 
     def to_spec(self) -> dict[str, Any]:
@@ -580,6 +586,30 @@ def merge_hooks(hook_maps) -> dict[str, list[HookFn]]:
     return merged
 
 
+MAX_SPEC_DEPTH = 8  # composites inside composites; deeper specs are refused, not recursed into
+
+
+def spec_leaves(spec: Any, max_depth: int = MAX_SPEC_DEPTH) -> list[Any]:
+    """The interventions a spec applies: a composite's parts, recursively (walked without recursion, so a deeply
+    nested spec is refused with a HookError instead of a RecursionError); anything else is one leaf."""
+    leaves, stack = [], [(spec, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Composite):
+            parts = item.parts
+        elif isinstance(item, dict) and item.get("type") == Composite.kind:
+            parts = item.get("parts", [])
+        else:
+            leaves.append(item)
+            continue
+        if depth >= max_depth:
+            raise HookError(f"composite interventions nest more than {max_depth} deep")
+        if not isinstance(parts, (list, tuple)):
+            raise HookError(f"a composite's parts must be a list of interventions, got {shorten(parts)}")
+        stack.extend((part, depth + 1) for part in reversed(parts))
+    return leaves
+
+
 def from_spec(spec: dict[str, Any] | Intervention | tuple) -> Intervention:
     """An intervention from its JSON spec (``{"type": "steer", "hook": ..., ...}``), an Intervention, or a
     TransformerLens-style ``(hook_name, function)`` pair."""
@@ -589,15 +619,18 @@ def from_spec(spec: dict[str, Any] | Intervention | tuple) -> Intervention:
         return FunctionHook(*spec)
     if not isinstance(spec, dict) or "type" not in spec:
         raise HookError(f"an intervention is an Intervention, a (hook, function) pair or a dict with a 'type', "
-                        f"got {spec!r}")
+                        f"got {shorten(spec)}")
+    spec_leaves(spec)  # depth checked before the parts are built recursively
     spec = dict(spec)
     kind = spec.pop("type")
-    cls = Intervention.registry.get(kind)
+    cls = Intervention.registry.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise HookError(f"unknown intervention type {kind!r}; known: {', '.join(sorted(Intervention.registry))}")
+        raise HookError(f"unknown intervention type {shorten(kind)}; known: {', '.join(sorted(Intervention.registry))}")
     if cls is FunctionHook:
-        raise HookError(f"the function hook {spec.get('function')!r} cannot be rebuilt from its spec; "
+        raise HookError(f"the function hook {shorten(spec.get('function'))} cannot be rebuilt from its spec; "
                         "pass the Python function itself")
+    if not all(isinstance(key, str) for key in spec):
+        raise HookError(f"a {kind} spec's keys must be strings")
     try:
         return cls(**spec)
     except TypeError as err:

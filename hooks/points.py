@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError
-from workbench.runner import BLOCK_POINTS, GLOBAL_POINTS, LORA_POINTS, hook_point_names
+from workbench.errors import HookError, shorten
+from workbench.runner import GLOBAL_POINTS, LORA_POINTS, block_points, hook_point_names
 
 
 @dataclass(frozen=True)
@@ -26,12 +26,16 @@ _AXES = {
     "attn.hook_rot_q": Axes(0, 1, 2), "attn.hook_rot_k": Axes(0, 1, 2), "attn.hook_z": Axes(0, 1, 2),
     "attn.hook_result": Axes(0, 1, 2),
     "attn.hook_attn_scores": Axes(1, 0, None), "attn.hook_pattern": Axes(1, 0, None),
+    "attn.q_norm.hook_scale": Axes(0, 1, None), "attn.k_norm.hook_scale": Axes(0, 1, None),
+    "attn.q_norm.hook_normalized": Axes(0, 1, 2), "attn.k_norm.hook_normalized": Axes(0, 1, 2),
     "ln1.hook_scale": Axes(0, None, None), "ln2.hook_scale": Axes(0, None, None),
+    "ln1_post.hook_scale": Axes(0, None, None), "ln2_post.hook_scale": Axes(0, None, None),
     "ln_final.hook_scale": Axes(0, None, None),
 }
 _TOKEN_MAJOR = Axes(0, None, 1)
 
 
+@lru_cache(maxsize=4096)  # called for every recorded point of every prompt
 def axes(name: str) -> Axes:
     """Axis layout of a hook point by its name."""
     suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
@@ -46,7 +50,7 @@ def point_shapes(config: ModelConfig, lora: bool = False) -> dict[str, str]:
     """Every hook point with its shape, dimensions filled in from the config (T/S stay symbolic); with ``lora``, the
     LoRA terms' points too."""
     table = _shape_table(config)
-    return dict(table if lora else table[:len(hook_point_names(config.n_layers))])
+    return dict(table if lora else table[:len(hook_point_names(config))])
 
 
 @lru_cache(maxsize=16)
@@ -75,9 +79,10 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
         return shape
 
     out = []
-    for name in hook_point_names(config.n_layers):
+    blocks = block_points(config)
+    for name in hook_point_names(config):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
-        out.append((name, fill(BLOCK_POINTS.get(suffix) or GLOBAL_POINTS[suffix])))
+        out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix])))
     out += [(name, f"[T, {_lora_width(name.split('.', 2)[2], config)}]") for name in lora_point_names(config.n_layers)]
     return tuple(out)
 
@@ -102,7 +107,7 @@ def _token_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
 def head_count(name: str, config: ModelConfig) -> int | None:
     if axes(name).head is None:
         return None
-    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) else config.n_heads
+    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) or ".k_norm." in name else config.n_heads
 
 
 def feature_size(name: str, config: ModelConfig) -> int | None:
@@ -119,25 +124,30 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
     return config.vocab_size if name == "hook_logits" else config.d_model
 
 
+MAX_NAME_LENGTH = 256
+
+
 def resolve(pattern: str, config: ModelConfig) -> list[str]:
     """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``). The LoRA terms'
     points (``blocks.3.attn.hook_q_lora``) match only patterns that name them (with ``lora``): ``*`` matches what it
     matches in a model without adapters."""
     if not isinstance(pattern, str) or not pattern:
-        raise HookError(f"a hook name must be a non-empty string, got {pattern!r}")
-    names = lora_point_names(config.n_layers) if "lora" in pattern else hook_point_names(config.n_layers)
+        raise HookError(f"a hook name must be a non-empty string, got {shorten(pattern)}")
+    if len(pattern) > MAX_NAME_LENGTH:  # no point is named so; a huge glob or layer number costs time to reject
+        raise HookError(f"unknown hook point {shorten(pattern)}: longer than {MAX_NAME_LENGTH} characters")
+    names = lora_point_names(config.n_layers) if "lora" in pattern else hook_point_names(config)
     if any(ch in pattern for ch in "*?["):
         matched = fnmatch.filter(names, pattern)
         if not matched:
-            raise HookError(f"no hook point matches {pattern!r}{_suggestion(pattern.replace('*', '0'), names)}")
+            raise HookError(f"no hook point matches {shorten(pattern)}{_suggestion(pattern.replace('*', '0'), names)}")
         return matched
     if pattern in names:
         return [pattern]
-    if pattern.startswith("blocks.") and pattern.split(".")[1].isdigit():
+    if pattern.startswith("blocks.") and pattern.split(".")[1].isascii() and pattern.split(".")[1].isdigit():
         layer = int(pattern.split(".")[1])
         if not 0 <= layer < config.n_layers:
-            raise HookError(f"layer {layer} in {pattern!r} is out of range: the model has layers 0..{config.n_layers - 1}")
-    raise HookError(f"unknown hook point {pattern!r}{_suggestion(pattern, names)}")
+            raise HookError(f"layer {layer} in {shorten(pattern)} is out of range: the model has layers 0..{config.n_layers - 1}")
+    raise HookError(f"unknown hook point {shorten(pattern)}{_suggestion(pattern, names)}")
 
 
 def _suggestion(name: str, names: list[str]) -> str:

@@ -2,29 +2,37 @@
 
 An artifact is a directory with ``tensors.safetensors`` (logits and every recorded activation) and
 ``manifest.json`` (schema version, prompt, ids, model fingerprint, backend, versions, seed, intervention
-specs, metrics, and sha256 content hashes of each tensor and of the tensors file). Loading verifies every
-hash, so a modified, truncated or swapped file is reported instead of read. Nothing is pickled.
+specs, metrics, sha256 content hashes of each tensor and of the tensors file, and a sha256 of all of that).
+Loading verifies every hash and that the manifest agrees with the tensors, so a modified, truncated or swapped
+file is reported instead of read. Nothing is pickled, and nothing is read or written through a symbolic link
+(docs/security.md).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import secrets
+import stat
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, clip, shorten
+
+from .points import axes
 
 if TYPE_CHECKING:  # the results layer sits above this module: imported where used
     from workbench.results import Distribution, TraceComparison
 
 SCHEMA = "workbench.trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the manifest carries manifest_sha256
 TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # intervention specs hold vectors; far more is not a manifest
 _ACTIVATION_PREFIX = "activations."
 
 
@@ -75,17 +83,19 @@ class Trace:
         return out
 
     def save(self, path: str | Path) -> Path:
-        """Write the artifact directory (created if needed; its two files are replaced atomically)."""
-        from safetensors.torch import save_file
+        """Write the artifact directory (created if needed; its two files are replaced atomically). Nothing is
+        written through a symbolic link: a directory or member that is one is refused, and each file is first
+        written to a new temporary name in the directory (created exclusively) and then renamed into place."""
+        from safetensors.torch import save
 
         directory = Path(path)
+        if directory.is_symlink():
+            raise TraceError(f"{directory} is a symbolic link; a trace is written into a real directory only")
         if directory.exists() and not directory.is_dir():
             raise TraceError(f"{directory} exists and is not a directory")
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {key: t.detach().to("cpu").contiguous().clone() for key, t in self.tensors().items()}
-        tensors_path = directory / TENSORS_FILE
-        save_file(tensors, str(tensors_path) + ".tmp")
-        os.replace(str(tensors_path) + ".tmp", tensors_path)
+        tensor_bytes = save(tensors)
         manifest = {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
@@ -102,12 +112,15 @@ class Trace:
             "adapters": self.adapters,
             "tensors": {key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                               "sha256": tensor_sha256(t)} for key, t in tensors.items()},
-            "tensors_file": {"name": TENSORS_FILE, "bytes": tensors_path.stat().st_size,
-                             "sha256": file_sha256(tensors_path)},
+            "tensors_file": {"name": TENSORS_FILE, "bytes": len(tensor_bytes),
+                             "sha256": hashlib.sha256(tensor_bytes).hexdigest()},
         }
-        manifest_path = directory / MANIFEST_FILE
-        manifest_path.with_suffix(".tmp").write_text(json.dumps(manifest, indent=1))
-        os.replace(manifest_path.with_suffix(".tmp"), manifest_path)
+        manifest["manifest_sha256"] = manifest_sha256(manifest)
+        with _open_directory(directory) as fd:
+            for name in (TENSORS_FILE, MANIFEST_FILE):  # both checked before either is written
+                _refuse_link(fd, directory, name)
+            _write_member(fd, directory, TENSORS_FILE, tensor_bytes)
+            _write_member(fd, directory, MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         return directory
 
     def to_activation_cache(self, model: Any = None):
@@ -117,56 +130,191 @@ class Trace:
         return to_activation_cache(self, model)
 
 
-def load_trace(path: str | Path) -> Trace:
-    """Read an artifact saved by ``Trace.save`` (its directory or its manifest), verifying every hash."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
+    """Read an artifact saved by ``Trace.save`` (its directory or its manifest), verifying every hash and that what
+    the manifest says agrees with the tensors. A member that is a symbolic link or not a regular file is refused;
+    sizes (at most ``max_bytes`` in all, when given) are checked before anything is hashed or parsed."""
+    from safetensors.torch import load
 
     directory = Path(path)
     if directory.name == MANIFEST_FILE:
         directory = directory.parent
-    manifest_path, tensors_path = directory / MANIFEST_FILE, directory / TENSORS_FILE
-    if not manifest_path.is_file():
+    directory = directory.resolve()  # the folder may be reached through a link; its members may not be links
+    if not (directory / MANIFEST_FILE).exists() and not (directory / MANIFEST_FILE).is_symlink():
         raise TraceError(f"{directory} is not a trace artifact: {MANIFEST_FILE} is missing")
+    budget = MAX_MANIFEST_BYTES if max_bytes is None else min(max_bytes, MAX_MANIFEST_BYTES)
+    with _open_directory(directory) as fd:
+        manifest = _parse_manifest(_read_member(fd, directory, MANIFEST_FILE, budget), directory / MANIFEST_FILE)
+        expected = manifest["tensors_file"]
+        limit = None if max_bytes is None else max_bytes
+        data = _read_member(fd, directory, TENSORS_FILE, limit, expected["bytes"])
+    tensors_path = directory / TENSORS_FILE
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise TraceError(f"{tensors_path} does not match the sha256 in its manifest: the file was modified or is "
+                         "corrupt")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TraceError(f"{manifest_path} is not valid JSON ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
-        raise TraceError(f"{manifest_path} is not a workbench trace manifest")
-    version = manifest.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise TraceError(f"{manifest_path} has schema version {version!r}; this workbench reads up to {SCHEMA_VERSION}")
-    try:
-        expected_file, expected_tensors = manifest["tensors_file"], manifest["tensors"]
-        ids, tokens, prompt = manifest["ids"], manifest["tokens"], manifest["prompt"]
-    except KeyError as err:
-        raise TraceError(f"{manifest_path} lacks the field {err}") from None
-    if not (isinstance(expected_file, dict) and isinstance(expected_tensors, dict)
-            and all(isinstance(entry, dict) for entry in expected_tensors.values())):
-        raise TraceError(f"{manifest_path} has malformed tensor entries")
-    if not tensors_path.is_file():
-        raise TraceError(f"{tensors_path} is missing")
-    if file_sha256(tensors_path) != expected_file.get("sha256"):
-        raise TraceError(f"{tensors_path} does not match the sha256 in its manifest: the file was modified or is corrupt")
-    try:
-        tensors = load_file(str(tensors_path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise TraceError(f"{tensors_path} cannot be read: {err}") from None
+        tensors = load(data)
+    except Exception as err:  # safetensors raises its own error types on a malformed header
+        raise TraceError(f"{tensors_path} cannot be read: {clip(str(err), 200)}") from None
+    expected_tensors = manifest["tensors"]
     if set(tensors) != set(expected_tensors):
         missing, extra = sorted(set(expected_tensors) - set(tensors)), sorted(set(tensors) - set(expected_tensors))
-        raise TraceError(f"{tensors_path} does not hold the tensors its manifest lists (missing {missing}, extra {extra})")
+        raise TraceError(f"{tensors_path} does not hold the tensors its manifest lists (missing "
+                         f"{shorten(missing)}, extra {shorten(extra)})")
     for key, t in tensors.items():
         entry = expected_tensors[key]
         if (list(t.shape) != entry.get("shape") or str(t.dtype).removeprefix("torch.") != entry.get("dtype")
                 or tensor_sha256(t) != entry.get("sha256")):
-            raise TraceError(f"tensor {key!r} in {tensors_path} does not match its manifest entry (shape, dtype or hash)")
-    activations = {key[len(_ACTIVATION_PREFIX):]: t for key, t in tensors.items() if key.startswith(_ACTIVATION_PREFIX)}
-    return Trace(prompt=prompt, ids=list(ids), tokens=list(tokens), logits=tensors["logits"], activations=activations,
-                 interventions=manifest.get("interventions", []), fingerprint=manifest.get("fingerprint", {}),
-                 backend=manifest.get("backend", {}), versions=manifest.get("versions", {}), seed=manifest.get("seed"),
-                 chat=bool(manifest.get("chat", False)), metrics=manifest.get("metrics", {}),
-                 adapters=manifest.get("adapters", []))
+            raise TraceError(f"tensor {shorten(key)} in {tensors_path} does not match its manifest entry (shape, dtype "
+                             "or hash)")
+    if "logits" not in tensors:
+        raise TraceError(f"{tensors_path} holds no logits")
+    trace = Trace(prompt=manifest["prompt"], ids=manifest["ids"], tokens=manifest["tokens"], logits=tensors["logits"],
+                  activations={key[len(_ACTIVATION_PREFIX):]: t for key, t in tensors.items()
+                               if key.startswith(_ACTIVATION_PREFIX)},
+                  interventions=manifest["interventions"], fingerprint=manifest["fingerprint"],
+                  backend=manifest["backend"], versions=manifest["versions"], seed=manifest["seed"],
+                  chat=manifest["chat"], metrics=manifest["metrics"], adapters=manifest.get("adapters", []))
+    _check_consistent(trace, tensors_path)
+    return trace
+
+
+def manifest_sha256(manifest: dict[str, Any]) -> str:
+    """sha256 of everything a manifest says (its canonical JSON), the hash field itself left out."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# The manifest's fields and the types they must have: checked before anything reads them.
+_MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
+    "prompt": (str, list), "chat": (bool,), "ids": (list,), "tokens": (list,), "fingerprint": (dict,),
+    "backend": (dict,), "versions": (dict,), "seed": (int, type(None)), "interventions": (list,),
+    "metrics": (dict,), "tensors": (dict,), "tensors_file": (dict,), "manifest_sha256": (str,),
+}
+
+
+def _parse_manifest(data: bytes, manifest_path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TraceError(f"{manifest_path} is not valid JSON ({clip(str(err), 120)})") from None
+    except RecursionError:
+        raise TraceError(f"{manifest_path} nests too deeply to be a trace manifest") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        raise TraceError(f"{manifest_path} is not a workbench trace manifest")
+    version = manifest.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version != SCHEMA_VERSION:
+        raise TraceError(f"{manifest_path} has schema version {shorten(version)}; this workbench reads version "
+                         f"{SCHEMA_VERSION} (older artifacts carry no manifest hash: save them again)")
+    for key, types in _MANIFEST_TYPES.items():
+        if key not in manifest:
+            raise TraceError(f"{manifest_path} lacks the field {key!r}")
+        if not isinstance(manifest[key], types) or (key == "seed" and isinstance(manifest[key], bool)):
+            raise TraceError(f"{manifest_path}: {key!r} has the wrong type ({type(manifest[key]).__name__})")
+    try:
+        digest = manifest_sha256(manifest)
+    except (RecursionError, ValueError):  # a float the canonical JSON cannot write
+        raise TraceError(f"{manifest_path} cannot be hashed (nested too deeply)") from None
+    if digest != manifest["manifest_sha256"]:
+        raise TraceError(f"{manifest_path} does not match its manifest_sha256: the manifest was edited or is corrupt")
+    tensors_file = manifest["tensors_file"]
+    if (not isinstance(tensors_file.get("bytes"), int) or isinstance(tensors_file.get("bytes"), bool)
+            or tensors_file["bytes"] < 0 or not isinstance(tensors_file.get("sha256"), str)
+            or not all(isinstance(entry, dict) for entry in manifest["tensors"].values())):
+        raise TraceError(f"{manifest_path} has malformed tensor entries")
+    return manifest
+
+
+def _check_consistent(trace: Trace, tensors_path: Path) -> None:
+    """What the manifest says agrees with itself and with the tensors: types, and one row per token."""
+    def ints(values: Any) -> bool:
+        return isinstance(values, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+    where = tensors_path.parent
+    if not trace.ids or not ints(trace.ids) or any(i < 0 for i in trace.ids):
+        raise TraceError(f"{where}: 'ids' must be a non-empty list of token ids")
+    if not all(isinstance(t, str) for t in trace.tokens) or len(trace.tokens) != len(trace.ids):
+        raise TraceError(f"{where}: 'tokens' must be {len(trace.ids)} strings, one per id")
+    if isinstance(trace.prompt, list) and trace.prompt != trace.ids:
+        raise TraceError(f"{where}: a prompt given as ids must equal 'ids'")
+    if not all(isinstance(spec, dict) for spec in trace.interventions):
+        raise TraceError(f"{where}: 'interventions' must be a list of intervention specs")
+    if not isinstance(trace.adapters, list) or not all(isinstance(entry, dict) for entry in trace.adapters):
+        raise TraceError(f"{where}: 'adapters' must be a list of adapter records")
+    logits = trace.logits
+    if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[0] != len(trace.ids):
+        raise TraceError(f"{where}: logits have shape {tuple(logits.shape)}; a trace of {len(trace.ids)} tokens "
+                         f"holds [{len(trace.ids)}, vocab] floats")
+    for name, activation in trace.activations.items():
+        axis = axes(name).token
+        if activation.dim() <= axis or activation.shape[axis] != len(trace.ids):
+            raise TraceError(f"{where}: activation {shorten(name)} has shape {tuple(activation.shape)}, not one row "
+                             f"per token of {len(trace.ids)}")
+
+
+@contextmanager
+def _open_directory(directory: Path) -> Iterator[int]:
+    """A descriptor of the artifact directory itself, never of a link: members are opened relative to it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise TraceError(f"{directory} is not a trace artifact: no such directory") from None
+    except OSError as err:
+        raise TraceError(f"{directory} cannot be opened as a directory (a symbolic link or not a folder: "
+                         f"{err.strerror})") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _refuse_link(fd: int, directory: Path, name: str) -> None:
+    """A member that exists as a symbolic link (or anything but a regular file) is refused rather than replaced."""
+    try:
+        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise TraceError(f"{directory / name} is a symbolic link or not a regular file; refused")
+
+
+def _write_member(fd: int, directory: Path, name: str, data: bytes) -> None:
+    """Write ``name`` in the directory: a fresh temporary file (O_EXCL, O_NOFOLLOW, so never through a planted link)
+    renamed over it, which replaces a directory entry and never writes through one."""
+    temporary = f".{name}.{secrets.token_hex(8)}.tmp"
+    out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
+    try:
+        with os.fdopen(out, "wb") as f:
+            f.write(data)
+        os.replace(temporary, name, src_dir_fd=fd, dst_dir_fd=fd)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(temporary, dir_fd=fd)
+        raise
+
+
+def _read_member(fd: int, directory: Path, name: str, max_bytes: int | None, size: int | None = None) -> bytes:
+    """The bytes of a regular file in the directory (not a link, not a FIFO), its size checked before reading."""
+    path = directory / name
+    try:
+        member = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except FileNotFoundError:
+        raise TraceError(f"{path} is missing") from None
+    except OSError as err:
+        raise TraceError(f"{path} cannot be read: a symbolic link or not a regular file ({err.strerror})") from None
+    with os.fdopen(member, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise TraceError(f"{path} is not a regular file")
+        if size is not None and info.st_size != size:
+            raise TraceError(f"{path} has {info.st_size:,} bytes, its manifest says {size:,}: the file was modified "
+                             "or is corrupt")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise TraceError(f"{path} has {info.st_size:,} bytes; the limit is {max_bytes:,}")
+        data = f.read(info.st_size + 1)
+    if len(data) != info.st_size:
+        raise TraceError(f"{path} changed while it was read")
+    return data
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -174,24 +322,17 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def model_mismatch(fingerprint: dict[str, Any], model: Any) -> str | None:
     """Why a trace's fingerprint does not describe ``model`` (weights hash, config, tensor formats), or None."""
     sha = fingerprint.get("sha256")
     if sha != model.file_sha256:
         return f"weights sha256 {str(sha)[:12]}... vs this model's {model.file_sha256[:12]}..."
-    config = model.config.to_dict()
-    differing = sorted(k for k in config.keys() | fingerprint.get("config", {}).keys()
-                       if config.get(k) != fingerprint.get("config", {}).get(k))
+    # compared as JSON gives them back: a saved fingerprint's tuples (sliding_layers) come back as lists
+    config, recorded = json.loads(json.dumps(model.config.to_dict())), fingerprint.get("config")
+    recorded = json.loads(json.dumps(recorded, default=str)) if isinstance(recorded, dict) else {}
+    differing = sorted(str(k) for k in config.keys() | recorded.keys() if config.get(k) != recorded.get(k))
     if differing:
-        return f"config differs in {', '.join(differing)}"
+        return f"config differs in {clip(', '.join(differing), 200)}"
     formats = fingerprint.get("formats")
     if formats is not None and formats != model.tensor_formats():
         return "tensor formats differ (quantized differently)"

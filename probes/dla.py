@@ -133,7 +133,7 @@ def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None
     rows = unembedding.dequantize_rows(torch.tensor(ids, device=unembedding.device)).cpu().double()
     direction = rows[0] if baseline_id is None else rows[0] - rows[1]
     direction = direction * model.runner.weights.final_norm.cpu().double()
-    scale = float(acts["ln_final.hook_scale"][position, 0])
+    scale = 1.0 / float(acts["ln_final.hook_scale"][position, 0])  # the hook point holds the divisor
     contributions = scale * (torch.stack(components).double() @ direction)
 
     logit = trace.logits[position, target_id] - (0 if baseline_id is None else trace.logits[position, baseline_id])

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.hooks import Steer
 from workbench.progress import progress_callback
 
@@ -99,17 +99,23 @@ class SteeringVector:
         directions: dict[int, torch.Tensor] = {}
         for tensor in reader.tensors:
             prefix, _, index = tensor.name.partition(".")
-            if prefix != "direction" or not index.isdigit():
-                raise WorkbenchError(f"{path}: unexpected tensor {tensor.name!r} (expected direction.<layer>)")
+            # direction.<k> exactly as llama.cpp writes it: "direction.01" would silently stand for direction.1
+            if prefix != "direction" or not (index.isascii() and index.isdigit()) or str(int(index)) != index:
+                raise WorkbenchError(f"{path}: unexpected tensor {shorten(tensor.name)} (expected direction.<layer>)")
             layer = int(index)
             if not 1 <= layer < c.n_layers:
                 raise WorkbenchError(f"{path}: {tensor.name} is outside llama.cpp's range direction.1.."
                                      f"direction.{c.n_layers - 1} for a model of {c.n_layers} blocks")
+            if layer in directions:
+                raise WorkbenchError(f"{path}: {tensor.name} appears twice")
             data = np.asarray(tensor.data)
-            if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or data.size != c.d_model:
-                raise WorkbenchError(f"{path}: {tensor.name} must be F32 with {c.d_model} values, got "
-                                     f"{tensor.tensor_type.name} with {data.size}")
-            directions[layer] = torch.from_numpy(data.astype(np.float32).reshape(-1).copy())
+            if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or len(tensor.shape) != 1 or data.size != c.d_model:
+                raise WorkbenchError(f"{path}: {tensor.name} must be a 1-D F32 vector of {c.d_model} values, got "
+                                     f"{tensor.tensor_type.name} of shape {[int(n) for n in tensor.shape]}")
+            direction = torch.from_numpy(data.astype(np.float32).reshape(-1).copy())
+            if not torch.isfinite(direction).all():
+                raise WorkbenchError(f"{path}: {tensor.name} holds NaN or Inf")
+            directions[layer] = direction
         if not directions:
             raise WorkbenchError(f"{path} holds no direction tensors")
         return cls(directions, CONTROL_VECTOR_POINT, hint or c.architecture, str(path))

@@ -10,7 +10,7 @@ import torch
 import workbench
 from workbench.errors import ModelLoadError, WorkbenchError
 from workbench.loading import load_checkpoint
-from workbench.synthetic import tokenizer_metadata, write_gguf
+from workbench.synthetic import random_hf_checkpoint, tokenizer_metadata, write_gguf
 from workbench.tokenizer import Tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -24,26 +24,8 @@ def write_hf_tokenizer(path, eos_token: str = "<|im_end|>") -> None:
 
 
 def hf_model(arch: str, tmp_path, tie: bool):
-    """A tiny random transformers model of ``arch``, saved as a safetensors checkpoint."""
-    import transformers
-
-    vocab = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, tie_word_embeddings=tie)
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[arch]
-    extra = {"head_dim": 16} if arch == "qwen3" else {}
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**common, **extra)).eval()
-    if arch == "qwen2":  # make the q/k/v biases matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    """A tiny random transformers model of ``arch``, saved as a safetensors checkpoint with a tokenizer."""
+    model = random_hf_checkpoint(arch, tmp_path, n_layers=2, tie=tie)
     write_hf_tokenizer(tmp_path)
     return model
 

@@ -107,7 +107,8 @@ def test_cpu_layer_ops_refuse_bad_shapes():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype, tiny_model):
     """On CUDA the norms run as one Triton kernel and the hooked path multiplies in torch: recording every point
-    leaves the logits as they are, and doubling a scale equals doubling its normalized input."""
+    leaves the logits as they are, and halving a scale (the divisor) equals doubling its normalized input, up to the
+    rounding of the divisor's reciprocal in the model's dtype."""
     model = tiny_model("llama", "Q8_0", seed=3, n_layers=2, device="cuda", dtype=dtype)
     ids = [5, 17, 42, 99, 7]
     plain = model.run(ids).logits
@@ -116,8 +117,13 @@ def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype, tiny_mo
     def double(x, ctx):
         return 2 * x
 
-    by_scale = model.forward(ids, interventions=[("blocks.1.ln1.hook_scale", double)])
-    assert torch.equal(by_scale, model.forward(ids, interventions=[("blocks.1.ln1.hook_normalized", double)]))
+    def halve(x, ctx):
+        return x / 2
+
+    by_scale = model.forward(ids, interventions=[("blocks.1.ln1.hook_scale", halve)])  # the divisor
+    tolerance = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(by_scale, model.forward(ids, interventions=[("blocks.1.ln1.hook_normalized", double)]),
+                               rtol=tolerance, atol=tolerance)
     assert not torch.equal(by_scale, model.forward(ids))
 
 

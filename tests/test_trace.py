@@ -9,7 +9,7 @@ import torch
 import workbench
 from workbench import hooks
 from workbench.cli import main
-from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE, TraceError
+from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE, TraceError, manifest_sha256
 from workbench.synthetic import write_gguf
 
 IDS = [5, 17, 42, 99, 7, 23]
@@ -43,7 +43,7 @@ def test_save_and_load_round_trip(trace, tmp_path):
                   "metrics"):
         assert getattr(loaded, field) == json.loads(json.dumps(getattr(trace, field))), field
     manifest = json.loads((path / MANIFEST_FILE).read_text())
-    assert manifest["schema_version"] == 1 and manifest["fingerprint"]["sha256"] == trace.fingerprint["sha256"]
+    assert manifest["schema_version"] == 2 and manifest["fingerprint"]["sha256"] == trace.fingerprint["sha256"]
     assert set(manifest["tensors"]) == {"logits"} | {f"activations.{k}" for k in trace.activations}
     assert workbench.load_trace(path / MANIFEST_FILE).ids == IDS  # the manifest path works too
 
@@ -54,9 +54,12 @@ def tamper_byte(path, offset_from_end: int = 100) -> None:
     path.write_bytes(bytes(data))
 
 
-def edit_manifest(path, edit) -> None:
+def edit_manifest(path, edit, rehash: bool = True) -> None:
+    """Edit the manifest, and (as a careful forger would) make its own hash agree, so the deeper checks are tried."""
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     edit(manifest)
+    if rehash:
+        manifest["manifest_sha256"] = manifest_sha256(manifest)
     (path / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 

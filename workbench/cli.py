@@ -116,6 +116,10 @@ def cmd_info(args: argparse.Namespace) -> None:
     print(f"{info['model']}  ({info['path']})")
     print(f"  architecture {c['architecture']}: {c['n_layers']} layers, d_model {c['d_model']}, "
           f"{c['n_heads']} heads / {c['n_kv_heads']} kv heads of {c['d_head']}, mlp {c['d_mlp']}, vocab {c['vocab_size']}")
+    family = info["family"]
+    if family["features"]:
+        settings = "".join(f", {k} {v}" for k, v in family.items() if k not in ("name", "features"))
+        print(f"  {family['name']} features: {'; '.join(family['features'])}{settings}")
     print(f"  parameters {info['parameters'] / 1e6:.1f}M, formats {info['tensor_formats']}")
     mib = 1 << 20
     file_part = f" (file {info['file_bytes'] / mib:.1f} MiB)" if info["file_bytes"] else ""

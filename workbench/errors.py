@@ -15,3 +15,19 @@ class HookError(WorkbenchError, ValueError):
 
 class QuantizeError(WorkbenchError, ValueError):
     """A quantization to load into that is neither a known format nor a known mix."""
+
+
+
+def shorten(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for echoing user input in an error message (a 1 MB hook
+    name must not make a 1 MB error)."""
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    if isinstance(value, (list, tuple, dict)) and len(value) > limit:
+        return f"<{type(value).__name__} of {len(value):,} items>"
+    return clip(repr(value), limit)
+
+
+def clip(message: str, limit: int) -> str:
+    """A message cut to ``limit`` characters (an error that quotes a long input, passed on to a client)."""
+    return message if len(message) <= limit else message[:limit] + "..."

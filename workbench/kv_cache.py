@@ -72,6 +72,11 @@ class KVCache:
         positions = torch.arange(start, start + n_new, device=self.device)
         return positions, causal_mask(n_new, self.length + n_new, self.device)
 
+    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rope positions of every slot the new tokens (at ``positions``, after ``prepare``) attend over, ``[S]``:
+        what a sliding window masks by."""
+        return torch.cat((self._positions[: self.length].to(positions.device), positions))
+
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` more slots (amortized doubling)."""
         needed = self.length + n_new
@@ -223,6 +228,9 @@ class StaticKVCache(KVCache):
         positions = self._length + torch.arange(n_new, device=self.device)
         return positions, self._slots[None, :] > positions[:, None]
 
+    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return self._slots
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self._length + torch.arange(keys.shape[1], device=self.device)
         self._keys[layer].index_copy_(1, positions, keys)
@@ -301,6 +309,16 @@ class BatchKVCache:
         cached = torch.tensor(self.lengths, device=self.device)[:, None, None]
         steps = torch.arange(layout.width, device=self.device)[None, :, None]
         return positions, (slots > cached + steps)[:, None]
+
+    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rope positions of every row's slots up to the longest after the write, ``[B, S]``, the new tokens'
+        (packed ``positions``, after ``prepare``) included; padding slots hold 0 (the mask hides them)."""
+        layout = self._pending
+        out = self._positions[:, : max(self.lengths) + layout.width].clone()
+        positions = positions.cpu()
+        for b in range(self.n_rows):
+            out[b, self.lengths[b]:self.lengths[b] + layout.lengths[b]] = positions[layout.rows(b)]
+        return out
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` slots a row (amortized doubling)."""

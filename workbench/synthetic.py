@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from workbench.architectures import ARCHITECTURES, GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.kernels import QuantTensor
-from workbench.loading import ARCHITECTURES, LoadedCheckpoint
+from workbench.loading import LoadedCheckpoint, row_ranges, swa_layers
 from workbench.quant_mix import matrix_format
 from workbench.tokenizer import Tokenizer
 from workbench.weights import LayerWeights, ModelWeights
@@ -62,16 +63,34 @@ def tokenizer_metadata(n_merges: int = 64) -> dict:
     }
 
 
+# Each family's special settings in a random model, small enough that a short prompt crosses the sliding window.
+FAMILY_SETTINGS: dict[str, dict] = {
+    "gemma2": dict(sliding_window=4, attn_softcap=50.0, final_softcap=30.0),
+    "gemma3": dict(sliding_window=4, rope_base=1e6, rope_base_local=10000.0),
+    "phi3": dict(partial_rotary=0.5),
+}
+
+
 def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int = 64, n_heads: int = 4,
                   n_kv_heads: int = 2, d_mlp: int = 128, vocab_size: int | None = None, n_ctx: int = 256,
-                  d_head: int | None = None, tied_embeddings: bool = True) -> ModelConfig:
+                  d_head: int | None = None, tied_embeddings: bool = True, **settings) -> ModelConfig:
+    """A small config of ``architecture`` with its family's special features on (``FAMILY_SETTINGS``); ``settings``
+    set any other ModelConfig field (``sliding_window=4`` on llama: Mistral with a window), or ``partial_rotary``, the
+    fraction of each head the rope turns. Sliding-window families alternate sliding and global layers."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
+    settings = {**FAMILY_SETTINGS.get(architecture, {}), **settings}
     vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    d_head = d_head or d_model // n_heads
+    partial = settings.pop("partial_rotary", None)
+    if partial is not None:
+        settings["d_rotary"] = int(d_head * partial)
+    if settings.get("sliding_window") and "sliding_layers" not in settings:
+        settings["sliding_layers"] = swa_layers(n_layers, 2 if ARCHITECTURES[architecture].swa_period else 0)
     return ModelConfig(architecture=architecture, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-                       n_kv_heads=n_kv_heads, d_head=d_head or d_model // n_heads, d_mlp=d_mlp, vocab_size=vocab,
-                       n_ctx=n_ctx, rope_base=10000.0, rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
-                       name=f"random-{architecture}", **ARCHITECTURES[architecture])
+                       n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp, vocab_size=vocab, n_ctx=n_ctx,
+                       rope_base=settings.pop("rope_base", 10000.0), rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
+                       name=f"random-{architecture}", **ARCHITECTURES[architecture].config_flags(), **settings)
 
 
 def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: torch.Generator | None = None,
@@ -109,22 +128,32 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
         return 0.02 * torch.randn(n, generator=g, device=device)
 
     std = c.d_model**-0.5
+    family = c.arch
     q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    layers = [
-        LayerWeights(
-            attn_norm=norm(c.d_model), wq=matrix(f"blk.{i}.attn_q.weight", q_dim, c.d_model, std),
-            wk=matrix(f"blk.{i}.attn_k.weight", kv_dim, c.d_model, std),
-            wv=matrix(f"blk.{i}.attn_v.weight", kv_dim, c.d_model, std),
-            wo=matrix(f"blk.{i}.attn_output.weight", c.d_model, q_dim, q_dim**-0.5), mlp_norm=norm(c.d_model),
-            w_gate=matrix(f"blk.{i}.ffn_gate.weight", c.d_mlp, c.d_model, std),
-            w_up=matrix(f"blk.{i}.ffn_up.weight", c.d_mlp, c.d_model, std),
-            w_down=matrix(f"blk.{i}.ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
+    rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": c.d_mlp, "w_up": c.d_mlp}
+    qk_norm = {"head": (c.d_head, c.d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm)
+    layers = []
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        # a family that stores q/k/v or gate/up fused draws (and quantizes) them as one matrix, as its GGUF keeps them
+        parts = {}
+        for fused, names in family.fused.items():
+            stacked = matrix(p + fused, sum(rows[n] for n in names), c.d_model, std)
+            parts.update(zip(names, row_ranges(stacked, [rows[n] for n in names])))
+        for name in rows:
+            if name not in parts:
+                parts[name] = matrix(p + LAYER_TENSORS[name], rows[name], c.d_model, std)
+        layers.append(LayerWeights(
+            attn_norm=norm(c.d_model) if family.pre_norms else None, **parts,
+            wo=matrix(p + "attn_output.weight", c.d_model, q_dim, q_dim**-0.5),
+            mlp_norm=norm(c.d_model) if family.pre_norms else None,
+            w_down=matrix(p + "ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
             bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
             bv=bias(kv_dim) if c.qkv_bias else None,
-            q_norm=norm(c.d_head) if c.qk_norm else None, k_norm=norm(c.d_head) if c.qk_norm else None,
-        )
-        for i in range(c.n_layers)
-    ]
+            q_norm=norm(qk_norm[0]) if qk_norm else None, k_norm=norm(qk_norm[1]) if qk_norm else None,
+            attn_post_norm=norm(c.d_model) if family.post_norms else None,
+            mlp_post_norm=norm(c.d_model) if family.post_norms else None,
+        ))
     embed = matrix("token_embd.weight", c.vocab_size, c.d_model, 1.0)
     unembed = embed if c.tied_embeddings else matrix("output.weight", c.vocab_size, c.d_model, std)
     return ModelWeights(embed=embed, layers=layers, final_norm=norm(c.d_model), unembed=unembed)
@@ -142,20 +171,34 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
     import gguf
 
     path = Path(path)
-    arch = config.architecture
+    c, arch = config, config.architecture
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(config.name)
-    writer.add_block_count(config.n_layers)
-    writer.add_context_length(config.n_ctx)
-    writer.add_embedding_length(config.d_model)
-    writer.add_feed_forward_length(config.d_mlp)
-    writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_key_length(config.d_head)
-    writer.add_value_length(config.d_head)
-    writer.add_rope_freq_base(config.rope_base)
-    writer.add_layer_norm_rms_eps(config.rms_eps)
-    writer.add_vocab_size(config.vocab_size)
+    writer.add_name(c.name)
+    writer.add_block_count(c.n_layers)
+    writer.add_context_length(c.n_ctx)
+    writer.add_embedding_length(c.d_model)
+    writer.add_feed_forward_length(c.d_mlp)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_key_length(c.d_head)
+    writer.add_value_length(c.d_head)
+    writer.add_rope_freq_base(c.rope_base)
+    writer.add_layer_norm_rms_eps(c.rms_eps)
+    writer.add_vocab_size(c.vocab_size)
+    if c.sliding_window:
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", list(c.sliding_layers))
+        if c.rope_base_local is not None:
+            writer.add_rope_freq_base_swa(c.rope_base_local)
+    if c.rope_scale != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_scale)
+    if c.d_rotary is not None:
+        writer.add_rope_dimension_count(c.d_rotary)
+    if c.attn_softcap:
+        writer.add_attn_logit_softcapping(c.attn_softcap)
+    if c.final_softcap:
+        writer.add_final_logit_softcapping(c.final_softcap)
     for key, value in (metadata or tokenizer_metadata()).items():
         _add_metadata(writer, key, value)
 
@@ -169,20 +212,23 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
             data = tensor.data.cpu().numpy()
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
 
-    add("token_embd.weight", weights.embed)
+    add(GLOBAL_TENSORS["embed"], weights.embed)
     for i, layer in enumerate(weights.layers):
         p = f"blk.{i}."
-        for name, value in [("attn_norm.weight", layer.attn_norm), ("attn_q.weight", layer.wq),
-                            ("attn_k.weight", layer.wk), ("attn_v.weight", layer.wv),
-                            ("attn_output.weight", layer.wo), ("attn_q.bias", layer.bq), ("attn_k.bias", layer.bk),
-                            ("attn_v.bias", layer.bv), ("attn_q_norm.weight", layer.q_norm),
-                            ("attn_k_norm.weight", layer.k_norm), ("ffn_norm.weight", layer.mlp_norm),
-                            ("ffn_gate.weight", layer.w_gate), ("ffn_up.weight", layer.w_up),
-                            ("ffn_down.weight", layer.w_down)]:
-            add(p + name, value)
-    add("output_norm.weight", weights.final_norm)
+        fused = {field: name for name, fields in c.arch.fused.items() for field in fields}
+        for name, fields in c.arch.fused.items():
+            parts = [getattr(layer, f) for f in fields]
+            if len({w.fmt.name for w in parts}) != 1:
+                raise ValueError(f"{p}{name}: its parts have different formats")
+            add(p + name, QuantTensor(torch.cat([w.data for w in parts]), parts[0].fmt,
+                                      (sum(w.shape[0] for w in parts), parts[0].shape[1])))
+        for field, name in LAYER_TENSORS.items():
+            if field not in fused:
+                add(p + name, getattr(layer, field))
+    add(GLOBAL_TENSORS["final_norm"], weights.final_norm)
     if weights.unembed is not weights.embed:
-        add("output.weight", weights.unembed)
+        add(GLOBAL_TENSORS["unembed"], weights.unembed)
+    add(GLOBAL_TENSORS["rope_freq_factors"], weights.rope_freq_factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -203,3 +249,56 @@ def _add_metadata(writer, key: str, value) -> None:
         writer.add_array(key, value)
     else:
         raise TypeError(f"cannot write metadata {key} of type {type(value).__name__}")
+
+
+# transformers' class and config of each family in ``random_hf_checkpoint`` ("mistral": llama's family with a window)
+_HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+}
+
+
+def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None = None, n_layers: int = 4,
+                         tie: bool = True, seed: int = 0, **settings):
+    """A tiny random transformers model of ``family`` saved to ``path`` (safetensors and config.json, no tokenizer);
+    returns the model. Each family's features are on where a short prompt shows them (``settings`` override any
+    config key): a sliding window of 4, alternating sliding and global layers, soft caps, a query scale other than
+    sqrt(d_head), a linear-scaled global rope of its own base, partial rotary. Norm weights are drawn away from their
+    initial values, so a wrong norm offset or a missed norm shows."""
+    import transformers
+
+    config_name, model_name = _HF_FAMILIES[family]
+    vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+    alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(n_layers)]
+    options = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+                   tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    options.update({
+        "qwen3": dict(head_dim=16),
+        "mistral": dict(sliding_window=4),
+        "gemma2": dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=24,
+                       attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        "gemma3": dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=16,
+                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
+        "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
+    }.get(family, {}))
+    options.update(settings)
+    config = getattr(transformers, config_name)(**options)
+    config._attn_implementation = "eager"  # the one that takes soft caps
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma stores w for a norm that multiplies by 1 + w
+                param.normal_(0.0 if family.startswith("gemma") else 1.0, 0.3)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return model

@@ -26,17 +26,26 @@ import json
 import numbers
 import operator
 import re
+import sys
+import threading
+import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, NoReturn
+from typing import Any, Iterable, Iterator, NoReturn
 
 import gguf
 import jinja2
+import jinja2.compiler
+import jinja2.nodes
+import jinja2.runtime
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+
+from workbench.errors import WorkbenchError
 
 TokenType = gguf.TokenType
 KEY = gguf.Keys.Tokenizer
@@ -155,7 +164,7 @@ class Tokenizer:
         if model == "gpt2":
             merges = [_split_merge(merge) for merge in _required_list(metadata, KEY.MERGES, str)]
             spec = _pre_tokenizer_spec(metadata.get(KEY.PRE))
-            backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=spec.ignore_merges))
+            backend = _bpe(vocab, merges, ignore_merges=spec.ignore_merges)
             backend.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in spec.regexes]
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -165,9 +174,8 @@ class Tokenizer:
             if len(scores) != len(texts):
                 raise ValueError(f"{KEY.SCORES} has {len(scores)} entries for {len(texts)} tokens")
             unk_id = metadata.get(KEY.UNK_ID)
-            backend = tokenizers.Tokenizer(models.BPE(
-                vocab, _merges_from_scores(texts, scores), byte_fallback=True,
-                unk_token=texts[unk_id] if unk_id is not None and 0 <= unk_id < len(texts) else None))
+            backend = _bpe(vocab, _merges_from_scores(texts, scores), byte_fallback=True,
+                           unk_token=texts[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(texts) else None)
             escape_spaces = normalizers.Replace(" ", SPACE_MARKER)
             # Normalizers run on each stretch of text between added tokens, which is exactly
             # where llama.cpp prepends its space.
@@ -201,7 +209,10 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as err:  # the Rust library raises a bare Exception on a malformed file
+            raise ValueError(f"{tokenizer_file} is not a valid tokenizer.json: {str(err)[:200]}") from None
         backend.no_padding()
         backend.no_truncation()
         tokenizer_json = json.loads(tokenizer_file.read_text(encoding="utf-8"))
@@ -211,6 +222,8 @@ class Tokenizer:
         byte_level = bool(_nodes_of_type(tokenizer_json.get("pre_tokenizer"), "ByteLevel")
                           or _nodes_of_type(tokenizer_json.get("decoder"), "ByteLevel"))
         vocab = backend.get_vocab(with_added_tokens=True)
+        if not vocab or max(vocab.values()) >= 4 * len(vocab) + 1024:  # the id table is allocated up to the largest id
+            raise ValueError(f"{tokenizer_file} has {len(vocab)} tokens with ids up to {max(vocab.values(), default=0)}")
         texts = [""] * (max(vocab.values()) + 1)
         types = [TokenType.UNUSED] * len(texts)  # ids missing from tokenizer.json render as nothing
         for text, i in vocab.items():
@@ -288,9 +301,10 @@ class Tokenizer:
         return self._check_id(token_id) in self._hidden_ids
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render the model's jinja chat template for `messages` (dicts with role and content)."""
+        """Render the model's jinja chat template for `messages` (dicts with role and content), in a sandbox with
+        limits on time and size: a template that loops or builds huge strings is refused with a ChatTemplateError."""
         if self.chat_template is None:
-            raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
+            raise ChatTemplateError("this model has no chat template (tokenizer.chat_template is missing)")
         if not isinstance(messages, list):
             raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
         for n, message in enumerate(messages):
@@ -298,16 +312,17 @@ class Tokenizer:
                 raise TypeError(f"messages[{n}] must be a dict, got {type(message).__name__}")
             if not isinstance(message.get("role"), str) or "content" not in message:
                 raise ValueError(f"messages[{n}] needs a string 'role' and a 'content'")
-        return self._compiled_chat_template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._special_text(self.bos_id),
-            eos_token=self._special_text(self.eos_id),
-        )
+        content = sum(len(str(m["content"])) for m in messages)
+        return _render_limited(self._compiled_chat_template, TEMPLATE_OUTPUT_CHARS + 4 * content,
+                               messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self._special_text(self.bos_id), eos_token=self._special_text(self.eos_id))
 
     @functools.cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
-        return _chat_template_env().from_string(self.chat_template)
+        if not isinstance(self.chat_template, str) or len(self.chat_template) > TEMPLATE_SOURCE_CHARS:
+            raise ChatTemplateError(f"the chat template is not a text of at most {TEMPLATE_SOURCE_CHARS:,} characters")
+        with _guarded(TEMPLATE_OUTPUT_CHARS, "does not compile"):
+            return _chat_template_env().from_string(self.chat_template)
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.token_text(token_id)
@@ -355,6 +370,13 @@ class StreamDecoder:
     def flush(self) -> str:
         """Text still held back at the end; an unfinished character becomes U+FFFD."""
         return self._utf8.decode(b"", final=True)
+
+
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any) -> tokenizers.Tokenizer:
+    try:
+        return tokenizers.Tokenizer(models.BPE(vocab, merges, **options))
+    except Exception as err:  # the Rust library raises a bare Exception, e.g. on a merge of an unknown token
+        raise ValueError(f"invalid BPE vocabulary: {str(err)[:200]}") from None
 
 
 def _piece_bytes(text: str, token_type: int, byte_level: bool) -> bytes:
@@ -464,18 +486,140 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
+class ChatTemplateError(WorkbenchError, ValueError):
+    """A chat template that is missing, does not compile, fails, or exceeds the limits on rendering it."""
+
+
+TEMPLATE_SOURCE_CHARS = 1 << 20  # real templates are a few KiB
+TEMPLATE_OUTPUT_CHARS = 1 << 20  # besides 4x the messages' text
+TEMPLATE_SECONDS = 5.0  # real templates render in milliseconds
+_FORMAT_WIDTH = re.compile(r"\d{7,}")  # a width or precision of millions of characters in a format string
+
+
 def _raise_template_error(message: str) -> NoReturn:
-    raise ValueError(f"chat template error: {message}")
+    raise ChatTemplateError(f"chat template error: {str(message)[:200]}")
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+class _RuntimeOnlyCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja evaluates constant expressions while compiling ({{ 'a'|center(10**9) }} would be built there, outside
+    any limit, and its errors swallowed); this compiles everything but literal text to run at render time."""
+
+    def _output_child_to_const(self, node, frame, finalize):
+        if not isinstance(node, (jinja2.nodes.TemplateData, jinja2.nodes.Const)):
+            raise jinja2.nodes.Impossible()
+        return super()._output_child_to_const(node, frame, finalize)
+
+
+class _LimitedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox (no attribute access outside the safe set, no mutation) with bounded operations: string and list
+    repetition, powers and format widths that would build huge values are refused before they are built."""
+
+    intercepted_binops = frozenset(["*", "**", "%"])
+    code_generator_class = _RuntimeOnlyCodeGenerator  # with optimized=False: nothing evaluated at compile time
+
+    def call_binop(self, context, operator, left, right):
+        limit = _limit()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > limit:
+                    raise ChatTemplateError(f"the chat template builds a value of {len(seq) * n:,} items; the limit is "
+                                            f"{limit:,}")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise ChatTemplateError(f"the chat template raises to the power {right}; refused")
+        if operator == "%" and isinstance(left, str) and _FORMAT_WIDTH.search(left):
+            raise ChatTemplateError("the chat template formats with a width of millions of characters; refused")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+        limit = _limit()
+        if any(isinstance(v, int) and abs(v) > limit for v in (*args, *kwargs.values())):
+            raise ChatTemplateError("the chat template passes a number beyond its size limit to a function; refused")
+        method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format
+        if getattr(method, "__name__", None) in ("format", "format_map") and isinstance(
+                getattr(method, "__self__", None), str) and _FORMAT_WIDTH.search(method.__self__):
+            raise ChatTemplateError("the chat template formats with a width of millions of characters; refused")
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+_render_budget = threading.local()
+
+
+def _limit() -> int:
+    return getattr(_render_budget, "chars", TEMPLATE_OUTPUT_CHARS)
+
+
+def _render_limited(template: jinja2.Template, limit: int, **variables: Any) -> str:
+    """Render with a deadline and a size limit (``_guarded``); the output is also checked as it streams."""
+    pieces, size = [], 0
+    with _guarded(limit, "failed"):
+        for piece in template.generate(**variables):
+            size += len(piece)
+            if size > limit:
+                raise ChatTemplateError(f"the chat template renders more than {limit:,} characters; refused")
+            pieces.append(piece)
+    return "".join(pieces)
+
+
+@contextmanager
+def _guarded(limit: int, failing: str) -> Iterator[None]:
+    """Run template code (rendering, or compiling, which evaluates constant filter calls) under a deadline and a size
+    limit. A tracer checks the clock on every line a template runs (a loop that emits nothing still runs lines) and
+    the sizes passed to every string join and filter, so a template can neither hang nor grow to gigabytes. Any
+    failure comes out as a ChatTemplateError."""
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+    joins = (jinja2.runtime.str_join.__code__, jinja2.runtime.markup_join.__code__)
+    refusals: list[str] = []  # kept: an error raised in a tracer also switches the tracer off, and code may catch it
+
+    def refuse(reason: str) -> NoReturn:
+        refusals.append(reason)
+        raise ChatTemplateError(reason)
+
+    def check_time() -> None:
+        if time.monotonic() > deadline:
+            refuse(f"the chat template ran longer than {TEMPLATE_SECONDS:g} s; refused")
+
+    def on_line(frame, event, arg):
+        check_time()
+        return on_line
+
+    def on_call(frame, event, arg):
+        check_time()
+        if frame.f_code in joins:
+            size = sum(len(v) for v in frame.f_locals.get("seq", ()) if isinstance(v, str))
+            if size > limit:
+                refuse(f"the chat template builds a string of {size:,} characters; the limit is {limit:,}")
+        elif frame.f_code is _tojson.__code__ or frame.f_globals.get("__name__") == "jinja2.filters":
+            values = frame.f_locals.values()
+            if any(isinstance(v, int) and abs(v) > limit for v in values) or any(
+                    isinstance(v, str) and "%" in v and _FORMAT_WIDTH.search(v) for v in values):
+                refuse("the chat template passes a size beyond its limit to a filter; refused")
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    _render_budget.chars = limit
+    sys.settrace(on_call)
+    try:
+        yield
+        if refusals:
+            raise ChatTemplateError(refusals[0])
+    except ChatTemplateError:
+        raise
+    except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as err:
+        raise ChatTemplateError(f"the chat template {failing}: {type(err).__name__}: {str(err)[:200]}") from None
+    finally:
+        sys.settrace(previous)
+        del _render_budget.chars
+
+
 @functools.cache
 def _chat_template_env() -> ImmutableSandboxedEnvironment:
     # Same settings as transformers' apply_chat_template, which the templates are written for.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                          optimized=False)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

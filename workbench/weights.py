@@ -15,20 +15,22 @@ STACKS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor  # float32 [d_model]
+    attn_norm: torch.Tensor | None  # float32 [d_model]; None where a family has no norm before attention (OLMo 2)
     wq: QuantTensor  # [n_heads * d_head, d_model]
     wk: QuantTensor  # [n_kv_heads * d_head, d_model]
     wv: QuantTensor
     wo: QuantTensor  # [d_model, n_heads * d_head]
-    mlp_norm: torch.Tensor
+    mlp_norm: torch.Tensor | None
     w_gate: QuantTensor  # [d_mlp, d_model]
     w_up: QuantTensor
     w_down: QuantTensor  # [d_model, d_mlp]
     bq: torch.Tensor | None = None  # Qwen2 projection biases
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # Qwen3 per-head RMSNorm weights [d_head]
+    q_norm: torch.Tensor | None = None  # q/k RMSNorm weights: [d_head] per head (Qwen3, Gemma 3), or whole (OLMo 2)
     k_norm: torch.Tensor | None = None
+    attn_post_norm: torch.Tensor | None = None  # norms of attention's and the MLP's outputs (Gemma 2/3, OLMo 2)
+    mlp_post_norm: torch.Tensor | None = None
     # After ``fuse_projections``: wq/wk/wv (and w_gate/w_up) as row ranges of one matrix, one matmul each.
     wqkv: QuantTensor | None = None
     w_gate_up: QuantTensor | None = None

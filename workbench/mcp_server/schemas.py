@@ -296,6 +296,8 @@ class DatasetInfo(BaseModel):
 
 class DatasetList(BaseModel):
     datasets: list[DatasetInfo]
+    skipped: list[str] = Field(default=[], description="files in the artifacts folder that are not readable "
+                                                       "datasets, each with the reason")
 
 
 class ProbeInfo(BaseModel):
@@ -342,7 +344,7 @@ class VectorInfo(BaseModel):
     vector_id: str
     point: str
     layers: list[int]
-    norms: list[float] = Field(description="norm of the direction at each layer")
+    norms: list[float | None] = Field(description="norm of the direction at each layer (null if not finite)")
     source: str
     hooks: list[str]
 

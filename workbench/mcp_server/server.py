@@ -13,7 +13,7 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, clip
 from workbench.kernels import numerics
 from workbench.mcp_server.state import Limits
 from workbench.mcp_server.tools import TOOLS, Call, Workbench
@@ -28,6 +28,7 @@ Objects live in this session only and are released when it ends."""
 SESSION_HEADER = "mcp-session-id"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SWEEP_SECONDS = 60.0
+MAX_ERROR_CHARS = 2000  # an error message never carries a request's bulk back
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments
             cancelled.set()
             raise
         except (WorkbenchError, ValueError) as err:  # the user's mistake: its message goes back as the tool error
-            raise ToolError(str(err)) from err
+            raise ToolError(clip(str(err), MAX_ERROR_CHARS)) from err
+        except Exception as err:  # a bug, not the user's mistake: still one line with a reason, the traceback logged
+            logger.exception("tool %s failed", getattr(method, "__name__", method))
+            raise ToolError(f"internal error ({type(err).__name__}): {clip(str(err), 200)}") from err
 
 
 def _publish(server: MCPServer, bench: Workbench, name: str) -> None:

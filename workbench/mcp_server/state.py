@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.hooks import Trace
 from workbench.kv_cache import KVCache
 
@@ -74,7 +74,7 @@ class Session:
         if entry is None or entry.kind != kind:
             held = [i for i, e in self.entries.items() if e.kind == kind]
             listing = ", ".join(held[-5:]) if held else "none"
-            raise WorkbenchError(f"unknown {kind} id {object_id!r}; this session holds: {listing}")
+            raise WorkbenchError(f"unknown {kind} id {shorten(object_id)}; this session holds: {listing}")
         return entry
 
     def get(self, kind: str, object_id: str) -> Any:
@@ -83,7 +83,7 @@ class Session:
     def release(self, object_id: str) -> Entry:
         entry = self.entries.pop(object_id, None)
         if entry is None:
-            raise WorkbenchError(f"unknown id {object_id!r}")
+            raise WorkbenchError(f"unknown id {shorten(object_id)}")
         return entry
 
     def of_kind(self, kind: str) -> dict[str, Entry]:
@@ -159,23 +159,23 @@ class Artifacts:
     def path(self, relative: str, must_exist: bool = False) -> Path:
         """The absolute path of ``relative`` inside the folder (absolute paths must already point inside it)."""
         if not isinstance(relative, str) or not relative.strip() or "\x00" in relative:
-            raise WorkbenchError(f"a path must be a non-empty string, got {relative!r}")
+            raise WorkbenchError(f"a path must be a non-empty string, got {shorten(relative)}")
         candidate = Path(relative).expanduser()
         if not candidate.is_absolute():
             candidate = self.root / candidate
         # resolve() follows symlinks, so a link inside the folder that points out of it is refused too
         resolved = candidate.resolve()
         if resolved != self.root and not resolved.is_relative_to(self.root):
-            raise WorkbenchError(f"path {relative!r} is outside the artifacts folder {self.root}; refused")
+            raise WorkbenchError(f"path {shorten(relative)} is outside the artifacts folder {self.root}; refused")
         if must_exist and not resolved.is_file():
-            raise WorkbenchError(f"no file {relative!r} in the artifacts folder {self.root}")
+            raise WorkbenchError(f"no file {shorten(relative)} in the artifacts folder {self.root}")
         return resolved
 
     def target(self, relative: str) -> Path:
         """Where to write ``relative`` (its parent folders created); never the folder itself."""
         path = self.path(relative)
         if path == self.root:
-            raise WorkbenchError(f"{relative!r} is the artifacts folder itself; give a name inside it")
+            raise WorkbenchError(f"{shorten(relative)} is the artifacts folder itself; give a name inside it")
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 

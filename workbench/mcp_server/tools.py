@@ -17,7 +17,7 @@ from pydantic import Field
 
 import workbench
 from workbench import hooks, probes, results
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, clip, shorten
 from workbench.hooks.points import axes, head_count
 from workbench.kernels import get_numerics
 from workbench.kernels.linear import Numerics
@@ -93,6 +93,17 @@ def _compact(spec: Any) -> Any:
     return spec
 
 
+def _donor_prompts(spec: Any) -> list[Any]:
+    """The prompts an intervention spec would run as donors (a patch's donor, a resample's donors)."""
+    if not isinstance(spec, dict):
+        return []
+    donors = list(spec["donors"]) if isinstance(spec.get("donors"), (list, tuple)) else []
+    donor = spec.get("donor")
+    if isinstance(donor, (str, list)):
+        donors.append(donor)
+    return [d for d in donors if isinstance(d, (str, list))]
+
+
 def _is_ref(value: Any) -> bool:
     return isinstance(value, dict) and set(value) == {"id"}
 
@@ -121,7 +132,14 @@ class Workbench:
     def model(self, call: Call) -> Any:
         return self.models.get(call.session.model_name)
 
-    def _ids(self, model: Any, prompt: str, chat: bool = False) -> list[int]:
+    def _ids(self, model: Any, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str) and len(prompt) > 64 * self.limits.max_prompt_tokens:
+            # no token is this long on average: refused before a huge text is tokenized (or templated)
+            raise WorkbenchError(f"the prompt has {len(prompt):,} characters; this server takes at most "
+                                 f"{self.limits.max_prompt_tokens} tokens")
+        if isinstance(prompt, list) and len(prompt) > self.limits.max_prompt_tokens:
+            raise WorkbenchError(f"the prompt has {len(prompt)} tokens; this server takes at most "
+                                 f"{self.limits.max_prompt_tokens}")
         ids = model.to_ids(prompt, chat=chat)
         if len(ids) > self.limits.max_prompt_tokens:
             raise WorkbenchError(f"the prompt has {len(ids)} tokens; this server takes at most "
@@ -151,10 +169,29 @@ class Workbench:
                                  f"the limit is {self.limits.max_record_values:,} (record fewer points)")
         return names
 
+    def _check_cost(self, model: Any, prompts: Iterable[str | list[int]] = (), chat: bool = False,
+                    specs: Iterable[Any] = (), new_tokens: int | None = None) -> list[list[int]]:
+        """The one check of what a request would cost before anything runs: each prompt's tokens, every intervention
+        (the leaves of nested composites counted, their nesting bounded), the donor prompts they would run (counted
+        and each measured like a prompt) and the tokens to generate. Returns the prompts' ids. Every tool that runs
+        a forward passes here, replays of saved traces included."""
+        ids = [self._ids(model, prompt, chat) for prompt in prompts]
+        leaves = [leaf for spec in specs for leaf in hooks.spec_leaves(spec)]
+        if len(leaves) > self.limits.max_interventions:
+            raise WorkbenchError(f"{len(leaves)} interventions (composite parts counted); the limit is "
+                                 f"{self.limits.max_interventions}")
+        donors = [donor for leaf in leaves for donor in _donor_prompts(leaf)]
+        if len(donors) > self.limits.max_batch:
+            raise WorkbenchError(f"{len(donors)} donor prompts; the limit is {self.limits.max_batch}")
+        for donor in donors:
+            self._ids(model, donor)
+        if new_tokens is not None:
+            self._check_count("max_new_tokens", new_tokens, self.limits.max_new_tokens)
+        return ids
+
     def _interventions(self, call: Call, specs: list[dict[str, Any]]) -> list[hooks.Intervention]:
         """Intervention objects from JSON specs, with {'id': ...} references to server-side objects resolved."""
-        if len(specs) > self.limits.max_interventions:
-            raise WorkbenchError(f"{len(specs)} interventions; the limit is {self.limits.max_interventions}")
+        self._check_cost(self.model(call), specs=specs)
         return [i for spec in specs for i in self._expand(call, spec)]
 
     def _expand(self, call: Call, spec: Any) -> list[hooks.Intervention]:
@@ -167,9 +204,6 @@ class Workbench:
             spec["parts"] = [i for part in spec["parts"] for i in self._expand(call, part)]
         if _is_ref(spec.get("donor")):
             spec["donor"] = call.session.get("trace", spec["donor"]["id"])
-        donors = spec.get("donors")
-        if isinstance(donors, list) and len(donors) > self.limits.max_batch:
-            raise WorkbenchError(f"{len(donors)} donor prompts; the limit is {self.limits.max_batch}")
         if _is_ref(spec.get("vector")):
             vector = call.session.get("vector", spec["vector"]["id"])
             if "hook" not in spec:
@@ -177,7 +211,7 @@ class Workbench:
             layer = next((layer for layer in vector.layers if vector.hook(layer) == spec["hook"]), None)
             if layer is None:
                 raise WorkbenchError(f"vector {spec['vector']['id']} has directions at "
-                                     f"{[vector.hook(layer) for layer in vector.layers]}, not {spec['hook']!r}")
+                                     f"{[vector.hook(layer) for layer in vector.layers]}, not {shorten(spec['hook'])}")
             spec["vector"] = vector.directions[layer]
         return [hooks.from_spec(spec)]
 
@@ -185,10 +219,11 @@ class Workbench:
              interventions: list[hooks.Intervention] = ()) -> tuple[str, hooks.Trace]:
         """One forward through Model.run; the trace is kept in the session and its id returned."""
         model = self.model(call)
-        ids = self._ids(model, prompt, chat)
+        ids = self._check_cost(model, [prompt], chat)[0]
         names = self._record_names(model, list(record), len(ids))
         call.check()
-        trace = model.run(prompt, record=names, interventions=interventions, chat=chat)
+        trace = model.run(ids, record=names, interventions=interventions, chat=chat)
+        trace.prompt = prompt  # run as ids (templated and checked once); the trace keeps the text
         return call.session.put("trace", trace), trace
 
     def _summaries(self, trace: hooks.Trace) -> list[s.ActivationSummary]:
@@ -251,7 +286,7 @@ class Workbench:
         else:
             file = self.artifacts.path(path)
             if not file.exists():
-                raise WorkbenchError(f"no model {path!r} in the artifacts folder {self.artifacts.root}")
+                raise WorkbenchError(f"no model {shorten(path)} in the artifacts folder {self.artifacts.root}")
             name = self.artifacts.relative(file) + (f"@{quantize}" if quantize else "")
         in_use = self.sessions.models_in_use(besides=call.session)
         self.models.load(name, file, in_use, quantize, replaces=call.session.model_name)
@@ -328,7 +363,7 @@ class Workbench:
         model = self.model(call)
         self._check_count("top_k", top_k, self.limits.max_top_k)
         self._check_count("prompts", len(prompts), self.limits.max_batch)
-        ids = [self._ids(model, prompt, chat) for prompt in prompts]  # run as ids: templated and checked once
+        ids = self._check_cost(model, prompts, chat)  # run as ids: templated and checked once
         edits = self._interventions(call, interventions)
         call.check()
         traces = model.run_batch(ids, interventions=edits, logits="last", progress=lambda done, total: call.check())
@@ -345,7 +380,7 @@ class Workbench:
         """A slice of a recorded activation (size-bounded): positions x heads x a range of the last axis."""
         trace = call.session.get("trace", trace_id)
         if hook not in trace.activations:
-            raise WorkbenchError(f"trace {trace_id} did not record {hook!r}; it recorded: "
+            raise WorkbenchError(f"trace {trace_id} did not record {shorten(hook)}; it recorded: "
                                  f"{', '.join(trace.activations) or 'nothing (run with record=[...])'}")
         act, ax = trace.activations[hook], axes(hook)
         n_tokens = act.shape[ax.token]
@@ -500,7 +535,7 @@ class Workbench:
                 region.pop("hook")
                 spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
         else:
-            raise WorkbenchError(f"method must be 'zero', 'mean' or 'resample', got {method!r}")
+            raise WorkbenchError(f"method must be 'zero', 'mean' or 'resample', got {shorten(method)}")
         return self._compare(call, prompt, [spec], chat, top_k, targets)
 
     @tool
@@ -549,9 +584,9 @@ class Workbench:
                  chat: Chat = False) -> s.Generation:
         """Generate a continuation, with interventions acting at every step when given."""
         model = self.model(call)
-        self._ids(model, prompt, chat)
-        return self._generate(call, model, prompt, max_new_tokens, interventions,
-                              dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chat=chat))
+        ids = self._check_cost(model, [prompt], chat, new_tokens=max_new_tokens)[0]
+        return self._generate(call, model, ids, max_new_tokens, interventions,
+                              dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
 
     @tool
     def generate_batch(self, call: Call, prompts: Prompts, max_new_tokens: MaxNew = 32, interventions: Specs = [],
@@ -560,8 +595,8 @@ class Workbench:
         interventions act on each, positions counted per prompt)."""
         model = self.model(call)
         self._check_count("prompts", len(prompts), self.limits.max_batch)
-        self._check_count("max_new_tokens", max_new_tokens, self.limits.max_new_tokens)
-        prompt_ids = [self._ids(model, prompt, chat) for prompt in prompts]  # run as ids: templated and checked once
+        # run as ids: templated and checked once
+        prompt_ids = self._check_cost(model, prompts, chat, new_tokens=max_new_tokens)
         edits = self._interventions(call, interventions)
         ids: list[list[int]] = [[] for _ in prompts]
         pieces: list[list[str]] = [[] for _ in prompts]
@@ -575,9 +610,9 @@ class Workbench:
             s.Generation(text="".join(p), ids=i, tokens=model.token_texts(i), stopped=bool(i) and i[-1] in stop)
             for i, p in zip(ids, pieces)])
 
-    def _generate(self, call: Call, model: Any, prompt: str, max_new_tokens: int, specs: list[dict[str, Any]],
+    def _generate(self, call: Call, model: Any, prompt: list[int], max_new_tokens: int, specs: list[dict[str, Any]],
                   sampling: dict[str, Any], cache: Any = None) -> s.Generation:
-        self._check_count("max_new_tokens", max_new_tokens, self.limits.max_new_tokens)
+        self._check_cost(model, new_tokens=max_new_tokens)
         interventions = self._interventions(call, specs)
         ids, pieces = [], []
         for token, text in model.stream(prompt, max_new_tokens, interventions=interventions, cache=cache,
@@ -771,7 +806,7 @@ class Workbench:
     def _vector_info(self, vector_id: str, vector: Any) -> s.VectorInfo:
         norms = vector.norms()
         return s.VectorInfo(vector_id=vector_id, point=vector.point, layers=vector.layers,
-                            norms=[norms[layer] for layer in vector.layers], source=vector.source,
+                            norms=_finite_or_none(norms[layer] for layer in vector.layers), source=vector.source,
                             hooks=[vector.hook(layer) for layer in vector.layers])
 
     # --------------------------------------------------------------------------------------- adapters
@@ -846,9 +881,15 @@ class Workbench:
     def list_datasets(self, call: Call) -> s.DatasetList:
         """Labelled prompt sets: the shipped ones and .jsonl files in the artifacts folder."""
         named = {name: probes.load_dataset(name) for name in probes.list_datasets()}
-        named.update({name: probes.load_dataset(self.artifacts.path(name)) for name in self.artifacts.files("*.jsonl")})
+        skipped = []
+        for name in self.artifacts.files("*.jsonl"):
+            try:  # one malformed file is reported, and the others still listed
+                named[name] = probes.load_dataset(self.artifacts.path(name))
+            except WorkbenchError as err:
+                skipped.append(f"{name}: {clip(str(err), 160)}")
         return s.DatasetList(datasets=[s.DatasetInfo(name=name, kind=d.kind, n_prompts=len(d.prompts),
-                                                     description=d.description) for name, d in named.items()])
+                                                     description=d.description) for name, d in named.items()],
+                             skipped=skipped)
 
     @tool
     def probe_train(self, call: Call, dataset: Dataset, hook: Hook,
@@ -956,7 +997,7 @@ class Workbench:
                    path: Annotated[str, Field(description="a saved artifact, relative to the artifacts folder")]
                    ) -> s.TraceSummary:
         """Load a saved trace artifact (every hash verified) into this session."""
-        trace = hooks.load_trace(self.artifacts.path(path))
+        trace = hooks.load_trace(self.artifacts.path(path), max_bytes=self.limits.max_session_bytes)
         trace_id = call.session.put("trace", trace, path=path)
         return self.trace_summary(call, trace_id)
 
@@ -966,7 +1007,12 @@ class Workbench:
                                                               "model")] = False) -> s.Replay:
         """Re-run a trace's prompt and interventions on this session's model and compare every tensor with it."""
         trace = call.session.get("trace", trace_id)
-        report = replay(trace, self.model(call), force=force)
+        model = self.model(call)
+        # a saved trace may say anything: its replay is held to the limits of a direct call
+        ids = self._check_cost(model, [trace.prompt], trace.chat, trace.interventions)[0]
+        self._record_names(model, list(trace.activations), len(ids))
+        call.check()
+        report = replay(trace, model, force=force)
         deviation = report.max_abs_deviation
         return s.Replay(trace_id=trace_id, verdict=report.verdict, worst_tensor=report.worst_tensor,
                         max_abs_deviation=deviation if deviation is None or math.isfinite(deviation) else None,
@@ -989,7 +1035,7 @@ class Workbench:
         """Free server-side objects of this session."""
         unknown = [i for i in ids if i not in call.session.entries]
         if unknown:
-            raise WorkbenchError(f"unknown ids {unknown}; nothing released")
+            raise WorkbenchError(f"unknown ids {shorten(unknown)}; nothing released")
         for object_id in ids:
             call.session.release(object_id)
         return s.Released(released=ids)

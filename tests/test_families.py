@@ -1,0 +1,134 @@
+"""Every model family against transformers on tiny random checkpoints, and the hook invariants on each.
+
+The checkpoints switch each family's features on where a short prompt shows them: a sliding window of 4 on
+alternating layers, soft caps, a local rope base, linear rope scaling, partial rotary, a query scale other than
+sqrt(d_head).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench
+from workbench import hooks
+from workbench.errors import ModelLoadError
+from workbench.synthetic import random_hf_checkpoint, write_gguf
+
+from test_loading import write_hf_tokenizer
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]
+IDS = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "phi3", "olmo2"])
+def test_hf_checkpoint_matches_transformers(family, tmp_path):
+    reference = random_hf_checkpoint(family, tmp_path)
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert ours.config.architecture == ("llama" if family == "mistral" else family)
+    if family in ("mistral", "gemma2", "gemma3"):
+        assert ours.config.sliding_window == 4
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    got = ours.forward(IDS)
+    assert (got - expected).abs().max().item() < 1e-4
+    # decoding through the cache, one token at a time past the window, gives the same logits
+    cache = ours.new_cache()
+    stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
+    assert (stepped - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_round_trip(family, tmp_path, tiny_checkpoint, tiny_model):
+    """Written as llama.cpp's converter stores the family (fused tensors, norm names, metadata keys), a model loads
+    back to the same config and the same logits."""
+    checkpoint = tiny_checkpoint(family, "Q8_0", seed=2)
+    path = write_gguf(tmp_path / f"{family}.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
+    loaded = workbench.load(path, device="cpu")
+    assert loaded.config == checkpoint.config
+    assert torch.equal(loaded.forward(IDS), tiny_model(family, "Q8_0", seed=2, device="cpu").forward(IDS))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hook_invariants(family, tiny_model):
+    """On every family: recording every hook point changes no bit; a zero steer on every point and a self-patch of
+    every point are identities; every point the forward reaches is listed with its shape."""
+    model = tiny_model(family, "Q8_0", seed=1, device="cpu")
+    plain = model.forward(IDS)
+    trace = model.run(IDS, record=["*"])
+    assert torch.equal(trace.logits, plain)
+    shapes = model.hook_points()
+    assert set(trace.activations) == set(shapes) - {n for n in shapes if n.endswith("attn.hook_result")} | {
+        n for n in trace.activations if n.endswith("attn.hook_result")}
+    for name, activation in trace.activations.items():
+        expected = shapes[name].strip("[]").split(", ")
+        assert len(expected) == activation.dim(), name
+    steers = [hooks.Steer(name, torch.zeros(activation.shape[-1]), scale=1.0)
+              for name, activation in trace.activations.items()
+              if hooks.points.feature_size(name, model.config) == activation.shape[-1]]
+    assert torch.equal(model.forward(IDS, interventions=steers), plain)
+    patch = hooks.Patch("*", donor=trace)
+    assert torch.equal(model.forward(IDS, interventions=[patch]), plain)
+
+
+def test_sliding_window_masks_by_position(tiny_model):
+    """On a sliding layer a token attends to the last ``window`` positions only (its pattern is zero before), also
+    after cache surgery, where the kept slots keep their positions."""
+    model = tiny_model("gemma2", "Q8_0", device="cpu")
+    window = model.config.sliding_window
+    sliding = [i for i in range(model.config.n_layers) if model.config.is_sliding(i)]
+    pattern = model.run(IDS, record=[f"blocks.{sliding[0]}.attn.hook_pattern"]).activations[
+        f"blocks.{sliding[0]}.attn.hook_pattern"]
+    for t in range(len(IDS)):
+        first = max(0, t - window + 1)
+        assert (pattern[:, t, :first] == 0).all() and (pattern[:, t, first: t + 1] > 0).all()
+    # surgery: with slots 6 and 7 deleted, the next token (position len(IDS)) sees the kept slots within the window
+    cache = model.new_cache()
+    model.forward(IDS, cache=cache)
+    cache.delete_positions([6, 7])
+    seen = []
+    model.forward([42], cache=cache, interventions=[(f"blocks.{sliding[0]}.attn.hook_pattern",
+                                                     lambda x, ctx: seen.append(x[:, 0]))])
+    kept_positions = [p for p in range(len(IDS)) if p not in (6, 7)] + [len(IDS)]
+    visible = torch.tensor([len(IDS) - p < window for p in kept_positions])
+    assert (seen[0][:, ~visible] == 0).all() and (seen[0][:, visible] > 0).all()
+
+
+def test_unsupported_family_names_the_supported_ones(tmp_path, tiny_checkpoint):
+    import gguf
+
+    path = tmp_path / "bloom.gguf"
+    writer = gguf.GGUFWriter(str(path), "bloom")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'bloom'; supported: .*gemma2.*olmo2"):
+        workbench.load(path, device="cpu")
+
+
+@pytest.mark.parametrize("family, missing", [("gemma2", "blk.1.post_ffw_norm.weight"),
+                                             ("phi3", "blk.0.attn_qkv.weight"),
+                                             ("olmo2", "blk.0.attn_k_norm.weight")])
+def test_missing_family_tensor_names_it(family, missing, tmp_path, tiny_checkpoint, monkeypatch):
+    from workbench import loading
+
+    checkpoint = tiny_checkpoint(family, "Q8_0")
+    path = write_gguf(tmp_path / "model.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
+    read = loading._read_gguf
+
+    def without_tensor(path):
+        metadata, tensors = read(path)
+        assert missing in tensors
+        return metadata, {name: t for name, t in tensors.items() if name != missing}
+
+    monkeypatch.setattr(loading, "_read_gguf", without_tensor)
+    with pytest.raises(ModelLoadError, match=f"tensor {missing} is missing"):
+        workbench.load(path, device="cpu")
+
+
+def test_info_names_the_family_features(tiny_model):
+    info = tiny_model("gemma2", "Q8_0", device="cpu").info()
+    assert "attention-logit and final-logit soft-capping" in info["family"]["features"]
+    assert info["family"]["sliding_window"] == 4

@@ -1,0 +1,256 @@
+"""Every MCP limit on every path into a forward: direct calls, nested composite specs, donors, batches and replays of
+saved traces (whose manifests may say anything), plus the artifacts folder against planted links and bad files.
+The tools are called as the server calls them (a session and a cancel flag), on a tiny model with small limits."""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import anyio
+import pytest
+
+from workbench.errors import WorkbenchError
+from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE, manifest_sha256
+from workbench.mcp_server import Limits, Workbench
+from workbench.mcp_server.server import call_in_thread
+from workbench.mcp_server.tools import Call
+from mcp.server.mcpserver.exceptions import ToolError
+
+LIMITS = Limits(max_prompt_tokens=12, max_batch=3, max_new_tokens=4, max_interventions=4,
+                max_record_values=4000)
+PROMPT = "the cat is on"
+ZERO = {"type": "zero_ablate", "hook": "blocks.0.hook_resid_post"}
+
+
+def composite(n_leaves: int, depth: int = 1) -> dict:
+    spec: dict = {"type": "composite", "parts": [dict(ZERO) for _ in range(n_leaves)]}
+    for _ in range(depth - 1):
+        spec = {"type": "composite", "parts": [spec]}
+    return spec
+
+
+@pytest.fixture()
+def bench(tiny_model, tmp_path):
+    return Workbench(tiny_model("llama", seed=5), tmp_path / "artifacts", LIMITS, model_name="tiny")
+
+
+@pytest.fixture()
+def call(bench):
+    with bench.sessions.using("test") as session:
+        yield Call(session, threading.Event())
+
+
+def refused(fn, *args, match: str, **kwargs) -> str:
+    with pytest.raises(WorkbenchError, match=match) as err:
+        fn(*args, **kwargs)
+    return str(err.value)
+
+
+LONG = "the cat " * 20  # more than 12 tokens
+
+
+def forward_tools(bench, call, specs, prompt=PROMPT):
+    """Each tool that runs a forward with interventions, as (name, thunk)."""
+    return [
+        ("run_with_interventions", lambda: bench.run_with_interventions(call, prompt=prompt, interventions=specs)),
+        ("run_batch", lambda: bench.run_batch(call, prompts=[prompt, prompt], interventions=specs)),
+        ("generate", lambda: bench.generate(call, prompt=prompt, max_new_tokens=2, interventions=specs)),
+        ("generate_batch", lambda: bench.generate_batch(call, prompts=[prompt], max_new_tokens=2,
+                                                        interventions=specs)),
+        ("kv_generate", lambda: bench.kv_generate(call, bench.kv_create(call, prompt="the").cache_id, prompt=prompt,
+                                                  max_new_tokens=2, interventions=specs)),
+    ]
+
+
+def test_composite_leaves_count_against_the_cap_on_every_tool(bench, call):
+    for name, run in forward_tools(bench, call, [composite(5)]):
+        assert "5 interventions (composite parts counted); the limit is 4" in refused(run, match="limit"), name
+    for name, run in forward_tools(bench, call, [composite(2), composite(2, depth=3), ZERO]):
+        assert "5 interventions" in refused(run, match="limit"), name
+    for name, run in forward_tools(bench, call, [composite(2), composite(1, depth=3)]):
+        run()  # 3 leaves: within the cap, nested or not
+
+
+def test_nesting_depth_is_bounded_on_every_tool(bench, call):
+    for name, run in forward_tools(bench, call, [composite(1, depth=10)]):
+        assert refused(run, match="nest more than 8 deep"), name
+    deep = {"type": "zero_ablate", "hook": "hook_embed"}
+    for _ in range(3000):  # deeper than Python's recursion limit: refused, not a RecursionError
+        deep = {"type": "composite", "parts": [deep]}
+    for name, run in forward_tools(bench, call, [deep]):
+        assert refused(run, match="nest more than"), name
+
+
+def test_donor_prompts_are_counted_and_measured_on_every_tool(bench, call):
+    many = {"type": "resample_ablate", "hook": "blocks.0.hook_resid_post", "donors": [PROMPT] * 4}
+    for name, run in forward_tools(bench, call, [many]):
+        assert refused(run, match="4 donor prompts; the limit is 3"), name
+    hidden = composite(0)
+    hidden["parts"] = [{"type": "resample_ablate", "hook": "blocks.0.hook_resid_post", "donors": [PROMPT] * 2},
+                       {"type": "resample_ablate", "hook": "blocks.1.hook_resid_post", "donors": [PROMPT] * 2}]
+    for name, run in forward_tools(bench, call, [hidden]):
+        assert refused(run, match="4 donor prompts"), name
+    long_donor = {"type": "patch", "hook": "blocks.0.hook_resid_post", "donor": LONG}
+    for name, run in forward_tools(bench, call, [{"type": "composite", "parts": [long_donor]}]):
+        assert refused(run, match="takes at most 12"), name
+    assert refused(bench.ablate, call, prompt=PROMPT, hook="blocks.0.hook_resid_post", method="mean",
+                   reference_prompts=[LONG], match="takes at most 12")
+
+
+def test_prompt_and_generation_limits_on_every_tool(bench, call):
+    for name, run in forward_tools(bench, call, [], prompt=LONG):
+        assert refused(run, match="at most 12|between 1 and 12"), name
+    huge = "x" * 10_000_000  # refused by its length before it is tokenized
+    assert "characters" in refused(bench.run, call, prompt=huge, match="at most 12")
+    assert refused(bench.tokenize, call, text=huge, match="characters")
+    for name, run in [
+        ("generate", lambda: bench.generate(call, prompt=PROMPT, max_new_tokens=5)),
+        ("generate_batch", lambda: bench.generate_batch(call, prompts=[PROMPT], max_new_tokens=5)),
+        ("kv_generate", lambda: bench.kv_generate(call, bench.kv_create(call, prompt="the").cache_id, prompt="cat",
+                                                  max_new_tokens=5)),
+    ]:
+        assert refused(run, match="max_new_tokens must be between 1 and 4"), name
+    assert refused(bench.run_batch, call, prompts=[PROMPT] * 4, match="prompts must be between 1 and 3")
+    assert refused(bench.generate_batch, call, prompts=[PROMPT] * 4, match="prompts must be between 1 and 3")
+    assert refused(bench.probe_apply, call, probe_id="probe-x", prompts=[PROMPT], match="unknown probe id")
+    assert refused(bench.logit_lens, call, prompt=LONG, match="at most 12")
+    assert refused(bench.track_token, call, prompt=LONG, tokens=["a"], match="at most 12")
+    assert refused(bench.attention_pattern, call, prompt=LONG, layer=0, match="at most 12")
+    assert refused(bench.patching_sweep, call, clean=LONG, corrupt=LONG, match="at most 12")
+
+
+def saved_trace(bench, call, name="saved", specs=(), prompt=PROMPT, record=()):
+    out = bench.run_with_interventions(call, prompt=prompt, interventions=list(specs), record=list(record)) \
+        if specs else bench.run(call, prompt=prompt, record=list(record))
+    bench.save_trace(call, trace_id=out.trace_id, path=name)
+    return bench.artifacts.root / name
+
+
+def forge(path, edit) -> None:
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    edit(manifest)
+    manifest["manifest_sha256"] = manifest_sha256(manifest)
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_a_replayed_trace_is_held_to_the_limits_of_a_direct_call(bench, call):
+    path = saved_trace(bench, call, specs=[ZERO], record=["blocks.0.hook_resid_post"])
+    loaded = bench.load_trace(call, path="saved")
+    assert bench.replay_trace(call, trace_id=loaded.trace_id).verdict == "identical"
+    forge(path, lambda m: m.update(prompt=LONG))
+    long_prompt = bench.load_trace(call, path="saved").trace_id
+    assert refused(bench.replay_trace, call, trace_id=long_prompt, match="takes at most 12")
+    forge(path, lambda m: m.update(prompt=PROMPT, interventions=[ZERO] * 5))
+    assert refused(bench.replay_trace, call, trace_id=bench.load_trace(call, path="saved").trace_id,
+                   match="5 interventions")
+    forge(path, lambda m: m.update(interventions=[composite(100)]))
+    assert refused(bench.replay_trace, call, trace_id=bench.load_trace(call, path="saved").trace_id,
+                   match="100 interventions")
+    forge(path, lambda m: m.update(interventions=[composite(1, depth=12)]))
+    assert refused(bench.replay_trace, call, trace_id=bench.load_trace(call, path="saved").trace_id,
+                   match="nest more than")
+    forge(path, lambda m: m.update(interventions=[{"type": "resample_ablate", "hook": "blocks.0.hook_resid_post",
+                                                   "donors": [LONG]}]))
+    assert refused(bench.replay_trace, call, trace_id=bench.load_trace(call, path="saved").trace_id,
+                   match="takes at most 12")
+
+
+def test_a_replayed_trace_cannot_record_past_the_limit(bench, call):
+    path = saved_trace(bench, call, record=["blocks.0.hook_resid_post"])
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    # a consistent artifact that claims every point: its replay would record far more than a run may
+    from safetensors.torch import load_file, save_file
+    import hashlib
+    import torch
+    from workbench.hooks.trace import tensor_sha256
+
+    tensors = load_file(str(path / TENSORS_FILE))
+    for layer in range(bench.model(call).config.n_layers):
+        for point in ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "mlp.hook_post", "mlp.hook_pre"):
+            name = f"activations.blocks.{layer}.{point}"
+            width = bench.model(call).config.d_mlp if "mlp" in point else bench.model(call).config.d_model
+            tensors[name] = torch.zeros(len(manifest["ids"]), width)
+    save_file(tensors, str(path / TENSORS_FILE))
+    data = (path / TENSORS_FILE).read_bytes()
+    forge(path, lambda m: m.update(
+        tensors={k: {"dtype": "float32", "shape": list(t.shape), "sha256": tensor_sha256(t)} for k, t in tensors.items()},
+        tensors_file={"name": TENSORS_FILE, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    trace_id = bench.load_trace(call, path="saved").trace_id
+    assert refused(bench.replay_trace, call, trace_id=trace_id, match="record fewer points")
+
+
+def test_replay_never_loads_a_model_named_by_the_manifest(bench, call, tmp_path, monkeypatch):
+    path = saved_trace(bench, call)
+    forge(path, lambda m: m["fingerprint"].update(path=str(tmp_path / "elsewhere.gguf")))
+    monkeypatch.setattr(sys.modules["workbench.replay"], "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    out = bench.replay_trace(call, trace_id=bench.load_trace(call, path="saved").trace_id)
+    assert out.verdict == "identical"  # on the session's model, whatever path the manifest names
+
+
+def test_artifact_writes_and_reads_stay_in_the_folder(bench, call, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.json"
+    victim.write_text("keep")
+    trace_id = bench.run(call, prompt=PROMPT).trace_id
+    folder = bench.artifacts.root / "planted"
+    folder.mkdir(parents=True)
+    (folder / MANIFEST_FILE).symlink_to(victim)
+    assert refused(bench.save_trace, call, trace_id=trace_id, path="planted", match="symbolic link")
+    assert victim.read_text() == "keep"
+    saved_trace(bench, call, name="good")
+    (bench.artifacts.root / "good" / TENSORS_FILE).rename(outside / TENSORS_FILE)
+    (bench.artifacts.root / "good" / TENSORS_FILE).symlink_to(outside / TENSORS_FILE)
+    assert refused(bench.load_trace, call, path="good", match="symbolic link")
+
+
+def test_list_datasets_skips_a_malformed_file_and_says_so(bench, call):
+    root = bench.artifacts.root
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "good.jsonl").write_text("\n".join(json.dumps({"text": f"t{i}", "label": "ab"[i % 2]}) for i in range(4)))
+    (root / "bad.jsonl").write_text("{not json\n")
+    listing = bench.list_datasets(call)
+    assert "good.jsonl" in [d.name for d in listing.datasets]
+    assert "bad.jsonl" not in [d.name for d in listing.datasets]
+    assert len(listing.skipped) == 1 and listing.skipped[0].startswith("bad.jsonl: ") and "line 1" in \
+        listing.skipped[0]
+
+
+def test_bad_control_vectors_through_mcp_are_tool_errors_and_the_schema_holds(bench, call):
+    import gguf
+    import numpy as np
+
+    d_model = bench.model(call).config.d_model
+    root = bench.artifacts.root
+    root.mkdir(parents=True, exist_ok=True)
+    for name, data in (("nan.gguf", np.full(d_model, np.nan, np.float32)), ("ok.gguf", np.ones(d_model, np.float32))):
+        writer = gguf.GGUFWriter(str(root / name), "controlvector")
+        writer.add_tensor("direction.1", data)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    assert refused(bench.import_control_vector, call, path="nan.gguf", match="NaN or Inf")
+    info = bench.import_control_vector(call, path="ok.gguf")
+    assert info.norms == [pytest.approx(d_model ** 0.5)]
+    json.dumps(info.model_dump(), allow_nan=False)  # valid JSON for the output schema
+
+
+def test_an_unexpected_failure_reaches_the_client_as_one_line_with_a_reason(bench):
+    def broken(call):
+        return {}[("a" * 5000,)]
+
+    with pytest.raises(ToolError) as err:
+        anyio.run(call_in_thread, bench, "test", broken, {})
+    message = str(err.value)
+    assert message.startswith("internal error (KeyError): ") and len(message) < 300 and "\n" not in message
+
+    def recursing(call):
+        return recursing(call)
+
+    with pytest.raises(ToolError, match=r"internal error \(RecursionError\)"):
+        anyio.run(call_in_thread, bench, "test", recursing, {})
+    with pytest.raises(ToolError, match="unknown intervention type") as err:
+        anyio.run(call_in_thread, bench, "test", Workbench.run_with_interventions.__get__(bench),
+                  {"prompt": PROMPT, "interventions": [{"type": ["steer"]}]})

@@ -1,0 +1,151 @@
+"""Each supported model family as a small declarative description: what its blocks do differently from llama's, and
+how GGUF files and Hugging Face folders name its tensors and settings.
+
+The forward (``workbench.runner``) reads these flags at the few places a block differs; the numbers each checkpoint
+sets (sliding window, soft caps, rope bases) live in ``ModelConfig``. A new family is a new entry of
+``ARCHITECTURES`` plus, where it computes something new, one branch in the forward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+# GGUF tensor name suffix (``blk.{i}.`` + suffix) of each LayerWeights field; the fused tensors a family may store in
+# their place are named by ``Architecture.fused``.
+LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "bq": "attn_q.bias",
+    "bk": "attn_k.bias",
+    "bv": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
+    "attn_post_norm": "post_attention_norm.weight",
+    "mlp_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+    "mlp_post_norm": "post_ffw_norm.weight",
+}
+GLOBAL_TENSORS: dict[str, str] = {
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "unembed": "output.weight",
+    "rope_freq_factors": "rope_freqs.weight",
+}
+
+# Hugging Face layer tensor suffix (after ``model.layers.{i}.``) -> GGUF suffix, as llama.cpp's converter maps them.
+HF_LAYER_TENSORS: dict[str, str] = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+HF_GLOBAL_TENSORS: dict[str, str] = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+# Post-norm families name the norm after attention "post_attention_layernorm", which llama's map takes for the norm
+# before the MLP.
+_POST_NORM_HF = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one family computes differently from llama, and where its files keep it.
+
+    Every flag's default is llama's, and a flag that is off costs the forward nothing.
+    """
+
+    name: str  # GGUF ``general.architecture``
+    hf_classes: tuple[str, ...]  # transformers' ``architectures`` entries loaded as this family
+    # llama.cpp rotates adjacent pairs where its converter permuted the Q/K rows (llama), else the two halves of each
+    # head ("neox")
+    rope_interleaved: bool = False
+    qkv_bias: bool = False
+    qk_norm: str | None = None  # RMSNorm of queries and keys: "head" over each head, "projection" over all heads
+    pre_norms: bool = True  # RMSNorm of the residual stream before attention and the MLP (OLMo 2 has none)
+    post_norms: bool = False  # RMSNorm of attention's and the MLP's outputs before they join the residual stream
+    # the norm multiplies by (norm_offset + w): Gemma's Hugging Face weights store w - 1 (llama.cpp's converter adds 1)
+    norm_offset: float = 0.0
+    embed_scale: bool = False  # embeddings times sqrt(d_model)
+    activation: str = "silu"  # of the MLP's gate: "silu" or "gelu_tanh"
+    # tensors stored fused in the GGUF: its name -> the LayerWeights fields whose rows it stacks, in order
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # Hugging Face tensor names that differ from llama's (suffix after ``model.layers.{i}.`` -> GGUF suffix)
+    hf_tensors: Mapping[str, str] = field(default_factory=dict)
+    # Sliding windows in llama.cpp: the layout when the GGUF names none (every n-th layer global; 0: all slide), the
+    # window when it names none, whether llama.cpp honours the GGUF's window at all (it disables Phi-3's), and the
+    # sliding layers' rope base when the GGUF names none (None: the global one)
+    swa_period: int = 0
+    default_window: int | None = None
+    gguf_window: bool = True
+    local_rope_base: float | None = None
+    # llama.cpp scales queries by 1/sqrt(d_model / n_heads) instead of 1/sqrt(d_head) for a model of this depth (Gemma's
+    # 27B, after gemma_pytorch)
+    wide_query_scale_layers: int | None = None
+    features: tuple[str, ...] = ()  # what ``workbench info`` lists as special
+
+    @property
+    def hf_layer_tensors(self) -> dict[str, str]:
+        return {**HF_LAYER_TENSORS, **self.hf_tensors}
+
+    def gguf_attn_scale(self, n_layers: int, d_model: int, n_heads: int) -> float | None:
+        """The divisor of attention scores llama.cpp uses (None: sqrt(d_head))."""
+        return math.sqrt(d_model / n_heads) if n_layers == self.wide_query_scale_layers else None
+
+    def config_flags(self) -> dict[str, bool]:
+        """The ModelConfig fields this family fixes."""
+        return dict(qkv_bias=self.qkv_bias, qk_norm=self.qk_norm is not None, rope_interleaved=self.rope_interleaved)
+
+
+_GEMMA_FEATURES = ("(1+w) RMSNorm", "norms after attention and MLP", "embeddings x sqrt(d_model)", "GeGLU (tanh GELU)",
+                   "query pre-attention scale", "sliding-window and global layers")
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("llama", ("LlamaForCausalLM", "MistralForCausalLM"), rope_interleaved=True,
+                 features=("sliding window where the checkpoint sets one (Mistral)",)),
+    Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
+    Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
+                 activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=2,
+                 default_window=4096, wide_query_scale_layers=46,
+                 features=_GEMMA_FEATURES + ("attention-logit and final-logit soft-capping",)),
+    Architecture("gemma3", ("Gemma3ForCausalLM",), qk_norm="head", post_norms=True, norm_offset=1.0,
+                 embed_scale=True, activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=6,
+                 local_rope_base=10000.0, wide_query_scale_layers=62,
+                 features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", "local and global rope bases")),
+    Architecture("phi3", ("Phi3ForCausalLM",), gguf_window=False,
+                 fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")},
+                 hf_tensors={"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+                 features=("fused qkv and gate/up matrices", "partial rotary", "rope frequency factors")),
+    Architecture("olmo2", ("Olmo2ForCausalLM",), qk_norm="projection", pre_norms=False, post_norms=True,
+                 hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight",
+                             "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+                 features=("norms after attention and MLP only", "q/k RMSNorm over the whole projection")),
+)}
+HF_CLASSES: dict[str, str] = {cls: a.name for a in ARCHITECTURES.values() for cls in a.hf_classes}
+
+
+def architecture(name: str) -> Architecture:
+    return ARCHITECTURES[name]
