@@ -39,19 +39,20 @@ MAX_ARTIFACT_BYTES = 1 << 30  # refuse uploaded zips that unpack to more than th
 
 
 def cli_options(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The ``--model`` (None: the embedded model), ``--quantize`` and ``--numerics`` given after ``--`` on the
-    ``streamlit run`` line."""
+    """The ``--model`` (None: the embedded model), ``--quantize``, ``--devices`` (comma-separated) and ``--numerics``
+    given after ``--`` on the ``streamlit run`` line."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=None)
     parser.add_argument("--quantize", default=None)
+    parser.add_argument("--devices", default=None)
     parser.add_argument("--numerics", default="exact", choices=workbench.kernels.NUMERICS)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return args
 
 
 @st.cache_resource(show_spinner=False)
-def _load(path: str | None, quantize: str | None) -> workbench.Model:
-    return workbench.load(path, quantize=quantize)
+def _load(path: str | None, quantize: str | None, devices: str | None) -> workbench.Model:
+    return workbench.load(path, quantize=quantize, devices=devices.split(",") if devices else None)
 
 
 def model() -> workbench.Model:
@@ -59,7 +60,7 @@ def model() -> workbench.Model:
     options = cli_options()
     with st.spinner(f"Loading {options.model or 'the embedded SmolLM2-135M'}…"):
         try:
-            return _load(options.model, options.quantize)
+            return _load(options.model, options.quantize, options.devices)
         except WorkbenchError as err:
             st.error(f"Could not load the model: {err}")
             st.stop()

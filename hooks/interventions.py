@@ -222,7 +222,7 @@ class RegionEdit(Intervention):
         edit = self._editor(region, run)
         positions = region.positions
         if isinstance(positions, list):
-            positions = torch.tensor(positions, device=run.model.device)
+            positions = torch.tensor(positions, device=run.model.point_device(region.name))
 
         def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
             mask = _region_mask(x, ax, ctx.positions, positions, region.heads, region.neurons, run.prompt_len)
@@ -374,7 +374,7 @@ class MeanAblate(RegionEdit):
                             f"got {tuple(self.mean.shape)}")
 
     def _editor(self, region, run):
-        mean = self.mean.to(run.model.device, run.model.dtype)
+        mean = self.mean.to(run.model.point_device(region.name), run.model.dtype)
         return lambda x, mask, ctx: torch.where(mask, mean.unsqueeze(0).expand_as(x), x)
 
 
@@ -429,7 +429,7 @@ class Patch(RegionEdit):
             donor = self.donor.activations[region.name]
         else:
             donor = run.record_donor(self.donor, resolve(self.hook, run.config))[region.name]
-        donor = donor.to(run.model.device, run.model.dtype)
+        donor = donor.to(run.model.point_device(region.name), run.model.dtype)
         last = donor.shape[ax.token] - 1
 
         def edit(x, mask, ctx):
@@ -473,7 +473,7 @@ class ResampleAblate(RegionEdit):
     def _editor(self, region, run):
         names = resolve(self.hook, run.config)
         pool = torch.cat([run.record_donor(d, names)[region.name] for d in self.donors])
-        pool = pool.to(run.model.device, run.model.dtype)
+        pool = pool.to(run.model.point_device(region.name), run.model.dtype)
         generator = torch.Generator().manual_seed(int(self.seed))
 
         def edit(x, mask, ctx):

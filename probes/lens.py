@@ -23,7 +23,7 @@ _ROWS_PER_CHUNK = 1024
 
 def final_norm(model: Any, resid: torch.Tensor) -> torch.Tensor:
     """The final RMSNorm of the model on a residual ``[..., d_model]``, op for op as the runner computes it."""
-    x = resid.to(model.device, model.dtype)
+    x = resid.to(model.runner.output_device, model.dtype)
     return layer_ops.rms_norm(x, model.runner.weights.final_norm, model.config.rms_eps)[1]
 
 
@@ -31,7 +31,7 @@ def unembed(model: Any, normed: torch.Tensor) -> torch.Tensor:
     """Float32 logits of final-normed residuals ``[N, d_model]``, on the production unembedding kernel, in the model's
     numerics (``Model.current_numerics``)."""
     with model.numerics_scope():
-        return linear(normed, model.runner.weights.unembed).float()
+        return linear(normed, model.runner.unembed).float()
 
 
 def token_id(model: Any, token: int | str) -> int:
@@ -174,7 +174,8 @@ def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points:
     residuals go through the final norm and the unembedding together."""
     points, names = _lens_points(model, points, k, tuned)
     traces = model.run_batch(prompts, record=[n for group in names.values() for n in group], chat=chat,
-                             batch_size=batch_size, logits="last", record_device=model.device, progress=progress)
+                             batch_size=batch_size, logits="last", record_device=model.runner.output_device,
+                             progress=progress)
     return _lenses(model, traces, names, k, tuned)
 
 
@@ -202,7 +203,7 @@ def _lenses(model: Any, traces: Sequence[Any], names: dict[str, list[str]], k: i
     sizes = [len(trace.ids) for trace in traces]
     normed, top_ids, top_probs = {}, {}, {}
     for point, group in names.items():
-        resid = torch.cat([torch.stack([t.activations[n].to(model.device) for n in group]) for t in traces], dim=1)
+        resid = torch.cat([torch.stack([t.activations[n].to(model.runner.output_device) for n in group]) for t in traces], dim=1)
         normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
         values, indices = zip(*(logits.softmax(-1).topk(k) for logits in _layer_logits(model, normed[point])))
         top_probs[point], top_ids[point] = torch.stack(values).cpu(), torch.stack(indices).cpu()

@@ -26,6 +26,9 @@ def _model_source_args(parser: argparse.ArgumentParser) -> None:
 
 def _device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--devices", default=None, type=_device_list,
+                        help="split the layers over several devices, comma-separated (cuda:0,cuda:1): contiguous "
+                        "ranges sized by each device's free memory")
     parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="activation dtype")
 
 
@@ -37,7 +40,15 @@ def _numerics_arg(parser: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     import workbench
 
-    return workbench.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    return workbench.load(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
+                          devices=args.devices)
+
+
+def _device_list(text: str) -> list[str]:
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    if not devices:
+        raise argparse.ArgumentTypeError("give devices separated by commas, such as cuda:0,cuda:1")
+    return devices
 
 
 def next_token_distribution(model, ids: list[int], top_k: int, logits=None) -> dict[str, Any]:
@@ -133,6 +144,29 @@ def cmd_info(args: argparse.Namespace) -> None:
     print("  between the matrices (eager): " + ", ".join(f"{op} {impl}" for op, impl in info["layer_ops"].items()))
 
 
+def cmd_harvest(args: argparse.Namespace) -> None:
+    """Runs as one process, or as every rank of a ``torchrun`` job (each on its own GPU unless --device/--devices)."""
+    import workbench
+    from workbench import distributed
+
+    reduce = None if args.reduce == "none" else int(args.reduce) if args.reduce.lstrip("-").isdigit() else args.reduce
+    prompts = read_prompts(args.file)
+    rank = distributed.init()
+    device = args.device
+    if device is None and args.devices is None and rank.world > 1:
+        device = distributed.local_devices()[0]
+    model = workbench.load(args.model, device=device, dtype=args.dtype, quantize=args.quantize, devices=args.devices)
+    manifest = distributed.harvest(model, prompts, args.hook, reduce=reduce, out=args.out, shard_size=args.shard_size,
+                                   batch_size=args.batch_size, retries=args.retries)
+    if rank.rank == 0:
+        meta = json.loads(manifest.read_text(encoding="utf-8"))
+        summary = {"manifest": str(manifest), "prompts": meta["n_prompts"], "shards": len(meta["shards"]),
+                   "rows": sum(s["rows"] for s in meta["shards"]), "ranks": rank.world}
+        print(json.dumps(summary) if args.json else
+              f"{summary['rows']} rows of {', '.join(meta['hooks'])} from {summary['prompts']} prompts in "
+              f"{summary['shards']} shards ({rank.world} rank{'s' if rank.world > 1 else ''}): {manifest}")
+
+
 def cmd_app(args: argparse.Namespace) -> None:
     import subprocess
     from pathlib import Path
@@ -152,6 +186,8 @@ def cmd_app(args: argparse.Namespace) -> None:
     if args.quantize is not None:
         check_quantize(args.quantize)
         command += ["--quantize", args.quantize]
+    if args.devices is not None:
+        command += ["--devices", ",".join(args.devices)]
     print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
     returncode = subprocess.call(command)
     if returncode:
@@ -172,7 +208,7 @@ def cmd_mcp(args: argparse.Namespace) -> None:
     from workbench.mcp_server import serve
 
     serve(args.model, args.artifacts, http=args.http, host=args.host, port=args.port, device=args.device,
-          dtype=args.dtype, quantize=args.quantize)
+          dtype=args.dtype, quantize=args.quantize, devices=args.devices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,9 +243,23 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(info)
     info.set_defaults(fn=cmd_info)
 
+    har = sub.add_parser("harvest", help="activations of every prompt of a file to safetensors shards (SAE training "
+                         "data, probe datasets); under torchrun, sharded over the ranks")
+    har.add_argument("--file", required=True, help="a text file of prompts, one a line ('-': standard input)")
+    har.add_argument("--hook", required=True, action="append", help="a hook point name or glob (repeatable)")
+    har.add_argument("--out", required=True, help="the folder of shards and manifest.json")
+    har.add_argument("--reduce", default="none", help="none (every token's row), last, mean, or a position")
+    har.add_argument("--shard-size", type=int, default=64, help="prompts a shard (a file, and a unit of retry)")
+    har.add_argument("--batch-size", type=int, default=None, help="prompts a forward (default: as many as fit)")
+    har.add_argument("--retries", type=int, default=2, help="times a failed shard is retried on another rank")
+    _model_args(har)
+    har.set_defaults(fn=cmd_harvest)
+
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     _model_source_args(dashboard)
     dashboard.add_argument("--port", type=int, default=8501)
+    dashboard.add_argument("--devices", default=None, type=_device_list,
+                           help="split the model's layers over several devices, comma-separated (cuda:0,cuda:1)")
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
 

@@ -92,7 +92,8 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
         )
     if compiled is None:
         compiled = runner.device.type == "cuda"
-    built_step = compiled and cache is None and not hooks and not lora
+    # a model split over devices decodes eagerly: a CUDA graph captures the stream of one device
+    built_step = compiled and cache is None and not hooks and not runner.is_split and not lora
     return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step,
                    get_numerics(), lora)
 

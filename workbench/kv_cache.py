@@ -1,11 +1,25 @@
 """The key/value cache, with the surgery operations interpretability work needs."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 from workbench.errors import WorkbenchError
+
+
+# one device for every layer, or one per layer
+Devices = Union[torch.device, str, Sequence[Union[torch.device, str]]]
+
+
+def layer_devices(device: Devices, n_layers: int) -> list[torch.device]:
+    """One device per layer: ``device`` for all, or the list given (a model split over devices)."""
+    if isinstance(device, (str, torch.device)):
+        return [torch.device(device)] * n_layers
+    devices = [torch.device(d) for d in device]
+    if len(devices) != n_layers:
+        raise WorkbenchError(f"a cache of {n_layers} layers needs one device per layer, got {len(devices)}")
+    return devices
 
 
 def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor | None:
@@ -48,11 +62,14 @@ class KVCache:
     the last kept one, which equals a run on the shorter prompt.
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: Devices,
                  capacity: int = 64):
+        """``device``: one for every layer, or one per layer (a split model's: each layer's keys and values live
+        where it runs; positions and masks are made on the first)."""
         self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
-        self.dtype, self.device = dtype, torch.device(device)
-        self._keys = [torch.zeros(n_kv_heads, capacity, d_head, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.devices = layer_devices(device, n_layers)
+        self.dtype, self.device = dtype, self.devices[0]
+        self._keys = [torch.zeros(n_kv_heads, capacity, d_head, dtype=dtype, device=d) for d in self.devices]
         self._values = [torch.zeros_like(k) for k in self._keys]
         self._positions = torch.zeros(capacity, dtype=torch.long)
         self._tokens: list[int] = []
@@ -85,7 +102,7 @@ class KVCache:
         capacity = max(needed, 2 * self.capacity)
         for store in (self._keys, self._values):
             for i, old in enumerate(store):
-                grown = torch.zeros(self.n_kv_heads, capacity, self.d_head, dtype=self.dtype, device=self.device)
+                grown = old.new_zeros(self.n_kv_heads, capacity, self.d_head)
                 grown[:, : self.length] = old[:, : self.length]
                 store[i] = grown
         positions = torch.zeros(capacity, dtype=torch.long)
@@ -139,8 +156,8 @@ class KVCache:
                 raise WorkbenchError(f"kv set: {name} must be floating point, got {t.dtype}")
             if not torch.isfinite(t).all():
                 raise WorkbenchError(f"kv set: {name} contain NaN or Inf")
-        self._keys[layer][:, : self.length] = keys.to(self.device, self.dtype)
-        self._values[layer][:, : self.length] = values.to(self.device, self.dtype)
+        self._keys[layer][:, : self.length] = keys.to(self.devices[layer], self.dtype)
+        self._values[layer][:, : self.length] = values.to(self.devices[layer], self.dtype)
 
     def clear(self, layer: int) -> None:
         """Zero one layer's keys and values. New tokens then score 0 against every cached slot there, so
@@ -182,9 +199,9 @@ class KVCache:
     def select(self, slots: Sequence[int] | torch.Tensor) -> "KVCache":
         """A new cache made of the given slots (indices into this cache), in the given order."""
         slots = torch.tensor(self._check_slots(slots, "kv select"), dtype=torch.long) % max(self.length, 1)
-        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.device, max(len(slots), 1))
-        idx = slots.to(self.device)
-        for layer in range(self.n_layers):
+        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices, max(len(slots), 1))
+        for layer, device in enumerate(self.devices):
+            idx = slots.to(device)
             out._keys[layer][:, : len(slots)] = self._keys[layer][:, idx]
             out._values[layer][:, : len(slots)] = self._values[layer][:, idx]
         out._positions[: len(slots)] = self._positions[slots]
@@ -218,7 +235,7 @@ class StaticKVCache(KVCache):
     CUDA graph and replayed: every shape is static, new tokens attend over all slots with the unwritten
     ones masked. Slot i holds position i; generation uses it internally, surgery is for KVCache."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: torch.device | str,
+    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: Devices,
                  capacity: int):
         super().__init__(n_layers, n_kv_heads, d_head, dtype, device, capacity)
         self._length = torch.zeros((), dtype=torch.long, device=self.device)
@@ -259,11 +276,12 @@ class BatchKVCache:
     """
 
     def __init__(self, n_rows: int, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype,
-                 device: torch.device | str, capacity: int = 64):
+                 device: Devices, capacity: int = 64):
         self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
-        self.dtype, self.device = dtype, torch.device(device)
+        self.devices = layer_devices(device, n_layers)  # as KVCache's
+        self.dtype, self.device = dtype, self.devices[0]
         shape = (n_rows, n_kv_heads, capacity, d_head)
-        self._keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        self._keys = [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
         self._values = [torch.zeros_like(k) for k in self._keys]
         self._positions = torch.zeros(n_rows, capacity, dtype=torch.long)
         self._tokens: list[list[int]] = [[] for _ in range(n_rows)]
@@ -276,7 +294,7 @@ class BatchKVCache:
         if not caches:
             raise WorkbenchError("a batch cache needs at least one row")
         first = caches[0]
-        out = cls(len(caches), first.n_layers, first.n_kv_heads, first.d_head, first.dtype, first.device,
+        out = cls(len(caches), first.n_layers, first.n_kv_heads, first.d_head, first.dtype, first.devices,
                   max(capacity, max(c.length for c in caches), 1))
         for b, cache in enumerate(caches):
             out.set_row(b, cache)
@@ -345,7 +363,7 @@ class BatchKVCache:
             self._keys[layer][:, :, start:stop] = keys
             self._values[layer][:, :, start:stop] = values
         else:
-            slots = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
+            slots = torch.tensor(self.lengths, device=keys.device)[:, None] + torch.arange(width, device=keys.device)
             index = slots[:, None, :, None].expand_as(keys)
             self._keys[layer].scatter_(2, index, keys)
             self._values[layer].scatter_(2, index, values)
@@ -366,7 +384,7 @@ class BatchKVCache:
         """A copy of row ``b`` as a single-sequence cache."""
         self._check_row(b)
         n = self.lengths[b]
-        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.device, max(n, 1))
+        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices, max(n, 1))
         for layer in range(self.n_layers):
             out._keys[layer][:, :n] = self._keys[layer][b, :, :n]
             out._values[layer][:, :n] = self._values[layer][b, :, :n]
@@ -383,8 +401,8 @@ class BatchKVCache:
         n = cache.length
         self.reserve(n)
         for layer in range(self.n_layers):
-            self._keys[layer][b, :, :n] = cache._keys[layer][:, :n].to(self.device, self.dtype)
-            self._values[layer][b, :, :n] = cache._values[layer][:, :n].to(self.device, self.dtype)
+            self._keys[layer][b, :, :n] = cache._keys[layer][:, :n].to(self.devices[layer], self.dtype)
+            self._values[layer][b, :, :n] = cache._values[layer][:, :n].to(self.devices[layer], self.dtype)
         self._positions[b, :n] = cache._positions[:n]
         self._tokens[b] = list(cache._tokens)
         self.lengths[b] = n
@@ -401,9 +419,8 @@ class BatchKVCache:
         for b in rows:
             self._check_row(b)
         index = torch.tensor(list(rows), dtype=torch.long)
-        on_device = index.to(self.device)
-        self._keys = [k[on_device] for k in self._keys]
-        self._values = [v[on_device] for v in self._values]
+        self._keys = [k[index.to(k.device)] for k in self._keys]
+        self._values = [v[index.to(v.device)] for v in self._values]
         self._positions = self._positions[index]
         self._tokens = [self._tokens[b] for b in rows]
         self.lengths = [self.lengths[b] for b in rows]

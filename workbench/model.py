@@ -15,6 +15,7 @@ import torch
 
 from workbench import hooks as hooks_lib
 from workbench.adapters import Adapter, load_adapter
+from workbench.devices import check_device, check_devices, free_memory, split_layers
 from workbench.errors import WorkbenchError, shorten
 from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
 from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
@@ -67,23 +68,45 @@ class Model:
 
     def __init__(self, checkpoint: LoadedCheckpoint, device: str | None = None,
                  dtype: str | torch.dtype | None = None, load_seconds: float | None = None,
-                 numerics: Numerics | None = None):
+                 numerics: Numerics | None = None, devices: Sequence[str] | None = None,
+                 split: Sequence[int] | None = None):
         self.numerics: Numerics | None = None if numerics is None else check_numerics(numerics)
-        device = device or default_device()
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise WorkbenchError("device 'cuda' asked for, but no CUDA device is available")
+        if devices is not None and device is not None:
+            raise WorkbenchError("give device (one) or devices (a model split over several), not both")
+        if split is not None and devices is None:
+            raise WorkbenchError("split gives the layers of each of devices=[...]")
+        if devices is not None:
+            counts = split_layers(checkpoint.weights, devices, split)
+            ranges = list(zip(check_devices(devices), counts))
+            device = str(ranges[0][0])
+        else:
+            device = device or default_device()
+            check_device(device)
+            ranges = None
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.path = checkpoint.path
         self.metadata = checkpoint.metadata
-        self.runner = Transformer(checkpoint.config, checkpoint.weights, device, resolve_dtype(dtype, device))
+        self.runner = Transformer(checkpoint.config, checkpoint.weights, device, resolve_dtype(dtype, device),
+                                  split=ranges)
         self.load_seconds = load_seconds
         self.adapters: dict[str, Adapter] = {}
         self._lora: dict[tuple, Lora] = {}  # a choice of adapters and scales -> its terms on the device, built once
 
     @property
     def device(self) -> torch.device:
+        """The device of the embedding (the first layer's, for a model split over devices)."""
         return self.runner.device
+
+    @property
+    def devices(self) -> list[tuple[str, range]]:
+        """``(device, layers)`` of each layer range: one range unless the model is split over devices."""
+        starts = [0, *sorted(self.runner.range_starts), self.config.n_layers]
+        return [(str(self.runner.devices[a]), range(a, b)) for a, b in zip(starts, starts[1:])]
+
+    def point_device(self, name: str) -> torch.device:
+        """Where a hook point's activation lives (its layer's device): interventions place their tensors there."""
+        return self.runner.point_device(name)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -174,7 +197,8 @@ class Model:
                        if p in self.adapters[name].layers[i]] for p in adapted]
             a = torch.cat([a for piece in pieces for (a, _), _ in piece])
             b = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1) for piece in pieces])
-            terms[group] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype), adapted)
+            device = self.runner.weights.layers[i].attn_norm.device  # the layer's own, in a model split over devices
+            terms[group] = (a.to(device, self.dtype), b.to(device, self.dtype), adapted)
         return terms
 
     def adapter_record(self, adapter: AdapterChoice) -> list[dict[str, Any]]:
@@ -515,10 +539,7 @@ class Model:
         per_token = element * (6 * c.d_model + 3 * c.d_mlp + 2 * c.n_heads * c.d_head)
         per_token += 8 * c.vocab_size if vocab_rows else 0
         per_score = 12 * c.n_heads
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            free = _available_memory()
+        free = min(free_memory(d) for d in set(self.runner.devices))
         return per_token, per_score, free // 4
 
     def new_cache(self) -> KVCache:
@@ -581,7 +602,7 @@ class Model:
 
     def backend(self) -> dict[str, Any]:
         kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))
-        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
+        return {"device": str(self.device), **self._split_info(), "dtype": str(self.dtype).removeprefix("torch."), "kernels": kernels,
                 "numerics": self.current_numerics(), "threads": torch.get_num_threads(),
                 "machine": platform.machine()}
 
@@ -622,6 +643,7 @@ class Model:
             "family": self.config.family(),
             "parameters": self.config.n_params,
             "device": str(self.device),
+            **self._split_info(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "tensor_formats": formats,
             "weight_bytes": weights.nbytes,
@@ -635,6 +657,12 @@ class Model:
             "numerics": self.current_numerics(),
         }
 
+    def _split_info(self) -> dict[str, Any]:
+        """The layer ranges of a model split over devices (nothing for one device)."""
+        if not self.runner.is_split:
+            return {}
+        return {"devices": [{"device": d, "layers": [r.start, r.stop - 1]} for d, r in self.devices]}
+
     def __repr__(self) -> str:
         c = self.config
         return (f"Model({c.name!r}, arch={c.architecture}, layers={c.n_layers}, d_model={c.d_model}, "
@@ -642,7 +670,8 @@ class Model:
 
 
 def load(path: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
-         quantize: str | None = None, numerics: Numerics | None = None,
+         quantize: str | None = None, numerics: Numerics | None = None, devices: Sequence[str] | None = None,
+         split: Sequence[int] | None = None,
          adapters: Mapping[str, str | Path] | None = None) -> Model:
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
@@ -650,6 +679,10 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     into the format llama.cpp's quantizer gives it in a mix ("Q4_K_M", "Q3_K_L", ...;
     ``workbench.quant_mix``). ``numerics`` is what the model's quantized matmuls compute where no
     ``workbench.kernels.numerics(...)`` block says otherwise (``Model.numerics``; None: the process default).
+
+    ``devices`` splits the layers over several devices in contiguous ranges (``["cuda:0", "cuda:1"]``; the embedding
+    on the first, the unembedding on the last), ``split`` layers each (default: in proportion to each device's free
+    memory; ``workbench.devices.split_layers``). Everything else works as on one device (docs/scaling.md).
     ``adapters``: ``{name: path}`` of LoRA adapters to keep resident (``Model.load_adapter``)."""
     if numerics is not None:
         check_numerics(numerics)
@@ -657,22 +690,11 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
         raise WorkbenchError(f"adapters must be a {{name: path}} mapping, got {type(adapters).__name__}")
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)
-    model = Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics)
+    model = Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics,
+                  devices=devices, split=split)
     for name, adapter_path in (adapters or {}).items():
         model.load_adapter(adapter_path, name=name)
     return model
-
-
-def _available_memory() -> int:
-    """Bytes of memory available to this process (Linux), or 8 GiB where that cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def package_versions() -> dict[str, str]:

@@ -5,6 +5,7 @@ forward on the quantized kernels of ``workbench.kernels``.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
@@ -66,6 +67,14 @@ class BatchLayout:
             # [N] where each packed token sits in the flattened [B * T_max]
             self.scatter = torch.cat([b * self.width + torch.arange(n) for b, n in enumerate(self.lengths)]).to(
                 self.device)
+
+    def to(self, device: torch.device | str) -> "BatchLayout":
+        """The same layout with its index tensors on ``device`` (where a split model's next layer range runs)."""
+        moved = copy.copy(self)
+        moved.device = torch.device(device)
+        if not self.uniform:
+            moved.gather, moved.scatter = self.gather.to(device), self.scatter.to(device)
+        return moved
 
     @property
     def size(self) -> int:
@@ -254,6 +263,12 @@ def _norm_points(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, weight
     return normalized * weight
 
 
+def _to(device: torch.device, *values):
+    """Each of ``values`` (a tensor, a tuple of tensors, or None) on ``device``."""
+    return [v.to(device) if isinstance(v, torch.Tensor) else tuple(t.to(device) for t in v) if isinstance(v, tuple)
+            else v for v in values]
+
+
 def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantTensor]) -> list[torch.Tensor]:
     """``x`` through each of ``parts``: one matmul over their ``stacked`` rows when they were fused, else one
     kernel call for all of them where the kernel takes several weights (``linear_parts``)."""
@@ -299,15 +314,28 @@ class Transformer:
     weights: llama's block, with each family's differences where its description switches them on."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, fuse_projections: bool | None = None):
+                 dtype: torch.dtype = torch.float32, fuse_projections: bool | None = None,
+                 split: Sequence[tuple[str | torch.device, int]] | None = None):
         """``fuse_projections`` (default: on CUDA) stacks q/k/v and gate/up into one matrix each, so decode
         runs fewer, larger GEMVs; on CPU the weights stay the file's own memory-mapped bytes (the CPU kernels
-        take q/k/v, and gate/up, in one call without stacking them)."""
+        take q/k/v, and gate/up, in one call without stacking them).
+
+        ``split`` runs the layers in contiguous ranges, ``(device, n_layers)`` each in order (``device`` is then
+        unused): each layer's weights and cache live on its range's device, the embedding on the first, the final norm
+        and the unembedding on the last, and the forward hands the residual stream from one range to the next."""
         self.config = config
         self.arch = config.arch
-        self.device = torch.device(device)
+        split = [(torch.device(d), n) for d, n in split] if split else [(torch.device(device), config.n_layers)]
+        self.devices = [d for d, n in split for _ in range(n)]  # each layer's
+        # the layers where a range starts: the forward hands its stream over there (even between two "cpu" ranges,
+        # so that a split over CPU devices runs the same code as one over GPUs)
+        self.range_starts = frozenset(itertools.accumulate(n for _, n in split[:-1]))
+        self.device, self.output_device = self.devices[0], self.devices[-1]
         self.dtype = dtype
-        self.weights = weights.map(lambda w: w.to(self.device), lambda v: v.to(self.device, dtype))
+        self.weights = weights.placed(self.devices, dtype)
+        # the unembedding where the logits are computed (a copy of a tied embedding that lives on another device)
+        unembed = self.weights.unembed
+        self.unembed = unembed if unembed.device == self.output_device else unembed.to(self.output_device)
         if fuse_projections if fuse_projections is not None else self.device.type == "cuda":
             for layer in self.weights.layers:
                 layer.fuse_projections()
@@ -349,11 +377,22 @@ class Transformer:
 
     def new_cache(self, capacity: int = 64) -> KVCache:
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
+        return KVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
 
     def new_batch_cache(self, n_rows: int, capacity: int = 64) -> BatchKVCache:
         c = self.config
-        return BatchKVCache(n_rows, c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
+        return BatchKVCache(n_rows, c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
+
+    @property
+    def is_split(self) -> bool:
+        return bool(self.range_starts)
+
+    def point_device(self, name: str) -> torch.device:
+        """The device a hook point's activation lives on: its layer's (the embedding's is the first layer's, the
+        final norm's and the logits' the last's)."""
+        if name.startswith("blocks."):
+            return self.devices[int(name.split(".")[1])]
+        return self.device if name == "hook_embed" else self.output_device
 
     def prefill_shared(self, prefix: Sequence[int], n_rows: int, capacity: int, hooks: Hooks | None = None,
                        last_logits_only: bool = False, lora: Lora | None = None) -> tuple[BatchKVCache, torch.Tensor]:
@@ -369,7 +408,7 @@ class Transformer:
         c = self.config
         if not 0 < capacity <= c.n_ctx:
             raise WorkbenchError(f"a static cache holds 1 to {c.n_ctx} (the model's context) slots, not {capacity}")
-        return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.device, capacity)
+        return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
 
     def rotation(self, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,16 +476,24 @@ class Transformer:
             if self.arch.post_norms:
                 mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
             mlp_out = point(names["hook_mlp_out"], mlp_out, i)
-            if i + 1 < c.n_layers:
+            if i + 1 < c.n_layers and i + 1 not in self.range_starts:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
-            else:
-                x = point(names["hook_resid_post"], x + mlp_out, i)
+                continue
+            x = point(names["hook_resid_post"], x + mlp_out, i)
+            if i + 1 < c.n_layers:  # the next range's device takes the residual stream and what every layer reads
+                device = self.devices[i + 1]
+                x, positions, rotation, blocked, local_rotation, local_blocked = _to(
+                    device, x, positions, rotation, blocked, local_rotation, local_blocked)
+                layout = layout.to(device) if layout is not None else None
+                point = _Points(hooks, positions, step, layout)
+                x = point(self._names[i + 1]["hook_resid_pre"], x, i + 1)
+                normalized = rms_norm(x, w.layers[i + 1].attn_norm, c.rms_eps, point, self._names[i + 1]["ln1"], i + 1)
 
         if last_logits_only:
             x = x[-1:] if layout is None else x[layout.last_rows()]
         x = rms_norm(x, w.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"), None)
-        logits = linear(x, w.unembed).float()
+        logits = linear(x, self.unembed).float()
         if c.final_softcap:
             logits = soft_cap(logits, c.final_softcap)
         logits = point("hook_logits", logits)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -81,22 +81,24 @@ class ModelWeights:
         if self.unembed is not self.embed:
             yield "unembed", self.unembed
 
-    def map(self, fn_matrix, fn_vector) -> "ModelWeights":
-        """A copy with ``fn_matrix`` applied to every QuantTensor and ``fn_vector`` to every float tensor
-        (unfused: converting a stacked matrix and its parts apart would not keep the parts views of it)."""
+    def placed(self, layer_devices: Sequence[torch.device], dtype: torch.dtype) -> "ModelWeights":
+        """A copy with each layer's tensors on its device (``layer_devices``, one per layer), the embedding on the
+        first layer's, the final norm and an untied unembedding on the last layer's, and the float vectors in
+        ``dtype`` (unfused: moving a stacked matrix and its parts apart would not keep the parts views of it)."""
 
-        def convert(value):
+        def place(value, device: torch.device):
             if isinstance(value, QuantTensor):
-                return fn_matrix(value)
+                return value.to(device)
             if isinstance(value, torch.Tensor):
-                return fn_vector(value)
+                return value.to(device, dtype)
             return value
 
-        layers = [LayerWeights(**{f.name: convert(getattr(l, f.name)) for f in fields(l) if f.name not in STACKS})
-                  for l in self.layers]
-        embed = fn_matrix(self.embed)
-        unembed = embed if self.unembed is self.embed else fn_matrix(self.unembed)
-        return ModelWeights(embed, layers, convert(self.final_norm), unembed, convert(self.rope_freq_factors))
+        layers = [LayerWeights(**{f.name: place(getattr(l, f.name), device) for f in fields(l) if f.name not in STACKS})
+                  for l, device in zip(self.layers, layer_devices)]
+        first, last = layer_devices[0], layer_devices[-1]
+        embed = self.embed.to(first)
+        unembed = embed if self.unembed is self.embed else self.unembed.to(last)
+        return ModelWeights(embed, layers, place(self.final_norm, last), unembed, place(self.rope_freq_factors, first))
 
     @property
     def nbytes(self) -> int:

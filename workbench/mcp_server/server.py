@@ -137,14 +137,14 @@ def http_app(server: MCPServer, bench: Workbench, host: str = "127.0.0.1"):
 
 def serve(model: str | None = None, artifacts: str = "artifacts", http: bool = False, host: str = "127.0.0.1",
           port: int = 8000, device: str | None = None, dtype: str | None = None, limits: Limits = Limits(),
-          quantize: str | None = None) -> None:
-    """Load the model (quantized on load as ``quantize`` says), then serve until the client goes away (stdio) or the
+          quantize: str | None = None, devices: list[str] | None = None) -> None:
+    """Load the model (quantized on load as ``quantize`` says; split over ``devices`` when given), then serve until the client goes away (stdio) or the
     process is stopped (HTTP)."""
     import workbench
 
-    loaded = workbench.load(model, device=device, dtype=dtype, quantize=quantize)
+    loaded = workbench.load(model, device=device, dtype=dtype, quantize=quantize, devices=devices)
     bench = Workbench(loaded, artifacts, limits, loader=lambda path, quantize: workbench.load(
-        path, device=device, dtype=dtype, quantize=quantize))
+        path, device=device, dtype=dtype, quantize=quantize, devices=devices))
     server = build_server(bench)
     print(f"workbench mcp: {loaded!r}, artifacts in {bench.artifacts.root}", file=sys.stderr)
     if not http:

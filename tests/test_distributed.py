@@ -1,0 +1,139 @@
+"""Sweeps sharded over ranks give exactly what one process gives, a failed shard retried with no row lost or doubled.
+
+Two local gloo processes run under ``torchrun`` (tests/distributed_job.py); the same job in this process is the
+reference. The job kills one rank once (the job fails; run again, the harvest keeps its written shards) and makes one
+shard raise once (it is retried on the other rank).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workbench import distributed
+from workbench.errors import WorkbenchError
+from workbench.synthetic import random_checkpoint, random_config, write_gguf
+
+sys.path.insert(0, str(Path(__file__).parent))
+import distributed_job  # noqa: E402
+
+JOB = Path(__file__).with_name("distributed_job.py")
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    checkpoint = random_checkpoint(random_config("llama", n_layers=2), "Q8_0")
+    return write_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", checkpoint.config, checkpoint.weights)
+
+
+def test_two_gloo_ranks_equal_one_process_through_a_crash_and_a_failed_shard(model_file, tmp_path):
+    one = tmp_path / "one"
+    one.mkdir()
+    reference = distributed_job.run(str(model_file), one)
+    two = tmp_path / "two"
+    two.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB),
+               str(model_file), str(two), "--fail"]
+    # the first launch loses a rank in the harvest to files: torchrun stops the other, and the job fails
+    crashed = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert crashed.returncode != 0 and "exitcode: 3" in crashed.stderr and (two / "crashed-once").exists()
+    kept = {p.name: p.stat().st_mtime_ns for p in (two / "harvest").glob("shard-*.safetensors")}
+    # the same command again: the harvest keeps the shards written before the crash, and a shard that raises is
+    # retried on the other rank
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (two / "raised-once").exists()
+    assert {name: (two / "harvest" / name).stat().st_mtime_ns for name in kept} == kept
+    got = load_file(str(two / "results.safetensors"))
+    assert got.keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(got[name], value), name
+    # every prompt once, in order: 11 prompts, their tokens' rows in one piece each
+    offsets = got["tokens/offsets"]
+    assert offsets.tolist() == [0, *torch.tensor([len(p) for p in distributed_job.PROMPTS]).cumsum(0).tolist()]
+    assert got["squares"].tolist() == [n * n for n in range(7)]
+
+
+def test_results_are_those_of_the_model_alone(model_file, tmp_path):
+    import workbench
+
+    model = workbench.load(str(model_file), device="cpu")
+    prompts = distributed_job.PROMPTS
+    mean = distributed.harvest(model, prompts, ["blocks.1.hook_mlp_out"], reduce="mean", shard_size=4)
+    traces = model.run_batch(prompts, record=["blocks.1.hook_mlp_out"])
+    expected = torch.stack([t.activations["blocks.1.hook_mlp_out"].mean(0) for t in traces])
+    torch.testing.assert_close(mean["blocks.1.hook_mlp_out"], expected)
+    manifest = distributed.harvest(model, prompts, ["blocks.1.hook_mlp_out"], reduce=None, shard_size=4,
+                                   out=tmp_path / "h")
+    tokens = distributed.read_harvest(manifest.parent)
+    torch.testing.assert_close(tokens["blocks.1.hook_mlp_out"],
+                               torch.cat([t.activations["blocks.1.hook_mlp_out"] for t in traces]))
+
+
+def test_a_failing_shard_is_retried_then_reported():
+    calls = []
+
+    def flaky(shard):
+        calls.append(shard.index)
+        if shard.index == 1 and calls.count(1) == 1:
+            raise RuntimeError("transient")
+        return [x * 10 for x in shard.items]
+
+    assert distributed.run_sharded(list(range(10)), flaky, shard_size=3) == [x * 10 for x in range(10)]
+    assert sorted(calls) == [0, 1, 1, 2, 3]
+
+    def broken(shard):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(WorkbenchError, match=r"shard 0 \(items 0..2\) failed 3 times; last error: RuntimeError: out of "
+                                             r"memory \(3 more shards failed\)"):
+        distributed.run_sharded(list(range(10)), broken, shard_size=3, retries=2)
+    with pytest.raises(WorkbenchError, match="gave 1 results for 3 items"):
+        distributed.run_sharded(list(range(3)), lambda shard: [0], shard_size=3, retries=0)
+    with pytest.raises(WorkbenchError, match="shard_size"):
+        distributed.sweep([1], lambda x: x, shard_size=0)
+    with pytest.raises(WorkbenchError, match="no work items"):
+        distributed.sweep([], lambda x: x)
+
+
+def test_cli_harvest(model_file, tmp_path, capsys):
+    import json
+
+    import workbench
+    from workbench.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the cat\na dog barks\n\nthe end\n", encoding="utf-8")
+    argv = ["harvest", "--file", str(prompts), "--hook", "blocks.1.hook_resid_post", "--hook", "hook_embed", "--out",
+            str(tmp_path / "out"), "--model", str(model_file), "--device", "cpu", "--shard-size", "2", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["prompts"], summary["shards"], summary["ranks"]) == (3, 2, 1)
+    got = distributed.read_harvest(tmp_path / "out")
+    model = workbench.load(str(model_file), device="cpu")
+    traces = model.run_batch(["the cat", "a dog barks", "the end"], record=["blocks.1.hook_resid_post", "hook_embed"])
+    assert summary["rows"] == got["offsets"][-1] == sum(len(t.ids) for t in traces)
+    for name in ("blocks.1.hook_resid_post", "hook_embed"):
+        torch.testing.assert_close(got[name], torch.cat([t.activations[name] for t in traces]))
+    assert main(argv[:-1] + ["--reduce", "sideways"]) == 2
+    assert "reduce" in capsys.readouterr().err
+
+
+def test_a_rerun_keeps_only_shards_of_the_same_harvest(model_file, tmp_path):
+    import workbench
+
+    model = workbench.load(str(model_file), device="cpu")
+    prompts = distributed_job.PROMPTS[:5]
+    folder = tmp_path / "h"
+    distributed.harvest(model, prompts, ["hook_embed"], reduce=None, out=folder, shard_size=2)
+    written = {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*")}
+    distributed.harvest(model, prompts, ["hook_embed"], reduce=None, out=folder, shard_size=2)
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*")} == written  # kept, not recomputed
+    distributed.harvest(model, prompts, ["hook_embed"], reduce="last", out=folder, shard_size=2)
+    assert distributed.read_harvest(folder)["hook_embed"].shape[0] == 5  # recomputed: one row a prompt now

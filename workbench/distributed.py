@@ -1,0 +1,315 @@
+"""Data-parallel sweeps on torch.distributed: work items sharded over the ranks of a ``torchrun`` job, each shard's
+results gathered exactly once, in the items' order.
+
+Launch any script that calls these functions with ``torchrun --nproc-per-node N script.py`` (``--nnodes`` and a
+rendezvous for several machines); without torchrun it runs as one process and gives the same results. Each rank loads
+its own model (``cuda:LOCAL_RANK``, or a layer split over ``local_devices(per_rank)``) and runs its shards in batched
+forwards. torch.distributed, not Ray: it is what GPU-cluster jobs already launch (torchrun under Slurm or Kubernetes,
+NCCL between GPUs) and it comes with torch, so a sweep needs no other dependency or cluster service.
+
+Items are cut into shards of ``shard_size`` consecutive items; shard ``s`` runs on rank ``s % world``. A shard whose
+work raises is retried on the next rank (``(s + attempt) % world``), up to ``retries`` times; its results count only
+when a run of it finishes, so a failed attempt loses and duplicates nothing. A rank that dies takes the job down
+(torchrun stops the others, so nothing hangs); with ``torchrun --max-restarts``, a harvest to files skips the shards
+whose files are already written. Results travel between ranks with ``all_gather_object`` (pickle among the job's own
+processes, never data from elsewhere).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from workbench.errors import WorkbenchError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+HARVEST_FORMAT = "workbench-harvest/1"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A run of consecutive work items: ``items`` are ``all_items[start:start + len(items)]``."""
+
+    index: int
+    start: int
+    items: list
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    world: int
+    local_rank: int
+
+
+def init(backend: str | None = None, timeout_s: float = 1800.0) -> Rank:
+    """Join the process group torchrun describes in the environment (gloo on the CPU, NCCL where CUDA is present,
+    each rank on ``cuda:LOCAL_RANK``); without torchrun, one process of rank 0. Idempotent."""
+    if dist.is_available() and dist.is_initialized():
+        return this_rank()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Rank(0, 1, 0)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return this_rank()
+
+
+def this_rank() -> Rank:
+    if dist.is_available() and dist.is_initialized():
+        return Rank(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    return Rank(0, 1, 0)
+
+
+def local_devices(per_rank: int = 1) -> list[str]:
+    """The devices of this rank: ``per_rank`` consecutive GPUs of its host (``devices=`` for a layer split when
+    ``per_rank > 1``), or the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return ["cpu"] * per_rank
+    first = this_rank().local_rank * per_rank
+    if first + per_rank > torch.cuda.device_count():
+        raise WorkbenchError(f"local rank {this_rank().local_rank} needs GPUs {first}..{first + per_rank - 1}; this "
+                             f"host has {torch.cuda.device_count()}")
+    return [f"cuda:{first + i}" for i in range(per_rank)]
+
+
+def _all_gather(value: Any) -> list[Any]:
+    rank = this_rank()
+    if rank.world == 1:
+        return [value]
+    gathered: list[Any] = [None] * rank.world
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def run_sharded(items: Sequence[T], work: Callable[[Shard], Sequence[R]], *, shard_size: int = 64,
+                retries: int = 2) -> list[R]:
+    """``work(shard)`` over shards of ``items`` on every rank, one result per item: on every rank, the results of all
+    items in their order. Every rank must call this with the same items (it is a collective)."""
+    items = list(items)
+    if not items:
+        raise WorkbenchError("no work items given")
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise WorkbenchError(f"shard_size must be a positive integer, got {shard_size!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise WorkbenchError(f"retries must be a non-negative integer, got {retries!r}")
+    rank = this_rank()
+    shards = [Shard(s, start, items[start:start + shard_size])
+              for s, start in enumerate(range(0, len(items), shard_size))]
+    done: dict[int, list[R]] = {}
+    pending, errors = [shard.index for shard in shards], {}
+    for attempt in range(retries + 1):
+        failed = {}
+        for s in pending:
+            if (s + attempt) % rank.world != rank.rank:
+                continue
+            try:
+                out = list(work(shards[s]))
+                if len(out) != len(shards[s].items):
+                    raise WorkbenchError(f"the work gave {len(out)} results for {len(shards[s].items)} items")
+            except Exception as err:  # noqa: BLE001 - any failure of a shard is retried, then reported
+                failed[s] = f"{type(err).__name__}: {err}"
+                continue
+            done[s] = out
+        # every rank learns which shards failed, so all take the same next round
+        failed = {s: e for part in _all_gather(failed) for s, e in part.items()}
+        errors.update(failed)
+        pending = sorted(failed)
+        if not pending:
+            break
+    if pending:
+        s = pending[0]
+        first = shards[s].start
+        raise WorkbenchError(f"shard {s} (items {first}..{first + len(shards[s].items) - 1}) failed {retries + 1} "
+                             f"times; last error: {errors[s]}" + (f" ({len(pending) - 1} more shards failed)"
+                                                                  if len(pending) > 1 else ""))
+    gathered: dict[int, list[R]] = {}
+    for part in _all_gather(done):
+        for s, out in part.items():
+            if s in gathered:
+                raise WorkbenchError(f"shard {s} came back from two ranks")
+            gathered[s] = out
+    missing = sorted(set(range(len(shards))) - gathered.keys())
+    if missing:
+        raise WorkbenchError(f"shards {missing} came back from no rank")
+    return [result for s in range(len(shards)) for result in gathered[s]]
+
+
+def sweep(items: Sequence[T], fn: Callable[[T], R], *, shard_size: int = 16, retries: int = 2) -> list[R]:
+    """``[fn(item) for item in items]``, the items sharded over the ranks (see ``run_sharded``)."""
+    return run_sharded(items, lambda shard: [fn(item) for item in shard.items], shard_size=shard_size,
+                       retries=retries)
+
+
+def patching_sweeps(model: Any, pairs: Sequence[tuple[Any, Any]], *, shard_size: int = 4, retries: int = 2,
+                    **kwargs: Any) -> list:
+    """``hooks.patching_sweep(model, clean, corrupt, **kwargs)`` for every ``(clean, corrupt)`` pair, over the ranks:
+    the PatchingResults in the pairs' order."""
+    from workbench.hooks import patching_sweep
+
+    bad = [i for i, pair in enumerate(pairs) if not (isinstance(pair, (tuple, list)) and len(pair) == 2)]
+    if bad:
+        raise WorkbenchError(f"pair {bad[0]} is not a (clean, corrupt) pair")
+    kwargs.setdefault("progress", False)
+    return sweep(pairs, lambda pair: patching_sweep(model, pair[0], pair[1], **kwargs), shard_size=shard_size,
+                 retries=retries)
+
+
+def _shard_activations(model: Any, prompts: list, names: list[str], reduce: str | int | None,
+                       batch_size: int | None) -> dict[str, torch.Tensor]:
+    """One shard's activations: ``{hook: [rows, ...]}`` (one row per prompt with ``reduce``, else every token) and
+    ``"offsets"`` ``[prompts + 1]``, where prompt ``i``'s rows start."""
+    traces = model.run_batch(prompts, record=names, reduce=reduce, logits="last", batch_size=batch_size)
+    join = torch.cat if reduce is None else torch.stack
+    out = {name: join([t.activations[name] for t in traces]) for name in names}
+    rows = [1 if reduce is not None else len(t.ids) for t in traces]
+    out["offsets"] = torch.tensor([0, *rows], dtype=torch.long).cumsum(0)
+    return out
+
+
+def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[str], *,
+            reduce: str | int | None = "last", out: str | Path | None = None, shard_size: int = 64,
+            batch_size: int | None = None, retries: int = 2) -> dict[str, torch.Tensor] | Path:
+    """Activations of ``hooks`` (names or globs) over ``prompts``, the prompts sharded over the ranks.
+
+    In memory (``out`` None): ``{hook: [len(prompts), ...]}``, one row per prompt reduced by ``reduce`` ("last",
+    "mean" or a position), on every rank. With ``out``, a folder of safetensors shards for SAE training or probes:
+    ``shard-00000.safetensors`` ... with ``{hook: [rows, ...], "offsets": [prompts + 1]}`` (rows are prompts with
+    ``reduce``, every token with ``reduce=None``) and ``manifest.json`` listing them in order; each shard is written
+    once, atomically, and a rerun (``torchrun --max-restarts``) keeps the shards already written. Returns the
+    manifest's path."""
+    from workbench.hooks import Recorder
+    from workbench.hooks.points import axes
+
+    if reduce is not None and reduce not in ("last", "mean") and (isinstance(reduce, bool) or not isinstance(reduce, int)):
+        raise WorkbenchError(f"reduce must be None, 'last', 'mean' or a position, got {reduce!r}")
+    if out is None and reduce is None:
+        raise WorkbenchError("harvesting every token needs out=FOLDER (safetensors shards); in memory, give reduce")
+    recorder = Recorder.for_patterns(hooks, model.config)
+    if recorder is None:
+        raise WorkbenchError("name at least one hook point to harvest")
+    names = recorder.names
+    grown = [name for name in names if axes(name).token != 0]
+    if grown:
+        raise WorkbenchError(f"{grown[0]} is not token-major ([heads, T, S]): harvest token-major hook points")
+    ids = model.batch_ids(list(prompts))  # every prompt checked before any rank computes
+    if out is None:
+        rows = run_sharded(ids, lambda shard: _split_rows(_shard_activations(model, shard.items, names, reduce,
+                                                                             batch_size), names),
+                           shard_size=shard_size, retries=retries)
+        return {name: torch.stack([row[name] for row in rows]) for name in names}
+    folder = Path(out)
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise WorkbenchError(f"{folder} is not a folder to write shards into")
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def work(shard: Shard) -> list[int]:
+        """Writes the shard's file (unless an earlier run of this same harvest wrote it) and gives each prompt's row
+        count."""
+        path = folder / f"shard-{shard.index:05d}.safetensors"
+        # what the file holds: a rerun keeps it only when this matches (same model, prompts, hooks and reduce)
+        key = hashlib.sha256(json.dumps([model.config.to_dict(), str(model.path), shard.items, names, reduce]
+                                        ).encode()).hexdigest()
+        offsets = _written_offsets(path, key)
+        if offsets is None:
+            tensors = _shard_activations(model, shard.items, names, reduce, batch_size)
+            _write_atomic(path, tensors, {"harvest": key})
+            offsets = tensors["offsets"]
+        return offsets.diff().tolist()
+
+    counts = run_sharded(ids, work, shard_size=shard_size, retries=retries)
+    manifest = folder / "manifest.json"
+    if this_rank().rank == 0:
+        shards = []
+        for index, start in enumerate(range(0, len(ids), shard_size)):
+            stop = min(start + shard_size, len(ids))
+            shards.append({"file": f"shard-{index:05d}.safetensors", "prompts": [start, stop],
+                           "rows": sum(counts[start:stop])})
+        meta = {"format": HARVEST_FORMAT, "hooks": names, "reduce": reduce, "n_prompts": len(ids),
+                "model": {"name": model.config.name, "architecture": model.config.architecture,
+                          "n_layers": model.config.n_layers, "d_model": model.config.d_model},
+                "shards": shards}
+        tmp = manifest.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        tmp.replace(manifest)
+    if this_rank().world > 1:
+        dist.barrier()  # the manifest exists on return, on every rank
+    return manifest
+
+
+def _split_rows(tensors: dict[str, torch.Tensor], names: list[str]) -> list[dict[str, torch.Tensor]]:
+    """One ``{hook: row}`` per prompt of a shard harvested with a reduce."""
+    n = tensors["offsets"].numel() - 1
+    return [{name: tensors[name][i] for name in names} for i in range(n)]
+
+
+def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+    tmp.replace(path)
+
+
+def _written_offsets(path: Path, key: str) -> torch.Tensor | None:
+    """The offsets of a shard file an earlier run of the same harvest (``key``) wrote, or None to (re)compute it."""
+    if not path.is_file() or path.is_symlink():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("harvest") != key:
+                return None
+            return f.get_tensor("offsets")
+    except Exception:  # noqa: BLE001 - an unreadable leftover is recomputed and replaced
+        return None
+
+
+def read_harvest(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every shard of a harvest folder joined in order: ``{hook: [rows, ...], "offsets": [prompts + 1]}``."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        raise WorkbenchError(f"{folder} holds no harvest (no manifest.json)")
+    meta = json.loads(manifest.read_text(encoding="utf-8"))
+    if meta.get("format") != HARVEST_FORMAT:
+        raise WorkbenchError(f"{manifest} is not a workbench harvest (format {meta.get('format')!r})")
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in meta["hooks"]}
+    offsets, base = [torch.zeros(1, dtype=torch.long)], 0
+    for shard in meta["shards"]:
+        path = folder / shard["file"]
+        if path.is_symlink() or path.resolve().parent != folder.resolve() or not path.is_file():
+            raise WorkbenchError(f"harvest shard {shard['file']} is missing from {folder}")
+        tensors = load_file(str(path))
+        for name in parts:
+            parts[name].append(tensors[name])
+        offsets.append(tensors["offsets"][1:] + base)
+        base += int(tensors["offsets"][-1])
+    return {**{name: torch.cat(chunks) for name, chunks in parts.items()}, "offsets": torch.cat(offsets)}
+
+
+def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence[str], pooling: str = "last", *,
+                        shard_size: int = 64, retries: int = 2) -> dict[str, torch.Tensor]:
+    """``probes.collect_activations`` with the prompts sharded over the ranks: pooled ``{hook: [prompts, features]}``
+    for ``probes.fit_probe`` (a probe dataset)."""
+    from workbench.probes.activations import POOLINGS, check_prompts
+
+    prompts = check_prompts(prompts)
+    if pooling not in POOLINGS:
+        raise WorkbenchError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    acts = harvest(model, prompts, hook_names, reduce=pooling, shard_size=shard_size, retries=retries)
+    return {name: value.flatten(1) for name, value in acts.items()}
