@@ -12,6 +12,7 @@ PAGES = [
     st.Page("page_interventions.py", url_path="interventions", title="Interventions", icon=":material/tune:"),
     st.Page("page_patching.py", url_path="patching", title="Patching", icon=":material/swap_horiz:"),
     st.Page("page_batch.py", url_path="batch", title="Batch", icon=":material/view_list:"),
+    st.Page("page_adapters.py", url_path="adapters", title="Adapters", icon=":material/difference:"),
     st.Page("page_probes.py", url_path="probes", title="Probes", icon=":material/scatter_plot:"),
     st.Page("page_sae.py", url_path="sae", title="SAE features", icon=":material/blur_on:"),
     st.Page("page_kv_cache.py", url_path="kv-cache", title="KV cache", icon=":material/memory:"),

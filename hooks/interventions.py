@@ -26,7 +26,7 @@ import torch
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError, shorten
-from workbench.runner import HookContext, HookFn
+from workbench.runner import LORA_POINTS, HookContext, HookFn
 
 from .points import axes, feature_size, head_count, resolve, token_shape
 from .recording import Recorder
@@ -487,6 +487,53 @@ class ResampleAblate(RegionEdit):
             return torch.where(mask, pool[rows.to(pool.device)], x)
 
         return edit
+
+
+# "q" -> "attn.hook_q_lora", ...: the projections a ScaleAdapter names
+_LORA_POINT_OF = {p.split(".")[1].removeprefix("hook_").removesuffix("_lora"): p for p in LORA_POINTS.values()}
+
+
+@dataclass
+class ScaleAdapter(Intervention):
+    """Scale the call's LoRA terms by ``factor`` (0 removes the adapters) in chosen ``layers`` and ``projections``
+    (``"q"``, ``"k"``, ``"v"``, ``"o"``, ``"gate"``, ``"up"``, ``"down"``; None: all), at chosen positions: where does
+    the fine-tune act? A ``scale`` edit at each selected ``..._lora`` hook point; projections the adapters leave alone
+    are untouched."""
+
+    factor: float = 0.0
+    layers: Sequence[int] | None = None
+    projections: Sequence[str] | None = None
+    positions: Positions = None
+    kind: ClassVar[str] = "scale_adapter"
+
+    def _parts(self, run: RunShape) -> list[Scale]:
+        factor = _check_finite(self.factor, "adapter scale factor")
+        projections = list(_LORA_POINT_OF) if self.projections is None else self.projections
+        if isinstance(projections, str) or not all(isinstance(p, str) for p in projections):
+            raise HookError(f"projections must be a list of names, got {self.projections!r}")
+        unknown = sorted(set(projections) - set(_LORA_POINT_OF))
+        if unknown:
+            raise HookError(f"unknown projections {unknown}; choose from {', '.join(_LORA_POINT_OF)}")
+        layers = _as_int_list(self.layers, "layers") if self.layers is not None else range(run.config.n_layers)
+        bad = [i for i in layers if not 0 <= i < run.config.n_layers]
+        if bad:
+            raise HookError(f"layers {bad} out of range 0..{run.config.n_layers - 1}")
+        return [Scale(f"blocks.{i}.{_LORA_POINT_OF[p]}", factor, self.positions) for i in layers for p in projections]
+
+    def validate(self, run: RunShape) -> None:
+        for part in self._parts(run):
+            part.validate(run)
+
+    def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
+        return merge_hooks(part.compile(run) for part in self._parts(run))
+
+    def to_spec(self) -> dict[str, Any]:
+        spec = {"type": self.kind, "factor": float(self.factor)}
+        for key in ("layers", "projections", "positions"):
+            value = getattr(self, key)
+            if value is not None:
+                spec[key] = value if isinstance(value, str) else list(value)
+        return spec
 
 
 @dataclass

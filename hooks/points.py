@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError, shorten
-from workbench.runner import GLOBAL_POINTS, block_points, hook_point_names
+from workbench.runner import GLOBAL_POINTS, LORA_POINTS, block_points, hook_point_names
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,26 @@ def layer_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("blocks.") else None
 
 
-def point_shapes(config: ModelConfig) -> dict[str, str]:
-    """Every hook point with its shape, dimensions filled in from the config (T/S stay symbolic)."""
-    return dict(_shape_table(config))
+def point_shapes(config: ModelConfig, lora: bool = False) -> dict[str, str]:
+    """Every hook point with its shape, dimensions filled in from the config (T/S stay symbolic); with ``lora``, the
+    LoRA terms' points too."""
+    table = _shape_table(config)
+    return dict(table if lora else table[:len(hook_point_names(config))])
+
+
+@lru_cache(maxsize=16)
+def lora_point_names(n_layers: int) -> tuple[str, ...]:
+    """The hook points of the adapted projections' LoRA terms (``runner.LORA_POINTS``), layer by layer."""
+    return tuple(f"blocks.{i}.{p}" for i in range(n_layers) for p in LORA_POINTS.values())
+
+
+_LORA_PROJECTION = {p: proj for proj, p in LORA_POINTS.items()}
+
+
+def _lora_width(suffix: str, config: ModelConfig) -> int:
+    from workbench.adapters import projection_shape
+
+    return projection_shape(config, _LORA_PROJECTION[suffix])[0]
 
 
 @lru_cache(maxsize=16)
@@ -80,6 +97,7 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     for name in hook_point_names(config):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
         out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix])))
+    out += [(name, f"[T, {_lora_width(name.split('.', 2)[2], config)}]") for name in lora_point_names(config.n_layers)]
     return tuple(out)
 
 
@@ -120,6 +138,8 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
         return None
     if a.head is not None:
         return config.d_model if name.endswith("hook_result") else config.d_head
+    if name.endswith("_lora"):
+        return _lora_width(name.split(".", 2)[2], config)
     if name.endswith(("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")):
         return config.d_mlp
     if name.endswith("mlp.hook_router_logits"):
@@ -131,8 +151,9 @@ MAX_NAME_LENGTH = 256
 
 
 def resolve(pattern: str, config: ModelConfig) -> list[str]:
-    """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``)."""
-    names = hook_point_names(config)
+    """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``). The LoRA terms'
+    points (``blocks.3.attn.hook_q_lora``) match only patterns that name them (with ``lora``): ``*`` matches what it
+    matches in a model without adapters."""
     if not isinstance(pattern, str) or not pattern:
         raise HookError(f"a hook name must be a non-empty string, got {shorten(pattern)}")
     if len(pattern) > MAX_NAME_LENGTH:  # no point is named so; a huge glob or layer number costs time to reject
@@ -140,6 +161,7 @@ def resolve(pattern: str, config: ModelConfig) -> list[str]:
     sae_point = split_sae_point(pattern)
     if sae_point:  # a point of an SAE at the hook (the call checks that one is attached)
         return [f"{base}.{sae_point[1]}" for base in resolve(sae_point[0], config)]
+    names = lora_point_names(config.n_layers) if "lora" in pattern else hook_point_names(config)
     if any(ch in pattern for ch in "*?["):
         matched = fnmatch.filter(names, pattern)
         if not matched:

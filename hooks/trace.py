@@ -56,6 +56,7 @@ class Trace:
     seed: int | None = None
     chat: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # LoRA adapters run with: name, scale, path, sha256
 
     def top_tokens(self, position: int = -1, k: int = 10) -> list[tuple[int, float]]:
         """(token id, probability) of the k most likely next tokens at a position."""
@@ -110,6 +111,7 @@ class Trace:
             "seed": self.seed,
             "interventions": self.interventions,
             "metrics": self.metrics,
+            "adapters": self.adapters,
             "tensors": {key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                               "sha256": tensor_sha256(t)} for key, t in tensors.items()},
             "tensors_file": {"name": TENSORS_FILE, "bytes": len(tensor_bytes),
@@ -174,7 +176,7 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
                                if key.startswith(_ACTIVATION_PREFIX)},
                   interventions=manifest["interventions"], fingerprint=manifest["fingerprint"],
                   backend=manifest["backend"], versions=manifest["versions"], seed=manifest["seed"],
-                  chat=manifest["chat"], metrics=manifest["metrics"])
+                  chat=manifest["chat"], metrics=manifest["metrics"], adapters=manifest.get("adapters", []))
     _check_consistent(trace, tensors_path)
     return trace
 
@@ -239,6 +241,8 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
         raise TraceError(f"{where}: a prompt given as ids must equal 'ids'")
     if not all(isinstance(spec, dict) for spec in trace.interventions):
         raise TraceError(f"{where}: 'interventions' must be a list of intervention specs")
+    if not isinstance(trace.adapters, list) or not all(isinstance(entry, dict) for entry in trace.adapters):
+        raise TraceError(f"{where}: 'adapters' must be a list of adapter records")
     logits = trace.logits
     if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[0] != len(trace.ids):
         raise TraceError(f"{where}: logits have shape {tuple(logits.shape)}; a trace of {len(trace.ids)} tokens "

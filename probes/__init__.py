@@ -10,11 +10,14 @@
   llama.cpp control-vector GGUF export and import.
 - ``load_sae`` (SAELens folders, Gemma Scope params.npz), ``train_sae`` / ``evaluate_sae``, ``feature_stats``,
   ``promoted_tokens``, ``top_features``, ``feature_attribution``: sparse autoencoders and transcoders (docs/saes.md).
+- ``compare_models``: base against a LoRA adapter on the same prompts (residual differences, lens of the difference,
+  KL, attribution of the change, the "adapter minus base" steering vector).
 - ``load_dataset`` / ``list_datasets``: the labelled prompt sets of ``workbench.datasets`` or your own JSONL.
 """
 from .activations import collect_activations
 from .data import Dataset, list_datasets, load_dataset, make_dataset, pairs_dataset
 from .dla import Attribution, direct_logit_attribution, direct_logit_attribution_batch
+from .model_diff import ModelDiff, compare_models
 from .lens import LogitLens, TokenTrack, logit_lens, logit_lens_batch
 from .probing import (DepthSweep, Probe, depth_sweep, layer_at_fraction, probe_at_depth_fraction, train_probe,
                       wilson_interval)
@@ -32,7 +35,7 @@ __all__ = [
     "collect_activations", "train_probe", "probe_at_depth_fraction", "depth_sweep", "layer_at_fraction",
     "wilson_interval", "Probe", "DepthSweep",
     "steering_vector", "steering_sweep", "SteeringVector", "SteeringSweep",
-    "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset",
+    "load_dataset", "list_datasets", "make_dataset", "pairs_dataset", "Dataset", "compare_models", "ModelDiff",
     "SAE", "load_sae", "register_sae", "registered_saes", "resolve_sae", "sae_paths_within",
     "FeatureSteer", "FeatureAblate", "FeatureClamp",
     "train_sae", "evaluate_sae", "init_sae", "python_docs_corpus", "generated_corpus", "TrainResult",

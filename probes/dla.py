@@ -22,8 +22,8 @@ from .lens import token_id
 class Attribution:
     """One contribution per component, in forward order; they sum to ``total`` (≈ ``logit``)."""
 
-    labels: list[str]  # "embed", "L3H5", "L3 MLP"
-    kinds: list[str]  # "embed" | "attn" | "mlp"
+    labels: list[str]  # "embed", "L3H5", "L3 O LoRA", "L3 MLP"
+    kinds: list[str]  # "embed" | "attn" | "lora" (an adapter's term on W_O, beside the heads) | "mlp"
     contributions: torch.Tensor  # float64 [components]
     target: str  # what the direction reads, e.g. "' Paris'" or "' Paris' - ' London'"
     position: int
@@ -56,7 +56,7 @@ class Attribution:
 
         index = range(len(self.labels)) if top is None else [
             self.labels.index(label) for label, _ in self.top(top)]
-        colors = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e"}
+        colors = {"embed": "#7f7f7f", "attn": "#1f77b4", "lora": "#2ca02c", "mlp": "#ff7f0e"}
         fig = go.Figure(go.Bar(
             x=[self.labels[i] for i in index], y=[float(self.contributions[i]) for i in index],
             marker_color=[colors[self.kinds[i]] for i in index]))
@@ -66,7 +66,9 @@ class Attribution:
         return fig
 
 
-RECORD = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out", "ln_final.hook_scale"]
+# An adapter's LoRA term on W_O is written beside the heads' results (they are the base's W_O slices): its own component.
+RECORD = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.attn.hook_o_lora", "blocks.*.hook_mlp_out",
+          "ln_final.hook_scale"]
 
 
 def check_linear_heads(model: Any) -> None:
@@ -111,7 +113,10 @@ def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[
     return [_attribution(model, trace, t, b, position) for trace, t, b in zip(traces, target_ids, baseline_ids)]
 
 
-def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None, position: int) -> Attribution:
+def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None, position: int,
+                 lora_layers: Sequence[int] = ()) -> Attribution:
+    """The attribution of one trace; an "O LoRA" component in each layer whose W_O term the trace recorded, or that
+    ``lora_layers`` lists (zero where it was not recorded: so two runs' components line up)."""
     c = model.config
     n_pos = len(trace.ids)
     if not -n_pos <= position < n_pos:
@@ -124,6 +129,11 @@ def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None
         components.extend(acts[f"blocks.{layer}.attn.hook_result"][position])
         labels += [f"L{layer}H{h}" for h in range(c.n_heads)]
         kinds += ["attn"] * c.n_heads
+        o_lora = acts.get(f"blocks.{layer}.attn.hook_o_lora")
+        if o_lora is not None or layer in lora_layers:
+            components.append(o_lora[position] if o_lora is not None else torch.zeros(c.d_model))
+            labels.append(f"L{layer} O LoRA")
+            kinds.append("lora")
         components.append(acts[f"blocks.{layer}.hook_mlp_out"][position])
         labels.append(f"L{layer} MLP")
         kinds.append("mlp")

@@ -68,6 +68,25 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
+def top_logprobs(llm, texts: list[str], top: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """llama.cpp's top ``top`` log-probabilities (ids, values) and the log of the tail mass at every position of each
+    prompt (``prompt{i}.top_ids`` ...), and each prompt's text and token ids."""
+    tensors, prompts = {}, []
+    for i, prompt in enumerate(texts):
+        ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        llm.reset()
+        llm.eval(ids)
+        logprobs = log_softmax(np.array(llm.scores[: len(ids)], dtype=np.float32))
+        top_ids = np.argsort(-logprobs, axis=-1)[:, :top]
+        top_lp = np.take_along_axis(logprobs, top_ids, axis=-1)
+        tail = np.log1p(-np.minimum(np.exp(top_lp).sum(-1), 1 - 1e-12))
+        tensors[f"prompt{i}.top_ids"] = torch.from_numpy(top_ids.astype(np.int32))
+        tensors[f"prompt{i}.top_logprobs"] = torch.from_numpy(top_lp.astype(np.float32))
+        tensors[f"prompt{i}.tail_logprob"] = torch.from_numpy(tail.astype(np.float32))
+        prompts.append({"text": prompt, "ids": [int(t) for t in ids], "max_tail_mass": float(np.exp(tail).max())})
+    return tensors, prompts
+
+
 def main() -> None:
     import llama_cpp
 
@@ -87,19 +106,7 @@ def main() -> None:
     source = {"model": model_path.name, "llama_cpp_python": llama_cpp.__version__,
               "machine": platform.machine(), "threads": args.threads, "top": TOP}
 
-    tensors, prompts = {}, []
-    for i, prompt in enumerate(PROMPTS):
-        ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-        llm.reset()
-        llm.eval(ids)
-        logprobs = log_softmax(np.array(llm.scores[: len(ids)], dtype=np.float32))
-        top_ids = np.argsort(-logprobs, axis=-1)[:, :TOP]
-        top_lp = np.take_along_axis(logprobs, top_ids, axis=-1)
-        tail = np.log1p(-np.minimum(np.exp(top_lp).sum(-1), 1 - 1e-12))
-        tensors[f"prompt{i}.top_ids"] = torch.from_numpy(top_ids.astype(np.int32))
-        tensors[f"prompt{i}.top_logprobs"] = torch.from_numpy(top_lp.astype(np.float32))
-        tensors[f"prompt{i}.tail_logprob"] = torch.from_numpy(tail.astype(np.float32))
-        prompts.append({"text": prompt, "ids": [int(t) for t in ids], "max_tail_mass": float(np.exp(tail).max())})
+    tensors, prompts = top_logprobs(llm, PROMPTS, TOP)
     save_file(tensors, FIXTURES / "llamacpp_logits.safetensors")
     (FIXTURES / "llamacpp_logits.json").write_text(json.dumps({**source, "prompts": prompts}, indent=1) + "\n")
 

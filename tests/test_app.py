@@ -235,6 +235,31 @@ def test_batch_page_shows_each_prompts_next_token(model):
     assert len(chart(at, "ba_norms")["data"]) == 3
 
 
+def test_adapters_page_compares_an_adapter_with_the_base(model):
+    adapter = Path(__file__).parent / "fixtures" / "llamacpp_lora_adapter.gguf"
+    at = start("page_adapters.py")
+    at.text_input(key="ad_path").set_value(str(adapter)).run()
+    at.text_input(key="ad_name").set_value("page-lora").run()
+    button(at, "Load adapter").click().run()
+    assert_clean(at)
+    prompts = ["The capital of France is", "Hello"]
+    at.text_area(key="ad_prompts").set_value("\n".join(prompts)).run()
+    button(at, "Compare").click().run()
+    assert_clean(at)
+    model.load_adapter(adapter, name="page-lora")
+    try:
+        expected = probes.compare_models(model, prompts, "page-lora")
+    finally:
+        model.unload_adapter("page-lora")
+    assert at.metric[0].value == f"{expected.mean_kl:.4f} nats"
+    resid = chart(at, "ad_resid")["data"][0]
+    torch.testing.assert_close(values(resid["y"]).float(), expected.resid_norms, rtol=1e-4, atol=1e-5)
+    assert len(chart(at, "ad_kl")["data"]) == 2
+    button(at, "Load adapter").click().run()  # the same name again
+    assert_clean(at, errors=1)
+    assert "already loaded" in at.error[0].value
+
+
 def test_probe_depth_sweep_and_pca(model):
     at = start("page_probes.py")
     at.selectbox(key="pr_dataset").set_value("sentiment").run()

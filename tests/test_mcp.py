@@ -36,15 +36,15 @@ class Client:
     def __init__(self, portal, session: ClientSession):
         self.portal, self.session = portal, session
 
-    def result(self, name: str, **arguments: Any):
+    def result(self, name: str, /, **arguments: Any):
         return self.portal.call(self.session.call_tool, name, arguments)
 
-    def call(self, name: str, **arguments: Any) -> dict:
+    def call(self, name: str, /, **arguments: Any) -> dict:
         result = self.result(name, **arguments)
         assert not result.is_error, result.content[0].text
         return result.structured_content
 
-    def error(self, name: str, **arguments: Any) -> str:
+    def error(self, name: str, /, **arguments: Any) -> str:
         result = self.result(name, **arguments)
         assert result.is_error, f"{name} should have failed: {str(result.structured_content)[:300]}"
         return result.content[0].text
@@ -761,3 +761,32 @@ def test_sae_tools(http, artifacts, model):
                         prompts=prompts * 4, max_seconds=5, batch_tokens=16)
     assert trained["summary"]["steps"] >= 1 and (artifacts / "saes" / "new" / "cfg.json").is_file()
     assert trained["summary"]["heldout"]["tokens"] > 0
+
+
+def test_adapter_tools(http, model, artifacts):
+    """A llama.cpp LoRA adapter next to the shared model: loaded, listed, and compared against the base with the
+    numbers of probes.compare_models."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).parent / "fixtures" / "llamacpp_lora_adapter.gguf", artifacts / "lora.gguf")
+    try:
+        info = http.call("load_adapter", path="lora.gguf", name="ft")
+        assert (info["path"], info["format"], info["rank"], info["layers"]) == ("lora.gguf", "gguf", 4, [0, 14, 29])
+        assert http.call("list_adapters")["adapters"] == [info]
+        prompts = [PROMPT, "Water boils at"]
+        out = http.call("compare_models", prompts=prompts, adapter="ft", top=3)
+        expected = probes.compare_models(model, prompts, "ft", k=3)
+        assert (out["a"], out["b"], out["prompts"]) == ("adapter 'ft'", "base", 2)
+        assert out["mean_kl"] == pytest.approx(expected.mean_kl, rel=1e-4)
+        assert out["resid_diff_norm"] == pytest.approx(expected.resid_norms.tolist(), rel=1e-4, abs=1e-5)
+        assert [t["token"] for t in out["lens_promoted"][-1]] == [t for t, _ in expected.lens_promoted[-1]]
+        assert out["steering"]["layers"] == list(range(30))
+        steered = http.call("steer", prompt=PROMPT, vector_id=out["steering"]["vector_id"], scale=1.0)
+        assert steered["kl"] > 0
+        assert "unknown adapter 'nope'" in http.error("compare_models", prompts=prompts, adapter="nope")
+        assert "no adapter" in http.error("load_adapter", path="missing.gguf")
+        assert "already loaded" in http.error("load_adapter", path="lora.gguf", name="ft")
+        assert "prompts must be between 1 and" in http.error("compare_models", prompts=[], adapter="ft")
+    finally:
+        model.adapters.pop("ft", None)

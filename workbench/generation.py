@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from workbench.errors import WorkbenchError
 from workbench.kernels.linear import NUMERICS, Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
-from workbench.runner import BatchLayout, Hooks, Transformer
+from workbench.runner import BatchLayout, Hooks, Lora, Transformer
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ MIN_STEP_CAPACITY = 256
 
 def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
                     sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(), hooks: Hooks | None = None,
-                    cache: KVCache | None = None, compiled: bool | str | None = None) -> Iterator[int]:
+                    cache: KVCache | None = None, compiled: bool | str | None = None, lora: Lora | None = None
+                    ) -> Iterator[int]:
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
     With ``cache``, the prompt tokens continue it and generation appends to it. With no hooks and no
@@ -81,7 +82,8 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     the graph and reads tokens back one step behind, so the GPU never waits on Python between steps.
 
     The numerics (``workbench.kernels.numerics``) are taken when this is called: every step computes in them,
-    wherever the tokens are read.
+    wherever the tokens are read. ``lora``: the adapters' terms (``Transformer.forward``); a run with them decodes
+    eagerly (a built step holds the base's forward).
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
@@ -98,9 +100,9 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     if compiled not in (True, False, "background"):
         raise WorkbenchError(f"compiled must be True, False, 'background' or None, got {compiled!r}")
     # a model split over devices decodes eagerly: a CUDA graph captures the stream of one device
-    built_step = compiled if cache is None and not hooks and not runner.is_split else False
+    built_step = compiled if cache is None and not hooks and not runner.is_split and not lora else False
     return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step,
-                   get_numerics())
+                   get_numerics(), lora)
 
 
 @dataclass(eq=False)
@@ -144,7 +146,8 @@ def _built_step(runner: Transformer, capacity: int, mode: Numerics) -> DecodeSte
 
 
 def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_ids: set[int],
-            hooks: Hooks | None, cache: KVCache | None, built_step: bool, mode: Numerics) -> Iterator[int]:
+            hooks: Hooks | None, cache: KVCache | None, built_step: bool, mode: Numerics,
+            lora: Lora | None = None) -> Iterator[int]:
     if max_new_tokens == 0:
         return
     # With a cache of its own and no hooks, nothing of the forward outlives a step but token ids: it runs under
@@ -166,7 +169,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
         # Each forward enters the numerics itself: a block around a ``yield`` would leak into the reader's code.
         with torch.inference_mode(inference), numerics(mode):
             logits = runner.forward(torch.tensor(prompt_ids, dtype=torch.long), cache=cache, hooks=hooks,
-                                    last_logits_only=True)
+                                    last_logits_only=True, lora=lora)
         token = sampling.pick(logits[-1], generator)
         yield token
         if token in stop_ids or max_new_tokens == 1:
@@ -188,7 +191,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             else:
                 with torch.inference_mode(inference), numerics(mode):
                     logits = runner.forward(torch.tensor([token]), cache=cache, hooks=hooks, last_logits_only=True,
-                                            step=step)
+                                            step=step, lora=lora)
             token = sampling.pick(logits[-1], generator)
             yield token
             if token in stop_ids:
@@ -278,18 +281,20 @@ class BackgroundBuild:
 
 def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int,
                           sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(),
-                          hooks: Hooks | None = None, mode: Numerics | None = None) -> Iterator[tuple[int, int]]:
+                          hooks: Hooks | None = None, mode: Numerics | None = None, lora: Lora | None = None
+                          ) -> Iterator[tuple[int, int]]:
     """Yield ``(prompt, token id)`` for a batch of prompts (``{prompt index: ids}``) decoded together: one batched
     prefill, then one batched step per token over a ``BatchKVCache``, each prompt with its own generator (seeded
     alike, so each samples what ``generate_tokens`` samples for it alone). A prompt leaves the batch, and its cache
     row is dropped, when it stops. ``hooks`` are batch-level (``hooks.per_prompt_hooks``). Every forward computes in
-    the numerics ``mode`` (default: those current when this is called)."""
+    the numerics ``mode`` (default: those current when this is called), with the adapters' terms ``lora``."""
     mode = mode or get_numerics()
-    return _decode_batch(runner, prompts, max_new_tokens, sampling, stop_ids, hooks, mode)
+    return _decode_batch(runner, prompts, max_new_tokens, sampling, stop_ids, hooks, mode, lora)
 
 
 def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int, sampling: Sampling,
-                  stop_ids: set[int], hooks: Hooks | None, mode: Numerics) -> Iterator[tuple[int, int]]:
+                  stop_ids: set[int], hooks: Hooks | None, mode: Numerics, lora: Lora | None
+                  ) -> Iterator[tuple[int, int]]:
     if max_new_tokens == 0:
         return
     order = list(prompts)
@@ -300,14 +305,15 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     shared = 0 if hooks else shared_prefix(rows)
     with torch.inference_mode(not hooks), numerics(mode):  # around each forward alone: the caller runs between yields
         if shared:
-            cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True)
+            cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True, lora=lora)
         else:
             cache = runner.new_batch_cache(len(rows), capacity)
     layout = BatchLayout([len(r) - shared for r in rows], runner.device, prompts=order, cached=cache.lengths)
     packed = torch.tensor([t for r in rows for t in r[shared:]], dtype=torch.long)
     for step in range(max_new_tokens):
         with torch.inference_mode(not hooks), numerics(mode):
-            logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout)
+            logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout,
+                                    lora=lora)
         if sampling.temperature == 0:
             tokens = logits.argmax(-1).tolist()  # one read-back for the whole batch
         else:

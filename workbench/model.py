@@ -9,11 +9,12 @@ from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from workbench import hooks as hooks_lib
+from workbench.adapters import Adapter, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
 from workbench.errors import WorkbenchError, shorten
 from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
@@ -22,7 +23,7 @@ from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
-from workbench.runner import BatchLayout, Transformer
+from workbench.runner import LORA_GROUPS, BatchLayout, Lora, Transformer
 from workbench.tokenizer import StreamDecoder
 
 # Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
@@ -30,6 +31,9 @@ from workbench.tokenizer import StreamDecoder
 _ACTIVE: ContextVar[tuple] = ContextVar("workbench_active_hooks", default=())
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Which adapters a call runs with: None (the base), a resident adapter's name (at its own scale) or {name: scale}.
+AdapterChoice = str | Mapping[str, float] | None
 
 
 def is_utf8(text: str) -> bool:
@@ -86,6 +90,8 @@ class Model:
         self.runner = Transformer(checkpoint.config, checkpoint.weights, device, resolve_dtype(dtype, device),
                                   split=ranges)
         self.load_seconds = load_seconds
+        self.adapters: dict[str, Adapter] = {}
+        self._lora: dict[tuple, Lora] = {}  # a choice of adapters and scales -> its terms on the device, built once
 
     @property
     def device(self) -> torch.device:
@@ -118,6 +124,88 @@ class Model:
         if self.numerics is None or scoped_numerics() is not None:
             return nullcontext()
         return numerics(self.numerics)
+
+    # -------------------------------------------------------------------------------------- adapters
+
+    def load_adapter(self, path: str | Path, name: str | None = None, scale: float = 1.0) -> Adapter:
+        """Make a LoRA adapter (a llama.cpp GGUF adapter or a PEFT folder) resident under ``name`` (default: the file's
+        stem), used at ``scale`` when a call names it; checked against this model before it is kept
+        (workbench.adapters). Calls choose it with ``adapter=name`` (or mix it: ``adapter={name: scale, ...}``)."""
+        name = name if name is not None else Path(path).stem
+        if not isinstance(name, str) or not name:
+            raise WorkbenchError(f"an adapter name must be a non-empty string, got {name!r}")
+        if name in self.adapters:
+            raise WorkbenchError(f"an adapter named {name!r} is already loaded; unload_adapter({name!r}) first")
+        adapter = load_adapter(path, self.config, name, scale)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        self._adapter(name)
+        del self.adapters[name]
+        self._lora = {key: lora for key, lora in self._lora.items() if name not in dict(key)}
+
+    def list_adapters(self) -> list[dict[str, Any]]:
+        return [adapter.summary() for adapter in self.adapters.values()]
+
+    def _adapter(self, name: Any) -> Adapter:
+        if name not in self.adapters:
+            known = ", ".join(map(repr, self.adapters)) or "none (model.load_adapter(path, name=...))"
+            raise WorkbenchError(f"unknown adapter {name!r}; loaded: {known}")
+        return self.adapters[name]
+
+    def adapter_scales(self, adapter: AdapterChoice) -> dict[str, float]:
+        """``{name: scale}`` of a call's adapter choice, checked before any compute; scale-0 adapters are left out (a
+        call with none left is the base's forward, bit for bit)."""
+        if adapter is None:
+            return {}
+        if isinstance(adapter, str):
+            return {adapter: self._adapter(adapter).scale} if self._adapter(adapter).scale != 0 else {}
+        if not isinstance(adapter, Mapping):
+            raise WorkbenchError(f"adapter must be None, a name or {{name: scale}}, got {type(adapter).__name__}")
+        scales = {}
+        for name, scale in adapter.items():
+            self._adapter(name)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not torch.isfinite(
+                    torch.tensor(float(scale))):
+                raise WorkbenchError(f"the scale of adapter {name!r} must be a finite number, got {scale!r}")
+            if scale != 0:
+                scales[name] = float(scale)
+        return scales
+
+    def lora_terms(self, adapter: AdapterChoice) -> Lora | None:
+        """The runner's LoRA terms for a call's adapter choice (None: the base), on this model's device and dtype:
+        several adapters stacked along the rank, each B times its scale. Built once per choice; no reload between
+        calls."""
+        scales = self.adapter_scales(adapter)
+        if not scales:
+            return None
+        key = tuple(sorted(scales.items()))
+        if key not in self._lora:
+            self._lora[key] = [self._layer_lora(i, scales) for i in range(self.config.n_layers)]
+        return self._lora[key]
+
+    def _layer_lora(self, i: int, scales: dict[str, float]) -> dict:
+        """One layer's terms (``runner.Lora``): per group of projections sharing an input, the adapted ones' A rows
+        stacked and their scaled B's as the blocks of one block-diagonal matrix (two matmuls per group)."""
+        terms = {}
+        for group in LORA_GROUPS:
+            adapted = tuple(p for p in group if any(p in self.adapters[name].layers[i] for name in scales))
+            if not adapted:
+                continue
+            pieces = [[(self.adapters[name].layers[i][p], scale) for name, scale in scales.items()
+                       if p in self.adapters[name].layers[i]] for p in adapted]
+            a = torch.cat([a for piece in pieces for (a, _), _ in piece])
+            b = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1) for piece in pieces])
+            device = self.runner.weights.layers[i].attn_norm.device  # the layer's own, in a model split over devices
+            terms[group] = (a.to(device, self.dtype), b.to(device, self.dtype), adapted)
+        return terms
+
+    def adapter_record(self, adapter: AdapterChoice) -> list[dict[str, Any]]:
+        """What a trace keeps of a call's adapters: name, scale, format, file path and sha256."""
+        return [{"name": name, "scale": scale, "format": self.adapters[name].format,
+                 "path": str(self.adapters[name].path), "sha256": self.adapters[name].sha256}
+                for name, scale in self.adapter_scales(adapter).items()]
 
     # ------------------------------------------------------------------------------------------ text
 
@@ -161,8 +249,9 @@ class Model:
     # --------------------------------------------------------------------------------------- forward
 
     def hook_points(self) -> dict[str, str]:
-        """Every hook point name with the shape of its activation (T tokens, S attended slots)."""
-        return hooks_lib.point_shapes(self.config)
+        """Every hook point name with the shape of its activation (T tokens, S attended slots); the LoRA terms' points
+        too while an adapter is loaded."""
+        return hooks_lib.point_shapes(self.config, lora=bool(self.adapters))
 
     @contextmanager
     def hooks(self, interventions: Sequence[Any] = (), record: Sequence[str] | None = None
@@ -207,35 +296,40 @@ class Model:
         return [sae.on(self.device) for sae in hooks_lib.check_saes(attached, self.config)]
 
     def forward(self, ids: str | Sequence[int] | torch.Tensor, interventions: Sequence[Any] = (),
-                cache: KVCache | None = None, saes: Sequence[Any] = (), use_error_term: bool = True) -> torch.Tensor:
+                cache: KVCache | None = None, saes: Sequence[Any] = (), use_error_term: bool = True,
+                adapter: AdapterChoice = None) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab_size]``, one row per position."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         ids = self.to_ids(ids)
         start = cache.next_position if cache is not None else 0
+        lora = self.lora_terms(adapter)
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids), saes,
                                            use_error_term)
-            return self.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks)
+            return self.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks, lora=lora)
 
     def run(self, prompt: str | Sequence[int], *, record: Sequence[str] | None = None,
             interventions: Sequence[Any] = (), chat: bool = False, saes: Sequence[Any] = (),
-            use_error_term: bool = True) -> hooks_lib.Trace:
+            use_error_term: bool = True, adapter: AdapterChoice = None) -> hooks_lib.Trace:
         """One forward over the prompt: a Trace with logits and the recorded activations.
 
         ``saes`` attaches sparse autoencoders or transcoders (``workbench.probes.load_sae``) at their hook points,
         whose own points (``<hook>.hook_sae_acts_post``, ...) can then be recorded and hooked; with ``use_error_term``
-        the SAE's error is added back, so that only edits of its points change the output (docs/saes.md)."""
+        the SAE's error is added back, so that only edits of its points change the output (docs/saes.md).
+        ``adapter``: the LoRA adapters to run with (a loaded one's name, or ``{name: scale}``; None: the base model)."""
         ids = self.to_ids(prompt, chat=chat)
+        lora = self.lora_terms(adapter)
         with self.numerics_scope():
             hooks, recorder, specs = self._call_hooks(interventions, record, len(ids), len(ids), saes,
                                                       use_error_term)
-            logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks)
+            logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora)
             backend = self.backend()
         return hooks_lib.Trace(
             prompt=prompt if isinstance(prompt, str) else list(ids), ids=ids, tokens=self.token_texts(ids),
             logits=logits.cpu(), activations=recorder.activations() if recorder else {}, interventions=specs,
             fingerprint=self.fingerprint(), backend=backend, versions=package_versions(), chat=chat,
+            adapters=self.adapter_record(adapter),
         )
 
     # ---------------------------------------------------------------------------------------- batches
@@ -253,7 +347,8 @@ class Model:
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
                    logits: str = "all", share_prefix: bool = True, progress: Progress = False,
-                   saes: Sequence[Any] = (), use_error_term: bool = True) -> Iterator[tuple[int, hooks_lib.Trace]]:
+                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: AdapterChoice = None
+                   ) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
         in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
         is called, before any compute.
@@ -262,8 +357,8 @@ class Model:
         prompt's own. ``batch_size`` prompts go through one forward (None: as many as fit ``batch_bytes``). Recorded
         activations are kept on ``record_device`` in ``record_dtype``; ``reduce`` keeps one row per prompt as they are
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
-        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
-        ``use_error_term`` as in ``run``.
+        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes``,
+        ``use_error_term`` and ``adapter`` as in ``run``, for every prompt.
 
         With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
         prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
@@ -273,6 +368,7 @@ class Model:
             raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
         ids = self.batch_ids(prompts, chat)
         lengths = [len(x) for x in ids]
+        lora, adapters = self.lora_terms(adapter), self.adapter_record(adapter)
         recorder = None
         if record:
             names = hooks_lib.Recorder.for_patterns(record, self.config).names
@@ -285,10 +381,10 @@ class Model:
                                    attached)
         layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all")
         return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix,
-                                 self.current_numerics(), attached, _check_flag(use_error_term))
+                                 self.current_numerics(), attached, _check_flag(use_error_term), lora, adapters)
 
     def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix, mode,
-                     saes, use_error_term) -> Iterator[tuple[int, hooks_lib.Trace]]:
+                     saes, use_error_term, lora, adapters) -> Iterator[tuple[int, hooks_lib.Trace]]:
         # each forward enters the numerics taken at the call: a block around a ``yield`` would leak into the reader's code
         with numerics(mode):
             fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
@@ -301,7 +397,7 @@ class Model:
                                            recorder.hooks() if recorder else {}])
             hooks = hooks_lib.attach_saes(hooks, saes, use_error_term)
             with torch.inference_mode(not hooks), numerics(mode):
-                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared)
+                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, lora)
             out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
             prefix_activations = recorder.take(-1) if shared and recorder else {}
             per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
@@ -313,19 +409,20 @@ class Model:
                 yield i, hooks_lib.Trace(
                     prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
                     tokens=self.token_texts(ids[i]), logits=row_logits.clone(), activations=activations,
-                    interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions, chat=chat)
+                    interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions, chat=chat,
+                    adapters=adapters)
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
-                      shared: int) -> torch.Tensor:
+                      shared: int, lora: Lora | None = None) -> torch.Tensor:
         """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``). A prefix all
         rows share is computed once first; a prompt longer than a forward takes runs in chunks through a cache, as a
         long prefill does."""
         longest = max(map(len, rows))
         if shared:
-            cache, head = self.runner.prefill_shared(rows[0][:shared], len(rows), longest, hooks, last_only)
+            cache, head = self.runner.prefill_shared(rows[0][:shared], len(rows), longest, hooks, last_only, lora)
             tails = BatchLayout([len(r) - shared for r in rows], self.device, layout.prompts, cached=cache.lengths)
             out = self.runner.forward(torch.tensor([t for r in rows for t in r[shared:]]), cache=cache, hooks=hooks,
-                                      layout=tails, last_logits_only=last_only)
+                                      layout=tails, last_logits_only=last_only, lora=lora)
             if last_only:
                 return out
             n_tail = [len(r) - shared for r in rows]  # each row's prefix logits before its own
@@ -333,36 +430,37 @@ class Model:
         chunk = self._max_batch_tokens()
         if len(rows) > 1 or longest <= chunk:
             return self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
-                                       last_logits_only=last_only)
+                                       last_logits_only=last_only, lora=lora)
         cache, pieces = self.runner.new_batch_cache(1, longest), []
         for start in range(0, longest, chunk):
             piece = rows[0][start:start + chunk]
             part = BatchLayout([len(piece)], self.device, layout.prompts, cached=cache.lengths,
                                complete=start + chunk >= longest)
             pieces.append(self.runner.forward(torch.tensor(piece), cache=cache, hooks=hooks, layout=part,
-                                              last_logits_only=last_only))
+                                              last_logits_only=last_only, lora=lora))
         return pieces[-1] if last_only else torch.cat(pieces)
 
     def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
                       per_prompt_interventions: Sequence[Sequence[Any]] | None = None, batch_size: int | None = None,
-                      last_only: bool = False) -> list[torch.Tensor]:
+                      last_only: bool = False, adapter: AdapterChoice = None) -> list[torch.Tensor]:
         """``forward`` over many prompts in batched forwards: float32 logits per prompt, ``[len(ids), vocab_size]``
         (``[1, vocab_size]``, the last position, with ``last_only``)."""
         traces = self.run_batch(prompts, interventions=interventions, per_prompt_interventions=per_prompt_interventions,
-                                batch_size=batch_size, logits="last" if last_only else "all")
+                                batch_size=batch_size, logits="last" if last_only else "all", adapter=adapter)
         return [t.logits for t in traces]
 
     def stream_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32, *,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      chat: bool = False, interventions: Sequence[Any] = (),
                      per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
-                     batch_size: int | None = None, saes: Sequence[Any] = (), use_error_term: bool = True
-                     ) -> Iterator[tuple[int, int, str]]:
+                     batch_size: int | None = None, saes: Sequence[Any] = (), use_error_term: bool = True,
+                     adapter: AdapterChoice = None) -> Iterator[tuple[int, int, str]]:
         """Yield ``(prompt index, token_id, new_text)`` as each prompt's tokens are generated, in batched decode steps;
         each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
         from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does."""
         sampling = Sampling(temperature, top_k, top_p, seed)
         ids = self.batch_ids(prompts, chat)
+        lora = self.lora_terms(adapter)
         lengths = [len(x) for x in ids]
         if max_new_tokens < 0:
             raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -375,11 +473,11 @@ class Model:
                                                           [n + max_new_tokens for n in lengths], saes)
         hooks_lib.check_sae_points([n for h in prompt_hooks for n in h], attached)
         return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size, self.current_numerics(),
-                                  attached, _check_flag(use_error_term))
+                                  attached, _check_flag(use_error_term), lora)
 
     def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
                       prompt_hooks: list[dict], batch_size: int | None, mode: Numerics, saes: list[Any],
-                      use_error_term: bool) -> Iterator[tuple[int, int, str]]:
+                      use_error_term: bool, lora: Lora | None) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         stop_ids = self.tokenizer.stop_ids
         lengths = [len(x) for x in ids]
@@ -388,7 +486,7 @@ class Model:
                                           saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
-                                                  mode):
+                                                  mode, lora):
                 yield i, token, "" if token in stop_ids else decoders[i].feed(token)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32,
@@ -491,8 +589,8 @@ class Model:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                interventions: Sequence[Any] = (), cache: KVCache | None = None,
-               compiled: bool | str | None = None, saes: Sequence[Any] = (), use_error_term: bool = True
-               ) -> Iterator[tuple[int, str]]:
+               compiled: bool | str | None = None, saes: Sequence[Any] = (), use_error_term: bool = True,
+               adapter: AdapterChoice = None) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step.
 
         ``compiled`` builds the decode step with ``torch.compile``: True waits for the build, ``"background"`` decodes
@@ -500,16 +598,17 @@ class Model:
         repeated generations, as a build takes seconds even from torch's on-disk cache); see
         :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
         Everything is validated, and the hooks of enclosing ``hooks()`` blocks and the numerics
-        (``current_numerics()``) taken, when this is called, not when iteration starts.
+        (``current_numerics()``) taken, when this is called, not when iteration starts. ``adapter`` as in ``run``.
         """
         sampling = Sampling(temperature, top_k, top_p, seed)
         ids = self.to_ids(prompt, chat=chat)
+        lora = self.lora_terms(adapter)
         start = cache.next_position if cache is not None else 0
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens,
                                            saes, use_error_term)
             tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks,
-                                     cache, compiled)
+                                     cache, compiled, lora)
         return self._with_text(tokens)
 
     def _with_text(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
@@ -616,7 +715,8 @@ class Model:
 
 def load(path: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
          quantize: str | None = None, numerics: Numerics | None = None, devices: Sequence[str] | None = None,
-         split: Sequence[int] | None = None) -> Model:
+         split: Sequence[int] | None = None,
+         adapters: Mapping[str, str | Path] | None = None) -> Model:
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
     ``quantize`` quantizes a float checkpoint's matrices on load: all into one format ("Q4_K", "Q8_0", ...), or each
@@ -626,13 +726,19 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
 
     ``devices`` splits the layers over several devices in contiguous ranges (``["cuda:0", "cuda:1"]``; the embedding
     on the first, the unembedding on the last), ``split`` layers each (default: in proportion to each device's free
-    memory; ``workbench.devices.split_layers``). Everything else works as on one device (docs/scaling.md)."""
+    memory; ``workbench.devices.split_layers``). Everything else works as on one device (docs/scaling.md).
+    ``adapters``: ``{name: path}`` of LoRA adapters to keep resident (``Model.load_adapter``)."""
     if numerics is not None:
         check_numerics(numerics)
+    if adapters is not None and not isinstance(adapters, Mapping):
+        raise WorkbenchError(f"adapters must be a {{name: path}} mapping, got {type(adapters).__name__}")
     started = time.perf_counter()
     checkpoint = load_checkpoint(path, quantize)
-    return Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics,
-                 devices=devices, split=split)
+    model = Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics,
+                  devices=devices, split=split)
+    for name, adapter_path in (adapters or {}).items():
+        model.load_adapter(adapter_path, name=name)
+    return model
 
 
 def _check_flag(value: Any) -> bool:

@@ -55,16 +55,18 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     recorded sha256 (the embedded default when that is its file), with the recorded dtype; any other file is
     refused, so an artifact cannot make the replay open what it likes. The re-run computes in the recorded numerics
     (``workbench.kernels.numerics``). A model whose fingerprint (weights sha256, config, tensor formats) differs is
-    refused unless ``force``.
+    refused unless ``force``. The trace's LoRA adapters are re-applied at their recorded scales: the model's adapter
+    of that name, or the recorded file loaded into it; one whose sha256 differs is refused.
     """
     trace = trace_or_path if isinstance(trace_or_path, Trace) else load_trace(trace_or_path)
     model = model if model is not None else _load_recorded_model(trace)
     mismatch = model_mismatch(trace.fingerprint, model)
     if mismatch and not force:
         raise WorkbenchError(f"the trace was recorded on another model ({mismatch}); pass force=True to replay anyway")
+    adapter = _recorded_adapters(trace, model)
     with numerics(trace.backend.get("numerics", "exact")):
         fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
-                          chat=trace.chat)
+                          chat=trace.chat, adapter=adapter)
     report = dict(rtol=rtol, atol=atol, model_forced=bool(mismatch))
     if fresh.ids != list(trace.ids):
         return ReplayReport(DIFFERENT, None, None, 0, reason="the prompt tokenizes to different ids", **report)
@@ -97,6 +99,23 @@ def _max_deviation(new: torch.Tensor, old: torch.Tensor) -> float:
     diff = (new - old).abs()[~same]
     value = diff.max().item()
     return value if not math.isnan(value) else math.inf
+
+
+def _recorded_adapters(trace: Trace, model: Model) -> dict[str, float]:
+    """``{name: scale}`` of the trace's adapters on ``model``, each checked (or loaded) by its file's sha256."""
+    scales = {}
+    for entry in trace.adapters:
+        name, sha = entry.get("name"), entry.get("sha256")
+        if name not in model.adapters:
+            if not Path(str(entry.get("path", ""))).exists():
+                raise WorkbenchError(f"the trace ran with adapter {name!r} ({entry.get('path')}), which is neither "
+                                     "loaded nor at its recorded path; model.load_adapter(path, name=...) first")
+            model.load_adapter(entry["path"], name=name)
+        if model.adapters[name].sha256 != sha:
+            raise WorkbenchError(f"adapter {name!r} has sha256 {model.adapters[name].sha256[:12]}...; the trace was "
+                                 f"recorded with {str(sha)[:12]}... (another adapter file)")
+        scales[name] = float(entry.get("scale", 1.0))
+    return scales
 
 
 def _load_recorded_model(trace: Trace) -> Model:

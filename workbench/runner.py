@@ -112,6 +112,11 @@ class BatchLayout:
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
 Hooks = Mapping[str, Sequence[HookFn]]
+# The LoRA adapters of a call (Model.lora_terms), per layer: {projections that share an input (LORA_GROUPS): (A, B,
+# the adapted ones)}, A the adapted projections' (and a mix's adapters') A rows stacked, B their s * B as blocks of a
+# block-diagonal matrix: one pair of matmuls gives every adapted projection of the group its term ``s * B (A x)``.
+Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]]]
+LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 # Per-block hook points of a llama block and their shapes (T = tokens in this forward, S = all attended slots).
 BLOCK_POINTS: dict[str, str] = {
@@ -136,6 +141,12 @@ BLOCK_POINTS: dict[str, str] = {
     "mlp.hook_post": "[T, d_mlp]",
     "hook_mlp_out": "[T, d_model]",
     "hook_resid_post": "[T, d_model]",
+}
+# Each adapted projection's LoRA term, fired only in a call with an adapter on that projection; listed apart from the
+# block's points (globs match them only where they name them: see hooks.points).
+LORA_POINTS: dict[str, str] = {
+    "wq": "attn.hook_q_lora", "wk": "attn.hook_k_lora", "wv": "attn.hook_v_lora", "wo": "attn.hook_o_lora",
+    "w_gate": "mlp.hook_gate_lora", "w_up": "mlp.hook_up_lora", "w_down": "mlp.hook_down_lora",
 }
 # The points of the parts other families add, after the point each follows in the forward (TransformerLens'
 # TransformerBridge names: ln1_post/ln2_post for the norms after attention and the MLP, attn.q_norm/k_norm).
@@ -267,6 +278,22 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
+def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...],
+             lora: Mapping[tuple[str, ...], tuple], point: _Points, names: Mapping[str, str],
+             layer: int) -> Sequence[torch.Tensor]:
+    """The outputs ``outs`` of projections ``parts`` of ``x``, each adapted one plus its LoRA term ``s * B (A x)``
+    (through the term's hook point)."""
+    if parts not in lora:
+        return outs
+    a, b, adapted = lora[parts]
+    terms = F.linear(F.linear(x, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+    outs = list(outs)
+    for p, term in zip(adapted, terms):
+        j = parts.index(p)
+        outs[j] = outs[j] + point(names[p], term, layer)
+    return outs
+
+
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """``cap * tanh(x / cap)`` (Gemma 2's attention logits, Gemma's final logits)."""
     return torch.tanh(x / cap) * cap
@@ -346,6 +373,7 @@ class Transformer:
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
         names["after_attn"] = ((names["hook_resid_mid"], i),)
+        names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
         if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
         return names
@@ -370,13 +398,13 @@ class Transformer:
         return self.device if name == "hook_embed" else self.output_device
 
     def prefill_shared(self, prefix: Sequence[int], n_rows: int, capacity: int, hooks: Hooks | None = None,
-                       last_logits_only: bool = False) -> tuple[BatchKVCache, torch.Tensor]:
+                       last_logits_only: bool = False, lora: Lora | None = None) -> tuple[BatchKVCache, torch.Tensor]:
         """The forward of a prefix that ``n_rows`` sequences share, computed once: a BatchKVCache whose every row
         holds its keys and values (room for ``capacity`` slots a row), and its logits. Hooks see it as prompt -1."""
         cache = self.new_batch_cache(1, len(prefix))
         layout = BatchLayout([len(prefix)], self.device, prompts=(-1,))
         logits = self.forward(torch.tensor(list(prefix), dtype=torch.long), cache=cache, hooks=hooks, layout=layout,
-                              last_logits_only=last_logits_only)
+                              last_logits_only=last_logits_only, lora=lora)
         return cache.repeat_row(n_rows, capacity), logits
 
     def new_static_cache(self, capacity: int) -> StaticKVCache:
@@ -406,12 +434,14 @@ class Transformer:
         return layer_ops.rope(x, *rotation, self.config.rope_interleaved)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
-                last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None) -> torch.Tensor:
+                last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
+                lora: Lora | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
         With a ``layout``, ``ids`` are the packed tokens of a batch of sequences: the logits are packed alike (each
         sequence's last row alone with ``last_logits_only``, ``[B, vocab]``) and a cache is a ``BatchKVCache``.
+        ``lora``: the adapters' terms to add to the projections (None: the base model).
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
@@ -434,16 +464,18 @@ class Transformer:
         # hook sits between them the two are one call.
         for i, layer in enumerate(w.layers):
             names = self._names[i]
+            adapter = lora[i] if lora else None
             if self._sliding[i]:
-                attn_out = self.attention(normalized, layer, i, local_rotation, local_blocked, cache, point, layout)
+                attn_out = self.attention(normalized, layer, i, local_rotation, local_blocked, cache, point, layout,
+                                          adapter)
             else:
-                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout)
+                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter)
             if self.arch.post_norms:
                 attn_out = rms_norm(attn_out, layer.attn_post_norm, c.rms_eps, point, names["ln1_post"], i)
             attn_out = point(names["hook_attn_out"], attn_out, i)
             x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
                                          names["ln2"], i)
-            mlp_out = self.mlp(normalized, layer, i, point)
+            mlp_out = self.mlp(normalized, layer, i, point, adapter)
             if self.arch.post_norms:
                 mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
             mlp_out = point(names["hook_mlp_out"], mlp_out, i)
@@ -531,10 +563,12 @@ class Transformer:
 
     def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
                   blocked: torch.Tensor | None, cache: KVCache | None, point: _Points,
-                  layout: BatchLayout | None = None) -> torch.Tensor:
+                  layout: BatchLayout | None = None, lora: Mapping | None = None) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
         q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
+        if lora:
+            q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
         if c.qkv_bias:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
@@ -564,7 +598,10 @@ class Transformer:
         else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
             z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
         z = point(names["attn.hook_z"], z if layout is None else layout.unpad(z), i)
-        out = linear(z.reshape(n_new, c.n_heads * c.d_head), layer.wo)
+        z_flat = z.reshape(n_new, c.n_heads * c.d_head)
+        out = linear(z_flat, layer.wo)
+        if lora:
+            out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)
         if point.wants(names["attn.hook_result"]):
             out = out + self._edited_head_results(z, layer, i, point)
         return out
@@ -581,11 +618,13 @@ class Transformer:
         edited = point(self._names[i]["attn.hook_result"], result.clone(), i)
         return (edited - result).sum(dim=1)
 
-    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: Mapping | None = None) -> torch.Tensor:
         names = self._names[i]
         if layer.moe is not None:
             return moe_mlp(x, layer.moe, self.config.moe, point, names, i)
         gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
+        if lora:
+            gate, up = add_lora(x, (gate, up), ("w_gate", "w_up"), lora, point, names["lora"], i)
         gate = point(names["mlp.hook_pre"], gate, i)
         up = point(names["mlp.hook_pre_linear"], up, i)
         if self.arch.activation == "gelu_tanh":
@@ -593,4 +632,7 @@ class Transformer:
         else:
             hidden = layer_ops.swiglu(gate, up)
         hidden = point(names["mlp.hook_post"], hidden, i)
-        return linear(hidden, layer.w_down)
+        out = linear(hidden, layer.w_down)
+        if lora:
+            out, = add_lora(hidden, (out,), ("w_down",), lora, point, names["lora"], i)
+        return out

@@ -415,3 +415,43 @@ class SaeTrained(BaseModel):
     sae: SaeInfo
     summary: dict[str, Any] = Field(description="steps, tokens, seconds, dead fraction and held-out figures (fvu, "
                                                 "ce_recovered, l0, ...)")
+
+
+class AdapterInfo(BaseModel):
+    name: str = Field(description="what calls name it by (compare_models' adapter)")
+    path: str
+    format: str = Field(description="'gguf' (llama.cpp) or 'peft'")
+    sha256: str
+    rank: int
+    alpha: float | None
+    scale: float = Field(description="the scale it is used at when named")
+    layers: list[int] = Field(description="the layers it adapts")
+    projections: list[str] = Field(description="the projections it adapts (wq, wk, wv, wo, w_gate, w_up, w_down)")
+    parameters: int
+
+
+class AdapterList(BaseModel):
+    adapters: list[AdapterInfo]
+
+
+class TokenChange(BaseModel):
+    token: str
+    change: float = Field(description="mean change of its lens logit, adapter minus base")
+
+
+class ModelComparison(BaseModel):
+    a: str = Field(description="what the first side ran with")
+    b: str = Field(description="what the second side ran with ('base': no adapter)")
+    prompts: int
+    mean_kl: float = Field(description="KL(P_a || P_b) of the next-token distributions, mean over every position")
+    max_kl: float
+    kl_per_position: list[list[float]] = Field(description="per prompt, per position")
+    resid_diff_norm: list[float] = Field(description="per layer: mean |resid_post_a - resid_post_b|")
+    resid_diff_relative: list[float] = Field(description="per layer: the same over the mean |resid_post_b|")
+    lens_promoted: list[list[TokenChange]] = Field(description="per layer: tokens the difference raises most (logit "
+                                                               "lens at the chosen position)")
+    lens_suppressed: list[list[TokenChange]]
+    attribution_target: str
+    attribution_top: list[Component] = Field(description="components whose direct logit attribution to the target "
+                                                          "changes most, a minus b")
+    steering: VectorInfo = Field(description="the mean resid_post difference per layer, stored (steer with its id)")

@@ -837,6 +837,74 @@ class Workbench:
                             norms=_finite_or_none(norms[layer] for layer in vector.layers), source=vector.source,
                             hooks=[vector.hook(layer) for layer in vector.layers])
 
+    # --------------------------------------------------------------------------------------- adapters
+
+    @tool
+    def load_adapter(self, call: Call,
+                     path: Annotated[str, Field(description="a llama.cpp GGUF LoRA adapter or a PEFT adapter folder "
+                                                            "inside the artifacts folder")],
+                     name: Annotated[str | None, Field(description="what to call it (default: the file's stem)")]
+                     = None,
+                     scale: Annotated[float, Field(description="the scale it is used at")] = 1.0) -> s.AdapterInfo:
+        """Make a LoRA adapter resident next to this session's model, checked against it (shapes, names, rank,
+        NaN), without reloading the model; compare_models then runs it against the base."""
+        file = self.artifacts.path(path)
+        if not file.exists():
+            raise WorkbenchError(f"no adapter {path!r} in the artifacts folder {self.artifacts.root}")
+        return self._adapter_info(self.model(call).load_adapter(file, name=name, scale=scale))
+
+    @tool
+    def list_adapters(self, call: Call) -> s.AdapterList:
+        """The LoRA adapters resident next to this session's model."""
+        model = self.model(call)
+        return s.AdapterList(adapters=[self._adapter_info(a) for a in model.adapters.values()])
+
+    def _adapter_info(self, adapter: Any) -> s.AdapterInfo:
+        # a path inside the artifacts folder, relative to it; one loaded from elsewhere (the Python API) by name only
+        path = Path(adapter.path).resolve()
+        shown = self.artifacts.relative(path) if path.is_relative_to(self.artifacts.root) else path.name
+        return s.AdapterInfo(**{**adapter.summary(), "path": shown})
+
+    @tool
+    def compare_models(self, call: Call, prompts: Prompts,
+                       adapter: Annotated[str, Field(description="a loaded adapter's name (list_adapters)")],
+                       base: Annotated[str | None, Field(description="another adapter to compare against; the base "
+                                                                     "model when omitted")] = None,
+                       target: Annotated[str | None, Field(description="single-token string whose logit change to "
+                                                                       "attribute (default: the most raised)")] = None,
+                       position: Annotated[int, Field(description="position of the lens and the attribution "
+                                                                  "(negative from the end)")] = -1,
+                       top: Annotated[int, Field(description="tokens and components to list")] = 5,
+                       chat: Chat = False) -> s.ModelComparison:
+        """Base against adapter on the same prompts, batched: residual difference per layer, logit lens of the
+        difference, KL per position, the change of each component's direct logit attribution, and the "adapter
+        minus base" steering vector (stored; steer with its id)."""
+        model = self.model(call)
+        self._check_count("prompts", len(prompts), self.limits.max_batch)
+        self._check_count("top", top, self.limits.max_top_k)
+        ids = [self._ids(model, prompt, chat) for prompt in prompts]
+        for prompt_ids in ids:
+            self._positions([position], len(prompt_ids))
+        # both runs' recordings: every head's result and the residual stream, at every layer and position
+        c = model.config
+        size = 2 * sum(map(len, ids)) * c.n_layers * (c.n_heads + 3) * c.d_model
+        if size > self.limits.max_record_values:
+            raise WorkbenchError(f"comparing {len(ids)} prompts of {sum(map(len, ids))} tokens records {size:,} "
+                                 f"values; the limit is {self.limits.max_record_values:,} (use fewer prompts)")
+        call.check()
+        diff = probes.compare_models(model, ids, adapter, base, target=target, position=position, k=top,
+                                     progress=lambda done, total: call.check())
+        summary = diff.summary(top)
+        vector_id = call.session.put("vector", diff.steering)
+        return s.ModelComparison(
+            **{key: summary[key] for key in ("a", "b", "prompts", "mean_kl", "max_kl", "kl_per_position",
+                                             "resid_diff_norm", "resid_diff_relative", "attribution_target")},
+            lens_promoted=[[s.TokenChange(token=t, change=v) for t, v in row] for row in summary["lens_promoted"]],
+            lens_suppressed=[[s.TokenChange(token=t, change=v) for t, v in row] for row in summary["lens_suppressed"]],
+            attribution_top=[s.Component(label=label, kind=diff.attribution.kinds[diff.attribution.labels.index(label)],
+                                         contribution=value) for label, value in summary["attribution_top"]],
+            steering=self._vector_info(vector_id, diff.steering))
+
     @tool
     def list_datasets(self, call: Call) -> s.DatasetList:
         """Labelled prompt sets: the shipped ones and .jsonl files in the artifacts folder."""

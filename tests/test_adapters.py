@@ -1,0 +1,308 @@
+"""LoRA adapters: PEFT folders and llama.cpp GGUF adapters on the packed base, against transformers + PEFT."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_loading import hf_model
+
+import workbench
+from workbench.config import ModelConfig
+from workbench.synthetic import write_gguf
+from workbench.adapters import AdapterError
+from workbench.errors import HookError, WorkbenchError
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IDS = [5, 77, 120, 3, 250, 9, 14, 200]
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/cache/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+
+
+def module_shapes(config) -> dict[str, tuple[int, int]]:
+    """``(out, in)`` of each HF projection, from our config (independently of workbench.adapters)."""
+    q, kv, d, m = config.n_heads * config.d_head, config.n_kv_heads * config.d_head, config.d_model, config.d_mlp
+    return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q), "gate_proj": (m, d),
+            "up_proj": (m, d), "down_proj": (d, m)}
+
+
+def write_peft(path: Path, config, r: int = 4, alpha: float = 8.0, modules=MODULES, layers=None, seed: int = 0,
+               std: float = 0.2, extra_config: dict | None = None) -> Path:
+    """A PEFT LoRA folder with random A and B (B nonzero, unlike a fresh PEFT adapter), written as PEFT saves it."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(config)
+    tensors = {}
+    for i in range(config.n_layers) if layers is None else layers:
+        for module in modules:
+            out_dim, in_dim = shapes[module]
+            kind = "self_attn" if module in MODULES[:4] else "mlp"
+            prefix = f"base_model.model.model.layers.{i}.{kind}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=g) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=g) * std
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(modules), "use_rslora": False,
+           **(extra_config or {})}
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def write_gguf_adapter(path: Path, peft_dir: Path, config, arch: str | None = None,
+                       tensor_type=gguf.GGMLQuantizationType.F32) -> Path:
+    """A PEFT folder as llama.cpp's convert_lora_to_gguf.py writes it: ``blk.N.<proj>.weight.lora_a/b``, B's q/k rows
+    of a llama model permuted for its adjacent-pair rope (written here from the converter's formula)."""
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), arch or config.architecture)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(cfg["lora_alpha"]))
+    for name, tensor in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        parts = name.split(".")
+        layer, module, half = parts[4], parts[6], parts[7][-1].lower()
+        if half == "b" and config.rope_interleaved and module in ("q_proj", "k_proj"):
+            heads = config.n_heads if module == "q_proj" else config.n_kv_heads
+            tensor = tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        data = tensor.float().numpy()
+        if tensor_type != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(data, tensor_type)
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{half}", data, raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf_llama")
+    hf_model("llama", path, tie=False)
+    model = workbench.load(path, device="cpu")
+    write_peft(path / "a", model.config, seed=1)
+    write_peft(path / "b", model.config, r=2, modules=["q_proj", "v_proj"], seed=2)
+    model.load_adapter(path / "a")
+    model.load_adapter(path / "b")
+    return model
+
+
+# ------------------------------------------------------------------------------------ against PEFT
+
+
+@pytest.mark.parametrize("arch, rslora", [("llama", False), ("qwen2", False), ("qwen3", True)])
+def test_peft_adapter_matches_transformers_peft(arch, rslora, tmp_path):
+    peft = pytest.importorskip("peft")
+    reference = hf_model(arch, tmp_path, tie=False)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=MODULES, use_rslora=rslora)
+    wrapped = peft.get_peft_model(reference, config).eval()
+    for name, param in wrapped.named_parameters():
+        if "lora_" in name:  # PEFT starts B at zero: make the adapter act
+            torch.nn.init.normal_(param, std=0.2)
+    wrapped.save_pretrained(tmp_path / "adapter")
+    ours = workbench.load(tmp_path, device="cpu", adapters={"ft": tmp_path / "adapter"})
+    with torch.no_grad():
+        expected = wrapped(torch.tensor([IDS])).logits[0].float()
+        with wrapped.disable_adapter():
+            base = wrapped(torch.tensor([IDS])).logits[0].float()
+    assert (expected - base).abs().max() > 0.3  # the adapter changes the logits a lot
+    assert (ours.forward(IDS, adapter="ft") - expected).abs().max().item() <= 1e-4
+    assert (ours.forward(IDS) - base).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_adapter_equals_peft_folder(arch, tmp_path, tiny_model):
+    """The same adapter as a PEFT folder and as llama.cpp's GGUF (q/k rows permuted for llama) on a Q8_0 base."""
+    model = tiny_model(arch, "Q8_0", cached=False)
+    peft_dir = write_peft(tmp_path / "peft", model.config, r=32, alpha=16, std=0.05, seed=3)  # Q8_0 rows hold 32
+    model.load_adapter(peft_dir, name="peft")
+    model.load_adapter(write_gguf_adapter(tmp_path / "a.gguf", peft_dir, model.config), name="gguf")
+    model.load_adapter(write_gguf_adapter(tmp_path / "q8.gguf", peft_dir, model.config,
+                                          tensor_type=gguf.GGMLQuantizationType.Q8_0), name="q8")
+    base, from_peft = model.forward(IDS), model.forward(IDS, adapter="peft")
+    assert (from_peft - base).abs().max() > 0.3
+    assert (model.forward(IDS, adapter="gguf") - from_peft).abs().max().item() < 1e-5
+    assert 0 < (model.forward(IDS, adapter="q8") - from_peft).abs().max().item() < 0.05  # Q8_0's rounding of A, B
+    assert model.adapters["gguf"].format == "gguf" and model.adapters["gguf"].alpha == 16.0
+
+
+@pytest.mark.skipif(not (LLAMA_CPP / "convert_lora_to_gguf.py").is_file(), reason="llama.cpp's source is not here")
+def test_llamacpp_converter_output_equals_peft_folder(tmp_path):
+    """llama.cpp's own convert_lora_to_gguf.py on a PEFT folder: the GGUF adapter it writes runs as the folder does."""
+    hf_model("llama", tmp_path, tie=False)
+    model = workbench.load(tmp_path, device="cpu")
+    model.load_adapter(write_peft(tmp_path / "adapter", model.config), name="peft")
+    env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP / "gguf-py")}
+    subprocess.run([sys.executable, str(LLAMA_CPP / "convert_lora_to_gguf.py"), "--base", str(tmp_path), "--outtype",
+                    "f32", "--outfile", str(tmp_path / "adapter.gguf"), str(tmp_path / "adapter")], check=True,
+                   env=env, capture_output=True)
+    model.load_adapter(tmp_path / "adapter.gguf", name="gguf")
+    assert torch.equal(model.forward(IDS, adapter="gguf"), model.forward(IDS, adapter="peft"))
+
+
+# ------------------------------------------------------------------------------------ choosing per call
+
+
+def test_scale_zero_is_the_base_bit_for_bit(hf_llama):
+    base = hf_llama.forward(IDS)
+    assert torch.equal(hf_llama.forward(IDS, adapter={"a": 0.0}), base)
+    assert torch.equal(hf_llama.forward(IDS, adapter={"a": 0, "b": 0.0}), base)
+    assert not torch.equal(hf_llama.forward(IDS, adapter="a"), base)
+
+
+def test_switching_adapters_leaves_no_trace(hf_llama):
+    base, a, b = (hf_llama.forward(IDS, adapter=x) for x in (None, "a", "b"))
+    assert not torch.equal(a, b)
+    for choice, expected in [("b", b), (None, base), ("a", a), ("b", b), (None, base)]:
+        assert torch.equal(hf_llama.forward(IDS, adapter=choice), expected)
+
+
+def test_scale_and_mix_are_linear_in_the_lora_terms(hf_llama):
+    point = "blocks.0.attn.hook_q_lora"  # layer 0's input is the same in every run: its terms add exactly
+    terms = {}
+    for choice in ("a", "b", {"a": 0.5, "b": 1.0}, {"a": 2.0}):
+        trace = hf_llama.run(IDS, record=[point], adapter=choice)
+        terms[json.dumps(choice)] = trace.activations[point]
+    assert terms['"b"'].shape == (len(IDS), hf_llama.config.n_heads * hf_llama.config.d_head)
+    torch.testing.assert_close(terms['{"a": 0.5, "b": 1.0}'], 0.5 * terms['"a"'] + terms['"b"'], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(terms['{"a": 2.0}'], 2 * terms['"a"'], rtol=1e-5, atol=1e-6)
+    # b adapts q and v only: its run fires no other LoRA point
+    trace = hf_llama.run(IDS, record=["blocks.*.*_lora"], adapter="b")
+    assert sorted({name.split(".", 2)[2] for name in trace.activations}) == ["attn.hook_q_lora", "attn.hook_v_lora"]
+
+
+def test_batches_and_generation_take_the_adapter(hf_llama):
+    prompts = [IDS, IDS[:5], [9, 8, 7]]
+    traces = hf_llama.run_batch(prompts, adapter="a")
+    for prompt, trace in zip(prompts, traces):
+        torch.testing.assert_close(trace.logits, hf_llama.forward(prompt, adapter="a"), rtol=1e-5, atol=1e-5)
+        assert trace.adapters[0]["name"] == "a" and trace.adapters[0]["sha256"] == hf_llama.adapters["a"].sha256
+    alone = [hf_llama.generate(p, 6, adapter="a") for p in prompts]
+    assert hf_llama.generate_batch(prompts, 6, adapter="a") == alone
+    assert alone != [hf_llama.generate(p, 6) for p in prompts]
+
+
+def test_scale_adapter_intervention(hf_llama):
+    adapted, base = hf_llama.forward(IDS, adapter="a"), hf_llama.forward(IDS)
+    removed = hf_llama.forward(IDS, adapter="a", interventions=[{"type": "scale_adapter", "factor": 0}])
+    assert torch.equal(removed, base)
+    doubled = hf_llama.forward(IDS, adapter="a", interventions=[{"type": "scale_adapter", "factor": 2.0}])
+    torch.testing.assert_close(doubled, hf_llama.forward(IDS, adapter={"a": 2.0}), rtol=1e-4, atol=1e-4)
+    # only the MLP of layer 1 keeps the adapter: neither the base nor the full adapter
+    spec = {"type": "scale_adapter", "factor": 0.0, "layers": [0], "projections": ["q", "k", "v", "o"]}
+    partial = hf_llama.run(IDS, adapter="a", interventions=[spec])
+    assert partial.interventions == [{**spec, "factor": 0.0}]
+    assert not torch.equal(partial.logits, base) and not torch.equal(partial.logits, adapted)
+    with pytest.raises(HookError, match="unknown projections"):
+        hf_llama.forward(IDS, adapter="a", interventions=[{"type": "scale_adapter", "projections": ["qq"]}])
+    with pytest.raises(HookError, match="out of range"):
+        hf_llama.forward(IDS, adapter="a", interventions=[{"type": "scale_adapter", "layers": [7]}])
+
+
+def test_lora_points_match_only_patterns_that_name_them(hf_llama):
+    assert not any("lora" in name for name in hf_llama.run(IDS, record=["blocks.0.*"], adapter="a").activations)
+    assert "blocks.1.mlp.hook_down_lora" in hf_llama.hook_points()
+
+
+# ------------------------------------------------------------------------------------ traces
+
+
+def test_trace_records_and_replay_reapplies_the_adapter(hf_llama, tmp_path):
+    trace = hf_llama.run(IDS, record=["blocks.1.hook_resid_post"], adapter={"a": 0.7})
+    assert trace.adapters == [{"name": "a", "scale": 0.7, "format": "peft", "path": str(hf_llama.adapters["a"].path),
+                               "sha256": hf_llama.adapters["a"].sha256}]
+    trace.save(tmp_path / "trace")
+    loaded = workbench.load_trace(tmp_path / "trace")
+    assert loaded.adapters == trace.adapters
+    assert workbench.replay(loaded, hf_llama).verdict == "identical"
+    fresh = workbench.load(hf_llama.path, device="cpu")  # no adapter loaded: replay loads the recorded file
+    assert workbench.replay(loaded, fresh).verdict == "identical" and "a" in fresh.adapters
+    other = workbench.load(hf_llama.path, device="cpu", adapters={"a": hf_llama.adapters["b"].path})
+    with pytest.raises(WorkbenchError, match="sha256"):
+        workbench.replay(loaded, other)
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_adapters_are_refused_before_compute(hf_llama, tmp_path, tiny_model):
+    config = hf_llama.config
+    with pytest.raises(WorkbenchError, match="unknown adapter 'nope'"):
+        hf_llama.run(IDS, adapter="nope")
+    with pytest.raises(WorkbenchError, match="unknown adapter"):
+        hf_llama.run_batch([IDS], adapter={"a": 1.0, "nope": 1.0})
+    with pytest.raises(WorkbenchError, match="finite"):
+        hf_llama.forward(IDS, adapter={"a": float("nan")})
+    with pytest.raises(WorkbenchError, match="already loaded"):
+        hf_llama.load_adapter(hf_llama.adapters["b"].path, name="a")
+    qwen = tiny_model("qwen2")
+    peft_dir = write_peft(tmp_path / "p", config)
+    narrow = ModelConfig(**{**config.to_dict(), "d_model": 32, "d_head": 8})
+    with pytest.raises(AdapterError, match="do not fit"):  # an adapter of a model of other dimensions
+        hf_llama.load_adapter(write_peft(tmp_path / "narrow", narrow), name="narrow")
+    with pytest.raises(AdapterError, match="adapter for a 'llama' model"):
+        qwen.load_adapter(write_gguf_adapter(tmp_path / "llama.gguf", peft_dir, config))
+    with pytest.raises(AdapterError, match="rank 4; adapter_config.json says r = 8"):
+        hf_llama.load_adapter(write_peft(tmp_path / "r", config, extra_config={"r": 8}), name="r")
+    broken = write_peft(tmp_path / "mismatch", config, modules=["q_proj"])
+    tensors = load_file(str(broken / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    tensors[key] = tensors[key][:, :3].contiguous()
+    save_file(tensors, str(broken / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="rank mismatch"):
+        hf_llama.load_adapter(broken, name="mismatch")
+    tensors[key] = torch.full((tensors[key].shape[0], 4), float("nan"))
+    save_file(tensors, str(broken / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="NaN"):
+        hf_llama.load_adapter(broken, name="nan")
+    with pytest.raises(AdapterError, match="not supported"):
+        hf_llama.load_adapter(write_peft(tmp_path / "dora", config, extra_config={"use_dora": True}), name="dora")
+    with pytest.raises(AdapterError, match="target modules"):
+        hf_llama.load_adapter(write_peft(tmp_path / "head", config, extra_config={"target_modules": ["lm_head"]}),
+                              name="head")
+    with pytest.raises(AdapterError, match="not a LoRA adapter"):
+        hf_llama.load_adapter(write_gguf(tmp_path / "base.gguf", qwen.config, qwen.runner.weights), name="base")
+    with pytest.raises(AdapterError, match="no adapter"):
+        hf_llama.load_adapter(tmp_path / "missing", name="missing")
+    assert sorted(hf_llama.adapters) == ["a", "b"]  # nothing half-loaded
+
+
+# ------------------------------------------------------------------------------------ diffing
+
+
+def test_compare_models_against_plain_runs(hf_llama):
+    from workbench.probes import compare_models
+
+    prompts = [IDS, IDS[:4], [30, 31, 32, 33, 34]]
+    diff = compare_models(hf_llama, prompts, "a", k=3, batch_size=2)
+    n_layers = hf_llama.config.n_layers
+    points = [f"blocks.{l}.hook_resid_post" for l in range(n_layers)]
+    runs = [(hf_llama.run(p, record=points, adapter="a"), hf_llama.run(p, record=points)) for p in prompts]
+    deltas = [torch.stack([a.activations[n] - b.activations[n] for n in points]) for a, b in runs]  # [L, T, d]
+    rows = torch.cat([d.norm(dim=-1) for d in deltas], dim=1)  # [L, all positions]
+    torch.testing.assert_close(diff.resid_norms, rows.mean(1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(diff.steering.directions[1], torch.cat([d[1] for d in deltas]).mean(0),
+                               rtol=1e-4, atol=1e-5)
+    for kl, (a, b) in zip(diff.kl, runs):
+        expected = torch.nn.functional.kl_div(b.logits.log_softmax(-1), a.logits.log_softmax(-1), log_target=True,
+                                              reduction="none").sum(-1)
+        torch.testing.assert_close(kl, expected, rtol=1e-4, atol=1e-6)
+    # the last layer's lens is the model's output: its change is the mean change of the last position's logits
+    change = sum(a.logits[-1] - b.logits[-1] for a, b in runs) / len(runs)
+    assert [t for t, _ in diff.lens_promoted[-1]] == hf_llama.token_texts(change.topk(3).indices.tolist())
+    assert [t for t, _ in diff.lens_suppressed[-1]] == hf_llama.token_texts((-change).topk(3).indices.tolist())
+    # the attribution of the change sums to the change of the target's logit, and the target is the most raised
+    assert hf_llama.token_texts([int(change.argmax())])[0] in diff.attribution.target
+    assert abs(diff.attribution.total - diff.attribution.logit) < 1e-3
+    assert abs(diff.attribution.logit - float(change.max())) < 1e-3
+    same = compare_models(hf_llama, prompts[:1], "a", "a")
+    assert same.mean_kl == 0 and float(same.resid_norms.abs().max()) == 0
+    assert diff.summary()["a"] == "adapter 'a'" and diff.summary()["b"] == "base"
+    with pytest.raises(WorkbenchError, match="unknown adapter"):
+        compare_models(hf_llama, prompts, "missing")

@@ -1,0 +1,247 @@
+"""LoRA adapters: llama.cpp GGUF adapters and PEFT folders, read and checked against a base model.
+
+An adapter adds ``s * B (A x)`` to some projections of some layers, next to the packed base weights (never merged):
+``A`` is ``[rank, in]``, ``B`` is ``[out, rank]`` and ``s`` is ``alpha / rank`` (PEFT's ``use_rslora``:
+``alpha / sqrt(rank)``; llama.cpp: ``alpha / rank``, or 1 when the file stores no alpha) times the scale the adapter
+is used at. ``B``'s rows are in the base's layout: a PEFT adapter's q/k rows of a llama model get the rope permutation
+that llama.cpp's converter (and our HF loader) gives the base's Q/K (llama.cpp's ``convert_lora_to_gguf.py`` already
+applied it to a GGUF adapter).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from workbench.config import ModelConfig
+from workbench.errors import ModelLoadError, WorkbenchError
+from workbench.kernels import QuantTensor, get_format
+
+# Our projection (a LayerWeights field) -> its llama.cpp tensor name and its Hugging Face module name.
+PROJECTIONS: dict[str, tuple[str, str]] = {
+    "wq": ("attn_q", "q_proj"), "wk": ("attn_k", "k_proj"), "wv": ("attn_v", "v_proj"),
+    "wo": ("attn_output", "o_proj"), "w_gate": ("ffn_gate", "gate_proj"), "w_up": ("ffn_up", "up_proj"),
+    "w_down": ("ffn_down", "down_proj"),
+}
+_FROM_GGUF = {gguf: ours for ours, (gguf, _) in PROJECTIONS.items()}
+_FROM_HF = {hf: ours for ours, (_, hf) in PROJECTIONS.items()}
+_GGUF_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
+_PEFT_TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+class AdapterError(ModelLoadError):
+    """An adapter file that is corrupt, of an unsupported kind, or made for another base model."""
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter resident next to a model: per layer, ``{projection: (A, B)}`` with ``alpha / rank`` (or its
+    rsLoRA form) folded into ``B``, float32 on the CPU. ``scale`` is what it is used at when named alone."""
+
+    name: str
+    path: Path
+    format: str  # "gguf" or "peft"
+    sha256: str
+    rank: int
+    alpha: float | None
+    scale: float
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def projections(self) -> list[str]:
+        """The projections it adapts in some layer, in forward order."""
+        present = {p for layer in self.layers for p in layer}
+        return [p for p in PROJECTIONS if p in present]
+
+    @property
+    def adapted_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer]
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "path": str(self.path), "format": self.format, "sha256": self.sha256,
+                "rank": self.rank, "alpha": self.alpha, "scale": self.scale, "layers": self.adapted_layers,
+                "projections": self.projections, "parameters": self.n_params}
+
+    @property
+    def n_params(self) -> int:
+        return sum(a.numel() + b.numel() for layer in self.layers for a, b in layer.values())
+
+
+def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float = 1.0) -> Adapter:
+    """Read a GGUF LoRA adapter file or a PEFT adapter folder and check it fits a base model of ``config``: every
+    tensor named, shaped and finite as the base's projections need, A's rank equal to B's. Raises AdapterError."""
+    path = Path(path)
+    if not path.exists():
+        raise AdapterError(f"no adapter at {path}")
+    scale = _finite(scale, "adapter scale")
+    if path.is_dir():
+        pairs, alpha_scale, info = _read_peft(path, config)
+        files = [path / "adapter_config.json", path / "adapter_model.safetensors"]
+    else:
+        pairs, alpha_scale, info = _read_gguf_adapter(path, config)
+        files = [path]
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.n_layers)]
+    ranks = set()
+    for (layer, proj), (a, b) in sorted(pairs.items()):
+        where = f"{path}: layer {layer} {PROJECTIONS[proj][1]}"
+        if not 0 <= layer < config.n_layers:
+            raise AdapterError(f"{where}: the base model has layers 0..{config.n_layers - 1}")
+        out_dim, in_dim = projection_shape(config, proj)
+        if a.dim() != 2 or b.dim() != 2:
+            raise AdapterError(f"{where}: lora A and B must be matrices, got shapes {tuple(a.shape)}, {tuple(b.shape)}")
+        if a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{where}: rank mismatch, A has {a.shape[0]} rows and B {b.shape[1]} columns")
+        if a.shape[1] != in_dim or b.shape[0] != out_dim:
+            raise AdapterError(f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base's "
+                               f"[{out_dim}, {in_dim}] projection (an adapter for another model?)")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"{where}: the adapter holds NaN or Inf")
+        rank = a.shape[0]
+        ranks.add(rank)
+        if proj in ("wq", "wk") and info.get("needs_permute"):
+            b = permute_rows_for_rope(b, config, proj)
+        layers[layer][proj] = (a.float().contiguous(), (b.float() * alpha_scale(rank)).contiguous())
+    if not ranks:
+        raise AdapterError(f"{path}: the adapter holds no LoRA tensors for the base's projections")
+    info.pop("needs_permute", None)
+    return Adapter(name, path, "peft" if path.is_dir() else "gguf", files_sha256(files), max(ranks),
+                   info.pop("alpha"), scale, layers, info)
+
+
+def projection_shape(config: ModelConfig, proj: str) -> tuple[int, int]:
+    """``(out, in)`` of one of the base's projections."""
+    q_dim, kv_dim = config.n_heads * config.d_head, config.n_kv_heads * config.d_head
+    return {"wq": (q_dim, config.d_model), "wk": (kv_dim, config.d_model), "wv": (kv_dim, config.d_model),
+            "wo": (config.d_model, q_dim), "w_gate": (config.d_mlp, config.d_model),
+            "w_up": (config.d_mlp, config.d_model), "w_down": (config.d_model, config.d_mlp)}[proj]
+
+
+def permute_rows_for_rope(b: torch.Tensor, config: ModelConfig, proj: str) -> torch.Tensor:
+    """B's rows in the order llama.cpp's converter gives the base's Q or K rows (``B A``'s rows are the delta's)."""
+    from workbench.loading import permute_for_interleaved_rope
+
+    return permute_for_interleaved_rope(b, config.n_heads if proj == "wq" else config.n_kv_heads)
+
+
+def files_sha256(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _finite(value: Any, what: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise WorkbenchError(f"{what} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise WorkbenchError(f"{what} must be finite, got {value}")
+    return number
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+
+
+def _read_gguf_adapter(path: Path, config: ModelConfig):
+    from workbench.loading import _gguf_tensor_bytes, _read_gguf
+
+    metadata, tensors = _read_gguf(path)
+    if metadata.get("general.type") != "adapter" or metadata.get("adapter.type") != "lora":
+        raise AdapterError(f"{path} is not a LoRA adapter (general.type={metadata.get('general.type')!r}, "
+                           f"adapter.type={metadata.get('adapter.type')!r})")
+    arch = metadata.get("general.architecture")
+    if arch != config.architecture:
+        raise AdapterError(f"{path} is an adapter for a {arch!r} model; the base is {config.architecture!r}")
+    if metadata.get("adapter.alora.invocation_tokens") is not None:
+        raise AdapterError(f"{path} is an activated LoRA (aLoRA), which is not supported")
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        match = _GGUF_TENSOR.fullmatch(tensor_name)
+        if match is None or match.group(2) not in _FROM_GGUF:
+            raise AdapterError(f"{path}: tensor {tensor_name} is not a LoRA of a supported projection "
+                               f"({', '.join(_FROM_GGUF)})")
+        raw, shape = _gguf_tensor_bytes(tensor, path)
+        rows, cols = (1, shape[0]) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
+        matrix = QuantTensor(raw, get_format(int(tensor.tensor_type)), (rows, cols)).dequantize()
+        halves.setdefault((int(match.group(1)), _FROM_GGUF[match.group(2)]), {})[match.group(3)] = matrix
+    alpha = float(metadata.get("adapter.lora.alpha", 0.0))
+    info = {"alpha": alpha or None, "architecture": arch}
+    # llama.cpp: alpha / rank, or the bare adapter scale where the file's alpha is 0
+    return _pairs(halves, path, "ab"), (lambda rank: alpha / rank if alpha else 1.0), info
+
+
+def _pairs(halves: dict, path: Path, keys: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    pairs = {}
+    for (layer, proj), found in halves.items():
+        missing = [k for k in keys if k not in found]
+        if missing:
+            raise AdapterError(f"{path}: layer {layer} {PROJECTIONS[proj][1]} has no lora_{missing[0]} tensor")
+        pairs[layer, proj] = (found[keys[0]], found[keys[1]])
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------- PEFT
+
+
+def _read_peft(path: Path, config: ModelConfig):
+    from safetensors.torch import load_file
+
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not config_file.is_file():
+        raise AdapterError(f"{path} has no adapter_config.json (expected a PEFT adapter folder or a GGUF file)")
+    if not weights_file.is_file():
+        raise AdapterError(f"{path} has no adapter_model.safetensors (a .bin adapter is a pickle: convert it)")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(f"{config_file} is not valid JSON: {err}") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{config_file}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r} "
+                           "is not LORA")
+    for key, what in (("use_dora", "DoRA"), ("rank_pattern", "rank_pattern"), ("alpha_pattern", "alpha_pattern"),
+                      ("modules_to_save", "modules_to_save"), ("lora_bias", "LoRA biases")):
+        if cfg.get(key):
+            raise AdapterError(f"{config_file}: {what} is not supported")
+    try:
+        r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise AdapterError(f"{config_file}: bad or missing r / lora_alpha ({err})") from None
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        unsupported = sorted(set(targets) - set(_FROM_HF))
+        if unsupported:
+            raise AdapterError(f"{config_file}: target modules {unsupported} are not supported; "
+                               f"supported: {', '.join(_FROM_HF)}")
+    try:
+        loaded = load_file(str(weights_file))
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        raise AdapterError(f"{weights_file} is not a valid safetensors file: {err}") from None
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in loaded.items():
+        match = _PEFT_TENSOR.fullmatch(tensor_name)
+        if match is None or match.group(2) not in _FROM_HF:
+            raise AdapterError(f"{weights_file}: tensor {tensor_name} is not a LoRA of a supported projection "
+                               f"({', '.join(_FROM_HF)})")
+        module = match.group(2)
+        if isinstance(targets, list) and module not in targets:
+            raise AdapterError(f"{weights_file}: tensor {tensor_name} adapts {module}, not in target_modules {targets}")
+        halves.setdefault((int(match.group(1)), _FROM_HF[module]), {})[match.group(3)] = tensor
+    pairs = _pairs(halves, weights_file, "AB")
+    for (layer, proj), (a, _) in pairs.items():
+        if a.dim() == 2 and a.shape[0] != r:
+            raise AdapterError(f"{weights_file}: layer {layer} {PROJECTIONS[proj][1]} has rank {a.shape[0]}; "
+                               f"adapter_config.json says r = {r}")
+    rslora = bool(cfg.get("use_rslora", False))
+    info = {"alpha": alpha, "rslora": rslora, "base_model": cfg.get("base_model_name_or_path"),
+            "needs_permute": config.rope_interleaved}
+    return pairs, (lambda rank: alpha / math.sqrt(rank) if rslora else alpha / rank), info
