@@ -155,7 +155,8 @@ def _finite(value: Any, what: str) -> float:
 def _read_gguf_adapter(path: Path, config: ModelConfig):
     from workbench.loading import _gguf_tensor_bytes, _read_gguf
 
-    metadata, tensors = _read_gguf(path)
+    file = _read_gguf(path)
+    metadata, tensors = file.metadata, file.tensors
     if metadata.get("general.type") != "adapter" or metadata.get("adapter.type") != "lora":
         raise AdapterError(f"{path} is not a LoRA adapter (general.type={metadata.get('general.type')!r}, "
                            f"adapter.type={metadata.get('adapter.type')!r})")
@@ -170,9 +171,9 @@ def _read_gguf_adapter(path: Path, config: ModelConfig):
         if match is None or match.group(2) not in _FROM_GGUF:
             raise AdapterError(f"{path}: tensor {tensor_name} is not a LoRA of a supported projection "
                                f"({', '.join(_FROM_GGUF)})")
-        raw, shape = _gguf_tensor_bytes(tensor, path)
+        raw, shape = _gguf_tensor_bytes(file, tensor, path)
         rows, cols = (1, shape[0]) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
-        matrix = QuantTensor(raw, get_format(int(tensor.tensor_type)), (rows, cols)).dequantize()
+        matrix = QuantTensor(raw, get_format(tensor.ggml_type), (rows, cols)).dequantize()
         halves.setdefault((int(match.group(1)), _FROM_GGUF[match.group(2)]), {})[match.group(3)] = matrix
     alpha = float(metadata.get("adapter.lora.alpha", 0.0))
     info = {"alpha": alpha or None, "architecture": arch}
