@@ -283,6 +283,8 @@ def test_decode_step_compiles_without_graph_breaks(small):
 def test_eager_code_beside_a_compile_in_another_thread_is_not_traced():
     from workbench.kernels.tracing import compiling
 
+    if not hasattr(torch.compiler, "_compile_session_context"):
+        pytest.skip("this torch has no _compile_session_context to stand in for another thread's compile")
     with torch.compiler._compile_session_context():  # what another thread's compile sets, process-wide
         assert torch.compiler.is_compiling() and not compiling()
     assert torch.compile(lambda x: x + compiling(), fullgraph=True)(torch.zeros(1)).item() == 1

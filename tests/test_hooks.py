@@ -65,8 +65,11 @@ def test_edits_of_either_norm_point_reach_the_output(tiny):
     for norm in ("blocks.0.ln1", "blocks.1.ln2", "ln_final"):
         by_scale = tiny.forward(IDS, interventions=[(f"{norm}.hook_scale", halve)])
         by_normalized = tiny.forward(IDS, interventions=[(f"{norm}.hook_normalized", double)])
-        torch.testing.assert_close(by_scale, by_normalized, rtol=1e-5, atol=1e-5, msg=norm)
         assert (by_scale - plain).abs().max() > 1e-2, norm
+        if tiny.dtype == torch.float32:
+            torch.testing.assert_close(by_scale, by_normalized, rtol=1e-5, atol=1e-5, msg=norm)
+        else:  # half precision rounds the two edits apart: they must still be far closer to each other than to plain
+            assert (by_scale - by_normalized).abs().max() < 0.1 * (by_scale - plain).abs().max(), norm
 
 
 def test_recorded_shapes_match_hook_points(tiny):

@@ -160,7 +160,7 @@ def _attention_rows(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # grouped-query heads / as many kv heads as heads
 def test_long_prompts_attend_in_chunks_with_the_same_bits(architecture, tiny_model, monkeypatch):
-    model = tiny_model(architecture, "Q8_0", n_ctx=256)
+    model = tiny_model(architecture, "Q8_0", n_ctx=256, device="cpu")  # the CPU path; CUDA takes SDPA
     ids = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     whole = model.forward(ids)
     rows = _attention_rows(monkeypatch)
