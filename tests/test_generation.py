@@ -330,7 +330,7 @@ def test_background_build_answers_eagerly_then_takes_over(monkeypatch, tiny_mode
 def test_cuda_background_build_answers_eagerly_then_replays(tiny_model):
     model, eager = cuda_model_and_eager_tokens(tiny_model)
     _BUILT.pop(model.runner, None)
-    assert list(generate_tokens(model.runner, PROMPT, 12)) == eager  # the default: "background"
+    assert list(generate_tokens(model.runner, PROMPT, 12, compiled="background")) == eager
     _join_builds()
     assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
     assert not _BUILT[model.runner]["exact"].busy

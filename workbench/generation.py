@@ -68,13 +68,13 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
     With ``cache``, the prompt tokens continue it and generation appends to it. With no hooks and no
-    caller-owned cache, ``compiled`` (default: ``"background"`` on CUDA, False on the CPU) builds the decode step once with
+    caller-owned cache, ``compiled`` (default: True on CUDA, False on the CPU) builds the decode step once with
     ``torch.compile``, which fuses the small ops between the matmuls (our kernels, called from the graph):
     on CUDA the build is captured as a CUDA graph and replayed, on the CPU the compiled step is called
     per token. Either way it is the same forward without a Python round trip per op. The first build for
     a cache size compiles it (tens of seconds on an 8B GPU model; on a 2-core CPU about 2.5 minutes the
     first time, then seconds from torch's on-disk cache); the runner keeps its last step per numerics,
-    with its cache, for the next call of that size. ``compiled="background"`` (the default on CUDA) answers at
+    with its cache, for the next call of that size. ``compiled="background"`` aims to answer at
     once: the tokens come from the eager forward while a thread builds the step, and the step takes over at
     the first token boundary after it is ready (its cache a copy of the eager steps'). The compiled step
     fuses ops, so its logits may differ from the eager forward's in the last bits; which tokens of a
@@ -96,7 +96,9 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
             f"exceed the context of {runner.config.n_ctx}"
         )
     if compiled is None:
-        compiled = "background" if runner.device.type == "cuda" else False
+        # waiting for the build: in the background, the eager steps beside the compile were starved (the first 32
+        # tokens of the embedded model took 41 s cold on an H100, against 9 s waiting; docs/performance.md)
+        compiled = runner.device.type == "cuda"
     if compiled not in (True, False, "background"):
         raise WorkbenchError(f"compiled must be True, False, 'background' or None, got {compiled!r}")
     # a model split over devices decodes eagerly: a CUDA graph captures the stream of one device
