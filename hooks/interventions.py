@@ -16,7 +16,6 @@ those of an enclosing ``model.hooks()`` block.
 """
 from __future__ import annotations
 
-import math
 import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError, WorkbenchError, shorten
+from workbench.errors import HookError, WorkbenchError, finite_number, shorten
 from workbench.runner import LORA_POINTS, HookContext, HookFn
 
 from .points import axes, feature_size, head_count, resolve, token_shape
@@ -114,13 +113,7 @@ def _as_vector(value, what: str) -> torch.Tensor:
 
 
 def _check_finite(value, what: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise HookError(f"{what} must be a number, got {shorten(value)}") from None
-    if not math.isfinite(number):
-        raise HookError(f"{what} must be finite, got {shorten(value)}")
-    return number
+    return finite_number(value, what, HookError)
 
 
 class Intervention(ABC):

@@ -13,7 +13,6 @@ Attached to a run (``model.run(prompt, saes=[sae])``), an SAE fires the hook poi
 from __future__ import annotations
 
 import json
-import math
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from workbench.errors import HookError, WorkbenchError
+from workbench.errors import HookError, WorkbenchError, finite_number
 from workbench.hooks import check_saes
 from workbench.hooks.interventions import Positions, Region, RegionEdit, RunShape
 
@@ -564,10 +563,4 @@ class FeatureClamp(FeatureEdit):
 def _finite(value: Any, what: str) -> float:
     if isinstance(value, bool):
         raise HookError(f"{what} must be a number, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise HookError(f"{what} must be a number, got {value!r}") from None
-    if not math.isfinite(number):
-        raise HookError(f"{what} must be finite, got {value}")
-    return number
+    return finite_number(value, what, HookError)

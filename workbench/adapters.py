@@ -15,12 +15,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import ModelLoadError, WorkbenchError
+from workbench.errors import ModelLoadError, finite_number
 from workbench.kernels import QuantTensor, get_format
 
 # Our projection (a LayerWeights field) -> its llama.cpp tensor name and its Hugging Face module name.
@@ -80,7 +80,7 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
     path = Path(path)
     if not path.exists():
         raise AdapterError(f"no adapter at {path}")
-    scale = _finite(scale, "adapter scale")
+    scale = finite_number(scale, "adapter scale")
     if path.is_dir():
         pairs, alpha_scale, info = _read_peft(path, config)
         files = [path / "adapter_config.json", path / "adapter_model.safetensors"]
@@ -137,16 +137,6 @@ def files_sha256(files: list[Path]) -> str:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
-
-
-def _finite(value: Any, what: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise WorkbenchError(f"{what} must be a number, got {value!r}") from None
-    if not math.isfinite(number):
-        raise WorkbenchError(f"{what} must be finite, got {value}")
-    return number
 
 
 # --------------------------------------------------------------------------------------------- GGUF

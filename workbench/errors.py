@@ -1,4 +1,5 @@
 """Errors a user can act on. Surfaces print their message without a traceback."""
+import math
 
 
 class WorkbenchError(Exception):
@@ -16,6 +17,17 @@ class HookError(WorkbenchError, ValueError):
 class QuantizeError(WorkbenchError, ValueError):
     """A quantization to load into that is neither a known format nor a known mix."""
 
+
+
+def finite_number(value: object, what: str, error: type[WorkbenchError] = WorkbenchError) -> float:
+    """``value`` as a finite float, or ``error`` naming ``what`` (a scale, a clamp value, ... a user gave)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise error(f"{what} must be a number, got {shorten(value)}") from None
+    if not math.isfinite(number):
+        raise error(f"{what} must be finite, got {shorten(value)}")
+    return number
 
 
 def shorten(value: object, limit: int = 80) -> str:
