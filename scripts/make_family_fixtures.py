@@ -31,6 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_llamacpp_fixtures import top_logprobs, without_extra_buffer_types  # noqa: E402
+
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "families"
 FORMATS = {"Q8_0": 7, "Q4_K_M": 15}  # llama_ftype values
 # family -> n_layers: Gemma 3 needs six for llama.cpp's default layout to reach a global layer
@@ -117,25 +120,8 @@ def quantize(source: Path, out: Path, ftype: int) -> None:
         raise RuntimeError(f"llama.cpp could not quantize {source}")
 
 
-def without_extra_buffer_types(llama_cpp) -> None:
-    """Make ``llama_cpp.Llama`` load models without ggml's extra CPU buffer types: its AMX matmul crashes where the
-    CPU has AMX but the machine does not grant its tile state (seen on a cloud VM); the plain CPU kernels compute the
-    same products."""
-    bindings = llama_cpp.llama_cpp  # the module ``Llama`` reads them from
-    default = bindings.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    bindings.llama_model_default_params = params
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def main() -> None:
@@ -147,7 +133,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    without_extra_buffer_types(llama_cpp)
+    without_extra_buffer_types()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     source = {"llama_cpp_python": llama_cpp.__version__, "machine": platform.machine(), "threads": args.threads}
     summary = {**source, "families": {}}
@@ -173,19 +159,7 @@ def main() -> None:
                 quantize(f32, path, ftype)
                 llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=args.threads,
                                       seed=0)
-                tensors, prompts = {}, []
-                for i, prompt in enumerate(PROMPTS):
-                    prompt_ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-                    llm.reset()
-                    llm.eval(prompt_ids)
-                    logprobs = log_softmax(np.array(llm.scores[: len(prompt_ids)], dtype=np.float32))
-                    top_ids = np.argsort(-logprobs, axis=-1)[:, :TOP]
-                    top_lp = np.take_along_axis(logprobs, top_ids, axis=-1)
-                    tail = np.log1p(-np.minimum(np.exp(top_lp).sum(-1), 1 - 1e-12))
-                    tensors[f"prompt{i}.top_ids"] = torch.from_numpy(top_ids.astype(np.int32))
-                    tensors[f"prompt{i}.top_logprobs"] = torch.from_numpy(top_lp.astype(np.float32))
-                    tensors[f"prompt{i}.tail_logprob"] = torch.from_numpy(tail.astype(np.float32))
-                    prompts.append({"text": prompt, "ids": [int(t) for t in prompt_ids]})
+                tensors, prompts = top_logprobs(llm, PROMPTS, TOP)
                 save_file(tensors, FIXTURES / f"{family}-{fmt}.logprobs.safetensors")
                 max_tail = max(float(np.exp(t).max()) for k, t in tensors.items() if k.endswith("tail_logprob"))
                 tokens = [{"text": t, "ids": [int(x) for x in llm.tokenize(t.encode(), add_bos=True, special=True)]}

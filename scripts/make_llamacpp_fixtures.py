@@ -62,6 +62,23 @@ def write_parity_fixture(threads: int) -> None:
     (FIXTURES / "llamacpp_parity.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
+def without_extra_buffer_types() -> None:
+    """Make ``llama_cpp.Llama`` load models without ggml's extra CPU buffer types (its repacked / AMX weight layouts):
+    with them, llama-cpp-python 0.3.36's first ``llama_decode`` crashed (SIGSEGV) on the machine these fixtures were
+    made on, the embedded model too. ``Llama()`` takes no such option, so its default model parameters are changed; the
+    plain CPU kernels compute the same products."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
@@ -101,6 +118,7 @@ def main() -> None:
     if args.parity_only:
         return
     model_path = args.model or default_model_path()
+    without_extra_buffer_types()
     llm = llama_cpp.Llama(str(model_path), n_ctx=512, logits_all=True, verbose=False, n_threads=args.threads,
                           seed=0)
     source = {"model": model_path.name, "llama_cpp_python": llama_cpp.__version__,

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_llamacpp_fixtures import FIXTURES, PROMPTS, top_logprobs  # noqa: E402
+from make_llamacpp_fixtures import FIXTURES, PROMPTS, top_logprobs, without_extra_buffer_types  # noqa: E402
 
 TOP = 256
 RANK, ALPHA, STD, SEED = 4, 8.0, 0.1, 0
@@ -64,17 +64,6 @@ def write_peft_adapter(path: Path, config) -> None:
         "layers_to_transform": list(LAYERS), "base_model_name_or_path": "base"}))
 
 
-def without_weight_repacking(llama_cpp) -> None:
-    """Load models with ``use_extra_bufts`` off: on a CPU with AMX, llama.cpp repacks the weights for its AMX kernels,
-    which crashed (SIGSEGV in the first decode) where the fixtures were made; the plain CPU kernels compute the same."""
-    default = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
 
 
 def main() -> None:
@@ -97,7 +86,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(args.llama_cpp / "gguf-py")}
         subprocess.run([sys.executable, str(args.llama_cpp / "convert_lora_to_gguf.py"), "--base", str(base),
                         "--outtype", "f16", "--outfile", str(adapter), str(peft)], check=True, env=env)
-    without_weight_repacking(llama_cpp)
+    without_extra_buffer_types()
     llm = llama_cpp.Llama(str(model_path), n_ctx=512, logits_all=True, verbose=False, n_threads=args.threads, seed=0,
                           lora_path=str(adapter))
     tensors, prompts = top_logprobs(llm, PROMPTS[:4], TOP)

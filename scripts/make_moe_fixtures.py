@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from moe_reference import FAMILIES, convert_with_llama_cpp, hf_moe_model, quantize_with_llama_cpp  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_llamacpp_fixtures import log_softmax, without_extra_buffer_types  # noqa: E402
+
 FIXTURES = ROOT / "tests" / "fixtures" / "moe"
 SEQUENCES = [[5, 77, 120, 3, 250, 9, 14, 200, 31, 64], [40, 41, 42, 100, 101, 7, 7, 7, 263, 80, 90, 12]]
 # quantization -> (llama.cpp file type, the checkpoint's size)
@@ -35,26 +38,6 @@ QUANTS = {"Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", dict(n_layers=2)),
                                                        head_dim=64, num_experts=4))}
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def without_extra_buffer_types() -> None:
-    """Load models without llama.cpp's extra CPU buffer types (its repacked / AMX weight layouts): with them, llama-cpp
-    0.3.36's ``llama_decode`` crashed on the machine these fixtures were made on (the embedded model too). Llama()
-    takes no such option, so its default model parameters are changed; the arithmetic is ggml-cpu's either way."""
-    import llama_cpp.llama_cpp as low
-
-    default = low.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    low.llama_model_default_params = params
 
 
 def main() -> None:
