@@ -15,8 +15,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from workbench import moe as moe_lib
-from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
-from workbench.config import ModelConfig
+from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS
+from workbench.config import ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
 from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
@@ -139,6 +139,8 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             sliding = swa_layers(n_layers, int(pattern) if pattern is not None else family.swa_period)
         window = int(window) if window and any(sliding) else None
         scaling = optional("rope.scaling.type")
+        if scaling not in (None, "none", "linear", "yarn"):
+            raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (linear and yarn are)")
         d_rotary = optional("rope.dimension_count")
         d_mlp = int(key("feed_forward_length"))
         return ModelConfig(
@@ -159,6 +161,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             sliding_layers=sliding if window else (),
             rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
             rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
+            rope_yarn=_gguf_yarn(optional, path) if scaling == "yarn" else None,
             d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
             attn_softcap=_cap(optional("attn_logit_softcapping")),
@@ -176,6 +179,23 @@ def _hyperparameters(path: Path) -> Iterator[None]:
         yield
     except (TypeError, ValueError, ArithmeticError, AttributeError) as err:
         raise ModelLoadError(f"{path}: a hyperparameter has the wrong type or value: {clip(str(err), 120)}") from None
+
+
+def _gguf_yarn(optional, path: Path) -> YaRN:
+    """YaRN as llama.cpp applies it from GGUF metadata: the ramp's ends always rounded outward, and cos and sin scaled
+    by 0.1 ln(factor) + 1 times the file's attention factor (its context computes ``yarn_attn_factor`` so)."""
+    factor = float(optional("rope.scaling.factor") or 1.0)
+    ext_factor = optional("rope.scaling.yarn_ext_factor")
+    if ext_factor is not None and float(ext_factor) != 1.0:
+        raise ModelLoadError(f"{path}: YaRN with an extrapolation factor of {ext_factor} is not supported")
+    if optional("rope.scaling.yarn_log_multiplier"):
+        raise ModelLoadError(f"{path}: YaRN with a log multiplier (DeepSeek's mscale) is not supported")
+    original = optional("rope.scaling.original_context_length") or optional("context_length")
+    return YaRN(factor=factor, original_context=int(original),
+                beta_fast=float(optional("rope.scaling.yarn_beta_fast") or 32.0),
+                beta_slow=float(optional("rope.scaling.yarn_beta_slow") or 1.0), truncate=True,
+                attn_factor=(0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+                * float(optional("rope.scaling.attn_factor") or 1.0))
 
 
 def _layer_count(value: Any, path: Path) -> int:
@@ -210,7 +230,11 @@ def _gguf_tensor_bytes(file: GGUFFile, tensor: TensorInfo, path: Path) -> tuple[
         name = GGMLQuantizationType(tensor.ggml_type).name if tensor.ggml_type in _GGML_TYPES else tensor.ggml_type
         raise ModelLoadError(f"{path}: tensor {tensor.name} has unsupported type {name}") from None
     try:
-        raw = file.data(tensor, rows * fmt.row_bytes(cols))
+        row_bytes = fmt.row_bytes(cols)
+    except ValueError as err:  # e.g. MXFP4 rows of 48 values: no whole number of blocks
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {err}") from None
+    try:
+        raw = file.data(tensor, rows * row_bytes)
     except ValueError:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is truncated") from None
     return torch.from_numpy(raw.reshape(rows, -1)), shape
@@ -262,6 +286,7 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
     q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
     rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": c.d_mlp, "w_up": c.d_mlp}
     qk_norm = {"head": (c.d_head, c.d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm, (0, 0))
+    tensor_names = family.layer_tensors
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
@@ -271,10 +296,10 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
             parts.update(zip(names, row_ranges(stacked, [rows[n] for n in names])))
 
         def part(field: str, cols: int) -> QuantTensor:
-            return parts[field] if field in parts else matrix(p + LAYER_TENSORS[field], (rows[field], cols))
+            return parts[field] if field in parts else matrix(p + tensor_names[field], (rows[field], cols))
 
         def norm(field: str, length: int, required: bool) -> torch.Tensor | None:
-            return vector(p + LAYER_TENSORS[field], length, required)
+            return vector(p + tensor_names[field], length, required)
 
         layers.append(
             LayerWeights(
@@ -282,19 +307,21 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
                 wq=part("wq", c.d_model),
                 wk=part("wk", c.d_model),
                 wv=part("wv", c.d_model),
-                wo=matrix(p + LAYER_TENSORS["wo"], (c.d_model, q_dim)),
+                wo=matrix(p + tensor_names["wo"], (c.d_model, q_dim)),
                 mlp_norm=norm("mlp_norm", c.d_model, family.pre_norms),
                 w_gate=None if c.moe else part("w_gate", c.d_model),
                 w_up=None if c.moe else part("w_up", c.d_model),
-                w_down=None if c.moe else matrix(p + LAYER_TENSORS["w_down"], (c.d_model, c.d_mlp)),
+                w_down=None if c.moe else matrix(p + tensor_names["w_down"], (c.d_model, c.d_mlp)),
                 bq=norm("bq", q_dim, c.qkv_bias),
                 bk=norm("bk", kv_dim, c.qkv_bias),
                 bv=norm("bv", kv_dim, c.qkv_bias),
+                bo=norm("bo", c.d_model, True) if family.out_bias else None,
+                sinks=norm("sinks", c.n_heads, True) if family.attn_sinks else None,
                 q_norm=norm("q_norm", qk_norm[0], c.qk_norm) if c.qk_norm else None,
                 k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm else None,
                 attn_post_norm=norm("attn_post_norm", c.d_model, True) if family.post_norms else None,
                 mlp_post_norm=norm("mlp_post_norm", c.d_model, True) if family.post_norms else None,
-                moe=moe_lib.assemble(p, c.d_model, c.moe, get, source) if c.moe else None,
+                moe=moe_lib.assemble(p, c.d_model, c.moe, get, source, family.moe_biases) if c.moe else None,
             )
         )
     embed = matrix(GLOBAL_TENSORS["embed"], (c.vocab_size, c.d_model))
@@ -360,8 +387,8 @@ def _hf_config(path: Path) -> ModelConfig:
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
             kind = global_rope.get("rope_type", global_rope.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
-                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default and linear are)")
+            if kind not in ("default", "linear", "llama3", "yarn"):
+                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default, linear and yarn are)")
             rotary = global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
             layer_types = cfg.get("layer_types")
             if layer_types:
@@ -389,6 +416,7 @@ def _hf_config(path: Path) -> ModelConfig:
                 sliding_layers=sliding if window else (),
                 rope_base_local=float(local_base) if window and local_base is not None else None,
                 rope_scale=float(global_rope["factor"]) if kind == "linear" else 1.0,
+                rope_yarn=_hf_yarn(global_rope, cfg, path) if kind == "yarn" else None,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
                 attn_scale=math.sqrt(scalar) if scalar else None,
                 attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
@@ -398,6 +426,20 @@ def _hf_config(path: Path) -> ModelConfig:
             )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
+
+
+def _hf_yarn(rope: dict[str, Any], cfg: dict[str, Any], path: Path) -> YaRN:
+    """YaRN as transformers computes it (``_compute_yarn_parameters``), which rounds the ramp's ends only where the
+    config says ``truncate``."""
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        raise ModelLoadError(f"{path}: YaRN with mscale and mscale_all_dim (DeepSeek's) is not supported")
+    original = rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+    factor = float(rope.get("factor") or cfg.get("max_position_embeddings", 2048) / original)
+    attention_factor = rope.get("attention_factor")
+    return YaRN(factor=factor, original_context=int(original), beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
+                attn_factor=float(attention_factor) if attention_factor is not None
+                else 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
 
 
 def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpoint:
@@ -410,8 +452,9 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         raise ModelLoadError(f"{path} has no *.safetensors files")
     if quantize is not None:
         check_quantize(quantize)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantTensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # an MoE's per-expert matrices, stacked once all are read
+    mxfp4: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # GPT-OSS's MXFP4 experts, blocks and scales
     for file in files:
         try:
             loaded = load_file(str(file))
@@ -420,9 +463,11 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         for name, tensor in loaded.items():
             if (mapped := gguf_name(name, config.arch)) is not None:
                 tensors[mapped] = tensor
-            elif (moe_tensors := moe_lib.hf_tensor(name, tensor, experts)) is not None:
+            elif (moe_tensors := moe_lib.hf_tensor(name, tensor, experts, config.arch.hf_expert_layout,
+                                                   mxfp4)) is not None:
                 tensors.update(moe_tensors)
     tensors.update(moe_lib.stack_experts(experts, str(path)))
+    tensors.update(moe_lib.hf_mxfp4_experts(mxfp4, str(path)))
     if "output.weight" not in tensors:
         config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
 
@@ -430,6 +475,11 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         tensor = tensors.get(name)
         if tensor is None:
             return None
+        if isinstance(tensor, QuantTensor):  # packed in the folder (MXFP4 experts): kept as stored
+            if tensor.shape != (math.prod(shape[:-1]), shape[-1]):
+                raise ModelLoadError(f"{path}: tensor {name} holds {tensor.shape[0]} rows of {tensor.shape[1]}, "
+                                     f"expected {shape}")
+            return tensor
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
         if config.rope_interleaved and name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -439,7 +489,8 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             tensor = tensor.float() + config.arch.norm_offset  # as llama.cpp's converter stores Gemma's norms
         matrix = tensor.reshape(-1, tensor.shape[-1])  # a vector is one row; stacked experts, all their rows
         # the router stays float, as llama.cpp's quantizer leaves ffn_gate_inp
-        if tensor.dim() >= 2 and quantize is not None and not name.endswith(moe_lib.ROUTER):
+        if (tensor.dim() >= 2 and quantize is not None and name.endswith(".weight")
+                and not name.endswith(moe_lib.ROUTER)):
             fmt = matrix_format(quantize, name, config, matrix.shape[1])
             if fmt is not None:
                 return QuantTensor.quantize(matrix, fmt)
