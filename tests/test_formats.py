@@ -151,7 +151,8 @@ def test_triton_kernels_read_the_format_table():
     pytest.importorskip("triton")
     from workbench.kernels.triton import formats as triton_formats
 
-    assert set(triton_formats.LAYOUTS) == set(QUANTIZED_FORMATS) - {"MXFP4"}
+    assert set(triton_formats.LAYOUTS) == set(QUANTIZED_FORMATS)
+    assert set(triton_formats.LLAMACPP_FORMATS) == set(QUANTIZED_FORMATS) - {"MXFP4"}  # MXFP4: exact kernels only
     for name, layout in triton_formats.LAYOUTS.items():
         spec = SPECS[name]
         assert (layout.ggml_type, layout.block_size, layout.type_size) == (spec.ggml_type, spec.block_size,
