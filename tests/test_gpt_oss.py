@@ -305,6 +305,34 @@ def test_info_names_the_features(mxfp4):
     assert family["rope_yarn"]["factor"] == 32.0 and family["sliding_window"] == 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("rows", [1, 3, 40, 200])  # the GEMV, the GEMM, dequantize + cuBLAS
+def test_cuda_mxfp4_kernels_match_gguf(rows, mxfp4):
+    """The Triton kernels that read MXFP4 on CUDA, against gguf-py's dequantization of the fixture's experts."""
+    import gguf
+
+    from workbench.kernels import linear, select_kernel
+
+    w = mxfp4.runner.weights.layers[0].moe.gate
+    reference = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType.MXFP4)).reshape(
+        w.shape).double()
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    on_cuda = w.to("cuda")
+    assert select_kernel(x.cuda(), on_cuda).name.startswith("triton-")
+    out = linear(x.cuda(), on_cuda).cpu().double()
+    expected = x.double() @ reference.T
+    assert ((out - expected).norm() / expected.norm()).item() < 2e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_matches_cpu(mxfp4):
+    """The fixture on CUDA (its experts through the Triton MXFP4 kernels) computes what it computes on the CPU: float32
+    logits within 1e-4, and the same greedy tokens."""
+    cuda = workbench.load(FIXTURE, device="cuda", dtype=torch.float32)
+    assert (cuda.forward(IDS).cpu() - mxfp4.forward(IDS)).abs().max().item() < 1e-4
+    assert cuda.generate(IDS, 12, temperature=0.0) == mxfp4.generate(IDS, 12, temperature=0.0)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 

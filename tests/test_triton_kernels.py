@@ -55,7 +55,7 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> t
     for offset in F16_FIELDS[fmt]:
         scales = (rng.uniform(-1, 1, size=len(blocks)) * 2.0**-6).astype(np.float16)
         blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    if fmt == "MXFP4":  # the exponent byte: scales 2**-10 .. 2**-4, as the others' (every subnormal one is in test_formats)
+    if fmt == "MXFP4":  # the exponent byte: scales 2**-10 .. 2**-4, as the others' (test_formats tries every one)
         blocks[:, 0] = rng.integers(118, 125, size=len(blocks))
     data = blocks.reshape(rows, -1)
     reference = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[fmt]).astype(np.float64)

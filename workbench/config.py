@@ -61,7 +61,7 @@ class YaRN:
     original_context: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    truncate: bool = True  # the ramp's ends rounded outward to whole dimensions (llama.cpp always; transformers optional)
+    truncate: bool = True  # the ramp's ends rounded outward to whole dimensions (llama.cpp always; transformers may)
     attn_factor: float | None = None  # None: 0.1 ln(factor) + 1
 
     @property
@@ -94,7 +94,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer, whether it slides (empty: none does)
     rope_base_local: float | None = None  # the sliding layers' rope base (None: rope_base)
     rope_scale: float = 1.0  # linear rope scaling of the global layers: positions divided by it
-    rope_yarn: YaRN | None = None  # YaRN rope scaling of every layer (GPT-OSS)
+    rope_yarn: YaRN | None = None  # YaRN rope scaling of the global table (GPT-OSS: of every layer, one table)
     d_rotary: int | None = None  # values of each head the rope rotates, the first ones (None: all d_head)
     attn_scale: float | None = None  # attention scores are divided by it (None: sqrt(d_head)), as TransformerLens names it
     attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)

@@ -301,7 +301,8 @@ def hf_tensor(name: str, tensor: torch.Tensor, experts: dict[str, dict[int, torc
             if suffix == "_bias":
                 if kind == "down_proj":
                     return {p + EXPERT_BIASES["down_bias"]: tensor}
-                return {p + EXPERT_BIASES["gate_bias"]: tensor[..., ::2], p + EXPERT_BIASES["up_bias"]: tensor[..., 1::2]}
+                return {p + EXPERT_BIASES["gate_bias"]: tensor[..., ::2],
+                        p + EXPERT_BIASES["up_bias"]: tensor[..., 1::2]}
             tensor = tensor.transpose(-1, -2)
             if kind == "down_proj":
                 return {p + DOWN: tensor.contiguous()}

@@ -343,7 +343,8 @@ class Transformer:
                 layer.fuse_projections()
         c = config
         self.d_rotary = c.d_rotary or c.d_head
-        self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors, c.rope_yarn)
+        self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors,
+                                                        c.rope_yarn)
         # sliding layers with a rope base of their own (Gemma 3) take a second table
         self.local_rope = None
         if c.sliding_window and c.rope_base_local is not None and (c.rope_base_local, 1.0) != (c.rope_base, c.rope_scale):
@@ -364,7 +365,8 @@ class Transformer:
         magnitude = 1.0
         if yarn is not None:  # each frequency between interpolated and as trained, along a ramp over the dimensions
             def dim(rotations: float) -> float:  # the dimension whose wavelength fits ``rotations`` in the context
-                return self.d_rotary * math.log(yarn.original_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+                turns = yarn.original_context / (rotations * 2 * math.pi)
+                return self.d_rotary * math.log(turns) / (2 * math.log(base))
 
             low, high = dim(yarn.beta_fast), dim(yarn.beta_slow)
             if yarn.truncate:

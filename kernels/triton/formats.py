@@ -3,7 +3,8 @@
 Device side: each format's GGML type number as a ``tl.constexpr`` (``Q4_0`` ... ``Q6_K``), the value of the ``FMT``
 parameter every kernel takes and compares against, and its bytes per block (``Q4_0_BYTES`` ...) for the readers that
 step over blocks themselves. The llama.cpp-numerics code tells the K-quants by ``FMT >= Q2_K``, which the table's
-numbering allows among the formats it reads (checked below; MXFP4, type 39, is not one of them). Host side: the ``Layout`` of each format the kernels read, and which kernels read which.
+numbering allows among the formats it reads (checked below; MXFP4, type 39, is not one of them). Host side: the
+``Layout`` of each format the kernels read, and which kernels read which.
 """
 from __future__ import annotations
 

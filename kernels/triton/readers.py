@@ -1,10 +1,10 @@
 """Which reader serves each format, for the kernels that take any format (``FMT``, a GGML type number).
 
 Each format family's module holds all of its readers: ``legacy`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), ``k_small`` (Q2_K,
-Q3_K), ``k_affine`` (Q4_K, Q5_K), ``q6_k`` and ``mxfp4`` (its units only), each with the pieces of 32-value units, 64-value chunks where the
-format has them, integer dots and int8 tiles for llama.cpp numerics, and tensor-core fragments where the fragment
-kernel reads the format. This module picks among them by ``FMT``: ``unit_pieces`` and ``weight_tile`` for units,
-``chunk_load``, ``chunk_tile`` and ``chunk_columns`` for chunks. Which kernel walks chunks is a launch choice
+Q3_K), ``k_affine`` (Q4_K, Q5_K), ``q6_k`` and ``mxfp4`` (its units only), each with the pieces of 32-value units,
+64-value chunks where the format has them, integer dots and int8 tiles for llama.cpp numerics, and tensor-core fragments
+where the fragment kernel reads the format. This module picks among them by ``FMT``: ``unit_pieces`` and ``weight_tile``
+for units, ``chunk_load``, ``chunk_tile`` and ``chunk_columns`` for chunks. Which kernel walks chunks is a launch choice
 (``workbench.kernels.launch_choices``).
 
 Layout of the work. A kernel handles ``BLOCK_N * BLOCK_U`` *units* (32 values of one weight row: a GGUF
