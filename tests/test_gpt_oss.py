@@ -45,14 +45,21 @@ def test_hf_checkpoint_matches_transformers(hf_gpt_oss):
     assert c.rope_yarn.factor == 32 and not c.rope_yarn.truncate
     assert (c.moe.gating, c.moe.swiglu_limit, c.moe.swiglu_alpha) == ("softmax_weight", 7.0, 1.702)
     with torch.no_grad():
-        out = reference(torch.tensor([IDS]), output_router_logits=True)
+        out = reference(torch.tensor([IDS]), output_router_logits=True, output_attentions=True,
+                        output_hidden_states=True)
     expected = out.logits[0].float()
-    trace = ours.run(IDS, record=["blocks.*.mlp.hook_router_logits", "blocks.*.mlp.hook_expert_indices"])
+    trace = ours.run(IDS, record=["blocks.*.mlp.hook_router_logits", "blocks.*.mlp.hook_expert_indices",
+                                  "blocks.*.attn.hook_pattern", "blocks.*.hook_resid_post"])
     assert (trace.logits - expected).abs().max().item() < 1e-4  # measured 1.2e-6 on logits up to 0.6
-    for i in range(c.n_layers):  # the router's logits (with its bias) as transformers records them
+    for i in range(c.n_layers):  # hook points as transformers records the same values
+        # the router's logits, its bias included
         assert (trace.activations[f"blocks.{i}.mlp.hook_router_logits"] - out.router_logits[i]).abs().max() < 1e-5
+        # the attention weights of the real keys (the sink's share dropped, as transformers drops it)
+        assert (trace.activations[f"blocks.{i}.attn.hook_pattern"] - out.attentions[i][0]).abs().max() < 1e-5
         # the test means something only if tokens go to different experts
         assert len(trace.activations[f"blocks.{i}.mlp.hook_expert_indices"].unique()) > c.moe.n_experts_used
+    for i in range(c.n_layers - 1):  # (transformers' last hidden state is after the final norm)
+        assert (trace.activations[f"blocks.{i}.hook_resid_post"] - out.hidden_states[i + 1][0]).abs().max() < 1e-4
     # token by token through the KV cache, past the window
     cache = ours.new_cache()
     stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
