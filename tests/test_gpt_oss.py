@@ -312,6 +312,30 @@ def test_info_names_the_features(mxfp4):
     assert family["rope_yarn"]["factor"] == 32.0 and family["sliding_window"] == 4
 
 
+def test_every_dashboard_page_runs(monkeypatch, mxfp4):
+    """Each page of the dashboard on the GPT-OSS fixture (2 layers: the patching page's layer step fits), and the
+    experts page's routing is the API's."""
+    streamlit_testing = pytest.importorskip("streamlit.testing.v1")
+    from workbench.app import common
+    from workbench.moe import routing_matrix
+
+    monkeypatch.setattr("sys.argv", ["main.py", "--model", str(FIXTURE)])
+    main = Path(common.__file__).with_name("main.py")
+    at = streamlit_testing.AppTest.from_file(str(main), default_timeout=240)
+    at.run()
+    for page in sorted(p.name for p in main.parent.glob("page_*.py")):
+        at.switch_page(page).run()
+        assert not at.exception and not at.error, (page, [e.message for e in at.exception], [e.value for e in at.error])
+    at.switch_page("page_experts.py").run()
+    at.selectbox(key="ex_layer").set_value(1).run()
+    trace = mxfp4.run(common.DEFAULT_PROMPT, record=["blocks.1.mlp.hook_expert_indices",
+                                                     "blocks.1.mlp.hook_expert_weights"])
+    expected = routing_matrix(trace.activations["blocks.1.mlp.hook_expert_indices"],
+                              trace.activations["blocks.1.mlp.hook_expert_weights"], 4)
+    charts = {c.key: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    assert torch.allclose(torch.tensor(charts["ex_routing"]["data"][0]["z"]), expected, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("rows", [1, 3, 40, 200])  # the GEMV, the GEMM, dequantize + cuBLAS
 def test_cuda_mxfp4_kernels_match_gguf(rows, mxfp4):
