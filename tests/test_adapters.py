@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import gguf
@@ -18,6 +19,8 @@ from workbench.config import ModelConfig
 from workbench.synthetic import write_gguf
 from workbench.adapters import AdapterError
 from workbench.errors import HookError, WorkbenchError
+from workbench.generation import _BUILT, generate_batch_tokens, generate_tokens, step_key
+from workbench.runner import LoraRows
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IDS = [5, 77, 120, 3, 250, 9, 14, 200]
@@ -186,6 +189,63 @@ def test_batches_and_generation_take_the_adapter(hf_llama):
     alone = [hf_llama.generate(p, 6, adapter="a") for p in prompts]
     assert hf_llama.generate_batch(prompts, 6, adapter="a") == alone
     assert alone != [hf_llama.generate(p, 6) for p in prompts]
+
+
+def test_one_adapter_per_prompt_in_a_batch(hf_llama):
+    """Prompts of different adapter choices in one batched forward: each equals the prompt run alone with its own."""
+    prompts = [IDS, IDS[:5], [9, 8, 7], IDS[2:], [30, 31, 32, 33]]
+    choices = ["a", None, {"a": 0.5, "b": 1.0}, "b", "a"]
+    point = "blocks.1.attn.hook_k_lora"  # adapted by a alone
+    traces = hf_llama.run_batch(prompts, adapter=choices, batch_size=5, record=[point])
+    for prompt, choice, trace in zip(prompts, choices, traces):
+        alone = hf_llama.run(prompt, adapter=choice, record=[point])
+        torch.testing.assert_close(trace.logits, alone.logits, rtol=1e-5, atol=1e-5)
+        assert trace.adapters == hf_llama.adapter_record(choice)
+        # a prompt whose choice leaves the projection alone records a zero term there
+        expected = alone.activations.get(point, torch.zeros_like(traces[0].activations[point][:len(prompt)]))
+        torch.testing.assert_close(trace.activations[point], expected, rtol=1e-5, atol=1e-6)
+    # decoding together, the prompts leave the batch at their own stop tokens, each with its own adapter's tokens
+    runner = hf_llama.runner
+    alone = [list(generate_tokens(runner, p, 6, lora=hf_llama.lora_terms(c))) for p, c in zip(prompts, choices)]
+    assert len({tuple(t) for t in alone}) == len(prompts)
+    stop = alone[1][2]
+    expected = [t[:t.index(stop) + 1] if stop in t else t for t in alone]
+    got = [[] for _ in prompts]
+    rows = LoraRows(tuple(hf_llama.lora_terms(c) for c in choices))
+    for i, token in generate_batch_tokens(runner, dict(enumerate(prompts)), 6, stop_ids={stop}, lora=rows):
+        got[i].append(token)
+    assert got == expected and any(len(t) < 6 for t in got)
+    texts = hf_llama.generate_batch(prompts, 6, adapter=choices)
+    assert texts == [hf_llama.generate(p, 6, adapter=c) for p, c in zip(prompts, choices)]
+    with pytest.raises(WorkbenchError, match=r"one per prompt \(5\), got a list of 2"):
+        hf_llama.run_batch(prompts, adapter=["a", "b"])
+    with pytest.raises(WorkbenchError, match="prompt 1: unknown adapter 'nope'"):
+        hf_llama.generate_batch(prompts[:2], 2, adapter=["a", "nope"])
+
+
+def test_built_decode_step_takes_the_adapter(hf_llama, tmp_path):
+    """The compiled CPU step (as a CUDA graph, built with the adapter terms as inputs of its own) decodes what the eager
+    forward does for an adapter, a mix and the base; an adapter of the same shape reuses a step, loading its terms."""
+    runner = hf_llama.runner
+    hf_llama.load_adapter(write_peft(tmp_path / "a2", hf_llama.config, seed=4), name="a2")  # a's rank and projections
+    try:
+        choices = ["a", "a2", {"a": 0.5, "b": 1.0}, None]
+        loras = [hf_llama.lora_terms(c) for c in choices]
+        eager = [list(generate_tokens(runner, IDS, 10, compiled=False, lora=lora)) for lora in loras]
+        assert len({tuple(t) for t in eager}) == len(choices)  # every choice decodes its own tokens
+        _BUILT.pop(runner, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager decoding fails the test
+            for lora, tokens in [*zip(loras, eager), (loras[0], eager[0])]:  # a again after a2: nothing of a2 is left
+                assert list(generate_tokens(runner, IDS, 10, compiled=True, lora=lora)) == tokens
+        steps = _BUILT[runner]
+        assert set(steps) == {step_key("exact", lora) for lora in loras} and len(steps) == 3  # a and a2 share a step
+        shared = steps[step_key("exact", loras[0])]
+        assert shared.lora is not loras[0] and not shared.busy
+        torch.testing.assert_close(shared.lora[0][("wq", "wk", "wv")][1], loras[0][0][("wq", "wk", "wv")][1])
+    finally:
+        hf_llama.unload_adapter("a2")
+        _BUILT.pop(runner, None)
 
 
 def test_scale_adapter_intervention(hf_llama):

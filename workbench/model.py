@@ -23,7 +23,7 @@ from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
-from workbench.runner import LORA_GROUPS, BatchLayout, Lora, Transformer
+from workbench.runner import LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
 from workbench.tokenizer import StreamDecoder
 
 # Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
@@ -34,6 +34,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # Which adapters a call runs with: None (the base), a resident adapter's name (at its own scale) or {name: scale}.
 AdapterChoice = str | Mapping[str, float] | None
+# A batch's: one choice for every prompt, or a list (or tuple) of one choice per prompt.
+BatchAdapterChoice = AdapterChoice | Sequence[AdapterChoice]
+
+
+def layout_adapters(lora: Sequence[Lora | None], prompts: Sequence[int]) -> Lora | LoraRows | None:
+    """The adapter terms of a forward over ``prompts`` (``lora[i]`` prompt i's): one choice's where every prompt has
+    it, else a choice per sequence."""
+    chosen = [lora[i] for i in prompts]
+    return chosen[0] if all(terms is chosen[0] for terms in chosen) else LoraRows(tuple(chosen))
 
 
 def is_utf8(text: str) -> bool:
@@ -201,6 +210,22 @@ class Model:
             terms[group] = (a.to(device, self.dtype), b.to(device, self.dtype), adapted)
         return terms
 
+    def batch_adapters(self, adapter: BatchAdapterChoice, n_prompts: int) -> list[AdapterChoice]:
+        """Each prompt's adapter choice in a batch of ``n_prompts``: ``adapter`` for all, or the entries of a list of
+        one choice per prompt; all checked before any compute (errors name the prompt)."""
+        if not isinstance(adapter, (list, tuple)):
+            self.adapter_scales(adapter)
+            return [adapter] * n_prompts
+        if len(adapter) != n_prompts:
+            raise WorkbenchError(f"adapter takes one choice for all prompts or a list of one per prompt "
+                                 f"({n_prompts}), got a list of {len(adapter)}")
+        for i, choice in enumerate(adapter):
+            try:
+                self.adapter_scales(choice)
+            except WorkbenchError as err:
+                raise type(err)(f"prompt {i}: {err}") from None
+        return list(adapter)
+
     def adapter_record(self, adapter: AdapterChoice) -> list[dict[str, Any]]:
         """What a trace keeps of a call's adapters: name, scale, format, file path and sha256."""
         return [{"name": name, "scale": scale, "format": self.adapters[name].format,
@@ -347,7 +372,7 @@ class Model:
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
                    logits: str = "all", share_prefix: bool = True, progress: Progress = False,
-                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: AdapterChoice = None
+                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: BatchAdapterChoice = None
                    ) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
         in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
@@ -357,8 +382,9 @@ class Model:
         prompt's own. ``batch_size`` prompts go through one forward (None: as many as fit ``batch_bytes``). Recorded
         activations are kept on ``record_device`` in ``record_dtype``; ``reduce`` keeps one row per prompt as they are
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
-        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes``,
-        ``use_error_term`` and ``adapter`` as in ``run``, for every prompt.
+        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
+        ``use_error_term`` as in ``run``, for every prompt; ``adapter`` as in ``run`` for every prompt, or a list of
+        one choice per prompt (prompts of different choices share forwards: docs/adapters.md).
 
         With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
         prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
@@ -368,7 +394,8 @@ class Model:
             raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
         ids = self.batch_ids(prompts, chat)
         lengths = [len(x) for x in ids]
-        lora, adapters = self.lora_terms(adapter), self.adapter_record(adapter)
+        choices = self.batch_adapters(adapter, len(ids))
+        lora, adapters = [self.lora_terms(c) for c in choices], [self.adapter_record(c) for c in choices]
         recorder = None
         if record:
             names = hooks_lib.Recorder.for_patterns(record, self.config).names
@@ -391,13 +418,14 @@ class Model:
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
             edited = any(prompt_hooks[i] for i in layout.prompts)
-            shared = shared_prefix(rows) if share_prefix and not edited and (
+            layout_lora = layout_adapters(lora, layout.prompts)
+            shared = shared_prefix(rows) if share_prefix and not edited and not isinstance(layout_lora, LoraRows) and (
                 recorder is None or recorder.reduce in (None, "last")) else 0
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
             hooks = hooks_lib.attach_saes(hooks, saes, use_error_term)
             with torch.inference_mode(not hooks), numerics(mode):
-                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, lora)
+                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, layout_lora)
             out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
             prefix_activations = recorder.take(-1) if shared and recorder else {}
             per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
@@ -410,10 +438,10 @@ class Model:
                     prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
                     tokens=self.token_texts(ids[i]), logits=row_logits.clone(), activations=activations,
                     interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions, chat=chat,
-                    adapters=adapters)
+                    adapters=adapters[i])
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
-                      shared: int, lora: Lora | None = None) -> torch.Tensor:
+                      shared: int, lora: Lora | LoraRows | None = None) -> torch.Tensor:
         """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``). A prefix all
         rows share is computed once first; a prompt longer than a forward takes runs in chunks through a cache, as a
         long prefill does."""
@@ -442,7 +470,7 @@ class Model:
 
     def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
                       per_prompt_interventions: Sequence[Sequence[Any]] | None = None, batch_size: int | None = None,
-                      last_only: bool = False, adapter: AdapterChoice = None) -> list[torch.Tensor]:
+                      last_only: bool = False, adapter: BatchAdapterChoice = None) -> list[torch.Tensor]:
         """``forward`` over many prompts in batched forwards: float32 logits per prompt, ``[len(ids), vocab_size]``
         (``[1, vocab_size]``, the last position, with ``last_only``)."""
         traces = self.run_batch(prompts, interventions=interventions, per_prompt_interventions=per_prompt_interventions,
@@ -454,13 +482,14 @@ class Model:
                      chat: bool = False, interventions: Sequence[Any] = (),
                      per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
                      batch_size: int | None = None, saes: Sequence[Any] = (), use_error_term: bool = True,
-                     adapter: AdapterChoice = None) -> Iterator[tuple[int, int, str]]:
+                     adapter: BatchAdapterChoice = None) -> Iterator[tuple[int, int, str]]:
         """Yield ``(prompt index, token_id, new_text)`` as each prompt's tokens are generated, in batched decode steps;
         each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
-        from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does."""
+        from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does.
+        ``adapter`` as in ``iter_batch``: one choice for all, or one per prompt."""
         sampling = Sampling(temperature, top_k, top_p, seed)
         ids = self.batch_ids(prompts, chat)
-        lora = self.lora_terms(adapter)
+        lora = [self.lora_terms(c) for c in self.batch_adapters(adapter, len(ids))]
         lengths = [len(x) for x in ids]
         if max_new_tokens < 0:
             raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -477,7 +506,7 @@ class Model:
 
     def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
                       prompt_hooks: list[dict], batch_size: int | None, mode: Numerics, saes: list[Any],
-                      use_error_term: bool, lora: Lora | None) -> Iterator[tuple[int, int, str]]:
+                      use_error_term: bool, lora: list[Lora | None]) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         stop_ids = self.tokenizer.stop_ids
         lengths = [len(x) for x in ids]
@@ -486,7 +515,7 @@ class Model:
                                           saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
-                                                  mode, lora):
+                                                  mode, layout_adapters(lora, layout.prompts)):
                 yield i, token, "" if token in stop_ids else decoders[i].feed(token)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32,
