@@ -170,6 +170,12 @@ MAX_BUILT_STEPS = 4
 _PENDING: "weakref.WeakKeyDictionary[Transformer, dict[Hashable, BackgroundBuild]]" = weakref.WeakKeyDictionary()
 
 
+def forget_built_steps(runner: Transformer) -> None:
+    """Drop the runner's built steps (its weights changed: a CUDA graph would read the old ones)."""
+    _BUILT.pop(runner, None)
+    _PENDING.pop(runner, None)
+
+
 def _keep_step(runner: Transformer, key: Hashable, decode_step: DecodeStep) -> None:
     """Keep ``decode_step`` as the runner's step of ``key``, the most recent; past MAX_BUILT_STEPS, free steps of other
     keys go, the oldest first."""

@@ -16,15 +16,16 @@ import torch
 from workbench import hooks as hooks_lib
 from workbench.adapters import Adapter, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
-from workbench.errors import WorkbenchError, shorten
-from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
-from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
+from workbench.errors import WorkbenchError, finite_number, shorten
+from workbench.generation import Sampling, forget_built_steps, generate_batch_tokens, generate_tokens
+from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
 from workbench.runner import LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
 from workbench.tokenizer import StreamDecoder
+from workbench.weights import STACKS
 
 # Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
 # concurrent calls never see each other's hooks.
@@ -101,6 +102,7 @@ class Model:
         self.load_seconds = load_seconds
         self.adapters: dict[str, Adapter] = {}
         self._lora: dict[tuple, Lora] = {}  # a choice of adapters and scales -> its terms on the device, built once
+        self.merged: list[dict[str, Any]] = []  # adapters folded into the weights (merge_adapter), in merge order
 
     @property
     def device(self) -> torch.device:
@@ -155,7 +157,40 @@ class Model:
         self._lora = {key: lora for key, lora in self._lora.items() if name not in dict(key)}
 
     def list_adapters(self) -> list[dict[str, Any]]:
-        return [adapter.summary() for adapter in self.adapters.values()]
+        """The resident adapters' summaries, then those merged into the weights (with ``"merged"``: what they were
+        re-quantized to)."""
+        return [adapter.summary() for adapter in self.adapters.values()] + [dict(entry) for entry in self.merged]
+
+    def merge_adapter(self, name: str, scale: float | None = None) -> dict[str, Any]:
+        """Fold a resident adapter into the weights, as llama.cpp's ``llama-export-lora`` does: each adapted matrix
+        ``W`` becomes ``dequantize(W) + s * B A``, quantized again into ``W``'s own format (so the model keeps its
+        size and kernels, and the merged delta takes that format's rounding). ``scale``: default the adapter's own.
+        One-way: the adapter leaves the resident ones (every call now runs with it; reload the model to undo) and is
+        listed as merged (``list_adapters``, ``info``, and traces' fingerprints, so that a replay merges it too).
+        Returns that record."""
+        adapter = self._adapter(name)
+        scale = adapter.scale if scale is None else finite_number(scale, "adapter scale")
+        weights = self.runner.weights
+        targets = [(i, proj) for i, layer in enumerate(adapter.layers) for proj in layer]
+        missing = [f"layer {i} {proj}" for i, proj in targets if getattr(weights.layers[i], proj) is None]
+        if missing:  # a mixture-of-experts MLP has no single matrix to merge into
+            raise WorkbenchError(f"adapter {name!r} adapts {missing[0]}, which this model has no matrix for")
+        formats = set()
+        for i, proj in targets:
+            layer = weights.layers[i]
+            w = getattr(layer, proj)
+            a, b = (t.to(w.device) for t in adapter.layers[i][proj])
+            setattr(layer, proj, QuantTensor.quantize(w.dequantize() + scale * (b @ a), w.fmt))
+            formats.add(w.fmt.name)
+        for layer in {i for i, _ in targets}:
+            if any(getattr(weights.layers[layer], stacked) is not None for stacked in STACKS):
+                weights.layers[layer].fuse_projections()  # stack the new parts (the old stack held the old ones)
+        forget_built_steps(self.runner)  # a CUDA graph reads the weights it captured, which are gone
+        self.unload_adapter(name)
+        record = {**{k: v for k, v in adapter.summary().items() if k != "scale"}, "scale": scale,
+                  "merged": f"re-quantized to {', '.join(sorted(formats))}"}
+        self.merged.append(record)
+        return dict(record)
 
     def _adapter(self, name: Any) -> Adapter:
         if name not in self.adapters:
@@ -669,9 +704,10 @@ class Model:
         return h.hexdigest()
 
     def fingerprint(self) -> dict[str, Any]:
+        merged = {"merged_adapters": [dict(entry) for entry in self.merged]} if self.merged else {}
         return {"sha256": self.file_sha256, "file": self.path.name, "path": str(self.path),
                 "architecture": self.config.architecture, "config": self.config.to_dict(),
-                "formats": self.tensor_formats()}
+                "formats": self.tensor_formats(), **merged}
 
     def backend(self) -> dict[str, Any]:
         kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))
@@ -719,6 +755,7 @@ class Model:
             **self._split_info(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "tensor_formats": formats,
+            "merged_adapters": [dict(entry) for entry in self.merged],
             "weight_bytes": weights.nbytes,
             "file_bytes": file_bytes,
             "load_seconds": self.load_seconds,
@@ -745,7 +782,7 @@ class Model:
 def load(path: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
          quantize: str | None = None, numerics: Numerics | None = None, devices: Sequence[str] | None = None,
          split: Sequence[int] | None = None,
-         adapters: Mapping[str, str | Path] | None = None) -> Model:
+         adapters: Mapping[str, str | Path] | None = None, merge: bool = False) -> Model:
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
     ``quantize`` quantizes a float checkpoint's matrices on load: all into one format ("Q4_K", "Q8_0", ...), or each
@@ -756,7 +793,8 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     ``devices`` splits the layers over several devices in contiguous ranges (``["cuda:0", "cuda:1"]``; the embedding
     on the first, the unembedding on the last), ``split`` layers each (default: in proportion to each device's free
     memory; ``workbench.devices.split_layers``). Everything else works as on one device (docs/scaling.md).
-    ``adapters``: ``{name: path}`` of LoRA adapters to keep resident (``Model.load_adapter``)."""
+    ``adapters``: ``{name: path}`` of LoRA adapters to keep resident (``Model.load_adapter``), or with ``merge`` to
+    fold into the weights, re-quantized into each matrix's format (``Model.merge_adapter``)."""
     if numerics is not None:
         check_numerics(numerics)
     if adapters is not None and not isinstance(adapters, Mapping):
@@ -765,8 +803,12 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     checkpoint = load_checkpoint(path, quantize)
     model = Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics,
                   devices=devices, split=split)
+    if not isinstance(merge, bool):
+        raise WorkbenchError(f"merge must be True or False, got {merge!r}")
     for name, adapter_path in (adapters or {}).items():
         model.load_adapter(adapter_path, name=name)
+        if merge:
+            model.merge_adapter(name)
     return model
 
 
