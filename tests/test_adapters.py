@@ -19,7 +19,7 @@ from workbench.config import ModelConfig
 from workbench.synthetic import write_gguf
 from workbench.adapters import AdapterError, files_sha256
 from workbench.errors import HookError, WorkbenchError
-from workbench.generation import _BUILT, generate_batch_tokens, generate_tokens, step_key
+from workbench.generation import _BUILT, _forward_and_pick, generate_batch_tokens, generate_tokens, step_key
 from workbench.runner import LoraRows
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -223,29 +223,53 @@ def test_one_adapter_per_prompt_in_a_batch(hf_llama):
         hf_llama.generate_batch(prompts[:2], 2, adapter=["a", "nope"])
 
 
-def test_built_decode_step_takes_the_adapter(hf_llama, tmp_path):
-    """The compiled CPU step (as a CUDA graph, built with the adapter terms as inputs of its own) decodes what the eager
-    forward does for an adapter, a mix and the base; an adapter of the same shape reuses a step, loading its terms."""
-    runner = hf_llama.runner
-    hf_llama.load_adapter(write_peft(tmp_path / "a2", hf_llama.config, seed=4), name="a2")  # a's rank and projections
+def assert_built_step_takes_adapters(model, tmp_path) -> None:
+    """The built step (a CUDA graph of the compiled forward, or the compiled CPU forward), built with the adapter terms
+    as inputs of its own, decodes what the eager forward does for an adapter, a second adapter of the same shape (which
+    reuses the first's step, loading its terms), a mix and the base; switching back leaves nothing of the other."""
+    runner = model.runner
+    for name, options in (("x", {"seed": 1}), ("x2", {"seed": 4}), ("y", {"seed": 2, "r": 2, "modules": MODULES[:3]})):
+        model.load_adapter(write_peft(tmp_path / name, model.config, **options), name=name)
     try:
-        choices = ["a", "a2", {"a": 0.5, "b": 1.0}, None]
-        loras = [hf_llama.lora_terms(c) for c in choices]
+        choices = ["x", "x2", {"x": 0.5, "y": 1.0}, None]
+        loras = [model.lora_terms(c) for c in choices]
         eager = [list(generate_tokens(runner, IDS, 10, compiled=False, lora=lora)) for lora in loras]
         assert len({tuple(t) for t in eager}) == len(choices)  # every choice decodes its own tokens
         _BUILT.pop(runner, None)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager decoding fails the test
-            for lora, tokens in [*zip(loras, eager), (loras[0], eager[0])]:  # a again after a2: nothing of a2 is left
+            for lora, tokens in [*zip(loras, eager), (loras[0], eager[0])]:  # x again after x2
                 assert list(generate_tokens(runner, IDS, 10, compiled=True, lora=lora)) == tokens
         steps = _BUILT[runner]
-        assert set(steps) == {step_key("exact", lora) for lora in loras} and len(steps) == 3  # a and a2 share a step
+        assert set(steps) == {step_key("exact", lora) for lora in loras} and len(steps) == 3  # x and x2 share one
         shared = steps[step_key("exact", loras[0])]
         assert shared.lora is not loras[0] and not shared.busy
         torch.testing.assert_close(shared.lora[0][("wq", "wk", "wv")][1], loras[0][0][("wq", "wk", "wv")][1])
     finally:
-        hf_llama.unload_adapter("a2")
+        for name in ("x", "x2", "y"):
+            model.unload_adapter(name)
         _BUILT.pop(runner, None)
+
+
+def test_decode_step_with_adapters_compiles_without_graph_breaks(hf_llama):
+    # a break would make the CUDA step guard on (and recompile for) its temporaries at every replay
+    runner = hf_llama.runner
+    cache = runner.new_static_cache(16)
+    lora = hf_llama.lora_terms({"a": 0.5, "b": 1.0})
+    runner.forward(torch.tensor(IDS[:3]), cache=cache, lora=lora)
+    explained = torch._dynamo.explain(_forward_and_pick)(runner, torch.tensor([4]), cache, lora)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_built_decode_step_takes_the_adapter(hf_llama, tmp_path):
+    assert_built_step_takes_adapters(hf_llama, tmp_path)  # three CPU compiles, ~1 min on 2 cores without torch's cache
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_takes_the_adapter(tiny_model, tmp_path):
+    model = tiny_model("llama", "Q4_K", n_layers=2, d_model=256, d_mlp=512, device="cuda", dtype="float32",
+                       cached=False)
+    assert_built_step_takes_adapters(model, tmp_path)
 
 
 def test_scale_adapter_intervention(hf_llama):

@@ -134,7 +134,7 @@ class LoraRows:
 
 # A layer's adapter terms in one forward: (that layer's terms of one choice, the packed token rows taking them, or None
 # for every token), one entry per choice.
-LayerLora = Sequence[tuple[Mapping[tuple[str, ...], tuple], "torch.Tensor | None"]]
+LayerLora = Sequence[tuple[Mapping[tuple[str, ...], tuple], torch.Tensor | None]]
 
 
 def lora_segments(lora: "Lora | LoraRows | None", layout: BatchLayout | None
@@ -154,6 +154,7 @@ def lora_segments(lora: "Lora | LoraRows | None", layout: BatchLayout | None
         return [(next(iter(groups.values()))[0], None)]
     return [(terms, torch.cat([torch.arange(layout.starts[b], layout.starts[b] + layout.lengths[b]) for b in rows]
                               ).to(layout.device)) for terms, rows in groups.values()]
+
 
 # Per-block hook points of a llama block and their shapes (T = tokens in this forward, S = all attended slots).
 BLOCK_POINTS: dict[str, str] = {
@@ -324,7 +325,8 @@ def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ..
         if parts not in terms:
             continue
         a, b, adapted = terms[parts]
-        x_rows = x if rows is None else x.index_select(0, rows.to(x.device))
+        rows = rows if rows is None else rows.to(x.device)  # a no-op but where a split model moved the layer
+        x_rows = x if rows is None else x.index_select(0, rows)
         products = F.linear(F.linear(x_rows, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
         for p, product in zip(adapted, products):
             if rows is None:  # the one choice of every token
@@ -332,7 +334,7 @@ def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ..
                 continue
             if p not in added:
                 added[p] = product.new_zeros(x.shape[0], product.shape[-1])
-            added[p].index_copy_(0, rows.to(x.device), product)
+            added[p].index_copy_(0, rows, product)
     outs = list(outs)
     for j, p in enumerate(parts):
         if p in added:
