@@ -73,20 +73,21 @@ def gathered_terms(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, choice: to
 def mixed_batch(model: workbench.Model, names: list[str], repeats: int) -> None:
     from workbench.runner import LORA_GROUPS, BatchLayout, LoraRows, _Points, add_lora, lora_segments
 
-    c, n_layers = model.config, model.config.n_layers
+    c, n_layers, device, dtype = model.config, model.config.n_layers, model.device, model.dtype
     width = {("wq", "wk", "wv"): c.d_model, ("wo",): c.n_heads * c.d_head, ("w_gate", "w_up"): c.d_model,
              ("w_down",): c.d_mlp}
     for tokens in (1, 32):
-        layout = BatchLayout([tokens] * 2 * len(names), "cpu")
+        layout = BatchLayout([tokens] * 2 * len(names), device)
         n = layout.n_tokens
         choices = [names[b % len(names)] for b in range(layout.size)]
         mixed = lora_segments(LoraRows(tuple(model.lora_terms(name) for name in choices)), layout)
         alone = lora_segments(model.lora_terms(names[0]), layout)
-        choice = torch.tensor([names.index(name) for name in choices]).repeat_interleave(tokens)
+        choice = torch.tensor([names.index(name) for name in choices], device=device).repeat_interleave(tokens)
         stacks = {g: [[torch.stack([model.lora_terms(name)[i][g][k] for name in names]) for k in (0, 1)]
                       for i in range(n_layers)] for g in LORA_GROUPS}
-        x = {g: torch.randn(n, width[g]) for g in LORA_GROUPS}
-        outs = {g: [torch.zeros(n, projection_shape(c, p)[0]) for p in g] for g in LORA_GROUPS}
+        x = {g: torch.randn(n, width[g], device=device, dtype=dtype) for g in LORA_GROUPS}
+        outs = {g: [torch.zeros(n, projection_shape(c, p)[0], device=device, dtype=dtype) for p in g]
+                for g in LORA_GROUPS}
         point, names_of = _Points(None, torch.arange(n), 0), model.runner._block_names(0, False)["lora"]
 
         def grouped(segments=mixed) -> None:
@@ -107,6 +108,8 @@ def mixed_batch(model: workbench.Model, names: list[str], repeats: int) -> None:
                 for name, run in runs.items():
                     start = time.perf_counter()
                     run()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
                     times[name].append(time.perf_counter() - start)
         print(f"{layout.size} prompts x {tokens} tokens, {len(names)} adapters: " + ", ".join(
             f"{name} {statistics.median(t[1:]) * 1e3:.1f} ms" for name, t in times.items()))
