@@ -7,6 +7,7 @@ from .linear import (
 from .quant_tensor import QuantTensor
 
 from . import cpu  # noqa: E402  registers the C++ GGUF kernels (built on first use)
+from . import fp8  # noqa: E402  registers the FP8 kernels
 from . import layer_ops  # noqa: E402
 from . import triton as _triton  # noqa: E402  registers the Triton CUDA kernels where CUDA and triton exist
 
