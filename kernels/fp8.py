@@ -75,11 +75,10 @@ def _scaled_mm_works(device: torch.device, fmt: str) -> bool:
     have FP8 tensor cores; the 1x128 block scaling needs Hopper and a torch/cuBLAS that have it)."""
     key = _device_key(device, fmt)
     if key not in _SCALED_MM_WORKS:
-        try:
+        try:  # cuBLAS refuses a configuration when the call is made: no synchronization needed (nor allowed while a
+            # CUDA graph is being captured)
             x = torch.randn(3, 512, device=device, dtype=torch.bfloat16)
-            w = QuantTensor.quantize(torch.randn(32, 512), fmt).to(device)
-            _scaled_mm(x, w)
-            torch.cuda.synchronize(device)
+            _scaled_mm(x, QuantTensor.quantize(torch.randn(32, 512, device=device), fmt))
             _SCALED_MM_WORKS[key] = True
         except (RuntimeError, ImportError, AttributeError, TypeError, ValueError):
             _SCALED_MM_WORKS[key] = False
