@@ -76,9 +76,10 @@ def _scaled_mm_works(device: torch.device, fmt: str) -> bool:
     key = _device_key(device, fmt)
     if key not in _SCALED_MM_WORKS:
         try:  # cuBLAS refuses a configuration when the call is made: no synchronization needed (nor allowed while a
-            # CUDA graph is being captured)
-            x = torch.randn(3, 512, device=device, dtype=torch.bfloat16)
-            _scaled_mm(x, QuantTensor.quantize(torch.randn(32, 512, device=device), fmt))
+            # CUDA graph is being captured); the operands are not random, so no generator's state moves
+            x = torch.linspace(-1, 1, 3 * 512, device=device, dtype=torch.bfloat16).view(3, 512)
+            codes = torch.linspace(-1, 1, 32 * 512, device=device).view(32, 512).to(_fp8.E4M3)
+            _scaled_mm(x, QuantTensor(_fp8.pack(codes, torch.ones(32, 4, device=device)), fmt, (32, 512)))
             _SCALED_MM_WORKS[key] = True
         except (RuntimeError, ImportError, AttributeError, TypeError, ValueError):
             _SCALED_MM_WORKS[key] = False
@@ -87,7 +88,7 @@ def _scaled_mm_works(device: torch.device, fmt: str) -> bool:
 
 def _supports_scaled_mm(x: torch.Tensor, w: QuantTensor) -> bool:
     # cuBLASLt's FP8 operands: 16-byte aligned, leading dimensions and N multiples of 16
-    return (x.dtype in ACTIVATION_DTYPES and w.shape[0] % 16 == 0 and w.data.data_ptr() % 16 == 0
+    return (x.dtype in ACTIVATION_DTYPES and x.shape[0] > 0 and w.shape[0] % 16 == 0 and w.data.data_ptr() % 16 == 0
             and (w.shape[0] == 1 or w.data.stride(0) % 16 == 0) and _scaled_mm_works(x.device, w.fmt.name))
 
 
@@ -95,6 +96,8 @@ def _scaled_mm_or_emulated(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """``_scaled_mm``; if cuBLAS refuses a shape the probe did not try, the same numerics by dequantizing from then on."""
     try:
         return _scaled_mm(x, w)
+    except torch.cuda.OutOfMemoryError:
+        raise
     except RuntimeError as err:
         _SCALED_MM_WORKS[_device_key(x.device, w.fmt.name)] = False
         warnings.warn(f"workbench.kernels: torch._scaled_mm refused {w.fmt.name} {w.shape} ({str(err)[:120]}); "

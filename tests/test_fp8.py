@@ -152,6 +152,22 @@ def test_serving_numerics_quantize_activations_as_the_engines_do(fmt):
     assert torch.allclose(exact.double(), x.double() @ w.dequantize().double().T, rtol=1e-5, atol=1e-4)
 
 
+def test_scaled_mm_reads_the_packed_codes_in_place():
+    """The CUDA kernel's call, run by torch's CPU ``_scaled_mm`` (row-wise scales): the codes as a column-major view of
+    the packed rows (row stride 528 bytes, not 512) and the per-row scales give the emulated kernel's result."""
+    from workbench.kernels import fp8 as fp8_kernels
+
+    torch.manual_seed(0)
+    w = QuantTensor.quantize(torch.randn(64, 512), "FP8_ROW")
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    try:
+        got = fp8_kernels._scaled_mm(x, w).float()
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        pytest.skip(f"this torch has no CPU _scaled_mm: {err}")
+    expected = fp8_kernels._emulated_scaled_mm(x.float(), w)
+    assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())  # bf16 out
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["FP8_ROW", "FP8_BLOCK"])
 @pytest.mark.parametrize("rows", [1, 7, 64])
