@@ -33,13 +33,17 @@ CONFIGS = {
                                 "dynamic": False},
                     "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
 }
-SCALE_NAMES = {"block": "weight_scale_inv", "channel": "weight_scale"}
+CONFIGS["tensor"] = json.loads(json.dumps(CONFIGS["channel"]).replace('"channel"', '"tensor"'))
+SCALE_NAMES = {"block": "weight_scale_inv", "channel": "weight_scale", "tensor": "weight_scale"}
 
 
 def quantize_e4m3(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale) as the quantizers write them: a scale per 128x128 block (partial blocks at the edges), or per
     row ``[out, 1]``; scale = largest magnitude / 448."""
     rows, cols = weight.shape
+    if kind == "tensor":
+        scale = weight.abs().max().reshape(1) / 448
+        return (weight / scale).to(E4M3), scale
     if kind == "channel":
         scale = weight.abs().amax(dim=1, keepdim=True) / 448
         return (weight / scale).to(E4M3), scale
@@ -53,6 +57,8 @@ def quantize_e4m3(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
 
 def dequantize_e4m3(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     rows, cols = codes.shape
+    if scale.dim() == 1:  # one scale per tensor
+        return codes.float() * scale
     full = scale.repeat_interleave(rows // scale.shape[0] if scale.shape[0] == rows else 128, 0)[:rows]
     return codes.float() * full.repeat_interleave(cols // scale.shape[1] if scale.shape[1] > 1 else cols, 1)[:, :cols]
 
@@ -98,7 +104,7 @@ def reference_logits(ref_dir) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family, kind", [("llama", "block"), ("qwen3", "channel"), ("qwen3", "block"),
-                                          ("llama", "channel"), ("qwen3moe", "block")])
+                                          ("llama", "channel"), ("llama", "tensor"), ("qwen3moe", "block")])
 def test_fp8_folder_matches_transformers_on_the_dequantized_weights(family, kind, tmp_path):
     settings = dict(moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2) if family == "qwen3moe" else {}
     fp8_dir, ref_dir = fp8_folders(family, kind, tmp_path, **settings)
@@ -106,7 +112,7 @@ def test_fp8_folder_matches_transformers_on_the_dequantized_weights(family, kind
     got = model.forward(IDS)
     assert (got - reference_logits(ref_dir)).abs().max().item() < 1e-4
     # every projection stays FP8 in memory: one E4M3 byte per weight plus a float32 scale per 128
-    fmt = {"block": "FP8_BLOCK", "channel": "FP8_ROW"}[kind]
+    fmt = {"block": "FP8_BLOCK", "channel": "FP8_ROW", "tensor": "FP8_ROW"}[kind]
     matrices = dict(model.runner.weights.named_matrices())
     fp8 = {name: w for name, w in matrices.items() if w.fmt.name == fmt}
     expected = {f"blocks.{i}.{p}" for i in range(2) for p in ("wq", "wk", "wv", "wo")}

@@ -54,8 +54,8 @@ def scheme(cfg: dict[str, Any], source: str) -> FP8Scheme | None:
                  for w in weights if isinstance(w, dict)}
         if len(kinds) != 1 or not all(isinstance(w, dict) for w in weights):
             raise ModelLoadError(f"{source}: compressed-tensors config needs one kind of weight quantization in its "
-                                 f"config_groups, got {shorten(sorted(kinds))}")
-        w = next(w for w in weights)
+                                 f"config_groups, got {shorten(list(kinds))}")
+        w = weights[0]
         if (w.get("type"), w.get("num_bits")) != ("float", 8):
             raise ModelLoadError(f"{source}: compressed-tensors {w.get('num_bits')}-bit {w.get('type')} weights are "
                                  f"not supported (8-bit float, FP8, is)")
