@@ -8,13 +8,16 @@
   (DeepSeek-V3's ``act_quant``), multiplied by the E4M3 codes with float32 sums and both scales applied.
 
 On CUDA, ``fp8-scaled-mm`` runs that product on the FP8 tensor cores through ``torch._scaled_mm`` (row-wise scales
-for ``FP8_ROW``; 1x128 by 1x128 block scales for ``FP8_BLOCK``, which cuBLAS has on Hopper), reading the codes where
-they lie. Where it cannot (a card before sm_89, a torch or cuBLAS without the scaling, a row stride cuBLAS does not
-take), ``fp8-emulated-activations`` computes the same numerics by dequantizing: the quantized activations times the
-dequantized weights in float32, as on the CPU.
+for ``FP8_ROW``; 1x128 by 1x128 block scales for ``FP8_BLOCK``, which cuBLAS 12.9 has on Hopper), reading the codes
+where they lie. Where it cannot (a torch or cuBLAS without the scaling, a row stride cuBLAS does not take),
+``fp8-triton-gemm`` (``triton/fp8.py``) runs it on the tensor cores in Triton; without Triton, or on a card before
+sm_89 (no FP8 tensor cores, where Triton's FP8 dot is emulated slowly or refused), ``fp8-emulated-activations``
+computes the same numerics by dequantizing: the quantized activations times the dequantized weights in float32, as
+on the CPU.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -92,21 +95,40 @@ def _supports_scaled_mm(x: torch.Tensor, w: QuantTensor) -> bool:
             and (w.shape[0] == 1 or w.data.stride(0) % 16 == 0) and _scaled_mm_works(x.device, w.fmt.name))
 
 
-def _scaled_mm_or_emulated(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """``_scaled_mm``; if cuBLAS refuses a shape the probe did not try, the same numerics by dequantizing from then on."""
+@functools.cache
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _triton_gemm(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    a, scale_a = quantize_activations(x, w.fmt.name)
+    return fp8_gemm(a, scale_a, w, x.dtype)
+
+
+def _scaled_mm_or_next(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """``_scaled_mm``; if cuBLAS refuses a shape the probe did not try, the same numerics by the next kernel (the Triton
+    GEMM, else dequantizing) from then on."""
     try:
         return _scaled_mm(x, w)
     except torch.cuda.OutOfMemoryError:
         raise
     except RuntimeError as err:
         _SCALED_MM_WORKS[_device_key(x.device, w.fmt.name)] = False
+        fallback = TRITON_GEMM if TRITON_GEMM is not None else _emulated("cuda")
         warnings.warn(f"workbench.kernels: torch._scaled_mm refused {w.fmt.name} {w.shape} ({str(err)[:120]}); "
-                      f"its matmuls on {x.device} now dequantize (fp8-emulated-activations)", RuntimeWarning, 2)
-        return _emulated_scaled_mm(x, w)
+                      f"its matmuls on {x.device} now run {fallback.name}", RuntimeWarning, 2)
+        return fallback.run(x, w)
 
 
-SCALED_MM = Kernel("fp8-scaled-mm", "cuda", _supports_scaled_mm, _scaled_mm_or_emulated, numerics="llamacpp",
+SCALED_MM = Kernel("fp8-scaled-mm", "cuda", _supports_scaled_mm, _scaled_mm_or_next, numerics="llamacpp",
                    formats=FP8_FORMATS)
+try:
+    from .triton.fp8 import fp8_gemm
+except ImportError:  # no Triton: CUDA falls back to the emulated kernel
+    TRITON_GEMM = None
+else:
+    TRITON_GEMM = Kernel("fp8-triton-gemm", "cuda", lambda x, w: x.dtype in ACTIVATION_DTYPES and x.shape[0] > 0
+                         and _has_fp8_tensor_cores(x.device), _triton_gemm, numerics="llamacpp", formats=FP8_FORMATS)
 
 
 def _emulated(device_type: str) -> Kernel:
@@ -121,5 +143,7 @@ DEQUANT_MATMUL = Kernel("fp8-dequant-matmul", "cuda", lambda x, w: x.dtype in AC
 
 register_kernel(_emulated("cpu"))
 register_kernel(SCALED_MM)
+if TRITON_GEMM is not None:
+    register_kernel(TRITON_GEMM)
 register_kernel(_emulated("cuda"))
 register_kernel(DEQUANT_MATMUL)

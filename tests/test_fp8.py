@@ -158,6 +158,28 @@ def test_serving_numerics_quantize_activations_as_the_engines_do(fmt):
     assert torch.allclose(exact.double(), x.double() @ w.dequantize().double().T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["FP8_ROW", "FP8_BLOCK"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_triton_fp8_gemm_matches_the_emulated_kernel(fmt, rows):
+    """The Triton tensor-core GEMM (interpreted on the CPU, where tests/conftest.py sets TRITON_INTERPRET=1) against
+    the emulated kernel: the same E4M3 activations and weights, float32 sums in another order. 80 output rows leave a
+    partial weight tile; 5 and 40 rows a partial activation tile."""
+    pytest.importorskip("triton")
+    from workbench.kernels import fp8 as fp8_kernels
+    from workbench.kernels.triton.fp8 import fp8_gemm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    torch.manual_seed(0)
+    w = QuantTensor.quantize(torch.randn(80, 384), fmt).to(device)
+    x = torch.randn(rows, 384, device=device)
+    codes, scale = fp8_kernels.quantize_activations(x, fmt)
+    got = fp8_gemm(codes, scale, w, torch.float32)
+    expected = fp8_kernels._emulated_scaled_mm(x, w)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_scaled_mm_reads_the_packed_codes_in_place():
     """The CUDA kernel's call, run by torch's CPU ``_scaled_mm`` (row-wise scales): the codes as a column-major view of
     the packed rows (row stride 528 bytes, not 512) and the per-row scales give the emulated kernel's result."""
@@ -176,10 +198,10 @@ def test_scaled_mm_reads_the_packed_codes_in_place():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["FP8_ROW", "FP8_BLOCK"])
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_scaled_mm_matches_the_dequantized_matmul_on_cuda(fmt, rows):
-    """The tensor-core path against the emulated one (the same quantized activations, float32 sums) on the same
-    weights; where the card or torch cannot run ``_scaled_mm`` the emulated kernel is chosen instead."""
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_tensor_core_fp8_matches_the_emulated_kernel_on_cuda(fmt, rows):
+    """The CUDA kernel that serves FP8 (``torch._scaled_mm``, else the Triton GEMM) against the emulated one: the same
+    E4M3 activations and weights, the tensor cores' sums rounded once to bf16."""
     from workbench.kernels import fp8 as fp8_kernels
 
     torch.manual_seed(0)
@@ -188,14 +210,14 @@ def test_scaled_mm_matches_the_dequantized_matmul_on_cuda(fmt, rows):
     with numerics("llamacpp"):
         kernel = select_kernel(x, w)
         got = linear(x, w).float()
-    expected = fp8_kernels._emulated_scaled_mm(x.float(), w)
     if torch.cuda.get_device_capability() < (8, 9):
         assert kernel.name == "fp8-emulated-activations"
     elif fmt == "FP8_ROW":  # row-wise scaled FP8 GEMMs: cuBLAS on Ada and Hopper
         assert kernel.name == "fp8-scaled-mm"
-    if kernel.name == "fp8-scaled-mm":
-        # bf16 output: one rounding of each sum
-        assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    else:
+        assert kernel.name in ("fp8-scaled-mm", "fp8-triton-gemm")
+    expected = fp8_kernels._emulated_scaled_mm(x.float(), w)
+    assert torch.allclose(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
     # exact numerics dequantize on the GPU too
     exact = linear(x.float(), w)
     assert torch.allclose(exact, x.float() @ w.dequantize().T, rtol=1e-4, atol=1e-3)
