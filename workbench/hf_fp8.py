@@ -38,8 +38,9 @@ class FP8Scheme:
 
 
 def scheme(cfg: dict[str, Any], source: str) -> FP8Scheme | None:
-    """The FP8 scheme of a config.json (None without ``quantization_config``); any other quantization is refused."""
-    quant = cfg.get("quantization_config")
+    """The FP8 scheme of a config.json (None without ``quantization_config``, or ``compression_config`` as older
+    compressed-tensors folders name it); any other quantization is refused."""
+    quant = cfg.get("quantization_config") or cfg.get("compression_config")
     if quant is None:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
