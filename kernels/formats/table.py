@@ -23,7 +23,7 @@ class FormatSpec:
     ggml_type: int | None  # None: a format GGUF has no type for (FP8)
     block_size: int  # values per block
     type_size: int  # bytes per block
-    family: str  # "float", "legacy" (32-value blocks), "k-quant" (256-value super-blocks), "fp8" or "activation"
+    family: str  # "float", "legacy" (32-value blocks), "k-quant" (256-value super-blocks) or "activation"
     activation: str | None = None  # the activation block of llama.cpp numerics against this weight format
 
 
@@ -52,8 +52,8 @@ SPECS: dict[str, FormatSpec] = {spec.name: spec for spec in (
     # (block_q8_1: 36 bytes) since 2023, and that is the block llama.cpp's numerics compute.
     _spec("Q8_1", "activation", type_size=36),
     _spec("Q8_K", "activation"),
-    # FP8 as Hugging Face folders store it (no GGUF type): E4M3 codes with a float32 scale per 128 values of a row
-    # (formats/_fp8.py); FP8_ROW's scales are equal along each row.
+    # Family "fp8": FP8 as Hugging Face folders store it (no GGUF type), E4M3 codes with a float32 scale per 128 values
+    # of a row (formats/_fp8.py); FP8_ROW's scales are equal along each row.
     FormatSpec("FP8_ROW", None, 128, 128 + 4, "fp8"),
     FormatSpec("FP8_BLOCK", None, 128, 128 + 4, "fp8"),
 )}
