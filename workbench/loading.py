@@ -14,7 +14,8 @@ from typing import Any, Iterator
 import torch
 from gguf import GGMLQuantizationType
 
-from workbench import hf_fp8, moe as moe_lib
+from workbench import hf_fp8
+from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, clip, shorten
