@@ -49,11 +49,57 @@ def test_gguf_round_trip(family, tmp_path, tiny_checkpoint, tiny_model):
     assert torch.equal(loaded.forward(IDS), tiny_model(family, "Q8_0", seed=2, device="cpu").forward(IDS))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hook_invariants(family, tiny_model):
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """Tiny random Gemma 4 models loaded from their transformers folders, dense and MoE (with the reference)."""
+    models = {}
+
+    def load(family: str):
+        if family not in models:
+            path = tmp_path_factory.mktemp(family)
+            reference = random_hf_checkpoint(family, path, initializer_range=0.2)
+            write_hf_tokenizer(path)
+            models[family] = workbench.load(path, device="cpu"), reference
+        return models[family]
+    return load
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4moe"])
+def test_gemma4_matches_transformers(family, gemma4):
+    """Gemma 4 (the 31B's layout, and the 26B-A4B's experts beside the dense MLP) from its transformers folder: float32
+    logits within 1e-4 of transformers', on the whole prompt, token by token through the KV cache (whose global layers
+    hold other head shapes than its sliding ones), and after cache surgery; greedy generation past the window takes
+    the tokens a full forward picks."""
+    ours, reference = gemma4(family)
+    c = ours.config
+    assert (c.d_head, c.n_kv_heads, c.d_head_global, c.n_kv_heads_global, c.sliding_window) == (16, 2, 32, 1, 4)
+    assert c.attn_scale == 1.0 and (c.moe is not None and c.moe.dense_mlp) == (family == "gemma4moe")
+    global_layer = ours.runner.weights.layers[1]
+    assert global_layer.wv.data.data_ptr() == global_layer.wk.data.data_ptr()  # attention_k_eq_v: no v_proj
+    # the proportional rope: a quarter of the 16 pairs of a global head turn
+    assert torch.equal(ours.runner.weights.rope_freq_factors, torch.tensor([1.0] * 4 + [1e30] * 12))
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    assert expected.abs().max() > 1.0  # a real spread of logits (under the soft cap of 3)
+    assert (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+    cache = ours.new_cache()
+    stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
+    assert (stepped - expected).abs().max().item() < 1e-4
+    assert [tuple(cache.get(i)[0].shape) for i in range(2)] == [(2, len(IDS), 16), (1, len(IDS), 32)]
+    cache.truncate(7)  # continuing from the first 7 slots is a run on the first 7 tokens
+    assert (ours.forward(IDS[7:], cache=cache) - expected[7:]).abs().max().item() < 1e-4
+    generated = [token for token, _ in ours.stream(IDS, 8, temperature=0.0)]
+    prompt = list(IDS)
+    for token in generated:
+        assert token == int(ours.forward(prompt)[-1].argmax())
+        prompt.append(token)
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gemma4moe"])
+def test_hook_invariants(family, tiny_model, gemma4):
     """On every family: recording every hook point changes no bit; a zero steer on every point and a self-patch of
     every point are identities; every point the forward reaches is listed with its shape."""
-    model = tiny_model(family, "Q8_0", seed=1, device="cpu")
+    model = gemma4(family)[0] if family.startswith("gemma4") else tiny_model(family, "Q8_0", seed=1, device="cpu")
     plain = model.forward(IDS)
     trace = model.run(IDS, record=["*"])
     assert torch.equal(trace.logits, plain)
@@ -135,14 +181,17 @@ def test_info_names_the_family_features(tiny_model):
     assert info["family"]["sliding_window"] == 4
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_batches_slide_as_single_prompts(family, tiny_model):
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4", "gemma4moe"])
+def test_batches_slide_as_single_prompts(family, tiny_model, gemma4):
     """Batched runs (padded to the longest prompt, a shared prefix computed once) and batched greedy decoding through
-    a BatchKVCache mask each sliding layer's window by position as one prompt at a time does."""
-    model = tiny_model(family, "Q8_0", device="cpu")
+    a BatchKVCache mask each sliding layer's window by position as one prompt at a time does (Gemma 4: with layers of
+    two head shapes in the caches)."""
+    model = gemma4(family)[0] if family.startswith("gemma4") else tiny_model(family, "Q8_0", device="cpu")
     prompts = [IDS, IDS[:5], IDS[:3] + [7, 8, 9, 10, 11, 12, 13, 14, 15], [9] * 20 + IDS, [9] * 20 + [1, 2, 3]]
+    # an MoE's experts multiply a batch's tokens in groups of other sizes than one prompt's: other rounding
+    tolerance = 1e-4 if model.config.moe else 1e-5
     for prompt, trace in zip(prompts, model.run_batch(prompts)):
-        torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=tolerance, atol=tolerance)
     batched = model.generate_batch(prompts, 6, temperature=0.0)
     assert batched == [model.generate(p, 6, temperature=0.0) for p in prompts]
 

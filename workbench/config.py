@@ -9,7 +9,7 @@ from workbench.errors import ModelLoadError
 
 
 _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
-                     "final_softcap")
+                     "final_softcap", "d_head_global", "n_kv_heads_global")
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class MoEConfig:
     normalize_weights: bool = False  # the chosen experts' probabilities divided by their sum (Mixtral, Qwen3-MoE)
     weights_scale: float = 1.0
     d_shared_expert: int = 0  # Qwen2-MoE: a SwiGLU every token goes through, gated by sigmoid(w . x)
+    # Gemma 4: the block's dense MLP runs beside the experts, each branch with its own norms; the router reads the
+    # residual stream (RMS-normalized, times a learned scale) and each expert's weight has a learned scale too
+    dense_mlp: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.n_experts, int) and isinstance(self.n_experts_used, int)
@@ -37,8 +40,9 @@ class MoEConfig:
         weights = "normalized" if self.normalize_weights else "as routed"
         scale = f" x {self.weights_scale:g}" if self.weights_scale != 1.0 else ""
         shared = f", a shared expert of {self.d_shared_expert} gated by sigmoid" if self.d_shared_expert else ""
+        dense = ", beside the dense MLP" if self.dense_mlp else ""
         return (f"mixture of experts: {self.n_experts} experts of {self.d_expert}, {self.n_experts_used} per token by "
-                f"{self.gating} routing, weights {weights}{scale}{shared}")
+                f"{self.gating} routing, weights {weights}{scale}{shared}{dense}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,10 @@ class ModelConfig:
     attn_scale: float | None = None  # attention scores are divided by it (None: sqrt(d_head)), as TransformerLens names it
     attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # the global (not sliding) layers' head size and key/value heads where they differ from d_head and n_kv_heads
+    # (Gemma 4)
+    d_head_global: int | None = None
+    n_kv_heads_global: int | None = None
 
     moe: MoEConfig | None = None  # every block's MLP is a mixture of experts
 
@@ -90,13 +98,15 @@ class ModelConfig:
             if f.type.startswith("float") and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                                or not math.isfinite(value) or value <= 0):
                 raise ModelLoadError(f"{where}: {f.name} must be a positive finite number, got {value!r}")
-        if self.n_heads % self.n_kv_heads:
-            raise ModelLoadError(f"{where}: {self.n_heads} attention heads do not split into {self.n_kv_heads} "
-                                 "key/value groups")
-        rotary = self.d_rotary or self.d_head
-        if rotary % 2 or rotary > self.d_head:
+        for n_kv in {self.n_kv_heads, self.n_kv_heads_global or self.n_kv_heads}:
+            if self.n_heads % n_kv:
+                raise ModelLoadError(f"{where}: {self.n_heads} attention heads do not split into {n_kv} "
+                                     "key/value groups")
+        d_head = min(self.d_head, self.d_head_global or self.d_head)
+        rotary = self.d_rotary or d_head
+        if rotary % 2 or rotary > d_head:
             raise ModelLoadError(f"{where}: rotary embeddings need an even size of at most the head size "
-                                 f"{self.d_head}, got {rotary}")
+                                 f"{d_head}, got {rotary}")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ModelLoadError(f"{where}: {len(self.sliding_layers)} sliding-window flags for {self.n_layers} layers")
 
@@ -106,6 +116,16 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def layer_heads(self, layer: int) -> tuple[int, int]:
+        """``(n_kv_heads, d_head)`` of one layer: a global layer's own where the checkpoint sets them."""
+        if self.is_sliding(layer):
+            return self.n_kv_heads, self.d_head
+        return self.n_kv_heads_global or self.n_kv_heads, self.d_head_global or self.d_head
+
+    @property
+    def heads_vary(self) -> bool:
+        return len({self.layer_heads(i) for i in range(self.n_layers)}) > 1
 
     def family(self) -> dict:
         """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""

@@ -19,7 +19,8 @@ from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
-from workbench.moe import MOE_POINTS, SHARED_POINTS, moe_mlp, with_moe_points
+from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
+                           moe_mlp, with_moe_points)
 from workbench.weights import ModelWeights
 
 
@@ -156,6 +157,10 @@ QK_NORM_POINTS: dict[str, str] = {
     "attn.k_norm.hook_scale": "[T, n_kv_heads, 1]",
     "attn.k_norm.hook_normalized": "[T, n_kv_heads, d_head]",
 }
+V_NORM_POINTS: dict[str, str] = {
+    "attn.v_norm.hook_scale": "[T, n_kv_heads, 1]",
+    "attn.v_norm.hook_normalized": "[T, n_kv_heads, d_head]",
+}
 POST_NORM_POINTS: dict[str, dict[str, str]] = {
     "attn.hook_result": {"ln1_post.hook_scale": "[T, 1]", "ln1_post.hook_normalized": "[T, d_model]"},
     "mlp.hook_post": {"ln2_post.hook_scale": "[T, 1]", "ln2_post.hook_normalized": "[T, d_model]"},
@@ -178,6 +183,8 @@ def block_points(config: ModelConfig) -> dict[str, str]:
             continue
         if name == "attn.hook_rot_q" and family.qk_norm:
             points.update(QK_NORM_POINTS)
+        if name == "attn.hook_rot_q" and family.v_norm:
+            points.update(V_NORM_POINTS)
         points[name] = shape
         if family.post_norms:
             points.update(POST_NORM_POINTS.get(name, {}))
@@ -236,13 +243,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, point: _P
     return _norm_points(x, *layer_ops.rms_norm(x, weight, eps), weight, point, names, layer)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, eps: float, point: _Points,
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, point: _Points,
                  stream_points: Sequence[tuple[str, int]], names: tuple[str, str],
                  layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream ``x + delta`` through its hook points (``(name, layer)`` each), and ``rms_norm`` of it. With
-    none of those points hooked, the sum and the norm are one call (``layer_ops.add_rms_norm``), with the same bits."""
-    if weight is None or any(point.wants(name) for name, _ in stream_points):
-        x = x + delta
+    none of those points hooked, the sum and the norm are one call (``layer_ops.add_rms_norm``), with the same bits.
+    ``delta`` None: ``x`` is the stream already."""
+    if delta is None or weight is None or any(point.wants(name) for name, _ in stream_points):
+        x = x if delta is None else x + delta
         for name, at in stream_points:
             x = point(name, x, at)
         return x, rms_norm(x, weight, eps, point, names, layer)
@@ -342,22 +350,29 @@ class Transformer:
             for layer in self.weights.layers:
                 layer.fuse_projections()
         c = config
-        self.d_rotary = c.d_rotary or c.d_head
-        self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors)
-        # sliding layers with a rope base of their own (Gemma 3) take a second table
+        self._heads = [c.layer_heads(i) for i in range(c.n_layers)]  # each layer's (n_kv_heads, d_head)
+        # the global layers' table; sliding layers with a rope base or head size of their own (Gemma 3, Gemma 4) take
+        # a second one
+        global_rotary = c.d_rotary or (c.d_head_global or c.d_head)
+        self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors,
+                                                        global_rotary)
         self.local_rope = None
-        if c.sliding_window and c.rope_base_local is not None and (c.rope_base_local, 1.0) != (c.rope_base, c.rope_scale):
-            self.local_rope = self._rope_table(c.rope_base_local, 1.0, None)
+        local_rotary = c.d_rotary or c.d_head
+        if c.sliding_window and (c.rope_base_local is not None or local_rotary != global_rotary):
+            local = ((c.rope_base_local, 1.0, None) if c.rope_base_local is not None
+                     else (c.rope_base, c.rope_scale, weights.rope_freq_factors))
+            if (*local[:2], local_rotary) != (c.rope_base, c.rope_scale, global_rotary):
+                self.local_rope = self._rope_table(*local, local_rotary)
         self.attn_scale = c.attn_scale or math.sqrt(c.d_head)
         self.embed_scale = math.sqrt(c.d_model) if self.arch.embed_scale else None
         self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
         self._names = [self._block_names(i, last=i + 1 == c.n_layers) for i in range(c.n_layers)]
 
-    def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None
+    def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position's rope angles, ``[n_ctx, d_rotary / 2]`` each, taken in float64 once: a
         forward gathers its rows instead of evaluating float64 trig in every layer's kernels."""
-        exponents = torch.arange(0, self.d_rotary, 2, dtype=torch.float64) / self.d_rotary
+        exponents = torch.arange(0, d_rotary, 2, dtype=torch.float64) / d_rotary
         inv_freq = 1.0 / (base**exponents) / scale
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double().cpu()
@@ -366,10 +381,11 @@ class Transformer:
 
     @staticmethod
     def _block_names(i: int, last: bool) -> dict:
-        points = [*BLOCK_POINTS, *QK_NORM_POINTS, *(p for extra in POST_NORM_POINTS.values() for p in extra),
-                  *MOE_POINTS, *SHARED_POINTS]
+        points = [*BLOCK_POINTS, *QK_NORM_POINTS, *V_NORM_POINTS,
+                  *(p for extra in POST_NORM_POINTS.values() for p in extra), *MOE_POINTS, *SHARED_POINTS,
+                  *DENSE_BRANCH_POINTS, *EXPERTS_BRANCH_POINTS]
         names: dict = {p: f"blocks.{i}.{p}" for p in points}
-        for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
+        for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm", "attn.v_norm", "ln2_experts"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
         names["after_attn"] = ((names["hook_resid_mid"], i),)
@@ -378,13 +394,18 @@ class Transformer:
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
         return names
 
-    def new_cache(self, capacity: int = 64) -> KVCache:
+    def _cache_heads(self) -> tuple:
+        """The caches' ``(n_kv_heads, d_head)``: one pair, or a list of each per layer where layers differ."""
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
+        if not c.heads_vary:
+            return c.n_kv_heads, c.d_head
+        return [h for h, _ in self._heads], [d for _, d in self._heads]
+
+    def new_cache(self, capacity: int = 64) -> KVCache:
+        return KVCache(self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
 
     def new_batch_cache(self, n_rows: int, capacity: int = 64) -> BatchKVCache:
-        c = self.config
-        return BatchKVCache(n_rows, c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
+        return BatchKVCache(n_rows, self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
 
     @property
     def is_split(self) -> bool:
@@ -411,7 +432,7 @@ class Transformer:
         c = self.config
         if not 0 < capacity <= c.n_ctx:
             raise WorkbenchError(f"a static cache holds 1 to {c.n_ctx} (the model's context) slots, not {capacity}")
-        return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
+        return StaticKVCache(c.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
 
     def rotation(self, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,9 +449,10 @@ class Transformer:
         """Rotate each pair of ``[T, heads, d_head]`` (adjacent values, or for "neox" the two halves of each head):
         ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32. With partial rotary, only the first
         ``d_rotary`` values of each head turn (their halves paired), the rest pass through."""
-        if self.d_rotary < x.shape[-1]:
-            turned = layer_ops.rope(x[..., :self.d_rotary], *rotation, self.config.rope_interleaved)
-            return torch.cat((turned, x[..., self.d_rotary:]), dim=-1)
+        d_rotary = rotation[0].shape[-1]
+        if d_rotary < x.shape[-1]:
+            turned = layer_ops.rope(x[..., :d_rotary], *rotation, self.config.rope_interleaved)
+            return torch.cat((turned, x[..., d_rotary:]), dim=-1)
         return layer_ops.rope(x, *rotation, self.config.rope_interleaved)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
@@ -475,15 +497,17 @@ class Transformer:
             attn_out = point(names["hook_attn_out"], attn_out, i)
             x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
                                          names["ln2"], i)
-            mlp_out = self.mlp(normalized, layer, i, point, adapter)
+            mlp_out = self.mlp(normalized, layer, i, point, adapter, resid=x)
             if self.arch.post_norms:
                 mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
             mlp_out = point(names["hook_mlp_out"], mlp_out, i)
+            if layer.out_scale is not None:  # Gemma 4 scales the block's output: the sum is taken here
+                x, mlp_out = (x + mlp_out) * layer.out_scale, None
             if i + 1 < c.n_layers and i + 1 not in self.range_starts:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
                 continue
-            x = point(names["hook_resid_post"], x + mlp_out, i)
+            x = point(names["hook_resid_post"], x if mlp_out is None else x + mlp_out, i)
             if i + 1 < c.n_layers:  # the next range's device takes the residual stream and what every layer reads
                 device = self.devices[i + 1]
                 x, positions, rotation, blocked, local_rotation, local_blocked = _to(
@@ -566,17 +590,20 @@ class Transformer:
                   layout: BatchLayout | None = None, lora: Mapping | None = None) -> torch.Tensor:
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
+        n_kv_heads, d_head = self._heads[i]
         q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
         if lora:
             q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
         if c.qkv_bias:
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-        q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
-        k = self._head_point(point, names["attn.hook_k"], k.view(n_new, c.n_kv_heads, c.d_head), i)
-        v = point(names["attn.hook_v"], v.view(n_new, c.n_kv_heads, c.d_head), i)
+        q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, d_head), i)
+        k = self._head_point(point, names["attn.hook_k"], k.view(n_new, n_kv_heads, d_head), i)
+        v = point(names["attn.hook_v"], v.view(n_new, n_kv_heads, d_head), i)
         if c.qk_norm:
             q = self._qk_norm(q, layer.q_norm, point, names["attn.q_norm"], i)
             k = self._qk_norm(k, layer.k_norm, point, names["attn.k_norm"], i)
+        if layer.v_norm is not None:
+            v = rms_norm(v, layer.v_norm, c.rms_eps, point, names["attn.v_norm"], i)
         q = self._head_point(point, names["attn.hook_rot_q"], self.rope(q, rotation), i)
         k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
 
@@ -598,7 +625,7 @@ class Transformer:
         else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
             z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
         z = point(names["attn.hook_z"], z if layout is None else layout.unpad(z), i)
-        z_flat = z.reshape(n_new, c.n_heads * c.d_head)
+        z_flat = z.reshape(n_new, c.n_heads * d_head)
         out = linear(z_flat, layer.wo)
         if lora:
             out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)
@@ -613,15 +640,18 @@ class Transformer:
         so recording keeps the run bit-identical. Hooks get a copy, so in-place edits count too.
         """
         c = self.config
-        w_o = layer.wo.dequantize(z.dtype).view(c.d_model, c.n_heads, c.d_head)
+        w_o = layer.wo.dequantize(z.dtype).view(c.d_model, c.n_heads, self._heads[i][1])
         result = torch.einsum("thd,mhd->thm", z, w_o)
         edited = point(self._names[i]["attn.hook_result"], result.clone(), i)
         return (edited - result).sum(dim=1)
 
-    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: Mapping | None = None) -> torch.Tensor:
-        names = self._names[i]
-        if layer.moe is not None:
-            return moe_mlp(x, layer.moe, self.config.moe, point, names, i)
+    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: Mapping | None = None,
+            resid: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of normalized ``x``; ``resid`` is the residual stream it was normalized from (Gemma 4's experts
+        normalize it their own way and route on it)."""
+        names, c = self._names[i], self.config
+        if layer.moe is not None and not c.moe.dense_mlp:
+            return moe_mlp(x, layer.moe, c.moe, point, names, i)
         gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
         if lora:
             gate, up = add_lora(x, (gate, up), ("w_gate", "w_up"), lora, point, names["lora"], i)
@@ -635,4 +665,12 @@ class Transformer:
         out = linear(hidden, layer.w_down)
         if lora:
             out, = add_lora(hidden, (out,), ("w_down",), lora, point, names["lora"], i)
-        return out
+        if layer.moe is None:
+            return out
+        # Gemma 4: the experts beside the dense MLP, each branch through its own output norm, summed
+        dense = point(names["mlp.hook_dense_out"], layer_ops.rms_norm(out, layer.dense_post_norm, c.rms_eps)[1], i)
+        experts_in = rms_norm(resid, layer.experts_norm, c.rms_eps, point, names["ln2_experts"], i)
+        experts = moe_mlp(experts_in, layer.moe, c.moe, point, names, i,
+                          router_input=gemma4_router_input(resid, layer.moe, c.rms_eps), activation=self.arch.activation)
+        experts = layer_ops.rms_norm(experts, layer.experts_post_norm, c.rms_eps)[1]
+        return dense + point(names["mlp.hook_experts_out"], experts, i)

@@ -33,6 +33,12 @@ class LayerWeights:
     attn_post_norm: torch.Tensor | None = None  # norms of attention's and the MLP's outputs (Gemma 2/3, OLMo 2)
     mlp_post_norm: torch.Tensor | None = None
     moe: MoEWeights | None = None  # the experts that replace w_gate/w_up/w_down in an MoE block
+    v_norm: torch.Tensor | None = None  # ones [d_head]: the value norm has no weight (Gemma 4)
+    out_scale: torch.Tensor | None = None  # [1]: the block's output is multiplied by it (Gemma 4)
+    # Gemma 4's MoE block: the experts' input norm, and the dense and expert branches' output norms
+    experts_norm: torch.Tensor | None = None
+    dense_post_norm: torch.Tensor | None = None
+    experts_post_norm: torch.Tensor | None = None
     # After ``fuse_projections``: wq/wk/wv (and w_gate/w_up) as row ranges of one matrix, one matmul each.
     wqkv: QuantTensor | None = None
     w_gate_up: QuantTensor | None = None
@@ -97,7 +103,7 @@ class ModelWeights:
             if isinstance(value, torch.Tensor):
                 return value.to(device, dtype)
             if isinstance(value, MoEWeights):
-                return value.map(lambda w: w.to(device))
+                return value.map(lambda w: w.to(device), lambda v: v.to(device))
             return value
 
         layers = [LayerWeights(**{f.name: place(getattr(l, f.name), device) for f in fields(l) if f.name not in STACKS})
