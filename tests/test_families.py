@@ -95,6 +95,48 @@ def test_gemma4_matches_transformers(family, gemma4):
         prompt.append(token)
 
 
+def test_gemma4_hook_points_mean_what_transformers_computes(gemma4):
+    """TransformerLens has no Gemma 4: its hook points are checked against transformers' own intermediate outputs on
+    the same checkpoint (the embedding, every block's output but the last, which transformers gives normed, every
+    attention pattern, the router's probabilities)."""
+    ours, reference = gemma4("gemma4moe")
+    with torch.no_grad():
+        out = reference(torch.tensor([IDS]), output_hidden_states=True, output_attentions=True,
+                        output_router_logits=True)
+    acts = ours.run(IDS, record=["*"]).activations
+    close = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(acts["hook_embed"], out.hidden_states[0][0], **close)
+    for i in range(ours.config.n_layers):
+        if i + 1 < ours.config.n_layers:
+            torch.testing.assert_close(acts[f"blocks.{i}.hook_resid_post"], out.hidden_states[i + 1][0], **close)
+        torch.testing.assert_close(acts[f"blocks.{i}.attn.hook_pattern"], out.attentions[i][0], **close)
+        torch.testing.assert_close(acts[f"blocks.{i}.mlp.hook_router_logits"].softmax(-1), out.router_logits[i],
+                                   **close)
+
+
+def test_gemma4_expert_ablation_equals_hand_computation(gemma4):
+    """Gemma 4's experts run beside the dense MLP: dropping an expert leaves the dense branch as it was, and the
+    experts' branch is the norm of the remaining experts' weighted outputs (the weights include each expert's scale)."""
+    ours, _ = gemma4("gemma4moe")
+    points = ["mlp.hook_expert_indices", "mlp.hook_expert_weights", "mlp.hook_expert_out", "mlp.hook_dense_out",
+              "mlp.hook_experts_out"]
+    record = [f"blocks.1.{p}" for p in points]
+    clean = ours.run(IDS, record=record).activations
+    indices = clean["blocks.1.mlp.hook_expert_indices"]
+    expert = int(indices[0, 0])
+    spec = {"type": "ablate_expert", "experts": [expert], "layer": 1}
+    ablated = ours.run(IDS, record=record, interventions=[spec]).activations
+    assert torch.equal(ablated["blocks.1.mlp.hook_dense_out"], clean["blocks.1.mlp.hook_dense_out"])
+    hit = indices == expert
+    assert hit.any() and (~hit).any()
+    kept = clean["blocks.1.mlp.hook_expert_weights"].masked_fill(hit, 0.0)
+    experts = (clean["blocks.1.mlp.hook_expert_out"] * kept[..., None]).sum(1)
+    post_norm = ours.runner.weights.layers[1].experts_post_norm
+    expected = experts * torch.rsqrt(experts.pow(2).mean(-1, keepdim=True) + ours.config.rms_eps) * post_norm
+    torch.testing.assert_close(ablated["blocks.1.mlp.hook_experts_out"], expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(ablated["blocks.1.mlp.hook_experts_out"], clean["blocks.1.mlp.hook_experts_out"])
+
+
 @pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gemma4moe"])
 def test_hook_invariants(family, tiny_model, gemma4):
     """On every family: recording every hook point changes no bit; a zero steer on every point and a self-patch of
