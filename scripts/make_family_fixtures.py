@@ -39,8 +39,9 @@ from make_llamacpp_fixtures import top_logprobs, without_extra_buffer_types  # n
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "families"
 FORMATS = {"Q8_0": 7, "Q4_K_M": 15}  # llama_ftype values
 # family -> n_layers: Gemma 3 needs six for llama.cpp's default layout to reach a global layer; Gemma 4's files name
-# their layout (sliding and global layers alternating here), "gemma4moe" is Gemma 4 with the 26B-A4B's experts
-FAMILIES = {"llama": 2, "gemma2": 2, "gemma3": 6, "phi3": 2, "olmo2": 2, "gemma4": 4, "gemma4moe": 4}
+# their layout (sliding and global layers alternating here); "gemma4moe" is Gemma 4 with the 26B-A4B's experts,
+# "gemma4e" with the E2B's per-layer embeddings and layers reusing keys and values
+FAMILIES = {"llama": 2, "gemma2": 2, "gemma3": 6, "phi3": 2, "olmo2": 2, "gemma4": 4, "gemma4moe": 4, "gemma4e": 4}
 SPM_VOCAB = 320
 # weights 15x transformers' default spread: next-token distributions as peaked as a real model's (top-1 probability
 # ~0.1-0.5 instead of ~1/vocab), so that a wrong computation shows in KL and top-1

@@ -64,18 +64,24 @@ def gemma4(tmp_path_factory):
     return load
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gemma4moe"])
+@pytest.mark.parametrize("family", ["gemma4", "gemma4moe", "gemma4e"])
 def test_gemma4_matches_transformers(family, gemma4):
-    """Gemma 4 (the 31B's layout, and the 26B-A4B's experts beside the dense MLP) from its transformers folder: float32
-    logits within 1e-4 of transformers', on the whole prompt, token by token through the KV cache (whose global layers
-    hold other head shapes than its sliding ones), and after cache surgery; greedy generation past the window takes
-    the tokens a full forward picks."""
+    """Gemma 4 (the 31B's layout, the 26B-A4B's experts beside the dense MLP, the E2B's per-layer embeddings and layers
+    reusing earlier layers' keys and values) from its transformers folder: float32 logits within 1e-4 of
+    transformers', on the whole prompt, token by token through the KV cache (whose global layers hold other head
+    shapes than its sliding ones), and after cache surgery; greedy generation past the window takes the tokens a full
+    forward picks."""
     ours, reference = gemma4(family)
-    c = ours.config
-    assert (c.d_head, c.n_kv_heads, c.d_head_global, c.n_kv_heads_global, c.sliding_window) == (16, 2, 32, 1, 4)
+    c, layers = ours.config, ours.runner.weights.layers
+    global_kv_heads = None if family == "gemma4e" else 1
+    assert (c.d_head, c.n_kv_heads, c.d_head_global, c.n_kv_heads_global, c.sliding_window) == (
+        16, 2, 32, global_kv_heads, 4)
     assert c.attn_scale == 1.0 and (c.moe is not None and c.moe.dense_mlp) == (family == "gemma4moe")
-    global_layer = ours.runner.weights.layers[1]
-    assert global_layer.wv.data.data_ptr() == global_layer.wk.data.data_ptr()  # attention_k_eq_v: no v_proj
+    if family == "gemma4e":
+        assert (c.d_per_layer, c.kv_shared_layers, c.d_mlp_layers) == (8, 2, (96, 96, 192, 192))
+        assert [c.kv_source(i) for i in range(4)] == [0, 1, 0, 1] and layers[2].wk is None
+    else:  # attention_k_eq_v: the global layers' values are the key projection
+        assert layers[1].wv.data.data_ptr() == layers[1].wk.data.data_ptr()
     # the proportional rope: a quarter of the 16 pairs of a global head turn
     assert torch.equal(ours.runner.weights.rope_freq_factors, torch.tensor([1.0] * 4 + [1e30] * 12))
     with torch.no_grad():
@@ -85,7 +91,7 @@ def test_gemma4_matches_transformers(family, gemma4):
     cache = ours.new_cache()
     stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
     assert (stepped - expected).abs().max().item() < 1e-4
-    assert [tuple(cache.get(i)[0].shape) for i in range(2)] == [(2, len(IDS), 16), (1, len(IDS), 32)]
+    assert [tuple(cache.get(i)[0].shape) for i in range(2)] == [(2, len(IDS), 16), (global_kv_heads or 2, len(IDS), 32)]
     cache.truncate(7)  # continuing from the first 7 slots is a run on the first 7 tokens
     assert (ours.forward(IDS[7:], cache=cache) - expected[7:]).abs().max().item() < 1e-4
     generated = [token for token, _ in ours.stream(IDS, 8, temperature=0.0)]
@@ -137,7 +143,7 @@ def test_gemma4_expert_ablation_equals_hand_computation(gemma4):
     assert not torch.allclose(ablated["blocks.1.mlp.hook_experts_out"], clean["blocks.1.mlp.hook_experts_out"])
 
 
-@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gemma4moe"])
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gemma4moe", "gemma4e"])
 def test_hook_invariants(family, tiny_model, gemma4):
     """On every family: recording every hook point changes no bit; a zero steer on every point and a self-patch of
     every point are identities; every point the forward reaches is listed with its shape."""
@@ -223,7 +229,7 @@ def test_info_names_the_family_features(tiny_model):
     assert info["family"]["sliding_window"] == 4
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4", "gemma4moe"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4", "gemma4moe", "gemma4e"])
 def test_batches_slide_as_single_prompts(family, tiny_model, gemma4):
     """Batched runs (padded to the longest prompt, a shared prefix computed once) and batched greedy decoding through
     a BatchKVCache mask each sliding layer's window by position as one prompt at a time does (Gemma 4: with layers of

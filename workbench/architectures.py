@@ -35,12 +35,19 @@ LAYER_TENSORS: dict[str, str] = {
     "experts_norm": "pre_ffw_norm_2.weight",
     "dense_post_norm": "post_ffw_norm_1.weight",
     "experts_post_norm": "post_ffw_norm_2.weight",
+    # Gemma 4 E2B/E4B's per-layer embeddings: the gate from the stream, the projection back, its norm
+    "per_layer_gate": "inp_gate.weight",
+    "per_layer_proj": "proj.weight",
+    "per_layer_post_norm": "post_norm.weight",
 }
 GLOBAL_TENSORS: dict[str, str] = {
     "embed": "token_embd.weight",
     "final_norm": "output_norm.weight",
     "unembed": "output.weight",
     "rope_freq_factors": "rope_freqs.weight",
+    "per_layer_embed": "per_layer_token_embd.weight",
+    "per_layer_model_proj": "per_layer_model_proj.weight",
+    "per_layer_proj_norm": "per_layer_proj_norm.weight",
 }
 
 # Hugging Face layer tensor suffix (after ``model.layers.{i}.``) -> GGUF suffix, as llama.cpp's converter maps them.
@@ -64,6 +71,9 @@ HF_GLOBAL_TENSORS: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 
 # Post-norm families name the norm after attention "post_attention_layernorm", which llama's map takes for the norm
@@ -159,12 +169,16 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  hf_tensors={**_POST_NORM_HF, "layer_scalar": "layer_output_scale.weight",
                              "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
                              "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
-                             "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight"},
+                             "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+                             "per_layer_input_gate.weight": "inp_gate.weight",
+                             "per_layer_projection.weight": "proj.weight",
+                             "post_per_layer_input_norm.weight": "post_norm.weight"},
                  features=("norms after attention and MLP", "embeddings x sqrt(d_model)", "GeGLU (tanh GELU)",
                            "per-head q/k RMSNorm and value RMSNorm, attention scale 1",
                            "sliding-window and global layers with their own head sizes and rope bases",
                            "proportional (partial) rope on global layers", "values from the key projection",
-                           "per-layer output scale", "final-logit soft-capping")),
+                           "per-layer output scale", "final-logit soft-capping",
+                           "per-layer embeddings and layers reusing keys and values (E2B/E4B)")),
     Architecture("phi3", ("Phi3ForCausalLM",), gguf_window=False,
                  fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")},
                  hf_tensors={"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},

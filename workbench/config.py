@@ -78,6 +78,11 @@ class ModelConfig:
     # (Gemma 4)
     d_head_global: int | None = None
     n_kv_heads_global: int | None = None
+    # Gemma 4 E2B/E4B: per-layer embeddings of this width added in every block, the last this many layers attending
+    # over the keys and values of the last earlier layer of their kind, and each layer's MLP width where they differ
+    d_per_layer: int | None = None
+    kv_shared_layers: int | None = None
+    d_mlp_layers: tuple[int, ...] = ()
 
     moe: MoEConfig | None = None  # every block's MLP is a mixture of experts
 
@@ -86,6 +91,8 @@ class ModelConfig:
         of as a ZeroDivisionError or NaN outputs later."""
         if not isinstance(self.sliding_layers, tuple):  # a JSON round trip (trace fingerprints) gives a list
             object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+        if not isinstance(self.d_mlp_layers, tuple):
+            object.__setattr__(self, "d_mlp_layers", tuple(int(d) for d in self.d_mlp_layers))
         if isinstance(self.moe, dict):  # from ``to_dict`` (a trace's fingerprint)
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         where = self.name or "model"
@@ -109,6 +116,14 @@ class ModelConfig:
                                  f"{d_head}, got {rotary}")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ModelLoadError(f"{where}: {len(self.sliding_layers)} sliding-window flags for {self.n_layers} layers")
+        if self.d_mlp_layers and len(self.d_mlp_layers) != self.n_layers:
+            raise ModelLoadError(f"{where}: {len(self.d_mlp_layers)} MLP widths for {self.n_layers} layers")
+        if self.kv_shared_layers:
+            missing = {self.is_sliding(i) for i in range(self.n_layers)} - {
+                self.is_sliding(i) for i in range(self.n_layers - self.kv_shared_layers)}
+            if missing:
+                raise ModelLoadError(f"{where}: the last {self.kv_shared_layers} layers reuse keys and values that no "
+                                     "earlier layer of their kind computes")
 
     @property
     def arch(self) -> Architecture:
@@ -122,6 +137,17 @@ class ModelConfig:
         if self.is_sliding(layer):
             return self.n_kv_heads, self.d_head
         return self.n_kv_heads_global or self.n_kv_heads, self.d_head_global or self.d_head
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values ``layer`` attends over: its own, or for the last ``kv_shared_layers``, the
+        last earlier layer of the same kind (sliding or global), as transformers' ``kv_sharing_modes``."""
+        first_shared = self.n_layers - (self.kv_shared_layers or 0)
+        if layer < first_shared:
+            return layer
+        return max(i for i in range(first_shared) if self.is_sliding(i) == self.is_sliding(layer))
+
+    def layer_d_mlp(self, layer: int) -> int:
+        return self.d_mlp_layers[layer] if self.d_mlp_layers else self.d_mlp
 
     @property
     def heads_vary(self) -> bool:
@@ -137,7 +163,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         """The fields as JSON keeps them (lists for tuples), so a saved fingerprint compares equal."""
-        return {**asdict(self), "sliding_layers": list(self.sliding_layers)}
+        return {**asdict(self), "sliding_layers": list(self.sliding_layers), "d_mlp_layers": list(self.d_mlp_layers)}
 
     @property
     def n_params(self) -> int:

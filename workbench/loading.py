@@ -129,7 +129,6 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         # Gemma 4: key_length is the global layers' head size, key_length_swa the sliding ones', and head_count_kv may
         # name each layer's
         d_head_swa = int(optional("attention.key_length_swa") or d_head)
-        _refuse_unsupported(arch, optional, path)
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
         if not vocab:
             raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
@@ -147,7 +146,9 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         d_rotary = optional("rope.dimension_count")
         if int(optional("rope.dimension_count_swa") or d_head_swa) != d_head_swa:
             raise ModelLoadError(f"{path}: partial rotary on sliding layers is not supported")
-        d_mlp = int(key("feed_forward_length"))
+        d_mlp_layers = key("feed_forward_length")  # Gemma 4 E2B: per layer, the KV-sharing layers' twice as wide
+        d_mlp_layers = [int(d) for d in d_mlp_layers] if isinstance(d_mlp_layers, list) else [int(d_mlp_layers)]
+        d_mlp = d_mlp_layers[0]
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
@@ -172,17 +173,12 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             final_softcap=_cap(optional("final_logit_softcapping")),
             d_head_global=d_head if d_head != d_head_swa else None,
             n_kv_heads_global=n_kv_heads_global,
+            d_per_layer=int(optional("embedding_length_per_layer_input") or 0) or None,
+            kv_shared_layers=int(optional("attention.shared_kv_layers") or 0) or None,
+            d_mlp_layers=tuple(d_mlp_layers) if len(set(d_mlp_layers)) > 1 else (),
             moe=moe_lib.gguf_config(key, arch, d_mlp),
             **family.config_flags(),
         )
-
-
-def _refuse_unsupported(arch: str, optional, path: Path) -> None:
-    """Refuse, by name, the parts of a family the forward does not compute yet (Gemma 4 E2B/E4B's)."""
-    if optional("embedding_length_per_layer_input"):
-        raise ModelLoadError(f"{path}: {arch} per-layer embeddings (Gemma 4 E2B/E4B) are not supported yet")
-    if optional("attention.shared_kv_layers"):
-        raise ModelLoadError(f"{path}: {arch} layers sharing another layer's keys and values are not supported yet")
 
 
 def _kv_heads(value: Any, sliding: tuple[bool, ...], path: Path) -> tuple[int, int | None]:
@@ -293,8 +289,9 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
     for i in range(c.n_layers):
         p = f"blk.{i}."
         n_kv_heads, d_head = c.layer_heads(i)
-        q_dim, kv_dim = c.n_heads * d_head, n_kv_heads * d_head
-        rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": c.d_mlp, "w_up": c.d_mlp}
+        q_dim, kv_dim, d_mlp = c.n_heads * d_head, n_kv_heads * d_head, c.layer_d_mlp(i)
+        rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": d_mlp, "w_up": d_mlp}
+        own_kv = c.kv_source(i) == i  # a layer that reuses an earlier one's keys and values has no projections of them
         qk_norm = {"head": (d_head, d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm, (0, 0))
         parts = {}
         for fused, names in family.fused.items():  # stored stacked: the parts are row ranges (views) of it
@@ -308,9 +305,12 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
             return vector(p + LAYER_TENSORS[field], length, required)
 
         # in the order of the file's tensors, so that the first one missing is named
-        attn_norm, wq, wk = norm("attn_norm", c.d_model, family.pre_norms), part("wq", c.d_model), part("wk", c.d_model)
+        attn_norm, wq = norm("attn_norm", c.d_model, family.pre_norms), part("wq", c.d_model)
+        wk = part("wk", c.d_model) if own_kv else None
         # a family whose layers may take values from the keys' projection stores no attn_v there
         wv = wk if family.values_from_keys and get(p + LAYER_TENSORS["wv"], (kv_dim, c.d_model)) is None else None
+        if own_kv and wv is None:
+            wv = part("wv", c.d_model)
         dense_mlp = not c.moe or c.moe.dense_mlp
 
         layers.append(
@@ -318,24 +318,27 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
                 attn_norm=attn_norm,
                 wq=wq,
                 wk=wk,
-                wv=wv if wv is not None else part("wv", c.d_model),
+                wv=wv,
                 wo=matrix(p + LAYER_TENSORS["wo"], (c.d_model, q_dim)),
                 mlp_norm=norm("mlp_norm", c.d_model, family.pre_norms),
                 w_gate=part("w_gate", c.d_model) if dense_mlp else None,
                 w_up=part("w_up", c.d_model) if dense_mlp else None,
-                w_down=matrix(p + LAYER_TENSORS["w_down"], (c.d_model, c.d_mlp)) if dense_mlp else None,
+                w_down=matrix(p + LAYER_TENSORS["w_down"], (c.d_model, d_mlp)) if dense_mlp else None,
                 bq=norm("bq", q_dim, c.qkv_bias),
                 bk=norm("bk", kv_dim, c.qkv_bias),
                 bv=norm("bv", kv_dim, c.qkv_bias),
                 q_norm=norm("q_norm", qk_norm[0], c.qk_norm) if c.qk_norm else None,
-                k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm else None,
+                k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm and own_kv else None,
                 attn_post_norm=norm("attn_post_norm", c.d_model, True) if family.post_norms else None,
                 mlp_post_norm=norm("mlp_post_norm", c.d_model, True) if family.post_norms else None,
                 moe=moe_lib.assemble(p, c.d_model, c.moe, get, source) if c.moe else None,
-                v_norm=torch.ones(d_head) if family.v_norm else None,
+                v_norm=torch.ones(d_head) if family.v_norm and own_kv else None,
                 out_scale=norm("out_scale", 1, False),
                 **{field: norm(field, c.d_model, True) if c.moe and c.moe.dense_mlp else None
                    for field in ("experts_norm", "dense_post_norm", "experts_post_norm")},
+                **(dict(per_layer_gate=matrix(p + LAYER_TENSORS["per_layer_gate"], (c.d_per_layer, c.d_model)),
+                        per_layer_proj=matrix(p + LAYER_TENSORS["per_layer_proj"], (c.d_model, c.d_per_layer)),
+                        per_layer_post_norm=norm("per_layer_post_norm", c.d_model, True)) if c.d_per_layer else {}),
             )
         )
     embed = matrix(GLOBAL_TENSORS["embed"], (c.vocab_size, c.d_model))
@@ -347,6 +350,10 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
         unembed=unembed,
         rope_freq_factors=vector(GLOBAL_TENSORS["rope_freq_factors"], (c.d_rotary or c.d_head_global or c.d_head) // 2,
                                  required=False),
+        **(dict(per_layer_embed=matrix(GLOBAL_TENSORS["per_layer_embed"], (c.vocab_size, c.n_layers * c.d_per_layer)),
+                per_layer_model_proj=matrix(GLOBAL_TENSORS["per_layer_model_proj"],
+                                            (c.n_layers * c.d_per_layer, c.d_model)),
+                per_layer_proj_norm=vector(GLOBAL_TENSORS["per_layer_proj_norm"], c.d_per_layer)) if c.d_per_layer else {}),
     )
 
 
@@ -414,9 +421,15 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             # "proportional" (Gemma 4) rotates a fraction of each head's pairs: rope_freqs, made on load
             rotary = (global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
                       if kind != "proportional" else None)
-            if cfg.get("hidden_size_per_layer_input") or cfg.get("num_kv_shared_layers"):
-                raise ModelLoadError(f"{path}: Gemma 4 per-layer embeddings and layers sharing keys and values "
-                                     "(E2B/E4B) are not supported yet")
+            d_per_layer = int(cfg.get("hidden_size_per_layer_input") or 0) or None
+            if d_per_layer and cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]) != cfg["vocab_size"]:
+                raise ModelLoadError(f"{path}: per-layer embeddings of another vocabulary size than the model's are "
+                                     "not supported")
+            kv_shared = int(cfg.get("num_kv_shared_layers") or 0)
+            d_mlp = int(cfg["intermediate_size"])
+            # Gemma 4 E2B: the layers that reuse keys and values have MLPs twice as wide
+            wide = cfg.get("use_double_wide_mlp") and kv_shared
+            d_mlp_layers = tuple(d_mlp * (2 if i >= n_layers - kv_shared else 1) for i in range(n_layers)) if wide else ()
             if cfg.get("use_bidirectional_attention") == "all":
                 raise ModelLoadError(f"{path}: bidirectional attention is not supported")
             d_head_global, n_kv_global = _hf_global_heads(cfg)
@@ -435,7 +448,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 n_heads=n_heads,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
                 d_head=d_head,
-                d_mlp=int(cfg["intermediate_size"]),
+                d_mlp=d_mlp,
                 vocab_size=int(cfg["vocab_size"]),
                 n_ctx=int(cfg.get("max_position_embeddings", 2048)),
                 rope_base=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
@@ -452,6 +465,9 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 final_softcap=_cap(cfg.get("final_logit_softcapping")),
                 d_head_global=d_head_global if d_head_global not in (None, d_head) else None,
                 n_kv_heads_global=n_kv_global if n_kv_global not in (None, cfg.get("num_key_value_heads")) else None,
+                d_per_layer=d_per_layer,
+                kv_shared_layers=kv_shared or None,
+                d_mlp_layers=d_mlp_layers,
                 moe=moe_lib.hf_config(cfg, arch),
                 **ARCHITECTURES[arch].config_flags(),
             )

@@ -165,6 +165,11 @@ POST_NORM_POINTS: dict[str, dict[str, str]] = {
     "attn.hook_result": {"ln1_post.hook_scale": "[T, 1]", "ln1_post.hook_normalized": "[T, d_model]"},
     "mlp.hook_post": {"ln2_post.hook_scale": "[T, 1]", "ln2_post.hook_normalized": "[T, d_model]"},
 }
+# Gemma 4 E2B/E4B: each block's slice of the per-layer inputs and what it adds to the stream, after hook_mlp_out
+PER_LAYER_POINTS: dict[str, str] = {"per_layer.hook_input": "[T, d_per_layer]", "hook_per_layer_out": "[T, d_model]"}
+# The points of a layer's own keys and values, which a layer reusing an earlier layer's does not have
+KV_POINTS = ("attn.hook_k", "attn.hook_v", "attn.k_norm.hook_scale", "attn.k_norm.hook_normalized",
+             "attn.v_norm.hook_scale", "attn.v_norm.hook_normalized", "attn.hook_rot_k")
 GLOBAL_POINTS: dict[str, str] = {
     "hook_embed": "[T, d_model]",
     "ln_final.hook_scale": "[T, 1]",
@@ -188,6 +193,8 @@ def block_points(config: ModelConfig) -> dict[str, str]:
         points[name] = shape
         if family.post_norms:
             points.update(POST_NORM_POINTS.get(name, {}))
+        if name == "hook_mlp_out" and config.d_per_layer:
+            points.update(PER_LAYER_POINTS)
     if family.qk_norm == "projection":  # one scale per token over all heads
         points["attn.q_norm.hook_scale"] = points["attn.k_norm.hook_scale"] = "[T, 1, 1]"
     return with_moe_points(points, config.moe)
@@ -197,7 +204,8 @@ def block_points(config: ModelConfig) -> dict[str, str]:
 def hook_point_names(config: ModelConfig) -> tuple[str, ...]:
     """Every hook point in the order the forward reaches them (built once per config: every intervention resolves its
     hook name against them)."""
-    blocks = [f"blocks.{i}.{p}" for i in range(config.n_layers) for p in block_points(config)]
+    blocks = [f"blocks.{i}.{p}" for i in range(config.n_layers) for p in block_points(config)
+              if config.kv_source(i) == i or p not in KV_POINTS]
     return ("hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
 
 
@@ -351,6 +359,7 @@ class Transformer:
                 layer.fuse_projections()
         c = config
         self._heads = [c.layer_heads(i) for i in range(c.n_layers)]  # each layer's (n_kv_heads, d_head)
+        self._kv_reused = {c.kv_source(i) for i in range(c.n_layers) if c.kv_source(i) != i}
         # the global layers' table; sliding layers with a rope base or head size of their own (Gemma 3, Gemma 4) take
         # a second one
         global_rotary = c.d_rotary or (c.d_head_global or c.d_head)
@@ -383,7 +392,7 @@ class Transformer:
     def _block_names(i: int, last: bool) -> dict:
         points = [*BLOCK_POINTS, *QK_NORM_POINTS, *V_NORM_POINTS,
                   *(p for extra in POST_NORM_POINTS.values() for p in extra), *MOE_POINTS, *SHARED_POINTS,
-                  *DENSE_BRANCH_POINTS, *EXPERTS_BRANCH_POINTS]
+                  *DENSE_BRANCH_POINTS, *EXPERTS_BRANCH_POINTS, *PER_LAYER_POINTS]
         names: dict = {p: f"blocks.{i}.{p}" for p in points}
         for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm", "attn.v_norm", "ln2_experts"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
@@ -480,6 +489,8 @@ class Transformer:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         x = point("hook_embed", x)
+        per_layer = self._per_layer_inputs(ids, x) if w.per_layer_embed is not None else None
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # keys and values later layers reuse
         x = point(self._names[0]["hook_resid_pre"], x, 0)
         normalized = rms_norm(x, w.layers[0].attn_norm, c.rms_eps, point, self._names[0]["ln1"], 0)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
@@ -489,9 +500,10 @@ class Transformer:
             adapter = lora[i] if lora else None
             if self._sliding[i]:
                 attn_out = self.attention(normalized, layer, i, local_rotation, local_blocked, cache, point, layout,
-                                          adapter)
+                                          adapter, shared_kv)
             else:
-                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter)
+                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter,
+                                          shared_kv)
             if self.arch.post_norms:
                 attn_out = rms_norm(attn_out, layer.attn_post_norm, c.rms_eps, point, names["ln1_post"], i)
             attn_out = point(names["hook_attn_out"], attn_out, i)
@@ -501,8 +513,8 @@ class Transformer:
             if self.arch.post_norms:
                 mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
             mlp_out = point(names["hook_mlp_out"], mlp_out, i)
-            if layer.out_scale is not None:  # Gemma 4 scales the block's output: the sum is taken here
-                x, mlp_out = (x + mlp_out) * layer.out_scale, None
+            if layer.per_layer_gate is not None or layer.out_scale is not None:  # Gemma 4: the sum is taken here
+                x, mlp_out = self._block_tail(x + mlp_out, layer, i, point, per_layer), None
             if i + 1 < c.n_layers and i + 1 not in self.range_starts:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
@@ -510,8 +522,9 @@ class Transformer:
             x = point(names["hook_resid_post"], x if mlp_out is None else x + mlp_out, i)
             if i + 1 < c.n_layers:  # the next range's device takes the residual stream and what every layer reads
                 device = self.devices[i + 1]
-                x, positions, rotation, blocked, local_rotation, local_blocked = _to(
-                    device, x, positions, rotation, blocked, local_rotation, local_blocked)
+                x, positions, rotation, blocked, local_rotation, local_blocked, per_layer = _to(
+                    device, x, positions, rotation, blocked, local_rotation, local_blocked, per_layer)
+                shared_kv = {j: _to(device, *kv) for j, kv in shared_kv.items()}
                 layout = layout.to(device) if layout is not None else None
                 point = _Points(hooks, positions, step, layout)
                 x = point(self._names[i + 1]["hook_resid_pre"], x, i + 1)
@@ -527,6 +540,29 @@ class Transformer:
         if cache is not None:
             cache.commit(positions, ids)
         return logits
+
+    def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4 E2B/E4B's per-layer inputs ``[T, n_layers, d_per_layer]``: each token's per-layer embeddings (times
+        sqrt(d_per_layer)) and the normalized projection of its embedding ``x`` (times 1/sqrt(d_model)), summed and
+        divided by sqrt(2), as llama.cpp's ``project_per_layer_inputs``."""
+        c, w = self.config, self.weights
+        shape = (x.shape[0], c.n_layers, c.d_per_layer)
+        projected = (linear(x, w.per_layer_model_proj) * c.d_model**-0.5).view(shape)
+        projected = layer_ops.rms_norm(projected, w.per_layer_proj_norm, c.rms_eps)[1]
+        embedded = w.per_layer_embed.dequantize_rows(ids).to(x.dtype).view(shape) * c.d_per_layer**0.5
+        return (projected + embedded) * 2**-0.5
+
+    def _block_tail(self, x: torch.Tensor, layer, i: int, point: _Points, per_layer: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """Gemma 4's end of a block on the stream ``x`` after the MLP: the per-layer input, gated by the stream and
+        projected back (E2B/E4B), then the block's output scale."""
+        names, c = self._names[i], self.config
+        if layer.per_layer_gate is not None:
+            gate = F.gelu(linear(x, layer.per_layer_gate), approximate="tanh")
+            hidden = gate * point(names["per_layer.hook_input"], per_layer[:, i], i)
+            out = layer_ops.rms_norm(linear(hidden, layer.per_layer_proj), layer.per_layer_post_norm, c.rms_eps)[1]
+            x = x + point(names["hook_per_layer_out"], out, i)
+        return x if layer.out_scale is None else x * layer.out_scale
 
     def _positions(self, n_new: int, cache: KVCache | None, layout: BatchLayout | None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -587,31 +623,48 @@ class Transformer:
 
     def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
                   blocked: torch.Tensor | None, cache: KVCache | None, point: _Points,
-                  layout: BatchLayout | None = None, lora: Mapping | None = None) -> torch.Tensor:
+                  layout: BatchLayout | None = None, lora: Mapping | None = None,
+                  shared_kv: dict | None = None) -> torch.Tensor:
+        """``shared_kv``: the keys and values of this forward's layers that later layers reuse (Gemma 4 E2B/E4B), by
+        layer, as the attention reads them: filled by those layers, read by a layer without key/value projections."""
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
         n_kv_heads, d_head = self._heads[i]
-        q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
-        if lora:
-            q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
-        if c.qkv_bias:
-            q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+        own_kv = layer.wk is not None
+        if own_kv:
+            q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
+            if lora:
+                q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
+            if c.qkv_bias:
+                q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+        else:
+            if lora:
+                raise WorkbenchError("adapters on layers that reuse another layer's keys and values are not supported")
+            q = linear(x, layer.wq)
         q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, d_head), i)
-        k = self._head_point(point, names["attn.hook_k"], k.view(n_new, n_kv_heads, d_head), i)
-        v = point(names["attn.hook_v"], v.view(n_new, n_kv_heads, d_head), i)
+        if own_kv:
+            k = self._head_point(point, names["attn.hook_k"], k.view(n_new, n_kv_heads, d_head), i)
+            v = point(names["attn.hook_v"], v.view(n_new, n_kv_heads, d_head), i)
         if c.qk_norm:
             q = self._qk_norm(q, layer.q_norm, point, names["attn.q_norm"], i)
-            k = self._qk_norm(k, layer.k_norm, point, names["attn.k_norm"], i)
+            if own_kv:
+                k = self._qk_norm(k, layer.k_norm, point, names["attn.k_norm"], i)
         if layer.v_norm is not None:
             v = rms_norm(v, layer.v_norm, c.rms_eps, point, names["attn.v_norm"], i)
         q = self._head_point(point, names["attn.hook_rot_q"], self.rope(q, rotation), i)
-        k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
-
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
         if layout is not None:  # each sequence's own queries, keys and values: [B, T_max, ...]
-            q, keys, values = layout.pad(q), layout.pad(k).transpose(1, 2), layout.pad(v).transpose(1, 2)
-        if cache is not None:
-            keys, values = cache.write(i, keys, values)
+            q = layout.pad(q)
+        if own_kv:
+            k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
+            if layout is not None:
+                keys, values = layout.pad(k).transpose(1, 2), layout.pad(v).transpose(1, 2)
+            if cache is not None:
+                keys, values = cache.write(i, keys, values)
+            if i in self._kv_reused and shared_kv is not None:
+                shared_kv[i] = keys, values
+        else:
+            keys, values = shared_kv[c.kv_source(i)]
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
         if c.attn_softcap or point.wants(names["attn.hook_attn_scores"]) or point.wants(names["attn.hook_pattern"]):
             if c.attn_softcap:  # capped before the mask, which must stay -inf

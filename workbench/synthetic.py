@@ -301,6 +301,7 @@ _HF_FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
     "gemma4moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),  # the 26B-A4B's shape: experts beside the dense MLP
+    "gemma4e": ("Gemma4TextConfig", "Gemma4ForCausalLM"),  # the E2B's: per-layer embeddings, reused keys and values
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -341,6 +342,10 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
         "gemma4": dict(_GEMMA4, layer_types=alternating),
         "gemma4moe": dict(_GEMMA4, layer_types=alternating, enable_moe_block=True, num_experts=4, top_k_experts=2,
                           moe_intermediate_size=32),
+        # the last half of the layers reuse the keys and values of the last earlier sliding and global ones
+        "gemma4e": dict(_GEMMA4, layer_types=alternating, attention_k_eq_v=False, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=vocab, num_kv_shared_layers=n_layers // 2,
+                        use_double_wide_mlp=True),
         "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen2moe": dict(moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
