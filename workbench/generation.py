@@ -68,15 +68,15 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
     With ``cache``, the prompt tokens continue it and generation appends to it. With no hooks and no
-    caller-owned cache, ``compiled`` (default: True on CUDA, False on the CPU) builds the decode step once with
+    caller-owned cache, ``compiled`` (default: ``"background"`` on CUDA, False on the CPU) builds the decode step once with
     ``torch.compile``, which fuses the small ops between the matmuls (our kernels, called from the graph):
     on CUDA the build is captured as a CUDA graph and replayed, on the CPU the compiled step is called
     per token. Either way it is the same forward without a Python round trip per op. The first build for
     a cache size compiles it (tens of seconds on an 8B GPU model; on a 2-core CPU about 2.5 minutes the
     first time, then seconds from torch's on-disk cache); the runner keeps its last step per numerics,
-    with its cache, for the next call of that size. ``compiled="background"`` aims to answer at
-    once: the tokens come from the eager forward while a thread builds the step, and the step takes over at
-    the first token boundary after it is ready (its cache a copy of the eager steps'). The compiled step
+    with its cache, for the next call of that size. ``compiled="background"`` answers at once: the tokens
+    come from the eager forward (on CUDA, a CUDA graph of it) while a thread builds the step, and the step takes
+    over at the first token boundary after it is ready (its cache a copy of the eager steps'). The compiled step
     fuses ops, so its logits may differ from the eager forward's in the last bits; which tokens of a
     generation each computed then depends on when the build finished: ``compiled=True`` waits for it. On CUDA, greedy decoding also picks each next token inside
     the graph and reads tokens back one step behind, so the GPU never waits on Python between steps.
@@ -96,9 +96,9 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
             f"exceed the context of {runner.config.n_ctx}"
         )
     if compiled is None:
-        # waiting for the build: in the background, the eager steps beside the compile were starved (the first 32
-        # tokens of the embedded model took 41 s cold on an H100, against 9 s waiting; docs/performance.md)
-        compiled = runner.device.type == "cuda"
+        # on CUDA the first tokens replay a graph of the eager forward while the compiled step builds; on the CPU a
+        # build would take both cores from the eager steps
+        compiled = "background" if runner.device.type == "cuda" else False
     if compiled not in (True, False, "background"):
         raise WorkbenchError(f"compiled must be True, False, 'background' or None, got {compiled!r}")
     # a model split over devices decodes eagerly: a CUDA graph captures the stream of one device
@@ -119,6 +119,7 @@ class DecodeStep:
     cache: StaticKVCache
     token: torch.Tensor  # [1] long, on the device
     busy: bool = False  # a generation is using it (and its cache)
+    provisional: bool = False  # a graph of the eager forward, answering until a compiled step replaces it
     numerics: Numerics = field(default_factory=get_numerics)  # what its matmuls compute, fixed when it was built
 
     def __call__(self, next_token: int) -> torch.Tensor:
@@ -133,14 +134,16 @@ _BUILT: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, DecodeStep]]" = w
 _PENDING: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, BackgroundBuild]]" = weakref.WeakKeyDictionary()
 
 
-def _built_step(runner: Transformer, capacity: int, mode: Numerics) -> DecodeStep | None:
+def _built_step(runner: Transformer, capacity: int, mode: Numerics, provisional: bool = False) -> DecodeStep | None:
     """The runner's built step of numerics ``mode`` (a CUDA graph replays the kernels it captured, a compiled graph
-    calls those it was traced with) if it is free and of this size, taken (busy) with its cache emptied."""
+    calls those it was traced with) if it is free and of this size, taken (busy) with its cache emptied; a
+    provisional one only if ``provisional``."""
     pending = _PENDING.get(runner, {}).pop(mode, None)
     if pending is not None:  # a CUDA build that outlived its generation: its graph is captured here
         pending.keep_free()
     decode_step = _BUILT.get(runner, {}).get(mode)
-    if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
+    if (decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity
+            or (decode_step.provisional and not provisional)):
         return None
     decode_step.busy = True
     decode_step.cache.rewind(torch.zeros_like(decode_step.cache.device_length))
@@ -160,9 +163,10 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     if built_step:  # a power of two, so most prompts reuse the step built for an earlier one
         capacity = len(prompt_ids) + max_new_tokens
         capacity = min(runner.config.n_ctx, max(MIN_STEP_CAPACITY, 1 << (capacity - 1).bit_length()))
-        decode_step = _built_step(runner, capacity, mode)
-        if decode_step is None and built_step == "background" and max_new_tokens > 1:
-            build = BackgroundBuild.start(runner, capacity, mode)
+        decode_step = _built_step(runner, capacity, mode, provisional=built_step == "background")
+        # one build per runner and numerics at a time: a generation that starts while one runs decodes without it
+        start_build = (built_step == "background" and max_new_tokens > 1
+                       and (decode_step is None or decode_step.provisional) and BackgroundBuild.may_start(runner, mode))
         cache = decode_step.cache if decode_step is not None else runner.new_static_cache(capacity)
     elif cache is None:
         cache = runner.new_cache(len(prompt_ids) + max_new_tokens)
@@ -182,11 +186,21 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             if decode_step is not None:
                 decode_step.busy = True
                 _BUILT.setdefault(runner, {})[mode] = decode_step
+        if built_step == "background" and decode_step is None and runner.device.type == "cuda":
+            # a graph of the eager forward, captured in milliseconds before the build thread starts launching
+            # kernels: replays need the GIL only a few times a step, so the compile does not starve them. It is
+            # kept as the runner's step, for the next generations too, until the compiled one replaces it.
+            decode_step = _capture(runner, cache, _forward_and_pick, "decoding eagerly")
+            if decode_step is not None:
+                decode_step.busy = decode_step.provisional = True
+                _BUILT.setdefault(runner, {})[mode] = decode_step
+        if built_step == "background" and start_build:
+            build = BackgroundBuild.start(runner, capacity, mode)
         for step in range(1, max_new_tokens):
             if build is not None and build.ready():
-                decode_step, build = build.take(cache), None
+                decode_step, build = build.take(cache) or decode_step, None
             if decode_step is not None and sampling.temperature == 0 and runner.device.type == "cuda":
-                yield from _replay_greedy(decode_step, token, max_new_tokens - step, stop_ids)
+                yield from _replay_greedy(decode_step, token, max_new_tokens - step, stop_ids, build)
                 return
             if decode_step is not None:
                 logits = decode_step(token)
@@ -214,6 +228,9 @@ class BackgroundBuild:
     keeps the step as the runner's built step of its numerics (busy, as ``_built_step`` hands one out). A build
     still running when its generation ends finishes and is kept the same way, free, for the next generation."""
 
+    _running: "weakref.WeakKeyDictionary[Transformer, set[Numerics]]" = weakref.WeakKeyDictionary()
+    _failed: "weakref.WeakKeyDictionary[Transformer, set[Numerics]]" = weakref.WeakKeyDictionary()
+
     def __init__(self, runner: Transformer, capacity: int, mode: Numerics):
         self._runner = weakref.ref(runner)
         self.mode = mode
@@ -227,8 +244,14 @@ class BackgroundBuild:
     @classmethod
     def start(cls, runner: Transformer, capacity: int, mode: Numerics) -> "BackgroundBuild":
         build = cls(runner, capacity, mode)
+        cls._running.setdefault(runner, set()).add(mode)
         threading.Thread(target=build._run, name="workbench-decode-build", daemon=True).start()
         return build
+
+    @classmethod
+    def may_start(cls, runner: Transformer, mode: Numerics) -> bool:
+        """No build of ``mode`` runs for ``runner``, and none failed (a failure would repeat at every call)."""
+        return mode not in cls._running.get(runner, ()) and mode not in cls._failed.get(runner, ())
 
     def _run(self) -> None:
         runner = self._runner()
@@ -243,6 +266,8 @@ class BackgroundBuild:
         except Exception as err:  # a failed build leaves the generation eager
             warnings.warn(f"building the decode step failed, decoding eagerly: {err}", RuntimeWarning, stacklevel=2)
         finally:
+            if runner is not None and self.step is None and self._warm is None:
+                self._failed.setdefault(runner, set()).add(self.mode)
             self._done.set()
             with self._lock:
                 if self._abandoned and self.step is not None:
@@ -250,6 +275,8 @@ class BackgroundBuild:
                 elif self._abandoned and self._warm is not None and runner is not None:
                     # a CUDA graph is captured on a caller's thread only: the next generation's
                     _PENDING.setdefault(runner, {})[self.mode] = self
+            if runner is not None:
+                self._running.get(runner, set()).discard(self.mode)
 
     def ready(self) -> bool:
         return self._done.is_set()
@@ -334,11 +361,13 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
         packed = torch.tensor(tokens, dtype=torch.long)
 
 
-def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int]) -> Iterator[int]:
+def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int],
+                   build: BackgroundBuild | None = None) -> Iterator[int]:
     """Greedy tokens from a CUDA step, which picks its own next input on the device, read one step behind.
 
     Each replay is queued before the token of the previous one is read back, so the GPU never waits for
-    the host; a stop token costs one step that is thrown away (its cache slot is never read).
+    the host; a stop token costs one step that is thrown away (its cache slot is never read). When ``build``
+    is ready, its step takes over from a copy of the cache and the next input, queued after the last replay.
     """
     host = torch.empty(1, dtype=torch.long, pin_memory=True)
     copied = torch.cuda.Event()
@@ -346,6 +375,12 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
     for remaining in range(max_new_tokens - 1, -1, -1):
         host.copy_(decode_step.token, non_blocking=True)
         copied.record()
+        if build is not None and build.ready():
+            built = build.take(decode_step.cache)
+            if built is not None:
+                built.token.copy_(decode_step.token)
+                decode_step = built
+            build = None
         if remaining:
             decode_step.run()
         copied.synchronize()
@@ -433,7 +468,8 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
         if warm:  # warm-up compiles kernels and settles allocations, off the graph
             _warm_up(runner, cache, forward_and_pick, token)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread-local: a build thread may be compiling beside this capture, on its own stream and cache
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = step()
     except Exception as err:  # a compiler error, or a kernel that syncs or allocates on the host
         warnings.warn(f"CUDA graph capture failed, {fallback}: {err}", RuntimeWarning, stacklevel=3)

@@ -594,7 +594,8 @@ class Model:
         """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step.
 
         ``compiled`` builds the decode step with ``torch.compile``: True waits for the build, ``"background"`` decodes
-        eagerly until it is ready (default: True on CUDA, False on the CPU, where it pays for long or
+        eagerly (on CUDA, replaying a graph of the eager forward) until it is ready (default: ``"background"`` on
+        CUDA, False on the CPU, where it pays for long or
         repeated generations, as a build takes seconds even from torch's on-disk cache); see
         :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
         Everything is validated, and the hooks of enclosing ``hooks()`` blocks and the numerics
