@@ -92,6 +92,16 @@ class KVCache:
     def capacity(self) -> int:
         return self._positions.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the keys and values take (every slot of the capacity)."""
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """``(n_kv_heads, d_head)`` of one layer's keys and values."""
+        self._check_layer(layer)
+        return self._keys[layer].shape[0], self._keys[layer].shape[2]
+
     def prepare(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Room for ``n_new`` tokens; their rope positions ``[T]`` and the slots each may not see ``[T, S]`` (None:
         every slot)."""
@@ -158,7 +168,8 @@ class KVCache:
     def set(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace one layer's keys (already rotated) and values, ``[n_kv_heads, length, d_head]`` each."""
         self._check_layer(layer)
-        expected = (self._keys[layer].shape[0], self.length, self._keys[layer].shape[2])
+        n_kv_heads, d_head = self.layer_shape(layer)
+        expected = (n_kv_heads, self.length, d_head)
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
