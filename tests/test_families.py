@@ -60,7 +60,9 @@ def gemma4(tmp_path_factory):
             reference = random_hf_checkpoint(family, path, initializer_range=0.2)
             write_hf_tokenizer(path)
             models[family] = workbench.load(path, device="cpu"), reference
+            load.paths[family] = path
         return models[family]
+    load.paths = {}
     return load
 
 
@@ -99,6 +101,42 @@ def test_gemma4_matches_transformers(family, gemma4):
     for token in generated:
         assert token == int(ours.forward(prompt)[-1].argmax())
         prompt.append(token)
+
+
+def test_gemma4_multimodal_folder_loads_its_text_decoder(tmp_path):
+    """A Gemma4ForConditionalGeneration folder (text settings under text_config, tensors under
+    model.language_model) loads as its text decoder, with transformers' logits."""
+    import transformers
+
+    from workbench.synthetic import _GEMMA4
+
+    text = transformers.Gemma4TextConfig(vocab_size=273, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.2,
+                                         **_GEMMA4)
+    config = transformers.Gemma4Config(text_config=text, vision_config=None, audio_config=None, initializer_range=0.2)
+    torch.manual_seed(0)
+    reference = transformers.Gemma4ForConditionalGeneration(config).eval()
+    reference.save_pretrained(tmp_path)
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert (ours.config.architecture, ours.config.d_head_global) == ("gemma4", 32)
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor([IDS])).logits[0]
+    assert expected.abs().max() > 1.0 and (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("family", ["gemma4", "gemma4moe", "gemma4e"])
+def test_gemma4_cuda_matches_cpu(family, gemma4):
+    """On CUDA (fused projections, per-layer cache shapes in the static cache of the compiled decode step, experts
+    beside the dense MLP, reused keys and values) Gemma 4 computes what it computes on the CPU."""
+    cpu = gemma4(family)[0]
+    cuda = workbench.load(gemma4.paths[family], device="cuda", dtype=torch.float32)
+    assert (cuda.forward(IDS).cpu() - cpu.forward(IDS)).abs().max().item() < 1e-4
+    expected = cpu.generate(IDS, 12, temperature=0.0)
+    assert cuda.generate(IDS, 12, temperature=0.0, compiled=False) == expected
+    assert cuda.generate(IDS, 12, temperature=0.0, compiled=True) == expected
 
 
 def test_gemma4_hook_points_mean_what_transformers_computes(gemma4):

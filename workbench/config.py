@@ -9,7 +9,7 @@ from workbench.errors import ModelLoadError
 
 
 _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
-                     "final_softcap", "d_head_global", "n_kv_heads_global")
+                     "final_softcap", "d_head_global", "n_kv_heads_global", "d_per_layer", "kv_shared_layers")
 
 
 @dataclass(frozen=True)
