@@ -155,7 +155,8 @@ class ModelConfig:
 
     def family(self) -> dict:
         """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""
-        settings = {name: getattr(self, name) for name in _FEATURE_SETTINGS if getattr(self, name) not in (None, 1.0)}
+        settings = {name: value for name in _FEATURE_SETTINGS
+                    if (value := getattr(self, name)) is not None and not (name == "rope_scale" and value == 1.0)}
         if self.sliding_window:
             settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
         moe = [self.moe.describe()] if self.moe is not None else []
