@@ -177,7 +177,11 @@ def test_triton_fp8_gemm_matches_the_emulated_kernel(fmt, rows):
     codes, scale = fp8_kernels.quantize_activations(x, fmt)
     got = fp8_gemm(codes, scale, w, torch.float32)
     expected = fp8_kernels._emulated_scaled_mm(x, w)
-    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    # Hopper's FP8 MMA sums each 128-wide dot in fewer bits than float32 (DeepSeek-V3's report: about 14), so on the
+    # GPU the bound is that accumulator's rounding, not float32's
+    bound = 1e-5 if device == "cpu" else 2e-3
+    error = (got - expected).abs().max().item() / expected.abs().max().item()
+    assert error < bound, f"max error {error:.2e} of the largest output"
 
 
 def test_scaled_mm_reads_the_packed_codes_in_place():

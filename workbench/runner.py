@@ -119,6 +119,44 @@ Hooks = Mapping[str, Sequence[HookFn]]
 Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]]]
 LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
+
+@dataclass(frozen=True)
+class LoraRows:
+    """Adapters chosen per sequence of a batched forward: ``rows[b]`` the terms (``Lora``) of sequence b's choice, None
+    for the base. The forward groups the sequences by choice (the same ``Lora`` object): each group's tokens take its
+    terms in one pair of matmuls per group of projections."""
+
+    rows: tuple[Lora | None, ...]
+
+    def keep(self, rows: Sequence[int]) -> "LoraRows":
+        """The choices of the sequences ``rows`` (a batch's cache rows kept, ``BatchKVCache.keep_rows``)."""
+        return LoraRows(tuple(self.rows[b] for b in rows))
+
+
+# A layer's adapter terms in one forward: (that layer's terms of one choice, the packed token rows taking them, or None
+# for every token), one entry per choice.
+LayerLora = Sequence[tuple[Mapping[tuple[str, ...], tuple], torch.Tensor | None]]
+
+
+def lora_segments(lora: "Lora | LoraRows | None", layout: BatchLayout | None
+                  ) -> list[tuple[Lora, torch.Tensor | None]]:
+    """Each adapter choice of a forward with the packed token rows that take it (None: every token)."""
+    if lora is None:
+        return []
+    if not isinstance(lora, LoraRows):
+        return [(lora, None)]
+    if layout is None or len(lora.rows) != layout.size:
+        raise WorkbenchError(f"per-sequence adapters need a batch layout of {len(lora.rows)} sequences")
+    groups: dict[int, tuple[Lora, list[int]]] = {}
+    for b, terms in enumerate(lora.rows):
+        if terms is not None:
+            groups.setdefault(id(terms), (terms, []))[1].append(b)
+    if len(groups) == 1 and len(next(iter(groups.values()))[1]) == layout.size:
+        return [(next(iter(groups.values()))[0], None)]
+    return [(terms, torch.cat([torch.arange(layout.starts[b], layout.starts[b] + layout.lengths[b]) for b in rows]
+                              ).to(layout.device)) for terms, rows in groups.values()]
+
+
 # Per-block hook points of a llama block and their shapes (T = tokens in this forward, S = all attended slots).
 BLOCK_POINTS: dict[str, str] = {
     "hook_resid_pre": "[T, d_model]",
@@ -294,19 +332,29 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
-def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...],
-             lora: Mapping[tuple[str, ...], tuple], point: _Points, names: Mapping[str, str],
-             layer: int) -> Sequence[torch.Tensor]:
+def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...], lora: LayerLora,
+             point: _Points, names: Mapping[str, str], layer: int) -> Sequence[torch.Tensor]:
     """The outputs ``outs`` of projections ``parts`` of ``x``, each adapted one plus its LoRA term ``s * B (A x)``
-    (through the term's hook point)."""
-    if parts not in lora:
-        return outs
-    a, b, adapted = lora[parts]
-    terms = F.linear(F.linear(x, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+    (through the term's hook point, ``[T, out]``: zero on the tokens whose choice leaves the projection alone)."""
+    added: dict[str, torch.Tensor] = {}
+    for terms, rows in lora:
+        if parts not in terms:
+            continue
+        a, b, adapted = terms[parts]
+        rows = rows if rows is None else rows.to(x.device)  # a no-op but where a split model moved the layer
+        x_rows = x if rows is None else x.index_select(0, rows)
+        products = F.linear(F.linear(x_rows, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+        for p, product in zip(adapted, products):
+            if rows is None:  # the one choice of every token
+                added[p] = product
+                continue
+            if p not in added:
+                added[p] = product.new_zeros(x.shape[0], product.shape[-1])
+            added[p].index_copy_(0, rows, product)
     outs = list(outs)
-    for p, term in zip(adapted, terms):
-        j = parts.index(p)
-        outs[j] = outs[j] + point(names[p], term, layer)
+    for j, p in enumerate(parts):
+        if p in added:
+            outs[j] = outs[j] + point(names[p], added[p], layer)
     return outs
 
 
@@ -466,16 +514,18 @@ class Transformer:
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
-                lora: Lora | None = None) -> torch.Tensor:
+                lora: Lora | LoraRows | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
         With a ``layout``, ``ids`` are the packed tokens of a batch of sequences: the logits are packed alike (each
         sequence's last row alone with ``last_logits_only``, ``[B, vocab]``) and a cache is a ``BatchKVCache``.
-        ``lora``: the adapters' terms to add to the projections (None: the base model).
+        ``lora``: the adapters' terms to add to the projections (None: the base model), or with a ``layout`` a choice
+        per sequence (``LoraRows``).
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
+        segments = lora_segments(lora, layout)
         positions, blocked = self._positions(ids.shape[0], cache, layout)
         point = _Points(hooks, positions, step, layout)
         rotation = local_rotation = self.rotation(positions)
@@ -497,7 +547,7 @@ class Transformer:
         # hook sits between them the two are one call.
         for i, layer in enumerate(w.layers):
             names = self._names[i]
-            adapter = lora[i] if lora else None
+            adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
             if self._sliding[i]:
                 attn_out = self.attention(normalized, layer, i, local_rotation, local_blocked, cache, point, layout,
                                           adapter, shared_kv)
@@ -623,7 +673,7 @@ class Transformer:
 
     def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
                   blocked: torch.Tensor | None, cache: KVCache | None, point: _Points,
-                  layout: BatchLayout | None = None, lora: Mapping | None = None,
+                  layout: BatchLayout | None = None, lora: LayerLora = (),
                   shared_kv: dict | None = None) -> torch.Tensor:
         """``shared_kv``: the keys and values of this forward's layers that later layers reuse (Gemma 4 E2B/E4B), by
         layer, as the attention reads them: filled by those layers, read by a layer without key/value projections."""
@@ -698,7 +748,7 @@ class Transformer:
         edited = point(self._names[i]["attn.hook_result"], result.clone(), i)
         return (edited - result).sum(dim=1)
 
-    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: Mapping | None = None,
+    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: LayerLora = (),
             resid: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP of normalized ``x``; ``resid`` is the residual stream it was normalized from (Gemma 4's experts
         normalize it their own way and route on it)."""
