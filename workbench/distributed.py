@@ -53,9 +53,13 @@ class Rank:
     local_rank: int
 
 
-def init(backend: str | None = None, timeout_s: float = 1800.0) -> Rank:
+def init(backend: str | None = None, timeout_s: float = 1800.0, cpu_threads: int | None = None) -> Rank:
     """Join the process group torchrun describes in the environment (gloo on the CPU, NCCL where CUDA is present,
-    each rank on ``cuda:LOCAL_RANK``); without torchrun, one process of rank 0. Idempotent."""
+    each rank on ``cuda:LOCAL_RANK``); without torchrun, one process of rank 0. Idempotent.
+
+    ``cpu_threads``: torch's CPU threads in this rank. By default a GPU rank that torchrun left one thread (its
+    ``OMP_NUM_THREADS=1`` for several ranks a machine) gets its share of the machine's cores: GPU ranks still copy
+    recorded activations and build batches on the CPU, and with one thread that work serializes."""
     if dist.is_available() and dist.is_initialized():
         return this_rank()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -64,6 +68,12 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> Rank:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+        if cpu_threads is None and torch.get_num_threads() == 1:
+            cpu_threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if cpu_threads is not None:
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
+            raise WorkbenchError(f"cpu_threads must be a positive integer, got {cpu_threads!r}")
+        torch.set_num_threads(cpu_threads)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return this_rank()
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from workbench.architectures import ARCHITECTURES
 from workbench.config import MoEConfig
@@ -29,6 +30,11 @@ MOE_POINTS: dict[str, str] = {
     "mlp.hook_expert_out": "[T, top_k, d_model]",
 }
 SHARED_POINTS: dict[str, str] = {"mlp.hook_shared_expert_out": "[T, d_model]"}
+# Gemma 4's block runs the dense MLP and the experts side by side: the dense branch's output (after its own norm) and
+# the experts' input norm come before the MoE points, the experts' weighted sum (after its own norm) after them.
+DENSE_BRANCH_POINTS: dict[str, str] = {"mlp.hook_dense_out": "[T, d_model]", "ln2_experts.hook_scale": "[T, 1]",
+                                       "ln2_experts.hook_normalized": "[T, d_model]"}
+EXPERTS_BRANCH_POINTS: dict[str, str] = {"mlp.hook_experts_out": "[T, d_model]"}
 # The MLP points of a dense block, which an MoE block does not have.
 DENSE_MLP_POINTS = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 
@@ -37,16 +43,18 @@ _MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 def with_moe_points(dense_points: dict[str, str], moe: MoEConfig | None) -> dict[str, str]:
-    """A block's hook points with their shapes: the dense block's, with the MLP's points replaced for an MoE block."""
+    """A block's hook points with their shapes: the dense block's, with the MLP's points replaced for an MoE block
+    (or, where the dense MLP stays beside the experts, followed by the experts' points)."""
     if moe is None:
         return dense_points
     out = {}
+    after_mlp = next(p for p in ("ln2_post.hook_scale", "hook_mlp_out") if p in dense_points)
     for name, shape in dense_points.items():
-        if name == "hook_mlp_out":
-            out.update(MOE_POINTS)
+        if name == after_mlp:
+            out.update({**DENSE_BRANCH_POINTS, **MOE_POINTS, **EXPERTS_BRANCH_POINTS} if moe.dense_mlp else MOE_POINTS)
             if moe.d_shared_expert:
                 out.update(SHARED_POINTS)
-        if name not in DENSE_MLP_POINTS:
+        if moe.dense_mlp or name not in DENSE_MLP_POINTS:
             out[name] = shape
     return out
 
@@ -56,14 +64,20 @@ class MoEWeights:
     """One block's experts: the router, the stacked expert matrices as stored, and Qwen2-MoE's shared expert."""
 
     router: QuantTensor  # ffn_gate_inp [n_experts, d_model]
-    gate: QuantTensor  # ffn_gate_exps [n_experts * d_expert, d_model]
-    up: QuantTensor  # ffn_up_exps [n_experts * d_expert, d_model]
     down: QuantTensor  # ffn_down_exps [n_experts * d_model, d_expert]
+    gate: QuantTensor | None = None  # ffn_gate_exps [n_experts * d_expert, d_model]
+    up: QuantTensor | None = None  # ffn_up_exps [n_experts * d_expert, d_model]
+    # or both in one: ffn_gate_up_exps [n_experts * 2 * d_expert, d_model], each expert's gate rows then its up rows
+    gate_up: QuantTensor | None = None
     shared_gate: QuantTensor | None = None  # ffn_gate_shexp [d_shared_expert, d_model]
     shared_up: QuantTensor | None = None
     shared_down: QuantTensor | None = None  # [d_model, d_shared_expert]
     shared_router: QuantTensor | None = None  # ffn_gate_inp_shexp [1, d_model]
-    # GPT-OSS's biases (float): the router's [n_experts], each expert's gate and up [n_experts, d_expert], down's
+    # Gemma 4: the router input's scale ffn_gate_inp.scale [d_model], each expert's weight's ffn_down_exps.scale
+    # [n_experts] (float32)
+    router_scale: torch.Tensor | None = None
+    expert_scale: torch.Tensor | None = None
+    # GPT-OSS's biases (float32): the router's [n_experts], each expert's gate and up [n_experts, d_expert], down's
     # [n_experts, d_model]
     router_bias: torch.Tensor | None = None
     gate_bias: torch.Tensor | None = None
@@ -74,8 +88,13 @@ class MoEWeights:
 
     def __post_init__(self):
         n_experts = self.router.shape[0]
-        self.experts = [tuple(_rows(w, e, n_experts) for w in (self.gate, self.up, self.down))
-                        for e in range(n_experts)]
+        if self.gate_up is not None:
+            pairs = [_rows(self.gate_up, e, n_experts) for e in range(n_experts)]
+            self.experts = [(_rows(pair, 0, 2), _rows(pair, 1, 2), _rows(self.down, e, n_experts))
+                            for e, pair in enumerate(pairs)]
+        else:
+            self.experts = [tuple(_rows(w, e, n_experts) for w in (self.gate, self.up, self.down))
+                            for e in range(n_experts)]
 
     def matrices(self) -> Iterator[tuple[str, QuantTensor]]:
         for f in fields(self):
@@ -87,20 +106,13 @@ class MoEWeights:
     def nbytes(self) -> int:
         return sum(w.nbytes for _, w in self.matrices())
 
-    def biases(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in BIASES:
-            value = getattr(self, name)
-            if value is not None:
-                yield name, value
-
-    def placed(self, device: torch.device, dtype: torch.dtype) -> "MoEWeights":
-        """A copy on ``device``, the experts' biases in ``dtype`` (the router's stays float32, as the routing is)."""
-        return MoEWeights(**{name: w.to(device) for name, w in self.matrices()},
-                          **{name: b.to(device, torch.float32 if name == "router_bias" else dtype)
-                             for name, b in self.biases()})
+    def map(self, fn_matrix: Callable[[QuantTensor], QuantTensor],
+            fn_vector: Callable[[torch.Tensor], torch.Tensor] = lambda v: v) -> "MoEWeights":
+        vectors = {name: fn_vector(v) for name in VECTORS if (v := getattr(self, name)) is not None}
+        return MoEWeights(**{name: fn_matrix(w) for name, w in self.matrices()}, **vectors)
 
 
-BIASES = ("router_bias", "gate_bias", "up_bias", "down_bias")
+VECTORS = ("router_scale", "expert_scale", "router_bias", "gate_bias", "up_bias", "down_bias")
 
 
 def _rows(w: QuantTensor, e: int, n_experts: int) -> QuantTensor:
@@ -109,16 +121,20 @@ def _rows(w: QuantTensor, e: int, n_experts: int) -> QuantTensor:
     return QuantTensor(w.data[e * rows:(e + 1) * rows], w.fmt, (rows, w.shape[1]))
 
 
-def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[str, str], layer: int) -> torch.Tensor:
+def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[str, str], layer: int,
+            router_input: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
     """The MoE MLP of normalized ``x`` ``[T, d_model]``, through its hook points (``point(name, value, layer)``; the
-    forward fires ``hook_mlp_out`` on what it returns).
+    forward fires ``hook_mlp_out`` on what it returns). The router reads ``router_input`` where the family routes on
+    something else than the experts' input (Gemma 4: ``gemma4_router_input``).
 
     The routing is computed in float32 from the router logits (plus the router's bias, GPT-OSS): probabilities
     (softmax over all experts, or sigmoid), the top ``n_experts_used`` by probability, their probabilities as weights
-    (normalized to sum to one where the model does so); or, for ``softmax_weight``, the top logits, weighted by a
-    softmax over them. A hook that replaces the chosen experts gets their weights from the same probabilities."""
+    (normalized to sum to one where the model does so, then times each expert's scale where it has one); or, for
+    ``softmax_weight``, the top logits, weighted by a softmax over them. A hook that replaces the chosen experts gets
+    their weights from the same probabilities."""
     # the router in float32 whatever the activations' dtype: a choice between experts turns on small differences
-    logits = linear(x.float(), w.router)
+    routed = x if router_input is None else router_input
+    logits = linear(routed.float(), w.router)
     if w.router_bias is not None:
         logits = logits + w.router_bias
     logits = point(names["mlp.hook_router_logits"], logits, layer)
@@ -141,8 +157,10 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
     if moe.weights_scale != 1.0:
         weights = weights * moe.weights_scale
+    if w.expert_scale is not None:
+        weights = weights * w.expert_scale[indices]
     weights = point(names["mlp.hook_expert_weights"], weights, layer)
-    expert_out = point(names["mlp.hook_expert_out"], run_experts(x, indices, w, moe), layer)
+    expert_out = point(names["mlp.hook_expert_out"], run_experts(x, indices, w, moe, activation), layer)
     out = (expert_out * weights.to(expert_out.dtype)[..., None]).sum(dim=1)
     if w.shared_router is not None:
         gate, up = linear_parts(x, (w.shared_gate, w.shared_up))
@@ -151,15 +169,24 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
     return out
 
 
+def gemma4_router_input(resid: torch.Tensor, w: MoEWeights, eps: float) -> torch.Tensor:
+    """What Gemma 4's router reads: the residual stream RMS-normalized (no weight), times its learned scale and
+    1/sqrt(d_model), in float32 (llama.cpp's ``ggml_rms_norm``, ``ggml_scale``, ``ggml_mul``)."""
+    x = resid.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * (resid.shape[-1] ** -0.5) * w.router_scale
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's activation (llama.cpp's ``swiglu_oai``): the gate clamped from above, the up projection both ways."""
     gate = gate.clamp(max=limit)
     return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + 1)
 
 
-def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEConfig) -> torch.Tensor:
-    """Each chosen expert's SwiGLU output for its token, ``[T, k, d_model]`` (unweighted; with its biases where the
-    model has them).
+def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEConfig,
+                activation: str = "silu") -> torch.Tensor:
+    """Each chosen expert's gated output (SwiGLU, GeGLU for ``activation`` "gelu_tanh", GPT-OSS's clamped SwiGLU where
+    ``moe`` sets a limit) for its token, ``[T, k, d_model]`` (unweighted; with its biases where the model has them).
 
     The (token, slot) pairs are sorted by expert, so each active expert runs once, on all its tokens: its rows of the
     stacked matrices are read once per forward, and experts no token chose are not read at all."""
@@ -178,13 +205,15 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEC
         tokens = x.index_select(0, pairs // k)
         gate, up = linear_parts(tokens, (gate_w, up_w))
         if w.gate_bias is not None:
-            gate, up = gate + w.gate_bias[expert], up + w.up_bias[expert]
-        if moe.swiglu_limit is None:
-            hidden = layer_ops.swiglu(gate, up)
-        else:
+            gate, up = gate + w.gate_bias[expert].to(gate.dtype), up + w.up_bias[expert].to(up.dtype)
+        if moe.swiglu_limit is not None:
             hidden = clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
+        elif activation == "gelu_tanh":
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = layer_ops.swiglu(gate, up)
         expert_out = linear(hidden, down_w)
-        out[pairs] = expert_out if w.down_bias is None else expert_out + w.down_bias[expert]
+        out[pairs] = expert_out if w.down_bias is None else expert_out + w.down_bias[expert].to(expert_out.dtype)
     return out.view(n_tokens, k, x.shape[1])
 
 
@@ -199,7 +228,9 @@ def routing_matrix(indices: torch.Tensor, weights: torch.Tensor, n_experts: int)
 
 # llama.cpp's tensor names of an MoE block (after ``blk.N.``)
 ROUTER, GATE, UP, DOWN = "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"
-ROUTER_BIAS = "ffn_gate_inp.bias"
+GATE_UP = "ffn_gate_up_exps.weight"
+ROUTER_SCALE, EXPERT_SCALE = "ffn_gate_inp.scale", "ffn_down_exps.scale"  # Gemma 4
+ROUTER_BIAS = "ffn_gate_inp.bias"  # GPT-OSS
 EXPERT_BIASES = {"gate_bias": "ffn_gate_exps.bias", "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}
 SHARED = {"shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.weight",
           "shared_down": "ffn_down_shexp.weight", "shared_router": "ffn_gate_inp_shexp.weight"}
@@ -214,14 +245,15 @@ _HF_NAMES = {
     "mlp.shared_expert.up_proj.weight": SHARED["shared_up"],
     "mlp.shared_expert.down_proj.weight": SHARED["shared_down"],
     "mlp.shared_expert_gate.weight": SHARED["shared_router"],
+    "router.proj.weight": ROUTER,  # Gemma 4
+    "router.scale": ROUTER_SCALE,
+    "router.per_expert_scale": EXPERT_SCALE,
 }
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
 _HF_EXPERT_KIND = {"w1": GATE, "w3": UP, "w2": DOWN, "gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
 # transformers' own in-memory layout, [n_experts, 2 * d_expert, d_model] and [n_experts, d_model, d_expert]; GPT-OSS's
 # [n_experts, d_model, 2 * d_expert] (gate and up in alternate columns) and [n_experts, d_expert, d_model], with biases
-_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|\.weight)?")
-
-
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.)?experts\.(gate_up_proj|down_proj)(_bias|\.weight)?")
 # Released GPT-OSS folders keep the experts in MXFP4: per matrix ``*_blocks`` [n_experts, rows, cols / 32, 16] (value 2j
 # of a block in the low nibble of byte j, 2j + 1 in the high one) and ``*_scales`` [n_experts, rows, cols / 32] (E8M0
 # exponent bytes); rows are outputs, gate_up_proj's alternating gate and up.
@@ -232,16 +264,17 @@ def hf_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
     """The MoE part of a Hugging Face config.json (None for a dense model); a family's fixed settings as llama.cpp fixes
     them, GPT-OSS's SwiGLU constants from the config."""
     n_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if not n_experts:
+    if not n_experts or cfg.get("enable_moe_block") is False:
         return None
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ModelLoadError("MoE models with dense layers between the sparse ones are not supported")
     config = MoEConfig(
-        n_experts=int(n_experts), n_experts_used=int(cfg["num_experts_per_tok"]),
+        n_experts=int(n_experts), n_experts_used=int(cfg["top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok"]),
         d_expert=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-        # Mixtral always normalizes; the Qwen configs say whether they do
-        normalize_weights=bool(cfg.get("norm_topk_prob", architecture == "llama")),
+        # Mixtral and Gemma 4 always normalize; the Qwen configs say whether they do
+        normalize_weights=bool(cfg.get("norm_topk_prob", architecture in ("llama", "gemma4"))),
         d_shared_expert=int(cfg.get("shared_expert_intermediate_size") or 0),
+        dense_mlp=bool(cfg.get("enable_moe_block")),
     )
     fixed = {**ARCHITECTURES[architecture].moe, **{field: float(cfg[field]) for field in _HF_SWIGLU if field in cfg}}
     return dataclasses.replace(config, **fixed) if fixed else config
@@ -270,6 +303,7 @@ def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -
         weights_scale=scale if scale else 1.0,
         # llama.cpp reads the shared expert's width for qwen2moe only (a Qwen3-MoE GGUF may carry the key unused)
         d_shared_expert=int(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
+        dense_mlp=architecture == "gemma4",
     )
     fixed = ARCHITECTURES[architecture].moe
     return dataclasses.replace(config, **fixed) if fixed else config
@@ -371,18 +405,24 @@ def assemble(prefix: str, d_model: int, moe: MoEConfig, get, source: str, biases
         return tensor
 
     n, f, s = moe.n_experts, moe.d_expert, moe.d_shared_expert
-    extra = {}
+    if get(prefix + GATE_UP, (n, 2 * f, d_model)) is not None:  # llama.cpp's converter fuses Gemma 4's
+        gate_up = dict(gate_up=matrix(GATE_UP, (n, 2 * f, d_model)))
+    else:
+        gate_up = dict(gate=matrix(GATE, (n, f, d_model)), up=matrix(UP, (n, f, d_model)))
+    if moe.dense_mlp:
+        gate_up.update(router_scale=matrix(ROUTER_SCALE, (d_model,)).dequantize().reshape(d_model),
+                       expert_scale=matrix(EXPERT_SCALE, (n,)).dequantize().reshape(n))
+    shared = {}
     if s:
-        extra = dict(shared_gate=matrix(SHARED["shared_gate"], (s, d_model)),
+        shared = dict(shared_gate=matrix(SHARED["shared_gate"], (s, d_model)),
                       shared_up=matrix(SHARED["shared_up"], (s, d_model)),
                       shared_down=matrix(SHARED["shared_down"], (d_model, s)),
                       shared_router=_one_row(lambda shape: matrix(SHARED["shared_router"], shape), d_model))
     if biases:
-        extra.update(router_bias=matrix(ROUTER_BIAS, (n,)).dequantize().reshape(n),
-                     **{field: matrix(name, (n, d_model if field == "down_bias" else f)).dequantize()
-                        for field, name in EXPERT_BIASES.items()})
-    return MoEWeights(router=matrix(ROUTER, (n, d_model)), gate=matrix(GATE, (n, f, d_model)),
-                      up=matrix(UP, (n, f, d_model)), down=matrix(DOWN, (n, d_model, f)), **extra)
+        shared.update(router_bias=matrix(ROUTER_BIAS, (n,)).dequantize().reshape(n),
+                      **{field: matrix(name, (n, d_model if field == "down_bias" else f)).dequantize()
+                         for field, name in EXPERT_BIASES.items()})
+    return MoEWeights(router=matrix(ROUTER, (n, d_model)), down=matrix(DOWN, (n, d_model, f)), **gate_up, **shared)
 
 
 def _one_row(matrix: Callable[[tuple[int, ...]], QuantTensor], cols: int) -> QuantTensor:
@@ -399,12 +439,13 @@ def gguf_tensors(prefix: str, w: MoEWeights) -> list[tuple[str, QuantTensor | to
     tensors)."""
     n = w.router.shape[0]
     out = [(ROUTER, w.router, w.router.shape)]
-    for name, m in ((GATE, w.gate), (UP, w.up), (DOWN, w.down)):
-        out.append((name, m, (n, m.shape[0] // n, m.shape[1])))
+    for name, m in ((GATE, w.gate), (UP, w.up), (GATE_UP, w.gate_up), (DOWN, w.down)):
+        if m is not None:
+            out.append((name, m, (n, m.shape[0] // n, m.shape[1])))
     for attr, name in SHARED.items():
         m = getattr(w, attr)
         if m is not None:
             out.append((name, m, m.shape))
-    names = {"router_bias": ROUTER_BIAS, **EXPERT_BIASES}
-    out += [(names[field], b, tuple(b.shape)) for field, b in w.biases()]
+    biases = {"router_bias": ROUTER_BIAS, **EXPERT_BIASES}
+    out += [(name, b, tuple(b.shape)) for field, name in biases.items() if (b := getattr(w, field)) is not None]
     return [(prefix + name, m, shape) for name, m, shape in out]

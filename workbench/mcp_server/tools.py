@@ -748,7 +748,8 @@ class Workbench:
         else:
             if keys is None or values is None:
                 raise WorkbenchError("give source_cache_id, or both keys and values")
-            shape = (cache.n_kv_heads, cache.length, cache.d_head)
+            n_kv_heads, d_head = cache.layer_shape(layer)
+            shape = (n_kv_heads, cache.length, d_head)
             if len(keys) > self.limits.max_values or len(values) > self.limits.max_values:
                 raise WorkbenchError(f"at most {self.limits.max_values:,} numbers per tensor; copy larger layers "
                                      "with source_cache_id")
