@@ -40,8 +40,10 @@ def _byte_level_alphabet() -> list[str]:
     return chars
 
 
-def tokenizer_metadata(n_merges: int = 64) -> dict:
-    """A byte-level BPE vocabulary (GGUF "gpt2" style): specials, 256 bytes, and merges of common pairs."""
+def tokenizer_metadata(n_merges: int = 64, vocab_size: int | None = None) -> dict:
+    """A byte-level BPE vocabulary (GGUF "gpt2" style): specials, 256 bytes, and merges of common pairs; with a larger
+    ``vocab_size``, unused tokens after them (llama.cpp takes the vocabulary's size from this list, which must then
+    match the embedding's rows)."""
     alphabet = _byte_level_alphabet()
     space = alphabet[ord(" ")]
     merges, merged = [], []
@@ -51,6 +53,9 @@ def tokenizer_metadata(n_merges: int = 64) -> dict:
         merged.append(a + b)
     tokens = SPECIAL_TOKENS + alphabet + merged
     types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    unused = max(0, (vocab_size or 0) - len(tokens))
+    tokens += [f"<unused{i}>" for i in range(unused)]
+    types += [5] * unused
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "default",
@@ -188,7 +193,7 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
 
 def random_checkpoint(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu",
                       distinct_rows: int | None = None) -> LoadedCheckpoint:
-    metadata = tokenizer_metadata()
+    metadata = tokenizer_metadata(vocab_size=config.vocab_size)
     weights = random_weights(config, fmt, seed, device, distinct_rows)
     return LoadedCheckpoint(config, weights, Tokenizer.from_gguf_metadata(metadata), Path(f"<{config.name}>"), metadata)
 
