@@ -183,8 +183,8 @@ def test_long_prompts_attend_in_chunks_with_the_same_bits(architecture, tiny_mod
 
 
 def test_fused_attention_expands_grouped_keys_under_a_mask(monkeypatch):
-    """With a mask, grouped keys are expanded for SDPA (whose masked fused kernel takes no groups: the fallback would
-    hold every score); query head h still reads key head h // group."""
+    """SDPA gets a batch axis and, under a mask, grouped keys expanded (its fused kernels take neither 3-D inputs nor,
+    masked, key groups: the fallback would hold every score); query head h still reads key head h // group."""
     torch.manual_seed(0)
     q, keys, values = torch.randn(37, 8, 16), torch.randn(2, 37, 16), torch.randn(2, 37, 16)
     blocked = torch.ones(37, 37, dtype=torch.bool).triu(1)
@@ -192,9 +192,23 @@ def test_fused_attention_expands_grouped_keys_under_a_mask(monkeypatch):
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, *a, **kw: seen.append(k.shape) or sdpa(q, k, *a, **kw))
     z = layer_ops._sdpa(q, keys, values, 4.0, blocked)
-    assert seen == [torch.Size([8, 37, 16])]
+    assert seen == [torch.Size([1, 8, 37, 16])]  # batched and expanded: both are what the fused kernels take
     expected = layer_ops.attend(layer_ops.attention_scores(q, keys, 4.0, blocked).softmax(-1), values)
     assert (z - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_attention_takes_a_fused_kernel(masked):
+    """With SDPA's math kernel switched off, a grouped one-prompt attention still runs: it never holds the scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, keys, values = torch.randn(300, 8, 64, device="cuda"), torch.randn(2, 300, 64, device="cuda"), torch.randn(2, 300, 64, device="cuda")
+    blocked = torch.ones(300, 300, dtype=torch.bool, device="cuda").triu(1) if masked else None
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        z = layer_ops._sdpa(q, keys, values, 8.0, blocked)
+    expected = layer_ops.attend(layer_ops.attention_scores(q, keys, 8.0, blocked).softmax(-1), values)
+    assert (z - expected).abs().max().item() < 1e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
