@@ -239,14 +239,13 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor: fl
     """Fused attention for ``attention``'s shapes: ``[.., T, heads, d]`` queries, ``[.., kv_heads, S, d]`` keys and
     values, kv head ``h // (heads / kv_heads)`` for query head ``h``."""
     # SDPA falls back to its math kernel, which holds every score (128 GiB for a 32k-token 8B prompt), unless the
-    # inputs are [batch, heads, T, d] and, under a mask (the memory-efficient kernel), keys are not grouped
+    # inputs are [batch, heads, T, d] and, for the memory-efficient kernel (masks, float32), keys are not grouped
     if q.dim() == 3:
         return _sdpa(q[None], keys[None], values[None], divisor, blocked)[0]
-    allowed = None if blocked is None else ~blocked
     group = q.shape[-2] // keys.shape[-3]
-    if allowed is not None and group > 1:
+    if group > 1:
         keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
-    z = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=allowed, scale=1.0 / divisor,
-                                       enable_gqa=keys.shape[-3] != q.shape[-2])
+    z = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, scale=1.0 / divisor,
+                                       attn_mask=None if blocked is None else ~blocked)
     return z.transpose(-3, -2)
 

@@ -183,8 +183,8 @@ def test_long_prompts_attend_in_chunks_with_the_same_bits(architecture, tiny_mod
 
 
 def test_fused_attention_expands_grouped_keys_under_a_mask(monkeypatch):
-    """SDPA gets a batch axis and, under a mask, grouped keys expanded (its fused kernels take neither 3-D inputs nor,
-    masked, key groups: the fallback would hold every score); query head h still reads key head h // group."""
+    """SDPA gets a batch axis and grouped keys expanded (its fused kernels take no 3-D inputs, and the memory-efficient
+    one no key groups: the fallback would hold every score); query head h still reads key head h // group."""
     torch.manual_seed(0)
     q, keys, values = torch.randn(37, 8, 16), torch.randn(2, 37, 16), torch.randn(2, 37, 16)
     blocked = torch.ones(37, 37, dtype=torch.bool).triu(1)
