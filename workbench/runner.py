@@ -348,6 +348,7 @@ class Transformer:
         self.local_rope = None
         if c.sliding_window and c.rope_base_local is not None and (c.rope_base_local, 1.0) != (c.rope_base, c.rope_scale):
             self.local_rope = self._rope_table(c.rope_base_local, 1.0, None)
+        self._llamacpp_rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # ggml's tables, built on first use
         self.attn_scale = c.attn_scale or math.sqrt(c.d_head)
         self.embed_scale = math.sqrt(c.d_model) if self.arch.embed_scale else None
         self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
@@ -363,6 +364,18 @@ class Transformer:
             inv_freq = inv_freq / freq_factors.double().cpu()
         angles = torch.arange(self.config.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
         return angles.cos().to(torch.float32).to(self.device), angles.sin().to(torch.float32).to(self.device)
+
+    def _llamacpp_rope_table(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope table (global, or the sliding layers' ``local`` one) with ggml's own angles and cos/sin, for
+        llama.cpp numerics."""
+        if local not in self._llamacpp_rope:
+            c = self.config
+            base, scale, factors = ((c.rope_base_local, 1.0, None) if local else
+                                    (c.rope_base, c.rope_scale, self.weights.rope_freq_factors))
+            cos, sin = layer_ops.llamacpp_ops.rope_table(c.n_ctx, self.d_rotary, base, scale,
+                                                        None if factors is None else factors.cpu())
+            self._llamacpp_rope[local] = cos.to(self.device), sin.to(self.device)
+        return self._llamacpp_rope[local]
 
     @staticmethod
     def _block_names(i: int, last: bool) -> dict:
@@ -419,6 +432,8 @@ class Transformer:
         pair's angle at both of its values, and sin with the sign each value's partner takes (-sin at the first).
         ``table``: another rope table than the global layers' (``local_rope``)."""
         cos, sin = table if table is not None else (self.rope_cos, self.rope_sin)
+        if layer_ops.llamacpp_glue(cos):
+            cos, sin = self._llamacpp_rope_table(local=table is not None)
         cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
         if self.config.rope_interleaved:
             return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
