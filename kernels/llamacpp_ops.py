@@ -40,6 +40,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import cpu
+
 Q_TILE = 64  # GGML_FA_TILE_Q: from this many query tokens on, the tiled kernel runs
 KV_TILE = 64  # GGML_FA_TILE_KV
 F32_LANES = 16  # GGML_F32_EPR with AVX-512
@@ -53,7 +55,11 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def _expf(x: torch.Tensor) -> torch.Tensor:
-    """libm's ``expf`` (correctly rounded but for rare cases): the float64 exp rounded to float32."""
+    """libm's ``expf`` (correctly rounded but for rare cases): the float64 exp rounded to float32. On the CPU through
+    numpy: torch's float64 exp wakes its thread pool even for a few values (milliseconds a call on a busy machine)."""
+    if x.is_cpu:
+        with np.errstate(over="ignore"):
+            return torch.from_numpy(np.exp(x.double().numpy()).astype(np.float32))
     return x.double().exp().float()
 
 
@@ -117,7 +123,10 @@ def _mad_f16(acc: torch.Tensor, v: torch.Tensor, weight: torch.Tensor) -> torch.
 
 def v_expf(x: torch.Tensor) -> torch.Tensor:
     """ggml's AVX-512 ``ggml_v_expf`` (``ggml-cpu/vec.h``) of float32 ``x``: exp by range reduction and a degree-5
-    polynomial, each step a float32 operation or fused multiply-add."""
+    polynomial, each step a float32 operation or fused multiply-add (the C++ kernel's ``ggml_expf`` where it runs)."""
+    ext = cpu.extension() if x.is_cpu else None
+    if ext is not None:
+        return ext.ggml_expf(x.contiguous())
     f32 = torch.float32
 
     def c(value: float) -> torch.Tensor:
@@ -131,7 +140,9 @@ def v_expf(x: torch.Tensor) -> torch.Tensor:
     j = _fma(_fma(_fma(c(float.fromhex("0x1.0e4020p-7")), b, c(float.fromhex("0x1.573e2ep-5"))), u,
                   _fma(c(float.fromhex("0x1.555e66p-3")), b, c(float.fromhex("0x1.fffdb6p-2")))),
              u, _fma(c(float.fromhex("0x1.ffffecp-1")), b, c(1.0)))
-    res = (j.double() * torch.pow(2.0, n.double())).float()  # _mm512_scalef_ps: exact but for subnormal results
+    # _mm512_scalef_ps: j * 2**n, exact but for subnormal results; 2**n built from its float64 exponent bits
+    powers = ((n.clamp(-1022, 1023).to(torch.int64) + 1023) << 52).view(torch.float64)
+    res = (j.double() * powers).float()
     big = n.abs() > 192
     if bool(big.any()):
         res = torch.where(big, torch.where(n <= 0, 0.0, float("inf")).to(f32), res)
@@ -229,40 +240,62 @@ def _one_chunk(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, scale: flo
     return acc.float() * inverse[..., None]
 
 
+def _fma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``c + a @ b`` of float32 ``[..., R, K] x [..., K, J]``, each output a chain of fused multiply-adds in ``k``
+    order from ``c`` (ggml's ``simd_gemm``): the C++ kernel's ``fma_chain`` where it runs, else in float64 here."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
+    ext = cpu.extension() if a.is_cpu else None
+    if ext is not None:
+        a, b, c = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]).contiguous() for t in (a, b, c))
+        return ext.fma_chain(a, b, c).view(*batch, *c.shape[-2:])
+    acc = c.expand(*batch, *c.shape[-2:])
+    a64, b64 = a.double(), b.double()
+    for k in range(a.shape[-1]):
+        acc = (acc.double() + a64[..., :, k:k + 1] * b64[..., k:k + 1, :]).float()
+    return acc
+
+
 def _tiled(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, scale: float,
            allowed: torch.Tensor) -> torch.Tensor:
-    """``ggml_compute_forward_flash_attn_ext_tiled`` for every row (shapes as ``_one_chunk``'s)."""
+    """``ggml_compute_forward_flash_attn_ext_tiled`` for every row (shapes as ``_one_chunk``'s). Each tile is computed
+    for the query rows that see any of its keys (the others skip it, as ggml's do)."""
     keys, values = k16.float(), v16.float()
     M = q.new_full(q.shape[:-1], float("-inf"))
     S = q.new_zeros(q.shape[:-1])
     acc = q.new_zeros(*q.shape[:-1], values.shape[-1])
-    reach = _reach(allowed)
-    for start in range(0, reach, KV_TILE):
+    for start in range(0, _reach(allowed), KV_TILE):
         stop = min(start + KV_TILE, keys.shape[-2])
+        sees = allowed[..., start:stop].reshape(-1, allowed.shape[-2], stop - start).any(-1).any(0).nonzero()
+        if not sees.numel():
+            continue
+        rows = slice(int(sees[0]), int(sees[-1]) + 1)
         # KQ: a chain of float32 fused multiply-adds over the head dimension, from zero; scaled; masked
-        dots = q.new_zeros(*q.shape[:-1], stop - start)
-        for d in range(q.shape[-1]):
-            dots = _fma(q[..., :, None, d], keys[..., None, start:stop, d], dots)
-        kq = (dots * scale).masked_fill(~allowed[..., start:stop], float("-inf"))
+        tile_keys = keys[..., start:stop, :]
+        dots = _fma_matmul(q[..., rows, :], tile_keys.transpose(-1, -2),
+                           q.new_zeros(*q.shape[:-2], rows.stop - rows.start, stop - start))
+        kq = (dots * scale).masked_fill(~allowed[..., rows, start:stop], float("-inf"))
         if stop - start < KV_TILE:  # the last tile is padded with -inf: the exp's lanes see 64 keys
             kq = torch.cat((kq, kq.new_full((*kq.shape[:-1], KV_TILE - (stop - start)), float("-inf"))), dim=-1)
+        m_old, s_old = M[..., rows], S[..., rows]
         tile_max = kq.amax(dim=-1)
         live = tile_max > float("-inf")
-        m_new = torch.maximum(M, tile_max)
-        grow = live & (m_new > M)
-        ms = torch.where(grow, _expf(M - m_new), 1.0)
-        acc = torch.where(grow[..., None], acc * ms[..., None], acc)
-        S = torch.where(grow, S * ms, S)
-        M = torch.where(live, m_new, M)
-        weights = v_expf(kq - torch.where(live, M, 0.0)[..., None])
-        weights = torch.where(live[..., None], weights, 0.0)
-        lanes = _reduce_lanes(weights.unflatten(-1, (KV_TILE // F32_LANES, F32_LANES))).double()
+        m_new = torch.maximum(m_old, tile_max)
+        grow = live & (m_new > m_old)
+        ms = torch.where(grow, _expf(torch.where(grow, m_old - m_new, 0.0)), 1.0)
+        part = torch.where(grow[..., None], acc[..., rows, :] * ms[..., None], acc[..., rows, :])
+        s_new = torch.where(grow, s_old * ms, s_old)
+        m_new = torch.where(live, m_new, m_old)
+        weights = v_expf(kq - torch.where(live, m_new, 0.0)[..., None])
+        weights = torch.where(live[..., None], weights, 0.0)[..., :stop - start]
+        lanes = _reduce_lanes(torch.nn.functional.pad(weights, (0, KV_TILE - (stop - start))).unflatten(
+            -1, (KV_TILE // F32_LANES, F32_LANES))).double()
         total = lanes[..., 0]
         for group in range(1, lanes.shape[-1]):  # summed in double, group by group
             total = total + lanes[..., group]
-        S = torch.where(live, (S.double() + total).float(), S)
-        for j in range(stop - start):  # VKQ += KQ V: a chain of fused multiply-adds over the tile's keys
-            acc = _fma(weights[..., j:j + 1], values[..., start + j:start + j + 1, :], acc)
+        S[..., rows] = torch.where(live, (s_new.double() + total).float(), s_new)
+        M[..., rows] = m_new
+        # VKQ += KQ V: a chain of fused multiply-adds over the tile's keys
+        acc[..., rows, :] = _fma_matmul(weights, values[..., start:stop, :], part)
     inverse = torch.where(S == 0, 0.0, _divide(1.0, S))
     return acc * inverse[..., None]
 
