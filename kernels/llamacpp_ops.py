@@ -127,6 +127,11 @@ def v_expf(x: torch.Tensor) -> torch.Tensor:
     ext = cpu.extension() if x.is_cpu else None
     if ext is not None:
         return ext.ggml_expf(x.contiguous())
+    return _v_expf_formula(x)
+
+
+def _v_expf_formula(x: torch.Tensor) -> torch.Tensor:
+    """``v_expf`` in torch operations (float32 fused multiply-adds through float64)."""
     f32 = torch.float32
 
     def c(value: float) -> torch.Tensor:
