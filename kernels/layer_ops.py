@@ -70,8 +70,24 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
 
 def llamacpp_glue(x: torch.Tensor) -> bool:
     """Whether the ops on ``x`` compute as llama.cpp's CPU does (``llamacpp_ops``): float32, eager, in llama.cpp
-    numerics. Compiled graphs keep the formulas below."""
-    return x.dtype == torch.float32 and not compiling() and get_numerics() == "llamacpp"
+    numerics, outside ``exact_glue()``. Compiled graphs keep the exact numerics' glue."""
+    return x.dtype == torch.float32 and not compiling() and not _EXACT_GLUE["on"] and get_numerics() == "llamacpp"
+
+
+# Set by ``exact_glue()``: llama.cpp numerics keep the exact numerics' glue (their matmuls stay llama.cpp's).
+_EXACT_GLUE = {"on": False}
+
+
+@contextlib.contextmanager
+def exact_glue() -> Iterator[None]:
+    """``with exact_glue(): ...`` runs the glue between the matmuls as exact numerics do, in llama.cpp numerics too
+    (as a compiled graph runs it): to tell what the glue's emulation changes."""
+    previous = _EXACT_GLUE["on"]
+    _EXACT_GLUE["on"] = True
+    try:
+        yield
+    finally:
+        _EXACT_GLUE["on"] = previous
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
