@@ -40,8 +40,8 @@ if run:
         st.session_state.ad_result = prompts, diff
 
 with view:
-    if model.adapters:
-        st.dataframe([{k: v for k, v in a.summary().items() if k != "sha256"} for a in model.adapters.values()],
+    if model.list_adapters():  # resident, then merged into the weights ("merged": what they were re-quantized to)
+        st.dataframe([{k: v for k, v in a.items() if k != "sha256"} for a in model.list_adapters()],
                      use_container_width=True, hide_index=True)
     if "ad_result" not in st.session_state:
         st.info("Load a LoRA adapter, then compare it with the base: where the residual stream moves, which tokens "

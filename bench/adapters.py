@@ -1,15 +1,24 @@
 """Decode tokens/s with a LoRA adapter beside the packed base against the base alone, side by side (target >= 0.8x).
 
     python bench/adapters.py [--model PATH] [--rank 16] [--modules all|attn] [--threads 2] [--decode 64] [--device cpu]
+                             [--compiled | --eager] [--mixed-batch]
 
 The adapter is random (B nonzero), on every projection of every layer with --modules all (the most a LoRA adds),
 or on q/k/v/o alone with --modules attn. Base and adapter runs alternate, each figure the median of --repeats, so the
-ratio comes from one run under the same machine load.
+ratio comes from one run under the same machine load. Decode takes the built step (a CUDA graph of the compiled
+forward on CUDA, the compiled forward on the CPU) where the device's default does (CUDA), or as --compiled / --eager
+say; the adapter's step holds its terms as inputs (docs/adapters.md).
+
+--mixed-batch times instead the LoRA terms of one batched forward whose 8 prompts choose among 4 adapters (2 each):
+grouped by adapter (what the runner does: each adapter's tokens gathered, two matmuls, scattered back) against every
+token multiplying its own gathered A and B (batched matmuls over [tokens, rank, in] and [tokens, out, rank]), for a
+decode step (1 token a prompt) and a prefill (32 tokens a prompt), next to one adapter for the whole batch.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -23,8 +32,8 @@ from workbench.adapters import PROJECTIONS, projection_shape
 from workbench.generation import Sampling, generate_tokens
 
 
-def write_random_adapter(path: Path, config, rank: int, projections: list[str]) -> Path:
-    g = torch.Generator().manual_seed(0)
+def write_random_adapter(path: Path, config, rank: int, projections: list[str], seed: int = 0) -> Path:
+    g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.n_layers):
         for proj in projections:
@@ -42,9 +51,10 @@ def write_random_adapter(path: Path, config, rank: int, projections: list[str]) 
     return path
 
 
-def decode_seconds(model: workbench.Model, prompt: list[int], n_new: int, adapter: str | None) -> float:
+def decode_seconds(model: workbench.Model, prompt: list[int], n_new: int, adapter: str | None,
+                   compiled: bool) -> float:
     """Seconds from the first new token (the prefill done) to the last: n_new - 1 decode steps."""
-    tokens = generate_tokens(model.runner, prompt, n_new, Sampling(), stop_ids=set(), compiled=False,
+    tokens = generate_tokens(model.runner, prompt, n_new, Sampling(), stop_ids=set(), compiled=compiled,
                              lora=model.lora_terms(adapter))
     next(tokens)
     start = time.perf_counter()
@@ -53,6 +63,56 @@ def decode_seconds(model: workbench.Model, prompt: list[int], n_new: int, adapte
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def gathered_terms(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """Each token's LoRA term with its own adapter's A and B, gathered from stacks ``[adapters, ...]``."""
+    return torch.bmm(b[choice], torch.bmm(a[choice], x[:, :, None]))[:, :, 0]
+
+
+def mixed_batch(model: workbench.Model, names: list[str], repeats: int) -> None:
+    from workbench.runner import LORA_GROUPS, BatchLayout, LoraRows, _Points, add_lora, lora_segments
+
+    c, n_layers, device, dtype = model.config, model.config.n_layers, model.device, model.dtype
+    width = {("wq", "wk", "wv"): c.d_model, ("wo",): c.n_heads * c.d_head, ("w_gate", "w_up"): c.d_model,
+             ("w_down",): c.d_mlp}
+    for tokens in (1, 32):
+        layout = BatchLayout([tokens] * 2 * len(names), device)
+        n = layout.n_tokens
+        choices = [names[b % len(names)] for b in range(layout.size)]
+        mixed = lora_segments(LoraRows(tuple(model.lora_terms(name) for name in choices)), layout)
+        alone = lora_segments(model.lora_terms(names[0]), layout)
+        choice = torch.tensor([names.index(name) for name in choices], device=device).repeat_interleave(tokens)
+        stacks = {g: [[torch.stack([model.lora_terms(name)[i][g][k] for name in names]) for k in (0, 1)]
+                      for i in range(n_layers)] for g in LORA_GROUPS}
+        x = {g: torch.randn(n, width[g], device=device, dtype=dtype) for g in LORA_GROUPS}
+        outs = {g: [torch.zeros(n, projection_shape(c, p)[0], device=device, dtype=dtype) for p in g]
+                for g in LORA_GROUPS}
+        point, names_of = _Points(None, torch.arange(n), 0), model.runner._block_names(0, False)["lora"]
+
+        def grouped(segments=mixed) -> None:
+            for i in range(n_layers):
+                for g in LORA_GROUPS:
+                    add_lora(x[g], outs[g], g, [(terms[i], rows) for terms, rows in segments], point, names_of, i)
+
+        def gathered() -> None:
+            for i in range(n_layers):
+                for g in LORA_GROUPS:
+                    gathered_terms(x[g], *stacks[g][i], choice)
+
+        runs = {"grouped by adapter": grouped, "gathered per token": gathered,
+                "one adapter for all": lambda: grouped(alone)}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        with torch.inference_mode():
+            for _ in range(repeats + 1):  # the first round warms up
+                for name, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times[name].append(time.perf_counter() - start)
+        print(f"{layout.size} prompts x {tokens} tokens, {len(names)} adapters: " + ", ".join(
+            f"{name} {statistics.median(t[1:]) * 1e3:.1f} ms" for name, t in times.items()))
 
 
 def main() -> None:
@@ -64,25 +124,42 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    built = parser.add_mutually_exclusive_group()
+    built.add_argument("--compiled", dest="compiled", action="store_true", default=None,
+                       help="decode through the built step (default on CUDA)")
+    built.add_argument("--eager", dest="compiled", action="store_false", help="decode eagerly (default on the CPU)")
+    parser.add_argument("--mixed-batch", action="store_true", help="time a batch of prompts of different adapters")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = workbench.load(args.model, device=args.device)
     projections = list(PROJECTIONS) if args.modules == "all" else ["wq", "wk", "wv", "wo"]
+    names = [f"bench{k}" for k in range(4 if args.mixed_batch else 1)]
     with tempfile.TemporaryDirectory() as tmp:
-        model.load_adapter(write_random_adapter(Path(tmp) / "adapter", model.config, args.rank, projections), "bench")
+        for seed, name in enumerate(names):
+            model.load_adapter(write_random_adapter(Path(tmp) / name, model.config, args.rank, projections, seed), name)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    if args.mixed_batch:
+        print(f"{model.config.name} on {args.device}, {args.threads} threads, load average {load}; adapters rank "
+              f"{args.rank} on {', '.join(projections)}")
+        mixed_batch(model, names, args.repeats)
+        return
     prompt = torch.randint(0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
-    times: dict[str | None, list[float]] = {None: [], "bench": []}
-    for choice in times:  # warm-up
-        decode_seconds(model, prompt, args.decode, choice)
+    # True, not the CUDA default "background": each run waits for its step's build, so none times a provisional graph
+    compiled = args.compiled if args.compiled is not None else model.device.type == "cuda"
+    times: dict[str | None, list[float]] = {None: [], "bench0": []}
+    for choice in times:  # warm-up (and the builds of the compiled steps)
+        decode_seconds(model, prompt, args.decode, choice, compiled)
     for _ in range(args.repeats):
         for choice in times:
-            times[choice].append(decode_seconds(model, prompt, args.decode, choice))
+            times[choice].append(decode_seconds(model, prompt, args.decode, choice, compiled))
     rate = {choice: (args.decode - 1) / statistics.median(t) for choice, t in times.items()}
-    adapter = model.adapters["bench"]
-    print(f"{model.config.name} on {args.device}, {args.threads} threads; adapter rank {args.rank} on "
+    adapter = model.adapters["bench0"]
+    print(f"{model.config.name} on {args.device}, {args.threads} threads, load average {load} (at the start), "
+          f"{'built step' if compiled else 'eager'} decode; adapter rank {args.rank} on "
           f"{', '.join(projections)} of {len(adapter.adapted_layers)} layers ({adapter.n_params:,} parameters)")
     print(f"decode base    {rate[None]:8.1f} tokens/s")
-    print(f"decode adapter {rate['bench']:8.1f} tokens/s   ({rate['bench'] / rate[None]:.2f}x the base)")
+    print(f"decode adapter {rate['bench0']:8.1f} tokens/s   ({rate['bench0'] / rate[None]:.2f}x the base)")
+    print("load average at the end " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

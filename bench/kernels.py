@@ -46,8 +46,8 @@ SHAPES = {
 SHAPES["8b-decode"] = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 SHAPES["all"] = SHAPES["small"] + SHAPES["8b"]
 BATCHES = (1, 8, 128, 512)
-# every quantized format (each has kernels of its own on both devices)
-FORMATS = tuple(name for name, fmt in wk.FORMATS.items() if fmt.block_size > 1)
+# every quantized GGUF format (each has kernels of its own on both devices); FP8_ROW and FP8_BLOCK on request
+FORMATS = tuple(name for name, fmt in wk.FORMATS.items() if fmt.block_size > 1 and fmt.ggml_type is not None)
 
 
 def cpu_seconds(call: Callable[[], object], repeats: int) -> float:

@@ -3,6 +3,7 @@
     python bench/moe.py --device cuda --shape mixtral-8x7b --llama-bench ~/llama.cpp/build/bin/llama-bench
     python bench/moe.py --device cuda --shape qwen3-30b-a3b --llama-bench ...
     python bench/moe.py --threads 2 --shape mixtral-8x7b --layers 6 --llama-bench ...   # CPU: fewer layers fit 24 GB
+    python bench/moe.py --threads 2 --shape qwen3-30b-a3b --layers 8 --llama-cpp-python  # CPU, no llama-bench build
 
 Each model is built by ``workbench.synthetic`` (256 distinct rows per matrix, tiled: quantizing is slow), written as
 a GGUF (``--gguf-dir``; an existing file of the same name is reused), loaded from that file by both, and timed in
@@ -70,6 +71,48 @@ def llama_bench(binary: str, path: Path, decode: int, threads: int, device: str,
     return float(json.loads(result.stdout)[0]["avg_ts"])
 
 
+_silence = None
+
+
+def llama_cpp_python(path: Path, decode: int, threads: int, repeats: int) -> float:
+    """llama.cpp's CPU decode tokens/s through llama-cpp-python (the ``reference`` extra), as ``llama-bench -p 0 -n
+    DECODE`` measures it: one token a ``llama_decode`` from an empty cache, the median of ``repeats`` after a warm-up.
+    Without ggml's extra CPU buffer types (their AMX layout crashes llama-cpp-python 0.3.36 on the development
+    machine; ``workbench.parity`` loads the same way), so its repacked weight layouts are not used."""
+    import ctypes
+    import statistics
+    import time
+
+    import llama_cpp
+
+    global _silence
+    llama_cpp.llama_backend_init()
+    # kept referenced for the process's life: llama.cpp calls it whenever it logs
+    _silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
+    llama_cpp.llama_log_set(_silence, ctypes.c_void_p())
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    if not model:
+        raise SystemExit(f"llama.cpp cannot load {path}")
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = decode + 16
+    params.n_threads = params.n_threads_batch = threads
+    context = llama_cpp.llama_init_from_model(model, params)
+    token = (llama_cpp.llama_token * 1)(1)
+    times = []
+    for _ in range(repeats + 1):
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context), True)
+        start = time.perf_counter()
+        for _ in range(decode):
+            if llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(token, 1)) != 0:
+                raise RuntimeError("llama_decode failed")
+        times.append(time.perf_counter() - start)
+    llama_cpp.llama_free(context)
+    llama_cpp.llama_model_free(model)
+    return decode / statistics.median(times[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"])
@@ -82,6 +125,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary (built with CUDA on GPU)")
+    parser.add_argument("--llama-cpp-python", action="store_true",
+                        help="on the CPU, time llama.cpp through llama-cpp-python instead of llama-bench")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -97,7 +142,11 @@ def main() -> None:
         if args.llama_bench:
             columns["llama.cpp"] = {f"decode {args.decode}": llama_bench(args.llama_bench, path, args.decode,
                                                                          args.threads, args.device, args.repeats)}
-        print_table(f"{path.name} on {args.device}", columns, "llama.cpp" if args.llama_bench else None)
+        elif args.llama_cpp_python:
+            columns["llama.cpp"] = {f"decode {args.decode}": llama_cpp_python(path, args.decode, args.threads,
+                                                                              args.repeats)}
+        reference = "llama.cpp" if "llama.cpp" in columns else None
+        print_table(f"{path.name} on {args.device}", columns, reference)
 
 
 if __name__ == "__main__":

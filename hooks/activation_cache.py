@@ -34,7 +34,7 @@ class _Attention:
     @cached_property
     def W_O(self) -> torch.Tensor:  # [n_heads, d_head, d_model]
         c = self._config
-        return self._wo.dequantize(torch.float32).cpu().T.reshape(c.n_heads, c.d_head, c.d_model)
+        return self._wo.dequantize(torch.float32).cpu().T.reshape(c.n_heads, -1, c.d_model)  # a layer's own d_head
 
 
 class _MLP:

@@ -80,15 +80,25 @@ def _lora_width(suffix: str, config: ModelConfig) -> int:
     return projection_shape(config, _LORA_PROJECTION[suffix])[0]
 
 
-@lru_cache(maxsize=16)
-def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
-    dims = {"d_model": config.d_model, "n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads,
-            "d_head": config.d_head, "d_mlp": config.d_mlp, "vocab_size": config.vocab_size}
+def _layer(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blocks.") else None
+
+
+def _dims(config: ModelConfig, layer: int | None) -> dict[str, int]:
+    """The sizes a point's shape names, at ``layer`` (Gemma 4's global layers have heads and MLPs of their own)."""
+    n_kv_heads, d_head = config.layer_heads(layer) if layer is not None else (config.n_kv_heads, config.d_head)
+    dims = {"d_model": config.d_model, "n_heads": config.n_heads, "n_kv_heads": n_kv_heads, "d_head": d_head,
+            "d_mlp": config.layer_d_mlp(layer) if layer is not None else config.d_mlp,
+            "vocab_size": config.vocab_size, "d_per_layer": config.d_per_layer or 0}
     if config.moe is not None:
         dims.update(n_experts=config.moe.n_experts, top_k=config.moe.n_experts_used)
+    return dims
 
-    def fill(shape: str) -> str:
-        for key, value in dims.items():
+
+@lru_cache(maxsize=16)
+def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    def fill(shape: str, layer: int | None) -> str:
+        for key, value in _dims(config, layer).items():
             shape = shape.replace(key, str(value))
         return shape
 
@@ -96,7 +106,7 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     blocks = block_points(config)
     for name in hook_point_names(config):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
-        out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix])))
+        out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix], _layer(name))))
     out += [(name, f"[T, {_lora_width(name.split('.', 2)[2], config)}]") for name in lora_point_names(config.n_layers)]
     return tuple(out)
 
@@ -124,7 +134,8 @@ def _token_shapes(config: ModelConfig) -> dict[str, tuple[int, ...] | None]:
 def head_count(name: str, config: ModelConfig) -> int | None:
     if axes(name).head is None:
         return None
-    return config.n_kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) or ".k_norm." in name else config.n_heads
+    kv = name.endswith(("hook_k", "hook_v", "hook_rot_k")) or ".k_norm." in name or ".v_norm." in name
+    return _dims(config, _layer(name))["n_kv_heads"] if kv else config.n_heads
 
 
 def feature_size(name: str, config: ModelConfig) -> int | None:
@@ -137,11 +148,13 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
     if a.feature is None:
         return None
     if a.head is not None:
-        return config.d_model if name.endswith("hook_result") else config.d_head
+        return config.d_model if name.endswith("hook_result") else _dims(config, _layer(name))["d_head"]
     if name.endswith("_lora"):
         return _lora_width(name.split(".", 2)[2], config)
     if name.endswith(("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")):
-        return config.d_mlp
+        return _dims(config, _layer(name))["d_mlp"]
+    if name.endswith("per_layer.hook_input"):
+        return config.d_per_layer
     if name.endswith("mlp.hook_router_logits"):
         return config.moe.n_experts
     return config.vocab_size if name == "hook_logits" else config.d_model

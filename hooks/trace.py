@@ -344,4 +344,7 @@ def model_mismatch(fingerprint: dict[str, Any], model: Any) -> str | None:
     formats = fingerprint.get("formats")
     if formats is not None and formats != model.tensor_formats():
         return "tensor formats differ (quantized differently)"
+    merged = [(m.get("name"), m.get("sha256"), m.get("scale")) for m in fingerprint.get("merged_adapters", [])]
+    if merged != [(m["name"], m["sha256"], m["scale"]) for m in getattr(model, "merged", [])]:
+        return "the adapters merged into the weights differ"
     return None

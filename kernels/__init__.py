@@ -9,6 +9,9 @@ from .quant_tensor import QuantTensor
 from . import cpu  # noqa: E402  registers the C++ GGUF kernels (built on first use)
 from . import layer_ops  # noqa: E402
 from . import triton as _triton  # noqa: E402  registers the Triton CUDA kernels where CUDA and triton exist
+# after the traceable kernels above: a compiled graph calls those directly, and the opaque op from the first one that
+# is not traceable on
+from . import fp8  # noqa: E402  registers the FP8 kernels
 
 __all__ = [
     "FORMATS",

@@ -273,6 +273,11 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor: fl
     """Fused attention for ``attention``'s shapes: ``[.., T, heads, d]`` queries, ``[.., kv_heads, S, d]`` keys and
     values, kv head ``h // (heads / kv_heads)`` for query head ``h``."""
     allowed = None if blocked is None else ~blocked
+    group = q.shape[-2] // keys.shape[-3]
+    if allowed is not None and group > 1:
+        # The fused kernel that takes a mask (memory-efficient) does not take grouped keys, and SDPA would fall back
+        # to its math kernel, which holds every score (128 GiB for a 32k-token 8B prompt): expand the keys instead.
+        keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
     z = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, attn_mask=allowed, scale=1.0 / divisor,
                                        enable_gqa=keys.shape[-3] != q.shape[-2])
     return z.transpose(-3, -2)

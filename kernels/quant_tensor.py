@@ -37,8 +37,10 @@ class QuantTensor:
             raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
         rows, cols = weight.shape
         fmt.row_bytes(cols)  # validates divisibility
-        blocks = weight.detach().to(torch.float32).reshape(-1, fmt.block_size)
-        packed = fmt.quantize(blocks).reshape(rows, -1)
+        values = weight.detach().to(torch.float32)
+        if fmt.quantize_rows is not None:
+            return cls(fmt.quantize_rows(values), fmt, (rows, cols))
+        packed = fmt.quantize(values.reshape(-1, fmt.block_size)).reshape(rows, -1)
         return cls(packed, fmt, (rows, cols))
 
     @classmethod
@@ -65,6 +67,8 @@ class QuantTensor:
     def dequantize_rows(self, rows: slice | torch.Tensor) -> torch.Tensor:
         """Float32 values of the selected rows (an embedding lookup, or a chunk of a matmul)."""
         packed = self.data[rows]
+        if self.fmt.dequantize_rows is not None:
+            return self.fmt.dequantize_rows(packed, self.shape[1])
         n = packed.shape[0]
         blocks = packed.reshape(-1, self.fmt.type_size)
         return self.fmt.dequantize(blocks).reshape(n, self.shape[1])

@@ -12,9 +12,11 @@ quantizer does) and llama.cpp's top log-probabilities at every position of a few
 ids for the fixture strings, and, as a check of the converter's layout, our forward on the F32 GGUF against
 transformers (the script fails above 1e-4).
 
-The random tokenizers are a tiny SentencePiece model trained here (llama, Gemma, Phi-3) and the byte-level BPE of
-``workbench.synthetic`` (OLMo 2, whose converter reads tokenizer.json); the converter knows neither BPE pre-tokenizer
-hash, so it is told "default".
+The random tokenizers are a tiny SentencePiece model trained here (llama, Gemma, Phi-3; for Gemma 4, whose converter
+reads tokenizer.json, as that file) and the byte-level BPE of ``workbench.synthetic`` (OLMo 2, whose converter reads
+tokenizer.json); the converter knows neither BPE pre-tokenizer hash, so it is told "default".
+
+``--families gemma4 gemma4moe`` remakes only those families' files (the others' entries stay in the JSON summary).
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ from make_llamacpp_fixtures import top_logprobs, without_extra_buffer_types  # n
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "families"
 FORMATS = {"Q8_0": 7, "Q4_K_M": 15}  # llama_ftype values
-# family -> n_layers: Gemma 3 needs six for llama.cpp's default layout to reach a global layer
-FAMILIES = {"llama": 2, "gemma2": 2, "gemma3": 6, "phi3": 2, "olmo2": 2}
+# family -> n_layers: Gemma 3 needs six for llama.cpp's default layout to reach a global layer; Gemma 4's files name
+# their layout (sliding and global layers alternating here); "gemma4moe" is Gemma 4 with the 26B-A4B's experts,
+# "gemma4e" with the E2B's per-layer embeddings and layers reusing keys and values
+FAMILIES = {"llama": 2, "gemma2": 2, "gemma3": 6, "phi3": 2, "olmo2": 2, "gemma4": 4, "gemma4moe": 4, "gemma4e": 4}
 SPM_VOCAB = 320
 # weights 15x transformers' default spread: next-token distributions as peaked as a real model's (top-1 probability
 # ~0.1-0.5 instead of ~1/vocab), so that a wrong computation shows in KL and top-1
@@ -72,6 +76,27 @@ def train_sentencepiece(out: Path) -> None:
         add_dummy_prefix=False, minloglevel=2)
 
 
+def sentencepiece_tokenizer_json(spm_dir: Path, folder: Path) -> None:
+    """The SentencePiece model as a tokenizer.json (BPE with its merges, byte fallback, "▁" for spaces), as Gemma 4's
+    converter reads a vocabulary (gguf's LlamaHfVocab, through transformers)."""
+    import sentencepiece as spm
+
+    from workbench.tokenizer import Tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_dir / "tokenizer.model"))
+    ids = range(sp.get_piece_size())
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in ids]
+    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in ids],
+                "tokenizer.ggml.scores": [sp.get_score(i) for i in ids], "tokenizer.ggml.token_type": types,
+                "tokenizer.ggml.unk_token_id": 0, "tokenizer.ggml.add_space_prefix": False}
+    document = json.loads(Tokenizer.from_gguf_metadata(metadata).to_hf_json())
+    document["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    (folder / "tokenizer.json").write_text(json.dumps(document))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
 def make_checkpoint(family: str, folder: Path, spm_dir: Path):
     from workbench.synthetic import random_hf_checkpoint, tokenizer_metadata
     from workbench.tokenizer import Tokenizer
@@ -82,14 +107,19 @@ def make_checkpoint(family: str, folder: Path, spm_dir: Path):
         (folder / "tokenizer.json").write_text(Tokenizer.from_gguf_metadata(tokenizer_metadata()).to_hf_json())
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
         return model
-    # llama.cpp uses sqrt(d_head) as Gemma's query scale whatever the config says
-    settings = {"query_pre_attn_scalar": 16} if family.startswith("gemma") else {}
+    # llama.cpp uses sqrt(d_head) as Gemma 2/3's query scale whatever the config says
+    settings = {"query_pre_attn_scalar": 16} if family in ("gemma2", "gemma3") else {}
     if family == "gemma2":
         settings["final_logit_softcapping"] = 15.0
     if family == "gemma3":  # llama.cpp's default layout (every sixth layer global), which its converter assumes
         settings["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
+    if family.startswith("gemma4"):
+        settings["final_logit_softcapping"] = 15.0
     model = random_hf_checkpoint(family, folder, vocab_size=SPM_VOCAB, n_layers=FAMILIES[family],
                                  initializer_range=INIT, **settings)
+    if family.startswith("gemma4"):
+        sentencepiece_tokenizer_json(spm_dir, folder)
+        return model
     (folder / "tokenizer.model").write_bytes((spm_dir / "tokenizer.model").read_bytes())
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     return model
@@ -132,15 +162,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp's source tree")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     args = parser.parse_args()
     without_extra_buffer_types()
     FIXTURES.mkdir(parents=True, exist_ok=True)
     source = {"llama_cpp_python": llama_cpp.__version__, "machine": platform.machine(), "threads": args.threads}
-    summary = {**source, "families": {}}
+    summary_path = FIXTURES / "llamacpp_families.json"
+    kept = json.loads(summary_path.read_text())["families"] if summary_path.is_file() else {}
+    summary = {**source, "families": {f: kept[f] for f in FAMILIES if f in kept and f not in args.families}}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         train_sentencepiece(tmp)
-        for family in FAMILIES:
+        for family in args.families:
             # a folder name without the family's: llama.cpp gives a model named "phi3" Phi-3's special tokens
             folder = tmp / family / "model"
             reference = make_checkpoint(family, folder, tmp)
@@ -153,7 +186,7 @@ def main() -> None:
             float_diff = (ours.forward(ids) - expected).abs().max().item()
             if float_diff > 1e-4:
                 raise SystemExit(f"{family}: our forward on the converted F32 GGUF is {float_diff:.2e} from transformers")
-            entry = {"converted_f32_vs_transformers_max_abs_diff": float_diff}
+            entry = {"architecture": ours.config.architecture, "converted_f32_vs_transformers_max_abs_diff": float_diff}
             for fmt, ftype in FORMATS.items():
                 path = FIXTURES / f"{family}-{fmt}.gguf"
                 quantize(f32, path, ftype)
@@ -169,8 +202,9 @@ def main() -> None:
                 del llm
             summary["families"][family] = entry
             print(f"{family}: F32 conversion within {float_diff:.1e} of transformers")
-    (FIXTURES / "llamacpp_families.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"wrote fixtures for {len(FAMILIES)} families to {FIXTURES}")
+    summary["families"] = {f: summary["families"][f] for f in FAMILIES if f in summary["families"]}
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote fixtures for {len(args.families)} families to {FIXTURES}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import gguf
@@ -16,8 +17,10 @@ from test_loading import hf_model
 import workbench
 from workbench.config import ModelConfig
 from workbench.synthetic import write_gguf
-from workbench.adapters import AdapterError
+from workbench.adapters import AdapterError, files_sha256
 from workbench.errors import HookError, WorkbenchError
+from workbench.generation import _BUILT, _forward_and_pick, generate_batch_tokens, generate_tokens, step_key
+from workbench.runner import LoraRows
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IDS = [5, 77, 120, 3, 250, 9, 14, 200]
@@ -188,6 +191,87 @@ def test_batches_and_generation_take_the_adapter(hf_llama):
     assert alone != [hf_llama.generate(p, 6) for p in prompts]
 
 
+def test_one_adapter_per_prompt_in_a_batch(hf_llama):
+    """Prompts of different adapter choices in one batched forward: each equals the prompt run alone with its own."""
+    prompts = [IDS, IDS[:5], [9, 8, 7], IDS[2:], [30, 31, 32, 33]]
+    choices = ["a", None, {"a": 0.5, "b": 1.0}, "b", "a"]
+    point = "blocks.1.attn.hook_k_lora"  # adapted by a alone
+    traces = hf_llama.run_batch(prompts, adapter=choices, batch_size=5, record=[point])
+    for prompt, choice, trace in zip(prompts, choices, traces):
+        alone = hf_llama.run(prompt, adapter=choice, record=[point])
+        torch.testing.assert_close(trace.logits, alone.logits, rtol=1e-5, atol=1e-5)
+        assert trace.adapters == hf_llama.adapter_record(choice)
+        # a prompt whose choice leaves the projection alone records a zero term there
+        expected = alone.activations.get(point, torch.zeros_like(traces[0].activations[point][:len(prompt)]))
+        torch.testing.assert_close(trace.activations[point], expected, rtol=1e-5, atol=1e-6)
+    # decoding together, the prompts leave the batch at their own stop tokens, each with its own adapter's tokens
+    runner = hf_llama.runner
+    alone = [list(generate_tokens(runner, p, 6, lora=hf_llama.lora_terms(c))) for p, c in zip(prompts, choices)]
+    assert len({tuple(t) for t in alone}) == len(prompts)
+    stop = alone[1][2]
+    expected = [t[:t.index(stop) + 1] if stop in t else t for t in alone]
+    got = [[] for _ in prompts]
+    rows = LoraRows(tuple(hf_llama.lora_terms(c) for c in choices))
+    for i, token in generate_batch_tokens(runner, dict(enumerate(prompts)), 6, stop_ids={stop}, lora=rows):
+        got[i].append(token)
+    assert got == expected and any(len(t) < 6 for t in got)
+    texts = hf_llama.generate_batch(prompts, 6, adapter=choices)
+    assert texts == [hf_llama.generate(p, 6, adapter=c) for p, c in zip(prompts, choices)]
+    with pytest.raises(WorkbenchError, match=r"one per prompt \(5\), got a list of 2"):
+        hf_llama.run_batch(prompts, adapter=["a", "b"])
+    with pytest.raises(WorkbenchError, match="prompt 1: unknown adapter 'nope'"):
+        hf_llama.generate_batch(prompts[:2], 2, adapter=["a", "nope"])
+
+
+def assert_built_step_takes_adapters(model, tmp_path) -> None:
+    """The built step (a CUDA graph of the compiled forward, or the compiled CPU forward), built with the adapter terms
+    as inputs of its own, decodes what the eager forward does for an adapter, a second adapter of the same shape (which
+    reuses the first's step, loading its terms), a mix and the base; switching back leaves nothing of the other."""
+    runner = model.runner
+    for name, options in (("x", {"seed": 1}), ("x2", {"seed": 4}), ("y", {"seed": 2, "r": 2, "modules": MODULES[:3]})):
+        model.load_adapter(write_peft(tmp_path / name, model.config, **options), name=name)
+    try:
+        choices = ["x", "x2", {"x": 0.5, "y": 1.0}, None]
+        loras = [model.lora_terms(c) for c in choices]
+        eager = [list(generate_tokens(runner, IDS, 10, compiled=False, lora=lora)) for lora in loras]
+        assert len({tuple(t) for t in eager}) == len(choices)  # every choice decodes its own tokens
+        _BUILT.pop(runner, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager decoding fails the test
+            for lora, tokens in [*zip(loras, eager), (loras[0], eager[0])]:  # x again after x2
+                assert list(generate_tokens(runner, IDS, 10, compiled=True, lora=lora)) == tokens
+        steps = _BUILT[runner]
+        assert set(steps) == {step_key("exact", lora) for lora in loras} and len(steps) == 3  # x and x2 share one
+        shared = steps[step_key("exact", loras[0])]
+        assert shared.lora is not loras[0] and not shared.busy
+        torch.testing.assert_close(shared.lora[0][("wq", "wk", "wv")][1], loras[0][0][("wq", "wk", "wv")][1])
+    finally:
+        for name in ("x", "x2", "y"):
+            model.unload_adapter(name)
+        _BUILT.pop(runner, None)
+
+
+def test_decode_step_with_adapters_compiles_without_graph_breaks(hf_llama):
+    # a break would make the CUDA step guard on (and recompile for) its temporaries at every replay
+    runner = hf_llama.runner
+    cache = runner.new_static_cache(16)
+    lora = hf_llama.lora_terms({"a": 0.5, "b": 1.0})
+    runner.forward(torch.tensor(IDS[:3]), cache=cache, lora=lora)
+    explained = torch._dynamo.explain(_forward_and_pick)(runner, torch.tensor([4]), cache, lora)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_built_decode_step_takes_the_adapter(hf_llama, tmp_path):
+    assert_built_step_takes_adapters(hf_llama, tmp_path)  # three CPU compiles, ~1 min on 2 cores without torch's cache
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_takes_the_adapter(tiny_model, tmp_path):
+    model = tiny_model("llama", "Q4_K", n_layers=2, d_model=256, d_mlp=512, device="cuda", dtype="float32",
+                       cached=False)
+    assert_built_step_takes_adapters(model, tmp_path)
+
+
 def test_scale_adapter_intervention(hf_llama):
     adapted, base = hf_llama.forward(IDS, adapter="a"), hf_llama.forward(IDS)
     removed = hf_llama.forward(IDS, adapter="a", interventions=[{"type": "scale_adapter", "factor": 0}])
@@ -208,6 +292,61 @@ def test_scale_adapter_intervention(hf_llama):
 def test_lora_points_match_only_patterns_that_name_them(hf_llama):
     assert not any("lora" in name for name in hf_llama.run(IDS, record=["blocks.0.*"], adapter="a").activations)
     assert "blocks.1.mlp.hook_down_lora" in hf_llama.hook_points()
+
+
+# ------------------------------------------------------------------------------------ merging
+
+
+@pytest.mark.parametrize("fmt", [None, "Q8_0", "Q4_1"])
+def test_merged_adapter_is_within_one_rounding_of_the_unmerged(fmt, tmp_path):
+    """W' = dequantize(W) + s B A re-quantized into W's format: exact in F32; in a quantized format the merged logits
+    are nearer the unmerged ones than quantizing the float model once moves them (the adapter's delta is 19 % of W
+    here, more than a fine-tune's: the rounding grows with the merged matrix's range)."""
+    hf_model("llama", tmp_path, tie=False)
+    ids = list(range(3, 40))
+    peft_dir = write_peft(tmp_path / "ft", workbench.load(tmp_path, device="cpu").config, seed=1, std=0.03)
+    model = workbench.load(tmp_path, device="cpu", quantize=fmt, adapters={"ft": peft_dir})
+    base, unmerged = model.forward(ids), model.forward(ids, adapter="ft")
+    quantize_drift = (base - workbench.load(tmp_path, device="cpu").forward(ids)).abs().max().item()
+    record = model.merge_adapter("ft")
+    error = (model.forward(ids) - unmerged).abs().max().item()
+    assert (unmerged - base).abs().max() > 0.1  # the adapter moves the logits
+    if fmt is None:
+        assert error < 1e-5 and record["merged"] == "re-quantized to F32"
+    else:
+        assert 0 < error < quantize_drift and record["merged"] == f"re-quantized to {fmt}"
+        assert set(model.tensor_formats().values()) == {fmt}  # the same formats, the same size
+    assert "ft" not in model.adapters and model.list_adapters() == [record]
+    assert model.info()["merged_adapters"] == [record] and record["sha256"] == files_sha256(
+        [peft_dir / "adapter_config.json", peft_dir / "adapter_model.safetensors"])
+    with pytest.raises(WorkbenchError, match="unknown adapter 'ft'"):
+        model.forward(ids, adapter="ft")
+    with pytest.raises(WorkbenchError, match="unknown adapter 'ft'"):
+        model.merge_adapter("ft")
+    with pytest.raises(WorkbenchError, match="merge must be True or False"):
+        workbench.load(tmp_path, device="cpu", adapters={"ft": peft_dir}, merge="ft")
+
+
+def test_merge_restacks_fused_projections_and_replays(tmp_path, tiny_checkpoint):
+    """A layer whose q/k/v and gate/up are stacked (as on CUDA) serves the merged matrices; a trace of a merged model
+    records the merge, a replay on a fresh load merges the same file again, and an unmerged model is refused."""
+    checkpoint = tiny_checkpoint("llama", "Q8_0")
+    path = write_gguf(tmp_path / "base.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
+    peft_dir = write_peft(tmp_path / "ft", checkpoint.config, seed=1, std=0.1)
+    plain = workbench.load(path, device="cpu", adapters={"ft": peft_dir}, merge=True)
+    fused = workbench.load(path, device="cpu", adapters={"ft": peft_dir})
+    for layer in fused.runner.weights.layers:
+        layer.fuse_projections()
+    fused.merge_adapter("ft")
+    assert fused.runner.weights.layers[0].wqkv is not None
+    assert torch.equal(fused.forward(IDS), plain.forward(IDS))
+    assert not torch.equal(plain.forward(IDS), workbench.load(path, device="cpu").forward(IDS))
+    trace = plain.run(IDS, record=["blocks.1.hook_resid_post"])
+    assert trace.fingerprint["merged_adapters"] == plain.merged
+    trace.save(tmp_path / "trace")
+    assert workbench.replay(tmp_path / "trace").verdict == "identical"  # loads the base and merges "ft" again
+    with pytest.raises(WorkbenchError, match="merged into the weights differ"):
+        workbench.replay(trace, workbench.load(path, device="cpu"))
 
 
 # ------------------------------------------------------------------------------------ traces

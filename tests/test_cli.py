@@ -56,7 +56,7 @@ def test_generate_json_is_greedy_continuation(capsys, model):
 def test_generate_compile_builds_the_decode_step(capsys, monkeypatch, model):
     # The build itself is tested in test_generation.py; here the flag must reach it (the stub decodes eagerly).
     caches = []
-    monkeypatch.setattr(generation, "build_decode_step", lambda runner, cache: caches.append(cache))
+    monkeypatch.setattr(generation, "build_decode_step", lambda runner, cache, lora=None: caches.append(cache))
     assert cli.main(["generate", "The capital of France is", "--max-new-tokens", "4", "--compile", "--json"]) == 0
     captured = capsys.readouterr()
     assert len(caches) == 1 and caches[0].capacity == 256  # a static cache, as a built step needs

@@ -49,11 +49,143 @@ def test_gguf_round_trip(family, tmp_path, tiny_checkpoint, tiny_model):
     assert torch.equal(loaded.forward(IDS), tiny_model(family, "Q8_0", seed=2, device="cpu").forward(IDS))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hook_invariants(family, tiny_model):
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    """Tiny random Gemma 4 models loaded from their transformers folders, dense and MoE (with the reference)."""
+    models = {}
+
+    def load(family: str):
+        if family not in models:
+            path = tmp_path_factory.mktemp(family)
+            reference = random_hf_checkpoint(family, path, initializer_range=0.2)
+            write_hf_tokenizer(path)
+            models[family] = workbench.load(path, device="cpu"), reference
+            load.paths[family] = path
+        return models[family]
+    load.paths = {}
+    return load
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gemma4moe", "gemma4e"])
+def test_gemma4_matches_transformers(family, gemma4):
+    """Gemma 4 (the 31B's layout, the 26B-A4B's experts beside the dense MLP, the E2B's per-layer embeddings and layers
+    reusing earlier layers' keys and values) from its transformers folder: float32 logits within 1e-4 of
+    transformers', on the whole prompt, token by token through the KV cache (whose global layers hold other head
+    shapes than its sliding ones), and after cache surgery; greedy generation past the window takes the tokens a full
+    forward picks."""
+    ours, reference = gemma4(family)
+    c, layers = ours.config, ours.runner.weights.layers
+    global_kv_heads = None if family == "gemma4e" else 1
+    assert (c.d_head, c.n_kv_heads, c.d_head_global, c.n_kv_heads_global, c.sliding_window) == (
+        16, 2, 32, global_kv_heads, 4)
+    assert c.attn_scale == 1.0 and (c.moe is not None and c.moe.dense_mlp) == (family == "gemma4moe")
+    if family == "gemma4e":
+        assert (c.d_per_layer, c.kv_shared_layers, c.d_mlp_layers) == (8, 2, (96, 96, 192, 192))
+        assert [c.kv_source(i) for i in range(4)] == [0, 1, 0, 1] and layers[2].wk is None
+    else:  # attention_k_eq_v: the global layers' values are the key projection
+        assert layers[1].wv.data.data_ptr() == layers[1].wk.data.data_ptr()
+    # the proportional rope: a quarter of the 16 pairs of a global head turn
+    assert torch.equal(ours.runner.weights.rope_freq_factors, torch.tensor([1.0] * 4 + [1e30] * 12))
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    assert expected.abs().max() > 1.0  # a real spread of logits (under the soft cap of 3)
+    assert (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+    cache = ours.new_cache()
+    stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
+    assert (stepped - expected).abs().max().item() < 1e-4
+    assert [tuple(cache.get(i)[0].shape) for i in range(2)] == [(2, len(IDS), 16), (global_kv_heads or 2, len(IDS), 32)]
+    cache.truncate(7)  # continuing from the first 7 slots is a run on the first 7 tokens
+    assert (ours.forward(IDS[7:], cache=cache) - expected[7:]).abs().max().item() < 1e-4
+    generated = [token for token, _ in ours.stream(IDS, 8, temperature=0.0)]
+    prompt = list(IDS)
+    for token in generated:
+        assert token == int(ours.forward(prompt)[-1].argmax())
+        prompt.append(token)
+
+
+def test_gemma4_multimodal_folder_loads_its_text_decoder(tmp_path):
+    """A Gemma4ForConditionalGeneration folder (text settings under text_config, tensors under
+    model.language_model) loads as its text decoder, with transformers' logits."""
+    import transformers
+
+    from workbench.synthetic import _GEMMA4
+
+    text = transformers.Gemma4TextConfig(vocab_size=273, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.2,
+                                         **_GEMMA4)
+    config = transformers.Gemma4Config(text_config=text, vision_config=None, audio_config=None, initializer_range=0.2)
+    torch.manual_seed(0)
+    reference = transformers.Gemma4ForConditionalGeneration(config).eval()
+    reference.save_pretrained(tmp_path)
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert (ours.config.architecture, ours.config.d_head_global) == ("gemma4", 32)
+    with torch.no_grad():
+        expected = reference(input_ids=torch.tensor([IDS])).logits[0]
+    assert expected.abs().max() > 1.0 and (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("family", ["gemma4", "gemma4moe", "gemma4e"])
+def test_gemma4_cuda_matches_cpu(family, gemma4):
+    """On CUDA (fused projections, per-layer cache shapes in the static cache of the compiled decode step, experts
+    beside the dense MLP, reused keys and values) Gemma 4 computes what it computes on the CPU."""
+    cpu = gemma4(family)[0]
+    cuda = workbench.load(gemma4.paths[family], device="cuda", dtype=torch.float32)
+    assert (cuda.forward(IDS).cpu() - cpu.forward(IDS)).abs().max().item() < 1e-4
+    expected = cpu.generate(IDS, 12, temperature=0.0)
+    assert cuda.generate(IDS, 12, temperature=0.0, compiled=False) == expected
+    assert cuda.generate(IDS, 12, temperature=0.0, compiled=True) == expected
+
+
+def test_gemma4_hook_points_mean_what_transformers_computes(gemma4):
+    """TransformerLens has no Gemma 4: its hook points are checked against transformers' own intermediate outputs on
+    the same checkpoint (the embedding, every block's output but the last, which transformers gives normed, every
+    attention pattern, the router's probabilities)."""
+    ours, reference = gemma4("gemma4moe")
+    with torch.no_grad():
+        out = reference(torch.tensor([IDS]), output_hidden_states=True, output_attentions=True,
+                        output_router_logits=True)
+    acts = ours.run(IDS, record=["*"]).activations
+    close = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(acts["hook_embed"], out.hidden_states[0][0], **close)
+    for i in range(ours.config.n_layers):
+        if i + 1 < ours.config.n_layers:
+            torch.testing.assert_close(acts[f"blocks.{i}.hook_resid_post"], out.hidden_states[i + 1][0], **close)
+        torch.testing.assert_close(acts[f"blocks.{i}.attn.hook_pattern"], out.attentions[i][0], **close)
+        torch.testing.assert_close(acts[f"blocks.{i}.mlp.hook_router_logits"].softmax(-1), out.router_logits[i],
+                                   **close)
+
+
+def test_gemma4_expert_ablation_equals_hand_computation(gemma4):
+    """Gemma 4's experts run beside the dense MLP: dropping an expert leaves the dense branch as it was, and the
+    experts' branch is the norm of the remaining experts' weighted outputs (the weights include each expert's scale)."""
+    ours, _ = gemma4("gemma4moe")
+    points = ["mlp.hook_expert_indices", "mlp.hook_expert_weights", "mlp.hook_expert_out", "mlp.hook_dense_out",
+              "mlp.hook_experts_out"]
+    record = [f"blocks.1.{p}" for p in points]
+    clean = ours.run(IDS, record=record).activations
+    indices = clean["blocks.1.mlp.hook_expert_indices"]
+    expert = int(indices[0, 0])
+    spec = {"type": "ablate_expert", "experts": [expert], "layer": 1}
+    ablated = ours.run(IDS, record=record, interventions=[spec]).activations
+    assert torch.equal(ablated["blocks.1.mlp.hook_dense_out"], clean["blocks.1.mlp.hook_dense_out"])
+    hit = indices == expert
+    assert hit.any() and (~hit).any()
+    kept = clean["blocks.1.mlp.hook_expert_weights"].masked_fill(hit, 0.0)
+    experts = (clean["blocks.1.mlp.hook_expert_out"] * kept[..., None]).sum(1)
+    post_norm = ours.runner.weights.layers[1].experts_post_norm
+    expected = experts * torch.rsqrt(experts.pow(2).mean(-1, keepdim=True) + ours.config.rms_eps) * post_norm
+    torch.testing.assert_close(ablated["blocks.1.mlp.hook_experts_out"], expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(ablated["blocks.1.mlp.hook_experts_out"], clean["blocks.1.mlp.hook_experts_out"])
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gemma4moe", "gemma4e"])
+def test_hook_invariants(family, tiny_model, gemma4):
     """On every family: recording every hook point changes no bit; a zero steer on every point and a self-patch of
     every point are identities; every point the forward reaches is listed with its shape."""
-    model = tiny_model(family, "Q8_0", seed=1, device="cpu")
+    model = gemma4(family)[0] if family.startswith("gemma4") else tiny_model(family, "Q8_0", seed=1, device="cpu")
     plain = model.forward(IDS)
     trace = model.run(IDS, record=["*"])
     assert torch.equal(trace.logits, plain)
@@ -135,14 +267,17 @@ def test_info_names_the_family_features(tiny_model):
     assert info["family"]["sliding_window"] == 4
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_batches_slide_as_single_prompts(family, tiny_model):
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4", "gemma4moe", "gemma4e"])
+def test_batches_slide_as_single_prompts(family, tiny_model, gemma4):
     """Batched runs (padded to the longest prompt, a shared prefix computed once) and batched greedy decoding through
-    a BatchKVCache mask each sliding layer's window by position as one prompt at a time does."""
-    model = tiny_model(family, "Q8_0", device="cpu")
+    a BatchKVCache mask each sliding layer's window by position as one prompt at a time does (Gemma 4: with layers of
+    two head shapes in the caches)."""
+    model = gemma4(family)[0] if family.startswith("gemma4") else tiny_model(family, "Q8_0", device="cpu")
     prompts = [IDS, IDS[:5], IDS[:3] + [7, 8, 9, 10, 11, 12, 13, 14, 15], [9] * 20 + IDS, [9] * 20 + [1, 2, 3]]
+    # an MoE's experts multiply a batch's tokens in groups of other sizes than one prompt's: other rounding
+    tolerance = 1e-4 if model.config.moe else 1e-5
     for prompt, trace in zip(prompts, model.run_batch(prompts)):
-        torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=tolerance, atol=tolerance)
     batched = model.generate_batch(prompts, 6, temperature=0.0)
     assert batched == [model.generate(p, 6, temperature=0.0) for p in prompts]
 

@@ -313,6 +313,9 @@ def test_background_build_answers_eagerly_then_takes_over(monkeypatch, tiny_mode
     tokens = generate_tokens(runner, PROMPT, 10, compiled="background")
     first = [next(tokens) for _ in range(4)]  # answered before the build finished
     assert runner not in _BUILT and not steps
+    # a generation that starts meanwhile decodes eagerly without starting a second build
+    assert list(generate_tokens(runner, PROMPT, 5, compiled="background")) == eager[:5]
+    assert sum(t.name == "workbench-decode-build" for t in threading.enumerate()) == 1
     release.set()
     _join_builds()
     assert first + list(tokens) == eager
@@ -333,6 +336,10 @@ def test_cuda_background_build_answers_eagerly_then_replays(tiny_model):
     model, eager = cuda_model_and_eager_tokens(tiny_model)
     _BUILT.pop(model.runner, None)
     assert list(generate_tokens(model.runner, PROMPT, 12, compiled="background")) == eager
+    if any(t.name == "workbench-decode-build" for t in threading.enumerate()):  # still compiling: the graph of the
+        provisional = _BUILT[model.runner]["exact"]                              # eager forward answers meanwhile
+        assert provisional.provisional
+        assert list(generate_tokens(model.runner, PROMPT, 12, compiled="background")) == eager
     _join_builds()
     assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
-    assert not _BUILT[model.runner]["exact"].busy
+    assert not _BUILT[model.runner]["exact"].busy and not _BUILT[model.runner]["exact"].provisional

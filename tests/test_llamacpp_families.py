@@ -8,6 +8,16 @@ ours) 0.00006 (Gemma 2) to 0.0059 (llama), max 0.08, top-1 agreement 93-100%. Mo
 activations to Q8 before its integer dots: under ``numerics("llamacpp")`` llama's mean KL falls to 0.0012 and its top-1
 rises to 96%. The bounds leave ~3x room and fail on real bugs, measured on the same files: a rope base off by 2x gives
 mean KL 0.08-0.65 (llama, Phi-3, OLMo 2), Gemma without its sliding window 0.09 (Gemma 2) and 0.72 (Gemma 3).
+
+Gemma 4 (dense, and with the 26B-A4B's experts) agrees closer, mean KL at most 0.00092 and max 0.041 over 146 positions,
+and takes tighter bounds: its features left out, measured on its Q8_0 files, give mean KL 0.012-0.053 or max KL
+0.13-0.55 (no proportional rope 0.019/0.39 dense, 0.013/0.15 MoE; no value norm 0.030/0.42, 0.021/0.55; no output
+scale 0.025/0.16, 0.053/0.26; no per-expert scale 0.012/0.13). Its E2B layout ("gemma4e": per-layer embeddings,
+layers reusing keys and values, double-wide MLPs) agrees less once quantized, mean KL 0.0036 (Q8_0) and 0.0065
+(Q4_K_M), max 0.13 (0.0018 / 0.0023 under ``numerics("llamacpp")``), though its F32 conversion agrees with llama.cpp to
+KL 1e-5 per position and its per-layer path reproduces llama.cpp's from llama.cpp's own input (3e-4): its narrow
+normalized per-layer branch amplifies the usual quantized-activation differences from upstream (docs/families.md). It
+keeps the common bounds, which the per-layer embeddings left out break (mean KL 1.1).
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ CASES = [(family, fmt) for family, entry in META["families"].items() for fmt in 
 MEAN_KL_BOUND = 0.02
 MAX_KL_BOUND = 0.25
 TOP1_BOUND = 0.9
+TIGHTER = {"gemma4": (0.003, 0.1), "gemma4moe": (0.003, 0.1)}  # family -> (mean KL, max KL) bounds
 
 
 def faithfulness(model, family: str, fmt: str) -> dict:
@@ -45,18 +56,20 @@ def faithfulness(model, family: str, fmt: str) -> dict:
 @pytest.mark.parametrize("family, fmt", CASES)
 def test_logits_agree_with_llamacpp(family, fmt):
     model = workbench.load(FIXTURES / f"{family}-{fmt}.gguf", device="cpu")
-    assert model.config.architecture == family
+    assert model.config.architecture == META["families"][family].get("architecture", family)
     result = faithfulness(model, family, fmt)
     print(family, fmt, result)
+    mean_bound, max_bound = TIGHTER.get(family, (MEAN_KL_BOUND, MAX_KL_BOUND))
     assert result["top1_agreement"] >= TOP1_BOUND
-    assert result["mean_kl"] < MEAN_KL_BOUND
-    assert result["max_kl"] < MAX_KL_BOUND
+    assert result["mean_kl"] < mean_bound
+    assert result["max_kl"] < max_bound
 
 
 @pytest.mark.parametrize("family", list(META["families"]))
 def test_tokenizer_gives_llamacpps_ids(family):
-    """The families' tokenizers as the converter stores them (a SentencePiece model for llama, Gemma and Phi-3, a
-    byte-level BPE for OLMo 2) give llama.cpp's ids, special-token and byte-fallback cases included."""
+    """The families' tokenizers as the converter stores them (a SentencePiece model for llama, Gemma 2/3 and Phi-3,
+    Gemma 4's "gemma4" BPE, a byte-level BPE for OLMo 2) give llama.cpp's ids, special-token and byte-fallback cases
+    included."""
     model = workbench.load(FIXTURES / f"{family}-Q8_0.gguf", device="cpu")
     for case in META["families"][family]["Q8_0"]["tokens"]:
         assert model.tokenize(case["text"]) == case["ids"], case["text"]

@@ -5,6 +5,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from workbench.kernels import layer_ops
 
@@ -179,6 +180,21 @@ def test_long_prompts_attend_in_chunks_with_the_same_bits(architecture, tiny_mod
     batch = model.forward_batch([ids, ids[:120]], batch_size=2)
     monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 1 << 30)
     assert all(torch.equal(a, b) for a, b in zip(batch, model.forward_batch([ids, ids[:120]], batch_size=2)))
+
+
+def test_fused_attention_expands_grouped_keys_under_a_mask(monkeypatch):
+    """With a mask, grouped keys are expanded for SDPA (whose masked fused kernel takes no groups: the fallback would
+    hold every score); query head h still reads key head h // group."""
+    torch.manual_seed(0)
+    q, keys, values = torch.randn(37, 8, 16), torch.randn(2, 37, 16), torch.randn(2, 37, 16)
+    blocked = torch.ones(37, 37, dtype=torch.bool).triu(1)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, *a, **kw: seen.append(k.shape) or sdpa(q, k, *a, **kw))
+    z = layer_ops._sdpa(q, keys, values, 4.0, blocked)
+    assert seen == [torch.Size([8, 37, 16])]
+    expected = layer_ops.attend(layer_ops.attention_scores(q, keys, 4.0, blocked).softmax(-1), values)
+    assert (z - expected).abs().max().item() < 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

@@ -30,12 +30,24 @@ LAYER_TENSORS: dict[str, str] = {
     "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
     "mlp_post_norm": "post_ffw_norm.weight",
+    "out_scale": "layer_output_scale.weight",
+    # Gemma 4's MoE blocks: the experts' own input norm and the two branches' output norms
+    "experts_norm": "pre_ffw_norm_2.weight",
+    "dense_post_norm": "post_ffw_norm_1.weight",
+    "experts_post_norm": "post_ffw_norm_2.weight",
+    # Gemma 4 E2B/E4B's per-layer embeddings: the gate from the stream, the projection back, its norm
+    "per_layer_gate": "inp_gate.weight",
+    "per_layer_proj": "proj.weight",
+    "per_layer_post_norm": "post_norm.weight",
 }
 GLOBAL_TENSORS: dict[str, str] = {
     "embed": "token_embd.weight",
     "final_norm": "output_norm.weight",
     "unembed": "output.weight",
     "rope_freq_factors": "rope_freqs.weight",
+    "per_layer_embed": "per_layer_token_embd.weight",
+    "per_layer_model_proj": "per_layer_model_proj.weight",
+    "per_layer_proj_norm": "per_layer_proj_norm.weight",
 }
 
 # Hugging Face layer tensor suffix (after ``model.layers.{i}.``) -> GGUF suffix, as llama.cpp's converter maps them.
@@ -59,6 +71,9 @@ HF_GLOBAL_TENSORS: dict[str, str] = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }
 
 # Post-norm families name the norm after attention "post_attention_layernorm", which llama's map takes for the norm
@@ -104,6 +119,11 @@ class Architecture:
     # llama.cpp scales queries by 1/sqrt(d_model / n_heads) instead of 1/sqrt(d_head) for a model of this depth (Gemma's
     # 27B, after gemma_pytorch)
     wide_query_scale_layers: int | None = None
+    # the divisor of attention scores whatever the head size (Gemma 4: 1, its q/k norms set the scale)
+    attn_scale: float | None = None
+    v_norm: bool = False  # RMSNorm without a weight over each value head (Gemma 4)
+    # a layer may store no value projection: its values are its keys' projection (Gemma 4's global layers)
+    values_from_keys: bool = False
     features: tuple[str, ...] = ()  # what ``workbench info`` lists as special
 
     @property
@@ -112,6 +132,8 @@ class Architecture:
 
     def gguf_attn_scale(self, n_layers: int, d_model: int, n_heads: int) -> float | None:
         """The divisor of attention scores llama.cpp uses (None: sqrt(d_head))."""
+        if self.attn_scale is not None:
+            return self.attn_scale
         return math.sqrt(d_model / n_heads) if n_layers == self.wide_query_scale_layers else None
 
     def config_flags(self) -> dict[str, bool]:
@@ -138,6 +160,24 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  embed_scale=True, activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=6,
                  local_rope_base=10000.0, wide_query_scale_layers=62,
                  features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", "local and global rope bases")),
+    # norms multiply by w (no offset); global layers have heads of their own size and count, a "proportional" rope
+    # (llama.cpp's rope_freqs) and may take values from the keys' projection; the 26B-A4B's experts run beside the
+    # dense MLP (ModelConfig.moe)
+    Architecture("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), qk_norm="head",
+                 post_norms=True, embed_scale=True, activation="gelu_tanh", attn_scale=1.0, v_norm=True,
+                 values_from_keys=True,
+                 hf_tensors={**_POST_NORM_HF, "layer_scalar": "layer_output_scale.weight",
+                             "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+                             "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+                             "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+                             "per_layer_input_gate.weight": "inp_gate.weight",
+                             "per_layer_projection.weight": "proj.weight",
+                             "post_per_layer_input_norm.weight": "post_norm.weight"},
+                 features=("norms after attention and MLP", "embeddings x sqrt(d_model)", "GeGLU (tanh GELU)",
+                           "per-head q/k RMSNorm and value RMSNorm, attention scale 1",
+                           "sliding-window and global layers with their own head sizes and rope bases",
+                           "proportional (partial) rope on global layers", "values from the key projection",
+                           "per-layer output scale", "final-logit soft-capping")),
     Architecture("phi3", ("Phi3ForCausalLM",), gguf_window=False,
                  fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")},
                  hf_tensors={"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},

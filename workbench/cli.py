@@ -252,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                     help="build the decode step with torch.compile (default: on CUDA only; the first CPU build "
-                          "takes minutes, later ones seconds)")
+                     help="build the decode step with torch.compile and wait for it (default: on CUDA, built in the "
+                          "background while a graph of the eager forward answers; not on the CPU, where the first "
+                          "build takes minutes, later ones seconds)")
     _model_args(gen)
     gen.set_defaults(fn=cmd_generate)
 

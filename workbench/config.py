@@ -9,7 +9,7 @@ from workbench.errors import ModelLoadError
 
 
 _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
-                     "final_softcap")
+                     "final_softcap", "d_head_global", "n_kv_heads_global", "d_per_layer", "kv_shared_layers")
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,9 @@ class MoEConfig:
     normalize_weights: bool = False  # the chosen experts' probabilities divided by their sum (Mixtral, Qwen3-MoE)
     weights_scale: float = 1.0
     d_shared_expert: int = 0  # Qwen2-MoE: a SwiGLU every token goes through, gated by sigmoid(w . x)
+    # Gemma 4: the block's dense MLP runs beside the experts, each branch with its own norms; the router reads the
+    # residual stream (RMS-normalized, times a learned scale) and each expert's weight has a learned scale too
+    dense_mlp: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.n_experts, int) and isinstance(self.n_experts_used, int)
@@ -37,8 +40,9 @@ class MoEConfig:
         weights = "normalized" if self.normalize_weights else "as routed"
         scale = f" x {self.weights_scale:g}" if self.weights_scale != 1.0 else ""
         shared = f", a shared expert of {self.d_shared_expert} gated by sigmoid" if self.d_shared_expert else ""
+        dense = ", beside the dense MLP" if self.dense_mlp else ""
         return (f"mixture of experts: {self.n_experts} experts of {self.d_expert}, {self.n_experts_used} per token by "
-                f"{self.gating} routing, weights {weights}{scale}{shared}")
+                f"{self.gating} routing, weights {weights}{scale}{shared}{dense}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,15 @@ class ModelConfig:
     attn_scale: float | None = None  # attention scores are divided by it (None: sqrt(d_head)), as TransformerLens names it
     attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # the global (not sliding) layers' head size and key/value heads where they differ from d_head and n_kv_heads
+    # (Gemma 4)
+    d_head_global: int | None = None
+    n_kv_heads_global: int | None = None
+    # Gemma 4 E2B/E4B: per-layer embeddings of this width added in every block, the last this many layers attending
+    # over the keys and values of the last earlier layer of their kind, and each layer's MLP width where they differ
+    d_per_layer: int | None = None
+    kv_shared_layers: int | None = None
+    d_mlp_layers: tuple[int, ...] = ()
 
     moe: MoEConfig | None = None  # every block's MLP is a mixture of experts
 
@@ -78,6 +91,8 @@ class ModelConfig:
         of as a ZeroDivisionError or NaN outputs later."""
         if not isinstance(self.sliding_layers, tuple):  # a JSON round trip (trace fingerprints) gives a list
             object.__setattr__(self, "sliding_layers", tuple(bool(s) for s in self.sliding_layers))
+        if not isinstance(self.d_mlp_layers, tuple):
+            object.__setattr__(self, "d_mlp_layers", tuple(int(d) for d in self.d_mlp_layers))
         if isinstance(self.moe, dict):  # from ``to_dict`` (a trace's fingerprint)
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         where = self.name or "model"
@@ -90,15 +105,25 @@ class ModelConfig:
             if f.type.startswith("float") and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                                or not math.isfinite(value) or value <= 0):
                 raise ModelLoadError(f"{where}: {f.name} must be a positive finite number, got {value!r}")
-        if self.n_heads % self.n_kv_heads:
-            raise ModelLoadError(f"{where}: {self.n_heads} attention heads do not split into {self.n_kv_heads} "
-                                 "key/value groups")
-        rotary = self.d_rotary or self.d_head
-        if rotary % 2 or rotary > self.d_head:
+        for n_kv in {self.n_kv_heads, self.n_kv_heads_global or self.n_kv_heads}:
+            if self.n_heads % n_kv:
+                raise ModelLoadError(f"{where}: {self.n_heads} attention heads do not split into {n_kv} "
+                                     "key/value groups")
+        d_head = min(self.d_head, self.d_head_global or self.d_head)
+        rotary = self.d_rotary or d_head
+        if rotary % 2 or rotary > d_head:
             raise ModelLoadError(f"{where}: rotary embeddings need an even size of at most the head size "
-                                 f"{self.d_head}, got {rotary}")
+                                 f"{d_head}, got {rotary}")
         if self.sliding_layers and len(self.sliding_layers) != self.n_layers:
             raise ModelLoadError(f"{where}: {len(self.sliding_layers)} sliding-window flags for {self.n_layers} layers")
+        if self.d_mlp_layers and len(self.d_mlp_layers) != self.n_layers:
+            raise ModelLoadError(f"{where}: {len(self.d_mlp_layers)} MLP widths for {self.n_layers} layers")
+        if self.kv_shared_layers:
+            missing = {self.is_sliding(i) for i in range(self.n_layers)} - {
+                self.is_sliding(i) for i in range(self.n_layers - self.kv_shared_layers)}
+            if missing:
+                raise ModelLoadError(f"{where}: the last {self.kv_shared_layers} layers reuse keys and values that no "
+                                     "earlier layer of their kind computes")
 
     @property
     def arch(self) -> Architecture:
@@ -107,9 +132,31 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and bool(self.sliding_layers) and self.sliding_layers[layer]
 
+    def layer_heads(self, layer: int) -> tuple[int, int]:
+        """``(n_kv_heads, d_head)`` of one layer: a global layer's own where the checkpoint sets them."""
+        if self.is_sliding(layer):
+            return self.n_kv_heads, self.d_head
+        return self.n_kv_heads_global or self.n_kv_heads, self.d_head_global or self.d_head
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values ``layer`` attends over: its own, or for the last ``kv_shared_layers``, the
+        last earlier layer of the same kind (sliding or global), as transformers' ``kv_sharing_modes``."""
+        first_shared = self.n_layers - (self.kv_shared_layers or 0)
+        if layer < first_shared:
+            return layer
+        return max(i for i in range(first_shared) if self.is_sliding(i) == self.is_sliding(layer))
+
+    def layer_d_mlp(self, layer: int) -> int:
+        return self.d_mlp_layers[layer] if self.d_mlp_layers else self.d_mlp
+
+    @property
+    def heads_vary(self) -> bool:
+        return len({self.layer_heads(i) for i in range(self.n_layers)}) > 1
+
     def family(self) -> dict:
         """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""
-        settings = {name: getattr(self, name) for name in _FEATURE_SETTINGS if getattr(self, name) not in (None, 1.0)}
+        settings = {name: value for name in _FEATURE_SETTINGS
+                    if (value := getattr(self, name)) is not None and not (name == "rope_scale" and value == 1.0)}
         if self.sliding_window:
             settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
         moe = [self.moe.describe()] if self.moe is not None else []
@@ -117,7 +164,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         """The fields as JSON keeps them (lists for tuples), so a saved fingerprint compares equal."""
-        return {**asdict(self), "sliding_layers": list(self.sliding_layers)}
+        return {**asdict(self), "sliding_layers": list(self.sliding_layers), "d_mlp_layers": list(self.d_mlp_layers)}
 
     @property
     def n_params(self) -> int:

@@ -11,8 +11,9 @@ Items are cut into shards of ``shard_size`` consecutive items; shard ``s`` runs 
 work raises is retried on the next rank (``(s + attempt) % world``), up to ``retries`` times; its results count only
 when a run of it finishes, so a failed attempt loses and duplicates nothing. A rank that dies takes the job down
 (torchrun stops the others, so nothing hangs); with ``torchrun --max-restarts``, a harvest to files skips the shards
-whose files are already written. Results travel between ranks with ``all_gather_object`` (pickle among the job's own
-processes, never data from elsewhere).
+whose files are already written. Results travel between ranks through the backend's all-gather: their tensors as
+raw bytes, the structure around them through ``all_gather_object`` (pickle among the job's own processes, never data
+from elsewhere).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError
 
@@ -51,9 +53,13 @@ class Rank:
     local_rank: int
 
 
-def init(backend: str | None = None, timeout_s: float = 1800.0) -> Rank:
+def init(backend: str | None = None, timeout_s: float = 1800.0, cpu_threads: int | None = None) -> Rank:
     """Join the process group torchrun describes in the environment (gloo on the CPU, NCCL where CUDA is present,
-    each rank on ``cuda:LOCAL_RANK``); without torchrun, one process of rank 0. Idempotent."""
+    each rank on ``cuda:LOCAL_RANK``); without torchrun, one process of rank 0. Idempotent.
+
+    ``cpu_threads``: torch's CPU threads in this rank. By default a GPU rank that torchrun left one thread (its
+    ``OMP_NUM_THREADS=1`` for several ranks a machine) gets its share of the machine's cores: GPU ranks still copy
+    recorded activations and build batches on the CPU, and with one thread that work serializes."""
     if dist.is_available() and dist.is_initialized():
         return this_rank()
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -62,6 +68,12 @@ def init(backend: str | None = None, timeout_s: float = 1800.0) -> Rank:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+        if cpu_threads is None and torch.get_num_threads() == 1:
+            cpu_threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if cpu_threads is not None:
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
+            raise WorkbenchError(f"cpu_threads must be a positive integer, got {cpu_threads!r}")
+        torch.set_num_threads(cpu_threads)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return this_rank()
 
@@ -85,27 +97,52 @@ def local_devices(per_rank: int = 1) -> list[str]:
 
 
 def _all_gather(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order. The tensors inside travel as one byte buffer per rank through the
+    backend's own all-gather (NCCL between GPUs); only the small skeleton around them is pickled. Pickling each
+    of a sweep's per-prompt rows instead cost more than the sweep's compute on two GPUs."""
     rank = this_rank()
     if rank.world == 1:
         return [value]
-    gathered: list[Any] = [None] * rank.world
-    dist.all_gather_object(gathered, _tree_map(value, _Bytes.of, torch.Tensor))
-    return [_tree_map(part, _Bytes.tensor, _Bytes) for part in gathered]
+    chunks: list[torch.Tensor] = []
+    size = 0
+
+    def to_slot(x: torch.Tensor) -> _Slot:
+        nonlocal size
+        data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        padded = -(-data.numel() // _ALIGN) * _ALIGN  # every slot starts aligned for any dtype's view
+        chunks.append(F.pad(data, (0, padded - data.numel())) if padded != data.numel() else data)
+        slot = _Slot(size, data.numel(), x.dtype, tuple(x.shape))
+        size += padded
+        return slot
+
+    skeleton = _tree_map(value, to_slot, torch.Tensor)
+    skeletons: list[Any] = [None] * rank.world
+    dist.all_gather_object(skeletons, (skeleton, size))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    longest = max(n for _, n in skeletons)
+    local = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if chunks:
+        local[:size] = torch.cat(chunks).to(device)
+    buffers = [torch.empty_like(local) for _ in range(rank.world)]
+    dist.all_gather(buffers, local)
+    return [_tree_map(part, lambda slot, data=buffer.cpu(): slot.tensor(data), _Slot)
+            for (part, _), buffer in zip(skeletons, buffers)]
 
 
-class _Bytes:
-    """A tensor as raw bytes while it is pickled: torch pickles each tensor through its serializer (about 0.4 ms
-    apiece, which made gathering a sweep's per-prompt rows slower than computing them), a numpy array in one copy."""
+_ALIGN = 16
 
-    def __init__(self, data: Any, dtype: torch.dtype, shape: tuple[int, ...]):
-        self.data, self.dtype, self.shape = data, dtype, shape
 
-    @classmethod
-    def of(cls, x: torch.Tensor) -> "_Bytes":
-        return cls(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(), x.dtype, tuple(x.shape))
+@dataclass(frozen=True)
+class _Slot:
+    """Where a gathered tensor lies in its rank's byte buffer."""
 
-    def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(self.data.copy()).view(self.dtype).reshape(self.shape)
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def tensor(self, data: torch.Tensor) -> torch.Tensor:
+        return data[self.offset:self.offset + self.nbytes].view(self.dtype).reshape(self.shape)
 
 
 def _tree_map(value: Any, fn: Callable[[Any], Any], leaf: type) -> Any:

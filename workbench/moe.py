@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from workbench.config import MoEConfig
 from workbench.errors import HookError, ModelLoadError
@@ -27,6 +28,11 @@ MOE_POINTS: dict[str, str] = {
     "mlp.hook_expert_out": "[T, top_k, d_model]",
 }
 SHARED_POINTS: dict[str, str] = {"mlp.hook_shared_expert_out": "[T, d_model]"}
+# Gemma 4's block runs the dense MLP and the experts side by side: the dense branch's output (after its own norm) and
+# the experts' input norm come before the MoE points, the experts' weighted sum (after its own norm) after them.
+DENSE_BRANCH_POINTS: dict[str, str] = {"mlp.hook_dense_out": "[T, d_model]", "ln2_experts.hook_scale": "[T, 1]",
+                                       "ln2_experts.hook_normalized": "[T, d_model]"}
+EXPERTS_BRANCH_POINTS: dict[str, str] = {"mlp.hook_experts_out": "[T, d_model]"}
 # The MLP points of a dense block, which an MoE block does not have.
 DENSE_MLP_POINTS = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 
@@ -35,16 +41,18 @@ _MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 def with_moe_points(dense_points: dict[str, str], moe: MoEConfig | None) -> dict[str, str]:
-    """A block's hook points with their shapes: the dense block's, with the MLP's points replaced for an MoE block."""
+    """A block's hook points with their shapes: the dense block's, with the MLP's points replaced for an MoE block
+    (or, where the dense MLP stays beside the experts, followed by the experts' points)."""
     if moe is None:
         return dense_points
     out = {}
+    after_mlp = next(p for p in ("ln2_post.hook_scale", "hook_mlp_out") if p in dense_points)
     for name, shape in dense_points.items():
-        if name == "hook_mlp_out":
-            out.update(MOE_POINTS)
+        if name == after_mlp:
+            out.update({**DENSE_BRANCH_POINTS, **MOE_POINTS, **EXPERTS_BRANCH_POINTS} if moe.dense_mlp else MOE_POINTS)
             if moe.d_shared_expert:
                 out.update(SHARED_POINTS)
-        if name not in DENSE_MLP_POINTS:
+        if moe.dense_mlp or name not in DENSE_MLP_POINTS:
             out[name] = shape
     return out
 
@@ -54,20 +62,31 @@ class MoEWeights:
     """One block's experts: the router, the stacked expert matrices as stored, and Qwen2-MoE's shared expert."""
 
     router: QuantTensor  # ffn_gate_inp [n_experts, d_model]
-    gate: QuantTensor  # ffn_gate_exps [n_experts * d_expert, d_model]
-    up: QuantTensor  # ffn_up_exps [n_experts * d_expert, d_model]
     down: QuantTensor  # ffn_down_exps [n_experts * d_model, d_expert]
+    gate: QuantTensor | None = None  # ffn_gate_exps [n_experts * d_expert, d_model]
+    up: QuantTensor | None = None  # ffn_up_exps [n_experts * d_expert, d_model]
+    # or both in one: ffn_gate_up_exps [n_experts * 2 * d_expert, d_model], each expert's gate rows then its up rows
+    gate_up: QuantTensor | None = None
     shared_gate: QuantTensor | None = None  # ffn_gate_shexp [d_shared_expert, d_model]
     shared_up: QuantTensor | None = None
     shared_down: QuantTensor | None = None  # [d_model, d_shared_expert]
     shared_router: QuantTensor | None = None  # ffn_gate_inp_shexp [1, d_model]
+    # Gemma 4: the router input's scale ffn_gate_inp.scale [d_model], each expert's weight's ffn_down_exps.scale
+    # [n_experts] (float32)
+    router_scale: torch.Tensor | None = None
+    expert_scale: torch.Tensor | None = None
     # per expert: its (gate, up, down) as views of the stacked matrices' rows
     experts: list[tuple[QuantTensor, QuantTensor, QuantTensor]] = field(init=False, repr=False)
 
     def __post_init__(self):
         n_experts = self.router.shape[0]
-        self.experts = [tuple(_rows(w, e, n_experts) for w in (self.gate, self.up, self.down))
-                        for e in range(n_experts)]
+        if self.gate_up is not None:
+            pairs = [_rows(self.gate_up, e, n_experts) for e in range(n_experts)]
+            self.experts = [(_rows(pair, 0, 2), _rows(pair, 1, 2), _rows(self.down, e, n_experts))
+                            for e, pair in enumerate(pairs)]
+        else:
+            self.experts = [tuple(_rows(w, e, n_experts) for w in (self.gate, self.up, self.down))
+                            for e in range(n_experts)]
 
     def matrices(self) -> Iterator[tuple[str, QuantTensor]]:
         for f in fields(self):
@@ -79,8 +98,11 @@ class MoEWeights:
     def nbytes(self) -> int:
         return sum(w.nbytes for _, w in self.matrices())
 
-    def map(self, fn_matrix: Callable[[QuantTensor], QuantTensor]) -> "MoEWeights":
-        return MoEWeights(**{name: fn_matrix(w) for name, w in self.matrices()})
+    def map(self, fn_matrix: Callable[[QuantTensor], QuantTensor],
+            fn_vector: Callable[[torch.Tensor], torch.Tensor] = lambda v: v) -> "MoEWeights":
+        vectors = {name: fn_vector(v) for name in ("router_scale", "expert_scale")
+                   if (v := getattr(self, name)) is not None}
+        return MoEWeights(**{name: fn_matrix(w) for name, w in self.matrices()}, **vectors)
 
 
 def _rows(w: QuantTensor, e: int, n_experts: int) -> QuantTensor:
@@ -89,15 +111,19 @@ def _rows(w: QuantTensor, e: int, n_experts: int) -> QuantTensor:
     return QuantTensor(w.data[e * rows:(e + 1) * rows], w.fmt, (rows, w.shape[1]))
 
 
-def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[str, str], layer: int) -> torch.Tensor:
+def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[str, str], layer: int,
+            router_input: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
     """The MoE MLP of normalized ``x`` ``[T, d_model]``, through its hook points (``point(name, value, layer)``; the
-    forward fires ``hook_mlp_out`` on what it returns).
+    forward fires ``hook_mlp_out`` on what it returns). The router reads ``router_input`` where the family routes on
+    something else than the experts' input (Gemma 4: ``gemma4_router_input``).
 
     The routing is computed in float32 from the router logits: probabilities (softmax over all experts, or sigmoid),
     the top ``n_experts_used`` by probability, their probabilities as weights (normalized to sum to one where the
-    model does so). A hook that replaces the chosen experts gets their weights from the same probabilities."""
+    model does so, then times each expert's scale where it has one). A hook that replaces the chosen experts gets
+    their weights from the same probabilities."""
     # the router in float32 whatever the activations' dtype: a choice between experts turns on small differences
-    logits = point(names["mlp.hook_router_logits"], linear(x.float(), w.router), layer)
+    routed = x if router_input is None else router_input
+    logits = point(names["mlp.hook_router_logits"], linear(routed.float(), w.router), layer)
     probs = logits.softmax(dim=-1) if moe.gating == "softmax" else logits.sigmoid()
     indices = probs.topk(moe.n_experts_used, dim=-1).indices
     if point.wants(names["mlp.hook_expert_indices"]):
@@ -110,8 +136,10 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
     if moe.weights_scale != 1.0:
         weights = weights * moe.weights_scale
+    if w.expert_scale is not None:
+        weights = weights * w.expert_scale[indices]
     weights = point(names["mlp.hook_expert_weights"], weights, layer)
-    expert_out = point(names["mlp.hook_expert_out"], run_experts(x, indices, w), layer)
+    expert_out = point(names["mlp.hook_expert_out"], run_experts(x, indices, w, activation), layer)
     out = (expert_out * weights.to(expert_out.dtype)[..., None]).sum(dim=1)
     if w.shared_router is not None:
         gate, up = linear_parts(x, (w.shared_gate, w.shared_up))
@@ -120,8 +148,17 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
     return out
 
 
-def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights) -> torch.Tensor:
-    """Each chosen expert's SwiGLU output for its token, ``[T, k, d_model]`` (unweighted).
+def gemma4_router_input(resid: torch.Tensor, w: MoEWeights, eps: float) -> torch.Tensor:
+    """What Gemma 4's router reads: the residual stream RMS-normalized (no weight), times its learned scale and
+    1/sqrt(d_model), in float32 (llama.cpp's ``ggml_rms_norm``, ``ggml_scale``, ``ggml_mul``)."""
+    x = resid.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x * (resid.shape[-1] ** -0.5) * w.router_scale
+
+
+def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, activation: str = "silu") -> torch.Tensor:
+    """Each chosen expert's gated output (SwiGLU, or GeGLU for ``activation`` "gelu_tanh") for its token,
+    ``[T, k, d_model]`` (unweighted).
 
     The (token, slot) pairs are sorted by expert, so each active expert runs once, on all its tokens: its rows of the
     stacked matrices are read once per forward, and experts no token chose are not read at all."""
@@ -139,7 +176,8 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights) -> torch.
         gate_w, up_w, down_w = w.experts[expert]
         tokens = x.index_select(0, pairs // k)
         gate, up = linear_parts(tokens, (gate_w, up_w))
-        out[pairs] = linear(layer_ops.swiglu(gate, up), down_w)
+        hidden = F.gelu(gate, approximate="tanh") * up if activation == "gelu_tanh" else layer_ops.swiglu(gate, up)
+        out[pairs] = linear(hidden, down_w)
     return out.view(n_tokens, k, x.shape[1])
 
 
@@ -154,6 +192,8 @@ def routing_matrix(indices: torch.Tensor, weights: torch.Tensor, n_experts: int)
 
 # llama.cpp's tensor names of an MoE block (after ``blk.N.``)
 ROUTER, GATE, UP, DOWN = "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"
+GATE_UP = "ffn_gate_up_exps.weight"
+ROUTER_SCALE, EXPERT_SCALE = "ffn_gate_inp.scale", "ffn_down_exps.scale"  # Gemma 4
 SHARED = {"shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.weight",
           "shared_down": "ffn_down_shexp.weight", "shared_router": "ffn_gate_inp_shexp.weight"}
 
@@ -165,26 +205,30 @@ _HF_NAMES = {
     "mlp.shared_expert.up_proj.weight": SHARED["shared_up"],
     "mlp.shared_expert.down_proj.weight": SHARED["shared_down"],
     "mlp.shared_expert_gate.weight": SHARED["shared_router"],
+    "router.proj.weight": ROUTER,  # Gemma 4
+    "router.scale": ROUTER_SCALE,
+    "router.per_expert_scale": EXPERT_SCALE,
 }
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
 _HF_EXPERT_KIND = {"w1": GATE, "w3": UP, "w2": DOWN, "gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
 # transformers' own in-memory layout, [n_experts, 2 * d_expert, d_model] and [n_experts, d_model, d_expert]
-_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.)?experts\.(gate_up_proj|down_proj)(?:\.weight)?")
 
 
 def hf_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
     """The MoE part of a Hugging Face config.json (None for a dense model)."""
     n_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if not n_experts:
+    if not n_experts or cfg.get("enable_moe_block") is False:
         return None
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ModelLoadError("MoE models with dense layers between the sparse ones are not supported")
     return MoEConfig(
-        n_experts=int(n_experts), n_experts_used=int(cfg["num_experts_per_tok"]),
+        n_experts=int(n_experts), n_experts_used=int(cfg["top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok"]),
         d_expert=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-        # Mixtral always normalizes; the Qwen configs say whether they do
-        normalize_weights=bool(cfg.get("norm_topk_prob", architecture == "llama")),
+        # Mixtral and Gemma 4 always normalize; the Qwen configs say whether they do
+        normalize_weights=bool(cfg.get("norm_topk_prob", architecture in ("llama", "gemma4"))),
         d_shared_expert=int(cfg.get("shared_expert_intermediate_size") or 0),
+        dense_mlp=bool(cfg.get("enable_moe_block")),
     )
 
 
@@ -208,6 +252,7 @@ def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -
         weights_scale=scale if scale else 1.0,
         # llama.cpp reads the shared expert's width for qwen2moe only (a Qwen3-MoE GGUF may carry the key unused)
         d_shared_expert=int(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
+        dense_mlp=architecture == "gemma4",
     )
 
 
@@ -255,14 +300,20 @@ def assemble(prefix: str, d_model: int, moe: MoEConfig, get, source: str) -> MoE
         return tensor
 
     n, f, s = moe.n_experts, moe.d_expert, moe.d_shared_expert
+    if get(prefix + GATE_UP, (n, 2 * f, d_model)) is not None:  # llama.cpp's converter fuses Gemma 4's
+        gate_up = dict(gate_up=matrix(GATE_UP, (n, 2 * f, d_model)))
+    else:
+        gate_up = dict(gate=matrix(GATE, (n, f, d_model)), up=matrix(UP, (n, f, d_model)))
+    if moe.dense_mlp:
+        gate_up.update(router_scale=matrix(ROUTER_SCALE, (d_model,)).dequantize().reshape(d_model),
+                       expert_scale=matrix(EXPERT_SCALE, (n,)).dequantize().reshape(n))
     shared = {}
     if s:
         shared = dict(shared_gate=matrix(SHARED["shared_gate"], (s, d_model)),
                       shared_up=matrix(SHARED["shared_up"], (s, d_model)),
                       shared_down=matrix(SHARED["shared_down"], (d_model, s)),
                       shared_router=_one_row(lambda shape: matrix(SHARED["shared_router"], shape), d_model))
-    return MoEWeights(router=matrix(ROUTER, (n, d_model)), gate=matrix(GATE, (n, f, d_model)),
-                      up=matrix(UP, (n, f, d_model)), down=matrix(DOWN, (n, d_model, f)), **shared)
+    return MoEWeights(router=matrix(ROUTER, (n, d_model)), down=matrix(DOWN, (n, d_model, f)), **gate_up, **shared)
 
 
 def _one_row(matrix: Callable[[tuple[int, ...]], QuantTensor], cols: int) -> QuantTensor:
@@ -278,8 +329,9 @@ def gguf_tensors(prefix: str, w: MoEWeights) -> list[tuple[str, QuantTensor, tup
     """The GGUF tensors of one block's experts, with their torch-order shapes (for a writer)."""
     n = w.router.shape[0]
     out = [(ROUTER, w.router, w.router.shape)]
-    for name, m in ((GATE, w.gate), (UP, w.up), (DOWN, w.down)):
-        out.append((name, m, (n, m.shape[0] // n, m.shape[1])))
+    for name, m in ((GATE, w.gate), (UP, w.up), (GATE_UP, w.gate_up), (DOWN, w.down)):
+        if m is not None:
+            out.append((name, m, (n, m.shape[0] // n, m.shape[1])))
     for attr, name in SHARED.items():
         m = getattr(w, attr)
         if m is not None:

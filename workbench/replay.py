@@ -103,19 +103,22 @@ def _max_deviation(new: torch.Tensor, old: torch.Tensor) -> float:
 
 def _recorded_adapters(trace: Trace, model: Model) -> dict[str, float]:
     """``{name: scale}`` of the trace's adapters on ``model``, each checked (or loaded) by its file's sha256."""
-    scales = {}
-    for entry in trace.adapters:
-        name, sha = entry.get("name"), entry.get("sha256")
-        if name not in model.adapters:
-            if not Path(str(entry.get("path", ""))).exists():
-                raise WorkbenchError(f"the trace ran with adapter {name!r} ({entry.get('path')}), which is neither "
-                                     "loaded nor at its recorded path; model.load_adapter(path, name=...) first")
-            model.load_adapter(entry["path"], name=name)
-        if model.adapters[name].sha256 != sha:
-            raise WorkbenchError(f"adapter {name!r} has sha256 {model.adapters[name].sha256[:12]}...; the trace was "
-                                 f"recorded with {str(sha)[:12]}... (another adapter file)")
-        scales[name] = float(entry.get("scale", 1.0))
-    return scales
+    return {_resident_adapter(model, entry): float(entry.get("scale", 1.0)) for entry in trace.adapters}
+
+
+def _resident_adapter(model: Model, entry: dict) -> str:
+    """The name of a trace's adapter on ``model``: the model's adapter of that name, or the recorded file loaded into
+    it, either checked by its sha256."""
+    name, sha = entry.get("name"), entry.get("sha256")
+    if name not in model.adapters:
+        if not Path(str(entry.get("path", ""))).exists():
+            raise WorkbenchError(f"the trace ran with adapter {name!r} ({entry.get('path')}), which is neither "
+                                 "loaded nor at its recorded path; model.load_adapter(path, name=...) first")
+        model.load_adapter(entry["path"], name=name)
+    if model.adapters[name].sha256 != sha:
+        raise WorkbenchError(f"adapter {name!r} has sha256 {model.adapters[name].sha256[:12]}...; the trace was "
+                             f"recorded with {str(sha)[:12]}... (another adapter file)")
+    return name
 
 
 def _load_recorded_model(trace: Trace) -> Model:
@@ -139,4 +142,7 @@ def _load_recorded_model(trace: Trace) -> Model:
     if not isinstance(device, str) or (device.startswith("cuda") and not torch.cuda.is_available()):
         device = "cpu"
     dtype = backend.get("dtype")
-    return load(path, device=device, dtype=dtype if isinstance(dtype, str) else None)
+    model = load(path, device=device, dtype=dtype if isinstance(dtype, str) else None)
+    for entry in fingerprint.get("merged_adapters", []):  # merged on the recorded model: merged here the same way
+        model.merge_adapter(_resident_adapter(model, entry), float(entry.get("scale", 1.0)))
+    return model

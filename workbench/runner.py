@@ -19,7 +19,8 @@ from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
-from workbench.moe import MOE_POINTS, SHARED_POINTS, moe_mlp, with_moe_points
+from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
+                           moe_mlp, with_moe_points)
 from workbench.weights import ModelWeights
 
 
@@ -118,6 +119,44 @@ Hooks = Mapping[str, Sequence[HookFn]]
 Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]]]
 LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
+
+@dataclass(frozen=True)
+class LoraRows:
+    """Adapters chosen per sequence of a batched forward: ``rows[b]`` the terms (``Lora``) of sequence b's choice, None
+    for the base. The forward groups the sequences by choice (the same ``Lora`` object): each group's tokens take its
+    terms in one pair of matmuls per group of projections."""
+
+    rows: tuple[Lora | None, ...]
+
+    def keep(self, rows: Sequence[int]) -> "LoraRows":
+        """The choices of the sequences ``rows`` (a batch's cache rows kept, ``BatchKVCache.keep_rows``)."""
+        return LoraRows(tuple(self.rows[b] for b in rows))
+
+
+# A layer's adapter terms in one forward: (that layer's terms of one choice, the packed token rows taking them, or None
+# for every token), one entry per choice.
+LayerLora = Sequence[tuple[Mapping[tuple[str, ...], tuple], torch.Tensor | None]]
+
+
+def lora_segments(lora: "Lora | LoraRows | None", layout: BatchLayout | None
+                  ) -> list[tuple[Lora, torch.Tensor | None]]:
+    """Each adapter choice of a forward with the packed token rows that take it (None: every token)."""
+    if lora is None:
+        return []
+    if not isinstance(lora, LoraRows):
+        return [(lora, None)]
+    if layout is None or len(lora.rows) != layout.size:
+        raise WorkbenchError(f"per-sequence adapters need a batch layout of {len(lora.rows)} sequences")
+    groups: dict[int, tuple[Lora, list[int]]] = {}
+    for b, terms in enumerate(lora.rows):
+        if terms is not None:
+            groups.setdefault(id(terms), (terms, []))[1].append(b)
+    if len(groups) == 1 and len(next(iter(groups.values()))[1]) == layout.size:
+        return [(next(iter(groups.values()))[0], None)]
+    return [(terms, torch.cat([torch.arange(layout.starts[b], layout.starts[b] + layout.lengths[b]) for b in rows]
+                              ).to(layout.device)) for terms, rows in groups.values()]
+
+
 # Per-block hook points of a llama block and their shapes (T = tokens in this forward, S = all attended slots).
 BLOCK_POINTS: dict[str, str] = {
     "hook_resid_pre": "[T, d_model]",
@@ -156,10 +195,19 @@ QK_NORM_POINTS: dict[str, str] = {
     "attn.k_norm.hook_scale": "[T, n_kv_heads, 1]",
     "attn.k_norm.hook_normalized": "[T, n_kv_heads, d_head]",
 }
+V_NORM_POINTS: dict[str, str] = {
+    "attn.v_norm.hook_scale": "[T, n_kv_heads, 1]",
+    "attn.v_norm.hook_normalized": "[T, n_kv_heads, d_head]",
+}
 POST_NORM_POINTS: dict[str, dict[str, str]] = {
     "attn.hook_result": {"ln1_post.hook_scale": "[T, 1]", "ln1_post.hook_normalized": "[T, d_model]"},
     "mlp.hook_post": {"ln2_post.hook_scale": "[T, 1]", "ln2_post.hook_normalized": "[T, d_model]"},
 }
+# Gemma 4 E2B/E4B: each block's slice of the per-layer inputs and what it adds to the stream, after hook_mlp_out
+PER_LAYER_POINTS: dict[str, str] = {"per_layer.hook_input": "[T, d_per_layer]", "hook_per_layer_out": "[T, d_model]"}
+# The points of a layer's own keys and values, which a layer reusing an earlier layer's does not have
+KV_POINTS = ("attn.hook_k", "attn.hook_v", "attn.k_norm.hook_scale", "attn.k_norm.hook_normalized",
+             "attn.v_norm.hook_scale", "attn.v_norm.hook_normalized", "attn.hook_rot_k")
 GLOBAL_POINTS: dict[str, str] = {
     "hook_embed": "[T, d_model]",
     "ln_final.hook_scale": "[T, 1]",
@@ -178,9 +226,13 @@ def block_points(config: ModelConfig) -> dict[str, str]:
             continue
         if name == "attn.hook_rot_q" and family.qk_norm:
             points.update(QK_NORM_POINTS)
+        if name == "attn.hook_rot_q" and family.v_norm:
+            points.update(V_NORM_POINTS)
         points[name] = shape
         if family.post_norms:
             points.update(POST_NORM_POINTS.get(name, {}))
+        if name == "hook_mlp_out" and config.d_per_layer:
+            points.update(PER_LAYER_POINTS)
     if family.qk_norm == "projection":  # one scale per token over all heads
         points["attn.q_norm.hook_scale"] = points["attn.k_norm.hook_scale"] = "[T, 1, 1]"
     return with_moe_points(points, config.moe)
@@ -190,7 +242,8 @@ def block_points(config: ModelConfig) -> dict[str, str]:
 def hook_point_names(config: ModelConfig) -> tuple[str, ...]:
     """Every hook point in the order the forward reaches them (built once per config: every intervention resolves its
     hook name against them)."""
-    blocks = [f"blocks.{i}.{p}" for i in range(config.n_layers) for p in block_points(config)]
+    blocks = [f"blocks.{i}.{p}" for i in range(config.n_layers) for p in block_points(config)
+              if config.kv_source(i) == i or p not in KV_POINTS]
     return ("hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
 
 
@@ -236,13 +289,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, point: _P
     return _norm_points(x, *layer_ops.rms_norm(x, weight, eps), weight, point, names, layer)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, eps: float, point: _Points,
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float, point: _Points,
                  stream_points: Sequence[tuple[str, int]], names: tuple[str, str],
                  layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream ``x + delta`` through its hook points (``(name, layer)`` each), and ``rms_norm`` of it. With
-    none of those points hooked, the sum and the norm are one call (``layer_ops.add_rms_norm``), with the same bits."""
-    if weight is None or any(point.wants(name) for name, _ in stream_points):
-        x = x + delta
+    none of those points hooked, the sum and the norm are one call (``layer_ops.add_rms_norm``), with the same bits.
+    ``delta`` None: ``x`` is the stream already."""
+    if delta is None or weight is None or any(point.wants(name) for name, _ in stream_points):
+        x = x if delta is None else x + delta
         for name, at in stream_points:
             x = point(name, x, at)
         return x, rms_norm(x, weight, eps, point, names, layer)
@@ -278,19 +332,29 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
-def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...],
-             lora: Mapping[tuple[str, ...], tuple], point: _Points, names: Mapping[str, str],
-             layer: int) -> Sequence[torch.Tensor]:
+def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...], lora: LayerLora,
+             point: _Points, names: Mapping[str, str], layer: int) -> Sequence[torch.Tensor]:
     """The outputs ``outs`` of projections ``parts`` of ``x``, each adapted one plus its LoRA term ``s * B (A x)``
-    (through the term's hook point)."""
-    if parts not in lora:
-        return outs
-    a, b, adapted = lora[parts]
-    terms = F.linear(F.linear(x, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+    (through the term's hook point, ``[T, out]``: zero on the tokens whose choice leaves the projection alone)."""
+    added: dict[str, torch.Tensor] = {}
+    for terms, rows in lora:
+        if parts not in terms:
+            continue
+        a, b, adapted = terms[parts]
+        rows = rows if rows is None else rows.to(x.device)  # a no-op but where a split model moved the layer
+        x_rows = x if rows is None else x.index_select(0, rows)
+        products = F.linear(F.linear(x_rows, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+        for p, product in zip(adapted, products):
+            if rows is None:  # the one choice of every token
+                added[p] = product
+                continue
+            if p not in added:
+                added[p] = product.new_zeros(x.shape[0], product.shape[-1])
+            added[p].index_copy_(0, rows, product)
     outs = list(outs)
-    for p, term in zip(adapted, terms):
-        j = parts.index(p)
-        outs[j] = outs[j] + point(names[p], term, layer)
+    for j, p in enumerate(parts):
+        if p in added:
+            outs[j] = outs[j] + point(names[p], added[p], layer)
     return outs
 
 
@@ -342,23 +406,34 @@ class Transformer:
             for layer in self.weights.layers:
                 layer.fuse_projections()
         c = config
-        self.d_rotary = c.d_rotary or c.d_head
-        self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors)
-        # sliding layers with a rope base of their own (Gemma 3) take a second table
+        self._heads = [c.layer_heads(i) for i in range(c.n_layers)]  # each layer's (n_kv_heads, d_head)
+        self._kv_reused = {c.kv_source(i) for i in range(c.n_layers) if c.kv_source(i) != i}
+        # the global layers' table; sliding layers with a rope base or head size of their own (Gemma 3, Gemma 4) take
+        # a second one
+        global_rotary = c.d_rotary or (c.d_head_global or c.d_head)
+        self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors,
+                                                        global_rotary)
         self.local_rope = None
-        if c.sliding_window and c.rope_base_local is not None and (c.rope_base_local, 1.0) != (c.rope_base, c.rope_scale):
-            self.local_rope = self._rope_table(c.rope_base_local, 1.0, None)
+        local_rotary = c.d_rotary or c.d_head
+        # each table's (base, scale, frequency factors, rotary dims), for llama.cpp numerics' own tables
+        self._rope_params = {False: (c.rope_base, c.rope_scale, weights.rope_freq_factors, global_rotary)}
+        if c.sliding_window and (c.rope_base_local is not None or local_rotary != global_rotary):
+            local = ((c.rope_base_local, 1.0, None) if c.rope_base_local is not None
+                     else (c.rope_base, c.rope_scale, weights.rope_freq_factors))
+            if (*local[:2], local_rotary) != (c.rope_base, c.rope_scale, global_rotary):
+                self.local_rope = self._rope_table(*local, local_rotary)
+                self._rope_params[True] = (*local, local_rotary)
         self._llamacpp_rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # ggml's tables, built on first use
         self.attn_scale = c.attn_scale or math.sqrt(c.d_head)
         self.embed_scale = math.sqrt(c.d_model) if self.arch.embed_scale else None
         self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
         self._names = [self._block_names(i, last=i + 1 == c.n_layers) for i in range(c.n_layers)]
 
-    def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None
+    def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position's rope angles, ``[n_ctx, d_rotary / 2]`` each, taken in float64 once: a
         forward gathers its rows instead of evaluating float64 trig in every layer's kernels."""
-        exponents = torch.arange(0, self.d_rotary, 2, dtype=torch.float64) / self.d_rotary
+        exponents = torch.arange(0, d_rotary, 2, dtype=torch.float64) / d_rotary
         inv_freq = 1.0 / (base**exponents) / scale
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double().cpu()
@@ -369,20 +444,19 @@ class Transformer:
         """The rope table (global, or the sliding layers' ``local`` one) with ggml's own angles and cos/sin, for
         llama.cpp numerics."""
         if local not in self._llamacpp_rope:
-            c = self.config
-            base, scale, factors = ((c.rope_base_local, 1.0, None) if local else
-                                    (c.rope_base, c.rope_scale, self.weights.rope_freq_factors))
-            cos, sin = layer_ops.llamacpp_ops.rope_table(c.n_ctx, self.d_rotary, base, scale,
+            base, scale, factors, rotary = self._rope_params[local]
+            cos, sin = layer_ops.llamacpp_ops.rope_table(self.config.n_ctx, rotary, base, scale,
                                                         None if factors is None else factors.cpu())
             self._llamacpp_rope[local] = cos.to(self.device), sin.to(self.device)
         return self._llamacpp_rope[local]
 
     @staticmethod
     def _block_names(i: int, last: bool) -> dict:
-        points = [*BLOCK_POINTS, *QK_NORM_POINTS, *(p for extra in POST_NORM_POINTS.values() for p in extra),
-                  *MOE_POINTS, *SHARED_POINTS]
+        points = [*BLOCK_POINTS, *QK_NORM_POINTS, *V_NORM_POINTS,
+                  *(p for extra in POST_NORM_POINTS.values() for p in extra), *MOE_POINTS, *SHARED_POINTS,
+                  *DENSE_BRANCH_POINTS, *EXPERTS_BRANCH_POINTS, *PER_LAYER_POINTS]
         names: dict = {p: f"blocks.{i}.{p}" for p in points}
-        for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
+        for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm", "attn.v_norm", "ln2_experts"):
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
         names["after_attn"] = ((names["hook_resid_mid"], i),)
@@ -391,13 +465,18 @@ class Transformer:
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
         return names
 
-    def new_cache(self, capacity: int = 64) -> KVCache:
+    def _cache_heads(self) -> tuple:
+        """The caches' ``(n_kv_heads, d_head)``: one pair, or a list of each per layer where layers differ."""
         c = self.config
-        return KVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
+        if not c.heads_vary:
+            return c.n_kv_heads, c.d_head
+        return [h for h, _ in self._heads], [d for _, d in self._heads]
+
+    def new_cache(self, capacity: int = 64) -> KVCache:
+        return KVCache(self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
 
     def new_batch_cache(self, n_rows: int, capacity: int = 64) -> BatchKVCache:
-        c = self.config
-        return BatchKVCache(n_rows, c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
+        return BatchKVCache(n_rows, self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
 
     @property
     def is_split(self) -> bool:
@@ -424,7 +503,7 @@ class Transformer:
         c = self.config
         if not 0 < capacity <= c.n_ctx:
             raise WorkbenchError(f"a static cache holds 1 to {c.n_ctx} (the model's context) slots, not {capacity}")
-        return StaticKVCache(c.n_layers, c.n_kv_heads, c.d_head, self.dtype, self.devices, capacity)
+        return StaticKVCache(c.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
 
     def rotation(self, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,23 +522,26 @@ class Transformer:
         """Rotate each pair of ``[T, heads, d_head]`` (adjacent values, or for "neox" the two halves of each head):
         ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32. With partial rotary, only the first
         ``d_rotary`` values of each head turn (their halves paired), the rest pass through."""
-        if self.d_rotary < x.shape[-1]:
-            turned = layer_ops.rope(x[..., :self.d_rotary], *rotation, self.config.rope_interleaved)
-            return torch.cat((turned, x[..., self.d_rotary:]), dim=-1)
+        d_rotary = rotation[0].shape[-1]
+        if d_rotary < x.shape[-1]:
+            turned = layer_ops.rope(x[..., :d_rotary], *rotation, self.config.rope_interleaved)
+            return torch.cat((turned, x[..., d_rotary:]), dim=-1)
         return layer_ops.rope(x, *rotation, self.config.rope_interleaved)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
-                lora: Lora | None = None) -> torch.Tensor:
+                lora: Lora | LoraRows | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
         With a ``layout``, ``ids`` are the packed tokens of a batch of sequences: the logits are packed alike (each
         sequence's last row alone with ``last_logits_only``, ``[B, vocab]``) and a cache is a ``BatchKVCache``.
-        ``lora``: the adapters' terms to add to the projections (None: the base model).
+        ``lora``: the adapters' terms to add to the projections (None: the base model), or with a ``layout`` a choice
+        per sequence (``LoraRows``).
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
+        segments = lora_segments(lora, layout)
         positions, blocked = self._positions(ids.shape[0], cache, layout)
         point = _Points(hooks, positions, step, layout)
         rotation = local_rotation = self.rotation(positions)
@@ -473,36 +555,42 @@ class Transformer:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         x = point("hook_embed", x)
+        per_layer = self._per_layer_inputs(ids, x) if w.per_layer_embed is not None else None
+        shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # keys and values later layers reuse
         x = point(self._names[0]["hook_resid_pre"], x, 0)
         normalized = rms_norm(x, w.layers[0].attn_norm, c.rms_eps, point, self._names[0]["ln1"], 0)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
         for i, layer in enumerate(w.layers):
             names = self._names[i]
-            adapter = lora[i] if lora else None
+            adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
             if self._sliding[i]:
                 attn_out = self.attention(normalized, layer, i, local_rotation, local_blocked, cache, point, layout,
-                                          adapter)
+                                          adapter, shared_kv)
             else:
-                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter)
+                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter,
+                                          shared_kv)
             if self.arch.post_norms:
                 attn_out = rms_norm(attn_out, layer.attn_post_norm, c.rms_eps, point, names["ln1_post"], i)
             attn_out = point(names["hook_attn_out"], attn_out, i)
             x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
                                          names["ln2"], i)
-            mlp_out = self.mlp(normalized, layer, i, point, adapter)
+            mlp_out = self.mlp(normalized, layer, i, point, adapter, resid=x)
             if self.arch.post_norms:
                 mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
             mlp_out = point(names["hook_mlp_out"], mlp_out, i)
+            if layer.per_layer_gate is not None or layer.out_scale is not None:  # Gemma 4: the sum is taken here
+                x, mlp_out = self._block_tail(x + mlp_out, layer, i, point, per_layer), None
             if i + 1 < c.n_layers and i + 1 not in self.range_starts:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
                 continue
-            x = point(names["hook_resid_post"], x + mlp_out, i)
+            x = point(names["hook_resid_post"], x if mlp_out is None else x + mlp_out, i)
             if i + 1 < c.n_layers:  # the next range's device takes the residual stream and what every layer reads
                 device = self.devices[i + 1]
-                x, positions, rotation, blocked, local_rotation, local_blocked = _to(
-                    device, x, positions, rotation, blocked, local_rotation, local_blocked)
+                x, positions, rotation, blocked, local_rotation, local_blocked, per_layer = _to(
+                    device, x, positions, rotation, blocked, local_rotation, local_blocked, per_layer)
+                shared_kv = {j: _to(device, *kv) for j, kv in shared_kv.items()}
                 layout = layout.to(device) if layout is not None else None
                 point = _Points(hooks, positions, step, layout)
                 x = point(self._names[i + 1]["hook_resid_pre"], x, i + 1)
@@ -518,6 +606,29 @@ class Transformer:
         if cache is not None:
             cache.commit(positions, ids)
         return logits
+
+    def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4 E2B/E4B's per-layer inputs ``[T, n_layers, d_per_layer]``: each token's per-layer embeddings (times
+        sqrt(d_per_layer)) and the normalized projection of its embedding ``x`` (times 1/sqrt(d_model)), summed and
+        divided by sqrt(2), as llama.cpp's ``project_per_layer_inputs``."""
+        c, w = self.config, self.weights
+        shape = (x.shape[0], c.n_layers, c.d_per_layer)
+        projected = (linear(x, w.per_layer_model_proj) * c.d_model**-0.5).view(shape)
+        projected = layer_ops.rms_norm(projected, w.per_layer_proj_norm, c.rms_eps)[1]
+        embedded = w.per_layer_embed.dequantize_rows(ids).to(x.dtype).view(shape) * c.d_per_layer**0.5
+        return (projected + embedded) * 2**-0.5
+
+    def _block_tail(self, x: torch.Tensor, layer, i: int, point: _Points, per_layer: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """Gemma 4's end of a block on the stream ``x`` after the MLP: the per-layer input, gated by the stream and
+        projected back (E2B/E4B), then the block's output scale."""
+        names, c = self._names[i], self.config
+        if layer.per_layer_gate is not None:
+            gate = F.gelu(linear(x, layer.per_layer_gate), approximate="tanh")
+            hidden = gate * point(names["per_layer.hook_input"], per_layer[:, i], i)
+            out = layer_ops.rms_norm(linear(hidden, layer.per_layer_proj), layer.per_layer_post_norm, c.rms_eps)[1]
+            x = x + point(names["hook_per_layer_out"], out, i)
+        return x if layer.out_scale is None else x * layer.out_scale
 
     def _positions(self, n_new: int, cache: KVCache | None, layout: BatchLayout | None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -578,28 +689,48 @@ class Transformer:
 
     def attention(self, x: torch.Tensor, layer, i: int, rotation: tuple[torch.Tensor, torch.Tensor],
                   blocked: torch.Tensor | None, cache: KVCache | None, point: _Points,
-                  layout: BatchLayout | None = None, lora: Mapping | None = None) -> torch.Tensor:
+                  layout: BatchLayout | None = None, lora: LayerLora = (),
+                  shared_kv: dict | None = None) -> torch.Tensor:
+        """``shared_kv``: the keys and values of this forward's layers that later layers reuse (Gemma 4 E2B/E4B), by
+        layer, as the attention reads them: filled by those layers, read by a layer without key/value projections."""
         c, names = self.config, self._names[i]
         n_new = x.shape[0]
-        q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
-        if lora:
-            q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
-        if c.qkv_bias:
-            q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-        q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, c.d_head), i)
-        k = self._head_point(point, names["attn.hook_k"], k.view(n_new, c.n_kv_heads, c.d_head), i)
-        v = point(names["attn.hook_v"], v.view(n_new, c.n_kv_heads, c.d_head), i)
+        n_kv_heads, d_head = self._heads[i]
+        own_kv = layer.wk is not None
+        if own_kv:
+            q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
+            if lora:
+                q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
+            if c.qkv_bias:
+                q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+        else:
+            if lora:
+                raise WorkbenchError("adapters on layers that reuse another layer's keys and values are not supported")
+            q = linear(x, layer.wq)
+        q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, d_head), i)
+        if own_kv:
+            k = self._head_point(point, names["attn.hook_k"], k.view(n_new, n_kv_heads, d_head), i)
+            v = point(names["attn.hook_v"], v.view(n_new, n_kv_heads, d_head), i)
         if c.qk_norm:
             q = self._qk_norm(q, layer.q_norm, point, names["attn.q_norm"], i)
-            k = self._qk_norm(k, layer.k_norm, point, names["attn.k_norm"], i)
+            if own_kv:
+                k = self._qk_norm(k, layer.k_norm, point, names["attn.k_norm"], i)
+        if layer.v_norm is not None:
+            v = rms_norm(v, layer.v_norm, c.rms_eps, point, names["attn.v_norm"], i)
         q = self._head_point(point, names["attn.hook_rot_q"], self.rope(q, rotation), i)
-        k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
-
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
         if layout is not None:  # each sequence's own queries, keys and values: [B, T_max, ...]
-            q, keys, values = layout.pad(q), layout.pad(k).transpose(1, 2), layout.pad(v).transpose(1, 2)
-        if cache is not None:
-            keys, values = cache.write(i, keys, values)
+            q = layout.pad(q)
+        if own_kv:
+            k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
+            if layout is not None:
+                keys, values = layout.pad(k).transpose(1, 2), layout.pad(v).transpose(1, 2)
+            if cache is not None:
+                keys, values = cache.write(i, keys, values)
+            if i in self._kv_reused and shared_kv is not None:
+                shared_kv[i] = keys, values
+        else:
+            keys, values = shared_kv[c.kv_source(i)]
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
         if c.attn_softcap or point.wants(names["attn.hook_attn_scores"]) or point.wants(names["attn.hook_pattern"]):
             if c.attn_softcap:  # capped before the mask, which must stay -inf
@@ -613,7 +744,7 @@ class Transformer:
         else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
             z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
         z = point(names["attn.hook_z"], z if layout is None else layout.unpad(z), i)
-        z_flat = z.reshape(n_new, c.n_heads * c.d_head)
+        z_flat = z.reshape(n_new, c.n_heads * d_head)
         out = linear(z_flat, layer.wo)
         if lora:
             out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)
@@ -628,15 +759,18 @@ class Transformer:
         so recording keeps the run bit-identical. Hooks get a copy, so in-place edits count too.
         """
         c = self.config
-        w_o = layer.wo.dequantize(z.dtype).view(c.d_model, c.n_heads, c.d_head)
+        w_o = layer.wo.dequantize(z.dtype).view(c.d_model, c.n_heads, self._heads[i][1])
         result = torch.einsum("thd,mhd->thm", z, w_o)
         edited = point(self._names[i]["attn.hook_result"], result.clone(), i)
         return (edited - result).sum(dim=1)
 
-    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: Mapping | None = None) -> torch.Tensor:
-        names = self._names[i]
-        if layer.moe is not None:
-            return moe_mlp(x, layer.moe, self.config.moe, point, names, i)
+    def mlp(self, x: torch.Tensor, layer, i: int, point: _Points, lora: LayerLora = (),
+            resid: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of normalized ``x``; ``resid`` is the residual stream it was normalized from (Gemma 4's experts
+        normalize it their own way and route on it)."""
+        names, c = self._names[i], self.config
+        if layer.moe is not None and not c.moe.dense_mlp:
+            return moe_mlp(x, layer.moe, c.moe, point, names, i)
         gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
         if lora:
             gate, up = add_lora(x, (gate, up), ("w_gate", "w_up"), lora, point, names["lora"], i)
@@ -650,4 +784,12 @@ class Transformer:
         out = linear(hidden, layer.w_down)
         if lora:
             out, = add_lora(hidden, (out,), ("w_down",), lora, point, names["lora"], i)
-        return out
+        if layer.moe is None:
+            return out
+        # Gemma 4: the experts beside the dense MLP, each branch through its own output norm, summed
+        dense = point(names["mlp.hook_dense_out"], layer_ops.rms_norm(out, layer.dense_post_norm, c.rms_eps)[1], i)
+        experts_in = rms_norm(resid, layer.experts_norm, c.rms_eps, point, names["ln2_experts"], i)
+        experts = moe_mlp(experts_in, layer.moe, c.moe, point, names, i,
+                          router_input=gemma4_router_input(resid, layer.moe, c.rms_eps), activation=self.arch.activation)
+        experts = layer_ops.rms_norm(experts, layer.experts_post_norm, c.rms_eps)[1]
+        return dense + point(names["mlp.hook_experts_out"], experts, i)

@@ -299,12 +299,21 @@ _HF_FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    "gemma4moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),  # the 26B-A4B's shape: experts beside the dense MLP
+    "gemma4e": ("Gemma4TextConfig", "Gemma4ForCausalLM"),  # the E2B's: per-layer embeddings, reused keys and values
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+
+
+# Gemma 4 (the 31B's shape, tiny): global layers with heads of their own size and count whose values are the keys'
+# projection, a proportional rope on them (a quarter of each head's pairs turn), no per-layer embeddings
+_GEMMA4 = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=4,
+               hidden_size_per_layer_input=0, final_logit_softcapping=3.0)
 
 
 def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None = None, n_layers: int = 4,
@@ -330,6 +339,13 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
         "gemma3": dict(head_dim=16, sliding_window=4, layer_types=alternating, query_pre_attn_scalar=16,
                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}),
+        "gemma4": dict(_GEMMA4, layer_types=alternating),
+        "gemma4moe": dict(_GEMMA4, layer_types=alternating, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                          moe_intermediate_size=32),
+        # the last half of the layers reuse the keys and values of the last earlier sliding and global ones
+        "gemma4e": dict(_GEMMA4, layer_types=alternating, attention_k_eq_v=False, hidden_size_per_layer_input=8,
+                        vocab_size_per_layer_input=vocab, num_kv_shared_layers=n_layers // 2,
+                        use_double_wide_mlp=True),
         "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen2moe": dict(moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
@@ -344,9 +360,14 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # Gemma stores w for a norm that multiplies by 1 + w
-                param.normal_(0.0 if family.startswith("gemma") else 1.0, 0.3)
+            if name.endswith("norm.weight"):  # Gemma 2/3 store w for a norm that multiplies by 1 + w
+                param.normal_(0.0 if family in ("gemma2", "gemma3") else 1.0, 0.3)
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's, initially ones
+                param.normal_(1.0, 0.3)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, initially one
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return model

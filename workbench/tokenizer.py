@@ -10,6 +10,9 @@ Encoding runs on the Hugging Face `tokenizers` library, configured the way llama
   every token, ranked by the token's score. Characters outside the vocabulary fall back to
   <0xNN> byte tokens, and " " becomes "▁" with one "▁" prepended to the text and after every
   special token (add_space_prefix).
+- "gemma4": SentencePiece-style BPE over the GGUF merges: " " becomes "▁" (no prefix), the text is split into lines
+  and runs of newlines only, a run of newlines that is a token stays whole, and what no token covers falls back to
+  <0xNN> byte tokens.
 
 CONTROL, USER_DEFINED and UNKNOWN tokens are matched as whole units before any of that;
 USER_DEFINED ones even when special-token parsing is off.
@@ -151,9 +154,9 @@ class Tokenizer:
         if not isinstance(metadata, dict):
             raise TypeError(f"metadata must be a dict of GGUF keys, got {type(metadata).__name__}")
         model = metadata.get(KEY.MODEL)
-        if model not in ("gpt2", "llama"):
-            raise ValueError(f"unsupported {KEY.MODEL} {model!r}: expected 'gpt2' (byte-level BPE) "
-                             "or 'llama' (SentencePiece)")
+        if model not in ("gpt2", "llama", "gemma4"):
+            raise ValueError(f"unsupported {KEY.MODEL} {model!r}: expected 'gpt2' (byte-level BPE), "
+                             "'llama' (SentencePiece) or 'gemma4'")
         texts = _required_list(metadata, KEY.LIST, str)
         types = metadata.get(KEY.TOKEN_TYPE) or [TokenType.NORMAL] * len(texts)
         if len(types) != len(texts):
@@ -171,6 +174,14 @@ class Tokenizer:
                 [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in spec.regexes]
                 + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
             space_prefix, add_bos = "never", spec.add_bos
+        elif model == "gemma4":
+            merges = [_split_merge(merge) for merge in _required_list(metadata, KEY.MERGES, str)]
+            # llama.cpp keeps a run of newlines that is a token whole; a whole line that is a token comes out of the
+            # merges the same way in a vocabulary the merges built
+            backend = _bpe(vocab, merges, byte_fallback=True, ignore_merges=True)
+            backend.normalizer = normalizers.Replace(" ", SPACE_MARKER)
+            backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+            space_prefix, add_bos = "never", True
         else:
             scores = _required_list(metadata, KEY.SCORES, int, float)
             if len(scores) != len(texts):

@@ -33,6 +33,16 @@ class LayerWeights:
     attn_post_norm: torch.Tensor | None = None  # norms of attention's and the MLP's outputs (Gemma 2/3, OLMo 2)
     mlp_post_norm: torch.Tensor | None = None
     moe: MoEWeights | None = None  # the experts that replace w_gate/w_up/w_down in an MoE block
+    v_norm: torch.Tensor | None = None  # ones [d_head]: the value norm has no weight (Gemma 4)
+    out_scale: torch.Tensor | None = None  # [1]: the block's output is multiplied by it (Gemma 4)
+    # Gemma 4's MoE block: the experts' input norm, and the dense and expert branches' output norms
+    experts_norm: torch.Tensor | None = None
+    dense_post_norm: torch.Tensor | None = None
+    experts_post_norm: torch.Tensor | None = None
+    # Gemma 4 E2B/E4B's per-layer embedding input: gate [d_per_layer, d_model], projection [d_model, d_per_layer], norm
+    per_layer_gate: QuantTensor | None = None
+    per_layer_proj: QuantTensor | None = None
+    per_layer_post_norm: torch.Tensor | None = None
     # After ``fuse_projections``: wq/wk/wv (and w_gate/w_up) as row ranges of one matrix, one matmul each.
     wqkv: QuantTensor | None = None
     w_gate_up: QuantTensor | None = None
@@ -69,12 +79,20 @@ class ModelWeights:
     final_norm: torch.Tensor
     unembed: QuantTensor  # the same object as ``embed`` when embeddings are tied
     rope_freq_factors: torch.Tensor | None = None  # Llama-3.1 style per-frequency divisors
+    # Gemma 4 E2B/E4B: the per-layer embeddings [vocab, n_layers * d_per_layer], the projection of the embedding that
+    # joins them [n_layers * d_per_layer, d_model], and its norm [d_per_layer]
+    per_layer_embed: QuantTensor | None = None
+    per_layer_model_proj: QuantTensor | None = None
+    per_layer_proj_norm: torch.Tensor | None = None
 
     def named_matrices(self, served: bool = False) -> Iterator[tuple[str, QuantTensor]]:
         """Every quantized matrix of the checkpoint with a readable name, each shared one once (fused
         projections appear as their parts; with ``served``, each part as the stacked matrix that the
         forward multiplies for it)."""
         yield "embed", self.embed
+        for name in ("per_layer_embed", "per_layer_model_proj"):
+            if getattr(self, name) is not None:
+                yield name, getattr(self, name)
         for i, layer in enumerate(self.layers):
             for f in fields(layer):
                 value = getattr(layer, f.name)
@@ -97,7 +115,7 @@ class ModelWeights:
             if isinstance(value, torch.Tensor):
                 return value.to(device, dtype)
             if isinstance(value, MoEWeights):
-                return value.map(lambda w: w.to(device))
+                return value.map(lambda w: w.to(device), lambda v: v.to(device))
             return value
 
         layers = [LayerWeights(**{f.name: place(getattr(l, f.name), device) for f in fields(l) if f.name not in STACKS})
@@ -105,7 +123,9 @@ class ModelWeights:
         first, last = layer_devices[0], layer_devices[-1]
         embed = self.embed.to(first)
         unembed = embed if self.unembed is self.embed else self.unembed.to(last)
-        return ModelWeights(embed, layers, place(self.final_norm, last), unembed, place(self.rope_freq_factors, first))
+        return ModelWeights(embed, layers, place(self.final_norm, last), unembed, place(self.rope_freq_factors, first),
+                            place(self.per_layer_embed, first), place(self.per_layer_model_proj, first),
+                            place(self.per_layer_proj_norm, first))
 
     @property
     def nbytes(self) -> int:

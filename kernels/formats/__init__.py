@@ -11,7 +11,7 @@ for _name in WEIGHT_FORMATS:  # the format table's order
     _fmt = importlib.import_module(f"{__name__}.{_name.lower()}").FORMAT
     FORMATS[_fmt.name] = _fmt
 
-BY_GGML_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values()}
+BY_GGML_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values() if f.ggml_type is not None}
 
 
 def get_format(key: str | int) -> QuantFormat:

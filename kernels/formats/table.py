@@ -8,7 +8,7 @@ kernels' arithmetic over 32-value units and 256-value super-blocks, are each for
 
 Beside the weight formats the table holds the activation blocks llama.cpp's integer dot products take (Q8_0, Q8_1,
 Q8_K): ``FormatSpec.activation`` names the one ggml-cpu quantizes activations to for a weight format (its
-``vec_dot_type``).
+``vec_dot_type``). The FP8 formats of Hugging Face checkpoints, which GGUF has no type for, are the table's own rows.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 @dataclass(frozen=True)
 class FormatSpec:
     name: str
-    ggml_type: int
+    ggml_type: int | None  # None: a format GGUF has no type for (FP8)
     block_size: int  # values per block
     type_size: int  # bytes per block
     family: str  # "float", "legacy" (32-value blocks), "k-quant" (256-value super-blocks) or "activation"
@@ -52,6 +52,10 @@ SPECS: dict[str, FormatSpec] = {spec.name: spec for spec in (
     # (block_q8_1: 36 bytes) since 2023, and that is the block llama.cpp's numerics compute.
     _spec("Q8_1", "activation", type_size=36),
     _spec("Q8_K", "activation"),
+    # Family "fp8": FP8 as Hugging Face folders store it (no GGUF type), E4M3 codes with a float32 scale per 128 values
+    # of a row (formats/_fp8.py); FP8_ROW's scales are equal along each row.
+    FormatSpec("FP8_ROW", None, 128, 128 + 4, "fp8"),
+    FormatSpec("FP8_BLOCK", None, 128, 128 + 4, "fp8"),
 )}
 # Where this table departs from gguf's GGML_QUANT_SIZES, and why (checked by the tests).
 GGUF_EXCEPTIONS = {"Q8_1": "ggml's block_q8_1 holds d and s as float16"}
@@ -60,6 +64,7 @@ WEIGHT_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family != "a
 QUANTIZED_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family in ("legacy", "k-quant"))
 K_QUANTS = tuple(name for name, spec in SPECS.items() if spec.family == "k-quant")
 LEGACY_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family == "legacy")
+FP8_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family == "fp8")
 QK = SPECS["Q8_0"].block_size  # values per block of the legacy formats and of Q8_0 / Q8_1
 QK_K = SPECS["Q8_K"].block_size  # values per K-quant super-block and of Q8_K
 
@@ -70,4 +75,4 @@ def spec(name: str) -> FormatSpec:
 
 
 __all__ = ["FormatSpec", "SPECS", "GGUF_EXCEPTIONS", "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "K_QUANTS",
-           "LEGACY_FORMATS", "QK", "QK_K", "spec"]
+           "LEGACY_FORMATS", "FP8_FORMATS", "QK", "QK_K", "spec"]

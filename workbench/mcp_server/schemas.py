@@ -428,6 +428,8 @@ class AdapterInfo(BaseModel):
     layers: list[int] = Field(description="the layers it adapts")
     projections: list[str] = Field(description="the projections it adapts (wq, wk, wv, wo, w_gate, w_up, w_down)")
     parameters: int
+    merged: str | None = Field(None, description="set for an adapter merged into the weights (no longer chosen per "
+                                                 "call): what it was re-quantized to, e.g. 're-quantized to Q4_1'")
 
 
 class AdapterList(BaseModel):

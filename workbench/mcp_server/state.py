@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
 
 from workbench.errors import WorkbenchError, shorten
 from workbench.hooks import Trace
@@ -97,8 +96,7 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, Trace):
         return sum(t.nbytes for t in value.tensors().values())
     if isinstance(value, KVCache):
-        item = torch.empty((), dtype=value.dtype).element_size()
-        return 2 * value.n_layers * value.n_kv_heads * value.capacity * value.d_head * item
+        return value.nbytes
     return 0
 
 

@@ -748,7 +748,8 @@ class Workbench:
         else:
             if keys is None or values is None:
                 raise WorkbenchError("give source_cache_id, or both keys and values")
-            shape = (cache.n_kv_heads, cache.length, cache.d_head)
+            n_kv_heads, d_head = cache.layer_shape(layer)
+            shape = (n_kv_heads, cache.length, d_head)
             if len(keys) > self.limits.max_values or len(values) > self.limits.max_values:
                 raise WorkbenchError(f"at most {self.limits.max_values:,} numbers per tensor; copy larger layers "
                                      "with source_cache_id")
@@ -851,19 +852,18 @@ class Workbench:
         file = self.artifacts.path(path)
         if not file.exists():
             raise WorkbenchError(f"no adapter {path!r} in the artifacts folder {self.artifacts.root}")
-        return self._adapter_info(self.model(call).load_adapter(file, name=name, scale=scale))
+        return self._adapter_info(self.model(call).load_adapter(file, name=name, scale=scale).summary())
 
     @tool
     def list_adapters(self, call: Call) -> s.AdapterList:
-        """The LoRA adapters resident next to this session's model."""
-        model = self.model(call)
-        return s.AdapterList(adapters=[self._adapter_info(a) for a in model.adapters.values()])
+        """The LoRA adapters resident next to this session's model, then those merged into its weights."""
+        return s.AdapterList(adapters=[self._adapter_info(summary) for summary in self.model(call).list_adapters()])
 
-    def _adapter_info(self, adapter: Any) -> s.AdapterInfo:
+    def _adapter_info(self, summary: dict[str, Any]) -> s.AdapterInfo:
         # a path inside the artifacts folder, relative to it; one loaded from elsewhere (the Python API) by name only
-        path = Path(adapter.path).resolve()
+        path = Path(summary["path"]).resolve()
         shown = self.artifacts.relative(path) if path.is_relative_to(self.artifacts.root) else path.name
-        return s.AdapterInfo(**{**adapter.summary(), "path": shown})
+        return s.AdapterInfo(**{**summary, "path": shown})
 
     @tool
     def compare_models(self, call: Call, prompts: Prompts,
