@@ -32,7 +32,7 @@ with options:
     hook = "blocks.{layer}.attn.hook_z" if "heads" in over else \
         "blocks.{layer}." + st.selectbox("Hook point", POINTS, key="pt_point")
     first, last = st.slider("Layers", 0, n_layers - 1, (0, n_layers - 1), key="pt_layers")
-    step = st.number_input("Every n-th layer", 1, n_layers, 5, key="pt_step")
+    step = st.number_input("Every n-th layer", 1, n_layers, min(5, n_layers), key="pt_step")
     layers = list(range(first, last + 1, step))
     normalize = st.toggle("Normalize (0 = corrupt, 1 = clean)", value=True, key="pt_normalize")
     n_tokens = len(ids[0]) if ids[0] else 0

@@ -1,4 +1,4 @@
-"""Fast CPU matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K).
+"""Fast CPU matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4).
 
 The work is done by a small C++ extension (``csrc/cpu_kernels.cpp``), compiled on first use with
 ``torch.utils.cpp_extension.load`` and cached in the torch extensions directory. It reads the packed
@@ -13,7 +13,7 @@ Two numerics, chosen with :func:`set_numerics` or the :func:`numerics` context m
   weight group in registers inside the dot product; from :data:`PANEL_MIN_BATCH` rows on, panels of
   ``W`` are dequantized into a ~1 MiB scratch buffer and multiplied by the BLAS.
 * ``"llamacpp"``: as ggml-cpu computes it: activations quantized to the weight type's ``vec_dot_type``
-  (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants), integer block dot products,
+  (Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants), integer block dot products,
   block scales applied in fp32.
 
 Without a working compiler the extension cannot be built: a warning says so once and matmuls take

@@ -14,11 +14,11 @@ from workbench.kernels.formats import QuantFormat
 from workbench.kernels.linear import BLOCKWISE, REGISTRY, Kernel, linear, linear_parts, select_kernel
 from workbench.kernels.quant_tensor import QuantTensor
 
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
 # Byte offsets of the fp16 scale / min fields in each block; every other byte may be anything.
 HALF_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "MXFP4": [],
 }
 K = 512
 U = 2.0**-24  # fp32 unit roundoff
@@ -48,6 +48,8 @@ def random_weight(name: str, rows: int, cols: int, seed: int = 0) -> QuantTensor
     for offset in HALF_FIELDS[name]:
         scales = (rng.uniform(2e-4, 2e-3, len(data)) * rng.choice([-1, 1], len(data))).astype(np.float16)
         data[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if name == "MXFP4":  # its scale is the power of two in its first byte: 2**-18 .. 2**-3, as finite as the others
+        data[:, 0] = rng.integers(110, 126, len(data))
     return QuantTensor(torch.from_numpy(data).reshape(rows, -1), fmt, (rows, cols))
 
 
@@ -187,7 +189,7 @@ def test_kernel_choices_are_kept_only_where_they_depend_on_types_alone():
 
 # The activation type ggml-cpu pairs with each weight type (its vec_dot_type).
 ACTIVATION_TYPE = {
-    "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1",
+    "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1", "MXFP4": "Q8_0",
     **{k_quant: "Q8_K" for k_quant in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")},
 }
 

@@ -17,8 +17,9 @@ from workbench.kernels.formats import BY_GGML_TYPE, FORMATS, SPECS, get_format
 from workbench.kernels.formats.table import GGUF_EXCEPTIONS, QUANTIZED_FORMATS
 from workbench.kernels.quant_tensor import QuantTensor
 
-ALL_FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-GGUF_QUANTIZES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+ALL_FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "MXFP4"]
+GGUF_QUANTIZES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"]
 K_QUANTS = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 # Where each format keeps its float header fields (block scales/mins; the value itself for float formats).
@@ -36,6 +37,7 @@ FLOAT_FIELDS: dict[str, tuple[torch.dtype, list[int]]] = {
     "Q4_K": (torch.float16, [0, 2]),
     "Q5_K": (torch.float16, [0, 2]),
     "Q6_K": (torch.float16, [208]),
+    "MXFP4": (torch.uint8, []),  # its scale is an exponent byte (edge_blocks runs it through every finite one)
 }
 
 # RMSE of the K-quant round trip on Gaussian data, relative to the min-max resolution of the
@@ -93,8 +95,10 @@ def edge_blocks(name: str) -> torch.Tensor:
     block = torch.arange(n_blocks)[:, None]
     position = torch.arange(fmt.type_size)[None, :]
     blocks = ((block + 37 * position) % 256).to(torch.uint8)
+    if name == "MXFP4":  # every exponent byte whose largest value (12 * 2**(e - 128)) is finite
+        blocks[:, 0] = (torch.arange(n_blocks) % 253).to(torch.uint8)
     dtype, offsets = FLOAT_FIELDS[name]
-    patterns = edge_values(dtype).view(torch.uint8).view(-1, dtype.itemsize)
+    patterns = edge_values(dtype).view(torch.uint8).view(-1, dtype.itemsize) if offsets else None
     for field, offset in enumerate(offsets):
         choice = (torch.arange(n_blocks) // len(patterns) ** field) % len(patterns)
         blocks[:, offset : offset + dtype.itemsize] = patterns[choice]
@@ -152,6 +156,7 @@ def test_triton_kernels_read_the_format_table():
     from workbench.kernels.triton import formats as triton_formats
 
     assert set(triton_formats.LAYOUTS) == set(QUANTIZED_FORMATS)
+    assert set(triton_formats.LLAMACPP_FORMATS) == set(QUANTIZED_FORMATS) - {"MXFP4"}  # MXFP4: exact kernels only
     for name, layout in triton_formats.LAYOUTS.items():
         spec = SPECS[name]
         assert (layout.ggml_type, layout.block_size, layout.type_size) == (spec.ggml_type, spec.block_size,
@@ -256,6 +261,27 @@ def test_q8_0_rounds_ties_away_from_zero():
     values[0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.49999997])
     codes = FORMATS["Q8_0"].quantize(values)[0, 2:6].view(torch.int8)
     assert codes.tolist() == [127, 3, -4, 0]
+
+
+def test_mxfp4_reads_e2m1_codes_with_the_shared_exponent():
+    """Independent of gguf: with exponent byte 127 (a scale of 1) codes 0-15 are the OCP E2M1 values, the low nibble of
+    byte j is value j and its high nibble value j + 16, and each step of the exponent doubles the block."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    codes = torch.arange(16, dtype=torch.uint8)
+    block = torch.cat([torch.tensor([127], dtype=torch.uint8), codes | ((15 - codes) << 4)])[None]
+    values = FORMATS["MXFP4"].dequantize(block)[0]
+    assert values[:16].tolist() == e2m1 and values[16:].tolist() == e2m1[::-1]
+    block[0, 0] = 130
+    assert torch.equal(FORMATS["MXFP4"].dequantize(block)[0], values * 8)
+    block[0, 0] = 0  # the smallest scale, 2**-127, is a float32 subnormal: 6 * 2**-127 stays exact
+    assert FORMATS["MXFP4"].dequantize(block)[0, 7].item() == 6 * 2.0**-127
+
+
+def test_mxfp4_tensor_of_the_wrong_size_is_one_line():
+    with pytest.raises(ValueError, match=r"MXFP4 tensor of shape \(2, 64\) needs 2 rows of 34 bytes, got \(2, 33\)"):
+        QuantTensor(torch.zeros(2, 33, dtype=torch.uint8), "MXFP4", (2, 64))
+    with pytest.raises(ValueError, match="MXFP4 needs rows that are a multiple of 32 values, got 48"):
+        QuantTensor.quantize(torch.zeros(2, 48), "MXFP4")
 
 
 # --- K-quants: our own quantizer ---------------------------------------------------------------

@@ -92,7 +92,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "moe"
 LLAMACPP = json.loads((FIXTURES / "llamacpp_logits.json").read_text())
 
 
-@pytest.mark.parametrize("name", LLAMACPP["files"])
+@pytest.mark.parametrize("name", [f for f in LLAMACPP["files"] if not f.startswith("gpt-oss")])  # its own: test_gpt_oss
 def test_logits_agree_with_llamacpp(name):
     """Each family converted and quantized by llama.cpp (Q8_0, Q4_K_M; scripts/make_moe_fixtures.py) against
     llama.cpp's own log-probabilities over the whole vocabulary. Measured when written (22 positions a file): KL at

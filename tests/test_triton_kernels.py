@@ -39,9 +39,10 @@ from workbench.kernels.triton.matmul import (  # noqa: E402
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 MMA_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 FORMATS = MMA_FORMATS + ("Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K")  # each has a GEMV, a GEMM and llama.cpp numerics
+EXACT_ONLY = ("MXFP4",)  # a GEMV, a GEMM and the dequantizer; llama.cpp numerics run exact on CUDA
 # Byte offsets of each block's float16 fields (scales, mins); every other byte is a quant.
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,),
-              "Q5_1": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,)}
+              "Q5_1": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "MXFP4": ()}
 # Relative error bound of a float32 result, and of a result rounded once to each activation dtype.
 FP32_TOL = 2e-5
 ROUNDING_TOL = {torch.float32: FP32_TOL, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -54,6 +55,8 @@ def random_weight(fmt: str, rows: int, cols: int, rng: np.random.Generator) -> t
     for offset in F16_FIELDS[fmt]:
         scales = (rng.uniform(-1, 1, size=len(blocks)) * 2.0**-6).astype(np.float16)
         blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if fmt == "MXFP4":  # the exponent byte: scales 2**-10 .. 2**-4, as the others' (test_formats tries every one)
+        blocks[:, 0] = rng.integers(118, 125, size=len(blocks))
     data = blocks.reshape(rows, -1)
     reference = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[fmt]).astype(np.float64)
     return QuantTensor(torch.from_numpy(data.copy()), qformat, (rows, cols)), reference
@@ -104,9 +107,9 @@ class TestInterpreted:
     N, K = 20, 768
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS + EXACT_ONLY)
     def test_gemv(self, fmt, dtype):
-        rng = np.random.default_rng([FORMATS.index(fmt), 1])
+        rng = np.random.default_rng([(FORMATS + EXACT_ONLY).index(fmt), 1])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         x = torch.from_numpy(rng.standard_normal((1, self.K))).to(dtype)
         out = gemv(x, w)
@@ -199,30 +202,30 @@ class TestInterpreted:
             assert z.shape == (tokens, heads, d) and z.dtype == dtype and z.is_contiguous()
             assert relative_error(z, layer_ops.attend(pattern, values).double().numpy()) < bound
 
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS + EXACT_ONLY)
     def test_gemv_several_units_per_thread(self, fmt):
-        rng = np.random.default_rng([FORMATS.index(fmt), 3])
+        rng = np.random.default_rng([(FORMATS + EXACT_ONLY).index(fmt), 3])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         x = torch.from_numpy(rng.standard_normal((1, self.K)).astype(np.float32))
         # 64 units per step against 24 in a row: the one step runs past the end of the row.
         out = gemv(x, w, GemvConfig(block_n=8, num_warps=1, block_u=64))
         assert relative_error(out, x.double().numpy() @ reference.T) < FP32_TOL
 
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS + EXACT_ONLY)
     def test_gemv_whole_steps(self, fmt):
         # K = 2048: every step lies inside the row, the path without bounds checks.
-        rng = np.random.default_rng([FORMATS.index(fmt), 4])
+        rng = np.random.default_rng([(FORMATS + EXACT_ONLY).index(fmt), 4])
         w, reference = random_weight(fmt, self.N, 2048, rng)
         x = torch.from_numpy(rng.standard_normal((1, 2048)).astype(np.float32))
         out = gemv(x, w, GemvConfig(block_n=4, num_warps=1, block_u=32))
         assert relative_error(out, x.double().numpy() @ reference.T) < FP32_TOL
 
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS + EXACT_ONLY)
     def test_gemv_several_rows(self, fmt):
         """Batched decode: each weight unpacked once for a block of activation rows. The default tilings (two rows per
         program: two rows fill one block, three leave the last block with one), and four rows per program for three
         rows, whose missing row re-reads the first and is never stored."""
-        rng = np.random.default_rng([FORMATS.index(fmt), 5])
+        rng = np.random.default_rng([(FORMATS + EXACT_ONLY).index(fmt), 5])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         for m, config in [(2, None), (GEMV_MAX_ROWS - 1, None),
                           (3, GemvConfig(block_n=4, num_warps=1, block_u=32, block_m=4))]:
@@ -235,9 +238,9 @@ class TestInterpreted:
 
     # The interpreter's bfloat16 tl.dot is wrong (and truncates); bfloat16 GEMMs are checked on CUDA.
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS + EXACT_ONLY)
     def test_gemm(self, fmt, dtype):
-        rng = np.random.default_rng([FORMATS.index(fmt), 2])
+        rng = np.random.default_rng([(FORMATS + EXACT_ONLY).index(fmt), 2])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         x = torch.from_numpy(rng.standard_normal((5, self.K))).to(dtype)
         # Small tiles: several programs in both directions, and row tails in both; K steps of 64 values, and of 512,
@@ -262,7 +265,7 @@ class TestInterpreted:
         past the row's end), 1, 3, 8 and 13 rows of activations (8 fill the instruction's columns; fewer re-read rows
         from the first; 13 take a second tile of 8, partly filled, on the same unpacked weights, and leave the first tile's
         results as they are without it)."""
-        rng = np.random.default_rng([FORMATS.index(fmt), dtype.itemsize, 6])
+        rng = np.random.default_rng([(FORMATS + EXACT_ONLY).index(fmt), dtype.itemsize, 6])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         for m, config in [(1, MmaConfig(num_warps=1)), (3, MmaConfig(num_warps=2)),
                           (8, MmaConfig(num_warps=4, step_pairs=2)), (13, MmaConfig(num_warps=2))]:
@@ -273,9 +276,9 @@ class TestInterpreted:
             if m > 8:
                 assert torch.equal(out[:8], mma_gemm(x[:8].contiguous(), w, config)), config
 
-    @pytest.mark.parametrize("fmt", FORMATS)
+    @pytest.mark.parametrize("fmt", FORMATS + EXACT_ONLY)
     def test_dequantize(self, fmt):
-        rng = np.random.default_rng([FORMATS.index(fmt), 4])
+        rng = np.random.default_rng([(FORMATS + EXACT_ONLY).index(fmt), 4])
         w, reference = random_weight(fmt, self.N, self.K, rng)
         dense = dequantize(w, torch.float32).double().numpy()
         if get_format(fmt).block_size == 32:

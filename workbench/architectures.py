@@ -22,6 +22,8 @@ LAYER_TENSORS: dict[str, str] = {
     "bq": "attn_q.bias",
     "bk": "attn_k.bias",
     "bv": "attn_v.bias",
+    "bo": "attn_output.bias",
+    "sinks": "attn_sinks.weight",
     "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight",
     "attn_post_norm": "post_attention_norm.weight",
@@ -60,6 +62,8 @@ HF_LAYER_TENSORS: dict[str, str] = {
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -98,6 +102,8 @@ class Architecture:
     # head ("neox")
     rope_interleaved: bool = False
     qkv_bias: bool = False
+    out_bias: bool = False  # a bias on attention's output projection
+    attn_sinks: bool = False  # a learned logit per head in each attention row's softmax (GPT-OSS)
     qk_norm: str | None = None  # RMSNorm of queries and keys: "head" over each head, "projection" over all heads
     pre_norms: bool = True  # RMSNorm of the residual stream before attention and the MLP (OLMo 2 has none)
     post_norms: bool = False  # RMSNorm of attention's and the MLP's outputs before they join the residual stream
@@ -109,6 +115,14 @@ class Architecture:
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Hugging Face tensor names that differ from llama's (suffix after ``model.layers.{i}.`` -> GGUF suffix)
     hf_tensors: Mapping[str, str] = field(default_factory=dict)
+    # GGUF names that differ from LAYER_TENSORS: LayerWeights field -> suffix
+    gguf_tensors: Mapping[str, str] = field(default_factory=dict)
+    # Mixture of experts: the MoEConfig settings llama.cpp fixes for the family rather than reading them from the GGUF,
+    # whether its router and experts have biases, and how its Hugging Face folder stores the experts ("split": gate and
+    # up apart or stacked halves, [out, in]; "interleaved": [in, out] with gate and up in alternate columns)
+    moe: Mapping[str, object] = field(default_factory=dict)
+    moe_biases: bool = False
+    hf_expert_layout: str = "split"
     # Sliding windows in llama.cpp: the layout when the GGUF names none (every n-th layer global; 0: all slide), the
     # window when it names none, whether llama.cpp honours the GGUF's window at all (it disables Phi-3's), and the
     # sliding layers' rope base when the GGUF names none (None: the global one)
@@ -129,6 +143,10 @@ class Architecture:
     @property
     def hf_layer_tensors(self) -> dict[str, str]:
         return {**HF_LAYER_TENSORS, **self.hf_tensors}
+
+    @property
+    def layer_tensors(self) -> dict[str, str]:
+        return {**LAYER_TENSORS, **self.gguf_tensors}
 
     def gguf_attn_scale(self, n_layers: int, d_model: int, n_heads: int) -> float | None:
         """The divisor of attention scores llama.cpp uses (None: sqrt(d_head))."""
@@ -182,6 +200,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")},
                  hf_tensors={"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
                  features=("fused qkv and gate/up matrices", "partial rotary", "rope frequency factors")),
+    # llama.cpp's "openai-moe": the norm before the MLP is stored as post_attention_norm; routing, the clamped SwiGLU
+    # and its constants are fixed in llama.cpp's graph (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT, swiglu_oai)
+    Architecture("gpt-oss", ("GptOssForCausalLM",), qkv_bias=True, out_bias=True, attn_sinks=True, swa_period=2,
+                 hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight"},
+                 gguf_tensors={"mlp_norm": "post_attention_norm.weight"},
+                 moe=dict(gating="softmax_weight", normalize_weights=False, swiglu_limit=7.0, swiglu_alpha=1.702),
+                 moe_biases=True, hf_expert_layout="interleaved",
+                 features=("q/k/v and output biases", "attention sinks", "sliding-window and global layers",
+                           "YaRN rope")),
     Architecture("olmo2", ("Olmo2ForCausalLM",), qk_norm="projection", pre_norms=False, post_norms=True,
                  hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight",
                              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},

@@ -8,8 +8,10 @@ from workbench.architectures import ARCHITECTURES, Architecture
 from workbench.errors import ModelLoadError
 
 
-_FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "d_rotary", "attn_scale", "attn_softcap",
-                     "final_softcap", "d_head_global", "n_kv_heads_global", "d_per_layer", "kv_shared_layers")
+_FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "rope_yarn", "d_rotary", "attn_scale",
+                     "attn_softcap", "final_softcap", "d_head_global", "n_kv_heads_global", "d_per_layer",
+                     "kv_shared_layers")
+_GATINGS = ("softmax", "sigmoid", "softmax_weight")
 
 
 @dataclass(frozen=True)
@@ -19,21 +21,27 @@ class MoEConfig:
     n_experts: int
     n_experts_used: int
     d_expert: int  # each expert's hidden width
-    gating: str = "softmax"  # router logits to probabilities: "softmax" over all experts, or "sigmoid"
+    # router logits to weights: "softmax" over all experts or "sigmoid", then the top ones; "softmax_weight" (GPT-OSS):
+    # the top logits, then a softmax over the chosen
+    gating: str = "softmax"
     normalize_weights: bool = False  # the chosen experts' probabilities divided by their sum (Mixtral, Qwen3-MoE)
     weights_scale: float = 1.0
     d_shared_expert: int = 0  # Qwen2-MoE: a SwiGLU every token goes through, gated by sigmoid(w . x)
     # Gemma 4: the block's dense MLP runs beside the experts, each branch with its own norms; the router reads the
     # residual stream (RMS-normalized, times a learned scale) and each expert's weight has a learned scale too
     dense_mlp: bool = False
+    # GPT-OSS's clamped SwiGLU: min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(up, +-limit) + 1)
+    # (None: silu(gate) * up)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.n_experts, int) and isinstance(self.n_experts_used, int)
                 and 1 <= self.n_experts_used <= self.n_experts and self.d_expert >= 1):
             raise ModelLoadError(f"a mixture of experts needs 1 to {self.n_experts} experts per token and experts of "
                                  f"a positive width, got {self.n_experts_used} of {self.n_experts} of {self.d_expert}")
-        if self.gating not in ("softmax", "sigmoid"):
-            raise ModelLoadError(f"expert gating must be softmax or sigmoid, got {self.gating!r}")
+        if self.gating not in _GATINGS:
+            raise ModelLoadError(f"expert gating must be one of {', '.join(_GATINGS)}, got {self.gating!r}")
 
     def describe(self) -> str:
         """One line naming the features (``workbench info``)."""
@@ -41,8 +49,29 @@ class MoEConfig:
         scale = f" x {self.weights_scale:g}" if self.weights_scale != 1.0 else ""
         shared = f", a shared expert of {self.d_shared_expert} gated by sigmoid" if self.d_shared_expert else ""
         dense = ", beside the dense MLP" if self.dense_mlp else ""
+        clamped = (f", SwiGLU clamped at {self.swiglu_limit:g} (alpha {self.swiglu_alpha:g}, up + 1)"
+                   if self.swiglu_limit is not None else "")
+        routing = "top-k logits then softmax" if self.gating == "softmax_weight" else self.gating
         return (f"mixture of experts: {self.n_experts} experts of {self.d_expert}, {self.n_experts_used} per token by "
-                f"{self.gating} routing, weights {weights}{scale}{shared}{dense}")
+                f"{routing} routing, weights {weights}{scale}{shared}{dense}{clamped}")
+
+
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN rope scaling: each frequency between interpolated (divided by ``factor``) and extrapolated (as trained)
+    along a linear ramp over the rotary dimensions ``beta_fast`` and ``beta_slow`` rotations set within
+    ``original_context``; cos and sin multiplied by ``attn_factor``."""
+
+    factor: float
+    original_context: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded outward to whole dimensions (llama.cpp always; transformers may)
+    attn_factor: float | None = None  # None: 0.1 ln(factor) + 1
+
+    @property
+    def mscale(self) -> float:
+        return self.attn_factor if self.attn_factor is not None else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +99,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer, whether it slides (empty: none does)
     rope_base_local: float | None = None  # the sliding layers' rope base (None: rope_base)
     rope_scale: float = 1.0  # linear rope scaling of the global layers: positions divided by it
+    rope_yarn: YaRN | None = None  # YaRN rope scaling of the global table (GPT-OSS: of every layer, one table)
     d_rotary: int | None = None  # values of each head the rope rotates, the first ones (None: all d_head)
     attn_scale: float | None = None  # attention scores are divided by it (None: sqrt(d_head)), as TransformerLens names it
     attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
@@ -95,6 +125,8 @@ class ModelConfig:
             object.__setattr__(self, "d_mlp_layers", tuple(int(d) for d in self.d_mlp_layers))
         if isinstance(self.moe, dict):  # from ``to_dict`` (a trace's fingerprint)
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if isinstance(self.rope_yarn, dict):
+            object.__setattr__(self, "rope_yarn", YaRN(**self.rope_yarn))
         where = self.name or "model"
         for f in fields(self):
             value = getattr(self, f.name)
@@ -157,6 +189,8 @@ class ModelConfig:
         """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""
         settings = {name: value for name in _FEATURE_SETTINGS
                     if (value := getattr(self, name)) is not None and not (name == "rope_scale" and value == 1.0)}
+        if self.rope_yarn is not None:
+            settings["rope_yarn"] = asdict(self.rope_yarn)
         if self.sliding_window:
             settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
         moe = [self.moe.describe()] if self.moe is not None else []

@@ -39,11 +39,13 @@ class FP8Scheme:
 
 def scheme(cfg: dict[str, Any], source: str) -> FP8Scheme | None:
     """The FP8 scheme of a config.json (None without ``quantization_config``, or ``compression_config`` as older
-    compressed-tensors folders name it); any other quantization is refused."""
+    compressed-tensors folders name it, and for GPT-OSS's MXFP4 experts); any other quantization is refused."""
     quant = cfg.get("quantization_config") or cfg.get("compression_config")
     if quant is None:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "mxfp4":  # GPT-OSS's MXFP4 experts, which workbench.moe reads (the rest of such a folder is float)
+        return None
     if method == "fp8":
         block = quant.get("weight_block_size")
         return FP8Scheme("FP8_ROW", None, "weight_scale_inv") if block is None else \
@@ -67,7 +69,7 @@ def scheme(cfg: dict[str, Any], source: str) -> FP8Scheme | None:
         raise ModelLoadError(f"{source}: compressed-tensors FP8 strategy {shorten(w.get('strategy'))} is not "
                              f"supported (channel, tensor and block are)")
     raise ModelLoadError(f"{source}: quantization {shorten(method)} is not supported; FP8 checkpoints "
-                         f"(quant_method 'fp8' or 'compressed-tensors') and float ones are")
+                         f"(quant_method 'fp8' or 'compressed-tensors'), GPT-OSS's MXFP4 ('mxfp4') and float ones are")
 
 
 def _block(block: Any, source: str) -> tuple[int, int]:

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType
 
 from workbench import hf_fp8
 from workbench import moe as moe_lib
-from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS, LAYER_TENSORS
-from workbench.config import ModelConfig
+from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS
+from workbench.config import ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
 from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
@@ -146,6 +146,8 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         window = int(window) if window and any(sliding) else None
         n_kv_heads, n_kv_heads_global = _kv_heads(key("attention.head_count_kv", n_heads), sliding, path)
         scaling = optional("rope.scaling.type")
+        if scaling not in (None, "none", "linear", "yarn"):
+            raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (linear and yarn are)")
         d_rotary = optional("rope.dimension_count")
         if int(optional("rope.dimension_count_swa") or d_head_swa) != d_head_swa:
             raise ModelLoadError(f"{path}: partial rotary on sliding layers is not supported")
@@ -170,6 +172,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             sliding_layers=sliding if window else (),
             rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
             rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
+            rope_yarn=_gguf_yarn(optional, path) if scaling == "yarn" else None,
             d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
             attn_softcap=_cap(optional("attn_logit_softcapping")),
@@ -207,6 +210,23 @@ def _hyperparameters(path: Path) -> Iterator[None]:
         raise ModelLoadError(f"{path}: a hyperparameter has the wrong type or value: {clip(str(err), 120)}") from None
 
 
+def _gguf_yarn(optional, path: Path) -> YaRN:
+    """YaRN as llama.cpp applies it from GGUF metadata: the ramp's ends always rounded outward, and cos and sin scaled
+    by 0.1 ln(factor) + 1 times the file's attention factor (its context computes ``yarn_attn_factor`` so)."""
+    factor = float(optional("rope.scaling.factor") or 1.0)
+    ext_factor = optional("rope.scaling.yarn_ext_factor")
+    if ext_factor is not None and float(ext_factor) != 1.0:
+        raise ModelLoadError(f"{path}: YaRN with an extrapolation factor of {ext_factor} is not supported")
+    if optional("rope.scaling.yarn_log_multiplier"):
+        raise ModelLoadError(f"{path}: YaRN with a log multiplier (DeepSeek's mscale) is not supported")
+    original = optional("rope.scaling.original_context_length") or optional("context_length")
+    return YaRN(factor=factor, original_context=int(original),
+                beta_fast=float(optional("rope.scaling.yarn_beta_fast") or 32.0),
+                beta_slow=float(optional("rope.scaling.yarn_beta_slow") or 1.0), truncate=True,
+                attn_factor=(0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+                * float(optional("rope.scaling.attn_factor") or 1.0))
+
+
 def _layer_count(value: Any, path: Path) -> int:
     """The number of blocks, bounded before per-layer tables are built from it."""
     n_layers = int(value)
@@ -239,7 +259,11 @@ def _gguf_tensor_bytes(file: GGUFFile, tensor: TensorInfo, path: Path) -> tuple[
         name = GGMLQuantizationType(tensor.ggml_type).name if tensor.ggml_type in _GGML_TYPES else tensor.ggml_type
         raise ModelLoadError(f"{path}: tensor {tensor.name} has unsupported type {name}") from None
     try:
-        raw = file.data(tensor, rows * fmt.row_bytes(cols))
+        row_bytes = fmt.row_bytes(cols)
+    except ValueError as err:  # e.g. MXFP4 rows of 48 values: no whole number of blocks
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {err}") from None
+    try:
+        raw = file.data(tensor, rows * row_bytes)
     except ValueError:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is truncated") from None
     return torch.from_numpy(raw.reshape(rows, -1)), shape
@@ -288,6 +312,7 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
             return None
         return tensor.dequantize().reshape(length)
 
+    tensor_names = family.layer_tensors  # LAYER_TENSORS with the family's own names
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
@@ -302,16 +327,16 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
             parts.update(zip(names, row_ranges(stacked, [rows[n] for n in names])))
 
         def part(field: str, cols: int) -> QuantTensor:
-            return parts[field] if field in parts else matrix(p + LAYER_TENSORS[field], (rows[field], cols))
+            return parts[field] if field in parts else matrix(p + tensor_names[field], (rows[field], cols))
 
         def norm(field: str, length: int, required: bool) -> torch.Tensor | None:
-            return vector(p + LAYER_TENSORS[field], length, required)
+            return vector(p + tensor_names[field], length, required)
 
         # in the order of the file's tensors, so that the first one missing is named
         attn_norm, wq = norm("attn_norm", c.d_model, family.pre_norms), part("wq", c.d_model)
         wk = part("wk", c.d_model) if own_kv else None
         # a family whose layers may take values from the keys' projection stores no attn_v there
-        wv = wk if family.values_from_keys and get(p + LAYER_TENSORS["wv"], (kv_dim, c.d_model)) is None else None
+        wv = wk if family.values_from_keys and get(p + tensor_names["wv"], (kv_dim, c.d_model)) is None else None
         if own_kv and wv is None:
             wv = part("wv", c.d_model)
         dense_mlp = not c.moe or c.moe.dense_mlp
@@ -322,25 +347,27 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
                 wq=wq,
                 wk=wk,
                 wv=wv,
-                wo=matrix(p + LAYER_TENSORS["wo"], (c.d_model, q_dim)),
+                wo=matrix(p + tensor_names["wo"], (c.d_model, q_dim)),
                 mlp_norm=norm("mlp_norm", c.d_model, family.pre_norms),
                 w_gate=part("w_gate", c.d_model) if dense_mlp else None,
                 w_up=part("w_up", c.d_model) if dense_mlp else None,
-                w_down=matrix(p + LAYER_TENSORS["w_down"], (c.d_model, d_mlp)) if dense_mlp else None,
+                w_down=matrix(p + tensor_names["w_down"], (c.d_model, d_mlp)) if dense_mlp else None,
                 bq=norm("bq", q_dim, c.qkv_bias),
                 bk=norm("bk", kv_dim, c.qkv_bias),
                 bv=norm("bv", kv_dim, c.qkv_bias),
+                bo=norm("bo", c.d_model, True) if family.out_bias else None,
+                sinks=norm("sinks", c.n_heads, True) if family.attn_sinks else None,
                 q_norm=norm("q_norm", qk_norm[0], c.qk_norm) if c.qk_norm else None,
                 k_norm=norm("k_norm", qk_norm[1], c.qk_norm) if c.qk_norm and own_kv else None,
                 attn_post_norm=norm("attn_post_norm", c.d_model, True) if family.post_norms else None,
                 mlp_post_norm=norm("mlp_post_norm", c.d_model, True) if family.post_norms else None,
-                moe=moe_lib.assemble(p, c.d_model, c.moe, get, source) if c.moe else None,
+                moe=moe_lib.assemble(p, c.d_model, c.moe, get, source, family.moe_biases) if c.moe else None,
                 v_norm=torch.ones(d_head) if family.v_norm and own_kv else None,
                 out_scale=norm("out_scale", 1, False),
                 **{field: norm(field, c.d_model, True) if c.moe and c.moe.dense_mlp else None
                    for field in ("experts_norm", "dense_post_norm", "experts_post_norm")},
-                **(dict(per_layer_gate=matrix(p + LAYER_TENSORS["per_layer_gate"], (c.d_per_layer, c.d_model)),
-                        per_layer_proj=matrix(p + LAYER_TENSORS["per_layer_proj"], (c.d_model, c.d_per_layer)),
+                **(dict(per_layer_gate=matrix(p + tensor_names["per_layer_gate"], (c.d_per_layer, c.d_model)),
+                        per_layer_proj=matrix(p + tensor_names["per_layer_proj"], (c.d_model, c.d_per_layer)),
                         per_layer_post_norm=norm("per_layer_post_norm", c.d_model, True)) if c.d_per_layer else {}),
             )
         )
@@ -419,8 +446,9 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
             kind = global_rope.get("rope_type", global_rope.get("type", "default"))
-            if kind not in ("default", "linear", "llama3", "proportional"):
-                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default and linear are)")
+            if kind not in ("default", "linear", "llama3", "proportional", "yarn"):
+                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default, linear, proportional "
+                                     f"and yarn are)")
             # "proportional" (Gemma 4) rotates a fraction of each head's pairs: rope_freqs, made on load
             rotary = (global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
                       if kind != "proportional" else None)
@@ -462,6 +490,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 sliding_layers=sliding if window else (),
                 rope_base_local=float(local_base) if window and local_base is not None else None,
                 rope_scale=float(global_rope.get("factor", 1.0)) if kind in ("linear", "proportional") else 1.0,
+                rope_yarn=_hf_yarn(global_rope, cfg, path) if kind == "yarn" else None,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
                 attn_scale=math.sqrt(scalar) if scalar else ARCHITECTURES[arch].attn_scale,
                 attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
@@ -476,6 +505,20 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
+
+
+def _hf_yarn(rope: dict[str, Any], cfg: dict[str, Any], path: Path) -> YaRN:
+    """YaRN as transformers computes it (``_compute_yarn_parameters``), which rounds the ramp's ends only where the
+    config says ``truncate``."""
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        raise ModelLoadError(f"{path}: YaRN with mscale and mscale_all_dim (DeepSeek's) is not supported")
+    original = rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
+    factor = float(rope.get("factor") or cfg.get("max_position_embeddings", 2048) / original)
+    attention_factor = rope.get("attention_factor")
+    return YaRN(factor=factor, original_context=int(original), beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
+                attn_factor=float(attention_factor) if attention_factor is not None
+                else 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
 
 
 def _hf_global_heads(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -513,15 +556,17 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     if quantize is not None:
         check_quantize(quantize)
     fp8 = hf_fp8.scheme(json.loads((path / "config.json").read_text(encoding="utf-8")), str(path))
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantTensor] = {}
     scales: dict[str, torch.Tensor] = {}  # an FP8 weight's scales, by the weight's llama.cpp name
     experts: dict[str, dict[int, torch.Tensor]] = {}  # an MoE's per-expert matrices, stacked once all are read
     expert_scales: dict[str, dict[int, torch.Tensor]] = {}
+    mxfp4: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # GPT-OSS's MXFP4 experts, blocks and scales
 
     def place(name: str, tensor: torch.Tensor, into: dict, into_experts: dict) -> None:
         if (mapped := gguf_name(name, config.arch)) is not None:
             into[mapped] = tensor
-        elif (moe_tensors := moe_lib.hf_tensor(name, tensor, into_experts)) is not None:
+        elif (moe_tensors := moe_lib.hf_tensor(name, tensor, into_experts, config.arch.hf_expert_layout,
+                                               mxfp4)) is not None:
             into.update(moe_tensors)
 
     for file in files:
@@ -537,6 +582,7 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             else:  # a scale travels under its weight's name, stacked like it
                 place(weight, tensor, scales, expert_scales)
     tensors.update(moe_lib.stack_experts(experts, str(path)))
+    tensors.update(moe_lib.hf_mxfp4_experts(mxfp4, str(path)))
     scales.update(moe_lib.stack_experts(expert_scales, str(path)))
     if (rope_freqs := _hf_rope_freqs(cfg, config)) is not None:
         tensors[GLOBAL_TENSORS["rope_freq_factors"]] = rope_freqs
@@ -547,6 +593,11 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         tensor = tensors.get(name)
         if tensor is None:
             return None
+        if isinstance(tensor, QuantTensor):  # packed in the folder (MXFP4 experts): kept as stored
+            if tensor.shape != (math.prod(shape[:-1]), shape[-1]):
+                raise ModelLoadError(f"{path}: tensor {name} holds {tensor.shape[0]} rows of {tensor.shape[1]}, "
+                                     f"expected {shape}")
+            return tensor
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
         row_scales = _fp8_row_scales(name, tensor, scales, fp8, str(path))
@@ -565,7 +616,8 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             tensor = tensor.float() + config.arch.norm_offset  # as llama.cpp's converter stores Gemma's norms
         matrix = tensor.reshape(-1, tensor.shape[-1])  # a vector is one row; stacked experts, all their rows
         # the router stays float, as llama.cpp's quantizer leaves ffn_gate_inp
-        if tensor.dim() >= 2 and quantize is not None and not name.endswith(moe_lib.ROUTER):
+        if (tensor.dim() >= 2 and quantize is not None and name.endswith(".weight")
+                and not name.endswith(moe_lib.ROUTER)):
             fmt = matrix_format(quantize, name, config, matrix.shape[1])
             if fmt is not None:
                 return QuantTensor.quantize(matrix, fmt)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE), computed as llama.cpp's ``build_moe_ffn`` does.
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS), computed as llama.cpp's ``build_moe_ffn`` does.
 
 A router scores every expert for each token; the top ``n_experts_used`` run, and their outputs are summed with the
 router's weights. The experts' matrices stay as the GGUF stores them, one packed tensor per kind stacked over experts
@@ -8,6 +8,7 @@ grouped by expert: one matmul per active expert over the tokens that chose it.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from workbench.architectures import ARCHITECTURES
 from workbench.config import MoEConfig
 from workbench.errors import HookError, ModelLoadError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
@@ -75,6 +77,12 @@ class MoEWeights:
     # [n_experts] (float32)
     router_scale: torch.Tensor | None = None
     expert_scale: torch.Tensor | None = None
+    # GPT-OSS's biases (float32): the router's [n_experts], each expert's gate and up [n_experts, d_expert], down's
+    # [n_experts, d_model]
+    router_bias: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
     # per expert: its (gate, up, down) as views of the stacked matrices' rows
     experts: list[tuple[QuantTensor, QuantTensor, QuantTensor]] = field(init=False, repr=False)
 
@@ -100,9 +108,11 @@ class MoEWeights:
 
     def map(self, fn_matrix: Callable[[QuantTensor], QuantTensor],
             fn_vector: Callable[[torch.Tensor], torch.Tensor] = lambda v: v) -> "MoEWeights":
-        vectors = {name: fn_vector(v) for name in ("router_scale", "expert_scale")
-                   if (v := getattr(self, name)) is not None}
+        vectors = {name: fn_vector(v) for name in VECTORS if (v := getattr(self, name)) is not None}
         return MoEWeights(**{name: fn_matrix(w) for name, w in self.matrices()}, **vectors)
+
+
+VECTORS = ("router_scale", "expert_scale", "router_bias", "gate_bias", "up_bias", "down_bias")
 
 
 def _rows(w: QuantTensor, e: int, n_experts: int) -> QuantTensor:
@@ -117,14 +127,23 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
     forward fires ``hook_mlp_out`` on what it returns). The router reads ``router_input`` where the family routes on
     something else than the experts' input (Gemma 4: ``gemma4_router_input``).
 
-    The routing is computed in float32 from the router logits: probabilities (softmax over all experts, or sigmoid),
-    the top ``n_experts_used`` by probability, their probabilities as weights (normalized to sum to one where the
-    model does so, then times each expert's scale where it has one). A hook that replaces the chosen experts gets
+    The routing is computed in float32 from the router logits (plus the router's bias, GPT-OSS): probabilities
+    (softmax over all experts, or sigmoid), the top ``n_experts_used`` by probability, their probabilities as weights
+    (normalized to sum to one where the model does so, then times each expert's scale where it has one); or, for
+    ``softmax_weight``, the top logits, weighted by a softmax over them. A hook that replaces the chosen experts gets
     their weights from the same probabilities."""
     # the router in float32 whatever the activations' dtype: a choice between experts turns on small differences
     routed = x if router_input is None else router_input
-    logits = point(names["mlp.hook_router_logits"], linear(routed.float(), w.router), layer)
-    probs = logits.softmax(dim=-1) if moe.gating == "softmax" else logits.sigmoid()
+    logits = linear(routed.float(), w.router)
+    if w.router_bias is not None:
+        logits = logits + w.router_bias
+    logits = point(names["mlp.hook_router_logits"], logits, layer)
+    if moe.gating == "softmax":
+        probs = logits.softmax(dim=-1)
+    elif moe.gating == "sigmoid":
+        probs = logits.sigmoid()
+    else:  # "softmax_weight": the top logits choose, a softmax over them weighs (below)
+        probs = logits
     indices = probs.topk(moe.n_experts_used, dim=-1).indices
     if point.wants(names["mlp.hook_expert_indices"]):
         indices = point(names["mlp.hook_expert_indices"], indices, layer)
@@ -132,6 +151,8 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
             raise HookError(f"a hook on {names['mlp.hook_expert_indices']} chose experts outside "
                             f"0..{moe.n_experts - 1}")
     weights = probs.gather(-1, indices)
+    if moe.gating == "softmax_weight":  # a softmax over the chosen experts' logits alone
+        weights = weights.softmax(dim=-1)
     if moe.normalize_weights:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
     if moe.weights_scale != 1.0:
@@ -139,7 +160,7 @@ def moe_mlp(x: torch.Tensor, w: MoEWeights, moe: MoEConfig, point, names: dict[s
     if w.expert_scale is not None:
         weights = weights * w.expert_scale[indices]
     weights = point(names["mlp.hook_expert_weights"], weights, layer)
-    expert_out = point(names["mlp.hook_expert_out"], run_experts(x, indices, w, activation), layer)
+    expert_out = point(names["mlp.hook_expert_out"], run_experts(x, indices, w, moe, activation), layer)
     out = (expert_out * weights.to(expert_out.dtype)[..., None]).sum(dim=1)
     if w.shared_router is not None:
         gate, up = linear_parts(x, (w.shared_gate, w.shared_up))
@@ -156,9 +177,16 @@ def gemma4_router_input(resid: torch.Tensor, w: MoEWeights, eps: float) -> torch
     return x * (resid.shape[-1] ** -0.5) * w.router_scale
 
 
-def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, activation: str = "silu") -> torch.Tensor:
-    """Each chosen expert's gated output (SwiGLU, or GeGLU for ``activation`` "gelu_tanh") for its token,
-    ``[T, k, d_model]`` (unweighted).
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's activation (llama.cpp's ``swiglu_oai``): the gate clamped from above, the up projection both ways."""
+    gate = gate.clamp(max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up.clamp(-limit, limit) + 1)
+
+
+def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEConfig,
+                activation: str = "silu") -> torch.Tensor:
+    """Each chosen expert's gated output (SwiGLU, GeGLU for ``activation`` "gelu_tanh", GPT-OSS's clamped SwiGLU where
+    ``moe`` sets a limit) for its token, ``[T, k, d_model]`` (unweighted; with its biases where the model has them).
 
     The (token, slot) pairs are sorted by expert, so each active expert runs once, on all its tokens: its rows of the
     stacked matrices are read once per forward, and experts no token chose are not read at all."""
@@ -176,8 +204,16 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, activatio
         gate_w, up_w, down_w = w.experts[expert]
         tokens = x.index_select(0, pairs // k)
         gate, up = linear_parts(tokens, (gate_w, up_w))
-        hidden = F.gelu(gate, approximate="tanh") * up if activation == "gelu_tanh" else layer_ops.swiglu(gate, up)
-        out[pairs] = linear(hidden, down_w)
+        if w.gate_bias is not None:
+            gate, up = gate + w.gate_bias[expert].to(gate.dtype), up + w.up_bias[expert].to(up.dtype)
+        if moe.swiglu_limit is not None:
+            hidden = clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
+        elif activation == "gelu_tanh":
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = layer_ops.swiglu(gate, up)
+        expert_out = linear(hidden, down_w)
+        out[pairs] = expert_out if w.down_bias is None else expert_out + w.down_bias[expert].to(expert_out.dtype)
     return out.view(n_tokens, k, x.shape[1])
 
 
@@ -194,6 +230,8 @@ def routing_matrix(indices: torch.Tensor, weights: torch.Tensor, n_experts: int)
 ROUTER, GATE, UP, DOWN = "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"
 GATE_UP = "ffn_gate_up_exps.weight"
 ROUTER_SCALE, EXPERT_SCALE = "ffn_gate_inp.scale", "ffn_down_exps.scale"  # Gemma 4
+ROUTER_BIAS = "ffn_gate_inp.bias"  # GPT-OSS
+EXPERT_BIASES = {"gate_bias": "ffn_gate_exps.bias", "up_bias": "ffn_up_exps.bias", "down_bias": "ffn_down_exps.bias"}
 SHARED = {"shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.weight",
           "shared_down": "ffn_down_shexp.weight", "shared_router": "ffn_gate_inp_shexp.weight"}
 
@@ -201,6 +239,8 @@ SHARED = {"shared_gate": "ffn_gate_shexp.weight", "shared_up": "ffn_up_shexp.wei
 _HF_NAMES = {
     "block_sparse_moe.gate.weight": ROUTER,  # Mixtral
     "mlp.gate.weight": ROUTER,  # Qwen2-MoE, Qwen3-MoE
+    "mlp.router.weight": ROUTER,  # GPT-OSS
+    "mlp.router.bias": ROUTER_BIAS,
     "mlp.shared_expert.gate_proj.weight": SHARED["shared_gate"],
     "mlp.shared_expert.up_proj.weight": SHARED["shared_up"],
     "mlp.shared_expert.down_proj.weight": SHARED["shared_down"],
@@ -211,18 +251,24 @@ _HF_NAMES = {
 }
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
 _HF_EXPERT_KIND = {"w1": GATE, "w3": UP, "w2": DOWN, "gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
-# transformers' own in-memory layout, [n_experts, 2 * d_expert, d_model] and [n_experts, d_model, d_expert]
-_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.)?experts\.(gate_up_proj|down_proj)(?:\.weight)?")
+# transformers' own in-memory layout, [n_experts, 2 * d_expert, d_model] and [n_experts, d_model, d_expert]; GPT-OSS's
+# [n_experts, d_model, 2 * d_expert] (gate and up in alternate columns) and [n_experts, d_expert, d_model], with biases
+_HF_FUSED = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.)?experts\.(gate_up_proj|down_proj)(_bias|\.weight)?")
+# Released GPT-OSS folders keep the experts in MXFP4: per matrix ``*_blocks`` [n_experts, rows, cols / 32, 16] (value 2j
+# of a block in the low nibble of byte j, 2j + 1 in the high one) and ``*_scales`` [n_experts, rows, cols / 32] (E8M0
+# exponent bytes); rows are outputs, gate_up_proj's alternating gate and up.
+_HF_MXFP4 = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)")
 
 
 def hf_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
-    """The MoE part of a Hugging Face config.json (None for a dense model)."""
+    """The MoE part of a Hugging Face config.json (None for a dense model); a family's fixed settings as llama.cpp fixes
+    them, GPT-OSS's SwiGLU constants from the config."""
     n_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not n_experts or cfg.get("enable_moe_block") is False:
         return None
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ModelLoadError("MoE models with dense layers between the sparse ones are not supported")
-    return MoEConfig(
+    config = MoEConfig(
         n_experts=int(n_experts), n_experts_used=int(cfg["top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok"]),
         d_expert=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
         # Mixtral and Gemma 4 always normalize; the Qwen configs say whether they do
@@ -230,6 +276,11 @@ def hf_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
         d_shared_expert=int(cfg.get("shared_expert_intermediate_size") or 0),
         dense_mlp=bool(cfg.get("enable_moe_block")),
     )
+    fixed = {**ARCHITECTURES[architecture].moe, **{field: float(cfg[field]) for field in _HF_SWIGLU if field in cfg}}
+    return dataclasses.replace(config, **fixed) if fixed else config
+
+
+_HF_SWIGLU = ("swiglu_limit", "swiglu_alpha")  # GPT-OSS's config.json names them as MoEConfig does
 
 
 def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -> MoEConfig | None:
@@ -244,7 +295,7 @@ def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -
     if gating is None:
         raise ModelLoadError(f"{architecture}: unsupported expert gating function {key('expert_gating_func', 0)}")
     scale = float(key("expert_weights_scale", 0.0))
-    return MoEConfig(
+    config = MoEConfig(
         n_experts=n_experts, n_experts_used=int(key("expert_used_count", None)),
         d_expert=int(key("expert_feed_forward_length", d_mlp)), gating=gating,
         # llama.cpp's qwen2moe never normalizes, its llama (Mixtral) and qwen3moe always do
@@ -254,12 +305,20 @@ def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -
         d_shared_expert=int(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
         dense_mlp=architecture == "gemma4",
     )
+    fixed = ARCHITECTURES[architecture].moe
+    return dataclasses.replace(config, **fixed) if fixed else config
 
 
-def hf_tensor(name: str, tensor: torch.Tensor, experts: dict[str, dict[int, torch.Tensor]]
-              ) -> dict[str, torch.Tensor] | None:
-    """The llama.cpp tensors a Hugging Face MoE tensor gives (None: not an MoE tensor). Per-expert matrices are
-    collected into ``experts`` (by stacked name, then expert) for ``stack_experts``."""
+def hf_tensor(name: str, tensor: torch.Tensor, experts: dict[str, dict[int, torch.Tensor]], layout: str = "split",
+              mxfp4: dict[tuple[str, str], dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor] | None:
+    """The llama.cpp tensors a Hugging Face MoE tensor gives (None: not an MoE tensor), for the family's expert
+    ``layout`` (``Architecture.hf_expert_layout``). Per-expert matrices are collected into ``experts`` (by stacked
+    name, then expert) for ``stack_experts``; MXFP4 blocks and scales into ``mxfp4`` (by layer and matrix) for
+    ``hf_mxfp4_experts``."""
+    if mxfp4 is not None and (match := _HF_MXFP4.fullmatch(name)):
+        layer, kind, part = match.groups()
+        mxfp4.setdefault((layer, kind), {})[part] = tensor
+        return {}
     parts = name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _HF_NAMES:
         mapped = _HF_NAMES[parts[3]]
@@ -270,12 +329,57 @@ def hf_tensor(name: str, tensor: torch.Tensor, experts: dict[str, dict[int, torc
             experts.setdefault(f"blk.{layer}.{_HF_EXPERT_KIND[kind]}", {})[int(expert)] = tensor
             return {}
     if match := _HF_FUSED.fullmatch(name):
-        layer, kind = match.groups()
+        layer, kind, suffix = match.groups()
+        p = f"blk.{layer}."
+        if layout == "interleaved":  # as llama.cpp's converter splits GPT-OSS's: gate the even columns, up the odd
+            if suffix == "_bias":
+                if kind == "down_proj":
+                    return {p + EXPERT_BIASES["down_bias"]: tensor}
+                return {p + EXPERT_BIASES["gate_bias"]: tensor[..., ::2],
+                        p + EXPERT_BIASES["up_bias"]: tensor[..., 1::2]}
+            tensor = tensor.transpose(-1, -2)
+            if kind == "down_proj":
+                return {p + DOWN: tensor.contiguous()}
+            return {p + GATE: tensor[:, ::2].contiguous(), p + UP: tensor[:, 1::2].contiguous()}
+        if suffix == "_bias":
+            return None
         if kind == "down_proj":
-            return {f"blk.{layer}.{DOWN}": tensor}
+            return {p + DOWN: tensor}
         gate, up = tensor.chunk(2, dim=1)
-        return {f"blk.{layer}.{GATE}": gate, f"blk.{layer}.{UP}": up}
+        return {p + GATE: gate, p + UP: up}
     return None
+
+
+def ggml_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """ggml's MXFP4 blocks ``[..., 17]`` from a Hugging Face folder's ``blocks`` ``[..., 16]`` and ``scales`` ``[...]``:
+    the exponent byte first, then the codes moved so that byte j holds values j and j + 16 (the same bytes llama.cpp's
+    converter writes)."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., 32] in value order
+    return torch.cat((scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)), dim=-1)
+
+
+def hf_mxfp4_experts(mxfp4: dict[tuple[str, str], dict[str, torch.Tensor]], source: str) -> dict[str, QuantTensor]:
+    """The stacked MXFP4 expert matrices of the collected blocks and scales, kept packed (gate and up split by rows as
+    the converter splits them); a missing half or a malformed shape is named."""
+    out = {}
+    for (layer, kind), parts in mxfp4.items():
+        name = f"model.layers.{layer}.mlp.experts.{kind}"
+        for part in ("blocks", "scales"):
+            if part not in parts:
+                raise ModelLoadError(f"{source}: {name}_{part} is missing")
+        blocks, scales = parts["blocks"], parts["scales"]
+        if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16
+                or blocks.shape[:-1] != scales.shape):
+            raise ModelLoadError(f"{source}: {name}_blocks {tuple(blocks.shape)} {blocks.dtype} and _scales "
+                                 f"{tuple(scales.shape)} {scales.dtype} are not MXFP4 (uint8 [n, rows, blocks, 16] and "
+                                 f"[n, rows, blocks])")
+        packed = ggml_mxfp4_blocks(blocks, scales)  # [n, rows, cols / 32, 17]
+        n, rows, n_blocks, _ = packed.shape
+        parts_by_name = {DOWN: packed} if kind == "down_proj" else {GATE: packed[:, ::2], UP: packed[:, 1::2]}
+        for gguf, matrix in parts_by_name.items():
+            rows = matrix.shape[1]
+            out[f"blk.{layer}.{gguf}"] = QuantTensor(matrix.reshape(n * rows, -1), "MXFP4", (n * rows, 32 * n_blocks))
+    return out
 
 
 def stack_experts(experts: dict[str, dict[int, torch.Tensor]], source: str) -> dict[str, torch.Tensor]:
@@ -290,8 +394,9 @@ def stack_experts(experts: dict[str, dict[int, torch.Tensor]], source: str) -> d
     return out
 
 
-def assemble(prefix: str, d_model: int, moe: MoEConfig, get, source: str) -> MoEWeights:
-    """One block's MoEWeights from ``get(gguf_name, shape)`` (as the loader's ``_assemble``), every shape checked."""
+def assemble(prefix: str, d_model: int, moe: MoEConfig, get, source: str, biases: bool = False) -> MoEWeights:
+    """One block's MoEWeights from ``get(gguf_name, shape)`` (as the loader's ``_assemble``), every shape checked;
+    with ``biases`` (GPT-OSS), the router's and the experts'."""
 
     def matrix(name: str, shape: tuple[int, ...]) -> QuantTensor:
         tensor = get(prefix + name, shape)
@@ -313,6 +418,10 @@ def assemble(prefix: str, d_model: int, moe: MoEConfig, get, source: str) -> MoE
                       shared_up=matrix(SHARED["shared_up"], (s, d_model)),
                       shared_down=matrix(SHARED["shared_down"], (d_model, s)),
                       shared_router=_one_row(lambda shape: matrix(SHARED["shared_router"], shape), d_model))
+    if biases:
+        shared.update(router_bias=matrix(ROUTER_BIAS, (n,)).dequantize().reshape(n),
+                      **{field: matrix(name, (n, d_model if field == "down_bias" else f)).dequantize()
+                         for field, name in EXPERT_BIASES.items()})
     return MoEWeights(router=matrix(ROUTER, (n, d_model)), down=matrix(DOWN, (n, d_model, f)), **gate_up, **shared)
 
 
@@ -325,8 +434,9 @@ def _one_row(matrix: Callable[[tuple[int, ...]], QuantTensor], cols: int) -> Qua
         return matrix((cols,))
 
 
-def gguf_tensors(prefix: str, w: MoEWeights) -> list[tuple[str, QuantTensor, tuple[int, ...]]]:
-    """The GGUF tensors of one block's experts, with their torch-order shapes (for a writer)."""
+def gguf_tensors(prefix: str, w: MoEWeights) -> list[tuple[str, QuantTensor | torch.Tensor, tuple[int, ...]]]:
+    """The GGUF tensors of one block's experts, with their torch-order shapes (for a writer; biases as float
+    tensors)."""
     n = w.router.shape[0]
     out = [(ROUTER, w.router, w.router.shape)]
     for name, m in ((GATE, w.gate), (UP, w.up), (GATE_UP, w.gate_up), (DOWN, w.down)):
@@ -336,4 +446,6 @@ def gguf_tensors(prefix: str, w: MoEWeights) -> list[tuple[str, QuantTensor, tup
         m = getattr(w, attr)
         if m is not None:
             out.append((name, m, m.shape))
+    biases = {"router_bias": ROUTER_BIAS, **EXPERT_BIASES}
+    out += [(name, b, tuple(b.shape)) for field, name in biases.items() if (b := getattr(w, field)) is not None]
     return [(prefix + name, m, shape) for name, m, shape in out]

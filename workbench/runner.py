@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from workbench.config import ModelConfig
+from workbench.config import ModelConfig, YaRN
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
@@ -376,7 +376,7 @@ def gguf_head_order(x: torch.Tensor) -> torch.Tensor:
 
 class Transformer:
     """A decoder of any family of ``workbench.architectures`` (llama, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, the
-    mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE) over quantized weights: llama's block, with each family's
+    mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) over quantized weights: llama's block, with each family's
     differences where its description switches them on."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: str | torch.device = "cpu",
@@ -412,7 +412,7 @@ class Transformer:
         # a second one
         global_rotary = c.d_rotary or (c.d_head_global or c.d_head)
         self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors,
-                                                        global_rotary)
+                                                        global_rotary, c.rope_yarn)
         self.local_rope = None
         local_rotary = c.d_rotary or c.d_head
         # each table's (base, scale, frequency factors, rotary dims), for llama.cpp numerics' own tables
@@ -429,16 +429,30 @@ class Transformer:
         self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
         self._names = [self._block_names(i, last=i + 1 == c.n_layers) for i in range(c.n_layers)]
 
-    def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int,
+                    yarn: YaRN | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position's rope angles, ``[n_ctx, d_rotary / 2]`` each, taken in float64 once: a
         forward gathers its rows instead of evaluating float64 trig in every layer's kernels."""
         exponents = torch.arange(0, d_rotary, 2, dtype=torch.float64) / d_rotary
         inv_freq = 1.0 / (base**exponents) / scale
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double().cpu()
+        magnitude = 1.0
+        if yarn is not None:  # each frequency between interpolated and as trained, along a ramp over the dimensions
+            def dim(rotations: float) -> float:  # the dimension whose wavelength fits ``rotations`` in the context
+                turns = yarn.original_context / (rotations * 2 * math.pi)
+                return d_rotary * math.log(turns) / (2 * math.log(base))
+
+            low, high = dim(yarn.beta_fast), dim(yarn.beta_slow)
+            if yarn.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, d_rotary - 1)
+            ramp = ((torch.arange(d_rotary // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+            inv_freq = inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+            magnitude = yarn.mscale
         angles = torch.arange(self.config.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        return angles.cos().to(torch.float32).to(self.device), angles.sin().to(torch.float32).to(self.device)
+        cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
+        return cos.to(torch.float32).to(self.device), sin.to(torch.float32).to(self.device)
 
     def _llamacpp_rope_table(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The rope table (global, or the sliding layers' ``local`` one) with ggml's own angles and cos/sin, for
@@ -732,14 +746,20 @@ class Transformer:
         else:
             keys, values = shared_kv[c.kv_source(i)]
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
-        if c.attn_softcap or point.wants(names["attn.hook_attn_scores"]) or point.wants(names["attn.hook_pattern"]):
+        if (c.attn_softcap or layer.sinks is not None or point.wants(names["attn.hook_attn_scores"])
+                or point.wants(names["attn.hook_pattern"])):
             if c.attn_softcap:  # capped before the mask, which must stay -inf
                 scores = soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
                 scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
             else:
                 scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
             scores = point(names["attn.hook_attn_scores"], scores, i)
-            pattern = point(names["attn.hook_pattern"], scores.softmax(dim=-1), i)
+            if layer.sinks is None:
+                pattern = scores.softmax(dim=-1)
+            else:  # each head's sink logit joins the softmax and takes its share, which no value receives
+                sinks = layer.sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+                pattern = torch.cat((scores, sinks), dim=-1).softmax(dim=-1)[..., :-1]
+            pattern = point(names["attn.hook_pattern"], pattern, i)
             z = layer_ops.attend(pattern, values)
         else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
             z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
@@ -748,6 +768,8 @@ class Transformer:
         out = linear(z_flat, layer.wo)
         if lora:
             out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)
+        if layer.bo is not None:
+            out = out + layer.bo
         if point.wants(names["attn.hook_result"]):
             out = out + self._edited_head_results(z, layer, i, point)
         return out

@@ -40,8 +40,10 @@ def _byte_level_alphabet() -> list[str]:
     return chars
 
 
-def tokenizer_metadata(n_merges: int = 64) -> dict:
-    """A byte-level BPE vocabulary (GGUF "gpt2" style): specials, 256 bytes, and merges of common pairs."""
+def tokenizer_metadata(n_merges: int = 64, vocab_size: int | None = None) -> dict:
+    """A byte-level BPE vocabulary (GGUF "gpt2" style): specials, 256 bytes, and merges of common pairs; with a larger
+    ``vocab_size``, unused tokens after them (llama.cpp takes the vocabulary's size from this list, which must then
+    match the embedding's rows)."""
     alphabet = _byte_level_alphabet()
     space = alphabet[ord(" ")]
     merges, merged = [], []
@@ -51,6 +53,9 @@ def tokenizer_metadata(n_merges: int = 64) -> dict:
         merged.append(a + b)
     tokens = SPECIAL_TOKENS + alphabet + merged
     types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    unused = max(0, (vocab_size or 0) - len(tokens))
+    tokens += [f"<unused{i}>" for i in range(unused)]
+    types += [5] * unused
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "default",
@@ -188,7 +193,7 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
 
 def random_checkpoint(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device: str = "cpu",
                       distinct_rows: int | None = None) -> LoadedCheckpoint:
-    metadata = tokenizer_metadata()
+    metadata = tokenizer_metadata(vocab_size=config.vocab_size)
     weights = random_weights(config, fmt, seed, device, distinct_rows)
     return LoadedCheckpoint(config, weights, Tokenizer.from_gguf_metadata(metadata), Path(f"<{config.name}>"), metadata)
 
@@ -220,6 +225,12 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
     if c.rope_scale != 1.0:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(c.rope_scale)
+    if c.rope_yarn is not None:  # as llama.cpp reads it: rounded ramp ends, the default attention factor
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(c.rope_yarn.factor)
+        writer.add_rope_scaling_orig_ctx_len(c.rope_yarn.original_context)
+        writer.add_rope_scaling_yarn_beta_fast(c.rope_yarn.beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(c.rope_yarn.beta_slow)
     if c.d_rotary is not None:
         writer.add_rope_dimension_count(c.d_rotary)
     if c.attn_softcap:
@@ -259,7 +270,7 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
                 raise ValueError(f"{p}{name}: its parts have different formats")
             add(p + name, QuantTensor(torch.cat([w.data for w in parts]), parts[0].fmt,
                                       (sum(w.shape[0] for w in parts), parts[0].shape[1])))
-        for field, name in LAYER_TENSORS.items():
+        for field, name in c.arch.layer_tensors.items():
             if field not in fused:
                 add(p + name, getattr(layer, field))
         if layer.moe is not None:
@@ -307,6 +318,7 @@ _HF_FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -321,8 +333,8 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
     """A tiny random transformers model of ``family`` saved to ``path`` (safetensors and config.json, no tokenizer);
     returns the model. Each family's features are on where a short prompt shows them (``settings`` override any
     config key): a sliding window of 4, alternating sliding and global layers, soft caps, a query scale other than
-    sqrt(d_head), a linear-scaled global rope of its own base, partial rotary. Norm weights are drawn away from their
-    initial values, so a wrong norm offset or a missed norm shows."""
+    sqrt(d_head), a linear-scaled global rope of its own base, partial rotary. Norm weights, biases and GPT-OSS's
+    attention sinks are drawn away from their initial values, so a wrong norm offset or a missed term shows."""
     import transformers
 
     config_name, model_name = _HF_FAMILIES[family]
@@ -352,6 +364,9 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
                          num_experts_per_tok=2),
         "qwen3moe": dict(head_dim=16, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
                          norm_topk_prob=True),
+        # GPT-OSS's own rope (YaRN, factor 32 over 4096 positions, unrounded ramp) and SwiGLU constants
+        "gpt-oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                        layer_types=alternating, max_position_embeddings=131072),
     }.get(family, {}))
     options.update(settings)
     config = getattr(transformers, config_name)(**options)
@@ -366,6 +381,13 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
                 param.normal_(1.0, 0.3)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+            elif family == "gpt-oss":
+                # sinks comparable to a token's score, expert biases, a SwiGLU clamp (7) that bites, router weights that
+                # matter beside its bias, and embeddings large enough that tokens, not the biases, pick the experts
+                if name.endswith("sinks") or name == "model.embed_tokens.weight":
+                    param.normal_(0.0, 1.0)
+                elif name.endswith(("_bias", "experts.gate_up_proj", "router.weight")):
+                    param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):  # Gemma 4's, initially one
                 buffer.uniform_(0.5, 1.5)

@@ -28,6 +28,8 @@ class LayerWeights:
     bq: torch.Tensor | None = None  # Qwen2 projection biases
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None  # attention output bias (GPT-OSS)
+    sinks: torch.Tensor | None = None  # a learned logit per head in each attention softmax [n_heads] (GPT-OSS)
     q_norm: torch.Tensor | None = None  # q/k RMSNorm weights: [d_head] per head (Qwen3, Gemma 3), or whole (OLMo 2)
     k_norm: torch.Tensor | None = None
     attn_post_norm: torch.Tensor | None = None  # norms of attention's and the MLP's outputs (Gemma 2/3, OLMo 2)

@@ -150,6 +150,11 @@ inline Bytes shr_bytes(Bytes a, int n) { return and_bytes(_mm256_srli_epi16(a, n
 inline Bytes shl_bytes(Bytes a, int n) { return and_bytes(_mm256_slli_epi16(a, n), (0xFF << n) & 0xFF); }
 inline Bytes or_bytes(Bytes a, Bytes b) { return _mm256_or_si256(a, b); }
 inline Bytes sub_bytes(Bytes a, int8_t c) { return _mm256_sub_epi8(a, _mm256_set1_epi8(c)); }
+// Byte j = table[a[j]] for a 16-entry table and indices 0..15.
+inline Bytes lookup_bytes(Bytes a, const int8_t* table) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(table));
+  return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), a);
+}
 // Byte j = value where bit j of the little-endian 32-bit word at p is set, else 0.
 inline Bytes bits_to_bytes(const uint8_t* p, uint8_t value) {
   uint32_t bits;
@@ -207,6 +212,7 @@ inline Bytes shr_bytes(Bytes a, int n) { for (auto& b : a.v) b = static_cast<int
 inline Bytes shl_bytes(Bytes a, int n) { for (auto& b : a.v) b = static_cast<int8_t>(static_cast<uint8_t>(b) << n); return a; }
 inline Bytes or_bytes(Bytes a, Bytes b) { for (int j = 0; j < 32; ++j) a.v[j] |= b.v[j]; return a; }
 inline Bytes sub_bytes(Bytes a, int8_t c) { for (auto& b : a.v) b = static_cast<int8_t>(b - c); return a; }
+inline Bytes lookup_bytes(Bytes a, const int8_t* table) { for (auto& b : a.v) b = table[b & 0x0F]; return a; }
 inline Bytes bits_to_bytes(const uint8_t* p, uint8_t value) {
   uint32_t bits;
   std::memcpy(&bits, p, sizeof(bits));
@@ -327,6 +333,28 @@ struct Q8_0 {
   using Act = BlockQ8_0;
   static Group group(const uint8_t* b, int) { const float d = half_at(b); return {load_bytes(b + 2), d, 0.0f}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), half_at(b), y, acc); }
+};
+
+// MXFP4: the exponent byte e, then Q4_0's nibbles. Each code indexes ggml's table of doubled E2M1 values, and the scale
+// is halved to match: w = kvalue[q] * 2^(e - 128), the float built from its bits (ggml_e8m0_to_fp32_half).
+constexpr int8_t kFp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+struct MXFP4 {
+  WB_FORMAT(MXFP4);
+  using Act = BlockQ8_0;
+  static Group group(const uint8_t* b, int) { return {lookup_bytes(nibbles(b + 1), kFp4Values), e8m0_half(b[0]), 0.0f}; }
+  static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) { dot_legacy(group(b, 0), e8m0_half(b[0]), y, acc); }
+  template <class Dot>
+  static void nibble_runs(const uint8_t* b, int64_t pos, Dot& dot) {
+    const auto table = Dot::table(kFp4Values, e8m0_half(b[0]));
+    dot.run(b + 1, table, pos, table, pos + 16);
+  }
 };
 
 // The K-quants with a 6-bit scale and min per sub-block of 32 (Q4_K, Q5_K): d, dmin (fp16), 12 bytes of scales and
@@ -493,6 +521,7 @@ auto visit_format(int64_t ggml_type, Fn&& fn) {
     case Q4_K::kType: return fn(Q4_K{});
     case Q5_K::kType: return fn(Q5_K{});
     case Q6_K::kType: return fn(Q6_K{});
+    case MXFP4::kType: return fn(MXFP4{});
   }
   TORCH_CHECK(false, "workbench cpu kernels: unsupported GGML type ", ggml_type);
 }
@@ -576,6 +605,11 @@ struct NibbleDot {
   static __m512 table(float scale, float offset) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+  }
+  // A table of 16 integer values times scale (MXFP4's E2M1 codes).
+  static __m512 table(const int8_t* values, float scale) {
+    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale));
   }
   // The 16 bytes at q16: low nibbles are values lo_pos .. lo_pos + 15 of the row, high nibbles hi_pos ...
   void run(const uint8_t* q16, __m512 lo_table, int64_t lo_pos, __m512 hi_table, int64_t hi_pos) {

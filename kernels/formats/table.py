@@ -23,7 +23,8 @@ class FormatSpec:
     ggml_type: int | None  # None: a format GGUF has no type for (FP8)
     block_size: int  # values per block
     type_size: int  # bytes per block
-    family: str  # "float", "legacy" (32-value blocks), "k-quant" (256-value super-blocks) or "activation"
+    # "float", "legacy" (32-value blocks), "k-quant" (256-value super-blocks), "microscaling" (MXFP4) or "activation"
+    family: str
     activation: str | None = None  # the activation block of llama.cpp numerics against this weight format
 
 
@@ -48,6 +49,8 @@ SPECS: dict[str, FormatSpec] = {spec.name: spec for spec in (
     _spec("Q4_K", "k-quant", "Q8_K"),
     _spec("Q5_K", "k-quant", "Q8_K"),
     _spec("Q6_K", "k-quant", "Q8_K"),
+    # OCP microscaling: E2M1 values with an E8M0 scale per 32 (GPT-OSS's experts); ggml dots them with Q8_0 blocks
+    _spec("MXFP4", "microscaling", "Q8_0"),
     # Activation blocks. gguf still sizes Q8_1 as float32 d and s (40 bytes); ggml has stored both as float16
     # (block_q8_1: 36 bytes) since 2023, and that is the block llama.cpp's numerics compute.
     _spec("Q8_1", "activation", type_size=36),
@@ -61,7 +64,7 @@ SPECS: dict[str, FormatSpec] = {spec.name: spec for spec in (
 GGUF_EXCEPTIONS = {"Q8_1": "ggml's block_q8_1 holds d and s as float16"}
 
 WEIGHT_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family != "activation")
-QUANTIZED_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family in ("legacy", "k-quant"))
+QUANTIZED_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family in ("legacy", "k-quant", "microscaling"))
 K_QUANTS = tuple(name for name, spec in SPECS.items() if spec.family == "k-quant")
 LEGACY_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family == "legacy")
 FP8_FORMATS = tuple(name for name, spec in SPECS.items() if spec.family == "fp8")

@@ -1,10 +1,10 @@
 """Which reader serves each format, for the kernels that take any format (``FMT``, a GGML type number).
 
 Each format family's module holds all of its readers: ``legacy`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), ``k_small`` (Q2_K,
-Q3_K), ``k_affine`` (Q4_K, Q5_K) and ``q6_k``, each with the pieces of 32-value units, 64-value chunks where the
-format has them, integer dots and int8 tiles for llama.cpp numerics, and tensor-core fragments where the fragment
-kernel reads the format. This module picks among them by ``FMT``: ``unit_pieces`` and ``weight_tile`` for units,
-``chunk_load``, ``chunk_tile`` and ``chunk_columns`` for chunks. Which kernel walks chunks is a launch choice
+Q3_K), ``k_affine`` (Q4_K, Q5_K), ``q6_k`` and ``mxfp4`` (its units only), each with the pieces of 32-value units,
+64-value chunks where the format has them, integer dots and int8 tiles for llama.cpp numerics, and tensor-core fragments
+where the fragment kernel reads the format. This module picks among them by ``FMT``: ``unit_pieces`` and ``weight_tile``
+for units, ``chunk_load``, ``chunk_tile`` and ``chunk_columns`` for chunks. Which kernel walks chunks is a launch choice
 (``workbench.kernels.launch_choices``).
 
 Layout of the work. A kernel handles ``BLOCK_N * BLOCK_U`` *units* (32 values of one weight row: a GGUF
@@ -29,14 +29,15 @@ fastest-varying index of the flattened result.
 import triton
 import triton.language as tl
 
-from .formats import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .formats import MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .k_affine import k_affine_pieces, k_chunk_load, k_chunk_tile
 from .k_small import small_k_chunk_columns, small_k_chunk_load, small_k_chunk_tile, small_k_pieces
 from .legacy import q4_0_pieces, q4_1_pieces, q5_0_pieces, q5_1_pieces, q8_0_pieces
+from .mxfp4 import mxfp4_pieces
 from .q6_k import q6_k_pieces
 
 # ---------------------------------------------------------------------------------------------
-# Units: 32 values of one row, owned by one thread: a block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), a sub-block of 32
+# Units: 32 values of one row, owned by one thread: a block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4), a sub-block of 32
 # (Q2_K, Q3_K, Q4_K, Q5_K), or for Q6_K the k = 0..3 pieces of one group. ``unit`` counts units along the row,
 # ``n_units = K // 32``.
 
@@ -64,6 +65,8 @@ def unit_pieces(FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, rowp, unit, n_units)
             f0, f1, f2, f3, a, b = q5_0_pieces(blockp)
         elif FMT == Q5_1:
             f0, f1, f2, f3, a, b = q5_1_pieces(blockp)
+        elif FMT == MXFP4:
+            f0, f1, f2, f3, a, b = mxfp4_pieces(blockp)
         else:
             tl.static_assert(FMT == Q8_0, "unsupported format")
             f0, f1, f2, f3, a, b = q8_0_pieces(blockp)
