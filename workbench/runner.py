@@ -415,8 +415,10 @@ class Transformer:
                                                         global_rotary, c.rope_yarn)
         self.local_rope = None
         local_rotary = c.d_rotary or c.d_head
-        # each table's (base, scale, frequency factors, rotary dims), for llama.cpp numerics' own tables
-        self._rope_params = {False: (c.rope_base, c.rope_scale, weights.rope_freq_factors, global_rotary)}
+        # each table's (base, scale, frequency factors, rotary dims), for llama.cpp numerics' own tables (not YaRN's:
+        # those keep the table above)
+        self._rope_params = ({} if c.rope_yarn is not None else
+                             {False: (c.rope_base, c.rope_scale, weights.rope_freq_factors, global_rotary)})
         if c.sliding_window and (c.rope_base_local is not None or local_rotary != global_rotary):
             local = ((c.rope_base_local, 1.0, None) if c.rope_base_local is not None
                      else (c.rope_base, c.rope_scale, weights.rope_freq_factors))
@@ -525,7 +527,7 @@ class Transformer:
         pair's angle at both of its values, and sin with the sign each value's partner takes (-sin at the first).
         ``table``: another rope table than the global layers' (``local_rope``)."""
         cos, sin = table if table is not None else (self.rope_cos, self.rope_sin)
-        if layer_ops.llamacpp_glue(cos):
+        if layer_ops.llamacpp_glue(cos) and (table is not None) in self._rope_params:
             cos, sin = self._llamacpp_rope_table(local=table is not None)
         cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
         if self.config.rope_interleaved:
