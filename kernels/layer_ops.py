@@ -21,8 +21,9 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from . import cpu
+from . import cpu, llamacpp_ops
 from . import triton as _triton
+from .linear import get_numerics
 from .tracing import compiling
 
 # Set by ``torch_formulas()``: every op runs its torch formula, whatever the backend.
@@ -67,6 +68,28 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
             "attention_scores": attention, "attend": attention, "swiglu": "triton" if on_triton else "torch"}
 
 
+def llamacpp_glue(x: torch.Tensor) -> bool:
+    """Whether the ops on ``x`` compute as llama.cpp's CPU does (``llamacpp_ops``): float32, eager, in llama.cpp
+    numerics, outside ``exact_glue()``. Compiled graphs keep the exact numerics' glue."""
+    return x.dtype == torch.float32 and not compiling() and not _EXACT_GLUE["on"] and get_numerics() == "llamacpp"
+
+
+# Set by ``exact_glue()``: llama.cpp numerics keep the exact numerics' glue (their matmuls stay llama.cpp's).
+_EXACT_GLUE = {"on": False}
+
+
+@contextlib.contextmanager
+def exact_glue() -> Iterator[None]:
+    """``with exact_glue(): ...`` runs the glue between the matmuls as exact numerics do, in llama.cpp numerics too
+    (as a compiled graph runs it): to tell what the glue's emulation changes."""
+    previous = _EXACT_GLUE["on"]
+    _EXACT_GLUE["on"] = True
+    try:
+        yield
+    finally:
+        _EXACT_GLUE["on"] = previous
+
+
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, with no op call when ``x`` already has it: the eager forward pays per call, even for a no-op."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -75,6 +98,8 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last axis of ``x`` ``[..., d]``: the scale ``1 / sqrt(mean(x^2) + eps)`` ``[..., 1]``
     (computed in float32, in ``x``'s dtype) and ``(x * scale) * weight``."""
+    if llamacpp_glue(x):
+        return llamacpp_ops.rms_norm(x, weight, eps)
     native = _native(x, weight)
     if native or (_on_triton(x, weight) and weight.dtype == x.dtype):
         kernel = cpu.extension().rms_norm if native else _triton.rms_norm
@@ -91,7 +116,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """The residual sum ``x + delta`` (both ``[T, d]``, in ``x``'s dtype) and ``rms_norm`` of it: the sum, its scale and
     its normalized output, as ``x + delta`` then ``rms_norm`` give them bit for bit; one call on CUDA."""
     if (_on_triton(x, weight) and x.dim() == 2 and delta.shape == x.shape and weight.dtype == x.dtype
-            and delta.is_cuda and delta.dtype == x.dtype):
+            and delta.is_cuda and delta.dtype == x.dtype and not llamacpp_glue(x)):
         return _triton.add_rms_norm(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
     total = x + delta
     return (total, *rms_norm(total, weight, eps))
@@ -100,6 +125,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate`` and ``up`` ``[T, d]``, each product rounded to their dtype as the torch formula
     rounds it: one call on CUDA."""
+    if llamacpp_glue(gate):
+        return llamacpp_ops.swiglu(gate, up)
     if (_on_triton(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype
             and gate.stride(-1) == 1 and up.stride(-1) == 1):
         return _triton.swiglu(gate, up)
@@ -111,6 +138,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, returned in ``x``'s dtype. ``cos`` and ``sin``
     ``[T, 1, d_head]`` hold each pair's factors at both of its values, sin signed for each value (-sin at the first):
     ``x * cos + partner(x) * sin`` is the formula in two products and a sum."""
+    if llamacpp_glue(x):
+        return llamacpp_ops.rope(x, cos, sin, interleaved)
     if _native(x, cos):
         return cpu.extension().rope(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
     if _on_triton(x, cos):
@@ -194,7 +223,12 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
     whole matrix (a matmul's row does not depend on how many rows it runs with), and its softmax runs over the key
     slots the chunk can see, rounded up to a multiple of ``_SOFTMAX_SPAN``, past which it would only add exact zeros in
     the same lanes; the weighted sum still runs over every slot, zeros included, as a matmul's sum over a shorter axis
-    would block it differently (``tests/test_runner.py`` checks both)."""
+    would block it differently (``tests/test_runner.py`` checks both).
+
+    In llama.cpp numerics (eager), llama.cpp's CPU flash attention instead (``llamacpp_ops``): F16 keys and
+    values, and its own order and precision of every sum."""
+    if llamacpp_glue(q):
+        return llamacpp_ops.attention(q, keys, values, divisor, blocked)
     budget = SCORES_BUDGET if budget is None else budget
     *batch, tokens, heads, d = q.shape
     slots = keys.shape[-2]

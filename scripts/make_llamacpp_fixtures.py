@@ -4,8 +4,9 @@
     python scripts/make_llamacpp_fixtures.py [--model PATH]
 
 Writes:
-- llamacpp_logits.safetensors + llamacpp_logits.json: for each prompt, llama.cpp's token ids and, at every
-  position, its top-256 log-probabilities (ids and values) plus the log of the remaining tail mass, so
+- llamacpp_logits.safetensors + llamacpp_logits.json: for each of 30 prompts (5 to 512 tokens, every third marked
+  ``held_out``: kept out of any tuning of llama.cpp numerics), llama.cpp's token ids and, at every position, its top-32
+  log-probabilities (ids and values) plus the log of the remaining tail mass, so
   KL(llama.cpp || ours) can be computed with the tail lumped into one bucket (a lower bound that is tight
   when the tail is small, which the json records).
 - llamacpp_tokens.json: llama.cpp's token ids for the strings of tokenizer_cases.json.
@@ -25,9 +26,9 @@ import torch
 from safetensors.torch import save_file
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
-TOP = 2048
+TOP = 32  # log-probabilities kept per position (the rest is one tail bucket): keeps the fixture ~1.5 MB
 
-PROMPTS = [
+SHORT_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
     "Once upon a time, in a small village by the sea, there lived",
@@ -36,8 +37,44 @@ PROMPTS = [
     "Water boils at 100 degrees Celsius, which is",
     "<|im_start|>user\nWhat is the largest planet in our solar system?<|im_end|>\n<|im_start|>assistant\n",
     "Les chats sont des animaux très",
+    "SELECT name, age FROM users WHERE",
+    "In 1969, Neil Armstrong became",
 ]
-GREEDY_PROMPTS = [PROMPTS[0], PROMPTS[6]]
+# Paragraphs that longer prompts are made of (each about 60-110 tokens), so that their lengths spread from ~60 to 512
+PARAGRAPHS = [
+    "The river runs through the old town, past the market where traders sell bread, fish and cloth. Children play by "
+    "the water while their parents talk about the harvest, the weather and the price of grain. In the evening the "
+    "bells of the church ring, and the lamps along the bridge are lit one by one.",
+    "import numpy as np\n\n\ndef softmax(x, axis=-1):\n    shifted = x - x.max(axis=axis, keepdims=True)\n"
+    "    e = np.exp(shifted)\n    return e / e.sum(axis=axis, keepdims=True)\n\n\nclass Layer:\n"
+    "    def __init__(self, n_in, n_out):\n        self.w = np.random.randn(n_in, n_out) * 0.02\n",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to synthesize foods "
+    "from carbon dioxide and water. It generally involves the green pigment chlorophyll and generates oxygen as a "
+    "byproduct. The light reactions take place in the thylakoid membranes of the chloroplast.",
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nCan you explain how a hash map "
+    "works, and why lookups are fast on average?<|im_end|>\n<|im_start|>assistant\nA hash map stores key-value pairs "
+    "in an array of buckets. A hash function turns each key into an index,",
+    "Dear Sir or Madam,\n\nI am writing to inquire about the apartment advertised on your website. I would like to "
+    "know whether it is still available, whether pets are allowed, and when it would be possible to visit. I am "
+    "currently working as an engineer and can provide references from my previous landlord.",
+    "The French Revolution began in 1789 and ended in the late 1790s with the ascent of Napoleon Bonaparte. During "
+    "this period, French citizens razed and redesigned their country's political landscape, uprooting centuries-old "
+    "institutions such as absolute monarchy and the feudal system.",
+]
+
+
+def long_prompt(i: int) -> str:
+    """The ``i``-th longer prompt: ``1 + i // 3`` paragraphs (at most 6) (cycling from paragraph ``i``), then a short prompt's
+    opening."""
+    parts = [PARAGRAPHS[(i + j) % len(PARAGRAPHS)] for j in range(1 + min(i // 3, 5))]
+    return "\n\n".join(parts) + "\n\n" + SHORT_PROMPTS[i % len(SHORT_PROMPTS)]
+
+
+# 30 prompts of 5 to at most 512 tokens; every third (index % 3 == 2) is held out of any tuning (HELD_OUT)
+PROMPTS = SHORT_PROMPTS + [long_prompt(i) for i in range(20)]
+HELD_OUT = [i for i in range(len(PROMPTS)) if i % 3 == 2]
+MAX_TOKENS = 512
+GREEDY_PROMPTS = [SHORT_PROMPTS[0], SHORT_PROMPTS[6]]
 # workbench.synthetic.random_checkpoint(random_config(arch), fmt, seed=0), and the token ids it runs
 PARITY_MODEL = ("llama", "Q8_0")
 PARITY_IDS = list(range(1, 20))
@@ -114,17 +151,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parity-only", action="store_true", help="write the parity fixture alone")
     args = parser.parse_args()
-    write_parity_fixture(args.threads)
     if args.parity_only:
+        write_parity_fixture(args.threads)
         return
     model_path = args.model or default_model_path()
     without_extra_buffer_types()
-    llm = llama_cpp.Llama(str(model_path), n_ctx=512, logits_all=True, verbose=False, n_threads=args.threads,
-                          seed=0)
+    # flash attention on: llama.cpp's default ("auto") picks it on the CPU; llama-cpp-python's Llama() turns it off
+    llm = llama_cpp.Llama(str(model_path), n_ctx=2 * MAX_TOKENS, n_batch=MAX_TOKENS, n_ubatch=MAX_TOKENS,
+                          logits_all=True, verbose=False, n_threads=args.threads, seed=0, flash_attn=True)
     source = {"model": model_path.name, "llama_cpp_python": llama_cpp.__version__,
-              "machine": platform.machine(), "threads": args.threads, "top": TOP}
+              "machine": platform.machine(), "threads": args.threads, "flash_attention": True, "top": TOP}
 
     tensors, prompts = top_logprobs(llm, PROMPTS, TOP)
+    for i, prompt in enumerate(prompts):
+        assert len(prompt["ids"]) <= MAX_TOKENS, (i, len(prompt["ids"]))
+        prompt["held_out"] = i in HELD_OUT
     save_file(tensors, FIXTURES / "llamacpp_logits.safetensors")
     (FIXTURES / "llamacpp_logits.json").write_text(json.dumps({**source, "prompts": prompts}, indent=1) + "\n")
 
@@ -146,6 +187,8 @@ def main() -> None:
         greedy.append({"text": prompt, "ids": [int(t) for t in ids], "generated": out})
     (FIXTURES / "llamacpp_greedy.json").write_text(json.dumps({**source, "cases": greedy}, indent=1) + "\n")
     print(f"wrote fixtures for {len(PROMPTS)} prompts to {FIXTURES}")
+    # last: after a run of the low-level API (parity's capture), creating a Llama() in the same process has crashed
+    write_parity_fixture(args.threads)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.kernels import cpu
+from workbench.kernels import cpu, layer_ops
 from workbench.generation import (
     _BUILT, MIN_STEP_CAPACITY, DecodeStep, Sampling, _built_step, _forward_and_pick, argmax_by_chunks, generate_tokens,
 )
@@ -227,8 +227,10 @@ def test_compiled_cpu_decode_matches_eager(small, tiny_model):
     assert _BUILT[runner]["exact"] is built[model] and not built[model].busy  # kept for the next call of its size
 
     # torch.compile reads the numerics as a constant of the graph, unguarded: a step built in exact numerics computes
-    # them in a llama.cpp-numerics block too, and generating there builds (and keeps) a step of those numerics.
-    with cpu.numerics("llamacpp"):
+    # them in a llama.cpp-numerics block too, and generating there builds (and keeps) a step of those numerics. A
+    # compiled step takes llama.cpp's matmuls but keeps the torch formulas of the glue between them (the eager forward
+    # emulates ggml's: docs/kernels.md), so both run under exact_glue() (the step's prefill is an eager forward).
+    with cpu.numerics("llamacpp"), layer_ops.exact_glue():
         quantized_eager = eager_logits(runner, tokens[:2])
         still_exact = compiled_step_logits(runner, built[model], tokens[:2])
         list(generate_tokens(runner, PROMPT, 3, compiled=True))

@@ -415,11 +415,17 @@ class Transformer:
                                                         global_rotary, c.rope_yarn)
         self.local_rope = None
         local_rotary = c.d_rotary or c.d_head
+        # each table's (base, scale, frequency factors, rotary dims), for llama.cpp numerics' own tables (not YaRN's:
+        # those keep the table above)
+        self._rope_params = ({} if c.rope_yarn is not None else
+                             {False: (c.rope_base, c.rope_scale, weights.rope_freq_factors, global_rotary)})
         if c.sliding_window and (c.rope_base_local is not None or local_rotary != global_rotary):
             local = ((c.rope_base_local, 1.0, None) if c.rope_base_local is not None
                      else (c.rope_base, c.rope_scale, weights.rope_freq_factors))
             if (*local[:2], local_rotary) != (c.rope_base, c.rope_scale, global_rotary):
                 self.local_rope = self._rope_table(*local, local_rotary)
+                self._rope_params[True] = (*local, local_rotary)
+        self._llamacpp_rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # ggml's tables, built on first use
         self.attn_scale = c.attn_scale or math.sqrt(c.d_head)
         self.embed_scale = math.sqrt(c.d_model) if self.arch.embed_scale else None
         self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
@@ -449,6 +455,16 @@ class Transformer:
         angles = torch.arange(self.config.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
         cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
         return cos.to(torch.float32).to(self.device), sin.to(torch.float32).to(self.device)
+
+    def _llamacpp_rope_table(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rope table (global, or the sliding layers' ``local`` one) with ggml's own angles and cos/sin, for
+        llama.cpp numerics."""
+        if local not in self._llamacpp_rope:
+            base, scale, factors, rotary = self._rope_params[local]
+            cos, sin = layer_ops.llamacpp_ops.rope_table(self.config.n_ctx, rotary, base, scale,
+                                                        None if factors is None else factors.cpu())
+            self._llamacpp_rope[local] = cos.to(self.device), sin.to(self.device)
+        return self._llamacpp_rope[local]
 
     @staticmethod
     def _block_names(i: int, last: bool) -> dict:
@@ -511,6 +527,8 @@ class Transformer:
         pair's angle at both of its values, and sin with the sign each value's partner takes (-sin at the first).
         ``table``: another rope table than the global layers' (``local_rope``)."""
         cos, sin = table if table is not None else (self.rope_cos, self.rope_sin)
+        if layer_ops.llamacpp_glue(cos) and (table is not None) in self._rope_params:
+            cos, sin = self._llamacpp_rope_table(local=table is not None)
         cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
         if self.config.rope_interleaved:
             return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)

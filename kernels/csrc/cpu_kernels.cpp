@@ -898,6 +898,70 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
+// c + a @ b of batched float32 matrices, a [N, R, K], b [N, K, J], c [N, R, J], each output a chain of fused
+// multiply-adds in k order, as ggml-cpu's simd_gemm computes them (llama.cpp's tiled flash attention: llama.cpp
+// numerics reproduce it in kernels/llamacpp_ops.py).
+torch::Tensor fma_chain(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& c) {
+  check_floats(a, "a", 3);
+  check_floats(b, "b", 3);
+  check_floats(c, "c", 3);
+  const int64_t n = a.size(0), rows = a.size(1), depth = a.size(2), cols = b.size(2);
+  TORCH_CHECK(b.size(0) == n && b.size(1) == depth && c.size(0) == n && c.size(1) == rows && c.size(2) == cols,
+              "workbench cpu kernels: fma_chain needs a [N, R, K], b [N, K, J], c [N, R, J], got ", a.sizes(), ", ",
+              b.sizes(), ", ", c.sizes());
+  torch::Tensor out = c.clone();
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(depth * cols, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* ar = ap + row * depth;
+      const float* bm = bp + row / rows * depth * cols;
+      float* o = op + row * cols;
+      for (int64_t k = 0; k < depth; ++k) {
+        const float av = ar[k];
+        const float* br = bm + k * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          o[j] = std::fma(av, br[j], o[j]);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ggml-cpu's AVX-512 ggml_v_expf (ggml-cpu/vec.h) of each value of x: exp by range reduction and a degree-5
+// polynomial, each step one float32 operation or fused multiply-add, scaled by 2^n as _mm512_scalef_ps does.
+__attribute__((optimize("fp-contract=off")))
+torch::Tensor ggml_expf(const torch::Tensor& x) {
+  TORCH_CHECK(x.is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "workbench cpu kernels: ggml_expf needs a contiguous float32 CPU tensor");
+  torch::Tensor out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = xp[i];
+      const float r = 0x1.8p23f;
+      const float z = std::fma(v, 0x1.715476p+0f, r);
+      const float n = z - r;
+      const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, v));
+      const float u = b * b;
+      const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                        std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                               u, std::fma(0x1.ffffecp-1f, b, 1.0f));
+      if (std::isnan(n)) {
+        op[i] = n;
+      } else if (std::fabs(n) > 192.0f) {
+        op[i] = n <= 0.0f ? 0.0f : INFINITY;
+      } else {
+        op[i] = std::ldexp(j, static_cast<int>(n));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 // Registered as torch ops in a namespace named after the build (one per ISA, so several builds can be loaded at
@@ -917,6 +981,10 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // RMSNorm's scale and output, and the rope, for the runner's eager CPU forward
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
+  // c + a @ b, each output a chain of float32 fused multiply-adds in order (llama.cpp numerics' attention)
+  m.def("fma_chain(Tensor a, Tensor b, Tensor c) -> Tensor");
+  // ggml-cpu's polynomial exp (ggml_v_expf) of each value
+  m.def("ggml_expf(Tensor x) -> Tensor");
 }
 
 WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -925,4 +993,6 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("quantize_activations", &quantize_activations);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
+  m.impl("fma_chain", &fma_chain);
+  m.impl("ggml_expf", &ggml_expf);
 }
