@@ -147,6 +147,8 @@ def test_gemma4_hook_points_mean_what_transformers_computes(gemma4):
     with torch.no_grad():
         out = reference(torch.tensor([IDS]), output_hidden_states=True, output_attentions=True,
                         output_router_logits=True)
+    if getattr(out, "router_logits", None) is None:
+        pytest.skip("this transformers' Gemma 4 does not return router logits (5.24 does)")
     acts = ours.run(IDS, record=["*"]).activations
     close = dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(acts["hook_embed"], out.hidden_states[0][0], **close)
