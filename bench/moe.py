@@ -125,12 +125,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary (built with CUDA on GPU)")
+    parser.add_argument("--numerics", choices=workbench.kernels.NUMERICS, default="exact",
+                        help="what our quantized matmuls compute (llamacpp: Q8 activations, integer dots, as llama.cpp)")
     parser.add_argument("--llama-cpp-python", action="store_true",
                         help="on the CPU, time llama.cpp through llama-cpp-python instead of llama-bench")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}")
+    workbench.kernels.set_numerics(args.numerics)
+    print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, numerics {args.numerics}")
     for shape in args.shape:
         path = build_gguf(shape, args.format, args.layers, args.gguf_dir)
         model = workbench.load(path, device=args.device, dtype=args.dtype)
