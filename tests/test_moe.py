@@ -11,6 +11,7 @@ import torch
 import workbench
 from workbench.errors import HookError, ModelLoadError
 from workbench.hooks import from_spec
+from workbench.kernels import layer_ops
 from workbench.synthetic import write_gguf
 
 from moe_reference import FAMILIES, LLAMA_CPP_SOURCE, convert_with_llama_cpp, hf_moe_model, quantize_with_llama_cpp
@@ -105,7 +106,9 @@ def test_logits_agree_with_llamacpp(name):
     results = {}
     for mode in ("exact", "llamacpp"):
         kl, agree = [], []
-        with workbench.kernels.numerics(mode):
+        # the fixtures ran llama.cpp without flash attention (llama-cpp-python's Llama() default), whose float32
+        # attention the exact glue computes; llama.cpp numerics emulate its flash-attention default otherwise
+        with workbench.kernels.numerics(mode), layer_ops.exact_glue():
             for i, ids in enumerate(LLAMACPP["sequences"]):
                 ours = model.forward(ids).double().log_softmax(-1)
                 theirs = reference[f"{name.removesuffix('.gguf')}.{i}"].double()
