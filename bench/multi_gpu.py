@@ -6,7 +6,7 @@ Sweep: ``workbench.distributed.harvest`` of the last position's ``blocks.8.hook_
 random prompts of ``--tokens`` tokens, launched with ``torchrun --nproc-per-node 1`` and then ``--gpus``; each rank
 loads the model on its own GPU, warms up on a shard, and the sweep is timed from a barrier to the gathered result
 (model loading excluded; the gather of every rank's rows included). Printed: prompts/s of each and the ratio.
-Split: greedy decode of 64 tokens and a 512-token prefill on ``devices=["cuda:0", "cuda:1"]`` against ``cuda:0`` alone
+Split: greedy decode of 64 tokens and a 512-token prefill on ``--gpus`` devices (``cuda:0``, ``cuda:1``, ...) against ``cuda:0`` alone
 (same logits; the split pays one hand-over per token at the range boundary, and no more GPUs read in parallel).
 Without ``--model``, a random llama of 16 layers, d_model 2048, Q4_K (``workbench.synthetic``, 64 distinct rows a
 matrix), built in each process with the same seed.
@@ -73,7 +73,7 @@ def sweep(args: argparse.Namespace, gpus: int) -> dict:
 
 def split(args: argparse.Namespace) -> dict:
     one = load(args.model, device="cuda:0")
-    two = load(args.model, devices=["cuda:0", "cuda:1"])
+    two = load(args.model, devices=[f"cuda:{i}" for i in range(args.gpus)])
     prompt = random_prompts(1, 512, one.config.vocab_size)[0]
     out = {"same_logits": bool(torch.equal(one.forward(prompt).cpu(), two.forward(prompt).cpu())),
            "layers": [[d, r.start, r.stop - 1] for d, r in two.devices]}
