@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
 
 import workbench
 from decode import ours, print_table
+from workbench.parity import load_llamacpp_model, require_llama_cpp
 from workbench.synthetic import random_checkpoint, random_config, write_gguf
 
 SHAPES = {
@@ -71,30 +74,13 @@ def llama_bench(binary: str, path: Path, decode: int, threads: int, device: str,
     return float(json.loads(result.stdout)[0]["avg_ts"])
 
 
-_silence = None
-
-
 def llama_cpp_python(path: Path, decode: int, threads: int, repeats: int) -> float:
     """llama.cpp's CPU decode tokens/s through llama-cpp-python (the ``reference`` extra), as ``llama-bench -p 0 -n
     DECODE`` measures it: one token a ``llama_decode`` from an empty cache, the median of ``repeats`` after a warm-up.
     Without ggml's extra CPU buffer types (their AMX layout crashes llama-cpp-python 0.3.36 on the development
     machine; ``workbench.parity`` loads the same way), so its repacked weight layouts are not used."""
-    import ctypes
-    import statistics
-    import time
-
-    import llama_cpp
-
-    global _silence
-    llama_cpp.llama_backend_init()
-    # kept referenced for the process's life: llama.cpp calls it whenever it logs
-    _silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
-    llama_cpp.llama_log_set(_silence, ctypes.c_void_p())
-    model_params = llama_cpp.llama_model_default_params()
-    model_params.use_extra_bufts = False
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
-    if not model:
-        raise SystemExit(f"llama.cpp cannot load {path}")
+    llama_cpp = require_llama_cpp()
+    model = load_llamacpp_model(path)
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = decode + 16
     params.n_threads = params.n_threads_batch = threads

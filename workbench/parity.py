@@ -269,6 +269,33 @@ class LlamaCppRun:
     settings: dict[str, Any]
 
 
+# llama.cpp calls its log callback whenever it logs, for the life of the process: the callback must outlive every call
+_SILENCE: list[Any] = []
+
+
+def load_llamacpp_model(path: str | Path, extra_buffers: bool = False) -> Any:
+    """A GGUF loaded by llama.cpp's own loader (``llama_model_free`` it after use), its logging silenced.
+
+    ``extra_buffers``: ggml's extra CPU buffer types, which repack weights for AMX or other CPU kernels; the AMX one
+    crashes where the kernel refuses a process the tile registers (the development machine), and the plain CPU
+    kernels compute the same products."""
+    llama_cpp = require_llama_cpp()
+    path = Path(path)
+    if not path.is_file():
+        raise WorkbenchError(f"no GGUF file at {path}")
+    llama_cpp.llama_backend_init()
+    if not _SILENCE:
+        _SILENCE.append(llama_cpp.llama_log_callback(lambda level, text, data: None))
+    llama_cpp.llama_log_set(_SILENCE[0], ctypes.c_void_p())
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = extra_buffers
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    if not model:
+        raise WorkbenchError(f"llama.cpp cannot load {path} (it logs its reason with verbose logging; "
+                             f"e.g. `python -c \"import llama_cpp; llama_cpp.Llama('{path}')\"`)")
+    return model
+
+
 def capture_llamacpp(path: str | Path, ids: Sequence[int], names: Callable[[str], bool] | None = None,
                      threads: int = 2, flash_attention: str = "auto", control_vector: dict[int, np.ndarray] | None = None,
                      kv_type: str = "f16", extra_buffers: bool = False) -> LlamaCppRun:
@@ -281,20 +308,7 @@ def capture_llamacpp(path: str | Path, ids: Sequence[int], names: Callable[[str]
     llama_cpp = require_llama_cpp()
     ggml = _ggml_library(llama_cpp)
     wanted = names or (lambda base: any(base == p.ggml for p in LLAMACPP_POINTS))
-    path = Path(path)
-    if not path.is_file():
-        raise WorkbenchError(f"no GGUF file at {path}")
-    llama_cpp.llama_backend_init()
-    silence = llama_cpp.llama_log_callback(lambda level, text, data: None)
-    llama_cpp.llama_log_set(silence, ctypes.c_void_p())
-    model_params = llama_cpp.llama_model_default_params()
-    # Extra buffer types repack weights for AMX or other CPU kernels; the AMX one crashes where the kernel refuses a
-    # process the tile registers (the development machine), and the plain CPU kernels are the reference here.
-    model_params.use_extra_bufts = extra_buffers
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
-    if not model:
-        raise WorkbenchError(f"llama.cpp cannot load {path} (it logs its reason with verbose logging; "
-                             f"e.g. `python -c \"import llama_cpp; llama_cpp.Llama('{path}')\"`)")
+    model = load_llamacpp_model(path, extra_buffers)
     tensors: dict[str, np.ndarray] = {}
     seen: dict[str, int] = {}
     errors: list[str] = []
