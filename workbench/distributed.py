@@ -27,7 +27,6 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError
 
@@ -103,26 +102,25 @@ def _all_gather(value: Any) -> list[Any]:
     rank = this_rank()
     if rank.world == 1:
         return [value]
-    chunks: list[torch.Tensor] = []
+    chunks: list[tuple[_Slot, torch.Tensor]] = []
     size = 0
 
     def to_slot(x: torch.Tensor) -> _Slot:
         nonlocal size
         data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        padded = -(-data.numel() // _ALIGN) * _ALIGN  # every slot starts aligned for any dtype's view
-        chunks.append(F.pad(data, (0, padded - data.numel())) if padded != data.numel() else data)
         slot = _Slot(size, data.numel(), x.dtype, tuple(x.shape))
-        size += padded
+        chunks.append((slot, data))
+        size += -(-data.numel() // _ALIGN) * _ALIGN  # every slot starts aligned for any dtype's view
         return slot
 
     skeleton = _tree_map(value, to_slot, torch.Tensor)
     skeletons: list[Any] = [None] * rank.world
     dist.all_gather_object(skeletons, (skeleton, size))
+    host = torch.zeros(max(n for _, n in skeletons), dtype=torch.uint8)
+    for slot, data in chunks:
+        host[slot.offset:slot.offset + slot.nbytes] = data
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    longest = max(n for _, n in skeletons)
-    local = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if chunks:
-        local[:size] = torch.cat(chunks).to(device)
+    local = host.to(device)
     buffers = [torch.empty_like(local) for _ in range(rank.world)]
     dist.all_gather(buffers, local)
     return [_tree_map(part, lambda slot, data=buffer.cpu(): slot.tensor(data), _Slot)

@@ -216,6 +216,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
     # docs/performance.md, "Eager decode under inference mode").
     inference = cache is None and not hooks
     decode_step = build = None
+    start_build = False
     key = step_key(mode, lora)
     if built_step:  # a power of two, so most prompts reuse the step built for an earlier one
         capacity = len(prompt_ids) + max_new_tokens
@@ -252,7 +253,7 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             if decode_step is not None:
                 decode_step.busy = decode_step.provisional = True
                 _keep_step(runner, key, decode_step)
-        if built_step == "background" and start_build:
+        if start_build:
             build = BackgroundBuild.start(runner, capacity, mode, lora)
         for step in range(1, max_new_tokens):
             if build is not None and build.ready():
