@@ -1,8 +1,8 @@
 """Quantized kernels: GGUF tensor formats kept packed, and the matmuls that run on them."""
 from .formats import FORMATS, QuantFormat, get_format
 from .linear import (
-    KERNELS, NUMERICS, REGISTRY, Kernel, KernelRegistry, get_numerics, linear, linear_parts, numerics, register_kernel,
-    select_kernel, set_numerics,
+    KERNELS, NUMERICS, REGISTRY, Kernel, KernelRegistry, get_numerics, linear, linear_parts, linear_segments, numerics,
+    register_kernel, select_kernel, set_numerics,
 )
 from .quant_tensor import QuantTensor
 
@@ -24,6 +24,7 @@ __all__ = [
     "REGISTRY",
     "linear",
     "linear_parts",
+    "linear_segments",
     "layer_ops",
     "register_kernel",
     "select_kernel",

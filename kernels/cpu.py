@@ -107,6 +107,9 @@ def _build_extension(isa: str) -> Any:
     torch.library.register_fake(f"{name}::linear_exact")(
         lambda x, packed, ggml_types, rows, cols, panel_min_batch: x.new_empty(x.shape[0], sum(rows))
     )
+    torch.library.register_fake(f"{name}::linear_exact_segments")(
+        lambda x, packed, ggml_types, rows, cols, x_first, x_count, panel_min_batch: x.new_empty(sum(x_count), rows)
+    )
     torch.library.register_fake(f"{name}::linear_llamacpp")(
         lambda x, packed, ggml_type, rows, cols: x.new_empty(x.shape[0], rows)
     )
@@ -172,6 +175,17 @@ def _run_exact_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> torch.Ten
     return _in_float32(x, compute)
 
 
+def _run_exact_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Sequence[int],
+                        counts: Sequence[int]) -> torch.Tensor:
+    def compute(x32: torch.Tensor) -> torch.Tensor:
+        return extension().linear_exact_segments(
+            x32, [w.data for w in parts], [w.fmt.ggml_type for w in parts], *parts[0].shape, list(starts),
+            list(counts), PANEL_MIN_BATCH,
+        )
+
+    return _in_float32(x, compute)
+
+
 def _run_exact(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _run_exact_parts(x, (w,))
 
@@ -181,7 +195,7 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
 
 
-EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, traceable=True,
+EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, _run_exact_segments, traceable=True,
                formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, traceable=True, numerics="llamacpp",
                   formats=tuple(SUPPORTED_TYPES.values()), by_type=True)

@@ -40,6 +40,10 @@ class Kernel:
     run: Callable[[torch.Tensor, QuantTensor], torch.Tensor]
     # Several weights of one input in one call, their outputs side by side (``linear_parts``); None: one call each.
     run_parts: Callable[[torch.Tensor, Sequence[QuantTensor]], torch.Tensor] | None = None
+    # Several weights of one shape, each on its own rows of the input, the outputs stacked (``linear_segments``);
+    # None: one call each.
+    run_segments: Callable[[torch.Tensor, Sequence[QuantTensor], Sequence[int], Sequence[int]],
+                           torch.Tensor] | None = None
     # ``supports`` and ``run`` trace under torch.compile (registered torch ops, no data pointers), so compiled graphs
     # call the kernel directly; other kernels are called through the opaque ``workbench::linear`` op.
     traceable: bool = False
@@ -320,3 +324,22 @@ def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Te
         return [linear(x, w) for w in parts]
     out = _as_input_shape(kernel.run_parts(x2, parts), x)
     return list(out.split_with_sizes([w.shape[0] for w in parts], dim=-1))
+
+
+def linear_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Sequence[int],
+                    counts: Sequence[int]) -> torch.Tensor:
+    """Each weight on its own rows of ``x`` ``[N, in_features]``: rows ``starts[p]`` to ``starts[p] + counts[p]`` times
+    ``parts[p]``, the results stacked in part order, ``[sum(counts), out_features]`` (every part of one shape). One
+    kernel call where one kernel serves every part and takes them so (the CPU kernels: llama.cpp's ``mul_mat_id``, a
+    token's chosen experts in one parallel region), else one call per part; the same bits either way."""
+    shape = parts[0].shape
+    for w in parts:
+        if w.shape != shape:
+            raise ValueError(f"linear_segments: weights of shapes {shape} and {w.shape}; the parts must have one")
+        _check_input(x, w)
+    x2 = _as_rows(x)
+    pick = _compiled_kernel if compiling() else select_kernel
+    kernel = pick(x2, parts[0])
+    if kernel is not None and kernel.run_segments is not None and all(pick(x2, w) is kernel for w in parts[1:]):
+        return kernel.run_segments(x2, parts, starts, counts)
+    return torch.cat([linear(x2[start:start + count], w) for w, start, count in zip(parts, starts, counts)])

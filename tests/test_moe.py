@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -173,6 +174,77 @@ def test_packed_experts_match_per_token_reference(family, fmt, tiny_model):
     assert experts.gate.fmt.name == fmt
     ours, reference = model.forward(IDS), reference_moe_logits(model, IDS)
     assert (ours - reference).abs().max().item() < 1e-3 * reference.abs().max().item()
+
+
+def per_expert_experts(x, indices, w, moe, activation="silu"):
+    """The experts as the forward ran them before ``linear_segments``: one expert at a time on its tokens, gate and up
+    in one ``linear_parts`` call, the activation, then down."""
+    from workbench.kernels import linear, linear_parts
+    from workbench.moe import clamped_swiglu
+
+    n_tokens, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    out = x.new_empty(n_tokens * k, x.shape[1])
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=len(w.experts)).tolist()):
+        if not count:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        gate_w, up_w, down_w = w.experts[expert]
+        gate, up = linear_parts(x.index_select(0, pairs // k), (gate_w, up_w))
+        if w.gate_bias is not None:
+            gate, up = gate + w.gate_bias[expert], up + w.up_bias[expert]
+        if moe.swiglu_limit is not None:
+            hidden = clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
+        elif activation == "gelu_tanh":
+            hidden = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = layer_ops.swiglu(gate, up)
+        expert_out = linear(hidden, down_w)
+        out[pairs] = expert_out if w.down_bias is None else expert_out + w.down_bias[expert]
+    return out.view(n_tokens, k, x.shape[1])
+
+
+@pytest.mark.parametrize("numerics", ["exact", "llamacpp"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "MXFP4"])
+def test_experts_in_one_call_equal_one_expert_at_a_time(fmt, numerics, tiny_model, monkeypatch):
+    """run_experts (each projection kind of all chosen experts in one kernel call) gives the former per-expert loop's
+    bits: one token (decode, slot order; an expert a hook chose twice), a few tokens grouped by expert, and enough
+    tokens that some expert's group takes the kernel's panel path; Q4_K experts, and GPT-OSS's MXFP4 experts with
+    their biases and clamped SwiGLU."""
+    from workbench.kernels import cpu, numerics as using
+    from workbench.kernels.cpu import PANEL_MIN_BATCH
+    from workbench.moe import run_experts
+
+    if fmt == "MXFP4":
+        model = workbench.load(Path(__file__).parent / "fixtures" / "moe" / "gpt-oss-MXFP4_MOE.gguf", device="cpu")
+    else:
+        model = tiny_model("qwen3moe", fmt, device="cpu", **K_SHAPE)
+    moe = model.config.moe
+    w = model.runner.weights.layers[1].moe
+    assert w.down.fmt.name == fmt and (w.gate_bias is not None) == (fmt == "MXFP4")
+    generator = torch.Generator().manual_seed(0)
+    cases = {"one token": 1, "one token, an expert chosen twice": 1, "a few tokens": 5, "panels": 8 * PANEL_MIN_BATCH}
+    for case, n_tokens in cases.items():
+        x = torch.randn(n_tokens, model.config.d_model, generator=generator)
+        indices = torch.rand(n_tokens, moe.n_experts, generator=generator).topk(moe.n_experts_used).indices
+        if case == "one token, an expert chosen twice":
+            indices[:, 1] = indices[:, 0]
+        if case == "panels":
+            assert torch.bincount(indices.reshape(-1)).max() >= PANEL_MIN_BATCH
+        with using(numerics):
+            ours, reference = run_experts(x, indices, w, moe), per_expert_experts(x, indices, w, moe)
+        assert ours.shape == (n_tokens, moe.n_experts_used, model.config.d_model)
+        assert torch.equal(ours, reference), (case, (ours - reference).abs().max())
+    if numerics == "exact":  # a token's experts: one kernel call for gate and up, one for down
+        x, indices = x[:1], indices[:1]
+        ops, calls, reference = cpu.extension(), [], per_expert_experts(x, indices, w, moe)
+        monkeypatch.setattr(cpu, "extension", lambda: SimpleNamespace(
+            linear_exact_segments=lambda *args: calls.append(args) or ops.linear_exact_segments(*args)))
+        assert torch.equal(run_experts(x, indices, w, moe), reference)
+        assert len(calls) == 2
 
 
 @pytest.mark.parametrize("family, fmt", [("mixtral", "Q8_0"), ("qwen2moe", "Q8_0"), ("qwen3moe", "Q4_K")])

@@ -9,6 +9,7 @@ grouped by expert: one matmul per active expert over the tokens that chose it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from workbench.architectures import ARCHITECTURES
 from workbench.config import MoEConfig
 from workbench.errors import HookError, ModelLoadError
-from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
+from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts, linear_segments
 
 # The hook points of an MoE block's MLP, in the order the forward reaches them (they replace mlp.hook_pre,
 # mlp.hook_pre_linear and mlp.hook_post, which a token has once per chosen expert here).
@@ -188,32 +189,40 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEC
     """Each chosen expert's gated output (SwiGLU, GeGLU for ``activation`` "gelu_tanh", GPT-OSS's clamped SwiGLU where
     ``moe`` sets a limit) for its token, ``[T, k, d_model]`` (unweighted; with its biases where the model has them).
 
-    The (token, slot) pairs are sorted by expert, so each active expert runs once, on all its tokens: its rows of the
-    stacked matrices are read once per forward, and experts no token chose are not read at all."""
+    The (token, slot) pairs are grouped by expert, so each active expert runs once, on all its tokens: its rows of the
+    stacked matrices are read once per forward, and experts no token chose are not read at all. The gate and up
+    projections of every group take one kernel call, the down projections another (``linear_segments``: on the CPU,
+    one parallel region each, as llama.cpp's ``mul_mat_id``), and the activation one pass over all pairs. A single
+    token (decode) keeps its slot order: no sort."""
     n_tokens, k = indices.shape
     flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(w.experts)).tolist()  # the host needs the group sizes
-    out = x.new_empty(n_tokens * k, x.shape[1])
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        gate_w, up_w, down_w = w.experts[expert]
-        tokens = x.index_select(0, pairs // k)
-        gate, up = linear_parts(tokens, (gate_w, up_w))
-        if w.gate_bias is not None:
-            gate, up = gate + w.gate_bias[expert].to(gate.dtype), up + w.up_bias[expert].to(up.dtype)
-        if moe.swiglu_limit is not None:
-            hidden = clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
-        elif activation == "gelu_tanh":
-            hidden = F.gelu(gate, approximate="tanh") * up
-        else:
-            hidden = layer_ops.swiglu(gate, up)
-        expert_out = linear(hidden, down_w)
-        out[pairs] = expert_out if w.down_bias is None else expert_out + w.down_bias[expert].to(expert_out.dtype)
+    if n_tokens == 1:  # a hook may choose an expert twice: it then runs twice
+        experts, counts, order, tokens = flat.tolist(), [1] * k, None, x
+    else:
+        order = torch.argsort(flat, stable=True)
+        per_expert = torch.bincount(flat, minlength=len(w.experts)).tolist()  # the host needs the group sizes
+        experts = [e for e, count in enumerate(per_expert) if count]
+        counts = [per_expert[e] for e in experts]
+        tokens = x.index_select(0, order // k)
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]  # each group's first pair (and token row, sorted)
+    token_starts = [0] * k if order is None else starts
+    gate_w, up_w, down_w = zip(*(w.experts[e] for e in experts))
+    gate, up = linear_segments(tokens, gate_w + up_w, token_starts * 2, counts * 2).split(n_tokens * k)
+    pair_experts = flat if order is None else flat[order]
+    if w.gate_bias is not None:
+        gate = gate + w.gate_bias[pair_experts].to(gate.dtype)
+        up = up + w.up_bias[pair_experts].to(up.dtype)
+    if moe.swiglu_limit is not None:
+        hidden = clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
+    elif activation == "gelu_tanh":
+        hidden = F.gelu(gate, approximate="tanh") * up
+    else:
+        hidden = layer_ops.swiglu(gate, up)
+    out = linear_segments(hidden, down_w, starts, counts)
+    if w.down_bias is not None:
+        out = out + w.down_bias[pair_experts].to(out.dtype)
+    if order is not None:  # back to (token, slot) order
+        out = torch.empty_like(out).index_copy_(0, order, out)
     return out.view(n_tokens, k, x.shape[1])
 
 

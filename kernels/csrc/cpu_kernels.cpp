@@ -691,6 +691,21 @@ void dequantize_rows(const uint8_t* w, int64_t rows, int64_t k, float* out) {
   });
 }
 
+// out [M, rows] (a view) = x [M, K] @ dequantize(W).T for W of rows x K: panels of W dequantized for at::mm.
+template <class F>
+void panel_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch::Tensor out) {
+  const int64_t cols = x.size(1), row_bytes = cols / F::kValues * F::kBytes;
+  const int64_t panel_rows = std::min(rows, std::max<int64_t>(64, (1 << 18) / cols));  // ~1 MiB of floats
+  torch::Tensor panel = torch::empty({panel_rows, cols}, x.options());
+  for (int64_t start = 0; start < rows; start += panel_rows) {
+    const int64_t count = std::min(panel_rows, rows - start);
+    torch::Tensor part = panel.narrow(0, 0, count);
+    dequantize_rows<F>(w + start * row_bytes, count, cols, part.data_ptr<float>());
+    torch::Tensor target = out.narrow(1, start, count);
+    at::mm_out(target, x, part.t());
+  }
+}
+
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t rows, int64_t cols, int64_t block_values,
                   int64_t block_bytes) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "workbench cpu kernels: tensors must be on the CPU");
@@ -739,18 +754,56 @@ torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::I
   }
   for (size_t p = 0; p < parts; ++p) {
     visit_format(ggml_types[p], [&](auto format) {
+      panel_matmul<decltype(format)>(x, packed[p].data_ptr<uint8_t>(), rows[p], out.narrow(1, first_row[p], rows[p]));
+    });
+  }
+  return out;
+}
+
+// Each weight times its own rows of x, as llama.cpp's mul_mat_id runs a token's experts: rows x_first[p] ..
+// x_first[p] + x_count[p] of x [M, K] float32 @ dequantize(packed[p]).T (GGUF type ggml_types[p], rows x K), stacked in
+// part order: [sum of x_count, rows]. The parts of fewer than panel_min_batch rows of x share one parallel region and
+// linear_exact's fused dot products; larger ones take its panels. Either way each output has the bits linear_exact
+// gives on that part's rows alone.
+torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packed, c10::IntArrayRef ggml_types,
+                                    int64_t rows, int64_t cols, c10::IntArrayRef x_first, c10::IntArrayRef x_count,
+                                    int64_t panel_min_batch) {
+  const size_t parts = packed.size();
+  TORCH_CHECK(parts > 0 && ggml_types.size() == parts && x_first.size() == parts && x_count.size() == parts,
+              "workbench cpu kernels: one type, first row and row count of x per packed weight");
+  std::vector<int64_t> out_first(parts + 1, 0);  // each part's first output row
+  std::vector<size_t> fused;  // the parts of the shared parallel region
+  for (size_t p = 0; p < parts; ++p) {
+    visit_format(ggml_types[p], [&](auto format) {
       using F = decltype(format);
-      const uint8_t* w = packed[p].data_ptr<uint8_t>();
-      const int64_t row_bytes = cols / F::kValues * F::kBytes;
-      const int64_t panel_rows = std::min(rows[p], std::max<int64_t>(64, (1 << 18) / cols));  // ~1 MiB of floats
-      torch::Tensor panel = torch::empty({panel_rows, cols}, x.options());
-      for (int64_t start = 0; start < rows[p]; start += panel_rows) {
-        const int64_t count = std::min(panel_rows, rows[p] - start);
-        torch::Tensor part = panel.narrow(0, 0, count);
-        dequantize_rows<F>(w + start * row_bytes, count, cols, part.data_ptr<float>());
-        torch::Tensor target = out.narrow(1, first_row[p] + start, count);
-        at::mm_out(target, x, part.t());
-      }
+      check_inputs(x, packed[p], rows, cols, F::kValues, F::kBytes);
+    });
+    TORCH_CHECK(x_first[p] >= 0 && x_count[p] >= 0 && x_first[p] + x_count[p] <= x.size(0),
+                "workbench cpu kernels: rows ", x_first[p], " + ", x_count[p], " are outside x's ", x.size(0));
+    out_first[p + 1] = out_first[p] + x_count[p];
+    if (x_count[p] > 0 && x_count[p] < panel_min_batch) fused.push_back(p);
+  }
+  torch::Tensor out = torch::empty({out_first[parts], rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const int64_t n = static_cast<int64_t>(fused.size()) * rows;
+  const int64_t mean_count = std::max<int64_t>(1, out_first[parts] / static_cast<int64_t>(parts));
+  parallel_rows(n, cols * mean_count, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end;) {  // (part, weight row) pairs, a part's rows at a time
+      const size_t p = fused[i / rows];
+      const int64_t lo = i % rows, hi = std::min(rows, lo + end - i);
+      visit_format(ggml_types[p], [&](auto format) {
+        matmul_rows_exact<decltype(format)>(xp + x_first[p] * cols, x_count[p], cols, packed[p].data_ptr<uint8_t>(), lo,
+                                            hi, outp + out_first[p] * rows, rows);
+      });
+      i += hi - lo;
+    }
+  });
+  for (size_t p = 0; p < parts; ++p) {
+    if (x_count[p] < panel_min_batch) continue;
+    visit_format(ggml_types[p], [&](auto format) {
+      panel_matmul<decltype(format)>(x.narrow(0, x_first[p], x_count[p]), packed[p].data_ptr<uint8_t>(), rows,
+                                     out.narrow(0, out_first[p], x_count[p]));
     });
   }
   return out;
@@ -972,6 +1025,9 @@ torch::Tensor ggml_expf(const torch::Tensor& x) {
 WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // x @ dequantize(W).T from GGUF blocks for each W, side by side, fp32 accumulation
   m.def("linear_exact(Tensor x, Tensor[] packed, int[] ggml_types, int[] rows, int cols, int panel_min_batch) -> Tensor");
+  // each W = packed[p] times its own rows of x, the results stacked (a token's experts in one call)
+  m.def("linear_exact_segments(Tensor x, Tensor[] packed, int[] ggml_types, int rows, int cols, int[] x_first, "
+        "int[] x_count, int panel_min_batch) -> Tensor");
   // x @ W.T with ggml-cpu's Q8 activation quantization and integer dots
   m.def("linear_llamacpp(Tensor x, Tensor packed, int ggml_type, int rows, int cols) -> Tensor");
   // ggml-cpu's Q8_0 / Q8_1 / Q8_K blocks of x for a weight type
@@ -989,6 +1045,7 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
 
 WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("linear_exact", &linear_exact);
+  m.impl("linear_exact_segments", &linear_exact_segments);
   m.impl("linear_llamacpp", &linear_llamacpp);
   m.impl("quantize_activations", &quantize_activations);
   m.impl("rms_norm", &rms_norm);
