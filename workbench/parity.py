@@ -273,6 +273,24 @@ class LlamaCppRun:
 _SILENCE: list[Any] = []
 
 
+def without_extra_buffer_types() -> None:
+    """Make ``llama_cpp.Llama`` load models without ggml's extra CPU buffer types (its repacked / AMX weight layouts):
+    with them, llama-cpp-python 0.3.36's first ``llama_decode`` crashed (SIGSEGV) on the machine these fixtures were
+    made on, the embedded model too. ``Llama()`` takes no such option, so its default model parameters are changed; the
+    plain CPU kernels compute the same products."""
+    require_llama_cpp()
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+
+
 def load_llamacpp_model(path: str | Path, extra_buffers: bool = False) -> Any:
     """A GGUF loaded by llama.cpp's own loader (``llama_model_free`` it after use), its logging silenced.
 
