@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -232,7 +233,8 @@ _GGML_F32, _GGML_F16 = 0, 1
 
 
 def _ggml_library(llama_cpp) -> ctypes.CDLL:
-    lib = Path(llama_cpp.__file__).parent / "lib"
+    """The ggml beside the ``libllama`` llama-cpp-python loaded: its own, or a build's under ``LLAMA_CPP_LIB_PATH``."""
+    lib = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")
     found = sorted(lib.glob("libggml-base.*")) or sorted(lib.glob("libggml.*"))
     if not found:
         raise WorkbenchError(f"no libggml-base next to llama_cpp ({lib})")
