@@ -7,6 +7,11 @@ every third ``held_out``: kept out of any tuning of the numerics); each random m
 4 layers, d_model 256, in each ``--formats``) runs 30 random token sequences of the same lengths, every third held out.
 
     python bench/llamacpp_agreement.py [--formats Q4_0 Q4_1 Q8_0 Q4_K_M Q6_K] [--no-embedded] [--threads 2]
+    LLAMA_CPP_LIB_PATH=llama.cpp/build/bin python bench/llamacpp_agreement.py --device cuda   # both on a GPU
+
+``--device cuda`` runs ours on CUDA and llama.cpp with every layer on its CUDA backend (``-ngl 99``): llama-cpp-python
+loads the ``libllama.so`` of a llama.cpp built with ``-DGGML_CUDA=ON`` from ``LLAMA_CPP_LIB_PATH`` (the vendored
+llama.cpp of the same release, so its C API matches).
 """
 from __future__ import annotations
 
@@ -21,19 +26,20 @@ FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llama
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q6_K")
 
 
-def agreement(model, prompts: list[list[int]], held_out: list[bool], threads: int) -> dict:
+def agreement(model, prompts: list[list[int]], held_out: list[bool], threads: int, gpu_layers: int = 0) -> dict:
     """Per numerics and part (tuning, held out): prompts, positions, top-1 agreement, mean and max KL(llama.cpp ||
     ours) over the whole vocabulary."""
     from workbench import parity
     from workbench.kernels import numerics
 
     reference = [torch.from_numpy(parity.capture_llamacpp(model.path, ids, names=lambda n: False,
-                                                          threads=threads).tensors["result_output"])
+                                                          threads=threads, gpu_layers=gpu_layers
+                                                          ).tensors["result_output"])
                  for ids in prompts]
     results = {}
     for mode in ("exact", "llamacpp"):
         with numerics(mode), torch.inference_mode():
-            ours = [model.forward(ids) for ids in prompts]
+            ours = [model.forward(ids).float().cpu() for ids in prompts]
         for part, wanted in (("tuning", False), ("held out", True)):
             idx = [i for i, h in enumerate(held_out) if h == wanted]
             kl = torch.cat([parity.kl_per_position(reference[i], ours[i]) for i in idx])
@@ -53,14 +59,17 @@ def main() -> None:
     parser.add_argument("--formats", nargs="*", default=list(FORMATS))
     parser.add_argument("--no-embedded", action="store_true", help="only the random models")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="ours on this device; cuda puts llama.cpp on its GPU too")
+    parser.add_argument("--dtype", default="float32", help="our activations' dtype (llama.cpp's are float32)")
     args = parser.parse_args()
+    gpu_layers = 99 if args.device == "cuda" else 0
     torch.set_num_threads(args.threads)
     fixture = json.loads(FIXTURE.read_text())["prompts"]
     held_out = [p["held_out"] for p in fixture]
     out = {}
     if not args.no_embedded:
-        model = workbench.load(None, device="cpu")
-        out["embedded"] = agreement(model, [p["ids"] for p in fixture], held_out, args.threads)
+        model = workbench.load(None, device=args.device, dtype=args.dtype)
+        out["embedded"] = agreement(model, [p["ids"] for p in fixture], held_out, args.threads, gpu_layers)
         print(json.dumps({"embedded": out["embedded"]}, indent=1), flush=True)
     generator = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,10 +77,10 @@ def main() -> None:
             config = random_config("llama", n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512, n_ctx=1024)
             checkpoint = random_checkpoint(config, fmt, seed=0)
             path = write_gguf(Path(tmp) / f"random-{fmt}.gguf", checkpoint.config, checkpoint.weights)
-            model = workbench.load(path, device="cpu")
+            model = workbench.load(path, device=args.device, dtype=args.dtype)
             prompts = [torch.randint(1, config.vocab_size, (len(p["ids"]),), generator=generator).tolist()
                        for p in fixture]
-            out[fmt] = agreement(model, prompts, held_out, args.threads)
+            out[fmt] = agreement(model, prompts, held_out, args.threads, gpu_layers)
             print(json.dumps({fmt: out[fmt]}, indent=1), flush=True)
 
 
