@@ -335,7 +335,7 @@ def linear_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Seque
     shape = parts[0].shape
     for w in parts:
         if w.shape != shape:
-            raise ValueError(f"linear_segments: weights of shapes {shape} and {w.shape}; the parts must have one")
+            raise ValueError(f"linear_segments: parts of shapes {shape} and {w.shape}; they must have one shape")
         _check_input(x, w)
     x2 = _as_rows(x)
     pick = _compiled_kernel if compiling() else select_kernel

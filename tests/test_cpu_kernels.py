@@ -11,7 +11,9 @@ import torch
 
 from workbench.kernels import cpu
 from workbench.kernels.formats import QuantFormat
-from workbench.kernels.linear import BLOCKWISE, REGISTRY, Kernel, linear, linear_parts, select_kernel
+from workbench.kernels.linear import (
+    BLOCKWISE, REGISTRY, Kernel, linear, linear_parts, linear_segments, select_kernel,
+)
 from workbench.kernels.quant_tensor import QuantTensor
 
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
@@ -131,6 +133,23 @@ def test_parts_check_each_weight_and_fall_back_when_kernels_differ():
     quantized = random_weight("Q8_0", 8, K)
     y_dense, y_quantized = linear_parts(x, [dense, quantized])
     assert torch.equal(y_dense, linear(x, dense)) and torch.equal(y_quantized, linear(x, quantized))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "MXFP4"])
+def test_segments_in_one_call_equal_separate_calls(name):
+    """Each weight on its own rows of x (an MoE layer's chosen experts) through one call gives each part's own result
+    on its rows, bit for bit: rows in the fused dot products, rows in the panels, and a part with no rows."""
+    parts = [random_weight(name, 24, K, seed=seed) for seed in range(4)]
+    x = torch.randn(30, K, generator=torch.Generator().manual_seed(4))
+    starts, counts = [0, 3, 3, 4], [3, 0, 1, cpu.PANEL_MIN_BATCH + 4]
+    assert select_kernel(x, parts[0]).run_segments is not None
+    out = linear_segments(x, parts, starts, counts)
+    expected = torch.cat([linear(x[start:start + count], w) for w, start, count in zip(parts, starts, counts)])
+    assert out.shape == (sum(counts), 24) and torch.equal(out, expected)
+    with pytest.raises(ValueError, match="one shape"):
+        linear_segments(x, [parts[0], random_weight(name, 8, K)], [0, 0], [1, 1])
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu.extension().linear_exact_segments(x, [parts[0].data], [parts[0].fmt.ggml_type], 24, K, [29], [2], 16)
 
 
 def test_extension_rejects_malformed_weights():

