@@ -427,7 +427,7 @@ def test_a_prompt_longer_than_a_forward_runs_in_chunks(llama, monkeypatch):
     whole = llama.run_batch([long], record=names)[0]
     steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(llama.config.d_model), positions=[-1, 3])
     steered = llama.run_batch([long], interventions=[steer])[0]
-    monkeypatch.setattr(llama, "_max_batch_tokens", lambda: 16)
+    monkeypatch.setattr(llama, "max_batch_tokens", lambda: 16)
     widths = []
     forward = llama.runner.forward
     monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))

@@ -328,6 +328,10 @@ class Model:
         finally:
             _ACTIVE.reset(token)
 
+    def in_hooks_block(self) -> bool:
+        """Whether a ``with model.hooks(...)`` block applies to this model's calls here."""
+        return any(model is self for model, _, _ in _ACTIVE.get())
+
     def _call_hooks(self, interventions: Sequence[Any], record: Sequence[str] | None, prompt_len: int,
                     total_len: int, saes: Sequence[Any] = (), use_error_term: bool = True):
         """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks, with the
@@ -490,7 +494,7 @@ class Model:
                 return out
             n_tail = [len(r) - shared for r in rows]  # each row's prefix logits before its own
             return torch.cat([x for b, tail in enumerate(out.split(n_tail)) for x in (head, tail)])
-        chunk = self._max_batch_tokens()
+        chunk = self.max_batch_tokens()
         if len(rows) > 1 or longest <= chunk:
             return self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
                                        last_logits_only=last_only, lora=lora)
@@ -616,7 +620,7 @@ class Model:
                     fits = len(chunk) < batch_size
                 elif i is not None and chunk:  # padded tokens, and attention's [B, heads, T_max, T_max] rows
                     tokens = (len(chunk) + 1) * lengths[chunk[0]]
-                    fits = tokens <= self._max_batch_tokens() and (
+                    fits = tokens <= self.max_batch_tokens() and (
                         tokens * (per_token + per_score * lengths[chunk[0]]) <= budget)
                 else:
                     fits = i is not None
@@ -630,9 +634,9 @@ class Model:
         finally:
             close()
 
-    def _max_batch_tokens(self) -> int:
-        # bounds one forward's padded tokens whatever the memory budget: the attention rows of a batch holding one long
-        # prompt grow with its length squared
+    def max_batch_tokens(self) -> int:
+        """The most padded tokens one batched forward takes, whatever the memory budget: the attention rows of a batch
+        holding one long prompt grow with its length squared."""
         return 8192 if self.device.type == "cuda" else 2048
 
     def batch_bytes(self, vocab_rows: bool = True) -> tuple[int, int, int]:

@@ -546,7 +546,8 @@ class Transformer:
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
-                lora: Lora | LoraRows | None = None) -> torch.Tensor:
+                lora: Lora | LoraRows | None = None, start_at_layer: int = 0,
+                resid: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
@@ -554,30 +555,43 @@ class Transformer:
         sequence's last row alone with ``last_logits_only``, ``[B, vocab]``) and a cache is a ``BatchKVCache``.
         ``lora``: the adapters' terms to add to the projections (None: the base model), or with a ``layout`` a choice
         per sequence (``LoraRows``).
+
+        ``start_at_layer`` (TransformerLens' name): the forward starts at that block, from ``resid``, the residual
+        stream entering it (``[T, d_model]``, packed as ``ids``); the embedding and the blocks before it do not run,
+        and a cache's layers before it are left as they are (``can_start_at_layer`` says where a forward may start).
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
         segments = lora_segments(lora, layout)
         positions, blocked = self._positions(ids.shape[0], cache, layout)
-        point = _Points(hooks, positions, step, layout)
         rotation = local_rotation = self.rotation(positions)
         local_blocked = blocked
         if c.sliding_window:  # sliding layers also mask the slots past the window, and may rotate by their own base
             local_blocked = self._sliding_mask(positions, blocked, cache, layout)
             if self.local_rope is not None:
                 local_rotation = self.rotation(positions, self.local_rope)
-
-        x = w.embed.dequantize_rows(ids).to(self.dtype)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        x = point("hook_embed", x)
-        per_layer = self._per_layer_inputs(ids, x) if w.per_layer_embed is not None else None
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # keys and values later layers reuse
-        x = point(self._names[0]["hook_resid_pre"], x, 0)
-        normalized = rms_norm(x, w.layers[0].attn_norm, c.rms_eps, point, self._names[0]["ln1"], 0)
+
+        first = start_at_layer
+        if first or resid is not None:
+            self._check_start(first, resid, ids.shape[0])
+            device = self.devices[first]  # a split model's block may run on another device than the embedding
+            x, positions, rotation, blocked, local_rotation, local_blocked = _to(
+                device, resid.to(self.dtype), positions, rotation, blocked, local_rotation, local_blocked)
+            layout = layout.to(device) if layout is not None and device != self.device else layout
+            point, per_layer = _Points(hooks, positions, step, layout), None
+        else:
+            point = _Points(hooks, positions, step, layout)
+            x = w.embed.dequantize_rows(ids).to(self.dtype)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+            x = point("hook_embed", x)
+            per_layer = self._per_layer_inputs(ids, x) if w.per_layer_embed is not None else None
+        x = point(self._names[first]["hook_resid_pre"], x, first)
+        normalized = rms_norm(x, w.layers[first].attn_norm, c.rms_eps, point, self._names[first]["ln1"], first)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
-        for i, layer in enumerate(w.layers):
+        for i, layer in enumerate(w.layers[first:], first):
             names = self._names[i]
             adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
             if self._sliding[i]:
@@ -622,6 +636,22 @@ class Transformer:
         if cache is not None:
             cache.commit(positions, ids)
         return logits
+
+    def can_start_at_layer(self, layer: int) -> bool:
+        """Whether a forward can start at block ``layer`` from its residual stream: not where a later block reads the
+        keys and values of an earlier one (Gemma 4) or the per-layer inputs taken from the embedding (E2B/E4B)."""
+        c = self.config
+        return (0 <= layer < c.n_layers and self.weights.per_layer_embed is None
+                and all(c.kv_source(i) >= layer for i in range(layer, c.n_layers)))
+
+    def _check_start(self, layer: int, resid: torch.Tensor | None, n_tokens: int) -> None:
+        if not self.can_start_at_layer(layer):
+            raise WorkbenchError(f"a forward cannot start at layer {layer} of this model (0..{self.config.n_layers - 1};"
+                                 f" not past a layer whose keys, values or per-layer inputs later layers read)")
+        if resid is None or tuple(resid.shape) != (n_tokens, self.config.d_model):
+            shape = None if resid is None else tuple(resid.shape)
+            raise WorkbenchError(f"a forward starting at layer {layer} takes the residual stream "
+                                 f"[{n_tokens}, {self.config.d_model}] entering it, got {shape}")
 
     def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gemma 4 E2B/E4B's per-layer inputs ``[T, n_layers, d_per_layer]``: each token's per-layer embeddings (times
