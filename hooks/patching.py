@@ -163,10 +163,10 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
 
 Cell = tuple[int, str, "int | None", "int | None"]  # (layer, hook point, position or None for all, head or None)
 
-# What one block's call costs beyond its arithmetic (kernel launches, Python), as FLOPs of the arithmetic it could have
-# done meanwhile: cells of several layers share forwards from the first one's block while recomputing the blocks
-# between costs less than more calls. The CPU's is measured on 2 threads (docs/batches.md); CUDA's is an estimate.
-CALL_FLOPS = {"cpu": 3e8, "cuda": 1e10}
+# What a forward's call of one block costs beyond its arithmetic (weight dequantization, kernel launches, Python), as
+# the FLOPs of arithmetic it could have done meanwhile; a forward's own setup counts as one more call. ``_segments``
+# weighs it against blocks recomputed. The CPU's is measured on 2 threads (docs/batches.md); CUDA's is an estimate.
+CALL_FLOPS = {"cpu": 4e8, "cuda": 1e10}
 
 
 @dataclass
@@ -207,100 +207,115 @@ def _corrupt_run(model: Any, ids: list[int], starts: set[int]) -> _CorruptRun:
 
 def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _CorruptRun, corrupt_ids: list[int],
                      metric: Metric, answer_pair: tuple[int, int] | None, progress: bool | ProgressFn) -> torch.Tensor:
-    """Each cell's metric, the cell continuing the corrupt run from its block and position: cells are grouped into
-    bands of layers (``_bands``), and each band's cells, sorted by position, are the rows of batched forwards from the
-    band's first block, each row seeded with the corrupt run's keys and values before its position."""
+    """Each cell's metric, the cell continuing the corrupt run from its block and position as a row of batched
+    forwards. The cells (in chunks that fit memory) pass through the blocks in segments (``_segments``): a cell joins
+    the rows at the start of the segment holding its layer, from the corrupt run's residual stream there, its cache row
+    seeded with the corrupt run's keys and values before its position; each segment goes on from the stream the last
+    one stopped at."""
     runner, c = model.runner, model.config
     n_tokens = len(corrupt_ids)
     first = [pos or 0 for _, _, pos, _ in cells]  # the first position each cell runs
     last_only = answer_pair is not None
     donors = {name: clean.activations[name].to(model.point_device(name), model.dtype) for _, name, _, _ in cells}
-    per_token, per_score, budget = model.batch_bytes(vocab_rows=not last_only)
-    element = torch.finfo(model.dtype).bits // 8
-    slot_bytes = element * 2 * sum(math.prod(c.layer_heads(i)) for i in range(c.n_layers))  # a row's cache slot
     grid = torch.empty(len(cells))
     update, close = progress_callback(progress, len(cells), "cells")
     done = 0
     try:
-        for start, band in _bands(model, cells, first, n_tokens):
-            band.sort(key=lambda n: first[n])
-            for rows in _chunks(band, first, n_tokens, per_token, per_score, slot_bytes, budget,
-                                model.max_batch_tokens()):
+        for chunk in _chunks(model, sorted(range(len(cells)), key=lambda n: (cells[n][0], first[n])), first,
+                             n_tokens, last_only):
+            rows: list[int] = []  # the cells of the forward's rows, in order: each segment's joining cells are appended
+            x = None
+            for start, stop, joining in _segments(model, [cells[n][0] for n in chunk], first, n_tokens, chunk):
+                rows += joining
                 cached = [first[n] for n in rows]
                 layout = BatchLayout([n_tokens - p for p in cached], runner.device, cached=cached)
                 cache = (BatchKVCache.from_prefixes(corrupt.cache, cached, max(cached) + layout.width,
-                                                    range(start, c.n_layers)) if any(cached) else None)
+                                                    range(start, stop)) if any(cached) else None)
                 ids = torch.tensor([t for p in cached for t in corrupt_ids[p:]], dtype=torch.long)
-                resid = torch.cat([corrupt.resid[start][p:] for p in cached]) if start else None
-                hooks = _patch_hooks(model, [cells[n] for n in rows], layout, donors)
+                if start:  # rows so far go on from where the last segment stopped, joining ones from the corrupt run
+                    stream = ([] if x is None else [x]) + [corrupt.resid[start][first[n]:] for n in joining]
+                    x = torch.cat([part.to(runner.devices[start]) for part in stream])
+                patched = [(b, cells[n]) for b, n in enumerate(rows) if start <= cells[n][0] < stop]
                 with torch.inference_mode(), model.numerics_scope():
-                    out = runner.forward(ids, cache=cache, hooks=hooks, layout=layout, last_logits_only=last_only,
-                                         start_at_layer=start, resid=resid)
-                if last_only:  # the default metric, on the device: one small copy back
-                    grid[rows] = (out[:, answer_pair[0]] - out[:, answer_pair[1]]).float().cpu()
-                else:  # a metric of every position sees the corrupt run's logits before the row's first position
-                    out = out.cpu()
-                    for b, n in enumerate(rows):
-                        grid[n] = float(metric(torch.cat((corrupt.logits[:first[n]], out[layout.rows(b)]))))
-                done += len(rows)
-                update(done)
+                    x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
+                                       layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
+                                       stop_at_layer=stop)
+            if last_only:  # the default metric, on the device: one small copy back
+                grid[rows] = (x[:, answer_pair[0]] - x[:, answer_pair[1]]).float().cpu()
+            else:  # a metric of every position sees the corrupt run's logits before the row's first position
+                logits = x.cpu()
+                for b, n in enumerate(rows):
+                    grid[n] = float(metric(torch.cat((corrupt.logits[:first[n]], logits[layout.rows(b)]))))
+            done += len(chunk)
+            update(done)
     finally:
         close()
     return grid
 
 
-def _bands(model: Any, cells: Sequence[Cell], first: Sequence[int], n_tokens: int) -> list[tuple[int, list[int]]]:
-    """The cells grouped by consecutive swept layers, ``(the block their forwards start at, cell indices)`` each, so that
-    blocks run (as tokens) plus calls (as ``CALL_FLOPS``' tokens) are fewest: one band per layer where calls are cheap
-    (the CPU), few where they are dear (small models on a GPU)."""
+def _chunks(model: Any, order: list[int], first: Sequence[int], n_tokens: int, last_only: bool) -> list[list[int]]:
+    """The cells ``order`` (by layer, then position) in chunks whose rows fit one forward, all of them at once: within
+    ``model.max_batch_tokens()`` padded tokens, and ``model.batch_bytes`` for activations, attention scores and cache
+    rows."""
+    c = model.config
+    per_token, per_score, budget = model.batch_bytes(vocab_rows=not last_only)
+    element = torch.finfo(model.dtype).bits // 8
+    slot_bytes = element * 2 * sum(math.prod(c.layer_heads(i)) for i in range(c.n_layers))  # a row's cache slot
+    chunks, chunk, width, prefix = [], [], 0, 0  # width: the chunk's longest row; prefix: its longest cached prefix
+    for n in order:
+        grown_width, grown_prefix = max(width, n_tokens - first[n]), max(prefix, first[n])
+        rows = len(chunk) + 1
+        padded, slots = rows * grown_width, grown_prefix + grown_width
+        if chunk and (padded > model.max_batch_tokens()
+                      or padded * (per_token + per_score * slots) + rows * slots * slot_bytes > budget):
+            chunks.append(chunk)
+            chunk, grown_width, grown_prefix = [], n_tokens - first[n], first[n]
+        chunk.append(n)
+        width, prefix = grown_width, grown_prefix
+    return chunks + [chunk]
+
+
+def _segments(model: Any, layers: Sequence[int], first: Sequence[int], n_tokens: int, cells: Sequence[int]
+              ) -> list[tuple[int, int, list[int]]]:
+    """The blocks split into forwards ``(start, stop, the cells joining at start)``, each going on from the last one's
+    stream, so that the tokens run through blocks plus the calls (``CALL_FLOPS``' worth of tokens each) are fewest.
+    A cell joins at the start of its layer's segment, recomputing the blocks from there to its own (the patch lies
+    past them). Calls are cheap against the arithmetic on the CPU and for large models: about a segment per layer; for
+    a small model on a GPU, whose blocks are bound by kernel launches, one forward from the first layer."""
     c = model.config
     flops_per_token = 2 * (c.n_params - c.vocab_size * c.d_model * (1 if c.tied_embeddings else 2)) / c.n_layers
-    call_tokens = CALL_FLOPS.get(model.runner.device.type, CALL_FLOPS["cuda"]) / flops_per_token
-    by_layer: dict[int, list[int]] = {}
-    for n, (layer, _, _, _) in enumerate(cells):
-        by_layer.setdefault(layer, []).append(n)
-    layers = sorted(by_layer)
-    tokens = [sum(n_tokens - first[n] for n in by_layer[layer]) for layer in layers]
-    starts = [_start_of(model, layer) for layer in layers]
-    # cost[j]: the least cost of the first j layers, split[j]: where the last band of that split begins
-    cost, split = [0.0] + [math.inf] * len(layers), [0] * (len(layers) + 1)
-    for j in range(1, len(layers) + 1):
+    call = CALL_FLOPS.get(model.runner.device.type, CALL_FLOPS["cuda"]) / flops_per_token
+    tokens: dict[int, int] = {}  # layer -> its cells' tokens
+    for layer, n in zip(layers, cells):
+        tokens[layer] = tokens.get(layer, 0) + n_tokens - first[n]
+    # where a segment may start: the first cell's start, and each later swept layer a forward can start at
+    starts = [_start_of(model, min(tokens))]
+    starts += [layer for layer in sorted(tokens) if layer > starts[0] and model.runner.can_start_at_layer(layer)]
+    bounds = starts + [c.n_layers]
+    # active[j]: the tokens of the cells whose layer lies before bounds[j], all running in a segment that ends there
+    active = [sum(t for layer, t in tokens.items() if layer < bound) for bound in bounds]
+    cost, split = [0.0] + [math.inf] * (len(bounds) - 1), [0] * len(bounds)
+    for j in range(1, len(bounds)):
         for i in range(j):
-            here = cost[i] + (c.n_layers - starts[i]) * (call_tokens + sum(tokens[i:j]))
+            here = cost[i] + call + (bounds[j] - bounds[i]) * (call + active[j])
             if here < cost[j]:
                 cost[j], split[j] = here, i
-    bands, j = [], len(layers)
+    segments, j = [], len(bounds) - 1
     while j:
         i = split[j]
-        bands.append((starts[i], [n for layer in layers[i:j] for n in by_layer[layer]]))
+        joining = [n for layer, n in zip(layers, cells) if bounds[i] <= layer < bounds[j]]
+        segments.append((bounds[i], bounds[j], joining))
         j = i
-    return bands[::-1]
+    return segments[::-1]
 
 
-def _chunks(rows: list[int], first: Sequence[int], n_tokens: int, per_token: int, per_score: int, slot_bytes: int,
-            budget: int, max_tokens: int) -> list[list[int]]:
-    """``rows`` (sorted by first position) in forwards within ``max_tokens`` padded tokens and ``budget`` bytes of
-    activations, attention scores and cache slots."""
-    chunks: list[list[int]] = [[]]
-    for n in rows:
-        chunk = chunks[-1] + [n]
-        width = n_tokens - first[chunk[0]]  # the longest row's tokens
-        slots = first[n] + width
-        padded = len(chunk) * width
-        if len(chunk) > 1 and (padded > max_tokens or padded * (per_token + per_score * slots)
-                               + len(chunk) * slots * slot_bytes > budget):
-            chunks.append([n])
-        else:
-            chunks[-1] = chunk
-    return chunks
-
-
-def _patch_hooks(model: Any, cells: Sequence[Cell], layout: BatchLayout, donors: dict[str, torch.Tensor]
-                 ) -> dict[str, list]:
-    """One hook per patched point of a forward whose row ``b`` is the cell ``cells[b]``: it writes the clean run's
-    activation into every row's cell at once (row b starts at its cell's position, or at 0 to patch every position)."""
+def _patch_hooks(model: Any, patched: Sequence[tuple[int, Cell]], layout: BatchLayout,
+                 donors: dict[str, torch.Tensor]) -> dict[str, list] | None:
+    """One hook per patched point of a forward, row ``b`` of ``patched`` being the cell it names: the hook writes the
+    clean run's activation into all its rows' cells at once (a row starts at its cell's position, or at position 0 to
+    patch every position)."""
     edits: dict[str, tuple[list[int], list[int], list[int]]] = {}
-    for b, (_, name, pos, head) in enumerate(cells):
+    for b, (_, name, pos, head) in patched:
         dst, src, heads = edits.setdefault(name, ([], [], []))
         positions = range(layout.lengths[b]) if pos is None else [pos]
         dst += [layout.starts[b] + p - (pos or 0) for p in positions]
@@ -309,10 +324,12 @@ def _patch_hooks(model: Any, cells: Sequence[Cell], layout: BatchLayout, donors:
     hooks = {}
     for name, (dst, src, heads) in edits.items():
         device = model.point_device(name)
-        index = (torch.tensor(dst, device=device),) + (() if heads[0] is None else (torch.tensor(heads, device=device),))
+        index = (torch.tensor(dst, device=device),)
+        if heads[0] is not None:
+            index += (torch.tensor(heads, device=device),)
         values = donors[name][torch.tensor(src, device=device), *index[1:]]
         hooks[name] = [_writer(index, values)]
-    return hooks
+    return hooks or None
 
 
 def _writer(index: tuple[torch.Tensor, ...], values: torch.Tensor):

@@ -48,21 +48,27 @@ CLEAN_IDS, CORRUPT_IDS = [5, 17, 42, 99, 7], [5, 17, 60, 99, 7]
 def test_cells_continue_the_corrupt_run_as_the_rows_of_batched_forwards(tiny, monkeypatch):
     calls = []
     forward = tiny.runner.forward
-    monkeypatch.setattr(tiny.runner, "forward", lambda ids, *a, **k: calls.append(
-        (len(ids), k.get("start_at_layer", 0), k["layout"].cached if k.get("layout") else None)) or forward(ids, *a, **k))
+    def counted(ids, *args, **kwargs):
+        layout = kwargs.get("layout")
+        calls.append((len(ids), kwargs.get("start_at_layer", 0), kwargs.get("stop_at_layer"),
+                      layout.cached if layout else None))
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(tiny.runner, "forward", counted)
     progress = []
     result = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11),
                                   progress=lambda done, total: progress.append((done, total)))
     assert result.grid.shape == (2, 5)
     # clean (recorded once), corrupt (its keys and values kept), then the 10 cells as rows of one forward, each row
     # continuing the corrupt run from its cell's position: 5 + 4 + 3 + 2 + 1 tokens a layer
-    assert calls == [(5, 0, None), (5, 0, None), (30, 0, (0, 0, 1, 1, 2, 2, 3, 3, 4, 4))]
+    assert calls == [(5, 0, None, None), (5, 0, None, None), (30, 0, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
     assert progress == [(10, 10)]
-    # where calls cost nothing, each layer's cells start at their own block, from the corrupt run's residual stream
+    # where calls cost nothing, the forward goes block by block: each layer's cells join the rows at their own block,
+    # from the corrupt run's residual stream there, and the rows so far go on from where the last block stopped
     monkeypatch.setitem(patching.CALL_FLOPS, "cpu", 0.0)
     calls.clear()
     again = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11), progress=False)
-    assert calls[2:] == [(15, 0, (0, 1, 2, 3, 4)), (15, 1, (0, 1, 2, 3, 4))]
+    assert calls[2:] == [(15, 0, 1, (0, 1, 2, 3, 4)), (30, 1, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
     torch.testing.assert_close(again.grid, result.grid, atol=BOUND, rtol=0)
     # positions before the first differing token have no effect at any layer
     torch.testing.assert_close(result.grid[:, :2], torch.full((2, 2), result.corrupt_metric), atol=BOUND, rtol=0)
@@ -103,7 +109,7 @@ SWEEPS = [  # (over, hook, metric, positions)
 ]
 
 
-@pytest.mark.parametrize("call_flops", [0.0, 1e30])  # a band per layer / every layer in one band
+@pytest.mark.parametrize("call_flops", [0.0, 1e30])  # a forward per block / one forward from the first
 @pytest.mark.parametrize("over, hook, metric, positions", SWEEPS)
 def test_continued_cells_equal_plain_patched_runs(over, hook, metric, positions, call_flops, tiny_model, monkeypatch):
     model = tiny_model("llama", n_layers=3, seed=4)

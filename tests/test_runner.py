@@ -242,8 +242,15 @@ def test_a_forward_started_at_a_block_from_its_residual_stream_is_the_rest_of_th
         hooks = {"hook_embed": [lambda x, ctx: embedded.append(1)]}
         assert torch.equal(runner.forward(ids, hooks=hooks, start_at_layer=layer, resid=resid[layer]), whole)
         assert embedded == []  # nothing before the block ran
+    # stopped before a block: the stream entering it, from which a later forward goes on
+    for start, stop in [(0, 1), (0, 2), (1, 2)]:
+        stream = runner.forward(ids, start_at_layer=start, resid=resid[start] if start else None, stop_at_layer=stop)
+        assert torch.equal(stream, resid[stop])
+    assert torch.equal(runner.forward(ids, start_at_layer=2, resid=runner.forward(ids, stop_at_layer=2)), whole)
     for kwargs, message in [(dict(start_at_layer=3, resid=resid[1]), "cannot start at layer 3"),
                             (dict(start_at_layer=1), "takes the residual stream"),
-                            (dict(start_at_layer=1, resid=resid[1][1:]), r"\[5, 64\] entering it, got \(4, 64\)")]:
+                            (dict(start_at_layer=1, resid=resid[1][1:]), r"\[5, 64\] entering it, got \(4, 64\)"),
+                            (dict(start_at_layer=1, resid=resid[1], stop_at_layer=1), "stops at a layer after"),
+                            (dict(stop_at_layer=4), "at most 3, not 4")]:
         with pytest.raises(workbench.WorkbenchError, match=message):
             runner.forward(ids, **kwargs)

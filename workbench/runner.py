@@ -547,7 +547,7 @@ class Transformer:
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
                 lora: Lora | LoraRows | None = None, start_at_layer: int = 0,
-                resid: torch.Tensor | None = None) -> torch.Tensor:
+                resid: torch.Tensor | None = None, stop_at_layer: int | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
@@ -559,6 +559,8 @@ class Transformer:
         ``start_at_layer`` (TransformerLens' name): the forward starts at that block, from ``resid``, the residual
         stream entering it (``[T, d_model]``, packed as ``ids``); the embedding and the blocks before it do not run,
         and a cache's layers before it are left as they are (``can_start_at_layer`` says where a forward may start).
+        ``stop_at_layer``: the forward stops before that block and returns the residual stream entering it (``[T,
+        d_model]``, packed), for a later forward to start from; a cache's layers from it on are left as they are.
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
@@ -572,7 +574,10 @@ class Transformer:
                 local_rotation = self.rotation(positions, self.local_rope)
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # keys and values later layers reuse
 
-        first = start_at_layer
+        first, stop = start_at_layer, c.n_layers if stop_at_layer is None else stop_at_layer
+        if stop_at_layer is not None and not first < stop <= c.n_layers:
+            raise WorkbenchError(f"a forward stops at a layer after the one it starts at ({first}) and at most "
+                                 f"{c.n_layers}, not {stop_at_layer}")
         if first or resid is not None:
             self._check_start(first, resid, ids.shape[0])
             device = self.devices[first]  # a split model's block may run on another device than the embedding
@@ -591,7 +596,7 @@ class Transformer:
         normalized = rms_norm(x, w.layers[first].attn_norm, c.rms_eps, point, self._names[first]["ln1"], first)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
-        for i, layer in enumerate(w.layers[first:], first):
+        for i, layer in enumerate(w.layers[first:stop], first):
             names = self._names[i]
             adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
             if self._sliding[i]:
@@ -611,12 +616,12 @@ class Transformer:
             mlp_out = point(names["hook_mlp_out"], mlp_out, i)
             if layer.per_layer_gate is not None or layer.out_scale is not None:  # Gemma 4: the sum is taken here
                 x, mlp_out = self._block_tail(x + mlp_out, layer, i, point, per_layer), None
-            if i + 1 < c.n_layers and i + 1 not in self.range_starts:
+            if i + 1 < stop and i + 1 not in self.range_starts:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
                 continue
             x = point(names["hook_resid_post"], x if mlp_out is None else x + mlp_out, i)
-            if i + 1 < c.n_layers:  # the next range's device takes the residual stream and what every layer reads
+            if i + 1 < stop:  # the next range's device takes the residual stream and what every layer reads
                 device = self.devices[i + 1]
                 x, positions, rotation, blocked, local_rotation, local_blocked, per_layer = _to(
                     device, x, positions, rotation, blocked, local_rotation, local_blocked, per_layer)
@@ -626,16 +631,25 @@ class Transformer:
                 x = point(self._names[i + 1]["hook_resid_pre"], x, i + 1)
                 normalized = rms_norm(x, w.layers[i + 1].attn_norm, c.rms_eps, point, self._names[i + 1]["ln1"], i + 1)
 
+        if stop == c.n_layers:
+            x = self._logits(x, point, layout, last_logits_only)
+        if cache is not None:
+            cache.commit(positions, ids)
+        return x
+
+    def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None,
+                last_logits_only: bool) -> torch.Tensor:
+        """Float32 logits of the residual stream after the last block (each sequence's last row alone with
+        ``last_logits_only``)."""
+        c = self.config
         if last_logits_only:
             x = x[-1:] if layout is None else x[layout.last_rows()]
-        x = rms_norm(x, w.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"), None)
+        x = rms_norm(x, self.weights.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"),
+                     None)
         logits = linear(x, self.unembed).float()
         if c.final_softcap:
             logits = soft_cap(logits, c.final_softcap)
-        logits = point("hook_logits", logits)
-        if cache is not None:
-            cache.commit(positions, ids)
-        return logits
+        return point("hook_logits", logits)
 
     def can_start_at_layer(self, layer: int) -> bool:
         """Whether a forward can start at block ``layer`` from its residual stream: not where a later block reads the
@@ -646,8 +660,8 @@ class Transformer:
 
     def _check_start(self, layer: int, resid: torch.Tensor | None, n_tokens: int) -> None:
         if not self.can_start_at_layer(layer):
-            raise WorkbenchError(f"a forward cannot start at layer {layer} of this model (0..{self.config.n_layers - 1};"
-                                 f" not past a layer whose keys, values or per-layer inputs later layers read)")
+            raise WorkbenchError(f"a forward cannot start at layer {layer} of this model (0..{self.config.n_layers - 1}"
+                                 "; not past a layer whose keys, values or per-layer inputs later layers read)")
         if resid is None or tuple(resid.shape) != (n_tokens, self.config.d_model):
             shape = None if resid is None else tuple(resid.shape)
             raise WorkbenchError(f"a forward starting at layer {layer} takes the residual stream "
