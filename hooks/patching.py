@@ -163,10 +163,11 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
 
 Cell = tuple[int, str, "int | None", "int | None"]  # (layer, hook point, position or None for all, head or None)
 
-# What a forward's call of one block costs beyond its arithmetic (weight dequantization, kernel launches, Python), as
-# the FLOPs of arithmetic it could have done meanwhile; a forward's own setup counts as one more call. ``_segments``
-# weighs it against blocks recomputed. The CPU's is measured on 2 threads (docs/batches.md); CUDA's is an estimate.
-CALL_FLOPS = {"cpu": 4e8, "cuda": 1e10}
+# What one more forward costs beyond its blocks' arithmetic (its layout, cache rows, positions and patches: Python, and
+# on a GPU the launches of small kernels), as FLOPs of arithmetic in the same time, weighed by ``_segments`` against the
+# blocks a later cell recomputes when it joins an earlier forward: about 2 ms of the CPU's 2 threads, and an estimate of
+# 3 ms of an H100 (docs/batches.md, "Patching sweeps").
+FORWARD_FLOPS = {"cpu": 3e8, "cuda": 1e11}
 
 
 @dataclass
@@ -278,13 +279,13 @@ def _chunks(model: Any, order: list[int], first: Sequence[int], n_tokens: int, l
 def _segments(model: Any, layers: Sequence[int], first: Sequence[int], n_tokens: int, cells: Sequence[int]
               ) -> list[tuple[int, int, list[int]]]:
     """The blocks split into forwards ``(start, stop, the cells joining at start)``, each going on from the last one's
-    stream, so that the tokens run through blocks plus the calls (``CALL_FLOPS``' worth of tokens each) are fewest.
-    A cell joins at the start of its layer's segment, recomputing the blocks from there to its own (the patch lies
-    past them). Calls are cheap against the arithmetic on the CPU and for large models: about a segment per layer; for
-    a small model on a GPU, whose blocks are bound by kernel launches, one forward from the first layer."""
+    stream, so that the tokens run through blocks plus the forwards (``FORWARD_FLOPS``' worth of tokens each) are
+    fewest. A cell joins at the start of its layer's segment, recomputing the blocks from there to its own (the patch
+    lies past them). A forward is cheap against the arithmetic on the CPU and for large models: about a segment per
+    layer; for a small model on a GPU, whose blocks are bound by kernel launches, one forward from the first layer."""
     c = model.config
     flops_per_token = 2 * (c.n_params - c.vocab_size * c.d_model * (1 if c.tied_embeddings else 2)) / c.n_layers
-    call = CALL_FLOPS.get(model.runner.device.type, CALL_FLOPS["cuda"]) / flops_per_token
+    setup = FORWARD_FLOPS.get(model.runner.device.type, FORWARD_FLOPS["cuda"]) / flops_per_token
     tokens: dict[int, int] = {}  # layer -> its cells' tokens
     for layer, n in zip(layers, cells):
         tokens[layer] = tokens.get(layer, 0) + n_tokens - first[n]
@@ -297,7 +298,7 @@ def _segments(model: Any, layers: Sequence[int], first: Sequence[int], n_tokens:
     cost, split = [0.0] + [math.inf] * (len(bounds) - 1), [0] * len(bounds)
     for j in range(1, len(bounds)):
         for i in range(j):
-            here = cost[i] + call + (bounds[j] - bounds[i]) * (call + active[j])
+            here = cost[i] + setup + (bounds[j] - bounds[i]) * active[j]
             if here < cost[j]:
                 cost[j], split[j] = here, i
     segments, j = [], len(bounds) - 1

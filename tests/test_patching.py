@@ -63,9 +63,9 @@ def test_cells_continue_the_corrupt_run_as_the_rows_of_batched_forwards(tiny, mo
     # continuing the corrupt run from its cell's position: 5 + 4 + 3 + 2 + 1 tokens a layer
     assert calls == [(5, 0, None, None), (5, 0, None, None), (30, 0, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
     assert progress == [(10, 10)]
-    # where calls cost nothing, the forward goes block by block: each layer's cells join the rows at their own block,
+    # where forwards cost nothing beyond their blocks, the sweep goes block by block: each layer's cells join the rows at their own block,
     # from the corrupt run's residual stream there, and the rows so far go on from where the last block stopped
-    monkeypatch.setitem(patching.CALL_FLOPS, "cpu", 0.0)
+    monkeypatch.setitem(patching.FORWARD_FLOPS, "cpu", 0.0)
     calls.clear()
     again = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11), progress=False)
     assert calls[2:] == [(15, 0, 1, (0, 1, 2, 3, 4)), (30, 1, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
@@ -109,11 +109,12 @@ SWEEPS = [  # (over, hook, metric, positions)
 ]
 
 
-@pytest.mark.parametrize("call_flops", [0.0, 1e30])  # a forward per block / one forward from the first
+@pytest.mark.parametrize("forward_flops", [0.0, 1e30])  # a forward per block / one forward from the first
 @pytest.mark.parametrize("over, hook, metric, positions", SWEEPS)
-def test_continued_cells_equal_plain_patched_runs(over, hook, metric, positions, call_flops, tiny_model, monkeypatch):
+def test_continued_cells_equal_plain_patched_runs(over, hook, metric, positions, forward_flops, tiny_model,
+                                                  monkeypatch):
     model = tiny_model("llama", n_layers=3, seed=4)
-    monkeypatch.setitem(patching.CALL_FLOPS, "cpu", call_flops)
+    monkeypatch.setitem(patching.FORWARD_FLOPS, "cpu", forward_flops)
     clean, corrupt = [5, 17, 42, 99, 7, 8, 9], [5, 17, 60, 99, 7, 3, 9]
     result = hooks.patching_sweep(model, clean, corrupt, metric, over=over, hook=hook, positions=positions,
                                   answers=None if metric else (10, 11), progress=False)
