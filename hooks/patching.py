@@ -165,8 +165,8 @@ Cell = tuple[int, str, "int | None", "int | None"]  # (layer, hook point, positi
 
 # What one more forward costs beyond its blocks' arithmetic (its layout, cache rows, positions and patches: Python, and
 # on a GPU the launches of small kernels), as FLOPs of arithmetic in the same time, weighed by ``_segments`` against the
-# blocks a later cell recomputes when it joins an earlier forward: about 2 ms of the CPU's 2 threads, and an estimate of
-# 3 ms of an H100 (docs/batches.md, "Patching sweeps").
+# blocks a later cell recomputes when it joins an earlier forward. On the CPU's 2 threads it took what 30 to 40 tokens
+# of an embedded-model block take (docs/batches.md, "Patching sweeps"); CUDA's is an estimate (3 ms of an H100).
 FORWARD_FLOPS = {"cpu": 3e8, "cuda": 1e11}
 
 
