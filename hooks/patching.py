@@ -217,6 +217,7 @@ def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _Co
     n_tokens = len(corrupt_ids)
     first = [pos or 0 for _, _, pos, _ in cells]  # the first position each cell runs
     last_only = answer_pair is not None
+    answer_ids = torch.tensor(answer_pair, device=runner.output_device) if last_only else None
     donors = {name: clean.activations[name].to(model.point_device(name), model.dtype) for _, name, _, _ in cells}
     grid = torch.empty(len(cells))
     update, close = progress_callback(progress, len(cells), "cells")
@@ -240,9 +241,9 @@ def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _Co
                 with torch.inference_mode(), model.numerics_scope():
                     x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
                                        layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
-                                       stop_at_layer=stop)
-            if last_only:  # the default metric, on the device: one small copy back
-                grid[rows] = (x[:, answer_pair[0]] - x[:, answer_pair[1]]).float().cpu()
+                                       stop_at_layer=stop, logit_ids=answer_ids)
+            if last_only:  # the default metric takes the two answers' logits alone: one small copy back
+                grid[rows] = (x[:, 0] - x[:, 1]).cpu()
             else:  # a metric of every position sees the corrupt run's logits before the row's first position
                 logits = x.cpu()
                 for b, n in enumerate(rows):

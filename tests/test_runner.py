@@ -279,6 +279,9 @@ def test_a_forward_started_at_a_block_from_its_residual_stream_is_the_rest_of_th
         stream = runner.forward(ids, start_at_layer=start, resid=resid[start] if start else None, stop_at_layer=stop)
         assert torch.equal(stream, resid[stop])
     assert torch.equal(runner.forward(ids, start_at_layer=2, resid=runner.forward(ids, stop_at_layer=2)), whole)
+    # the logits of a few vocabulary ids alone: those columns of the whole unembedding
+    chosen = torch.tensor([7, 3, 40])
+    torch.testing.assert_close(runner.forward(ids, logit_ids=chosen), whole[:, chosen], atol=1e-5, rtol=0)
     for kwargs, message in [(dict(start_at_layer=3, resid=resid[1]), "cannot start at layer 3"),
                             (dict(start_at_layer=1), "takes the residual stream"),
                             (dict(start_at_layer=1, resid=resid[1][1:]), r"\[5, 64\] entering it, got \(4, 64\)"),

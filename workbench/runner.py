@@ -547,7 +547,8 @@ class Transformer:
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
                 lora: Lora | LoraRows | None = None, start_at_layer: int = 0,
-                resid: torch.Tensor | None = None, stop_at_layer: int | None = None) -> torch.Tensor:
+                resid: torch.Tensor | None = None, stop_at_layer: int | None = None,
+                logit_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
@@ -561,6 +562,8 @@ class Transformer:
         and a cache's layers before it are left as they are (``can_start_at_layer`` says where a forward may start).
         ``stop_at_layer``: the forward stops before that block and returns the residual stream entering it (``[T,
         d_model]``, packed), for a later forward to start from; a cache's layers from it on are left as they are.
+        ``logit_ids``: the logits of these vocabulary ids alone (``[T, len(logit_ids)]``, as ``hook_logits`` sees them),
+        for a caller that reads no others: the unembedding multiplies only their rows.
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
@@ -632,21 +635,21 @@ class Transformer:
                 normalized = rms_norm(x, w.layers[i + 1].attn_norm, c.rms_eps, point, self._names[i + 1]["ln1"], i + 1)
 
         if stop == c.n_layers:
-            x = self._logits(x, point, layout, last_logits_only)
+            x = self._logits(x, point, layout, last_logits_only, logit_ids)
         if cache is not None:
             cache.commit(positions, ids)
         return x
 
-    def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None,
-                last_logits_only: bool) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
+                logit_ids: torch.Tensor | None) -> torch.Tensor:
         """Float32 logits of the residual stream after the last block (each sequence's last row alone with
-        ``last_logits_only``)."""
+        ``last_logits_only``; the ids ``logit_ids`` alone)."""
         c = self.config
         if last_logits_only:
             x = x[-1:] if layout is None else x[layout.last_rows()]
         x = rms_norm(x, self.weights.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"),
                      None)
-        logits = linear(x, self.unembed).float()
+        logits = linear(x, self.unembed if logit_ids is None else self.unembed.select_rows(logit_ids)).float()
         if c.final_softcap:
             logits = soft_cap(logits, c.final_softcap)
         return point("hook_logits", logits)
