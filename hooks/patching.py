@@ -213,8 +213,8 @@ def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _Co
     the rows at the start of the segment holding its layer, from the corrupt run's residual stream there, its cache row
     seeded with the corrupt run's keys and values before its position; each segment goes on from the stream the last
     one stopped at."""
-    runner, c = model.runner, model.config
-    n_tokens = len(corrupt_ids)
+    runner, n_tokens = model.runner, len(corrupt_ids)
+    layer = [cell[0] for cell in cells]
     first = [pos or 0 for _, _, pos, _ in cells]  # the first position each cell runs
     last_only = answer_pair is not None
     answer_ids = torch.tensor(answer_pair, device=runner.output_device) if last_only else None
@@ -223,11 +223,11 @@ def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _Co
     update, close = progress_callback(progress, len(cells), "cells")
     done = 0
     try:
-        for chunk in _chunks(model, sorted(range(len(cells)), key=lambda n: (cells[n][0], first[n])), first,
-                             n_tokens, last_only):
+        for chunk in _chunks(model, sorted(range(len(cells)), key=lambda n: (layer[n], first[n])), first, n_tokens,
+                             last_only):
             rows: list[int] = []  # the cells of the forward's rows, in order: each segment's joining cells are appended
             x = None
-            for start, stop, joining in _segments(model, [cells[n][0] for n in chunk], first, n_tokens, chunk):
+            for start, stop, joining in _segments(model, chunk, layer, first, n_tokens):
                 rows += joining
                 cached = [first[n] for n in rows]
                 layout = BatchLayout([n_tokens - p for p in cached], runner.device, cached=cached)
@@ -237,7 +237,7 @@ def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _Co
                 if start:  # rows so far go on from where the last segment stopped, joining ones from the corrupt run
                     stream = ([] if x is None else [x]) + [corrupt.resid[start][first[n]:] for n in joining]
                     x = torch.cat([part.to(runner.devices[start]) for part in stream])
-                patched = [(b, cells[n]) for b, n in enumerate(rows) if start <= cells[n][0] < stop]
+                patched = [(b, cells[n]) for b, n in enumerate(rows) if start <= layer[n] < stop]
                 with torch.inference_mode(), model.numerics_scope():
                     x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
                                        layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
@@ -277,7 +277,7 @@ def _chunks(model: Any, order: list[int], first: Sequence[int], n_tokens: int, l
     return chunks + [chunk]
 
 
-def _segments(model: Any, layers: Sequence[int], first: Sequence[int], n_tokens: int, cells: Sequence[int]
+def _segments(model: Any, cells: Sequence[int], layer: Sequence[int], first: Sequence[int], n_tokens: int
               ) -> list[tuple[int, int, list[int]]]:
     """The blocks split into forwards ``(start, stop, the cells joining at start)``, each going on from the last one's
     stream, so that the tokens run through blocks plus the forwards (``FORWARD_FLOPS``' worth of tokens each) are
@@ -288,14 +288,14 @@ def _segments(model: Any, layers: Sequence[int], first: Sequence[int], n_tokens:
     flops_per_token = 2 * (c.n_params - c.vocab_size * c.d_model * (1 if c.tied_embeddings else 2)) / c.n_layers
     setup = FORWARD_FLOPS.get(model.runner.device.type, FORWARD_FLOPS["cuda"]) / flops_per_token
     tokens: dict[int, int] = {}  # layer -> its cells' tokens
-    for layer, n in zip(layers, cells):
-        tokens[layer] = tokens.get(layer, 0) + n_tokens - first[n]
+    for n in cells:
+        tokens[layer[n]] = tokens.get(layer[n], 0) + n_tokens - first[n]
     # where a segment may start: the first cell's start, and each later swept layer a forward can start at
     starts = [_start_of(model, min(tokens))]
-    starts += [layer for layer in sorted(tokens) if layer > starts[0] and model.runner.can_start_at_layer(layer)]
+    starts += [i for i in sorted(tokens) if i > starts[0] and model.runner.can_start_at_layer(i)]
     bounds = starts + [c.n_layers]
     # active[j]: the tokens of the cells whose layer lies before bounds[j], all running in a segment that ends there
-    active = [sum(t for layer, t in tokens.items() if layer < bound) for bound in bounds]
+    active = [sum(t for i, t in tokens.items() if i < bound) for bound in bounds]
     cost, split = [0.0] + [math.inf] * (len(bounds) - 1), [0] * len(bounds)
     for j in range(1, len(bounds)):
         for i in range(j):
@@ -305,7 +305,7 @@ def _segments(model: Any, layers: Sequence[int], first: Sequence[int], n_tokens:
     segments, j = [], len(bounds) - 1
     while j:
         i = split[j]
-        joining = [n for layer, n in zip(layers, cells) if bounds[i] <= layer < bounds[j]]
+        joining = [n for n in cells if bounds[i] <= layer[n] < bounds[j]]
         segments.append((bounds[i], bounds[j], joining))
         j = i
     return segments[::-1]
