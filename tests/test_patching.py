@@ -123,6 +123,15 @@ def test_continued_cells_equal_plain_patched_runs(over, hook, metric, positions,
                                   range(3), swept, BOUND)
 
 
+@pytest.mark.parametrize("architecture", ["gemma2", "qwen3moe"])  # sliding windows and soft caps; experts
+def test_continued_cells_of_other_families_equal_plain_patched_runs(architecture, tiny_model, monkeypatch):
+    model = tiny_model(architecture, n_layers=2, seed=1)
+    monkeypatch.setitem(patching.FORWARD_FLOPS, "cpu", 0.0)  # the second layer's cells go on from the first's
+    clean, corrupt = [5, 17, 42, 99, 7, 8, 9, 11], [5, 17, 60, 99, 7, 3, 9, 11]  # past gemma2's window of 4
+    result = hooks.patching_sweep(model, clean, corrupt, all_positions, progress=False)
+    assert_cells_are_patched_runs(model, result, clean, corrupt, all_positions, range(2), range(8), BOUND)
+
+
 def test_embedded_continued_cells_equal_plain_patched_runs(model):
     """A few cells of the embedded model, each against a plain forward of the corrupt prompt with its Patch."""
     result = hooks.patching_sweep(model, CLEAN, CORRUPT, answers=(" Paris", " Rome"), layers=[0, 17, 29],
