@@ -383,49 +383,50 @@ BY_EXPERT_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4")
 
 
 @pytest.mark.skipif(BY_EXPERT_DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt", BY_EXPERT_FORMATS)
-def test_gemv_by_expert_is_each_chosen_experts_gemv(fmt):
-    """llama.cpp's ``mul_mat_id`` on the stacked experts as stored: each (activation row, expert) pair's output is the
-    GEMV of that expert's rows alone (the kernel ``linear`` runs for one row on CUDA), bit for bit, for 1 and 16 pairs
-    with experts and rows repeated; and the product with gguf's float64 dequantization."""
-    from workbench.moe import _rows
+class TestByExpert:
+    """The GEMV over (activation row, expert) pairs of stacked experts, interpreted on CPU tensors or on a GPU."""
 
-    rng = np.random.default_rng([BY_EXPERT_FORMATS.index(fmt), 8])
-    n_experts, rows, k = 4, 12, 256  # 12 rows: not a multiple of the GEMV's row blocks
-    w, reference = random_weight(fmt, n_experts * rows, k, rng)
-    w = w.to(BY_EXPERT_DEVICE)
-    dtypes = [torch.float32] if INTERPRETING else [torch.float32, torch.bfloat16]
-    for dtype in dtypes:
-        x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32)).to(BY_EXPERT_DEVICE, dtype)
-        for pairs in (1, 16):
-            experts = torch.from_numpy(rng.integers(0, n_experts, pairs)).to(BY_EXPERT_DEVICE)
-            x_rows = torch.from_numpy(rng.integers(0, len(x), pairs)).to(BY_EXPERT_DEVICE)
-            out = gemv_by_expert(x, w, n_experts, experts, x_rows)
-            assert out.shape == (pairs, rows) and out.dtype == dtype
-            for p, (e, r) in enumerate(zip(experts.tolist(), x_rows.tolist())):
-                assert torch.equal(out[p], gemv(x[r:r + 1], _rows(w, e, n_experts))[0]), (dtype, pairs, p)
-                expected = x[r:r + 1].double().cpu().numpy() @ reference[e * rows:(e + 1) * rows].T
-                assert relative_error(out[p:p + 1], expected) < ROUNDING_TOL[dtype], (dtype, pairs, p)
-    empty = torch.zeros(0, dtype=torch.long, device=BY_EXPERT_DEVICE)
-    assert gemv_by_expert(x, w, n_experts, empty, empty).shape == (0, rows)
+    @pytest.mark.parametrize("fmt", BY_EXPERT_FORMATS)
+    def test_gemv_by_expert_is_each_chosen_experts_gemv(self, fmt):
+        """llama.cpp's ``mul_mat_id`` on the stacked experts as stored: each (activation row, expert) pair's output
+        is the GEMV of that expert's rows alone (the kernel ``linear`` runs for one row on CUDA), bit for bit, for 1
+        and 16 pairs with experts and rows repeated; and the product with gguf's float64 dequantization."""
+        from workbench.moe import _rows
 
+        rng = np.random.default_rng([BY_EXPERT_FORMATS.index(fmt), 8])
+        n_experts, rows, k = 4, 12, 256  # 12 rows: not a multiple of the GEMV's row blocks
+        w, reference = random_weight(fmt, n_experts * rows, k, rng)
+        w = w.to(BY_EXPERT_DEVICE)
+        dtypes = [torch.float32] if INTERPRETING else [torch.float32, torch.bfloat16]
+        for dtype in dtypes:
+            x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32)).to(BY_EXPERT_DEVICE, dtype)
+            for pairs in (1, 16):
+                experts = torch.from_numpy(rng.integers(0, n_experts, pairs)).to(BY_EXPERT_DEVICE)
+                x_rows = torch.from_numpy(rng.integers(0, len(x), pairs)).to(BY_EXPERT_DEVICE)
+                out = gemv_by_expert(x, w, n_experts, experts, x_rows)
+                assert out.shape == (pairs, rows) and out.dtype == dtype
+                for p, (e, r) in enumerate(zip(experts.tolist(), x_rows.tolist())):
+                    assert torch.equal(out[p], gemv(x[r:r + 1], _rows(w, e, n_experts))[0]), (dtype, pairs, p)
+                    expected = x[r:r + 1].double().cpu().numpy() @ reference[e * rows:(e + 1) * rows].T
+                    assert relative_error(out[p:p + 1], expected) < ROUNDING_TOL[dtype], (dtype, pairs, p)
+        empty = torch.zeros(0, dtype=torch.long, device=BY_EXPERT_DEVICE)
+        assert gemv_by_expert(x, w, n_experts, empty, empty).shape == (0, rows)
 
-@pytest.mark.skipif(BY_EXPERT_DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
-def test_gemv_llamacpp_by_expert_is_each_chosen_experts_gemv(fmt):
-    """The same in llama.cpp's numerics: each row of activations quantized once, each pair's integer dots the
-    llama.cpp-numerics GEMV's of that row and expert, bit for bit."""
-    from workbench.moe import _rows
+    @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+    def test_gemv_llamacpp_by_expert_is_each_chosen_experts_gemv(self, fmt):
+        """The same in llama.cpp's numerics: each row of activations quantized once, each pair's integer dots the
+        llama.cpp-numerics GEMV's of that row and expert, bit for bit."""
+        from workbench.moe import _rows
 
-    rng = np.random.default_rng([BY_EXPERT_FORMATS.index(fmt), 9])
-    n_experts, rows, k = 3, 8, 256
-    w = random_weight(fmt, n_experts * rows, k, rng)[0].to(BY_EXPERT_DEVICE)
-    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).to(BY_EXPERT_DEVICE)
-    experts = torch.tensor([2, 0, 2, 1, 2], device=BY_EXPERT_DEVICE)
-    x_rows = torch.tensor([0, 1, 1, 0, 0], device=BY_EXPERT_DEVICE, dtype=torch.int32)
-    out = gemv_llamacpp_by_expert(x, w, n_experts, experts, x_rows)
-    for p, (e, r) in enumerate(zip(experts.tolist(), x_rows.tolist())):
-        assert torch.equal(out[p], gemv_llamacpp(x[r:r + 1], _rows(w, e, n_experts))[0]), p
+        rng = np.random.default_rng([BY_EXPERT_FORMATS.index(fmt), 9])
+        n_experts, rows, k = 3, 8, 256
+        w = random_weight(fmt, n_experts * rows, k, rng)[0].to(BY_EXPERT_DEVICE)
+        x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).to(BY_EXPERT_DEVICE)
+        experts = torch.tensor([2, 0, 2, 1, 2], device=BY_EXPERT_DEVICE)
+        x_rows = torch.tensor([0, 1, 1, 0, 0], device=BY_EXPERT_DEVICE, dtype=torch.int32)
+        out = gemv_llamacpp_by_expert(x, w, n_experts, experts, x_rows)
+        for p, (e, r) in enumerate(zip(experts.tolist(), x_rows.tolist())):
+            assert torch.equal(out[p], gemv_llamacpp(x[r:r + 1], _rows(w, e, n_experts))[0]), p
 
 
 class TestBadInput:
