@@ -191,12 +191,10 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEC
     ``moe`` sets a limit) for its token, ``[T, k, d_model]`` (unweighted; with its biases where the model has them).
 
     The (token, slot) pairs are sorted by expert, so each active expert runs once, on all its tokens: its rows of the
-    stacked matrices are read once per forward, and experts no token chose are not read at all. On CUDA, where there
-    are no more pairs than experts (decode), ``run_experts_by_pair`` runs them without reading the routing on the
-    host."""
-    if decodes_by_pair(x, indices, w):
-        return run_experts_by_pair(x, indices, w, moe, activation)
+    stacked matrices are read once per forward, and experts no token chose are not read at all."""
     n_tokens, k = indices.shape
+    if decodes_by_pair(x, indices, w):  # decode on CUDA: the pairs as they are, no host sync
+        return run_experts_by_pair(x, indices, w, moe, activation)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=len(w.experts)).tolist()  # the host needs the group sizes
@@ -212,7 +210,13 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEC
         gate, up = linear_parts(tokens, (gate_w, up_w))
         if w.gate_bias is not None:
             gate, up = gate + w.gate_bias[expert].to(gate.dtype), up + w.up_bias[expert].to(up.dtype)
-        expert_out = linear(expert_activation(gate, up, moe, activation), down_w)
+        if moe.swiglu_limit is not None:
+            hidden = clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
+        elif activation == "gelu_tanh":
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = layer_ops.swiglu(gate, up)
+        expert_out = linear(hidden, down_w)
         out[pairs] = expert_out if w.down_bias is None else expert_out + w.down_bias[expert].to(expert_out.dtype)
     return out.view(n_tokens, k, x.shape[1])
 
