@@ -17,11 +17,11 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+import workbench.kernels.experts as expert_kernels
 from workbench.architectures import ARCHITECTURES
 from workbench.config import MoEConfig
 from workbench.errors import HookError, ModelLoadError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
-from workbench.kernels.experts import by_expert_supported, linear_by_expert
 
 # The hook points of an MoE block's MLP, in the order the forward reaches them (they replace mlp.hook_pre,
 # mlp.hook_pre_linear and mlp.hook_post, which a token has once per chosen expert here).
@@ -243,7 +243,8 @@ def decodes_by_pair(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights) -> bo
 
 def by_pair_supported(w: MoEWeights, device: torch.device) -> bool:
     """Whether ``run_experts_by_pair`` takes these experts with activations on ``device``."""
-    return all(by_expert_supported(m, device) for m in (w.gate, w.up, w.gate_up, w.down) if m is not None)
+    matrices = (w.gate, w.up, w.gate_up, w.down)
+    return all(expert_kernels.by_expert_supported(m, device) for m in matrices if m is not None)
 
 
 def run_experts_by_pair(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEConfig,
@@ -257,13 +258,14 @@ def run_experts_by_pair(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, m
     pairs = torch.arange(experts.numel(), device=x.device)
     tokens = pairs // k
     if w.gate_up is not None:  # each expert's gate rows, then its up rows
-        gate, up = linear_by_expert(x, w.gate_up, n_experts, experts, tokens).chunk(2, dim=-1)
+        gate, up = expert_kernels.linear_by_expert(x, w.gate_up, n_experts, experts, tokens).chunk(2, dim=-1)
     else:
-        gate = linear_by_expert(x, w.gate, n_experts, experts, tokens)
-        up = linear_by_expert(x, w.up, n_experts, experts, tokens)
+        gate = expert_kernels.linear_by_expert(x, w.gate, n_experts, experts, tokens)
+        up = expert_kernels.linear_by_expert(x, w.up, n_experts, experts, tokens)
     if w.gate_bias is not None:
         gate, up = gate + w.gate_bias[experts].to(gate.dtype), up + w.up_bias[experts].to(up.dtype)
-    out = linear_by_expert(expert_activation(gate, up, moe, activation), w.down, n_experts, experts, pairs)
+    hidden = expert_activation(gate, up, moe, activation)
+    out = expert_kernels.linear_by_expert(hidden, w.down, n_experts, experts, pairs)
     if w.down_bias is not None:
         out = out + w.down_bias[experts].to(out.dtype)
     return out.view(n_tokens, k, x.shape[1])
