@@ -41,19 +41,18 @@ def torch_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> torch.Te
 def add_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence[torch.Tensor],
               ranks: Sequence[int]) -> list[torch.Tensor]:
     """``[out + term for each part]`` for the group's input ``x`` ``[T, in]`` and outputs ``outs`` ``[T, width]``."""
-    widths = [out.shape[-1] for out in outs]
     summed = None
     if x.shape[0] <= MAX_ROWS and a.dtype == x.dtype and b_t.dtype == x.dtype:
         if x.is_cpu and x.dtype == torch.float32 and cpu.extension() is not None:
-            summed = cpu.extension().lora_add(x.contiguous(), a, b_t, list(outs), list(ranks), CPU_PARALLEL_WORK)
+            summed = cpu.extension().lora_add(x.contiguous(), a, b_t, outs, ranks, CPU_PARALLEL_WORK)
         elif x.is_cuda and _triton.AVAILABLE and len(outs) <= _TRITON_PARTS and max(ranks) <= _TRITON_MAX_RANK:
             x = x if x.stride(-1) == 1 else x.contiguous()
             summed = (_lora_op if compiling() else _triton_lora_add)(x, a, b_t, list(outs), list(ranks))
     if summed is None:
-        terms = torch_terms(x, a, b_t).split_with_sizes(widths, dim=-1)
+        terms = torch_terms(x, a, b_t).split_with_sizes([out.shape[-1] for out in outs], dim=-1)
         return [out + term for out, term in zip(outs, terms)]
     # a view per part costs microseconds of an eager step: one part is the whole
-    return [summed] if len(outs) == 1 else list(summed.split_with_sizes(widths, dim=-1))
+    return [summed] if len(outs) == 1 else list(summed.split_with_sizes([out.shape[-1] for out in outs], dim=-1))
 
 
 if _triton.AVAILABLE:

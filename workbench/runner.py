@@ -343,6 +343,8 @@ def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ..
     if len(lora) == 1 and lora[0][1] is None and parts in lora[0][0]:
         a, b_t, adapted, ranks = lora[0][0][parts]
         if not any(point.wants(names[p]) for p in adapted):
+            if adapted == parts:
+                return lora_ops.add_terms(x, a, b_t, outs, ranks)
             added = iter(lora_ops.add_terms(x, a, b_t, [outs[parts.index(p)] for p in adapted], ranks))
             return [next(added) if p in adapted else out for p, out in zip(parts, outs)]
     added: dict[str, torch.Tensor] = {}
