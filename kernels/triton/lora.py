@@ -80,13 +80,16 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence
                          f"{tuple(b_t.shape)}, outputs {[tuple(out.shape) for out in outs]}, ranks {list(ranks)}")
     result = torch.empty(tokens, sum(widths), dtype=x.dtype, device=x.device)
     if tokens:
+        # the shrink's loop over the input in one or two steps on the embedded model (each step a round of loads
+        # the program waits for), 32 values of A per thread
         block_r = max(16, next_power_of_2(max(ranks)))
         block_n = max(32, min(128, 8192 // block_r))
-        block_k = max(32, min(next_power_of_2(k), 4096 // block_r))
+        block_k = max(32, min(next_power_of_2(k), 8192 // block_r))
+        num_warps = 8 if block_r * block_k > 4096 else 4
         pad = 3 - len(outs)
         bases = [*outs, *[outs[0]] * pad]
         launch(_lora_kernel, (cdiv(max(widths), block_n), len(outs), tokens),
                x, a, b_t, *bases, result, k, b_t.shape[1], x.stride(0), *[out.stride(0) for out in bases],
                *widths, *[0] * pad, *ranks, *[0] * pad,
-               PARTS=len(outs), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+               PARTS=len(outs), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps)
     return result
