@@ -3,6 +3,8 @@
     python bench/decode.py                                  # embedded model, 2 CPU threads, eager and compiled
                                                             # decode, vs llama.cpp if installed
     python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K BF16 [--profile]
+    python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K_M --llama-bench PATH/llama-bench
+                                                            # the same GGUF file through llama.cpp's llama-bench
     [--numerics llamacpp]                                   # llama.cpp numerics (Q8 activations, integer dots)
 
 Every figure in one table comes from the same run, so ratios are side by side.
@@ -10,8 +12,11 @@ Every figure in one table comes from the same run, so ratios are side by side.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -20,7 +25,7 @@ import workbench
 from common import copy_bandwidth
 from workbench.generation import Sampling, build_decode_step, generate_tokens
 from workbench.model import Model
-from workbench.synthetic import random_checkpoint, random_config
+from workbench.synthetic import random_checkpoint, random_config, write_gguf
 
 SHAPES = {
     "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=128256,
@@ -54,6 +59,8 @@ def median_of(run: Callable[[], float], repeats: int) -> float:
 
 def ours(model: Model, prefill: list[int], decode: int, repeats: int, compiled: bool | None = None) -> dict[str, float]:
     runner, vocab = model.runner, model.config.vocab_size
+    if compiled is None and runner.device.type == "cuda":
+        compiled = True  # production decode: the built step (the default answers with an eager graph until it is in)
     out = {}
     for n in prefill:
         ids = torch.randint(0, vocab, (n,))
@@ -70,7 +77,7 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int, compiled: 
         synchronize(runner.device)
         return time.perf_counter() - start
 
-    if compiled or (compiled is None and runner.device.type == "cuda"):  # the first call builds the decode step
+    if compiled:  # the first call builds the decode step
         start = time.perf_counter()
         run_decode()
         print(f"first generate_tokens call (compiles the decode step): {time.perf_counter() - start:.1f} s")
@@ -137,6 +144,29 @@ def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None) -> Mod
     return Model(random_checkpoint(config, fmt, device=device, distinct_rows=256), device=device, dtype=dtype)
 
 
+def synthetic_gguf(architecture: str, dims: dict, fmt: str, path: Path) -> Path:
+    """``synthetic_model``'s weights written as a GGUF file at ``path`` (reused where it exists), for a run of
+    llama.cpp and ours on the same file."""
+    if not path.exists():
+        config = random_config(architecture, n_ctx=4096, **dims)
+        checkpoint = random_checkpoint(config, fmt, distinct_rows=256)
+        print(f"writing {path} ...", flush=True)
+        write_gguf(path, config, checkpoint.weights, checkpoint.metadata)
+    return path
+
+
+def llama_bench(binary: str, path: Path, prefill: list[int], decode: int, threads: int, device: str,
+                repeats: int) -> dict[str, float]:
+    """llama.cpp's ``llama-bench`` on ``path``: mean tokens/s of each prefill (``-p``) and of ``decode`` tokens from an
+    empty cache (``-n``), every layer on the GPU on CUDA (``-ngl 99``)."""
+    command = [binary, "-m", str(path), "-p", ",".join(map(str, prefill)) or "0", "-n", str(decode),
+               "-r", str(repeats), "-o", "json", "-t", str(threads), "-ngl", "99" if device == "cuda" else "0"]
+    print(" ".join(command), flush=True)
+    runs = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    return {f"prefill {r['n_prompt']}" if r["n_prompt"] else f"decode {r['n_gen']}": float(r["avg_ts"])
+            for r in runs if r["n_prompt"] or r["n_gen"]}
+
+
 def print_table(title: str, columns: dict[str, dict[str, float]], reference: str | None = None) -> None:
     """One row per measurement, one column per system; with ``reference``, each other column's ratio to it."""
     names = list(columns)
@@ -167,6 +197,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="CUDA: also time one decode step alone, by kernel")
     parser.add_argument("--numerics", choices=workbench.kernels.NUMERICS, default="exact",
                         help="what the quantized matmuls compute (workbench.kernels.set_numerics)")
+    parser.add_argument("--llama-bench", default=None,
+                        help="llama.cpp's llama-bench binary: --synthetic models go through a GGUF file both read")
+    parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp"), help="where --llama-bench's GGUF files go")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -180,7 +213,13 @@ def main() -> None:
         if bandwidth:
             print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s read + written")
         for fmt in args.formats:
-            model = synthetic_model(args.synthetic, fmt, args.device, args.dtype)
+            if args.llama_bench:
+                path = synthetic_gguf("llama", SHAPES[args.synthetic], fmt, args.gguf_dir / f"{args.synthetic}-{fmt}.gguf")
+                columns[f"llama.cpp {fmt}"] = llama_bench(args.llama_bench, path, args.prefill, args.decode,
+                                                          args.threads, args.device, args.repeats)
+                model = workbench.load(path, device=args.device, dtype=args.dtype)
+            else:
+                model = synthetic_model(args.synthetic, fmt, args.device, args.dtype)
             print(f"{fmt}: resident weights {model.runner.weights.nbytes / 2**30:.2f} GiB, "
                   f"kernels {sorted(set(model.kernel_report(1).values()))}")
             columns[f"{args.synthetic} {fmt}"] = result = ours(model, args.prefill, args.decode, args.repeats)
@@ -196,7 +235,9 @@ def main() -> None:
             del model
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        print_table(f"{args.synthetic}, random weights", columns, list(columns)[-1] if len(columns) > 1 else None)
+        reference = next((name for name in columns if name.startswith("llama.cpp")), None)
+        print_table(f"{args.synthetic}, random weights", columns,
+                    reference or (list(columns)[-1] if len(columns) > 1 else None))
         return
 
     model = workbench.load(args.model, device=args.device, dtype=args.dtype)

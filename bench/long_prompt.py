@@ -1,11 +1,14 @@
 """Prefill of one long prompt: time and peak memory, with attention holding the whole ``[heads, T, S]`` scores
-(``--whole``, the path a hook on scores or patterns takes) or chunked under ``layer_ops.SCORES_BUDGET`` (the default).
+(``--whole``, the path a hook on scores or patterns takes) or fused past ``layer_ops.SCORES_BUDGET`` (the default).
 
     python bench/long_prompt.py [--tokens 8000] [--threads 2] [--device cpu] [--whole] [--model PATH]
         [--synthetic llama3-8b --format Q4_K]   # random weights of a real model's shape, random token ids
+        [--llama-cpp-python]                    # llama.cpp's CPU prefill of the same ids, after ours
 
-Each mode runs in a fresh subprocess, so its peak RSS (or CUDA peak allocation) is its own; the prompt is a text
-repeated to ``--tokens`` tokens, and the prefill computes the last position's logits only, as llama.cpp's does.
+Each run is a fresh subprocess, so its peak RSS (or CUDA peak allocation) is its own; the prompt is a text repeated
+to ``--tokens`` tokens, and the prefill computes the last position's logits only, as llama.cpp's does. llama.cpp
+(llama-cpp-python, the ``reference`` extra) takes the same ids in batches of 512 on the same threads, its default
+attention (flash attention where its CPU backend has it).
 """
 from __future__ import annotations
 
@@ -47,7 +50,27 @@ with torch.inference_mode():
     seconds = time.perf_counter() - start
 peak = torch.cuda.max_memory_allocated() if args["device"] == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"tokens": len(ids), "seconds": seconds, "peak_bytes": peak, "before_bytes": before,
-                  "top": int(logits[-1].argmax())}))
+                  "top": int(logits[-1].argmax()), "ids": ids}))
+"""
+
+LLAMA_CPP_CHILD = r"""
+import json, resource, sys, time
+import llama_cpp
+import numpy as np
+from workbench.parity import without_extra_buffer_types
+args = json.loads(sys.argv[1])
+without_extra_buffer_types()
+llm = llama_cpp.Llama(args["path"], n_ctx=len(args["ids"]) + 64, n_batch=512, n_threads=args["threads"],
+                      n_threads_batch=args["threads"], verbose=False)
+llm.eval(args["ids"][:64])  # a warm-up, as ours loads its kernels first
+llm.reset()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+start = time.perf_counter()
+llm.eval(args["ids"])
+seconds = time.perf_counter() - start
+print(json.dumps({"tokens": len(args["ids"]), "seconds": seconds, "before_bytes": before,
+                  "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "top": int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())}))
 """
 
 
@@ -60,16 +83,34 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true", help="hold the whole scores (as before chunking)")
     parser.add_argument("--synthetic", default="", help="a shape of bench/decode.py (llama3-8b, ...) with random weights")
     parser.add_argument("--format", default="Q4_K", help="the format of --synthetic's weights")
+    parser.add_argument("--llama-cpp-python", action="store_true", help="llama.cpp's prefill of the same ids too")
     args = parser.parse_args()
     args.bench_dir = str(Path(__file__).resolve().parent)
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(vars(args))], capture_output=True, text=True)
+    ours = child(CHILD, vars(args))
+    where = "CUDA peak allocated" if args.device == "cuda" else "peak RSS"
+    report("whole scores" if args.whole else "fused attention", ours, where)
+    if args.llama_cpp_python:
+        if args.synthetic or args.device != "cpu":
+            sys.exit("--llama-cpp-python compares the CPU prefill of a GGUF file (--model, or the embedded model)")
+        from workbench.loading import default_model_path
+
+        path = args.model or str(default_model_path())
+        theirs = child(LLAMA_CPP_CHILD, {"path": path, "ids": ours["ids"], "threads": args.threads})
+        report("llama.cpp", theirs, where)
+        print(f"workbench / llama.cpp: {theirs['seconds'] / ours['seconds']:.2f}x the speed")
+
+
+def child(code: str, args: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
     if out.returncode:
         sys.exit(out.stderr[-2000:])
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    where = "CUDA peak allocated" if args.device == "cuda" else "peak RSS"
-    print(f"{'whole scores' if args.whole else 'chunked'}: {r['tokens']} tokens in {r['seconds']:.1f} s "
-          f"({r['tokens'] / r['seconds']:.1f} tok/s); {where} {r['peak_bytes'] / 2**30:.2f} GiB "
-          f"(before the prefill {r['before_bytes'] / 2**30:.2f} GiB); next token {r['top']}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(label: str, r: dict, where: str) -> None:
+    print(f"{label}: {r['tokens']} tokens in {r['seconds']:.1f} s ({r['tokens'] / r['seconds']:.1f} tok/s); "
+          f"{where} {r['peak_bytes'] / 2**30:.2f} GiB (before the prefill {r['before_bytes'] / 2**30:.2f} GiB); "
+          f"next token {r['top']}", flush=True)
 
 
 if __name__ == "__main__":

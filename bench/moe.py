@@ -14,18 +14,15 @@ is proportional to it), for machines where the whole model does not fit. llama-b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 import workbench
-from decode import ours, print_table
+from decode import llama_bench, ours, print_table, synthetic_gguf
 from workbench.parity import load_llamacpp_model, require_llama_cpp
-from workbench.synthetic import random_checkpoint, random_config, write_gguf
 
 SHAPES = {
     # Mixtral-8x7B: llama with 8 experts of 14336, 2 per token
@@ -44,14 +41,7 @@ SHAPES = {
 def build_gguf(shape: str, fmt: str, layers: int | None, folder: Path) -> Path:
     arch, dims = SHAPES[shape]
     dims = {**dims, "n_layers": layers or dims["n_layers"]}
-    path = folder / f"{shape}-{dims['n_layers']}l-{fmt}.gguf"
-    if path.exists():
-        return path
-    config = random_config(arch, n_ctx=4096, **dims)
-    checkpoint = random_checkpoint(config, fmt, distinct_rows=256)
-    print(f"writing {path} ...", flush=True)
-    write_gguf(path, config, checkpoint.weights, checkpoint.metadata)
-    return path
+    return synthetic_gguf(arch, dims, fmt, folder / f"{shape}-{dims['n_layers']}l-{fmt}.gguf")
 
 
 def active_bytes(model: workbench.Model) -> int:
@@ -64,14 +54,6 @@ def active_bytes(model: workbench.Model) -> int:
         share = moe.n_experts_used / moe.n_experts if name.split(".")[-1] in ("gate", "up", "down") else 1
         total += int(w.nbytes * share)
     return total
-
-
-def llama_bench(binary: str, path: Path, decode: int, threads: int, device: str, repeats: int) -> float:
-    command = [binary, "-m", str(path), "-p", "0", "-n", str(decode), "-r", str(repeats), "-o", "json",
-               "-t", str(threads), "-ngl", "99" if device == "cuda" else "0"]
-    print(" ".join(command), flush=True)
-    result = subprocess.run(command, check=True, capture_output=True, text=True)
-    return float(json.loads(result.stdout)[0]["avg_ts"])
 
 
 def llama_cpp_python(path: Path, decode: int, threads: int, repeats: int) -> float:
@@ -129,8 +111,8 @@ def main() -> None:
         columns = {"workbench": ours(model, [], args.decode, args.repeats, compiled=False)}
         del model
         if args.llama_bench:
-            columns["llama.cpp"] = {f"decode {args.decode}": llama_bench(args.llama_bench, path, args.decode,
-                                                                         args.threads, args.device, args.repeats)}
+            columns["llama.cpp"] = llama_bench(args.llama_bench, path, [], args.decode, args.threads, args.device,
+                                               args.repeats)
         elif args.llama_cpp_python:
             columns["llama.cpp"] = {f"decode {args.decode}": llama_cpp_python(path, args.decode, args.threads,
                                                                               args.repeats)}

@@ -16,6 +16,7 @@ order, with attention's dots rounded to the inputs' dtype as a matmul rounds the
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator
 
 import torch
@@ -208,8 +209,8 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return z.view(*batch, heads, tokens, d).transpose(-3, -2)
 
 
-# Bytes of float32 scores one attention call holds at most where no hook asks for them: past this, queries run in
-# chunks on the CPU and through SDPA on CUDA (docs/performance.md, "Long prompts").
+# Bytes of float32 scores one attention call holds at most where no hook asks for them: past this, attention is one
+# fused ``scaled_dot_product_attention`` call (docs/performance.md, "Long prompts").
 SCORES_BUDGET = 64 << 20
 
 
@@ -218,14 +219,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
     """``z`` as ``attend(attention_scores(...).softmax(-1), values)`` gives it (shapes as there, a batch's leading axis
     included), holding at most about ``budget`` bytes of scores (None: ``SCORES_BUDGET``).
 
-    A forward whose scores fit takes exactly those three calls. Past the budget, on CUDA, one
-    ``scaled_dot_product_attention`` call (flash or memory-efficient: scores in float32 registers, never rounded to the
-    inputs' dtype as the matmul rounds them, so bf16 logits differ from the materialized path's in the last bits); on
-    the CPU, the same calls per chunk of query rows, with the same bits: a row's dots and weighted sum are those of the
-    whole matrix (a matmul's row does not depend on how many rows it runs with), and its softmax runs over the key
-    slots the chunk can see, rounded up to a multiple of ``_SOFTMAX_SPAN``, past which it would only add exact zeros in
-    the same lanes; the weighted sum still runs over every slot, zeros included, as a matmul's sum over a shorter axis
-    would block it differently (``tests/test_runner.py`` checks both).
+    A forward whose scores fit takes exactly those three calls, which a hook on the scores or the pattern sees. Past
+    the budget, one ``scaled_dot_product_attention`` call on every device (flash or memory-efficient kernels: scores in
+    float32 registers, never rounded to the inputs' dtype as the matmul rounds them, and a causal mask skips the blocks
+    above the diagonal), so logits differ from the materialized path's in the last bits
+    (``tests/test_runner.py`` bounds it).
 
     In llama.cpp numerics (eager), llama.cpp's CPU flash attention instead (``llamacpp_ops``): F16 keys and
     values, and its own order and precision of every sum."""
@@ -233,41 +231,26 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
         return llamacpp_ops.attention(q, keys, values, divisor, blocked)
     budget = SCORES_BUDGET if budget is None else budget
     *batch, tokens, heads, d = q.shape
-    slots = keys.shape[-2]
-    n_batch = batch[0] if batch else 1
-    if heads * tokens * slots * 4 * n_batch <= budget:
+    if heads * tokens * keys.shape[-2] * 4 * (batch[0] if batch else 1) <= budget:
         return attend(attention_scores(q, keys, divisor, blocked).softmax(dim=-1), values)
-    if q.is_cuda and not _FORCE_TORCH["on"]:
-        return _sdpa(q, keys, values, divisor, blocked)
-    # chunks of equal size, none of a few rows: a matmul of one row takes another kernel, with other roundings
-    n_chunks = -(-tokens // max(_MIN_CHUNK_ROWS, budget // (4 * heads * slots * n_batch)))
-    rows = -(-tokens // n_chunks)
-    z = values.new_empty(*batch, tokens, heads, values.shape[-1])
-    pattern = q.new_zeros(*batch, heads, rows, slots, dtype=torch.float32)
-    for start in range(0, tokens, rows):
-        stop = min(tokens, start + rows)
-        mask = None if blocked is None else blocked[..., start:stop, :]
-        reach = slots if mask is None else min(slots, -(-_reach(mask) // _SOFTMAX_SPAN) * _SOFTMAX_SPAN)
-        scores = attention_scores(q[..., start:stop, :, :], keys[..., :reach, :], divisor,
-                                  None if mask is None else mask[..., :reach])
-        chunk = pattern[..., :stop - start, :]
-        chunk[..., :reach] = scores.softmax(dim=-1)
-        chunk[..., reach:] = 0
-        z[..., start:stop, :, :] = attend(chunk, values)
-    return z
+    return _sdpa(q, keys, values, divisor, blocked)
 
 
-# Key slots a chunk's softmax spans are rounded up to a multiple of this: the vectorized sum then meets the slots in
-# the same lanes as over every slot (masked slots add exact zeros).
-_SOFTMAX_SPAN = 64
-_MIN_CHUNK_ROWS = 16
+# The last mask ``_causal`` looked at, and its answer: every layer of a forward passes the same mask, and the check
+# reads all of it (70 ms at 8k tokens). A weak reference, so the memo neither keeps a mask alive nor mistakes a new
+# mask at a freed one's address for it.
+_CAUSAL_MEMO: list = [lambda: None, False]
 
 
-def _reach(blocked: torch.Tensor) -> int:
-    """One past the last key slot any row of ``blocked`` ``[..., rows, S]`` may see (at least 1)."""
-    seen = (~blocked).reshape(-1, blocked.shape[-2], blocked.shape[-1]).any(dim=1).any(dim=0)
-    where = seen.nonzero()
-    return int(where[-1]) + 1 if where.numel() else 1
+def _causal(blocked: torch.Tensor) -> bool:
+    """Whether ``blocked`` ``[T, T]`` is the plain causal mask (True above the diagonal), which SDPA takes as
+    ``is_causal``: its kernels then skip the blocked half instead of reading a mask."""
+    if _CAUSAL_MEMO[0]() is blocked:
+        return _CAUSAL_MEMO[1]
+    causal = (blocked.dim() == 2 and blocked.shape[0] == blocked.shape[1]
+              and torch.equal(blocked, torch.ones_like(blocked).triu(1)))
+    _CAUSAL_MEMO[:] = [weakref.ref(blocked), causal]
+    return causal
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor: float,
@@ -281,7 +264,8 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor: fl
     group = q.shape[-2] // keys.shape[-3]
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
-    z = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, scale=1.0 / divisor,
-                                       attn_mask=None if blocked is None else ~blocked)
+    causal = blocked is not None and not compiling() and _causal(blocked)
+    z = F.scaled_dot_product_attention(q.transpose(-3, -2), keys, values, scale=1.0 / divisor, is_causal=causal,
+                                       attn_mask=None if blocked is None or causal else ~blocked)
     return z.transpose(-3, -2)
 

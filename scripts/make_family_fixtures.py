@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_llamacpp_fixtures import top_logprobs, without_extra_buffer_types  # noqa: E402
+from make_llamacpp_fixtures import top_logprobs  # noqa: E402
+from workbench.parity import without_extra_buffer_types  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "families"
 FORMATS = {"Q8_0": 7, "Q4_K_M": 15}  # llama_ftype values

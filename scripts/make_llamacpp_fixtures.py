@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from workbench.parity import without_extra_buffer_types
+
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 TOP = 32  # log-probabilities kept per position (the rest is one tail bucket): keeps the fixture ~1.5 MB
 
@@ -97,23 +99,6 @@ def write_parity_fixture(threads: int) -> None:
     meta = {"model": list(PARITY_MODEL), "sha256": digest, "ids": PARITY_IDS, "order": list(run.tensors),
             **run.settings}
     (FIXTURES / "llamacpp_parity.json").write_text(json.dumps(meta, indent=1) + "\n")
-
-
-def without_extra_buffer_types() -> None:
-    """Make ``llama_cpp.Llama`` load models without ggml's extra CPU buffer types (its repacked / AMX weight layouts):
-    with them, llama-cpp-python 0.3.36's first ``llama_decode`` crashed (SIGSEGV) on the machine these fixtures were
-    made on, the embedded model too. ``Llama()`` takes no such option, so its default model parameters are changed; the
-    plain CPU kernels compute the same products."""
-    import llama_cpp.llama_cpp as low
-
-    default = low.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    low.llama_model_default_params = params
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_llamacpp_fixtures import FIXTURES, PROMPTS, top_logprobs, without_extra_buffer_types  # noqa: E402
+from make_llamacpp_fixtures import FIXTURES, PROMPTS, top_logprobs  # noqa: E402
+from workbench.parity import without_extra_buffer_types  # noqa: E402
 
 TOP = 256
 RANK, ALPHA, STD, SEED = 4, 8.0, 0.1, 0

@@ -33,7 +33,8 @@ from moe_reference import FAMILIES, convert_with_llama_cpp, hf_moe_model, quanti
 from workbench.parity import capture_llamacpp  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from make_llamacpp_fixtures import log_softmax, without_extra_buffer_types  # noqa: E402
+from make_llamacpp_fixtures import log_softmax  # noqa: E402
+from workbench.parity import without_extra_buffer_types  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "moe"
 SEQUENCES = [[5, 77, 120, 3, 250, 9, 14, 200, 31, 64], [40, 41, 42, 100, 101, 7, 7, 7, 263, 80, 90, 12]]

@@ -457,3 +457,21 @@ def test_batches_compute_in_the_numerics_of_the_call(llama):
         assert_close_logits(a, b)
         assert not torch.equal(a, c)
     assert generated == alone_generated
+
+
+def test_streamed_traces_own_their_activations_and_run_batch_views_them(llama):
+    prompts = ["one two three", "four five", "six seven eight nine"]
+    names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    streamed = dict(llama.iter_batch(prompts, record=names, batch_size=3))
+    kept = llama.run_batch(prompts, record=names, batch_size=3)
+
+    def storages(trace):
+        return {trace.activations[n].untyped_storage().data_ptr() for n in names}
+
+    for i, trace in enumerate(kept):
+        for name in names:
+            assert torch.equal(trace.activations[name], streamed[i].activations[name])
+    # a streamed trace's points share one buffer of that prompt alone; run_batch's view the forward's buffers
+    assert all(len(storages(t)) == 1 for t in streamed.values())
+    assert len(set.union(*(storages(t) for t in streamed.values()))) == len(prompts)
+    assert storages(kept[0]) == storages(kept[1]) == storages(kept[2])

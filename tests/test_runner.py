@@ -160,26 +160,58 @@ def _attention_rows(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # grouped-query heads / as many kv heads as heads
-def test_long_prompts_attend_in_chunks_with_the_same_bits(architecture, tiny_model, monkeypatch):
-    model = tiny_model(architecture, "Q8_0", n_ctx=256, device="cpu")  # the CPU path; CUDA takes SDPA
+def test_long_prompts_take_fused_attention_within_rounding_on_the_cpu(architecture, tiny_model, monkeypatch):
+    model = tiny_model(architecture, "Q8_0", n_ctx=256, device="cpu")
     ids = torch.randint(0, model.config.vocab_size, (150,), generator=torch.Generator().manual_seed(1)).tolist()
     whole = model.forward(ids)
-    rows = _attention_rows(monkeypatch)
-    monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 4 * model.config.n_heads * 150 * 40)  # 40 query rows of scores
-    chunked = model.forward(ids)
-    assert rows and max(rows) < 150  # no call held every row's scores
-    assert torch.equal(chunked, whole)
-    # a hook on the pattern sees the whole matrix, and the logits keep their bits
-    trace = model.run(ids, record=["blocks.0.attn.hook_pattern"])
-    assert trace.activations["blocks.0.attn.hook_pattern"].shape[-2:] == (150, 150)
-    assert torch.equal(trace.logits, whole)
-    # continuing a cache, and a batch of prompts of different lengths, chunk alike
     cache = model.new_cache()
     model.forward(ids[:50], cache=cache)
-    assert torch.equal(model.forward(ids[50:], cache=cache), whole[50:])
-    batch = model.forward_batch([ids, ids[:120]], batch_size=2)
-    monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 1 << 30)
-    assert all(torch.equal(a, b) for a, b in zip(batch, model.forward_batch([ids, ids[:120]], batch_size=2)))
+    continued_whole = model.forward(ids[50:], cache=cache)
+    batch_whole = model.forward_batch([ids, ids[:120]], batch_size=2)
+    rows = _attention_rows(monkeypatch)
+    calls = _sdpa_calls(monkeypatch)
+    monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 4 * model.config.n_heads * 150 * 40)  # 40 query rows of scores
+    fused = model.forward(ids)
+    assert not rows and calls and all(causal for causal, _ in calls)  # one SDPA call a layer, the causal kernel
+    _within_float32_rounding(fused, whole)
+    # a hook on the pattern sees the whole matrix (its layer materializes it, the others stay fused)
+    trace = model.run(ids, record=["blocks.0.attn.hook_pattern"])
+    assert trace.activations["blocks.0.attn.hook_pattern"].shape[-2:] == (150, 150)
+    _within_float32_rounding(trace.logits, whole)
+    # continuing a cache (a mask below the diagonal's corner) and a batch of prompts of different lengths
+    calls.clear()
+    cache = model.new_cache()
+    model.forward(ids[:50], cache=cache)
+    _within_float32_rounding(model.forward(ids[50:], cache=cache), continued_whole)
+    assert any(masked for _, masked in calls)
+    for fused_row, whole_row in zip(model.forward_batch([ids, ids[:120]], batch_size=2), batch_whole):
+        _within_float32_rounding(fused_row, whole_row)
+
+
+def _within_float32_rounding(fused: torch.Tensor, whole: torch.Tensor) -> None:
+    assert (fused - whole).abs().max().item() < 1e-5 * whole.abs().max().item()
+    assert torch.equal(fused.argmax(-1), whole.argmax(-1))
+
+
+def _sdpa_calls(monkeypatch) -> list[tuple[bool, bool]]:
+    """(is_causal, with a mask) of every SDPA call from here on."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, is_causal=False, attn_mask=None, **kw: (
+        calls.append((is_causal, attn_mask is not None)) or sdpa(*a, is_causal=is_causal, attn_mask=attn_mask, **kw)))
+    return calls
+
+
+def test_the_causal_mask_is_recognized_and_nothing_else():
+    torch.manual_seed(0)
+    q, keys, values = torch.randn(40, 4, 16), torch.randn(2, 40, 16), torch.randn(2, 40, 16)
+    causal = torch.ones(40, 40, dtype=torch.bool).triu(1)
+    almost = causal.clone()
+    almost[30, 5] = True
+    assert layer_ops._causal(causal) and layer_ops._causal(causal)  # the second answer from the memo
+    assert not layer_ops._causal(almost) and not layer_ops._causal(causal[:, :39])
+    for mask in (causal, almost):
+        expected = layer_ops.attend(layer_ops.attention_scores(q, keys, 4.0, mask).softmax(-1), values)
+        assert (layer_ops._sdpa(q, keys, values, 4.0, mask) - expected).abs().max().item() < 1e-5
 
 
 def test_fused_attention_expands_grouped_keys_under_a_mask(monkeypatch):

@@ -399,7 +399,8 @@ class Model:
         """``run`` over many prompts in batched forwards: one Trace per prompt, in the prompts' order, with the shapes
         and meaning ``model.run(prompt)`` gives (docs/batches.md). Keywords as ``iter_batch``."""
         traces: list[hooks_lib.Trace | None] = [None] * (len(prompts) if isinstance(prompts, Sequence) else 0)
-        for i, trace in self.iter_batch(prompts, **kwargs):
+        # every trace is kept, so each may view its forward's recorded buffers instead of copying its rows out of them
+        for i, trace in self.iter_batch(prompts, own_buffers=False, **kwargs):
             traces[i] = trace
         return traces
 
@@ -408,8 +409,8 @@ class Model:
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
                    logits: str = "all", share_prefix: bool = True, progress: Progress = False,
-                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: BatchAdapterChoice = None
-                   ) -> Iterator[tuple[int, hooks_lib.Trace]]:
+                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: BatchAdapterChoice = None,
+                   own_buffers: bool = True) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
         in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
         is called, before any compute.
@@ -420,7 +421,9 @@ class Model:
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
         (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
         ``use_error_term`` as in ``run``, for every prompt; ``adapter`` as in ``run`` for every prompt, or a list of
-        one choice per prompt (prompts of different choices share forwards: docs/adapters.md).
+        one choice per prompt (prompts of different choices share forwards: docs/adapters.md). ``own_buffers``: each
+        trace's activations are copied out of their forward's buffers, so a kept trace holds no other prompt's (False:
+        views, no copy, as ``run_batch`` takes them).
 
         With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
         prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
@@ -435,7 +438,7 @@ class Model:
         recorder = None
         if record:
             names = hooks_lib.Recorder.for_patterns(record, self.config).names
-            recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce)
+            recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers)
             hooks_lib.batching.check_reduce_positions(reduce, lengths)
         with self.numerics_scope():  # donor prompts run in the call's numerics
             prompt_hooks, specs, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,

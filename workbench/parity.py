@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -232,7 +233,8 @@ _GGML_F32, _GGML_F16 = 0, 1
 
 
 def _ggml_library(llama_cpp) -> ctypes.CDLL:
-    lib = Path(llama_cpp.__file__).parent / "lib"
+    """The ggml beside the ``libllama`` llama-cpp-python loaded: its own, or a build's under ``LLAMA_CPP_LIB_PATH``."""
+    lib = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")
     found = sorted(lib.glob("libggml-base.*")) or sorted(lib.glob("libggml.*"))
     if not found:
         raise WorkbenchError(f"no libggml-base next to llama_cpp ({lib})")
@@ -271,6 +273,24 @@ class LlamaCppRun:
 
 # llama.cpp calls its log callback whenever it logs, for the life of the process: the callback must outlive every call
 _SILENCE: list[Any] = []
+
+
+def without_extra_buffer_types() -> None:
+    """Make ``llama_cpp.Llama`` load models without ggml's extra CPU buffer types (its repacked / AMX weight layouts):
+    with them, llama-cpp-python 0.3.36's first ``llama_decode`` crashed (SIGSEGV) on the machine these fixtures were
+    made on, the embedded model too. ``Llama()`` takes no such option, so its default model parameters are changed; the
+    plain CPU kernels compute the same products."""
+    require_llama_cpp()
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
 
 
 def load_llamacpp_model(path: str | Path, extra_buffers: bool = False) -> Any:
