@@ -29,7 +29,8 @@ from .tracing import compiling
 # Rows (tokens) up to which the fused call serves: decode, batched decode and short prompts.
 MAX_ROWS = 16
 # Multiply-adds per thread from which the CPU op splits its expansion over threads: no decode step of a small model
-# gets there (measured on 2 shared cores, docs/adapters.md "Speed": a parallel region per group lost to one thread).
+# gets there (docs/performance.md, "LoRA adapters": on 2 shared cores, threads gained nothing quiet and lost much
+# under load).
 CPU_PARALLEL_WORK = 1 << 18
 
 
