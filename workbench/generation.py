@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from workbench.errors import WorkbenchError
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
+from workbench.moe import by_pair_supported
 from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer
 
 
@@ -470,8 +471,9 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     lora = own_lora(lora)
     if runner.device.type != "cuda":
         return _compile_on_cpu(runner, cache, lora) if compiled else None
-    if runner.config.moe is not None:
-        return None  # the experts are grouped by the routing read on the host, which a CUDA graph cannot hold
+    if runner.config.moe is not None and not all(by_pair_supported(layer.moe, runner.device)
+                                                 for layer in runner.weights.layers if layer.moe is not None):
+        return None  # experts grouped by the routing read on the host, which a CUDA graph cannot hold
     if compiled:
         step = _capture(runner, cache, _compiled_cuda_forward(runner, cache, lora, warm=False),
                         "capturing the eager forward instead", lora)
