@@ -231,7 +231,7 @@ class Model:
 
     def _layer_lora(self, i: int, scales: dict[str, float]) -> dict:
         """One layer's terms (``runner.Lora``): per group of projections sharing an input, the adapted ones' A rows
-        stacked and their scaled B's as the blocks of one block-diagonal matrix (two matmuls per group)."""
+        stacked and their scaled B's transposed as the blocks of one block-diagonal matrix, with each one's rank."""
         terms = {}
         for group in LORA_GROUPS:
             adapted = tuple(p for p in group if any(p in self.adapters[name].layers[i] for name in scales))
@@ -240,9 +240,10 @@ class Model:
             pieces = [[(self.adapters[name].layers[i][p], scale) for name, scale in scales.items()
                        if p in self.adapters[name].layers[i]] for p in adapted]
             a = torch.cat([a for piece in pieces for (a, _), _ in piece])
-            b = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1) for piece in pieces])
+            b_t = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1).T for piece in pieces])
+            ranks = tuple(sum(a.shape[0] for (a, _), _ in piece) for piece in pieces)
             device = self.runner.weights.layers[i].attn_norm.device  # the layer's own, in a model split over devices
-            terms[group] = (a.to(device, self.dtype), b.to(device, self.dtype), adapted)
+            terms[group] = (a.to(device, self.dtype), b_t.to(device, self.dtype), adapted, ranks)
         return terms
 
     def batch_adapters(self, adapter: BatchAdapterChoice, n_prompts: int) -> list[AdapterChoice]:

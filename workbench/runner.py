@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from workbench.config import ModelConfig, YaRN
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
+from workbench.kernels import lora as lora_ops
 from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
 from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
                            moe_mlp, with_moe_points)
@@ -113,10 +114,11 @@ class BatchLayout:
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
 Hooks = Mapping[str, Sequence[HookFn]]
-# The LoRA adapters of a call (Model.lora_terms), per layer: {projections that share an input (LORA_GROUPS): (A, B,
-# the adapted ones)}, A the adapted projections' (and a mix's adapters') A rows stacked, B their s * B as blocks of a
-# block-diagonal matrix: one pair of matmuls gives every adapted projection of the group its term ``s * B (A x)``.
-Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]]]
+# The LoRA adapters of a call (Model.lora_terms), per layer: {projections that share an input (LORA_GROUPS): (A, B^T,
+# the adapted ones, their ranks)}, A the adapted projections' (and a mix's adapters') A rows stacked, B^T their
+# (s * B)^T as blocks of a block-diagonal matrix: one pair of matmuls, or one fused call (kernels.lora), gives every
+# adapted projection of the group its term ``s * B (A x)``.
+Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...], tuple[int, ...]]]]
 LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
@@ -335,15 +337,25 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
 def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...], lora: LayerLora,
              point: _Points, names: Mapping[str, str], layer: int) -> Sequence[torch.Tensor]:
     """The outputs ``outs`` of projections ``parts`` of ``x``, each adapted one plus its LoRA term ``s * B (A x)``
-    (through the term's hook point, ``[T, out]``: zero on the tokens whose choice leaves the projection alone)."""
+    (through the term's hook point, ``[T, out]``: zero on the tokens whose choice leaves the projection alone). Where
+    one choice covers every token and no hook asks for a term, the terms are never held apart: ``kernels.lora`` adds
+    them in one call per group (one fused kernel for few rows)."""
+    if len(lora) == 1 and lora[0][1] is None and parts in lora[0][0]:
+        a, b_t, adapted, ranks = lora[0][0][parts]
+        if not any(point.wants(names[p]) for p in adapted):
+            if adapted == parts:
+                return lora_ops.add_terms(x, a, b_t, outs, ranks)
+            added = iter(lora_ops.add_terms(x, a, b_t, [outs[parts.index(p)] for p in adapted], ranks))
+            return [next(added) if p in adapted else out for p, out in zip(parts, outs)]
     added: dict[str, torch.Tensor] = {}
     for terms, rows in lora:
         if parts not in terms:
             continue
-        a, b, adapted = terms[parts]
+        a, b_t, adapted, _ = terms[parts]
         rows = rows if rows is None else rows.to(x.device)  # a no-op but where a split model moved the layer
         x_rows = x if rows is None else x.index_select(0, rows)
-        products = F.linear(F.linear(x_rows, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+        products = lora_ops.torch_terms(x_rows, a, b_t).split([outs[parts.index(p)].shape[-1] for p in adapted],
+                                                              dim=-1)
         for p, product in zip(adapted, products):
             if rows is None:  # the one choice of every token
                 added[p] = product
