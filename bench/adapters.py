@@ -7,11 +7,12 @@ The adapter is random (B nonzero), on every projection of every layer with --mod
 or on q/k/v/o alone with --modules attn. Base and adapter runs alternate, each figure the median of --repeats, so the
 ratio comes from one run under the same machine load. Decode takes the built step (a CUDA graph of the compiled
 forward on CUDA, the compiled forward on the CPU) where the device's default does (CUDA), or as --compiled / --eager
-say; the adapter's step holds its terms as inputs (docs/adapters.md).
+say; the adapter's step holds its terms as inputs (docs/adapters.md). Eager decode also times the adapter with its
+terms as the torch formula's two matmuls per group (``kernels.lora``'s fused call switched off), in the same rounds.
 
 --mixed-batch times instead the LoRA terms of one batched forward whose 8 prompts choose among 4 adapters (2 each):
 grouped by adapter (what the runner does: each adapter's tokens gathered, two matmuls, scattered back) against every
-token multiplying its own gathered A and B (batched matmuls over [tokens, rank, in] and [tokens, out, rank]), for a
+token multiplying its own gathered A and B^T (batched matmuls over [tokens, in, rank] and [tokens, rank, out]), for a
 decode step (1 token a prompt) and a prefill (32 tokens a prompt), next to one adapter for the whole batch.
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ from safetensors.torch import save_file
 import workbench
 from workbench.adapters import PROJECTIONS, projection_shape
 from workbench.generation import Sampling, generate_tokens
+from workbench.kernels import lora as lora_ops
+
+FUSED_ROWS = lora_ops.MAX_ROWS
 
 
 def write_random_adapter(path: Path, config, rank: int, projections: list[str], seed: int = 0) -> Path:
@@ -65,9 +69,9 @@ def decode_seconds(model: workbench.Model, prompt: list[int], n_new: int, adapte
     return time.perf_counter() - start
 
 
-def gathered_terms(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
-    """Each token's LoRA term with its own adapter's A and B, gathered from stacks ``[adapters, ...]``."""
-    return torch.bmm(b[choice], torch.bmm(a[choice], x[:, :, None]))[:, :, 0]
+def gathered_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """Each token's LoRA term with its own adapter's A and B^T, gathered from stacks ``[adapters, ...]``."""
+    return torch.bmm(torch.bmm(x[:, None, :], a[choice].transpose(1, 2)), b_t[choice])[:, 0]
 
 
 def mixed_batch(model: workbench.Model, names: list[str], repeats: int) -> None:
@@ -146,21 +150,28 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
     # True, not the CUDA default "background": each run waits for its step's build, so none times a provisional graph
     compiled = args.compiled if args.compiled is not None else model.device.type == "cuda"
-    times: dict[str | None, list[float]] = {None: [], "bench0": []}
-    for choice in times:  # warm-up (and the builds of the compiled steps)
-        decode_seconds(model, prompt, args.decode, choice, compiled)
+    runs = {"base": None, "adapter": "bench0"} | ({} if compiled else {"adapter, two matmuls": "bench0"})
+    times: dict[str, list[float]] = {run: [] for run in runs}
+
+    def decode(run: str) -> float:
+        lora_ops.MAX_ROWS = 0 if run == "adapter, two matmuls" else FUSED_ROWS
+        return decode_seconds(model, prompt, args.decode, runs[run], compiled)
+
+    for run in runs:  # warm-up (and the builds of the compiled steps)
+        decode(run)
     for _ in range(args.repeats):
-        for choice in times:
-            times[choice].append(decode_seconds(model, prompt, args.decode, choice, compiled))
-    rate = {choice: (args.decode - 1) / statistics.median(t) for choice, t in times.items()}
+        for run in runs:
+            times[run].append(decode(run))
+    lora_ops.MAX_ROWS = FUSED_ROWS
+    rate = {run: (args.decode - 1) / statistics.median(t) for run, t in times.items()}
     adapter = model.adapters["bench0"]
     print(f"{model.config.name} on {args.device}, {args.threads} threads, load average {load} (at the start), "
           f"{'built step' if compiled else 'eager'} decode; adapter rank {args.rank} on "
           f"{', '.join(projections)} of {len(adapter.adapted_layers)} layers ({adapter.n_params:,} parameters)")
-    print(f"decode base    {rate[None]:8.1f} tokens/s")
-    print(f"decode adapter {rate['bench0']:8.1f} tokens/s   ({rate['bench0'] / rate[None]:.2f}x the base)")
+    for run, value in rate.items():
+        ratio = "" if run == "base" else f"   ({value / rate['base']:.2f}x the base)"
+        print(f"decode {run:<21} {value:8.1f} tokens/s{ratio}")
     print("load average at the end " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
-
 
 if __name__ == "__main__":
     main()

@@ -9,33 +9,79 @@ every third ``held_out``: kept out of any tuning of the numerics); each random m
     python bench/llamacpp_agreement.py [--formats Q4_0 Q4_1 Q8_0 Q4_K_M Q6_K] [--no-embedded] [--threads 2]
     LLAMA_CPP_LIB_PATH=llama.cpp/build/bin python bench/llamacpp_agreement.py --device cuda   # both on a GPU
 
-``--device cuda`` runs ours on CUDA and llama.cpp with every layer on its CUDA backend (``-ngl 99``): llama-cpp-python
-loads the ``libllama.so`` of a llama.cpp built with ``-DGGML_CUDA=ON`` from ``LLAMA_CPP_LIB_PATH`` (the vendored
-llama.cpp of the same release, so its C API matches).
+``--device cuda`` runs ours on CUDA and llama.cpp with every layer on its CUDA backend (``-ngl 99``, flash attention
+on, as its "auto" picks on the GPU): llama-cpp-python loads the ``libllama.so`` of a llama.cpp built with
+``-DGGML_CUDA=ON`` from ``LLAMA_CPP_LIB_PATH`` (the vendored llama.cpp of the same release, so its C API matches). That
+llama.cpp runs in a child process that never imports torch: on the H100 machines, a CUDA build of llama.cpp and
+torch's libraries in one process crash while loading the model, in either import order.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "llamacpp_logits.json"
 FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q6_K")
 
 
-def agreement(model, prompts: list[list[int]], held_out: list[bool], threads: int, gpu_layers: int = 0) -> dict:
+GPU_CHILD = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+import llama_cpp.llama_cpp as low
+request = json.loads(sys.stdin.read())
+# workbench.parity.without_extra_buffer_types, which this process cannot import (workbench imports torch)
+default_params = low.llama_model_default_params
+def params():
+    p = default_params()
+    p.use_extra_bufts = False
+    return p
+low.llama_model_default_params = params
+longest = max(len(ids) for ids in request["prompts"])
+llm = llama_cpp.Llama(request["path"], n_gpu_layers=99, n_ctx=longest + 16, n_batch=longest, n_ubatch=longest,
+                      logits_all=True, flash_attn=True, verbose=False)
+logits = {}
+for i, ids in enumerate(request["prompts"]):
+    llm.reset()
+    llm.eval(ids)
+    logits[str(i)] = np.array(llm.scores[:len(ids)], dtype=np.float32)
+np.savez(request["out"], **logits)
+"""
+
+
+def llamacpp_gpu_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every position's logits of each prompt, llama.cpp on its GPU in a process of its own (one batch a prompt)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.npz"
+        request = json.dumps({"path": str(path), "prompts": prompts, "out": str(out)})
+        run = subprocess.run([sys.executable, "-c", GPU_CHILD], input=request, text=True, capture_output=True,
+                             env=os.environ)
+        if run.returncode:
+            sys.exit(f"llama.cpp on the GPU failed: {run.stderr[-1500:]}")
+        with np.load(out, allow_pickle=False) as saved:
+            return [torch.from_numpy(saved[str(i)]) for i in range(len(prompts))]
+
+
+def agreement(model, prompts: list[list[int]], held_out: list[bool], threads: int) -> dict:
     """Per numerics and part (tuning, held out): prompts, positions, top-1 agreement, mean and max KL(llama.cpp ||
-    ours) over the whole vocabulary."""
+    ours) over the whole vocabulary. llama.cpp runs on the CPU beside a CPU model, on its GPU beside a CUDA one."""
     from workbench import parity
     from workbench.kernels import numerics
 
-    reference = [torch.from_numpy(parity.capture_llamacpp(model.path, ids, names=lambda n: False,
-                                                          threads=threads, gpu_layers=gpu_layers
-                                                          ).tensors["result_output"])
-                 for ids in prompts]
+    if model.device.type == "cuda":
+        reference = llamacpp_gpu_logits(model.path, prompts)
+    else:
+        reference = [torch.from_numpy(parity.capture_llamacpp(model.path, ids, names=lambda n: False,
+                                                              threads=threads).tensors["result_output"])
+                     for ids in prompts]
     results = {}
     for mode in ("exact", "llamacpp"):
         with numerics(mode), torch.inference_mode():
@@ -62,14 +108,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="ours on this device; cuda puts llama.cpp on its GPU too")
     parser.add_argument("--dtype", default="float32", help="our activations' dtype (llama.cpp's are float32)")
     args = parser.parse_args()
-    gpu_layers = 99 if args.device == "cuda" else 0
     torch.set_num_threads(args.threads)
     fixture = json.loads(FIXTURE.read_text())["prompts"]
     held_out = [p["held_out"] for p in fixture]
     out = {}
     if not args.no_embedded:
         model = workbench.load(None, device=args.device, dtype=args.dtype)
-        out["embedded"] = agreement(model, [p["ids"] for p in fixture], held_out, args.threads, gpu_layers)
+        out["embedded"] = agreement(model, [p["ids"] for p in fixture], held_out, args.threads)
         print(json.dumps({"embedded": out["embedded"]}, indent=1), flush=True)
     generator = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +125,7 @@ def main() -> None:
             model = workbench.load(path, device=args.device, dtype=args.dtype)
             prompts = [torch.randint(1, config.vocab_size, (len(p["ids"]),), generator=generator).tolist()
                        for p in fixture]
-            out[fmt] = agreement(model, prompts, held_out, args.threads, gpu_layers)
+            out[fmt] = agreement(model, prompts, held_out, args.threads)
             print(json.dumps({fmt: out[fmt]}, indent=1), flush=True)
 
 

@@ -79,7 +79,7 @@ class BatchRecorder:
     """
 
     def __init__(self, names: Sequence[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 reduce: str | int | None = None):
+                 reduce: str | int | None = None, own_buffers: bool = True):
         if reduce is not None and not (reduce in REDUCTIONS or (isinstance(reduce, int)
                                                                  and not isinstance(reduce, bool))):
             raise HookError(f"reduce must be None, {', '.join(map(repr, REDUCTIONS))} or a position, got {reduce!r}")
@@ -88,6 +88,7 @@ class BatchRecorder:
             if grown:
                 raise HookError(f"reduce works on token-major hook points, not {grown[0]}")
         self.names, self.device, self.dtype, self.reduce = list(names), torch.device(device), dtype, reduce
+        self.own_buffers = own_buffers
         self._forwards: list[_Recorded] = []  # forwards with prompts not yet taken, in order
 
     def hooks(self) -> dict[str, list[HookFn]]:
@@ -108,8 +109,9 @@ class BatchRecorder:
                             for b in range(layout.size)])
 
     def take(self, prompt: int) -> dict[str, torch.Tensor]:
-        """The activations recorded for one prompt, forgotten here. They share one buffer of their own, so a kept
-        trace holds no other prompt's activations (one copy per prompt, not one per point)."""
+        """The activations recorded for one prompt, forgotten here. With ``own_buffers`` they share one buffer of their
+        own, so a kept trace holds no other prompt's activations (one copy per prompt, not one per point); without,
+        they are views of their forward's buffers, for a caller that keeps every prompt's trace anyway."""
         parts: dict[str, list[torch.Tensor]] = {}
         reduced = False
         for forward in self._forwards:
@@ -123,7 +125,8 @@ class BatchRecorder:
             forward.untaken -= 1
         self._forwards = [f for f in self._forwards if f.untaken]
         if reduced or self.reduce is None:
-            return _own_buffer({name: join_tokens(name, chunks) for name, chunks in parts.items()})
+            joined = {name: join_tokens(name, chunks) for name, chunks in parts.items()}
+            return _own_buffer(joined) if self.own_buffers else joined
         return {name: reduce_tokens(join_tokens(name, chunks), self.reduce, prompt).to(self.dtype)
                 for name, chunks in parts.items()}
 

@@ -1,19 +1,25 @@
 """Activation patching sweeps: run the corrupt prompt once per cell with one clean activation patched in.
 
-The clean run is recorded once; each cell is one forward of the corrupt prompt with a Patch from that
-trace, so a sweep of L layers x T positions costs L*T + 2 forwards.
+The clean run is recorded once. A patch in block L at position p changes nothing before it: no layer before L, and
+(attention being causal) no position before p. So each cell continues the corrupt run: it runs blocks L.. on positions
+p.. alone, from the corrupt run's residual stream entering block L and its keys and values of the positions before p
+(a cache prefix), and the cells are the rows of batched forwards (docs/batches.md, "Patching sweeps").
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from workbench.errors import HookError
+from workbench.kv_cache import BatchKVCache, KVCache
+from workbench.progress import progress_callback
+from workbench.runner import BatchLayout, HookContext, block_points
 
 from .interventions import Patch
-from .points import head_count, resolve
+from .points import axes, head_count, resolve
 
 Metric = Callable[[torch.Tensor], float]  # logits [positions, vocab] -> number
 ProgressFn = Callable[[int, int], None]  # (cells done, cells in all)
@@ -108,15 +114,22 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
         raise HookError("metric must be a function of the logits [positions, vocab]")
 
     clean_trace = model.run(clean_ids, record=names)
-    corrupt_logits = model.forward(corrupt_ids)
-    default_metric = metric is None
+    cells = [(layers[i], name, pos, head) for i, name in enumerate(names)
+             for pos in (positions if "positions" in over else [None])
+             for head in (heads if sweep_heads else [None])]
+    continued = _can_continue(model, names)
+    if continued:
+        corrupt = _corrupt_run(model, corrupt_ids, {_start_of(model, layer) for layer in layers})
+        corrupt_logits = corrupt.logits
+    else:
+        corrupt_logits = model.forward(corrupt_ids)
+    answer_pair = None
     if metric is None:
-        clean_answer, corrupt_answer = answer_ids or (int(clean_trace.logits[-1].argmax()),
-                                                      int(corrupt_logits[-1].argmax()))
-        if clean_answer == corrupt_answer:
+        answer_pair = answer_ids or (int(clean_trace.logits[-1].argmax()), int(corrupt_logits[-1].argmax()))
+        if answer_pair[0] == answer_pair[1]:
             raise HookError("the clean and corrupt runs predict the same token; pass answers=(clean, corrupt)")
-        metric = logit_diff(clean_answer, corrupt_answer)
-        texts = model.token_texts([clean_answer, corrupt_answer])
+        metric = logit_diff(*answer_pair)
+        texts = model.token_texts(answer_pair)
         metric_name = f"logit diff {texts[0]!r} - {texts[1]!r}"
     else:
         metric_name = getattr(metric, "__name__", "metric")
@@ -124,18 +137,18 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
     if normalize and clean_metric == corrupt_metric:
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
 
-    cells = [(i, name, pos, head) for i, name in enumerate(names)
-             for pos in (positions if "positions" in over else [None])
-             for head in (heads if sweep_heads else [None])]
-    # every cell is a row of batched forwards of the corrupt prompt, each row with its own patch
-    patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
-                      donor=clean_trace)] for _, name, pos, head in cells]
-    grid = torch.empty(len(cells))
-    # the default metric reads the last position alone: the cells then skip every other position's unembedding
-    rows = "last" if default_metric else "all"
-    for n, trace in model.iter_batch([corrupt_ids] * len(cells), per_prompt_interventions=patches, logits=rows,
-                                     progress=progress):
-        grid[n] = float(metric(trace.logits))
+    if continued:
+        grid = _continued_cells(model, cells, clean_trace, corrupt, corrupt_ids, metric, answer_pair, progress)
+    else:
+        # every cell is a row of batched forwards of the whole corrupt prompt, each row with its own patch
+        patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
+                          donor=clean_trace)] for _, name, pos, head in cells]
+        grid = torch.empty(len(cells))
+        # the default metric reads the last position alone: the cells then skip every other position's unembedding
+        rows = "last" if answer_pair else "all"
+        for n, trace in model.iter_batch([corrupt_ids] * len(cells), per_prompt_interventions=patches, logits=rows,
+                                         progress=progress):
+            grid[n] = float(metric(trace.logits))
     shape = [len(layers)] + ([len(positions)] if "positions" in over else []) + ([len(heads)] if sweep_heads else [])
     grid = grid.view(shape)
     if normalize:
@@ -146,6 +159,188 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
               "heads": [f"H{h}" for h in heads]}
     return PatchingResult(grid, over, hook, {axis: labels[axis] for axis in over}, clean_metric, corrupt_metric,
                           metric_name, normalize)
+
+
+Cell = tuple[int, str, "int | None", "int | None"]  # (layer, hook point, position or None for all, head or None)
+
+# What one more forward costs beyond its blocks' arithmetic (its layout, cache rows, positions and patches: Python, and
+# on a GPU the launches of small kernels), as FLOPs of arithmetic in the same time, weighed by ``_segments`` against the
+# blocks a later cell recomputes when it joins an earlier forward. On the CPU's 2 threads it took what 30 to 40 tokens
+# of an embedded-model block take (docs/batches.md, "Patching sweeps"); CUDA's is an estimate (3 ms of an H100).
+FORWARD_FLOPS = {"cpu": 3e8, "cuda": 1e11}
+
+
+@dataclass
+class _CorruptRun:
+    logits: torch.Tensor  # [T, vocab] float32, on the CPU
+    cache: KVCache  # every layer's keys and values
+    resid: dict[int, torch.Tensor]  # layer -> the residual stream entering it, [T, d_model]
+
+
+def _can_continue(model: Any, names: Sequence[str]) -> bool:
+    """Whether the cells can continue the corrupt run (each a token-major point inside its block), rather than each
+    rerun it whole. Not under a ``model.hooks()`` block, whose edits may read what a continued cell skips."""
+    points = block_points(model.config)
+    return not model.in_hooks_block() and all(
+        resolve(name, model.config) == [name] and name.split(".", 2)[2] in points and axes(name).token == 0
+        for name in names)
+
+
+def _start_of(model: Any, layer: int) -> int:
+    """The block a forward for cells of ``layer`` starts at: the latest at or before it that a forward can start at
+    from the residual stream (0: from the tokens)."""
+    return next((a for a in range(layer, 0, -1) if model.runner.can_start_at_layer(a)), 0)
+
+
+def _corrupt_run(model: Any, ids: list[int], starts: set[int]) -> _CorruptRun:
+    """The corrupt prompt's forward, keeping its keys and values and the residual stream entering each of ``starts``."""
+    resid: dict[int, torch.Tensor] = {}
+
+    def keep(x: torch.Tensor, ctx: HookContext) -> None:
+        resid[ctx.layer] = x
+
+    hooks = {f"blocks.{layer}.hook_resid_pre": [keep] for layer in starts if layer}
+    cache = model.runner.new_cache(len(ids))
+    with torch.inference_mode(), model.numerics_scope():
+        logits = model.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks or None)
+    return _CorruptRun(logits.cpu(), cache, resid)
+
+
+def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _CorruptRun, corrupt_ids: list[int],
+                     metric: Metric, answer_pair: tuple[int, int] | None, progress: bool | ProgressFn) -> torch.Tensor:
+    """Each cell's metric, the cell continuing the corrupt run from its block and position as a row of batched
+    forwards. The cells (in chunks that fit memory) pass through the blocks in segments (``_segments``): a cell joins
+    the rows at the start of the segment holding its layer, from the corrupt run's residual stream there, its cache row
+    seeded with the corrupt run's keys and values before its position; each segment goes on from the stream the last
+    one stopped at."""
+    runner, n_tokens = model.runner, len(corrupt_ids)
+    layer = [cell[0] for cell in cells]
+    first = [pos or 0 for _, _, pos, _ in cells]  # the first position each cell runs
+    last_only = answer_pair is not None
+    answer_ids = torch.tensor(answer_pair, device=runner.output_device) if last_only else None
+    donors = {name: clean.activations[name].to(model.point_device(name), model.dtype) for _, name, _, _ in cells}
+    grid = torch.empty(len(cells))
+    update, close = progress_callback(progress, len(cells), "cells")
+    done = 0
+    try:
+        for chunk in _chunks(model, sorted(range(len(cells)), key=lambda n: (layer[n], first[n])), first, n_tokens,
+                             last_only):
+            rows: list[int] = []  # the cells of the forward's rows, in order: each segment's joining cells are appended
+            x = None
+            for start, stop, joining in _segments(model, chunk, layer, first, n_tokens):
+                rows += joining
+                cached = [first[n] for n in rows]
+                layout = BatchLayout([n_tokens - p for p in cached], runner.device, cached=cached)
+                cache = (BatchKVCache.from_prefixes(corrupt.cache, cached, max(cached) + layout.width,
+                                                    range(start, stop)) if any(cached) else None)
+                ids = torch.tensor([t for p in cached for t in corrupt_ids[p:]], dtype=torch.long)
+                if start:  # rows so far go on from where the last segment stopped, joining ones from the corrupt run
+                    stream = ([] if x is None else [x]) + [corrupt.resid[start][first[n]:] for n in joining]
+                    x = torch.cat([part.to(runner.devices[start]) for part in stream])
+                patched = [(b, cells[n]) for b, n in enumerate(rows) if start <= layer[n] < stop]
+                with torch.inference_mode(), model.numerics_scope():
+                    x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
+                                       layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
+                                       stop_at_layer=stop, logit_ids=answer_ids)
+            if last_only:  # the default metric takes the two answers' logits alone: one small copy back
+                grid[rows] = (x[:, 0] - x[:, 1]).cpu()
+            else:  # a metric of every position sees the corrupt run's logits before the row's first position
+                logits = x.cpu()
+                for b, n in enumerate(rows):
+                    grid[n] = float(metric(torch.cat((corrupt.logits[:first[n]], logits[layout.rows(b)]))))
+            done += len(chunk)
+            update(done)
+    finally:
+        close()
+    return grid
+
+
+def _chunks(model: Any, order: list[int], first: Sequence[int], n_tokens: int, last_only: bool) -> list[list[int]]:
+    """The cells ``order`` (by layer, then position) in chunks whose rows fit one forward, all of them at once: within
+    ``model.max_batch_tokens()`` padded tokens, and ``model.batch_bytes`` for activations, attention scores and cache
+    rows."""
+    c = model.config
+    per_token, per_score, budget = model.batch_bytes(vocab_rows=not last_only)
+    element = torch.finfo(model.dtype).bits // 8
+    slot_bytes = element * 2 * sum(math.prod(c.layer_heads(i)) for i in range(c.n_layers))  # a row's cache slot
+    chunks, chunk, width, prefix = [], [], 0, 0  # width: the chunk's longest row; prefix: its longest cached prefix
+    for n in order:
+        grown_width, grown_prefix = max(width, n_tokens - first[n]), max(prefix, first[n])
+        rows = len(chunk) + 1
+        padded, slots = rows * grown_width, grown_prefix + grown_width
+        if chunk and (padded > model.max_batch_tokens()
+                      or padded * (per_token + per_score * slots) + rows * slots * slot_bytes > budget):
+            chunks.append(chunk)
+            chunk, grown_width, grown_prefix = [], n_tokens - first[n], first[n]
+        chunk.append(n)
+        width, prefix = grown_width, grown_prefix
+    return chunks + [chunk]
+
+
+def _segments(model: Any, cells: Sequence[int], layer: Sequence[int], first: Sequence[int], n_tokens: int
+              ) -> list[tuple[int, int, list[int]]]:
+    """The blocks split into forwards ``(start, stop, the cells joining at start)``, each going on from the last one's
+    stream, so that the tokens run through blocks plus the forwards (``FORWARD_FLOPS``' worth of tokens each) are
+    fewest. A cell joins at the start of its layer's segment, recomputing the blocks from there to its own (the patch
+    lies past them). A forward is cheap against the arithmetic on the CPU and for large models: about a segment per
+    layer; for a small model on a GPU, whose blocks are bound by kernel launches, one forward from the first layer."""
+    c = model.config
+    flops_per_token = 2 * (c.n_params - c.vocab_size * c.d_model * (1 if c.tied_embeddings else 2)) / c.n_layers
+    setup = FORWARD_FLOPS.get(model.runner.device.type, FORWARD_FLOPS["cuda"]) / flops_per_token
+    tokens: dict[int, int] = {}  # layer -> its cells' tokens
+    for n in cells:
+        tokens[layer[n]] = tokens.get(layer[n], 0) + n_tokens - first[n]
+    # where a segment may start: the first cell's start, and each later swept layer a forward can start at
+    starts = [_start_of(model, min(tokens))]
+    starts += [i for i in sorted(tokens) if i > starts[0] and model.runner.can_start_at_layer(i)]
+    bounds = starts + [c.n_layers]
+    # active[j]: the tokens of the cells whose layer lies before bounds[j], all running in a segment that ends there
+    active = [sum(t for i, t in tokens.items() if i < bound) for bound in bounds]
+    cost, split = [0.0] + [math.inf] * (len(bounds) - 1), [0] * len(bounds)
+    for j in range(1, len(bounds)):
+        for i in range(j):
+            here = cost[i] + setup + (bounds[j] - bounds[i]) * active[j]
+            if here < cost[j]:
+                cost[j], split[j] = here, i
+    segments, j = [], len(bounds) - 1
+    while j:
+        i = split[j]
+        joining = [n for n in cells if bounds[i] <= layer[n] < bounds[j]]
+        segments.append((bounds[i], bounds[j], joining))
+        j = i
+    return segments[::-1]
+
+
+def _patch_hooks(model: Any, patched: Sequence[tuple[int, Cell]], layout: BatchLayout,
+                 donors: dict[str, torch.Tensor]) -> dict[str, list] | None:
+    """One hook per patched point of a forward, row ``b`` of ``patched`` being the cell it names: the hook writes the
+    clean run's activation into all its rows' cells at once (a row starts at its cell's position, or at position 0 to
+    patch every position)."""
+    edits: dict[str, tuple[list[int], list[int], list[int]]] = {}
+    for b, (_, name, pos, head) in patched:
+        dst, src, heads = edits.setdefault(name, ([], [], []))
+        positions = range(layout.lengths[b]) if pos is None else [pos]
+        dst += [layout.starts[b] + p - (pos or 0) for p in positions]
+        src += list(positions)
+        heads += [head] * len(positions)
+    hooks = {}
+    for name, (dst, src, heads) in edits.items():
+        device = model.point_device(name)
+        index = (torch.tensor(dst, device=device),)
+        if heads[0] is not None:
+            index += (torch.tensor(heads, device=device),)
+        values = donors[name][torch.tensor(src, device=device), *index[1:]]
+        hooks[name] = [_writer(index, values)]
+    return hooks or None
+
+
+def _writer(index: tuple[torch.Tensor, ...], values: torch.Tensor):
+    def write(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        x = x.clone()
+        x[index] = values.to(x.dtype)
+        return x
+
+    return write
 
 
 def _checked(positions: Sequence[int], n_tokens: int) -> list[int]:

@@ -113,6 +113,9 @@ def _build_extension(isa: str) -> Any:
     torch.library.register_fake(f"{name}::linear_llamacpp")(
         lambda x, packed, ggml_type, rows, cols: x.new_empty(x.shape[0], rows)
     )
+    torch.library.register_fake(f"{name}::lora_add")(
+        lambda x, a, b_t, outs, ranks, parallel_work: x.new_empty(x.shape[0], b_t.shape[1])
+    )
     return ops
 
 

@@ -73,6 +73,10 @@ class QuantTensor:
         blocks = packed.reshape(-1, self.fmt.type_size)
         return self.fmt.dequantize(blocks).reshape(n, self.shape[1])
 
+    def select_rows(self, rows: torch.Tensor) -> "QuantTensor":
+        """The weight of the rows ``rows`` alone (their packed bytes): a matmul with it computes only those outputs."""
+        return QuantTensor(self.data[rows.to(self.device)], self.fmt, (int(rows.numel()), self.shape[1]))
+
     def to(self, device: torch.device | str) -> "QuantTensor":
         return QuantTensor(self.data.to(device), self.fmt, self.shape)
 

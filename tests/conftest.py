@@ -86,7 +86,7 @@ def tiny_model(tiny_checkpoint):
 
 
 # The tests that go to any worker, one by one: those of the Triton interpreter, which runs on one core.
-_SPREAD = ("test_triton_kernels.py::TestInterpreted::",)
+_SPREAD = ("test_triton_kernels.py::TestInterpreted::", "test_triton_kernels.py::TestByExpert::")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -427,7 +427,7 @@ def test_a_prompt_longer_than_a_forward_runs_in_chunks(llama, monkeypatch):
     whole = llama.run_batch([long], record=names)[0]
     steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(llama.config.d_model), positions=[-1, 3])
     steered = llama.run_batch([long], interventions=[steer])[0]
-    monkeypatch.setattr(llama, "_max_batch_tokens", lambda: 16)
+    monkeypatch.setattr(llama, "max_batch_tokens", lambda: 16)
     widths = []
     forward = llama.runner.forward
     monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
@@ -457,3 +457,21 @@ def test_batches_compute_in_the_numerics_of_the_call(llama):
         assert_close_logits(a, b)
         assert not torch.equal(a, c)
     assert generated == alone_generated
+
+
+def test_streamed_traces_own_their_activations_and_run_batch_views_them(llama):
+    prompts = ["one two three", "four five", "six seven eight nine"]
+    names = ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    streamed = dict(llama.iter_batch(prompts, record=names, batch_size=3))
+    kept = llama.run_batch(prompts, record=names, batch_size=3)
+
+    def storages(trace):
+        return {trace.activations[n].untyped_storage().data_ptr() for n in names}
+
+    for i, trace in enumerate(kept):
+        for name in names:
+            assert torch.equal(trace.activations[name], streamed[i].activations[name])
+    # a streamed trace's points share one buffer of that prompt alone; run_batch's view the forward's buffers
+    assert all(len(storages(t)) == 1 for t in streamed.values())
+    assert len(set.union(*(storages(t) for t in streamed.values()))) == len(prompts)
+    assert storages(kept[0]) == storages(kept[1]) == storages(kept[2])

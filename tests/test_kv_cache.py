@@ -175,3 +175,35 @@ def test_positions_past_the_context_are_refused(tiny):
         runner.forward(torch.zeros(n_ctx + 1, dtype=torch.long))
     with pytest.raises(workbench.WorkbenchError, match="static cache holds"):
         runner.new_static_cache(n_ctx + 1)
+
+
+def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_forward(tiny):
+    """``BatchKVCache.from_prefixes``: each row continues the same tokens from its own point, as a patching sweep's
+    cells do; from a later block too (``start_at_layer``), whose earlier layers the rows then do not hold."""
+    from workbench.kv_cache import BatchKVCache
+    from workbench.runner import BatchLayout
+
+    runner, n_layers = tiny.runner, tiny.config.n_layers
+    resid = {}
+    whole = runner.forward(torch.tensor(PROMPT), hooks={"blocks.1.hook_resid_pre": [
+        lambda x, ctx: resid.setdefault("x", x.clone())]})
+    cache = prefilled(tiny)
+    prefixes = [0, 3, 7]
+    tails = torch.tensor([t for p in prefixes for t in PROMPT[p:]])
+    for start in (0, 1):
+        rows = BatchKVCache.from_prefixes(cache, prefixes, layers=range(start, n_layers))
+        assert rows.lengths == prefixes and rows.next_positions == prefixes
+        assert [rows.tokens(b) for b in range(3)] == [PROMPT[:p] for p in prefixes]
+        layout = BatchLayout([len(PROMPT) - p for p in prefixes], runner.device, cached=prefixes)
+        out = runner.forward(tails, cache=rows, layout=layout, start_at_layer=start,
+                             resid=torch.cat([resid["x"][p:] for p in prefixes]) if start else None)
+        for b, p in enumerate(prefixes):  # the batched kernels' rounding (docs/batches.md)
+            torch.testing.assert_close(out[layout.rows(b)], whole[p:], atol=2e-4, rtol=0)
+        assert rows.lengths == [len(PROMPT)] * 3
+        for b, p in enumerate(prefixes):
+            keys, _ = rows.row(b).get(n_layers - 1)
+            assert torch.equal(keys[:, :p], cache.get(n_layers - 1)[0][:, :p])
+    with pytest.raises(workbench.WorkbenchError, match="outside 0..8"):
+        BatchKVCache.from_prefixes(cache, [2, 9])
+    with pytest.raises(workbench.WorkbenchError, match="prefix lengths"):
+        BatchKVCache.from_prefixes(cache, [])

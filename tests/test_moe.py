@@ -3,6 +3,7 @@ a per-token reference on the packed experts, llama.cpp's converter, the hook poi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -534,3 +535,119 @@ def test_bad_moe_configs_are_named(hf_moe, tmp_path):
     save_file({n: t for n, t in tensors.items() if ".experts.1." not in n}, str(broken / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="expert 1 of blk.0.ffn_.*_exps.weight is missing"):
         workbench.load(broken)
+
+
+# ------------------------------------------------------------------------------------------------ decode by pair
+
+# Where ``run_experts_by_pair`` runs its Triton kernels: a GPU, else the interpreter on CPU tensors (tests/conftest.py
+# sets TRITON_INTERPRET=1 where no GPU is present).
+BY_PAIR_DEVICE = ("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+                  else "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None)
+needs_by_pair_device = pytest.mark.skipif(BY_PAIR_DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+def _grouped(monkeypatch, *args) -> torch.Tensor:
+    """``run_experts`` on the path that groups the pairs by expert (the prefill path)."""
+    from workbench import moe
+
+    with monkeypatch.context() as patch:
+        patch.setattr(moe, "decodes_by_pair", lambda x, indices, w: False)
+        return moe.run_experts(*args)
+
+
+def _random_experts(layout: str, fmt: str, n: int, d: int, f: int):
+    from workbench.config import MoEConfig
+    from workbench.kernels import QuantTensor
+    from workbench.moe import MoEWeights
+
+    def matrix(rows: int, cols: int) -> QuantTensor:
+        return QuantTensor.quantize(torch.randn(rows, cols) * 0.3, fmt).to(BY_PAIR_DEVICE)
+
+    router = QuantTensor.quantize(torch.randn(n, d), "F32")
+    if layout == "gate_up":  # Gemma 4's fused stack: each expert's gate rows, then its up rows
+        w = MoEWeights(router=router, down=matrix(n * d, f), gate_up=matrix(n * 2 * f, d))
+    else:
+        w = MoEWeights(router=router, down=matrix(n * d, f), gate=matrix(n * f, d), up=matrix(n * f, d))
+    config = MoEConfig(n, 2, f)
+    if layout == "gpt-oss":  # biases and the clamped SwiGLU
+        w.gate_bias, w.up_bias, w.down_bias = (torch.randn(n, m, device=BY_PAIR_DEVICE) for m in (f, f, d))
+        config = MoEConfig(n, 2, f, swiglu_limit=0.5, swiglu_alpha=1.702)
+    return w, config
+
+
+@needs_by_pair_device
+@pytest.mark.parametrize("layout, fmt, activation", [("split", "Q8_0", "silu"), ("gate_up", "Q8_0", "gelu_tanh"),
+                                                     ("gpt-oss", "MXFP4", "silu"), ("split", "F32", "silu")])
+def test_experts_by_pair_equal_grouped(layout, fmt, activation, monkeypatch):
+    """Decode's experts (one launch per stacked matrix over all (token, slot) pairs, the routing left on the device)
+    against the grouped path, for each expert layout: split gate and up, Gemma 4's fused gate_up with GeGLU, GPT-OSS's
+    biases and clamped SwiGLU (MXFP4), float experts. One token (decode) and three, experts repeated. (Every format's
+    kernel: tests/test_triton_kernels.py.)"""
+    from workbench.moe import run_experts, run_experts_by_pair
+
+    torch.manual_seed(0)
+    n, d, f = 4, 64, 32
+    w, config = _random_experts(layout, fmt, n, d, f)
+    for indices in ([[3, 1]], [[0, 2], [2, 0], [3, 2]]):
+        indices = torch.tensor(indices, device=BY_PAIR_DEVICE)
+        x = torch.randn(len(indices), d, device=BY_PAIR_DEVICE)
+        grouped = _grouped(monkeypatch, x, indices, w, config, activation)
+        by_pair = run_experts_by_pair(x, indices, w, config, activation)
+        assert by_pair.shape == grouped.shape == (len(indices), 2, d)
+        assert (by_pair - grouped).abs().max() <= 1e-5 * grouped.abs().max(), (layout, indices)
+        if BY_PAIR_DEVICE == "cuda" and fmt != "F32" and len(indices) == 1:  # the same GEMV on one row
+            assert torch.equal(by_pair, grouped)
+            assert torch.equal(run_experts(x, indices, w, config, activation), by_pair)  # decode takes it
+
+
+@needs_by_pair_device
+def test_decode_by_pair_equals_grouped(tiny_model, monkeypatch):
+    """A Qwen3-MoE model's decode through the KV cache, experts by pair, against the grouped path: the same logits at
+    every step (the 5-token prompt has more pairs than experts, so its prefill groups them either way)."""
+    from workbench import moe
+
+    model = tiny_model("qwen3moe", "Q8_0", device=BY_PAIR_DEVICE, dtype=torch.float32, n_experts=8, n_experts_used=3,
+                       d_expert=64)
+    by_pair_rule = moe.decodes_by_pair
+    if BY_PAIR_DEVICE == "cpu":  # the rule but for the device: the interpreter runs the kernels on CPU tensors
+        by_pair_rule = lambda x, indices, w: indices.numel() <= len(w.experts)  # noqa: E731
+    taken = []
+
+    def decode(rule) -> list[torch.Tensor]:
+        def recorded(x, indices, w) -> bool:
+            taken.append(rule(x, indices, w))
+            return taken[-1]
+
+        monkeypatch.setattr(moe, "decodes_by_pair", recorded)
+        cache = model.runner.new_cache(16)
+        logits = [model.runner.forward(torch.tensor(IDS[:5]), cache=cache, last_logits_only=True)]
+        for token in IDS[5:8]:
+            logits.append(model.runner.forward(torch.tensor([token]), cache=cache, last_logits_only=True))
+        return logits
+
+    by_pair = decode(by_pair_rule)
+    assert taken == [False] * 2 + [True] * 6  # 2 layers: the prefill grouped, each of 3 decode steps by pair
+    grouped = decode(lambda x, indices, w: False)
+    for step, (a, b) in enumerate(zip(by_pair, grouped)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), step
+
+
+@pytest.mark.skipif(BY_PAIR_DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_moe_decode_step_is_built_on_cuda(tiny_model, monkeypatch):
+    """On CUDA an MoE model decodes in the built step (compiled, captured as a CUDA graph: no host sync in the
+    experts; a graph of the eager forward too), greedily choosing the tokens the eager grouped path chooses."""
+    import warnings
+
+    from workbench import generation, moe
+
+    model = tiny_model("qwen3moe", "Q4_K", device="cuda", dtype=torch.float32, **K_SHAPE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = model.runner.new_static_cache(32)
+        model.runner.forward(torch.tensor(IDS[:5]), cache=cache, last_logits_only=True)
+        assert generation.build_decode_step(model.runner, cache, compiled=False) is not None
+        built = list(generation.generate_tokens(model.runner, IDS[:5], 8, compiled=True))
+    assert not [str(w.message) for w in caught if "failed" in str(w.message)]  # neither build fell back
+    monkeypatch.setattr(moe, "decodes_by_pair", lambda x, indices, w: False)
+    eager = list(generation.generate_tokens(model.runner, IDS[:5], 8, compiled=False))
+    assert built == eager and len(built) == 8

@@ -6,6 +6,10 @@ import torch
 
 import workbench
 from workbench import hooks
+from workbench.hooks import patching
+from workbench.synthetic import random_hf_checkpoint
+
+from test_loading import write_hf_tokenizer
 
 CLEAN = "The Eiffel Tower is in the city of"
 CORRUPT = "The Colosseum is in the city of"
@@ -41,18 +45,128 @@ def tiny(tiny_model):
 CLEAN_IDS, CORRUPT_IDS = [5, 17, 42, 99, 7], [5, 17, 60, 99, 7]
 
 
-def test_cells_run_as_the_rows_of_batched_forwards(tiny, monkeypatch):
+def test_cells_continue_the_corrupt_run_as_the_rows_of_batched_forwards(tiny, monkeypatch):
     calls = []
     forward = tiny.runner.forward
-    monkeypatch.setattr(tiny.runner, "forward", lambda ids, *a, **k: calls.append(len(ids)) or forward(ids, *a, **k))
+    def counted(ids, *args, **kwargs):
+        layout = kwargs.get("layout")
+        calls.append((len(ids), kwargs.get("start_at_layer", 0), kwargs.get("stop_at_layer"),
+                      layout.cached if layout else None))
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(tiny.runner, "forward", counted)
     progress = []
     result = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11),
                                   progress=lambda done, total: progress.append((done, total)))
     assert result.grid.shape == (2, 5)
-    assert calls == [5, 5, 50]  # clean (recorded once), corrupt baseline, then the 10 cells as rows of one forward
+    # clean (recorded once), corrupt (its keys and values kept), then the 10 cells as rows of one forward, each row
+    # continuing the corrupt run from its cell's position: 5 + 4 + 3 + 2 + 1 tokens a layer
+    assert calls == [(5, 0, None, None), (5, 0, None, None), (30, 0, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
     assert progress == [(10, 10)]
+    # where forwards cost nothing beyond their blocks, the sweep goes block by block: each layer's cells join the rows at their own block,
+    # from the corrupt run's residual stream there, and the rows so far go on from where the last block stopped
+    monkeypatch.setitem(patching.FORWARD_FLOPS, "cpu", 0.0)
+    calls.clear()
+    again = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11), progress=False)
+    assert calls[2:] == [(15, 0, 1, (0, 1, 2, 3, 4)), (30, 1, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
+    torch.testing.assert_close(again.grid, result.grid, atol=BOUND, rtol=0)
     # positions before the first differing token have no effect at any layer
     torch.testing.assert_close(result.grid[:, :2], torch.full((2, 2), result.corrupt_metric), atol=BOUND, rtol=0)
+
+
+def all_positions(logits: torch.Tensor) -> float:
+    """A metric of every position: the log-probability of token 10 summed over positions."""
+    return float(logits.log_softmax(-1)[:, 10].sum())
+
+
+def one_patched_run(model, clean, corrupt, metric, name, position, head):
+    """A cell as a plain forward of the whole corrupt prompt with one Patch."""
+    donor = model.run(clean, record=[name])
+    patch = hooks.Patch(name, positions=None if position is None else [position],
+                        heads=None if head is None else [head], donor=donor)
+    return metric(model.run(corrupt, interventions=[patch]).logits)
+
+
+def assert_cells_are_patched_runs(model, result, clean, corrupt, metric, layers, positions, bound):
+    """Every cell of ``result`` (``positions`` None for a heads-only sweep) equals its plain patched run."""
+    heads = [int(h[1:]) for h in result.labels["heads"]] if "heads" in result.over else [None]
+    for i, layer in enumerate(layers):
+        for j, position in enumerate(positions or [None]):
+            for k, head in enumerate(heads):
+                index = (i,) + ((j,) if positions else ()) + ((k,) if head is not None else ())
+                expected = one_patched_run(model, clean, corrupt, metric, result.hook.format(layer=layer), position,
+                                           head)
+                assert result.grid[index].item() == pytest.approx(expected, abs=bound), (layer, position, head)
+
+
+SWEEPS = [  # (over, hook, metric, positions)
+    (("layers", "positions"), None, None, None),
+    (("layers", "positions"), "blocks.{layer}.mlp.hook_post", all_positions, None),
+    (("layers", "heads"), None, None, None),
+    (("layers", "heads"), None, all_positions, None),
+    (("layers", "positions", "heads"), None, all_positions, [1, 2, -1]),
+    (("layers", "positions", "heads"), "blocks.{layer}.attn.hook_v", None, [0, 3]),
+]
+
+
+@pytest.mark.parametrize("forward_flops", [0.0, 1e30])  # a forward per block / one forward from the first
+@pytest.mark.parametrize("over, hook, metric, positions", SWEEPS)
+def test_continued_cells_equal_plain_patched_runs(over, hook, metric, positions, forward_flops, tiny_model,
+                                                  monkeypatch):
+    model = tiny_model("llama", n_layers=3, seed=4)
+    monkeypatch.setitem(patching.FORWARD_FLOPS, "cpu", forward_flops)
+    clean, corrupt = [5, 17, 42, 99, 7, 8, 9], [5, 17, 60, 99, 7, 3, 9]
+    result = hooks.patching_sweep(model, clean, corrupt, metric, over=over, hook=hook, positions=positions,
+                                  answers=None if metric else (10, 11), progress=False)
+    swept = [p % 7 for p in positions or range(7)] if "positions" in over else None
+    assert_cells_are_patched_runs(model, result, clean, corrupt, metric or hooks.patching.logit_diff(10, 11),
+                                  range(3), swept, BOUND)
+
+
+@pytest.mark.parametrize("architecture", ["gemma2", "qwen3moe"])  # sliding windows and soft caps; experts
+def test_continued_cells_of_other_families_equal_plain_patched_runs(architecture, tiny_model, monkeypatch):
+    model = tiny_model(architecture, n_layers=2, seed=1)
+    monkeypatch.setitem(patching.FORWARD_FLOPS, "cpu", 0.0)  # the second layer's cells go on from the first's
+    clean, corrupt = [5, 17, 42, 99, 7, 8, 9, 11], [5, 17, 60, 99, 7, 3, 9, 11]  # past gemma2's window of 4
+    result = hooks.patching_sweep(model, clean, corrupt, all_positions, progress=False)
+    assert_cells_are_patched_runs(model, result, clean, corrupt, all_positions, range(2), range(8), BOUND)
+
+
+def test_embedded_continued_cells_equal_plain_patched_runs(model):
+    """A few cells of the embedded model, each against a plain forward of the corrupt prompt with its Patch."""
+    result = hooks.patching_sweep(model, CLEAN, CORRUPT, answers=(" Paris", " Rome"), layers=[0, 17, 29],
+                                  positions=[1, 8], progress=False)
+    answers = [model.tokenize(a, add_bos=False)[0] for a in (" Paris", " Rome")]
+    assert_cells_are_patched_runs(model, result, CLEAN, CORRUPT, hooks.patching.logit_diff(*answers), [0, 17, 29],
+                                  [1, 8], BOUND)
+    heads = hooks.patching_sweep(model, CLEAN, CORRUPT, all_positions, over=("layers", "positions", "heads"),
+                                 layers=[12], positions=[3], progress=False)
+    assert_cells_are_patched_runs(model, heads, CLEAN, CORRUPT, all_positions, [12], [3], BOUND)
+
+
+def test_a_sweep_inside_a_hooks_block_reruns_every_cell_with_its_edits(tiny):
+    ablate = hooks.ZeroAblate("blocks.0.hook_mlp_out", positions=[3])
+    with tiny.hooks(interventions=[ablate]):
+        result = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11), progress=False)
+    metric = hooks.patching.logit_diff(10, 11)
+    for layer in range(2):
+        for position in range(5):
+            donor = tiny.run(CLEAN_IDS, record=[f"blocks.{layer}.hook_resid_pre"], interventions=[ablate])
+            patch = hooks.Patch(f"blocks.{layer}.hook_resid_pre", positions=[position], donor=donor)
+            expected = metric(tiny.run(CORRUPT_IDS, interventions=[ablate, patch]).logits)
+            assert result.grid[layer, position].item() == pytest.approx(expected, abs=BOUND)
+
+
+def test_a_model_whose_later_layers_read_earlier_ones_continues_from_the_tokens(tmp_path):
+    """Gemma 4 E2B's shape (per-layer inputs from the embedding, layers reusing earlier keys and values): no forward
+    can start past block 0, so the cells start there, still each from its own position."""
+    random_hf_checkpoint("gemma4e", tmp_path, initializer_range=0.2)
+    write_hf_tokenizer(tmp_path)
+    gemma = workbench.load(tmp_path, device="cpu")
+    assert not any(gemma.runner.can_start_at_layer(i) for i in range(gemma.config.n_layers))
+    result = hooks.patching_sweep(gemma, CLEAN_IDS, CORRUPT_IDS, all_positions, progress=False)
+    assert_cells_are_patched_runs(gemma, result, CLEAN_IDS, CORRUPT_IDS, all_positions, range(gemma.config.n_layers),
+                                  range(5), BOUND)
 
 
 def test_a_cell_is_the_metric_of_one_patched_run(tiny):

@@ -256,3 +256,36 @@ def test_cuda_long_prompts_take_fused_attention_within_rounding(dtype, tiny_mode
     bound = 1e-4 if dtype == torch.float32 else 0.1
     assert (fused - whole).abs().max().item() < bound * whole.abs().max().item()
     assert torch.equal(fused.argmax(-1), whole.argmax(-1)) or dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_a_forward_started_at_a_block_from_its_residual_stream_is_the_rest_of_the_whole_forward(architecture,
+                                                                                                 tiny_model):
+    import workbench
+
+    runner = tiny_model(architecture, n_layers=3, seed=2).runner
+    ids = torch.tensor([5, 17, 42, 99, 7])
+    resid = {}
+    keep = [lambda x, ctx: resid.setdefault(ctx.layer, x.clone())]
+    whole = runner.forward(ids, hooks={f"blocks.{i}.hook_resid_pre": keep for i in range(3)})
+    assert torch.equal(whole, runner.forward(ids))  # the recording changed no bit
+    for layer in range(3):
+        embedded = []
+        hooks = {"hook_embed": [lambda x, ctx: embedded.append(1)]}
+        assert torch.equal(runner.forward(ids, hooks=hooks, start_at_layer=layer, resid=resid[layer]), whole)
+        assert embedded == []  # nothing before the block ran
+    # stopped before a block: the stream entering it, from which a later forward goes on
+    for start, stop in [(0, 1), (0, 2), (1, 2)]:
+        stream = runner.forward(ids, start_at_layer=start, resid=resid[start] if start else None, stop_at_layer=stop)
+        assert torch.equal(stream, resid[stop])
+    assert torch.equal(runner.forward(ids, start_at_layer=2, resid=runner.forward(ids, stop_at_layer=2)), whole)
+    # the logits of a few vocabulary ids alone: those columns of the whole unembedding
+    chosen = torch.tensor([7, 3, 40])
+    torch.testing.assert_close(runner.forward(ids, logit_ids=chosen), whole[:, chosen], atol=1e-5, rtol=0)
+    for kwargs, message in [(dict(start_at_layer=3, resid=resid[1]), "cannot start at layer 3"),
+                            (dict(start_at_layer=1), "takes the residual stream"),
+                            (dict(start_at_layer=1, resid=resid[1][1:]), r"\[5, 64\] entering it, got \(4, 64\)"),
+                            (dict(start_at_layer=1, resid=resid[1], stop_at_layer=1), "stops at a layer after"),
+                            (dict(stop_at_layer=4), "at most 3, not 4")]:
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            runner.forward(ids, **kwargs)

@@ -28,8 +28,8 @@ from workbench.kernels import QuantTensor, cpu, get_format, layer_ops, linear, n
 from workbench.kernels.formats import QuantFormat  # noqa: E402
 from workbench.kernels.triton import (  # noqa: E402
     GEMV_MAX_ROWS, LLAMACPP_GEMM_MIN_ROWS, MMA_K_MULTIPLE, MMA_MAX_ROWS, add_rms_norm, attend, attention_scores,
-    dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
-    quantize_activations, rms_norm, rope, swiglu,
+    dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_by_expert, gemv_llamacpp,
+    gemv_llamacpp_by_expert, gemv_rows, mma_gemm, mma_rows, quantize_activations, rms_norm, rope, swiglu,
 )
 from workbench.kernels.triton import launch  # noqa: E402
 from workbench.kernels.triton.matmul import (  # noqa: E402
@@ -377,6 +377,58 @@ def test_the_launch_key_is_at_least_as_fine_as_tritons_specialization():
     assert all(len(specializations) == 1 for specializations in classes.values()), classes
 
 
+# Where the GEMV by expert runs: interpreted on CPU tensors, else on a GPU.
+BY_EXPERT_DEVICE = "cpu" if INTERPRETING else "cuda" if torch.cuda.is_available() else None
+BY_EXPERT_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4")
+
+
+@pytest.mark.skipif(BY_EXPERT_DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+class TestByExpert:
+    """The GEMV over (activation row, expert) pairs of stacked experts, interpreted on CPU tensors or on a GPU."""
+
+    @pytest.mark.parametrize("fmt", BY_EXPERT_FORMATS)
+    def test_gemv_by_expert_is_each_chosen_experts_gemv(self, fmt):
+        """llama.cpp's ``mul_mat_id`` on the stacked experts as stored: each (activation row, expert) pair's output
+        is the GEMV of that expert's rows alone (the kernel ``linear`` runs for one row on CUDA), bit for bit, for 1
+        and 16 pairs with experts and rows repeated; and the product with gguf's float64 dequantization."""
+        from workbench.moe import _rows
+
+        rng = np.random.default_rng([BY_EXPERT_FORMATS.index(fmt), 8])
+        n_experts, rows, k = 4, 12, 256  # 12 rows: not a multiple of the GEMV's row blocks
+        w, reference = random_weight(fmt, n_experts * rows, k, rng)
+        w = w.to(BY_EXPERT_DEVICE)
+        dtypes = [torch.float32] if INTERPRETING else [torch.float32, torch.bfloat16]
+        for dtype in dtypes:
+            x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32)).to(BY_EXPERT_DEVICE, dtype)
+            for pairs in (1, 16):
+                experts = torch.from_numpy(rng.integers(0, n_experts, pairs)).to(BY_EXPERT_DEVICE)
+                x_rows = torch.from_numpy(rng.integers(0, len(x), pairs)).to(BY_EXPERT_DEVICE)
+                out = gemv_by_expert(x, w, n_experts, experts, x_rows)
+                assert out.shape == (pairs, rows) and out.dtype == dtype
+                for p, (e, r) in enumerate(zip(experts.tolist(), x_rows.tolist())):
+                    assert torch.equal(out[p], gemv(x[r:r + 1], _rows(w, e, n_experts))[0]), (dtype, pairs, p)
+                    expected = x[r:r + 1].double().cpu().numpy() @ reference[e * rows:(e + 1) * rows].T
+                    assert relative_error(out[p:p + 1], expected) < ROUNDING_TOL[dtype], (dtype, pairs, p)
+        empty = torch.zeros(0, dtype=torch.long, device=BY_EXPERT_DEVICE)
+        assert gemv_by_expert(x, w, n_experts, empty, empty).shape == (0, rows)
+
+    @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0"])
+    def test_gemv_llamacpp_by_expert_is_each_chosen_experts_gemv(self, fmt):
+        """The same in llama.cpp's numerics: each row of activations quantized once, each pair's integer dots the
+        llama.cpp-numerics GEMV's of that row and expert, bit for bit."""
+        from workbench.moe import _rows
+
+        rng = np.random.default_rng([BY_EXPERT_FORMATS.index(fmt), 9])
+        n_experts, rows, k = 3, 8, 256
+        w = random_weight(fmt, n_experts * rows, k, rng)[0].to(BY_EXPERT_DEVICE)
+        x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32)).to(BY_EXPERT_DEVICE)
+        experts = torch.tensor([2, 0, 2, 1, 2], device=BY_EXPERT_DEVICE)
+        x_rows = torch.tensor([0, 1, 1, 0, 0], device=BY_EXPERT_DEVICE, dtype=torch.int32)
+        out = gemv_llamacpp_by_expert(x, w, n_experts, experts, x_rows)
+        for p, (e, r) in enumerate(zip(experts.tolist(), x_rows.tolist())):
+            assert torch.equal(out[p], gemv_llamacpp(x[r:r + 1], _rows(w, e, n_experts))[0]), p
+
+
 class TestBadInput:
     """Rejected before any kernel runs, interpreter or not."""
 
@@ -451,6 +503,17 @@ class TestBadInput:
             quantize_activations(torch.zeros(1, 96), "Q6_K")
         with pytest.raises(ValueError, match="multiple of 32"):
             quantize_activations(torch.zeros(1, 48), "Q8_0")
+
+    def test_gemv_by_expert_pairs(self):
+        w, x, pairs = self.weight(rows=8), torch.zeros(1, 64), torch.zeros(2, dtype=torch.long)
+        with pytest.raises(ValueError, match="8 rows do not stack 3 experts"):
+            gemv_by_expert(x, w, 3, pairs, pairs)
+        with pytest.raises(ValueError, match="experts and x_rows must be 1-D int32/int64 tensors of one length"):
+            gemv_by_expert(x, w, 2, pairs, pairs[:1])
+        with pytest.raises(ValueError, match="experts and x_rows"):
+            gemv_by_expert(x, w, 2, pairs.float(), pairs)
+        with pytest.raises(ValueError, match="this kernel reads .*; got MXFP4"):
+            gemv_llamacpp_by_expert(torch.zeros(1, 64), self.weight("MXFP4", 8, 64), 2, pairs, pairs)
 
     def test_gemv_row_limit(self):
         with pytest.raises(ValueError, match=f"at most {GEMV_MAX_ROWS} row"):

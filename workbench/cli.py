@@ -217,7 +217,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
               f"{' (the change is the direction itself)' if found['delta_is_direction'] else ''}")
         return 0
     report = parity.parity(model, args.prompt, tolerance=args.tolerance, threads=args.threads,
-                           flash_attention=args.flash_attention, gpu_layers=args.gpu_layers)
+                           flash_attention=args.flash_attention)
     print(json.dumps(report.to_dict()) if args.json else parity.format_report(report))
     return 0 if report.first_parting is None else 1
 
@@ -290,8 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     par.add_argument("--flash-attention", default="auto", choices=["auto", "on", "off"],
                      help="llama.cpp's flash attention setting (its default: auto)")
-    par.add_argument("--gpu-layers", type=int, default=0, metavar="N",
-                     help="llama.cpp's layers on its GPU backend (-ngl; a llama.cpp built with CUDA)")
     par.add_argument("--control-vector-layer", type=int, default=None, metavar="N",
                      help="instead: find which hook point llama.cpp's control vector direction.N acts on")
     _model_args(par)

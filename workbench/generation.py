@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from workbench.errors import WorkbenchError
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
+from workbench.moe import by_pair_supported
 from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer
 
 
@@ -136,25 +137,27 @@ class DecodeStep:
     def load_lora(self, lora: Lora | None) -> None:
         """Copy a call's adapter terms (of this step's ``lora_shape``) into the tensors the step reads."""
         for mine, theirs in zip(self.lora or (), lora or ()):
-            for group, (a, b, _) in mine.items():
+            for group, (a, b_t, _, _) in mine.items():
                 a.copy_(theirs[group][0])
-                b.copy_(theirs[group][1])
+                b_t.copy_(theirs[group][1])
 
 
 def lora_shape(lora: Lora | None) -> tuple | None:
     """What a built step is specialised to in a run's adapter terms: per layer, each adapted group's projections and
-    the shapes of its A and B (None: the base). Adapters of one rank on the same projections share it."""
+    the shapes of its A and B^T and their ranks (None: the base). Adapters of one rank on the same projections share
+    it."""
     if lora is None:
         return None
-    return tuple(tuple((group, tuple(a.shape), tuple(b.shape), adapted) for group, (a, b, adapted) in layer.items())
-                 for layer in lora)
+    return tuple(tuple((group, tuple(a.shape), tuple(b_t.shape), adapted, ranks)
+                       for group, (a, b_t, adapted, ranks) in layer.items()) for layer in lora)
 
 
 def own_lora(lora: Lora | None) -> Lora | None:
     """A copy of adapter terms for a built step to hold (``DecodeStep.lora``)."""
     if lora is None:
         return None
-    return [{group: (a.clone(), b.clone(), adapted) for group, (a, b, adapted) in layer.items()} for layer in lora]
+    return [{group: (a.clone(), b_t.clone(), adapted, ranks) for group, (a, b_t, adapted, ranks) in layer.items()}
+            for layer in lora]
 
 
 def step_key(mode: Numerics, lora: Lora | None) -> Hashable:
@@ -468,8 +471,9 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     lora = own_lora(lora)
     if runner.device.type != "cuda":
         return _compile_on_cpu(runner, cache, lora) if compiled else None
-    if runner.config.moe is not None:
-        return None  # the experts are grouped by the routing read on the host, which a CUDA graph cannot hold
+    if runner.config.moe is not None and not all(by_pair_supported(layer.moe, runner.device)
+                                                 for layer in runner.weights.layers if layer.moe is not None):
+        return None  # experts grouped by the routing read on the host, which a CUDA graph cannot hold
     if compiled:
         step = _capture(runner, cache, _compiled_cuda_forward(runner, cache, lora, warm=False),
                         "capturing the eager forward instead", lora)

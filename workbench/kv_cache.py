@@ -329,6 +329,36 @@ class BatchKVCache:
             out.set_row(b, cache)
         return out
 
+    @classmethod
+    def from_prefixes(cls, cache: KVCache, lengths: Sequence[int], capacity: int = 0,
+                      layers: Sequence[int] | None = None) -> "BatchKVCache":
+        """One row per entry of ``lengths``, row ``b`` holding the first ``lengths[b]`` slots of one sequence's
+        ``cache``: runs that each continue the same tokens from a point of their own (a patching sweep's cells), with
+        room for ``capacity`` slots a row. Only ``layers`` (None: every one) are copied; the others read as zeros and
+        take no memory, for a forward that starts past them (``start_at_layer``), which never reads them."""
+        if not lengths or any(not 0 <= n <= cache.length for n in lengths):
+            raise WorkbenchError(f"kv from_prefixes: prefix lengths {list(lengths)} outside 0..{cache.length}")
+        n_rows, longest = len(lengths), max(lengths)
+        capacity = max(capacity, longest, 1)
+        out = cls(n_rows, cache.n_layers, cache.n_kv_heads, cache.d_head, cache.dtype, cache.devices, 1)
+        copied = set(range(cache.n_layers) if layers is None else layers)
+        for store, source in ((out._keys, cache._keys), (out._values, cache._values)):
+            for layer, src in enumerate(source):
+                h, d = src.shape[0], src.shape[2]
+                if layer not in copied:  # one zero slot seen everywhere: no memory, and a write to it fails
+                    store[layer] = src.new_zeros(1, h, 1, d).expand(n_rows, h, capacity, d)
+                    continue
+                # every row takes the longest prefix at once; a row's slots past its own length are masked, then
+                # overwritten
+                store[layer] = src.new_empty(n_rows, h, capacity, d)
+                store[layer][:, :, :longest] = src[None, :, :longest]
+                store[layer][:, :, longest:] = 0
+        out._positions = torch.zeros(n_rows, capacity, dtype=torch.long)
+        out._positions[:, :longest] = cache._positions[:longest]
+        out._tokens = [list(cache._tokens[:n]) for n in lengths]
+        out.lengths = [int(n) for n in lengths]
+        return out
+
     @property
     def n_rows(self) -> int:
         return len(self.lengths)

@@ -231,7 +231,7 @@ class Model:
 
     def _layer_lora(self, i: int, scales: dict[str, float]) -> dict:
         """One layer's terms (``runner.Lora``): per group of projections sharing an input, the adapted ones' A rows
-        stacked and their scaled B's as the blocks of one block-diagonal matrix (two matmuls per group)."""
+        stacked and their scaled B's transposed as the blocks of one block-diagonal matrix, with each one's rank."""
         terms = {}
         for group in LORA_GROUPS:
             adapted = tuple(p for p in group if any(p in self.adapters[name].layers[i] for name in scales))
@@ -240,9 +240,10 @@ class Model:
             pieces = [[(self.adapters[name].layers[i][p], scale) for name, scale in scales.items()
                        if p in self.adapters[name].layers[i]] for p in adapted]
             a = torch.cat([a for piece in pieces for (a, _), _ in piece])
-            b = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1) for piece in pieces])
+            b_t = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1).T for piece in pieces])
+            ranks = tuple(sum(a.shape[0] for (a, _), _ in piece) for piece in pieces)
             device = self.runner.weights.layers[i].attn_norm.device  # the layer's own, in a model split over devices
-            terms[group] = (a.to(device, self.dtype), b.to(device, self.dtype), adapted)
+            terms[group] = (a.to(device, self.dtype), b_t.to(device, self.dtype), adapted, ranks)
         return terms
 
     def batch_adapters(self, adapter: BatchAdapterChoice, n_prompts: int) -> list[AdapterChoice]:
@@ -328,6 +329,10 @@ class Model:
         finally:
             _ACTIVE.reset(token)
 
+    def in_hooks_block(self) -> bool:
+        """Whether a ``with model.hooks(...)`` block applies to this model's calls here."""
+        return any(model is self for model, _, _ in _ACTIVE.get())
+
     def _call_hooks(self, interventions: Sequence[Any], record: Sequence[str] | None, prompt_len: int,
                     total_len: int, saes: Sequence[Any] = (), use_error_term: bool = True):
         """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks, with the
@@ -398,7 +403,8 @@ class Model:
         """``run`` over many prompts in batched forwards: one Trace per prompt, in the prompts' order, with the shapes
         and meaning ``model.run(prompt)`` gives (docs/batches.md). Keywords as ``iter_batch``."""
         traces: list[hooks_lib.Trace | None] = [None] * (len(prompts) if isinstance(prompts, Sequence) else 0)
-        for i, trace in self.iter_batch(prompts, **kwargs):
+        # every trace is kept, so each may view its forward's recorded buffers instead of copying its rows out of them
+        for i, trace in self.iter_batch(prompts, own_buffers=False, **kwargs):
             traces[i] = trace
         return traces
 
@@ -407,8 +413,8 @@ class Model:
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
                    logits: str = "all", share_prefix: bool = True, progress: Progress = False,
-                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: BatchAdapterChoice = None
-                   ) -> Iterator[tuple[int, hooks_lib.Trace]]:
+                   saes: Sequence[Any] = (), use_error_term: bool = True, adapter: BatchAdapterChoice = None,
+                   own_buffers: bool = True) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
         in the prompts' order): for more prompts than their traces fit in memory. Everything is validated when this
         is called, before any compute.
@@ -419,7 +425,9 @@ class Model:
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
         (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
         ``use_error_term`` as in ``run``, for every prompt; ``adapter`` as in ``run`` for every prompt, or a list of
-        one choice per prompt (prompts of different choices share forwards: docs/adapters.md).
+        one choice per prompt (prompts of different choices share forwards: docs/adapters.md). ``own_buffers``: each
+        trace's activations are copied out of their forward's buffers, so a kept trace holds no other prompt's (False:
+        views, no copy, as ``run_batch`` takes them).
 
         With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
         prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
@@ -434,7 +442,7 @@ class Model:
         recorder = None
         if record:
             names = hooks_lib.Recorder.for_patterns(record, self.config).names
-            recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce)
+            recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers)
             hooks_lib.batching.check_reduce_positions(reduce, lengths)
         with self.numerics_scope():  # donor prompts run in the call's numerics
             prompt_hooks, specs, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
@@ -490,7 +498,7 @@ class Model:
                 return out
             n_tail = [len(r) - shared for r in rows]  # each row's prefix logits before its own
             return torch.cat([x for b, tail in enumerate(out.split(n_tail)) for x in (head, tail)])
-        chunk = self._max_batch_tokens()
+        chunk = self.max_batch_tokens()
         if len(rows) > 1 or longest <= chunk:
             return self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
                                        last_logits_only=last_only, lora=lora)
@@ -616,7 +624,7 @@ class Model:
                     fits = len(chunk) < batch_size
                 elif i is not None and chunk:  # padded tokens, and attention's [B, heads, T_max, T_max] rows
                     tokens = (len(chunk) + 1) * lengths[chunk[0]]
-                    fits = tokens <= self._max_batch_tokens() and (
+                    fits = tokens <= self.max_batch_tokens() and (
                         tokens * (per_token + per_score * lengths[chunk[0]]) <= budget)
                 else:
                     fits = i is not None
@@ -630,9 +638,9 @@ class Model:
         finally:
             close()
 
-    def _max_batch_tokens(self) -> int:
-        # bounds one forward's padded tokens whatever the memory budget: the attention rows of a batch holding one long
-        # prompt grow with its length squared
+    def max_batch_tokens(self) -> int:
+        """The most padded tokens one batched forward takes, whatever the memory budget: the attention rows of a batch
+        holding one long prompt grow with its length squared."""
         return 8192 if self.device.type == "cuda" else 2048
 
     def batch_bytes(self, vocab_rows: bool = True) -> tuple[int, int, int]:

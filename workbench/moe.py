@@ -4,7 +4,8 @@ A router scores every expert for each token; the top ``n_experts_used`` run, and
 router's weights. The experts' matrices stay as the GGUF stores them, one packed tensor per kind stacked over experts
 (``ffn_gate_exps`` ``[n_experts * d_expert, d_model]`` ...); each expert is a row range of it, a view, so only the
 chosen experts' bytes are read, by the same quantized kernels as any other matrix. The tokens of a forward are
-grouped by expert: one matmul per active expert over the tokens that chose it.
+grouped by expert: one matmul per active expert over the tokens that chose it; a decode step on CUDA instead runs each
+stacked matrix once over all (token, slot) pairs (``run_experts_by_pair``), with no host sync (docs/families.md).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+import workbench.kernels.experts as expert_kernels
 from workbench.architectures import ARCHITECTURES
 from workbench.config import MoEConfig
 from workbench.errors import HookError, ModelLoadError
@@ -193,8 +195,10 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEC
     stacked matrices are read once per forward, and experts no token chose are not read at all. The gate and up
     projections of every group take one kernel call, the down projections another (``linear_segments``: on the CPU,
     one parallel region each, as llama.cpp's ``mul_mat_id``), and the activation one pass over all pairs. A single
-    token (decode) keeps its slot order: no sort."""
+    token (decode) keeps its slot order: no sort. Decode on CUDA goes by pair instead (``run_experts_by_pair``)."""
     n_tokens, k = indices.shape
+    if decodes_by_pair(x, indices, w):  # decode on CUDA: the pairs as they are, no host sync
+        return run_experts_by_pair(x, indices, w, moe, activation)
     flat = indices.reshape(-1)
     if n_tokens == 1:  # a hook may choose an expert twice: it then runs twice
         experts, counts, order, tokens = flat.tolist(), [1] * k, None, x
@@ -212,17 +216,62 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEC
     if w.gate_bias is not None:
         gate = gate + w.gate_bias[pair_experts].to(gate.dtype)
         up = up + w.up_bias[pair_experts].to(up.dtype)
-    if moe.swiglu_limit is not None:
-        hidden = clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
-    elif activation == "gelu_tanh":
-        hidden = F.gelu(gate, approximate="tanh") * up
-    else:
-        hidden = layer_ops.swiglu(gate, up)
+    hidden = expert_activation(gate, up, moe, activation)
     out = linear_segments(hidden, down_w, starts, counts)
     if w.down_bias is not None:
         out = out + w.down_bias[pair_experts].to(out.dtype)
     if order is not None:  # back to (token, slot) order
         out = torch.empty_like(out).index_copy_(0, order, out)
+    return out.view(n_tokens, k, x.shape[1])
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, moe: MoEConfig, activation: str) -> torch.Tensor:
+    """The experts' gated activation: GPT-OSS's clamped SwiGLU where ``moe`` sets a limit, else GeGLU for
+    ``activation`` "gelu_tanh", else SwiGLU."""
+    if moe.swiglu_limit is not None:
+        return clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return layer_ops.swiglu(gate, up)
+
+
+# ------------------------------------------------------------------------------------------------- CUDA decode
+
+
+def decodes_by_pair(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights) -> bool:
+    """Whether ``run_experts`` takes ``run_experts_by_pair``: on CUDA, for experts it reads, where there are no more
+    (token, slot) pairs than experts. Each pair reads its expert's rows, so past that the grouped path, which reads
+    each active expert once, reads less (it costs a host sync and launches per active expert)."""
+    return x.is_cuda and indices.numel() <= len(w.experts) and by_pair_supported(w, x.device)
+
+
+def by_pair_supported(w: MoEWeights, device: torch.device) -> bool:
+    """Whether ``run_experts_by_pair`` takes these experts with activations on ``device``."""
+    matrices = (w.gate, w.up, w.gate_up, w.down)
+    return all(expert_kernels.by_expert_supported(m, device) for m in matrices if m is not None)
+
+
+def run_experts_by_pair(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEConfig,
+                        activation: str = "silu") -> torch.Tensor:
+    """``run_experts`` as llama.cpp's ``mul_mat_id`` computes it for decode: one launch per stacked matrix over all
+    (token, slot) pairs (``linear_by_expert``), each pair reading its expert's rows, the routing left on the device
+    (no host sync: a CUDA graph can hold it). A pair per output row, so the same bits as the grouped path's GEMV."""
+    n_tokens, k = indices.shape
+    n_experts = len(w.experts)
+    experts = indices.reshape(-1)
+    pairs = torch.arange(experts.numel(), device=x.device)
+    tokens = pairs // k
+    if w.gate_up is not None:  # each expert's gate rows, then its up rows
+        gate, up = expert_kernels.linear_by_expert(x, w.gate_up, n_experts, experts, tokens).chunk(2, dim=-1)
+    else:
+        gate = expert_kernels.linear_by_expert(x, w.gate, n_experts, experts, tokens)
+        up = expert_kernels.linear_by_expert(x, w.up, n_experts, experts, tokens)
+    if w.gate_bias is not None:
+        gate, up = gate + w.gate_bias[experts].to(gate.dtype), up + w.up_bias[experts].to(up.dtype)
+    hidden = expert_activation(gate, up, moe, activation)
+    out = expert_kernels.linear_by_expert(hidden, w.down, n_experts, experts, pairs)
+    if w.down_bias is not None:
+        out = out + w.down_bias[experts].to(out.dtype)
     return out.view(n_tokens, k, x.shape[1])
 
 

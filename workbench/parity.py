@@ -293,11 +293,8 @@ def without_extra_buffer_types() -> None:
     low.llama_model_default_params = params
 
 
-def load_llamacpp_model(path: str | Path, extra_buffers: bool = False, gpu_layers: int = 0) -> Any:
+def load_llamacpp_model(path: str | Path, extra_buffers: bool = False) -> Any:
     """A GGUF loaded by llama.cpp's own loader (``llama_model_free`` it after use), its logging silenced.
-
-    ``gpu_layers``: layers llama.cpp offloads to its GPU backend (``-ngl``; a llama.cpp built with CUDA, e.g. through
-    ``LLAMA_CPP_LIB_PATH``), 0 for its CPU backend alone.
 
     ``extra_buffers``: ggml's extra CPU buffer types, which repack weights for AMX or other CPU kernels; the AMX one
     crashes where the kernel refuses a process the tile registers (the development machine), and the plain CPU
@@ -312,7 +309,6 @@ def load_llamacpp_model(path: str | Path, extra_buffers: bool = False, gpu_layer
     llama_cpp.llama_log_set(_SILENCE[0], ctypes.c_void_p())
     model_params = llama_cpp.llama_model_default_params()
     model_params.use_extra_bufts = extra_buffers
-    model_params.n_gpu_layers = gpu_layers
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
     if not model:
         raise WorkbenchError(f"llama.cpp cannot load {path} (it logs its reason with verbose logging; "
@@ -322,17 +318,17 @@ def load_llamacpp_model(path: str | Path, extra_buffers: bool = False, gpu_layer
 
 def capture_llamacpp(path: str | Path, ids: Sequence[int], names: Callable[[str], bool] | None = None,
                      threads: int = 2, flash_attention: str = "auto", control_vector: dict[int, np.ndarray] | None = None,
-                     kv_type: str = "f16", extra_buffers: bool = False, gpu_layers: int = 0) -> LlamaCppRun:
+                     kv_type: str = "f16", extra_buffers: bool = False) -> LlamaCppRun:
     """Run ``ids`` through llama.cpp in one batch, every position's logits out, and keep the named tensors the
     evaluation callback sees (those ``names(base_name)`` accepts; None: every one ``LLAMACPP_POINTS`` maps).
 
     ``control_vector`` maps a layer N (>= 1) to its ``direction.N``, applied as llama.cpp's ``--control-vector``
     does. ``flash_attention`` is llama.cpp's setting (``"auto"``, its default, ``"on"`` or ``"off"``); ``kv_type`` its
-    cache type (``"f16"``, its default, or ``"f32"``); ``gpu_layers`` as ``load_llamacpp_model`` takes them."""
+    cache type (``"f16"``, its default, or ``"f32"``)."""
     llama_cpp = require_llama_cpp()
     ggml = _ggml_library(llama_cpp)
     wanted = names or (lambda base: any(base == p.ggml for p in LLAMACPP_POINTS))
-    model = load_llamacpp_model(path, extra_buffers, gpu_layers)
+    model = load_llamacpp_model(path, extra_buffers)
     tensors: dict[str, np.ndarray] = {}
     seen: dict[str, int] = {}
     errors: list[str] = []
@@ -405,7 +401,7 @@ def capture_llamacpp(path: str | Path, ids: Sequence[int], names: Callable[[str]
         llama_cpp.llama_model_free(model)
     settings = {"llama_cpp_python": llama_cpp.__version__, "threads": threads, "flash_attention": flash_attention,
                 "flash_attention_name": flash.decode() if flash else None, "kv_type": kv_type,
-                "extra_buffers": extra_buffers, "gpu_layers": gpu_layers}
+                "extra_buffers": extra_buffers}
     return LlamaCppRun({k: _to_tokens_first(v) for k, v in tensors.items()}, settings)
 
 
@@ -417,13 +413,12 @@ def _to_tokens_first(values: np.ndarray) -> np.ndarray:
 
 
 def parity(model, prompt: str | Sequence[int], tolerance: float = DEFAULT_TOLERANCE, threads: int = 2,
-           flash_attention: str = "auto", gpu_layers: int = 0) -> ParityReport:
-    """llama.cpp beside ``model`` on one prompt, layer by layer (in ``model.current_numerics()``); ``gpu_layers``
-    of llama.cpp's on its GPU backend."""
+           flash_attention: str = "auto") -> ParityReport:
+    """llama.cpp beside ``model`` on one prompt, layer by layer (in ``model.current_numerics()``)."""
     if not model.path.is_file():
         raise WorkbenchError("parity runs llama.cpp on the model's GGUF file; this model has none")
     ids = model.to_ids(prompt)
-    run = capture_llamacpp(model.path, ids, threads=threads, flash_attention=flash_attention, gpu_layers=gpu_layers)
+    run = capture_llamacpp(model.path, ids, threads=threads, flash_attention=flash_attention)
     with model.numerics_scope():
         recorded = record_points(model, ids, list(run.tensors))
         report = compare(run.tensors, recorded, norm_weights(model), tolerance)

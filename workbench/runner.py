@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from workbench.config import ModelConfig, YaRN
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
+from workbench.kernels import lora as lora_ops
 from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
 from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
                            moe_mlp, with_moe_points)
@@ -113,10 +114,11 @@ class BatchLayout:
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
 Hooks = Mapping[str, Sequence[HookFn]]
-# The LoRA adapters of a call (Model.lora_terms), per layer: {projections that share an input (LORA_GROUPS): (A, B,
-# the adapted ones)}, A the adapted projections' (and a mix's adapters') A rows stacked, B their s * B as blocks of a
-# block-diagonal matrix: one pair of matmuls gives every adapted projection of the group its term ``s * B (A x)``.
-Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]]]
+# The LoRA adapters of a call (Model.lora_terms), per layer: {projections that share an input (LORA_GROUPS): (A, B^T,
+# the adapted ones, their ranks)}, A the adapted projections' (and a mix's adapters') A rows stacked, B^T their
+# (s * B)^T as blocks of a block-diagonal matrix: one pair of matmuls, or one fused call (kernels.lora), gives every
+# adapted projection of the group its term ``s * B (A x)``.
+Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...], tuple[int, ...]]]]
 LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
@@ -335,15 +337,25 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
 def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...], lora: LayerLora,
              point: _Points, names: Mapping[str, str], layer: int) -> Sequence[torch.Tensor]:
     """The outputs ``outs`` of projections ``parts`` of ``x``, each adapted one plus its LoRA term ``s * B (A x)``
-    (through the term's hook point, ``[T, out]``: zero on the tokens whose choice leaves the projection alone)."""
+    (through the term's hook point, ``[T, out]``: zero on the tokens whose choice leaves the projection alone). Where
+    one choice covers every token and no hook asks for a term, the terms are never held apart: ``kernels.lora`` adds
+    them in one call per group (one fused kernel for few rows)."""
+    if len(lora) == 1 and lora[0][1] is None and parts in lora[0][0]:
+        a, b_t, adapted, ranks = lora[0][0][parts]
+        if not any(point.wants(names[p]) for p in adapted):
+            if adapted == parts:
+                return lora_ops.add_terms(x, a, b_t, outs, ranks)
+            added = iter(lora_ops.add_terms(x, a, b_t, [outs[parts.index(p)] for p in adapted], ranks))
+            return [next(added) if p in adapted else out for p, out in zip(parts, outs)]
     added: dict[str, torch.Tensor] = {}
     for terms, rows in lora:
         if parts not in terms:
             continue
-        a, b, adapted = terms[parts]
+        a, b_t, adapted, _ = terms[parts]
         rows = rows if rows is None else rows.to(x.device)  # a no-op but where a split model moved the layer
         x_rows = x if rows is None else x.index_select(0, rows)
-        products = F.linear(F.linear(x_rows, a), b).split([outs[parts.index(p)].shape[-1] for p in adapted], dim=-1)
+        products = lora_ops.torch_terms(x_rows, a, b_t).split([outs[parts.index(p)].shape[-1] for p in adapted],
+                                                              dim=-1)
         for p, product in zip(adapted, products):
             if rows is None:  # the one choice of every token
                 added[p] = product
@@ -546,7 +558,9 @@ class Transformer:
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, hooks: Hooks | None = None,
                 last_logits_only: bool = False, step: int = 0, layout: BatchLayout | None = None,
-                lora: Lora | LoraRows | None = None) -> torch.Tensor:
+                lora: Lora | LoraRows | None = None, start_at_layer: int = 0,
+                resid: torch.Tensor | None = None, stop_at_layer: int | None = None,
+                logit_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` (``[1, vocab]`` with ``last_logits_only``) for token ids ``[T]``.
 
         With a cache, the tokens continue it: they attend to every cached slot and are appended to it.
@@ -554,30 +568,50 @@ class Transformer:
         sequence's last row alone with ``last_logits_only``, ``[B, vocab]``) and a cache is a ``BatchKVCache``.
         ``lora``: the adapters' terms to add to the projections (None: the base model), or with a ``layout`` a choice
         per sequence (``LoraRows``).
+
+        ``start_at_layer`` (TransformerLens' name): the forward starts at that block, from ``resid``, the residual
+        stream entering it (``[T, d_model]``, packed as ``ids``); the embedding and the blocks before it do not run,
+        and a cache's layers before it are left as they are (``can_start_at_layer`` says where a forward may start).
+        ``stop_at_layer``: the forward stops before that block and returns the residual stream entering it (``[T,
+        d_model]``, packed), for a later forward to start from; a cache's layers from it on are left as they are.
+        ``logit_ids``: the logits of these vocabulary ids alone (``[T, len(logit_ids)]``, as ``hook_logits`` sees them),
+        for a caller that reads no others: the unembedding multiplies only their rows.
         """
         c, w = self.config, self.weights
         ids = ids.to(self.device)
         segments = lora_segments(lora, layout)
         positions, blocked = self._positions(ids.shape[0], cache, layout)
-        point = _Points(hooks, positions, step, layout)
         rotation = local_rotation = self.rotation(positions)
         local_blocked = blocked
         if c.sliding_window:  # sliding layers also mask the slots past the window, and may rotate by their own base
             local_blocked = self._sliding_mask(positions, blocked, cache, layout)
             if self.local_rope is not None:
                 local_rotation = self.rotation(positions, self.local_rope)
-
-        x = w.embed.dequantize_rows(ids).to(self.dtype)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        x = point("hook_embed", x)
-        per_layer = self._per_layer_inputs(ids, x) if w.per_layer_embed is not None else None
         shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # keys and values later layers reuse
-        x = point(self._names[0]["hook_resid_pre"], x, 0)
-        normalized = rms_norm(x, w.layers[0].attn_norm, c.rms_eps, point, self._names[0]["ln1"], 0)
+
+        first, stop = start_at_layer, c.n_layers if stop_at_layer is None else stop_at_layer
+        if stop_at_layer is not None and not first < stop <= c.n_layers:
+            raise WorkbenchError(f"a forward stops at a layer after the one it starts at ({first}) and at most "
+                                 f"{c.n_layers}, not {stop_at_layer}")
+        if first or resid is not None:
+            self._check_start(first, resid, ids.shape[0])
+            device = self.devices[first]  # a split model's block may run on another device than the embedding
+            x, positions, rotation, blocked, local_rotation, local_blocked = _to(
+                device, resid.to(self.dtype), positions, rotation, blocked, local_rotation, local_blocked)
+            layout = layout.to(device) if layout is not None and device != self.device else layout
+            point, per_layer = _Points(hooks, positions, step, layout), None
+        else:
+            point = _Points(hooks, positions, step, layout)
+            x = w.embed.dequantize_rows(ids).to(self.dtype)
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+            x = point("hook_embed", x)
+            per_layer = self._per_layer_inputs(ids, x) if w.per_layer_embed is not None else None
+        x = point(self._names[first]["hook_resid_pre"], x, first)
+        normalized = rms_norm(x, w.layers[first].attn_norm, c.rms_eps, point, self._names[first]["ln1"], first)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
-        for i, layer in enumerate(w.layers):
+        for i, layer in enumerate(w.layers[first:stop], first):
             names = self._names[i]
             adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
             if self._sliding[i]:
@@ -597,12 +631,12 @@ class Transformer:
             mlp_out = point(names["hook_mlp_out"], mlp_out, i)
             if layer.per_layer_gate is not None or layer.out_scale is not None:  # Gemma 4: the sum is taken here
                 x, mlp_out = self._block_tail(x + mlp_out, layer, i, point, per_layer), None
-            if i + 1 < c.n_layers and i + 1 not in self.range_starts:
+            if i + 1 < stop and i + 1 not in self.range_starts:
                 x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
                                              names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
                 continue
             x = point(names["hook_resid_post"], x if mlp_out is None else x + mlp_out, i)
-            if i + 1 < c.n_layers:  # the next range's device takes the residual stream and what every layer reads
+            if i + 1 < stop:  # the next range's device takes the residual stream and what every layer reads
                 device = self.devices[i + 1]
                 x, positions, rotation, blocked, local_rotation, local_blocked, per_layer = _to(
                     device, x, positions, rotation, blocked, local_rotation, local_blocked, per_layer)
@@ -612,16 +646,41 @@ class Transformer:
                 x = point(self._names[i + 1]["hook_resid_pre"], x, i + 1)
                 normalized = rms_norm(x, w.layers[i + 1].attn_norm, c.rms_eps, point, self._names[i + 1]["ln1"], i + 1)
 
-        if last_logits_only:
-            x = x[-1:] if layout is None else x[layout.last_rows()]
-        x = rms_norm(x, w.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"), None)
-        logits = linear(x, self.unembed).float()
-        if c.final_softcap:
-            logits = soft_cap(logits, c.final_softcap)
-        logits = point("hook_logits", logits)
+        if stop == c.n_layers:
+            x = self._logits(x, point, layout, last_logits_only, logit_ids)
         if cache is not None:
             cache.commit(positions, ids)
-        return logits
+        return x
+
+    def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
+                logit_ids: torch.Tensor | None) -> torch.Tensor:
+        """Float32 logits of the residual stream after the last block (each sequence's last row alone with
+        ``last_logits_only``; the ids ``logit_ids`` alone)."""
+        c = self.config
+        if last_logits_only:
+            x = x[-1:] if layout is None else x[layout.last_rows()]
+        x = rms_norm(x, self.weights.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"),
+                     None)
+        logits = linear(x, self.unembed if logit_ids is None else self.unembed.select_rows(logit_ids)).float()
+        if c.final_softcap:
+            logits = soft_cap(logits, c.final_softcap)
+        return point("hook_logits", logits)
+
+    def can_start_at_layer(self, layer: int) -> bool:
+        """Whether a forward can start at block ``layer`` from its residual stream: not where a later block reads the
+        keys and values of an earlier one (Gemma 4) or the per-layer inputs taken from the embedding (E2B/E4B)."""
+        c = self.config
+        return (0 <= layer < c.n_layers and self.weights.per_layer_embed is None
+                and all(c.kv_source(i) >= layer for i in range(layer, c.n_layers)))
+
+    def _check_start(self, layer: int, resid: torch.Tensor | None, n_tokens: int) -> None:
+        if not self.can_start_at_layer(layer):
+            raise WorkbenchError(f"a forward cannot start at layer {layer} of this model (0..{self.config.n_layers - 1}"
+                                 "; not past a layer whose keys, values or per-layer inputs later layers read)")
+        if resid is None or tuple(resid.shape) != (n_tokens, self.config.d_model):
+            shape = None if resid is None else tuple(resid.shape)
+            raise WorkbenchError(f"a forward starting at layer {layer} takes the residual stream "
+                                 f"[{n_tokens}, {self.config.d_model}] entering it, got {shape}")
 
     def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gemma 4 E2B/E4B's per-layer inputs ``[T, n_layers, d_per_layer]``: each token's per-layer embeddings (times

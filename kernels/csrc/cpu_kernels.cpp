@@ -961,6 +961,80 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
+// LoRA terms of a group of projections sharing the input x [T, in] (runner.add_lora): each output outs[p] plus its
+// term B_p (A_p x), rounded to float32 before the sum as the two matmuls' result is, side by side in one [T, O]. a [R, in] holds the parts' A rows
+// stacked, b_t [R, O] their B's transposed as the blocks of a block-diagonal matrix (part p's rows start at the sum
+// of the previous parts' ranks, its columns at the sum of their widths): only the nonzero blocks are read, each row
+// of a block a contiguous run. Made for few rows (decode): each row of A and of B_p^T is read once for all tokens. The
+// expansion is split over threads from parallel_work multiply-adds a thread on: a parallel region costs a small
+// group more than its arithmetic.
+torch::Tensor lora_add(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b_t,
+                                    at::TensorList outs, at::IntArrayRef ranks, int64_t parallel_work) {
+  check_floats(x, "x", 2);
+  check_floats(a, "a", 2);
+  check_floats(b_t, "b_t", 2);
+  const int64_t tokens = x.size(0), k = x.size(1), rank = a.size(0), n_parts = static_cast<int64_t>(outs.size());
+  TORCH_CHECK(n_parts > 0 && a.size(1) == k && b_t.size(0) == rank && static_cast<int64_t>(ranks.size()) == n_parts,
+              "workbench cpu kernels: lora_add needs x [T, K], a [R, K], b_t [R, O] and a rank per output, got ",
+              x.sizes(), ", ", a.sizes(), ", ", b_t.sizes(), " and ", ranks.size(), " ranks for ", n_parts, " outputs");
+  std::vector<int64_t> col_start(n_parts + 1, 0), rank_start(n_parts + 1, 0);
+  for (int64_t p = 0; p < n_parts; ++p) {
+    const torch::Tensor& out = outs[p];
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == torch::kFloat32 && out.dim() == 2 &&
+                out.size(0) == tokens && out.stride(1) == 1 && ranks[p] > 0,
+                "workbench cpu kernels: lora_add output ", p, " must be float32 [T, width] rows of contiguous values");
+    col_start[p + 1] = col_start[p] + out.size(1);
+    rank_start[p + 1] = rank_start[p] + ranks[p];
+  }
+  const int64_t cols = b_t.size(1);
+  TORCH_CHECK(col_start[n_parts] == cols && rank_start[n_parts] == rank,
+              "workbench cpu kernels: lora_add outputs of ", col_start[n_parts], " values and ranks of ",
+              rank_start[n_parts], " for b_t ", b_t.sizes());
+  const float *xp = x.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b_t.data_ptr<float>();
+  // the shrink, t = A x [T, R]
+  std::vector<float> t(tokens * rank);
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* ar = ap + r * k;
+    for (int64_t m = 0; m < tokens; ++m) {
+      const float* xr = xp + m * k;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < k; ++i) sum += ar[i] * xr[i];
+      t[m * rank + r] = sum;
+    }
+  }
+  torch::Tensor result = torch::empty({tokens, cols}, x.options());
+  float* rp = result.data_ptr<float>();
+  // the expansion over the columns of b_t (every part's in turn), a block of them at a time: term = sum_c t_c B^T_c,
+  // then out + term
+  constexpr int64_t kBlock = 256;
+  const int64_t max_rank = *std::max_element(ranks.begin(), ranks.end());
+  const int64_t grain = std::max<int64_t>(kBlock, parallel_work / std::max<int64_t>(tokens * max_rank, 1));
+  at::parallel_for(0, cols, grain, [&](int64_t begin, int64_t end) {
+    float term[kBlock];
+    for (int64_t p = 0; p < n_parts; ++p) {
+      const int64_t r0 = rank_start[p], kp = ranks[p];
+      const float* base = outs[p].data_ptr<float>();
+      const int64_t base_stride = outs[p].stride(0);
+      for (int64_t first = std::max(begin, col_start[p]); first < std::min(end, col_start[p + 1]); first += kBlock) {
+        const int64_t n = std::min({kBlock, end - first, col_start[p + 1] - first}), j = first - col_start[p];
+        for (int64_t m = 0; m < tokens; ++m) {
+          std::fill(term, term + n, 0.0f);
+          for (int64_t c = 0; c < kp; ++c) {
+            const float tc = t[m * rank + r0 + c];
+            const float* br = bp + (r0 + c) * cols + first;
+            for (int64_t i = 0; i < n; ++i) term[i] += tc * br[i];
+          }
+          const float* bm = base + m * base_stride + j;
+          float* rm = rp + m * cols + first;
+          for (int64_t i = 0; i < n; ++i) rm[i] = bm[i] + term[i];
+        }
+      }
+    }
+  });
+  return result;
+}
+
 // c + a @ b of batched float32 matrices, a [N, R, K], b [N, K, J], c [N, R, J], each output a chain of fused
 // multiply-adds in k order, as ggml-cpu's simd_gemm computes them (llama.cpp's tiled flash attention: llama.cpp
 // numerics reproduce it in kernels/llamacpp_ops.py).
@@ -1051,6 +1125,8 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("fma_chain(Tensor a, Tensor b, Tensor c) -> Tensor");
   // ggml-cpu's polynomial exp (ggml_v_expf) of each value
   m.def("ggml_expf(Tensor x) -> Tensor");
+  // the outputs of a group of projections sharing x, each plus its LoRA term B (A x), side by side (few rows)
+  m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor[] outs, int[] ranks, int parallel_work) -> Tensor");
 }
 
 WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
@@ -1062,4 +1138,5 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("rope", &rope);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
+  m.impl("lora_add", &lora_add);
 }

@@ -10,7 +10,9 @@ row, up to ``LLAMACPP_GEMM_MIN_ROWS - 1`` rows) and ``triton-gemm-llamacpp-<fmt>
 cores, for more rows), with
 ``workbench.kernels.linear`` when Triton is installed and a CUDA device is present; without either it registers
 nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
-through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``rms_norm``, ``add_rms_norm``,
+through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``gemv_by_expert`` and
+``gemv_llamacpp_by_expert``, the GEMV over (activation row, expert) pairs of a mixture's stacked experts, serve
+``workbench.kernels.experts.linear_by_expert``. ``rms_norm``, ``add_rms_norm``,
 ``rope``, ``attention_scores``, ``attend`` and ``swiglu`` are the forward's other per-token ops, for
 ``workbench.kernels.layer_ops``. Every kernel is launched through ``launch``, which keeps each compiled kernel to launch
 it again without Triton's launcher.
@@ -37,8 +39,8 @@ if AVAILABLE:
     from .matmul import (
         ACTIVATION_DTYPES, GEMV_MAX_ROWS, LAYOUTS, LLAMACPP_FORMATS, LLAMACPP_GEMM_MIN_ROWS, MMA_DTYPES, MMA_FORMATS,
         MMA_K_MULTIPLE, MMA_MAX_ROWS, SUPPORTED_FORMATS, GemmConfig, GemvConfig, Int8GemmConfig, MmaConfig,
-        dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_llamacpp, gemv_rows, mma_gemm, mma_rows,
-        quantize_activations,
+        dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_by_expert, gemv_llamacpp,
+        gemv_llamacpp_by_expert, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
     from .layer_ops import add_rms_norm, attend, attention_scores, rms_norm, rope, swiglu
 
@@ -91,7 +93,8 @@ if AVAILABLE:
         "AVAILABLE", "REGISTERED", "SUPPORTED_FORMATS", "MMA_FORMATS", "LLAMACPP_FORMATS", "GEMV_MAX_ROWS",
         "LLAMACPP_GEMM_MIN_ROWS",
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
-        "dequantize", "gemm", "gemm_llamacpp", "gemm_rows", "gemv", "gemv_llamacpp", "gemv_rows", "mma_gemm",
+        "dequantize", "gemm", "gemm_llamacpp", "gemm_rows", "gemv", "gemv_by_expert", "gemv_llamacpp",
+        "gemv_llamacpp_by_expert", "gemv_rows", "mma_gemm",
         "mma_rows", "quantize_activations", "rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu",
         "register",
     ]

@@ -4,13 +4,15 @@ activations quantized as ggml-cpu quantizes them.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from ..launch_choices import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_units, walks_chunks
 from ..quant_tensor import QuantTensor
-from .common import checked_output
+from .common import check_inputs, checked_output
 from .formats import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Layout
 from .k_affine import k_chunk_dots, k_chunk_dots_q8k
 from .k_small import small_k_chunk_dots, small_k_dots_q8k
@@ -100,9 +102,9 @@ def _affine(a, b, fx, x, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, x_scales_ptr, x_sums_ptr,
+    x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, x_scales_ptr, x_sums_ptr, experts_ptr, x_index_ptr,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr, CHUNKS: tl.constexpr,
+    USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr, CHUNKS: tl.constexpr, BY_EXPERT: tl.constexpr,
 ):
     # Each program takes BLOCK_N weight rows and BLOCK_M rows of activations, unpacking each weight once for all of
     # them; the programs over one weight block run next to each other, so all but the first read it from L2.
@@ -111,11 +113,19 @@ def _gemv_kernel(
     m_blocks = tl.cdiv(M, BLOCK_M)
     m_block, n_block = tl.program_id(0) % m_blocks, tl.program_id(0) // m_blocks
     m_rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Rows of activations past M and weight rows past N re-read rows from the first (never stored).
-    x_rows = x_ptr + (m_rows % M).to(tl.int64) * K
+    # With BY_EXPERT (BLOCK_M = 1), output row m_block is the activation row x_index[m_block] times the N rows of
+    # expert experts[m_block], w's rows from experts[m_block] * N on (the stacked experts of a mixture).
+    if BY_EXPERT:
+        tl.static_assert(BLOCK_M == 1, "the GEMV by expert takes one (activation row, expert) pair per program")
+        m = tl.load(x_index_ptr + m_block).to(tl.int64)
+        w_ptr += tl.load(experts_ptr + m_block).to(tl.int64) * N * row_bytes
+        x_rows = x_ptr + (m * K + tl.zeros((BLOCK_M,), dtype=tl.int64))
+    else:
+        m = m_block
+        # Rows of activations past M and weight rows past N re-read rows from the first (never stored).
+        x_rows = x_ptr + (m_rows % M).to(tl.int64) * K
     if LLAMACPP:
         tl.static_assert(BLOCK_M == 1, "the llama.cpp-numerics GEMV takes one row of activations per program")
-        m = m_block
         x_words = x_ptr.to(tl.pointer_type(tl.int32)) + m * (K // 4)
         if FMT >= Q2_K:  # the K-quants (GGML types 10-14): Q8_K, a scale per 256 values, a sum per 16
             x_scales_ptr += m * (K // 256)
@@ -174,15 +184,50 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> t
     return out
 
 
+def gemv_by_expert(x: torch.Tensor, w: QuantTensor, n_experts: int, experts: torch.Tensor,
+                   x_rows: torch.Tensor) -> torch.Tensor:
+    """Row ``p`` of the ``[P, w.shape[0] // n_experts]`` result is ``x[x_rows[p]] @ W_e.T`` for ``e = experts[p]``,
+    where ``w`` stacks ``n_experts`` matrices ``W_e`` by rows (an MoE's ``ffn_*_exps``, as stored): llama.cpp's
+    ``mul_mat_id``. Only the chosen experts' rows are read, and the pairs come as device tensors (no host sync); each
+    pair is one pass over its expert's rows, so this is made for decode. ``experts`` must lie in ``0..n_experts - 1``
+    and ``x_rows`` in ``0..len(x) - 1`` (not checked here: that would read them on the host)."""
+    layout, out = checked_by_expert_output(x, w, n_experts, experts, x_rows)
+    if len(out):
+        launch_gemv(w, out, layout, by_expert_config(gemv_config(x.shape[1], w.fmt.name)), x, x, x, llamacpp=False,
+                    by_expert=(experts, x_rows))
+    return out
+
+
+def checked_by_expert_output(x: torch.Tensor, w: QuantTensor, n_experts: int, experts: torch.Tensor,
+                             x_rows: torch.Tensor, **limits) -> tuple[Layout, torch.Tensor]:
+    """``check_inputs`` and the pairs' shapes, and the uninitialized ``[P, rows per expert]`` output in ``x.dtype``."""
+    if n_experts < 1 or w.shape[0] % n_experts:
+        raise ValueError(f"{w.shape[0]} rows do not stack {n_experts} experts")
+    if (experts.dim() != 1 or experts.shape != x_rows.shape or experts.device != x.device or x_rows.device != x.device
+            or experts.dtype not in (torch.int32, torch.int64) or x_rows.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"experts and x_rows must be 1-D int32/int64 tensors of one length on {x.device}, got "
+                         f"{tuple(experts.shape)} {experts.dtype} and {tuple(x_rows.shape)} {x_rows.dtype}")
+    layout = check_inputs(x, w, **limits)
+    return layout, torch.empty(len(experts), w.shape[0] // n_experts, dtype=x.dtype, device=x.device)
+
+
+def by_expert_config(config: GemvConfig) -> GemvConfig:
+    """``config`` with one row of activations per program: the GEMV by expert gives each program one pair."""
+    return config if config.block_m == 1 else dataclasses.replace(config, block_m=1)
+
+
 def launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: GemvConfig, activations: torch.Tensor,
-                 x_scales: torch.Tensor, x_sums: torch.Tensor, llamacpp: bool) -> None:
+                 x_scales: torch.Tensor, x_sums: torch.Tensor, llamacpp: bool,
+                 by_expert: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``_gemv_kernel`` over ``out``'s rows of activations: floats, or (``llamacpp``) ``quantize_activations``'
-    values, scales and sums (the exact GEMV passes its activations for the two unused pointers)."""
+    values, scales and sums (the exact GEMV passes its activations for the two unused pointers); or, with
+    ``by_expert`` (experts, x_rows), over ``out``'s (activation row, expert) pairs (``gemv_by_expert``)."""
     (m, n), k = out.shape, w.shape[1]
+    experts, x_rows = by_expert if by_expert is not None else (activations, activations)
     launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
-        activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums,
+        activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums, experts, x_rows,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
         EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp,
-        CHUNKS=walks_chunks(w.fmt.name, llamacpp), num_warps=config.num_warps,
+        CHUNKS=walks_chunks(w.fmt.name, llamacpp), BY_EXPERT=by_expert is not None, num_warps=config.num_warps,
     )

@@ -15,7 +15,7 @@ from .bits import load_f16
 from .common import checked_output, tile_grid
 from .formats import K_QUANTS, LLAMACPP_FORMATS, Q2_K, Q3_K, Q4_1, Q5_1, Q6_K
 from .gemm import tile_origin
-from .gemv import launch_gemv
+from .gemv import by_expert_config, checked_by_expert_output, launch_gemv
 from .k_affine import k_chunk_tile_dots_q8k
 from .k_small import small_k_tile_dots_q8k
 from .launch import launch
@@ -103,6 +103,18 @@ def gemv_llamacpp(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = N
         return out
     config = config or gemv_llamacpp_config(k, w.fmt.name, m)
     launch_gemv(w, out, layout, config, *quantize_activations(x, w.fmt.name), llamacpp=True)
+    return out
+
+
+def gemv_llamacpp_by_expert(x: torch.Tensor, w: QuantTensor, n_experts: int, experts: torch.Tensor,
+                            x_rows: torch.Tensor) -> torch.Tensor:
+    """``gemv_by_expert`` in llama.cpp's numerics, as ``gemv_llamacpp`` computes them: each row of ``x`` quantized
+    once, whichever experts it goes to."""
+    layout, out = checked_by_expert_output(x, w, n_experts, experts, x_rows, formats=LLAMACPP_FORMATS)
+    if len(out):
+        config = by_expert_config(gemv_llamacpp_config(x.shape[1], w.fmt.name, 1))
+        launch_gemv(w, out, layout, config, *quantize_activations(x, w.fmt.name), llamacpp=True,
+                    by_expert=(experts, x_rows))
     return out
 
 

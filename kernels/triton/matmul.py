@@ -9,6 +9,8 @@ and prefill) dequantizes weight tiles into registers and feeds them to ``tl.dot`
 with K split over several programs when there are few rows; ``dequant_matmul`` writes the whole weight
 out once in ``x.dtype`` (``dequantize``) and hands it to cuBLAS, which wins once there are enough rows to amortize
 that.
+``gemv_by_expert`` (and ``gemv_llamacpp_by_expert``) is the GEMV over (activation row, expert) pairs of a
+mixture's stacked experts, llama.cpp's ``mul_mat_id`` for decode.
 ``gemv_llamacpp`` computes llama.cpp's numerics instead: the activations quantized as ggml-cpu quantizes them
 (``quantize_activations``), integer dot products per block, the GEMV's loop run once per row; ``gemm_llamacpp``
 computes the same for many rows with the integer dot products on the tensor cores (int8 ``tl.dot``).
@@ -30,8 +32,8 @@ from .common import ACTIVATION_DTYPES, check_inputs, dot_precision, layout_of
 from .dequant import dequant_matmul, dequantize
 from .formats import K_QUANTS, LAYOUTS, LLAMACPP_FORMATS, MMA_FORMATS, SUPPORTED_FORMATS, Layout
 from .gemm import gemm
-from .gemv import gemv
-from .llamacpp import gemm_llamacpp, gemv_llamacpp, quantize_activations
+from .gemv import gemv, gemv_by_expert
+from .llamacpp import gemm_llamacpp, gemv_llamacpp, gemv_llamacpp_by_expert, quantize_activations
 from .mma import MMA_DTYPES, MMA_K_MULTIPLE, mma_gemm
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "MMA_DTYPES", "MMA_FORMATS", "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "SUPPORTED_FORMATS", "GemmConfig", "GemvConfig",
     "Int8GemmConfig", "Layout", "DequantConfig", "MmaConfig", "check_inputs", "dequant_config", "dequant_matmul",
     "dequantize", "dot_precision", "gemm", "gemm_config", "gemm_llamacpp", "gemm_rows", "gemm_walks_chunks", "gemv",
-    "gemv_config", "gemv_llamacpp", "gemv_llamacpp_config", "gemv_rows", "gemv_units", "int8_gemm_config",
+    "gemv_by_expert", "gemv_config", "gemv_llamacpp", "gemv_llamacpp_by_expert", "gemv_llamacpp_config", "gemv_rows",
+    "gemv_units", "int8_gemm_config",
     "layout_of", "mma_config", "mma_gemm", "mma_rows", "quantize_activations", "walks_chunks",
 ]

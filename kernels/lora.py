@@ -1,0 +1,71 @@
+"""The LoRA terms of a group of projections that share an input (``runner.add_lora``): each projection's output plus
+its term ``B_p (A_p x)``, one call per group.
+
+``a`` holds the parts' A rows stacked ``[R, in]``, ``b_t`` their B's transposed as the blocks of a block-diagonal
+``[R, O]`` (``Model.lora_terms``), ``ranks`` each part's rows of ``a``. The torch formula is two matmuls over the whole
+group, a split and an add per part; for few rows (decode) one fused call does it all and reads only the nonzero blocks:
+
+- on the CPU (float32), the C++ extension's ``lora_add`` (``csrc/cpu_kernels.cpp``), on one thread: every matmul of
+  the formula is a parallel region of its own, which costs more than a small group's arithmetic (and much more when
+  the machine's other threads are busy);
+- on CUDA, a Triton kernel (``triton/lora.py``): one launch where the formula takes four kernels or more. Inside
+  ``torch.compile`` it is the opaque op ``workbench::lora_add``, so that a compiled decode step (and its CUDA graph)
+  launches it too.
+
+Both round as the formula does (``A x``, then the term, each to the activations' dtype, then the sum), summing in
+their own order. Many rows (a prompt) take the formula, the BLAS being faster there.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu
+from . import triton as _triton
+from .tracing import compiling
+
+# Rows (tokens) up to which the fused call serves: decode, batched decode and short prompts.
+MAX_ROWS = 16
+# Multiply-adds per thread from which the CPU op splits its expansion over threads: no decode step of a small model
+# gets there (docs/performance.md, "LoRA adapters": on 2 shared cores, threads gained nothing quiet and lost much
+# under load).
+CPU_PARALLEL_WORK = 1 << 18
+
+
+def torch_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """Every part's term side by side, ``[T, O]``: the two matmuls."""
+    return F.linear(x, a) @ b_t
+
+
+def add_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence[torch.Tensor],
+              ranks: Sequence[int]) -> list[torch.Tensor]:
+    """``[out + term for each part]`` for the group's input ``x`` ``[T, in]`` and outputs ``outs`` ``[T, width]``."""
+    summed = None
+    if x.shape[0] <= MAX_ROWS and a.dtype == x.dtype and b_t.dtype == x.dtype:
+        if x.is_cpu and x.dtype == torch.float32 and cpu.extension() is not None:
+            summed = cpu.extension().lora_add(x.contiguous(), a, b_t, outs, ranks, CPU_PARALLEL_WORK)
+        elif x.is_cuda and _triton.AVAILABLE and len(outs) <= _TRITON_PARTS and max(ranks) <= _TRITON_MAX_RANK:
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            summed = (_lora_op if compiling() else _triton_lora_add)(x, a, b_t, list(outs), list(ranks))
+    if summed is None:
+        terms = torch_terms(x, a, b_t).split_with_sizes([out.shape[-1] for out in outs], dim=-1)
+        return [out + term for out, term in zip(outs, terms)]
+    # a view per part costs microseconds of an eager step: one part is the whole
+    return [summed] if len(outs) == 1 else list(summed.split_with_sizes([out.shape[-1] for out in outs], dim=-1))
+
+
+if _triton.AVAILABLE:
+    from .triton.lora import MAX_PARTS as _TRITON_PARTS, MAX_RANK as _TRITON_MAX_RANK, lora_add as _triton_lora_add
+
+    @torch.library.custom_op("workbench::lora_add", mutates_args=())
+    def _lora_op(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: list[torch.Tensor],
+                 ranks: list[int]) -> torch.Tensor:
+        """The Triton kernel as one opaque op, for compiled graphs."""
+        return _triton_lora_add(x, a, b_t, outs, ranks)
+
+    @_lora_op.register_fake
+    def _lora_op_shape(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: list[torch.Tensor],
+                       ranks: list[int]) -> torch.Tensor:
+        return x.new_empty(x.shape[0], b_t.shape[1])

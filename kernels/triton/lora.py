@@ -1,0 +1,95 @@
+"""LoRA terms on CUDA, for ``workbench.kernels.lora``: each output of a group of projections that share an input plus its
+term ``B_p (A_p x)``, the shrink, the expansion and the add in one launch per group where the two matmuls, the split
+and the adds take four kernels or more (a decode step of a small model is bound by its kernel count).
+
+Each program takes one token, one part of the group and a tile of that part's output columns: it computes the part's
+``A_p x`` itself (at most ``MAX_RANK`` values; every program of a part reads the same rows of A, from L2), then its
+tile of ``B_p^T`` times them, then adds the base output. It rounds where the torch formula does: ``A x`` and the term
+each to the activations' dtype (as a matmul's result), then the sum. Under ``TRITON_INTERPRET=1`` it runs on CPU
+tensors (the tests).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import cdiv, launch, next_power_of_2
+
+MAX_PARTS = 3  # q, k and v
+MAX_RANK = 128  # per part; a larger rank takes the torch formula
+
+
+@triton.jit
+def _part_terms(x_ptr, a_ptr, b_ptr, base_ptr, out_ptr, token, tile, k, cols, x_stride, base_stride, width, col0,
+                rank0, rank, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    if tile * BLOCK_N < width:
+        r = tl.arange(0, BLOCK_R)
+        ranked = r < rank
+        shrunk = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for first in range(0, k, BLOCK_K):
+            i = first + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + token * x_stride + i, mask=i < k, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + (rank0 + r)[:, None] * k + i[None, :], mask=ranked[:, None] & (i < k)[None, :],
+                        other=0.0).to(tl.float32)
+            shrunk += tl.sum(a * x[None, :], axis=1)
+        dtype = out_ptr.dtype.element_ty
+        shrunk = shrunk.to(dtype).to(tl.float32)
+        inside = n < width
+        b = tl.load(b_ptr + (rank0 + r)[:, None] * cols + (col0 + n)[None, :], mask=ranked[:, None] & inside[None, :],
+                    other=0.0).to(tl.float32)
+        term = tl.sum(b * shrunk[:, None], axis=0).to(dtype).to(tl.float32)
+        base = tl.load(base_ptr + token * base_stride + n, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + token * cols + col0 + n, (base + term).to(dtype), mask=inside)
+
+
+@triton.jit
+def _lora_kernel(x_ptr, a_ptr, b_ptr, base0, base1, base2, out_ptr, k, cols, x_stride,
+                 stride0, stride1, stride2, width0, width1, width2, rank0, rank1, rank2,
+                 PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    tile, part, token = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if part == 0:
+        _part_terms(x_ptr, a_ptr, b_ptr, base0, out_ptr, token, tile, k, cols, x_stride, stride0, width0, 0, 0, rank0,
+                    BLOCK_N, BLOCK_R, BLOCK_K)
+    if PARTS > 1:
+        if part == 1:
+            _part_terms(x_ptr, a_ptr, b_ptr, base1, out_ptr, token, tile, k, cols, x_stride, stride1, width1, width0,
+                        rank0, rank1, BLOCK_N, BLOCK_R, BLOCK_K)
+    if PARTS > 2:
+        if part == 2:
+            _part_terms(x_ptr, a_ptr, b_ptr, base2, out_ptr, token, tile, k, cols, x_stride, stride2, width2,
+                        width0 + width1, rank0 + rank1, rank2, BLOCK_N, BLOCK_R, BLOCK_K)
+
+
+def lora_add(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence[torch.Tensor],
+             ranks: Sequence[int]) -> torch.Tensor:
+    """``lora.add_terms`` in one launch: ``x`` ``[T, in]`` (rows of contiguous values), ``a`` ``[R, in]`` and ``b_t``
+    ``[R, O]`` contiguous, up to ``MAX_PARTS`` outputs ``[T, width]`` (rows of contiguous values), all of one float
+    dtype, ranks up to ``MAX_RANK``; the sums side by side, a new ``[T, O]``."""
+    tokens, k = x.shape
+    widths = [out.shape[-1] for out in outs]
+    if (not 0 < len(outs) <= MAX_PARTS or len(ranks) != len(outs) or min(ranks) < 1 or max(ranks) > MAX_RANK
+            or a.shape != (sum(ranks), k) or b_t.shape != (sum(ranks), sum(widths)) or x.stride(1) != 1
+            or not a.is_contiguous() or not b_t.is_contiguous()
+            or any(out.dtype != x.dtype or out.shape[0] != tokens or out.stride(-1) != 1 for out in outs)
+            or a.dtype != x.dtype or b_t.dtype != x.dtype):
+        raise ValueError(f"lora_add: x {x.dtype} {tuple(x.shape)}, a {a.dtype} {tuple(a.shape)}, b_t {b_t.dtype} "
+                         f"{tuple(b_t.shape)}, outputs {[tuple(out.shape) for out in outs]}, ranks {list(ranks)}")
+    result = torch.empty(tokens, sum(widths), dtype=x.dtype, device=x.device)
+    if tokens:
+        # the shrink's loop over the input in one or two steps on the embedded model (each step a round of loads
+        # the program waits for), 32 values of A per thread
+        block_r = max(16, next_power_of_2(max(ranks)))
+        block_n = max(32, min(128, 8192 // block_r))
+        block_k = max(32, min(next_power_of_2(k), 8192 // block_r))
+        num_warps = 8 if block_r * block_k > 4096 else 4
+        pad = 3 - len(outs)
+        bases = [*outs, *[outs[0]] * pad]
+        launch(_lora_kernel, (cdiv(max(widths), block_n), len(outs), tokens),
+               x, a, b_t, *bases, result, k, b_t.shape[1], x.stride(0), *[out.stride(0) for out in bases],
+               *widths, *[0] * pad, *ranks, *[0] * pad,
+               PARTS=len(outs), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps)
+    return result
