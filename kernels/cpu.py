@@ -113,6 +113,9 @@ def _build_extension(isa: str) -> Any:
     torch.library.register_fake(f"{name}::linear_llamacpp")(
         lambda x, packed, ggml_type, rows, cols: x.new_empty(x.shape[0], rows)
     )
+    torch.library.register_fake(f"{name}::linear_llamacpp_segments")(
+        lambda x, packed, ggml_type, rows, cols, x_first, x_count: x.new_empty(sum(x_count), rows)
+    )
     torch.library.register_fake(f"{name}::lora_add")(
         lambda x, a, b_t, outs, ranks, parallel_work: x.new_empty(x.shape[0], b_t.shape[1])
     )
@@ -200,8 +203,17 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 
 EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, _run_exact_segments, traceable=True,
                formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
-LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, traceable=True, numerics="llamacpp",
-                  formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
+def _run_llamacpp_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Sequence[int],
+                           counts: Sequence[int]) -> torch.Tensor:
+    fmt = parts[0].fmt
+    if any(w.fmt.ggml_type != fmt.ggml_type for w in parts):  # the op quantizes the activations for one weight type
+        return torch.cat([_run_llamacpp(x[start:start + count], w) for w, start, count in zip(parts, starts, counts)])
+    return _in_float32(x, lambda x32: extension().linear_llamacpp_segments(
+        x32, [w.data for w in parts], fmt.ggml_type, *parts[0].shape, list(starts), list(counts)))
+
+
+LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, run_segments=_run_llamacpp_segments,
+                  traceable=True, numerics="llamacpp", formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 register_kernel(EXACT)
 register_kernel(LLAMACPP)
 

@@ -135,16 +135,18 @@ def test_parts_check_each_weight_and_fall_back_when_kernels_differ():
     assert torch.equal(y_dense, linear(x, dense)) and torch.equal(y_quantized, linear(x, quantized))
 
 
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "MXFP4"])
-def test_segments_in_one_call_equal_separate_calls(name):
+def test_segments_in_one_call_equal_separate_calls(name, mode):
     """Each weight on its own rows of x (an MoE layer's chosen experts) through one call gives each part's own result
     on its rows, bit for bit: rows in the fused dot products, rows in the panels, and a part with no rows."""
     parts = [random_weight(name, 24, K, seed=seed) for seed in range(4)]
     x = torch.randn(30, K, generator=torch.Generator().manual_seed(4))
     starts, counts = [0, 3, 3, 4], [3, 0, 1, cpu.PANEL_MIN_BATCH + 4]
-    assert select_kernel(x, parts[0]).run_segments is not None
-    out = linear_segments(x, parts, starts, counts)
-    expected = torch.cat([linear(x[start:start + count], w) for w, start, count in zip(parts, starts, counts)])
+    with cpu.numerics(mode):
+        assert select_kernel(x, parts[0]).run_segments is not None
+        out = linear_segments(x, parts, starts, counts)
+        expected = torch.cat([linear(x[start:start + count], w) for w, start, count in zip(parts, starts, counts)])
     assert out.shape == (sum(counts), 24) and torch.equal(out, expected)
     with pytest.raises(ValueError, match="one shape"):
         linear_segments(x, [parts[0], random_weight(name, 8, K)], [0, 0], [1, 1])

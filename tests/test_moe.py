@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -239,13 +238,19 @@ def test_experts_in_one_call_equal_one_expert_at_a_time(fmt, numerics, tiny_mode
             ours, reference = run_experts(x, indices, w, moe), per_expert_experts(x, indices, w, moe)
         assert ours.shape == (n_tokens, moe.n_experts_used, model.config.d_model)
         assert torch.equal(ours, reference), (case, (ours - reference).abs().max())
-    if numerics == "exact":  # a token's experts: one kernel call for gate and up, one for down
-        x, indices = x[:1], indices[:1]
-        ops, calls, reference = cpu.extension(), [], per_expert_experts(x, indices, w, moe)
-        monkeypatch.setattr(cpu, "extension", lambda: SimpleNamespace(
-            linear_exact_segments=lambda *args: calls.append(args) or ops.linear_exact_segments(*args)))
+    # a token's experts: one kernel call for gate and up, one for down
+    x, indices, op = x[:1], indices[:1], f"linear_{numerics}_segments"
+    ops, calls = cpu.extension(), []
+
+    class Counted:  # the extension, counting the calls of op
+        def __getattr__(self, name):
+            return (lambda *args: calls.append(args) or getattr(ops, op)(*args)) if name == op else getattr(ops, name)
+
+    with using(numerics):
+        reference = per_expert_experts(x, indices, w, moe)
+        monkeypatch.setattr(cpu, "extension", Counted)
         assert torch.equal(run_experts(x, indices, w, moe), reference)
-        assert len(calls) == 2
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("family, fmt", [("mixtral", "Q8_0"), ("qwen2moe", "Q8_0"), ("qwen3moe", "Q4_K")])

@@ -822,18 +822,25 @@ torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packe
 // ---------------------------------------------------------------------------------------------
 // llama.cpp numerics.
 
+// out[i * ldo + r] for weight rows r in [begin, end) and the m rows of quantized activations xq.
+template <class F>
+void matmul_rows_llamacpp(const typename F::Act* xq, int64_t m, int64_t k, const uint8_t* w, int64_t begin, int64_t end,
+                          float* out, int64_t ldo) {
+  const int64_t nblocks = k / F::kValues, row_bytes = nblocks * F::kBytes;
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t i = 0; i < m; ++i) {
+      Floats acc = zeros();
+      float mins = 0.0f;
+      for (int64_t b = 0; b < nblocks; ++b) F::dot(w + r * row_bytes + b * F::kBytes, xq[i * nblocks + b], acc, mins);
+      out[i * ldo + r] = hsum(acc) + mins;
+    }
+  }
+}
+
 template <class F>
 void matmul_llamacpp(const typename F::Act* xq, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* out) {
-  const int64_t nblocks = k / F::kValues, row_bytes = nblocks * F::kBytes;
   parallel_rows(n, k * m, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = 0; i < m; ++i) {
-        Floats acc = zeros();
-        float mins = 0.0f;
-        for (int64_t b = 0; b < nblocks; ++b) F::dot(w + r * row_bytes + b * F::kBytes, xq[i * nblocks + b], acc, mins);
-        out[i * n + r] = hsum(acc) + mins;
-      }
-    }
+    matmul_rows_llamacpp<F>(xq, m, k, w, begin, end, out, n);
   });
 }
 
@@ -865,6 +872,41 @@ torch::Tensor linear_llamacpp(const torch::Tensor& x, const torch::Tensor& packe
     auto out = torch::empty({m, rows}, x.options());
     matmul_llamacpp<F>(reinterpret_cast<const typename F::Act*>(xq.data_ptr<uint8_t>()), m, cols,
                        packed.data_ptr<uint8_t>(), rows, out.data_ptr<float>());
+    return out;
+  });
+}
+
+// linear_exact_segments in llama.cpp numerics, for weights of one type: x quantized once, then each weight on its own
+// rows of it in one parallel region, each output with the bits linear_llamacpp gives on that part's rows alone.
+torch::Tensor linear_llamacpp_segments(const torch::Tensor& x, at::TensorList packed, int64_t ggml_type, int64_t rows,
+                                       int64_t cols, c10::IntArrayRef x_first, c10::IntArrayRef x_count) {
+  return visit_format(ggml_type, [&](auto format) {
+    using F = decltype(format);
+    const size_t parts = packed.size();
+    TORCH_CHECK(parts > 0 && x_first.size() == parts && x_count.size() == parts,
+                "workbench cpu kernels: one first row and row count of x per packed weight");
+    std::vector<int64_t> out_first(parts + 1, 0);  // each part's first output row
+    for (size_t p = 0; p < parts; ++p) {
+      check_inputs(x, packed[p], rows, cols, F::kValues, F::kBytes);
+      TORCH_CHECK(x_first[p] >= 0 && x_count[p] >= 0 && x_first[p] + x_count[p] <= x.size(0),
+                  "workbench cpu kernels: rows ", x_first[p], " + ", x_count[p], " are outside x's ", x.size(0));
+      out_first[p + 1] = out_first[p] + x_count[p];
+    }
+    const torch::Tensor xq = quantize_activations_as<typename F::Act>(x);
+    const auto* xqp = reinterpret_cast<const typename F::Act*>(xq.data_ptr<uint8_t>());
+    const int64_t nblocks = cols / F::kValues;
+    torch::Tensor out = torch::empty({out_first[parts], rows}, x.options());
+    float* outp = out.data_ptr<float>();
+    const int64_t mean_count = std::max<int64_t>(1, out_first[parts] / static_cast<int64_t>(parts));
+    parallel_rows(static_cast<int64_t>(parts) * rows, cols * mean_count, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end;) {  // (part, weight row) pairs, a part's rows at a time
+        const size_t p = i / rows;
+        const int64_t lo = i % rows, hi = std::min(rows, lo + end - i);
+        matmul_rows_llamacpp<F>(xqp + x_first[p] * nblocks, x_count[p], cols, packed[p].data_ptr<uint8_t>(), lo, hi,
+                                outp + out_first[p] * rows, rows);
+        i += hi - lo;
+      }
+    });
     return out;
   });
 }
@@ -1114,6 +1156,8 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "int[] x_count, int panel_min_batch) -> Tensor");
   // x @ W.T with ggml-cpu's Q8 activation quantization and integer dots
   m.def("linear_llamacpp(Tensor x, Tensor packed, int ggml_type, int rows, int cols) -> Tensor");
+  m.def("linear_llamacpp_segments(Tensor x, Tensor[] packed, int ggml_type, int rows, int cols, int[] x_first, "
+        "int[] x_count) -> Tensor");
   // ggml-cpu's Q8_0 / Q8_1 / Q8_K blocks of x for a weight type
   m.def("quantize_activations(Tensor x, int ggml_type) -> Tensor");
   // {values, bytes, activation type} of a weight type as compiled in, from the format table's macros
@@ -1133,6 +1177,7 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("linear_exact", &linear_exact);
   m.impl("linear_exact_segments", &linear_exact_segments);
   m.impl("linear_llamacpp", &linear_llamacpp);
+  m.impl("linear_llamacpp_segments", &linear_llamacpp_segments);
   m.impl("quantize_activations", &quantize_activations);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
