@@ -9,8 +9,8 @@ every third ``held_out``: kept out of any tuning of the numerics); each random m
     python bench/llamacpp_agreement.py [--formats Q4_0 Q4_1 Q8_0 Q4_K_M Q6_K] [--no-embedded] [--threads 2]
     LLAMA_CPP_LIB_PATH=llama.cpp/build/bin python bench/llamacpp_agreement.py --device cuda   # both on a GPU
 
-``--device cuda`` runs ours on CUDA and llama.cpp with every layer on its CUDA backend (``-ngl 99``, flash attention
-on, as its "auto" picks on the GPU): llama-cpp-python loads the ``libllama.so`` of a llama.cpp built with
+``--device cuda`` runs ours on CUDA and llama.cpp with every layer on its CUDA backend (``-ngl 99``, its default flash
+attention setting "auto"), each prompt in one batch as on the CPU: llama-cpp-python loads the ``libllama.so`` of a llama.cpp built with
 ``-DGGML_CUDA=ON`` from ``LLAMA_CPP_LIB_PATH`` (the vendored llama.cpp of the same release, so its C API matches). That
 llama.cpp runs in a child process that never imports torch: on the H100 machines, a CUDA build of llama.cpp and
 torch's libraries in one process crash while loading the model, in either import order.
@@ -34,34 +34,40 @@ FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q6_K")
 
 GPU_CHILD = r"""
 import json, sys
+import llama_cpp  # first: with numpy (or torch) loaded before it, llama.cpp's CUDA build crashes loading the model
 import numpy as np
-import llama_cpp
-import llama_cpp.llama_cpp as low
 request = json.loads(sys.stdin.read())
-# workbench.parity.without_extra_buffer_types, which this process cannot import (workbench imports torch)
-default_params = low.llama_model_default_params
-def params():
-    p = default_params()
-    p.use_extra_bufts = False
-    return p
-low.llama_model_default_params = params
 longest = max(len(ids) for ids in request["prompts"])
-llm = llama_cpp.Llama(request["path"], n_gpu_layers=99, n_ctx=longest + 16, n_batch=longest, n_ubatch=longest,
-                      logits_all=True, flash_attn=True, verbose=False)
+llama_cpp.llama_backend_init()
+model_params = llama_cpp.llama_model_default_params()
+model_params.n_gpu_layers, model_params.use_extra_bufts = request["gpu_layers"], False
+model = llama_cpp.llama_model_load_from_file(request["path"].encode(), model_params)
+params = llama_cpp.llama_context_default_params()
+params.n_ctx, params.n_batch, params.n_ubatch = longest + 16, longest, longest
+params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+context = llama_cpp.llama_init_from_model(model, params)
+n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 logits = {}
 for i, ids in enumerate(request["prompts"]):
-    llm.reset()
-    llm.eval(ids)
-    logits[str(i)] = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context), True)
+    batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
+    batch.n_tokens = len(ids)
+    for j, token in enumerate(ids):
+        batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.seq_id[j][0], batch.logits[j] = token, j, 1, 0, 1
+    if llama_cpp.llama_decode(context, batch):
+        sys.exit(f"llama_decode failed on prompt {i}")
+    llama_cpp.llama_batch_free(batch)
+    logits[str(i)] = np.ctypeslib.as_array(llama_cpp.llama_get_logits(context), shape=(len(ids), n_vocab)).copy()
 np.savez(request["out"], **logits)
 """
 
 
-def llamacpp_gpu_logits(path: Path, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Every position's logits of each prompt, llama.cpp on its GPU in a process of its own (one batch a prompt)."""
+def llamacpp_gpu_logits(path: Path, prompts: list[list[int]], gpu_layers: int = 99) -> list[torch.Tensor]:
+    """Every position's logits of each prompt, llama.cpp on its GPU in a process of its own (one batch a prompt;
+    ``gpu_layers=0`` for its CPU backend in the same process layout)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npz"
-        request = json.dumps({"path": str(path), "prompts": prompts, "out": str(out)})
+        request = json.dumps({"path": str(path), "prompts": prompts, "out": str(out), "gpu_layers": gpu_layers})
         run = subprocess.run([sys.executable, "-c", GPU_CHILD], input=request, text=True, capture_output=True,
                              env=os.environ)
         if run.returncode:
