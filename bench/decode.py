@@ -111,6 +111,9 @@ def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats:
         import llama_cpp
     except ImportError:
         return None
+    from workbench.parity import without_extra_buffer_types
+
+    without_extra_buffer_types()  # ggml's AMX buffer type crashes llama-cpp-python 0.3.36 on the development machine
     llm = llama_cpp.Llama(path, n_ctx=max(prefill + [decode + 16]) + 16, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
     vocab = llm.n_vocab()
