@@ -201,8 +201,6 @@ def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
 
 
-EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, _run_exact_segments, traceable=True,
-               formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 def _run_llamacpp_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Sequence[int],
                            counts: Sequence[int]) -> torch.Tensor:
     fmt = parts[0].fmt
@@ -212,6 +210,8 @@ def _run_llamacpp_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts
         x32, [w.data for w in parts], fmt.ggml_type, *parts[0].shape, list(starts), list(counts)))
 
 
+EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, _run_exact_segments, traceable=True,
+               formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, run_segments=_run_llamacpp_segments,
                   traceable=True, numerics="llamacpp", formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 register_kernel(EXACT)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -236,20 +236,22 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
     return _sdpa(q, keys, values, divisor, blocked)
 
 
-# The last mask ``_causal`` looked at, and its answer: every layer of a forward passes the same mask, and the check
-# reads all of it (70 ms at 8k tokens). A weak reference, so the memo neither keeps a mask alive nor mistakes a new
-# mask at a freed one's address for it.
-_CAUSAL_MEMO: list = [lambda: None, False]
+# The last mask ``_causal`` looked at and its answer, as one pair: every layer of a forward passes the same mask, and
+# the check reads all of it (70 ms at 8k tokens). A weak reference, so the memo neither keeps a mask alive nor mistakes
+# a new mask at a freed one's address for it; one pair replaced whole, so two threads never read one mask's reference
+# with another's answer.
+_CAUSAL_MEMO: list[tuple[weakref.ref | Callable[[], None], bool]] = [(lambda: None, False)]
 
 
 def _causal(blocked: torch.Tensor) -> bool:
     """Whether ``blocked`` ``[T, T]`` is the plain causal mask (True above the diagonal), which SDPA takes as
     ``is_causal``: its kernels then skip the blocked half instead of reading a mask."""
-    if _CAUSAL_MEMO[0]() is blocked:
-        return _CAUSAL_MEMO[1]
+    seen, answer = _CAUSAL_MEMO[0]
+    if seen() is blocked:
+        return answer
     causal = (blocked.dim() == 2 and blocked.shape[0] == blocked.shape[1]
               and torch.equal(blocked, torch.ones_like(blocked).triu(1)))
-    _CAUSAL_MEMO[:] = [weakref.ref(blocked), causal]
+    _CAUSAL_MEMO[0] = (weakref.ref(blocked), causal)
     return causal
 
 

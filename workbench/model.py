@@ -404,7 +404,7 @@ class Model:
         and meaning ``model.run(prompt)`` gives (docs/batches.md). Keywords as ``iter_batch``."""
         traces: list[hooks_lib.Trace | None] = [None] * (len(prompts) if isinstance(prompts, Sequence) else 0)
         # every trace is kept, so each may view its forward's recorded buffers instead of copying its rows out of them
-        for i, trace in self.iter_batch(prompts, own_buffers=False, **kwargs):
+        for i, trace in self.iter_batch(prompts, **{"own_buffers": False, **kwargs}):
             traces[i] = trace
         return traces
 

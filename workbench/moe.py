@@ -213,26 +213,30 @@ def run_experts(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, moe: MoEC
     gate_w, up_w, down_w = zip(*(w.experts[e] for e in experts))
     gate, up = linear_segments(tokens, gate_w + up_w, token_starts * 2, counts * 2).split(n_tokens * k)
     pair_experts = flat if order is None else flat[order]
-    if w.gate_bias is not None:
-        gate = gate + w.gate_bias[pair_experts].to(gate.dtype)
-        up = up + w.up_bias[pair_experts].to(up.dtype)
-    hidden = expert_activation(gate, up, moe, activation)
-    out = linear_segments(hidden, down_w, starts, counts)
-    if w.down_bias is not None:
-        out = out + w.down_bias[pair_experts].to(out.dtype)
+    out = linear_segments(expert_hidden(gate, up, pair_experts, w, moe, activation), down_w, starts, counts)
+    out = with_down_bias(out, pair_experts, w)
     if order is not None:  # back to (token, slot) order
         out = torch.empty_like(out).index_copy_(0, order, out)
     return out.view(n_tokens, k, x.shape[1])
 
 
-def expert_activation(gate: torch.Tensor, up: torch.Tensor, moe: MoEConfig, activation: str) -> torch.Tensor:
-    """The experts' gated activation: GPT-OSS's clamped SwiGLU where ``moe`` sets a limit, else GeGLU for
-    ``activation`` "gelu_tanh", else SwiGLU."""
+def expert_hidden(gate: torch.Tensor, up: torch.Tensor, experts: torch.Tensor, w: MoEWeights, moe: MoEConfig,
+                  activation: str) -> torch.Tensor:
+    """The experts' gated activation of pairs' gate and up projections, ``experts`` each row's expert (for the biases
+    where the model has them): GPT-OSS's clamped SwiGLU where ``moe`` sets a limit, else GeGLU for ``activation``
+    "gelu_tanh", else SwiGLU."""
+    if w.gate_bias is not None:
+        gate, up = gate + w.gate_bias[experts].to(gate.dtype), up + w.up_bias[experts].to(up.dtype)
     if moe.swiglu_limit is not None:
         return clamped_swiglu(gate, up, moe.swiglu_alpha, moe.swiglu_limit)
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     return layer_ops.swiglu(gate, up)
+
+
+def with_down_bias(out: torch.Tensor, experts: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """Pairs' down projections plus each row's expert's down bias, where the model has them."""
+    return out if w.down_bias is None else out + w.down_bias[experts].to(out.dtype)
 
 
 # ------------------------------------------------------------------------------------------------- CUDA decode
@@ -266,12 +270,8 @@ def run_experts_by_pair(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights, m
     else:
         gate = expert_kernels.linear_by_expert(x, w.gate, n_experts, experts, tokens)
         up = expert_kernels.linear_by_expert(x, w.up, n_experts, experts, tokens)
-    if w.gate_bias is not None:
-        gate, up = gate + w.gate_bias[experts].to(gate.dtype), up + w.up_bias[experts].to(up.dtype)
-    hidden = expert_activation(gate, up, moe, activation)
-    out = expert_kernels.linear_by_expert(hidden, w.down, n_experts, experts, pairs)
-    if w.down_bias is not None:
-        out = out + w.down_bias[experts].to(out.dtype)
+    hidden = expert_hidden(gate, up, experts, w, moe, activation)
+    out = with_down_bias(expert_kernels.linear_by_expert(hidden, w.down, n_experts, experts, pairs), experts, w)
     return out.view(n_tokens, k, x.shape[1])
 
 
