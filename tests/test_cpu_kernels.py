@@ -154,6 +154,28 @@ def test_segments_in_one_call_equal_separate_calls(name, mode):
         cpu.extension().linear_exact_segments(x, [parts[0].data], [parts[0].fmt.ggml_type], 24, K, [29], [2], 16)
 
 
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_rows_shared_out_between_threads_keep_their_bits(mode):
+    """Threads take chunks of rows in turn: with 3 threads every row is computed, with the bits one thread gives, for
+    plain, several-part and segment calls (enough rows for many chunks)."""
+    parts = [random_weight("Q4_K", 1500, K, seed=5), random_weight("Q4_K", 1500, K, seed=6)]
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(6))
+    starts, counts = [0, 1], [1, 3]
+    threads = torch.get_num_threads()
+    outs = {}
+    with cpu.numerics(mode):
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            try:
+                outs[n] = [linear(x[:1], parts[0]), *linear_parts(x, parts), linear_segments(x, parts, starts, counts)]
+            finally:
+                torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[3]))
+    w_ref = parts[0].dequantize()
+    if mode == "exact":
+        assert_within_fp32_rounding(outs[3][0], x[:1].double() @ w_ref.double().T, x[:1], w_ref)
+
+
 def test_extension_rejects_malformed_weights():
     x = torch.randn(2, 256)
     with pytest.raises(RuntimeError, match="packed weight must be"):

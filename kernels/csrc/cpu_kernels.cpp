@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -704,10 +705,24 @@ inline void prefetch_row(const uint8_t* w, int64_t r, int64_t end, int64_t row_b
   for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(w + r * row_bytes + b);
 }
 
-// Parallel over output features (rows of W); grain keeps ~64K multiply-adds per task.
+// Parallel over output features (rows of W), in chunks of at least ~64K multiply-adds that the threads take in turn
+// from a shared counter, as ggml's mul_mat hands out its chunks: a thread held up (descheduled on a machine shared with
+// other work, or waking late) then delays the region by about a chunk, where an even split into one range per thread
+// made the others wait for its whole range. Which thread computes a row does not change its bits.
+constexpr int64_t kChunksPerThread = 16;
 template <class Body>
 void parallel_rows(int64_t n, int64_t work_per_row, const Body& body) {
-  at::parallel_for(0, n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, work_per_row)), body);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, work_per_row));
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) body(0, n);
+    return;
+  }
+  const int64_t chunk = std::max(grain, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(chunk)) < n;) body(begin, std::min(n, begin + chunk));
+  });
 }
 
 // out[i * ldo + r] for weight rows r in [begin, end) and every activation row i.
