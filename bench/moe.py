@@ -4,6 +4,7 @@
     python bench/moe.py --device cuda --shape qwen3-30b-a3b --llama-bench ...
     python bench/moe.py --threads 2 --shape mixtral-8x7b --layers 6 --llama-bench ...   # CPU: fewer layers fit 24 GB
     python bench/moe.py --threads 2 --shape qwen3-30b-a3b --layers 8 --llama-cpp-python  # CPU, no llama-bench build
+    python bench/moe.py --threads 2 --layers 6 --llama-cpp-python --kernels-from REV      # + REV's CPU kernels
 
 Each model is built by ``workbench.synthetic`` (256 distinct rows per matrix, tiled: quantizing is slow), written as
 a GGUF (``--gguf-dir``; an existing file of the same name is reused), loaded from that file by both, and timed in
@@ -11,12 +12,17 @@ one run, so the ratio is side by side. ``--layers`` keeps the shape of every lay
 is proportional to it), for machines where the whole model does not fit. llama-bench runs ``-p 0 -n DECODE``
 (``-ngl 99`` on CUDA) and reports its mean tokens/s. Ours is the production decode: on CUDA the built step (compiled,
 captured as a CUDA graph; the experts by ``linear_by_expert``, no host sync), waited for before the timing; on the
-CPU the eager forward.
+CPU the eager forward. ``--kernels-from REV`` adds a column on the CPU: the same decode with the C++ kernels built from
+git revision REV's source, the two alternating run by run in this process (a before/after of a kernel change that a
+machine shared with other work does not skew one way).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +30,7 @@ import torch
 
 import workbench
 from decode import llama_bench, ours, print_table, synthetic_gguf
+from workbench.kernels import cpu
 from workbench.parity import load_llamacpp_model, require_llama_cpp
 
 SHAPES = {
@@ -83,6 +90,32 @@ def llama_cpp_python(path: Path, decode: int, threads: int, repeats: int) -> flo
     return decode / statistics.median(times[1:])
 
 
+def kernels_from(revision: str):
+    """The CPU kernels' op namespace built from ``revision``'s C++ source (a build of its own, beside the current one)."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{revision}:kernels/csrc/cpu_kernels.cpp"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="workbench-kernels-")) / "cpu_kernels.cpp"
+    path.write_text(source)
+    tag = "".join(c if c.isalnum() else "_" for c in revision)
+    return cpu._build_extension(cpu._native_isa(), path, f"workbench_cpu_kernels_at_{tag}")
+
+
+def alternating_decode(model: workbench.Model, kernels: dict[str, object], decode: int, repeats: int) -> dict[str, float]:
+    """Decode tokens/s of each build of the CPU kernels (column name: op namespace), the builds taking turns run by
+    run; the median of ``repeats`` after a warm-up each."""
+    current = cpu.extension()
+    times = {name: [] for name in kernels}
+    try:
+        for _ in range(repeats + 1):
+            for name, ops in kernels.items():
+                cpu._extension["ops"] = ops
+                times[name].append(list(ours(model, [], decode, 1).values())[0])
+    finally:
+        cpu._extension["ops"] = current
+    return {name: {f"decode {decode}": statistics.median(rates[1:])} for name, rates in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["mixtral-8x7b", "qwen3-30b-a3b"])
@@ -99,6 +132,8 @@ def main() -> None:
                         help="what our quantized matmuls compute (llamacpp: Q8 activations, integer dots, as llama.cpp)")
     parser.add_argument("--llama-cpp-python", action="store_true",
                         help="on the CPU, time llama.cpp through llama-cpp-python instead of llama-bench")
+    parser.add_argument("--kernels-from", metavar="REV", default=None,
+                        help="on the CPU, also decode with the C++ kernels of git revision REV, alternating")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -111,7 +146,13 @@ def main() -> None:
         print(f"{path.name}: resident weights {model.runner.weights.nbytes / 2**30:.2f} GiB, "
               f"{step / 2**30:.2f} GiB read per decoded token")
         built = model.runner.device.type == "cuda"  # the production decode step, built before it is timed
-        columns = {"workbench": ours(model, [], args.decode, args.repeats, compiled=built)}
+        load = os.getloadavg()[0]  # other work on the machine skews the CPU figures: printed with them
+        if args.kernels_from and not built:
+            columns = alternating_decode(model, {"workbench": cpu.extension(),
+                                                 f"kernels of {args.kernels_from}": kernels_from(args.kernels_from)},
+                                         args.decode, args.repeats)
+        else:
+            columns = {"workbench": ours(model, [], args.decode, args.repeats, compiled=built)}
         del model
         if args.llama_bench:
             columns["llama.cpp"] = llama_bench(args.llama_bench, path, [], args.decode, args.threads, args.device,
@@ -120,7 +161,8 @@ def main() -> None:
             columns["llama.cpp"] = {f"decode {args.decode}": llama_cpp_python(path, args.decode, args.threads,
                                                                               args.repeats)}
         reference = "llama.cpp" if "llama.cpp" in columns else None
-        print_table(f"{path.name} on {args.device}", columns, reference)
+        print_table(f"{path.name} on {args.device}, load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} "
+                    f"at the end", columns, reference)
 
 
 if __name__ == "__main__":

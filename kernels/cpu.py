@@ -70,38 +70,41 @@ def _native_isa() -> str:
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
 
 
-def _build_stamp(name: str, cflags: list[str]) -> Path:
+def _build_stamp(name: str, source: Path, cflags: list[str]) -> Path:
     """Where the path of this build's library is noted: one file per source, flags, torch, Python and extensions
     directory, so that any change of them misses it and builds through ``cpp_extension`` again."""
     key = hashlib.sha256("\0".join([
-        _SOURCE.read_text(), *cflags, torch.__version__, sys.version, os.environ.get("TORCH_EXTENSIONS_DIR", ""),
+        source.read_text(), *cflags, torch.__version__, sys.version, os.environ.get("TORCH_EXTENSIONS_DIR", ""),
     ]).encode()).hexdigest()[:24]
     return cache_dir("cpu_kernels") / f"{name}-{key}.path"
 
 
-def _build_extension(isa: str) -> Any:
-    """Build (or load the cached build of) the kernels for ``isa``; they register as ``torch.ops.<name>.*``.
+def _build_extension(isa: str, source: Path = _SOURCE, name: str | None = None) -> Any:
+    """Build (or load the cached build of) the kernels for ``isa``; they register as ``torch.ops.<name>.*``. Another
+    ``source`` (an older revision's, for a before/after in one process, ``bench/moe.py --kernels-from``) takes a
+    ``name`` of its own.
 
     A library this source and these flags already built is loaded straight from the path noted in its stamp:
     ``cpp_extension.load`` imports setuptools and runs ninja to find the build up to date, ~0.5 s of a first call
     (docs/performance.md, "Load time and memory")."""
-    name = f"workbench_cpu_kernels_{isa}"
+    name = name or f"workbench_cpu_kernels_{isa}"
     cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa], *format_macros()]
-    stamp = _build_stamp(name, cflags)
-    built = Path(stamp.read_text()) if stamp.is_file() else None
+    stamp = _build_stamp(name, source, cflags)
+    # the library's path and modification time: a build of another source in the same folder since then replaced it
+    noted = stamp.read_text().split("\n") if stamp.is_file() else []
     try:
-        if built is None or not built.is_file():
+        if len(noted) != 2 or not Path(noted[0]).is_file() or str(Path(noted[0]).stat().st_mtime_ns) != noted[1]:
             raise OSError("no build noted")
-        torch.ops.load_library(str(built))
+        torch.ops.load_library(noted[0])
     except OSError:
         _log.info("building workbench CPU kernels (%s); the first build takes about a minute", isa)
         from torch.utils.cpp_extension import load
 
-        load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+        load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
              is_python_module=False)
         library = next((p for p in torch.ops.loaded_libraries if Path(p).name.startswith(name)), None)
         if library is not None:
-            stamp.write_text(library)
+            stamp.write_text(f"{library}\n{Path(library).stat().st_mtime_ns}")
     ops = getattr(torch.ops, name)
     # Output shapes for torch.compile's tracing; the ops themselves only run on real CPU tensors.
     torch.library.register_fake(f"{name}::linear_exact")(
