@@ -2,6 +2,11 @@
 
     python bench/adapters.py [--model PATH] [--rank 16] [--modules all|attn] [--threads 2] [--decode 64] [--device cpu]
                              [--compiled | --eager] [--mixed-batch]
+    python bench/adapters.py --device cuda --synthetic llama3-8b [--format Q4_K_M] [--layers 32]
+
+--synthetic takes random weights of a real model's shape (bench/decode.py's, in --format, the first --layers layers)
+instead of the embedded SmolLM2-135M: multi-LoRA servers put adapters on 7-8B models, whose steps read far more
+weights per launch, so the ratio there is the one a deployment sees.
 
 The adapter is random (B nonzero), on every projection of every layer with --modules all (the most a LoRA adds),
 or on q/k/v/o alone with --modules attn. Base and adapter runs alternate, each figure the median of --repeats, so the
@@ -31,6 +36,7 @@ from safetensors.torch import save_file
 import workbench
 from workbench.adapters import PROJECTIONS, projection_shape
 from workbench.generation import Sampling, generate_tokens
+from decode import SHAPES, synthetic_model
 from workbench.kernels import lora as lora_ops
 
 FUSED_ROWS = lora_ops.MAX_ROWS
@@ -122,6 +128,9 @@ def mixed_batch(model: workbench.Model, names: list[str], repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the embedded model)")
+    parser.add_argument("--synthetic", choices=sorted(SHAPES), help="random weights of a real model's shape")
+    parser.add_argument("--format", default="Q4_K_M", help="--synthetic's format or mix")
+    parser.add_argument("--layers", type=int, default=None, help="--synthetic's first layers only (default: all)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--modules", choices=["all", "attn"], default="all")
     parser.add_argument("--threads", type=int, default=2)
@@ -135,7 +144,14 @@ def main() -> None:
     parser.add_argument("--mixed-batch", action="store_true", help="time a batch of prompts of different adapters")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = workbench.load(args.model, device=args.device)
+    if args.synthetic and args.model:
+        parser.error("give --model or --synthetic, not both")
+    if args.synthetic:
+        model = synthetic_model(args.synthetic, args.format, args.device, None, args.layers)
+        label = f"{args.synthetic} {args.format} (random weights, {model.config.n_layers} layers)"
+    else:
+        model = workbench.load(args.model, device=args.device)
+        label = model.config.name
     projections = list(PROJECTIONS) if args.modules == "all" else ["wq", "wk", "wv", "wo"]
     names = [f"bench{k}" for k in range(4 if args.mixed_batch else 1)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +159,7 @@ def main() -> None:
             model.load_adapter(write_random_adapter(Path(tmp) / name, model.config, args.rank, projections, seed), name)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     if args.mixed_batch:
-        print(f"{model.config.name} on {args.device}, {args.threads} threads, load average {load}; adapters rank "
+        print(f"{label} on {args.device}, {args.threads} threads, load average {load}; adapters rank "
               f"{args.rank} on {', '.join(projections)}")
         mixed_batch(model, names, args.repeats)
         return
@@ -165,7 +181,7 @@ def main() -> None:
     lora_ops.MAX_ROWS = FUSED_ROWS
     rate = {run: (args.decode - 1) / statistics.median(t) for run, t in times.items()}
     adapter = model.adapters["bench0"]
-    print(f"{model.config.name} on {args.device}, {args.threads} threads, load average {load} (at the start), "
+    print(f"{label} on {args.device}, {args.threads} threads, load average {load} (at the start), "
           f"{'built step' if compiled else 'eager'} decode; adapter rank {args.rank} on "
           f"{', '.join(projections)} of {len(adapter.adapted_layers)} layers ({adapter.n_params:,} parameters)")
     for run, value in rate.items():
