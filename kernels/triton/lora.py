@@ -7,7 +7,8 @@ Each program takes one token, one part of the group and a tile of that part's ou
 tile of ``B_p^T`` times them, then adds the base output. A launch this small takes the time of its chain of dependent
 memory round trips, so the chain is kept short: the tile of ``B_p^T`` and the base output, which do not depend on the
 shrink, are loaded before it, the shrink's steps load several ahead (a pipelined loop) and its products are summed
-across threads once, after the loop; what remains is one round trip for the loads, the sums, and the store.
+across threads once, after the loop: on the embedded model's shapes a program waits for one round trip, then sums
+and stores (an 8B's inputs of 4096 and more take a round trip per 3 steps of the shrink).
 
 It rounds where the torch formula does: ``A x`` and the term each to the activations' dtype (as a matmul's result),
 then the sum. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (the tests).
