@@ -95,9 +95,10 @@ def kernels_from(revision: str):
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(["git", "show", f"{revision}:kernels/csrc/cpu_kernels.cpp"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="workbench-kernels-")) / "cpu_kernels.cpp"
-    path.write_text(source)
     tag = "".join(c if c.isalnum() else "_" for c in revision)
+    path = Path(tempfile.gettempdir()) / f"workbench-kernels-{tag}" / "cpu_kernels.cpp"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(source)
     return cpu._build_extension(cpu._native_isa(), path, f"workbench_cpu_kernels_at_{tag}")
 
 
