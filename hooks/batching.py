@@ -83,6 +83,7 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
             row_view(x, name, layout, b).copy_(out)
         return x
 
+    fn.edits_only = all(getattr(f, "edits_only", False) for hooks in prompt_hooks.values() for f in hooks.get(name, ()))
     return fn
 
 

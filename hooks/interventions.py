@@ -232,6 +232,7 @@ class RegionEdit(Intervention):
                 return None
             return edit(x, mask, ctx)
 
+        fn.edits_only = True  # see runner.edits_only
         if self.elementwise:
             selected = tuple(positions.tolist()) if isinstance(positions, torch.Tensor) else positions
             fn.row_edit = RowEdit((id(self), region.name, selected), self, ax, positions, region.heads,

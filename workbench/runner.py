@@ -277,6 +277,14 @@ class _Points:
         return run_hooks(fns, x, HookContext(name, layer, self.positions, self.step, layout=self.layout))
 
 
+def edits_only(hooks: Hooks | None) -> bool:
+    """Whether every hook function only edits its activation and keeps no tensor of the forward (marked
+    ``edits_only``, as the interventions' are): a forward whose tensors nothing outside it holds may run under
+    ``torch.inference_mode``, which skips autograd's bookkeeping on every op, but whose tensors a later autograd run
+    could not take."""
+    return all(getattr(fn, "edits_only", False) for fns in (hooks or {}).values() for fn in fns)
+
+
 def run_hooks(fns: Sequence[HookFn], x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
     """``x`` through hook functions in order: each may return a replacement of the same shape (cast to ``x``'s dtype)
     or None; ``x`` itself is returned when none replaces it."""
