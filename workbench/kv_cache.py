@@ -31,10 +31,12 @@ def layer_shapes(n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | S
     return list(zip(heads, dims))
 
 
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small tensor built on the host, on ``device`` without the host waiting for the device's queued work (a
-    blocking copy from pageable memory waits for it; this one is staged at once, so ``x`` may be freed after)."""
-    return x.to(device, non_blocking=True)
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``x`` on ``device``; from the host to a GPU through pinned memory without waiting: a plain copy makes the host
+    wait for all the work queued on the device (a forward's index tensors would make it wait mid-forward)."""
+    if x.device.type != "cpu" or torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor | None:
