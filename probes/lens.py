@@ -13,12 +13,11 @@ import torch
 
 from workbench.errors import WorkbenchError
 from workbench.kernels import layer_ops, linear
+from workbench.kernels.lens import ROWS_PER_CHUNK, top_k_probs
 
 from .activations import block_hook
 
 POINTS = ("resid_pre", "resid_mid", "resid_post")  # forward order within a block
-# Logit rows unembedded at once: bounds the float buffer to ~200 MB for a 49k vocabulary.
-_ROWS_PER_CHUNK = 1024
 
 
 def final_norm(model: Any, resid: torch.Tensor) -> torch.Tensor:
@@ -149,7 +148,7 @@ def _layer_logits(model: Any, normed: torch.Tensor) -> Iterator[torch.Tensor]:
     """Lens logits ``[positions, vocab]`` of each layer (on the model's device), unembedding several layers per kernel
     call."""
     n_layers, n_pos, d = normed.shape
-    per_chunk = max(1, _ROWS_PER_CHUNK // n_pos)
+    per_chunk = max(1, ROWS_PER_CHUNK // n_pos)
     for start in range(0, n_layers, per_chunk):
         block = normed[start:start + per_chunk]
         logits = unembed(model, block.reshape(-1, d)).view(block.shape[0], n_pos, -1)
@@ -199,14 +198,16 @@ def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | N
 def _lenses(model: Any, traces: Sequence[Any], names: dict[str, list[str]], k: int, tuned: Any | None
             ) -> list[LogitLens]:
     """The lens of each trace. Every trace's positions are normed and unembedded together, the top-k taken on the
-    model's device; each lens keeps its own slice."""
+    model's device (``kernels.lens.top_k_probs``: no layer's full logits kept); each lens keeps its own slice."""
     sizes = [len(trace.ids) for trace in traces]
     normed, top_ids, top_probs = {}, {}, {}
     for point, group in names.items():
         resid = torch.cat([torch.stack([t.activations[n].to(model.runner.output_device) for n in group]) for t in traces], dim=1)
         normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
-        values, indices = zip(*(logits.softmax(-1).topk(k) for logits in _layer_logits(model, normed[point])))
-        top_probs[point], top_ids[point] = torch.stack(values).cpu(), torch.stack(indices).cpu()
+        n_layers, n_pos, d = normed[point].shape
+        with model.numerics_scope():
+            probs, ids = top_k_probs(normed[point].reshape(-1, d), model.runner.unembed, k)
+        top_probs[point], top_ids[point] = probs.view(n_layers, n_pos, k).cpu(), ids.view(n_layers, n_pos, k).cpu()
     return [LogitLens(model, trace.ids, trace.tokens, tuple(names),
                       *({point: x[point][:, start:start + n] for point in names} for x in (normed, top_ids, top_probs)))
             for trace, start, n in zip(traces, itertools.accumulate([0] + sizes[:-1]), sizes)]

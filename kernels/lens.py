@@ -1,0 +1,55 @@
+"""``top_k_probs(x, w, k)``: the top-k of ``softmax(x @ w.T)`` per row and their ids, for the logit lens, whose rows
+(every layer's residual at every position) times a vocabulary make logits far larger than the answer.
+
+- On CUDA in exact numerics, one fused Triton kernel (``triton/lens.py``) takes the weight dequantized once to the
+  activations' dtype (what the production matmul multiplies in exact numerics) and never writes the logits: it keeps
+  each row's max, sum of exponentials and top-k as it walks the vocabulary in tiles.
+- Elsewhere (the CPU, llama.cpp numerics, a k past the kernel's), the production matmul ``linear`` on a chunk of rows
+  at a time, then ``torch.topk`` and the sum of exponentials of each chunk: one chunk's logits alive at a time.
+
+Both return the probabilities as softmax computes them, ``exp(logit - max) / sum(exp(logits - max))`` of float32
+logits, best first.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import triton as _triton
+from .linear import get_numerics, linear
+from .quant_tensor import QuantTensor
+
+# Logit rows computed at once by the chunked path: bounds its float buffer to ~200 MB for a 49k vocabulary.
+ROWS_PER_CHUNK = 1024
+
+
+def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, ids)``, each ``[N, k]`` (float32, int64), of ``softmax(linear(x, w).float())`` for ``x`` ``[N, in]``:
+    the ``k`` most probable outputs of each row, best first, in the current numerics."""
+    if x.is_cuda and _triton.AVAILABLE and k <= _MAX_K and get_numerics() == "exact":
+        return _fused_top_k_probs(x if x.stride(-1) == 1 else x.contiguous(), dense_weight(w, x.dtype), k)
+    probs, ids = [], []
+    for chunk in x.split(ROWS_PER_CHUNK):
+        logits = linear(chunk, w).float()
+        top = logits.topk(k, dim=-1)
+        row_max = top.values[:, :1]
+        # softmax's formula: exp(logit - logsumexp) would lose the bits that a large logsumexp's float32 rounding drops;
+        # exp in place, no second buffer
+        probs.append((top.values - row_max).exp() / logits.sub_(row_max).exp_().sum(-1, keepdim=True))
+        ids.append(top.indices)
+    if not probs:
+        return x.new_empty(0, k, dtype=torch.float32), torch.empty(0, k, dtype=torch.long, device=x.device)
+    return torch.cat(probs), torch.cat(ids)
+
+
+def dense_weight(w: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` dequantized to ``dtype``, as the production matmul multiplies it in exact numerics: on CUDA by the Triton
+    dequantizer of ``triton-dequant-matmul`` where it reads the format."""
+    if w.device.type == "cuda" and _triton.AVAILABLE and w.fmt.name in _triton.SUPPORTED_FORMATS:
+        return _triton.dequantize(w, dtype)
+    return w.dequantize(dtype)
+
+
+if _triton.AVAILABLE:
+    from .triton.lens import MAX_K as _MAX_K, top_k_probs as _fused_top_k_probs
+else:
+    _MAX_K = 0
