@@ -25,7 +25,7 @@ ROWS_PER_CHUNK = 1024
 def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, ids)``, each ``[N, k]`` (float32, int64), of ``softmax(linear(x, w).float())`` for ``x`` ``[N, in]``:
     the ``k`` most probable outputs of each row, best first, in the current numerics."""
-    if x.is_cuda and _triton.AVAILABLE and k <= _MAX_K and get_numerics() == "exact":
+    if fuses(x, k):
         return _fused_top_k_probs(x if x.stride(-1) == 1 else x.contiguous(), dense_weight(w, x.dtype), k)
     probs, ids = [], []
     for chunk in x.split(ROWS_PER_CHUNK):
@@ -39,6 +39,11 @@ def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int) -> tuple[torch.Tensor, 
     if not probs:
         return x.new_empty(0, k, dtype=torch.float32), torch.empty(0, k, dtype=torch.long, device=x.device)
     return torch.cat(probs), torch.cat(ids)
+
+
+def fuses(x: torch.Tensor, k: int) -> bool:
+    """Whether ``top_k_probs`` takes the fused kernel for rows ``x`` and ``k``."""
+    return x.is_cuda and _triton.AVAILABLE and k <= _MAX_K and get_numerics() == "exact"
 
 
 def dense_weight(w: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
