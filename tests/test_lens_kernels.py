@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench import probes
-from workbench.kernels import QuantTensor
+from workbench.kernels import QuantTensor, linear, numerics
 from workbench.kernels import lens as lens_ops
 
 # (rows, vocabulary, width, k, vocabulary slices, tile columns): a vocabulary that is no multiple of the tile, k = 1,
@@ -64,16 +64,29 @@ def test_fused_kernel_against_float64(rows, vocab, width, k, splits, block_n, dt
         top_k_probs(x.to(device), w.to(device), vocab + 1)
 
 
+@pytest.mark.parametrize("rows", [21, lens_ops.DENSE_MIN_ROWS - 1])  # the weight dequantized once, or read packed
 @pytest.mark.parametrize("fmt", ["Q8_0", "F32"])
-def test_chunked_path_against_float64(fmt, monkeypatch):
+def test_chunked_path_against_float64(fmt, rows, monkeypatch):
     monkeypatch.setattr(lens_ops, "ROWS_PER_CHUNK", 8)  # several chunks and a short last one
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(21, 64, generator=g)
+    x = torch.randn(rows, 64, generator=g)
     w = QuantTensor.quantize(torch.randn(300, 64, generator=g) / 4, fmt)
     probs, ids = lens_ops.top_k_probs(x, w, 7)
     assert_top_k(probs, ids, reference(x, w.dequantize()), 7, 1e-5)
     empty = lens_ops.top_k_probs(x[:0], w, 7)
     assert empty[0].shape == empty[1].shape == (0, 7)
+
+
+def test_chunked_path_in_llamacpp_numerics():
+    """The production matmul's own numerics (activations quantized to Q8 blocks), not the dequantized weight's."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(20, 64, generator=g)
+    w = QuantTensor.quantize(torch.randn(300, 64, generator=g) / 4, "Q8_0")
+    with numerics("llamacpp"):
+        probs, ids = lens_ops.top_k_probs(x, w, 5)
+        expected = linear(x, w).double().softmax(-1)
+    assert_top_k(probs, ids, expected, 5, 1e-5)
+    assert float((expected - reference(x, w.dequantize())).abs().max()) > 1e-4  # the numerics differ measurably
 
 
 def test_lens_with_the_fused_kernel_equals_the_lens_without(tiny_model, monkeypatch):
