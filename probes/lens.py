@@ -200,14 +200,18 @@ def _lenses(model: Any, traces: Sequence[Any], names: dict[str, list[str]], k: i
     """The lens of each trace. Every trace's positions are normed and unembedded together, the top-k taken on the
     model's device (``kernels.lens.top_k_probs``: no layer's full logits kept); each lens keeps its own slice."""
     sizes = [len(trace.ids) for trace in traces]
-    normed, top_ids, top_probs = {}, {}, {}
+    device = model.runner.output_device
+    normed = {}
     for point, group in names.items():
-        resid = torch.cat([torch.stack([t.activations[n].to(model.runner.output_device) for n in group]) for t in traces], dim=1)
+        # one op per layer, not per prompt: [layers, every prompt's positions, d]
+        resid = torch.stack([torch.cat([t.activations[n] for t in traces]).to(device) for n in group])
         normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
-        n_layers, n_pos, d = normed[point].shape
-        with model.numerics_scope():
-            probs, ids = top_k_probs(normed[point].reshape(-1, d), model.runner.unembed, k)
-        top_probs[point], top_ids[point] = probs.view(n_layers, n_pos, k).cpu(), ids.view(n_layers, n_pos, k).cpu()
+    shape = next(iter(normed.values())).shape[:2]
+    with model.numerics_scope():  # every point's rows in one call: the weight is dequantized once
+        probs, ids = top_k_probs(torch.cat([x.reshape(-1, x.shape[-1]) for x in normed.values()]), model.runner.unembed,
+                                 k)
+    top_probs = dict(zip(names, probs.cpu().view(len(names), *shape, k)))
+    top_ids = dict(zip(names, ids.cpu().view(len(names), *shape, k)))
     return [LogitLens(model, trace.ids, trace.tokens, tuple(names),
                       *({point: x[point][:, start:start + n] for point in names} for x in (normed, top_ids, top_probs)))
             for trace, start, n in zip(traces, itertools.accumulate([0] + sizes[:-1]), sizes)]
