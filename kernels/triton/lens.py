@@ -67,7 +67,7 @@ def _lens_kernel(x_ptr, w_ptr, max_ptr, sum_ptr, values_ptr, ids_ptr, M, N, K, x
     bits = top.to(tl.uint64, bitcast=True)
     out = slot[:, None] * K_PAD + tl.arange(0, K_PAD)[None, :]
     tl.store(values_ptr + out, (bits >> 32).to(tl.uint32).to(tl.float32, bitcast=True), mask=row_inside[:, None])
-    tl.store(ids_ptr + out, (bits & 0xFFFFFFFF).to(tl.int32), mask=row_inside[:, None])
+    tl.store(ids_ptr + out, bits.to(tl.uint32).to(tl.int32, bitcast=True), mask=row_inside[:, None])
 
 
 def top_k_probs(x: torch.Tensor, w: torch.Tensor, k: int, block_m: int = 64, block_n: int = 128, block_k: int = 32,
@@ -75,7 +75,8 @@ def top_k_probs(x: torch.Tensor, w: torch.Tensor, k: int, block_m: int = 64, blo
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The top ``k`` (up to ``MAX_K``) of ``softmax(x @ w.T)`` per row, ``(probs [M, k] float32, ids [M, k] int64)``
     best first, for ``x`` ``[M, K]`` and the dense weight ``w`` ``[N, K]`` of one float dtype (rows of contiguous
-    values). ``splits``: vocabulary slices per row block (default: enough programs to fill the device)."""
+    values). ``splits``: vocabulary slices per row block (default: enough programs to fill the device); ``precision``:
+    the dot's for float32 inputs (half inputs multiply exactly whatever it says)."""
     m, d = x.shape
     n = w.shape[0]
     if (not 1 <= k <= min(MAX_K, n) or w.shape[1] != d or w.dtype != x.dtype or x.stride(1) != 1 or w.stride(1) != 1
@@ -97,7 +98,7 @@ def top_k_probs(x: torch.Tensor, w: torch.Tensor, k: int, block_m: int = 64, blo
     if m:
         launch(_lens_kernel, (row_blocks, splits), x, w, maxes, sums, values, ids, m, n, d, x.stride(0), w.stride(0),
                split_cols, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_PAD=k_pad,
-               PRECISION=precision if x.dtype == torch.float32 else "ieee", num_warps=num_warps,
+               PRECISION=precision if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
                num_stages=num_stages)
     # merge the slices: their sums of exponentials onto one max, their candidates into the top k
     top, where = values.topk(k, dim=1)
