@@ -4,11 +4,11 @@
 Each program takes a block of rows and a slice of the vocabulary, and walks the slice in tiles: it computes a tile of
 logits on the tensor cores (float32 inputs at ``"tf32x3"``: three TF32 products, about float32's accuracy; half inputs
 exact products, the tile rounded to their dtype as the dense matmul's result is), folds it into a running max and sum
-of exponentials per row (softmax's denominator), and into a running top ``K_PAD`` per row. A logit and its id travel
-as one float64 key (the float's bits above the id, ordered as the logit), so the bitonic ``tl.topk`` carries ids for
-free, and merging the running top with a tile's is one ``maximum`` of two sorted halves (as triton_kernels' routing
-top-k does). Each program writes its slice's max, sum and ``K_PAD`` candidates; the caller merges the slices
-(``top_k_probs``). Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (the tests).
+of exponentials per row (softmax's denominator), and into a running top ``K_PAD`` per row where the tile beats it. A
+logit and its id travel as one float64 key (the float's bits above the id, ordered as the logit), so the bitonic
+``tl.topk`` carries ids for free, and merging the running top with a tile's is one ``maximum`` of two sorted halves
+(as triton_kernels' routing top-k does). Each program writes its slice's max, sum and ``K_PAD`` candidates; the caller
+merges the slices (``top_k_probs``). Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (the tests).
 """
 from __future__ import annotations
 
@@ -59,8 +59,11 @@ def _lens_kernel(x_ptr, w_ptr, max_ptr, sum_ptr, values_ptr, ids_ptr, M, N, K, x
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
         running_max = new_max
-        # the running top sorted ascending against the tile's descending: the larger of each pair are the top K_PAD
-        top = tl.maximum(tl.bitonic_merge(top), tl.topk(_keys(logits, cols), K_PAD, dim=1))
+        keys = _keys(logits, cols)
+        # a tile with no key above its row's running top changes no top: the sort is skipped
+        if tl.sum((tl.max(keys, axis=1) > tl.min(top, axis=1)).to(tl.int32), axis=0) > 0:
+            # the running top sorted ascending against the tile's descending: the larger of each pair are the top K_PAD
+            top = tl.maximum(tl.bitonic_merge(top), tl.topk(keys, K_PAD, dim=1))
     slot = rows.to(tl.int64) * n_splits + split
     tl.store(max_ptr + slot, running_max, mask=row_inside)
     tl.store(sum_ptr + slot, running_sum, mask=row_inside)
