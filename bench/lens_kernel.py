@@ -1,13 +1,15 @@
-"""The logit lens's top-k on CUDA: the fused kernel (``workbench.kernels.lens``) against the unfused paths, on the rows of
+"""The logit lens's top-k: the fused kernel (``workbench.kernels.lens``) against the unfused paths, on the rows of
 ``bench/vs_transformerlens.py`` task (d) (every layer's final-normed ``resid_post`` at every position of 64 prompts).
 
-    python bench/lens_kernel.py [--model PATH] [--dtype float32] [--k 10] [--sweep]
+    python bench/lens_kernel.py [--device cuda|cpu] [--model PATH] [--dtype float32] [--k 10] [--sweep]
 
-Times, side by side in one run (CUDA graph replays, ``common.cuda_seconds``), the top-k probabilities and ids of all
-rows through the embedded model's unembedding:
+Times, side by side in one run (on CUDA CUDA-graph replays, ``common.cuda_seconds``; on the CPU the median of 2 runs
+on 2 threads), the top-k probabilities and ids of all rows through the embedded model's unembedding:
 - ``softmax+topk``: what ``_lenses`` did before the fused kernel: ``linear`` on 1,024 rows at a time, softmax, topk;
-- ``chunked``: ``top_k_probs``'s path off CUDA (``linear``, topk, the exponentials in place), on the GPU;
-- ``fused``: ``top_k_probs`` (the weight dequantized once, the fused kernel, the merge of its vocabulary slices);
+- ``chunked``: ``top_k_probs``'s path off CUDA (the weight dequantized once, a dense matmul per 1,024 rows, topk,
+  softmax);
+- ``fused`` (CUDA): ``top_k_probs`` (the weight dequantized once, the fused kernel, the merge of its vocabulary
+  slices);
 - with ``--sweep``, the fused kernel's launch choices (rows and columns per tile, warps, stages, dot precision).
 and the accuracy of each fused variant on 512 rows against softmax in float64: the most relative error of the top-k
 probabilities, and the rows whose ids differ where the float64 probabilities do not tie.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
+import time
 
 import torch
 
@@ -24,7 +28,6 @@ import workbench
 from workbench import probes
 from workbench.kernels import lens as lens_ops
 from workbench.kernels import linear
-from workbench.kernels.triton.lens import top_k_probs as fused_top_k_probs
 from workbench.probes import load_dataset
 
 
@@ -41,6 +44,15 @@ def chunked(rows: torch.Tensor, w, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         lens_ops.fuses = fuses
 
 
+def cpu_seconds(run, rows: torch.Tensor) -> float:
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        run(rows)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def accuracy(probs: torch.Tensor, ids: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
     """Most relative error of the probabilities, and rows whose ids differ from float64's where it has no tie."""
     k = ids.shape[1]
@@ -55,13 +67,16 @@ def accuracy(probs: torch.Tensor, ids: torch.Tensor, expected: torch.Tensor) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default=None, help="GGUF path (default: the embedded model)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--sweep", action="store_true", help="also time the fused kernel's launch choices")
     args = parser.parse_args()
-    model = workbench.load(args.model, device="cuda", dtype=args.dtype)
+    if args.device == "cpu":
+        torch.set_num_threads(2)
+    model = workbench.load(args.model, device=args.device, dtype=args.dtype)
     texts = load_dataset("sentiment").prompts
     texts = [texts[i % len(texts)] for i in range(args.prompts)]
     lenses = probes.logit_lens_batch(model, texts, k=args.k)
@@ -69,14 +84,18 @@ def main() -> None:
     rows = rows.reshape(-1, rows.shape[-1]).contiguous()
     w = model.runner.unembed
     dense = lens_ops.dense_weight(w, rows.dtype)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {w.fmt.name} unembedding {tuple(w.shape)}, "
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{device_name}, torch {torch.__version__}, {w.fmt.name} unembedding {tuple(w.shape)}, "
           f"{rows.shape[0]} rows of {rows.dtype}, k={args.k}")
     sample = rows[:512]
     expected = (sample.double() @ dense.double().T).to(rows.dtype).double().softmax(-1)
 
-    variants = {"softmax+topk (before)": lambda x: before(x, w, args.k), "chunked": lambda x: chunked(x, w, args.k),
-                "fused (default)": lambda x: lens_ops.top_k_probs(x, w, args.k)}
-    if args.sweep:
+    variants = {"softmax+topk (before)": lambda x: before(x, w, args.k), "chunked": lambda x: chunked(x, w, args.k)}
+    if args.device == "cuda":
+        variants["fused (default)"] = lambda x: lens_ops.top_k_probs(x, w, args.k)
+    if args.sweep and args.device == "cuda":
+        from workbench.kernels.triton.lens import top_k_probs as fused_top_k_probs
+
         for bm, bn, warps, stages, precision in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
                                                                   ("tf32x3", "tf32")):
             options = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, precision=precision)
@@ -85,7 +104,7 @@ def main() -> None:
     print(f"{'variant':58} {'ms':>8} {'max rel err':>12} {'rows off':>9}")
     for name, run in variants.items():
         try:
-            seconds = cuda_seconds([lambda: run(rows)], repeats=5)
+            seconds = cuda_seconds([lambda: run(rows)], repeats=5) if args.device == "cuda" else cpu_seconds(run, rows)
         except Exception as err:  # a launch choice past the device's resources
             print(f"{name:58} failed: {str(err).splitlines()[0][:60]}")
             continue
