@@ -2,6 +2,12 @@
 
     python bench/adapters.py [--model PATH] [--rank 16] [--modules all|attn] [--threads 2] [--decode 64] [--device cpu]
                              [--compiled | --eager] [--mixed-batch]
+    python bench/adapters.py --device cuda --synthetic llama3-8b [--format Q4_K_M] [--layers 32]
+    python bench/adapters.py --device cuda --kernels [--synthetic llama3-8b]
+
+--synthetic takes random weights of a real model's shape (bench/decode.py's, in --format, the first --layers layers)
+instead of the embedded SmolLM2-135M: multi-LoRA servers put adapters on 7-8B models, whose steps read far more
+weights per launch, so the ratio there is the one a deployment sees.
 
 The adapter is random (B nonzero), on every projection of every layer with --modules all (the most a LoRA adds),
 or on q/k/v/o alone with --modules attn. Base and adapter runs alternate, each figure the median of --repeats, so the
@@ -14,6 +20,10 @@ terms as the torch formula's two matmuls per group (``kernels.lora``'s fused cal
 grouped by adapter (what the runner does: each adapter's tokens gathered, two matmuls, scattered back) against every
 token multiplying its own gathered A and B^T (batched matmuls over [tokens, in, rank] and [tokens, rank, out]), for a
 decode step (1 token a prompt) and a prefill (32 tokens a prompt), next to one adapter for the whole batch.
+
+--kernels (CUDA) times instead the adapter's calls of one decode step alone (every group of every layer, one token,
+replayed as one CUDA graph): microseconds a call for the fused kernel and for the two matmuls, next to a one-element add
+(what a launch costs in a graph at least), so that the adapter's share of a step splits into launches and work.
 """
 from __future__ import annotations
 
@@ -31,6 +41,8 @@ from safetensors.torch import save_file
 import workbench
 from workbench.adapters import PROJECTIONS, projection_shape
 from workbench.generation import Sampling, generate_tokens
+from common import cuda_seconds
+from decode import SHAPES, synthetic_model
 from workbench.kernels import lora as lora_ops
 
 FUSED_ROWS = lora_ops.MAX_ROWS
@@ -119,9 +131,32 @@ def mixed_batch(model: workbench.Model, names: list[str], repeats: int) -> None:
             f"{name} {statistics.median(t[1:]) * 1e3:.1f} ms" for name, t in times.items()))
 
 
+def kernel_times(model: workbench.Model, name: str, repeats: int) -> None:
+    lora, c = model.lora_terms(name), model.config
+    fused, formula, adds = [], [], []
+    for i in range(c.n_layers):
+        for a, b_t, adapted, ranks in lora[i].values():
+            x = torch.randn(1, a.shape[1], device=model.device, dtype=model.dtype)
+            outs = [torch.randn(1, projection_shape(c, p)[0], device=model.device, dtype=model.dtype) for p in adapted]
+            fused.append(lambda x=x, a=a, b_t=b_t, outs=outs, ranks=ranks: lora_ops.add_terms(x, a, b_t, outs, ranks))
+            one = torch.zeros(1, device=model.device, dtype=model.dtype)
+            adds.append(lambda one=one: one.add_(1))
+    seconds = {"fused kernel": cuda_seconds(fused, repeats)}
+    lora_ops.MAX_ROWS = 0  # the same calls take the torch formula while the graph is captured
+    seconds["two matmuls"] = cuda_seconds(fused, repeats)
+    lora_ops.MAX_ROWS = FUSED_ROWS
+    seconds["one-element add"] = cuda_seconds(adds, repeats)
+    print(f"the adapter's {len(fused)} calls of a decode step alone, one CUDA graph: " + ", ".join(
+        f"{run} {value * 1e6:.2f} us a call" for run, value in seconds.items()))
+    print(f"fused: {seconds['fused kernel'] * len(fused) * 1e3:.3f} ms a step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the embedded model)")
+    parser.add_argument("--synthetic", choices=sorted(SHAPES), help="random weights of a real model's shape")
+    parser.add_argument("--format", default="Q4_K_M", help="--synthetic's format or mix")
+    parser.add_argument("--layers", type=int, default=None, help="--synthetic's first layers only (default: all)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--modules", choices=["all", "attn"], default="all")
     parser.add_argument("--threads", type=int, default=2)
@@ -133,17 +168,31 @@ def main() -> None:
                        help="decode through the built step (default on CUDA)")
     built.add_argument("--eager", dest="compiled", action="store_false", help="decode eagerly (default on the CPU)")
     parser.add_argument("--mixed-batch", action="store_true", help="time a batch of prompts of different adapters")
+    parser.add_argument("--kernels", action="store_true", help="CUDA: time the adapter's calls of a step alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = workbench.load(args.model, device=args.device)
+    if args.synthetic and args.model:
+        parser.error("give --model or --synthetic, not both")
+    if args.synthetic:
+        model = synthetic_model(args.synthetic, args.format, args.device, None, args.layers)
+        label = f"{args.synthetic} {args.format} (random weights, {model.config.n_layers} layers)"
+    else:
+        model = workbench.load(args.model, device=args.device)
+        label = model.config.name
     projections = list(PROJECTIONS) if args.modules == "all" else ["wq", "wk", "wv", "wo"]
     names = [f"bench{k}" for k in range(4 if args.mixed_batch else 1)]
     with tempfile.TemporaryDirectory() as tmp:
         for seed, name in enumerate(names):
             model.load_adapter(write_random_adapter(Path(tmp) / name, model.config, args.rank, projections, seed), name)
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    if args.kernels:
+        if model.device.type != "cuda":
+            parser.error("--kernels times CUDA graphs: give --device cuda")
+        print(f"{label}; adapter rank {args.rank} on {', '.join(projections)}")
+        kernel_times(model, names[0], args.repeats)
+        return
     if args.mixed_batch:
-        print(f"{model.config.name} on {args.device}, {args.threads} threads, load average {load}; adapters rank "
+        print(f"{label} on {args.device}, {args.threads} threads, load average {load}; adapters rank "
               f"{args.rank} on {', '.join(projections)}")
         mixed_batch(model, names, args.repeats)
         return
@@ -165,7 +214,7 @@ def main() -> None:
     lora_ops.MAX_ROWS = FUSED_ROWS
     rate = {run: (args.decode - 1) / statistics.median(t) for run, t in times.items()}
     adapter = model.adapters["bench0"]
-    print(f"{model.config.name} on {args.device}, {args.threads} threads, load average {load} (at the start), "
+    print(f"{label} on {args.device}, {args.threads} threads, load average {load} (at the start), "
           f"{'built step' if compiled else 'eager'} decode; adapter rank {args.rank} on "
           f"{', '.join(projections)} of {len(adapter.adapted_layers)} layers ({adapter.n_params:,} parameters)")
     for run, value in rate.items():

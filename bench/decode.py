@@ -141,9 +141,11 @@ def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats:
     return out
 
 
-def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None) -> Model:
-    """A random-weight model of a real model's shape (256 distinct rows per matrix, tiled: quantizing is slow)."""
-    config = random_config("llama", n_ctx=4096, **SHAPES[shape])
+def synthetic_model(shape: str, fmt: str, device: str, dtype: str | None, n_layers: int | None = None) -> Model:
+    """A random-weight model of a real model's shape (256 distinct rows per matrix, tiled: quantizing is slow), with
+    its first ``n_layers`` layers where given."""
+    dims = SHAPES[shape] if n_layers is None else {**SHAPES[shape], "n_layers": n_layers}
+    config = random_config("llama", n_ctx=4096, **dims)
     return Model(random_checkpoint(config, fmt, device=device, distinct_rows=256), device=device, dtype=dtype)
 
 

@@ -9,6 +9,9 @@ every third ``held_out``: kept out of any tuning of the numerics); each random m
     python bench/llamacpp_agreement.py [--formats Q4_0 Q4_1 Q8_0 Q4_K_M Q6_K] [--no-embedded] [--threads 2]
     LLAMA_CPP_LIB_PATH=llama.cpp/build/bin python bench/llamacpp_agreement.py --device cuda   # both on a GPU
 
+``--device cuda --cross-check`` adds, for the embedded model: llama.cpp's logits on this machine against the committed
+fixture (llama.cpp's CPU build), and ours on CUDA against ours on the CPU: where a gap between the two engines lies.
+
 ``--device cuda`` runs ours on CUDA and llama.cpp with every layer on its CUDA backend (``-ngl 99``, its default flash
 attention setting "auto"), each prompt in one batch as on the CPU: llama-cpp-python loads the ``libllama.so`` of a llama.cpp built with
 ``-DGGML_CUDA=ON`` from ``LLAMA_CPP_LIB_PATH`` (the vendored llama.cpp of the same release, so its C API matches). That
@@ -76,7 +79,31 @@ def llamacpp_gpu_logits(path: Path, prompts: list[list[int]], gpu_layers: int = 
             return [torch.from_numpy(saved[str(i)]) for i in range(len(prompts))]
 
 
-def agreement(model, prompts: list[list[int]], held_out: list[bool], threads: int) -> dict:
+def cross_check(model, reference: list[torch.Tensor]) -> dict:
+    """For the embedded model: llama.cpp's ``reference`` logits against the committed fixture of llama.cpp's CPU logits,
+    and ``model``'s logits against the same model's on the CPU, each as top-1 agreement and mean and max KL."""
+    import workbench
+    from safetensors.torch import load_file
+    from workbench import parity
+
+    tensors = load_file(str(FIXTURE.with_suffix(".safetensors")))
+    on_cpu = workbench.load(model.path, device="cpu")
+    fixture_kl, fixture_top1, cpu_kl, cpu_top1 = [], [], [], []
+    with torch.inference_mode():
+        for i, ids in enumerate(p["ids"] for p in json.loads(FIXTURE.read_text())["prompts"]):
+            top = [tensors[f"prompt{i}.{key}"] for key in ("top_ids", "top_logprobs", "tail_logprob")]
+            fixture_kl.append(parity.top_kl(*top, reference[i]))
+            fixture_top1.append(reference[i].argmax(-1) == top[0][:, 0])
+            ours, ours_cpu = model.forward(ids).float().cpu(), on_cpu.forward(ids).float()
+            cpu_kl.append(parity.kl_per_position(ours_cpu, ours))
+            cpu_top1.append(ours_cpu.argmax(-1) == ours.argmax(-1))
+    summary = lambda kl, top1: {"top1": round(torch.cat(top1).double().mean().item(), 5),  # noqa: E731
+                                "mean_kl": torch.cat(kl).mean().item(), "max_kl": torch.cat(kl).max().item()}
+    return {"llama.cpp here vs the CPU fixture": summary(fixture_kl, fixture_top1),
+            f"ours on {model.device.type} vs ours on the CPU": summary(cpu_kl, cpu_top1)}
+
+
+def agreement(model, prompts: list[list[int]], held_out: list[bool], threads: int, cross: bool = False) -> dict:
     """Per numerics and part (tuning, held out): prompts, positions, top-1 agreement, mean and max KL(llama.cpp ||
     ours) over the whole vocabulary. llama.cpp runs on the CPU beside a CPU model, on its GPU beside a CUDA one."""
     from workbench import parity
@@ -100,6 +127,8 @@ def agreement(model, prompts: list[list[int]], held_out: list[bool], threads: in
                                           "top1": round(agree.mean().item(), 5), "mean_kl": kl.mean().item(),
                                           "max_kl": kl.max().item(),
                                           "identical_logits": all(torch.equal(reference[i], ours[i]) for i in idx)}
+    if cross:
+        results["cross-check"] = cross_check(model, reference)
     return results
 
 
@@ -113,6 +142,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="ours on this device; cuda puts llama.cpp on its GPU too")
     parser.add_argument("--dtype", default="float32", help="our activations' dtype (llama.cpp's are float32)")
+    parser.add_argument("--cross-check", action="store_true",
+                        help="embedded model: llama.cpp here vs the CPU fixture, ours here vs ours on the CPU")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     fixture = json.loads(FIXTURE.read_text())["prompts"]
@@ -120,7 +151,7 @@ def main() -> None:
     out = {}
     if not args.no_embedded:
         model = workbench.load(None, device=args.device, dtype=args.dtype)
-        out["embedded"] = agreement(model, [p["ids"] for p in fixture], held_out, args.threads)
+        out["embedded"] = agreement(model, [p["ids"] for p in fixture], held_out, args.threads, args.cross_check)
         print(json.dumps({"embedded": out["embedded"]}, indent=1), flush=True)
     generator = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,14 +15,16 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 PROMPT = "The Eiffel Tower is in the city of"
 
 
+# On the CPU in float32 wherever the machine has a GPU too: the bounds below are float32's (a GPU's default bfloat16
+# rounds past them); the CUDA forward's hooks have tests of their own (tests/test_runner.py).
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tiny_model):
-    return tiny_model(request.param, n_layers=2, seed=3)
+    return tiny_model(request.param, n_layers=2, seed=3, device="cpu")
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_model):
-    return tiny_model("llama", n_layers=2, seed=3)
+    return tiny_model("llama", n_layers=2, seed=3, device="cpu")
 
 
 def ablate_head_by_hand(model, ids, layer: int, head: int) -> torch.Tensor:

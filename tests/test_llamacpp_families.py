@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 import workbench
-from test_llamacpp_reference import coarse_kl
+from workbench.parity import top_kl
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 META = json.loads((FIXTURES / "llamacpp_families.json").read_text())
@@ -46,7 +46,7 @@ def faithfulness(model, family: str, fmt: str) -> dict:
     for i, prompt in enumerate(META["families"][family][fmt]["prompts"]):
         logits = model.forward(prompt["ids"])
         top_ids = tensors[f"prompt{i}.top_ids"]
-        kls.append(coarse_kl(top_ids, tensors[f"prompt{i}.top_logprobs"], tensors[f"prompt{i}.tail_logprob"], logits))
+        kls.append(top_kl(top_ids, tensors[f"prompt{i}.top_logprobs"], tensors[f"prompt{i}.tail_logprob"], logits))
         agree += int((logits.argmax(-1) == top_ids[:, 0]).sum())
         total += len(prompt["ids"])
     kl = torch.cat(kls)

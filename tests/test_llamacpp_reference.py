@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from workbench.kernels import numerics
+from workbench.parity import top_kl
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -25,16 +26,6 @@ TOP1_BOUND = 0.95
 LLAMACPP_KL_BOUND = 1e-6
 
 
-def coarse_kl(top_ids: torch.Tensor, top_logprobs: torch.Tensor, tail_logprob: torch.Tensor,
-              ours: torch.Tensor) -> torch.Tensor:
-    """KL(llama.cpp || ours) per position over llama.cpp's top tokens plus one bucket for the rest."""
-    ours_lp = ours.double().log_softmax(-1)
-    ours_top = ours_lp.gather(-1, top_ids.long())
-    ours_tail = torch.log1p(-ours_top.exp().sum(-1).clamp(max=1 - 1e-12))
-    ref_top, ref_tail = top_logprobs.double(), tail_logprob.double()
-    return (ref_top.exp() * (ref_top - ours_top)).sum(-1) + ref_tail.exp() * (ref_tail - ours_tail)
-
-
 def faithfulness(model, fixture: str = "llamacpp_logits", adapter=None, which=None) -> dict:
     """Top-1 agreement and KL over the fixture's prompts (those ``which(prompt)`` accepts; None: all)."""
     meta = json.loads((FIXTURES / f"{fixture}.json").read_text())
@@ -46,7 +37,7 @@ def faithfulness(model, fixture: str = "llamacpp_logits", adapter=None, which=No
         assert model.tokenize(prompt["text"]) == prompt["ids"], prompt["text"]
         logits = model.forward(prompt["ids"], adapter=adapter)
         top_ids = tensors[f"prompt{i}.top_ids"]
-        kls.append(coarse_kl(top_ids, tensors[f"prompt{i}.top_logprobs"], tensors[f"prompt{i}.tail_logprob"], logits))
+        kls.append(top_kl(top_ids, tensors[f"prompt{i}.top_logprobs"], tensors[f"prompt{i}.tail_logprob"], logits))
         agree += int((logits.argmax(-1) == top_ids[:, 0]).sum())
         total += len(prompt["ids"])
     kl = torch.cat(kls)

@@ -154,6 +154,17 @@ def kl_per_position(reference_logits: torch.Tensor, logits: torch.Tensor) -> tor
     return (ref.exp() * (ref - ours)).sum(-1)
 
 
+def top_kl(top_ids: torch.Tensor, top_logprobs: torch.Tensor, tail_logprob: torch.Tensor,
+           logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || ours) per position over the reference's top tokens (``top_ids``, their ``top_logprobs``) plus
+    one bucket for the rest (``tail_logprob``): what a fixture that stores only the top of each distribution allows."""
+    ours = logits.double().log_softmax(-1)
+    ours_top = ours.gather(-1, top_ids.long())
+    ours_tail = torch.log1p(-ours_top.exp().sum(-1).clamp(max=1 - 1e-12))
+    ref_top, ref_tail = top_logprobs.double(), tail_logprob.double()
+    return (ref_top.exp() * (ref_top - ours_top)).sum(-1) + ref_tail.exp() * (ref_tail - ours_tail)
+
+
 def compare(captured: dict[str, np.ndarray], recorded: dict[str, torch.Tensor], norm_weights: dict[str, Any],
             tolerance: float = DEFAULT_TOLERANCE) -> ParityReport:
     """Line up llama.cpp's ``captured`` tensors (name -> ``[T, ...]`` float array, names as ``capture_llamacpp`` keys

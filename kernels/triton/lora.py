@@ -4,9 +4,14 @@ and the adds take four kernels or more (a decode step of a small model is bound 
 
 Each program takes one token, one part of the group and a tile of that part's output columns: it computes the part's
 ``A_p x`` itself (at most ``MAX_RANK`` values; every program of a part reads the same rows of A, from L2), then its
-tile of ``B_p^T`` times them, then adds the base output. It rounds where the torch formula does: ``A x`` and the term
-each to the activations' dtype (as a matmul's result), then the sum. Under ``TRITON_INTERPRET=1`` it runs on CPU
-tensors (the tests).
+tile of ``B_p^T`` times them, then adds the base output. A launch this small takes the time of its chain of dependent
+memory round trips, so the chain is kept short: the tile of ``B_p^T`` and the base output, which do not depend on the
+shrink, are loaded before it, the shrink's steps load several ahead (a pipelined loop) and its products are summed
+across threads once, after the loop: on the embedded model's shapes a program waits for one round trip, then sums
+and stores (an 8B's inputs of 4096 and more take a round trip per 3 steps of the shrink).
+
+It rounds where the torch formula does: ``A x`` and the term each to the activations' dtype (as a matmul's result),
+then the sum. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (the tests).
 """
 from __future__ import annotations
 
@@ -20,48 +25,55 @@ from .launch import cdiv, launch, next_power_of_2
 
 MAX_PARTS = 3  # q, k and v
 MAX_RANK = 128  # per part; a larger rank takes the torch formula
+MAX_STAGES = 4  # buffers of the shrink's pipelined loop: 3 steps loading ahead of the one summed
+STAGE_BYTES = 72 * 1024  # shared memory for them
 
 
 @triton.jit
 def _part_terms(x_ptr, a_ptr, b_ptr, base_ptr, out_ptr, token, tile, k, cols, x_stride, base_stride, width, col0,
-                rank0, rank, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                rank0, rank, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                STAGES: tl.constexpr):
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     if tile * BLOCK_N < width:
         r = tl.arange(0, BLOCK_R)
         ranked = r < rank
-        shrunk = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for first in range(0, k, BLOCK_K):
+        inside = n < width
+        # B^T's tile and the base output do not wait for the shrink: loaded first, they arrive while it runs
+        b = tl.load(b_ptr + (rank0 + r)[:, None] * cols + (col0 + n)[None, :], mask=ranked[:, None] & inside[None, :],
+                    other=0.0)
+        base = tl.load(base_ptr + token * base_stride + n, mask=inside, other=0.0)
+        # the shrink's steps load up to STAGES - 1 ahead (their round trips overlap) and sum across threads once,
+        # after the loop, not once a step
+        products = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        for first in tl.range(0, k, BLOCK_K, num_stages=STAGES):
             i = first + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + token * x_stride + i, mask=i < k, other=0.0).to(tl.float32)
             a = tl.load(a_ptr + (rank0 + r)[:, None] * k + i[None, :], mask=ranked[:, None] & (i < k)[None, :],
                         other=0.0).to(tl.float32)
-            shrunk += tl.sum(a * x[None, :], axis=1)
+            products += a * x[None, :]
         dtype = out_ptr.dtype.element_ty
-        shrunk = shrunk.to(dtype).to(tl.float32)
-        inside = n < width
-        b = tl.load(b_ptr + (rank0 + r)[:, None] * cols + (col0 + n)[None, :], mask=ranked[:, None] & inside[None, :],
-                    other=0.0).to(tl.float32)
-        term = tl.sum(b * shrunk[:, None], axis=0).to(dtype).to(tl.float32)
-        base = tl.load(base_ptr + token * base_stride + n, mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + token * cols + col0 + n, (base + term).to(dtype), mask=inside)
+        shrunk = tl.sum(products, axis=1).to(dtype).to(tl.float32)
+        term = tl.sum(b.to(tl.float32) * shrunk[:, None], axis=0).to(dtype).to(tl.float32)
+        tl.store(out_ptr + token * cols + col0 + n, (base.to(tl.float32) + term).to(dtype), mask=inside)
 
 
 @triton.jit
 def _lora_kernel(x_ptr, a_ptr, b_ptr, base0, base1, base2, out_ptr, k, cols, x_stride,
                  stride0, stride1, stride2, width0, width1, width2, rank0, rank1, rank2,
-                 PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STAGES: tl.constexpr):
     tile, part, token = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if part == 0:
         _part_terms(x_ptr, a_ptr, b_ptr, base0, out_ptr, token, tile, k, cols, x_stride, stride0, width0, 0, 0, rank0,
-                    BLOCK_N, BLOCK_R, BLOCK_K)
+                    BLOCK_N, BLOCK_R, BLOCK_K, STAGES)
     if PARTS > 1:
         if part == 1:
             _part_terms(x_ptr, a_ptr, b_ptr, base1, out_ptr, token, tile, k, cols, x_stride, stride1, width1, width0,
-                        rank0, rank1, BLOCK_N, BLOCK_R, BLOCK_K)
+                        rank0, rank1, BLOCK_N, BLOCK_R, BLOCK_K, STAGES)
     if PARTS > 2:
         if part == 2:
             _part_terms(x_ptr, a_ptr, b_ptr, base2, out_ptr, token, tile, k, cols, x_stride, stride2, width2,
-                        width0 + width1, rank0 + rank1, rank2, BLOCK_N, BLOCK_R, BLOCK_K)
+                        width0 + width1, rank0 + rank1, rank2, BLOCK_N, BLOCK_R, BLOCK_K, STAGES)
 
 
 def lora_add(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence[torch.Tensor],
@@ -80,16 +92,23 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence
                          f"{tuple(b_t.shape)}, outputs {[tuple(out.shape) for out in outs]}, ranks {list(ranks)}")
     result = torch.empty(tokens, sum(widths), dtype=x.dtype, device=x.device)
     if tokens:
-        # the shrink's loop over the input in one or two steps on the embedded model (each step a round of loads
-        # the program waits for), 32 values of A per thread
+        # each step of the shrink 32 products a thread, and every step in flight at once where shared memory holds
+        # them (the pipelined loop keeps STAGES - 1 ahead): the embedded model's inputs of 576 and 1536 take 3 steps,
+        # an 8B's 4096 and 14336 8 and 28 steps, 3 ahead. Every program of a part reads all of its A, so a program's
+        # tile of B^T grows with the input (an eighth of it, up to 32 values a thread): an 8B's gate/up reads its A
+        # 56 times a layer (7 MB), not 224 (29 MB)
         block_r = max(16, next_power_of_2(max(ranks)))
-        block_n = max(32, min(128, 8192 // block_r))
-        block_k = max(32, min(next_power_of_2(k), 8192 // block_r))
-        num_warps = 8 if block_r * block_k > 4096 else 4
+        num_warps = 8 if k > 1024 else 4
+        block_k = max(32, min(next_power_of_2(k), 1024 * num_warps // block_r))
+        block_n = max(32, min(next_power_of_2(k) // 8, 1024 * num_warps // block_r))
+        steps = cdiv(k, block_k)
+        stages = 1 if steps == 1 else max(1, min(steps + 1, MAX_STAGES,
+                                                 STAGE_BYTES // ((block_r + 1) * block_k * x.element_size())))
         pad = 3 - len(outs)
         bases = [*outs, *[outs[0]] * pad]
         launch(_lora_kernel, (cdiv(max(widths), block_n), len(outs), tokens),
                x, a, b_t, *bases, result, k, b_t.shape[1], x.stride(0), *[out.stride(0) for out in bases],
                *widths, *[0] * pad, *ranks, *[0] * pad,
-               PARTS=len(outs), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=num_warps)
+               PARTS=len(outs), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, STAGES=stages,
+               num_warps=num_warps)
     return result
