@@ -8,6 +8,13 @@ ratios.
 
     python bench/eager_forward.py                                              # embedded model, CPU, 2 threads
     python bench/eager_forward.py --device cuda --synthetic llama3-8b --format Q4_K
+
+``--decode-steps`` instead times eager decode steps of a tiny random model (30 layers of width 64), whose arithmetic is
+negligible, so that a step's time is the host's (Python, op dispatch, launches): one prompt without hooks, one prompt
+steered, and a batch of 32 prompts steered (``stream_batch``, as bench/vs_transformerlens.py's task (c)); ms a step,
+the median (and min) over ``--repeats`` generations, and the op calls of one step.
+
+    python bench/eager_forward.py --decode-steps [--device cuda]
 """
 from __future__ import annotations
 
@@ -21,7 +28,9 @@ import torch
 
 import workbench
 from decode import SHAPES, synchronize, synthetic_model
+from workbench import hooks
 from workbench.kernels import layer_ops
+from workbench.synthetic import random_checkpoint, random_config
 
 
 def forward_ms(runner, ids: torch.Tensor) -> float:
@@ -59,6 +68,44 @@ def op_counts(runner, ids: torch.Tensor) -> tuple[int, int, float]:
     return sum(host.values()), len(kernels), sum(e.device_time for e in kernels) / 1e3
 
 
+def decode_step_ms(stream, rows: int) -> list[float]:
+    """Milliseconds between the first yields of consecutive decode steps of ``stream`` (``rows`` yields a step),
+    the prefill and the first step left out."""
+    stamps = [time.perf_counter() for k, _ in enumerate(stream) if k % rows == 0]
+    return [(b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:])]
+
+
+def step_op_calls(stream, rows: int) -> int:
+    """Top-level host op calls of one decode step of ``stream`` (after two)."""
+    for _ in zip(range(3 * rows), stream):
+        pass
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in zip(range(rows), stream):
+            pass
+    return sum(1 for e in prof.events() if e.cpu_parent is None)
+
+
+def decode_steps(device: str, repeats: int) -> None:
+    config = random_config("llama", n_layers=30, d_model=64, n_heads=4, n_kv_heads=2, d_mlp=128, n_ctx=512)
+    model = workbench.Model(random_checkpoint(config, "Q8_0", seed=0, device=device), device)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=generator).tolist()
+               for n in torch.randint(8, 20, (32,), generator=generator)]
+    vector = torch.randn(config.d_model, generator=generator)
+    steer = hooks.Steer("blocks.15.hook_resid_post", vector / vector.norm(), scale=4.0)
+    cases = {
+        "one prompt, no hooks": (lambda n: model.stream(prompts[0], n, compiled=False), 1),
+        "one prompt, steered": (lambda n: model.stream(prompts[0], n, compiled=False, interventions=[steer]), 1),
+        "32 prompts, steered": (lambda n: model.stream_batch(prompts, n, interventions=[steer]), 32),
+    }
+    print(f"torch {torch.__version__}, tiny random llama (30 layers, d_model 64, Q8_0) on {model.device}")
+    for label, (stream, rows) in cases.items():
+        decode_step_ms(stream(8), rows)  # warm-up
+        times = [t for _ in range(repeats) for t in decode_step_ms(stream(32), rows)]
+        print(f"{label:<22} {statistics.median(times):6.2f} / {min(times):6.2f} ms a decode step (median / min), "
+              f"{step_op_calls(stream(8), rows)} host op calls a step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -68,8 +115,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-steps", action="store_true", help="host time of eager decode steps, tiny model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode_steps:
+        return decode_steps(args.device, min(args.repeats, 5))
     torch.manual_seed(0)
     model = (synthetic_model(args.synthetic, args.format, args.device, None) if args.synthetic
              else workbench.load(device=args.device))

@@ -61,8 +61,8 @@ Tasks (each library does the same work; times exclude loading):
 (d) The logit lens over 64 prompts: every layer's ``resid_post`` at every position through the final RMSNorm (scale
     recomputed from that residual) and the unembedding, softmax, top-10 tokens and probabilities.
     workbench: ``probes.logit_lens_batch(model, prompts)`` (``run_batch`` recording every ``resid_post`` on the device,
-    then the final norm and the production unembedding kernel per prompt); also ``probes.logit_lens(model, ids)`` per
-    prompt (its one-prompt API). TL: ``run_with_cache`` per batch, then ``bridge.ln_final`` and ``bridge.unembed`` per layer.
+    then the final norm, and the unembedding's top-k of every prompt's rows together: on CUDA one fused kernel that
+    never writes the logits, ``kernels.lens``); also ``probes.logit_lens(model, ids)`` per prompt (its one-prompt API). TL: ``run_with_cache`` per batch, then ``bridge.ln_final`` and ``bridge.unembed`` per layer.
     nnsight: inside one trace per batch, ``lm_head(model.norm(layer.output)).softmax(-1).topk(10)`` per layer, then
     ``tracer.stop()`` (the canonical nnsight logit lens).
 

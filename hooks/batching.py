@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from workbench.errors import HookError
+from workbench.kv_cache import to_device
 from workbench.runner import BatchLayout, HookContext, HookFn, Hooks, run_hooks
 
 from .points import axes
@@ -43,10 +44,27 @@ def per_prompt_hooks(prompt_hooks: Mapping[int, Hooks]) -> dict[str, list[HookFn
     return {name: [_splitter(name, prompt_hooks)] for name in names}
 
 
+def _row_edits(fns: Sequence[HookFn] | None) -> tuple[tuple, list] | None:
+    """A prompt's hook functions at a token-major point as ``RowEdit`` s with their keys (None: not all of them are)."""
+    edits = [getattr(f, "row_edit", None) for f in fns or ()]
+    if not edits or None in edits:
+        return None
+    return tuple(e.key for e in edits), edits
+
+
 def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
+    token_major = axes(name).token == 0
+    # Where every row's hooks are the same elementwise edits (an intervention shared by the batch), one call edits all
+    # rows: a decode step of 32 rows then calls it once, not 32 times.
+    row_edits = {p: _row_edits(hooks.get(name)) for p, hooks in prompt_hooks.items()} if token_major else {}
+
     def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
         layout = ctx.layout
-        last_only = axes(name).token == 0 and _last_rows_only(x, layout)
+        last_only = token_major and _last_rows_only(x, layout)
+        shared = row_edits.get(layout.prompts[0])
+        if shared is not None and all(row_edits.get(p) is not None and row_edits[p][0] == shared[0]
+                                      for p in layout.prompts[1:]):
+            return _edit_rows(x, ctx, [row_edits[p][1] for p in layout.prompts], last_only)
         edited = []
         for b, prompt in enumerate(layout.prompts):
             fns = prompt_hooks.get(prompt, {}).get(name)
@@ -65,7 +83,25 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
             row_view(x, name, layout, b).copy_(out)
         return x
 
+    fn.edits_only = all(getattr(f, "edits_only", False) for hooks in prompt_hooks.values() for f in hooks.get(name, ()))
     return fn
+
+
+def _edit_rows(x: torch.Tensor, ctx: HookContext, edits: list[list], last_only: bool) -> torch.Tensor | None:
+    """The rows' equal-keyed edits (``edits[b]``, row ``b``'s) applied to the whole packed ``x`` at once."""
+    layout = ctx.layout
+    positions = ctx.positions[layout.last_rows()] if last_only else ctx.positions
+    out = x
+    for j, edit in enumerate(edits[0]):
+        prompt_len = 0
+        if isinstance(edit.positions, str):  # "generated": each token selected by its own prompt's length
+            counts = [1] * layout.size if last_only else layout.lengths
+            prompt_len = to_device(torch.tensor([row[j].prompt_len for row, n in zip(edits, counts) for _ in range(n)]),
+                                   positions.device)
+        result = edit(out, ctx, positions, prompt_len)
+        if result is not None:
+            out = result.to(x.dtype)
+    return None if out is x else out
 
 
 class BatchRecorder:

@@ -152,6 +152,9 @@ class RegionEdit(Intervention):
     positions: Positions = None
     heads: Sequence[int] | None = None
     neurons: Sequence[int] | None = None
+    # whether the editor computes each value from that value alone, the same way in every prompt (no donor, no draws
+    # per row, no reading of ``ctx``): a batched forward then edits all its rows in one call (``RowEdit``)
+    elementwise: ClassVar[bool] = False
 
     def __post_init__(self):
         if not isinstance(self.hook, str) or not self.hook:
@@ -229,6 +232,11 @@ class RegionEdit(Intervention):
                 return None
             return edit(x, mask, ctx)
 
+        fn.edits_only = True  # see runner.edits_only
+        if self.elementwise:
+            selected = tuple(positions.tolist()) if isinstance(positions, torch.Tensor) else positions
+            fn.row_edit = RowEdit((id(self), region.name, selected), self, ax, positions, region.heads,
+                                  region.neurons, edit, run.prompt_len)
         return fn
 
     @abstractmethod
@@ -236,8 +244,31 @@ class RegionEdit(Intervention):
         """``edit(x, mask, ctx)``: the new activation, equal to ``x`` wherever ``mask`` is False."""
 
 
+@dataclass(frozen=True, eq=False)
+class RowEdit:
+    """An ``elementwise`` region edit compiled for one prompt, in the form a batched forward applies to many rows at
+    once (``hooks.batching``): rows whose hook functions carry equal ``key`` s (the same intervention, region and
+    selected positions) share one call on the packed activation, each token selected by its own prompt's length
+    (``"generated"``), which gives each value the bits the row-by-row calls give it."""
+
+    key: tuple
+    source: RegionEdit  # kept alive with the key, which holds its id
+    ax: Any
+    positions: torch.Tensor | str | None
+    heads: list[int] | None
+    neurons: list[int] | None
+    edit: Editor
+    prompt_len: int
+
+    def __call__(self, x: torch.Tensor, ctx: HookContext, token_positions: torch.Tensor,
+                 prompt_len: int | torch.Tensor) -> torch.Tensor | None:
+        """The edit of the packed ``x``, each token at ``token_positions`` of a prompt ``prompt_len`` long (per token)."""
+        mask = _region_mask(x, self.ax, token_positions, self.positions, self.heads, self.neurons, prompt_len)
+        return None if mask is None else self.edit(x, mask, ctx)
+
+
 def _region_mask(x: torch.Tensor, ax, token_positions: torch.Tensor, positions, heads, neurons,
-                 prompt_len: int) -> torch.Tensor | None:
+                 prompt_len: int | torch.Tensor) -> torch.Tensor | None:
     """Boolean mask broadcastable to ``x`` selecting the region, or None when nothing here is selected (known without
     asking the GPU: there the test would make the host wait for the device at every hook, and a mask that selects
     nothing leaves every value as it is)."""
@@ -273,6 +304,7 @@ def _per_token_shape(name: str, run: RunShape, what: str) -> tuple[int, ...]:
 @dataclass
 class ZeroAblate(RegionEdit):
     kind: ClassVar[str] = "zero_ablate"
+    elementwise: ClassVar[bool] = True
 
     def _editor(self, region, run):
         return lambda x, mask, ctx: x.masked_fill(mask, 0)
@@ -284,6 +316,7 @@ class Scale(RegionEdit):
 
     factor: float = 1.0
     kind: ClassVar[str] = "scale"
+    elementwise: ClassVar[bool] = True
 
     def __init__(self, hook: str, factor: float = 1.0, positions: Positions = None, heads=None, neurons=None):
         RegionEdit.__init__(self, hook, positions, heads, neurons)
@@ -307,6 +340,7 @@ class Steer(RegionEdit):
     vector: Any = None
     scale: float = 1.0
     kind: ClassVar[str] = "steer"
+    elementwise: ClassVar[bool] = True
 
     def __init__(self, hook: str, vector: Any, scale: float = 1.0, positions: Positions = None,
                  heads: Sequence[int] | None = None):
@@ -328,11 +362,15 @@ class Steer(RegionEdit):
     def _editor(self, region, run):
         feature_axis = axes(region.name).feature
         delta = self.scale * self.vector
+        placed = {}  # delta as each (device, dtype, rank) of activation takes it: moved there once, not at every call
 
         def edit(x, mask, ctx):
-            shape = [1] * x.dim()
-            shape[feature_axis] = delta.numel()
-            return x + mask.to(x.dtype) * delta.to(x.device, x.dtype).view(shape)
+            key = (x.device, x.dtype, x.dim())
+            if key not in placed:
+                shape = [1] * x.dim()
+                shape[feature_axis] = delta.numel()
+                placed[key] = delta.to(x.device, x.dtype).view(shape)
+            return torch.where(mask, x + placed[key], x)
 
         return edit
 
@@ -343,6 +381,7 @@ class MeanAblate(RegionEdit):
 
     mean: Any = None
     kind: ClassVar[str] = "mean_ablate"
+    elementwise: ClassVar[bool] = True
 
     def __init__(self, hook: str, mean: Any, positions: Positions = None, heads=None, neurons=None):
         RegionEdit.__init__(self, hook, positions, heads, neurons)

@@ -72,9 +72,11 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
 def llamacpp_glue(x: torch.Tensor) -> bool:
     """Whether the ops on ``x`` compute as llama.cpp's CPU does (``llamacpp_ops``): float32 on the CPU, eager, in
     llama.cpp numerics, outside ``exact_glue()``. Compiled graphs keep the exact numerics' glue, and so do CUDA
-    tensors: ggml-cpu's loops are not what llama.cpp's CUDA backend runs, and would run there one key at a time."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and not compiling() and not _EXACT_GLUE["on"]
-            and get_numerics() == "llamacpp")
+    tensors: ggml-cpu's loops are not what llama.cpp's CUDA backend runs, and would run there one key at a time. The
+    numerics are asked right after ``compiling()`` (torch.compile cannot trace the ``ContextVar`` read): in exact
+    numerics they answer, and this runs at every op of the glue."""
+    return (not compiling() and get_numerics() == "llamacpp" and x.is_cpu and x.dtype == torch.float32
+            and not _EXACT_GLUE["on"])
 
 
 # Set by ``exact_glue()``: llama.cpp numerics keep the exact numerics' glue (their matmuls stay llama.cpp's).

@@ -13,12 +13,11 @@ import torch
 
 from workbench.errors import WorkbenchError
 from workbench.kernels import layer_ops, linear
+from workbench.kernels.lens import ROWS_PER_CHUNK, top_k_probs
 
 from .activations import block_hook
 
 POINTS = ("resid_pre", "resid_mid", "resid_post")  # forward order within a block
-# Logit rows unembedded at once: bounds the float buffer to ~200 MB for a 49k vocabulary.
-_ROWS_PER_CHUNK = 1024
 
 
 def final_norm(model: Any, resid: torch.Tensor) -> torch.Tensor:
@@ -149,7 +148,7 @@ def _layer_logits(model: Any, normed: torch.Tensor) -> Iterator[torch.Tensor]:
     """Lens logits ``[positions, vocab]`` of each layer (on the model's device), unembedding several layers per kernel
     call."""
     n_layers, n_pos, d = normed.shape
-    per_chunk = max(1, _ROWS_PER_CHUNK // n_pos)
+    per_chunk = max(1, ROWS_PER_CHUNK // n_pos)
     for start in range(0, n_layers, per_chunk):
         block = normed[start:start + per_chunk]
         logits = unembed(model, block.reshape(-1, d)).view(block.shape[0], n_pos, -1)
@@ -199,14 +198,20 @@ def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | N
 def _lenses(model: Any, traces: Sequence[Any], names: dict[str, list[str]], k: int, tuned: Any | None
             ) -> list[LogitLens]:
     """The lens of each trace. Every trace's positions are normed and unembedded together, the top-k taken on the
-    model's device; each lens keeps its own slice."""
+    model's device (``kernels.lens.top_k_probs``: no layer's full logits kept); each lens keeps its own slice."""
     sizes = [len(trace.ids) for trace in traces]
-    normed, top_ids, top_probs = {}, {}, {}
+    device = model.runner.output_device
+    normed = {}
     for point, group in names.items():
-        resid = torch.cat([torch.stack([t.activations[n].to(model.runner.output_device) for n in group]) for t in traces], dim=1)
+        # one op per layer, not per prompt: [layers, every prompt's positions, d]
+        resid = torch.stack([torch.cat([t.activations[n] for t in traces]).to(device) for n in group])
         normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
-        values, indices = zip(*(logits.softmax(-1).topk(k) for logits in _layer_logits(model, normed[point])))
-        top_probs[point], top_ids[point] = torch.stack(values).cpu(), torch.stack(indices).cpu()
+    shape = next(iter(normed.values())).shape[:2]
+    with model.numerics_scope():  # every point's rows in one call: the weight is dequantized once
+        probs, ids = top_k_probs(torch.cat([x.reshape(-1, x.shape[-1]) for x in normed.values()]), model.runner.unembed,
+                                 k)
+    top_probs = dict(zip(names, probs.cpu().view(len(names), *shape, k)))
+    top_ids = dict(zip(names, ids.cpu().view(len(names), *shape, k)))
     return [LogitLens(model, trace.ids, trace.tokens, tuple(names),
                       *({point: x[point][:, start:start + n] for point in names} for x in (normed, top_ids, top_probs)))
             for trace, start, n in zip(traces, itertools.accumulate([0] + sizes[:-1]), sizes)]

@@ -153,6 +153,38 @@ def test_per_prompt_interventions_as_rows_of_one_batch(llama):
     assert not torch.equal(traces[0].logits, traces[3].logits)
 
 
+def test_a_shared_elementwise_edit_takes_one_call_for_all_rows(llama, monkeypatch):
+    """An intervention every prompt shares, of an edit computed value by value (steer, scale, zero and mean ablation),
+    edits all the rows of a forward in one call, with the bits the row-by-row calls give: per-prompt copies of the same
+    edits (other objects, so row by row) give equal logits, generations and recorded edits."""
+    import workbench.hooks.batching as batching
+
+    d = llama.config.d_model
+    vector = torch.randn(d, generator=torch.Generator().manual_seed(5))
+    edits = [hooks.Steer("blocks.0.hook_resid_post", vector, scale=3.0),
+             hooks.Scale("blocks.0.mlp.hook_post", 0.5, neurons=[3, 4], positions=[0, 1]),
+             hooks.ZeroAblate("blocks.1.attn.hook_z", heads=[1]),
+             hooks.MeanAblate("ln_final.hook_normalized", torch.ones(d), positions="generated"),
+             hooks.Steer("blocks.1.hook_resid_mid", vector, scale=-2.0, positions="generated")]
+    copies = [[hooks.from_spec(e.to_spec()) for e in edits] for _ in PROMPTS]
+    calls = []
+    edit_rows = batching._edit_rows
+    monkeypatch.setattr(batching, "_edit_rows", lambda *a: calls.append(a[0].shape) or edit_rows(*a))
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_z"]
+    shared = llama.run_batch(PROMPTS, interventions=edits, record=names)
+    assert len(calls) == len(edits) and (sum(map(len, PROMPTS)), d) in calls  # one call per point, every row
+    calls.clear()
+    rowwise = llama.run_batch(PROMPTS, per_prompt_interventions=copies, record=names)
+    assert not calls
+    for a, b in zip(shared, rowwise):
+        assert torch.equal(a.logits, b.logits)
+        assert all(torch.equal(a.activations[n], b.activations[n]) for n in names)
+    streamed = list(llama.stream_batch(PROMPTS, 5, interventions=edits))
+    assert calls  # the decode steps' last-rows final norm and "generated" positions take the one call too
+    assert streamed == list(llama.stream_batch(PROMPTS, 5, per_prompt_interventions=copies))
+    assert streamed != list(llama.stream_batch(PROMPTS, 5))
+
+
 def test_patch_with_a_donor_of_another_length(llama):
     patch = hooks.Patch("blocks.0.hook_resid_post", donor=PROMPTS[2], positions=[0, 1])
     for prompt, trace in zip(PROMPTS, llama.run_batch(PROMPTS, interventions=[patch])):

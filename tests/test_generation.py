@@ -343,3 +343,27 @@ def test_cuda_background_build_answers_eagerly_then_replays(tiny_model):
     _join_builds()
     assert list(generate_tokens(model.runner, PROMPT, 12)) == eager
     assert not _BUILT[model.runner]["exact"].busy and not _BUILT[model.runner]["exact"].provisional
+
+
+def test_decoding_with_interventions_alone_runs_under_inference_mode(small, monkeypatch):
+    """A steered generation (its hooks keep no tensor) decodes under inference mode, one prompt or a batch; a function
+    hook or a recorder could keep the forward's tensors, so with one the forward runs as a plain one."""
+    from workbench import hooks
+
+    seen = []
+    forward = small.runner.forward
+    monkeypatch.setattr(small.runner, "forward", lambda *a, **k: seen.append(torch.is_inference_mode_enabled())
+                        or forward(*a, **k))
+    steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(small.config.d_model), positions="generated")
+    prompt = [5, 17, 42, 99]
+    steered = [t for t, _ in small.stream(prompt, 4, interventions=[steer])]
+    list(small.stream_batch([prompt, prompt[:2]], 4, interventions=[steer]))
+    assert seen and all(seen)
+    seen.clear()
+    kept = []
+    with small.hooks(record=["blocks.0.hook_resid_post"]) as recorder:
+        recorded = [t for t, _ in small.stream(prompt, 4, interventions=[steer, ("blocks.1.hook_resid_post",
+                                                                                 lambda x, ctx: kept.append(x))])]
+    assert recorded == steered and seen and not any(seen)
+    assert not any(t.is_inference() for t in kept)
+    assert not recorder.activations()["blocks.0.hook_resid_post"].is_inference()

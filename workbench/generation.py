@@ -16,7 +16,7 @@ from workbench.errors import WorkbenchError
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
 from workbench.moe import by_pair_supported
-from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer
+from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, edits_only
 
 
 @dataclass(frozen=True)
@@ -214,10 +214,10 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             lora: Lora | None = None) -> Iterator[int]:
     if max_new_tokens == 0:
         return
-    # With a cache of its own and no hooks, nothing of the forward outlives a step but token ids: it runs under
-    # inference mode, which skips autograd's bookkeeping on every op (eager CPU decode 5-10 % faster:
+    # With a cache of its own and no hooks but edits (interventions), nothing of the forward outlives a step but token
+    # ids: it runs under inference mode, which skips autograd's bookkeeping on every op (eager CPU decode 5-10 % faster:
     # docs/performance.md, "Eager decode under inference mode").
-    inference = cache is None and not hooks
+    inference = cache is None and edits_only(hooks)
     decode_step = build = None
     start_build = False
     key = step_key(mode, lora)
@@ -398,7 +398,8 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     # with no hooks and one adapter choice, a prefix every prompt starts with (a system prompt, a template) is
     # computed once
     shared = 0 if hooks or isinstance(lora, LoraRows) else shared_prefix(rows)
-    with torch.inference_mode(not hooks), numerics(mode):  # around each forward alone: the caller runs between yields
+    inference = edits_only(hooks)  # the batch's cache is its own (see _decode)
+    with torch.inference_mode(inference), numerics(mode):  # around each forward alone: the caller runs between yields
         if shared:
             cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True, lora=lora)
         else:
@@ -406,7 +407,7 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     layout = BatchLayout([len(r) - shared for r in rows], runner.device, prompts=order, cached=cache.lengths)
     packed = torch.tensor([t for r in rows for t in r[shared:]], dtype=torch.long)
     for step in range(max_new_tokens):
-        with torch.inference_mode(not hooks), numerics(mode):
+        with torch.inference_mode(inference), numerics(mode):
             logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout,
                                     lora=lora)
         if sampling.temperature == 0:

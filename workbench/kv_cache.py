@@ -31,6 +31,14 @@ def layer_shapes(n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | S
     return list(zip(heads, dims))
 
 
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``x`` on ``device``; from the host to a GPU through pinned memory without waiting: a plain copy makes the host
+    wait for all the work queued on the device (a forward's index tensors would make it wait mid-forward)."""
+    if x.device.type != "cpu" or torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor | None:
     """True where new token i (the last ``n_new`` of ``n_slots``) may not attend: slots after its own. None for one
     new token, which sees every slot: a decode step then masks nothing (and calls no op to do it)."""
@@ -85,6 +93,8 @@ class KVCache:
         self._positions = torch.zeros(capacity, dtype=torch.long)
         self._tokens: list[int] = []
         self.length = 0
+        self._next = 0  # next_position, kept on the host: a decode step reads it without a reduction
+        self._pending = 0  # the first position of the forward between prepare and commit
 
     # ----------------------------------------------------------------------------- used by the runner
 
@@ -106,14 +116,14 @@ class KVCache:
         """Room for ``n_new`` tokens; their rope positions ``[T]`` and the slots each may not see ``[T, S]`` (None:
         every slot)."""
         self.reserve(n_new)
-        start = self.next_position
+        start = self._pending = self._next
         positions = torch.arange(start, start + n_new, device=self.device)
         return positions, causal_mask(n_new, self.length + n_new, self.device)
 
     def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The rope positions of every slot the new tokens (at ``positions``, after ``prepare``) attend over, ``[S]``:
         what a sliding window masks by."""
-        return torch.cat((self._positions[: self.length].to(positions.device), positions))
+        return torch.cat((to_device(self._positions[: self.length], positions.device), positions))
 
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` more slots (amortized doubling)."""
@@ -137,16 +147,22 @@ class KVCache:
         self._values[layer][:, self.length : stop] = values
         return self._keys[layer][:, :stop], self._values[layer][:, :stop]
 
-    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Make the slots written by a finished forward part of the cache."""
-        n = positions.shape[0]
-        self._positions[self.length : self.length + n] = positions.cpu()
+    def commit(self, tokens: torch.Tensor) -> None:
+        """Make the slots written by a finished forward (of ``tokens``, best on the host) part of the cache, at the
+        positions ``prepare`` gave them (known on the host: no read back from the device)."""
+        n, start = tokens.shape[0], self._pending
+        torch.arange(start, start + n, out=self._positions[self.length : self.length + n])
         self._tokens.extend(tokens.tolist())
         self.length += n
+        self._next = start + n
 
     @property
     def next_position(self) -> int:
-        return int(self._positions[: self.length].max()) + 1 if self.length else 0
+        return self._next
+
+    def _recount(self) -> None:
+        """``next_position`` from the slots kept (after surgery)."""
+        self._next = int(self._positions[: self.length].max()) + 1 if self.length else 0
 
     # ------------------------------------------------------------------------------------- inspection
 
@@ -210,6 +226,7 @@ class KVCache:
             raise WorkbenchError(f"kv truncate: length {length} outside 0..{self.length}")
         self.length = length
         del self._tokens[length:]
+        self._recount()
 
     def delete_positions(self, slots: Sequence[int]) -> None:
         """Remove slots (indices into the cache, negative from the end); kept keys keep their positions."""
@@ -229,6 +246,7 @@ class KVCache:
         out._positions[: len(slots)] = self._positions[slots]
         out._tokens = [self._tokens[i] for i in slots.tolist()]
         out.length = len(slots)
+        out._recount()
         return out
 
     def _check_slots(self, slots: Sequence[int] | torch.Tensor, what: str) -> list[int]:
@@ -276,8 +294,8 @@ class StaticKVCache(KVCache):
         self._values[layer].index_copy_(1, positions, values)
         return self._keys[layer], self._values[layer]
 
-    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        self._length += positions.shape[0]
+    def commit(self, tokens: torch.Tensor) -> None:
+        self._length += tokens.shape[0]
 
     def rewind(self, length: torch.Tensor) -> None:
         """Set the device-side length back (after warm-up runs of a step about to be captured)."""
@@ -315,7 +333,12 @@ class BatchKVCache:
         self._positions = torch.zeros(n_rows, capacity, dtype=torch.long)
         self._tokens: list[list[int]] = [[] for _ in range(n_rows)]
         self.lengths = [0] * n_rows
-        self._pending = None  # the layout of the forward between prepare and commit
+        self._next = [0] * n_rows  # next_positions, kept on the host
+        # the forward between prepare and commit: its layout, its packed positions (on the host), and where each new
+        # token's keys go (each row's slots, [B, T_max], on the device; None where every row holds as many)
+        self._pending = None
+        self._pending_positions: list[int] = []
+        self._write_slots: torch.Tensor | None = None
 
     @classmethod
     def from_caches(cls, caches: Sequence[KVCache], capacity: int = 0) -> "BatchKVCache":
@@ -357,6 +380,7 @@ class BatchKVCache:
         out._positions[:, :longest] = cache._positions[:longest]
         out._tokens = [list(cache._tokens[:n]) for n in lengths]
         out.lengths = [int(n) for n in lengths]
+        out._next = [int(cache._positions[:n].max()) + 1 if n else 0 for n in out.lengths]
         return out
 
     @property
@@ -369,7 +393,7 @@ class BatchKVCache:
 
     @property
     def next_positions(self) -> list[int]:
-        return [int(self._positions[b, :n].max()) + 1 if n else 0 for b, n in enumerate(self.lengths)]
+        return list(self._next)
 
     # ----------------------------------------------------------------------------- used by the runner
 
@@ -381,21 +405,29 @@ class BatchKVCache:
                                  f"the cache ({self.n_rows} rows holding {self.lengths})")
         self.reserve(max(self.lengths) + layout.width)
         self._pending = layout
-        positions = layout.positions(self.next_positions)
-        slots = torch.arange(max(self.lengths) + layout.width, device=self.device)
-        cached = torch.tensor(self.lengths, device=self.device)[:, None, None]
-        steps = torch.arange(layout.width, device=self.device)[None, :, None]
-        return positions, (slots > cached + steps)[:, None]
+        self._pending_positions = layout.host_positions(self._next)
+        # built on the host and sent without waiting (a blocking copy would make the host wait for the device)
+        cached = torch.tensor(self.lengths)[:, None]
+        steps = torch.arange(layout.width)
+        self._write_slots = None if len(set(self.lengths)) == 1 else to_device(cached + steps, self.device)
+        slots = torch.arange(max(self.lengths) + layout.width)
+        blocked = slots > (cached + steps)[:, :, None]  # [B, T_max, S]
+        positions = to_device(torch.tensor(self._pending_positions), self.device)
+        return positions, to_device(blocked[:, None], self.device)
 
     def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The rope positions of every row's slots up to the longest after the write, ``[B, S]``, the new tokens'
         (packed ``positions``, after ``prepare``) included; padding slots hold 0 (the mask hides them)."""
         layout = self._pending
         out = self._positions[:, : max(self.lengths) + layout.width].clone()
-        positions = positions.cpu()
-        for b in range(self.n_rows):
-            out[b, self.lengths[b]:self.lengths[b] + layout.lengths[b]] = positions[layout.rows(b)]
+        out[self._new_slots(layout)] = torch.tensor(self._pending_positions)
         return out
+
+    def _new_slots(self, layout) -> tuple[list[int], list[int]]:
+        """(row, slot) of each packed new token of ``layout``: an index of the ``[B, capacity]`` positions."""
+        rows = [b for b, n in enumerate(layout.lengths) for _ in range(n)]
+        slots = [self.lengths[b] + j for b, n in enumerate(layout.lengths) for j in range(n)]
+        return rows, slots
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` slots a row (amortized doubling)."""
@@ -417,25 +449,28 @@ class BatchKVCache:
         up to the longest, ``[B, n_kv, S, d_head]`` (slots past a row's end hold padding, which the mask hides)."""
         width = keys.shape[2]
         stop = max(self.lengths) + width
-        if len(set(self.lengths)) == 1:
+        if self._write_slots is None:
             start = self.lengths[0]
             self._keys[layer][:, :, start:stop] = keys
             self._values[layer][:, :, start:stop] = values
         else:
-            slots = torch.tensor(self.lengths, device=keys.device)[:, None] + torch.arange(width, device=keys.device)
+            slots = self._write_slots
+            slots = slots if slots.device == keys.device else slots.to(keys.device)  # a split model's later layers
             index = slots[:, None, :, None].expand_as(keys)
             self._keys[layer].scatter_(2, index, keys)
             self._values[layer].scatter_(2, index, values)
         return self._keys[layer][:, :, :stop], self._values[layer][:, :, :stop]
 
-    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        layout, self._pending = self._pending, None
-        positions, tokens = positions.cpu(), tokens.tolist()
-        for b in range(self.n_rows):
-            rows, n = layout.rows(b), layout.lengths[b]
-            self._positions[b, self.lengths[b]:self.lengths[b] + n] = positions[rows]
-            self._tokens[b].extend(tokens[rows])
+    def commit(self, tokens: torch.Tensor) -> None:
+        """Make the slots written by a finished forward (of the packed ``tokens``, best on the host) part of the
+        cache, at the positions ``prepare`` gave them (known on the host: no read back from the device)."""
+        layout, self._pending, self._write_slots = self._pending, None, None
+        self._positions[self._new_slots(layout)] = torch.tensor(self._pending_positions, dtype=torch.long)
+        tokens = tokens.tolist()
+        for b, (start, n) in enumerate(zip(layout.starts, layout.lengths)):
+            self._tokens[b].extend(tokens[start:start + n])
             self.lengths[b] += n
+            self._next[b] = self._pending_positions[start + n - 1] + 1 if n else self._next[b]
 
     # ---------------------------------------------------------------------------------------- per row
 
@@ -450,6 +485,7 @@ class BatchKVCache:
         out._positions[:n] = self._positions[b, :n]
         out._tokens = list(self._tokens[b])
         out.length = n
+        out._next = self._next[b]
         return out
 
     def set_row(self, b: int, cache: KVCache) -> None:
@@ -465,6 +501,7 @@ class BatchKVCache:
         self._positions[b, :n] = cache._positions[:n]
         self._tokens[b] = list(cache._tokens)
         self.lengths[b] = n
+        self._next[b] = cache.next_position
 
     def repeat_row(self, n_rows: int, capacity: int = 0) -> "BatchKVCache":
         """A cache of ``n_rows`` copies of this one-row cache (a prefix computed once for many sequences), with room
@@ -483,6 +520,7 @@ class BatchKVCache:
         self._positions = self._positions[index]
         self._tokens = [self._tokens[b] for b in rows]
         self.lengths = [self.lengths[b] for b in rows]
+        self._next = [self._next[b] for b in rows]
 
     def tokens(self, b: int) -> list[int]:
         self._check_row(b)

@@ -19,7 +19,7 @@ from workbench.config import ModelConfig, YaRN
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kernels import lora as lora_ops
-from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask
+from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask, to_device
 from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
                            moe_mlp, with_moe_points)
 from workbench.weights import ModelWeights
@@ -66,10 +66,11 @@ class BatchLayout:
             length = torch.tensor(self.lengths)[:, None]
             start = torch.tensor(self.starts)[:, None]
             # [B, T_max] packed row of each (sequence, step); past a sequence's end, the zero row appended at N
-            self.gather = torch.where(steps < length, start + steps, self.n_tokens).to(self.device)
+            self.gather = to_device(torch.where(steps < length, start + steps, self.n_tokens), self.device)
             # [N] where each packed token sits in the flattened [B * T_max]
-            self.scatter = torch.cat([b * self.width + torch.arange(n) for b, n in enumerate(self.lengths)]).to(
-                self.device)
+            self.scatter = to_device(torch.cat([b * self.width + torch.arange(n) for b, n in enumerate(self.lengths)]),
+                                     self.device)
+        self._last_rows: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "BatchLayout":
         """The same layout with its index tensors on ``device`` (where a split model's next layer range runs)."""
@@ -103,13 +104,21 @@ class BatchLayout:
         return flat if self.uniform else flat[self.scatter]
 
     def last_rows(self) -> torch.Tensor:
-        """The packed index of each sequence's last token, ``[B]``."""
-        return torch.tensor([s + n - 1 for s, n in zip(self.starts, self.lengths)], device=self.device)
+        """The packed index of each sequence's last token, ``[B]`` (built once: the final norm and every hook on a
+        last-rows activation read it)."""
+        if self._last_rows is None or self._last_rows.device != self.device:
+            self._last_rows = to_device(torch.tensor([s + n - 1 for s, n in zip(self.starts, self.lengths)]),
+                                        self.device)
+        return self._last_rows
+
+    def host_positions(self, next_positions: Sequence[int] | None = None) -> list[int]:
+        """Rope positions of the packed tokens, each sequence counting on from its own next position (0 without)."""
+        starts = next_positions or (0,) * self.size
+        return [p + j for p, n in zip(starts, self.lengths) for j in range(n)]
 
     def positions(self, next_positions: Sequence[int] | None = None) -> torch.Tensor:
-        """Rope positions of the packed tokens, each sequence counting on from its own next position."""
-        starts = next_positions or (0,) * self.size
-        return torch.cat([torch.arange(p, p + n) for p, n in zip(starts, self.lengths)]).to(self.device)
+        """``host_positions`` on the layout's device."""
+        return to_device(torch.tensor(self.host_positions(next_positions)), self.device)
 
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
@@ -266,6 +275,14 @@ class _Points:
         if not fns:
             return x
         return run_hooks(fns, x, HookContext(name, layer, self.positions, self.step, layout=self.layout))
+
+
+def edits_only(hooks: Hooks | None) -> bool:
+    """Whether every hook function only edits its activation and keeps no tensor of the forward (marked
+    ``edits_only``, as the interventions' are): a forward whose tensors nothing outside it holds may run under
+    ``torch.inference_mode``, which skips autograd's bookkeeping on every op, but whose tensors a later autograd run
+    could not take."""
+    return all(getattr(fn, "edits_only", False) for fns in (hooks or {}).values() for fn in fns)
 
 
 def run_hooks(fns: Sequence[HookFn], x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
@@ -578,7 +595,8 @@ class Transformer:
         for a caller that reads no others: the unembedding multiplies only their rows.
         """
         c, w = self.config, self.weights
-        ids = ids.to(self.device)
+        fed = ids  # what a cache records: the caller's tensor, on the host when the caller's was
+        ids = to_device(ids, self.device)
         segments = lora_segments(lora, layout)
         positions, blocked = self._positions(ids.shape[0], cache, layout)
         rotation = local_rotation = self.rotation(positions)
@@ -649,7 +667,7 @@ class Transformer:
         if stop == c.n_layers:
             x = self._logits(x, point, layout, last_logits_only, logit_ids)
         if cache is not None:
-            cache.commit(positions, ids)
+            cache.commit(fed)
         return x
 
     def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
@@ -730,7 +748,7 @@ class Transformer:
         rule of llama.cpp and transformers), by rope position: after cache surgery, kept slots keep their positions,
         so the window stays exact."""
         if cache is not None:
-            keys = cache.slot_positions(positions).to(self.device)  # [S], or [B, S] for a batch
+            keys = to_device(cache.slot_positions(positions), self.device)  # [S], or [B, S] for a batch
         elif layout is not None:  # each sequence's keys are its own tokens, padded alike
             keys = layout.pad(positions)
         else:
