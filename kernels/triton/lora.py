@@ -93,14 +93,14 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence
     result = torch.empty(tokens, sum(widths), dtype=x.dtype, device=x.device)
     if tokens:
         # each step of the shrink 32 products a thread, and every step in flight at once where shared memory holds
-        # them (the pipelined loop keeps STAGES - 1 ahead): the embedded model's inputs of 576 and 1536 take 3 steps,
-        # an 8B's 4096 and 14336 8 and 28 steps, 3 ahead. Every program of a part reads all of its A, so a program's
-        # tile of B^T grows with the input (an eighth of it, up to 32 values a thread): an 8B's gate/up reads its A
-        # 56 times a layer (7 MB), not 224 (29 MB)
+        # them (the pipelined loop keeps STAGES - 1 ahead): the embedded model's inputs of 576 and 1536 take 3 and 6
+        # steps, an 8B's 4096 and 14336 16 and 56. Every program of a part reads all of its A, so a program's tile of
+        # B^T grows with the input (an eighth of it, up to 8192 values): an 8B's gate/up reads its A 56 times a layer
+        # (7 MB), not 224 (29 MB). At 512 columns 8 warps took 4-30 % longer than 4 in each of the 8B's groups (H100)
         block_r = max(16, next_power_of_2(max(ranks)))
-        num_warps = 8 if k > 1024 else 4
+        num_warps = 4
         block_k = max(32, min(next_power_of_2(k), 1024 * num_warps // block_r))
-        block_n = max(32, min(next_power_of_2(k) // 8, 1024 * num_warps // block_r))
+        block_n = max(32, min(next_power_of_2(k) // 8, 8192 // block_r))
         steps = cdiv(k, block_k)
         stages = 1 if steps == 1 else max(1, min(steps + 1, MAX_STAGES,
                                                  STAGE_BYTES // ((block_r + 1) * block_k * x.element_size())))
