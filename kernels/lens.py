@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import triton as _triton
+from .layer_ops import soft_cap
 from .linear import get_numerics, linear
 from .quant_tensor import QuantTensor
 
@@ -29,10 +30,12 @@ DENSE_MIN_ROWS = 16
 DENSE_BYTES = 1 << 29
 
 
-def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int, cap: float | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, ids)``, each ``[N, k]`` (float32, int64), of ``softmax(linear(x, w).float())`` for ``x`` ``[N, in]``:
-    the ``k`` most probable outputs of each row, best first, in the current numerics."""
-    if fuses(x, k):
+    the ``k`` most probable outputs of each row, best first, in the current numerics; with ``cap``, of the logits
+    soft-capped first (``layer_ops.soft_cap``), as the forward caps a model's final logits."""
+    if cap is None and fuses(x, k):
         return _fused_top_k_probs(x if x.stride(-1) == 1 else x.contiguous(), dense_weight(w, x.dtype), k)
     # in exact numerics, the weight dequantized once and a dense matmul per chunk, as the production kernels compute it
     dense = (dense_weight(w, x.dtype) if get_numerics() == "exact" and x.shape[0] >= DENSE_MIN_ROWS
@@ -40,6 +43,8 @@ def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int) -> tuple[torch.Tensor, 
     probs, ids = [], []
     for chunk in x.split(ROWS_PER_CHUNK):
         logits = (linear(chunk, w) if dense is None else chunk @ dense.T).float()
+        if cap is not None:
+            logits = soft_cap(logits, cap)
         top = logits.topk(k, dim=-1)
         probs.append(logits.softmax(-1).gather(1, top.indices))
         ids.append(top.indices)

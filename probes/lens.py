@@ -30,7 +30,9 @@ def unembed(model: Any, normed: torch.Tensor) -> torch.Tensor:
     """Float32 logits of final-normed residuals ``[N, d_model]``, on the production unembedding kernel, in the model's
     numerics (``Model.current_numerics``)."""
     with model.numerics_scope():
-        return linear(normed, model.runner.unembed).float()
+        logits = linear(normed, model.runner.unembed).float()
+    cap = model.config.final_softcap
+    return logits if not cap else layer_ops.soft_cap(logits, cap)
 
 
 def token_id(model: Any, token: int | str) -> int:
@@ -209,7 +211,7 @@ def _lenses(model: Any, traces: Sequence[Any], names: dict[str, list[str]], k: i
     shape = next(iter(normed.values())).shape[:2]
     with model.numerics_scope():  # every point's rows in one call: the weight is dequantized once
         probs, ids = top_k_probs(torch.cat([x.reshape(-1, x.shape[-1]) for x in normed.values()]), model.runner.unembed,
-                                 k)
+                                 k, model.config.final_softcap or None)
     top_probs = dict(zip(names, probs.cpu().view(len(names), *shape, k)))
     top_ids = dict(zip(names, ids.cpu().view(len(names), *shape, k)))
     return [LogitLens(model, trace.ids, trace.tokens, tuple(names),

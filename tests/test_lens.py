@@ -15,12 +15,18 @@ def small(tiny_model):
     return tiny_model("llama", n_layers=3, device="cpu")
 
 
-def test_last_layer_lens_is_the_models_output(small):
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: final logits soft-capped
+def test_last_layer_lens_is_the_models_output(arch, tiny_model):
+    small = tiny_model(arch, n_layers=3, device="cpu")
     prompt = "the cat sat on the mat"
     lens = probes.logit_lens(small, prompt, points=("resid_pre", "resid_mid", "resid_post"), k=5)
     logits = small.run(prompt).logits
     assert torch.equal(lens.logits(-1, "resid_post"), logits)
     assert lens.top_tokens(-1, -1, "resid_post") == logits[-1].topk(5).indices.tolist()
+    expected = logits.softmax(-1).topk(5).values
+    torch.testing.assert_close(lens.top_probs["resid_post"][-1], expected, rtol=1e-5, atol=1e-7)
+    batched = probes.logit_lens_batch(small, [prompt, "a dog"], k=5)[0]
+    torch.testing.assert_close(batched.top_probs["resid_post"][-1], expected, rtol=1e-5, atol=1e-7)
     # the residual after block l is the residual before block l + 1
     assert torch.equal(lens.top_ids["resid_post"][:-1], lens.top_ids["resid_pre"][1:])
     probs = lens.top_probs["resid_mid"]

@@ -387,11 +387,6 @@ def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ..
     return outs
 
 
-def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """``cap * tanh(x / cap)`` (Gemma 2's attention logits, Gemma's final logits)."""
-    return torch.tanh(x / cap) * cap
-
-
 def hf_head_order(x: torch.Tensor) -> torch.Tensor:
     """Each head's values ``[..., d_head]`` from llama.cpp's order for adjacent-pair rope (its converter interleaves
     each head's two halves) to Hugging Face's and TransformerLens' (the halves apart)."""
@@ -681,7 +676,7 @@ class Transformer:
                      None)
         logits = linear(x, self.unembed if logit_ids is None else self.unembed.select_rows(logit_ids)).float()
         if c.final_softcap:
-            logits = soft_cap(logits, c.final_softcap)
+            logits = layer_ops.soft_cap(logits, c.final_softcap)
         return point("hook_logits", logits)
 
     def can_start_at_layer(self, layer: int) -> bool:
@@ -828,7 +823,7 @@ class Transformer:
         if (c.attn_softcap or layer.sinks is not None or point.wants(names["attn.hook_attn_scores"])
                 or point.wants(names["attn.hook_pattern"])):
             if c.attn_softcap:  # capped before the mask, which must stay -inf
-                scores = soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
+                scores = layer_ops.soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
                 scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
             else:
                 scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
