@@ -39,6 +39,11 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True)
 
 
+def next_position_after(positions: torch.Tensor) -> int:
+    """The rope position a sequence continues at after slots at ``positions`` (kept slots keep theirs after surgery)."""
+    return int(positions.max()) + 1 if positions.numel() else 0
+
+
 def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.Tensor | None:
     """True where new token i (the last ``n_new`` of ``n_slots``) may not attend: slots after its own. None for one
     new token, which sees every slot: a decode step then masks nothing (and calls no op to do it)."""
@@ -162,7 +167,7 @@ class KVCache:
 
     def _recount(self) -> None:
         """``next_position`` from the slots kept (after surgery)."""
-        self._next = int(self._positions[: self.length].max()) + 1 if self.length else 0
+        self._next = next_position_after(self._positions[: self.length])
 
     # ------------------------------------------------------------------------------------- inspection
 
@@ -380,7 +385,7 @@ class BatchKVCache:
         out._positions[:, :longest] = cache._positions[:longest]
         out._tokens = [list(cache._tokens[:n]) for n in lengths]
         out.lengths = [int(n) for n in lengths]
-        out._next = [int(cache._positions[:n].max()) + 1 if n else 0 for n in out.lengths]
+        out._next = [next_position_after(cache._positions[:n]) for n in out.lengths]
         return out
 
     @property
