@@ -824,6 +824,32 @@ torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::I
   return out;
 }
 
+// The first output row of each part of a segmented call ([parts + 1], the last the total), with each part's rows
+// x_first[p] .. x_first[p] + x_count[p] checked to lie in x.
+std::vector<int64_t> segment_starts(const torch::Tensor& x, c10::IntArrayRef x_first, c10::IntArrayRef x_count) {
+  const size_t parts = x_first.size();
+  std::vector<int64_t> out_first(parts + 1, 0);
+  for (size_t p = 0; p < parts; ++p) {
+    TORCH_CHECK(x_first[p] >= 0 && x_count[p] >= 0 && x_first[p] + x_count[p] <= x.size(0),
+                "workbench cpu kernels: rows ", x_first[p], " + ", x_count[p], " are outside x's ", x.size(0));
+    out_first[p + 1] = out_first[p] + x_count[p];
+  }
+  return out_first;
+}
+
+// body(j, lo, hi) for the weight rows [lo, hi) of the j-th of n_parts parts of `rows` rows each, all (part, weight row)
+// pairs in one parallel region, a part's rows at a time.
+template <class Body>
+void parallel_part_rows(int64_t n_parts, int64_t rows, int64_t work_per_row, const Body& body) {
+  parallel_rows(n_parts * rows, work_per_row, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end;) {
+      const int64_t lo = i % rows, hi = std::min(rows, lo + end - i);
+      body(i / rows, lo, hi);
+      i += hi - lo;
+    }
+  });
+}
+
 // Each weight times its own rows of x, as llama.cpp's mul_mat_id runs a token's experts: rows x_first[p] ..
 // x_first[p] + x_count[p] of x [M, K] float32 @ dequantize(packed[p]).T (GGUF type ggml_types[p], rows x K), stacked in
 // part order: [sum of x_count, rows]. The parts of fewer than panel_min_batch rows of x share one parallel region and
@@ -835,33 +861,26 @@ torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packe
   const size_t parts = packed.size();
   TORCH_CHECK(parts > 0 && ggml_types.size() == parts && x_first.size() == parts && x_count.size() == parts,
               "workbench cpu kernels: one type, first row and row count of x per packed weight");
-  std::vector<int64_t> out_first(parts + 1, 0);  // each part's first output row
   std::vector<size_t> fused;  // the parts of the shared parallel region
   for (size_t p = 0; p < parts; ++p) {
     visit_format(ggml_types[p], [&](auto format) {
       using F = decltype(format);
       check_inputs(x, packed[p], rows, cols, F::kValues, F::kBytes);
     });
-    TORCH_CHECK(x_first[p] >= 0 && x_count[p] >= 0 && x_first[p] + x_count[p] <= x.size(0),
-                "workbench cpu kernels: rows ", x_first[p], " + ", x_count[p], " are outside x's ", x.size(0));
-    out_first[p + 1] = out_first[p] + x_count[p];
     if (x_count[p] > 0 && x_count[p] < panel_min_batch) fused.push_back(p);
   }
+  const std::vector<int64_t> out_first = segment_starts(x, x_first, x_count);
   torch::Tensor out = torch::empty({out_first[parts], rows}, x.options());
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  const int64_t n = static_cast<int64_t>(fused.size()) * rows;
   const int64_t mean_count = std::max<int64_t>(1, out_first[parts] / static_cast<int64_t>(parts));
-  parallel_rows(n, cols * mean_count, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end;) {  // (part, weight row) pairs, a part's rows at a time
-      const size_t p = fused[i / rows];
-      const int64_t lo = i % rows, hi = std::min(rows, lo + end - i);
-      visit_format(ggml_types[p], [&](auto format) {
-        matmul_rows_exact<decltype(format)>(xp + x_first[p] * cols, x_count[p], cols, packed[p].data_ptr<uint8_t>(), lo,
-                                            hi, outp + out_first[p] * rows, rows);
-      });
-      i += hi - lo;
-    }
+  const int64_t n_fused = static_cast<int64_t>(fused.size());
+  parallel_part_rows(n_fused, rows, cols * mean_count, [&](int64_t j, int64_t lo, int64_t hi) {
+    const size_t p = fused[j];
+    visit_format(ggml_types[p], [&](auto format) {
+      matmul_rows_exact<decltype(format)>(xp + x_first[p] * cols, x_count[p], cols, packed[p].data_ptr<uint8_t>(), lo,
+                                          hi, outp + out_first[p] * rows, rows);
+    });
   });
   for (size_t p = 0; p < parts; ++p) {
     if (x_count[p] < panel_min_batch) continue;
@@ -939,27 +958,17 @@ torch::Tensor linear_llamacpp_segments(const torch::Tensor& x, at::TensorList pa
     const size_t parts = packed.size();
     TORCH_CHECK(parts > 0 && x_first.size() == parts && x_count.size() == parts,
                 "workbench cpu kernels: one first row and row count of x per packed weight");
-    std::vector<int64_t> out_first(parts + 1, 0);  // each part's first output row
-    for (size_t p = 0; p < parts; ++p) {
-      check_inputs(x, packed[p], rows, cols, F::kValues, F::kBytes);
-      TORCH_CHECK(x_first[p] >= 0 && x_count[p] >= 0 && x_first[p] + x_count[p] <= x.size(0),
-                  "workbench cpu kernels: rows ", x_first[p], " + ", x_count[p], " are outside x's ", x.size(0));
-      out_first[p + 1] = out_first[p] + x_count[p];
-    }
+    for (size_t p = 0; p < parts; ++p) check_inputs(x, packed[p], rows, cols, F::kValues, F::kBytes);
+    const std::vector<int64_t> out_first = segment_starts(x, x_first, x_count);
     const torch::Tensor xq = quantize_activations_as<typename F::Act>(x);
     const auto* xqp = reinterpret_cast<const typename F::Act*>(xq.data_ptr<uint8_t>());
     const int64_t nblocks = cols / F::kValues;
     torch::Tensor out = torch::empty({out_first[parts], rows}, x.options());
     float* outp = out.data_ptr<float>();
     const int64_t mean_count = std::max<int64_t>(1, out_first[parts] / static_cast<int64_t>(parts));
-    parallel_rows(static_cast<int64_t>(parts) * rows, cols * mean_count, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end;) {  // (part, weight row) pairs, a part's rows at a time
-        const size_t p = i / rows;
-        const int64_t lo = i % rows, hi = std::min(rows, lo + end - i);
-        matmul_rows_llamacpp<F>(xqp + x_first[p] * nblocks, x_count[p], cols, packed[p].data_ptr<uint8_t>(), lo, hi,
-                                outp + out_first[p] * rows, rows);
-        i += hi - lo;
-      }
+    parallel_part_rows(static_cast<int64_t>(parts), rows, cols * mean_count, [&](int64_t p, int64_t lo, int64_t hi) {
+      matmul_rows_llamacpp<F>(xqp + x_first[p] * nblocks, x_count[p], cols, packed[p].data_ptr<uint8_t>(), lo, hi,
+                              outp + out_first[p] * rows, rows);
     });
     return out;
   });
