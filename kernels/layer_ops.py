@@ -4,8 +4,9 @@ attention's two products, and the MLP's SwiGLU.
 Eagerly, each is one call where the torch formulas take two to eight op calls, and an eager forward pays per call
 far more than these ops' arithmetic costs:
 
-- on the CPU (float32), RMSNorm and the rope are calls of the C++ extension (``csrc/cpu_kernels.cpp``), attention's
-  products batched matmuls, the residual sum and SwiGLU their torch formulas (one call fewer each measured no faster);
+- on the CPU (float32), RMSNorm (alone or with the residual sum), SwiGLU and the rope are calls of the C++ extension
+  (``csrc/cpu_kernels.cpp``), attention's products batched matmuls; where no hook lies between them, the rope of q and
+  k, the cache's write and attention are one C++ call (``rope_attention``) that runs the same ops;
 - on CUDA, all six are Triton kernels (``triton/layer_ops.py``).
 
 Elsewhere (CPU half precision; inside ``torch.compile``, which fuses them with their neighbours; without either
@@ -63,10 +64,12 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     ``"triton"``, or the torch formulas (``"torch"``; attention's products as ``"torch-bmm"``)."""
     probe = torch.empty(1, 1, device=device, dtype=dtype)
     on_triton = _on_triton(probe, probe)
-    glue = "cpu-cxx" if _native(probe, probe) else "triton" if on_triton else "torch"
+    native = _native(probe, probe)
+    glue = "cpu-cxx" if native else "triton" if on_triton else "torch"
     attention = "triton" if on_triton else "torch-bmm"
-    return {"rms_norm": glue, "add_rms_norm": "triton" if on_triton else f"torch add + {glue}", "rope": glue,
-            "attention_scores": attention, "attend": attention, "swiglu": "triton" if on_triton else "torch"}
+    return {"rms_norm": glue, "add_rms_norm": "torch add + torch" if glue == "torch" else glue, "rope": glue,
+            "attention_scores": attention, "attend": attention, "swiglu": glue,
+            "rope_attention": "cpu-cxx" if native else "separate ops"}
 
 
 def llamacpp_glue(x: torch.Tensor) -> bool:
@@ -119,10 +122,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The residual sum ``x + delta`` (both ``[T, d]``, in ``x``'s dtype) and ``rms_norm`` of it: the sum, its scale and
-    its normalized output, as ``x + delta`` then ``rms_norm`` give them bit for bit; one call on CUDA."""
-    if (_on_triton(x, weight) and x.dim() == 2 and delta.shape == x.shape and weight.dtype == x.dtype
-            and delta.is_cuda and delta.dtype == x.dtype and not llamacpp_glue(x)):
-        return _triton.add_rms_norm(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
+    its normalized output, as ``x + delta`` then ``rms_norm`` give them bit for bit; one call on CUDA and the CPU."""
+    if x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype and not llamacpp_glue(x):
+        if _native(x, weight) and delta.is_cpu:
+            return cpu.extension().add_rms_norm(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
+        if _on_triton(x, weight) and weight.dtype == x.dtype and delta.is_cuda:
+            return _triton.add_rms_norm(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
     total = x + delta
     return (total, *rms_norm(total, weight, eps))
 
@@ -134,9 +139,12 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate`` and ``up`` ``[T, d]``, each product rounded to their dtype as the torch formula
-    rounds it: one call on CUDA."""
+    rounds it: one call on CUDA and the CPU (in float32, the bits of the formula)."""
     if llamacpp_glue(gate):
         return llamacpp_ops.swiglu(gate, up)
+    if (_native(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.stride(-1) == 1
+            and up.stride(-1) == 1):
+        return cpu.extension().swiglu(gate, up)
     if (_on_triton(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype
             and gate.stride(-1) == 1 and up.stride(-1) == 1):
         return _triton.swiglu(gate, up)
@@ -241,6 +249,27 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
     if heads * tokens * keys.shape[-2] * 4 * (batch[0] if batch else 1) <= budget:
         return attend(attention_scores(q, keys, divisor, blocked).softmax(dim=-1), values)
     return _sdpa(q, keys, values, divisor, blocked)
+
+
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, cos: torch.Tensor,
+                   sin: torch.Tensor, interleaved: bool, kv_slots: tuple[torch.Tensor, torch.Tensor, int] | None,
+                   divisor: float, blocked: torch.Tensor | None) -> torch.Tensor | None:
+    """``z`` ``[T, heads, d]`` of ``attention`` over the rope of ``q`` ``[T, heads * d]`` and ``k`` ``[T, kv_heads *
+    d]`` (``cos`` and ``sin`` ``[T, 1, d]`` as ``rope`` takes them), and ``v`` ``[T, kv_heads * d]``: with ``kv_slots``
+    (a cache layer's key and value buffers ``[kv_heads, capacity, d]`` and the first new slot), the new keys and
+    values written into the buffers and every slot up to them attended over; without, the new ones alone.
+
+    One C++ call that gives the bits of ``rope``, the cache's write, ``attention_scores``, softmax and ``attend`` (~25
+    op calls of an eager forward): the runner takes it where no hook lies between the projections and ``z``. None
+    where that call does not run: it takes float32 CPU tensors in an eager forward's exact numerics, the rope over
+    every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none)."""
+    tokens, slots = q.shape[0], q.shape[0] + (kv_slots[2] if kv_slots is not None else 0)
+    if (not _native(q, cos) or llamacpp_glue(q) or cos.shape[-1] * heads != q.shape[1]
+            or heads * tokens * slots * 4 > SCORES_BUDGET):
+        return None
+    keys, values, start = kv_slots if kv_slots is not None else (None, None, 0)
+    return cpu.extension().rope_attention(q, k, v, cos.contiguous(), sin.contiguous(), interleaved, keys, values, start,
+                                          divisor, blocked)
 
 
 # The last mask ``_causal`` looked at and its answer, as one pair: every layer of a forward passes the same mask, and

@@ -76,18 +76,19 @@ def test_add_rms_norm_is_the_sum_then_the_norm(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_swiglu_is_silu_times_up(device, dtype):
-    """SwiGLU on the two halves of a fused gate/up output (rows strided past their width), against the torch formula:
-    the same bits in bfloat16 and float16, float32 to an ulp of its exp."""
-    gate_up = (4 * torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(12))).to(device, dtype)
-    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # silu's ends and zeros
-    gate, up = gate_up.split(1536, dim=-1)
-    out = layer_ops.swiglu(gate, up)
-    expected = torch.nn.functional.silu(gate) * up
-    assert out.shape == gate.shape and out.dtype == dtype and out.is_contiguous()
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, expected, rtol=2**-22, atol=0)
-    else:
-        assert torch.equal(out, expected)
+    """SwiGLU on the two halves of a fused gate/up output (rows strided past their width; a width of whole vectors and
+    one with a tail), against the torch formula: the same bits, but float32 on CUDA to an ulp of its exp."""
+    for width in (1536, 1000):
+        gate_up = (4 * torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(12))).to(device, dtype)
+        gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # silu's ends and zeros
+        gate, up = gate_up.split(width, dim=-1)
+        out = layer_ops.swiglu(gate, up)
+        expected = torch.nn.functional.silu(gate) * up
+        assert out.shape == gate.shape and out.dtype == dtype and out.is_contiguous()
+        if dtype == torch.float32 and device == "cuda":
+            torch.testing.assert_close(out, expected, rtol=2**-22, atol=0)
+        else:
+            assert torch.equal(out, expected), width
 
 
 def test_cpu_layer_ops_refuse_bad_shapes():
@@ -102,6 +103,75 @@ def test_cpu_layer_ops_refuse_bad_shapes():
         ext.rope(torch.randn(1, 2, 8), torch.randn(1, 1, 6), torch.randn(1, 1, 6), False)
     with pytest.raises(RuntimeError, match="contiguous 3-D float32"):
         ext.rope(torch.randn(1, 2, 8).double(), torch.randn(1, 1, 8), torch.randn(1, 1, 8), False)
+    with pytest.raises(RuntimeError, match="add_rms_norm adds"):
+        ext.add_rms_norm(torch.randn(2, 4), torch.randn(1, 4), torch.randn(4), 1e-5)
+    with pytest.raises(RuntimeError, match="swiglu needs"):
+        ext.swiglu(torch.randn(2, 4), torch.randn(2, 5))
+    cos = torch.randn(1, 1, 8)
+    with pytest.raises(RuntimeError, match="KV dividing H"):  # 4 query heads, 3 key heads
+        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 24), torch.randn(1, 24), cos, cos, False, None, None, 0,
+                           1.0, None)
+    with pytest.raises(RuntimeError, match="have no slots 4 to 5"):  # a cache of 4 slots, full
+        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False,
+                           torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 4, 1.0, None)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("tokens, cached", [(1, 0), (1, 5), (3, 0), (3, 5)])  # decode / prefill, with a cache or not
+def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, tokens, cached, monkeypatch):
+    """The one C++ call an eager CPU forward takes where no hook lies inside attention gives the bits of the separate
+    ops (their torch formulas here): the rope of q and k, the cache's write and attention's scores, softmax and sum."""
+    from workbench.kernels import cpu
+    from workbench.kv_cache import causal_mask
+    if cpu.extension() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    generator = torch.Generator().manual_seed(10 * tokens + cached)
+    heads, kv_heads, d, capacity = 4, 2, 16, 8
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=generator)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # rows strided, as the projections give them
+    cos, sin = (torch.randn(tokens, 1, d, generator=generator) for _ in range(2))
+    key_buffer, value_buffer = (torch.randn(kv_heads, capacity, d, generator=generator) for _ in range(2))
+    blocked = causal_mask(tokens, cached + tokens, "cpu")
+    with layer_ops.torch_formulas():
+        q_rot = layer_ops.rope(q.view(tokens, heads, d), cos, sin, interleaved)
+        k_rot = layer_ops.rope(k.view(tokens, kv_heads, d), cos, sin, interleaved)
+        keys, values = k_rot.transpose(0, 1), v.view(tokens, kv_heads, d).transpose(0, 1)
+        if cached:  # KVCache.write
+            expected_keys, expected_values = key_buffer.clone(), value_buffer.clone()
+            expected_keys[:, cached:cached + tokens], expected_values[:, cached:cached + tokens] = keys, values
+            keys, values = expected_keys[:, :cached + tokens], expected_values[:, :cached + tokens]
+        expected = layer_ops.attend(layer_ops.attention_scores(q_rot, keys, 4.0, blocked).softmax(-1), values)
+    slots = (key_buffer, value_buffer, cached) if cached else None
+    z = layer_ops.rope_attention(q, k, v, heads, cos, sin, interleaved, slots, 4.0, blocked)
+    assert z.shape == (tokens, heads, d) and torch.equal(z, expected)
+    if cached:
+        assert torch.equal(key_buffer, expected_keys) and torch.equal(value_buffer, expected_values)
+    # partial rotary, or scores past the budget: the separate ops' turn
+    assert layer_ops.rope_attention(q, k, v, heads, cos[..., :8], sin[..., :8], interleaved, None, 4.0, blocked) is None
+    monkeypatch.setattr(layer_ops, "SCORES_BUDGET", 4 * heads * tokens * (cached + tokens) - 1)
+    assert layer_ops.rope_attention(q, k, v, heads, cos, sin, interleaved, slots, 4.0, blocked) is None
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_decode_steps_without_hooks_inside_attention_keep_every_bit(architecture, tiny_model, monkeypatch):
+    """A prompt and decode steps on a cache without hooks (attention in one C++ call a layer) and with a hook inside
+    every layer's attention (the separate ops): the same logits and the same cache, bit for bit."""
+    model = tiny_model(architecture, "Q8_0", n_layers=2, device="cpu")
+    runner, ids = model.runner, [3, 14, 15, 92, 65, 35]
+    fused = []
+    rope_attention = layer_ops.rope_attention
+    monkeypatch.setattr(layer_ops, "rope_attention", lambda *a: fused.append(1) or rope_attention(*a))
+    inside = {f"blocks.{i}.attn.hook_rot_k": [lambda x, ctx: None] for i in range(runner.config.n_layers)}
+    results = []
+    for hooks in (None, inside):
+        cache = runner.new_cache(4)  # grown on the way
+        logits = [runner.forward(torch.tensor(ids), cache=cache, hooks=hooks)]
+        logits += [runner.forward(torch.tensor([t]), cache=cache, hooks=hooks, step=s) for s, t in enumerate(ids, 1)]
+        results.append((logits, [cache.get(i) for i in range(runner.config.n_layers)]))
+    assert len(fused) == 7 * runner.config.n_layers  # every layer of every forward without hooks, none with them
+    (plain, plain_cache), (hooked, hooked_cache) = results
+    assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
+    assert all(torch.equal(a, b) for layer, other in zip(plain_cache, hooked_cache) for a, b in zip(layer, other))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
@@ -132,7 +202,8 @@ def test_cuda_norm_hooks_change_no_bit_and_edits_reach_the_output(dtype, tiny_mo
 def test_cuda_info_names_the_triton_glue(tiny_model):
     model = tiny_model("llama", "Q8_0", n_layers=1, device="cuda", dtype=torch.bfloat16)
     assert model.info()["layer_ops"] == {
-        op: "triton" for op in ("rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu")}
+        **{op: "triton" for op in ("rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu")},
+        "rope_attention": "separate ops"}
 
 
 def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
@@ -145,7 +216,7 @@ def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
     with layer_ops.torch_formulas():
         assert layer_ops.implementations(model.device, model.dtype) == {
             "rms_norm": "torch", "add_rms_norm": "torch add + torch", "rope": "torch", "attention_scores": "torch-bmm",
-            "attend": "torch-bmm", "swiglu": "torch"}
+            "attend": "torch-bmm", "swiglu": "torch", "rope_attention": "separate ops"}
         formulas = model.forward(ids)
     expected_norm = "cpu-cxx" if cpu.extension() is not None else "torch"
     assert layer_ops.implementations(model.device, model.dtype)["rms_norm"] == expected_norm

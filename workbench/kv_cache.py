@@ -152,6 +152,12 @@ class KVCache:
         self._values[layer][:, self.length : stop] = values
         return self._keys[layer][:, :stop], self._values[layer][:, :stop]
 
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """One layer's key and value buffers ``[n_kv_heads, capacity, d_head]`` and the slot the forward's new tokens
+        start at, for an op that writes them there itself as ``write`` does (``layer_ops.rope_attention``); None where
+        the cache writes its own way."""
+        return self._keys[layer], self._values[layer], self.length
+
     def commit(self, tokens: torch.Tensor) -> None:
         """Make the slots written by a finished forward (of ``tokens``, best on the host) part of the cache, at the
         positions ``prepare`` gave them (known on the host: no read back from the device)."""
@@ -298,6 +304,9 @@ class StaticKVCache(KVCache):
         self._keys[layer].index_copy_(1, positions, keys)
         self._values[layer].index_copy_(1, positions, values)
         return self._keys[layer], self._values[layer]
+
+    def buffers(self, layer: int) -> None:
+        return None  # its new slots lie where the device-side length says
 
     def commit(self, tokens: torch.Tensor) -> None:
         self._length += tokens.shape[0]

@@ -270,6 +270,9 @@ class _Points:
     def wants(self, name: str) -> bool:
         return name in self.hooks
 
+    def wants_any(self, names: frozenset[str]) -> bool:
+        return bool(self.hooks) and not self.hooks.keys().isdisjoint(names)
+
     def __call__(self, name: str, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
         fns = self.hooks.get(name)
         if not fns:
@@ -454,6 +457,10 @@ class Transformer:
         self.embed_scale = math.sqrt(c.d_model) if self.arch.embed_scale else None
         self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
         self._names = [self._block_names(i, last=i + 1 == c.n_layers) for i in range(c.n_layers)]
+        # the layers whose attention is llama's: layer_ops.rope_attention may run it
+        self._plain_attention = [layer.wk is not None and not c.qk_norm and layer.v_norm is None and not c.attn_softcap
+                                 and layer.sinks is None and i not in self._kv_reused
+                                 for i, layer in enumerate(self.weights.layers)]
 
     def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int,
                     yarn: YaRN | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,6 +507,10 @@ class Transformer:
             names[norm] = (names[f"{norm}.hook_scale"], names[f"{norm}.hook_normalized"])
         # the residual stream's points between each sum and the norm after it (``add_rms_norm``)
         names["after_attn"] = ((names["hook_resid_mid"], i),)
+        # the points between attention's projections and z (layer_ops.rope_attention skips them)
+        names["inside_attention"] = frozenset(names[p] for p in (
+            "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores",
+            "attn.hook_pattern"))
         names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
         if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
@@ -795,6 +806,15 @@ class Transformer:
             if lora:
                 raise WorkbenchError("adapters on layers that reuse another layer's keys and values are not supported")
             q = linear(x, layer.wq)
+        # Where no hook lies between the projections and z, the rope, the cache's write and attention are one call
+        # with the same bits (layer_ops.rope_attention; None where it does not run).
+        if self._plain_attention[i] and layout is None and not point.wants_any(names["inside_attention"]):
+            slots = cache.buffers(i) if cache is not None else None
+            if cache is None or slots is not None:
+                z = layer_ops.rope_attention(q, k, v, c.n_heads, *rotation, c.rope_interleaved, slots, self.attn_scale,
+                                             blocked)
+                if z is not None:
+                    return self._attention_out(z, layer, i, point, lora)
         q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, d_head), i)
         if own_kv:
             k = self._head_point(point, names["attn.hook_k"], k.view(n_new, n_kv_heads, d_head), i)
@@ -837,8 +857,14 @@ class Transformer:
             z = layer_ops.attend(pattern, values)
         else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
             z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
-        z = point(names["attn.hook_z"], z if layout is None else layout.unpad(z), i)
-        z_flat = z.reshape(n_new, c.n_heads * d_head)
+        return self._attention_out(z if layout is None else layout.unpad(z), layer, i, point, lora)
+
+    def _attention_out(self, z: torch.Tensor, layer, i: int, point: _Points, lora: LayerLora) -> torch.Tensor:
+        """Attention's output from ``z`` ``[T, n_heads, d_head]`` (packed), through its hook points."""
+        c, names = self.config, self._names[i]
+        n_new = z.shape[0]
+        z = point(names["attn.hook_z"], z, i)
+        z_flat = z.reshape(n_new, c.n_heads * self._heads[i][1])
         out = linear(z_flat, layer.wo)
         if lora:
             out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)

@@ -993,18 +993,10 @@ void check_floats(const torch::Tensor& t, const char* name, int64_t dim) {
               t.scalar_type(), " ", t.sizes());
 }
 
-// RMSNorm of each row of x [T, d]: scale = 1 / sqrt(mean(x^2) + eps) as [T, 1] (squares rounded to float32, summed
-// in double), and out = (x * scale) * weight.
+// RMSNorm of each row of x [rows, d] into scale [rows] and out [rows, d]: scale = 1 / sqrt(mean(x^2) + eps) (squares
+// rounded to float32, summed in double), and out = (x * scale) * weight.
 __attribute__((optimize("fp-contract=off")))
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check_floats(x, "x", 2);
-  check_floats(weight, "weight", 1);
-  TORCH_CHECK(weight.size(0) == x.size(1), "workbench cpu kernels: rms_norm weight has ", weight.size(0),
-              " values for rows of ", x.size(1));
-  const int64_t rows = x.size(0), d = x.size(1);
-  torch::Tensor scale = torch::empty({rows, 1}, x.options()), out = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float *sp = scale.data_ptr<float>(), *op = out.data_ptr<float>();
+void rms_norm_rows(const float* xp, const float* wp, float* sp, float* op, int64_t rows, int64_t d, double eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* xr = xp + t * d;
@@ -1022,25 +1014,73 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const 
       }
     }
   });
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+  check_floats(x, "x", 2);
+  check_floats(weight, "weight", 1);
+  TORCH_CHECK(weight.size(0) == x.size(1), "workbench cpu kernels: rms_norm weight has ", weight.size(0),
+              " values for rows of ", x.size(1));
+}
+
+// RMSNorm of x [T, d] (rms_norm_rows): its scale [T, 1] and output.
+std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  torch::Tensor scale = torch::empty({x.size(0), 1}, x.options()), out = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(),
+                x.size(0), x.size(1), eps);
   return {scale, out};
 }
 
-// Rope of x [T, H, D]: out = x * cos + partner(x) * sin with cos and sin [T, 1, D] (the runner's rotation(): cos at
-// both values of a pair, sin signed for each value), the partner of value i being i ^ 1 (adjacent pairs) or i +- D/2
-// (the two halves of each head).
-__attribute__((optimize("fp-contract=off")))
-torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved) {
-  check_floats(x, "x", 3);
-  check_floats(cos, "cos", 3);
-  check_floats(sin, "sin", 3);
-  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
-  TORCH_CHECK(d % 2 == 0 && cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == 1 && cos.size(2) == d,
-              "workbench cpu kernels: rope needs x [T, H, D] (D even) and cos, sin [T, 1, D], got ", x.sizes(), ", ",
-              cos.sizes(), ", ", sin.sizes());
-  torch::Tensor out = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+// The residual sum x + delta [T, d] and rms_norm of it: the sum, its scale and the output.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& x,
+                                                                     const torch::Tensor& delta,
+                                                                     const torch::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  check_floats(delta, "delta", 2);
+  TORCH_CHECK(delta.sizes() == x.sizes(), "workbench cpu kernels: add_rms_norm adds ", delta.sizes(), " to ",
+              x.sizes());
+  torch::Tensor total = torch::empty_like(x), scale = torch::empty({x.size(0), 1}, x.options()),
+                out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *dp = delta.data_ptr<float>();
+  float* tp = total.data_ptr<float>();
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) {
+    tp[i] = xp[i] + dp[i];
+  }
+  rms_norm_rows(tp, weight.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+                eps);
+  return {total, scale, out};
+}
+
+// silu(gate) * up for gate and up [T, d] (rows may be strided, as the two halves of a fused gate/up output): silu is
+// ATen's own kernel, so the bits of the torch formula.
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == torch::kFloat32 && gate.dim() == 2 &&
+                  up.sizes() == gate.sizes() && up.scalar_type() == torch::kFloat32 && gate.stride(1) == 1 &&
+                  up.stride(1) == 1,
+              "workbench cpu kernels: swiglu needs float32 gate and up [T, d] of one shape, rows contiguous, got ",
+              gate.sizes(), ", ", up.sizes());
+  torch::Tensor out = at::silu(gate);
+  TORCH_CHECK(out.is_contiguous(), "workbench cpu kernels: swiglu's silu came out strided");
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, tokens * heads, std::max<int64_t>(1, (1 << 15) / d), [&](int64_t begin, int64_t end) {
+  const float* up_p = up.data_ptr<float>();
+  const int64_t rows = gate.size(0), d = gate.size(1), up_stride = up.stride(0);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t i = 0; i < d; ++i) {
+      op[t * d + i] *= up_p[t * up_stride + i];
+    }
+  }
+  return out;
+}
+
+// Rope of rows x [rows, D] into out: out = x * cos + partner(x) * sin with cos and sin [rows / heads, D] (the
+// runner's rotation(): cos at both values of a pair, sin signed for each value), the partner of value i being i ^ 1
+// (adjacent pairs) or i +- D/2 (the two halves of each head).
+__attribute__((optimize("fp-contract=off")))
+void rope_rows(const float* xp, const float* cp, const float* sp, float* op, int64_t rows, int64_t heads, int64_t d,
+               bool interleaved) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / d), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float *xr = xp + row * d, *c = cp + row / heads * d, *s = sp + row / heads * d;
       float* o = op + row * d;
@@ -1063,7 +1103,109 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
       }
     }
   });
+}
+
+void check_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  check_floats(x, "x", 3);
+  check_floats(cos, "cos", 3);
+  check_floats(sin, "sin", 3);
+  TORCH_CHECK(x.size(2) % 2 == 0 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) == 1 &&
+              cos.size(2) == x.size(2),
+              "workbench cpu kernels: rope needs x [T, H, D] (D even) and cos, sin [T, 1, D], got ", x.sizes(), ", ",
+              cos.sizes(), ", ", sin.sizes());
+}
+
+// Rope of x [T, H, D] (rope_rows) with cos and sin [T, 1, D].
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved) {
+  check_rope(x, cos, sin);
+  torch::Tensor out = torch::empty_like(x);
+  rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>(),
+            x.size(0) * x.size(1), x.size(1), x.size(2), interleaved);
   return out;
+}
+
+// Attention of the queries q [T, H * D] over a layer's keys and values, from the projections q, k [T, KV * D] and
+// v [T, KV * D] as the runner's eager forward computes it where no hook lies between them (one call instead of ~25):
+// the rope of q and k (rope_rows) with cos and sin [T, 1, D]; with a cache, the new keys and values written into its
+// buffers [KV, capacity, D] at slots [start, start + T) and every slot up to them attended over (KVCache.write),
+// without one, the new ones alone; then layer_ops.attention_scores, softmax and layer_ops.attend, step by step the
+// same ATen ops on the same views (query head h reads kv head h / (H / KV)), so the same bits. Scores are divided by
+// divisor and -inf where blocked [T, S] is true. Returns z [T, H, D].
+torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved,
+                             const c10::optional<torch::Tensor>& key_cache,
+                             const c10::optional<torch::Tensor>& value_cache, int64_t start, double divisor,
+                             const c10::optional<torch::Tensor>& blocked) {
+  check_floats(cos, "cos", 3);
+  check_floats(sin, "sin", 3);
+  const torch::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  check_floats(qc, "q", 2);
+  check_floats(kc, "k", 2);
+  check_floats(vc, "v", 2);
+  const int64_t tokens = qc.size(0), d = cos.size(2), heads = qc.size(1) / d, kv_heads = kc.size(1) / d;
+  TORCH_CHECK(d % 2 == 0 && cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.size(1) == 1 &&
+                  qc.size(1) == heads * d && kc.size(1) == kv_heads * d && vc.sizes() == kc.sizes() && kv_heads > 0 &&
+                  heads % kv_heads == 0 && kc.size(0) == tokens,
+              "workbench cpu kernels: rope_attention needs q [T, H * D], k and v [T, KV * D] (KV dividing H) and cos, "
+              "sin [T, 1, D] (D even), got ", qc.sizes(), ", ", kc.sizes(), ", ", vc.sizes(), ", ", cos.sizes(), ", ",
+              sin.sizes());
+  torch::Tensor q_rot = torch::empty({tokens, heads, d}, qc.options()), k_rot = torch::empty({tokens, kv_heads, d},
+                                                                                            kc.options());
+  rope_rows(qc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot.data_ptr<float>(),
+            tokens * heads, heads, d, interleaved);
+  rope_rows(kc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_rot.data_ptr<float>(),
+            tokens * kv_heads, kv_heads, d, interleaved);
+  torch::Tensor keys, values;
+  if (key_cache.has_value()) {
+    const torch::Tensor &kb = *key_cache, &vb = *value_cache;
+    check_floats(kb, "key_cache", 3);
+    check_floats(vb, "value_cache", 3);
+    TORCH_CHECK(kb.sizes() == vb.sizes() && kb.size(0) == kv_heads && kb.size(2) == d && start >= 0 &&
+                    start + tokens <= kb.size(1),
+                "workbench cpu kernels: rope_attention's cache buffers ", kb.sizes(), " and ", vb.sizes(),
+                " have no slots ", start, " to ", start + tokens, " for ", tokens, " tokens of ", kv_heads,
+                " key heads of ", d);
+    const int64_t capacity = kb.size(1);
+    float *kbp = kb.data_ptr<float>(), *vbp = vb.data_ptr<float>();
+    const float *krp = k_rot.data_ptr<float>(), *vp = vc.data_ptr<float>();
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::memcpy(kbp + (h * capacity + start + t) * d, krp + (t * kv_heads + h) * d, d * sizeof(float));
+        std::memcpy(vbp + (h * capacity + start + t) * d, vp + (t * kv_heads + h) * d, d * sizeof(float));
+      }
+    }
+    keys = kb.narrow(1, 0, start + tokens);
+    values = vb.narrow(1, 0, start + tokens);
+  } else {
+    keys = k_rot.transpose(0, 1);
+    values = v.view({tokens, kv_heads, d}).transpose(0, 1);  // the runner's view, strides and all
+  }
+  const int64_t slots = keys.size(1), group = heads / kv_heads;
+  // layer_ops.attention_scores
+  const torch::Tensor q_grouped = q_rot.transpose(0, 1).reshape({kv_heads, group * tokens, d});
+  torch::Tensor scores = at::bmm(q_grouped, keys.reshape({kv_heads, slots, d}).transpose(1, 2))
+                             .view({heads, tokens, slots}).contiguous();
+  float* sp = scores.data_ptr<float>();
+  const float scale_divisor = static_cast<float>(divisor);
+  const bool* bp = nullptr;
+  if (blocked.has_value()) {
+    TORCH_CHECK(blocked->scalar_type() == torch::kBool && blocked->is_contiguous() && blocked->dim() == 2 &&
+                blocked->size(0) == tokens && blocked->size(1) == slots,
+                "workbench cpu kernels: rope_attention's mask must be a contiguous bool [T, S] = [", tokens, ", ",
+                slots, "], got ", blocked->scalar_type(), " ", blocked->sizes());
+    bp = blocked->data_ptr<bool>();
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < tokens * slots; ++i) {
+      float& score = sp[h * tokens * slots + i];
+      score = (bp != nullptr && bp[i]) ? -INFINITY : score / scale_divisor;
+    }
+  }
+  // softmax, then layer_ops.attend
+  const torch::Tensor pattern = at::_softmax(scores, -1, false);
+  return at::bmm(pattern.reshape({kv_heads, group * tokens, slots}), values.reshape({kv_heads, slots, d}))
+      .view({heads, tokens, d})
+      .transpose(0, 1);
 }
 
 // LoRA terms of a group of projections sharing the input x [T, in] (runner.add_lora): each output outs[p] plus its
@@ -1225,9 +1367,14 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations(Tensor x, int ggml_type) -> Tensor");
   // {values, bytes, activation type} of a weight type as compiled in, from the format table's macros
   m.def("format_layout(int ggml_type) -> int[]", &format_layout);
-  // RMSNorm's scale and output, and the rope, for the runner's eager CPU forward
+  // RMSNorm's scale and output (after the residual sum), SwiGLU and the rope, for the runner's eager CPU forward
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
+  // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
+  m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
+        "Tensor? value_cache, int start, float divisor, Tensor? blocked) -> Tensor");
   // c + a @ b, each output a chain of float32 fused multiply-adds in order (llama.cpp numerics' attention)
   m.def("fma_chain(Tensor a, Tensor b, Tensor c) -> Tensor");
   // ggml-cpu's polynomial exp (ggml_v_expf) of each value
@@ -1243,7 +1390,10 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("linear_llamacpp_segments", &linear_llamacpp_segments);
   m.impl("quantize_activations", &quantize_activations);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("swiglu", &swiglu);
   m.impl("rope", &rope);
+  m.impl("rope_attention", &rope_attention);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
   m.impl("lora_add", &lora_add);
