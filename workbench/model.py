@@ -292,15 +292,16 @@ class Model:
             ids = self.tokenize(text, add_bos=False if chat else None)
         else:
             try:
-                ids = [int(i) for i in prompt]
+                ids = list(map(int, prompt))
             except (TypeError, ValueError, OverflowError):
                 raise WorkbenchError(f"a prompt is a text or a list of token ids, got {shorten(prompt)}") from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
             raise WorkbenchError(f"the prompt has {len(ids)} tokens; the context holds {self.config.n_ctx}")
-        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-        if bad:
+        # min and max first: a sweep checks every prompt of every shard on every rank before any compute
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
             raise WorkbenchError(f"token ids out of range 0..{self.config.vocab_size - 1}: {bad[:5]}")
         return ids
 
