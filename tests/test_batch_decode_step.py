@@ -157,9 +157,9 @@ def test_which_hooks_a_static_step_holds(llama, monkeypatch):
     assert len(built) == 1
 
 
-def test_model_batches_take_the_static_step_only_on_cuda(llama, monkeypatch):
-    """``generate_batch`` runs eager batched steps on the CPU (attending over the longest row is less work than over
-    the capacity) and, with the static step's default, a CUDA graph on CUDA."""
+def test_model_batches_on_the_cpu_take_eager_steps(llama, monkeypatch):
+    """By default ``generate_batch`` takes the static step on CUDA alone: on the CPU the eager batched step, attending
+    over the longest row, is less work than over the capacity, and there are no launches to save."""
     built = count_static_steps(monkeypatch)
     llama.generate_batch(PROMPTS, 4, interventions=[steer(llama, "generated")])
     assert not built
