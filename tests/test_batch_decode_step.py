@@ -21,6 +21,8 @@ from workbench.runner import BatchLayout, capturable
 
 PROMPTS = [[5, 17, 42, 99, 7, 23, 61], [8, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [40, 41, 42, 43]]
 STATIC_BOUND = 1e-6  # max |logit diff| over the logits' largest magnitude, static step against eager batched steps
+# the same on CUDA in float32, not yet measured there (the test prints what it sees: run it with -s)
+CUDA_STATIC_BOUND = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +185,7 @@ def cuda_llama(tiny_model):
 def test_cuda_graph_of_the_batched_step_generates_the_eager_tokens(cuda_llama, monkeypatch, positions):
     """The captured and replayed batched step (tokens read back one step behind) yields the eager batched path's
     events exactly, with and without a shared Steer, with rows that stop early; its logits are the eager static
-    step's and the eager batched step's within STATIC_BOUND, and it picks their tokens."""
+    step's and the eager batched step's within CUDA_STATIC_BOUND, and it picks their tokens."""
     model, runner = cuda_llama, cuda_llama.runner
     hooks_ = None if positions == "none" else batch_hooks(model, [steer(model, positions)])
     prompts = dict(enumerate(PROMPTS))
@@ -205,7 +207,7 @@ def test_cuda_graph_of_the_batched_step_generates_the_eager_tokens(cuda_llama, m
     twin_from, _ = prefilled(runner, hooks_, capacity)
     step = generation._batch_step(runner, StaticBatchKVCache(graph_from), hooks_, None, list(prompts))
     twin, twin_layout = StaticBatchKVCache(twin_from), BatchLayout([1] * len(PROMPTS), runner.device)
-    tokens = first
+    tokens, worst = first, 0.0
     for i in range(1, 6):
         layout = BatchLayout([1] * len(PROMPTS), runner.device, cached=eager_cache.lengths)
         expected = runner.forward(tokens, cache=eager_cache, hooks=hooks_, layout=layout, last_logits_only=True,
@@ -213,9 +215,12 @@ def test_cuda_graph_of_the_batched_step_generates_the_eager_tokens(cuda_llama, m
         replayed = step(tokens.tolist()).clone()
         eager_static = runner.forward(tokens, cache=twin, hooks=hooks_, layout=twin_layout, last_logits_only=True)
         for other in (eager_static, expected):
-            assert (replayed - other).abs().max().item() <= STATIC_BOUND * other.abs().max().item()
+            difference = (replayed - other).abs().max().item() / other.abs().max().item()
+            assert difference <= CUDA_STATIC_BOUND
+            worst = max(worst, difference)
         assert torch.equal(step.token, expected.argmax(-1))  # the next inputs, picked on the device
         tokens = (expected.argmax(-1) + i * 7) % model.config.vocab_size
+    print(f"captured batched step against eager steps, max |logit diff| / max |logit|: {worst:.2e}")
 
 
 @pytest.mark.cuda
