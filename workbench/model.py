@@ -530,7 +530,9 @@ class Model:
         """Yield ``(prompt index, token_id, new_text)`` as each prompt's tokens are generated, in batched decode steps;
         each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
         from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does.
-        ``adapter`` as in ``iter_batch``: one choice for all, or one per prompt."""
+        ``adapter`` as in ``iter_batch``: one choice for all, or one per prompt. On CUDA, greedy decoding with no
+        interventions or only shared whole-token edits replays one captured decode step per token
+        (``generate_batch_tokens``, docs/batches.md "Decoding on CUDA")."""
         sampling = Sampling(temperature, top_k, top_p, seed)
         ids = self.batch_ids(prompts, chat)
         lora = [self.lora_terms(c) for c in self.batch_adapters(adapter, len(ids))]
