@@ -17,6 +17,7 @@ their own order. Many rows (a prompt) take the formula, the BLAS being faster th
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -24,12 +25,16 @@ import torch.nn.functional as F
 
 from . import cpu
 from . import triton as _triton
-from .linear import linear, select_kernel
+from .launch_choices import gemv_rows
+from .linear import _traced_numerics as traced_numerics, linear, select_kernel
 from .quant_tensor import QuantTensor
 from .tracing import compiling
 
 # Rows (tokens) up to which the fused call serves: decode, batched decode and short prompts.
 MAX_ROWS = 16
+# Whether the CUDA GEMV adds the terms in its epilogue (``linear_with_terms``); bench/adapters.py switches it off to
+# time ``add_terms`` after the GEMV in the same run.
+GEMV_EPILOGUE = True
 # Multiply-adds per thread from which the CPU op splits its expansion over threads: no decode step of a small model
 # gets there (docs/performance.md, "LoRA adapters": on 2 shared cores, threads gained nothing quiet and lost much
 # under load).
@@ -66,17 +71,23 @@ def linear_with_terms(x: torch.Tensor, stacked: QuantTensor | None, parts: Seque
     after a split shrink (``triton/lora.py``), one launch more than the base where ``add_terms`` after it takes one
     more with a shrink of dependent steps, and the base's output is never read back. None where it cannot serve (the
     caller takes the base's matmuls and ``add_terms``)."""
-    if not (x.is_cuda and _triton.AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and a.dtype == x.dtype
-            and b_t.dtype == x.dtype and max(part_ranks) <= _TRITON_MAX_RANK):
+    if not (GEMV_EPILOGUE and x.is_cuda and _triton.AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and a.dtype == x.dtype and b_t.dtype == x.dtype and max(part_ranks) <= _TRITON_MAX_RANK):
         return None
     weights = [stacked] if stacked is not None else list(parts)
     widths = [w.shape[0] for w in parts]
     x = x if x.is_contiguous() else x.contiguous()
-    if compiling():
+    if compiling():  # the op chooses the kernels when it runs; tracing rules out what it can see
+        if not all(_may_take_gemv(x, w) for w in weights):
+            return None
         outs = _linear_terms_op(x, [w.data for w in weights], ",".join(w.fmt.name for w in weights),
                                 [w.shape[0] for w in weights], a, b_t, widths, list(part_ranks))
     else:
-        outs = _linear_terms(x, weights, widths, a, b_t, part_ranks)
+        if not all(_takes_gemv(x, w) for w in weights):
+            return None
+        outs = _triton_linear_with_terms(x, weights, widths, a, b_t, part_ranks)
+        if outs is None:
+            return None
     if len(weights) > 1:
         return outs
     return [outs[0]] if len(parts) == 1 else list(outs[0].split_with_sizes(widths, dim=-1))
@@ -94,9 +105,8 @@ def _linear_terms(x: torch.Tensor, weights: Sequence[QuantTensor], widths: Seque
     adapted = [p for p, rank in enumerate(part_ranks) if rank]
     for p, out in zip(adapted, add_terms(x, a, b_t, [outs[p] for p in adapted], [part_ranks[p] for p in adapted])):
         outs[p] = out
-    bounds = [0]
-    for w in weights:  # each weight's parts
-        bounds.append(next(p for p in range(bounds[-1] + 1, len(widths) + 1) if sum(widths[bounds[-1]:p]) == w.shape[0]))
+    starts = list(accumulate(widths, initial=0))  # each weight's parts
+    bounds = [starts.index(row) for row in accumulate((w.shape[0] for w in weights), initial=0)]
     return [torch.cat(outs[first:last], dim=-1) for first, last in zip(bounds, bounds[1:])]
 
 
@@ -105,8 +115,23 @@ def _takes_gemv(x: torch.Tensor, w: QuantTensor) -> bool:
     return select_kernel(x, w).run is _triton_gemv
 
 
+def _may_take_gemv(x: torch.Tensor, w: QuantTensor) -> bool:
+    """What of ``_takes_gemv`` torch.compile's tracing can ask (not the data's alignment): the GEMV reads the format,
+    takes the rows, and the numerics are exact."""
+    return x.shape[0] <= _gemv_max_rows(w.fmt.name) and traced_numerics() == "exact"
+
+
+def _gemv_max_rows(fmt: str) -> int:
+    """The most rows the GEMV takes of ``fmt`` (0: it does not read it), a constant of a traced graph."""
+    return gemv_rows(fmt) if fmt in _TRITON_FORMATS else 0
+
+
+# torch.compiler.assume_constant_result's mark, set by hand as on linear's _traced_numerics
+_gemv_max_rows._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 if _triton.AVAILABLE:
-    from .triton import gemv as _triton_gemv
+    from .triton import SUPPORTED_FORMATS as _TRITON_FORMATS, gemv as _triton_gemv
     from .triton.lora import MAX_PARTS as _TRITON_PARTS, MAX_RANK as _TRITON_MAX_RANK, lora_add as _triton_lora_add
     from .triton.lora import linear_with_terms as _triton_linear_with_terms
 

@@ -182,5 +182,6 @@ def test_linear_with_terms_takes_the_epilogue_only_after_the_gemv(monkeypatch):
     assert [tuple(t.shape) for t in fused] == [tuple(t.shape) for t in apart] == [(1, w) for w in widths]
     for got, expected in zip(fused, apart):
         torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
-    torch.library.opcheck(lora_ops._linear_terms_op, (x, [w.data for w in weights], ",".join(w.fmt.name for w in weights),
-                                                      list(widths), a, b_t, list(widths), list(ranks)))
+    formats = ",".join(w.fmt.name for w in weights)
+    torch.library.opcheck(lora_ops._linear_terms_op,
+                          (x, [w.data for w in weights], formats, list(widths), a, b_t, list(widths), list(ranks)))

@@ -200,7 +200,8 @@ def lora_loads(partials_ptr, b_ptr, splits, ranks, b_cols, edge1, edge2, rank0_0
     r = tl.arange(0, BLOCK_R)
     split = tl.arange(0, BLOCK_S)
     ranked = r < rank
-    partial_ptrs = partials_ptr + ((split[:, None, None] * M + m_rows[None, :, None]) * ranks + (rank0 + r)[None, None, :])
+    partial_rows = (split[:, None, None] * M + m_rows[None, :, None]) * ranks
+    partial_ptrs = partials_ptr + partial_rows + (rank0 + r)[None, None, :]
     partials = tl.load(partial_ptrs, mask=(split < splits)[:, None, None] & (m_rows < M)[None, :, None]
                        & ranked[None, None, :], other=0.0)
     b = tl.load(b_ptr + (rank0 + r)[:, None] * b_cols + (rows + shift)[None, :],
@@ -301,6 +302,7 @@ def launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: GemvC
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
         EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp,
-        CHUNKS=walks_chunks(w.fmt.name, llamacpp), BY_EXPERT=by_expert is not None, LORA=lora is not None, BLOCK_S=block_s, BLOCK_R=block_r,
+        CHUNKS=walks_chunks(w.fmt.name, llamacpp), BY_EXPERT=by_expert is not None,
+        LORA=lora is not None, BLOCK_S=block_s, BLOCK_R=block_r,
         num_warps=config.num_warps,
     )
