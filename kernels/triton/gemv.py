@@ -180,9 +180,8 @@ def _gemv_kernel(
                 acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_rows, K, BLOCK_N, BLOCK_U)
     out_ptrs = out_ptr + m_rows.to(tl.int64)[:, None] * N + rows[None, :]
     out = tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty)
-    if LORA:
-        out = lora_sum(out, lora_b, lora_partials)
-    tl.store(out_ptrs, out, mask=(m_rows[:, None] < M) & (rows[None, :] < N))
+    tl.store(out_ptrs, lora_sum(out, lora_b, lora_partials) if LORA else out,
+             mask=(m_rows[:, None] < M) & (rows[None, :] < N))
 
 
 @triton.jit
