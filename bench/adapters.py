@@ -54,6 +54,7 @@ from workbench.kernels import lora as lora_ops
 FUSED_ROWS = lora_ops.MAX_ROWS
 # CUDA: the adapter's terms by the fused kernel after the base's GEMV (``kernels.lora``'s GEMV epilogue switched off)
 AFTER_GEMV = "adapter, kernel after"
+ADDED = {"base + fused kernel": "the fused kernel after", "base with the GEMV's epilogue": "the GEMV's epilogue"}
 
 
 def write_random_adapter(path: Path, config, rank: int, projections: list[str], seed: int = 0) -> Path:
@@ -181,14 +182,12 @@ def kernel_times(model: workbench.Model, name: str, repeats: int) -> None:
     print(f"fused: {seconds['fused kernel'] * n_calls * 1e3:.3f} ms a step")
     base = seconds["base matmuls"]
     print(f"with the base's matmuls, one CUDA graph a step: base {base * n_calls * 1e3:.3f} ms; the adapter adds "
-          + ", ".join(f"{run.removeprefix('base ')} {(seconds[run] - base) * n_calls * 1e3:.3f} ms"
-                      for run in with_base[1:]))
+          + ", ".join(f"{ADDED[run]} {(seconds[run] - base) * n_calls * 1e3:.3f} ms" for run in with_base[1:]))
     for parts in dict.fromkeys(groups):  # each kind of group alone, one graph each
         group = {run: cuda_seconds([call for call, kind in zip(calls[run], groups) if kind == parts], repeats) * 1e6
                  for run in with_base}
         print(f"  {'/'.join(parts)}: base {group[with_base[0]]:.2f} us a call; the adapter adds "
-              + ", ".join(f"{run.removeprefix('base ')} {group[run] - group[with_base[0]]:.2f} us"
-                          for run in with_base[1:]))
+              + ", ".join(f"{ADDED[run]} {group[run] - group[with_base[0]]:.2f} us" for run in with_base[1:]))
 
 
 def main() -> None:
