@@ -35,6 +35,8 @@ MAX_ROWS = 16
 # Whether the CUDA GEMV adds the terms in its epilogue (``linear_with_terms``); bench/adapters.py switches it off to
 # time ``add_terms`` after the GEMV in the same run.
 GEMV_EPILOGUE = True
+# Tests set it where Triton's interpreter runs the GEMV on CPU tensors (TRITON_INTERPRET=1).
+GEMV_ON_CPU = False
 # Multiply-adds per thread from which the CPU op splits its expansion over threads: no decode step of a small model
 # gets there (docs/performance.md, "LoRA adapters": on 2 shared cores, threads gained nothing quiet and lost much
 # under load).
@@ -71,7 +73,7 @@ def linear_with_terms(x: torch.Tensor, stacked: QuantTensor | None, parts: Seque
     after a split shrink (``triton/lora.py``), one launch more than the base where ``add_terms`` after it takes one
     more with a shrink of dependent steps, and the base's output is never read back. None where it cannot serve (the
     caller takes the base's matmuls and ``add_terms``)."""
-    if not (GEMV_EPILOGUE and x.is_cuda and _triton.AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+    if not (GEMV_EPILOGUE and (x.is_cuda or GEMV_ON_CPU) and _triton.AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and a.dtype == x.dtype and b_t.dtype == x.dtype and max(part_ranks) <= _TRITON_MAX_RANK):
         return None
     weights = [stacked] if stacked is not None else list(parts)

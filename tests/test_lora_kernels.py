@@ -93,7 +93,7 @@ def test_triton_kernel_against_float64(widths, ranks, k, dtype):
 def gemv_group(fmt, widths, ranks, k, tokens, dtype, stacked, seed=0):
     """Weights of a group (one stacked weight or one per part), x, A and B^T of its adapted parts (rank > 0)."""
     np = pytest.importorskip("numpy")
-    from tests.test_triton_kernels import random_weight  # noqa: PLC0415 (imports gguf and triton)
+    from test_triton_kernels import random_weight  # imports gguf and triton
 
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
