@@ -13,7 +13,6 @@ from typing import Mapping, Sequence
 import torch
 
 from workbench.errors import HookError
-from workbench.kv_cache import to_device
 from workbench.runner import BatchLayout, HookContext, HookFn, Hooks, run_hooks
 
 from .points import axes
@@ -84,6 +83,13 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
         return x
 
     fn.edits_only = all(getattr(f, "edits_only", False) for hooks in prompt_hooks.values() for f in hooks.get(name, ()))
+    # On a decode step every row's token is a generated one, which positions None and "generated" both select: where
+    # every prompt shares such edits here, of whole tokens (a selection of heads or neurons indexes with a list from the
+    # host), the step applies them in one call that a CUDA graph holds (runner.capturable).
+    keys = {None if edits is None else edits[0] for edits in row_edits.values()}
+    fn.capturable = len(keys) == 1 and None not in keys and all(
+        (edit.positions is None or isinstance(edit.positions, str)) and edit.heads is None and edit.neurons is None
+        for _, edits in row_edits.values() for edit in edits)
     return fn
 
 
@@ -96,8 +102,7 @@ def _edit_rows(x: torch.Tensor, ctx: HookContext, edits: list[list], last_only: 
         prompt_len = 0
         if isinstance(edit.positions, str):  # "generated": each token selected by its own prompt's length
             counts = [1] * layout.size if last_only else layout.lengths
-            prompt_len = to_device(torch.tensor([row[j].prompt_len for row, n in zip(edits, counts) for _ in range(n)]),
-                                   positions.device)
+            prompt_len = layout.on_device(tuple(row[j].prompt_len for row, n in zip(edits, counts) for _ in range(n)))
         result = edit(out, ctx, positions, prompt_len)
         if result is not None:
             out = result.to(x.dtype)

@@ -7,23 +7,26 @@ its own model (``cuda:LOCAL_RANK``, or a layer split over ``local_devices(per_ra
 forwards. torch.distributed, not Ray: it is what GPU-cluster jobs already launch (torchrun under Slurm or Kubernetes,
 NCCL between GPUs) and it comes with torch, so a sweep needs no other dependency or cluster service.
 
-Items are cut into shards of ``shard_size`` consecutive items; shard ``s`` runs on rank ``s % world``. A shard whose
-work raises is retried on the next rank (``(s + attempt) % world``), up to ``retries`` times; its results count only
-when a run of it finishes, so a failed attempt loses and duplicates nothing. A rank that dies takes the job down
+Items are cut into shards of ``shard_size`` consecutive items. Each rank claims the next unclaimed shard from a counter
+in the job's store when it is free, so a faster GPU takes more shards and no rank idles at the end waiting for a slower
+one (a static ``s % world`` split let one rank's 10 % slower run decide the sweep's time). A shard whose work raises is
+retried on the rank after the one where it failed, up to ``retries`` times; its results count only when a run of it
+finishes, so a failed attempt loses and duplicates nothing. A rank that dies takes the job down
 (torchrun stops the others, so nothing hangs); with ``torchrun --max-restarts``, a harvest to files skips the shards
 whose files are already written. Results travel between ranks through the backend's all-gather: their tensors as
-raw bytes, the structure around them through ``all_gather_object`` (pickle among the job's own processes, never data
-from elsewhere).
+raw bytes packed on the backend's device (the GPU for NCCL), the structure around them through ``all_gather_object``
+(pickle among the job's own processes, never data from elsewhere).
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -96,18 +99,19 @@ def local_devices(per_rank: int = 1) -> list[str]:
 
 
 def _all_gather(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order. The tensors inside travel as one byte buffer per rank through the
-    backend's own all-gather (NCCL between GPUs); only the small skeleton around them is pickled. Pickling each
-    of a sweep's per-prompt rows instead cost more than the sweep's compute on two GPUs."""
+    """Every rank's ``value``, in rank order, its tensors on the CPU. The tensors inside travel as one byte buffer per
+    rank through the backend's own all-gather, packed where the backend reads (on the GPU for NCCL: a GPU result is
+    copied once on the device, not read back first); only the small skeleton around them is pickled. Pickling each of
+    a sweep's per-prompt rows instead cost more than the sweep's compute on two GPUs."""
     rank = this_rank()
     if rank.world == 1:
-        return [value]
+        return [_tree_map(value, lambda x: x.cpu(), torch.Tensor)]
     chunks: list[tuple[_Slot, torch.Tensor]] = []
     size = 0
 
     def to_slot(x: torch.Tensor) -> _Slot:
         nonlocal size
-        data = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        data = x.detach().contiguous().reshape(-1).view(torch.uint8)
         slot = _Slot(size, data.numel(), x.dtype, tuple(x.shape))
         chunks.append((slot, data))
         size += -(-data.numel() // _ALIGN) * _ALIGN  # every slot starts aligned for any dtype's view
@@ -116,11 +120,10 @@ def _all_gather(value: Any) -> list[Any]:
     skeleton = _tree_map(value, to_slot, torch.Tensor)
     skeletons: list[Any] = [None] * rank.world
     dist.all_gather_object(skeletons, (skeleton, size))
-    host = torch.zeros(max(n for _, n in skeletons), dtype=torch.uint8)
-    for slot, data in chunks:
-        host[slot.offset:slot.offset + slot.nbytes] = data
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    local = host.to(device)
+    local = torch.zeros(max(n for _, n in skeletons), dtype=torch.uint8, device=device)
+    for slot, data in chunks:
+        local[slot.offset:slot.offset + slot.nbytes].copy_(data, non_blocking=True)
     buffers = [torch.empty_like(local) for _ in range(rank.world)]
     dist.all_gather(buffers, local)
     return [_tree_map(part, lambda slot, data=buffer.cpu(): slot.tensor(data), _Slot)
@@ -157,7 +160,20 @@ def _tree_map(value: Any, fn: Callable[[Any], Any], leaf: type) -> Any:
 def run_sharded(items: Sequence[T], work: Callable[[Shard], Sequence[R]], *, shard_size: int = 64,
                 retries: int = 2) -> list[R]:
     """``work(shard)`` over shards of ``items`` on every rank, one result per item: on every rank, the results of all
-    items in their order. Every rank must call this with the same items (it is a collective)."""
+    items in their order (tensors on the CPU). Every rank must call this with the same items (it is a collective)."""
+
+    def checked(shard: Shard) -> list[R]:
+        out = list(work(shard))
+        if len(out) != len(shard.items):
+            raise WorkbenchError(f"the work gave {len(out)} results for {len(shard.items)} items")
+        return out
+
+    return [result for out in _run_shards(items, checked, shard_size, retries) for result in out]
+
+
+def _run_shards(items: Sequence[T], work: Callable[[Shard], Any], shard_size: int, retries: int) -> list[Any]:
+    """``work(shard)`` of every shard of ``items``, in the shards' order, on every rank: each shard's result travels
+    whole (a harvest's ``[rows, ...]`` tensors as one slot each, not one per prompt)."""
     items = list(items)
     if not items:
         raise WorkbenchError("no work items given")
@@ -168,43 +184,58 @@ def run_sharded(items: Sequence[T], work: Callable[[Shard], Sequence[R]], *, sha
     rank = this_rank()
     shards = [Shard(s, start, items[start:start + shard_size])
               for s, start in enumerate(range(0, len(items), shard_size))]
-    done: dict[int, list[R]] = {}
-    pending, errors = [shard.index for shard in shards], {}
+    gathered: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    owners: dict[int, int] = {}  # the rank each failed shard's next attempt runs on
     for attempt in range(retries + 1):
-        failed = {}
-        for s in pending:
-            if (s + attempt) % rank.world != rank.rank:
-                continue
+        mine = _claimed(len(shards)) if attempt == 0 else (s for s, r in owners.items() if r == rank.rank)
+        done, failed = {}, {}
+        for s in mine:
             try:
-                out = list(work(shards[s]))
-                if len(out) != len(shards[s].items):
-                    raise WorkbenchError(f"the work gave {len(out)} results for {len(shards[s].items)} items")
+                done[s] = work(shards[s])
             except Exception as err:  # noqa: BLE001 - any failure of a shard is retried, then reported
-                failed[s] = f"{type(err).__name__}: {err}"
-                continue
-            done[s] = out
-        # every rank learns which shards failed, so all take the same next round
-        failed = {s: e for part in _all_gather(failed) for s, e in part.items()}
-        errors.update(failed)
-        pending = sorted(failed)
-        if not pending:
+                failed[s] = (rank.rank, f"{type(err).__name__}: {err}")
+        # one gather a round: the results, and which shards failed where, so that all ranks agree on the next round
+        # (each failed shard on the rank after the one where it failed)
+        failed_anywhere = {}
+        for part_done, part_failed in _all_gather((done, failed)):
+            for s, out in part_done.items():
+                if s in gathered:
+                    raise WorkbenchError(f"shard {s} came back from two ranks")
+                gathered[s] = out
+            failed_anywhere.update(part_failed)
+        errors.update({s: message for s, (_, message) in failed_anywhere.items()})
+        owners = {s: (where + 1) % rank.world for s, (where, _) in sorted(failed_anywhere.items())}
+        if not owners:
             break
-    if pending:
+    if owners:
+        pending = sorted(owners)
         s = pending[0]
         first = shards[s].start
         raise WorkbenchError(f"shard {s} (items {first}..{first + len(shards[s].items) - 1}) failed {retries + 1} "
                              f"times; last error: {errors[s]}" + (f" ({len(pending) - 1} more shards failed)"
                                                                   if len(pending) > 1 else ""))
-    gathered: dict[int, list[R]] = {}
-    for part in _all_gather(done):
-        for s, out in part.items():
-            if s in gathered:
-                raise WorkbenchError(f"shard {s} came back from two ranks")
-            gathered[s] = out
     missing = sorted(set(range(len(shards))) - gathered.keys())
     if missing:
         raise WorkbenchError(f"shards {missing} came back from no rank")
-    return [result for s in range(len(shards)) for result in gathered[s]]
+    return [gathered[s] for s in range(len(shards))]
+
+
+_sweeps = itertools.count()  # every rank calls the sweeps in the same order, so the n-th sweep has one key on all
+
+
+def _claimed(n_shards: int) -> Iterator[int]:
+    """The shards this rank runs in a sweep's first round: each the next unclaimed one, taken from a counter in the
+    job's store when the rank is free (every shard on the single process of a one-rank job)."""
+    if this_rank().world == 1:
+        yield from range(n_shards)
+        return
+    # the job's store outlives a restart of its workers (torchrun --max-restarts): the key names the attempt too
+    key = (f"workbench/sweep/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{next(_sweeps)}")
+    store = dist.distributed_c10d._get_default_store()
+    while (s := store.add(key, 1) - 1) < n_shards:
+        yield s
 
 
 def sweep(items: Sequence[T], fn: Callable[[T], R], *, shard_size: int = 16, retries: int = 2) -> list[R]:
@@ -266,10 +297,9 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
         raise WorkbenchError(f"{grown[0]} is not token-major ([heads, T, S]): harvest token-major hook points")
     ids = model.batch_ids(list(prompts))  # every prompt checked before any rank computes
     if out is None:
-        rows = run_sharded(ids, lambda shard: _split_rows(_shard_activations(model, shard.items, names, reduce,
-                                                                             batch_size), names),
-                           shard_size=shard_size, retries=retries)
-        return {name: torch.stack([row[name] for row in rows]) for name in names}
+        parts = _run_shards(ids, lambda shard: _shard_activations(model, shard.items, names, reduce, batch_size),
+                            shard_size, retries)
+        return {name: torch.cat([part[name] for part in parts]) for name in names}
     folder = Path(out)
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise WorkbenchError(f"{folder} is not a folder to write shards into")
@@ -307,12 +337,6 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     if this_rank().world > 1:
         dist.barrier()  # the manifest exists on return, on every rank
     return manifest
-
-
-def _split_rows(tensors: dict[str, torch.Tensor], names: list[str]) -> list[dict[str, torch.Tensor]]:
-    """One ``{hook: row}`` per prompt of a shard harvested with a reduce."""
-    n = tensors["offsets"].numel() - 1
-    return [{name: tensors[name][i] for name in names} for i in range(n)]
 
 
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

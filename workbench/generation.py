@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError
 from workbench.kernels.linear import Numerics, get_numerics, numerics
-from workbench.kv_cache import KVCache, StaticKVCache, shared_prefix
+from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, shared_prefix
 from workbench.moe import by_pair_supported
-from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, edits_only
+from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, capturable, edits_only
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,9 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
 
 @dataclass(eq=False)
 class DecodeStep:
-    """A one-token forward over a static cache, built once: ``step(token)`` runs it and returns its logits.
-    The step also writes the argmax of the logits into ``token``, its own next input when decoding greedily.
+    """A one-token forward over a static cache, built once: ``step(token)`` runs it and returns its logits (a batch's
+    step, ``step(tokens)``, one token for each row of a ``StaticBatchKVCache``). The step also writes the argmax of the
+    logits into ``token``, its own next input when decoding greedily.
     ``run`` replays a CUDA graph (on CUDA) or calls the compiled forward (on the CPU); ``step(token)`` runs it in the
     numerics it was built in, whatever numerics block the caller is in, so a build never computes in other ones
     (torch.compile cannot guard on a ``ContextVar``: the numerics are a constant of the graph).
@@ -121,16 +122,19 @@ class DecodeStep:
     graph, as ``token`` is: ``load_lora`` copies a call's terms into them, so one step serves every adapter choice
     whose terms have the same shapes (``lora_shape``) and switching adapters rebuilds nothing."""
 
-    run: Callable[[], torch.Tensor]  # one step on ``token``, returning its logits [1, vocab] float32
-    cache: StaticKVCache
-    token: torch.Tensor  # [1] long, on the device
+    run: Callable[[], torch.Tensor]  # one step on ``token``, returning its logits [rows, vocab] float32
+    cache: StaticKVCache | StaticBatchKVCache
+    token: torch.Tensor  # [rows] long, on the device: one a batch row (one for a single sequence)
     busy: bool = False  # a generation is using it (and its cache)
     provisional: bool = False  # a graph of the eager forward, answering until a compiled step replaces it
     numerics: Numerics = field(default_factory=get_numerics)  # what its matmuls compute, fixed when it was built
     lora: Lora | None = None  # the adapters' terms it computes with (None: the base)
 
-    def __call__(self, next_token: int) -> torch.Tensor:
-        self.token.fill_(next_token)
+    def __call__(self, next_tokens: int | Sequence[int]) -> torch.Tensor:
+        if isinstance(next_tokens, int):
+            self.token.fill_(next_tokens)
+        else:
+            self.token.copy_(torch.tensor(next_tokens, dtype=torch.long))
         with numerics(self.numerics):
             return self.run()
 
@@ -262,7 +266,10 @@ def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sam
             if build is not None and build.ready():
                 decode_step, build = build.take(cache) or decode_step, None
             if decode_step is not None and sampling.temperature == 0 and runner.device.type == "cuda":
-                yield from _replay_greedy(decode_step, token, max_new_tokens - step, stop_ids, build)
+                for token, in _replay_greedy(decode_step, token, max_new_tokens - step, build):
+                    yield token
+                    if token in stop_ids:
+                        return
                 return
             if decode_step is not None:
                 logits = decode_step(token)
@@ -375,20 +382,40 @@ class BackgroundBuild:
 def generate_batch_tokens(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int,
                           sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(),
                           hooks: Hooks | None = None, mode: Numerics | None = None,
-                          lora: Lora | LoraRows | None = None) -> Iterator[tuple[int, int]]:
+                          lora: Lora | LoraRows | None = None, static_step: bool | None = None
+                          ) -> Iterator[tuple[int, int]]:
     """Yield ``(prompt, token id)`` for a batch of prompts (``{prompt index: ids}``) decoded together: one batched
     prefill, then one batched step per token over a ``BatchKVCache``, each prompt with its own generator (seeded
     alike, so each samples what ``generate_tokens`` samples for it alone). A prompt leaves the batch, and its cache
     row is dropped, when it stops. ``hooks`` are batch-level (``hooks.per_prompt_hooks``). Every forward computes in
     the numerics ``mode`` (default: those current when this is called), with the adapters' terms ``lora`` (one choice
-    for all, or ``LoraRows`` in the order of ``prompts``)."""
+    for all, or ``LoraRows`` in the order of ``prompts``).
+
+    ``static_step`` (default: on CUDA): greedy decoding whose hooks are all capturable (``runner.capturable``: edits of
+    whole tokens that every prompt shares, at positions None or ``"generated"``), with one adapter choice or none, on a
+    model on one device, runs its steps after the prefill as one step of every row over a ``StaticBatchKVCache``
+    (lengths, rope positions, mask and write slots on the device), each row's next token picked on the device: on
+    CUDA a CUDA graph of that step, captured once per call and replayed per token with the tokens read back one step
+    behind (as ``generate_tokens`` does for one prompt; if the capture fails, the steps run eagerly, with a warning);
+    elsewhere the same step run eagerly. Rows that stopped keep running in it, their tokens ignored: a row's cache
+    slots are read by no other row. The step attends over the cache's whole capacity, the eager one over the longest
+    row, so logits may differ in the last bits (sums over more, masked, slots)."""
     mode = mode or get_numerics()
-    return _decode_batch(runner, prompts, max_new_tokens, sampling, stop_ids, hooks, mode, lora)
+    if static_step is None:
+        static_step = runner.device.type == "cuda"
+    return _decode_batch(runner, prompts, max_new_tokens, sampling, stop_ids, hooks, mode, lora, static_step)
+
+
+def _holds_batch_step(runner: Transformer, sampling: Sampling, hooks: Hooks | None, lora: Lora | LoraRows | None,
+                      capacity: int) -> bool:
+    """Whether a batch's greedy decode steps can run as one static step (``generate_batch_tokens``)."""
+    return (sampling.temperature == 0 and capturable(hooks) and not isinstance(lora, LoraRows)
+            and not runner.is_split and _graph_holds_moe(runner) and capacity <= runner.config.n_ctx)
 
 
 def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_tokens: int, sampling: Sampling,
-                  stop_ids: set[int], hooks: Hooks | None, mode: Numerics, lora: Lora | LoraRows | None
-                  ) -> Iterator[tuple[int, int]]:
+                  stop_ids: set[int], hooks: Hooks | None, mode: Numerics, lora: Lora | LoraRows | None,
+                  static_step: bool = False) -> Iterator[tuple[int, int]]:
     if max_new_tokens == 0:
         return
     order = list(prompts)
@@ -398,7 +425,10 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     # with no hooks and one adapter choice, a prefix every prompt starts with (a system prompt, a template) is
     # computed once
     shared = 0 if hooks or isinstance(lora, LoraRows) else shared_prefix(rows)
-    inference = edits_only(hooks)  # the batch's cache is its own (see _decode)
+    static_step = static_step and max_new_tokens > 1 and _holds_batch_step(runner, sampling, hooks, lora, capacity)
+    # the batch's cache is its own (see _decode); a static step's cache and tokens are written between its runs,
+    # outside any mode, and a CUDA graph has no autograd bookkeeping to skip
+    inference = edits_only(hooks) and not static_step
     with torch.inference_mode(inference), numerics(mode):  # around each forward alone: the caller runs between yields
         if shared:
             cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True, lora=lora)
@@ -421,6 +451,17 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
                 keep.append(b)
         if not keep:
             return
+        if step == 0 and static_step:
+            with numerics(mode):
+                decode_step = _batch_step(runner, StaticBatchKVCache(cache), hooks, lora, order)
+            if decode_step is not None:  # every row runs on; only the rows still going are read
+                for step_tokens in _replay_greedy(decode_step, tokens, max_new_tokens - 1):
+                    for b in keep:
+                        yield order[b], step_tokens[b]
+                    keep = [b for b in keep if step_tokens[b] not in stop_ids]
+                    if not keep:
+                        return
+                return
         if len(keep) < len(order):
             cache.keep_rows(keep)
             order, tokens, generators = ([xs[b] for b in keep] for xs in (order, tokens, generators))
@@ -429,20 +470,43 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
         packed = torch.tensor(tokens, dtype=torch.long)
 
 
-def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, stop_ids: set[int],
-                   build: BackgroundBuild | None = None) -> Iterator[int]:
-    """Greedy tokens from a CUDA step, which picks its own next input on the device, read one step behind.
+def _batch_step(runner: Transformer, cache: StaticBatchKVCache, hooks: Hooks | None, lora: Lora | None,
+                prompts: Sequence[int]) -> DecodeStep | None:
+    """The one-token-per-row forward of a batch of ``prompts`` over ``cache`` with the capturable ``hooks``, each
+    row's argmax its next input: on CUDA a CUDA graph of it (None if the capture fails), elsewhere the forward run
+    eagerly. It computes in the numerics current here."""
+    layout = BatchLayout([1] * cache.n_rows, runner.device, prompts=prompts)
+    forward_and_pick = functools.partial(_forward_and_pick, hooks=hooks, layout=layout)
+    if runner.device.type == "cuda":
+        return _capture(runner, cache, forward_and_pick, "decoding eagerly", lora, rows=cache.n_rows)
+    token = torch.zeros(cache.n_rows, dtype=torch.long, device=runner.device)
+    mode = get_numerics()
 
-    Each replay is queued before the token of the previous one is read back, so the GPU never waits for
-    the host; a stop token costs one step that is thrown away (its cache slot is never read). When ``build``
-    is ready, its step takes over from a copy of the cache and the next input, queued after the last replay.
+    def run() -> torch.Tensor:
+        with numerics(mode):
+            return forward_and_pick(runner, token, cache, lora)
+
+    return DecodeStep(run, cache, token, numerics=mode, lora=lora)
+
+
+def _replay_greedy(decode_step: DecodeStep, tokens: int | Sequence[int], n_steps: int,
+                   build: BackgroundBuild | None = None) -> Iterator[list[int]]:
+    """Greedy tokens, one list a step (a token a row), from ``n_steps`` runs of a step that picks its own next input
+    on the device, fed ``tokens`` first; the caller stops early by leaving the loop.
+
+    On CUDA each replay is queued before the tokens of the previous one are read back, so the GPU never waits for
+    the host; a stop token costs one step that is thrown away (its cache slot is never read). When ``build`` is
+    ready, its step takes over from a copy of the cache and the next input, queued after the last replay. (On the
+    CPU, where a batch's static step runs eagerly, each step is read as it finishes.)
     """
-    host = torch.empty(1, dtype=torch.long, pin_memory=True)
-    copied = torch.cuda.Event()
-    decode_step(token)  # the replays below select no kernels: the graph holds those of its numerics
-    for remaining in range(max_new_tokens - 1, -1, -1):
-        host.copy_(decode_step.token, non_blocking=True)
-        copied.record()
+    cuda = decode_step.token.is_cuda
+    host = torch.empty(decode_step.token.shape, dtype=torch.long, pin_memory=cuda)
+    copied = torch.cuda.Event() if cuda else None
+    decode_step(tokens)  # the replays below select no kernels: the graph holds those of its numerics
+    for remaining in range(n_steps - 1, -1, -1):
+        host.copy_(decode_step.token, non_blocking=cuda)
+        if cuda:
+            copied.record()
         if build is not None and build.ready():
             built = build.take(decode_step.cache)
             if built is not None:
@@ -451,11 +515,9 @@ def _replay_greedy(decode_step: DecodeStep, token: int, max_new_tokens: int, sto
             build = None
         if remaining:
             decode_step.run()
-        copied.synchronize()
-        token = int(host[0])
-        yield token
-        if token in stop_ids:
-            return
+        if cuda:
+            copied.synchronize()
+        yield host.tolist()
 
 
 def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool = True,
@@ -472,15 +534,20 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     lora = own_lora(lora)
     if runner.device.type != "cuda":
         return _compile_on_cpu(runner, cache, lora) if compiled else None
-    if runner.config.moe is not None and not all(by_pair_supported(layer.moe, runner.device)
-                                                 for layer in runner.weights.layers if layer.moe is not None):
-        return None  # experts grouped by the routing read on the host, which a CUDA graph cannot hold
+    if not _graph_holds_moe(runner):
+        return None
     if compiled:
         step = _capture(runner, cache, _compiled_cuda_forward(runner, cache, lora, warm=False),
                         "capturing the eager forward instead", lora)
         if step is not None:
             return step
     return _capture(runner, cache, _forward_and_pick, "decoding eagerly", lora)
+
+
+def _graph_holds_moe(runner: Transformer) -> bool:
+    """Whether a CUDA graph holds the model's experts: not where they are grouped by the routing read on the host."""
+    return runner.config.moe is None or all(by_pair_supported(layer.moe, runner.device)
+                                            for layer in runner.weights.layers if layer.moe is not None)
 
 
 def _compiled_cuda_forward(runner: Transformer, cache: StaticKVCache, lora: Lora | None,
@@ -510,11 +577,14 @@ def _warm_up(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callab
     torch.cuda.current_stream().wait_stream(side)
 
 
-def _forward_and_pick(runner: Transformer, token: torch.Tensor, cache: StaticKVCache,
-                      lora: Lora | None = None) -> torch.Tensor:
-    """The logits for ``token``, whose argmax then replaces it: the next greedy input, already on the device."""
-    logits = runner.forward(token, cache=cache, last_logits_only=True, lora=lora)
-    token.copy_(argmax_by_chunks(logits[-1]).view(1))
+def _forward_and_pick(runner: Transformer, token: torch.Tensor, cache: StaticKVCache | StaticBatchKVCache,
+                      lora: Lora | None = None, hooks: Hooks | None = None,
+                      layout: BatchLayout | None = None) -> torch.Tensor:
+    """The logits for ``token``, whose argmax then replaces it: the next greedy input, already on the device. With a
+    ``layout``, ``token`` holds one token for each row of a batch (``cache`` a ``StaticBatchKVCache``), each replaced
+    by its row's argmax, as the eager batched steps pick it."""
+    logits = runner.forward(token, cache=cache, hooks=hooks, last_logits_only=True, layout=layout, lora=lora)
+    token.copy_(argmax_by_chunks(logits[-1]).view(1) if layout is None else logits.argmax(-1))
     return logits
 
 
@@ -529,12 +599,13 @@ def argmax_by_chunks(values: torch.Tensor, chunks: int = 128) -> torch.Tensor:
     return (chunk * width + where.gather(0, chunk)).squeeze(0)
 
 
-def _capture(runner: Transformer, cache: StaticKVCache, forward_and_pick: Callable[..., torch.Tensor],
-             fallback: str, lora: Lora | None, warm: bool = True) -> DecodeStep | None:
+def _capture(runner: Transformer, cache: StaticKVCache | StaticBatchKVCache,
+             forward_and_pick: Callable[..., torch.Tensor], fallback: str, lora: Lora | None, warm: bool = True,
+             rows: int = 1) -> DecodeStep | None:
     """A CUDA graph of ``forward_and_pick`` on ``cache`` with the adapter terms ``lora`` (the step's own tensors: the
-    graph reads them where they are, as it reads ``token``), after two warm-up runs unless ``warm`` is False (they
-    ran already, ``_compiled_cuda_forward``)."""
-    token = torch.zeros(1, dtype=torch.long, device=runner.device)
+    graph reads them where they are, as it reads ``token``, of ``rows`` tokens), after two warm-up runs unless
+    ``warm`` is False (they ran already, ``_compiled_cuda_forward``)."""
+    token = torch.zeros(rows, dtype=torch.long, device=runner.device)
     saved = cache.device_length.clone()
 
     def step() -> torch.Tensor:

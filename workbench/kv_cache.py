@@ -537,3 +537,68 @@ class BatchKVCache:
 
     def __repr__(self) -> str:
         return f"BatchKVCache(rows={self.n_rows}, layers={self.n_layers}, lengths={self.lengths})"
+
+
+class StaticBatchKVCache:
+    """A batch's keys and values for decoding one token per row at a time with every shape fixed and each row's length
+    on the device, so that a batched decode step can be captured once as a CUDA graph and replayed (``StaticKVCache``
+    for a batch). Row ``b``'s new token takes slot ``lengths[b]`` at rope position ``lengths[b]`` and attends over every
+    slot of its row, those past its own masked; the attention mask, rope positions and write slots are computed on the
+    device from the lengths. It continues a ``BatchKVCache`` whose rows hold positions ``0 .. length - 1`` (a fresh
+    prefill), taking over its memory (no copy): generation uses it internally, surgery is for ``BatchKVCache``.
+
+    A row that stopped may keep being fed: its length grows past its sequence's end, and its slots are read by no
+    other row (each row attends to its own alone)."""
+
+    def __init__(self, cache: BatchKVCache):
+        if cache.next_positions != cache.lengths or len(set(cache.devices)) != 1:
+            raise WorkbenchError("a static batch cache continues rows that hold positions 0 .. length - 1, on one "
+                                 "device")
+        self.n_layers, self.n_kv_heads, self.d_head = cache.n_layers, cache.n_kv_heads, cache.d_head
+        self.dtype, self.device, self.devices = cache.dtype, cache.device, cache.devices
+        self._keys, self._values = list(cache._keys), list(cache._values)
+        self.n_rows, self.capacity = cache.n_rows, cache.capacity
+        self._lengths = torch.tensor(cache.lengths, dtype=torch.long).to(self.device)
+        self._slots = torch.arange(self.capacity, device=self.device)
+        self._write_index: torch.Tensor | None = None  # each row's slot for the forward between prepare and commit
+
+    def prepare(self, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' rope positions ``[B]`` (one new token each) and the slots each may not see, ``[B, 1, 1,
+        capacity]``: those past its own."""
+        if layout.lengths != (1,) * self.n_rows:
+            raise WorkbenchError(f"a static batch cache takes one new token for each of its {self.n_rows} rows, not "
+                                 f"{list(layout.lengths)}")
+        positions = self._lengths.clone()  # its own tensor: commit moves the lengths on
+        self._write_index = positions.view(-1, 1, 1, 1)
+        return positions, (self._slots[None, :] > positions[:, None])[:, None, None, :]
+
+    def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Every row's slots' rope positions ``[B, capacity]``: slot i holds position i."""
+        return self._slots.expand(self.n_rows, -1)
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store each row's new ``[B, n_kv, 1, d_head]`` key/value at its length; return every slot of every row."""
+        index = self._write_index.expand_as(keys)
+        self._keys[layer].scatter_(2, index, keys)
+        self._values[layer].scatter_(2, index, values)
+        return self._keys[layer], self._values[layer]
+
+    def commit(self, tokens: torch.Tensor) -> None:
+        self._lengths += 1
+        self._write_index = None
+
+    def rewind(self, lengths: torch.Tensor) -> None:
+        """Set the device-side lengths back (after warm-up runs of a step about to be captured)."""
+        self._lengths.copy_(lengths)
+
+    @property
+    def device_length(self) -> torch.Tensor:
+        """The rows' lengths ``[B]``, on the device (``StaticKVCache.device_length`` for each row)."""
+        return self._lengths
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
+
+    def __repr__(self) -> str:
+        return f"StaticBatchKVCache(rows={self.n_rows}, layers={self.n_layers}, capacity={self.capacity})"

@@ -292,15 +292,16 @@ class Model:
             ids = self.tokenize(text, add_bos=False if chat else None)
         else:
             try:
-                ids = [int(i) for i in prompt]
+                ids = list(map(int, prompt))
             except (TypeError, ValueError, OverflowError):
                 raise WorkbenchError(f"a prompt is a text or a list of token ids, got {shorten(prompt)}") from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
             raise WorkbenchError(f"the prompt has {len(ids)} tokens; the context holds {self.config.n_ctx}")
-        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-        if bad:
+        # min and max first: a sweep checks every prompt of every shard on every rank before any compute
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
             raise WorkbenchError(f"token ids out of range 0..{self.config.vocab_size - 1}: {bad[:5]}")
         return ids
 
@@ -529,7 +530,9 @@ class Model:
         """Yield ``(prompt index, token_id, new_text)`` as each prompt's tokens are generated, in batched decode steps;
         each prompt stops on its own (an end-of-turn or end-of-text token, or ``max_new_tokens``). Each prompt samples
         from its own generator seeded with ``seed``, so it generates what ``model.stream(prompt, seed=seed)`` does.
-        ``adapter`` as in ``iter_batch``: one choice for all, or one per prompt."""
+        ``adapter`` as in ``iter_batch``: one choice for all, or one per prompt. On CUDA, greedy decoding with no
+        interventions or only shared whole-token edits replays one captured decode step per token
+        (``generate_batch_tokens``, docs/batches.md "Decoding on CUDA")."""
         sampling = Sampling(temperature, top_k, top_p, seed)
         ids = self.batch_ids(prompts, chat)
         lora = [self.lora_terms(c) for c in self.batch_adapters(adapter, len(ids))]

@@ -19,7 +19,7 @@ from workbench.config import ModelConfig, YaRN
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kernels import lora as lora_ops
-from workbench.kv_cache import BatchKVCache, KVCache, StaticKVCache, causal_mask, to_device
+from workbench.kv_cache import BatchKVCache, KVCache, StaticBatchKVCache, StaticKVCache, causal_mask, to_device
 from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
                            moe_mlp, with_moe_points)
 from workbench.weights import ModelWeights
@@ -70,12 +70,13 @@ class BatchLayout:
             # [N] where each packed token sits in the flattened [B * T_max]
             self.scatter = to_device(torch.cat([b * self.width + torch.arange(n) for b, n in enumerate(self.lengths)]),
                                      self.device)
-        self._last_rows: torch.Tensor | None = None
+        self._on_device: dict[tuple[int, ...], torch.Tensor] = {}
 
     def to(self, device: torch.device | str) -> "BatchLayout":
         """The same layout with its index tensors on ``device`` (where a split model's next layer range runs)."""
         moved = copy.copy(self)
         moved.device = torch.device(device)
+        moved._on_device = {}
         if not self.uniform:
             moved.gather, moved.scatter = self.gather.to(device), self.scatter.to(device)
         return moved
@@ -104,12 +105,17 @@ class BatchLayout:
         return flat if self.uniform else flat[self.scatter]
 
     def last_rows(self) -> torch.Tensor:
-        """The packed index of each sequence's last token, ``[B]`` (built once: the final norm and every hook on a
-        last-rows activation read it)."""
-        if self._last_rows is None or self._last_rows.device != self.device:
-            self._last_rows = to_device(torch.tensor([s + n - 1 for s, n in zip(self.starts, self.lengths)]),
-                                        self.device)
-        return self._last_rows
+        """The packed index of each sequence's last token, ``[B]`` (the final norm and every hook on a last-rows
+        activation read it)."""
+        return self.on_device(tuple(s + n - 1 for s, n in zip(self.starts, self.lengths)))
+
+    def on_device(self, values: tuple[int, ...]) -> torch.Tensor:
+        """``values`` as a tensor on the layout's device, built once per layout: a decode step captured as a CUDA
+        graph reads the tensors its warm-up made (a copy from the host made during the capture would read, at every
+        replay, a host buffer freed after it)."""
+        if values not in self._on_device:
+            self._on_device[values] = to_device(torch.tensor(values, dtype=torch.long), self.device)
+        return self._on_device[values]
 
     def host_positions(self, next_positions: Sequence[int] | None = None) -> list[int]:
         """Rope positions of the packed tokens, each sequence counting on from its own next position (0 without)."""
@@ -283,6 +289,13 @@ def edits_only(hooks: Hooks | None) -> bool:
     ``torch.inference_mode``, which skips autograd's bookkeeping on every op, but whose tensors a later autograd run
     could not take."""
     return all(getattr(fn, "edits_only", False) for fns in (hooks or {}).values() for fn in fns)
+
+
+def capturable(hooks: Hooks | None) -> bool:
+    """Whether every hook function is marked ``capturable``: on a batched decode step of one token per row, it edits
+    its activation on the device alone, the same way at every step (it reads neither the step nor anything on the
+    host, and builds no tensor from the host), so a CUDA graph of the step holds it (``generation``)."""
+    return all(getattr(fn, "capturable", False) for fns in (hooks or {}).values() for fn in fns)
 
 
 def run_hooks(fns: Sequence[HookFn], x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
@@ -738,9 +751,11 @@ class Transformer:
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The new tokens' rope positions ``[N]`` and the key slots each may not see (None: every slot may be seen),
         checked against the context (a static cache keeps its length on the device, within its capacity)."""
-        if layout is not None and cache is not None and not isinstance(cache, BatchKVCache):
+        if layout is not None and cache is not None and not isinstance(cache, (BatchKVCache, StaticBatchKVCache)):
             raise WorkbenchError("a batched forward takes a BatchKVCache")
-        if layout is not None:
+        if isinstance(cache, StaticBatchKVCache):  # its lengths live on the device, within its capacity
+            end = 0
+        elif layout is not None:
             starts = cache.next_positions if cache is not None else (0,) * layout.size
             end = max(p + n for p, n in zip(starts, layout.lengths))
         else:
