@@ -28,7 +28,7 @@ each group's base matmuls alone, followed by the fused kernel, and with the term
 runner runs), a step's worth and each kind of group apart.
 
 On CUDA the decode runs also time the adapter with the fused kernel after the base's GEMV ("kernel after": the GEMV's
-epilogue switched off, a step built of its own), in the same rounds.
+epilogue switched off, a step built of its own), in the same rounds; --no-kernel-after leaves it out.
 """
 from __future__ import annotations
 
@@ -208,6 +208,8 @@ def main() -> None:
     built.add_argument("--eager", dest="compiled", action="store_false", help="decode eagerly (default on the CPU)")
     parser.add_argument("--mixed-batch", action="store_true", help="time a batch of prompts of different adapters")
     parser.add_argument("--kernels", action="store_true", help="CUDA: time the adapter's calls of a step alone")
+    parser.add_argument("--kernel-after", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA decode: also time the fused kernel after the GEMV (a step built of its own)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.synthetic and args.model:
@@ -239,7 +241,7 @@ def main() -> None:
     # True, not the CUDA default "background": each run waits for its step's build, so none times a provisional graph
     compiled = args.compiled if args.compiled is not None else model.device.type == "cuda"
     runs = ({"base": None, "adapter": "bench0"} | ({} if compiled else {"adapter, two matmuls": "bench0"})
-            | ({AFTER_GEMV: "bench0"} if model.device.type == "cuda" else {}))
+            | ({AFTER_GEMV: "bench0"} if model.device.type == "cuda" and args.kernel_after else {}))
     times: dict[str, list[float]] = {run: [] for run in runs}
     built: dict[str, dict] = {}  # each run's built steps: the terms' path is fixed when a step is built
 
