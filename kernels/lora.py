@@ -12,7 +12,11 @@ group, a split and an add per part; for few rows (decode) one fused call does it
   ``torch.compile`` it is the opaque op ``workbench::lora_add``, so that a compiled decode step (and its CUDA graph)
   launches it too.
 
-Both round as the formula does (``A x``, then the term, each to the activations' dtype, then the sum), summing in
+Where the base's matmul on CUDA is the GEMV (decode), ``linear_with_terms`` takes the base's matmul and the terms
+together: a split shrink, then the GEMV adding the terms in its epilogue (``triton/lora.py``; in a compiled step the
+opaque op ``workbench::linear_lora``).
+
+All round as the formula does (``A x``, then the term, each to the activations' dtype, then the sum), summing in
 their own order. Many rows (a prompt) take the formula, the BLAS being faster there.
 """
 from __future__ import annotations

@@ -10,8 +10,13 @@ shrink, are loaded before it, the shrink's steps load several ahead (a pipelined
 across threads once, after the loop: on the embedded model's shapes a program waits for one round trip, then sums
 and stores (an 8B's inputs of 4096 and more take a round trip per 3 steps of the shrink).
 
-It rounds where the torch formula does: ``A x`` and the term each to the activations' dtype (as a matmul's result),
-then the sum. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (the tests).
+Where the base's matmul is the GEMV, ``linear_with_terms`` adds the terms there instead: ``shrink`` computes ``A x`` in
+many small programs, each a slice of the input by a few rows of A (partial sums per slice, no atomics), and the GEMV's
+epilogue (``gemv.LoraEpilogue``) sums them, multiplies its tile of ``B^T`` and adds the term to its own output, which
+is then stored once.
+
+Both round where the torch formula does: ``A x`` and the term each to the activations' dtype (as a matmul's result),
+then the sum. Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
 """
 from __future__ import annotations
 
