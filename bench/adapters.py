@@ -23,7 +23,12 @@ decode step (1 token a prompt) and a prefill (32 tokens a prompt), next to one a
 
 --kernels (CUDA) times instead the adapter's calls of one decode step alone (every group of every layer, one token,
 replayed as one CUDA graph): microseconds a call for the fused kernel and for the two matmuls, next to a one-element add
-(what a launch costs in a graph at least), so that the adapter's share of a step splits into launches and work.
+(what a launch costs in a graph at least), so that the adapter's share of a step splits into launches and work; then
+each group's base matmuls alone, followed by the fused kernel, and with the terms in the GEMV's epilogue (what the
+runner runs), a step's worth and each kind of group apart.
+
+On CUDA the decode runs also time the adapter with the fused kernel after the base's GEMV ("kernel after": the GEMV's
+epilogue switched off, a step built of its own), in the same rounds; --no-kernel-after leaves it out.
 """
 from __future__ import annotations
 
@@ -40,12 +45,16 @@ from safetensors.torch import save_file
 
 import workbench
 from workbench.adapters import PROJECTIONS, projection_shape
+from workbench import generation
 from workbench.generation import Sampling, generate_tokens
 from common import cuda_seconds
 from decode import SHAPES, synthetic_model
 from workbench.kernels import lora as lora_ops
 
 FUSED_ROWS = lora_ops.MAX_ROWS
+# CUDA: the adapter's terms by the fused kernel after the base's GEMV (``kernels.lora``'s GEMV epilogue switched off)
+AFTER_GEMV = "adapter, kernel after"
+ADDED = {"base + fused kernel": "the fused kernel after", "base with the GEMV's epilogue": "the GEMV's epilogue"}
 
 
 def write_random_adapter(path: Path, config, rank: int, projections: list[str], seed: int = 0) -> Path:
@@ -132,23 +141,53 @@ def mixed_batch(model: workbench.Model, names: list[str], repeats: int) -> None:
 
 
 def kernel_times(model: workbench.Model, name: str, repeats: int) -> None:
+    from workbench.runner import project
+    from workbench.weights import STACKS
+
     lora, c = model.lora_terms(name), model.config
-    fused, formula, adds = [], [], []
-    for i in range(c.n_layers):
-        for a, b_t, adapted, ranks in lora[i].values():
+    stacks = {parts: stack for stack, parts in STACKS.items()}
+    groups = []  # each call's projections
+    calls: dict[str, list] = {run: [] for run in ("fused kernel", "two matmuls", "one-element add", "base matmuls",
+                                                  "base + fused kernel", "base with the GEMV's epilogue")}
+    for i, layer in enumerate(model.runner.weights.layers[:c.n_layers]):
+        for parts, (a, b_t, adapted, ranks) in lora[i].items():
+            groups.append(parts)
             x = torch.randn(1, a.shape[1], device=model.device, dtype=model.dtype)
             outs = [torch.randn(1, projection_shape(c, p)[0], device=model.device, dtype=model.dtype) for p in adapted]
-            fused.append(lambda x=x, a=a, b_t=b_t, outs=outs, ranks=ranks: lora_ops.add_terms(x, a, b_t, outs, ranks))
+            terms = lambda x=x, a=a, b_t=b_t, outs=outs, ranks=ranks: lora_ops.add_terms(x, a, b_t, outs, ranks)
+            calls["fused kernel"].append(terms)
+            calls["two matmuls"].append(terms)
             one = torch.zeros(1, device=model.device, dtype=model.dtype)
-            adds.append(lambda one=one: one.add_(1))
-    seconds = {"fused kernel": cuda_seconds(fused, repeats)}
-    lora_ops.MAX_ROWS = 0  # the same calls take the torch formula while the graph is captured
-    seconds["two matmuls"] = cuda_seconds(fused, repeats)
+            calls["one-element add"].append(lambda one=one: one.add_(1))
+            # the group's base matmuls, then its terms as the runner adds them
+            stacked = getattr(layer, stacks[parts]) if parts in stacks else None
+            weights = [getattr(layer, p) for p in parts]
+            calls["base matmuls"].append(lambda x=x, s=stacked, w=weights: project(x, s, w))
+            calls["base + fused kernel"].append(
+                lambda x=x, s=stacked, w=weights, a=a, b_t=b_t, ranks=ranks, parts=parts, adapted=adapted:
+                lora_ops.add_terms(x, a, b_t, [o for o, p in zip(project(x, s, w), parts) if p in adapted], ranks))
+            part_ranks = [ranks[adapted.index(p)] if p in adapted else 0 for p in parts]
+            calls["base with the GEMV's epilogue"].append(
+                lambda x=x, s=stacked, w=weights, a=a, b_t=b_t, r=part_ranks:
+                lora_ops.linear_with_terms(x, s, w, a, b_t, r))
+    n_calls = len(groups)
+    with_base = ("base matmuls", "base + fused kernel", "base with the GEMV's epilogue")
+    seconds = {}
+    for run, run_calls in calls.items():
+        lora_ops.MAX_ROWS = 0 if run == "two matmuls" else FUSED_ROWS  # the formula while the graph is captured
+        seconds[run] = cuda_seconds(run_calls, repeats)
     lora_ops.MAX_ROWS = FUSED_ROWS
-    seconds["one-element add"] = cuda_seconds(adds, repeats)
-    print(f"the adapter's {len(fused)} calls of a decode step alone, one CUDA graph: " + ", ".join(
-        f"{run} {value * 1e6:.2f} us a call" for run, value in seconds.items()))
-    print(f"fused: {seconds['fused kernel'] * len(fused) * 1e3:.3f} ms a step")
+    print(f"the adapter's {n_calls} calls of a decode step alone, one CUDA graph: " + ", ".join(
+        f"{run} {seconds[run] * 1e6:.2f} us a call" for run in ("fused kernel", "two matmuls", "one-element add")))
+    print(f"fused: {seconds['fused kernel'] * n_calls * 1e3:.3f} ms a step")
+    base = seconds["base matmuls"]
+    print(f"with the base's matmuls, one CUDA graph a step: base {base * n_calls * 1e3:.3f} ms; the adapter adds "
+          + ", ".join(f"{ADDED[run]} {(seconds[run] - base) * n_calls * 1e3:.3f} ms" for run in with_base[1:]))
+    for parts in dict.fromkeys(groups):  # each kind of group alone, one graph each
+        group = {run: cuda_seconds([call for call, kind in zip(calls[run], groups) if kind == parts], repeats) * 1e6
+                 for run in with_base}
+        print(f"  {'/'.join(parts)}: base {group[with_base[0]]:.2f} us a call; the adapter adds "
+              + ", ".join(f"{ADDED[run]} {group[run] - group[with_base[0]]:.2f} us" for run in with_base[1:]))
 
 
 def main() -> None:
@@ -169,6 +208,8 @@ def main() -> None:
     built.add_argument("--eager", dest="compiled", action="store_false", help="decode eagerly (default on the CPU)")
     parser.add_argument("--mixed-batch", action="store_true", help="time a batch of prompts of different adapters")
     parser.add_argument("--kernels", action="store_true", help="CUDA: time the adapter's calls of a step alone")
+    parser.add_argument("--kernel-after", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA decode: also time the fused kernel after the GEMV (a step built of its own)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.synthetic and args.model:
@@ -199,11 +240,15 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
     # True, not the CUDA default "background": each run waits for its step's build, so none times a provisional graph
     compiled = args.compiled if args.compiled is not None else model.device.type == "cuda"
-    runs = {"base": None, "adapter": "bench0"} | ({} if compiled else {"adapter, two matmuls": "bench0"})
+    runs = ({"base": None, "adapter": "bench0"} | ({} if compiled else {"adapter, two matmuls": "bench0"})
+            | ({AFTER_GEMV: "bench0"} if model.device.type == "cuda" and args.kernel_after else {}))
     times: dict[str, list[float]] = {run: [] for run in runs}
+    built: dict[str, dict] = {}  # each run's built steps: the terms' path is fixed when a step is built
 
     def decode(run: str) -> float:
         lora_ops.MAX_ROWS = 0 if run == "adapter, two matmuls" else FUSED_ROWS
+        lora_ops.GEMV_EPILOGUE = run != AFTER_GEMV
+        generation._BUILT[model.runner] = built.setdefault(run, {})
         return decode_seconds(model, prompt, args.decode, runs[run], compiled)
 
     for run in runs:  # warm-up (and the builds of the compiled steps)
@@ -211,7 +256,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for run in runs:
             times[run].append(decode(run))
-    lora_ops.MAX_ROWS = FUSED_ROWS
+    lora_ops.MAX_ROWS, lora_ops.GEMV_EPILOGUE = FUSED_ROWS, True
     rate = {run: (args.decode - 1) / statistics.median(t) for run, t in times.items()}
     adapter = model.adapters["bench0"]
     print(f"{label} on {args.device}, {args.threads} threads, load average {load} (at the start), "

@@ -466,3 +466,38 @@ def test_compare_models_against_plain_runs(hf_llama):
     assert diff.summary()["a"] == "adapter 'a'" and diff.summary()["b"] == "base"
     with pytest.raises(WorkbenchError, match="unknown adapter"):
         compare_models(hf_llama, prompts, "missing")
+
+
+def test_forward_through_the_gemv_epilogue(tiny_model, tmp_path, monkeypatch):
+    """The runner's groups through the GEMV's LoRA epilogue (the Triton GEMV: on CUDA, or run by Triton's interpreter on
+    CPU tensors) give the logits of the base's kernels with the fused call after them, for stacked q/k/v and gate/up
+    (layer 0) and one weight per projection (layer 1), an adapter on every projection and one on q and v alone. Two
+    tokens: the most the GEMV takes of Q8_0 on CUDA (``gemv_rows``), two rows of activations a program."""
+    pytest.importorskip("triton")
+    from workbench.kernels.triton.launch import INTERPRETING
+
+    if not INTERPRETING and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+    model = tiny_model("llama", "Q8_0", device="cpu" if INTERPRETING else "cuda", dtype="float32", cached=False)
+    layers = model.runner.weights.layers
+    layers[0].fuse_projections()
+    layers[1].wqkv = layers[1].w_gate_up = None
+    if INTERPRETING:  # the CPU's kernels would take the matmuls
+        monkeypatch.setattr(lora_ops, "GEMV_ON_CPU", True)
+        monkeypatch.setattr(lora_ops, "_takes_gemv", lambda x, w: True)
+    served = []
+    triton_terms = lora_ops._triton_linear_with_terms
+    monkeypatch.setattr(lora_ops, "_triton_linear_with_terms",
+                        lambda x, weights, *args: served.append(len(weights)) or triton_terms(x, weights, *args))
+    model.load_adapter(write_peft(tmp_path / "all", model.config, seed=1), name="all")
+    model.load_adapter(write_peft(tmp_path / "qv", model.config, seed=2, modules=["q_proj", "v_proj"]), name="qv")
+    base = model.forward(IDS[:2])
+    for name, groups in (("all", [1, 1, 1, 1, 3, 1, 2, 1]), ("qv", [1, 3])):
+        served.clear()
+        epilogue = model.forward(IDS[:2], adapter=name)
+        assert served == groups  # weights per call: layer 0's stacks, then layer 1's projections
+        monkeypatch.setattr(lora_ops, "GEMV_EPILOGUE", False)
+        after = model.forward(IDS[:2], adapter=name)
+        monkeypatch.setattr(lora_ops, "GEMV_EPILOGUE", True)
+        assert not torch.allclose(after, base, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(epilogue, after, rtol=1e-4, atol=1e-4)

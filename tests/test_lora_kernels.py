@@ -86,3 +86,107 @@ def test_triton_kernel_against_float64(widths, ranks, k, dtype):
                                                    [o.to(device) for o in outs], list(ranks)))
     with pytest.raises(ValueError, match="lora_add"):
         lora_add(x.to(device), a.to(device), b_t.to(device), [o.to(device) for o in outs], [*ranks[:-1], ranks[-1] + 1])
+
+
+# ------------------------------------------------------------------------------------ the terms in the GEMV's epilogue
+
+def gemv_group(fmt, widths, ranks, k, tokens, dtype, stacked, seed=0):
+    """Weights of a group (one stacked weight or one per part), x, A and B^T of its adapted parts (rank > 0)."""
+    np = pytest.importorskip("numpy")
+    from test_triton_kernels import random_weight  # imports gguf and triton
+
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    weights = [random_weight(fmt, n, k, rng)[0] for n in ([sum(widths)] if stacked else widths)]
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    a = (torch.randn(sum(ranks), k, generator=g) / k**0.5).to(dtype)
+    b_t = torch.block_diag(*[torch.randn(r, w, generator=g) / r**0.5 for w, r in zip(widths, ranks) if r]).to(dtype)
+    return weights, x, a, b_t
+
+
+def interpreted_or_cuda() -> str:
+    pytest.importorskip("triton")
+    from workbench.kernels.triton.launch import INTERPRETING
+
+    if not INTERPRETING and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+    return "cpu" if INTERPRETING else "cuda"
+
+
+# (format, widths, ranks, input width, tokens, stacked): q/k/v stacked with k unadapted (PEFT's default q and v); one
+# weight per part, two tokens (the GEMV's two rows a program); three adapted parts of one weight; an input of 3 slices
+# of the shrink (the last partial) with 3 tokens, in float32 only
+EPILOGUE_GROUPS = [("Q4_K", (64, 32, 32), (16, 0, 8), 768, 1, True), ("Q8_0", (64, 32), (4, 16), 256, 2, False),
+                   ("Q8_0", (32, 64, 32), (8, 4, 16), 256, 2, True), ("Q8_0", (32,), (16,), 2304, 3, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt, widths, ranks, k, tokens, stacked", EPILOGUE_GROUPS)
+def test_gemv_epilogue_adds_the_terms(fmt, widths, ranks, k, tokens, stacked, dtype):
+    """The GEMV with the LoRA epilogue against the GEMV alone plus the terms in float64 and the torch formula's
+    roundings; a part of rank 0 keeps the GEMV's bits."""
+    device = interpreted_or_cuda()
+    from workbench.kernels.triton import gemv
+    from workbench.kernels.triton.lora import linear_with_terms, shrink
+
+    if k == 2304 and dtype != torch.float32:
+        pytest.skip("the long input once, in float32")
+    weights, x, a, b_t = (v.to(device) if isinstance(v, torch.Tensor) else [w.to(device) for w in v]
+                          for v in gemv_group(fmt, widths, ranks, k, tokens, dtype, stacked))
+    got = torch.cat(linear_with_terms(x, weights, widths, a, b_t, ranks), dim=-1).cpu()
+    base = torch.cat([gemv(x, w) for w in weights], dim=-1).cpu()
+    x, a, b_t = x.cpu(), a.cpu(), b_t.cpu()
+    starts = [sum(widths[:p]) for p in range(len(widths) + 1)]
+    adapted = [p for p, r in enumerate(ranks) if r]
+    columns = torch.cat([torch.arange(starts[p], starts[p + 1]) for p in adapted])
+    for p, r in enumerate(ranks):
+        if not r:
+            assert torch.equal(got[:, starts[p]:starts[p + 1]], base[:, starts[p]:starts[p + 1]])
+    # Each output within its roundings of A x, of the term and of the sum (a unit roundoff of 2^-8 for bfloat16 rounded
+    # to nearest; the interpreter truncates: 2^-7), against the exact sums and against the torch formula's
+    shrunk = x.double() @ a.double().T
+    term = shrunk @ b_t.double()
+    exact = base[:, columns].double() + term
+    roundoff = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    bound = 2 * roundoff * (exact.abs() + term.abs() + shrunk.abs() @ b_t.double().abs())
+    assert ((got[:, columns].double() - exact).abs() <= bound).all()
+    formula = base[:, columns].double() + lora_ops.torch_terms(x, a, b_t).double()
+    assert ((got[:, columns].double() - formula).abs() <= 2 * bound).all()
+    partials = shrink(x.to(device), a.to(device)).cpu()
+    assert partials.shape == (-(-k // 1024), tokens, sum(ranks)) and partials.dtype == torch.float32
+    torch.testing.assert_close(partials.sum(0).double(), x.double() @ a.double().T, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_epilogue_refuses_parts_its_programs_straddle():
+    device = interpreted_or_cuda()
+    from workbench.kernels.triton.lora import linear_with_terms
+
+    # three tokens: programs of 8 rows (launch_choices' gemv.config), and k starts at row 36
+    weights, x, a, b_t = gemv_group("Q8_0", (36, 28), (4, 4), 64, 3, torch.float32, True)
+    weights = [w.to(device) for w in weights]
+    assert linear_with_terms(x.to(device), weights, (36, 28), a.to(device), b_t.to(device), (4, 4)) is None
+    with pytest.raises(ValueError, match="linear_with_terms"):
+        linear_with_terms(x.to(device), weights, (36, 28), a.to(device), b_t.to(device), (4, 5))
+
+
+def test_linear_with_terms_takes_the_epilogue_only_after_the_gemv(monkeypatch):
+    """``kernels.lora``'s op: the GEMV's epilogue where every weight's kernel is the GEMV, else the base's kernel and
+    ``add_terms``, the same sums; and the op compiled graphs call (schema, shape function)."""
+    device = interpreted_or_cuda()
+    widths, ranks = (64, 32, 32), (16, 0, 8)
+    weights, x, a, b_t = gemv_group("Q8_0", widths, ranks, 256, 1, torch.float32, False)
+    weights, x, a, b_t = [w.to(device) for w in weights], x.to(device), a.to(device), b_t.to(device)
+    epilogue = []
+    triton_terms = lora_ops._triton_linear_with_terms
+    monkeypatch.setattr(lora_ops, "_triton_linear_with_terms", lambda *args: epilogue.append(1) or triton_terms(*args))
+    apart = lora_ops._linear_terms(x, weights, widths, a, b_t, ranks)
+    assert not epilogue or device == "cuda"
+    monkeypatch.setattr(lora_ops, "_takes_gemv", lambda x, w: True)
+    fused = lora_ops._linear_terms(x, weights, widths, a, b_t, ranks)
+    assert epilogue
+    assert [tuple(t.shape) for t in fused] == [tuple(t.shape) for t in apart] == [(1, w) for w in widths]
+    for got, expected in zip(fused, apart):
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    formats = ",".join(w.fmt.name for w in weights)
+    torch.library.opcheck(lora_ops._linear_terms_op,
+                          (x, [w.data for w in weights], formats, list(widths), a, b_t, list(widths), list(ranks)))

@@ -367,6 +367,22 @@ def project(x: torch.Tensor, stacked: QuantTensor | None, parts: Sequence[QuantT
     return list(linear(x, stacked).split_with_sizes([w.shape[0] for w in parts], dim=-1))
 
 
+def project_adapted(x: torch.Tensor, stacked: QuantTensor | None, weights: Sequence[QuantTensor],
+                    parts: tuple[str, ...], lora: LayerLora, point: _Points, names: Mapping[str, str],
+                    layer: int) -> Sequence[torch.Tensor]:
+    """``project``, then ``add_lora``; where one choice covers every token and no hook asks for a term, the base's
+    own kernel may add the terms (``kernels.lora.linear_with_terms``: the CUDA GEMV, decode)."""
+    if lora and len(lora) == 1 and lora[0][1] is None and parts in lora[0][0]:
+        a, b_t, adapted, ranks = lora[0][0][parts]
+        if not any(point.wants(names[p]) for p in adapted):
+            part_ranks = [ranks[adapted.index(p)] if p in adapted else 0 for p in parts]
+            outs = lora_ops.linear_with_terms(x, stacked, weights, a, b_t, part_ranks)
+            if outs is not None:
+                return outs
+    outs = project(x, stacked, weights)
+    return add_lora(x, outs, parts, lora, point, names, layer) if lora else outs
+
+
 def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...], lora: LayerLora,
              point: _Points, names: Mapping[str, str], layer: int) -> Sequence[torch.Tensor]:
     """The outputs ``outs`` of projections ``parts`` of ``x``, each adapted one plus its LoRA term ``s * B (A x)``
@@ -812,9 +828,8 @@ class Transformer:
         n_kv_heads, d_head = self._heads[i]
         own_kv = layer.wk is not None
         if own_kv:
-            q, k, v = project(x, layer.wqkv, (layer.wq, layer.wk, layer.wv))
-            if lora:
-                q, k, v = add_lora(x, (q, k, v), ("wq", "wk", "wv"), lora, point, names["lora"], i)
+            q, k, v = project_adapted(x, layer.wqkv, (layer.wq, layer.wk, layer.wv), ("wq", "wk", "wv"), lora, point,
+                                      names["lora"], i)
             if c.qkv_bias:
                 q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         else:
@@ -880,9 +895,7 @@ class Transformer:
         n_new = z.shape[0]
         z = point(names["attn.hook_z"], z, i)
         z_flat = z.reshape(n_new, c.n_heads * self._heads[i][1])
-        out = linear(z_flat, layer.wo)
-        if lora:
-            out, = add_lora(z_flat, (out,), ("wo",), lora, point, names["lora"], i)
+        out, = project_adapted(z_flat, None, (layer.wo,), ("wo",), lora, point, names["lora"], i)
         if layer.bo is not None:
             out = out + layer.bo
         if point.wants(names["attn.hook_result"]):
@@ -908,9 +921,8 @@ class Transformer:
         names, c = self._names[i], self.config
         if layer.moe is not None and not c.moe.dense_mlp:
             return moe_mlp(x, layer.moe, c.moe, point, names, i)
-        gate, up = project(x, layer.w_gate_up, (layer.w_gate, layer.w_up))
-        if lora:
-            gate, up = add_lora(x, (gate, up), ("w_gate", "w_up"), lora, point, names["lora"], i)
+        gate, up = project_adapted(x, layer.w_gate_up, (layer.w_gate, layer.w_up), ("w_gate", "w_up"), lora, point,
+                                   names["lora"], i)
         gate = point(names["mlp.hook_pre"], gate, i)
         up = point(names["mlp.hook_pre_linear"], up, i)
         if self.arch.activation == "gelu_tanh":
@@ -918,9 +930,7 @@ class Transformer:
         else:
             hidden = layer_ops.swiglu(gate, up)
         hidden = point(names["mlp.hook_post"], hidden, i)
-        out = linear(hidden, layer.w_down)
-        if lora:
-            out, = add_lora(hidden, (out,), ("w_down",), lora, point, names["lora"], i)
+        out, = project_adapted(hidden, None, (layer.w_down,), ("w_down",), lora, point, names["lora"], i)
         if layer.moe is None:
             return out
         # Gemma 4: the experts beside the dense MLP, each branch through its own output norm, summed

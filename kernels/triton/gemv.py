@@ -5,6 +5,7 @@ activations quantized as ggml-cpu quantizes them.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -16,7 +17,7 @@ from .common import check_inputs, checked_output
 from .formats import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Layout
 from .k_affine import k_chunk_dots, k_chunk_dots_q8k
 from .k_small import small_k_chunk_dots, small_k_dots_q8k
-from .launch import INTERPRETING, cdiv, launch
+from .launch import INTERPRETING, cdiv, launch, next_power_of_2
 from .legacy import legacy_dots_q8
 from .q6_k import q6_k_dots_q8k
 from .readers import chunk_load, piece_start, unit_pieces
@@ -103,8 +104,11 @@ def _affine(a, b, fx, x, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, x_scales_ptr, x_sums_ptr, experts_ptr, x_index_ptr,
+    partials_ptr, b_ptr, splits, ranks, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0, rank_1, rank_2,
+    shift_0, shift_1, shift_2,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr, CHUNKS: tl.constexpr, BY_EXPERT: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # Each program takes BLOCK_N weight rows and BLOCK_M rows of activations, unpacking each weight once for all of
     # them; the programs over one weight block run next to each other, so all but the first read it from L2.
@@ -137,6 +141,11 @@ def _gemv_kernel(
     # Row of each (row, unit) pair, rows slowest; rows past N are read rather than masking every load.
     pair_rows = (n_block * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U) % N
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
+    if LORA:  # ``LoraEpilogue``; loaded before the weights' loop, which hides their round trip
+        tl.static_assert(not LLAMACPP and not BY_EXPERT, "the LoRA epilogue takes the exact GEMV")
+        lora_b, lora_partials = lora_loads(
+            partials_ptr, b_ptr, splits, ranks, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0, rank_1, rank_2,
+            shift_0, shift_1, shift_2, m_rows, M, n_block * BLOCK_N, rows, N, BLOCK_S, BLOCK_R)
     # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
     if CHUNKS:  # ``walks_chunks``
@@ -170,17 +179,74 @@ def _gemv_kernel(
             else:
                 acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_rows, K, BLOCK_N, BLOCK_U)
     out_ptrs = out_ptr + m_rows.to(tl.int64)[:, None] * N + rows[None, :]
-    tl.store(out_ptrs, tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty), mask=(m_rows[:, None] < M) & (rows[None, :] < N))
+    out = tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, lora_sum(out, lora_b, lora_partials) if LORA else out,
+             mask=(m_rows[:, None] < M) & (rows[None, :] < N))
 
 
-def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None) -> torch.Tensor:
+@triton.jit
+def lora_loads(partials_ptr, b_ptr, splits, ranks, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0, rank_1,
+               rank_2, shift_0, shift_1, shift_2, m_rows, M, first_row, rows, N, BLOCK_S: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """A program's inputs of its LoRA terms (``LoraEpilogue``): the shrink's partial sums ``[splits, M, ranks]`` of its
+    rows of activations and its part's ranks, ``[BLOCK_S, BLOCK_M, BLOCK_R]``, and its tile of ``B^T`` ``[BLOCK_R,
+    BLOCK_N]``. Its weight rows lie in one part (the parts' first rows ``edge1`` and ``edge2`` are multiples of
+    ``BLOCK_N``), whose ranks are rows ``rank0 ..`` of the partials and whose B^T columns are its rows plus
+    ``shift``; a part of rank 0 has no term."""
+    rank0 = tl.where(first_row >= edge2, rank0_2, tl.where(first_row >= edge1, rank0_1, rank0_0))
+    rank = tl.where(first_row >= edge2, rank_2, tl.where(first_row >= edge1, rank_1, rank_0))
+    shift = tl.where(first_row >= edge2, shift_2, tl.where(first_row >= edge1, shift_1, shift_0))
+    r = tl.arange(0, BLOCK_R)
+    split = tl.arange(0, BLOCK_S)
+    ranked = r < rank
+    partial_rows = (split[:, None, None] * M + m_rows[None, :, None]) * ranks
+    partial_ptrs = partials_ptr + partial_rows + (rank0 + r)[None, None, :]
+    partials = tl.load(partial_ptrs, mask=(split < splits)[:, None, None] & (m_rows < M)[None, :, None]
+                       & ranked[None, None, :], other=0.0)
+    b = tl.load(b_ptr + (rank0 + r)[:, None] * b_cols + (rows + shift)[None, :],
+                mask=ranked[:, None] & (rows < N)[None, :], other=0.0)
+    return b, partials
+
+
+@triton.jit
+def lora_sum(out, b, partials):
+    """The GEMV's rounded ``out`` ``[BLOCK_M, BLOCK_N]`` plus its LoRA terms, rounded as the torch formula rounds:
+    ``A x`` (the partials summed) to the output's dtype, then the term, then the sum."""
+    dtype = out.dtype
+    shrunk = tl.sum(partials, axis=0).to(dtype).to(tl.float32)
+    term = tl.sum(shrunk[:, :, None] * b.to(tl.float32)[None, :, :], axis=1).to(dtype).to(tl.float32)
+    return (out.to(tl.float32) + term).to(dtype)
+
+
+class LoraEpilogue(NamedTuple):
+    """LoRA terms the GEMV adds to its output (``kernels.triton.lora.linear_with_terms``): ``partials`` ``[splits, M,
+    R]`` float32, the shrink ``A x`` summed over slices of the input, of the group's R ranks; ``b_t`` ``[R, O]`` the
+    group's ``B^T``. Up to three parts of the GEMV's output rows, the first from row 0, the others from ``edges``
+    (multiples of the GEMV's ``block_n``, past the rows where there are fewer parts): part p takes ranks ``rank0s[p]``
+    to ``rank0s[p] + ranks[p] - 1`` (none: rank 0) and row n of it ``B^T``'s column ``n + shifts[p]``."""
+
+    partials: torch.Tensor
+    b_t: torch.Tensor
+    edges: tuple[int, int]
+    rank0s: tuple[int, int, int]
+    ranks: tuple[int, int, int]
+    shifts: tuple[int, int, int]
+
+    def arguments(self) -> tuple:
+        return (self.partials, self.b_t, self.partials.shape[0], self.partials.shape[2], self.b_t.shape[1],
+                *self.edges, *self.rank0s, *self.ranks, *self.shifts)
+
+
+def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None,
+         lora: LoraEpilogue | None = None) -> torch.Tensor:
     """``x @ w.T`` for up to ``GEMV_MAX_ROWS`` rows of ``x`` (decode, batched decode), on the CUDA cores: one
-    pass over the weight per ``config.block_m`` rows, its programs side by side so that the others read it from L2."""
+    pass over the weight per ``config.block_m`` rows, its programs side by side so that the others read it from L2;
+    with ``lora``, plus its terms."""
     layout, out = checked_output(x, w, max_rows=GEMV_MAX_ROWS)
     m, k = x.shape
     if m == 0:
         return out
-    launch_gemv(w, out, layout, config or gemv_config(k, w.fmt.name, m), x, x, x, llamacpp=False)
+    launch_gemv(w, out, layout, config or gemv_config(k, w.fmt.name, m), x, x, x, llamacpp=False, lora=lora)
     return out
 
 
@@ -218,16 +284,24 @@ def by_expert_config(config: GemvConfig) -> GemvConfig:
 
 def launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: GemvConfig, activations: torch.Tensor,
                  x_scales: torch.Tensor, x_sums: torch.Tensor, llamacpp: bool,
-                 by_expert: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 by_expert: tuple[torch.Tensor, torch.Tensor] | None = None, lora: LoraEpilogue | None = None) -> None:
     """``_gemv_kernel`` over ``out``'s rows of activations: floats, or (``llamacpp``) ``quantize_activations``'
     values, scales and sums (the exact GEMV passes its activations for the two unused pointers); or, with
-    ``by_expert`` (experts, x_rows), over ``out``'s (activation row, expert) pairs (``gemv_by_expert``)."""
+    ``by_expert`` (experts, x_rows), over ``out``'s (activation row, expert) pairs (``gemv_by_expert``); with
+    ``lora`` (exact floats only), its terms added."""
     (m, n), k = out.shape, w.shape[1]
     experts, x_rows = by_expert if by_expert is not None else (activations, activations)
+    if lora is None:  # the epilogue's arguments unused: the kernel compiles without it
+        lora_arguments, block_s, block_r = (activations, activations, *[0] * 14), 1, 1
+    else:
+        lora_arguments = lora.arguments()
+        block_s, block_r = next_power_of_2(lora.partials.shape[0]), max(16, next_power_of_2(max(lora.ranks)))
     launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
-        activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums, experts, x_rows,
+        activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums, experts, x_rows, *lora_arguments,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
         EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp,
-        CHUNKS=walks_chunks(w.fmt.name, llamacpp), BY_EXPERT=by_expert is not None, num_warps=config.num_warps,
+        CHUNKS=walks_chunks(w.fmt.name, llamacpp), BY_EXPERT=by_expert is not None,
+        LORA=lora is not None, BLOCK_S=block_s, BLOCK_R=block_r,
+        num_warps=config.num_warps,
     )

@@ -10,17 +10,26 @@ shrink, are loaded before it, the shrink's steps load several ahead (a pipelined
 across threads once, after the loop: on the embedded model's shapes a program waits for one round trip, then sums
 and stores (an 8B's inputs of 4096 and more take a round trip per 3 steps of the shrink).
 
-It rounds where the torch formula does: ``A x`` and the term each to the activations' dtype (as a matmul's result),
-then the sum. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors (the tests).
+Where the base's matmul is the GEMV, ``linear_with_terms`` adds the terms there instead: ``shrink`` computes ``A x`` in
+many small programs, each a slice of the input by a few rows of A (partial sums per slice, no atomics), and the GEMV's
+epilogue (``gemv.LoraEpilogue``) sums them, multiplies its tile of ``B^T`` and adds the term to its own output, which
+is then stored once.
+
+Both round where the torch formula does: ``A x`` and the term each to the activations' dtype (as a matmul's result),
+then the sum. Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from ..launch_choices import gemv_config
+from ..quant_tensor import QuantTensor
+from .gemv import LoraEpilogue, gemv
 from .launch import cdiv, launch, next_power_of_2
 
 MAX_PARTS = 3  # q, k and v
@@ -112,3 +121,80 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence
                PARTS=len(outs), BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, STAGES=stages,
                num_warps=num_warps)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The terms inside the base's GEMV (``linear_with_terms``): the shrink split over the input, the rest in the GEMV's
+# epilogue (``gemv.LoraEpilogue``)
+
+SHRINK_SLICE = 1024  # inputs per program of the shrink, at least
+MAX_SPLITS = 32  # slices of the input at most: every program of the GEMV reads its part's partial sums of each
+SHRINK_VALUES = 4096  # values of A per program of the shrink: 32 a thread, all loaded at once
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, partials_ptr, M, K, R, x_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # a program: BLOCK_R rows of A over one slice of the input, for every token; all its loads in flight at once
+    split, block = tl.program_id(0), tl.program_id(1)
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + r[:, None] * K + i[None, :], mask=(r < R)[:, None] & (i < K)[None, :], other=0.0)
+    a = a.to(tl.float32)
+    for m in range(M):
+        x = tl.load(x_ptr + m * x_stride + i, mask=i < K, other=0.0).to(tl.float32)
+        tl.store(partials_ptr + (split * M + m) * R + r, tl.sum(a * x[None, :], axis=1), mask=r < R)
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``A x`` for ``x`` ``[T, in]`` (rows of contiguous values) and ``a`` ``[R, in]`` contiguous, summed over slices
+    of the input in float32 but not across them: ``[splits, T, R]``, at most ``MAX_SPLITS`` slices. Many small
+    programs, each a slice of ``SHRINK_SLICE`` inputs or more by a few rows of A: an 8B's down (rank 16 by 14,336
+    inputs) takes 14 slices of 4 rows, 56 programs of 8 KB of A each, where one program's dependent steps over the
+    whole input took ``lora_add`` 9.9 us."""
+    tokens, k = x.shape
+    block_k = min(max(SHRINK_SLICE, next_power_of_2(cdiv(k, MAX_SPLITS))), max(32, next_power_of_2(k)))
+    block_r = max(1, min(next_power_of_2(a.shape[0]), SHRINK_VALUES // block_k))
+    partials = torch.empty(cdiv(k, block_k), tokens, a.shape[0], dtype=torch.float32, device=x.device)
+    launch(_shrink_kernel, (partials.shape[0], cdiv(a.shape[0], block_r)), x, a, partials, tokens, k, a.shape[0],
+           x.stride(0), BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return partials
+
+
+def linear_with_terms(x: torch.Tensor, weights: Sequence[QuantTensor], widths: Sequence[int], a: torch.Tensor,
+                      b_t: torch.Tensor, part_ranks: Sequence[int]) -> list[torch.Tensor] | None:
+    """``x @ w.T`` for each of ``weights`` through the GEMV, which adds each part's LoRA term: two launches for a
+    group (``shrink``, then the GEMV) where the base's GEMV and ``lora_add`` take two with a slow shrink, and the base's
+    output is not read back.
+
+    ``weights`` cover the group's parts of ``widths`` output rows in order (one stacked weight for all, or one each);
+    ``part_ranks`` the parts' ranks (0: no term), the rows of ``a`` ``[R, in]`` in part order, ``b_t`` ``[R, O]`` the
+    adapted parts' ``B^T`` as blocks of a block-diagonal matrix (``lora.add_terms``); ``x`` ``[T, in]`` contiguous,
+    up to ``GEMV_MAX_ROWS`` rows, one float dtype with ``a`` and ``b_t``; ranks up to ``MAX_RANK``. None where a
+    weight's parts start at rows that its GEMV's programs would straddle (nothing launched). It rounds as ``lora_add``
+    does."""
+    tokens, k = x.shape
+    starts = list(accumulate(widths, initial=0))  # each part's first row in the group
+    rank0s = list(accumulate(part_ranks, initial=0))
+    columns = list(accumulate((width if rank else 0 for width, rank in zip(widths, part_ranks)), initial=0))
+    if (len(part_ranks) != len(widths) or min(part_ranks) < 0 or not 0 < max(part_ranks) <= MAX_RANK
+            or not set(accumulate((w.shape[0] for w in weights), initial=0)) <= set(starts)
+            or sum(w.shape[0] for w in weights) != starts[-1] or a.shape != (rank0s[-1], k)
+            or b_t.shape != (rank0s[-1], columns[-1]) or not a.is_contiguous() or not b_t.is_contiguous()
+            or a.dtype != x.dtype or b_t.dtype != x.dtype):
+        raise ValueError(f"linear_with_terms: weights of {[w.shape[0] for w in weights]} rows for parts {list(widths)}"
+                         f" of ranks {list(part_ranks)}, x {x.dtype}, a {a.dtype} {tuple(a.shape)}, b_t {b_t.dtype} "
+                         f"{tuple(b_t.shape)}")
+    launches, first_row = [], 0
+    for w in weights:
+        parts = [p for p in range(len(widths)) if first_row <= starts[p] < first_row + w.shape[0]]
+        edges = [starts[p] - first_row for p in parts[1:]]
+        config = gemv_config(k, w.fmt.name, tokens)
+        if len(parts) > MAX_PARTS or any(edge % config.block_n for edge in edges):
+            return None
+        pad = [0] * (MAX_PARTS - len(parts))
+        launches.append((w, config, (*edges, *[w.shape[0]] * (len(pad) + 1))[:2], (*[rank0s[p] for p in parts], *pad),
+                         (*[part_ranks[p] for p in parts], *pad),
+                         (*[columns[p] - (starts[p] - first_row) for p in parts], *pad)))
+        first_row += w.shape[0]
+    partials = shrink(x, a)
+    return [gemv(x, w, config, LoraEpilogue(partials, b_t, *epilogue)) for w, config, *epilogue in launches]
