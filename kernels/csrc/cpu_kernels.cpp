@@ -998,12 +998,21 @@ void check_floats(const torch::Tensor& t, const char* name, int64_t dim) {
 }
 
 // RMSNorm of each row of x [rows, d] into scale [rows] and out [rows, d]: scale = 1 / sqrt(mean(x^2) + eps) (squares
-// rounded to float32, summed in double), and out = (x * scale) * weight.
+// rounded to float32, summed in double), and out = (x * scale) * weight. With delta (and total), of the residual sum
+// total = x + delta instead, each row summed in the same parallel region as its norm.
 __attribute__((optimize("fp-contract=off")))
-void rms_norm_rows(const float* xp, const float* wp, float* sp, float* op, int64_t rows, int64_t d, double eps) {
+void rms_norm_rows(const float* xp, const float* dp, float* tp, const float* wp, float* sp, float* op, int64_t rows,
+                   int64_t d, double eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* xr = xp + t * d;
+      if (dp != nullptr) {
+        float* tr = tp + t * d;
+        for (int64_t i = 0; i < d; ++i) {
+          tr[i] = xr[i] + dp[t * d + i];
+        }
+        xr = tr;
+      }
       double sum = 0.0;
       for (int64_t i = 0; i < d; ++i) {
         const float square = xr[i] * xr[i];
@@ -1031,8 +1040,8 @@ void check_norm(const torch::Tensor& x, const torch::Tensor& weight) {
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_norm(x, weight);
   torch::Tensor scale = torch::empty({x.size(0), 1}, x.options()), out = torch::empty_like(x);
-  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(),
-                x.size(0), x.size(1), eps);
+  rms_norm_rows(x.data_ptr<float>(), nullptr, nullptr, weight.data_ptr<float>(), scale.data_ptr<float>(),
+                out.data_ptr<float>(), x.size(0), x.size(1), eps);
   return {scale, out};
 }
 
@@ -1046,13 +1055,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> add_rms_norm(const torch
               x.sizes());
   torch::Tensor total = torch::empty_like(x), scale = torch::empty({x.size(0), 1}, x.options()),
                 out = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *dp = delta.data_ptr<float>();
-  float* tp = total.data_ptr<float>();
-  for (int64_t i = 0, n = x.numel(); i < n; ++i) {
-    tp[i] = xp[i] + dp[i];
-  }
-  rms_norm_rows(tp, weight.data_ptr<float>(), scale.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
-                eps);
+  rms_norm_rows(x.data_ptr<float>(), delta.data_ptr<float>(), total.data_ptr<float>(), weight.data_ptr<float>(),
+                scale.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), eps);
   return {total, scale, out};
 }
 
@@ -1069,11 +1073,13 @@ torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   float* op = out.data_ptr<float>();
   const float* up_p = up.data_ptr<float>();
   const int64_t rows = gate.size(0), d = gate.size(1), up_stride = up.stride(0);
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t i = 0; i < d; ++i) {
-      op[t * d + i] *= up_p[t * up_stride + i];
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < d; ++i) {
+        op[t * d + i] *= up_p[t * up_stride + i];
+      }
     }
-  }
+  });
   return out;
 }
 
