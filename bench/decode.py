@@ -28,6 +28,9 @@ from workbench.model import Model
 from workbench.synthetic import random_checkpoint, random_config, write_gguf
 
 SHAPES = {
+    # the embedded model's shape (in Q4_1, its timings without its file)
+    "smollm2-135m": dict(n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, d_mlp=1536, vocab_size=49152,
+                         tied_embeddings=True),
     "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=128256,
                       tied_embeddings=False),
 }

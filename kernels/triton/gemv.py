@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ..launch_choices import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_units, walks_chunks
 from ..quant_tensor import QuantTensor
@@ -17,7 +18,7 @@ from .common import check_inputs, checked_output
 from .formats import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Layout
 from .k_affine import k_chunk_dots, k_chunk_dots_q8k
 from .k_small import small_k_chunk_dots, small_k_dots_q8k
-from .launch import INTERPRETING, cdiv, launch, next_power_of_2
+from .launch import INTERPRETING, cdiv, launch, next_power_of_2, programmatic_launch
 from .legacy import legacy_dots_q8
 from .q6_k import q6_k_dots_q8k
 from .readers import chunk_load, piece_start, unit_pieces
@@ -108,7 +109,7 @@ def _gemv_kernel(
     shift_0, shift_1, shift_2,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr, CHUNKS: tl.constexpr, BY_EXPERT: tl.constexpr,
-    LORA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    LORA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     # Each program takes BLOCK_N weight rows and BLOCK_M rows of activations, unpacking each weight once for all of
     # them; the programs over one weight block run next to each other, so all but the first read it from L2.
@@ -143,9 +144,12 @@ def _gemv_kernel(
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
     if LORA:  # ``LoraEpilogue``; loaded before the weights' loop, which hides their round trip
         tl.static_assert(not LLAMACPP and not BY_EXPERT, "the LoRA epilogue takes the exact GEMV")
-        lora_b, lora_partials = lora_loads(
-            partials_ptr, b_ptr, splits, ranks, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0, rank_1, rank_2,
-            shift_0, shift_1, shift_2, m_rows, M, n_block * BLOCK_N, rows, N, BLOCK_S, BLOCK_R)
+        lora_rank0, lora_rank, lora_b = lora_b_tile(b_ptr, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0,
+                                                    rank_1, rank_2, shift_0, shift_1, shift_2, n_block * BLOCK_N, rows,
+                                                    N, BLOCK_R)
+        if not PDL:
+            lora_partials = lora_partials_load(partials_ptr, splits, ranks, lora_rank0, lora_rank, m_rows, M, BLOCK_S,
+                                               BLOCK_R)
     # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_U), dtype=tl.float32)
     if CHUNKS:  # ``walks_chunks``
@@ -178,6 +182,12 @@ def _gemv_kernel(
                                       BLOCK_U, USE_ASM)[None]
             else:
                 acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_rows, K, BLOCK_N, BLOCK_U)
+    if LORA and PDL:
+        # launched beside the shrink (programmatic dependent launch): the weights' loop ran while it did, and only
+        # its partial sums wait for it to finish
+        gdc_wait()
+        lora_partials = lora_partials_load(partials_ptr, splits, ranks, lora_rank0, lora_rank, m_rows, M, BLOCK_S,
+                                           BLOCK_R)
     out_ptrs = out_ptr + m_rows.to(tl.int64)[:, None] * N + rows[None, :]
     out = tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, lora_sum(out, lora_b, lora_partials) if LORA else out,
@@ -185,27 +195,32 @@ def _gemv_kernel(
 
 
 @triton.jit
-def lora_loads(partials_ptr, b_ptr, splits, ranks, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0, rank_1,
-               rank_2, shift_0, shift_1, shift_2, m_rows, M, first_row, rows, N, BLOCK_S: tl.constexpr,
-               BLOCK_R: tl.constexpr):
-    """A program's inputs of its LoRA terms (``LoraEpilogue``): the shrink's partial sums ``[splits, M, ranks]`` of its
-    rows of activations and its part's ranks, ``[BLOCK_S, BLOCK_M, BLOCK_R]``, and its tile of ``B^T`` ``[BLOCK_R,
-    BLOCK_N]``. Its weight rows lie in one part (the parts' first rows ``edge1`` and ``edge2`` are multiples of
-    ``BLOCK_N``), whose ranks are rows ``rank0 ..`` of the partials and whose B^T columns are its rows plus
-    ``shift``; a part of rank 0 has no term."""
+def lora_b_tile(b_ptr, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0, rank_1, rank_2, shift_0, shift_1,
+                shift_2, first_row, rows, N, BLOCK_R: tl.constexpr):
+    """A program's part of its LoRA terms (``LoraEpilogue``): its first rank and rank, and its tile of ``B^T``
+    ``[BLOCK_R, BLOCK_N]``. Its weight rows lie in one part (the parts' first rows ``edge1`` and ``edge2`` are
+    multiples of ``BLOCK_N``), whose ranks are rows ``rank0 ..`` of the partials and whose B^T columns are its rows
+    plus ``shift``; a part of rank 0 has no term."""
     rank0 = tl.where(first_row >= edge2, rank0_2, tl.where(first_row >= edge1, rank0_1, rank0_0))
     rank = tl.where(first_row >= edge2, rank_2, tl.where(first_row >= edge1, rank_1, rank_0))
     shift = tl.where(first_row >= edge2, shift_2, tl.where(first_row >= edge1, shift_1, shift_0))
     r = tl.arange(0, BLOCK_R)
-    split = tl.arange(0, BLOCK_S)
-    ranked = r < rank
-    partial_rows = (split[:, None, None] * M + m_rows[None, :, None]) * ranks
-    partial_ptrs = partials_ptr + partial_rows + (rank0 + r)[None, None, :]
-    partials = tl.load(partial_ptrs, mask=(split < splits)[:, None, None] & (m_rows < M)[None, :, None]
-                       & ranked[None, None, :], other=0.0)
     b = tl.load(b_ptr + (rank0 + r)[:, None] * b_cols + (rows + shift)[None, :],
-                mask=ranked[:, None] & (rows < N)[None, :], other=0.0)
-    return b, partials
+                mask=(r < rank)[:, None] & (rows < N)[None, :], other=0.0)
+    return rank0, rank, b
+
+
+@triton.jit
+def lora_partials_load(partials_ptr, splits, ranks, rank0, rank, m_rows, M, BLOCK_S: tl.constexpr,
+                       BLOCK_R: tl.constexpr):
+    """The shrink's partial sums ``[splits, M, ranks]`` of a program's rows of activations and its part's ranks,
+    ``[BLOCK_S, BLOCK_M, BLOCK_R]``."""
+    r = tl.arange(0, BLOCK_R)
+    split = tl.arange(0, BLOCK_S)
+    partial_rows = (split[:, None, None] * M + m_rows[None, :, None]) * ranks
+    return tl.load(partials_ptr + partial_rows + (rank0 + r)[None, None, :],
+                   mask=(split < splits)[:, None, None] & (m_rows < M)[None, :, None] & (r < rank)[None, None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -296,12 +311,14 @@ def launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: GemvC
     else:
         lora_arguments = lora.arguments()
         block_s, block_r = next_power_of_2(lora.partials.shape[0]), max(16, next_power_of_2(max(lora.ranks)))
+    # with a LoRA epilogue, the GEMV starts while the shrink before it runs (``lora.shrink``)
+    pdl = lora is not None and programmatic_launch(out.device)
     launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
         activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums, experts, x_rows, *lora_arguments,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
         EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp,
         CHUNKS=walks_chunks(w.fmt.name, llamacpp), BY_EXPERT=by_expert is not None,
-        LORA=lora is not None, BLOCK_S=block_s, BLOCK_R=block_r,
-        num_warps=config.num_warps,
+        LORA=lora is not None, BLOCK_S=block_s, BLOCK_R=block_r, PDL=pdl,
+        num_warps=config.num_warps, launch_pdl=pdl,
     )

@@ -30,6 +30,20 @@ _direct = True
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can start before the kernel ahead of them ends (programmatic dependent launch:
+    Hopper and later; a kernel so launched waits for the one ahead with ``gdc_wait`` before reading what it wrote)."""
+    if INTERPRETING or device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _PROGRAMMATIC:
+        _PROGRAMMATIC[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _PROGRAMMATIC[index]
+
+
+_PROGRAMMATIC: dict[int, bool] = {}
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)``, for the host: ``triton.cdiv`` is a constexpr function, whose Python call costs microseconds."""
     return -(-a // b)
