@@ -256,7 +256,8 @@ def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None,
          lora: LoraEpilogue | None = None) -> torch.Tensor:
     """``x @ w.T`` for up to ``GEMV_MAX_ROWS`` rows of ``x`` (decode, batched decode), on the CUDA cores: one
     pass over the weight per ``config.block_m`` rows, its programs side by side so that the others read it from L2;
-    with ``lora``, plus its terms."""
+    with ``lora``, plus its terms: launched right after the ``lora.shrink`` that made its partial sums, as
+    ``lora.linear_with_terms`` does (on Hopper it starts while that kernel runs)."""
     layout, out = checked_output(x, w, max_rows=GEMV_MAX_ROWS)
     m, k = x.shape
     if m == 0:

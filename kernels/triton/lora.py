@@ -160,7 +160,8 @@ def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     of the input in float32 but not across them: ``[splits, T, R]``, at most ``MAX_SPLITS`` slices. Many small
     programs, each a slice of ``SHRINK_SLICE`` inputs or more by a few rows of A: an 8B's down (rank 16 by 14,336
     inputs) takes 14 slices of 4 rows, 56 programs of 8 KB of A each, where one program's dependent steps over the
-    whole input took ``lora_add`` 9.9 us."""
+    whole input took ``lora_add`` 9.9 us. On Hopper it may start before the kernel ahead of it ends and reads A
+    then, so that kernel must not write A (in the forward it is the one that writes x)."""
     tokens, k = x.shape
     block_k = min(max(SHRINK_SLICE, next_power_of_2(cdiv(k, MAX_SPLITS))), max(32, next_power_of_2(k)))
     block_r = max(1, min(next_power_of_2(a.shape[0]), SHRINK_VALUES // block_k))
