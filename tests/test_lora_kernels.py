@@ -190,3 +190,39 @@ def test_linear_with_terms_takes_the_epilogue_only_after_the_gemv(monkeypatch):
     formats = ",".join(w.fmt.name for w in weights)
     torch.library.opcheck(lora_ops._linear_terms_op,
                           (x, [w.data for w in weights], formats, list(widths), a, b_t, list(widths), list(ranks)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU")
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "one weight a part"])
+def test_programmatic_launch_in_a_graph_keeps_the_bits(monkeypatch, stacked):
+    """On Hopper the shrink starts while the kernel that writes x runs and the GEMV while the shrink runs: in a CUDA
+    graph where a kernel writes x just before them (as a decode step's norm does), every replay gives the bits of the
+    launches in plain stream order, for new values of x."""
+    pytest.importorskip("triton")
+    from workbench.kernels.triton import launch
+    from workbench.kernels.triton.lora import linear_with_terms
+
+    widths, ranks = (576, 192, 192), (16, 0, 16)
+    weights, x, a, b_t = gemv_group("Q4_1", widths, ranks, 576, 1, torch.float32, stacked)
+    weights, a, b_t = [w.to("cuda") for w in weights], a.cuda(), b_t.cuda()
+    sources = [torch.randn(1, 576, device="cuda", generator=torch.Generator("cuda").manual_seed(s)) for s in range(3)]
+    source, x = sources[0].clone(), torch.empty(1, 576, device="cuda")
+
+    def step() -> list[torch.Tensor]:
+        torch.mul(source, 1.0, out=x)  # a kernel that writes x, right before the shrink
+        return linear_with_terms(x, weights, widths, a, b_t, ranks)
+
+    monkeypatch.setattr(launch, "_PROGRAMMATIC", {torch.cuda.current_device(): False})
+    expected = []
+    for new in sources:
+        source.copy_(new)
+        expected.append(torch.cat(step(), dim=-1))
+    monkeypatch.setattr(launch, "_PROGRAMMATIC", {})
+    step()  # compiles the programmatic launches outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for want, new in zip(expected, sources):
+        source.copy_(new)
+        graph.replay()
+        assert torch.equal(torch.cat(outs, dim=-1), want)
