@@ -19,6 +19,7 @@ raw bytes packed on the backend's device (the GPU for NCCL), the structure aroun
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import itertools
 import json
@@ -77,7 +78,15 @@ def init(backend: str | None = None, timeout_s: float = 1800.0, cpu_threads: int
             raise WorkbenchError(f"cpu_threads must be a positive integer, got {cpu_threads!r}")
         torch.set_num_threads(cpu_threads)
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    atexit.register(_leave_process_group)
     return this_rank()
+
+
+def _leave_process_group() -> None:
+    # torch asks that a process group be destroyed before its process exits: a rank that exits with it alive can
+    # abort in C++ at interpreter shutdown ("terminate called without an active exception"), failing a finished job
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def this_rank() -> Rank:
