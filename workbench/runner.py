@@ -372,15 +372,25 @@ def project_adapted(x: torch.Tensor, stacked: QuantTensor | None, weights: Seque
                     layer: int) -> Sequence[torch.Tensor]:
     """``project``, then ``add_lora``; where one choice covers every token and no hook asks for a term, the base's
     own kernel may add the terms (``kernels.lora.linear_with_terms``: the CUDA GEMV, decode)."""
-    if lora and len(lora) == 1 and lora[0][1] is None and parts in lora[0][0]:
-        a, b_t, adapted, ranks = lora[0][0][parts]
-        if not any(point.wants(names[p]) for p in adapted):
-            part_ranks = [ranks[adapted.index(p)] if p in adapted else 0 for p in parts]
-            outs = lora_ops.linear_with_terms(x, stacked, weights, a, b_t, part_ranks)
-            if outs is not None:
-                return outs
+    shared = _unhooked_terms(parts, lora, point, names) if lora else None
+    if shared is not None:
+        a, b_t, adapted, ranks = shared
+        part_ranks = [ranks[adapted.index(p)] if p in adapted else 0 for p in parts]
+        outs = lora_ops.linear_with_terms(x, stacked, weights, a, b_t, part_ranks)
+        if outs is not None:
+            return outs
     outs = project(x, stacked, weights)
     return add_lora(x, outs, parts, lora, point, names, layer) if lora else outs
+
+
+def _unhooked_terms(parts: tuple[str, ...], lora: LayerLora, point: _Points, names: Mapping[str, str]
+                    ) -> tuple | None:
+    """The group's terms ``(a, b_t, adapted, ranks)`` where one adapter choice covers every token and no hook asks for
+    an adapted projection's term, so that they may be added without being held apart; else None."""
+    if len(lora) != 1 or lora[0][1] is not None or parts not in lora[0][0]:
+        return None
+    terms = lora[0][0][parts]
+    return None if any(point.wants(names[p]) for p in terms[2]) else terms
 
 
 def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ...], lora: LayerLora,
@@ -389,13 +399,13 @@ def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ..
     (through the term's hook point, ``[T, out]``: zero on the tokens whose choice leaves the projection alone). Where
     one choice covers every token and no hook asks for a term, the terms are never held apart: ``kernels.lora`` adds
     them in one call per group (one fused kernel for few rows)."""
-    if len(lora) == 1 and lora[0][1] is None and parts in lora[0][0]:
-        a, b_t, adapted, ranks = lora[0][0][parts]
-        if not any(point.wants(names[p]) for p in adapted):
-            if adapted == parts:
-                return lora_ops.add_terms(x, a, b_t, outs, ranks)
-            added = iter(lora_ops.add_terms(x, a, b_t, [outs[parts.index(p)] for p in adapted], ranks))
-            return [next(added) if p in adapted else out for p, out in zip(parts, outs)]
+    shared = _unhooked_terms(parts, lora, point, names)
+    if shared is not None:
+        a, b_t, adapted, ranks = shared
+        if adapted == parts:
+            return lora_ops.add_terms(x, a, b_t, outs, ranks)
+        added = iter(lora_ops.add_terms(x, a, b_t, [outs[parts.index(p)] for p in adapted], ranks))
+        return [next(added) if p in adapted else out for p, out in zip(parts, outs)]
     added: dict[str, torch.Tensor] = {}
     for terms, rows in lora:
         if parts not in terms:
