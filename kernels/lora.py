@@ -13,8 +13,8 @@ group, a split and an add per part; for few rows (decode) one fused call does it
   launches it too.
 
 Where the base's matmul on CUDA is the GEMV (decode), ``linear_with_terms`` takes the base's matmul and the terms
-together: a split shrink, then the GEMV adding the terms in its epilogue (``triton/lora.py``; in a compiled step the
-opaque op ``workbench::linear_lora``).
+together: a split shrink, in the GEMV's own launch or just before it, then the GEMV adding the terms in its epilogue
+(``triton/lora.py``; in a compiled step the opaque op ``workbench::linear_lora``).
 
 All round as the formula does (``A x``, then the term, each to the activations' dtype, then the sum), summing in
 their own order. Many rows (a prompt) take the formula, the BLAS being faster there.
@@ -74,8 +74,8 @@ def linear_with_terms(x: torch.Tensor, stacked: QuantTensor | None, parts: Seque
     """``[x @ w.T + term for w in parts]`` for a group of projections, their weights ``parts`` (``stacked``: their rows
     in one weight, or None), ``part_ranks`` their ranks (0: no term), ``a`` and ``b_t`` the adapted ones' (as
     ``add_terms`` takes them), where the base's matmul may be the CUDA GEMV (decode): it adds the terms in its epilogue
-    after a split shrink (``triton/lora.py``), one launch more than the base where ``add_terms`` after it takes one
-    more with a shrink of dependent steps, and the base's output is never read back. None where it cannot serve (the
+    after a split shrink (``triton/lora.py``), no launch or one more than the base where ``add_terms`` after it takes
+    one more with a shrink of dependent steps, and the base's output is never read back. None where it cannot serve (the
     caller takes the base's matmuls and ``add_terms``)."""
     if not (GEMV_EPILOGUE and (x.is_cuda or GEMV_ON_CPU) and _triton.AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and a.dtype == x.dtype and b_t.dtype == x.dtype and max(part_ranks) <= _TRITON_MAX_RANK):

@@ -120,14 +120,19 @@ EPILOGUE_GROUPS = [("Q4_K", (64, 32, 32), (16, 0, 8), 768, 1, True), ("Q8_0", (6
                    ("Q8_0", (32, 64, 32), (8, 4, 16), 256, 2, True), ("Q8_0", (32,), (16,), 2304, 3, True)]
 
 
+@pytest.mark.parametrize("in_launch", [True, False], ids=["shrink in the launch", "shrink apart"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt, widths, ranks, k, tokens, stacked", EPILOGUE_GROUPS)
-def test_gemv_epilogue_adds_the_terms(fmt, widths, ranks, k, tokens, stacked, dtype):
-    """The GEMV with the LoRA epilogue against the GEMV alone plus the terms in float64 and the torch formula's
-    roundings; a part of rank 0 keeps the GEMV's bits."""
+def test_gemv_epilogue_adds_the_terms(monkeypatch, fmt, widths, ranks, k, tokens, stacked, dtype, in_launch):
+    """The GEMV with the LoRA epilogue, its shrink in its own launch or apart, against the GEMV alone plus the terms in
+    float64 and the torch formula's roundings; a part of rank 0 keeps the GEMV's bits."""
     device = interpreted_or_cuda()
-    from workbench.kernels.triton import gemv
-    from workbench.kernels.triton.lora import linear_with_terms, shrink
+    from workbench.kernels.triton import gemv, lora
+    from workbench.kernels.triton.lora import arrival_counter, linear_with_terms, shrink
+
+    monkeypatch.setattr(lora, "IN_LAUNCH_WARPS", 1 << 20 if in_launch else 0)
+    shrinks = []
+    monkeypatch.setattr(lora, "shrink", lambda *args: shrinks.append(1) or shrink(*args))
 
     if k == 2304 and dtype != torch.float32:
         pytest.skip("the long input once, in float32")
@@ -152,9 +157,15 @@ def test_gemv_epilogue_adds_the_terms(fmt, widths, ranks, k, tokens, stacked, dt
     assert ((got[:, columns].double() - exact).abs() <= bound).all()
     formula = base[:, columns].double() + lora_ops.torch_terms(x, a, b_t).double()
     assert ((got[:, columns].double() - formula).abs() <= 2 * bound).all()
-    partials = shrink(x.to(device), a.to(device)).cpu()
-    assert partials.shape == (-(-k // 1024), tokens, sum(ranks)) and partials.dtype == torch.float32
-    torch.testing.assert_close(partials.sum(0).double(), x.double() @ a.double().T, rtol=1e-5, atol=1e-5)
+    assert bool(shrinks) != in_launch
+    # the launch's programs met at the stream's counter and left it at 0; a second launch gives the same bits
+    assert arrival_counter(weights[0].data.device).item() == 0
+    again = torch.cat(linear_with_terms(x.to(device), weights, widths, a.to(device), b_t.to(device), ranks), dim=-1)
+    assert torch.equal(again.cpu(), got)
+    if not in_launch:
+        partials = shrink(x.to(device), a.to(device)).cpu()
+        assert partials.shape == (-(-k // 1024), tokens, sum(ranks)) and partials.dtype == torch.float32
+        torch.testing.assert_close(partials.sum(0).double(), x.double() @ a.double().T, rtol=1e-5, atol=1e-5)
 
 
 def test_gemv_epilogue_refuses_parts_its_programs_straddle():
@@ -192,16 +203,19 @@ def test_linear_with_terms_takes_the_epilogue_only_after_the_gemv(monkeypatch):
                           (x, [w.data for w in weights], formats, list(widths), a, b_t, list(widths), list(ranks)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("in_launch", [True, False], ids=["shrink in the launch", "shrink apart"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "one weight a part"])
-def test_programmatic_launch_in_a_graph_keeps_the_bits(monkeypatch, stacked):
-    """On Hopper the shrink starts while the kernel that writes x runs and the GEMV while the shrink runs: in a CUDA
-    graph where a kernel writes x just before them (as a decode step's norm does), every replay gives the bits of the
-    launches in plain stream order, for new values of x."""
+def test_gemv_with_terms_in_a_graph_keeps_the_bits(monkeypatch, stacked, in_launch):
+    """In a CUDA graph where a kernel writes x just before the GEMV with terms (as a decode step's norm does), every
+    replay gives the bits of launches in plain stream order, for new values of x: with the shrink in the GEMV's launch
+    its counter is back at 0 after each replay; apart, on Hopper the shrink starts while the kernel that writes x runs
+    and the GEMV while the shrink runs."""
     pytest.importorskip("triton")
-    from workbench.kernels.triton import launch
+    from workbench.kernels.triton import launch, lora
     from workbench.kernels.triton.lora import linear_with_terms
 
+    monkeypatch.setattr(lora, "IN_LAUNCH_WARPS", 1 << 20 if in_launch else 0)
     widths, ranks = (576, 192, 192), (16, 0, 16)
     weights, x, a, b_t = gemv_group("Q4_1", widths, ranks, 576, 1, torch.float32, stacked)
     weights, a, b_t = [w.to("cuda") for w in weights], a.cuda(), b_t.cuda()
@@ -209,7 +223,7 @@ def test_programmatic_launch_in_a_graph_keeps_the_bits(monkeypatch, stacked):
     source, x = sources[0].clone(), torch.empty(1, 576, device="cuda")
 
     def step() -> list[torch.Tensor]:
-        torch.mul(source, 1.0, out=x)  # a kernel that writes x, right before the shrink
+        torch.mul(source, 1.0, out=x)  # a kernel that writes x, right before the GEMV (or the shrink)
         return linear_with_terms(x, weights, widths, a, b_t, ranks)
 
     monkeypatch.setattr(launch, "_PROGRAMMATIC", {torch.cuda.current_device(): False})
@@ -222,7 +236,58 @@ def test_programmatic_launch_in_a_graph_keeps_the_bits(monkeypatch, stacked):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
-    for want, new in zip(expected, sources):
-        source.copy_(new)
-        graph.replay()
-        assert torch.equal(torch.cat(outs, dim=-1), want)
+    for _ in range(3):
+        for want, new in zip(expected, sources):
+            source.copy_(new)
+            graph.replay()
+            assert torch.equal(torch.cat(outs, dim=-1), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_with_its_shrink_on_two_streams_and_more_programs_than_the_gpu_holds(monkeypatch):
+    """An 8B's gate/up shape with the shrink in the GEMV's launch (7,168 programs of one warp, more than an H100 holds
+    at once, behind 128 shrink programs): launches on two streams at once, each stream's at its own counter, give the
+    bits of launches one after another, and none waits forever."""
+    pytest.importorskip("triton")
+    from workbench.kernels.triton import lora
+    from workbench.kernels.triton.lora import linear_with_terms
+
+    monkeypatch.setattr(lora, "IN_LAUNCH_WARPS", 1 << 20)
+    widths, ranks = (14336, 14336), (16, 16)
+    weights, x, a, b_t = gemv_group("Q4_K", widths, ranks, 4096, 1, torch.float32, True)
+    weights, a, b_t = [w.to("cuda") for w in weights], a.cuda(), b_t.cuda()
+    inputs = [torch.randn(1, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(s)) for s in range(4)]
+    expected = [linear_with_terms(x, weights, widths, a, b_t, ranks)[0] for x in inputs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for round in range(8):
+        for s, stream in enumerate(streams):
+            which = 2 * (round % 2) + s
+            with torch.cuda.stream(stream):
+                outs.append((which, linear_with_terms(inputs[which], weights, widths, a, b_t, ranks)[0]))
+    torch.cuda.synchronize()
+    for which, out in outs:
+        assert torch.equal(out, expected[which])
+
+
+def test_arrival_counter_is_none_where_it_cannot_be_zeroed(monkeypatch):
+    """The first counter of a device asked for inside a CUDA graph capture is None (the caller takes the base's matmuls
+    and ``add_terms``); outside, each stream gets its own, at 0, until the slots run out."""
+    pytest.importorskip("triton")
+    from workbench.kernels.triton import lora
+
+    monkeypatch.setattr(lora, "_counter_pools", {})
+    monkeypatch.setattr(lora, "_counters", {})
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            assert lora.arrival_counter(device) is None
+    counter = lora.arrival_counter(device)
+    assert counter.dtype == torch.int32 and counter.item() == 0 and lora.arrival_counter(device) is counter
+    monkeypatch.setattr(lora, "COUNTER_SLOTS", 1)
+    if device.type == "cuda":
+        with torch.cuda.stream(torch.cuda.Stream()):
+            assert lora.arrival_counter(device) is None

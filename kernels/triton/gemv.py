@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..launch_choices import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_units, walks_chunks
 from ..quant_tensor import QuantTensor
@@ -105,18 +105,28 @@ def _affine(a, b, fx, x, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, x_scales_ptr, x_sums_ptr, experts_ptr, x_index_ptr,
-    partials_ptr, b_ptr, splits, ranks, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0, rank_1, rank_2,
-    shift_0, shift_1, shift_2,
+    a_ptr, partials_ptr, counter_ptr, b_ptr, shrinks, splits, ranks, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2,
+    rank_0, rank_1, rank_2, shift_0, shift_1, shift_2,
     FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     USE_ASM: tl.constexpr, EVEN: tl.constexpr, LLAMACPP: tl.constexpr, CHUNKS: tl.constexpr, BY_EXPERT: tl.constexpr,
-    LORA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    LORA: tl.constexpr, IN_LAUNCH: tl.constexpr, SHRINK_R: tl.constexpr, SHRINK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
     # Each program takes BLOCK_N weight rows and BLOCK_M rows of activations, unpacking each weight once for all of
     # them; the programs over one weight block run next to each other, so all but the first read it from L2.
     # With LLAMACPP (BLOCK_M = 1) the activations are quantized as ggml-cpu quantizes them for the weight
     # (``quantize_activations``): int8 values as int32 words at x_ptr, their scales and sums.
+    program = tl.program_id(0)
+    if LORA and IN_LAUNCH:  # ``LoraEpilogue``: the first programs compute the shrink, the others are the GEMV's
+        if program < shrinks:
+            shrink_slice(x_ptr, a_ptr, partials_ptr, program % splits, program // splits, M, K, ranks, K, SHRINK_R,
+                         SHRINK_K, False)
+            tl.debug_barrier()  # every thread's sums stored before one thread releases them
+            tl.atomic_add(counter_ptr, SHRUNK, sem="release", scope="gpu")
+            return
+        program -= shrinks
     m_blocks = tl.cdiv(M, BLOCK_M)
-    m_block, n_block = tl.program_id(0) % m_blocks, tl.program_id(0) // m_blocks
+    m_block, n_block = program % m_blocks, program // m_blocks
     m_rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     # With BY_EXPERT (BLOCK_M = 1), output row m_block is the activation row x_index[m_block] times the N rows of
     # expert experts[m_block], w's rows from experts[m_block] * N on (the stacked experts of a mixture).
@@ -142,12 +152,12 @@ def _gemv_kernel(
     # Row of each (row, unit) pair, rows slowest; rows past N are read rather than masking every load.
     pair_rows = (n_block * BLOCK_N + tl.arange(0, BLOCK_N * BLOCK_U) // BLOCK_U) % N
     rowp = w_ptr + pair_rows.to(tl.int64) * row_bytes
-    if LORA:  # ``LoraEpilogue``; loaded before the weights' loop, which hides their round trip
+    if LORA:  # its tile of B^T, loaded before the weights' loop, which hides the round trip
         tl.static_assert(not LLAMACPP and not BY_EXPERT, "the LoRA epilogue takes the exact GEMV")
         lora_rank0, lora_rank, lora_b = lora_b_tile(b_ptr, b_cols, edge1, edge2, rank0_0, rank0_1, rank0_2, rank_0,
                                                     rank_1, rank_2, shift_0, shift_1, shift_2, n_block * BLOCK_N, rows,
                                                     N, BLOCK_R)
-        if not PDL:
+        if not IN_LAUNCH and not PDL:  # the shrink ended before this launch
             lora_partials = lora_partials_load(partials_ptr, splits, ranks, lora_rank0, lora_rank, m_rows, M, BLOCK_S,
                                                BLOCK_R)
     # One partial sum per (activation row, weight row, unit), reduced across threads once at the end.
@@ -182,16 +192,65 @@ def _gemv_kernel(
                                       BLOCK_U, USE_ASM)[None]
             else:
                 acc += dot_units(FMT, TYPE_SIZE, rowp, first, n_units, x_rows, K, BLOCK_N, BLOCK_U)
-    if LORA and PDL:
-        # launched beside the shrink (programmatic dependent launch): the weights' loop ran while it did, and only
-        # its partial sums wait for it to finish
-        gdc_wait()
+    if LORA and (IN_LAUNCH or PDL):  # the weights' loop ran beside the shrink; only the partial sums wait for it
+        if IN_LAUNCH:
+            arrival = lora_arrive(counter_ptr, shrinks)
+        else:
+            gdc_wait()
         lora_partials = lora_partials_load(partials_ptr, splits, ranks, lora_rank0, lora_rank, m_rows, M, BLOCK_S,
                                            BLOCK_R)
     out_ptrs = out_ptr + m_rows.to(tl.int64)[:, None] * N + rows[None, :]
     out = tl.sum(acc, axis=2).to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, lora_sum(out, lora_b, lora_partials) if LORA else out,
              mask=(m_rows[:, None] < M) & (rows[None, :] < N))
+    if LORA and IN_LAUNCH:
+        lora_leave(counter_ptr, arrival, tl.num_programs(0) - shrinks)
+
+
+# The GEMV's programs of one launch meet at a counter (``LoraEpilogue.counter``): each shrink program adds SHRUNK once
+# its partial sums are stored, each tile program 1 when its weights' loop is done, and the last tile to arrive sets it
+# back to 0 for the next launch. Up to 32,767 shrink and 65,535 tile programs.
+SHRUNK = tl.constexpr(1 << 16)
+ARRIVALS = tl.constexpr((1 << 16) - 1)
+
+
+@triton.jit
+def shrink_slice(x_ptr, a_ptr, partials_ptr, split, block, M, K, ranks, x_stride, SHRINK_R: tl.constexpr,
+                 SHRINK_K: tl.constexpr, PDL: tl.constexpr):
+    """``SHRINK_R`` rows of A by one slice of ``SHRINK_K`` inputs, for every row of activations, into the partial
+    sums ``[splits, M, ranks]``, all its loads in flight at once. With ``PDL`` (a launch of its own, started while the
+    kernel that writes x runs) A's load is on its way before it waits for that kernel, and the GEMV after it may start
+    then."""
+    r = block * SHRINK_R + tl.arange(0, SHRINK_R)
+    i = split * SHRINK_K + tl.arange(0, SHRINK_K)
+    a = tl.load(a_ptr + r[:, None] * K + i[None, :], mask=(r < ranks)[:, None] & (i < K)[None, :], other=0.0)
+    a = a.to(tl.float32)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    for m in range(M):
+        x = tl.load(x_ptr + m * x_stride + i, mask=i < K, other=0.0).to(tl.float32)
+        tl.store(partials_ptr + (split * M + m) * ranks + r, tl.sum(a * x[None, :], axis=1), mask=r < ranks)
+
+
+@triton.jit
+def lora_arrive(counter_ptr, shrinks):
+    """A tile program's arrival after its weights' loop; it returns once every shrink program is done (the count of
+    them reached, or the counter already set back to 0 by the last tile, which only does so after that), with its
+    arrival number. The shrink programs come first in the grid, so they started before any tile waits for them."""
+    arrival = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    seen = arrival + 1
+    while (seen >> 16) < shrinks and seen != 0:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    return arrival & ARRIVALS
+
+
+@triton.jit
+def lora_leave(counter_ptr, arrival, tiles):
+    """The last tile program to arrive sets the counter back to 0 (every other one has seen the shrink done by then, or
+    sees the 0)."""
+    if arrival == tiles - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -218,9 +277,10 @@ def lora_partials_load(partials_ptr, splits, ranks, rank0, rank, m_rows, M, BLOC
     r = tl.arange(0, BLOCK_R)
     split = tl.arange(0, BLOCK_S)
     partial_rows = (split[:, None, None] * M + m_rows[None, :, None]) * ranks
+    # from L2: another multiprocessor's shrink program wrote them during this launch
     return tl.load(partials_ptr + partial_rows + (rank0 + r)[None, None, :],
                    mask=(split < splits)[:, None, None] & (m_rows < M)[None, :, None] & (r < rank)[None, None, :],
-                   other=0.0)
+                   other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -234,30 +294,49 @@ def lora_sum(out, b, partials):
 
 
 class LoraEpilogue(NamedTuple):
-    """LoRA terms the GEMV adds to its output (``kernels.triton.lora.linear_with_terms``): ``partials`` ``[splits, M,
-    R]`` float32, the shrink ``A x`` summed over slices of the input, of the group's R ranks; ``b_t`` ``[R, O]`` the
-    group's ``B^T``. Up to three parts of the GEMV's output rows, the first from row 0, the others from ``edges``
+    """LoRA terms the GEMV adds to its output (``kernels.triton.lora.linear_with_terms``): ``b_t`` ``[R, O]`` the
+    ``B^T`` rows of the parts of the GEMV's output rows, up to three, the first from row 0, the others from ``edges``
     (multiples of the GEMV's ``block_n``, past the rows where there are fewer parts): part p takes ranks ``rank0s[p]``
-    to ``rank0s[p] + ranks[p] - 1`` (none: rank 0) and row n of it ``B^T``'s column ``n + shifts[p]``."""
+    to ``rank0s[p] + ranks[p] - 1`` (none: rank 0) and row n of it ``B^T``'s column ``n + shifts[p]``.
 
-    partials: torch.Tensor
+    ``A x`` comes one of two ways, both as float32 sums over slices of the input:
+
+    - ``partials`` ``[splits, M, R]``, from a launch of its own right before (``lora.shrink``); on Hopper the GEMV
+      starts while it runs, streams its weights and waits for it only to read the sums;
+    - or, with ``a`` ``[R, K]`` and ``counter`` (one int32, 0 between launches, used by no other stream at the same
+      time: ``lora.arrival_counter``), from the launch's own first programs, which the GEMV's programs wait for at
+      the counter: one launch where the other way takes two, but every program pays an atomic's round trip, so it
+      serves launches whose programs all run at once."""
+
     b_t: torch.Tensor
     edges: tuple[int, int]
     rank0s: tuple[int, int, int]
     ranks: tuple[int, int, int]
     shifts: tuple[int, int, int]
+    partials: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+    counter: torch.Tensor | None = None
 
-    def arguments(self) -> tuple:
-        return (self.partials, self.b_t, self.partials.shape[0], self.partials.shape[2], self.b_t.shape[1],
-                *self.edges, *self.rank0s, *self.ranks, *self.shifts)
+
+SHRINK_SLICE = 1024  # inputs per shrink program, at least
+MAX_SPLITS = 32  # slices of the input at most: every program of the GEMV reads its part's partial sums of each
+SHRINK_VALUES = 1024  # values of A per warp of a shrink program: 32 a thread, all loaded at once
+
+
+def shrink_tiling(k: int, ranks: int, num_warps: int) -> tuple[int, int, int]:
+    """The shrink programs' tiles for an input of ``k`` and ``ranks`` rows of A: (slices of the input, inputs a slice,
+    rows of A a program). With 4 warps, an 8B's down (rank 16 by 14,336 inputs) takes 14 slices of 4 rows, 56 programs
+    of 4,096 values of A, where one program's dependent steps over the whole input took 9.9 us."""
+    block_k = min(max(SHRINK_SLICE, next_power_of_2(cdiv(k, MAX_SPLITS))), max(32, next_power_of_2(k)))
+    block_r = max(1, min(next_power_of_2(ranks), SHRINK_VALUES * num_warps // block_k))
+    return cdiv(k, block_k), block_k, block_r
 
 
 def gemv(x: torch.Tensor, w: QuantTensor, config: GemvConfig | None = None,
          lora: LoraEpilogue | None = None) -> torch.Tensor:
     """``x @ w.T`` for up to ``GEMV_MAX_ROWS`` rows of ``x`` (decode, batched decode), on the CUDA cores: one
     pass over the weight per ``config.block_m`` rows, its programs side by side so that the others read it from L2;
-    with ``lora``, plus its terms: launched right after the ``lora.shrink`` that made its partial sums, as
-    ``lora.linear_with_terms`` does (on Hopper it starts while that kernel runs)."""
+    with ``lora``, plus its terms."""
     layout, out = checked_output(x, w, max_rows=GEMV_MAX_ROWS)
     m, k = x.shape
     if m == 0:
@@ -307,19 +386,30 @@ def launch_gemv(w: QuantTensor, out: torch.Tensor, layout: Layout, config: GemvC
     ``lora`` (exact floats only), its terms added."""
     (m, n), k = out.shape, w.shape[1]
     experts, x_rows = by_expert if by_expert is not None else (activations, activations)
+    tiles = cdiv(n, config.block_n) * cdiv(m, config.block_m)
+    shrinks, tiling, in_launch, pdl = 0, (1, 1, 1), False, False
     if lora is None:  # the epilogue's arguments unused: the kernel compiles without it
-        lora_arguments, block_s, block_r = (activations, activations, *[0] * 14), 1, 1
+        lora_arguments, block_s, block_r = (activations,) * 4 + (0,) * 15, 1, 1
     else:
-        lora_arguments = lora.arguments()
-        block_s, block_r = next_power_of_2(lora.partials.shape[0]), max(16, next_power_of_2(max(lora.ranks)))
-    # with a LoRA epilogue, the GEMV starts while the shrink before it runs (``lora.shrink``)
-    pdl = lora is not None and programmatic_launch(out.device)
-    launch(_gemv_kernel, (cdiv(n, config.block_n) * cdiv(m, config.block_m),),
+        ranks = lora.b_t.shape[0]
+        in_launch = lora.partials is None
+        if in_launch:
+            tiling = shrink_tiling(k, ranks, config.num_warps)
+            shrinks = tiling[0] * cdiv(ranks, tiling[2])
+            partials = torch.empty(tiling[0], m, ranks, dtype=torch.float32, device=out.device)
+        else:
+            partials = lora.partials
+            pdl = programmatic_launch(out.device)
+        a, counter = (lora.a, lora.counter) if in_launch else (activations, activations)
+        lora_arguments = (a, partials, counter, lora.b_t, shrinks, partials.shape[0], ranks, lora.b_t.shape[1],
+                          *lora.edges, *lora.rank0s, *lora.ranks, *lora.shifts)
+        block_s, block_r = next_power_of_2(partials.shape[0]), max(16, next_power_of_2(max(lora.ranks)))
+    launch(_gemv_kernel, (shrinks + tiles,),
         activations, w.data, out, m, n, k, w.data.shape[1], x_scales, x_sums, experts, x_rows, *lora_arguments,
         FMT=layout.ggml_type, TYPE_SIZE=layout.type_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_U=config.block_u, USE_ASM=not INTERPRETING,
         EVEN=gemv_units(k, w.fmt.name, llamacpp) % config.block_u == 0, LLAMACPP=llamacpp,
         CHUNKS=walks_chunks(w.fmt.name, llamacpp), BY_EXPERT=by_expert is not None,
-        LORA=lora is not None, BLOCK_S=block_s, BLOCK_R=block_r, PDL=pdl,
-        num_warps=config.num_warps, launch_pdl=pdl,
+        LORA=lora is not None, IN_LAUNCH=in_launch, SHRINK_R=tiling[2], SHRINK_K=tiling[1], BLOCK_S=block_s,
+        BLOCK_R=block_r, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )

@@ -10,13 +10,12 @@ shrink, are loaded before it, the shrink's steps load several ahead (a pipelined
 across threads once, after the loop: on the embedded model's shapes a program waits for one round trip, then sums
 and stores (an 8B's inputs of 4096 and more take a round trip per 3 steps of the shrink).
 
-Where the base's matmul is the GEMV, ``linear_with_terms`` adds the terms there instead: ``shrink`` computes ``A x`` in
-many small programs, each a slice of the input by a few rows of A (partial sums per slice, no atomics), and the GEMV's
-epilogue (``gemv.LoraEpilogue``) sums them, multiplies its tile of ``B^T`` and adds the term to its own output, which
-is then stored once. On Hopper both launch programmatically dependent: the shrink loads A while the kernel before it
-ends, and the GEMV streams its weights while the shrink runs, waiting for it only to read the partial sums (a decode
-step of the embedded model's shape: the adapter's kernels added 0.33 ms to the base's matmuls launched one after
-another, 0.04 ms so).
+Where the base's matmul is the GEMV, ``linear_with_terms`` adds the terms there instead (``gemv.LoraEpilogue``): the
+GEMV's epilogue sums the partial sums of ``A x`` over slices of the input, multiplies its tile of ``B^T`` and adds the
+term to its own output, which is stored once. The partial sums come from many small programs, each a slice of the
+input by a few rows of A: in the GEMV's own launch, ahead of its programs, which wait for them at a counter, where all
+the launch's programs run at once (a small model's decode step, bound by its launches); else from ``shrink``, a launch
+of its own, which on Hopper starts while the kernel that writes x ends, the GEMV while the shrink runs.
 
 Both round where the torch formula does: ``A x`` and the term each to the activations' dtype (as a matmul's result),
 then the sum. Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests).
@@ -29,11 +28,10 @@ from typing import Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..launch_choices import gemv_config
+from ..launch_choices import gemv_config, sm_count
 from ..quant_tensor import QuantTensor
-from .gemv import LoraEpilogue, gemv
+from .gemv import LoraEpilogue, gemv, shrink_slice, shrink_tiling
 from .launch import cdiv, launch, next_power_of_2, programmatic_launch
 
 MAX_PARTS = 3  # q, k and v
@@ -128,55 +126,68 @@ def lora_add(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence
 
 
 # ---------------------------------------------------------------------------------------------
-# The terms inside the base's GEMV (``linear_with_terms``): the shrink split over the input, the rest in the GEMV's
-# epilogue (``gemv.LoraEpilogue``)
+# The terms inside the base's GEMV (``linear_with_terms``): the shrink in a launch of its own or in the GEMV's first
+# programs, the rest in its epilogue (``gemv.LoraEpilogue``)
 
-SHRINK_SLICE = 1024  # inputs per program of the shrink, at least
-MAX_SPLITS = 32  # slices of the input at most: every program of the GEMV reads its part's partial sums of each
-SHRINK_VALUES = 4096  # values of A per program of the shrink: 32 a thread, all loaded at once
+# The shrink goes into the GEMV's own launch where every launch of the group comes to at most this many warps a
+# multiprocessor (a GEMV of 255 registers a thread holds 8 at once): there the launch saved is worth more than the
+# atomic's round trip each program pays, in larger launches programs that run one after another each pay it. On an
+# H200 (docs/performance.md, "LoRA adapters") the embedded shape's launches (up to 768 programs of one warp) decoded
+# at 0.81x the base with the shrink in them against 0.78x apart; the 8B's (1,024 programs and more) at 0.77x against
+# 0.88x.
+IN_LAUNCH_WARPS = 6
+COUNTER_SLOTS = 64  # streams of one device that may launch the GEMV with its shrink at the same time
+_counter_pools: dict[torch.device, torch.Tensor] = {}
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def arrival_counter(device: torch.device) -> torch.Tensor | None:
+    """The int32 at which the programs of a GEMV with its shrink on ``device``'s current stream meet
+    (``gemv.LoraEpilogue``): one per stream, since launches on one stream never overlap and each leaves it at 0. None
+    where there is none to be had: every slot taken, or the first one asked for inside a CUDA graph capture, which
+    cannot zero new memory (a captured step's warm-up asks first, outside it)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    counter = _counters.get((device, stream))
+    if counter is None:
+        pool = _counter_pools.get(device)
+        if pool is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            # a 128-byte line a slot: streams' counters apart
+            pool = _counter_pools[device] = torch.zeros(COUNTER_SLOTS, 32, dtype=torch.int32, device=device)
+        taken = sum(1 for taken_device, _ in _counters if taken_device == device)
+        if taken == COUNTER_SLOTS:
+            return None
+        counter = _counters[device, stream] = pool[taken, :1]
+    return counter
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, partials_ptr, M, K, R, x_stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr):
-    # a program: BLOCK_R rows of A over one slice of the input, for every token; all its loads in flight at once
-    split, block = tl.program_id(0), tl.program_id(1)
-    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    i = split * BLOCK_K + tl.arange(0, BLOCK_K)
-    a = tl.load(a_ptr + r[:, None] * K + i[None, :], mask=(r < R)[:, None] & (i < K)[None, :], other=0.0)
-    a = a.to(tl.float32)
-    if PDL:
-        # launched while the kernel that writes x runs: A's load is on its way, x waits for that kernel's end; then the
-        # GEMV after this one may start (it reads the partial sums only after waiting for this kernel's end)
-        gdc_wait()
-        gdc_launch_dependents()
-    for m in range(M):
-        x = tl.load(x_ptr + m * x_stride + i, mask=i < K, other=0.0).to(tl.float32)
-        tl.store(partials_ptr + (split * M + m) * R + r, tl.sum(a * x[None, :], axis=1), mask=r < R)
+    shrink_slice(x_ptr, a_ptr, partials_ptr, tl.program_id(0), tl.program_id(1), M, K, R, x_stride, BLOCK_R, BLOCK_K,
+                 PDL)
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """``A x`` for ``x`` ``[T, in]`` (rows of contiguous values) and ``a`` ``[R, in]`` contiguous, summed over slices
-    of the input in float32 but not across them: ``[splits, T, R]``, at most ``MAX_SPLITS`` slices. Many small
-    programs, each a slice of ``SHRINK_SLICE`` inputs or more by a few rows of A: an 8B's down (rank 16 by 14,336
-    inputs) takes 14 slices of 4 rows, 56 programs of 8 KB of A each, where one program's dependent steps over the
-    whole input took ``lora_add`` 9.9 us. On Hopper it may start before the kernel ahead of it ends and reads A
-    then, so that kernel must not write A (in the forward it is the one that writes x)."""
+    of the input in float32 but not across them: ``[splits, T, R]``, many small programs of 4 warps
+    (``gemv.shrink_tiling``). On Hopper it may start before the kernel ahead of it ends and reads A then, so that kernel
+    must not write A (in the forward it is the one that writes x)."""
     tokens, k = x.shape
-    block_k = min(max(SHRINK_SLICE, next_power_of_2(cdiv(k, MAX_SPLITS))), max(32, next_power_of_2(k)))
-    block_r = max(1, min(next_power_of_2(a.shape[0]), SHRINK_VALUES // block_k))
-    partials = torch.empty(cdiv(k, block_k), tokens, a.shape[0], dtype=torch.float32, device=x.device)
+    splits, block_k, block_r = shrink_tiling(k, a.shape[0], 4)
+    partials = torch.empty(splits, tokens, a.shape[0], dtype=torch.float32, device=x.device)
     pdl = programmatic_launch(x.device)
-    launch(_shrink_kernel, (partials.shape[0], cdiv(a.shape[0], block_r)), x, a, partials, tokens, k, a.shape[0],
-           x.stride(0), BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    launch(_shrink_kernel, (splits, cdiv(a.shape[0], block_r)), x, a, partials, tokens, k, a.shape[0], x.stride(0),
+           BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return partials
 
 
 def linear_with_terms(x: torch.Tensor, weights: Sequence[QuantTensor], widths: Sequence[int], a: torch.Tensor,
                       b_t: torch.Tensor, part_ranks: Sequence[int]) -> list[torch.Tensor] | None:
-    """``x @ w.T`` for each of ``weights`` through the GEMV, which adds each part's LoRA term: two launches for a
-    group (``shrink``, then the GEMV) where the base's GEMV and ``lora_add`` take two with a slow shrink, and the base's
-    output is not read back.
+    """``x @ w.T`` for each of ``weights`` through the GEMV, which adds each part's LoRA term, and the base's output is
+    never read back: where every launch's programs run at once (``IN_LAUNCH_WARPS``), one launch a weight, whose
+    first programs compute its parts' ``A x``; else ``shrink`` first, then the GEMVs.
 
     ``weights`` cover the group's parts of ``widths`` output rows in order (one stacked weight for all, or one each);
     ``part_ranks`` the parts' ranks (0: no term), the rows of ``a`` ``[R, in]`` in part order, ``b_t`` ``[R, O]`` the
@@ -196,17 +207,33 @@ def linear_with_terms(x: torch.Tensor, weights: Sequence[QuantTensor], widths: S
         raise ValueError(f"linear_with_terms: weights of {[w.shape[0] for w in weights]} rows for parts {list(widths)}"
                          f" of ranks {list(part_ranks)}, x {x.dtype}, a {a.dtype} {tuple(a.shape)}, b_t {b_t.dtype} "
                          f"{tuple(b_t.shape)}")
-    launches, first_row = [], 0
+    plans, first_row = [], 0  # each weight's GEMV tiling and parts
     for w in weights:
         parts = [p for p in range(len(widths)) if first_row <= starts[p] < first_row + w.shape[0]]
-        edges = [starts[p] - first_row for p in parts[1:]]
         config = gemv_config(k, w.fmt.name, tokens)
-        if len(parts) > MAX_PARTS or any(edge % config.block_n for edge in edges):
+        if any(part_ranks[p] for p in parts) and (len(parts) > MAX_PARTS or any(
+                (starts[p] - first_row) % config.block_n for p in parts)):
             return None
-        pad = [0] * (MAX_PARTS - len(parts))
-        launches.append((w, config, (*edges, *[w.shape[0]] * (len(pad) + 1))[:2], (*[rank0s[p] for p in parts], *pad),
-                         (*[part_ranks[p] for p in parts], *pad),
-                         (*[columns[p] - (starts[p] - first_row) for p in parts], *pad)))
+        plans.append((w, config, parts, first_row))
         first_row += w.shape[0]
-    partials = shrink(x, a)
-    return [gemv(x, w, config, LoraEpilogue(partials, b_t, *epilogue)) for w, config, *epilogue in launches]
+    programs = [cdiv(w.shape[0], config.block_n) * cdiv(tokens, config.block_m) for w, config, _, _ in plans]
+    warps = max(n * config.num_warps for n, (_, config, _, _) in zip(programs, plans))
+    # the counter holds up to 65,535 arrivals
+    in_launch = warps <= IN_LAUNCH_WARPS * sm_count(x.device) and max(programs) < 1 << 16
+    counter = arrival_counter(x.device) if in_launch else None
+    partials = shrink(x, a) if counter is None else None
+    outs = []
+    for w, config, parts, first_row in plans:
+        ranks = [part_ranks[p] for p in parts]
+        if not any(ranks):
+            outs.append(gemv(x, w, config))
+            continue
+        # the launch's rows of a and b_t: its parts' where it shrinks them itself, else the whole group's
+        first_rank, last_rank = (rank0s[parts[0]], rank0s[parts[-1] + 1]) if counter is not None else (0, rank0s[-1])
+        pad = [0] * (MAX_PARTS - len(parts))
+        edges = (*[starts[p] - first_row for p in parts[1:]], *[w.shape[0]] * (len(pad) + 1))[:2]
+        lora = LoraEpilogue(b_t[first_rank:last_rank], edges, (*[rank0s[p] - first_rank for p in parts], *pad),
+                            (*ranks, *pad), (*[columns[p] - (starts[p] - first_row) for p in parts], *pad), partials,
+                            None if counter is None else a[first_rank:last_rank], counter)
+        outs.append(gemv(x, w, config, lora))
+    return outs
