@@ -81,6 +81,27 @@ def test_exact_matches_dequantized_reference(name, m, exact_path):
     assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_panels_split_over_threads_in_inference_mode(name, exact_path):
+    """With two threads each dequantizes its own panels and multiplies them on its own, carrying the caller's
+    inference mode into the pool (the output is an inference tensor): the single thread's results within fp32
+    rounding, and the reference's. (The suite's workers run one thread each, so this sets two.)"""
+    w = random_weight(name, 520, 256)  # at least 64 rows a thread, panels of unequal rows
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, w)
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            two = linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    w_ref = w.dequantize()
+    assert_within_fp32_rounding(two, x.double() @ w_ref.double().T, x, w_ref)
+    torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_exact_rows_of_an_odd_number_of_blocks(name):
     """Fused dot products that alternate accumulators between blocks handle a last, unpaired block."""

@@ -19,6 +19,7 @@
 #include <torch/types.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -576,6 +577,7 @@ using WideFloats = __m512;
 constexpr int kWideLanes = 16;
 inline WideFloats wide_zeros() { return _mm512_setzero_ps(); }
 inline WideFloats wide_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void wide_store(float* p, WideFloats v) { _mm512_storeu_ps(p, v); }
 inline WideFloats fmadd(WideFloats a, WideFloats b, WideFloats c) { return _mm512_fmadd_ps(a, b, c); }
 inline float wide_sum(WideFloats a, WideFloats b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 // The 32 float weights of a group as two vectors of 16 (values 16..31 take the _hi scale and offset), as group_floats.
@@ -591,6 +593,7 @@ using WideFloats = Floats;
 constexpr int kWideLanes = 8;
 inline WideFloats wide_zeros() { return zeros(); }
 inline WideFloats wide_load(const float* p) { return load_floats(p); }
+inline void wide_store(float* p, WideFloats v) { store_floats(p, v); }
 inline float wide_sum(WideFloats a, WideFloats b) { return hsum(add(a, b)); }
 #endif
 
@@ -741,14 +744,16 @@ void matmul_rows_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, i
 
 template <class F>
 void dequantize_rows(const uint8_t* w, int64_t rows, int64_t k, float* out) {
+  constexpr int kVectors = 32 / kWideLanes;  // the widest vectors: half the conversions and stores with AVX-512
   const int64_t row_bytes = k / F::kValues * F::kBytes;
   parallel_rows(rows, k, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < k / F::kValues; ++b) {
         for (int g = 0; g < F::kValues / 32; ++g) {
-          Floats v[4];
+          WideFloats v[kVectors];
           group_floats(F::group(w + r * row_bytes + b * F::kBytes, g), v);
-          for (int i = 0; i < 4; ++i) store_floats(out + r * k + b * F::kValues + 32 * g + 8 * i, v[i]);
+          for (int i = 0; i < kVectors; ++i)
+            wide_store(out + r * k + b * F::kValues + 32 * g + kWideLanes * i, v[i]);
         }
       }
     }
@@ -763,15 +768,30 @@ void panel_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch:
   // memory-bound product) need; from 64 rows the product is bound by arithmetic, and ~4 MiB panels (a quarter of the
   // BLAS calls, each packing x once) ran 1.07-1.41x as fast on the embedded model's shapes at 64-1272 rows (2 threads).
   const int64_t panel_floats = x.size(0) >= 64 ? (1 << 20) : (1 << 18);
-  const int64_t panel_rows = std::min(rows, std::max<int64_t>(64, panel_floats / cols));
-  torch::Tensor panel = torch::empty({panel_rows, cols}, x.options());
-  for (int64_t start = 0; start < rows; start += panel_rows) {
-    const int64_t count = std::min(panel_rows, rows - start);
-    torch::Tensor part = panel.narrow(0, 0, count);
-    dequantize_rows<F>(w + start * row_bytes, count, cols, part.data_ptr<float>());
-    torch::Tensor target = out.narrow(1, start, count);
-    at::mm_out(target, x, part.t());
+  // Each thread dequantizes its own panels and multiplies them on its own (the BLAS runs single-threaded inside a
+  // parallel region): a panel never leaves its core's cache, and a call is one parallel region instead of two a panel.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 64));
+  const int64_t panels = std::max(threads, (rows * cols + panel_floats - 1) / panel_floats);
+  const int64_t panel_rows = (rows + panels - 1) / panels;
+  // the caller's thread-local state (inference mode, the dispatcher's keys below autograd) for the pool's threads
+  const at::ThreadLocalState caller;
+  auto multiply = [&](int64_t first, int64_t last) {
+    at::ThreadLocalStateGuard guard(caller);
+    torch::Tensor panel = torch::empty({panel_rows, cols}, x.options());
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t start = p * panel_rows, count = std::min(panel_rows, rows - start);
+      if (count <= 0) break;
+      torch::Tensor part = panel.narrow(0, 0, count);
+      dequantize_rows<F>(w + start * row_bytes, count, cols, part.data_ptr<float>());
+      torch::Tensor target = out.narrow(1, start, count);
+      at::mm_out(target, x, part.t());
+    }
+  };
+  if (threads <= 1 || at::in_parallel_region()) {
+    multiply(0, panels);
+    return;
   }
+  at::parallel_for(0, panels, 1, multiply);
 }
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t rows, int64_t cols, int64_t block_values,
