@@ -2,6 +2,10 @@
 
     python bench/cpu_builds.py --builds main,variant.cpp [--formats Q4_K,Q4_0] [--shape 2048x2048] [--batch 1]
                                [--threads 1] [--repeats 21]
+    python bench/cpu_builds.py --paths [...]    # the current build's panels against its fused dot products
+
+With ``--paths`` it times the current build's two exact paths on the same call instead, the dequantized panels (the
+"current" row) against the fused dot products: what ``cpu.panel_min_batch`` chooses between.
 
 Each build is a git revision (its ``kernels/csrc/cpu_kernels.cpp``) or a path to a ``.cpp``, compiled beside the
 current kernels (as ``bench/moe.py --kernels-from``). For each format it prints the median time of ``linear_exact`` on
@@ -35,7 +39,8 @@ def build(spec: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--builds", required=True, help="comma-separated git revisions or .cpp paths")
+    parser.add_argument("--builds", default="", help="comma-separated git revisions or .cpp paths")
+    parser.add_argument("--paths", action="store_true", help="the current build's panels against its fused dots")
     parser.add_argument("--formats", default="Q4_K")
     parser.add_argument("--shape", default="2048x2048", help="rows x cols of the weight")
     parser.add_argument("--batch", type=int, default=1, help="rows of x")
@@ -44,7 +49,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows, cols = map(int, args.shape.split("x"))
-    builds = {"current": cpu.extension(), **{spec: build(spec) for spec in args.builds.split(",")}}
+    # name: (ops, the rows of x from which linear_exact takes panels)
+    builds = {"current": (cpu.extension(), 1 if args.paths else cpu.PANEL_MIN_BATCH)}
+    if args.paths:
+        builds["fused dot products"] = (cpu.extension(), args.batch + 1)
+    builds.update({spec: (build(spec), cpu.PANEL_MIN_BATCH) for spec in args.builds.split(",") if spec})
     generator = torch.Generator().manual_seed(0)
     print(f"load average {os.getloadavg()[0]:.1f}, {args.threads} thread(s), {rows}x{cols}, batch {args.batch}")
     for fmt in args.formats.split(","):
@@ -52,16 +61,16 @@ def main() -> None:
         x = torch.randn(args.batch, cols, generator=generator)
         ref = x.double() @ w.dequantize().double().T
 
-        def call(ops):
-            return ops.linear_exact(x, [w.data], [w.fmt.ggml_type], [rows], cols, cpu.PANEL_MIN_BATCH)
+        def call(ops, panel_min_batch):
+            return ops.linear_exact(x, [w.data], [w.fmt.ggml_type], [rows], cols, panel_min_batch)
 
-        outs = {name: call(ops) for name, ops in builds.items()}
+        outs = {name: call(*entry) for name, entry in builds.items()}
         times = {name: [] for name in builds}
         for _ in range(args.repeats):
-            for name, ops in builds.items():
+            for name, entry in builds.items():
                 start = time.perf_counter()
                 for _ in range(5):
-                    call(ops)
+                    call(*entry)
                 times[name].append((time.perf_counter() - start) / 5)
         current = statistics.median(times["current"])
         for name in builds:
