@@ -142,7 +142,7 @@ CHOICES: tuple[Choice, ...] = (
     # --- CPU (C++): exact matmuls from this many rows on dequantize panels of W for the BLAS instead of fusing the
     # dequantization into the dot products (on 2 threads; at 16 rows the fused dots ran 1.30-1.43x faster in Q4_1,
     # Q8_0 and Q4_K, 0.96x in Q6_K; at 24, 0.79-1.08x; at 32 the panels won).
-    Choice("cpu.panel_min_batch", 24, "cd bench && python cpu_builds.py --paths --formats Q4_1,Q8_0 --shape 1536x576 "
+    Choice("cpu.panel_min_batch", 24, "python bench/cpu_builds.py --paths --formats Q4_1,Q8_0 --shape 1536x576 "
            "--batch 24 --threads 2", DOCS_CPU),
 
     # --- Few rows: which kernel serves them. The GEMV takes at most ``gemv.max_rows`` rows; the router gives it up to
