@@ -240,7 +240,7 @@ def lora_arrive(counter_ptr, shrinks):
     arrival number. The shrink programs come first in the grid, so they started before any tile waits for them."""
     arrival = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     seen = arrival + 1
-    while (seen >> 16) < shrinks and seen != 0:
+    while seen < shrinks * SHRUNK and seen != 0:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     return arrival & ARRIVALS
 

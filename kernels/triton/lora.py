@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..launch_choices import gemv_config, sm_count
 from ..quant_tensor import QuantTensor
-from .gemv import LoraEpilogue, gemv, shrink_slice, shrink_tiling
+from .gemv import ARRIVALS, LoraEpilogue, gemv, shrink_slice, shrink_tiling
 from .launch import cdiv, launch, next_power_of_2, programmatic_launch
 
 MAX_PARTS = 3  # q, k and v
@@ -218,8 +218,7 @@ def linear_with_terms(x: torch.Tensor, weights: Sequence[QuantTensor], widths: S
         first_row += w.shape[0]
     programs = [cdiv(w.shape[0], config.block_n) * cdiv(tokens, config.block_m) for w, config, _, _ in plans]
     warps = max(n * config.num_warps for n, (_, config, _, _) in zip(programs, plans))
-    # the counter holds up to 65,535 arrivals
-    in_launch = warps <= IN_LAUNCH_WARPS * sm_count(x.device) and max(programs) < 1 << 16
+    in_launch = warps <= IN_LAUNCH_WARPS * sm_count(x.device) and max(programs) <= ARRIVALS.value
     counter = arrival_counter(x.device) if in_launch else None
     partials = shrink(x, a) if counter is None else None
     outs = []
