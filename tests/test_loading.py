@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import pytest
 import torch
 
 import workbench
+from workbench import loading
 from workbench.errors import ModelLoadError, WorkbenchError
-from workbench.loading import load_checkpoint
-from workbench.synthetic import random_hf_checkpoint, tokenizer_metadata, write_gguf
+from workbench.loading import files_sha256, hash_files, load_checkpoint
+from workbench.synthetic import (random_checkpoint, random_config, random_hf_checkpoint, tokenizer_metadata,
+                                 write_gguf)
 from workbench.tokenizer import Tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3"]
@@ -157,3 +160,51 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path, tiny_checkpoint):
     del reader
     with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight has unsupported type IQ4_NL"):
         workbench.load(path)
+
+
+def test_file_hash_is_noted_once_and_never_outlives_the_bytes(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"a" * 4096)
+    assert files_sha256([model]) == hash_files([model])
+    assert not any((tmp_path / "cache" / "sha256").iterdir())  # just written: hashed, not noted
+    monkeypatch.setattr(loading, "SETTLED_NS", -(1 << 40))  # as if the file had been written long ago
+    first = files_sha256([model])
+    assert first == hash_files([model])
+    notes = list((tmp_path / "cache" / "sha256").iterdir())
+    assert len(notes) == 1 and notes[0].read_text() == first
+    notes[0].write_text("0" * 64)  # the note is what a second call returns, unread bytes and all
+    assert files_sha256([model]) == "0" * 64
+    # the same size and modification time, other bytes: the change time moves, so the note is not used
+    stat = model.stat()
+    while model.stat().st_ctime_ns == stat.st_ctime_ns:  # file times tick in milliseconds
+        model.write_bytes(b"b" * 4096)
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert files_sha256([model]) == hash_files([model]) != first
+    # a note that is not a digest is ignored and written again
+    for note in (tmp_path / "cache" / "sha256").iterdir():
+        note.write_text("not a digest")
+    assert files_sha256([model]) == hash_files([model])
+    assert [n.read_text() for n in (tmp_path / "cache" / "sha256").iterdir()].count(hash_files([model])) == 1
+
+
+def test_file_hash_note_never_follows_a_link(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "SETTLED_NS", -(1 << 40))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    files_sha256([model])
+    note = next((tmp_path / "cache" / "sha256").iterdir())
+    outside = tmp_path / "outside.txt"
+    outside.write_text("f" * 64)
+    note.unlink()
+    note.symlink_to(outside)
+    assert files_sha256([model]) == hash_files([model])  # the link's target is not read as the note
+    assert outside.read_text() == "f" * 64 and not note.is_symlink()  # nor written through: the link is replaced
+
+
+def test_models_built_in_memory_hash_their_weights():
+    config = random_config("llama", n_layers=2)
+    first, again, other = (workbench.Model(random_checkpoint(config, "Q8_0", seed=s), "cpu") for s in (0, 0, 1))
+    assert first.file_sha256 == again.file_sha256 != other.file_sha256
+    assert len(first.file_sha256) == 64

@@ -4,9 +4,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import secrets
 import stat
 import struct
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,6 +20,7 @@ from gguf import GGMLQuantizationType
 from workbench import hf_fp8
 from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS
+from workbench.cache import cache_dir
 from workbench.config import ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
 from workbench.gguf_file import GGUFFile, TensorInfo
@@ -84,14 +88,54 @@ def checkpoint_files(path: Path) -> list[Path]:
     return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
 
 
-def hash_files(files: list[Path], h: Any = None) -> str:
+def hash_files(files: list[Path]) -> str:
     """sha256 over the files' bytes in order (a model's fingerprint hash)."""
-    h = hashlib.sha256() if h is None else h
+    h = hashlib.sha256()
     for file in files:
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+SETTLED_NS = 2_000_000_000
+
+
+def files_sha256(files: list[Path]) -> str:
+    """``hash_files`` of the files, noted in the cache directory under each file's identity (path, device, inode,
+    size, modification and change times), so that a model of hundreds of GB is read through once per machine rather
+    than at each process's first trace (sha256 runs at ~2 GB/s). Any write to a file moves its change time, which no
+    call can set back, so a noted hash never outlives the bytes it was taken from. A file changed in the last
+    ``SETTLED_NS`` is hashed but not noted: the clock of file times ticks in milliseconds, so a write in the same tick
+    as the hash would leave its times as they were."""
+    identity, newest = [], 0
+    for file in files:
+        st = file.stat()
+        identity.append([str(file.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+        newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
+    folder = cache_dir("sha256")
+    note = f"{hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]}.txt"
+    try:
+        fd = os.open(folder / note, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            noted = f.read(65)
+        if len(noted) == 64 and all(c in "0123456789abcdef" for c in noted):
+            return noted
+    except OSError:
+        pass
+    digest = hash_files(files)
+    if newest > time.time_ns() - SETTLED_NS:
+        return digest
+    # a fresh file renamed into place: never written through a link planted at its name
+    temporary = folder / f".{note}.{secrets.token_hex(8)}.tmp"
+    with suppress(OSError):
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(digest)
+        os.replace(temporary, folder / note)
+    with suppress(OSError):
+        temporary.unlink()
+    return digest
 
 
 # --------------------------------------------------------------------------------------------- GGUF

@@ -13,7 +13,7 @@ from workbench.errors import WorkbenchError, shorten
 from workbench.hooks import Trace, load_trace
 from workbench.hooks.trace import model_mismatch
 from workbench.kernels import numerics
-from workbench.loading import checkpoint_files, default_model_path, hash_files
+from workbench.loading import checkpoint_files, default_model_path, files_sha256
 from workbench.model import Model, load
 
 IDENTICAL, WITHIN_TOLERANCE, DIFFERENT = "identical", "within tolerance", "different"
@@ -135,7 +135,7 @@ def _load_recorded_model(trace: Trace) -> Model:
         path = default
     elif not (path.is_dir() or stat.S_ISREG(path.stat().st_mode)):
         raise WorkbenchError(f"the trace's model {shorten(recorded)} is not a model file; pass model=")
-    elif hash_files(checkpoint_files(path)) != fingerprint.get("sha256"):
+    elif files_sha256(checkpoint_files(path)) != fingerprint.get("sha256"):
         raise WorkbenchError(f"the file at the trace's model path {shorten(recorded)} is not the model it was recorded "
                              "on (its sha256 differs); pass model=")
     device = backend.get("device", "cpu")
