@@ -33,6 +33,9 @@ SHAPES = {
                          tied_embeddings=True),
     "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, vocab_size=128256,
                       tied_embeddings=False),
+    # for a model split over several GPUs (bench/multi_gpu.py --big)
+    "llama3-405b": dict(n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, d_mlp=53248, vocab_size=128256,
+                        tied_embeddings=False),
 }
 
 

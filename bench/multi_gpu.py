@@ -12,22 +12,37 @@ Split: greedy decode of 64 tokens and a 512-token prefill on ``--gpus`` devices 
 (same logits; the split pays one hand-over per token at the range boundary, and no more GPUs read in parallel).
 Without ``--model``, a random llama of 16 layers, d_model 2048, Q4_K (``workbench.synthetic``, 64 distinct rows a
 matrix), built in each process with the same seed.
+
+    python bench/multi_gpu.py --big llama3-405b --gpus 4 [--format Q4_K_M]
+
+``--big`` instead splits a random model of a real shape (bench/decode.py's) that no one GPU holds over ``--gpus``
+GPUs: build and load seconds, each GPU's layers and memory, a 128- and a 512-token prefill, eager decode against the
+weight-bandwidth roofline of one GPU reading at a time (a layer split reads its ranges one after another), the
+residual stream handed over per token, and hooks across the split: recording every ``hook_resid_post`` leaves the
+logits' bits unchanged, and a ``Steer`` on the first layer of the second GPU's range adds its vector there. Every
+layer holds one random layer's weights, each layer its own copy on its GPU: drawing 126 layers of a 405B would take
+minutes for the same timings. ``--devices`` runs the same on a list such as ``cpu,cpu`` (with a small shape).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 import workbench
-from workbench import distributed
+from decode import SHAPES
+from workbench import distributed, hooks
+from workbench.devices import layer_bytes
 from workbench.synthetic import random_checkpoint, random_config
 
 HOOK = "blocks.8.hook_resid_post"
@@ -94,6 +109,78 @@ def split(args: argparse.Namespace) -> dict:
     return out
 
 
+# HBM bytes/s of one card (SXM), for the roofline
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def seconds(fn, repeats: int = 3) -> float:
+    """Median wall seconds of ``fn`` after one warm-up, every device synchronized."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize_all()
+        started = time.perf_counter()
+        fn()
+        synchronize_all()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def synchronize_all() -> None:
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        torch.cuda.synchronize(i)
+
+
+def big_split(shape: str, fmt: str, devices: list[str]) -> Iterator[tuple[str, object]]:
+    """``(figure, value)`` as each is measured, so that a run cut short still reports what it measured."""
+    dims, gib = SHAPES[shape], 1 << 30
+    yield "shape", {"shape": shape, "format": fmt, "devices": devices}
+    started = time.perf_counter()
+    one = random_checkpoint(random_config("llama", n_ctx=2048, **{**dims, "n_layers": 1}), fmt, distinct_rows=64)
+    weights = dataclasses.replace(one.weights, layers=one.weights.layers * dims["n_layers"])
+    checkpoint = dataclasses.replace(one, config=random_config("llama", n_ctx=2048, **dims), weights=weights)
+    yield "build_s", time.perf_counter() - started
+    started = time.perf_counter()
+    model = workbench.Model(checkpoint, devices=devices)
+    synchronize_all()
+    yield "load_s", time.perf_counter() - started
+    del one, weights, checkpoint
+    placed = model.runner.weights
+    sizes, ranges = layer_bytes(placed), [(str(d), r) for d, r in model.devices]
+    yield "weights_gib", (sum(sizes) + placed.embed.nbytes + placed.unembed.nbytes) / gib
+    yield "per_device", [{"device": d, "layers": [r.start, r.stop - 1],
+                          "layer_weights_gib": sum(sizes[r.start:r.stop]) / gib,
+                          "allocated_gib": torch.cuda.memory_allocated(d) / gib if d.startswith("cuda") else None}
+                         for d, r in ranges]
+    yield "handover_bytes_per_token", model.config.d_model * model.runner.dtype.itemsize * (len(ranges) - 1)
+    prompt = random_prompts(1, 512, model.config.vocab_size)[0]
+    for n in (128, 512):
+        yield f"prefill_{n}_tokens_per_s", n / seconds(lambda n=n: model.forward(prompt[:n]))
+    decode = 32 / seconds(lambda: model.generate(prompt[:16], 32, compiled=False), repeats=1)
+    read = sum(sizes) + placed.unembed.nbytes  # a token reads every layer and the output head (one embedding row)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    card = next((c for c in BANDWIDTH if c in gpu), None)
+    yield "eager_decode", {"tokens_per_s": decode, "read_per_token_gib": read / gib, "card": card,
+                           "roofline_tokens_per_s": BANDWIDTH[card] / read if card else None,
+                           "share_of_roofline": decode * read / BANDWIDTH[card] if card else None}
+    yield "peak_allocated_gib", [torch.cuda.max_memory_allocated(d) / gib if d.startswith("cuda") else None
+                                 for d, _ in ranges]
+    # hooks across the split: recording leaves the bits alone; a steer on the second range's first layer adds its vector
+    text = prompt[:32]
+    plain = model.forward(text)
+    recorded = model.run(text, record=["blocks.*.hook_resid_post"])
+    yield "recording", {"points": len(recorded.activations),
+                        "logits_bits_kept": bool(torch.equal(plain, recorded.logits))}
+    name = f"blocks.{ranges[1][1].start}.hook_resid_post"
+    vector = torch.randn(model.config.d_model, generator=torch.Generator().manual_seed(0))
+    steered = model.run(text, record=[name], interventions=[hooks.Steer(name, vector, scale=4.0)])
+    added = steered.activations[name] - recorded.activations[name]
+    largest = recorded.activations[name].abs().max().item()
+    yield "steer", {"at": name, "max_error": (added - 4.0 * vector).abs().max().item(),
+                    "bound": 2 * largest * torch.finfo(model.runner.dtype).eps,  # the stream rounded twice
+                    "changes_the_logits": bool((steered.logits - plain).abs().max() > 0)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -102,10 +189,18 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=128)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--skip-split", action="store_true")
+    parser.add_argument("--big", choices=sorted(SHAPES), help="split a random model of this shape, nothing else")
+    parser.add_argument("--format", default="Q4_K_M", help="--big's format or mix")
+    parser.add_argument("--devices", default=None, help="--big's devices (default: cuda:0 ... cuda:GPUS-1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.big:
+        devices = args.devices.split(",") if args.devices else [f"cuda:{i}" for i in range(args.gpus)]
+        for figure, value in big_split(args.big, args.format, devices):
+            print(figure, json.dumps(value), flush=True)
+        return
     if torch.cuda.device_count() < args.gpus:
         sys.exit(f"needs {args.gpus} CUDA devices; this machine has {torch.cuda.device_count()}")
     one, many = sweep(args, 1), sweep(args, args.gpus)
