@@ -9,10 +9,16 @@ from __future__ import annotations
 import torch
 import torch._guards
 
+# What ``torch.compiler.assume_constant_result`` marks on a function (tests/test_runner.py checks that it still is),
+# set here without it: the decorator imports torch._dynamo, a second of every process's start that only a compile needs.
+CONSTANT_RESULT_MARK = "_dynamo_marked_constant"
 
-@torch._dynamo.assume_constant_result
+
 def _tracing_in_this_thread() -> bool:
     return torch._guards.TracingContext.try_get() is not None
+
+
+setattr(_tracing_in_this_thread, CONSTANT_RESULT_MARK, True)
 
 
 def compiling() -> bool:

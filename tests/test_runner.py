@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.kernels import layer_ops
+from workbench.kernels import layer_ops, tracing
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
@@ -360,3 +362,19 @@ def test_a_forward_started_at_a_block_from_its_residual_stream_is_the_rest_of_th
                             (dict(stop_at_layer=4), "at most 3, not 4")]:
         with pytest.raises(workbench.WorkbenchError, match=message):
             runner.forward(ids, **kwargs)
+
+
+def test_the_constant_result_mark_is_torch_compilers():
+    def probe() -> bool:
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked) == {tracing.CONSTANT_RESULT_MARK: True}
+    assert getattr(tracing._tracing_in_this_thread, tracing.CONSTANT_RESULT_MARK) is True
+
+
+def test_importing_workbench_leaves_torch_dynamo_unloaded():
+    # torch._dynamo takes about a second to import: a command that compiles nothing should not pay it
+    code = "import sys, workbench; print('torch._dynamo' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
