@@ -182,10 +182,12 @@ def test_file_hash_is_noted_once_and_never_outlives_the_bytes(tmp_path, monkeypa
     os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert files_sha256([model]) == hash_files([model]) != first
     # a note that is not a digest is ignored and written again
-    for note in (tmp_path / "cache" / "sha256").iterdir():
-        note.write_text("not a digest")
-    assert files_sha256([model]) == hash_files([model])
-    assert [n.read_text() for n in (tmp_path / "cache" / "sha256").iterdir()].count(hash_files([model])) == 1
+    for garbage in (b"not a digest", b"\xff" * 64):
+        for note in (tmp_path / "cache" / "sha256").iterdir():
+            note.write_bytes(garbage)
+        assert files_sha256([model]) == hash_files([model])
+        notes = [n.read_bytes() for n in (tmp_path / "cache" / "sha256").iterdir()]
+        assert notes.count(hash_files([model]).encode()) == 1
 
 
 def test_file_hash_note_never_follows_a_link(tmp_path, monkeypatch):
@@ -201,6 +203,18 @@ def test_file_hash_note_never_follows_a_link(tmp_path, monkeypatch):
     note.symlink_to(outside)
     assert files_sha256([model]) == hash_files([model])  # the link's target is not read as the note
     assert outside.read_text() == "f" * 64 and not note.is_symlink()  # nor written through: the link is replaced
+    note.unlink()
+    os.mkfifo(note)  # nor does a FIFO there block the read
+    assert files_sha256([model]) == hash_files([model])
+
+
+def test_file_hash_without_a_writable_cache(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(blocked / "cache"))  # a folder under a file cannot be made
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+    assert files_sha256([model]) == hash_files([model])
 
 
 def test_models_built_in_memory_hash_their_weights():

@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import stat
 import struct
@@ -98,7 +99,7 @@ def hash_files(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-SETTLED_NS = 2_000_000_000
+SETTLED_NS = 2_000_000_000  # how long a file must have stood unchanged for its hash to be noted
 
 
 def files_sha256(files: list[Path]) -> str:
@@ -113,29 +114,42 @@ def files_sha256(files: list[Path]) -> str:
         st = file.stat()
         identity.append([str(file.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
         newest = max(newest, st.st_mtime_ns, st.st_ctime_ns)
-    folder = cache_dir("sha256")
     note = f"{hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]}.txt"
     try:
-        fd = os.open(folder / note, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd) as f:
-            noted = f.read(65)
-        if len(noted) == 64 and all(c in "0123456789abcdef" for c in noted):
-            return noted
-    except OSError:
-        pass
+        folder = cache_dir("sha256")
+    except OSError:  # no writable cache (a read-only home): hash every time
+        return hash_files(files)
+    noted = _read_note(folder / note)
+    if noted is not None:
+        return noted
     digest = hash_files(files)
-    if newest > time.time_ns() - SETTLED_NS:
-        return digest
-    # a fresh file renamed into place: never written through a link planted at its name
-    temporary = folder / f".{note}.{secrets.token_hex(8)}.tmp"
+    if newest <= time.time_ns() - SETTLED_NS:
+        _write_note(folder, note, digest)
+    return digest
+
+
+def _read_note(path: Path) -> str | None:
+    """The digest noted at ``path``, or None: missing, a link (not followed), or not a digest."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO planted there never blocks
+        with os.fdopen(fd, "rb") as f:
+            noted = f.read(65)
+    except OSError:
+        return None
+    return noted.decode() if re.fullmatch(rb"[0-9a-f]{64}", noted) else None
+
+
+def _write_note(folder: Path, name: str, digest: str) -> None:
+    """A fresh file renamed into place, so never written through a link planted at its name; a failure loses only
+    the note."""
+    temporary = folder / f".{name}.{secrets.token_hex(8)}.tmp"
     with suppress(OSError):
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(digest)
-        os.replace(temporary, folder / note)
+        os.replace(temporary, folder / name)
     with suppress(OSError):
         temporary.unlink()
-    return digest
 
 
 # --------------------------------------------------------------------------------------------- GGUF
