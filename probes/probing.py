@@ -14,20 +14,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
-from sklearn.decomposition import PCA
-from sklearn.linear_model import LogisticRegression
-from sklearn.model_selection import StratifiedGroupKFold, cross_val_predict
-from sklearn.pipeline import Pipeline
 
 from workbench.errors import WorkbenchError
 
 from .activations import Progress, block_hook, collect_activations
 from .data import Dataset, load_dataset
 from .saving import check_signature, model_signature, read_artifact, write_artifact
+
+# scikit-learn (with scipy and pandas) takes ~1 s to import: it is imported where a probe is fitted or loaded, not
+# by every ``import workbench.probes``
+if TYPE_CHECKING:
+    from sklearn.pipeline import Pipeline
 
 FORMAT = "workbench-probe/1"
 
@@ -57,6 +58,10 @@ def layer_at_fraction(n_layers: int, fraction: float) -> int:
 
 
 def _pipeline(n_features: int, n_train: int, n_components: int, seed: int) -> Pipeline:
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+
     # centred training data has rank <= n_train - 1; whitening keeps the regression well conditioned
     components = min(n_components, n_features, n_train - 1)
     return Pipeline([("pca", PCA(n_components=components, whiten=True, random_state=seed)),
@@ -113,6 +118,10 @@ class Probe:
     @classmethod
     def load(cls, path: str | Path, model: Any | None = None) -> "Probe":
         """Read a saved probe (no pickle: the estimators are rebuilt from arrays); check it fits ``model``."""
+        from sklearn.decomposition import PCA
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import Pipeline
+
         tensors, meta = read_artifact(path, "probe", FORMAT)
         arrays = {k: v.numpy() for k, v in tensors.items()}
         pca = PCA(n_components=arrays["pca_components"].shape[0], whiten=True)
@@ -136,6 +145,8 @@ def _splitter(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed
     if folds < 2 or counts.min() < folds:
         raise WorkbenchError(f"{folds} folds need at least {folds} examples of every class; "
                              f"the class sizes are {sorted(counts.tolist())}")
+    from sklearn.model_selection import StratifiedGroupKFold
+
     groups = np.arange(len(labels)) if groups is None else np.asarray(groups)
     return StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed), groups
 
@@ -252,6 +263,8 @@ def depth_sweep(model: Any, dataset: str | Path | Dataset = "sentiment", fractio
 
     Every layer's activations come from the same forwards: one per prompt, recording all of them at once.
     """
+    from sklearn.model_selection import cross_val_predict
+
     data = load_dataset(dataset)
     n_layers = model.config.n_layers
     if fractions is not None and layers is not None:
