@@ -18,10 +18,11 @@ matrix), built in each process with the same seed.
 ``--big`` instead splits a random model of a real shape (bench/decode.py's) that no one GPU holds over ``--gpus``
 GPUs: build and load seconds, each GPU's layers and memory, a 128- and a 512-token prefill, eager decode against the
 weight-bandwidth roofline of one GPU reading at a time (a layer split reads its ranges one after another), the
-residual stream handed over per token, and hooks across the split: recording every ``hook_resid_post`` leaves the
-logits' bits unchanged, and a ``Steer`` on the first layer of the second GPU's range adds its vector there. Every
-layer holds one random layer's weights, each layer its own copy on its GPU: drawing 126 layers of a 405B would take
-minutes for the same timings. ``--devices`` runs the same on a list such as ``cpu,cpu`` (with a small shape).
+residual stream handed over per token, the first trace's hash of every weight, and hooks across the split: recording
+every ``hook_resid_post`` leaves the logits' bits unchanged, and a ``Steer`` on the first layer of the second GPU's
+range adds its vector there. Every layer holds one random layer's weights, each layer its own copy on its GPU: drawing
+126 layers of a 405B would take minutes for the same timings. ``--devices`` runs the same on a list such as
+``cpu,cpu`` (with a small shape).
 """
 from __future__ import annotations
 
@@ -165,6 +166,9 @@ def big_split(shape: str, fmt: str, devices: list[str]) -> Iterator[tuple[str, o
                            "share_of_roofline": decode * read / BANDWIDTH[card] if card else None}
     yield "peak_allocated_gib", [torch.cuda.max_memory_allocated(d) / gib if d.startswith("cuda") else None
                                  for d, _ in ranges]
+    started = time.perf_counter()
+    model.file_sha256  # a trace's fingerprint: every weight hashed once, here timed apart from the runs below
+    yield "weights_hash_s", time.perf_counter() - started
     # hooks across the split: recording leaves the bits alone; a steer on the second range's first layer adds its vector
     text = prompt[:32]
     plain = model.forward(text)
