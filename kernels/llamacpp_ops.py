@@ -117,8 +117,18 @@ def _mad_f16(acc: torch.Tensor, v: torch.Tensor, weight: torch.Tensor) -> torch.
     tail = _fma(v[..., full:].float(), weight[..., None], acc[..., full:].float()).half()
     if not full:
         return tail
-    head = (acc[..., :full].double() + v[..., :full].double() * weight.half().double()[..., None]).half()
+    head = _half_once(acc[..., :full].double() + v[..., :full].double() * weight.half().double()[..., None])
     return torch.cat((head, tail), dim=-1)
+
+
+def _half_once(e: torch.Tensor) -> torch.Tensor:
+    """float64 ``e`` rounded once to float16, as a native F16 fused multiply-add rounds its exact result (torch's
+    ``.half()`` of a float64 rounds to float32 first, which can move a value that lies just off a tie onto it): through
+    float32 rounded to odd, which float16's round-to-nearest then rounds as it would round ``e``."""
+    f = e.float()
+    toward_zero = torch.where(f.double().abs() > e.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+    odd = (toward_zero.view(torch.int32) | 1).view(torch.float32)
+    return torch.where(f.double() != e, odd, f).half()
 
 
 def v_expf(x: torch.Tensor) -> torch.Tensor:
@@ -226,7 +236,20 @@ def _reach(allowed: torch.Tensor) -> int:
 def _one_chunk(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, scale: float,
                allowed: torch.Tensor) -> torch.Tensor:
     """``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` for every row: ``q`` ``[..., H, T, D]`` float32,
-    ``k16``/``v16`` ``[..., H, S, D]`` float16, ``allowed`` ``[..., H|1, T, S]``; float32 ``[..., H, T, D]``."""
+    ``k16``/``v16`` ``[..., H, S, D]`` float16, ``allowed`` ``[..., H|1, T, S]``; float32 ``[..., H, T, D]``.
+
+    On the CPU the C++ kernel's ``flash_attn_one_chunk`` (the same loop in C++, a query row a thread at a time: the
+    loop below takes ~15 small tensor ops a key, most of a decode step); elsewhere the loop below. Past the last full
+    step of 128 values of a head, both round each F16 fused multiply-add as ggml's scalar path does; within it the C++
+    kernel rounds the exact sum once to F16, as the native F16 instruction does, where the loop below rounds it to
+    float32 first (torch's float64-to-F16 conversion), which can differ in the last bit in rare ties."""
+    ext = cpu.extension() if q.is_cpu else None
+    if ext is not None:
+        rows = q.shape[:-2]
+        flat = [t.reshape(-1, *t.shape[-2:]).contiguous()
+                for t in (q, k16.expand(*rows, *k16.shape[-2:]), v16.expand(*rows, *v16.shape[-2:]),
+                          allowed.expand(*rows, *allowed.shape[-2:]))]
+        return ext.flash_attn_one_chunk(*flat, scale).view(*rows, q.shape[-2], v16.shape[-1])
     scores = vec_dot_f16(q.half(), k16) * scale
     M = scores.new_full(scores.shape[:-1], float("-inf"))
     S = scores.new_zeros(scores.shape[:-1])

@@ -152,10 +152,18 @@ def random_attention(tokens: int, cached: int, heads: int, kv_heads: int, d: int
     return q, keys, values, blocked
 
 
-@pytest.mark.parametrize("tokens,cached,heads,kv_heads,d", [(4, 3, 4, 2, 64), (3, 2, 2, 1, 144), (5, 0, 2, 2, 20)])
-def test_one_chunk_attention_is_ggml_loop(tokens, cached, heads, kv_heads, d):
-    """Fewer than 64 queries: the F16-accumulating kernel; d = 144 takes both the native F16 and the scalar F32 paths of
-    the F16 vector ops and the dot's leftovers, d = 20 only leftovers."""
+@pytest.mark.parametrize("kernels", ["c++", "torch"])
+@pytest.mark.parametrize("tokens,cached,heads,kv_heads,d",
+                         [(4, 3, 4, 2, 64), (3, 2, 2, 1, 144), (5, 0, 2, 2, 20), (1, 150, 4, 2, 128)])
+def test_one_chunk_attention_is_ggml_loop(tokens, cached, heads, kv_heads, d, kernels, monkeypatch):
+    """Fewer than 64 queries: the F16-accumulating kernel, in C++ and as its torch loop; d = 144 takes both the native
+    F16 and the scalar F32 paths of the F16 vector ops and the dot's leftovers, d = 20 only leftovers. A decode step
+    over 150 keys with heads of 128 meets sums of the native F16 multiply-add that lie just off an F16 tie, which one
+    rounding keeps off it (rounding to float32 first, as torch's float64-to-F16 conversion does, gave 4 values off)."""
+    if kernels == "torch":
+        monkeypatch.setattr(cpu, "extension", lambda: None)
+    elif cpu.extension() is None:
+        pytest.skip("the C++ CPU kernels are not available")
     q, keys, values, blocked = random_attention(tokens, cached, heads, kv_heads, d, seed=d)
     z = llamacpp_ops.attention(q, keys, values, math.sqrt(d), blocked)
     mask = np.where(blocked.numpy(), -np.inf, 0.0).astype(f32)

@@ -1312,6 +1312,118 @@ torch::Tensor lora_add(const torch::Tensor& x, const torch::Tensor& a, const tor
   return result;
 }
 
+// llama.cpp numerics' attention for fewer than 64 query tokens: ggml-cpu's flash_attn_ext_f16_one_chunk (ops.cpp), one
+// key at a time per query row, as llamacpp_ops._one_chunk transcribes it (its docstring has the details).
+namespace one_chunk {
+
+constexpr int64_t kDotStep = 64;   // GGML_F16_DOT_STEP: four registers of sixteen float32 lanes
+constexpr int64_t kLanes = 16;
+constexpr int64_t kF16Step = 128;  // GGML_F16_STEP: values past the last full step take the scalar F32 path
+
+// libm's expf, as the emulation takes it: the float64 exp rounded to float32
+inline float expf_libm(float x) { return static_cast<float>(std::exp(static_cast<double>(x))); }
+
+// e rounded once to F16, as a native F16 fused multiply-add rounds: through float32 rounded to odd, which F16's
+// round-to-nearest then rounds as it would round e itself (float32 has more than two bits beyond F16's)
+inline c10::Half half_once(double e) {
+  float f = static_cast<float>(e);
+  if (static_cast<double>(f) != e) {
+    if (std::fabs(static_cast<double>(f)) > std::fabs(e)) f = std::nextafter(f, 0.0f);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= 1u;
+    std::memcpy(&f, &bits, sizeof bits);
+  }
+  return c10::Half(f);
+}
+
+// ggml_vec_dot_f16: products (exact in float32) summed in four registers of sixteen lanes over full steps of 64, the
+// registers added pairwise (0+2, 1+3, then 0+1), the lanes as a tree, the products past the last step in double
+__attribute__((optimize("fp-contract=off")))
+inline float dot_f16(const c10::Half* q, const c10::Half* k, int64_t d) {
+  const int64_t full = d - d % kDotStep;
+  double total = 0.0;
+  if (full) {
+    float reg[4][kLanes] = {};
+    for (int64_t i = 0; i < full; i += kDotStep)
+      for (int r = 0; r < 4; ++r)
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+          const int64_t at = i + r * kLanes + lane;
+          reg[r][lane] += static_cast<float>(q[at]) * static_cast<float>(k[at]);
+        }
+    float v[kLanes];
+    for (int64_t lane = 0; lane < kLanes; ++lane)
+      v[lane] = (reg[0][lane] + reg[2][lane]) + (reg[1][lane] + reg[3][lane]);
+    for (int64_t width = kLanes / 2; width >= 2; width /= 2)
+      for (int64_t lane = 0; lane < width; ++lane) v[lane] += v[lane + width];
+    total = static_cast<double>(v[0] + v[1]);
+  }
+  for (int64_t i = full; i < d; ++i) total += static_cast<double>(static_cast<float>(q[i]) * static_cast<float>(k[i]));
+  return static_cast<float>(total);
+}
+
+}  // namespace one_chunk
+
+// out [N, T, Dv] float32 for q [N, T, D] float32, k [N, S, D] and v [N, S, Dv] float16, allowed [N, T, S] bool
+__attribute__((optimize("fp-contract=off")))
+torch::Tensor flash_attn_one_chunk(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const torch::Tensor& allowed, double scale) {
+  using namespace one_chunk;
+  TORCH_CHECK(q.is_cpu() && q.scalar_type() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3 &&
+                  k.scalar_type() == torch::kHalf && k.is_contiguous() && k.dim() == 3 &&
+                  v.scalar_type() == torch::kHalf && v.is_contiguous() && v.dim() == 3 &&
+                  allowed.scalar_type() == torch::kBool && allowed.is_contiguous() && allowed.dim() == 3 &&
+                  k.size(0) == q.size(0) && k.size(2) == q.size(2) && v.size(0) == q.size(0) &&
+                  v.size(1) == k.size(1) && allowed.size(0) == q.size(0) && allowed.size(1) == q.size(1) &&
+                  allowed.size(2) == k.size(1),
+              "workbench cpu kernels: flash_attn_one_chunk needs q [N, T, D] float32, k [N, S, D] and v [N, S, Dv] "
+              "float16 and allowed [N, T, S] bool, all contiguous; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes(),
+              ", ", allowed.sizes());
+  const int64_t n = q.size(0), tokens = q.size(1), d = q.size(2), slots = k.size(1), dv = v.size(2);
+  const float kq_scale = static_cast<float>(scale);
+  torch::Tensor out = torch::empty({n, tokens, dv}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const auto* kp = reinterpret_cast<const c10::Half*>(k.data_ptr<at::Half>());
+  const auto* vp = reinterpret_cast<const c10::Half*>(v.data_ptr<at::Half>());
+  const bool* ap = allowed.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const int64_t full = dv - dv % kF16Step;
+  at::parallel_for(0, n * tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<c10::Half> q16(d), acc(dv);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t head = row / tokens;
+      for (int64_t i = 0; i < d; ++i) q16[i] = c10::Half(qp[row * d + i]);
+      std::fill(acc.begin(), acc.end(), c10::Half(0.0f));
+      float best = -INFINITY, sum = 0.0f;
+      for (int64_t key = 0; key < slots; ++key) {
+        if (!ap[row * slots + key]) continue;
+        const float s = dot_f16(q16.data(), kp + (head * slots + key) * d, d) * kq_scale;
+        float ms = 1.0f, vs = 1.0f;
+        if (s > best) {  // a new maximum: what was accumulated scaled by exp(M_old - M), this key weighed by 1
+          ms = expf_libm(best - s);
+          best = s;
+          const float factor16 = static_cast<float>(c10::Half(ms));
+          for (int64_t i = 0; i < dv; ++i)
+            acc[i] = c10::Half(static_cast<float>(acc[i]) * (i < full ? factor16 : ms));
+        } else {
+          vs = expf_libm(s - best);
+        }
+        const c10::Half* value = vp + (head * slots + key) * dv;
+        const double weight16 = static_cast<double>(static_cast<float>(c10::Half(vs)));
+        for (int64_t i = 0; i < dv; ++i) {
+          acc[i] = i < full ? half_once(static_cast<double>(static_cast<float>(acc[i])) +
+                                        static_cast<double>(static_cast<float>(value[i])) * weight16)
+                            : c10::Half(std::fma(static_cast<float>(value[i]), vs, static_cast<float>(acc[i])));
+        }
+        sum = static_cast<float>(static_cast<double>(sum) * ms + vs);
+      }
+      const float inverse = sum == 0.0f ? 0.0f : static_cast<float>(1.0 / static_cast<double>(sum));
+      for (int64_t i = 0; i < dv; ++i) op[row * dv + i] = static_cast<float>(acc[i]) * inverse;
+    }
+  });
+  return out;
+}
+
 // c + a @ b of batched float32 matrices, a [N, R, K], b [N, K, J], c [N, R, J], each output a chain of fused
 // multiply-adds in k order, as ggml-cpu's simd_gemm computes them (llama.cpp's tiled flash attention: llama.cpp
 // numerics reproduce it in kernels/llamacpp_ops.py).
@@ -1409,6 +1521,8 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("fma_chain(Tensor a, Tensor b, Tensor c) -> Tensor");
   // ggml-cpu's polynomial exp (ggml_v_expf) of each value
   m.def("ggml_expf(Tensor x) -> Tensor");
+  // ggml-cpu's flash attention for fewer than 64 query tokens, F16 keys, values and accumulator
+  m.def("flash_attn_one_chunk(Tensor q, Tensor k, Tensor v, Tensor allowed, float scale) -> Tensor");
   // the outputs of a group of projections sharing x, each plus its LoRA term B (A x), side by side (few rows)
   m.def("lora_add(Tensor x, Tensor a, Tensor b_t, Tensor[] outs, int[] ranks, int parallel_work) -> Tensor");
 }
@@ -1426,5 +1540,6 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("rope_attention", &rope_attention);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
+  m.impl("flash_attn_one_chunk", &flash_attn_one_chunk);
   m.impl("lora_add", &lora_add);
 }
