@@ -114,7 +114,7 @@ def _build_extension(isa: str, source: Path = _SOURCE, name: str | None = None) 
         lambda x, packed, ggml_types, rows, cols, x_first, x_count, panel_min_batch: x.new_empty(sum(x_count), rows)
     )
     torch.library.register_fake(f"{name}::linear_llamacpp")(
-        lambda x, packed, ggml_type, rows, cols: x.new_empty(x.shape[0], rows)
+        lambda x, packed, ggml_type, rows, cols: x.new_empty(x.shape[0], sum(rows))
     )
     torch.library.register_fake(f"{name}::linear_llamacpp_segments")(
         lambda x, packed, ggml_type, rows, cols, x_first, x_count: x.new_empty(sum(x_count), rows)
@@ -202,9 +202,16 @@ def _run_exact(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return _run_exact_parts(x, (w,))
 
 
+def _run_llamacpp_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> torch.Tensor:
+    fmt = parts[0].fmt
+    if any(w.fmt.ggml_type != fmt.ggml_type for w in parts):  # the op quantizes the activations for one weight type
+        return torch.cat([_run_llamacpp(x, w) for w in parts], dim=-1)
+    return _in_float32(x, lambda x32: extension().linear_llamacpp(
+        x32, [w.data for w in parts], fmt.ggml_type, [w.shape[0] for w in parts], parts[0].shape[1]))
+
+
 def _run_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    rows, cols = w.shape
-    return _in_float32(x, lambda x32: extension().linear_llamacpp(x32, w.data, w.fmt.ggml_type, rows, cols))
+    return _run_llamacpp_parts(x, (w,))
 
 
 def _run_llamacpp_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Sequence[int],
@@ -218,7 +225,7 @@ def _run_llamacpp_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts
 
 EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, _run_exact_segments, traceable=True,
                formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
-LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, run_segments=_run_llamacpp_segments,
+LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, _run_llamacpp_parts, _run_llamacpp_segments,
                   traceable=True, numerics="llamacpp", formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
 register_kernel(EXACT)
 register_kernel(LLAMACPP)

@@ -146,6 +146,25 @@ def test_parts_in_one_call_equal_separate_calls(m, exact_path):
         assert torch.equal(y, linear(x, w))
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_parts_in_llamacpp_numerics_equal_separate_calls(m):
+    """In llama.cpp numerics too: when every part has one type they share one quantization of x and one call (the op
+    on q and k in Q4_K); parts of mixed types (v in Q6_K, a Q8_0) take a call each; every part's result bit for bit
+    as alone."""
+    if cpu.extension() is None:
+        pytest.skip("the C++ CPU kernels are not available")
+    parts = [random_weight("Q4_K", 40, K, seed=1), random_weight("Q4_K", 8, K, seed=2), random_weight("Q6_K", 8, K, seed=3),
+             random_weight("Q8_0", 16, K, seed=4)]
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+    with cpu.numerics("llamacpp"):
+        assert select_kernel(x, parts[0]).name == "cpu-gguf-llamacpp"
+        outs = linear_parts(x, parts)
+        for y, w in zip(outs, parts):
+            assert torch.equal(y, linear(x, w))
+        together = cpu.extension().linear_llamacpp(x, [w.data for w in parts[:2]], parts[0].fmt.ggml_type, [40, 8], K)
+        assert torch.equal(together, torch.cat(outs[:2], dim=-1))
+
+
 def test_parts_check_each_weight_and_fall_back_when_kernels_differ():
     x = torch.randn(1, K)
     with pytest.raises(ValueError, match="expects 256"):
@@ -378,7 +397,7 @@ def test_narrower_builds_match_the_native_build(isa):
             assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
         assert torch.equal(narrow.quantize_activations(x, t), cpu.extension().quantize_activations(x, t))
         torch.testing.assert_close(
-            narrow.linear_llamacpp(x, w.data, t, 24, K), cpu.extension().linear_llamacpp(x, w.data, t, 24, K)
+            narrow.linear_llamacpp(x, [w.data], t, [24], K), cpu.extension().linear_llamacpp(x, [w.data], t, [24], K)
         )
 
 

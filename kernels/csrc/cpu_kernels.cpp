@@ -934,13 +934,6 @@ void matmul_rows_llamacpp(const typename F::Act* xq, int64_t m, int64_t k, const
   }
 }
 
-template <class F>
-void matmul_llamacpp(const typename F::Act* xq, int64_t m, int64_t k, const uint8_t* w, int64_t n, float* out) {
-  parallel_rows(n, k * m, [&](int64_t begin, int64_t end) {
-    matmul_rows_llamacpp<F>(xq, m, k, w, begin, end, out, n);
-  });
-}
-
 template <class Act>
 constexpr int act_block_values() {
   return std::is_same_v<Act, BlockQ8_K> ? kQKK : kQK;
@@ -960,15 +953,32 @@ torch::Tensor quantize_activations_as(const torch::Tensor& x) {
   return blocks;
 }
 
-torch::Tensor linear_llamacpp(const torch::Tensor& x, const torch::Tensor& packed, int64_t ggml_type, int64_t rows, int64_t cols) {
+// x @ W.T for each W of packed (all of ggml_type), side by side as linear_exact gives them: x quantized once for the
+// type, then every (weight, row) pair in one parallel region (q, k and v in one call, as for linear_exact).
+torch::Tensor linear_llamacpp(const torch::Tensor& x, at::TensorList packed, int64_t ggml_type, c10::IntArrayRef rows,
+                              int64_t cols) {
   return visit_format(ggml_type, [&](auto format) {
     using F = decltype(format);
-    check_inputs(x, packed, rows, cols, F::kValues, F::kBytes);
-    const int64_t m = x.size(0);
+    const size_t parts = packed.size();
+    TORCH_CHECK(parts > 0 && rows.size() == parts, "workbench cpu kernels: one row count per packed weight");
+    std::vector<int64_t> first_row(parts + 1, 0);  // each part's first output column
+    for (size_t p = 0; p < parts; ++p) {
+      check_inputs(x, packed[p], rows[p], cols, F::kValues, F::kBytes);
+      first_row[p + 1] = first_row[p] + rows[p];
+    }
+    const int64_t m = x.size(0), n = first_row[parts];
     const torch::Tensor xq = quantize_activations_as<typename F::Act>(x);
-    auto out = torch::empty({m, rows}, x.options());
-    matmul_llamacpp<F>(reinterpret_cast<const typename F::Act*>(xq.data_ptr<uint8_t>()), m, cols,
-                       packed.data_ptr<uint8_t>(), rows, out.data_ptr<float>());
+    const auto* xqp = reinterpret_cast<const typename F::Act*>(xq.data_ptr<uint8_t>());
+    torch::Tensor out = torch::empty({m, n}, x.options());
+    float* outp = out.data_ptr<float>();
+    parallel_rows(n, cols * m, [&](int64_t begin, int64_t end) {
+      for (size_t p = 0; p < parts; ++p) {
+        const int64_t lo = std::max(begin, first_row[p]), hi = std::min(end, first_row[p + 1]);
+        if (lo < hi)
+          matmul_rows_llamacpp<F>(xqp, m, cols, packed[p].data_ptr<uint8_t>(), lo - first_row[p], hi - first_row[p],
+                                  outp + first_row[p], n);
+      }
+    });
     return out;
   });
 }
@@ -1502,7 +1512,7 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("linear_exact_segments(Tensor x, Tensor[] packed, int[] ggml_types, int rows, int cols, int[] x_first, "
         "int[] x_count, int panel_min_batch) -> Tensor");
   // x @ W.T with ggml-cpu's Q8 activation quantization and integer dots
-  m.def("linear_llamacpp(Tensor x, Tensor packed, int ggml_type, int rows, int cols) -> Tensor");
+  m.def("linear_llamacpp(Tensor x, Tensor[] packed, int ggml_type, int[] rows, int cols) -> Tensor");
   m.def("linear_llamacpp_segments(Tensor x, Tensor[] packed, int ggml_type, int rows, int cols, int[] x_first, "
         "int[] x_count) -> Tensor");
   // ggml-cpu's Q8_0 / Q8_1 / Q8_K blocks of x for a weight type
