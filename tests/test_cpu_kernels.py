@@ -153,8 +153,8 @@ def test_parts_in_llamacpp_numerics_equal_separate_calls(m):
     as alone."""
     if cpu.extension() is None:
         pytest.skip("the C++ CPU kernels are not available")
-    parts = [random_weight("Q4_K", 40, K, seed=1), random_weight("Q4_K", 8, K, seed=2), random_weight("Q6_K", 8, K, seed=3),
-             random_weight("Q8_0", 16, K, seed=4)]
+    parts = [random_weight("Q4_K", 40, K, seed=1), random_weight("Q4_K", 8, K, seed=2),
+             random_weight("Q6_K", 8, K, seed=3), random_weight("Q8_0", 16, K, seed=4)]
     x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
     with cpu.numerics("llamacpp"):
         assert select_kernel(x, parts[0]).name == "cpu-gguf-llamacpp"
