@@ -49,6 +49,13 @@ DOT_STEP = 64  # GGML_F16_DOT_STEP (= GGML_F32_STEP with AVX-512 FP16): four reg
 F16_STEP = 128  # GGML_F16_STEP with AVX-512 FP16: values past the last full step take the scalar F32 path
 
 
+def _glue_kernels(*tensors: torch.Tensor):
+    """The C++ kernels' ops where the glue's float32 CPU tensors can take them, else None."""
+    if all(t.is_cpu and t.dtype == torch.float32 for t in tensors):
+        return cpu.extension()
+    return None
+
+
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """float32 ``a * b + c`` rounded once."""
     return (a.double() * b.double() + c.double()).float()
@@ -165,7 +172,11 @@ def _v_expf_formula(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layer_ops.rms_norm`` as ``ggml_compute_forward_rms_norm_f32`` computes it (float32 ``x``)."""
+    """``layer_ops.rms_norm`` as ``ggml_compute_forward_rms_norm_f32`` computes it (float32 ``x``); the C++ kernel's
+    ``llamacpp_rms_norm`` where it runs (rows ``[T, d]`` on the CPU), the same steps below elsewhere."""
+    ext = _glue_kernels(x, weight)
+    if ext is not None and x.dim() == 2:
+        return ext.llamacpp_rms_norm(x.contiguous(), weight.contiguous(), eps)
     squares = (x * x).double().sum(-1, keepdim=True)
     mean = (squares / x.shape[-1]).float()
     scale = _divide(1.0, (mean + float(np.float32(eps))).double().sqrt().float())
@@ -174,7 +185,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``ggml_vec_swiglu_f32``: ``silu(gate) * up`` with ggml's AVX-512 silu, ``x / (1 + ggml_v_expf(-x))``, over
-    groups of sixteen values; the values past the last group take libm's ``expf``."""
+    groups of sixteen values; the values past the last group take libm's ``expf``. The C++ kernel's
+    ``llamacpp_swiglu`` where it runs."""
+    ext = _glue_kernels(gate, up)
+    if ext is not None and gate.dim() == 2 and gate.shape == up.shape and gate.stride(-1) == up.stride(-1) == 1:
+        return ext.llamacpp_swiglu(gate, up)
     full = gate.shape[-1] - gate.shape[-1] % F32_LANES
     silu = torch.cat((_divide(gate[..., :full], 1.0 + v_expf(0.0 - gate[..., :full])),
                       _divide(gate[..., full:], 1.0 + _expf(-gate[..., full:]))), dim=-1)
@@ -216,7 +231,11 @@ def rope_table(n_ctx: int, n_dims: int, base: float, scale: float, freq_factors:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """``layer_ops.rope``'s rotation (same arguments) as ``rotate_pairs`` computes it: ``x0 * cos - x1 * sin`` and
-    ``x0 * sin + x1 * cos``, each the second product rounded and the first fused into the sum."""
+    ``x0 * sin + x1 * cos``, each the second product rounded and the first fused into the sum. The C++ kernel's
+    ``llamacpp_rope`` where it runs (``x`` ``[T, heads, d]`` on the CPU)."""
+    ext = _glue_kernels(x, cos)
+    if ext is not None and x.dim() == 3 and x.dtype == torch.float32 and cos.dim() == 3:
+        return ext.llamacpp_rope(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
     half = x.shape[-1] // 2
     shape, member_axis = ((half, 2), -1) if interleaved else ((2, half), -2)
     x0, x1 = x.float().unflatten(-1, shape).unbind(member_axis)

@@ -219,3 +219,28 @@ def test_runner_takes_the_emulation_in_llamacpp_numerics_only(tiny_model):
         blocked = torch.ones(len(ids), len(ids), dtype=torch.bool).triu(1)
         emulated = llamacpp_ops.attention(q, k.transpose(0, 1), v.transpose(0, 1), model.runner.attn_scale, blocked)
         assert torch.equal(acts["hook_z"], emulated) == (mode == "llamacpp")
+
+
+def test_glue_kernels_give_the_formulas_bits(monkeypatch):
+    """RMSNorm, SwiGLU (strided rows, and a tail past the last group of sixteen) and the rope (both pair layouts) in
+    C++ give the torch formulas' bits, over activations from 1e-2 to 1e2."""
+    if cpu.extension() is None:
+        pytest.skip("the C++ CPU kernels are not available")
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for scale in (1e-2, 1.0, 1e2):
+        x, weight = torch.randn(7, 576, generator=g) * scale, torch.randn(576, generator=g)
+        gate = torch.randn(7, 2 * 1552, generator=g)[:, :1552] * scale  # rows strided, as a fused output's half
+        gate_tail, up_tail = torch.randn(7, 1550, generator=g) * scale, torch.randn(7, 1550, generator=g)
+        q, cos, sin = (torch.randn(7, 9, 64, generator=g) * scale, torch.randn(7, 1, 64, generator=g),
+                       torch.randn(7, 1, 64, generator=g))
+        up = torch.randn(gate.shape, generator=g)
+        cases += [(llamacpp_ops.rms_norm, (x, weight, 1e-5)), (llamacpp_ops.swiglu, (gate, up)),
+                  (llamacpp_ops.swiglu, (gate_tail, up_tail)), (llamacpp_ops.rope, (q, cos, sin, False)),
+                  (llamacpp_ops.rope, (q, cos, sin, True))]
+    fused = [fn(*args) for fn, args in cases]
+    monkeypatch.setattr(llamacpp_ops, "_glue_kernels", lambda *tensors: None)
+    for (fn, args), out in zip(cases, fused):
+        expected = fn(*args)
+        pairs = zip(out, expected) if isinstance(out, tuple) else [(out, expected)]
+        assert all(torch.equal(a, b) for a, b in pairs), fn.__name__

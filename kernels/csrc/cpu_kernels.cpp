@@ -1466,9 +1466,23 @@ torch::Tensor fma_chain(const torch::Tensor& a, const torch::Tensor& b, const to
   return out;
 }
 
-// ggml-cpu's AVX-512 ggml_v_expf (ggml-cpu/vec.h) of each value of x: exp by range reduction and a degree-5
-// polynomial, each step one float32 operation or fused multiply-add, scaled by 2^n as _mm512_scalef_ps does.
+// ggml-cpu's AVX-512 ggml_v_expf (ggml-cpu/vec.h) of one value: exp by range reduction and a degree-5 polynomial, each
+// step one float32 operation or fused multiply-add, scaled by 2^n as _mm512_scalef_ps does.
 __attribute__((optimize("fp-contract=off")))
+inline float v_expf(float v) {
+  const float r = 0x1.8p23f;
+  const float z = std::fma(v, 0x1.715476p+0f, r);
+  const float n = z - r;
+  const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, v));
+  const float u = b * b;
+  const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                    std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                           u, std::fma(0x1.ffffecp-1f, b, 1.0f));
+  if (std::isnan(n)) return n;
+  if (std::fabs(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
+  return std::ldexp(j, static_cast<int>(n));
+}
+
 torch::Tensor ggml_expf(const torch::Tensor& x) {
   TORCH_CHECK(x.is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "workbench cpu kernels: ggml_expf needs a contiguous float32 CPU tensor");
@@ -1476,22 +1490,87 @@ torch::Tensor ggml_expf(const torch::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = xp[i];
-      const float r = 0x1.8p23f;
-      const float z = std::fma(v, 0x1.715476p+0f, r);
-      const float n = z - r;
-      const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, v));
-      const float u = b * b;
-      const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
-                                        std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
-                               u, std::fma(0x1.ffffecp-1f, b, 1.0f));
-      if (std::isnan(n)) {
-        op[i] = n;
-      } else if (std::fabs(n) > 192.0f) {
-        op[i] = n <= 0.0f ? 0.0f : INFINITY;
-      } else {
-        op[i] = std::ldexp(j, static_cast<int>(n));
+    for (int64_t i = begin; i < end; ++i) op[i] = v_expf(xp[i]);
+  });
+  return out;
+}
+
+// llama.cpp numerics' glue between the matmuls, one call each where llamacpp_ops' torch formulas take 6 to 20 ops,
+// with their bits: each step below is one of those formulas' operations, in their precision and order.
+
+// ggml_compute_forward_rms_norm_f32 of x [T, d]: the squares (float32) summed in double, the mean rounded to
+// float32, 1 / sqrt(mean + eps) (each correctly rounded), then (x * scale) * weight. Returns the scale [T, 1] and out.
+__attribute__((optimize("fp-contract=off")))
+std::tuple<torch::Tensor, torch::Tensor> llamacpp_rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
+                                                           double eps) {
+  check_norm(x, weight);
+  const int64_t rows = x.size(0), d = x.size(1);
+  torch::Tensor scale = torch::empty({rows, 1}, x.options()), out = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = scale.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float eps32 = static_cast<float>(eps);
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = xp + t * d;
+      double squares = 0.0;
+      for (int64_t i = 0; i < d; ++i) squares += static_cast<double>(xr[i] * xr[i]);
+      const float mean = static_cast<float>(squares / static_cast<double>(d));
+      const float root = static_cast<float>(std::sqrt(static_cast<double>(mean + eps32)));
+      const float s = static_cast<float>(1.0 / static_cast<double>(root));
+      sp[t] = s;
+      for (int64_t i = 0; i < d; ++i) op[t * d + i] = (xr[i] * s) * wp[i];
+    }
+  });
+  return {scale, out};
+}
+
+// ggml_vec_swiglu_f32 of gate and up [T, d] (rows may be strided): x / (1 + ggml_v_expf(-x)) * g over the full groups
+// of sixteen values, libm's expf (the float64 exp rounded to float32) past them; each quotient correctly rounded.
+__attribute__((optimize("fp-contract=off")))
+torch::Tensor llamacpp_swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == torch::kFloat32 && gate.dim() == 2 &&
+                  up.sizes() == gate.sizes() && up.scalar_type() == torch::kFloat32 && gate.stride(1) == 1 &&
+                  up.stride(1) == 1,
+              "workbench cpu kernels: llamacpp_swiglu needs float32 gate and up [T, d] of one shape, rows "
+              "contiguous, got ", gate.sizes(), ", ", up.sizes());
+  const int64_t rows = gate.size(0), d = gate.size(1), full = d - d % 16;
+  torch::Tensor out = torch::empty({rows, d}, gate.options());
+  const float *gp = gate.data_ptr<float>(), *up_p = up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *g = gp + t * gate.stride(0), *u = up_p + t * up.stride(0);
+      for (int64_t i = 0; i < d; ++i) {
+        const float e = i < full ? v_expf(0.0f - g[i]) : static_cast<float>(std::exp(static_cast<double>(-g[i])));
+        const float silu = static_cast<float>(static_cast<double>(g[i]) / static_cast<double>(1.0f + e));
+        op[t * d + i] = silu * u[i];
+      }
+    }
+  });
+  return out;
+}
+
+// rotate_pairs of x [T, H, D] with cos and sin [T, 1, D] (each pair's cos at its first value, sin at its second):
+// x0 cos - x1 sin and x0 sin + x1 cos, each output's second product rounded to float32 and its first fused into the
+// sum (in double, then rounded), as the compiler's contraction of ggml's loop computes it.
+__attribute__((optimize("fp-contract=off")))
+torch::Tensor llamacpp_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                            bool interleaved) {
+  check_rope(x, cos, sin);
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t heads = x.size(1), d = x.size(2), half = d / 2, rows = x.size(0) * heads;
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / d), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float *xr = xp + row * d, *c = cp + row / heads * d, *s = sp + row / heads * d;
+      float* o = op + row * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t first = interleaved ? 2 * i : i, second = interleaved ? 2 * i + 1 : i + half;
+        const double x0 = xr[first];
+        const float cf = c[first], sf = s[second];
+        o[first] = static_cast<float>(x0 * cf + static_cast<double>(-(xr[second] * sf)));
+        o[second] = static_cast<float>(x0 * sf + static_cast<double>(xr[second] * cf));
       }
     }
   });
@@ -1531,6 +1610,10 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("fma_chain(Tensor a, Tensor b, Tensor c) -> Tensor");
   // ggml-cpu's polynomial exp (ggml_v_expf) of each value
   m.def("ggml_expf(Tensor x) -> Tensor");
+  // ggml-cpu's RMSNorm, SwiGLU and rope (llama.cpp numerics' glue)
+  m.def("llamacpp_rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("llamacpp_swiglu(Tensor gate, Tensor up) -> Tensor");
+  m.def("llamacpp_rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
   // ggml-cpu's flash attention for fewer than 64 query tokens, F16 keys, values and accumulator
   m.def("flash_attn_one_chunk(Tensor q, Tensor k, Tensor v, Tensor allowed, float scale) -> Tensor");
   // the outputs of a group of projections sharing x, each plus its LoRA term B (A x), side by side (few rows)
@@ -1550,6 +1633,9 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("rope_attention", &rope_attention);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
+  m.impl("llamacpp_rms_norm", &llamacpp_rms_norm);
+  m.impl("llamacpp_swiglu", &llamacpp_swiglu);
+  m.impl("llamacpp_rope", &llamacpp_rope);
   m.impl("flash_attn_one_chunk", &flash_attn_one_chunk);
   m.impl("lora_add", &lora_add);
 }
