@@ -119,9 +119,6 @@ def _build_extension(isa: str, source: Path = _SOURCE, name: str | None = None) 
     torch.library.register_fake(f"{name}::linear_llamacpp_segments")(
         lambda x, packed, ggml_type, rows, cols, x_first, x_count: x.new_empty(sum(x_count), rows)
     )
-    torch.library.register_fake(f"{name}::flash_attn_one_chunk")(
-        lambda q, k, v, allowed, scale: q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-    )
     torch.library.register_fake(f"{name}::lora_add")(
         lambda x, a, b_t, outs, ranks, parallel_work: x.new_empty(x.shape[0], b_t.shape[1])
     )
