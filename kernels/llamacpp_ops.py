@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ DOT_STEP = 64  # GGML_F16_DOT_STEP (= GGML_F32_STEP with AVX-512 FP16): four reg
 F16_STEP = 128  # GGML_F16_STEP with AVX-512 FP16: values past the last full step take the scalar F32 path
 
 
-def _glue_kernels(*tensors: torch.Tensor):
+def _glue_kernels(*tensors: torch.Tensor) -> Any:
     """The C++ kernels' ops where the glue's float32 CPU tensors can take them, else None."""
     if all(t.is_cpu and t.dtype == torch.float32 for t in tensors):
         return cpu.extension()
@@ -234,7 +234,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     ``x0 * sin + x1 * cos``, each the second product rounded and the first fused into the sum. The C++ kernel's
     ``llamacpp_rope`` where it runs (``x`` ``[T, heads, d]`` on the CPU)."""
     ext = _glue_kernels(x, cos)
-    if ext is not None and x.dim() == 3 and x.dtype == torch.float32 and cos.dim() == 3:
+    if ext is not None and x.dim() == 3 and cos.dim() == 3:
         return ext.llamacpp_rope(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
     half = x.shape[-1] // 2
     shape, member_axis = ((half, 2), -1) if interleaved else ((2, half), -2)
@@ -257,12 +257,9 @@ def _one_chunk(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, scale: flo
     """``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` for every row: ``q`` ``[..., H, T, D]`` float32,
     ``k16``/``v16`` ``[..., H, S, D]`` float16, ``allowed`` ``[..., H|1, T, S]``; float32 ``[..., H, T, D]``.
 
-    On the CPU the C++ kernel's ``flash_attn_one_chunk`` (the same loop in C++, a query row a thread at a time: the
-    loop below takes ~15 small tensor ops a key, most of a decode step); elsewhere the loop below. Past the last full
-    step of 128 values of a head, both round each F16 fused multiply-add as ggml's scalar path does; within it the C++
-    kernel rounds the exact sum once to F16, as the native F16 instruction does, where the loop below rounds it to
-    float32 first (torch's float64-to-F16 conversion), which can differ in the last bit in rare ties."""
-    ext = cpu.extension() if q.is_cpu else None
+    On the CPU the C++ kernel's ``flash_attn_one_chunk``, the same loop with the same bits, a query row a thread at a
+    time (the loop below takes ~15 small tensor ops a key, most of a decode step); elsewhere the loop below."""
+    ext = _glue_kernels(q)
     if ext is not None:
         rows = q.shape[:-2]
         flat = [t.reshape(-1, *t.shape[-2:]).contiguous()
