@@ -807,6 +807,18 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t r
               cols / block_values * block_bytes, "], got ", packed.sizes());
 }
 
+// body(p, lo, hi) for rows [lo, hi) of part p, where part p holds the rows first_row[p] .. first_row[p + 1] - 1 of
+// an output side by side with the others (q, k and v): every part's rows in one parallel region.
+template <class Body>
+void parallel_side_by_side(const std::vector<int64_t>& first_row, int64_t work_per_row, const Body& body) {
+  parallel_rows(first_row.back(), work_per_row, [&](int64_t begin, int64_t end) {
+    for (size_t p = 0; p + 1 < first_row.size(); ++p) {
+      const int64_t lo = std::max(begin, first_row[p]), hi = std::min(end, first_row[p + 1]);
+      if (lo < hi) body(p, lo - first_row[p], hi - first_row[p]);
+    }
+  });
+}
+
 // x [M, K] float32 @ dequantize(W).T for each weight W = packed[p] (GGUF type ggml_types[p], rows[p] x K), the
 // results side by side: [M, sum of rows]. Several weights of one input (q, k, v) thus take one call and one
 // parallel region. From panel_min_batch rows of x on, panels of each W are dequantized for at::mm instead.
@@ -828,15 +840,11 @@ torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::I
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   if (m < panel_min_batch) {
-    parallel_rows(n, cols * m, [&](int64_t begin, int64_t end) {
-      for (size_t p = 0; p < parts; ++p) {
-        const int64_t lo = std::max(begin, first_row[p]), hi = std::min(end, first_row[p + 1]);
-        if (lo >= hi) continue;
-        visit_format(ggml_types[p], [&](auto format) {
-          matmul_rows_exact<decltype(format)>(xp, m, cols, packed[p].data_ptr<uint8_t>(), lo - first_row[p],
-                                              hi - first_row[p], outp + first_row[p], n);
-        });
-      }
+    parallel_side_by_side(first_row, cols * m, [&](size_t p, int64_t lo, int64_t hi) {
+      visit_format(ggml_types[p], [&](auto format) {
+        matmul_rows_exact<decltype(format)>(xp, m, cols, packed[p].data_ptr<uint8_t>(), lo, hi, outp + first_row[p],
+                                            n);
+      });
     });
     return out;
   }
@@ -971,13 +979,8 @@ torch::Tensor linear_llamacpp(const torch::Tensor& x, at::TensorList packed, int
     const auto* xqp = reinterpret_cast<const typename F::Act*>(xq.data_ptr<uint8_t>());
     torch::Tensor out = torch::empty({m, n}, x.options());
     float* outp = out.data_ptr<float>();
-    parallel_rows(n, cols * m, [&](int64_t begin, int64_t end) {
-      for (size_t p = 0; p < parts; ++p) {
-        const int64_t lo = std::max(begin, first_row[p]), hi = std::min(end, first_row[p + 1]);
-        if (lo < hi)
-          matmul_rows_llamacpp<F>(xqp, m, cols, packed[p].data_ptr<uint8_t>(), lo - first_row[p], hi - first_row[p],
-                                  outp + first_row[p], n);
-      }
+    parallel_side_by_side(first_row, cols * m, [&](size_t p, int64_t lo, int64_t hi) {
+      matmul_rows_llamacpp<F>(xqp, m, cols, packed[p].data_ptr<uint8_t>(), lo, hi, outp + first_row[p], n);
     });
     return out;
   });
@@ -1090,14 +1093,18 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> add_rms_norm(const torch
   return {total, scale, out};
 }
 
-// silu(gate) * up for gate and up [T, d] (rows may be strided, as the two halves of a fused gate/up output): silu is
-// ATen's own kernel, so the bits of the torch formula.
-torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
+void check_gate_up(const torch::Tensor& gate, const torch::Tensor& up, const char* op) {
   TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == torch::kFloat32 && gate.dim() == 2 &&
                   up.sizes() == gate.sizes() && up.scalar_type() == torch::kFloat32 && gate.stride(1) == 1 &&
                   up.stride(1) == 1,
-              "workbench cpu kernels: swiglu needs float32 gate and up [T, d] of one shape, rows contiguous, got ",
+              "workbench cpu kernels: ", op, " needs float32 gate and up [T, d] of one shape, rows contiguous, got ",
               gate.sizes(), ", ", up.sizes());
+}
+
+// silu(gate) * up for gate and up [T, d] (rows may be strided, as the two halves of a fused gate/up output): silu is
+// ATen's own kernel, so the bits of the torch formula.
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
+  check_gate_up(gate, up, "swiglu");
   torch::Tensor out = at::silu(gate);
   TORCH_CHECK(out.is_contiguous(), "workbench cpu kernels: swiglu's silu came out strided");
   float* op = out.data_ptr<float>();
@@ -1322,6 +1329,9 @@ torch::Tensor lora_add(const torch::Tensor& x, const torch::Tensor& a, const tor
   return result;
 }
 
+// libm's expf, as llama.cpp numerics take it (llamacpp_ops._expf): the float64 exp rounded to float32
+inline float expf_libm(float x) { return static_cast<float>(std::exp(static_cast<double>(x))); }
+
 // llama.cpp numerics' attention for fewer than 64 query tokens: ggml-cpu's flash_attn_ext_f16_one_chunk (ops.cpp), one
 // key at a time per query row, as llamacpp_ops._one_chunk transcribes it (its docstring has the details).
 namespace one_chunk {
@@ -1329,9 +1339,6 @@ namespace one_chunk {
 constexpr int64_t kDotStep = 64;   // GGML_F16_DOT_STEP: four registers of sixteen float32 lanes
 constexpr int64_t kLanes = 16;
 constexpr int64_t kF16Step = 128;  // GGML_F16_STEP: values past the last full step take the scalar F32 path
-
-// libm's expf, as the emulation takes it: the float64 exp rounded to float32
-inline float expf_libm(float x) { return static_cast<float>(std::exp(static_cast<double>(x))); }
 
 // e rounded once to F16, as a native F16 fused multiply-add rounds: through float32 rounded to odd, which F16's
 // round-to-nearest then rounds as it would round e itself (float32 has more than two bits beyond F16's)
@@ -1528,11 +1535,7 @@ std::tuple<torch::Tensor, torch::Tensor> llamacpp_rms_norm(const torch::Tensor& 
 // of sixteen values, libm's expf (the float64 exp rounded to float32) past them; each quotient correctly rounded.
 __attribute__((optimize("fp-contract=off")))
 torch::Tensor llamacpp_swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
-  TORCH_CHECK(gate.device().is_cpu() && gate.scalar_type() == torch::kFloat32 && gate.dim() == 2 &&
-                  up.sizes() == gate.sizes() && up.scalar_type() == torch::kFloat32 && gate.stride(1) == 1 &&
-                  up.stride(1) == 1,
-              "workbench cpu kernels: llamacpp_swiglu needs float32 gate and up [T, d] of one shape, rows "
-              "contiguous, got ", gate.sizes(), ", ", up.sizes());
+  check_gate_up(gate, up, "llamacpp_swiglu");
   const int64_t rows = gate.size(0), d = gate.size(1), full = d - d % 16;
   torch::Tensor out = torch::empty({rows, d}, gate.options());
   const float *gp = gate.data_ptr<float>(), *up_p = up.data_ptr<float>();
@@ -1541,7 +1544,7 @@ torch::Tensor llamacpp_swiglu(const torch::Tensor& gate, const torch::Tensor& up
     for (int64_t t = begin; t < end; ++t) {
       const float *g = gp + t * gate.stride(0), *u = up_p + t * up.stride(0);
       for (int64_t i = 0; i < d; ++i) {
-        const float e = i < full ? v_expf(0.0f - g[i]) : static_cast<float>(std::exp(static_cast<double>(-g[i])));
+        const float e = i < full ? v_expf(0.0f - g[i]) : expf_libm(-g[i]);
         const float silu = static_cast<float>(static_cast<double>(g[i]) / static_cast<double>(1.0f + e));
         op[t * d + i] = silu * u[i];
       }
