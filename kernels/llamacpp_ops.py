@@ -141,7 +141,7 @@ def _half_once(e: torch.Tensor) -> torch.Tensor:
 def v_expf(x: torch.Tensor) -> torch.Tensor:
     """ggml's AVX-512 ``ggml_v_expf`` (``ggml-cpu/vec.h``) of float32 ``x``: exp by range reduction and a degree-5
     polynomial, each step a float32 operation or fused multiply-add (the C++ kernel's ``ggml_expf`` where it runs)."""
-    ext = cpu.extension() if x.is_cpu else None
+    ext = _glue_kernels(x)
     if ext is not None:
         return ext.ggml_expf(x.contiguous())
     return _v_expf_formula(x)
@@ -233,7 +233,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     """``layer_ops.rope``'s rotation (same arguments) as ``rotate_pairs`` computes it: ``x0 * cos - x1 * sin`` and
     ``x0 * sin + x1 * cos``, each the second product rounded and the first fused into the sum. The C++ kernel's
     ``llamacpp_rope`` where it runs (``x`` ``[T, heads, d]`` on the CPU)."""
-    ext = _glue_kernels(x, cos)
+    ext = _glue_kernels(x, cos, sin)
     if ext is not None and x.dim() == 3 and cos.dim() == 3:
         return ext.llamacpp_rope(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
     half = x.shape[-1] // 2
@@ -288,7 +288,7 @@ def _fma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tens
     """``c + a @ b`` of float32 ``[..., R, K] x [..., K, J]``, each output a chain of fused multiply-adds in ``k``
     order from ``c`` (ggml's ``simd_gemm``): the C++ kernel's ``fma_chain`` where it runs, else in float64 here."""
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2], c.shape[:-2])
-    ext = cpu.extension() if a.is_cpu else None
+    ext = _glue_kernels(a, b, c)
     if ext is not None:
         a, b, c = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]).contiguous() for t in (a, b, c))
         return ext.fma_chain(a, b, c).view(*batch, *c.shape[-2:])
