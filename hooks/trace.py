@@ -13,9 +13,8 @@ import dataclasses
 import hashlib
 import json
 import os
-import secrets
 import stat
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -24,6 +23,7 @@ import torch
 
 from workbench.config import ModelConfig
 from workbench.errors import WorkbenchError, clip, shorten
+from workbench.files import replace_file
 
 from .points import axes
 
@@ -121,8 +121,8 @@ class Trace:
         with _open_directory(directory) as fd:
             for name in (TENSORS_FILE, MANIFEST_FILE):  # both checked before either is written
                 _refuse_link(fd, directory, name)
-            _write_member(fd, directory, TENSORS_FILE, tensor_bytes)
-            _write_member(fd, directory, MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+            replace_file(fd, TENSORS_FILE, tensor_bytes)
+            replace_file(fd, MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         return directory
 
     def to_activation_cache(self, model: Any = None):
@@ -280,21 +280,6 @@ def _refuse_link(fd: int, directory: Path, name: str) -> None:
         raise TraceError(f"{directory / name} is a symbolic link or not a regular file; refused")
 
 
-def _write_member(fd: int, directory: Path, name: str, data: bytes) -> None:
-    """Write ``name`` in the directory: a fresh temporary file (O_EXCL, O_NOFOLLOW, so never through a planted link)
-    renamed over it, which replaces a directory entry and never writes through one."""
-    temporary = f".{name}.{secrets.token_hex(8)}.tmp"
-    out = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
-    try:
-        with os.fdopen(out, "wb") as f:
-            f.write(data)
-        os.replace(temporary, name, src_dir_fd=fd, dst_dir_fd=fd)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(temporary, dir_fd=fd)
-        raise
-
-
 def _read_member(fd: int, directory: Path, name: str, max_bytes: int | None, size: int | None = None) -> bytes:
     """The bytes of a regular file in the directory (not a link, not a FIFO), its size checked before reading."""
     path = directory / name
@@ -321,7 +306,7 @@ def _read_member(fd: int, directory: Path, name: str, max_bytes: int | None, siz
 
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes in memory order (the manifest records dtype and shape beside it)."""
-    return hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)

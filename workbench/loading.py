@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import secrets
 import stat
 import struct
 import time
@@ -24,6 +23,7 @@ from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS,
 from workbench.cache import cache_dir
 from workbench.config import ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
+from workbench.files import replace_file
 from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
 from workbench.kernels.formats import _fp8 as fp8_layout
@@ -140,16 +140,14 @@ def _read_note(path: Path) -> str | None:
 
 
 def _write_note(folder: Path, name: str, digest: str) -> None:
-    """A fresh file renamed into place, so never written through a link planted at its name; a failure loses only
-    the note."""
-    temporary = folder / f".{name}.{secrets.token_hex(8)}.tmp"
+    """The digest written as ``name`` in ``folder`` (``files.replace_file``: never through a link planted there); a
+    failure loses only the note."""
     with suppress(OSError):
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(digest)
-        os.replace(temporary, folder / name)
-    with suppress(OSError):
-        temporary.unlink()
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            replace_file(fd, name, digest.encode())
+        finally:
+            os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------- GGUF

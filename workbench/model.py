@@ -20,6 +20,7 @@ from workbench.adapters import Adapter, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
 from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.generation import Sampling, forget_built_steps, generate_batch_tokens, generate_tokens
+from workbench.hooks.trace import tensor_sha256
 from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
@@ -705,9 +706,9 @@ class Model:
         """sha256 of the model file (or of the checkpoint's safetensors files, in order), for trace fingerprints;
         noted per machine (``loading.files_sha256``).
 
-        A model built in memory (workbench.synthetic) has no file: the sha256 of its packed tensors' own sha256s, in
-        order, stands in, taken by several threads at once (hashlib lets go of the GIL), so that a model of hundreds
-        of GB is hashed in seconds.
+        A model built in memory (workbench.synthetic) has no file: the sha256 of its packed tensors' own sha256s (as a
+        trace's manifest records them), in order, stands in, taken by several threads at once (hashlib lets go of the
+        GIL), so that a model of hundreds of GB is hashed in seconds.
         """
         files = checkpoint_files(self.path)
         if files:
@@ -715,12 +716,8 @@ class Model:
         weights = self.runner.weights
         tensors = [w.data for _, w in weights.named_matrices()] + [weights.final_norm] + [
             v for layer in weights.layers for v in vars(layer).values() if isinstance(v, torch.Tensor)]
-
-        def digest(t: torch.Tensor) -> bytes:
-            return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).digest()
-
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-            return hashlib.sha256(b"".join(pool.map(digest, tensors))).hexdigest()
+            return hashlib.sha256("".join(pool.map(tensor_sha256, tensors)).encode()).hexdigest()
 
     def fingerprint(self) -> dict[str, Any]:
         merged = {"merged_adapters": [dict(entry) for entry in self.merged]} if self.merged else {}
