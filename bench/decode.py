@@ -41,7 +41,7 @@ SHAPES = {
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:

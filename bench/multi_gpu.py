@@ -17,7 +17,7 @@ matrix), built in each process with the same seed.
 
 ``--big`` instead splits a random model of a real shape (bench/decode.py's) that no one GPU holds over ``--gpus``
 GPUs: build and load seconds, each GPU's layers and memory, a 128- and a 512-token prefill, eager decode against the
-weight-bandwidth roofline of one GPU reading at a time (a layer split reads its ranges one after another), the
+roofline of one GPU reading at its copy bandwidth (a layer split reads its ranges one after another), the
 residual stream handed over per token, the first trace's hash of every weight, and hooks across the split: recording
 every ``hook_resid_post`` leaves the logits' bits unchanged, and a ``Steer`` on the first layer of the second GPU's
 range adds its vector there. Every layer holds one random layer's weights, each layer its own copy on its GPU: drawing
@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,8 @@ from typing import Iterator
 import torch
 
 import workbench
-from decode import SHAPES
+from common import copy_bandwidth
+from decode import SHAPES, synchronize, timed
 from workbench import distributed, hooks
 from workbench.devices import layer_bytes
 from workbench.synthetic import random_checkpoint, random_config
@@ -110,28 +110,6 @@ def split(args: argparse.Namespace) -> dict:
     return out
 
 
-# HBM bytes/s of one card (SXM), for the roofline
-BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
-
-
-def seconds(fn, repeats: int = 3) -> float:
-    """Median wall seconds of ``fn`` after one warm-up, every device synchronized."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        synchronize_all()
-        started = time.perf_counter()
-        fn()
-        synchronize_all()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def synchronize_all() -> None:
-    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        torch.cuda.synchronize(i)
-
-
 def big_split(shape: str, fmt: str, devices: list[str]) -> Iterator[tuple[str, object]]:
     """``(figure, value)`` as each is measured, so that a run cut short still reports what it measured."""
     dims, gib = SHAPES[shape], 1 << 30
@@ -143,7 +121,8 @@ def big_split(shape: str, fmt: str, devices: list[str]) -> Iterator[tuple[str, o
     yield "build_s", time.perf_counter() - started
     started = time.perf_counter()
     model = workbench.Model(checkpoint, devices=devices)
-    synchronize_all()
+    for device, _ in model.devices:
+        synchronize(torch.device(device))
     yield "load_s", time.perf_counter() - started
     del one, weights, checkpoint
     placed = model.runner.weights
@@ -155,15 +134,16 @@ def big_split(shape: str, fmt: str, devices: list[str]) -> Iterator[tuple[str, o
                          for d, r in ranges]
     yield "handover_bytes_per_token", model.config.d_model * model.runner.dtype.itemsize * (len(ranges) - 1)
     prompt = random_prompts(1, 512, model.config.vocab_size)[0]
+    last = torch.device(devices[-1])  # the logits come from the last range, after every other
     for n in (128, 512):
-        yield f"prefill_{n}_tokens_per_s", n / seconds(lambda n=n: model.forward(prompt[:n]))
-    decode = 32 / seconds(lambda: model.generate(prompt[:16], 32, compiled=False), repeats=1)
+        yield f"prefill_{n}_tokens_per_s", n / timed(lambda n=n: model.forward(prompt[:n]), last, 3)
+    decode = 32 / timed(lambda: model.generate(prompt[:16], 32, compiled=False), last, 1)
     read = sum(sizes) + placed.unembed.nbytes  # a token reads every layer and the output head (one embedding row)
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    card = next((c for c in BANDWIDTH if c in gpu), None)
-    yield "eager_decode", {"tokens_per_s": decode, "read_per_token_gib": read / gib, "card": card,
-                           "roofline_tokens_per_s": BANDWIDTH[card] / read if card else None,
-                           "share_of_roofline": decode * read / BANDWIDTH[card] if card else None}
+    bandwidth = copy_bandwidth() if last.type == "cuda" else None  # one GPU reads at a time
+    yield "eager_decode", {"tokens_per_s": decode, "read_per_token_gib": read / gib,
+                           "copy_gb_per_s": bandwidth / 1e9 if bandwidth else None,
+                           "roofline_tokens_per_s": bandwidth / read if bandwidth else None,
+                           "share_of_roofline": decode * read / bandwidth if bandwidth else None}
     yield "peak_allocated_gib", [torch.cuda.max_memory_allocated(d) / gib if d.startswith("cuda") else None
                                  for d, _ in ranges]
     started = time.perf_counter()
