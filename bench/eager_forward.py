@@ -8,6 +8,7 @@ ratios.
 
     python bench/eager_forward.py                                              # embedded model, CPU, 2 threads
     python bench/eager_forward.py --device cuda --synthetic llama3-8b --format Q4_K
+    python bench/eager_forward.py --numerics llamacpp --tokens 1 16   # llama.cpp numerics' glue, C++ or formulas
 
 ``--decode-steps`` instead times eager decode steps of a tiny random model (30 layers of width 64), whose arithmetic is
 negligible, so that a step's time is the host's (Python, op dispatch, launches): one prompt without hooks, one prompt
@@ -116,10 +117,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--decode-steps", action="store_true", help="host time of eager decode steps, tiny model")
+    parser.add_argument("--numerics", choices=workbench.kernels.NUMERICS, default="exact",
+                        help="llamacpp: the glue as llama.cpp computes it (C++ ops against llamacpp_ops' formulas)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.decode_steps:
         return decode_steps(args.device, min(args.repeats, 5))
+    with workbench.kernels.numerics(args.numerics):
+        time_forwards(args)
+
+
+def time_forwards(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = (synthetic_model(args.synthetic, args.format, args.device, None) if args.synthetic
              else workbench.load(device=args.device))

@@ -50,8 +50,11 @@ F16_STEP = 128  # GGML_F16_STEP with AVX-512 FP16: values past the last full ste
 
 
 def _glue_kernels(*tensors: torch.Tensor) -> Any:
-    """The C++ kernels' ops where the glue's float32 CPU tensors can take them, else None."""
-    if all(t.is_cpu and t.dtype == torch.float32 for t in tensors):
+    """The C++ kernels' ops where the glue's float32 CPU tensors can take them, else None; None as well under
+    ``layer_ops.torch_formulas()``, as for the exact glue (``bench/eager_forward.py`` times what they save)."""
+    from . import layer_ops  # which imports this module
+
+    if not layer_ops._FORCE_TORCH["on"] and all(t.is_cpu and t.dtype == torch.float32 for t in tensors):
         return cpu.extension()
     return None
 
