@@ -151,7 +151,7 @@ def big_split(shape: str, fmt: str, devices: list[str]) -> Iterator[tuple[str, o
     yield "weights_hash_s", time.perf_counter() - started
     # hooks across the split: recording leaves the bits alone; a steer on the second range's first layer adds its vector
     text = prompt[:32]
-    plain = model.forward(text)
+    plain = model.forward(text).cpu()  # a trace keeps its logits on the CPU
     recorded = model.run(text, record=["blocks.*.hook_resid_post"])
     yield "recording", {"points": len(recorded.activations),
                         "logits_bits_kept": bool(torch.equal(plain, recorded.logits))}

@@ -304,9 +304,24 @@ def _read_member(fd: int, directory: Path, name: str, max_bytes: int | None, siz
     return data
 
 
+_DEVICE_CHUNK = 64 << 20
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes in memory order (the manifest records dtype and shape beside it)."""
-    return hashlib.sha256(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    """sha256 of a tensor's bytes in memory order (the manifest records dtype and shape beside it).
+
+    A tensor on a GPU goes through a pinned buffer a chunk at a time: a whole pageable copy of a model's weights
+    would run at a fraction of the bus's speed and hold a second copy in host memory."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        return hashlib.sha256(data.numpy()).hexdigest()
+    digest = hashlib.sha256()
+    buffer = torch.empty(min(_DEVICE_CHUNK, data.numel()), dtype=torch.uint8, pin_memory=data.device.type == "cuda")
+    for start in range(0, data.numel(), _DEVICE_CHUNK):
+        part = buffer[:min(_DEVICE_CHUNK, data.numel() - start)]
+        part.copy_(data[start:start + part.numel()])
+        digest.update(part.numpy())
+    return digest.hexdigest()
 
 
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)

@@ -185,3 +185,15 @@ def test_replay_computes_in_the_recorded_numerics(model, tmp_path):
     report = workbench.replay(trace.save(tmp_path / "llamacpp"), model)
     assert report.verdict == "identical"
     assert workbench.kernels.get_numerics() == "exact"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tensor_sha256_on_the_gpu_hashes_the_same_bytes_chunk_by_chunk(monkeypatch):
+    import hashlib
+    from workbench.hooks import trace
+    monkeypatch.setattr(trace, "_DEVICE_CHUNK", 1000)  # several chunks and a short last one
+    t = torch.randn(3, 1234, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+    assert trace.tensor_sha256(t) == expected
+    assert trace.tensor_sha256(t.cuda()) == expected
+    assert trace.tensor_sha256(t.cuda().t()) == trace.tensor_sha256(t.t())  # a view: its bytes in memory order

@@ -716,7 +716,7 @@ class Model:
         weights = self.runner.weights
         tensors = [w.data for _, w in weights.named_matrices()] + [weights.final_norm] + [
             v for layer in weights.layers for v in vars(layer).values() if isinstance(v, torch.Tensor)]
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
             return hashlib.sha256("".join(pool.map(tensor_sha256, tensors)).encode()).hexdigest()
 
     def fingerprint(self) -> dict[str, Any]:
