@@ -2,15 +2,19 @@
 ``bench/vs_transformerlens.py`` task (d) (every layer's final-normed ``resid_post`` at every position of 64 prompts).
 
     python bench/lens_kernel.py [--device cuda|cpu] [--model PATH] [--dtype float32] [--k 10] [--sweep]
+    python bench/lens_kernel.py --groups 1,3,5,10,30    # logit_lens_batch whole, per LENS_GROUP
 
 Times, side by side in one run (on CUDA CUDA-graph replays, ``common.cuda_seconds``; on the CPU the median of 2 runs
 on 2 threads), the top-k probabilities and ids of all rows through the embedded model's unembedding:
-- ``softmax+topk``: what ``_lenses`` did before the fused kernel: ``linear`` on 1,024 rows at a time, softmax, topk;
+- ``softmax+topk``: what the lens did before the fused kernel: ``linear`` on 1,024 rows at a time, softmax, topk;
 - ``chunked``: ``top_k_probs``'s path off CUDA (the weight dequantized once, a dense matmul per 1,024 rows, topk,
   softmax);
 - ``fused`` (CUDA): ``top_k_probs`` (the weight dequantized once, the fused kernel, the merge of its vocabulary
   slices);
 - with ``--sweep``, the fused kernel's launch choices (rows and columns per tile, warps, stages, dot precision).
+With ``--groups`` it times ``probes.logit_lens_batch`` on those prompts instead (median and min of 7 calls), the lens
+launched every ``probes.lens.LENS_GROUP`` layers as the forward passes them, for each group size given (CUDA; on
+the CPU the lens is one call after the forward whatever the size).
 and the accuracy of each fused variant on 512 rows against softmax in float64: the most relative error of the top-k
 probabilities, and the rows whose ids differ where the float64 probabilities do not tie.
 """
@@ -65,6 +69,21 @@ def accuracy(probs: torch.Tensor, ids: torch.Tensor, expected: torch.Tensor) -> 
     return error, wrong
 
 
+def time_groups(model: workbench.Model, ids: list[list[int]], groups: list[int], k: int) -> None:
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    for group in groups:
+        probes.lens.LENS_GROUP = group
+        seconds = []
+        for i in range(9):
+            sync()
+            started = time.perf_counter()
+            probes.logit_lens_batch(model, ids, k=k)
+            sync()
+            seconds.append(time.perf_counter() - started)
+        seconds = seconds[2:]  # two warm-ups
+        print(f"LENS_GROUP={group:3d}: {statistics.median(seconds) * 1e3:7.1f} ms median, {min(seconds) * 1e3:7.1f} min")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -73,12 +92,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--sweep", action="store_true", help="also time the fused kernel's launch choices")
+    parser.add_argument("--groups", default=None, help="time logit_lens_batch with these LENS_GROUP sizes (1,5,...)")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(2)
     model = workbench.load(args.model, device=args.device, dtype=args.dtype)
     texts = load_dataset("sentiment").prompts
     texts = [texts[i % len(texts)] for i in range(args.prompts)]
+    if args.groups:
+        return time_groups(model, [model.to_ids(t) for t in texts], [int(g) for g in args.groups.split(",")], args.k)
     lenses = probes.logit_lens_batch(model, texts, k=args.k)
     rows = torch.cat([lens.normed["resid_post"] for lens in lenses], dim=1)
     rows = rows.reshape(-1, rows.shape[-1]).contiguous()

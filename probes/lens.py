@@ -5,15 +5,15 @@ recomputed from the residual, as the forward does) and the same unembedding kern
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from workbench.errors import WorkbenchError
 from workbench.kernels import layer_ops, linear
 from workbench.kernels.lens import ROWS_PER_CHUNK, top_k_probs
+from workbench.runner import BatchLayout
 
 from .activations import block_hook
 
@@ -165,19 +165,97 @@ def logit_lens(model: Any, prompt: str | Sequence[int], points: str | Sequence[s
     """
     points, names = _lens_points(model, points, k, tuned)
     trace = model.run(prompt, record=[n for group in names.values() for n in group], chat=chat)
-    return _lenses(model, [trace], names, k, tuned)[0]
+    lens, layout = _PackedLens(model, points, k, tuned), BatchLayout([len(trace.ids)], model.runner.output_device)
+    for layer in range(model.config.n_layers):  # in forward order, as the hooks of a forward would see them
+        for point in points:
+            lens.add(layout, point, layer, trace.activations[names[point][layer]])
+    return lens.results([trace.ids])[0]
 
 
 def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points: str | Sequence[str] = ("resid_post",),
                      k: int = 10, chat: bool = False, tuned: Any | None = None, batch_size: int | None = None,
                      progress: Any = False) -> list[LogitLens]:
-    """``logit_lens`` of every prompt: the prompts run in batched forwards (``model.run_batch``), and every prompt's
-    residuals go through the final norm and the unembedding together."""
+    """``logit_lens`` of every prompt: the prompts run in batched forwards whose hooks take the lens of each whole
+    forward as it runs (``_PackedLens``), with no trace per prompt."""
     points, names = _lens_points(model, points, k, tuned)
-    traces = model.run_batch(prompts, record=[n for group in names.values() for n in group], chat=chat,
-                             batch_size=batch_size, logits="last", record_device=model.runner.output_device,
-                             progress=progress)
-    return _lenses(model, traces, names, k, tuned)
+    ids = model.batch_ids(prompts, chat)
+    lens = _PackedLens(model, points, k, tuned)
+    model.run_with_batch_hooks(ids, {name: lens.hook(point, layer) for point, group in names.items()
+                                     for layer, name in enumerate(group)}, batch_size=batch_size, progress=progress)
+    return lens.results(ids)
+
+
+# On CUDA the lens of every LENS_GROUP hooked points is launched as soon as the forward has passed them, so the GPU
+# takes it while the host is still launching the forward's later layers. Task (d) of bench/vs_transformerlens.py on an
+# H100 (`python bench/lens_kernel.py --device cuda --groups 1,3,5,10,30`, median ms): 73 after each layer (each launch
+# costs the host a few ops), 63 every 3, 57 every 5, 60 every 10, 70 once after the forward. Elsewhere one call after
+# the forward: the CPU gains nothing from it, and each call dequantizes the unembedding.
+LENS_GROUP = 5
+
+
+class _PackedLens:
+    """The lens of batched forwards from whole-forward hooks (``Model.run_with_batch_hooks``): each hooked point's
+    final-normed residual goes into its forward's buffer ``[points x layers in forward order, N, d]``, and the top-k
+    of a group of them is launched once the group is complete."""
+
+    def __init__(self, model: Any, points: tuple[str, ...], k: int, tuned: Any | None):
+        self.model, self.points, self.k, self.tuned = model, points, k, tuned
+        self.n_points = len(points) * model.config.n_layers
+        on_cuda = model.runner.output_device.type == "cuda"
+        self.group = LENS_GROUP if on_cuda else self.n_points
+        self.forwards: list[dict[str, Any]] = []  # per forward: its layout and buffers
+
+    def hook(self, point: str, layer: int) -> Callable[[torch.Tensor, Any], None]:
+        return lambda x, ctx: self.add(ctx.layout, point, layer, x)
+
+    def add(self, layout: BatchLayout, point: str, layer: int, resid: torch.Tensor) -> None:
+        """One point's residual of the forward of ``layout``, the points coming in forward order."""
+        index = layer * len(self.points) + self.points.index(point)  # forward order: layer by layer, points in order
+        forward = self._forward(layout, resid)
+        if self.tuned is not None:
+            resid = self.tuned.translate(resid[None], first_layer=layer)[0]
+        forward["normed"][index] = final_norm(self.model, resid)
+        if (index + 1) % self.group == 0 or index + 1 == self.n_points:
+            self._top_k(forward, index + 1 - ((index % self.group) + 1), index + 1)
+
+    def _forward(self, layout: Any, x: torch.Tensor) -> dict[str, Any]:
+        if not self.forwards or self.forwards[-1]["layout"] is not layout:
+            device, n = self.model.runner.output_device, x.shape[0]
+            self.forwards.append({
+                "layout": layout, "normed": torch.empty(self.n_points, n, x.shape[-1], dtype=self.model.dtype,
+                                                        device=device),
+                "probs": torch.empty(self.n_points, n, self.k, device=device),
+                "ids": torch.empty(self.n_points, n, self.k, dtype=torch.long, device=device)})
+        return self.forwards[-1]
+
+    def _top_k(self, forward: dict[str, Any], first: int, end: int) -> None:
+        normed = forward["normed"][first:end]
+        with self.model.numerics_scope():
+            probs, ids = top_k_probs(normed.reshape(-1, normed.shape[-1]), self.model.runner.unembed, self.k,
+                                     self.model.config.final_softcap or None)
+        forward["probs"][first:end] = probs.view(end - first, -1, self.k)
+        forward["ids"][first:end] = ids.view(end - first, -1, self.k)
+
+    def results(self, ids: list[list[int]]) -> list[LogitLens]:
+        """Each prompt's lens, in the prompts' order: its rows of its forwards (several for a prompt in chunks)."""
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        layers, n_points = self.model.config.n_layers, len(self.points)
+        for forward in self.forwards:
+            layout = forward["layout"]
+            # [layers, points, N, ...] then one point's [layers, N, ...]; the top-k read back once per forward
+            normed, probs, top = (t.view(layers, n_points, *t.shape[1:])
+                                  for t in (forward["normed"], forward["probs"].cpu(), forward["ids"].cpu()))
+            for b, prompt in enumerate(layout.prompts):
+                rows = slice(layout.starts[b], layout.starts[b] + layout.lengths[b])
+                parts.setdefault(prompt, []).append((normed[:, :, rows], probs[:, :, rows], top[:, :, rows]))
+        lenses = []
+        for prompt, prompt_ids in enumerate(ids):
+            normed, probs, top = (torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0]
+                                  for chunks in zip(*parts[prompt]))
+            lenses.append(LogitLens(self.model, prompt_ids, self.model.token_texts(prompt_ids), self.points,
+                                    *({point: x[:, j] for j, point in enumerate(self.points)}
+                                      for x in (normed, top, probs))))
+        return lenses
 
 
 def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | None
@@ -195,25 +273,3 @@ def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | N
     if not 1 <= k <= model.config.vocab_size:
         raise WorkbenchError(f"k must be in 1..{model.config.vocab_size}, got {k}")
     return points, {p: [block_hook(model, layer, p) for layer in range(model.config.n_layers)] for p in points}
-
-
-def _lenses(model: Any, traces: Sequence[Any], names: dict[str, list[str]], k: int, tuned: Any | None
-            ) -> list[LogitLens]:
-    """The lens of each trace. Every trace's positions are normed and unembedded together, the top-k taken on the
-    model's device (``kernels.lens.top_k_probs``: no layer's full logits kept); each lens keeps its own slice."""
-    sizes = [len(trace.ids) for trace in traces]
-    device = model.runner.output_device
-    normed = {}
-    for point, group in names.items():
-        # one op per layer, not per prompt: [layers, every prompt's positions, d]
-        resid = torch.stack([torch.cat([t.activations[n] for t in traces]).to(device) for n in group])
-        normed[point] = final_norm(model, resid if tuned is None else tuned.translate(resid))
-    shape = next(iter(normed.values())).shape[:2]
-    with model.numerics_scope():  # every point's rows in one call: the weight is dequantized once
-        probs, ids = top_k_probs(torch.cat([x.reshape(-1, x.shape[-1]) for x in normed.values()]), model.runner.unembed,
-                                 k, model.config.final_softcap or None)
-    top_probs = dict(zip(names, probs.cpu().view(len(names), *shape, k)))
-    top_ids = dict(zip(names, ids.cpu().view(len(names), *shape, k)))
-    return [LogitLens(model, trace.ids, trace.tokens, tuple(names),
-                      *({point: x[point][:, start:start + n] for point in names} for x in (normed, top_ids, top_probs)))
-            for trace, start, n in zip(traces, itertools.accumulate([0] + sizes[:-1]), sizes)]

@@ -35,9 +35,11 @@ class TunedLens:
     ridge: float
     n_positions: int
 
-    def translate(self, resid: torch.Tensor) -> torch.Tensor:
-        """Translate residuals ``[n_layers, positions, d_model]`` (one slice per layer)."""
-        weight, bias = self.weight.to(resid.device), self.bias.to(resid.device)
+    def translate(self, resid: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
+        """Translate residuals ``[layers, positions, d_model]``, one slice per layer from ``first_layer`` on (every
+        layer's by default)."""
+        layers = slice(first_layer, first_layer + resid.shape[0])
+        weight, bias = self.weight[layers].to(resid.device), self.bias[layers].to(resid.device)
         return (resid.double() @ weight + bias[:, None, :]).float()
 
     def save(self, path: str | Path) -> tuple[Path, Path]:

@@ -218,6 +218,43 @@ def test_a_function_hook_edits_only_its_prompt(llama):
             assert torch.equal(a.logits, b.logits)
 
 
+def test_batch_hooks_see_each_forward_whole(llama):
+    seen = {}
+
+    def look(x, ctx):
+        seen.setdefault(ctx.name, []).append((x.clone(), ctx.layout))
+
+    last = llama.run_with_batch_hooks(PROMPTS, {"blocks.1.hook_resid_post": look, "blocks.0.attn.hook_pattern": [look]})
+    traces = llama.run_batch(PROMPTS, record=["blocks.1.hook_resid_post", "blocks.0.attn.hook_pattern"], logits="last")
+    assert torch.equal(last, torch.cat([t.logits for t in traces]))
+    [(resid, layout)] = seen["blocks.1.hook_resid_post"]
+    [(pattern, _)] = seen["blocks.0.attn.hook_pattern"]
+    assert resid.shape == (sum(map(len, PROMPTS)), llama.config.d_model)  # every prompt's tokens, none padded
+    assert pattern.shape == (len(PROMPTS), llama.config.n_heads, max(map(len, PROMPTS)), max(map(len, PROMPTS)))
+    for b, prompt in enumerate(layout.prompts):  # longest first: the layout says whose rows are which
+        trace = traces[prompt]
+        assert torch.equal(resid[layout.rows(b)], trace.activations["blocks.1.hook_resid_post"])
+        n = len(PROMPTS[prompt])
+        assert torch.equal(pattern[b, :, :n, :n], trace.activations["blocks.0.attn.hook_pattern"])
+
+
+def test_a_batch_hook_edits_the_whole_forward(llama):
+    zero = lambda x, ctx: torch.zeros_like(x)  # noqa: E731
+    last = llama.run_with_batch_hooks(PROMPTS, {"blocks.*.hook_resid_post": zero})
+    assert last.shape == (len(PROMPTS), llama.config.vocab_size) and last.abs().max() == 0  # norm of 0 is 0
+
+
+def test_bad_batch_hooks(llama):
+    with pytest.raises(WorkbenchError, match="map hook names"):
+        llama.run_with_batch_hooks(PROMPTS, [("blocks.0.hook_resid_post", print)])
+    with pytest.raises(WorkbenchError, match="must be a function"):
+        llama.run_with_batch_hooks(PROMPTS, {"blocks.0.hook_resid_post": 3})
+    with pytest.raises(HookError, match="unknown hook point"):
+        llama.run_with_batch_hooks(PROMPTS, {"blocks.0.hook_resid_psot": print})
+    with pytest.raises(WorkbenchError, match="prompt 1"):
+        llama.run_with_batch_hooks([[1, 2], []], {})
+
+
 def test_hooks_blocks_apply_to_batches(llama):
     with llama.hooks([hooks.ZeroAblate("blocks.0.hook_attn_out")], record=["blocks.0.hook_attn_out"]) as rec:
         traces = llama.run_batch(PROMPTS[:2])
@@ -357,6 +394,26 @@ def test_logit_lens_batch_equals_each_prompt(model):
         assert lens.tokens == alone.tokens
         top = lens.top_ids["resid_post"][:, :, 0]
         assert (top == alone.top_ids["resid_post"][:, :, 0]).float().mean() > 0.99
+
+
+def test_logit_lens_batch_of_a_prompt_in_chunks_and_with_a_tuned_lens(llama, monkeypatch):
+    from workbench import probes
+
+    long = list(range(1, 40))
+    whole = probes.logit_lens_batch(llama, [long, PROMPTS[0]], points=("resid_mid", "resid_post"), k=4)
+    monkeypatch.setattr(llama, "max_batch_tokens", lambda: 16)
+    chunked = probes.logit_lens_batch(llama, [long, PROMPTS[0]], points=("resid_mid", "resid_post"), k=4)
+    for a, b in zip(whole, chunked):
+        for point in ("resid_mid", "resid_post"):
+            assert a.top_ids[point].shape == b.top_ids[point].shape == (llama.config.n_layers, len(a.ids), 4)
+            assert (a.top_ids[point] == b.top_ids[point]).float().mean() > 0.99
+            torch.testing.assert_close(a.top_probs[point], b.top_probs[point], atol=1e-4, rtol=1e-3)
+    tuned = probes.train_tuned_lens(llama, TEXTS)
+    batched = probes.logit_lens_batch(llama, PROMPTS, k=4, tuned=tuned)
+    for prompt, lens in zip(PROMPTS, batched):
+        alone = probes.logit_lens(llama, prompt, k=4, tuned=tuned)
+        assert (lens.top_ids["resid_post"] == alone.top_ids["resid_post"]).float().mean() > 0.99
+        torch.testing.assert_close(lens.top_probs["resid_post"], alone.top_probs["resid_post"], atol=1e-4, rtol=1e-3)
 
 
 def test_dla_batch_equals_each_prompt(llama):

@@ -524,6 +524,34 @@ class Model:
                                 batch_size=batch_size, logits="last" if last_only else "all", adapter=adapter)
         return [t.logits for t in traces]
 
+    def run_with_batch_hooks(self, prompts: Sequence[str | Sequence[int]],
+                             hooks: Mapping[str, hooks_lib.HookFn | Sequence[hooks_lib.HookFn]], *, chat: bool = False,
+                             batch_size: int | None = None, progress: Progress = False) -> torch.Tensor:
+        """Batched forwards whose hooks see each forward whole, for code that reduces many prompts at once (the logit
+        lens of a dataset): ``hooks`` maps hook names (or globs) to ``fn(activation, ctx)``. A token-major point's
+        activation holds every prompt of the forward, their tokens one after another (``[N, ...]``); attention
+        scores and patterns are ``[B, heads, T_max, S]``, padded past each row's length. ``ctx.layout`` says whose rows
+        are which: sequence ``b`` is prompt ``layout.prompts[b]`` and has rows ``layout.rows(b)``; a prompt longer
+        than a forward runs alone in chunks, ``layout.cached[0]`` tokens in. A hook may return an edited activation
+        of the same shape. (``run_batch`` calls each prompt's hooks on its own slice instead, as ``run`` would.)
+        Returns each prompt's last-position logits, float32 ``[len(prompts), vocab_size]``, on the CPU."""
+        ids = self.batch_ids(prompts, chat)
+        if not isinstance(hooks, Mapping):
+            raise WorkbenchError(f"hooks must map hook names to functions, got {type(hooks).__name__}")
+        batch_hooks: dict[str, list[hooks_lib.HookFn]] = {}
+        for pattern, fns in hooks.items():
+            fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+            if not fns or not all(callable(fn) for fn in fns):
+                raise WorkbenchError(f"hooks[{shorten(pattern)}] must be a function or a list of functions")
+            for name in hooks_lib.resolve(pattern, self.config):
+                batch_hooks.setdefault(name, []).extend(fns)
+        logits = torch.empty(len(ids), self.config.vocab_size)
+        with numerics(self.current_numerics()), torch.no_grad():
+            for layout in self._batches([len(x) for x in ids], batch_size, progress, vocab_rows=False):
+                out = self._forward_rows([ids[i] for i in layout.prompts], layout, batch_hooks or None, True, 0)
+                logits[list(layout.prompts)] = out.float().cpu()
+        return logits
+
     def stream_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32, *,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      chat: bool = False, interventions: Sequence[Any] = (),
