@@ -12,6 +12,7 @@ current kernels (as ``bench/moe.py --kernels-from``). For each format it prints 
 a random ``rows x cols`` weight for each build (the builds alternating call by call, so that a shared machine's load
 falls on all of them alike), the speed against the current build, multiply-adds a second, the largest error against
 a float64 product with the dequantized weight, and whether a build's results are bit-identical to the current ones.
+``--numerics llamacpp`` times ``linear_llamacpp`` (llama.cpp's integer dot products) the same way.
 """
 from __future__ import annotations
 
@@ -46,7 +47,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows of x")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--numerics", choices=("exact", "llamacpp"), default="exact",
+                        help="llamacpp: time linear_llamacpp (activations quantized, integer dot products) instead")
     args = parser.parse_args()
+    if args.numerics == "llamacpp" and args.paths:
+        parser.error("--paths compares the exact kernels' two paths")
     torch.set_num_threads(args.threads)
     rows, cols = map(int, args.shape.split("x"))
     # name: (ops, the rows of x from which linear_exact takes panels)
@@ -62,6 +67,8 @@ def main() -> None:
         ref = x.double() @ w.dequantize().double().T
 
         def call(ops, panel_min_batch):
+            if args.numerics == "llamacpp":
+                return ops.linear_llamacpp(x, [w.data], w.fmt.ggml_type, [rows], cols)
             return ops.linear_exact(x, [w.data], [w.fmt.ggml_type], [rows], cols, panel_min_batch)
 
         outs = {name: call(*entry) for name, entry in builds.items()}

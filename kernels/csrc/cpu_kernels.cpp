@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -134,7 +135,7 @@ void quantize_row(const float* x, int64_t k, Block* y) {
 // A few vector primitives, AVX2+FMA when compiled for it, plain loops otherwise.
 //   Bytes:  32 int8 values (the integer values of a group of 32 weights)
 //   Floats: 8 fp32 lanes
-//   Ints:   8 int32 lanes; lanes 0-3 sum bytes 0-15 and lanes 4-7 bytes 16-31 of a dot_bytes
+//   Ints:   8 int32 lanes; lanes 0-3 sum bytes 0-15 and lanes 4-7 bytes 16-31 of a dot_bytes_scaled
 
 #if defined(__AVX2__) && defined(__FMA__)
 using Bytes = __m256i;
@@ -187,13 +188,16 @@ inline Floats bytes_to_floats(Bytes q, int i) {
 }
 
 inline Ints zero_ints() { return _mm256_setzero_si256(); }
-// Products of q and y, summed in groups of 4 bytes (ggml's mul_sum_i8_pairs).
-inline Ints dot_bytes(Bytes q, const int8_t* y) {
+// Products of q and y summed in groups of 4 bytes (ggml's mul_sum_i8_pairs), lanes 0-3 times lo and lanes 4-7 times
+// hi, in one multiply-add of the byte pairs' sums. With kUnsigned the values q are known to be >= 0 and multiply y as
+// they are, without moving q's signs onto y.
+template <bool kUnsigned = false>
+inline Ints dot_bytes_scaled(Bytes q, const int8_t* y, int lo, int hi) {
   const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(yv, q));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  const __m256i pairs = kUnsigned ? _mm256_maddubs_epi16(q, yv)
+                                  : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(yv, q));
+  return _mm256_madd_epi16(pairs, _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi));
 }
-inline Ints scale_ints(Ints v, int lo, int hi) { return _mm256_mullo_epi32(v, _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi)); }
 inline Ints add_ints(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
 inline Ints load_ints(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline Floats ints_to_floats(Ints v) { return _mm256_cvtepi32_ps(v); }
@@ -235,12 +239,12 @@ inline float hsum(Floats v) { float s = 0.0f; for (float x : v.v) s += x; return
 inline Floats bytes_to_floats(Bytes q, int i) { Floats r; for (int l = 0; l < 8; ++l) r.v[l] = q.v[8 * i + l]; return r; }
 
 inline Ints zero_ints() { return Ints{}; }
-inline Ints dot_bytes(Bytes q, const int8_t* y) {
+template <bool kUnsigned = false>
+inline Ints dot_bytes_scaled(Bytes q, const int8_t* y, int lo, int hi) {
   Ints r{};
-  for (int j = 0; j < 32; ++j) r.v[j / 4] += q.v[j] * y[j];
+  for (int j = 0; j < 32; ++j) r.v[j / 4] += q.v[j] * y[j] * (j < 16 ? lo : hi);
   return r;
 }
-inline Ints scale_ints(Ints v, int lo, int hi) { for (int l = 0; l < 8; ++l) v.v[l] *= l < 4 ? lo : hi; return v; }
 inline Ints add_ints(Ints a, Ints b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
 inline Ints load_ints(const int32_t* p) { Ints r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
 inline Floats ints_to_floats(Ints v) { Floats r; for (int l = 0; l < 8; ++l) r.v[l] = static_cast<float>(v.v[l]); return r; }
@@ -275,9 +279,9 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
 }
 
 // Legacy 32-value blocks against Q8_0 / Q8_1 activations: acc += (d_w * d_x) * sum(q * q8).
-template <class Act>
+template <bool kUnsigned = false, class Act>
 inline void dot_legacy(const Group& g, float dw, const Act& y, Floats& acc) {
-  acc = fmadd(broadcast(dw * half_at(&y.d)), ints_to_floats(dot_bytes(g.q, y.qs)), acc);
+  acc = fmadd(broadcast(dw * half_at(&y.d)), ints_to_floats(dot_bytes_scaled<kUnsigned>(g.q, y.qs, 1, 1)), acc);
 }
 
 struct Q4_0 {
@@ -302,7 +306,7 @@ struct Q4_1 {
   using Act = BlockQ8_1;
   static Group group(const uint8_t* b, int) { const float d = half_at(b); return {nibbles(b + 4), d, half_at(b + 2)}; }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
-    dot_legacy(group(b, 0), half_at(b), y, acc);
+    dot_legacy<true>(group(b, 0), half_at(b), y, acc);
     mins += half_at(b + 2) * half_at(&y.s);
   }
   static void affines(const uint8_t* b, float* scale, float* offset) {
@@ -335,7 +339,7 @@ struct Q5_1 {
     return {or_bytes(nibbles(b + 8), bits_to_bytes(b + 4, 0x10)), d, half_at(b + 2)};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
-    dot_legacy(group(b, 0), half_at(b), y, acc);
+    dot_legacy<true>(group(b, 0), half_at(b), y, acc);
     mins += half_at(b + 2) * half_at(&y.s);
   }
 };
@@ -388,15 +392,21 @@ struct AffineK {
   // All 8 sub-blocks' scales and offsets, the numbers affine gives: the 6-bit fields unpacked four at a time (as
   // ggml's vec_dot_q4_K does) and multiplied in one vector each, where affine takes ~10 scalar operations a field.
   static void affines(const uint8_t* b, float scale[8], float offset[8]) {
+    const Bytes q = load_bytes(scales_and_mins(b).data());
+    store_floats(scale, mul(bytes_to_floats(q, 0), broadcast(half_at(b))));
+    store_floats(offset, mul(bytes_to_floats(q, 1), broadcast(-half_at(b + 2))));
+  }
+  // Bytes 0-7: the 6-bit scales of sub-blocks 0-7, bytes 8-15 their mins (scale_min_k4's j < 4 and j >= 4 cases), the
+  // rest 0: the fields unpacked four at a time.
+  static std::array<uint8_t, 32> scales_and_mins(const uint8_t* b) {
     uint32_t packed[3];
     std::memcpy(packed, b + 4, sizeof(packed));
     constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kTop2 = 0x03030303;
-    // bytes 0-7: the scales of sub-blocks 0-7, bytes 8-15 their mins (scale_min_k4's j < 4 and j >= 4 cases)
     const uint32_t fields[8] = {packed[0] & kLow6, (packed[2] & kLow4) | ((packed[0] >> 6) & kTop2) << 4,
                                 packed[1] & kLow6, ((packed[2] >> 4) & kLow4) | ((packed[1] >> 6) & kTop2) << 4};
-    const Bytes q = load_bytes(reinterpret_cast<const uint8_t*>(fields));
-    store_floats(scale, mul(bytes_to_floats(q, 0), broadcast(half_at(b))));
-    store_floats(offset, mul(bytes_to_floats(q, 1), broadcast(-half_at(b + 2))));
+    std::array<uint8_t, 32> bytes;
+    std::memcpy(bytes.data(), fields, sizeof(fields));
+    return bytes;
   }
   static Group group(const uint8_t* b, int g) {
     float scale, offset;
@@ -404,13 +414,12 @@ struct AffineK {
     return {F::values(b, g), scale, offset};
   }
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float& mins) {
+    const std::array<uint8_t, 32> fields = scales_and_mins(b);
     Ints sumi = zero_ints();
     int summ = 0;
     for (int g = 0; g < 8; ++g) {
-      int sc, m;
-      scale_min_k4(g, b + 4, sc, m);
-      sumi = add_ints(sumi, scale_ints(dot_bytes(F::values(b, g), y.qs + 32 * g), sc, sc));
-      summ += m * (y.bsums[2 * g] + y.bsums[2 * g + 1]);
+      sumi = add_ints(sumi, dot_bytes_scaled<true>(F::values(b, g), y.qs + 32 * g, fields[g], fields[g]));
+      summ += fields[8 + g] * (y.bsums[2 * g] + y.bsums[2 * g + 1]);
     }
     acc = fmadd(broadcast(y.d * half_at(b)), ints_to_floats(sumi), acc);
     mins += -y.d * half_at(b + 2) * static_cast<float>(summ);
@@ -477,7 +486,7 @@ struct Q2_K {
     acc = fmadd(broadcast(-y.d * half_at(b + 82)), ints_to_floats(load_ints(min_sums)), acc);
     Ints sumi = zero_ints();
     for (int g = 0; g < 8; ++g)
-      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), b[2 * g] & 0x0F, b[2 * g + 1] & 0x0F));
+      sumi = add_ints(sumi, dot_bytes_scaled<true>(values(b, g), y.qs + 32 * g, b[2 * g] & 0x0F, b[2 * g + 1] & 0x0F));
     acc = fmadd(broadcast(y.d * half_at(b + 80)), ints_to_floats(sumi), acc);
   }
 };
@@ -505,7 +514,7 @@ struct Q3_K {
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
     Ints sumi = zero_ints();
     for (int g = 0; g < 8; ++g)
-      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), scale(b, 2 * g), scale(b, 2 * g + 1)));
+      sumi = add_ints(sumi, dot_bytes_scaled(values(b, g), y.qs + 32 * g, scale(b, 2 * g), scale(b, 2 * g + 1)));
     acc = fmadd(broadcast(y.d * half_at(b + 108)), ints_to_floats(sumi), acc);
   }
 };
@@ -530,7 +539,7 @@ struct Q6_K {
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
     Ints sumi = zero_ints();
     for (int g = 0; g < 8; ++g)
-      sumi = add_ints(sumi, scale_ints(dot_bytes(values(b, g), y.qs + 32 * g), scale(b, g, 0), scale(b, g, 1)));
+      sumi = add_ints(sumi, dot_bytes_scaled(values(b, g), y.qs + 32 * g, scale(b, g, 0), scale(b, g, 1)));
     acc = fmadd(broadcast(y.d * half_at(b + 208)), ints_to_floats(sumi), acc);
   }
 };
