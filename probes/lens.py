@@ -193,17 +193,27 @@ def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points:
 LENS_GROUP = 5
 
 
+@dataclass
+class _LensForward:
+    """One forward's lens buffers, ``[points x layers in forward order, N, ...]`` for its ``N`` packed tokens."""
+
+    layout: BatchLayout
+    normed: torch.Tensor
+    probs: torch.Tensor
+    ids: torch.Tensor
+
+
 class _PackedLens:
     """The lens of batched forwards from whole-forward hooks (``Model.run_with_batch_hooks``): each hooked point's
-    final-normed residual goes into its forward's buffer ``[points x layers in forward order, N, d]``, and the top-k
-    of a group of them is launched once the group is complete."""
+    final-normed residual goes into its forward's buffer, and the top-k of a group of them is launched once the group
+    is complete."""
 
     def __init__(self, model: Any, points: tuple[str, ...], k: int, tuned: Any | None):
         self.model, self.points, self.k, self.tuned = model, points, k, tuned
         self.n_points = len(points) * model.config.n_layers
         on_cuda = model.runner.output_device.type == "cuda"
         self.group = LENS_GROUP if on_cuda else self.n_points
-        self.forwards: list[dict[str, Any]] = []  # per forward: its layout and buffers
+        self.forwards: list[_LensForward] = []
 
     def hook(self, point: str, layer: int) -> Callable[[torch.Tensor, Any], None]:
         return lambda x, ctx: self.add(ctx.layout, point, layer, x)
@@ -214,39 +224,37 @@ class _PackedLens:
         forward = self._forward(layout, resid)
         if self.tuned is not None:
             resid = self.tuned.translate(resid[None], first_layer=layer)[0]
-        forward["normed"][index] = final_norm(self.model, resid)
+        forward.normed[index] = final_norm(self.model, resid)
         if (index + 1) % self.group == 0 or index + 1 == self.n_points:
             self._top_k(forward, index + 1 - ((index % self.group) + 1), index + 1)
 
-    def _forward(self, layout: Any, x: torch.Tensor) -> dict[str, Any]:
-        if not self.forwards or self.forwards[-1]["layout"] is not layout:
+    def _forward(self, layout: BatchLayout, x: torch.Tensor) -> _LensForward:
+        if not self.forwards or self.forwards[-1].layout is not layout:
             device, n = self.model.runner.output_device, x.shape[0]
-            self.forwards.append({
-                "layout": layout, "normed": torch.empty(self.n_points, n, x.shape[-1], dtype=self.model.dtype,
-                                                        device=device),
-                "probs": torch.empty(self.n_points, n, self.k, device=device),
-                "ids": torch.empty(self.n_points, n, self.k, dtype=torch.long, device=device)})
+            self.forwards.append(_LensForward(
+                layout, torch.empty(self.n_points, n, x.shape[-1], dtype=self.model.dtype, device=device),
+                torch.empty(self.n_points, n, self.k, device=device),
+                torch.empty(self.n_points, n, self.k, dtype=torch.long, device=device)))
         return self.forwards[-1]
 
-    def _top_k(self, forward: dict[str, Any], first: int, end: int) -> None:
-        normed = forward["normed"][first:end]
+    def _top_k(self, forward: _LensForward, first: int, end: int) -> None:
+        normed = forward.normed[first:end]
         with self.model.numerics_scope():
             probs, ids = top_k_probs(normed.reshape(-1, normed.shape[-1]), self.model.runner.unembed, self.k,
                                      self.model.config.final_softcap or None)
-        forward["probs"][first:end] = probs.view(end - first, -1, self.k)
-        forward["ids"][first:end] = ids.view(end - first, -1, self.k)
+        forward.probs[first:end] = probs.view(end - first, -1, self.k)
+        forward.ids[first:end] = ids.view(end - first, -1, self.k)
 
     def results(self, ids: list[list[int]]) -> list[LogitLens]:
         """Each prompt's lens, in the prompts' order: its rows of its forwards (several for a prompt in chunks)."""
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         layers, n_points = self.model.config.n_layers, len(self.points)
         for forward in self.forwards:
-            layout = forward["layout"]
-            # [layers, points, N, ...] then one point's [layers, N, ...]; the top-k read back once per forward
+            # [layers, points, N, ...], so that one point is [layers, N, ...]; the top-k read back once per forward
             normed, probs, top = (t.view(layers, n_points, *t.shape[1:])
-                                  for t in (forward["normed"], forward["probs"].cpu(), forward["ids"].cpu()))
-            for b, prompt in enumerate(layout.prompts):
-                rows = slice(layout.starts[b], layout.starts[b] + layout.lengths[b])
+                                  for t in (forward.normed, forward.probs.cpu(), forward.ids.cpu()))
+            for b, prompt in enumerate(forward.layout.prompts):
+                rows = forward.layout.rows(b)
                 parts.setdefault(prompt, []).append((normed[:, :, rows], probs[:, :, rows], top[:, :, rows]))
         lenses = []
         for prompt, prompt_ids in enumerate(ids):
