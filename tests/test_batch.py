@@ -242,6 +242,13 @@ def test_a_batch_hook_edits_the_whole_forward(llama):
     zero = lambda x, ctx: torch.zeros_like(x)  # noqa: E731
     last = llama.run_with_batch_hooks(PROMPTS, {"blocks.*.hook_resid_post": zero})
     assert last.shape == (len(PROMPTS), llama.config.vocab_size) and last.abs().max() == 0  # norm of 0 is 0
+    seen = []
+    ablate = hooks.ZeroAblate("blocks.0.hook_attn_out")
+    with llama.hooks([ablate]):  # an enclosing block's hooks run first, per prompt
+        last = llama.run_with_batch_hooks(PROMPTS, {"blocks.0.hook_attn_out": lambda x, ctx: seen.append(x.abs().max())})
+    assert seen == [0]
+    for prompt, row in zip(PROMPTS, last):
+        assert_close_logits(row[None], llama.forward(prompt, interventions=[ablate])[-1:])
 
 
 def test_bad_batch_hooks(llama):

@@ -533,8 +533,9 @@ class Model:
         scores and patterns are ``[B, heads, T_max, S]``, padded past each row's length. ``ctx.layout`` says whose rows
         are which: sequence ``b`` is prompt ``layout.prompts[b]`` and has rows ``layout.rows(b)``; a prompt longer
         than a forward runs alone in chunks, ``layout.cached[0]`` tokens in. A hook may return an edited activation
-        of the same shape. (``run_batch`` calls each prompt's hooks on its own slice instead, as ``run`` would.)
-        Returns each prompt's last-position logits, float32 ``[len(prompts), vocab_size]``, on the CPU."""
+        of the same shape. (``run_batch`` calls each prompt's hooks on its own slice instead, as ``run`` would; the
+        hooks of enclosing ``hooks()`` blocks apply to each prompt that way here too, before these.) Returns each
+        prompt's last-position logits, float32 ``[len(prompts), vocab_size]``, on the CPU."""
         ids = self.batch_ids(prompts, chat)
         if not isinstance(hooks, Mapping):
             raise WorkbenchError(f"hooks must map hook names to functions, got {type(hooks).__name__}")
@@ -545,10 +546,16 @@ class Model:
                 raise WorkbenchError(f"hooks[{shorten(pattern)}] must be a function or a list of functions")
             for name in hooks_lib.resolve(pattern, self.config):
                 batch_hooks.setdefault(name, []).extend(fns)
+        lengths = [len(x) for x in ids]
+        with self.numerics_scope():
+            prompt_hooks, _, attached = self._batch_hooks((), None, lengths, lengths)  # enclosing hooks() blocks'
         logits = torch.empty(len(ids), self.config.vocab_size)
         with numerics(self.current_numerics()), torch.no_grad():
-            for layout in self._batches([len(x) for x in ids], batch_size, progress, vocab_rows=False):
-                out = self._forward_rows([ids[i] for i in layout.prompts], layout, batch_hooks or None, True, 0)
+            for layout in self._batches(lengths, batch_size, progress, vocab_rows=False):
+                hooks = hooks_lib.merge_hooks([
+                    hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}), batch_hooks])
+                hooks = hooks_lib.attach_saes(hooks, attached, True)
+                out = self._forward_rows([ids[i] for i in layout.prompts], layout, hooks or None, True, 0)
                 logits[list(layout.prompts)] = out.float().cpu()
         return logits
 
