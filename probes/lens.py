@@ -205,8 +205,8 @@ class _LensForward:
 
 class _PackedLens:
     """The lens of batched forwards from whole-forward hooks (``Model.run_with_batch_hooks``): each hooked point's
-    final-normed residual goes into its forward's buffer, and the top-k of a group of them is launched once the group
-    is complete."""
+    residual goes into its forward's buffer, and once a group of them is complete they are final-normed in place and
+    their top-k launched."""
 
     def __init__(self, model: Any, points: tuple[str, ...], k: int, tuned: Any | None):
         self.model, self.points, self.k, self.tuned = model, points, k, tuned
@@ -222,9 +222,7 @@ class _PackedLens:
         """One point's residual of the forward of ``layout``, the points coming in forward order."""
         index = layer * len(self.points) + self.points.index(point)  # forward order: layer by layer, points in order
         forward = self._forward(layout, resid)
-        if self.tuned is not None:
-            resid = self.tuned.translate(resid[None], first_layer=layer)[0]
-        forward.normed[index] = final_norm(self.model, resid)
+        forward.normed[index] = resid  # normed in place with the rest of its group: one norm a group, not a point
         if (index + 1) % self.group == 0 or index + 1 == self.n_points:
             self._top_k(forward, index + 1 - ((index % self.group) + 1), index + 1)
 
@@ -238,7 +236,10 @@ class _PackedLens:
         return self.forwards[-1]
 
     def _top_k(self, forward: _LensForward, first: int, end: int) -> None:
-        normed = forward.normed[first:end]
+        resid = forward.normed[first:end]
+        if self.tuned is not None:  # it translates resid_post alone, so the points are the layers
+            resid = self.tuned.translate(resid, first_layer=first)
+        normed = forward.normed[first:end] = final_norm(self.model, resid)
         with self.model.numerics_scope():
             probs, ids = top_k_probs(normed.reshape(-1, normed.shape[-1]), self.model.runner.unembed, self.k,
                                      self.model.config.final_softcap or None)
