@@ -81,7 +81,8 @@ def time_groups(model: workbench.Model, ids: list[list[int]], groups: list[int],
             sync()
             seconds.append(time.perf_counter() - started)
         seconds = seconds[2:]  # two warm-ups
-        print(f"LENS_GROUP={group:3d}: {statistics.median(seconds) * 1e3:7.1f} ms median, {min(seconds) * 1e3:7.1f} min")
+        median, least = statistics.median(seconds) * 1e3, min(seconds) * 1e3
+        print(f"LENS_GROUP={group:3d}: {median:7.1f} ms median, {least:7.1f} min")
 
 
 def main() -> None:

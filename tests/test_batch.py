@@ -245,7 +245,8 @@ def test_a_batch_hook_edits_the_whole_forward(llama):
     seen = []
     ablate = hooks.ZeroAblate("blocks.0.hook_attn_out")
     with llama.hooks([ablate]):  # an enclosing block's hooks run first, per prompt
-        last = llama.run_with_batch_hooks(PROMPTS, {"blocks.0.hook_attn_out": lambda x, ctx: seen.append(x.abs().max())})
+        look = lambda x, ctx: seen.append(x.abs().max())  # noqa: E731
+        last = llama.run_with_batch_hooks(PROMPTS, {"blocks.0.hook_attn_out": look})
     assert seen == [0]
     for prompt, row in zip(PROMPTS, last):
         assert_close_logits(row[None], llama.forward(prompt, interventions=[ablate])[-1:])

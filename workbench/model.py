@@ -552,10 +552,9 @@ class Model:
         logits = torch.empty(len(ids), self.config.vocab_size)
         with numerics(self.current_numerics()), torch.no_grad():
             for layout in self._batches(lengths, batch_size, progress, vocab_rows=False):
-                hooks = hooks_lib.merge_hooks([
-                    hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}), batch_hooks])
-                hooks = hooks_lib.attach_saes(hooks, attached, True)
-                out = self._forward_rows([ids[i] for i in layout.prompts], layout, hooks or None, True, 0)
+                per_prompt = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
+                forward_hooks = hooks_lib.attach_saes(hooks_lib.merge_hooks([per_prompt, batch_hooks]), attached, True)
+                out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True, 0)
                 logits[list(layout.prompts)] = out.float().cpu()
         return logits
 
