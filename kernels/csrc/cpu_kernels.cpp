@@ -608,12 +608,22 @@ inline float wide_sum(WideFloats a, WideFloats b) { return hsum(add(a, b)); }
 
 // out[m * ldo] = dot(weight row, x[m]) for TM activation rows: each weight group is decoded once
 // and used for all TM rows; two accumulators per row hide the FMA latency.
+// The dot products read a thread's weight rows one after another, block by block: each block asks for the bytes
+// kPrefetchBytes ahead of it, so that the memory always has the next few KB in flight. Asked a block at a time, not a
+// row at a time: a whole row's lines asked at once overflow the core's queue of misses, and the extra ones are dropped.
+// Prefetches never fault, so past the matrix's end they cost nothing. The bits are the same.
+constexpr int64_t kPrefetchBytes = 4096;
+inline void prefetch_block(const uint8_t* block, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(block + kPrefetchBytes + b);
+}
+
 template <class F, int TM>
 void dot_rows_exact(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
   constexpr int kVectors = 32 / kWideLanes;
   WideFloats acc[TM][2];
   for (auto& row : acc) row[0] = row[1] = wide_zeros();
   for (int64_t b = 0; b < k / F::kValues; ++b) {
+    prefetch_block(wrow + b * F::kBytes, F::kBytes);
     for (int g = 0; g < F::kValues / 32; ++g) {
       WideFloats w[kVectors];
       group_floats(F::group(wrow + b * F::kBytes, g), w);
@@ -681,7 +691,10 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
   for (int64_t first = 0; first < blocks; first += kSpan) {
     const uint8_t* span = wrow + first * F::kBytes;
     const int64_t count = std::min(kSpan, blocks - first);
-    for (int64_t i = 0; i < count; ++i) F::affines(span + i * F::kBytes, scale + i * kGroups, offset + i * kGroups);
+    for (int64_t i = 0; i < count; ++i) {
+      prefetch_block(span + i * F::kBytes, F::kBytes);
+      F::affines(span + i * F::kBytes, scale + i * kGroups, offset + i * kGroups);
+    }
     const auto runs = [&](int64_t i, NibbleDot<TM>& dot) {
       F::nibble_runs(span + i * F::kBytes, scale + i * kGroups, offset + i * kGroups, (first + i) * F::kValues, dot);
     };
@@ -708,14 +721,6 @@ void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_
 
 constexpr int kRowTile = 4;  // activation rows sharing one decode of the weights
 
-// The fused dot products read a thread's weight rows one after another: asking for the row two ahead while this one is
-// multiplied keeps the memory busy (20-30% more rows a second from DRAM, one thread, Q4_K rows of 768 and 2048 values).
-// The bits are the same.
-constexpr int64_t kPrefetchRows = 2;
-inline void prefetch_row(const uint8_t* w, int64_t r, int64_t end, int64_t row_bytes) {
-  if (r >= end) return;
-  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(w + r * row_bytes + b);
-}
 
 // Parallel over output features (rows of W), in chunks of at least ~64K multiply-adds that the threads take in turn
 // from a shared counter, as ggml's mul_mat hands out its chunks: a thread held up (descheduled on a machine shared with
@@ -744,7 +749,6 @@ void matmul_rows_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, i
   const int64_t row_bytes = k / F::kValues * F::kBytes;
   for (int64_t r = begin; r < end; ++r) {
     const uint8_t* wrow = w + r * row_bytes;
-    prefetch_row(w, r + kPrefetchRows, end, row_bytes);
     int64_t i = 0;
     for (; i + kRowTile <= m; i += kRowTile) dot_rows<F, kRowTile>(wrow, x + i * k, k, out + i * ldo + r, ldo);
     for (; i < m; ++i) dot_rows<F, 1>(wrow, x + i * k, k, out + i * ldo + r, ldo);
@@ -945,7 +949,10 @@ void matmul_rows_llamacpp(const typename F::Act* xq, int64_t m, int64_t k, const
     for (int64_t i = 0; i < m; ++i) {
       Floats acc = zeros();
       float mins = 0.0f;
-      for (int64_t b = 0; b < nblocks; ++b) F::dot(w + r * row_bytes + b * F::kBytes, xq[i * nblocks + b], acc, mins);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        if (i == 0) prefetch_block(w + r * row_bytes + b * F::kBytes, F::kBytes);
+        F::dot(w + r * row_bytes + b * F::kBytes, xq[i * nblocks + b], acc, mins);
+      }
       out[i * ldo + r] = hsum(acc) + mins;
     }
   }
