@@ -468,9 +468,7 @@ class Model:
             layout_lora = layout_adapters(lora, layout.prompts)
             shared = shared_prefix(rows) if share_prefix and not edited and not isinstance(layout_lora, LoraRows) and (
                 recorder is None or recorder.reduce in (None, "last")) else 0
-            hooks = hooks_lib.merge_hooks([hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
-                                           recorder.hooks() if recorder else {}])
-            hooks = hooks_lib.attach_saes(hooks, saes, use_error_term)
+            hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term, recorder and recorder.hooks())
             with torch.inference_mode(not hooks), numerics(mode):
                 out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, layout_lora)
             out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
@@ -552,8 +550,7 @@ class Model:
         logits = torch.empty(len(ids), self.config.vocab_size)
         with numerics(self.current_numerics()), torch.no_grad():
             for layout in self._batches(lengths, batch_size, progress, vocab_rows=False):
-                per_prompt = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
-                forward_hooks = hooks_lib.attach_saes(hooks_lib.merge_hooks([per_prompt, batch_hooks]), attached, True)
+                forward_hooks = self._forward_hooks(prompt_hooks, layout, attached, True, batch_hooks)
                 out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True, 0)
                 logits[list(layout.prompts)] = out.float().cpu()
         return logits
@@ -594,8 +591,7 @@ class Model:
         stop_ids = self.tokenizer.stop_ids
         lengths = [len(x) for x in ids]
         for layout in self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False):
-            hooks = hooks_lib.attach_saes(hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts}),
-                                          saes, use_error_term)
+            hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
                                                   mode, layout_adapters(lora, layout.prompts)):
@@ -625,6 +621,14 @@ class Model:
             except (WorkbenchError, TypeError, ValueError) as err:
                 raise WorkbenchError(f"prompt {i}: {err}") from None
         return ids
+
+    @staticmethod
+    def _forward_hooks(prompt_hooks: list[dict], layout: BatchLayout, saes: list[Any], use_error_term: bool,
+                       whole: Mapping[str, list[hooks_lib.HookFn]] | None = None) -> dict[str, list[hooks_lib.HookFn]]:
+        """One batched forward's hooks: each of its prompts' own on that prompt's slice, then ``whole``'s (a recorder's,
+        or hooks that see the forward whole), with the SAEs attached at their points."""
+        per_prompt = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
+        return hooks_lib.attach_saes(hooks_lib.merge_hooks([per_prompt, whole or {}]), saes, use_error_term)
 
     def _batch_hooks(self, interventions: Sequence[Any], per_prompt: Sequence[Sequence[Any]] | None,
                      prompt_lens: list[int], total_lens: list[int], saes: Sequence[Any] = ()
