@@ -542,6 +542,29 @@ struct Q6_K {
       sumi = add_ints(sumi, dot_bytes_scaled(values(b, g), y.qs + 32 * g, scale(b, g, 0), scale(b, g, 1)));
     acc = fmadd(broadcast(y.d * half_at(b + 208)), ints_to_floats(sumi), acc);
   }
+#if defined(__AVX512BW__)
+  // The 256 codes (as values() gives them) and a scale per 16 values, a half-block (four groups) at a time in
+  // 64-byte vectors: bits 0-3 from the nibbles, bits 4-5 from the 2-bit highs shifted into place (the shift of each
+  // 32-byte half of a vector set on its own), where values() takes eight 32-byte steps per group.
+  static void codes(const uint8_t* b, int8_t* q, float* scale, float* offset) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), six_bits = _mm512_set1_epi8(0x3F), bias = _mm512_set1_epi8(32);
+    const __m512i shift_01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // left
+    const __m512i shift_23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // right
+    constexpr int kNibbleOrHigh = 0xE4;  // ternary logic: c ? a : b
+    for (int half = 0; half < 2; ++half) {
+      const __m512i lows = _mm512_loadu_si512(b + 64 * half);
+      const __m512i highs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half)));
+      const __m512i q01 = _mm512_ternarylogic_epi32(lows, _mm512_sllv_epi16(highs, shift_01), nibble, kNibbleOrHigh);
+      const __m512i q23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lows, 4), _mm512_srlv_epi16(highs, shift_23),
+                                                    nibble, kNibbleOrHigh);
+      _mm512_storeu_si512(q + 128 * half, _mm512_sub_epi8(_mm512_and_si512(q01, six_bits), bias));
+      _mm512_storeu_si512(q + 128 * half + 64, _mm512_sub_epi8(_mm512_and_si512(q23, six_bits), bias));
+    }
+    const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+    _mm512_storeu_ps(scale, _mm512_mul_ps(scales, _mm512_set1_ps(half_at(b + 208))));
+    _mm512_storeu_ps(offset, _mm512_setzero_ps());
+  }
+#endif
 };
 
 template <class Fn>
@@ -712,11 +735,54 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
 }
 #endif
 
+#if defined(__AVX512BW__)
+template <class F, class = void>
+constexpr bool kHasCodes = false;
+template <class F>
+constexpr bool kHasCodes<F, std::void_t<decltype(&F::codes)>> = true;
+
+// dot_rows_exact for the formats with codes() (AVX-512): a span of blocks is decoded first into bytes and per-16
+// scales and offsets in memory, then each 16 weights are widened straight from there (a load and one conversion,
+// where a group in a register costs two extractions more) and multiplied in the same order, so the bits are
+// dot_rows_exact's. Q6_K's codes() decodes 64 bytes a step: 1.7-1.8x the rows a second (1 thread 2048 x 2048; 2
+// threads 151936 x 2048). Storing other formats' groups this way ran 0.7-1.25x, so they keep dot_rows_exact.
+template <class F, int TM>
+void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  constexpr int64_t kSpan = std::max<int64_t>(1, 4096 / F::kValues);  // blocks a span
+  alignas(64) int8_t q[kSpan * F::kValues];
+  alignas(64) float scale[kSpan * F::kValues / 16], offset[kSpan * F::kValues / 16];
+  __m512 acc[TM][2];
+  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+  const int64_t blocks = k / F::kValues;
+  for (int64_t first = 0; first < blocks; first += kSpan) {
+    const uint8_t* span = wrow + first * F::kBytes;
+    const int64_t count = std::min(kSpan, blocks - first);
+    for (int64_t i = 0; i < count; ++i) {
+      prefetch_block(span + i * F::kBytes, F::kBytes);
+      F::codes(span + i * F::kBytes, q + i * F::kValues, scale + i * F::kValues / 16, offset + i * F::kValues / 16);
+    }
+    const float* xs = x + first * F::kValues;
+    for (int64_t j = 0; j < count * F::kValues; j += 32) {
+      for (int i = 0; i < 2; ++i) {
+        const int64_t at = j + 16 * i;
+        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + at))));
+        const __m512 w = _mm512_fmadd_ps(codes, _mm512_set1_ps(scale[at / 16]), _mm512_set1_ps(offset[at / 16]));
+        for (int m = 0; m < TM; ++m) acc[m][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs + m * k + at), acc[m][i]);
+      }
+    }
+  }
+  for (int m = 0; m < TM; ++m) out[m * ldo] = wide_sum(acc[m][0], acc[m][1]);
+}
+#endif
+
 // The fused dot products of one weight row with TM activation rows.
 template <class F, int TM>
 void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
 #if defined(__AVX512F__)
   if constexpr (kHasNibbleRuns<F>) return dot_rows_nibbles<F, TM>(wrow, x, k, out, ldo);
+#endif
+#if defined(__AVX512BW__)
+  if constexpr (kHasCodes<F>) return dot_rows_codes<F, TM>(wrow, x, k, out, ldo);
 #endif
   dot_rows_exact<F, TM>(wrow, x, k, out, ldo);
 }
