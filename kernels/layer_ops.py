@@ -187,6 +187,8 @@ def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     if compiling() and queries.shape[1] <= 16:
         return (queries.float()[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1).to(queries.dtype)
+    if _native(queries, keys):  # the products rope_attention takes, so the two paths agree bit for bit
+        return cpu.extension().query_key_dots(queries, keys)
     return torch.bmm(queries, keys.transpose(1, 2))
 
 
@@ -219,8 +221,11 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     *batch, heads, tokens, slots = pattern.shape
     kv_heads, d = values.shape[-3], values.shape[-1]
     rows = kv_heads * (batch[0] if batch else 1)
-    z = torch.bmm(as_dtype(pattern, values.dtype).reshape(rows, heads // kv_heads * tokens, slots),
-                  values.reshape(rows, slots, d))
+    grouped = as_dtype(pattern, values.dtype).reshape(rows, heads // kv_heads * tokens, slots)
+    if _native(grouped, values):  # as _query_key_dots
+        z = cpu.extension().mix_values(grouped, values.reshape(rows, slots, d))
+    else:
+        z = torch.bmm(grouped, values.reshape(rows, slots, d))
     return z.view(*batch, heads, tokens, d).transpose(-3, -2)
 
 

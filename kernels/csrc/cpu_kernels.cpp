@@ -610,6 +610,7 @@ constexpr int kWideLanes = 16;
 inline WideFloats wide_zeros() { return _mm512_setzero_ps(); }
 inline WideFloats wide_load(const float* p) { return _mm512_loadu_ps(p); }
 inline void wide_store(float* p, WideFloats v) { _mm512_storeu_ps(p, v); }
+inline WideFloats broadcast_wide(float v) { return _mm512_set1_ps(v); }
 inline WideFloats fmadd(WideFloats a, WideFloats b, WideFloats c) { return _mm512_fmadd_ps(a, b, c); }
 inline float wide_sum(WideFloats a, WideFloats b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 // The 32 float weights of a group as two vectors of 16 (values 16..31 take the _hi scale and offset), as group_floats.
@@ -626,6 +627,7 @@ constexpr int kWideLanes = 8;
 inline WideFloats wide_zeros() { return zeros(); }
 inline WideFloats wide_load(const float* p) { return load_floats(p); }
 inline void wide_store(float* p, WideFloats v) { store_floats(p, v); }
+inline WideFloats broadcast_wide(float v) { return broadcast(v); }
 inline float wide_sum(WideFloats a, WideFloats b) { return hsum(add(a, b)); }
 #endif
 
@@ -1255,6 +1257,96 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
+// Attention's two batched products, a[r] @ b[r].T (query-key dots) and a[r] @ b[r] (the pattern times the values),
+// for the eager forward's hooked path (layer_ops) and rope_attention alike, so that both give the same bits. With few
+// rows a batch (a decode step: the query heads of a kv head) they are loops of their own: at::bmm costs ~10 us a
+// call there, several times their arithmetic. More rows take at::bmm. Each output value is computed whole by one
+// thread, so threads do not change its bits.
+constexpr int64_t kLoopProductRows = 16;
+
+// The 3-D float32 CPU tensor t with its last dimension contiguous (the same values).
+torch::Tensor rows_of(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3,
+              "workbench cpu kernels: ", name, " must be a 3-D float32 CPU tensor, got ", t.scalar_type(), " ",
+              t.sizes());
+  return t.stride(2) == 1 ? t : t.contiguous();
+}
+
+// One row of a dotted with each of n rows of b (row stride ldb), k values each, into out.
+inline void dot_row_with_rows(const float* a, const float* b, int64_t ldb, int64_t n, int64_t k, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* bj = b + j * ldb;
+    WideFloats acc[2] = {wide_zeros(), wide_zeros()};
+    int64_t i = 0;
+    for (; i + 2 * kWideLanes <= k; i += 2 * kWideLanes)
+      for (int v = 0; v < 2; ++v)
+        acc[v] = fmadd(wide_load(a + i + v * kWideLanes), wide_load(bj + i + v * kWideLanes), acc[v]);
+    float sum = wide_sum(acc[0], acc[1]);
+    for (; i < k; ++i) sum += a[i] * bj[i];
+    out[j] = sum;
+  }
+}
+
+torch::Tensor query_key_dots(const torch::Tensor& queries, const torch::Tensor& keys) {
+  const torch::Tensor a = rows_of(queries, "queries"), b = rows_of(keys, "keys");
+  TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(2),
+              "workbench cpu kernels: query_key_dots takes [R, M, K] and [R, N, K], got ", a.sizes(), " and ", b.sizes());
+  if (a.size(1) > kLoopProductRows) return at::bmm(a, b.transpose(1, 2));
+  const int64_t batch = a.size(0), m = a.size(1), n = b.size(1), k = a.size(2);
+  torch::Tensor out = torch::empty({batch, m, n}, a.options());
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n * k)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t r = row / m, i = row % m;
+      dot_row_with_rows(ap + r * a.stride(0) + i * a.stride(1), bp + r * b.stride(0), b.stride(1), n, k,
+                        op + row * n);
+    }
+  });
+  return out;
+}
+
+torch::Tensor mix_values(const torch::Tensor& pattern, const torch::Tensor& values) {
+  const torch::Tensor a = rows_of(pattern, "pattern"), b = rows_of(values, "values");
+  TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(1),
+              "workbench cpu kernels: mix_values takes [R, M, N] and [R, N, K], got ", a.sizes(), " and ", b.sizes());
+  if (a.size(1) > kLoopProductRows) return at::bmm(a, b);
+  const int64_t batch = a.size(0), m = a.size(1), n = a.size(2), k = b.size(2);
+  torch::Tensor out = torch::empty({batch, m, k}, a.options());
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n * k)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t r = row / m, i = row % m;
+      const float* weights = ap + r * a.stride(0) + i * a.stride(1);
+      const float* vr = bp + r * b.stride(0);
+      float* out_row = op + row * k;
+      // Each value a chain of fused multiply-adds over the slots in order; up to kChains vectors of values at once,
+      // so that the chains' latencies overlap.
+      constexpr int64_t kChains = 8;
+      int64_t c = 0;
+      for (; c + kWideLanes <= k; c += kChains * kWideLanes) {
+        const int64_t vectors = std::min(kChains, (k - c) / kWideLanes);
+        WideFloats acc[kChains];
+        for (int64_t v = 0; v < vectors; ++v) acc[v] = wide_zeros();
+        for (int64_t j = 0; j < n; ++j) {
+          const WideFloats weight = broadcast_wide(weights[j]);
+          const float* slot = vr + j * b.stride(1) + c;
+          for (int64_t v = 0; v < vectors; ++v) acc[v] = fmadd(wide_load(slot + v * kWideLanes), weight, acc[v]);
+        }
+        for (int64_t v = 0; v < vectors; ++v) wide_store(out_row + c + v * kWideLanes, acc[v]);
+      }
+      c = k / kWideLanes * kWideLanes;
+      for (; c < k; ++c) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; ++j) acc = std::fma(vr[j * b.stride(1) + c], weights[j], acc);
+        out_row[c] = acc;
+      }
+    }
+  });
+  return out;
+}
+
 // Attention of the queries q [T, H * D] over a layer's keys and values, from the projections q, k [T, KV * D] and
 // v [T, KV * D] as the runner's eager forward computes it where no hook lies between them (one call instead of ~25):
 // the rope of q and k (rope_rows) with cos and sin [T, 1, D]; with a cache, the new keys and values written into its
@@ -1314,7 +1406,7 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
   const int64_t slots = keys.size(1), group = heads / kv_heads;
   // layer_ops.attention_scores
   const torch::Tensor q_grouped = q_rot.transpose(0, 1).reshape({kv_heads, group * tokens, d});
-  torch::Tensor scores = at::bmm(q_grouped, keys.reshape({kv_heads, slots, d}).transpose(1, 2))
+  torch::Tensor scores = query_key_dots(q_grouped, keys.reshape({kv_heads, slots, d}))
                              .view({heads, tokens, slots}).contiguous();
   float* sp = scores.data_ptr<float>();
   const float scale_divisor = static_cast<float>(divisor);
@@ -1334,7 +1426,7 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
   }
   // softmax, then layer_ops.attend
   const torch::Tensor pattern = at::_softmax(scores, -1, false);
-  return at::bmm(pattern.reshape({kv_heads, group * tokens, slots}), values.reshape({kv_heads, slots, d}))
+  return mix_values(pattern.reshape({kv_heads, group * tokens, slots}), values.reshape({kv_heads, slots, d}))
       .view({heads, tokens, d})
       .transpose(0, 1);
 }
@@ -1691,6 +1783,9 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
   // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
+  // attention's batched products a @ b.T and a @ b (loops of their own for few rows)
+  m.def("query_key_dots(Tensor queries, Tensor keys) -> Tensor");
+  m.def("mix_values(Tensor pattern, Tensor values) -> Tensor");
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
         "Tensor? value_cache, int start, float divisor, Tensor? blocked) -> Tensor");
   // c + a @ b, each output a chain of float32 fused multiply-adds in order (llama.cpp numerics' attention)
@@ -1717,6 +1812,8 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("swiglu", &swiglu);
   m.impl("rope", &rope);
+  m.impl("query_key_dots", &query_key_dots);
+  m.impl("mix_values", &mix_values);
   m.impl("rope_attention", &rope_attention);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
