@@ -12,9 +12,10 @@ one run, so the ratio is side by side. ``--layers`` keeps the shape of every lay
 is proportional to it), for machines where the whole model does not fit. llama-bench runs ``-p 0 -n DECODE``
 (``-ngl 99`` on CUDA) and reports its mean tokens/s. Ours is the production decode: on CUDA the built step (compiled,
 captured as a CUDA graph; the experts by ``linear_by_expert``, no host sync), waited for before the timing; on the
-CPU the eager forward. ``--kernels-from REV`` adds a column on the CPU: the same decode with the C++ kernels built from
-git revision REV's source, the two alternating run by run in this process (a before/after of a kernel change that a
-machine shared with other work does not skew one way).
+CPU the eager forward. On the CPU the decodes take turns run by run in this process, so that a machine shared with
+other work does not skew one side: ours, llama.cpp's through llama-cpp-python (``--llama-cpp-python``), and with
+``--kernels-from REV`` the same decode with the C++ kernels built from git revision REV's source (a before/after of a
+kernel change).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -65,11 +67,12 @@ def active_bytes(model: workbench.Model) -> int:
     return total
 
 
-def llama_cpp_python(path: Path, decode: int, threads: int, repeats: int) -> float:
-    """llama.cpp's CPU decode tokens/s through llama-cpp-python (the ``reference`` extra), as ``llama-bench -p 0 -n
-    DECODE`` measures it: one token a ``llama_decode`` from an empty cache, the median of ``repeats`` after a warm-up.
-    Without ggml's extra CPU buffer types (their AMX layout crashes llama-cpp-python 0.3.36 on the development
-    machine; ``workbench.parity`` loads the same way), so its repacked weight layouts are not used."""
+def llama_cpp_python(path: Path, decode: int, threads: int) -> tuple[Callable[[], float], Callable[[], None]]:
+    """llama.cpp's CPU decode through llama-cpp-python (the ``reference`` extra), as ``llama-bench -p 0 -n DECODE``
+    measures it: one token a ``llama_decode`` from an empty cache. Returns a function that runs it once and gives its
+    tokens/s, and one that frees the model. Without ggml's extra CPU buffer types (their AMX layout crashes
+    llama-cpp-python 0.3.36 on the development machine; ``workbench.parity`` loads the same way), so its repacked weight
+    layouts are not used."""
     llama_cpp = require_llama_cpp()
     model = load_llamacpp_model(path)
     params = llama_cpp.llama_context_default_params()
@@ -77,17 +80,20 @@ def llama_cpp_python(path: Path, decode: int, threads: int, repeats: int) -> flo
     params.n_threads = params.n_threads_batch = threads
     context = llama_cpp.llama_init_from_model(model, params)
     token = (llama_cpp.llama_token * 1)(1)
-    times = []
-    for _ in range(repeats + 1):
+
+    def run() -> float:
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context), True)
         start = time.perf_counter()
         for _ in range(decode):
             if llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(token, 1)) != 0:
                 raise RuntimeError("llama_decode failed")
-        times.append(time.perf_counter() - start)
-    llama_cpp.llama_free(context)
-    llama_cpp.llama_model_free(model)
-    return decode / statistics.median(times[1:])
+        return decode / (time.perf_counter() - start)
+
+    def close() -> None:
+        llama_cpp.llama_free(context)
+        llama_cpp.llama_model_free(model)
+
+    return run, close
 
 
 def kernels_from(revision: str):
@@ -102,19 +108,27 @@ def kernels_from(revision: str):
     return cpu._build_extension(cpu._native_isa(), path, f"workbench_cpu_kernels_at_{tag}")
 
 
-def alternating_decode(model: workbench.Model, kernels: dict[str, object], decode: int, repeats: int) -> dict[str, float]:
-    """Decode tokens/s of each build of the CPU kernels (column name: op namespace), the builds taking turns run by
-    run; the median of ``repeats`` after a warm-up each."""
-    current = cpu.extension()
-    times = {name: [] for name in kernels}
-    try:
-        for _ in range(repeats + 1):
-            for name, ops in kernels.items():
-                cpu._extension["ops"] = ops
-                times[name].append(list(ours(model, [], decode, 1).values())[0])
-    finally:
-        cpu._extension["ops"] = current
-    return {name: {f"decode {decode}": statistics.median(rates[1:])} for name, rates in times.items()}
+def with_kernels(ops, run: Callable[[], float]) -> Callable[[], float]:
+    """``run`` with the CPU kernels' op namespace ``ops`` in place of the current one."""
+    def swapped() -> float:
+        current = cpu.extension()
+        cpu._extension["ops"] = ops
+        try:
+            return run()
+        finally:
+            cpu._extension["ops"] = current
+    return swapped
+
+
+def alternating(runs: dict[str, Callable[[], float]], decode: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Decode tokens/s of each run (column name: a function that decodes once and gives its tokens/s), the runs taking
+    turns round by round, so that a shared machine's changing load falls on all of them alike; the median of
+    ``repeats`` rounds after a warm-up round."""
+    rates = {name: [] for name in runs}
+    for _ in range(repeats + 1):
+        for name, run in runs.items():
+            rates[name].append(run())
+    return {name: {f"decode {decode}": statistics.median(values[1:])} for name, values in rates.items()}
 
 
 def main() -> None:
@@ -148,19 +162,23 @@ def main() -> None:
               f"{step / 2**30:.2f} GiB read per decoded token")
         built = model.runner.device.type == "cuda"  # the production decode step, built before it is timed
         load = os.getloadavg()[0]  # other work on the machine skews the CPU figures: printed with them
-        if args.kernels_from and not built:
-            columns = alternating_decode(model, {"workbench": cpu.extension(),
-                                                 f"kernels of {args.kernels_from}": kernels_from(args.kernels_from)},
-                                         args.decode, args.repeats)
-        else:
-            columns = {"workbench": ours(model, [], args.decode, args.repeats, compiled=built)}
+        if built:
+            columns = {"workbench": ours(model, [], args.decode, args.repeats, compiled=True)}
+        else:  # on the CPU every decode takes its turn, round by round
+            runs = {"workbench": lambda: list(ours(model, [], args.decode, 1).values())[0]}
+            if args.kernels_from:
+                runs[f"kernels of {args.kernels_from}"] = with_kernels(kernels_from(args.kernels_from),
+                                                                       runs["workbench"])
+            close = None
+            if args.llama_cpp_python:
+                runs["llama.cpp"], close = llama_cpp_python(path, args.decode, args.threads)
+            columns = alternating(runs, args.decode, args.repeats)
+            if close is not None:
+                close()
         del model
         if args.llama_bench:
             columns["llama.cpp"] = llama_bench(args.llama_bench, path, [], args.decode, args.threads, args.device,
                                                args.repeats)
-        elif args.llama_cpp_python:
-            columns["llama.cpp"] = {f"decode {args.decode}": llama_cpp_python(path, args.decode, args.threads,
-                                                                              args.repeats)}
         reference = "llama.cpp" if "llama.cpp" in columns else None
         print_table(f"{path.name} on {args.device}, load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} "
                     f"at the end", columns, reference)

@@ -61,12 +61,13 @@ def _on_triton(x: torch.Tensor, factor: torch.Tensor) -> bool:
 
 def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """What runs each op in an eager forward on ``device`` in ``dtype`` (for ``workbench info``): ``"cpu-cxx"``,
-    ``"triton"``, or the torch formulas (``"torch"``; attention's products as ``"torch-bmm"``)."""
+    ``"triton"``, or the torch formulas (``"torch"``; attention's products as ``"torch-bmm"``, or on the CPU
+    ``"cpu-cxx/bmm"``: C++ loops for few query rows, torch's batched matmul for more)."""
     probe = torch.empty(1, 1, device=device, dtype=dtype)
     on_triton = _on_triton(probe, probe)
     native = _native(probe, probe)
     glue = "cpu-cxx" if native else "triton" if on_triton else "torch"
-    attention = "triton" if on_triton else "torch-bmm"
+    attention = "triton" if on_triton else "cpu-cxx/bmm" if native else "torch-bmm"
     return {"rms_norm": glue, "add_rms_norm": "torch add + torch" if glue == "torch" else glue, "rope": glue,
             "attention_scores": attention, "attend": attention, "swiglu": glue,
             "rope_attention": "cpu-cxx" if native else "separate ops"}
