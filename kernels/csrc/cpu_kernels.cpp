@@ -610,7 +610,6 @@ constexpr int kWideLanes = 16;
 inline WideFloats wide_zeros() { return _mm512_setzero_ps(); }
 inline WideFloats wide_load(const float* p) { return _mm512_loadu_ps(p); }
 inline void wide_store(float* p, WideFloats v) { _mm512_storeu_ps(p, v); }
-inline WideFloats broadcast_wide(float v) { return _mm512_set1_ps(v); }
 inline WideFloats fmadd(WideFloats a, WideFloats b, WideFloats c) { return _mm512_fmadd_ps(a, b, c); }
 inline float wide_sum(WideFloats a, WideFloats b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 // The 32 float weights of a group as two vectors of 16 (values 16..31 take the _hi scale and offset), as group_floats.
@@ -627,7 +626,6 @@ constexpr int kWideLanes = 8;
 inline WideFloats wide_zeros() { return zeros(); }
 inline WideFloats wide_load(const float* p) { return load_floats(p); }
 inline void wide_store(float* p, WideFloats v) { store_floats(p, v); }
-inline WideFloats broadcast_wide(float v) { return broadcast(v); }
 inline float wide_sum(WideFloats a, WideFloats b) { return hsum(add(a, b)); }
 #endif
 
@@ -1287,6 +1285,29 @@ inline void dot_row_with_rows(const float* a, const float* b, int64_t ldb, int64
   }
 }
 
+// out[n] += a[n] @ b[n] (a [N, R, K], b [N, K, J], last dimensions contiguous; out [N, R, J] contiguous), each output
+// value a chain of fused multiply-adds in k order from its value in out, computed whole by one thread.
+void add_fma_chains(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
+  const int64_t n = a.size(0), rows = a.size(1), depth = a.size(2), cols = b.size(2);
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(depth * cols, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* ar = ap + row / rows * a.stride(0) + row % rows * a.stride(1);
+      const float* bm = bp + row / rows * b.stride(0);
+      float* o = op + row * cols;
+      for (int64_t k = 0; k < depth; ++k) {
+        const float av = ar[k];
+        const float* br = bm + k * b.stride(1);
+        for (int64_t j = 0; j < cols; ++j) {
+          o[j] = std::fma(av, br[j], o[j]);
+        }
+      }
+    }
+  });
+}
+
 torch::Tensor query_key_dots(const torch::Tensor& queries, const torch::Tensor& keys) {
   const torch::Tensor a = rows_of(queries, "queries"), b = rows_of(keys, "keys");
   TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(2),
@@ -1311,39 +1332,8 @@ torch::Tensor mix_values(const torch::Tensor& pattern, const torch::Tensor& valu
   TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(1),
               "workbench cpu kernels: mix_values takes [R, M, N] and [R, N, K], got ", a.sizes(), " and ", b.sizes());
   if (a.size(1) > kLoopProductRows) return at::bmm(a, b);
-  const int64_t batch = a.size(0), m = a.size(1), n = a.size(2), k = b.size(2);
-  torch::Tensor out = torch::empty({batch, m, k}, a.options());
-  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, batch * m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n * k)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t r = row / m, i = row % m;
-      const float* weights = ap + r * a.stride(0) + i * a.stride(1);
-      const float* vr = bp + r * b.stride(0);
-      float* out_row = op + row * k;
-      // Each value a chain of fused multiply-adds over the slots in order; up to kChains vectors of values at once,
-      // so that the chains' latencies overlap.
-      constexpr int64_t kChains = 8;
-      int64_t c = 0;
-      for (; c + kWideLanes <= k; c += kChains * kWideLanes) {
-        const int64_t vectors = std::min(kChains, (k - c) / kWideLanes);
-        WideFloats acc[kChains];
-        for (int64_t v = 0; v < vectors; ++v) acc[v] = wide_zeros();
-        for (int64_t j = 0; j < n; ++j) {
-          const WideFloats weight = broadcast_wide(weights[j]);
-          const float* slot = vr + j * b.stride(1) + c;
-          for (int64_t v = 0; v < vectors; ++v) acc[v] = fmadd(wide_load(slot + v * kWideLanes), weight, acc[v]);
-        }
-        for (int64_t v = 0; v < vectors; ++v) wide_store(out_row + c + v * kWideLanes, acc[v]);
-      }
-      c = k / kWideLanes * kWideLanes;
-      for (; c < k; ++c) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < n; ++j) acc = std::fma(vr[j * b.stride(1) + c], weights[j], acc);
-        out_row[c] = acc;
-      }
-    }
-  });
+  torch::Tensor out = torch::zeros({a.size(0), a.size(1), b.size(2)}, a.options());
+  add_fma_chains(a, b, out);
   return out;
 }
 
@@ -1624,28 +1614,12 @@ torch::Tensor fma_chain(const torch::Tensor& a, const torch::Tensor& b, const to
   check_floats(a, "a", 3);
   check_floats(b, "b", 3);
   check_floats(c, "c", 3);
-  const int64_t n = a.size(0), rows = a.size(1), depth = a.size(2), cols = b.size(2);
-  TORCH_CHECK(b.size(0) == n && b.size(1) == depth && c.size(0) == n && c.size(1) == rows && c.size(2) == cols,
+  TORCH_CHECK(b.size(0) == a.size(0) && b.size(1) == a.size(2) && c.size(0) == a.size(0) && c.size(1) == a.size(1) &&
+                  c.size(2) == b.size(2),
               "workbench cpu kernels: fma_chain needs a [N, R, K], b [N, K, J], c [N, R, J], got ", a.sizes(), ", ",
               b.sizes(), ", ", c.sizes());
   torch::Tensor out = c.clone();
-  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, n * rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(depth * cols, 1)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* ar = ap + row * depth;
-      const float* bm = bp + row / rows * depth * cols;
-      float* o = op + row * cols;
-      for (int64_t k = 0; k < depth; ++k) {
-        const float av = ar[k];
-        const float* br = bm + k * cols;
-        for (int64_t j = 0; j < cols; ++j) {
-          o[j] = std::fma(av, br[j], o[j]);
-        }
-      }
-    }
-  });
+  add_fma_chains(a, b, out);
   return out;
 }
 
@@ -1782,10 +1756,10 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
-  // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
   // attention's batched products a @ b.T and a @ b (loops of their own for few rows)
   m.def("query_key_dots(Tensor queries, Tensor keys) -> Tensor");
   m.def("mix_values(Tensor pattern, Tensor values) -> Tensor");
+  // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
         "Tensor? value_cache, int start, float divisor, Tensor? blocked) -> Tensor");
   // c + a @ b, each output a chain of float32 fused multiply-adds in order (llama.cpp numerics' attention)
