@@ -103,9 +103,12 @@ def test_panels_split_over_threads_in_inference_mode(name, exact_path):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_exact_rows_of_an_odd_number_of_blocks(name):
-    """Fused dot products that alternate accumulators between blocks handle a last, unpaired block."""
-    k = 3 * gguf_format(name).block_size
+@pytest.mark.parametrize("values", [0, 9216], ids=["3 blocks", "past two spans"])
+def test_exact_rows_of_an_odd_number_of_blocks(name, values):
+    """Fused dot products that alternate accumulators between blocks handle a last, unpaired block; rows of more than
+    one span of blocks (those decoded into memory a span at a time: 4,096 values a span for Q6_K, 8,192 for the 4-bit
+    formats) end in a short last span."""
+    k = values + 3 * gguf_format(name).block_size
     w = random_weight(name, 8, k)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
     w_ref = w.dequantize()
