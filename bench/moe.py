@@ -15,7 +15,7 @@ captured as a CUDA graph; the experts by ``linear_by_expert``, no host sync), wa
 CPU the eager forward. On the CPU the decodes take turns run by run in this process, so that a machine shared with
 other work does not skew one side: ours, llama.cpp's through llama-cpp-python (``--llama-cpp-python``), and with
 ``--kernels-from REV`` the same decode with the C++ kernels built from git revision REV's source (a before/after of a
-kernel change).
+kernel change; REV's source must define every op the current Python calls).
 """
 from __future__ import annotations
 
