@@ -642,6 +642,23 @@ inline void prefetch_block(const uint8_t* block, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(block + kPrefetchBytes + b);
 }
 
+// A row of blocks a span of kSpan blocks at a time, for the dot products that decode a span into memory before they
+// multiply: decode(i, block) for each block i of the span, its bytes prefetched ahead, then use(first, span, count)
+// with the span's first block index, its bytes and its number of blocks.
+template <class F, int64_t kSpan, class Decode, class Use>
+inline void for_each_span(const uint8_t* wrow, int64_t k, const Decode& decode, const Use& use) {
+  const int64_t blocks = k / F::kValues;
+  for (int64_t first = 0; first < blocks; first += kSpan) {
+    const uint8_t* span = wrow + first * F::kBytes;
+    const int64_t count = std::min(kSpan, blocks - first);
+    for (int64_t i = 0; i < count; ++i) {
+      prefetch_block(span + i * F::kBytes, F::kBytes);
+      decode(i, span + i * F::kBytes);
+    }
+    use(first, span, count);
+  }
+}
+
 template <class F, int TM>
 void dot_rows_exact(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
   constexpr int kVectors = 32 / kWideLanes;
@@ -712,14 +729,8 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
   static_assert(kSpan % 2 == 0);
   alignas(64) float scale[kSpan * kGroups], offset[kSpan * kGroups];
   NibbleDot<TM> even(x, k), odd(x, k);
-  const int64_t blocks = k / F::kValues;
-  for (int64_t first = 0; first < blocks; first += kSpan) {
-    const uint8_t* span = wrow + first * F::kBytes;
-    const int64_t count = std::min(kSpan, blocks - first);
-    for (int64_t i = 0; i < count; ++i) {
-      prefetch_block(span + i * F::kBytes, F::kBytes);
-      F::affines(span + i * F::kBytes, scale + i * kGroups, offset + i * kGroups);
-    }
+  const auto decode = [&](int64_t i, const uint8_t* block) { F::affines(block, scale + i * kGroups, offset + i * kGroups); };
+  const auto multiply = [&](int64_t first, const uint8_t* span, int64_t count) {
     const auto runs = [&](int64_t i, NibbleDot<TM>& dot) {
       F::nibble_runs(span + i * F::kBytes, scale + i * kGroups, offset + i * kGroups, (first + i) * F::kValues, dot);
     };
@@ -729,7 +740,8 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
       runs(i + 1, odd);
     }
     if (i < count) runs(i, even);
-  }
+  };
+  for_each_span<F, kSpan>(wrow, k, decode, multiply);
   for (int m = 0; m < TM; ++m)
     out[m * ldo] = wide_sum(_mm512_add_ps(even.acc[m][0], even.acc[m][1]), _mm512_add_ps(odd.acc[m][0], odd.acc[m][1]));
 }
@@ -753,14 +765,10 @@ void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, 
   alignas(64) float scale[kSpan * F::kValues / 16], offset[kSpan * F::kValues / 16];
   __m512 acc[TM][2];
   for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
-  const int64_t blocks = k / F::kValues;
-  for (int64_t first = 0; first < blocks; first += kSpan) {
-    const uint8_t* span = wrow + first * F::kBytes;
-    const int64_t count = std::min(kSpan, blocks - first);
-    for (int64_t i = 0; i < count; ++i) {
-      prefetch_block(span + i * F::kBytes, F::kBytes);
-      F::codes(span + i * F::kBytes, q + i * F::kValues, scale + i * F::kValues / 16, offset + i * F::kValues / 16);
-    }
+  const auto decode = [&](int64_t i, const uint8_t* block) {
+    F::codes(block, q + i * F::kValues, scale + i * F::kValues / 16, offset + i * F::kValues / 16);
+  };
+  const auto multiply = [&](int64_t first, const uint8_t*, int64_t count) {
     const float* xs = x + first * F::kValues;
     for (int64_t j = 0; j < count * F::kValues; j += 32) {
       for (int i = 0; i < 2; ++i) {
@@ -770,7 +778,8 @@ void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, 
         for (int m = 0; m < TM; ++m) acc[m][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs + m * k + at), acc[m][i]);
       }
     }
-  }
+  };
+  for_each_span<F, kSpan>(wrow, k, decode, multiply);
   for (int m = 0; m < TM; ++m) out[m * ldo] = wide_sum(acc[m][0], acc[m][1]);
 }
 #endif
