@@ -169,11 +169,12 @@ def main() -> None:
             if args.kernels_from:
                 runs[f"kernels of {args.kernels_from}"] = with_kernels(kernels_from(args.kernels_from),
                                                                        runs["workbench"])
-            close = None
-            if args.llama_cpp_python:
+            close = lambda: None
+            if args.llama_cpp_python and not args.llama_bench:  # llama-bench, where given, runs after
                 runs["llama.cpp"], close = llama_cpp_python(path, args.decode, args.threads)
-            columns = alternating(runs, args.decode, args.repeats)
-            if close is not None:
+            try:
+                columns = alternating(runs, args.decode, args.repeats)
+            finally:
                 close()
         del model
         if args.llama_bench:
