@@ -61,13 +61,12 @@ def _on_triton(x: torch.Tensor, factor: torch.Tensor) -> bool:
 
 def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """What runs each op in an eager forward on ``device`` in ``dtype`` (for ``workbench info``): ``"cpu-cxx"``,
-    ``"triton"``, or the torch formulas (``"torch"``; attention's products as ``"torch-bmm"``, or on the CPU
-    ``"cpu-cxx/bmm"``: C++ loops for few query rows, torch's batched matmul for more)."""
+    ``"triton"``, or the torch formulas (``"torch"``; attention's products as ``"torch-bmm"``)."""
     probe = torch.empty(1, 1, device=device, dtype=dtype)
     on_triton = _on_triton(probe, probe)
     native = _native(probe, probe)
     glue = "cpu-cxx" if native else "triton" if on_triton else "torch"
-    attention = "triton" if on_triton else "cpu-cxx/bmm" if native else "torch-bmm"
+    attention = "triton" if on_triton else "torch-bmm"
     return {"rms_norm": glue, "add_rms_norm": "torch add + torch" if glue == "torch" else glue, "rope": glue,
             "attention_scores": attention, "attend": attention, "swiglu": glue,
             "rope_attention": "cpu-cxx" if native else "separate ops"}
@@ -188,8 +187,6 @@ def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """
     if compiling() and queries.shape[1] <= 16:
         return (queries.float()[:, :, None, :] * keys.float()[:, None, :, :]).sum(-1).to(queries.dtype)
-    if _native(queries, keys):  # the products rope_attention takes, so the two paths agree bit for bit
-        return cpu.extension().query_key_dots(queries, keys)
     return torch.bmm(queries, keys.transpose(1, 2))
 
 
@@ -222,11 +219,8 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     *batch, heads, tokens, slots = pattern.shape
     kv_heads, d = values.shape[-3], values.shape[-1]
     rows = kv_heads * (batch[0] if batch else 1)
-    grouped = as_dtype(pattern, values.dtype).reshape(rows, heads // kv_heads * tokens, slots)
-    if _native(grouped, values):  # as _query_key_dots
-        z = cpu.extension().mix_values(grouped, values.reshape(rows, slots, d))
-    else:
-        z = torch.bmm(grouped, values.reshape(rows, slots, d))
+    z = torch.bmm(as_dtype(pattern, values.dtype).reshape(rows, heads // kv_heads * tokens, slots),
+                  values.reshape(rows, slots, d))
     return z.view(*batch, heads, tokens, d).transpose(-3, -2)
 
 

@@ -78,11 +78,10 @@ def test_info_json(capsys):
     assert out["tensor_formats"] == {"Q8_0": 1, "Q4_1": 210}
     assert out["weight_bytes"] <= out["file_bytes"]
     assert set(out["kernels"]["blocks.0.wq"]) == {"decode", "prefill", "format"}
-    # float32 on the CPU: the glue is the C++ extension's (built for the matmuls), attention's products C++ loops for
-    # few query rows and batched matmuls for more, or one C++ call with the rope and the cache's write where no hook
-    # lies between them
+    # float32 on the CPU: the glue is the C++ extension's (built for the matmuls), attention batched matmuls, or one
+    # C++ call with the rope and the cache's write where no hook lies between them
     assert out["layer_ops"] == {"rms_norm": "cpu-cxx", "add_rms_norm": "cpu-cxx", "rope": "cpu-cxx",
-                                "attention_scores": "cpu-cxx/bmm", "attend": "cpu-cxx/bmm", "swiglu": "cpu-cxx",
+                                "attention_scores": "torch-bmm", "attend": "torch-bmm", "swiglu": "cpu-cxx",
                                 "rope_attention": "cpu-cxx"}
 
 

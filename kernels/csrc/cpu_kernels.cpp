@@ -1264,88 +1264,6 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
-// Attention's two batched products, a[r] @ b[r].T (query-key dots) and a[r] @ b[r] (the pattern times the values),
-// for the eager forward's hooked path (layer_ops) and rope_attention alike, so that both give the same bits. With few
-// rows a batch (a decode step: the query heads of a kv head) they are loops of their own: at::bmm costs ~10 us a
-// call there, several times their arithmetic. More rows take at::bmm. Each output value is computed whole by one
-// thread, so threads do not change its bits.
-constexpr int64_t kLoopProductRows = 16;
-
-// The 3-D float32 CPU tensor t with its last dimension contiguous (the same values).
-torch::Tensor rows_of(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 3,
-              "workbench cpu kernels: ", name, " must be a 3-D float32 CPU tensor, got ", t.scalar_type(), " ",
-              t.sizes());
-  return t.stride(2) == 1 ? t : t.contiguous();
-}
-
-// One row of a dotted with each of n rows of b (row stride ldb), k values each, into out.
-inline void dot_row_with_rows(const float* a, const float* b, int64_t ldb, int64_t n, int64_t k, float* out) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float* bj = b + j * ldb;
-    WideFloats acc[2] = {wide_zeros(), wide_zeros()};
-    int64_t i = 0;
-    for (; i + 2 * kWideLanes <= k; i += 2 * kWideLanes)
-      for (int v = 0; v < 2; ++v)
-        acc[v] = fmadd(wide_load(a + i + v * kWideLanes), wide_load(bj + i + v * kWideLanes), acc[v]);
-    float sum = wide_sum(acc[0], acc[1]);
-    for (; i < k; ++i) sum += a[i] * bj[i];
-    out[j] = sum;
-  }
-}
-
-// out[n] += a[n] @ b[n] (a [N, R, K], b [N, K, J], last dimensions contiguous; out [N, R, J] contiguous), each output
-// value a chain of fused multiply-adds in k order from its value in out, computed whole by one thread.
-void add_fma_chains(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
-  const int64_t n = a.size(0), rows = a.size(1), depth = a.size(2), cols = b.size(2);
-  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, n * rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(depth * cols, 1)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* ar = ap + row / rows * a.stride(0) + row % rows * a.stride(1);
-      const float* bm = bp + row / rows * b.stride(0);
-      float* o = op + row * cols;
-      for (int64_t k = 0; k < depth; ++k) {
-        const float av = ar[k];
-        const float* br = bm + k * b.stride(1);
-        for (int64_t j = 0; j < cols; ++j) {
-          o[j] = std::fma(av, br[j], o[j]);
-        }
-      }
-    }
-  });
-}
-
-torch::Tensor query_key_dots(const torch::Tensor& queries, const torch::Tensor& keys) {
-  const torch::Tensor a = rows_of(queries, "queries"), b = rows_of(keys, "keys");
-  TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(2),
-              "workbench cpu kernels: query_key_dots takes [R, M, K] and [R, N, K], got ", a.sizes(), " and ", b.sizes());
-  if (a.size(1) > kLoopProductRows) return at::bmm(a, b.transpose(1, 2));
-  const int64_t batch = a.size(0), m = a.size(1), n = b.size(1), k = a.size(2);
-  torch::Tensor out = torch::empty({batch, m, n}, a.options());
-  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, batch * m, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n * k)), [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t r = row / m, i = row % m;
-      dot_row_with_rows(ap + r * a.stride(0) + i * a.stride(1), bp + r * b.stride(0), b.stride(1), n, k,
-                        op + row * n);
-    }
-  });
-  return out;
-}
-
-torch::Tensor mix_values(const torch::Tensor& pattern, const torch::Tensor& values) {
-  const torch::Tensor a = rows_of(pattern, "pattern"), b = rows_of(values, "values");
-  TORCH_CHECK(a.size(0) == b.size(0) && a.size(2) == b.size(1),
-              "workbench cpu kernels: mix_values takes [R, M, N] and [R, N, K], got ", a.sizes(), " and ", b.sizes());
-  if (a.size(1) > kLoopProductRows) return at::bmm(a, b);
-  torch::Tensor out = torch::zeros({a.size(0), a.size(1), b.size(2)}, a.options());
-  add_fma_chains(a, b, out);
-  return out;
-}
-
 // Attention of the queries q [T, H * D] over a layer's keys and values, from the projections q, k [T, KV * D] and
 // v [T, KV * D] as the runner's eager forward computes it where no hook lies between them (one call instead of ~25):
 // the rope of q and k (rope_rows) with cos and sin [T, 1, D]; with a cache, the new keys and values written into its
@@ -1405,7 +1323,7 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
   const int64_t slots = keys.size(1), group = heads / kv_heads;
   // layer_ops.attention_scores
   const torch::Tensor q_grouped = q_rot.transpose(0, 1).reshape({kv_heads, group * tokens, d});
-  torch::Tensor scores = query_key_dots(q_grouped, keys.reshape({kv_heads, slots, d}))
+  torch::Tensor scores = at::bmm(q_grouped, keys.reshape({kv_heads, slots, d}).transpose(1, 2))
                              .view({heads, tokens, slots}).contiguous();
   float* sp = scores.data_ptr<float>();
   const float scale_divisor = static_cast<float>(divisor);
@@ -1425,7 +1343,7 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
   }
   // softmax, then layer_ops.attend
   const torch::Tensor pattern = at::_softmax(scores, -1, false);
-  return mix_values(pattern.reshape({kv_heads, group * tokens, slots}), values.reshape({kv_heads, slots, d}))
+  return at::bmm(pattern.reshape({kv_heads, group * tokens, slots}), values.reshape({kv_heads, slots, d}))
       .view({heads, tokens, d})
       .transpose(0, 1);
 }
@@ -1623,12 +1541,28 @@ torch::Tensor fma_chain(const torch::Tensor& a, const torch::Tensor& b, const to
   check_floats(a, "a", 3);
   check_floats(b, "b", 3);
   check_floats(c, "c", 3);
-  TORCH_CHECK(b.size(0) == a.size(0) && b.size(1) == a.size(2) && c.size(0) == a.size(0) && c.size(1) == a.size(1) &&
-                  c.size(2) == b.size(2),
+  const int64_t n = a.size(0), rows = a.size(1), depth = a.size(2), cols = b.size(2);
+  TORCH_CHECK(b.size(0) == n && b.size(1) == depth && c.size(0) == n && c.size(1) == rows && c.size(2) == cols,
               "workbench cpu kernels: fma_chain needs a [N, R, K], b [N, K, J], c [N, R, J], got ", a.sizes(), ", ",
               b.sizes(), ", ", c.sizes());
   torch::Tensor out = c.clone();
-  add_fma_chains(a, b, out);
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(depth * cols, 1)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* ar = ap + row * depth;
+      const float* bm = bp + row / rows * depth * cols;
+      float* o = op + row * cols;
+      for (int64_t k = 0; k < depth; ++k) {
+        const float av = ar[k];
+        const float* br = bm + k * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          o[j] = std::fma(av, br[j], o[j]);
+        }
+      }
+    }
+  });
   return out;
 }
 
@@ -1765,9 +1699,6 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
-  // attention's batched products a @ b.T and a @ b (loops of their own for few rows)
-  m.def("query_key_dots(Tensor queries, Tensor keys) -> Tensor");
-  m.def("mix_values(Tensor pattern, Tensor values) -> Tensor");
   // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
         "Tensor? value_cache, int start, float divisor, Tensor? blocked) -> Tensor");
@@ -1795,8 +1726,6 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("swiglu", &swiglu);
   m.impl("rope", &rope);
-  m.impl("query_key_dots", &query_key_dots);
-  m.impl("mix_values", &mix_values);
   m.impl("rope_attention", &rope_attention);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
