@@ -7,7 +7,8 @@ far more than these ops' arithmetic costs:
 - on the CPU (float32), RMSNorm (alone or with the residual sum), SwiGLU and the rope are calls of the C++ extension
   (``csrc/cpu_kernels.cpp``), attention's products batched matmuls; where no hook lies between them, the rope of q and
   k, the cache's write and attention are one C++ call (``rope_attention``) that runs the same ops;
-- on CUDA, all six are Triton kernels (``triton/layer_ops.py``).
+- on CUDA, all six are Triton kernels (``triton/layer_ops.py``), and a batch's attention without a cache is one
+  launch over the packed sequences (``packed_attention``) where no hook asks for its scores or pattern.
 
 Elsewhere (CPU half precision; inside ``torch.compile``, which fuses them with their neighbours; without either
 backend) they are the torch formulas. Every product and sum is rounded to float32 alike, the rope to the same bits;
@@ -69,7 +70,8 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     attention = "triton" if on_triton else "torch-bmm"
     return {"rms_norm": glue, "add_rms_norm": "torch add + torch" if glue == "torch" else glue, "rope": glue,
             "attention_scores": attention, "attend": attention, "swiglu": glue,
-            "rope_attention": "cpu-cxx" if native else "separate ops"}
+            "rope_attention": "cpu-cxx" if native else "separate ops",
+            "packed_attention": "triton" if on_triton else "padded ops"}
 
 
 def llamacpp_glue(x: torch.Tensor) -> bool:
@@ -249,6 +251,19 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
     if heads * tokens * keys.shape[-2] * 4 * (batch[0] if batch else 1) <= budget:
         return attend(attention_scores(q, keys, divisor, blocked).softmax(dim=-1), values)
     return _sdpa(q, keys, values, divisor, blocked)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, width: int,
+                     divisor: float, window: int = 0) -> torch.Tensor | None:
+    """``z`` ``[N, heads, d]`` of a batch's sequences packed one after another with no cache: ``q`` ``[N, heads, d]``,
+    ``k`` and ``v`` ``[N, kv_heads, d]``, sequence b the rows ``starts[b]`` to ``starts[b + 1]`` (``width`` the
+    longest's length), each token attending causally to its own sequence's keys (those less than ``window`` tokens
+    behind it, where ``window`` is not 0). One Triton launch on CUDA that holds no scores (``attention`` over the
+    padded sequences takes some 25 op calls a layer); its sums run in their own order, so ``z`` differs from the padded
+    products' in the last bits. None where it does not run (off CUDA, or inside ``torch.compile``)."""
+    if not _on_triton(q, k):
+        return None
+    return _triton.packed_attention(q, k, v, starts, width, divisor, window)
 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, cos: torch.Tensor,

@@ -5,10 +5,13 @@ checked here (BOUND) is what bench/batch_parity.py measures on the CPU in float3
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from workbench import hooks
+from workbench.kernels import layer_ops
 from workbench.errors import HookError, WorkbenchError
 from workbench.runner import BatchLayout
 
@@ -481,6 +484,59 @@ def test_no_sharing_with_interventions_or_short_prefixes(llama, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
+
+# ------------------------------------------------------------------------------------- packed attention
+
+
+@pytest.fixture
+def packed_on_cpu(monkeypatch):
+    """A batch's attention without a cache as CUDA runs it, one packed Triton launch a layer (here through Triton's
+    interpreter, on CPU tensors): the windows of the calls it took."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1, which tests/conftest.py sets where no CUDA device is present")
+    triton_ops = pytest.importorskip("workbench.kernels.triton")
+    windows = []
+
+    def packed(q, k, v, starts, width, divisor, window=0):
+        windows.append(window)
+        return triton_ops.packed_attention(q, k, v, starts, width, divisor, window)
+
+    monkeypatch.setattr(layer_ops, "packed_attention", packed)
+    return windows
+
+
+@pytest.mark.parametrize("family", [dict(arch="llama"), dict(arch="qwen3"), dict(arch="llama", sliding_window=4)],
+                         ids=["llama", "qwen3", "sliding-window"])
+def test_packed_attention_equals_each_prompt_alone(tiny_model, packed_on_cpu, family):
+    model = tiny_model(**family, seed=3, device="cpu")
+    traces = model.run_batch(PROMPTS)
+    assert len(packed_on_cpu) == model.config.n_layers
+    assert (4 in packed_on_cpu) == ("sliding_window" in family)  # the sliding layers pass their window
+    for prompt, trace in zip(PROMPTS, traces):
+        assert_close_logits(trace.logits, model.forward(prompt))
+
+
+def test_recording_scores_and_patterns_keeps_the_packed_attention(llama, packed_on_cpu):
+    """Hooks on the scores or the pattern see the padded products; the forward keeps the packed attention's z unless
+    they change one (in place too), so that recording everything keeps the batch's bits."""
+    plain = llama.run_batch(PROMPTS)
+    recorded = llama.run_batch(PROMPTS, record=["*"])
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(plain, recorded))
+    for trace, prompt in zip(recorded, PROMPTS):
+        alone = llama.run(prompt, record=["blocks.1.attn.hook_pattern"]).activations["blocks.1.attn.hook_pattern"]
+        torch.testing.assert_close(trace.activations["blocks.1.attn.hook_pattern"], alone, rtol=1e-5, atol=1e-6)
+
+    def halve_in_place(x, ctx):
+        x.mul_(0.5)
+
+    name = "blocks.1.attn.hook_pattern"
+    for edit in (hooks.ZeroAblate(name, heads=[0]), halve_in_place):
+        edited = llama.run_batch(PROMPTS, interventions=[(name, edit)] if callable(edit) else [edit])
+        padded = [llama.run(p, interventions=[(name, edit)] if callable(edit) else [edit]) for p in PROMPTS]
+        for a, b, p in zip(edited, plain, padded):
+            assert not torch.equal(a.logits, b.logits)
+            assert_close_logits(a.logits, p.logits)
+
 
 # bfloat16 activations round each matmul's output to 8 bits of mantissa, so a matmul of more rows (another kernel or
 # tiling) can move a logit by a few of its units in the last place: the bound is relative to the logits' range.

@@ -104,6 +104,10 @@ class BatchLayout:
         flat = x.reshape(self.size * self.width, *x.shape[2:])
         return flat if self.uniform else flat[self.scatter]
 
+    def bounds(self) -> torch.Tensor:
+        """Where each sequence's tokens start in the packed axis, and their total: ``[B + 1]`` on the device."""
+        return self.on_device((*self.starts, self.n_tokens))
+
     def last_rows(self) -> torch.Tensor:
         """The packed index of each sequence's last token, ``[B]`` (the final norm and every hook on a last-rows
         activation read it)."""
@@ -500,6 +504,9 @@ class Transformer:
         self._plain_attention = [layer.wk is not None and not c.qk_norm and layer.v_norm is None and not c.attn_softcap
                                  and layer.sinks is None and i not in self._kv_reused
                                  for i, layer in enumerate(self.weights.layers)]
+        # the layers whose batched attention, without a cache, layer_ops.packed_attention may run
+        self._packed_attention = [layer.wk is not None and not c.attn_softcap and layer.sinks is None
+                                  and i not in self._kv_reused for i, layer in enumerate(self.weights.layers)]
 
     def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int,
                     yarn: YaRN | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -550,6 +557,7 @@ class Transformer:
         names["inside_attention"] = frozenset(names[p] for p in (
             "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores",
             "attn.hook_pattern"))
+        names["scores_and_pattern"] = frozenset(names[p] for p in ("attn.hook_attn_scores", "attn.hook_pattern"))
         names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
         if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
@@ -866,10 +874,17 @@ class Transformer:
         if layer.v_norm is not None:
             v = rms_norm(v, layer.v_norm, c.rms_eps, point, names["attn.v_norm"], i)
         q = self._head_point(point, names["attn.hook_rot_q"], self.rope(q, rotation), i)
+        if own_kv:
+            k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
+        packed = None
+        if self._packed_attention[i] and layout is not None and cache is None:  # whole sequences, each its own keys
+            window = c.sliding_window if self._sliding[i] else 0
+            packed = layer_ops.packed_attention(q, k, v, layout.bounds(), layout.width, self.attn_scale, window)
+            if packed is not None and not point.wants_any(names["scores_and_pattern"]):
+                return self._attention_out(packed, layer, i, point, lora)
         if layout is not None:  # each sequence's own queries, keys and values: [B, T_max, ...]
             q = layout.pad(q)
         if own_kv:
-            k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
             keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [n_kv, T, d_head]
             if layout is not None:
                 keys, values = layout.pad(k).transpose(1, 2), layout.pad(v).transpose(1, 2)
@@ -880,24 +895,39 @@ class Transformer:
         else:
             keys, values = shared_kv[c.kv_source(i)]
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
-        if (c.attn_softcap or layer.sinks is not None or point.wants(names["attn.hook_attn_scores"])
-                or point.wants(names["attn.hook_pattern"])):
-            if c.attn_softcap:  # capped before the mask, which must stay -inf
-                scores = layer_ops.soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
-                scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
-            else:
-                scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
-            scores = point(names["attn.hook_attn_scores"], scores, i)
-            if layer.sinks is None:
-                pattern = scores.softmax(dim=-1)
-            else:  # each head's sink logit joins the softmax and takes its share, which no value receives
-                sinks = layer.sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
-                pattern = torch.cat((scores, sinks), dim=-1).softmax(dim=-1)[..., :-1]
-            pattern = point(names["attn.hook_pattern"], pattern, i)
-            z = layer_ops.attend(pattern, values)
+        if c.attn_softcap or layer.sinks is not None or point.wants_any(names["scores_and_pattern"]):
+            z = self._attention_through_pattern(q, keys, values, blocked, layer, i, point, packed is not None)
+            if z is None:  # the hooks changed neither the scores nor the pattern: the packed attention's z stands
+                return self._attention_out(packed, layer, i, point, lora)
         else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
             z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
         return self._attention_out(z if layout is None else layout.unpad(z), layer, i, point, lora)
+
+    def _attention_through_pattern(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                   blocked: torch.Tensor | None, layer, i: int, point: _Points,
+                                   packed: bool) -> torch.Tensor | None:
+        """``z`` of attention through its scores and pattern, and their hook points. ``packed``: the packed attention
+        has given ``z`` already; the scores and pattern are then computed for the hooks alone, and None is returned
+        where the hooks changed neither (so that recording them keeps the forward's bits)."""
+        c, names = self.config, self._names[i]
+        if c.attn_softcap:  # capped before the mask, which must stay -inf
+            scores = layer_ops.soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
+            scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
+        else:
+            scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
+        computed = scores.clone() if packed else None  # a hook may edit its tensor in place
+        scores = point(names["attn.hook_attn_scores"], scores, i)
+        packed = packed and torch.equal(scores, computed)
+        if layer.sinks is None:
+            pattern = scores.softmax(dim=-1)
+        else:  # each head's sink logit joins the softmax and takes its share, which no value receives
+            sinks = layer.sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+            pattern = torch.cat((scores, sinks), dim=-1).softmax(dim=-1)[..., :-1]
+        computed = pattern.clone() if packed else None
+        pattern = point(names["attn.hook_pattern"], pattern, i)
+        if packed and torch.equal(pattern, computed):
+            return None
+        return layer_ops.attend(pattern, values)
 
     def _attention_out(self, z: torch.Tensor, layer, i: int, point: _Points, lora: LayerLora) -> torch.Tensor:
         """Attention's output from ``z`` ``[T, n_heads, d_head]`` (packed), through its hook points."""

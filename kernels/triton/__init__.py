@@ -12,8 +12,8 @@ cores, for more rows), with
 nothing and ``AVAILABLE`` / ``REGISTERED`` say why. Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors
 through ``gemv``, ``mma_gemm`` and ``gemm`` (that is how the tests check them). ``gemv_by_expert`` and
 ``gemv_llamacpp_by_expert``, the GEMV over (activation row, expert) pairs of a mixture's stacked experts, serve
-``workbench.kernels.experts.linear_by_expert``. ``rms_norm``, ``add_rms_norm``,
-``rope``, ``attention_scores``, ``attend`` and ``swiglu`` are the forward's other per-token ops, for
+``workbench.kernels.experts.linear_by_expert``. ``rms_norm``, ``add_rms_norm``, ``rope``, ``attention_scores``,
+``attend``, ``packed_attention`` and ``swiglu`` are the forward's other per-token ops, for
 ``workbench.kernels.layer_ops``. Every kernel is launched through ``launch``, which keeps each compiled kernel to launch
 it again without Triton's launcher.
 """
@@ -42,7 +42,7 @@ if AVAILABLE:
         dequant_matmul, dequantize, gemm, gemm_llamacpp, gemm_rows, gemv, gemv_by_expert, gemv_llamacpp,
         gemv_llamacpp_by_expert, gemv_rows, mma_gemm, mma_rows, quantize_activations,
     )
-    from .layer_ops import add_rms_norm, attend, attention_scores, rms_norm, rope, swiglu
+    from .layer_ops import add_rms_norm, attend, attention_scores, packed_attention, rms_norm, rope, swiglu
 
     def _supports(fmt: str, max_rows: int | Callable[[QuantTensor, torch.device], int] | None,
                   dtypes: tuple[torch.dtype, ...] = ACTIVATION_DTYPES, alignment: int = 1, k_multiple: int = 1):
@@ -95,7 +95,8 @@ if AVAILABLE:
         "MMA_K_MULTIPLE", "MMA_MAX_ROWS", "GemmConfig", "GemvConfig", "Int8GemmConfig", "MmaConfig", "dequant_matmul",
         "dequantize", "gemm", "gemm_llamacpp", "gemm_rows", "gemv", "gemv_by_expert", "gemv_llamacpp",
         "gemv_llamacpp_by_expert", "gemv_rows", "mma_gemm",
-        "mma_rows", "quantize_activations", "rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu",
+        "mma_rows", "quantize_activations", "rms_norm", "add_rms_norm", "rope", "attention_scores", "attend",
+        "packed_attention", "swiglu",
         "register",
     ]
 else:

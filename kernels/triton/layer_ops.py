@@ -218,3 +218,75 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
             BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
         )
     return out
+
+
+@triton.jit
+def _packed_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, d, heads, group, window, divisor,
+                             q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                             PRECISION: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(starts_ptr + seq)
+    length = tl.load(starts_ptr + seq + 1) - start
+    first_row = m_block * BLOCK_M
+    if first_row < length:
+        rows = first_row + tl.arange(0, BLOCK_M)
+        i = tl.arange(0, BLOCK_D)[None, :]
+        dtype = v_ptr.dtype.element_ty
+        q = tl.load(q_ptr + (start + rows[:, None]).to(tl.int64) * q_stride_t + head * q_stride_h + i,
+                    mask=(rows[:, None] < length) & (i < d), other=0.0)
+        kv_head = head // group
+        row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        end = tl.minimum(length, first_row + BLOCK_M)  # causal: no key past the block's last query
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(0, first_row - window + 1) // BLOCK_N * BLOCK_N
+        for first in range(lo, end, BLOCK_N):
+            cols = first + tl.arange(0, BLOCK_N)
+            inside = cols[:, None] < end
+            k = tl.load(k_ptr + (start + cols[:, None]).to(tl.int64) * k_stride_t + kv_head * k_stride_h + i,
+                        mask=inside & (i < d), other=0.0)
+            v = tl.load(v_ptr + (start + cols[:, None]).to(tl.int64) * v_stride_t + kv_head * v_stride_h + i,
+                        mask=inside & (i < d), other=0.0)
+            # the dot rounded to the inputs' dtype, then divided in float32, as attention_scores computes it
+            scores = tl.div_rn(tl.dot(q, tl.trans(k), input_precision=PRECISION).to(q.dtype).to(tl.float32), divisor)
+            seen = cols[None, :] <= rows[:, None]
+            if WINDOWED:
+                seen = seen & (rows[:, None] - cols[None, :] < window)
+            scores = tl.where(seen, scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            # a row that has seen no key yet (a window's first blocks) keeps max -inf: subtract 0 instead of -inf
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(row_max - shift)
+            p = tl.exp(scores - shift[:, None])
+            row_sum = row_sum * rescale + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(dtype), v, acc * rescale[:, None], input_precision=PRECISION)
+            row_max = new_max
+        z = acc / row_sum[:, None]
+        tl.store(out_ptr + ((start + rows[:, None]).to(tl.int64) * heads + head) * d + i, z.to(dtype),
+                 mask=(rows[:, None] < length) & (i < d))
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, width: int,
+                     divisor: float, window: int = 0) -> torch.Tensor:
+    """``layer_ops.packed_attention``: ``z`` ``[N, heads, d]`` of sequences packed one after another, ``q`` ``[N,
+    heads, d]``, ``k`` and ``v`` ``[N, kv_heads, d]`` (any strides but the last), sequence b's tokens the rows
+    ``starts[b]`` to ``starts[b + 1]`` (``width`` the longest's length): each token attends causally to its own
+    sequence's keys (within ``window`` tokens behind it, where that is not 0), in one launch with no score held."""
+    tokens, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if (k.shape != (tokens, kv_heads, d) or v.shape != k.shape or heads % kv_heads or not q.dtype == k.dtype == v.dtype
+            or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1):
+        raise ValueError(f"packed_attention: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}, "
+                         f"v {v.dtype} {tuple(v.shape)}")
+    out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
+    if out.numel():
+        block_m = block_n = 32 if q.dtype == torch.float32 else 64
+        launch(_packed_attention_kernel, (cdiv(width, block_m), starts.shape[0] - 1, heads),
+            q, k, v, out, starts, d, heads, heads // kv_heads, window, divisor, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), PRECISION=dot_precision(q.dtype), WINDOWED=window > 0,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
+        )
+    return out
