@@ -241,7 +241,8 @@ def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _Co
                 with torch.inference_mode(), model.numerics_scope():
                     x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
                                        layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
-                                       stop_at_layer=stop, logit_ids=answer_ids)
+                                       stop_at_layer=stop if stop < model.config.n_layers else None,
+                                       logit_ids=answer_ids)
             if last_only:  # the default metric takes the two answers' logits alone: one small copy back
                 grid[rows] = (x[:, 0] - x[:, 1]).cpu()
             else:  # a metric of every position sees the corrupt run's logits before the row's first position

@@ -181,7 +181,8 @@ def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points:
     ids = model.batch_ids(prompts, chat)
     lens = _PackedLens(model, points, k, tuned)
     model.run_with_batch_hooks(ids, {name: lens.hook(point, layer) for point, group in names.items()
-                                     for layer, name in enumerate(group)}, batch_size=batch_size, progress=progress)
+                                     for layer, name in enumerate(group)}, batch_size=batch_size, progress=progress,
+                               logits=False)
     return lens.results(ids)
 
 

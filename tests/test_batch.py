@@ -241,6 +241,20 @@ def test_batch_hooks_see_each_forward_whole(llama):
         assert torch.equal(pattern[b, :, :n, :n], trace.activations["blocks.0.attn.hook_pattern"])
 
 
+def test_batch_hooks_without_logits_stop_after_the_last_block(llama, monkeypatch):
+    """``logits=False``: the hooks see what they see with logits, and the unembedding never runs."""
+    name = f"blocks.{llama.config.n_layers - 1}.hook_resid_post"
+    seen = []
+    with_logits = llama.run_with_batch_hooks(PROMPTS, {name: lambda x, ctx: seen.append(x.clone())})
+    unembedded = []
+    monkeypatch.setattr(llama.runner, "_logits", lambda *a, **k: unembedded.append(1))
+    assert llama.run_with_batch_hooks(PROMPTS, {name: lambda x, ctx: seen.append(x.clone())}, logits=False) is None
+    assert with_logits.shape == (len(PROMPTS), llama.config.vocab_size) and not unembedded
+    assert torch.equal(seen[0], seen[1])
+    with pytest.raises(WorkbenchError, match="hook_logits lies after the last block"):
+        llama.run_with_batch_hooks(PROMPTS, {"hook_logits": print}, logits=False)
+
+
 def test_a_batch_hook_edits_the_whole_forward(llama):
     zero = lambda x, ctx: torch.zeros_like(x)  # noqa: E731
     last = llama.run_with_batch_hooks(PROMPTS, {"blocks.*.hook_resid_post": zero})

@@ -61,14 +61,14 @@ def test_cells_continue_the_corrupt_run_as_the_rows_of_batched_forwards(tiny, mo
     assert result.grid.shape == (2, 5)
     # clean (recorded once), corrupt (its keys and values kept), then the 10 cells as rows of one forward, each row
     # continuing the corrupt run from its cell's position: 5 + 4 + 3 + 2 + 1 tokens a layer
-    assert calls == [(5, 0, None, None), (5, 0, None, None), (30, 0, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
+    assert calls == [(5, 0, None, None), (5, 0, None, None), (30, 0, None, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
     assert progress == [(10, 10)]
     # where forwards cost nothing beyond their blocks, the sweep goes block by block: each layer's cells join the rows at their own block,
     # from the corrupt run's residual stream there, and the rows so far go on from where the last block stopped
     monkeypatch.setitem(patching.FORWARD_FLOPS, "cpu", 0.0)
     calls.clear()
     again = hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, answers=(10, 11), progress=False)
-    assert calls[2:] == [(15, 0, 1, (0, 1, 2, 3, 4)), (30, 1, 2, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
+    assert calls[2:] == [(15, 0, 1, (0, 1, 2, 3, 4)), (30, 1, None, (0, 1, 2, 3, 4, 0, 1, 2, 3, 4))]
     torch.testing.assert_close(again.grid, result.grid, atol=BOUND, rtol=0)
     # positions before the first differing token have no effect at any layer
     torch.testing.assert_close(result.grid[:, :2], torch.full((2, 2), result.corrupt_metric), atol=BOUND, rtol=0)

@@ -353,6 +353,10 @@ def test_a_forward_started_at_a_block_from_its_residual_stream_is_the_rest_of_th
         stream = runner.forward(ids, start_at_layer=start, resid=resid[start] if start else None, stop_at_layer=stop)
         assert torch.equal(stream, resid[stop])
     assert torch.equal(runner.forward(ids, start_at_layer=2, resid=runner.forward(ids, stop_at_layer=2)), whole)
+    # stopped after the last block: the stream the final norm would take, as TransformerLens' stop_at_layer gives it
+    last = {}
+    runner.forward(ids, hooks={"blocks.2.hook_resid_post": [lambda x, ctx: last.setdefault(0, x.clone())]})
+    assert torch.equal(runner.forward(ids, stop_at_layer=3), last[0])
     # the logits of a few vocabulary ids alone: those columns of the whole unembedding
     chosen = torch.tensor([7, 3, 40])
     torch.testing.assert_close(runner.forward(ids, logit_ids=chosen), whole[:, chosen], atol=1e-5, rtol=0)

@@ -26,7 +26,7 @@ from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, load_checkpoint
 from workbench.progress import Progress, progress_callback
-from workbench.runner import LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
+from workbench.runner import FINAL_POINTS, LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
 from workbench.tokenizer import StreamDecoder
 from workbench.weights import STACKS
 
@@ -486,10 +486,12 @@ class Model:
                     adapters=adapters[i])
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
-                      shared: int, lora: Lora | LoraRows | None = None) -> torch.Tensor:
-        """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``). A prefix all
-        rows share is computed once first; a prompt longer than a forward takes runs in chunks through a cache, as a
-        long prefill does."""
+                      shared: int, lora: Lora | LoraRows | None = None, logits: bool = True) -> torch.Tensor:
+        """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``); without
+        ``logits``, the residual stream after the last block (the final norm and the unembedding do not run). A prefix
+        all rows share is computed once first; a prompt longer than a forward takes runs in chunks through a cache, as
+        a long prefill does."""
+        stop = None if logits else self.config.n_layers
         longest = max(map(len, rows))
         if shared:
             cache, head = self.runner.prefill_shared(rows[0][:shared], len(rows), longest, hooks, last_only, lora)
@@ -503,14 +505,14 @@ class Model:
         chunk = self.max_batch_tokens()
         if len(rows) > 1 or longest <= chunk:
             return self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
-                                       last_logits_only=last_only, lora=lora)
+                                       last_logits_only=last_only, lora=lora, stop_at_layer=stop)
         cache, pieces = self.runner.new_batch_cache(1, longest), []
         for start in range(0, longest, chunk):
             piece = rows[0][start:start + chunk]
             part = BatchLayout([len(piece)], self.device, layout.prompts, cached=cache.lengths,
                                complete=start + chunk >= longest)
             pieces.append(self.runner.forward(torch.tensor(piece), cache=cache, hooks=hooks, layout=part,
-                                              last_logits_only=last_only, lora=lora))
+                                              last_logits_only=last_only, lora=lora, stop_at_layer=stop))
         return pieces[-1] if last_only else torch.cat(pieces)
 
     def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
@@ -524,7 +526,8 @@ class Model:
 
     def run_with_batch_hooks(self, prompts: Sequence[str | Sequence[int]],
                              hooks: Mapping[str, hooks_lib.HookFn | Sequence[hooks_lib.HookFn]], *, chat: bool = False,
-                             batch_size: int | None = None, progress: Progress = False) -> torch.Tensor:
+                             batch_size: int | None = None, progress: Progress = False,
+                             logits: bool = True) -> torch.Tensor | None:
         """Batched forwards whose hooks see each forward whole, for code that reduces many prompts at once (the logit
         lens of a dataset): ``hooks`` maps hook names (or globs) to ``fn(activation, ctx)``. A token-major point's
         activation holds every prompt of the forward, their tokens one after another (``[N, ...]``); attention
@@ -533,7 +536,9 @@ class Model:
         than a forward runs alone in chunks, ``layout.cached[0]`` tokens in. A hook may return an edited activation
         of the same shape. (``run_batch`` calls each prompt's hooks on its own slice instead, as ``run`` would; the
         hooks of enclosing ``hooks()`` blocks apply to each prompt that way here too, before these.) Returns each
-        prompt's last-position logits, float32 ``[len(prompts), vocab_size]``, on the CPU."""
+        prompt's last-position logits, float32 ``[len(prompts), vocab_size]``, on the CPU; with ``logits=False``,
+        None: the forwards stop after the last block (no final norm, unembedding or copy to the host, and no hook on
+        the final norm or the logits), for hooks that take what they need on the way (the logit lens)."""
         ids = self.batch_ids(prompts, chat)
         if not isinstance(hooks, Mapping):
             raise WorkbenchError(f"hooks must map hook names to functions, got {type(hooks).__name__}")
@@ -543,17 +548,22 @@ class Model:
             if not fns or not all(callable(fn) for fn in fns):
                 raise WorkbenchError(f"hooks[{shorten(pattern)}] must be a function or a list of functions")
             for name in hooks_lib.resolve(pattern, self.config):
+                if not logits and name in FINAL_POINTS:
+                    raise WorkbenchError(f"hooks[{shorten(pattern)}]: {name} lies after the last block, where a run "
+                                         "with logits=False stops")
                 batch_hooks.setdefault(name, []).extend(fns)
         lengths = [len(x) for x in ids]
         with self.numerics_scope():
             prompt_hooks, _, attached = self._batch_hooks((), None, lengths, lengths)  # enclosing hooks() blocks'
-        logits = torch.empty(len(ids), self.config.vocab_size)
+        last = torch.empty(len(ids), self.config.vocab_size) if logits else None
         with numerics(self.current_numerics()), torch.no_grad():
             for layout in self._batches(lengths, batch_size, progress, vocab_rows=False):
                 forward_hooks = self._forward_hooks(prompt_hooks, layout, attached, True, batch_hooks)
-                out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True, 0)
-                logits[list(layout.prompts)] = out.float().cpu()
-        return logits
+                out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True, 0,
+                                         logits=logits)
+                if logits:
+                    last[list(layout.prompts)] = out.float().cpu()
+        return last
 
     def stream_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32, *,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

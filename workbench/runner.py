@@ -131,6 +131,10 @@ class BatchLayout:
         return to_device(torch.tensor(self.host_positions(next_positions)), self.device)
 
 
+# The hook points after the last block (the final norm's and the logits'): a forward with a ``stop_at_layer`` never
+# reaches them.
+FINAL_POINTS = ("ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
+
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
 Hooks = Mapping[str, Sequence[HookFn]]
 # The LoRA adapters of a call (Model.lora_terms), per layer: {projections that share an input (LORA_GROUPS): (A, B^T,
@@ -265,7 +269,7 @@ def hook_point_names(config: ModelConfig) -> tuple[str, ...]:
     hook name against them)."""
     blocks = [f"blocks.{i}.{p}" for i in range(config.n_layers) for p in block_points(config)
               if config.kv_source(i) == i or p not in KV_POINTS]
-    return ("hook_embed", *blocks, "ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
+    return ("hook_embed", *blocks, *FINAL_POINTS)
 
 
 class _Points:
@@ -644,6 +648,7 @@ class Transformer:
         and a cache's layers before it are left as they are (``can_start_at_layer`` says where a forward may start).
         ``stop_at_layer``: the forward stops before that block and returns the residual stream entering it (``[T,
         d_model]``, packed), for a later forward to start from; a cache's layers from it on are left as they are.
+        ``n_layers`` stops after the last block, before the final norm (no logits).
         ``logit_ids``: the logits of these vocabulary ids alone (``[T, len(logit_ids)]``, as ``hook_logits`` sees them),
         for a caller that reads no others: the unembedding multiplies only their rows.
         """
@@ -717,7 +722,7 @@ class Transformer:
                 x = point(self._names[i + 1]["hook_resid_pre"], x, i + 1)
                 normalized = rms_norm(x, w.layers[i + 1].attn_norm, c.rms_eps, point, self._names[i + 1]["ln1"], i + 1)
 
-        if stop == c.n_layers:
+        if stop_at_layer is None:
             x = self._logits(x, point, layout, last_logits_only, logit_ids)
         if cache is not None:
             cache.commit(fed)
@@ -730,12 +735,12 @@ class Transformer:
         c = self.config
         if last_logits_only:
             x = x[-1:] if layout is None else x[layout.last_rows()]
-        x = rms_norm(x, self.weights.final_norm, c.rms_eps, point, ("ln_final.hook_scale", "ln_final.hook_normalized"),
-                     None)
+        scale_name, normalized_name, logits_name = FINAL_POINTS
+        x = rms_norm(x, self.weights.final_norm, c.rms_eps, point, (scale_name, normalized_name), None)
         logits = linear(x, self.unembed if logit_ids is None else self.unembed.select_rows(logit_ids)).float()
         if c.final_softcap:
             logits = layer_ops.soft_cap(logits, c.final_softcap)
-        return point("hook_logits", logits)
+        return point(logits_name, logits)
 
     def can_start_at_layer(self, layer: int) -> bool:
         """Whether a forward can start at block ``layer`` from its residual stream: not where a later block reads the
