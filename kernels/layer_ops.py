@@ -8,7 +8,8 @@ far more than these ops' arithmetic costs:
   (``csrc/cpu_kernels.cpp``), attention's products batched matmuls; where no hook lies between them, the rope of q and
   k, the cache's write and attention are one C++ call (``rope_attention``) that runs the same ops;
 - on CUDA, all six are Triton kernels (``triton/layer_ops.py``), and a batch's attention without a cache is one
-  launch over the packed sequences (``packed_attention``) where no hook asks for its scores or pattern.
+  launch over the packed sequences (``packed_attention``; the runner computes the padded scores and pattern beside it
+  for hooks that ask for them).
 
 Elsewhere (CPU half precision; inside ``torch.compile``, which fuses them with their neighbours; without either
 backend) they are the torch formulas. Every product and sum is rounded to float32 alike, the rope to the same bits;
