@@ -11,6 +11,7 @@ import triton.language as tl
 from ..launch_choices import dequant_config
 from ..quant_tensor import QuantTensor
 from .common import check_inputs
+from .formats import Layout
 from .launch import cdiv, launch
 from .readers import weight_tile
 
@@ -33,7 +34,11 @@ def _dequantize_kernel(
 
 def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """All of ``w`` as a dense ``[N, K]`` tensor of ``dtype`` (float16, bfloat16 or float32), in one pass."""
-    layout = check_inputs(torch.empty(0, w.shape[1], dtype=dtype, device=w.device), w)  # checks w and dtype
+    return _dequantize(w, dtype, check_inputs(torch.empty(0, w.shape[1], dtype=dtype, device=w.device), w))
+
+
+def _dequantize(w: QuantTensor, dtype: torch.dtype, layout: Layout) -> torch.Tensor:
+    """``dequantize`` of a weight already checked (``layout`` its kernel layout)."""
     n, k = w.shape
     out = torch.empty(n, k, dtype=dtype, device=w.device)
     config = dequant_config()
@@ -48,5 +53,4 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
 def dequant_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """``x @ w.T`` as one dequantizing pass to ``x.dtype`` and a dense (cuBLAS) matmul: for many rows the
     dense product outruns re-dequantizing weight tiles in every row block of the fused GEMM."""
-    check_inputs(x, w)
-    return F.linear(x, dequantize(w, x.dtype))
+    return F.linear(x, _dequantize(w, x.dtype, check_inputs(x, w)))
