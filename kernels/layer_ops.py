@@ -255,16 +255,19 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, width: int,
-                     divisor: float, window: int = 0) -> torch.Tensor | None:
+                     divisor: float, window: int = 0,
+                     rotation: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor | None:
     """``z`` ``[N, heads, d]`` of a batch's sequences packed one after another with no cache: ``q`` ``[N, heads, d]``,
     ``k`` and ``v`` ``[N, kv_heads, d]``, sequence b the rows ``starts[b]`` to ``starts[b + 1]`` (``width`` the
     longest's length), each token attending causally to its own sequence's keys (those less than ``window`` tokens
     behind it, where ``window`` is not 0). One Triton launch on CUDA that holds no scores (``attention`` over the
     padded sequences takes some 25 op calls a layer); its sums run in their own order, so ``z`` differs from the padded
-    products' in the last bits. None where it does not run (off CUDA, or inside ``torch.compile``)."""
+    products' in the last bits. ``rotation``: ``(cos, sin, interleaved)``, ``rope``'s arguments for the whole head: q
+    and k are rotated in the same launch, to ``rope``'s bits. None where it does not run (off CUDA, or inside
+    ``torch.compile``)."""
     if not _on_triton(q, k):
         return None
-    return _triton.packed_attention(q, k, v, starts, width, divisor, window)
+    return _triton.packed_attention(q, k, v, starts, width, divisor, window, rotation)
 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, cos: torch.Tensor,

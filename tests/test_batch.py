@@ -511,9 +511,9 @@ def packed_on_cpu(monkeypatch):
     triton_ops = pytest.importorskip("workbench.kernels.triton")
     windows = []
 
-    def packed(q, k, v, starts, width, divisor, window=0):
+    def packed(q, k, v, starts, width, divisor, window=0, rotation=None):
         windows.append(window)
-        return triton_ops.packed_attention(q, k, v, starts, width, divisor, window)
+        return triton_ops.packed_attention(q, k, v, starts, width, divisor, window, rotation)
 
     monkeypatch.setattr(layer_ops, "packed_attention", packed)
     return windows

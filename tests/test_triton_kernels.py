@@ -413,6 +413,27 @@ def test_packed_attention(dtype, window):
         packed_attention(q, k[:, :, :32], v, starts, max(lengths), math.sqrt(d))
 
 
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("interleaved", [True, False], ids=["adjacent-pairs", "halves"])
+def test_packed_attention_ropes_q_and_k_as_rope_does(interleaved):
+    """The rope inside the launch gives q and k ``rope``'s bits, so ``z`` is the packed attention's of ``rope``'s
+    outputs bit for bit (q a strided view of a wider row, as the forward's is)."""
+    generator = torch.Generator().manual_seed(12)
+    lengths, heads, kv_heads, d = [7, 33, 2], 4, 2, 48
+    n = sum(lengths)
+    wide = torch.randn(n, (heads + 1) * d, generator=generator).to(TRITON_DEVICE, torch.float16)
+    q = wide[:, :heads * d].view(n, heads, d)
+    k, v = (torch.randn(n, kv_heads, d, generator=generator).to(TRITON_DEVICE, torch.float16) for _ in range(2))
+    cos, sin = (torch.randn(n, 1, d, generator=generator).to(TRITON_DEVICE) for _ in range(2))
+    starts = torch.tensor([0, *np.cumsum(lengths)], device=TRITON_DEVICE)
+    args = (starts, max(lengths), math.sqrt(d), 0)
+    fused = packed_attention(q, k, v, *args, (cos, sin, interleaved))
+    separate = packed_attention(rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved), v, *args)
+    assert torch.equal(fused, separate)
+    with pytest.raises(ValueError, match="cos"):
+        packed_attention(q, k, v, *args, (cos[:, :, :32], sin, interleaved))
+
+
 BY_EXPERT_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "MXFP4")
 
 

@@ -562,6 +562,7 @@ class Transformer:
             "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores",
             "attn.hook_pattern"))
         names["scores_and_pattern"] = frozenset(names[p] for p in ("attn.hook_attn_scores", "attn.hook_pattern"))
+        names["rotated_to_pattern"] = names["scores_and_pattern"] | {names["attn.hook_rot_q"], names["attn.hook_rot_k"]}
         names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
         if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
@@ -878,12 +879,20 @@ class Transformer:
                 k = self._qk_norm(k, layer.k_norm, point, names["attn.k_norm"], i)
         if layer.v_norm is not None:
             v = rms_norm(v, layer.v_norm, c.rms_eps, point, names["attn.v_norm"], i)
+        # A batch's whole sequences, each attending to its own keys, may take one launch over the packed rows: with the
+        # rope of q and k inside it where no hook asks for them rotated or for the scores or pattern.
+        packs = self._packed_attention[i] and layout is not None and cache is None
+        window = c.sliding_window if self._sliding[i] else 0
+        if packs and rotation[0].shape[-1] == q.shape[-1] and not point.wants_any(names["rotated_to_pattern"]):
+            z = layer_ops.packed_attention(q, k, v, layout.bounds(), layout.width, self.attn_scale, window,
+                                           (*rotation, c.rope_interleaved))
+            if z is not None:
+                return self._attention_out(z, layer, i, point, lora)
         q = self._head_point(point, names["attn.hook_rot_q"], self.rope(q, rotation), i)
         if own_kv:
             k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
         packed = None
-        if self._packed_attention[i] and layout is not None and cache is None:  # whole sequences, each its own keys
-            window = c.sliding_window if self._sliding[i] else 0
+        if packs:
             packed = layer_ops.packed_attention(q, k, v, layout.bounds(), layout.width, self.attn_scale, window)
             if packed is not None and not point.wants_any(names["scores_and_pattern"]):
                 return self._attention_out(packed, layer, i, point, lora)

@@ -221,10 +221,26 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _packed_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, d, heads, group, window, divisor,
-                             q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-                             PRECISION: tl.constexpr, WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rows_of_heads(x_ptr, rows, stride_t, head_offset, i, d, inside, cos_ptr, sin_ptr, ROPE: tl.constexpr,
+                   INTERLEAVED: tl.constexpr):
+    """Packed rows ``rows`` of one head, ``[R, BLOCK_D]``; with ``ROPE``, rotated as ``_rope_kernel`` rotates them (the
+    same products and sum, unfused, rounded to the dtype), by the factors of each row in ``cos``/``sin`` ``[N, d]``."""
+    row = x_ptr + rows[:, None].to(tl.int64) * stride_t + head_offset
+    x = tl.load(row + i, mask=inside, other=0.0)
+    if ROPE:
+        partner = tl.load(row + (i ^ 1 if INTERLEAVED else (i + d // 2) % d), mask=inside, other=0.0)
+        cos = tl.load(cos_ptr + rows[:, None].to(tl.int64) * d + i, mask=inside, other=0.0)
+        sin = tl.load(sin_ptr + rows[:, None].to(tl.int64) * d + i, mask=inside, other=0.0)
+        x = (x.to(tl.float32) * cos + partner.to(tl.float32) * sin).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _packed_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, cos_ptr, sin_ptr, d, heads, group, window,
+                             divisor, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                             PRECISION: tl.constexpr, WINDOWED: tl.constexpr, ROPE: tl.constexpr,
+                             INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(starts_ptr + seq)
     length = tl.load(starts_ptr + seq + 1) - start
@@ -233,8 +249,8 @@ def _packed_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, d, heads,
         rows = first_row + tl.arange(0, BLOCK_M)
         i = tl.arange(0, BLOCK_D)[None, :]
         dtype = v_ptr.dtype.element_ty
-        q = tl.load(q_ptr + (start + rows[:, None]).to(tl.int64) * q_stride_t + head * q_stride_h + i,
-                    mask=(rows[:, None] < length) & (i < d), other=0.0)
+        q = _rows_of_heads(q_ptr, start + rows, q_stride_t, head * q_stride_h, i, d,
+                           (rows[:, None] < length) & (i < d), cos_ptr, sin_ptr, ROPE, INTERLEAVED)
         kv_head = head // group
         row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         row_sum = tl.zeros((BLOCK_M,), tl.float32)
@@ -245,11 +261,11 @@ def _packed_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, d, heads,
             lo = tl.maximum(0, first_row - window + 1) // BLOCK_N * BLOCK_N
         for first in range(lo, end, BLOCK_N):
             cols = first + tl.arange(0, BLOCK_N)
-            inside = cols[:, None] < end
-            k = tl.load(k_ptr + (start + cols[:, None]).to(tl.int64) * k_stride_t + kv_head * k_stride_h + i,
-                        mask=inside & (i < d), other=0.0)
+            inside = (cols[:, None] < end) & (i < d)
+            k = _rows_of_heads(k_ptr, start + cols, k_stride_t, kv_head * k_stride_h, i, d, inside, cos_ptr, sin_ptr,
+                               ROPE, INTERLEAVED)
             v = tl.load(v_ptr + (start + cols[:, None]).to(tl.int64) * v_stride_t + kv_head * v_stride_h + i,
-                        mask=inside & (i < d), other=0.0)
+                        mask=inside, other=0.0)
             # the dot rounded to the inputs' dtype, then divided in float32, as attention_scores computes it
             scores = tl.div_rn(tl.dot(q, tl.trans(k), input_precision=PRECISION).to(q.dtype).to(tl.float32), divisor)
             seen = cols[None, :] <= rows[:, None]
@@ -270,23 +286,33 @@ def _packed_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, d, heads,
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, width: int,
-                     divisor: float, window: int = 0) -> torch.Tensor:
+                     divisor: float, window: int = 0,
+                     rotation: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
     """``layer_ops.packed_attention``: ``z`` ``[N, heads, d]`` of sequences packed one after another, ``q`` ``[N,
     heads, d]``, ``k`` and ``v`` ``[N, kv_heads, d]`` (any strides but the last), sequence b's tokens the rows
     ``starts[b]`` to ``starts[b + 1]`` (``width`` the longest's length): each token attends causally to its own
-    sequence's keys (within ``window`` tokens behind it, where that is not 0), in one launch with no score held."""
+    sequence's keys (within ``window`` tokens behind it, where that is not 0), in one launch with no score held.
+    ``rotation``: ``(cos, sin, interleaved)`` as ``rope`` takes them (``[N, 1, d]``): q and k are rotated in the
+    launch, to the bits ``rope`` gives them."""
     tokens, heads, d = q.shape
     kv_heads = k.shape[1]
     if (k.shape != (tokens, kv_heads, d) or v.shape != k.shape or heads % kv_heads or not q.dtype == k.dtype == v.dtype
             or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1):
         raise ValueError(f"packed_attention: q {q.dtype} {tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}, "
                          f"v {v.dtype} {tuple(v.shape)}")
+    cos, sin, interleaved = rotation if rotation is not None else (q, q, False)  # unread without a rotation
+    if rotation is not None and (cos.shape != (tokens, 1, d) or sin.shape != cos.shape or cos.dtype != torch.float32
+                                 or sin.dtype != torch.float32):
+        raise ValueError(f"packed_attention: cos {tuple(cos.shape)} / sin {tuple(sin.shape)} (float32 [N, 1, d]) for "
+                         f"q {tuple(q.shape)}")
     out = torch.empty(tokens, heads, d, dtype=q.dtype, device=q.device)
     if out.numel():
         block_m = block_n = 32 if q.dtype == torch.float32 else 64
         launch(_packed_attention_kernel, (cdiv(width, block_m), starts.shape[0] - 1, heads),
-            q, k, v, out, starts, d, heads, heads // kv_heads, window, divisor, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), PRECISION=dot_precision(q.dtype), WINDOWED=window > 0,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(d)), num_warps=4,
+            q, k, v, out, starts, cos if cos.is_contiguous() else cos.contiguous(),
+            sin if sin.is_contiguous() else sin.contiguous(), d, heads, heads // kv_heads, window, divisor, q.stride(0),
+            q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), PRECISION=dot_precision(q.dtype),
+            WINDOWED=window > 0, ROPE=rotation is not None, INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=max(16, next_power_of_2(d)), num_warps=4, enable_fp_fusion=False,
         )
     return out
