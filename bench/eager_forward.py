@@ -1,8 +1,8 @@
 """The eager forward (every hooked run, every prompt's prefill) with the glue's own implementations against its torch
 formulas: ``workbench.kernels.layer_ops`` (RMSNorm, the residual sum with its norm, rope, attention's products,
-SwiGLU) as C++ calls (CPU) or Triton kernels (CUDA), or under ``layer_ops.torch_formulas()``; on CUDA also with every
-Triton kernel (the matmuls' too) launched through Triton's own launcher instead of ``workbench.kernels.triton.launch``'s
-kept kernels. All run in one process, taking turns forward by forward, so a noisy host slows them alike; each figure
+SwiGLU) as C++ calls (CPU) or Triton kernels (CUDA), or under ``layer_ops.torch_formulas()``; on the CPU also with each
+plain block as its separate calls instead of one ``layer_ops.block_exact``; on CUDA also with every Triton kernel (the
+matmuls' too) launched through Triton's own launcher instead of ``workbench.kernels.triton.launch``'s kept kernels. All run in one process, taking turns forward by forward, so a noisy host slows them alike; each figure
 is the median (and min) of ``--repeats`` forwards after 3 warm-ups, and the ratio the median of the paired forwards'
 ratios.
 
@@ -32,6 +32,17 @@ from decode import SHAPES, synchronize, synthetic_model
 from workbench import hooks
 from workbench.kernels import layer_ops
 from workbench.synthetic import random_checkpoint, random_config
+
+
+@contextlib.contextmanager
+def separate_blocks():
+    """Each plain block as its separate calls: ``layer_ops.block_exact`` declines, as it does where a hook lies inside."""
+    whole = layer_ops.block_exact
+    layer_ops.block_exact = lambda *args: None
+    try:
+        yield
+    finally:
+        layer_ops.block_exact = whole
 
 
 def forward_ms(runner, ids: torch.Tensor) -> float:
@@ -136,6 +147,8 @@ def time_forwards(args: argparse.Namespace) -> None:
           f"the glue: {layer_ops.implementations(runner.device, runner.dtype)}")
     inputs = {n: torch.randint(0, model.config.vocab_size, (n,)) for n in args.tokens}
     modes = {"torch formulas": layer_ops.torch_formulas, "layer_ops": contextlib.nullcontext}
+    if runner.device.type == "cpu":
+        modes = {"separate calls": separate_blocks, **modes}
     if runner.device.type == "cuda":
         from workbench.kernels.triton.launch import through_triton
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workbench import hooks
 from workbench.kernels import layer_ops, tracing
 
 
@@ -154,15 +155,18 @@ def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, t
     assert layer_ops.rope_attention(q, k, v, heads, cos, sin, interleaved, slots, 4.0, blocked) is None
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_decode_steps_without_hooks_inside_attention_keep_every_bit(architecture, tiny_model, monkeypatch):
-    """A prompt and decode steps on a cache without hooks (attention in one C++ call a layer) and with a hook inside
-    every layer's attention (the separate ops): the same logits and the same cache, bit for bit."""
-    model = tiny_model(architecture, "Q8_0", n_layers=2, device="cpu")
+@pytest.mark.parametrize("family", [dict(arch="llama"), dict(arch="llama", sliding_window=4), dict(arch="qwen2")],
+                         ids=["llama", "sliding-window", "qwen2"])
+def test_decode_steps_without_hooks_inside_attention_keep_every_bit(family, tiny_model, monkeypatch):
+    """A prompt and decode steps on a cache without hooks (a plain block in one C++ call, or its attention in one, the
+    projections' biases apart) and with a hook inside every layer's attention (the separate ops): the same logits and
+    the same cache, bit for bit."""
+    model = tiny_model(**family, fmt="Q8_0", n_layers=2, device="cpu")
     runner, ids = model.runner, [3, 14, 15, 92, 65, 35]
-    fused = []
-    rope_attention = layer_ops.rope_attention
-    monkeypatch.setattr(layer_ops, "rope_attention", lambda *a: fused.append(1) or rope_attention(*a))
+    blocks, attentions = [], []
+    block_exact, rope_attention = layer_ops.block_exact, layer_ops.rope_attention
+    monkeypatch.setattr(layer_ops, "block_exact", lambda *a: blocks.append(1) or block_exact(*a))
+    monkeypatch.setattr(layer_ops, "rope_attention", lambda *a: attentions.append(1) or rope_attention(*a))
     inside = {f"blocks.{i}.attn.hook_rot_k": [lambda x, ctx: None] for i in range(runner.config.n_layers)}
     results = []
     for hooks in (None, inside):
@@ -170,10 +174,51 @@ def test_decode_steps_without_hooks_inside_attention_keep_every_bit(architecture
         logits = [runner.forward(torch.tensor(ids), cache=cache, hooks=hooks)]
         logits += [runner.forward(torch.tensor([t]), cache=cache, hooks=hooks, step=s) for s, t in enumerate(ids, 1)]
         results.append((logits, [cache.get(i) for i in range(runner.config.n_layers)]))
-    assert len(fused) == 7 * runner.config.n_layers  # every layer of every forward without hooks, none with them
+    # every layer of every forward without hooks, none with them: llama's whole blocks, Qwen2's attention
+    whole = 7 * runner.config.n_layers if family["arch"] == "llama" else 0
+    assert (len(blocks), len(attentions)) == (whole, 7 * runner.config.n_layers - whole)
     (plain, plain_cache), (hooked, hooked_cache) = results
     assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
     assert all(torch.equal(a, b) for layer, other in zip(plain_cache, hooked_cache) for a, b in zip(layer, other))
+
+
+def test_whole_blocks_run_where_no_hook_lies_inside_them(tiny_model, monkeypatch):
+    """Hooks on a block's edges (its input stream, first norm and output stream) keep it one call; a hook inside a
+    block runs that block alone step by step; either way the logits keep every bit, and an edit inside reaches them.
+    The glue as torch formulas runs no C++ block."""
+    model = tiny_model("llama", "Q8_0", n_layers=3, device="cpu")
+    ids = [3, 14, 15, 92, 65]
+    ran = []  # per call of layer_ops.block_exact: whether the block ran whole
+    block_exact = layer_ops.block_exact
+
+    def counted(*args):
+        out = block_exact(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layer_ops, "block_exact", counted)
+
+    def whole_blocks(run) -> int:
+        ran.clear()
+        run()
+        return sum(ran)
+
+    plain = model.forward(ids)
+    edges = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post", "blocks.*.ln1.hook_normalized"]
+    assert whole_blocks(lambda: model.forward(ids)) == 3
+    recorded = []
+    assert whole_blocks(lambda: recorded.append(model.run(ids, record=edges).logits)) == 3
+    assert whole_blocks(lambda: recorded.append(model.run(ids, record=["blocks.1.hook_mlp_out"]).logits)) == 2
+    assert all(torch.equal(logits, plain) for logits in recorded)
+    edited = []
+    assert whole_blocks(lambda: edited.append(model.forward(ids, interventions=[
+        hooks.ZeroAblate("blocks.1.mlp.hook_post")]))) == 2
+    assert not torch.equal(edited[0], plain)
+    with layer_ops.torch_formulas():
+        assert whole_blocks(lambda: model.forward(ids)) == 0 and len(ran) == 3
+    # a rope over part of each head (Phi-3) takes the separate calls
+    partial = tiny_model("llama", "Q8_0", n_layers=2, device="cpu", partial_rotary=0.5)
+    assert whole_blocks(lambda: partial.forward(ids)) == 0 and len(ran) == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

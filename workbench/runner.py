@@ -508,6 +508,13 @@ class Transformer:
         self._plain_attention = [layer.wk is not None and not c.qk_norm and layer.v_norm is None and not c.attn_softcap
                                  and layer.sinks is None and i not in self._kv_reused
                                  for i, layer in enumerate(self.weights.layers)]
+        # the plain llama blocks, which layer_ops.block_exact may run whole where no hook lies inside them
+        self._plain_block = [plain and layer.bq is None and layer.bo is None and not self.arch.post_norms
+                             and layer.moe is None and self.arch.activation != "gelu_tanh"
+                             and layer.per_layer_gate is None and layer.out_scale is None
+                             and layer.attn_norm is not None and layer.mlp_norm is not None
+                             and layer.wqkv is None and layer.w_gate_up is None
+                             for plain, layer in zip(self._plain_attention, self.weights.layers)]
         # the layers whose batched attention, without a cache, layer_ops.packed_attention may run
         self._packed_attention = [layer.wk is not None and not c.attn_softcap and layer.sinks is None
                                   and i not in self._kv_reused for i, layer in enumerate(self.weights.layers)]
@@ -564,6 +571,9 @@ class Transformer:
         names["scores_and_pattern"] = frozenset(names[p] for p in ("attn.hook_attn_scores", "attn.hook_pattern"))
         names["rotated_to_pattern"] = names["scores_and_pattern"] | {names["attn.hook_rot_q"], names["attn.hook_rot_k"]}
         names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
+        # the points of the block after its first norm and before its output (layer_ops.block_exact skips them)
+        names["inside_block"] = frozenset(name for p, name in names.items() if isinstance(name, str) and p not in (
+            "hook_resid_pre", "hook_resid_post", "ln1.hook_scale", "ln1.hook_normalized"))
         if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
         return names
@@ -691,21 +701,29 @@ class Transformer:
         for i, layer in enumerate(w.layers[first:stop], first):
             names = self._names[i]
             adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
-            if self._sliding[i]:
-                attn_out = self.attention(normalized, layer, i, local_rotation, local_blocked, cache, point, layout,
-                                          adapter, shared_kv)
+            layer_rotation, layer_blocked = ((local_rotation, local_blocked) if self._sliding[i]
+                                             else (rotation, blocked))
+            whole = None
+            if self._plain_block[i] and layout is None and not adapter and not point.wants_any(names["inside_block"]):
+                slots = cache.buffers(i) if cache is not None else None
+                if cache is None or slots is not None:
+                    whole = layer_ops.block_exact(x, normalized, layer.block_weights(), layer.mlp_norm, c.rms_eps,
+                                                  c.n_heads, *layer_rotation, c.rope_interleaved, slots,
+                                                  self.attn_scale, layer_blocked)
+            if whole is not None:  # the block in one call, with the bits of the steps below
+                x, mlp_out = whole
             else:
-                attn_out = self.attention(normalized, layer, i, rotation, blocked, cache, point, layout, adapter,
-                                          shared_kv)
-            if self.arch.post_norms:
-                attn_out = rms_norm(attn_out, layer.attn_post_norm, c.rms_eps, point, names["ln1_post"], i)
-            attn_out = point(names["hook_attn_out"], attn_out, i)
-            x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
-                                         names["ln2"], i)
-            mlp_out = self.mlp(normalized, layer, i, point, adapter, resid=x)
-            if self.arch.post_norms:
-                mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
-            mlp_out = point(names["hook_mlp_out"], mlp_out, i)
+                attn_out = self.attention(normalized, layer, i, layer_rotation, layer_blocked, cache, point, layout,
+                                          adapter, shared_kv)
+                if self.arch.post_norms:
+                    attn_out = rms_norm(attn_out, layer.attn_post_norm, c.rms_eps, point, names["ln1_post"], i)
+                attn_out = point(names["hook_attn_out"], attn_out, i)
+                x, normalized = add_rms_norm(x, attn_out, layer.mlp_norm, c.rms_eps, point, names["after_attn"],
+                                             names["ln2"], i)
+                mlp_out = self.mlp(normalized, layer, i, point, adapter, resid=x)
+                if self.arch.post_norms:
+                    mlp_out = rms_norm(mlp_out, layer.mlp_post_norm, c.rms_eps, point, names["ln2_post"], i)
+                mlp_out = point(names["hook_mlp_out"], mlp_out, i)
             if layer.per_layer_gate is not None or layer.out_scale is not None:  # Gemma 4: the sum is taken here
                 x, mlp_out = self._block_tail(x + mlp_out, layer, i, point, per_layer), None
             if i + 1 < stop and i + 1 not in self.range_starts:

@@ -68,6 +68,10 @@ class LayerWeights:
             start += w.shape[0]
         return stacked
 
+    def block_weights(self) -> tuple[QuantTensor, ...]:
+        """A plain block's matrices in the order it multiplies them: wq, wk, wv, wo, w_gate, w_up, w_down."""
+        return self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down
+
     def serving(self, name: str) -> QuantTensor:
         """The matrix the forward multiplies for the part ``name`` (its stacked matrix once fused)."""
         stacked = next((getattr(self, s) for s, parts in STACKS.items() if name in parts), None)
