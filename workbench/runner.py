@@ -703,13 +703,9 @@ class Transformer:
             adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
             layer_rotation, layer_blocked = ((local_rotation, local_blocked) if self._sliding[i]
                                              else (rotation, blocked))
-            whole = None
-            if self._plain_block[i] and layout is None and not adapter and not point.wants_any(names["inside_block"]):
-                slots = cache.buffers(i) if cache is not None else None
-                if cache is None or slots is not None:
-                    whole = layer_ops.block_exact(x, normalized, layer.block_weights(), layer.mlp_norm, c.rms_eps,
-                                                  c.n_heads, *layer_rotation, c.rope_interleaved, slots,
-                                                  self.attn_scale, layer_blocked)
+            whole = (self._whole_block(x, normalized, layer, i, layer_rotation, layer_blocked, cache)
+                     if self._plain_block[i] and layout is None and not adapter
+                     and not point.wants_any(names["inside_block"]) else None)
             if whole is not None:  # the block in one call, with the bits of the steps below
                 x, mlp_out = whole
             else:
@@ -746,6 +742,18 @@ class Transformer:
         if cache is not None:
             cache.commit(fed)
         return x
+
+    def _whole_block(self, x: torch.Tensor, normalized: torch.Tensor, layer, i: int,
+                     rotation: tuple[torch.Tensor, torch.Tensor], blocked: torch.Tensor | None,
+                     cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A plain block with no hook inside it as one call (``layer_ops.block_exact``): the stream after attention
+        and the MLP's output; None where that call does not run."""
+        c = self.config
+        slots = cache.buffers(i) if cache is not None else None
+        if cache is not None and slots is None:
+            return None
+        return layer_ops.block_exact(x, normalized, layer.block_weights(), layer.mlp_norm, c.rms_eps, c.n_heads,
+                                     *rotation, c.rope_interleaved, slots, self.attn_scale, blocked)
 
     def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
                 logit_ids: torch.Tensor | None) -> torch.Tensor:
