@@ -292,17 +292,19 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
                                           divisor, blocked)
 
 
-def block_exact(x: torch.Tensor, normalized: torch.Tensor, weights: Sequence[QuantTensor], mlp_norm: torch.Tensor,
-                eps: float, heads: int, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+def block_exact(x: torch.Tensor, normalized: torch.Tensor, weights: Sequence[QuantTensor],
+                qkv_bias: Sequence[torch.Tensor], qk_norm: Sequence[torch.Tensor], mlp_norm: torch.Tensor, eps: float,
+                heads: int, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
                 kv_slots: tuple[torch.Tensor, torch.Tensor, int] | None, divisor: float,
                 blocked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A plain llama block where no hook lies inside it, in one C++ call: from its input stream ``x`` ``[T, d_model]``
-    and that stream's first norm ``normalized``, through ``weights`` ``(wq, wk, wv, wo, w_gate, w_up, w_down)``,
-    ``rope_attention`` (``heads``, ``cos``, ``sin``, ``kv_slots``, ``divisor`` and ``blocked`` as there), the residual
-    sum with the norm ``mlp_norm`` and SwiGLU: the stream after attention and the MLP's output, with the bits of the
-    separate calls (``linear``'s exact CPU kernel, ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager
-    decode step pays for in Python more than in arithmetic. None where it does not run: as ``rope_attention``, and in
-    exact numerics with every weight of a format the C++ kernels read."""
+    """A block of llama's form where no hook lies inside it, in one C++ call: from its input stream ``x`` ``[T,
+    d_model]`` and that stream's first norm ``normalized``, through ``weights`` ``(wq, wk, wv, wo, w_gate, w_up,
+    w_down)`` (with ``qkv_bias``, q, k and v's biases, and ``qk_norm``, the RMSNorm weights of each head of q and k,
+    where given), ``rope_attention`` (``heads``, ``cos``, ``sin``, ``kv_slots``, ``divisor`` and ``blocked`` as there),
+    the residual sum with the norm ``mlp_norm`` and SwiGLU: the stream after attention and the MLP's output, with the
+    bits of the separate calls (``linear``'s exact CPU kernel, the bias sums, ``rms_norm``, ``rope_attention``,
+    ``add_rms_norm``, ``swiglu``), which an eager decode step pays for in Python more than in arithmetic. None where it
+    does not run: as ``rope_attention``, and in exact numerics with every weight of a format the C++ kernels read."""
     tokens, slots = x.shape[0], x.shape[0] + (kv_slots[2] if kv_slots is not None else 0)
     if (not _native(x, cos) or get_numerics() != "exact" or cos.shape[-1] * heads != weights[0].shape[0]
             or heads * tokens * slots * 4 > SCORES_BUDGET or any(w.fmt.ggml_type not in cpu.SUPPORTED_TYPES
@@ -310,9 +312,9 @@ def block_exact(x: torch.Tensor, normalized: torch.Tensor, weights: Sequence[Qua
         return None
     keys, values, start = kv_slots if kv_slots is not None else (None, None, 0)
     return cpu.extension().block_exact(x, normalized, [w.data for w in weights], [w.fmt.ggml_type for w in weights],
-                                       [w.shape[0] for w in weights], mlp_norm, eps, cos.contiguous(),
-                                       sin.contiguous(), interleaved, keys, values, start, divisor, blocked,
-                                       cpu.PANEL_MIN_BATCH)
+                                       [w.shape[0] for w in weights], qkv_bias, qk_norm, mlp_norm, eps,
+                                       cos.contiguous(), sin.contiguous(), interleaved, keys, values, start, divisor,
+                                       blocked, cpu.PANEL_MIN_BATCH)
 
 
 # The last mask ``_causal`` looked at and its answer, as one pair: every layer of a forward passes the same mask, and

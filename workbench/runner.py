@@ -508,13 +508,15 @@ class Transformer:
         self._plain_attention = [layer.wk is not None and not c.qk_norm and layer.v_norm is None and not c.attn_softcap
                                  and layer.sinks is None and i not in self._kv_reused
                                  for i, layer in enumerate(self.weights.layers)]
-        # the plain llama blocks, which layer_ops.block_exact may run whole where no hook lies inside them
-        self._plain_block = [plain and layer.bq is None and layer.bo is None and not self.arch.post_norms
-                             and layer.moe is None and self.arch.activation != "gelu_tanh"
-                             and layer.per_layer_gate is None and layer.out_scale is None
-                             and layer.attn_norm is not None and layer.mlp_norm is not None
-                             and layer.wqkv is None and layer.w_gate_up is None
-                             for plain, layer in zip(self._plain_attention, self.weights.layers)]
+        # the blocks of llama's form (Qwen2's biases and Qwen3's norms of each head of q and k included), which
+        # layer_ops.block_exact may run whole where no hook lies inside them
+        self._plain_block = [layer.wk is not None and self.arch.qk_norm in (None, "head") and layer.v_norm is None
+                             and not c.attn_softcap and layer.sinks is None and i not in self._kv_reused
+                             and layer.bo is None and not self.arch.post_norms and layer.moe is None
+                             and self.arch.activation != "gelu_tanh" and layer.per_layer_gate is None
+                             and layer.out_scale is None and layer.attn_norm is not None
+                             and layer.mlp_norm is not None and layer.wqkv is None and layer.w_gate_up is None
+                             for i, layer in enumerate(self.weights.layers)]
         # the layers whose batched attention, without a cache, layer_ops.packed_attention may run
         self._packed_attention = [layer.wk is not None and not c.attn_softcap and layer.sinks is None
                                   and i not in self._kv_reused for i, layer in enumerate(self.weights.layers)]
@@ -752,8 +754,10 @@ class Transformer:
         slots = cache.buffers(i) if cache is not None else None
         if cache is not None and slots is None:
             return None
-        return layer_ops.block_exact(x, normalized, layer.block_weights(), layer.mlp_norm, c.rms_eps, c.n_heads,
-                                     *rotation, c.rope_interleaved, slots, self.attn_scale, blocked)
+        qkv_bias = (layer.bq, layer.bk, layer.bv) if c.qkv_bias else ()
+        qk_norm = (layer.q_norm, layer.k_norm) if c.qk_norm else ()
+        return layer_ops.block_exact(x, normalized, layer.block_weights(), qkv_bias, qk_norm, layer.mlp_norm, c.rms_eps,
+                                     c.n_heads, *rotation, c.rope_interleaved, slots, self.attn_scale, blocked)
 
     def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
                 logit_ids: torch.Tensor | None) -> torch.Tensor:

@@ -1348,28 +1348,38 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
       .transpose(0, 1);
 }
 
-// A plain decoder block where no hook lies inside it, from its input stream x [T, d_model] and that stream's first
-// norm normalized: q, k and v (linear_exact of weights[0..2]), rope_attention (cache and mask as there), the output
-// projection (weights[3]), the residual sum with the second norm (mlp_norm), gate and up (weights[4..5]), swiglu and the
-// down projection (weights[6]). Each step is the call the runner's eager forward makes for it, on the same tensors, so
-// the bits are the same: one op call a block instead of about twelve and their Python. Returns the stream after
-// attention and the MLP's output, whose sum the runner takes with the next block's norm.
+// A decoder block of llama's form where no hook lies inside it, from its input stream x [T, d_model] and that
+// stream's first norm normalized: q, k and v (linear_exact of weights[0..2]; plus the biases qkv_bias, Qwen2's; each
+// head of q and k through its RMSNorm qk_norm, Qwen3's), rope_attention (cache and mask as there), the output projection
+// (weights[3]), the residual sum with the second norm (mlp_norm), gate and up (weights[4..5]), swiglu and the down
+// projection (weights[6]). Each step is the call the runner's eager forward makes for it, on the same tensors, so the
+// bits are the same: one op call a block instead of about twelve and their Python. Returns the stream after attention
+// and the MLP's output, whose sum the runner takes with the next block's norm.
 std::tuple<torch::Tensor, torch::Tensor> block_exact(
     const torch::Tensor& x, const torch::Tensor& normalized, at::TensorList weights, c10::IntArrayRef ggml_types,
-    c10::IntArrayRef rows, const torch::Tensor& mlp_norm, double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-    bool interleaved, const c10::optional<torch::Tensor>& key_cache, const c10::optional<torch::Tensor>& value_cache,
-    int64_t start, double divisor, const c10::optional<torch::Tensor>& blocked, int64_t panel_min_batch) {
+    c10::IntArrayRef rows, at::TensorList qkv_bias, at::TensorList qk_norm, const torch::Tensor& mlp_norm, double eps,
+    const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, const c10::optional<torch::Tensor>& key_cache,
+    const c10::optional<torch::Tensor>& value_cache, int64_t start, double divisor,
+    const c10::optional<torch::Tensor>& blocked, int64_t panel_min_batch) {
   TORCH_CHECK(weights.size() == 7 && ggml_types.size() == 7 && rows.size() == 7,
               "workbench cpu kernels: block_exact takes wq, wk, wv, wo, w_gate, w_up and w_down");
+  TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == 3, "workbench cpu kernels: block_exact's biases are q, k and v's");
+  TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "workbench cpu kernels: block_exact's qk norms are q and k's");
   const auto project = [&](const torch::Tensor& input, size_t first, size_t count) {
     return linear_exact(input, weights.slice(first, count), ggml_types.slice(first, count), rows.slice(first, count),
                         input.size(1), panel_min_batch);
   };
-  const int64_t tokens = x.size(0), n_q = rows[0], n_kv = rows[1];
+  const int64_t tokens = x.size(0), n_q = rows[0], n_kv = rows[1], d = cos.size(2);
   const torch::Tensor qkv = project(normalized, 0, 3);
-  const torch::Tensor z = rope_attention(qkv.narrow(1, 0, n_q), qkv.narrow(1, n_q, n_kv),
-                                         qkv.narrow(1, n_q + n_kv, rows[2]), cos, sin, interleaved, key_cache,
-                                         value_cache, start, divisor, blocked);
+  torch::Tensor parts[3] = {qkv.narrow(1, 0, n_q), qkv.narrow(1, n_q, n_kv), qkv.narrow(1, n_q + n_kv, rows[2])};
+  for (size_t p = 0; p < qkv_bias.size(); ++p) parts[p] = parts[p] + qkv_bias[p];
+  for (size_t p = 0; p < qk_norm.size(); ++p) {  // layer_ops.rms_norm of [T, heads, d] as [T * heads, d]
+    const int64_t width = parts[p].size(1);
+    parts[p] = std::get<1>(rms_norm(parts[p].reshape({tokens * width / d, d}).contiguous(), qk_norm[p], eps))
+                   .view({tokens, width});
+  }
+  const torch::Tensor z = rope_attention(parts[0], parts[1], parts[2], cos, sin, interleaved, key_cache, value_cache,
+                                         start, divisor, blocked);
   const torch::Tensor attn_out = project(z.reshape({tokens, n_q}), 3, 1);
   auto [mid, scale, mlp_in] = add_rms_norm(x, attn_out, mlp_norm, eps);
   const torch::Tensor gate_up = project(mlp_in, 4, 2);
@@ -1732,9 +1742,9 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
         "Tensor? value_cache, int start, float divisor, Tensor? blocked) -> Tensor");
   // a whole plain block with no hook inside it (eager forward): its stream after attention and its MLP's output
-  m.def("block_exact(Tensor x, Tensor normalized, Tensor[] weights, int[] ggml_types, int[] rows, Tensor mlp_norm, "
-        "float eps, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, Tensor? value_cache, int start, "
-        "float divisor, Tensor? blocked, int panel_min_batch) -> (Tensor, Tensor)");
+  m.def("block_exact(Tensor x, Tensor normalized, Tensor[] weights, int[] ggml_types, int[] rows, Tensor[] qkv_bias, "
+        "Tensor[] qk_norm, Tensor mlp_norm, float eps, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
+        "Tensor? value_cache, int start, float divisor, Tensor? blocked, int panel_min_batch) -> (Tensor, Tensor)");
   // c + a @ b, each output a chain of float32 fused multiply-adds in order (llama.cpp numerics' attention)
   m.def("fma_chain(Tensor a, Tensor b, Tensor c) -> Tensor");
   // ggml-cpu's polynomial exp (ggml_v_expf) of each value
