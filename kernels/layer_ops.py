@@ -73,6 +73,7 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     return {"rms_norm": glue, "add_rms_norm": "torch add + torch" if glue == "torch" else glue, "rope": glue,
             "attention_scores": attention, "attend": attention, "swiglu": glue,
             "rope_attention": "cpu-cxx" if native else "separate ops",
+            "block_exact": "cpu-cxx" if native else "separate ops",
             "packed_attention": "triton" if on_triton else "padded ops"}
 
 

@@ -248,7 +248,7 @@ def test_cuda_info_names_the_triton_glue(tiny_model):
     model = tiny_model("llama", "Q8_0", n_layers=1, device="cuda", dtype=torch.bfloat16)
     assert model.info()["layer_ops"] == {
         **{op: "triton" for op in ("rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu")},
-        "rope_attention": "separate ops", "packed_attention": "triton"}
+        "rope_attention": "separate ops", "block_exact": "separate ops", "packed_attention": "triton"}
 
 
 def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
@@ -261,7 +261,7 @@ def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
     with layer_ops.torch_formulas():
         assert layer_ops.implementations(model.device, model.dtype) == {
             "rms_norm": "torch", "add_rms_norm": "torch add + torch", "rope": "torch", "attention_scores": "torch-bmm",
-            "attend": "torch-bmm", "swiglu": "torch", "rope_attention": "separate ops",
+            "attend": "torch-bmm", "swiglu": "torch", "rope_attention": "separate ops", "block_exact": "separate ops",
             "packed_attention": "padded ops"}
         formulas = model.forward(ids)
     expected_norm = "cpu-cxx" if cpu.extension() is not None else "torch"
