@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from workbench import hooks
-from workbench.kernels import layer_ops
 from workbench.errors import HookError, WorkbenchError
+from workbench.kernels import layer_ops
 from workbench.runner import BatchLayout
 
 # ids prompts of different lengths for the random models (their tokenizer is byte-level)
@@ -497,8 +497,6 @@ def test_no_sharing_with_interventions_or_short_prefixes(llama, monkeypatch):
     assert widths == [sum(map(len, prompts)), 10 * len(PROMPTS) + sum(map(len, PROMPTS))]
 
 
-# ---------------------------------------------------------------------------------------------- CUDA
-
 # ------------------------------------------------------------------------------------- packed attention
 
 
@@ -551,6 +549,8 @@ def test_recording_scores_and_patterns_keeps_the_packed_attention(llama, packed_
             assert not torch.equal(a.logits, b.logits)
             assert_close_logits(a.logits, p.logits)
 
+
+# ---------------------------------------------------------------------------------------------- CUDA
 
 # bfloat16 activations round each matmul's output to 8 bits of mantissa, so a matmul of more rows (another kernel or
 # tiling) can move a logit by a few of its units in the last place: the bound is relative to the logits' range.

@@ -488,9 +488,11 @@ class Model:
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
                       shared: int, lora: Lora | LoraRows | None = None, logits: bool = True) -> torch.Tensor:
         """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``); without
-        ``logits``, the residual stream after the last block (the final norm and the unembedding do not run). A prefix
-        all rows share is computed once first; a prompt longer than a forward takes runs in chunks through a cache, as
-        a long prefill does."""
+        ``logits`` (no ``shared`` prefix then), the residual stream after the last block: the final norm and the
+        unembedding do not run. A prefix all rows share is computed once first; a prompt longer than a forward takes
+        runs in chunks through a cache, as a long prefill does."""
+        if shared and not logits:
+            raise ValueError("_forward_rows: a shared prefix's forwards give logits")
         stop = None if logits else self.config.n_layers
         longest = max(map(len, rows))
         if shared:

@@ -504,22 +504,22 @@ class Transformer:
         self.embed_scale = math.sqrt(c.d_model) if self.arch.embed_scale else None
         self._sliding = [c.is_sliding(i) for i in range(c.n_layers)]
         self._names = [self._block_names(i, last=i + 1 == c.n_layers) for i in range(c.n_layers)]
-        # the layers whose attention is llama's: layer_ops.rope_attention may run it
-        self._plain_attention = [layer.wk is not None and not c.qk_norm and layer.v_norm is None and not c.attn_softcap
-                                 and layer.sinks is None and i not in self._kv_reused
-                                 for i, layer in enumerate(self.weights.layers)]
+        layers = self.weights.layers
+        # the layers whose attention is a plain softmax over their own keys: layer_ops.packed_attention may run a
+        # batch's without a cache
+        self._packed_attention = [layer.wk is not None and not c.attn_softcap and layer.sinks is None
+                                  and i not in self._kv_reused for i, layer in enumerate(layers)]
+        # of those, the ones whose attention is llama's: layer_ops.rope_attention may run it
+        self._plain_attention = [own and not c.qk_norm and layer.v_norm is None
+                                 for own, layer in zip(self._packed_attention, layers)]
         # the blocks of llama's form (Qwen2's biases and Qwen3's norms of each head of q and k included), which
         # layer_ops.block_exact may run whole where no hook lies inside them
-        self._plain_block = [layer.wk is not None and self.arch.qk_norm in (None, "head") and layer.v_norm is None
-                             and not c.attn_softcap and layer.sinks is None and i not in self._kv_reused
-                             and layer.bo is None and not self.arch.post_norms and layer.moe is None
-                             and self.arch.activation != "gelu_tanh" and layer.per_layer_gate is None
-                             and layer.out_scale is None and layer.attn_norm is not None
-                             and layer.mlp_norm is not None and layer.wqkv is None and layer.w_gate_up is None
-                             for i, layer in enumerate(self.weights.layers)]
-        # the layers whose batched attention, without a cache, layer_ops.packed_attention may run
-        self._packed_attention = [layer.wk is not None and not c.attn_softcap and layer.sinks is None
-                                  and i not in self._kv_reused for i, layer in enumerate(self.weights.layers)]
+        self._plain_block = [own and self.arch.qk_norm in (None, "head") and layer.v_norm is None and layer.bo is None
+                             and not self.arch.post_norms and layer.moe is None and self.arch.activation != "gelu_tanh"
+                             and layer.per_layer_gate is None and layer.out_scale is None
+                             and layer.attn_norm is not None and layer.mlp_norm is not None
+                             and layer.wqkv is None and layer.w_gate_up is None
+                             for own, layer in zip(self._packed_attention, layers)]
 
     def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int,
                     yarn: YaRN | None = None) -> tuple[torch.Tensor, torch.Tensor]:
