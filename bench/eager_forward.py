@@ -1,7 +1,8 @@
 """The eager forward (every hooked run, every prompt's prefill) with the glue's own implementations against its torch
 formulas: ``workbench.kernels.layer_ops`` (RMSNorm, the residual sum with its norm, rope, attention's products,
 SwiGLU) as C++ calls (CPU) or Triton kernels (CUDA), or under ``layer_ops.torch_formulas()``; on the CPU also with each
-plain block as its separate calls instead of one ``layer_ops.block_exact``; on CUDA also with every Triton kernel (the
+plain block as its separate calls, or whole in a call of its own, instead of a run of blocks in one
+``layer_ops.blocks_exact``; on CUDA also with every Triton kernel (the
 matmuls' too) launched through Triton's own launcher instead of ``workbench.kernels.triton.launch``'s kept kernels.
 All run in one process, taking turns forward by forward, so a noisy host slows them alike; each figure is the median
 (and min) of ``--repeats`` forwards after 3 warm-ups, and the ratio the median of the paired forwards' ratios.
@@ -31,18 +32,30 @@ import workbench
 from decode import SHAPES, synchronize, synthetic_model
 from workbench import hooks
 from workbench.kernels import layer_ops
+from workbench.runner import Transformer
 from workbench.synthetic import random_checkpoint, random_config
 
 
 @contextlib.contextmanager
 def separate_blocks():
-    """Each plain block as its separate calls: ``layer_ops.block_exact`` declines, as it does where a hook lies inside."""
-    whole = layer_ops.block_exact
-    layer_ops.block_exact = lambda *args: None
+    """Each plain block as its separate calls: ``layer_ops.blocks_exact`` declines, as it does where a hook lies inside."""
+    whole = layer_ops.blocks_exact
+    layer_ops.blocks_exact = lambda *args: None
     try:
         yield
     finally:
-        layer_ops.block_exact = whole
+        layer_ops.blocks_exact = whole
+
+
+@contextlib.contextmanager
+def one_block_a_call():
+    """Each plain block whole but in a call of its own, as where hooks lie between every two blocks."""
+    runs = Transformer._whole_run
+    Transformer._whole_run = lambda *args: min(1, runs(*args))
+    try:
+        yield
+    finally:
+        Transformer._whole_run = runs
 
 
 def forward_ms(runner, ids: torch.Tensor) -> float:
@@ -148,7 +161,7 @@ def time_forwards(args: argparse.Namespace) -> None:
     inputs = {n: torch.randint(0, model.config.vocab_size, (n,)) for n in args.tokens}
     modes = {"torch formulas": layer_ops.torch_formulas, "layer_ops": contextlib.nullcontext}
     if runner.device.type == "cpu":
-        modes = {"separate calls": separate_blocks, **modes}
+        modes = {"separate calls": separate_blocks, "one block a call": one_block_a_call, **modes}
     if runner.device.type == "cuda":
         from workbench.kernels.triton.launch import through_triton
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,7 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     return {"rms_norm": glue, "add_rms_norm": "torch add + torch" if glue == "torch" else glue, "rope": glue,
             "attention_scores": attention, "attend": attention, "swiglu": glue,
             "rope_attention": "cpu-cxx" if native else "separate ops",
-            "block_exact": "cpu-cxx" if native else "separate ops",
+            "blocks_exact": "cpu-cxx" if native else "separate ops",
             "packed_attention": "triton" if on_triton else "padded ops"}
 
 
@@ -293,29 +293,43 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
                                           divisor, blocked)
 
 
-def block_exact(x: torch.Tensor, normalized: torch.Tensor, weights: Sequence[QuantTensor],
-                qkv_bias: Sequence[torch.Tensor], qk_norm: Sequence[torch.Tensor], mlp_norm: torch.Tensor, eps: float,
-                heads: int, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-                kv_slots: tuple[torch.Tensor, torch.Tensor, int] | None, divisor: float,
-                blocked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A block of llama's form where no hook lies inside it, in one C++ call: from its input stream ``x`` ``[T,
-    d_model]`` and that stream's first norm ``normalized``, through ``weights`` ``(wq, wk, wv, wo, w_gate, w_up,
-    w_down)`` (with ``qkv_bias``, q, k and v's biases, and ``qk_norm``, the RMSNorm weights of each head of q and k,
-    where given), ``rope_attention`` (``heads``, ``cos``, ``sin``, ``kv_slots``, ``divisor`` and ``blocked`` as there),
-    the residual sum with the norm ``mlp_norm`` and SwiGLU: the stream after attention and the MLP's output, with the
-    bits of the separate calls (``linear``'s exact CPU kernel, the bias sums, ``rms_norm``, ``rope_attention``,
-    ``add_rms_norm``, ``swiglu``), which an eager decode step pays for in Python more than in arithmetic. None where it
-    does not run: as ``rope_attention``, and in exact numerics with every weight of a format the C++ kernels read."""
-    tokens, slots = x.shape[0], x.shape[0] + (kv_slots[2] if kv_slots is not None else 0)
-    if (not _native(x, cos) or get_numerics() != "exact" or cos.shape[-1] * heads != weights[0].shape[0]
+class PlainBlock(NamedTuple):
+    """A decoder block of llama's form as ``blocks_exact`` reads it."""
+    attn_norm: torch.Tensor  # its first norm's weight
+    weights: Sequence[QuantTensor]  # wq, wk, wv, wo, w_gate, w_up, w_down
+    qkv_bias: Sequence[torch.Tensor]  # q, k and v's biases (Qwen2's), or none
+    qk_norm: Sequence[torch.Tensor]  # the RMSNorm weights of each head of q and of k (Qwen3's), or none
+    mlp_norm: torch.Tensor
+
+
+def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[PlainBlock], eps: float, heads: int,
+                 rotations: Sequence[tuple[torch.Tensor, torch.Tensor]], interleaved: bool,
+                 kv_slots: Sequence[tuple[torch.Tensor, torch.Tensor, int]] | None, divisor: float,
+                 blocked: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Consecutive blocks of llama's form with no hook inside them nor between them, in one C++ call: from the first
+    one's input stream ``x`` ``[T, d_model]`` and its first norm ``normalized``, each block's projections, attention
+    (``rope_attention`` with its own ``rotations``, ``kv_slots`` and ``blocked``, ``heads`` and ``divisor``), residual
+    sum with its second norm, SwiGLU, and between two blocks the residual sum with the next one's first norm: the last
+    block's stream after attention and its MLP's output, with the bits of the separate calls (``linear``'s exact CPU
+    kernel, the bias sums, ``rms_norm``, ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager decode step
+    pays for in Python more than in arithmetic. None where it does not run: as ``rope_attention``, and in exact
+    numerics with every weight of a format the C++ kernels read."""
+    tokens, slots = x.shape[0], x.shape[0] + (kv_slots[0][2] if kv_slots is not None else 0)
+    cos = rotations[0][0]
+    weights = [w for block in blocks for w in block.weights]
+    if (not _native(x, cos) or get_numerics() != "exact"
+            or any(cos.shape[-1] * heads != weights[0].shape[0] for cos, _ in rotations)
             or heads * tokens * slots * 4 > SCORES_BUDGET or any(w.fmt.ggml_type not in cpu.SUPPORTED_TYPES
                                                                 for w in weights)):
         return None
-    keys, values, start = kv_slots if kv_slots is not None else (None, None, 0)
-    return cpu.extension().block_exact(x, normalized, [w.data for w in weights], [w.fmt.ggml_type for w in weights],
-                                       [w.shape[0] for w in weights], qkv_bias, qk_norm, mlp_norm, eps,
-                                       cos.contiguous(), sin.contiguous(), interleaved, keys, values, start, divisor,
-                                       blocked, cpu.PANEL_MIN_BATCH)
+    start = kv_slots[0][2] if kv_slots is not None else 0
+    return cpu.extension().blocks_exact(
+        x, normalized, [w.data for w in weights], [w.fmt.ggml_type for w in weights], [w.shape[0] for w in weights],
+        [t for block in blocks for t in block.qkv_bias], [t for block in blocks for t in block.qk_norm],
+        [block.attn_norm for block in blocks[1:]], [block.mlp_norm for block in blocks], eps,
+        [cos.contiguous() for cos, _ in rotations], [sin.contiguous() for _, sin in rotations], interleaved,
+        [keys for keys, _, _ in kv_slots or ()], [values for _, values, _ in kv_slots or ()], start, divisor,
+        list(blocked), cpu.PANEL_MIN_BATCH)
 
 
 # The last mask ``_causal`` looked at and its answer, as one pair: every layer of a forward passes the same mask, and

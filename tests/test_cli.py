@@ -82,7 +82,7 @@ def test_info_json(capsys):
     # C++ call with the rope and the cache's write where no hook lies between them
     assert out["layer_ops"] == {"rms_norm": "cpu-cxx", "add_rms_norm": "cpu-cxx", "rope": "cpu-cxx",
                                 "attention_scores": "torch-bmm", "attend": "torch-bmm", "swiglu": "cpu-cxx",
-                                "rope_attention": "cpu-cxx", "block_exact": "cpu-cxx", "packed_attention": "padded ops"}
+                                "rope_attention": "cpu-cxx", "blocks_exact": "cpu-cxx", "packed_attention": "padded ops"}
 
 
 def test_errors_are_one_line_without_traceback(tmp_path):

@@ -163,9 +163,9 @@ def test_decode_steps_without_hooks_inside_attention_keep_every_bit(family, tiny
     cache, bit for bit."""
     model = tiny_model(**family, fmt="Q8_0", n_layers=2, device="cpu")
     runner, ids = model.runner, [3, 14, 15, 92, 65, 35]
-    blocks, attentions = [], []
-    block_exact, rope_attention = layer_ops.block_exact, layer_ops.rope_attention
-    monkeypatch.setattr(layer_ops, "block_exact", lambda *a: blocks.append(1) or block_exact(*a))
+    blocks, attentions = [], []  # the blocks of each call of layer_ops.blocks_exact, each call of rope_attention
+    blocks_exact, rope_attention = layer_ops.blocks_exact, layer_ops.rope_attention
+    monkeypatch.setattr(layer_ops, "blocks_exact", lambda *a: blocks.append(len(a[2])) or blocks_exact(*a))
     monkeypatch.setattr(layer_ops, "rope_attention", lambda *a: attentions.append(1) or rope_attention(*a))
     inside = {f"blocks.{i}.attn.hook_rot_k": [lambda x, ctx: None] for i in range(runner.config.n_layers)}
     results = []
@@ -174,49 +174,54 @@ def test_decode_steps_without_hooks_inside_attention_keep_every_bit(family, tiny
         logits = [runner.forward(torch.tensor(ids), cache=cache, hooks=hooks)]
         logits += [runner.forward(torch.tensor([t]), cache=cache, hooks=hooks, step=s) for s, t in enumerate(ids, 1)]
         results.append((logits, [cache.get(i) for i in range(runner.config.n_layers)]))
-    assert (len(blocks), len(attentions)) == (7 * runner.config.n_layers, 0)  # every forward without hooks, whole
+    # every forward without hooks: its blocks whole, in one call
+    assert (blocks, len(attentions)) == ([runner.config.n_layers] * 7, 0)
     (plain, plain_cache), (hooked, hooked_cache) = results
     assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
     assert all(torch.equal(a, b) for layer, other in zip(plain_cache, hooked_cache) for a, b in zip(layer, other))
 
 
 def test_whole_blocks_run_where_no_hook_lies_inside_them(tiny_model, monkeypatch):
-    """Hooks on a block's edges (its input stream, first norm and output stream) keep it one call; a hook inside a
-    block runs that block alone step by step; either way the logits keep every bit, and an edit inside reaches them.
-    The glue as torch formulas runs no C++ block."""
+    """Consecutive blocks with no hook inside them nor between them run as one call; hooks on the edges of a block (its
+    input stream, first norm and output stream) keep it whole but end the run there; a hook inside a block runs that
+    block alone step by step; either way the logits keep every bit, and an edit inside reaches them. The glue as torch
+    formulas runs no C++ block."""
     model = tiny_model("llama", "Q8_0", n_layers=3, device="cpu")
     ids = [3, 14, 15, 92, 65]
-    ran = []  # per call of layer_ops.block_exact: whether the block ran whole
-    block_exact = layer_ops.block_exact
+    runs = []  # per call of layer_ops.blocks_exact: its number of blocks, or 0 where it did not run
+    blocks_exact = layer_ops.blocks_exact
 
     def counted(*args):
-        out = block_exact(*args)
-        ran.append(out is not None)
+        out = blocks_exact(*args)
+        runs.append(len(args[2]) if out is not None else 0)
         return out
 
-    monkeypatch.setattr(layer_ops, "block_exact", counted)
+    monkeypatch.setattr(layer_ops, "blocks_exact", counted)
 
-    def whole_blocks(run) -> int:
-        ran.clear()
+    def whole_runs(run) -> list[int]:
+        runs.clear()
         run()
-        return sum(ran)
+        return list(runs)
 
     plain = model.forward(ids)
     edges = ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post", "blocks.*.ln1.hook_normalized"]
-    assert whole_blocks(lambda: model.forward(ids)) == 3
+    assert whole_runs(lambda: model.forward(ids)) == [3]
     recorded = []
-    assert whole_blocks(lambda: recorded.append(model.run(ids, record=edges).logits)) == 3
-    assert whole_blocks(lambda: recorded.append(model.run(ids, record=["blocks.1.hook_mlp_out"]).logits)) == 2
+    assert whole_runs(lambda: recorded.append(model.run(ids, record=edges).logits)) == [1, 1, 1]
+    assert whole_runs(lambda: recorded.append(model.run(ids, record=["blocks.0.hook_resid_post"]).logits)) == [1, 2]
+    assert whole_runs(lambda: recorded.append(model.run(ids, record=["blocks.1.ln1.hook_scale"]).logits)) == [1, 2]
+    assert whole_runs(lambda: recorded.append(model.run(ids, record=["blocks.1.hook_mlp_out"]).logits)) == [1, 1]
+    assert whole_runs(lambda: recorded.append(model.run(ids, record=["blocks.2.hook_resid_post"]).logits)) == [3]
     assert all(torch.equal(logits, plain) for logits in recorded)
     edited = []
-    assert whole_blocks(lambda: edited.append(model.forward(ids, interventions=[
-        hooks.ZeroAblate("blocks.1.mlp.hook_post")]))) == 2
+    assert whole_runs(lambda: edited.append(model.forward(ids, interventions=[
+        hooks.ZeroAblate("blocks.1.mlp.hook_post")]))) == [1, 1]
     assert not torch.equal(edited[0], plain)
     with layer_ops.torch_formulas():
-        assert whole_blocks(lambda: model.forward(ids)) == 0 and len(ran) == 3
+        assert whole_runs(lambda: model.forward(ids)) == [0, 0, 0]
     # a rope over part of each head (Phi-3) takes the separate calls
     partial = tiny_model("llama", "Q8_0", n_layers=2, device="cpu", partial_rotary=0.5)
-    assert whole_blocks(lambda: partial.forward(ids)) == 0 and len(ran) == 2
+    assert whole_runs(lambda: partial.forward(ids)) == [0, 0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
@@ -248,7 +253,7 @@ def test_cuda_info_names_the_triton_glue(tiny_model):
     model = tiny_model("llama", "Q8_0", n_layers=1, device="cuda", dtype=torch.bfloat16)
     assert model.info()["layer_ops"] == {
         **{op: "triton" for op in ("rms_norm", "add_rms_norm", "rope", "attention_scores", "attend", "swiglu")},
-        "rope_attention": "separate ops", "block_exact": "separate ops", "packed_attention": "triton"}
+        "rope_attention": "separate ops", "blocks_exact": "separate ops", "packed_attention": "triton"}
 
 
 def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
@@ -261,7 +266,7 @@ def test_torch_formulas_switch_the_glue_and_agree_with_it(tiny_model):
     with layer_ops.torch_formulas():
         assert layer_ops.implementations(model.device, model.dtype) == {
             "rms_norm": "torch", "add_rms_norm": "torch add + torch", "rope": "torch", "attention_scores": "torch-bmm",
-            "attend": "torch-bmm", "swiglu": "torch", "rope_attention": "separate ops", "block_exact": "separate ops",
+            "attend": "torch-bmm", "swiglu": "torch", "rope_attention": "separate ops", "blocks_exact": "separate ops",
             "packed_attention": "padded ops"}
         formulas = model.forward(ids)
     expected_norm = "cpu-cxx" if cpu.extension() is not None else "torch"

@@ -513,7 +513,7 @@ class Transformer:
         self._plain_attention = [own and not c.qk_norm and layer.v_norm is None
                                  for own, layer in zip(self._packed_attention, layers)]
         # the blocks of llama's form (Qwen2's biases and Qwen3's norms of each head of q and k included), which
-        # layer_ops.block_exact may run whole where no hook lies inside them
+        # layer_ops.blocks_exact may run whole where no hook lies inside them
         self._plain_block = [own and self.arch.qk_norm in (None, "head") and layer.v_norm is None and layer.bo is None
                              and not self.arch.post_norms and layer.moe is None and self.arch.activation != "gelu_tanh"
                              and layer.per_layer_gate is None and layer.out_scale is None
@@ -573,11 +573,14 @@ class Transformer:
         names["scores_and_pattern"] = frozenset(names[p] for p in ("attn.hook_attn_scores", "attn.hook_pattern"))
         names["rotated_to_pattern"] = names["scores_and_pattern"] | {names["attn.hook_rot_q"], names["attn.hook_rot_k"]}
         names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
-        # the points of the block after its first norm and before its output (layer_ops.block_exact skips them)
+        # the points of the block after its first norm and before its output (layer_ops.blocks_exact skips them)
         names["inside_block"] = frozenset(name for p, name in names.items() if isinstance(name, str) and p not in (
             "hook_resid_pre", "hook_resid_post", "ln1.hook_scale", "ln1.hook_normalized"))
         if not last:  # the last block's output goes to the final norm, with no next block's resid_pre between them
             names["after_mlp"] = ((names["hook_resid_post"], i), (f"blocks.{i + 1}.hook_resid_pre", i + 1))
+            # the points between this block and the next one's first norm (layer_ops.blocks_exact skips them)
+            names["between_blocks"] = frozenset({names["hook_resid_post"], f"blocks.{i + 1}.hook_resid_pre",
+                                                 f"blocks.{i + 1}.ln1.hook_scale", f"blocks.{i + 1}.ln1.hook_normalized"})
         return names
 
     def _cache_heads(self) -> tuple:
@@ -700,17 +703,19 @@ class Transformer:
         normalized = rms_norm(x, w.layers[first].attn_norm, c.rms_eps, point, self._names[first]["ln1"], first)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
-        for i, layer in enumerate(w.layers[first:stop], first):
-            names = self._names[i]
-            adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
-            layer_rotation, layer_blocked = ((local_rotation, local_blocked) if self._sliding[i]
-                                             else (rotation, blocked))
-            whole = (self._whole_block(x, normalized, layer, i, layer_rotation, layer_blocked, cache)
-                     if self._plain_block[i] and layout is None and not adapter
-                     and not point.wants_any(names["inside_block"]) else None)
-            if whole is not None:  # the block in one call, with the bits of the steps below
-                x, mlp_out = whole
+        i = first
+        while i < stop:
+            layer, names = w.layers[i], self._names[i]
+            run = self._whole_run(i, stop, point, layout, segments, cache)
+            whole = (self._whole_blocks(x, normalized, i, run, rotation, blocked, local_rotation, local_blocked, cache)
+                     if run else None)
+            if whole is not None:  # blocks i .. i + run - 1 in one call, with the bits of the steps below
+                (x, mlp_out), i = whole, i + run - 1
+                layer, names = w.layers[i], self._names[i]
             else:
+                adapter = [(terms[i], rows) for terms, rows in segments if terms[i]]
+                layer_rotation, layer_blocked = ((local_rotation, local_blocked) if self._sliding[i]
+                                                 else (rotation, blocked))
                 attn_out = self.attention(normalized, layer, i, layer_rotation, layer_blocked, cache, point, layout,
                                           adapter, shared_kv)
                 if self.arch.post_norms:
@@ -724,20 +729,21 @@ class Transformer:
                 mlp_out = point(names["hook_mlp_out"], mlp_out, i)
             if layer.per_layer_gate is not None or layer.out_scale is not None:  # Gemma 4: the sum is taken here
                 x, mlp_out = self._block_tail(x + mlp_out, layer, i, point, per_layer), None
-            if i + 1 < stop and i + 1 not in self.range_starts:
-                x, normalized = add_rms_norm(x, mlp_out, w.layers[i + 1].attn_norm, c.rms_eps, point,
-                                             names["after_mlp"], self._names[i + 1]["ln1"], i + 1)
+            i += 1
+            if i < stop and i not in self.range_starts:
+                x, normalized = add_rms_norm(x, mlp_out, w.layers[i].attn_norm, c.rms_eps, point, names["after_mlp"],
+                                             self._names[i]["ln1"], i)
                 continue
-            x = point(names["hook_resid_post"], x if mlp_out is None else x + mlp_out, i)
-            if i + 1 < stop:  # the next range's device takes the residual stream and what every layer reads
-                device = self.devices[i + 1]
+            x = point(names["hook_resid_post"], x if mlp_out is None else x + mlp_out, i - 1)
+            if i < stop:  # the next range's device takes the residual stream and what every layer reads
+                device = self.devices[i]
                 x, positions, rotation, blocked, local_rotation, local_blocked, per_layer = _to(
                     device, x, positions, rotation, blocked, local_rotation, local_blocked, per_layer)
                 shared_kv = {j: _to(device, *kv) for j, kv in shared_kv.items()}
                 layout = layout.to(device) if layout is not None else None
                 point = _Points(hooks, positions, step, layout)
-                x = point(self._names[i + 1]["hook_resid_pre"], x, i + 1)
-                normalized = rms_norm(x, w.layers[i + 1].attn_norm, c.rms_eps, point, self._names[i + 1]["ln1"], i + 1)
+                x = point(self._names[i]["hook_resid_pre"], x, i)
+                normalized = rms_norm(x, w.layers[i].attn_norm, c.rms_eps, point, self._names[i]["ln1"], i)
 
         if stop_at_layer is None:
             x = self._logits(x, point, layout, last_logits_only, logit_ids)
@@ -745,19 +751,39 @@ class Transformer:
             cache.commit(fed)
         return x
 
-    def _whole_block(self, x: torch.Tensor, normalized: torch.Tensor, layer, i: int,
-                     rotation: tuple[torch.Tensor, torch.Tensor], blocked: torch.Tensor | None,
-                     cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A plain block with no hook inside it as one call (``layer_ops.block_exact``): the stream after attention
-        and the MLP's output; None where that call does not run."""
-        c = self.config
-        slots = cache.buffers(i) if cache is not None else None
-        if cache is not None and slots is None:
-            return None
-        qkv_bias = (layer.bq, layer.bk, layer.bv) if c.qkv_bias else ()
-        qk_norm = (layer.q_norm, layer.k_norm) if c.qk_norm else ()
-        return layer_ops.block_exact(x, normalized, layer.block_weights(), qkv_bias, qk_norm, layer.mlp_norm, c.rms_eps,
-                                     c.n_heads, *rotation, c.rope_interleaved, slots, self.attn_scale, blocked)
+    def _whole_run(self, i: int, stop: int, point: _Points, layout: BatchLayout | None, segments: list,
+                   cache: KVCache | None) -> int:
+        """How many blocks from block ``i`` on (before ``stop``) may run as one call (``layer_ops.blocks_exact``):
+        plain blocks of one device, without an adapter's terms, whose cache layers take the op's writes, with no hook
+        inside them nor between two of them (a hook on the first one's input or first norm, or the last one's output,
+        keeps them). 0 where block ``i`` may not."""
+        if layout is not None:
+            return 0
+        n = 0
+        while (i + n < stop and self._plain_block[i + n] and not point.wants_any(self._names[i + n]["inside_block"])
+               and not any(terms[i + n] for terms, _ in segments)
+               and (cache is None or cache.buffers(i + n) is not None)):
+            n += 1
+            if (i + n in self.range_starts or i + n == self.config.n_layers
+                    or point.wants_any(self._names[i + n - 1]["between_blocks"])):
+                break
+        return n
+
+    def _whole_blocks(self, x: torch.Tensor, normalized: torch.Tensor, i: int, n: int,
+                      rotation: tuple[torch.Tensor, torch.Tensor], blocked: torch.Tensor | None,
+                      local_rotation: tuple[torch.Tensor, torch.Tensor], local_blocked: torch.Tensor | None,
+                      cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Blocks ``i`` .. ``i + n - 1`` as one call (``layer_ops.blocks_exact``): the last one's stream after attention
+        and its MLP's output; None where that call does not run."""
+        c, span = self.config, range(i, i + n)
+        blocks = [layer_ops.PlainBlock(
+            layer.attn_norm, layer.block_weights(), (layer.bq, layer.bk, layer.bv) if c.qkv_bias else (),
+            (layer.q_norm, layer.k_norm) if c.qk_norm else (), layer.mlp_norm) for layer in self.weights.layers[i:i + n]]
+        return layer_ops.blocks_exact(
+            x, normalized, blocks, c.rms_eps, c.n_heads,
+            [local_rotation if self._sliding[j] else rotation for j in span], c.rope_interleaved,
+            None if cache is None else [cache.buffers(j) for j in span], self.attn_scale,
+            [local_blocked if self._sliding[j] else blocked for j in span])
 
     def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
                 logit_ids: torch.Tensor | None) -> torch.Tensor:

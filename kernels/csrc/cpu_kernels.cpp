@@ -1396,18 +1396,13 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
 // head of q and k through its RMSNorm qk_norm, Qwen3's), rope_attention (cache and mask as there), the output projection
 // (weights[3]), the residual sum with the second norm (mlp_norm), gate and up (weights[4..5]), swiglu and the down
 // projection (weights[6]). Each step is the call the runner's eager forward makes for it, on the same tensors, so the
-// bits are the same: one op call a block instead of about twelve and their Python. Returns the stream after attention
-// and the MLP's output, whose sum the runner takes with the next block's norm.
-std::tuple<torch::Tensor, torch::Tensor> block_exact(
+// bits are the same. Returns the stream after attention and the MLP's output.
+std::tuple<torch::Tensor, torch::Tensor> one_block(
     const torch::Tensor& x, const torch::Tensor& normalized, at::TensorList weights, c10::IntArrayRef ggml_types,
     c10::IntArrayRef rows, at::TensorList qkv_bias, at::TensorList qk_norm, const torch::Tensor& mlp_norm, double eps,
     const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved, const c10::optional<torch::Tensor>& key_cache,
     const c10::optional<torch::Tensor>& value_cache, int64_t start, double divisor,
     const c10::optional<torch::Tensor>& blocked, int64_t panel_min_batch) {
-  TORCH_CHECK(weights.size() == 7 && ggml_types.size() == 7 && rows.size() == 7,
-              "workbench cpu kernels: block_exact takes wq, wk, wv, wo, w_gate, w_up and w_down");
-  TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == 3, "workbench cpu kernels: block_exact's biases are q, k and v's");
-  TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "workbench cpu kernels: block_exact's qk norms are q and k's");
   const auto project = [&](const torch::Tensor& input, size_t first, size_t count) {
     return linear_exact(input, weights.slice(first, count), ggml_types.slice(first, count), rows.slice(first, count),
                         input.size(1), panel_min_batch);
@@ -1428,6 +1423,44 @@ std::tuple<torch::Tensor, torch::Tensor> block_exact(
   const torch::Tensor gate_up = project(mlp_in, 4, 2);
   const torch::Tensor hidden = swiglu(gate_up.narrow(1, 0, rows[4]), gate_up.narrow(1, rows[4], rows[5]));
   return {mid, project(hidden, 6, 1)};
+}
+
+// A run of n consecutive blocks of llama's form with no hook inside them nor between them (one_block each), from the
+// first one's input stream x [T, d_model] and its first norm normalized; between two blocks the residual sum with the
+// next one's first norm (attn_norms[l - 1] before block l: add_rms_norm, as the runner takes it). Block l's arguments
+// are its slice of each list: 7 weights (wq, wk, wv, wo, w_gate, w_up, w_down) with their GGUF types and rows, 3
+// biases and 2 qk norms where given, its mlp_norm, cos, sin, mask and cache buffers (none without a cache). One op
+// call for a decode step's blocks instead of one a block and the Python between them, with the same bits. Returns the
+// last block's stream after attention and its MLP's output, whose sum the runner takes with the norm after it.
+std::tuple<torch::Tensor, torch::Tensor> blocks_exact(
+    const torch::Tensor& x, const torch::Tensor& normalized, at::TensorList weights, c10::IntArrayRef ggml_types,
+    c10::IntArrayRef rows, at::TensorList qkv_bias, at::TensorList qk_norm, at::TensorList attn_norms,
+    at::TensorList mlp_norms, double eps, at::TensorList cos, at::TensorList sin, bool interleaved,
+    at::TensorList key_caches, at::TensorList value_caches, int64_t start, double divisor,
+    const c10::List<c10::optional<torch::Tensor>>& blocked, int64_t panel_min_batch) {
+  const size_t n = mlp_norms.size();
+  TORCH_CHECK(n > 0 && weights.size() == 7 * n && ggml_types.size() == 7 * n && rows.size() == 7 * n,
+              "workbench cpu kernels: blocks_exact takes wq, wk, wv, wo, w_gate, w_up and w_down for each of ", n,
+              " blocks, got ", weights.size(), " weights");
+  TORCH_CHECK((qkv_bias.empty() || qkv_bias.size() == 3 * n) && (qk_norm.empty() || qk_norm.size() == 2 * n) &&
+                  attn_norms.size() == n - 1 && cos.size() == n && sin.size() == n && blocked.size() == n &&
+                  key_caches.size() == value_caches.size() && (key_caches.empty() || key_caches.size() == n),
+              "workbench cpu kernels: blocks_exact needs for each of ", n, " blocks its q, k and v biases (or none), q "
+              "and k norms (or none), mlp norm, cos, sin, mask and cache buffers (or none), and the first norms of "
+              "all but the first");
+  torch::Tensor stream = x, input = normalized, mlp_out;
+  for (size_t l = 0; l < n; ++l) {
+    if (l > 0) std::tie(stream, std::ignore, input) = add_rms_norm(stream, mlp_out, attn_norms[l - 1], eps);
+    const auto cache = [&](at::TensorList buffers) {
+      return buffers.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(buffers[l]);
+    };
+    std::tie(stream, mlp_out) = one_block(
+        stream, input, weights.slice(7 * l, 7), ggml_types.slice(7 * l, 7), rows.slice(7 * l, 7),
+        qkv_bias.empty() ? qkv_bias : qkv_bias.slice(3 * l, 3), qk_norm.empty() ? qk_norm : qk_norm.slice(2 * l, 2),
+        mlp_norms[l], eps, cos[l], sin[l], interleaved, cache(key_caches), cache(value_caches), start, divisor,
+        blocked.get(l), panel_min_batch);
+  }
+  return {stream, mlp_out};
 }
 
 // LoRA terms of a group of projections sharing the input x [T, in] (runner.add_lora): each output outs[p] plus its
@@ -1784,10 +1817,12 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
         "Tensor? value_cache, int start, float divisor, Tensor? blocked) -> Tensor");
-  // a whole plain block with no hook inside it (eager forward): its stream after attention and its MLP's output
-  m.def("block_exact(Tensor x, Tensor normalized, Tensor[] weights, int[] ggml_types, int[] rows, Tensor[] qkv_bias, "
-        "Tensor[] qk_norm, Tensor mlp_norm, float eps, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
-        "Tensor? value_cache, int start, float divisor, Tensor? blocked, int panel_min_batch) -> (Tensor, Tensor)");
+  // a run of whole plain blocks with no hook inside or between them (eager forward): the last one's stream after
+  // attention and its MLP's output
+  m.def("blocks_exact(Tensor x, Tensor normalized, Tensor[] weights, int[] ggml_types, int[] rows, Tensor[] qkv_bias, "
+        "Tensor[] qk_norm, Tensor[] attn_norms, Tensor[] mlp_norms, float eps, Tensor[] cos, Tensor[] sin, "
+        "bool interleaved, Tensor[] key_caches, Tensor[] value_caches, int start, float divisor, Tensor?[] blocked, "
+        "int panel_min_batch) -> (Tensor, Tensor)");
   // c + a @ b, each output a chain of float32 fused multiply-adds in order (llama.cpp numerics' attention)
   m.def("fma_chain(Tensor a, Tensor b, Tensor c) -> Tensor");
   // ggml-cpu's polynomial exp (ggml_v_expf) of each value
@@ -1813,7 +1848,7 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("swiglu", &swiglu);
   m.impl("rope", &rope);
   m.impl("rope_attention", &rope_attention);
-  m.impl("block_exact", &block_exact);
+  m.impl("blocks_exact", &blocks_exact);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
   m.impl("llamacpp_rms_norm", &llamacpp_rms_norm);
