@@ -6,12 +6,15 @@
     python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K_M --llama-bench PATH/llama-bench
                                                             # the same GGUF file through llama.cpp's llama-bench
     [--numerics llamacpp]                                   # llama.cpp numerics (Q8 activations, integer dots)
+    python bench/decode.py --by-turns 6 --prefill 16 512 --decode 64
+                                                            # CPU eager decode and llama.cpp's by turns
 
 Every figure in one table comes from the same run, so ratios are side by side.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -25,6 +28,7 @@ import workbench
 from common import copy_bandwidth
 from workbench.generation import Sampling, build_decode_step, generate_tokens
 from workbench.model import Model
+from workbench.runner import Transformer
 from workbench.synthetic import random_checkpoint, random_config, write_gguf
 
 SHAPES = {
@@ -74,14 +78,7 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int, compiled: 
     prompt = torch.randint(0, vocab, (8,)).tolist()
 
     def run_decode() -> float:
-        """Seconds from the first new token (the prompt's prefill is done then) to the last: decode - 1 steps."""
-        tokens = generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set(), compiled=compiled)
-        next(tokens)
-        start = time.perf_counter()
-        for _ in tokens:
-            pass
-        synchronize(runner.device)
-        return time.perf_counter() - start
+        return decode_seconds(runner, prompt, decode, compiled)
 
     if compiled:  # the first call builds the decode step
         start = time.perf_counter()
@@ -89,6 +86,60 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int, compiled: 
         print(f"first generate_tokens call (compiles the decode step): {time.perf_counter() - start:.1f} s")
     out[f"decode {decode}"] = (decode - 1) / median_of(run_decode, repeats)
     return out
+
+
+def decode_seconds(runner, prompt: list[int], decode: int, compiled: bool | None) -> float:
+    """Seconds from the first new token (the prompt's prefill is done then) to the last: decode - 1 steps."""
+    tokens = generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set(), compiled=compiled)
+    next(tokens)
+    start = time.perf_counter()
+    for _ in tokens:
+        pass
+    synchronize(runner.device)
+    return time.perf_counter() - start
+
+
+def llama_cpp_decode_seconds(llm, prompt: list[int], decode: int) -> float:
+    """Seconds from the prompt's logits to the last token: decode - 1 steps, as ``decode_seconds`` times them."""
+    llm.reset()
+    llm.eval(prompt)
+    start = time.perf_counter()
+    for _ in range(decode - 1):
+        llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def one_block_a_call():
+    """The eager CPU forward with each plain block whole but in a call of its own (as where hooks lie between every two
+    blocks) instead of the blocks between two hooks in one ``layer_ops.blocks_exact`` call."""
+    runs = Transformer._whole_run
+    Transformer._whole_run = lambda *args: min(1, runs(*args))
+    try:
+        yield
+    finally:
+        Transformer._whole_run = runs
+
+
+def decode_by_turns(model: Model, threads: int, prefill: list[int], decode: int, rounds: int) -> None:
+    """Eager decode after a prompt of each ``prefill`` length: the workbench's (runs of blocks, and one block a call)
+    and llama.cpp's taking turns round by round, so that a shared machine's slow spells fall on all three alike."""
+    llm = load_llama_cpp(str(model.path), threads, max(prefill) + decode + 32)
+    for n in prefill:
+        prompt = torch.randint(0, model.config.vocab_size, (n,)).tolist()
+        sides = {"workbench": contextlib.nullcontext, "one block a call": one_block_a_call}
+        rates: dict[str, list[float]] = {label: [] for label in (*sides, "llama.cpp")}
+        for round_ in range(rounds + 1):  # the first a warm-up
+            for label, mode in sides.items():
+                with mode():
+                    seconds = decode_seconds(model.runner, prompt, decode, compiled=False)
+                rates[label].append((decode - 1) / seconds)
+            rates["llama.cpp"].append((decode - 1) / llama_cpp_decode_seconds(llm, prompt, decode))
+        medians = {label: statistics.median(r[1:]) for label, r in rates.items()}
+        print(f"prompt {n}, decode {decode}, {rounds} rounds by turns, tokens/s (median): " + ", ".join(
+            f"{label} {m:.1f}" for label, m in medians.items())
+            + f"; workbench / llama.cpp {medians['workbench'] / medians['llama.cpp']:.2f}x, / one block a call "
+            f"{medians['workbench'] / medians['one block a call']:.2f}x")
 
 
 def profile_decode_step(model: Model, top: int = 12) -> None:
@@ -112,7 +163,8 @@ def profile_decode_step(model: Model, top: int = 12) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
-def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats: int) -> dict[str, float] | None:
+def load_llama_cpp(path: str, threads: int, n_ctx: int):
+    """llama-cpp-python's model of the GGUF file at ``path`` (None where it is not installed)."""
     try:
         import llama_cpp
     except ImportError:
@@ -120,8 +172,14 @@ def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats:
     from workbench.parity import without_extra_buffer_types
 
     without_extra_buffer_types()  # ggml's AMX buffer type crashes llama-cpp-python 0.3.36 on the development machine
-    llm = llama_cpp.Llama(path, n_ctx=max(prefill + [decode + 16]) + 16, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    # a batch as long as the context: llama-cpp-python keeps the logits of n_batch positions, which the decode reads
+    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+
+def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats: int) -> dict[str, float] | None:
+    llm = load_llama_cpp(path, threads, max(prefill + [decode + 16]) + 16)
+    if llm is None:
+        return None
     vocab = llm.n_vocab()
     out = {}
     for n in prefill:
@@ -133,17 +191,7 @@ def llama_cpp(path: str, threads: int, prefill: list[int], decode: int, repeats:
 
         out[f"prefill {n}"] = n / timed(run_prefill, torch.device("cpu"), repeats)
     prompt = torch.randint(0, vocab, (8,)).tolist()
-
-    def run_decode() -> float:
-        """Seconds from the prompt's logits to the last token: decode - 1 steps, as ``ours`` times them."""
-        llm.reset()
-        llm.eval(prompt)
-        start = time.perf_counter()
-        for _ in range(decode - 1):
-            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
-        return time.perf_counter() - start
-
-    out[f"decode {decode}"] = (decode - 1) / median_of(run_decode, repeats)
+    out[f"decode {decode}"] = (decode - 1) / median_of(lambda: llama_cpp_decode_seconds(llm, prompt, decode), repeats)
     return out
 
 
@@ -206,6 +254,9 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="CUDA: also time one decode step alone, by kernel")
+    parser.add_argument("--by-turns", type=int, metavar="ROUNDS",
+                        help="CPU: eager decode only, ours (runs of blocks and one block a call) and llama.cpp's "
+                             "taking turns for ROUNDS rounds, after a prompt of each --prefill length")
     parser.add_argument("--numerics", choices=workbench.kernels.NUMERICS, default="exact",
                         help="what the quantized matmuls compute (workbench.kernels.set_numerics)")
     parser.add_argument("--llama-bench", default=None,
@@ -252,6 +303,8 @@ def main() -> None:
         return
 
     model = workbench.load(args.model, device=args.device, dtype=args.dtype)
+    if args.by_turns:
+        return decode_by_turns(model, args.threads, args.prefill, args.decode, args.by_turns)
     print(f"kernels: {sorted(set(model.kernel_report(1).values()) | set(model.kernel_report(128).values()))}")
     columns = {"workbench": ours(model, args.prefill, args.decode, args.repeats)}
     if args.device == "cpu":  # prefill is the same eager forward either way

@@ -29,10 +29,9 @@ import time
 import torch
 
 import workbench
-from decode import SHAPES, synchronize, synthetic_model
+from decode import SHAPES, one_block_a_call, synchronize, synthetic_model
 from workbench import hooks
 from workbench.kernels import layer_ops
-from workbench.runner import Transformer
 from workbench.synthetic import random_checkpoint, random_config
 
 
@@ -45,17 +44,6 @@ def separate_blocks():
         yield
     finally:
         layer_ops.blocks_exact = whole
-
-
-@contextlib.contextmanager
-def one_block_a_call():
-    """Each plain block whole but in a call of its own, as where hooks lie between every two blocks."""
-    runs = Transformer._whole_run
-    Transformer._whole_run = lambda *args: min(1, runs(*args))
-    try:
-        yield
-    finally:
-        Transformer._whole_run = runs
 
 
 def forward_ms(runner, ids: torch.Tensor) -> float:
