@@ -26,6 +26,7 @@ import torch
 
 import workbench
 from common import copy_bandwidth
+from workbench import hooks
 from workbench.generation import Sampling, build_decode_step, generate_tokens
 from workbench.model import Model
 from workbench.runner import Transformer
@@ -88,9 +89,9 @@ def ours(model: Model, prefill: list[int], decode: int, repeats: int, compiled: 
     return out
 
 
-def decode_seconds(runner, prompt: list[int], decode: int, compiled: bool | None) -> float:
+def decode_seconds(runner, prompt: list[int], decode: int, compiled: bool | None, hooks=None) -> float:
     """Seconds from the first new token (the prompt's prefill is done then) to the last: decode - 1 steps."""
-    tokens = generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set(), compiled=compiled)
+    tokens = generate_tokens(runner, prompt, decode, Sampling(), stop_ids=set(), hooks=hooks, compiled=compiled)
     next(tokens)
     start = time.perf_counter()
     for _ in tokens:
@@ -122,23 +123,29 @@ def one_block_a_call():
 
 
 def decode_by_turns(model: Model, threads: int, prefill: list[int], decode: int, rounds: int) -> None:
-    """Eager decode after a prompt of each ``prefill`` length: the workbench's (runs of blocks, and one block a call)
-    and llama.cpp's taking turns round by round, so that a shared machine's slow spells fall on all three alike."""
+    """Eager decode after a prompt of each ``prefill`` length: the workbench's (runs of blocks, one block a call, and
+    steered: a ``Steer`` on the middle block's output, which ends a run there) and llama.cpp's taking turns round by
+    round, so that a shared machine's slow spells fall on all of them alike."""
     llm = load_llama_cpp(str(model.path), threads, max(prefill) + decode + 32)
+    direction = torch.randn(model.config.d_model)
+    steer = hooks.Steer(f"blocks.{model.config.n_layers // 2}.hook_resid_post", direction / direction.norm(), scale=4.0)
     for n in prefill:
         prompt = torch.randint(0, model.config.vocab_size, (n,)).tolist()
-        sides = {"workbench": contextlib.nullcontext, "one block a call": one_block_a_call}
+        steering, _, _ = model._call_hooks([steer], None, n, n + decode, (), True)
+        sides = {"workbench": (contextlib.nullcontext, None), "one block a call": (one_block_a_call, None),
+                 "steered": (contextlib.nullcontext, steering)}
         rates: dict[str, list[float]] = {label: [] for label in (*sides, "llama.cpp")}
         for round_ in range(rounds + 1):  # the first a warm-up
-            for label, mode in sides.items():
+            for label, (mode, hooks_) in sides.items():
                 with mode():
-                    seconds = decode_seconds(model.runner, prompt, decode, compiled=False)
+                    seconds = decode_seconds(model.runner, prompt, decode, compiled=False, hooks=hooks_)
                 rates[label].append((decode - 1) / seconds)
             rates["llama.cpp"].append((decode - 1) / llama_cpp_decode_seconds(llm, prompt, decode))
         medians = {label: statistics.median(r[1:]) for label, r in rates.items()}
         print(f"prompt {n}, decode {decode}, {rounds} rounds by turns, tokens/s (median): " + ", ".join(
             f"{label} {m:.1f}" for label, m in medians.items())
-            + f"; workbench / llama.cpp {medians['workbench'] / medians['llama.cpp']:.2f}x, / one block a call "
+            + f"; workbench / llama.cpp {medians['workbench'] / medians['llama.cpp']:.2f}x, steered / llama.cpp "
+            f"{medians['steered'] / medians['llama.cpp']:.2f}x, workbench / one block a call "
             f"{medians['workbench'] / medians['one block a call']:.2f}x")
 
 
