@@ -312,16 +312,15 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
     sum with its second norm, SwiGLU, and between two blocks the residual sum with the next one's first norm: the last
     block's stream after attention and its MLP's output, with the bits of the separate calls (``linear``'s exact CPU
     kernel, the bias sums, ``rms_norm``, ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager decode step
-    pays for in Python more than in arithmetic. None where it does not run: as ``rope_attention``, and in exact
-    numerics with every weight of a format the C++ kernels read."""
+    pays for in Python more than in arithmetic. None where it does not run: as ``rope_attention``, in exact numerics,
+    and with every weight of a format the C++ kernels read (``readable``); none of that but the formats depends on the
+    block, so a caller declined once may take every block of the forward apart."""
     tokens, slots = x.shape[0], x.shape[0] + (kv_slots[0][2] if kv_slots is not None else 0)
-    cos = rotations[0][0]
-    weights = [w for block in blocks for w in block.weights]
-    if (not _native(x, cos) or get_numerics() != "exact"
-            or any(cos.shape[-1] * heads != weights[0].shape[0] for cos, _ in rotations)
-            or heads * tokens * slots * 4 > SCORES_BUDGET or any(w.fmt.ggml_type not in cpu.SUPPORTED_TYPES
-                                                                for w in weights)):
+    if (not _native(x, rotations[0][0]) or get_numerics() != "exact"
+            or any(cos.shape[-1] * heads != blocks[0].weights[0].shape[0] for cos, _ in rotations)
+            or heads * tokens * slots * 4 > SCORES_BUDGET or not all(readable(block.weights) for block in blocks)):
         return None
+    weights = [w for block in blocks for w in block.weights]
     start = kv_slots[0][2] if kv_slots is not None else 0
     return cpu.extension().blocks_exact(
         x, normalized, [w.data for w in weights], [w.fmt.ggml_type for w in weights], [w.shape[0] for w in weights],
@@ -330,6 +329,17 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
         [cos.contiguous() for cos, _ in rotations], [sin.contiguous() for _, sin in rotations], interleaved,
         [keys for keys, _, _ in kv_slots or ()], [values for _, values, _ in kv_slots or ()], start, divisor,
         list(blocked), cpu.PANEL_MIN_BATCH)
+
+
+def blocks_exact_may_run(x: torch.Tensor) -> bool:
+    """Whether ``blocks_exact`` may take a forward whose stream is ``x``: a float32 CPU tensor of an eager forward (the
+    glue's own C++ calls) in exact numerics. A cheap test before the blocks' arguments are gathered."""
+    return _native(x, x) and get_numerics() == "exact"
+
+
+def readable(weights: Sequence[QuantTensor]) -> bool:
+    """Whether every weight is of a format the C++ kernels read (``blocks_exact`` takes none other)."""
+    return all(w.fmt.ggml_type in cpu.SUPPORTED_TYPES for w in weights)
 
 
 # The last mask ``_causal`` looked at and its answer, as one pair: every layer of a forward passes the same mask, and

@@ -703,12 +703,14 @@ class Transformer:
         normalized = rms_norm(x, w.layers[first].attn_norm, c.rms_eps, point, self._names[first]["ln1"], first)
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
-        i = first
+        # whether layer_ops.blocks_exact declines this forward's inputs (it does for every block or none)
+        i, whole_declined = first, not layer_ops.blocks_exact_may_run(x)
         while i < stop:
             layer, names = w.layers[i], self._names[i]
-            run = self._whole_run(i, stop, point, layout, segments, cache)
+            run = 0 if whole_declined else self._whole_run(i, stop, point, layout, segments, cache)
             whole = (self._whole_blocks(x, normalized, i, run, rotation, blocked, local_rotation, local_blocked, cache)
                      if run else None)
+            whole_declined = whole_declined or (run > 0 and whole is None)
             if whole is not None:  # blocks i .. i + run - 1 in one call, with the bits of the steps below
                 (x, mlp_out), i = whole, i + run - 1
                 layer, names = w.layers[i], self._names[i]
@@ -754,15 +756,16 @@ class Transformer:
     def _whole_run(self, i: int, stop: int, point: _Points, layout: BatchLayout | None, segments: list,
                    cache: KVCache | None) -> int:
         """How many blocks from block ``i`` on (before ``stop``) may run as one call (``layer_ops.blocks_exact``):
-        plain blocks of one device, without an adapter's terms, whose cache layers take the op's writes, with no hook
-        inside them nor between two of them (a hook on the first one's input or first norm, or the last one's output,
-        keeps them). 0 where block ``i`` may not."""
+        plain blocks of one device, of formats the call reads, without an adapter's terms, whose cache layers take the
+        op's writes, with no hook inside them nor between two of them (a hook on the first one's input or first norm,
+        or the last one's output, keeps them). 0 where block ``i`` may not."""
         if layout is not None:
             return 0
         n = 0
         while (i + n < stop and self._plain_block[i + n] and not point.wants_any(self._names[i + n]["inside_block"])
                and not any(terms[i + n] for terms, _ in segments)
-               and (cache is None or cache.buffers(i + n) is not None)):
+               and (cache is None or cache.buffers(i + n) is not None)
+               and layer_ops.readable(self.weights.layers[i + n].block_weights())):
             n += 1
             if (i + n in self.range_starts or i + n == self.config.n_layers
                     or point.wants_any(self._names[i + n - 1]["between_blocks"])):
