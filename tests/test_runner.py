@@ -117,6 +117,12 @@ def test_cpu_layer_ops_refuse_bad_shapes():
     with pytest.raises(RuntimeError, match="have no slots 4 to 5"):  # a cache of 4 slots, full
         ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False,
                            torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 4, 1.0, None)
+    x, norm = torch.randn(1, 8), torch.ones(8)
+    with pytest.raises(RuntimeError, match="blocks_exact takes wq, wk, wv, wo, w_gate, w_up and w_down for each of 1"):
+        ext.blocks_exact(x, x, [], [], [], [], [], [], [norm], 1e-5, [cos], [cos], False, [], [], 0, 1.0, [None], 24)
+    with pytest.raises(RuntimeError, match="and the first norms of all but the first"):  # two blocks, one cos
+        ext.blocks_exact(x, x, [torch.zeros(1, 1, dtype=torch.uint8)] * 14, [8] * 14, [8] * 14, [], [], [norm],
+                         [norm, norm], 1e-5, [cos], [cos], False, [], [], 0, 1.0, [None, None], 24)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
