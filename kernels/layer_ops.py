@@ -274,11 +274,14 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, cos: torch.Tensor,
                    sin: torch.Tensor, interleaved: bool, kv_slots: tuple[torch.Tensor, torch.Tensor, int] | None,
-                   divisor: float, blocked: torch.Tensor | None) -> torch.Tensor | None:
+                   divisor: float, blocked: torch.Tensor | None,
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
     """``z`` ``[T, heads, d]`` of ``attention`` over the rope of ``q`` ``[T, heads * d]`` and ``k`` ``[T, kv_heads *
     d]`` (``cos`` and ``sin`` ``[T, 1, d]`` as ``rope`` takes them), and ``v`` ``[T, kv_heads * d]``: with ``kv_slots``
     (a cache layer's key and value buffers ``[kv_heads, capacity, d]`` and the first new slot), the new keys and
-    values written into the buffers and every slot up to them attended over; without, the new ones alone.
+    values written into the buffers and every slot up to them attended over; without, the new ones alone. With
+    ``qk_norm`` (q's and k's RMSNorm weights ``[d]`` and the epsilon, Qwen3's), each head of q and k goes through its
+    norm first (``rms_norm``).
 
     One C++ call that gives the bits of ``rope``, the cache's write, ``attention_scores``, softmax and ``attend`` (~25
     op calls of an eager forward): the runner takes it where no hook lies between the projections and ``z``. None
@@ -288,9 +291,14 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
     if (not _native(q, cos) or llamacpp_glue(q) or cos.shape[-1] * heads != q.shape[1]
             or heads * tokens * slots * 4 > SCORES_BUDGET):
         return None
+    ext, d = cpu.extension(), cos.shape[-1]
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        q, k = (ext.rms_norm(t.reshape(-1, d).contiguous(), weight.contiguous(), eps)[1].view(tokens, -1)
+                for t, weight in ((q, q_weight), (k, k_weight)))
     keys, values, start = kv_slots if kv_slots is not None else (None, None, 0)
-    return cpu.extension().rope_attention(q, k, v, cos.contiguous(), sin.contiguous(), interleaved, keys, values, start,
-                                          divisor, blocked)
+    return ext.rope_attention(q, k, v, cos.contiguous(), sin.contiguous(), interleaved, keys, values, start, divisor,
+                              blocked)
 
 
 class PlainBlock(NamedTuple):

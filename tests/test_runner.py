@@ -164,27 +164,32 @@ def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, t
 @pytest.mark.parametrize("family", [dict(arch="llama"), dict(arch="llama", sliding_window=4), dict(arch="qwen2"),
                                     dict(arch="qwen3")], ids=["llama", "sliding-window", "qwen2", "qwen3"])
 def test_decode_steps_without_hooks_inside_attention_keep_every_bit(family, tiny_model, monkeypatch):
-    """A prompt and decode steps on a cache without hooks (each block in one C++ call, Qwen2's biases and Qwen3's q/k
-    norms included) and with a hook inside every layer's attention (the separate ops): the same logits and the same
-    cache, bit for bit."""
+    """A prompt and decode steps on a cache without hooks (the blocks in one C++ call, Qwen2's biases and Qwen3's q/k
+    norms included), with a hook inside every layer's MLP only (attention in one C++ call, q/k norms included) and
+    with a hook inside every layer's attention (the separate ops): the same logits and the same cache, bit for bit."""
     model = tiny_model(**family, fmt="Q8_0", n_layers=2, device="cpu")
     runner, ids = model.runner, [3, 14, 15, 92, 65, 35]
     blocks, attentions = [], []  # the blocks of each call of layer_ops.blocks_exact, each call of rope_attention
     blocks_exact, rope_attention = layer_ops.blocks_exact, layer_ops.rope_attention
     monkeypatch.setattr(layer_ops, "blocks_exact", lambda *a: blocks.append(len(a[2])) or blocks_exact(*a))
     monkeypatch.setattr(layer_ops, "rope_attention", lambda *a: attentions.append(1) or rope_attention(*a))
-    inside = {f"blocks.{i}.attn.hook_rot_k": [lambda x, ctx: None] for i in range(runner.config.n_layers)}
-    results = []
-    for hooks in (None, inside):
+    layers = range(runner.config.n_layers)
+    in_mlp = {f"blocks.{i}.mlp.hook_post": [lambda x, ctx: None] for i in layers}
+    inside = {f"blocks.{i}.attn.hook_rot_k": [lambda x, ctx: None] for i in layers}
+    results, calls = [], []
+    for hooks in (None, in_mlp, inside):
+        blocks.clear(), attentions.clear()
         cache = runner.new_cache(4)  # grown on the way
         logits = [runner.forward(torch.tensor(ids), cache=cache, hooks=hooks)]
         logits += [runner.forward(torch.tensor([t]), cache=cache, hooks=hooks, step=s) for s, t in enumerate(ids, 1)]
-        results.append((logits, [cache.get(i) for i in range(runner.config.n_layers)]))
-    # every forward without hooks: its blocks whole, in one call
-    assert (blocks, len(attentions)) == ([runner.config.n_layers] * 7, 0)
-    (plain, plain_cache), (hooked, hooked_cache) = results
-    assert all(torch.equal(a, b) for a, b in zip(plain, hooked))
-    assert all(torch.equal(a, b) for layer, other in zip(plain_cache, hooked_cache) for a, b in zip(layer, other))
+        results.append((logits, [cache.get(i) for i in layers]))
+        calls.append((list(blocks), len(attentions)))
+    # without hooks each forward's blocks whole in one call; with a hook in each MLP each attention in one call
+    assert calls == [([len(layers)] * 7, 0), ([], 7 * len(layers)), ([], 0)]
+    (plain, plain_cache), *others = results
+    for logits, cache in others:
+        assert all(torch.equal(a, b) for a, b in zip(plain, logits))
+        assert all(torch.equal(a, b) for layer, other in zip(plain_cache, cache) for a, b in zip(layer, other))
 
 
 def test_whole_blocks_run_where_no_hook_lies_inside_them(tiny_model, monkeypatch):

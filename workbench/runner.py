@@ -510,7 +510,7 @@ class Transformer:
         self._packed_attention = [layer.wk is not None and not c.attn_softcap and layer.sinks is None
                                   and i not in self._kv_reused for i, layer in enumerate(layers)]
         # of those, the ones whose attention is llama's: layer_ops.rope_attention may run it
-        self._plain_attention = [own and not c.qk_norm and layer.v_norm is None
+        self._plain_attention = [own and self.arch.qk_norm in (None, "head") and layer.v_norm is None
                                  for own, layer in zip(self._packed_attention, layers)]
         # the blocks of llama's form (Qwen2's biases and Qwen3's norms of each head of q and k included), which
         # layer_ops.blocks_exact may run whole where no hook lies inside them
@@ -569,7 +569,7 @@ class Transformer:
         # the points between attention's projections and z (layer_ops.rope_attention skips them)
         names["inside_attention"] = frozenset(names[p] for p in (
             "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_attn_scores",
-            "attn.hook_pattern"))
+            "attn.hook_pattern", *(f"attn.{n}_norm.hook_{p}" for n in "qk" for p in ("scale", "normalized"))))
         names["scores_and_pattern"] = frozenset(names[p] for p in ("attn.hook_attn_scores", "attn.hook_pattern"))
         names["rotated_to_pattern"] = names["scores_and_pattern"] | {names["attn.hook_rot_q"], names["attn.hook_rot_k"]}
         names["lora"] = {part: f"blocks.{i}.{p}" for part, p in LORA_POINTS.items()}
@@ -925,7 +925,7 @@ class Transformer:
             slots = cache.buffers(i) if cache is not None else None
             if cache is None or slots is not None:
                 z = layer_ops.rope_attention(q, k, v, c.n_heads, *rotation, c.rope_interleaved, slots, self.attn_scale,
-                                             blocked)
+                                             blocked, (layer.q_norm, layer.k_norm, c.rms_eps) if c.qk_norm else None)
                 if z is not None:
                     return self._attention_out(z, layer, i, point, lora)
         q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, d_head), i)
