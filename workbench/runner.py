@@ -509,17 +509,16 @@ class Transformer:
         # batch's without a cache
         self._packed_attention = [layer.wk is not None and not c.attn_softcap and layer.sinks is None
                                   and i not in self._kv_reused for i, layer in enumerate(layers)]
-        # of those, the ones whose attention is llama's: layer_ops.rope_attention may run it
+        # of those, the ones whose attention is llama's (Qwen2's biases and Qwen3's norms of each head of q and k
+        # included): layer_ops.rope_attention may run it
         self._plain_attention = [own and self.arch.qk_norm in (None, "head") and layer.v_norm is None
                                  for own, layer in zip(self._packed_attention, layers)]
-        # the blocks of llama's form (Qwen2's biases and Qwen3's norms of each head of q and k included), which
-        # layer_ops.blocks_exact may run whole where no hook lies inside them
-        self._plain_block = [own and self.arch.qk_norm in (None, "head") and layer.v_norm is None and layer.bo is None
-                             and not self.arch.post_norms and layer.moe is None and self.arch.activation != "gelu_tanh"
-                             and layer.per_layer_gate is None and layer.out_scale is None
-                             and layer.attn_norm is not None and layer.mlp_norm is not None
-                             and layer.wqkv is None and layer.w_gate_up is None
-                             for own, layer in zip(self._packed_attention, layers)]
+        # of those, the blocks of llama's form, which layer_ops.blocks_exact may run whole where no hook lies inside
+        self._plain_block = [own and layer.bo is None and not self.arch.post_norms and layer.moe is None
+                             and self.arch.activation != "gelu_tanh" and layer.per_layer_gate is None
+                             and layer.out_scale is None and layer.attn_norm is not None
+                             and layer.mlp_norm is not None and layer.wqkv is None and layer.w_gate_up is None
+                             for own, layer in zip(self._plain_attention, layers)]
 
     def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int,
                     yarn: YaRN | None = None) -> tuple[torch.Tensor, torch.Tensor]:
