@@ -291,14 +291,10 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
     if (not _native(q, cos) or llamacpp_glue(q) or cos.shape[-1] * heads != q.shape[1]
             or heads * tokens * slots * 4 > SCORES_BUDGET):
         return None
-    ext, d = cpu.extension(), cos.shape[-1]
-    if qk_norm is not None:
-        q_weight, k_weight, eps = qk_norm
-        q, k = (ext.rms_norm(t.reshape(-1, d).contiguous(), weight.contiguous(), eps)[1].view(tokens, -1)
-                for t, weight in ((q, q_weight), (k, k_weight)))
     keys, values, start = kv_slots if kv_slots is not None else (None, None, 0)
-    return ext.rope_attention(q, k, v, cos.contiguous(), sin.contiguous(), interleaved, keys, values, start, divisor,
-                              blocked)
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    return cpu.extension().rope_attention(q, k, v, cos.contiguous(), sin.contiguous(), interleaved, keys, values, start,
+                                          divisor, blocked, q_norm, k_norm, eps)
 
 
 class PlainBlock(NamedTuple):
@@ -320,13 +316,13 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
     sum with its second norm, SwiGLU, and between two blocks the residual sum with the next one's first norm: the last
     block's stream after attention and its MLP's output, with the bits of the separate calls (``linear``'s exact CPU
     kernel, the bias sums, ``rms_norm``, ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager decode step
-    pays for in Python more than in arithmetic. None where it does not run: as ``rope_attention``, in exact numerics,
-    and with every weight of a format the C++ kernels read (``readable``); none of that but the formats depends on the
-    block, so a caller declined once may take every block of the forward apart."""
+    pays for in Python more than in arithmetic. Every weight is of a format the C++ kernels read (``readable``: the
+    caller picks such blocks). None where it does not run: as ``rope_attention``, and in exact numerics; none of that
+    depends on the block, so a caller declined once may take every block of the forward apart."""
     tokens, slots = x.shape[0], x.shape[0] + (kv_slots[0][2] if kv_slots is not None else 0)
-    if (not _native(x, rotations[0][0]) or get_numerics() != "exact"
+    if (not blocks_exact_may_run(x, rotations[0][0])
             or any(cos.shape[-1] * heads != blocks[0].weights[0].shape[0] for cos, _ in rotations)
-            or heads * tokens * slots * 4 > SCORES_BUDGET or not all(readable(block.weights) for block in blocks)):
+            or heads * tokens * slots * 4 > SCORES_BUDGET):
         return None
     weights = [w for block in blocks for w in block.weights]
     start = kv_slots[0][2] if kv_slots is not None else 0
@@ -339,10 +335,11 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
         list(blocked), cpu.PANEL_MIN_BATCH)
 
 
-def blocks_exact_may_run(x: torch.Tensor) -> bool:
-    """Whether ``blocks_exact`` may take a forward whose stream is ``x``: a float32 CPU tensor of an eager forward (the
-    glue's own C++ calls) in exact numerics. A cheap test before the blocks' arguments are gathered."""
-    return _native(x, x) and get_numerics() == "exact"
+def blocks_exact_may_run(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether ``blocks_exact`` may take a forward whose stream is ``x`` and rope table ``cos``: float32 CPU tensors of
+    an eager forward (the glue's own C++ calls) in exact numerics. A cheap test before the blocks' arguments are
+    gathered."""
+    return _native(x, cos) and get_numerics() == "exact"
 
 
 def readable(weights: Sequence[QuantTensor]) -> bool:

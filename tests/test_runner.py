@@ -117,6 +117,9 @@ def test_cpu_layer_ops_refuse_bad_shapes():
     with pytest.raises(RuntimeError, match="have no slots 4 to 5"):  # a cache of 4 slots, full
         ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False,
                            torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 4, 1.0, None)
+    with pytest.raises(RuntimeError, match="takes q and k's norms together"):
+        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False, None, None, 0,
+                           1.0, None, torch.ones(8), None, 1e-5)
     x, norm = torch.randn(1, 8), torch.ones(8)
     with pytest.raises(RuntimeError, match="blocks_exact takes wq, wk, wv, wo, w_gate, w_up and w_down for each of 1"):
         ext.blocks_exact(x, x, [], [], [], [], [], [], [norm], 1e-5, [cos], [cos], False, [], [], 0, 1.0, [None], 24)

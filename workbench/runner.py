@@ -703,7 +703,7 @@ class Transformer:
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
         # whether layer_ops.blocks_exact declines this forward's inputs (it does for every block or none)
-        i, whole_declined = first, not layer_ops.blocks_exact_may_run(x)
+        i, whole_declined = first, not layer_ops.blocks_exact_may_run(x, rotation[0])
         while i < stop:
             layer, names = w.layers[i], self._names[i]
             run = 0 if whole_declined else self._whole_run(i, stop, point, layout, segments, cache)
@@ -766,7 +766,7 @@ class Transformer:
                and (cache is None or cache.buffers(i + n) is not None)
                and layer_ops.readable(self.weights.layers[i + n].block_weights())):
             n += 1
-            if (i + n in self.range_starts or i + n == self.config.n_layers
+            if (i + n == stop or i + n in self.range_starts
                     or point.wants_any(self._names[i + n - 1]["between_blocks"])):
                 break
         return n

@@ -1312,7 +1312,8 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 
 // Attention of the queries q [T, H * D] over a layer's keys and values, from the projections q, k [T, KV * D] and
 // v [T, KV * D] as the runner's eager forward computes it where no hook lies between them (one call instead of ~25):
-// the rope of q and k (rope_rows) with cos and sin [T, 1, D]; with a cache, the new keys and values written into its
+// with q_norm and k_norm [D] (Qwen3's), each head of q and k through its RMSNorm (rms_norm, epsilon eps); the rope of
+// q and k (rope_rows) with cos and sin [T, 1, D]; with a cache, the new keys and values written into its
 // buffers [KV, capacity, D] at slots [start, start + T) and every slot up to them attended over (KVCache.write),
 // without one, the new ones alone; then layer_ops.attention_scores, softmax and layer_ops.attend, step by step the
 // same ATen ops on the same views (query head h reads kv head h / (H / KV)), so the same bits. Scores are divided by
@@ -1321,10 +1322,12 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
                              const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved,
                              const c10::optional<torch::Tensor>& key_cache,
                              const c10::optional<torch::Tensor>& value_cache, int64_t start, double divisor,
-                             const c10::optional<torch::Tensor>& blocked) {
+                             const c10::optional<torch::Tensor>& blocked, const c10::optional<torch::Tensor>& q_norm,
+                             const c10::optional<torch::Tensor>& k_norm, double eps) {
   check_floats(cos, "cos", 3);
   check_floats(sin, "sin", 3);
-  const torch::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  torch::Tensor qc = q.contiguous(), kc = k.contiguous();
+  const torch::Tensor vc = v.contiguous();
   check_floats(qc, "q", 2);
   check_floats(kc, "k", 2);
   check_floats(vc, "v", 2);
@@ -1335,6 +1338,12 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
               "workbench cpu kernels: rope_attention needs q [T, H * D], k and v [T, KV * D] (KV dividing H) and cos, "
               "sin [T, 1, D] (D even), got ", qc.sizes(), ", ", kc.sizes(), ", ", vc.sizes(), ", ", cos.sizes(), ", ",
               sin.sizes());
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "workbench cpu kernels: rope_attention takes q and k's norms "
+              "together");
+  if (q_norm.has_value()) {  // layer_ops.rms_norm of each head, [T, heads, d] as [T * heads, d]
+    qc = std::get<1>(rms_norm(qc.view({tokens * heads, d}), *q_norm, eps)).view({tokens, heads * d});
+    kc = std::get<1>(rms_norm(kc.view({tokens * kv_heads, d}), *k_norm, eps)).view({tokens, kv_heads * d});
+  }
   torch::Tensor q_rot = torch::empty({tokens, heads, d}, qc.options()), k_rot = torch::empty({tokens, kv_heads, d},
                                                                                             kc.options());
   rope_rows(qc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), q_rot.data_ptr<float>(),
@@ -1410,17 +1419,15 @@ std::tuple<torch::Tensor, torch::Tensor> one_block(
     return linear_exact(input, weights.slice(first, count), ggml_types.slice(first, count), rows.slice(first, count),
                         input.size(1), panel_min_batch);
   };
-  const int64_t tokens = x.size(0), n_q = rows[0], n_kv = rows[1], d = cos.size(2);
+  const int64_t tokens = x.size(0), n_q = rows[0], n_kv = rows[1];
   const torch::Tensor qkv = project(normalized, 0, 3);
   torch::Tensor parts[3] = {qkv.narrow(1, 0, n_q), qkv.narrow(1, n_q, n_kv), qkv.narrow(1, n_q + n_kv, rows[2])};
   for (size_t p = 0; p < qkv_bias.size(); ++p) parts[p] = parts[p] + qkv_bias[p];
-  for (size_t p = 0; p < qk_norm.size(); ++p) {  // layer_ops.rms_norm of [T, heads, d] as [T * heads, d]
-    const int64_t width = parts[p].size(1);
-    parts[p] = std::get<1>(rms_norm(parts[p].reshape({tokens * width / d, d}).contiguous(), qk_norm[p], eps))
-                   .view({tokens, width});
-  }
+  const auto norm = [&](size_t p) {
+    return qk_norm.empty() ? c10::optional<torch::Tensor>() : c10::optional<torch::Tensor>(qk_norm[p]);
+  };
   const torch::Tensor z = rope_attention(parts[0], parts[1], parts[2], cos, sin, interleaved, key_cache, value_cache,
-                                         start, divisor, blocked);
+                                         start, divisor, blocked, norm(0), norm(1), eps);
   const torch::Tensor attn_out = project(z.reshape({tokens, n_q}), 3, 1);
   auto [mid, scale, mlp_in] = add_rms_norm(x, attn_out, mlp_norm, eps);
   const torch::Tensor gate_up = project(mlp_in, 4, 2);
@@ -1819,7 +1826,8 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
   // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
-        "Tensor? value_cache, int start, float divisor, Tensor? blocked) -> Tensor");
+        "Tensor? value_cache, int start, float divisor, Tensor? blocked, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float eps=0.0) -> Tensor");
   // a run of whole plain blocks with no hook inside or between them (eager forward): the last one's stream after
   // attention and its MLP's output
   m.def("blocks_exact(Tensor x, Tensor normalized, Tensor[] weights, int[] ggml_types, int[] rows, Tensor[] qkv_bias, "
