@@ -29,6 +29,7 @@ from common import copy_bandwidth
 from workbench import hooks
 from workbench.generation import Sampling, build_decode_step, generate_tokens
 from workbench.model import Model
+from workbench.parity import INSTALL_HINT
 from workbench.runner import Transformer
 from workbench.synthetic import random_checkpoint, random_config, write_gguf
 
@@ -127,6 +128,8 @@ def decode_by_turns(model: Model, threads: int, prefill: list[int], decode: int,
     steered: a ``Steer`` on the middle block's output, which ends a run there) and llama.cpp's taking turns round by
     round, so that a shared machine's slow spells fall on all of them alike."""
     llm = load_llama_cpp(str(model.path), threads, max(prefill) + decode + 32)
+    if llm is None:
+        raise SystemExit(f"--by-turns times llama.cpp's decode too: {INSTALL_HINT}")
     direction = torch.randn(model.config.d_model)
     steer = hooks.Steer(f"blocks.{model.config.n_layers // 2}.hook_resid_post", direction / direction.norm(), scale=4.0)
     for n in prefill:
@@ -262,14 +265,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="CUDA: also time one decode step alone, by kernel")
     parser.add_argument("--by-turns", type=int, metavar="ROUNDS",
-                        help="CPU: eager decode only, ours (runs of blocks and one block a call) and llama.cpp's "
-                             "taking turns for ROUNDS rounds, after a prompt of each --prefill length")
+                        help="CPU: eager decode only, ours (runs of blocks, one block a call, and steered) and "
+                             "llama.cpp's taking turns for ROUNDS rounds, after a prompt of each --prefill length")
     parser.add_argument("--numerics", choices=workbench.kernels.NUMERICS, default="exact",
                         help="what the quantized matmuls compute (workbench.kernels.set_numerics)")
     parser.add_argument("--llama-bench", default=None,
                         help="llama.cpp's llama-bench binary: --synthetic models go through a GGUF file both read")
     parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp"), help="where --llama-bench's GGUF files go")
     args = parser.parse_args()
+    if args.by_turns and (args.device != "cpu" or args.synthetic):
+        parser.error("--by-turns times the eager CPU decode of a GGUF file against llama.cpp's: no --device or "
+                     "--synthetic")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     workbench.kernels.set_numerics(args.numerics)

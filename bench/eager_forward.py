@@ -2,8 +2,8 @@
 formulas: ``workbench.kernels.layer_ops`` (RMSNorm, the residual sum with its norm, rope, attention's products,
 SwiGLU) as C++ calls (CPU) or Triton kernels (CUDA), or under ``layer_ops.torch_formulas()``; on the CPU also with each
 plain block as its separate calls, or whole in a call of its own, instead of a run of blocks in one
-``layer_ops.blocks_exact``; on CUDA also with every Triton kernel (the
-matmuls' too) launched through Triton's own launcher instead of ``workbench.kernels.triton.launch``'s kept kernels.
+``layer_ops.blocks_exact``; on CUDA also with every Triton kernel (the matmuls' too) launched through Triton's own
+launcher instead of ``workbench.kernels.triton.launch``'s kept kernels.
 All run in one process, taking turns forward by forward, so a noisy host slows them alike; each figure is the median
 (and min) of ``--repeats`` forwards after 3 warm-ups, and the ratio the median of the paired forwards' ratios.
 
