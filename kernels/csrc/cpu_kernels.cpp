@@ -425,6 +425,12 @@ struct AffineK {
   // multiplied by d and -dmin in one vector. Unpacked in scalar registers and reloaded as a vector, the fields stalled
   // on the store and cost 27 % of a Q4_K dot product (1.34-1.40x the rows a second with the decode left out).
   static void affines(const uint8_t* b, float scale[8], float offset[8]) {
+    const __m512 products = affine_vector(b);
+    _mm256_storeu_ps(scale, _mm512_castps512_ps256(products));
+    _mm256_storeu_ps(offset, _mm512_extractf32x8_ps(products, 1));
+  }
+  // Lanes 0-7: the sub-blocks' scales, lanes 8-15 their offsets.
+  static __m512 affine_vector(const uint8_t* b) {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // 12 bytes and 4 of the codes
     const __m128i sources = _mm_shuffle_epi32(packed, _MM_SHUFFLE(2, 1, 2, 0));        // p0, p2, p1, p2
     const __m128i tops = _mm_shuffle_epi32(packed, _MM_SHUFFLE(1, 1, 0, 0));           // p0, p0, p1, p1
@@ -435,9 +441,14 @@ struct AffineK {
     const __m512 d_dmin = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_loadu_si32(b)));  // lanes 0, 1: d, dmin
     const __m512 factors = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), d_dmin),
                                          _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1));
-    const __m512 products = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(fields)), factors);
-    _mm256_storeu_ps(scale, _mm512_castps512_ps256(products));
-    _mm256_storeu_ps(offset, _mm512_extractf32x8_ps(products, 1));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(fields)), factors);
+  }
+  // The scales and offsets of affine_vector(b) for each 16 values, as codes() gives them.
+  static void affines_by_16(const uint8_t* b, float* scale, float* offset) {
+    const __m512 products = affine_vector(b);
+    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    _mm512_storeu_ps(scale, _mm512_permutexvar_ps(twice, products));
+    _mm512_storeu_ps(offset, _mm512_permutexvar_ps(_mm512_add_epi32(twice, _mm512_set1_epi32(8)), products));
   }
 #endif
   // Bytes 0-7: the 6-bit scales of sub-blocks 0-7, bytes 8-15 their mins (scale_min_k4's j < 4 and j >= 4 cases), the
@@ -507,6 +518,24 @@ struct Q5_K : AffineK<Q5_K> {
   static Bytes values(const uint8_t* b, int g) {
     return or_bytes(sub_block_nibbles(b + 48, g), bit_of_bytes(b + 16, g, 4));
   }
+#if defined(__AVX512BW__)
+  static constexpr bool kCodeOffsets = true;
+  // The 256 codes as values() gives them, two sub-blocks (64 bytes) a step: a chunk's low and high nibbles side by
+  // side, each half with its fifth bits shifted down from its own bit of the 32 bytes of highs.
+  static void codes(const uint8_t* b, int8_t* q, float* scale, float* offset) {
+    const __m512i highs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+    const __m512i nibble = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i lows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lows), _mm256_srli_epi16(lows, 4), 1);
+      const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * c)),
+                                               _mm256_set1_epi16(static_cast<int16_t>(2 * c + 1)), 1);
+      const __m512i fifth = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(highs, shift), one), 4);
+      _mm512_storeu_si512(q + 64 * c, _mm512_or_si512(_mm512_and_si512(both, nibble), fifth));
+    }
+    affines_by_16(b, scale, offset);
+  }
+#endif
 };
 
 // Q2_K: 16 bytes of 4-bit scales (low nibble) and mins (high), one byte per 16 values; 64 bytes of 2-bit codes, group
@@ -808,8 +837,13 @@ template <class F, class = void>
 constexpr bool kHasCodes = false;
 template <class F>
 constexpr bool kHasCodes<F, std::void_t<decltype(&F::codes)>> = true;
+template <class F, class = void>
+constexpr bool kCodeOffsets = false;
+template <class F>
+constexpr bool kCodeOffsets<F, std::void_t<decltype(F::kCodeOffsets)>> = F::kCodeOffsets;
 
-// dot_rows_exact for the formats with codes() (AVX-512), whose weights are scale * code with a scale per 16 (Q6_K):
+// dot_rows_exact for the formats with codes() (AVX-512), whose weights are scale * code with a scale per 16 (Q6_K), or
+// scale * code + offset where a format has kCodeOffsets (Q5_K, its scale and offset given for each 16 values):
 // a span of blocks is decoded first into bytes and per-16 scales in memory, then each 16 weights are widened straight
 // from there (a load and one conversion, where a group in a register costs two extractions more) and multiplied in the
 // same order, so the bits are dot_rows_exact's (whose offset of 0 is the zero added here). Q6_K's codes() decodes 64
@@ -822,19 +856,27 @@ void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, 
   constexpr int64_t kSpan = std::max<int64_t>(1, 4096 / F::kValues);  // blocks a span
   alignas(64) int8_t q[kSpan * F::kValues];
   alignas(64) float scale[kSpan * F::kValues / 16];
+  alignas(64) float offset[kCodeOffsets<F> ? kSpan * F::kValues / 16 : 1];
   __m512 acc[TM][2];
   for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
   const auto decode = [&](int64_t i, const uint8_t* block, int64_t) {
-    F::codes(block, q + i * F::kValues, scale + i * F::kValues / 16);
+    if constexpr (kCodeOffsets<F>) {
+      F::codes(block, q + i * F::kValues, scale + i * F::kValues / 16, offset + i * F::kValues / 16);
+    } else {
+      F::codes(block, q + i * F::kValues, scale + i * F::kValues / 16);
+    }
   };
   const auto multiply = [&](int64_t first, const uint8_t*, int64_t count) {
     const float* xs = x + first * F::kValues;
     const float* scales = scale;
-    for (const int8_t *codes = q, *end = q + count * F::kValues; codes < end; codes += 32, xs += 32, scales += 2) {
+    const float* offsets = offset;
+    for (const int8_t *codes = q, *end = q + count * F::kValues; codes < end;
+         codes += 32, xs += 32, scales += 2, offsets += kCodeOffsets<F> ? 2 : 0) {
       for (int i = 0; i < 2; ++i) {
         const __m512 widened = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * i))));
-        const __m512 w = _mm512_fmadd_ps(widened, _mm512_set1_ps(scales[i]), _mm512_setzero_ps());
+        const __m512 w = _mm512_fmadd_ps(widened, _mm512_set1_ps(scales[i]),
+                                         kCodeOffsets<F> ? _mm512_set1_ps(offsets[i]) : _mm512_setzero_ps());
         for (int m = 0; m < TM; ++m) acc[m][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs + m * k + 16 * i), acc[m][i]);
       }
     }
