@@ -512,6 +512,26 @@ inline Bytes bit_of_bytes(const uint8_t* p, int bit, int to) {
 // Bits 2j, 2j + 1 of each of the 32 bytes at p.
 inline Bytes crumbs(const uint8_t* p, int j) { return and_bytes(shr_bytes(load_bytes(p), 2 * j), 3); }
 
+#if defined(__AVX512BW__)
+// Two 32-byte decodes side by side in a 64-byte vector, for the codes() of the K-quants: 32 bytes at p in both halves,
+// and shifted right by `low` bits in the low half and `high` bits in the high one (within each byte once masked).
+inline __m512i both_halves(const uint8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i shifted_halves(__m512i bytes, int low, int high) {
+  return _mm512_srlv_epi16(bytes, _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(low)),
+                                                     _mm256_set1_epi16(static_cast<int16_t>(high)), 1));
+}
+// crumbs(j) and crumbs(j + 1) of 32 bytes given in both halves.
+inline __m512i crumb_pairs(__m512i bytes, int j) {
+  return _mm512_and_si512(shifted_halves(bytes, 2 * j, 2 * j + 2), _mm512_set1_epi8(3));
+}
+// Bits g and g + 1 of 32 bytes given in both halves, moved to bit `to`.
+inline __m512i bit_pairs(__m512i bytes, int g, int to) {
+  return _mm512_slli_epi16(_mm512_and_si512(shifted_halves(bytes, g, g + 1), _mm512_set1_epi8(1)), to);
+}
+#endif
+
 // Q5_K: 32 bytes of fifth bits (bit g of byte l: value l of sub-block g), then Q4_K's nibbles.
 struct Q5_K : AffineK<Q5_K> {
   WB_FORMAT(Q5_K);
@@ -523,15 +543,10 @@ struct Q5_K : AffineK<Q5_K> {
   // The 256 codes as values() gives them, two sub-blocks (64 bytes) a step: a chunk's low and high nibbles side by
   // side, each half with its fifth bits shifted down from its own bit of the 32 bytes of highs.
   static void codes(const uint8_t* b, int8_t* q, float* scale, float* offset) {
-    const __m512i highs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
-    const __m512i nibble = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(1);
+    const __m512i highs = both_halves(b + 16);
     for (int c = 0; c < 4; ++c) {
-      const __m256i lows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lows), _mm256_srli_epi16(lows, 4), 1);
-      const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * c)),
-                                               _mm256_set1_epi16(static_cast<int16_t>(2 * c + 1)), 1);
-      const __m512i fifth = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(highs, shift), one), 4);
-      _mm512_storeu_si512(q + 64 * c, _mm512_or_si512(_mm512_and_si512(both, nibble), fifth));
+      const __m512i nibbles = _mm512_and_si512(shifted_halves(both_halves(b + 48 + 32 * c), 0, 4), _mm512_set1_epi8(0x0F));
+      _mm512_storeu_si512(q + 64 * c, _mm512_or_si512(nibbles, bit_pairs(highs, 2 * c, 4)));
     }
     affines_by_16(b, scale, offset);
   }
@@ -562,6 +577,21 @@ struct Q2_K {
       sumi = add_ints(sumi, dot_bytes_scaled<true>(values(b, g), y.qs + 32 * g, b[2 * g] & 0x0F, b[2 * g + 1] & 0x0F));
     acc = fmadd(broadcast(y.d * half_at(b + 80)), ints_to_floats(sumi), acc);
   }
+#if defined(__AVX512BW__)
+  static constexpr bool kCodeOffsets = true;
+  // The 256 codes as values() gives them, two groups a step, and each 16 values' scale and offset as group() has them.
+  static void codes(const uint8_t* b, int8_t* q, float* scale, float* offset) {
+    for (int half = 0; half < 2; ++half) {
+      const __m512i lows = both_halves(b + 16 + 32 * half);
+      for (int j = 0; j < 4; j += 2) _mm512_storeu_si512(q + 32 * (4 * half + j), crumb_pairs(lows, j));
+    }
+    const __m512i fields = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(fields, _mm512_set1_epi32(0x0F))),
+                                          _mm512_set1_ps(half_at(b + 80))));
+    _mm512_storeu_ps(offset, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(fields, 4)),
+                                           _mm512_set1_ps(-half_at(b + 82))));
+  }
+#endif
 };
 
 // Q3_K: 32 bytes of high bits (bit g of byte l: value l of group g), 64 bytes of 2-bit lows laid out as Q2_K's codes,
@@ -590,6 +620,31 @@ struct Q3_K {
       sumi = add_ints(sumi, dot_bytes_scaled(values(b, g), y.qs + 32 * g, scale(b, 2 * g), scale(b, 2 * g + 1)));
     acc = fmadd(broadcast(y.d * half_at(b + 108)), ints_to_floats(sumi), acc);
   }
+#if defined(__AVX512BW__)
+  // The 256 codes as values() gives them, two groups a step, and the 16 scales as group() has them: the 6-bit fields
+  // of scale() for all 16 in the bytes of one vector.
+  static void codes(const uint8_t* b, int8_t* q, float* scale) {
+    const __m512i highs = both_halves(b);
+    for (int half = 0; half < 2; ++half) {
+      const __m512i lows = both_halves(b + 32 + 32 * half);
+      for (int j = 0; j < 4; j += 2) {
+        const int g = 4 * half + j;
+        const __m512i code = _mm512_or_si512(crumb_pairs(lows, j), bit_pairs(highs, g, 2));
+        _mm512_storeu_si512(q + 32 * g, _mm512_sub_epi8(code, _mm512_set1_epi8(4)));
+      }
+    }
+    const __m128i packed = _mm_maskz_loadu_epi8(0x0FFF, b + 96);  // the 12 bytes of scales, nothing past the block
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i low_bytes = _mm_shuffle_epi8(packed, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7));
+    const __m128i low = _mm_mask_blend_epi8(0xFF00, _mm_and_si128(low_bytes, nibble),
+                                            _mm_and_si128(_mm_srli_epi16(low_bytes, 4), nibble));
+    const __m128i top_bytes = _mm_shuffle_epi8(packed, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+    const __m128i top = _mm_and_si128(_mm_srlv_epi32(top_bytes, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    const __m512i scales = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_or_si128(low, _mm_slli_epi16(top, 4))),
+                                            _mm512_set1_epi32(32));
+    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_cvtepi32_ps(scales), _mm512_set1_ps(half_at(b + 108))));
+  }
+#endif
 };
 
 // Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), d.
