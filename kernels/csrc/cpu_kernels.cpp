@@ -842,6 +842,19 @@ struct NibbleDot {
   }
 };
 
+// nibble_row's runs written out: a row of weights dequantized through the dot products' tables, the values
+// group_floats gives (the same multiply-add of each code, or MXFP4's product).
+struct NibbleStore {
+  float* row;
+  static __m512 table(float scale, float offset) { return NibbleDot<1>::table(scale, offset); }
+  static __m512 table(const int8_t* values, float scale) { return NibbleDot<1>::table(values, scale); }
+  void run(const uint8_t* q16, __m512 lo_table, int64_t lo_pos, __m512 hi_table, int64_t hi_pos) {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)));
+    _mm512_storeu_ps(row + lo_pos, _mm512_permutexvar_ps(q, lo_table));
+    _mm512_storeu_ps(row + hi_pos, _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), hi_table));
+  }
+};
+
 template <class F, class = void>
 constexpr bool kHasAffines16 = false;
 template <class F>
@@ -857,13 +870,12 @@ constexpr bool kHasNibbleRuns<F, std::void_t<decltype(&F::template nibble_runs<N
 // for 16 blocks at once where a format has it) are decoded first, a span of blocks at a time, into memory: the tables
 // then take them as broadcast loads, where decoded alongside they cost shuffles on the port the lookups need (1.4x the
 // rows a second, Q4_K, one thread).
-template <class F, int TM>
-void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+template <class F, class Runs>
+void nibble_row(const uint8_t* wrow, int64_t k, Runs& even, Runs& odd) {
   constexpr int kGroups = F::kValues / 32;
   constexpr int64_t kSpan = 8192 / F::kValues;  // blocks a span; even, so that blocks keep their accumulators
   static_assert(kSpan % 2 == 0);
   alignas(64) float scale[kSpan * kGroups], offset[kSpan * kGroups];
-  NibbleDot<TM> even(x, k), odd(x, k);
   const auto decode = [&](int64_t i, const uint8_t* block, int64_t n) {
     if constexpr (kHasAffines16<F>) {
       if (n == 16) return F::affines16(block, scale + i, offset + i);
@@ -871,7 +883,7 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
     F::affines(block, scale + i * kGroups, offset + i * kGroups);
   };
   const auto multiply = [&](int64_t first, const uint8_t* span, int64_t count) {
-    const auto runs = [&](int64_t i, NibbleDot<TM>& dot) {
+    const auto runs = [&](int64_t i, Runs& dot) {
       F::nibble_runs(span + i * F::kBytes, scale + i * kGroups, offset + i * kGroups, (first + i) * F::kValues, dot);
     };
     int64_t i = 0;
@@ -882,6 +894,12 @@ void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out
     if (i < count) runs(i, even);
   };
   for_each_span<F, kSpan, kHasAffines16<F> ? 16 : 1>(wrow, k, decode, multiply);
+}
+
+template <class F, int TM>
+void dot_rows_nibbles(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  NibbleDot<TM> even(x, k), odd(x, k);
+  nibble_row<F>(wrow, k, even, odd);
   for (int m = 0; m < TM; ++m)
     out[m * ldo] = wide_sum(_mm512_add_ps(even.acc[m][0], even.acc[m][1]), _mm512_add_ps(odd.acc[m][0], odd.acc[m][1]));
 }
@@ -906,14 +924,14 @@ constexpr bool kCodeOffsets<F, std::void_t<decltype(F::kCodeOffsets)>> = F::kCod
 // groups this way ran 0.7-1.25x, so they keep dot_rows_exact. The loop walks pointers, where indices cost integer
 // shifts on the ports the conversions need, and reads no offsets: 1.07-1.12x the rows a second (1 thread 2048 x 2048;
 // 2 threads 16384 x 2048, and 5 rows of 1024 x 9216).
-template <class F, int TM>
-void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+// Each 32 weights of a row as use(low, high, pos) takes them: the weights of values pos .. pos + 15 and the next 16,
+// as floats.
+template <class F, class Use>
+void code_row(const uint8_t* wrow, int64_t k, const Use& use) {
   constexpr int64_t kSpan = std::max<int64_t>(1, 4096 / F::kValues);  // blocks a span
   alignas(64) int8_t q[kSpan * F::kValues];
   alignas(64) float scale[kSpan * F::kValues / 16];
   alignas(64) float offset[kCodeOffsets<F> ? kSpan * F::kValues / 16 : 1];
-  __m512 acc[TM][2];
-  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
   const auto decode = [&](int64_t i, const uint8_t* block, int64_t) {
     if constexpr (kCodeOffsets<F>) {
       F::codes(block, q + i * F::kValues, scale + i * F::kValues / 16, offset + i * F::kValues / 16);
@@ -922,21 +940,34 @@ void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, 
     }
   };
   const auto multiply = [&](int64_t first, const uint8_t*, int64_t count) {
-    const float* xs = x + first * F::kValues;
+    int64_t pos = first * F::kValues;
     const float* scales = scale;
     const float* offsets = offset;
     for (const int8_t *codes = q, *end = q + count * F::kValues; codes < end;
-         codes += 32, xs += 32, scales += 2, offsets += kCodeOffsets<F> ? 2 : 0) {
+         codes += 32, pos += 32, scales += 2, offsets += kCodeOffsets<F> ? 2 : 0) {
+      __m512 w[2];
       for (int i = 0; i < 2; ++i) {
         const __m512 widened = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + 16 * i))));
-        const __m512 w = _mm512_fmadd_ps(widened, _mm512_set1_ps(scales[i]),
-                                         kCodeOffsets<F> ? _mm512_set1_ps(offsets[i]) : _mm512_setzero_ps());
-        for (int m = 0; m < TM; ++m) acc[m][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs + m * k + 16 * i), acc[m][i]);
+        w[i] = _mm512_fmadd_ps(widened, _mm512_set1_ps(scales[i]),
+                               kCodeOffsets<F> ? _mm512_set1_ps(offsets[i]) : _mm512_setzero_ps());
       }
+      use(w[0], w[1], pos);
     }
   };
   for_each_span<F, kSpan, 1>(wrow, k, decode, multiply);
+}
+
+template <class F, int TM>
+void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
+  __m512 acc[TM][2];  // values 0-15 and 16-31 of each 32, as dot_rows_exact's two accumulators
+  for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
+  code_row<F>(wrow, k, [&](__m512 low, __m512 high, int64_t pos) {
+    for (int m = 0; m < TM; ++m) {
+      acc[m][0] = _mm512_fmadd_ps(low, _mm512_loadu_ps(x + m * k + pos), acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(high, _mm512_loadu_ps(x + m * k + pos + 16), acc[m][1]);
+    }
+  });
   for (int m = 0; m < TM; ++m) out[m * ldo] = wide_sum(acc[m][0], acc[m][1]);
 }
 #endif
@@ -989,12 +1020,32 @@ void matmul_rows_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, i
   }
 }
 
+// Rows of W as floats, the values group_floats gives. The formats the dot products decode a span at a time (the 4-bit
+// formats' tables, the K-quants' codes) are dequantized the same way: the panel products of 32 rows ran 1.06-1.14x as
+// fast for Q4_K, Q5_K and Q6_K (4096 x 2048, 2 threads), the legacy 4-bit formats' as fast as a group at a time.
 template <class F>
 void dequantize_rows(const uint8_t* w, int64_t rows, int64_t k, float* out) {
   constexpr int kVectors = 32 / kWideLanes;  // the widest vectors: half the conversions and stores with AVX-512
   const int64_t row_bytes = k / F::kValues * F::kBytes;
   parallel_rows(rows, k, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+#if defined(__AVX512F__)
+      if constexpr (kHasNibbleRuns<F>) {
+        NibbleStore store{out + r * k};
+        nibble_row<F>(w + r * row_bytes, k, store, store);
+        continue;
+      }
+#endif
+#if defined(__AVX512BW__)
+      if constexpr (kHasCodes<F>) {
+        float* row = out + r * k;
+        code_row<F>(w + r * row_bytes, k, [row](__m512 low, __m512 high, int64_t pos) {
+          _mm512_storeu_ps(row + pos, low);
+          _mm512_storeu_ps(row + pos + 16, high);
+        });
+        continue;
+      }
+#endif
       for (int64_t b = 0; b < k / F::kValues; ++b) {
         for (int g = 0; g < F::kValues / 32; ++g) {
           WideFloats v[kVectors];
