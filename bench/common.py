@@ -1,11 +1,17 @@
 """Helpers shared by the benchmark scripts (run them as ``python bench/NAME.py``: this folder is on sys.path)."""
 from __future__ import annotations
 
+import contextlib
 import statistics
+import subprocess
 import sys
-from typing import Callable
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
+
+from workbench.kernels import cpu
 
 
 def copy_bandwidth() -> float:
@@ -48,3 +54,26 @@ def cuda_seconds(calls: list[Callable[[], object]], repeats: int = 15) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3 / len(calls))
     return statistics.median(times)
+
+
+def kernels_from(revision: str):
+    """The CPU kernels' op namespace built from ``revision``'s C++ source (a build of its own, beside the current one)."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{revision}:kernels/csrc/cpu_kernels.cpp"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    tag = "".join(c if c.isalnum() else "_" for c in revision)
+    path = Path(tempfile.gettempdir()) / f"workbench-kernels-{tag}" / "cpu_kernels.cpp"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(source)
+    return cpu._build_extension(cpu._native_isa(), path, f"workbench_cpu_kernels_at_{tag}")
+
+
+@contextlib.contextmanager
+def using_kernels(ops) -> Iterator[None]:
+    """The CPU kernels' op namespace ``ops`` (``kernels_from``'s) in place of the current one inside the block."""
+    current = cpu.extension()
+    cpu._extension["ops"] = ops
+    try:
+        yield
+    finally:
+        cpu._extension["ops"] = current

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from moe import kernels_from
+from common import kernels_from
 from workbench.kernels import cpu
 from workbench.synthetic import random_matrix
 

@@ -6,8 +6,9 @@
     python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K_M --llama-bench PATH/llama-bench
                                                             # the same GGUF file through llama.cpp's llama-bench
     [--numerics llamacpp]                                   # llama.cpp numerics (Q8 activations, integer dots)
-    python bench/decode.py --by-turns 6 --prefill 16 512 --decode 64
-                                                            # CPU eager decode and llama.cpp's by turns
+    python bench/decode.py --by-turns 6 --prefill 16 512 --decode 64 [--model X.gguf] [--kernels-from REV]
+                                                            # CPU eager decode and llama.cpp's by turns (and with
+                                                            # the C++ kernels of git revision REV)
 
 Every figure in one table comes from the same run, so ratios are side by side.
 """
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 
 import workbench
-from common import copy_bandwidth
+from common import copy_bandwidth, kernels_from, using_kernels
 from workbench import hooks
 from workbench.generation import Sampling, build_decode_step, generate_tokens
 from workbench.model import Model
@@ -123,13 +124,16 @@ def one_block_a_call():
         Transformer._whole_run = runs
 
 
-def decode_by_turns(model: Model, threads: int, prefill: list[int], decode: int, rounds: int) -> None:
+def decode_by_turns(model: Model, threads: int, prefill: list[int], decode: int, rounds: int,
+                    kernels_of: str | None = None) -> None:
     """Eager decode after a prompt of each ``prefill`` length: the workbench's (runs of blocks, one block a call, and
-    steered: a ``Steer`` on the middle block's output, which ends a run there) and llama.cpp's taking turns round by
-    round, so that a shared machine's slow spells fall on all of them alike."""
+    steered: a ``Steer`` on the middle block's output, which ends a run there; with ``kernels_of``, also with the C++
+    kernels of that git revision) and llama.cpp's taking turns round by round, so that a shared machine's slow spells
+    fall on all of them alike."""
     llm = load_llama_cpp(str(model.path), threads, max(prefill) + decode + 32)
     if llm is None:
         raise SystemExit(f"--by-turns times llama.cpp's decode too: {INSTALL_HINT}")
+    old_kernels = kernels_from(kernels_of) if kernels_of else None
     direction = torch.randn(model.config.d_model)
     steer = hooks.Steer(f"blocks.{model.config.n_layers // 2}.hook_resid_post", direction / direction.norm(), scale=4.0)
     for n in prefill:
@@ -137,6 +141,8 @@ def decode_by_turns(model: Model, threads: int, prefill: list[int], decode: int,
         steering, _, _ = model._call_hooks([steer], None, n, n + decode, (), True)
         sides = {"workbench": (contextlib.nullcontext, None), "one block a call": (one_block_a_call, None),
                  "steered": (contextlib.nullcontext, steering)}
+        if kernels_of:
+            sides[f"kernels of {kernels_of}"] = (lambda: using_kernels(old_kernels), None)
         rates: dict[str, list[float]] = {label: [] for label in (*sides, "llama.cpp")}
         for round_ in range(rounds + 1):  # the first a warm-up
             for label, (mode, hooks_) in sides.items():
@@ -149,7 +155,9 @@ def decode_by_turns(model: Model, threads: int, prefill: list[int], decode: int,
             f"{label} {m:.1f}" for label, m in medians.items())
             + f"; workbench / llama.cpp {medians['workbench'] / medians['llama.cpp']:.2f}x, steered / llama.cpp "
             f"{medians['steered'] / medians['llama.cpp']:.2f}x, workbench / one block a call "
-            f"{medians['workbench'] / medians['one block a call']:.2f}x")
+            f"{medians['workbench'] / medians['one block a call']:.2f}x"
+            + (f", workbench / kernels of {kernels_of} {medians['workbench'] / medians[f'kernels of {kernels_of}']:.2f}x"
+               if kernels_of else ""))
 
 
 def profile_decode_step(model: Model, top: int = 12) -> None:
@@ -267,6 +275,8 @@ def main() -> None:
     parser.add_argument("--by-turns", type=int, metavar="ROUNDS",
                         help="CPU: eager decode only, ours (runs of blocks, one block a call, and steered) and "
                              "llama.cpp's taking turns for ROUNDS rounds, after a prompt of each --prefill length")
+    parser.add_argument("--kernels-from", metavar="REV", default=None,
+                        help="with --by-turns: also decode with the C++ kernels of git revision REV")
     parser.add_argument("--numerics", choices=workbench.kernels.NUMERICS, default="exact",
                         help="what the quantized matmuls compute (workbench.kernels.set_numerics)")
     parser.add_argument("--llama-bench", default=None,
@@ -276,6 +286,8 @@ def main() -> None:
     if args.by_turns and (args.device != "cpu" or args.synthetic):
         parser.error("--by-turns times the eager CPU decode of a GGUF file against llama.cpp's: no --device or "
                      "--synthetic")
+    if args.kernels_from and not args.by_turns:
+        parser.error("--kernels-from takes its turns in --by-turns")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     workbench.kernels.set_numerics(args.numerics)
@@ -317,7 +329,7 @@ def main() -> None:
 
     model = workbench.load(args.model, device=args.device, dtype=args.dtype)
     if args.by_turns:
-        return decode_by_turns(model, args.threads, args.prefill, args.decode, args.by_turns)
+        return decode_by_turns(model, args.threads, args.prefill, args.decode, args.by_turns, args.kernels_from)
     print(f"kernels: {sorted(set(model.kernel_report(1).values()) | set(model.kernel_report(128).values()))}")
     columns = {"workbench": ours(model, args.prefill, args.decode, args.repeats)}
     if args.device == "cpu":  # prefill is the same eager forward either way

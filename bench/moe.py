@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,8 +29,8 @@ from typing import Callable
 import torch
 
 import workbench
+from common import kernels_from, using_kernels
 from decode import llama_bench, ours, print_table, synthetic_gguf
-from workbench.kernels import cpu
 from workbench.parity import load_llamacpp_model, require_llama_cpp
 
 SHAPES = {
@@ -96,30 +94,6 @@ def llama_cpp_python(path: Path, decode: int, threads: int) -> tuple[Callable[[]
     return run, close
 
 
-def kernels_from(revision: str):
-    """The CPU kernels' op namespace built from ``revision``'s C++ source (a build of its own, beside the current one)."""
-    root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{revision}:kernels/csrc/cpu_kernels.cpp"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
-    tag = "".join(c if c.isalnum() else "_" for c in revision)
-    path = Path(tempfile.gettempdir()) / f"workbench-kernels-{tag}" / "cpu_kernels.cpp"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(source)
-    return cpu._build_extension(cpu._native_isa(), path, f"workbench_cpu_kernels_at_{tag}")
-
-
-def with_kernels(ops, run: Callable[[], float]) -> Callable[[], float]:
-    """``run`` with the CPU kernels' op namespace ``ops`` in place of the current one."""
-    def swapped() -> float:
-        current = cpu.extension()
-        cpu._extension["ops"] = ops
-        try:
-            return run()
-        finally:
-            cpu._extension["ops"] = current
-    return swapped
-
-
 def alternating(runs: dict[str, Callable[[], float]], decode: int, repeats: int) -> dict[str, dict[str, float]]:
     """Decode tokens/s of each run (column name: a function that decodes once and gives its tokens/s), the runs taking
     turns round by round, so that a shared machine's changing load falls on all of them alike; the median of
@@ -167,8 +141,12 @@ def main() -> None:
         else:  # on the CPU every decode takes its turn, round by round
             runs = {"workbench": lambda: list(ours(model, [], args.decode, 1).values())[0]}
             if args.kernels_from:
-                runs[f"kernels of {args.kernels_from}"] = with_kernels(kernels_from(args.kernels_from),
-                                                                       runs["workbench"])
+                ops, ours_now = kernels_from(args.kernels_from), runs["workbench"]
+
+                def ours_with_old_kernels() -> float:
+                    with using_kernels(ops):
+                        return ours_now()
+                runs[f"kernels of {args.kernels_from}"] = ours_with_old_kernels
             close = lambda: None
             if args.llama_cpp_python and not args.llama_bench:  # llama-bench, where given, runs after
                 runs["llama.cpp"], close = llama_cpp_python(path, args.decode, args.threads)
