@@ -6,9 +6,11 @@
     python bench/decode.py --device cuda --synthetic llama3-8b --formats Q4_K_M --llama-bench PATH/llama-bench
                                                             # the same GGUF file through llama.cpp's llama-bench
     [--numerics llamacpp]                                   # llama.cpp numerics (Q8 activations, integer dots)
-    python bench/decode.py --by-turns 6 --prefill 16 512 --decode 64 [--model X.gguf] [--kernels-from REV]
+    python bench/decode.py --by-turns 6 --prefill 16 512 --decode 64 [--kernels-from REV]
                                                             # CPU eager decode and llama.cpp's by turns (and with
                                                             # the C++ kernels of git revision REV)
+    python bench/decode.py --by-turns 4 --synthetic llama3-8b --layers 6 --formats Q3_K_M Q5_K_M --prefill 16
+                                                            # the same on a GGUF file of random weights
 
 Every figure in one table comes from the same run, so ratios are side by side.
 """
@@ -264,6 +266,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file (default: the embedded model)")
     parser.add_argument("--synthetic", choices=sorted(SHAPES), help="random weights of a real model's shape")
+    parser.add_argument("--layers", type=int, default=None, help="--synthetic: the first LAYERS layers of the shape")
     parser.add_argument("--formats", nargs="+", default=["Q4_K", "BF16"], help="formats or mixes (Q4_K_M, ...) for --synthetic")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
@@ -281,11 +284,13 @@ def main() -> None:
                         help="what the quantized matmuls compute (workbench.kernels.set_numerics)")
     parser.add_argument("--llama-bench", default=None,
                         help="llama.cpp's llama-bench binary: --synthetic models go through a GGUF file both read")
-    parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp"), help="where --llama-bench's GGUF files go")
+    parser.add_argument("--gguf-dir", type=Path, default=Path("/tmp"),
+                        help="where the GGUF files of --synthetic models go (for --llama-bench and --by-turns)")
     args = parser.parse_args()
-    if args.by_turns and (args.device != "cpu" or args.synthetic):
-        parser.error("--by-turns times the eager CPU decode of a GGUF file against llama.cpp's: no --device or "
-                     "--synthetic")
+    if args.by_turns and args.device != "cpu":
+        parser.error("--by-turns times the eager CPU decode of a GGUF file against llama.cpp's: no --device")
+    if args.layers is not None and not args.synthetic:
+        parser.error("--layers cuts a --synthetic model")
     if args.kernels_from and not args.by_turns:
         parser.error("--kernels-from takes its turns in --by-turns")
     torch.set_num_threads(args.threads)
@@ -293,6 +298,18 @@ def main() -> None:
     workbench.kernels.set_numerics(args.numerics)
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, numerics {args.numerics}")
 
+    def synthetic_file(fmt: str) -> Path:  # the --synthetic model as a GGUF file, which llama.cpp reads too
+        dims = SHAPES[args.synthetic] if args.layers is None else {**SHAPES[args.synthetic], "n_layers": args.layers}
+        cut = "" if args.layers is None else f"-{args.layers}l"
+        return synthetic_gguf("llama", dims, fmt, args.gguf_dir / f"{args.synthetic}{cut}-{fmt}.gguf")
+
+    if args.synthetic and args.by_turns:
+        for fmt in args.formats:
+            path = synthetic_file(fmt)
+            print(path.name)
+            decode_by_turns(workbench.load(path), args.threads, args.prefill, args.decode, args.by_turns,
+                            args.kernels_from)
+        return
     if args.synthetic:
         columns = {}
         # the ceiling for streaming weights: bytes a device-to-device copy moves (read + written) per second
@@ -301,12 +318,12 @@ def main() -> None:
             print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s read + written")
         for fmt in args.formats:
             if args.llama_bench:
-                path = synthetic_gguf("llama", SHAPES[args.synthetic], fmt, args.gguf_dir / f"{args.synthetic}-{fmt}.gguf")
+                path = synthetic_file(fmt)
                 columns[f"llama.cpp {fmt}"] = llama_bench(args.llama_bench, path, args.prefill, args.decode,
                                                           args.threads, args.device, args.repeats)
                 model = workbench.load(path, device=args.device, dtype=args.dtype)
             else:
-                model = synthetic_model(args.synthetic, fmt, args.device, args.dtype)
+                model = synthetic_model(args.synthetic, fmt, args.device, args.dtype, args.layers)
             print(f"{fmt}: resident weights {model.runner.weights.nbytes / 2**30:.2f} GiB, "
                   f"kernels {sorted(set(model.kernel_report(1).values()))}")
             columns[f"{args.synthetic} {fmt}"] = result = ours(model, args.prefill, args.decode, args.repeats)
