@@ -439,7 +439,8 @@ struct AffineK {
     const __m128i top2 = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(tops, 6), _mm_set1_epi32(0x03030303)), 4);
     const __m128i fields = _mm_blend_epi32(low6, _mm_or_si128(low4, top2), 0b1010);
     const __m512 d_dmin = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_loadu_si32(b)));  // lanes 0, 1: d, dmin
-    const __m512 factors = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), d_dmin),
+    const __m512i eight_each = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512 factors = _mm512_mul_ps(_mm512_permutexvar_ps(eight_each, d_dmin),  // d x 8, -dmin x 8
                                          _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(fields)), factors);
   }
@@ -545,7 +546,8 @@ struct Q5_K : AffineK<Q5_K> {
   static void codes(const uint8_t* b, int8_t* q, float* scale, float* offset) {
     const __m512i highs = both_halves(b + 16);
     for (int c = 0; c < 4; ++c) {
-      const __m512i nibbles = _mm512_and_si512(shifted_halves(both_halves(b + 48 + 32 * c), 0, 4), _mm512_set1_epi8(0x0F));
+      const __m512i nibbles =
+          _mm512_and_si512(shifted_halves(both_halves(b + 48 + 32 * c), 0, 4), _mm512_set1_epi8(0x0F));
       _mm512_storeu_si512(q + 64 * c, _mm512_or_si512(nibbles, bit_pairs(highs, 2 * c, 4)));
     }
     affines_by_16(b, scale, offset);
@@ -915,17 +917,15 @@ constexpr bool kCodeOffsets = false;
 template <class F>
 constexpr bool kCodeOffsets<F, std::void_t<decltype(F::kCodeOffsets)>> = F::kCodeOffsets;
 
-// dot_rows_exact for the formats with codes() (AVX-512), whose weights are scale * code with a scale per 16 (Q6_K), or
-// scale * code + offset where a format has kCodeOffsets (Q5_K, its scale and offset given for each 16 values):
-// a span of blocks is decoded first into bytes and per-16 scales in memory, then each 16 weights are widened straight
-// from there (a load and one conversion, where a group in a register costs two extractions more) and multiplied in the
-// same order, so the bits are dot_rows_exact's (whose offset of 0 is the zero added here). Q6_K's codes() decodes 64
-// bytes a step: 1.7-1.8x the rows a second (1 thread 2048 x 2048; 2 threads 151936 x 2048). Storing other formats'
-// groups this way ran 0.7-1.25x, so they keep dot_rows_exact. The loop walks pointers, where indices cost integer
-// shifts on the ports the conversions need, and reads no offsets: 1.07-1.12x the rows a second (1 thread 2048 x 2048;
-// 2 threads 16384 x 2048, and 5 rows of 1024 x 9216).
-// Each 32 weights of a row as use(low, high, pos) takes them: the weights of values pos .. pos + 15 and the next 16,
-// as floats.
+// The weights of a row in a format with codes() (AVX-512: the K-quants but Q4_K), scale * code with a scale per 16
+// (Q3_K, Q6_K) or scale * code + offset where the format has kCodeOffsets (Q2_K, Q5_K), 32 at a time as
+// use(low, high, pos) takes them: values pos .. pos + 15 and the next 16, as floats. A span of blocks is decoded first
+// into bytes and per-16 scales in memory, 64 codes a vector step, then each 16 weights are widened straight from there
+// (a load and one conversion, where a group in a register costs two extractions more) with the multiply-add
+// group_floats does, so the weights are the same floats. Q6_K's codes() took its dot products to 1.7-1.8x the rows a
+// second (1 thread 2048 x 2048; 2 threads 151936 x 2048), Q2_K's, Q3_K's and Q5_K's to 1.7-2.8x (2 threads, 14336 x
+// 4096 and 4096 x 14336). The loop walks pointers, where indices cost integer shifts on the ports the conversions
+// need: 1.07-1.12x the rows a second (1 thread 2048 x 2048; 2 threads 16384 x 2048, and 5 rows of 1024 x 9216).
 template <class F, class Use>
 void code_row(const uint8_t* wrow, int64_t k, const Use& use) {
   constexpr int64_t kSpan = std::max<int64_t>(1, 4096 / F::kValues);  // blocks a span
@@ -958,6 +958,7 @@ void code_row(const uint8_t* wrow, int64_t k, const Use& use) {
   for_each_span<F, kSpan, 1>(wrow, k, decode, multiply);
 }
 
+// dot_rows_exact for the formats with codes(): the same multiply-adds in the same order, so the same bits.
 template <class F, int TM>
 void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
   __m512 acc[TM][2];  // values 0-15 and 16-31 of each 32, as dot_rows_exact's two accumulators
