@@ -872,8 +872,10 @@ constexpr bool kHasNibbleRuns<F, std::void_t<decltype(&F::template nibble_runs<N
 // for 16 blocks at once where a format has it) are decoded first, a span of blocks at a time, into memory: the tables
 // then take them as broadcast loads, where decoded alongside they cost shuffles on the port the lookups need (1.4x the
 // rows a second, Q4_K, one thread).
+// Inlined into its caller always, as code_row: a call would keep the caller's accumulators in memory, stored at every
+// step.
 template <class F, class Runs>
-void nibble_row(const uint8_t* wrow, int64_t k, Runs& even, Runs& odd) {
+[[gnu::always_inline]] inline void nibble_row(const uint8_t* wrow, int64_t k, Runs& even, Runs& odd) {
   constexpr int kGroups = F::kValues / 32;
   constexpr int64_t kSpan = 8192 / F::kValues;  // blocks a span; even, so that blocks keep their accumulators
   static_assert(kSpan % 2 == 0);
@@ -927,7 +929,7 @@ constexpr bool kCodeOffsets<F, std::void_t<decltype(F::kCodeOffsets)>> = F::kCod
 // 4096 and 4096 x 14336). The loop walks pointers, where indices cost integer shifts on the ports the conversions
 // need: 1.07-1.12x the rows a second (1 thread 2048 x 2048; 2 threads 16384 x 2048, and 5 rows of 1024 x 9216).
 template <class F, class Use>
-void code_row(const uint8_t* wrow, int64_t k, const Use& use) {
+[[gnu::always_inline]] inline void code_row(const uint8_t* wrow, int64_t k, const Use& use) {
   constexpr int64_t kSpan = std::max<int64_t>(1, 4096 / F::kValues);  // blocks a span
   alignas(64) int8_t q[kSpan * F::kValues];
   alignas(64) float scale[kSpan * F::kValues / 16];
