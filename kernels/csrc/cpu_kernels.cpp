@@ -925,7 +925,7 @@ constexpr bool kCodeOffsets<F, std::void_t<decltype(F::kCodeOffsets)>> = F::kCod
 // into bytes and per-16 scales in memory, 64 codes a vector step, then each 16 weights are widened straight from there
 // (a load and one conversion, where a group in a register costs two extractions more) with the multiply-add
 // group_floats does, so the weights are the same floats. Q6_K's codes() took its dot products to 1.7-1.8x the rows a
-// second (1 thread 2048 x 2048; 2 threads 151936 x 2048), Q2_K's, Q3_K's and Q5_K's to 1.7-2.8x (2 threads, 14336 x
+// second (1 thread 2048 x 2048; 2 threads 151936 x 2048), Q2_K's, Q3_K's and Q5_K's to 1.8-3.0x (2 threads, 14336 x
 // 4096 and 4096 x 14336). The loop walks pointers, where indices cost integer shifts on the ports the conversions
 // need: 1.07-1.12x the rows a second (1 thread 2048 x 2048; 2 threads 16384 x 2048, and 5 rows of 1024 x 9216).
 template <class F, class Use>
