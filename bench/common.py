@@ -59,8 +59,11 @@ def cuda_seconds(calls: list[Callable[[], object]], repeats: int = 15) -> float:
 def kernels_from(revision: str):
     """The CPU kernels' op namespace built from ``revision``'s C++ source (a build of its own, beside the current one)."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{revision}:kernels/csrc/cpu_kernels.cpp"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
+    shown = subprocess.run(["git", "show", f"{revision}:kernels/csrc/cpu_kernels.cpp"], cwd=root,
+                           capture_output=True, text=True)
+    if shown.returncode:
+        raise SystemExit(f"no CPU kernels at git revision {revision!r}: {shown.stderr.strip().splitlines()[-1]}")
+    source = shown.stdout
     tag = "".join(c if c.isalnum() else "_" for c in revision)
     path = Path(tempfile.gettempdir()) / f"workbench-kernels-{tag}" / "cpu_kernels.cpp"
     path.parent.mkdir(exist_ok=True)
