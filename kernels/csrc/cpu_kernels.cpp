@@ -519,10 +519,12 @@ inline Bytes crumbs(const uint8_t* p, int j) { return and_bytes(shr_bytes(load_b
 inline __m512i both_halves(const uint8_t* p) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512i shifted_halves(__m512i bytes, int low, int high) {
-  return _mm512_srlv_epi16(bytes, _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(low)),
-                                                     _mm256_set1_epi16(static_cast<int16_t>(high)), 1));
+// Shift counts of 16-bit lanes: `low` in the low half of a vector, `high` in the high one.
+inline __m512i per_half(int low, int high) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(low)), _mm256_set1_epi16(static_cast<int16_t>(high)),
+                            1);
 }
+inline __m512i shifted_halves(__m512i bytes, int low, int high) { return _mm512_srlv_epi16(bytes, per_half(low, high)); }
 // crumbs(j) and crumbs(j + 1) of 32 bytes given in both halves.
 inline __m512i crumb_pairs(__m512i bytes, int j) {
   return _mm512_and_si512(shifted_halves(bytes, 2 * j, 2 * j + 2), _mm512_set1_epi8(3));
@@ -678,15 +680,14 @@ struct Q6_K {
   // 32-byte half of a vector set on its own), where values() takes eight 32-byte steps per group.
   static void codes(const uint8_t* b, int8_t* q, float* scale) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), six_bits = _mm512_set1_epi8(0x3F), bias = _mm512_set1_epi8(32);
-    const __m512i shift_01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // left
-    const __m512i shift_23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // right
+    const __m512i left_01 = per_half(4, 2);
     constexpr int kNibbleOrHigh = 0xE4;  // ternary logic: c ? a : b
     for (int half = 0; half < 2; ++half) {
       const __m512i lows = _mm512_loadu_si512(b + 64 * half);
-      const __m512i highs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half)));
-      const __m512i q01 = _mm512_ternarylogic_epi32(lows, _mm512_sllv_epi16(highs, shift_01), nibble, kNibbleOrHigh);
-      const __m512i q23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lows, 4), _mm512_srlv_epi16(highs, shift_23),
-                                                    nibble, kNibbleOrHigh);
+      const __m512i highs = both_halves(b + 128 + 32 * half);
+      const __m512i q01 = _mm512_ternarylogic_epi32(lows, _mm512_sllv_epi16(highs, left_01), nibble, kNibbleOrHigh);
+      const __m512i q23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lows, 4), shifted_halves(highs, 0, 2), nibble,
+                                                    kNibbleOrHigh);
       _mm512_storeu_si512(q + 128 * half, _mm512_sub_epi8(_mm512_and_si512(q01, six_bits), bias));
       _mm512_storeu_si512(q + 128 * half + 64, _mm512_sub_epi8(_mm512_and_si512(q23, six_bits), bias));
     }
