@@ -513,11 +513,13 @@ class Transformer:
         # included): layer_ops.rope_attention may run it
         self._plain_attention = [own and self.arch.qk_norm in (None, "head") and layer.v_norm is None
                                  for own, layer in zip(self._packed_attention, layers)]
-        # of those, the blocks of llama's form, which layer_ops.blocks_exact may run whole where no hook lies inside
+        # of those, the blocks of llama's form in formats the C++ kernels read (a merged adapter keeps each matrix's
+        # format), which layer_ops.blocks_exact may run whole where no hook lies inside
         self._plain_block = [own and layer.bo is None and not self.arch.post_norms and layer.moe is None
                              and self.arch.activation != "gelu_tanh" and layer.per_layer_gate is None
                              and layer.out_scale is None and layer.attn_norm is not None
                              and layer.mlp_norm is not None and layer.wqkv is None and layer.w_gate_up is None
+                             and layer_ops.readable(layer.block_weights())
                              for own, layer in zip(self._plain_attention, layers)]
 
     def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int,
@@ -755,7 +757,7 @@ class Transformer:
     def _whole_run(self, i: int, stop: int, point: _Points, layout: BatchLayout | None, segments: list,
                    cache: KVCache | None) -> int:
         """How many blocks from block ``i`` on (before ``stop``) may run as one call (``layer_ops.blocks_exact``):
-        plain blocks of one device, of formats the call reads, without an adapter's terms, whose cache layers take the
+        plain blocks of one device (of formats the call reads), without an adapter's terms, whose cache layers take the
         op's writes, with no hook inside them nor between two of them (a hook on the first one's input or first norm,
         or the last one's output, keeps them). 0 where block ``i`` may not."""
         if layout is not None:
@@ -763,8 +765,7 @@ class Transformer:
         n = 0
         while (i + n < stop and self._plain_block[i + n] and not point.wants_any(self._names[i + n]["inside_block"])
                and not any(terms[i + n] for terms, _ in segments)
-               and (cache is None or cache.buffers(i + n) is not None)
-               and layer_ops.readable(self.weights.layers[i + n].block_weights())):
+               and (cache is None or cache.buffers(i + n) is not None)):
             n += 1
             if (i + n == stop or i + n in self.range_starts
                     or point.wants_any(self._names[i + n - 1]["between_blocks"])):
