@@ -289,6 +289,30 @@ def test_hooks_blocks_apply_to_batches(llama):
         assert_close_logits(trace.logits, llama.forward(prompt, interventions=[hooks.ZeroAblate("blocks.0.hook_attn_out")]))
 
 
+
+def test_a_hooks_block_records_a_batch_in_list_order_and_never_crops(llama):
+    """A block's recorder joins a batch's prompts in the order of the list (the batch runs them longest first), then
+    the next call's; each prompt's pattern rows keep all their slots, padded to the widest with zeros."""
+    names = ["blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern", "blocks.1.attn.hook_attn_scores"]
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[0]]  # 2, 13 and 7 tokens
+    with llama.hooks(record=names) as rec:
+        llama.run_batch(prompts)
+        llama.run(PROMPTS[3])
+    alone = [llama.run(p, record=names).activations for p in prompts + [PROMPTS[3]]]
+    got = rec.activations()
+    widest = max(len(p) for p in prompts)
+    rows = torch.cat([a[names[0]] for a in alone])
+    assert got[names[0]].shape == rows.shape and (got[names[0]] - rows).abs().max() <= 1e-4
+    start = 0
+    for a in alone:
+        n = a[names[1]].shape[1]
+        pattern, scores = got[names[1]][:, start:start + n], got[names[2]][:, start:start + n]
+        assert pattern.shape[-1] == widest
+        assert (pattern[..., :n] - a[names[1]]).abs().max() <= 1e-5 and (pattern[..., n:] == 0).all()
+        assert torch.allclose(pattern.sum(-1), torch.ones(pattern.shape[:2]), atol=1e-5)
+        assert torch.isneginf(scores[..., n:]).all()
+        start += n
+
 # ---------------------------------------------------------------------------------------- generation
 
 
