@@ -1,6 +1,7 @@
 """Loading GGUF files and Hugging Face checkpoints of every supported architecture, and bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -131,6 +132,31 @@ def test_missing_tensor_names_the_tensor(tmp_path, tiny_checkpoint):
     path = write_gguf(tmp_path / "short.gguf", config, checkpoint.weights, checkpoint.metadata)
     with pytest.raises(ModelLoadError, match="blk.1.attn_norm.weight is missing"):
         workbench.load(path)
+
+
+def test_metadata_with_fewer_layers_than_the_tensors_is_refused(tmp_path, tiny_checkpoint):
+    """A file whose metadata describes less than its tensors hold would run another model: refused, as llama.cpp
+    refuses it."""
+    checkpoint = tiny_checkpoint("llama")
+    config = dataclasses.replace(checkpoint.config, n_layers=1)
+    path = write_gguf(tmp_path / "lying.gguf", config, checkpoint.weights, checkpoint.metadata)
+    with pytest.raises(ModelLoadError, match=r"tensor\(s\) that a llama model of 1 layers does not use, such as "
+                                             r"blk\.1\."):
+        workbench.load(path)
+
+
+@pytest.mark.parametrize("edit", ["fewer layers", "another family"])
+def test_hf_folders_whose_config_does_not_describe_the_tensors_are_refused(tmp_path, edit):
+    random_hf_checkpoint("gemma2", tmp_path, n_layers=2)
+    write_hf_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    if edit == "fewer layers":
+        config["num_hidden_layers"], config["layer_types"] = 1, config["layer_types"][:1]
+    else:  # Gemma 2's norms after attention and the MLP have no place in a llama block
+        config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="does not use, such as"):
+        workbench.load(tmp_path, device="cpu")
 
 
 def test_hf_dir_without_config(tmp_path):

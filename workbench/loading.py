@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from gguf import GGMLQuantizationType
@@ -343,16 +343,22 @@ def load_gguf(path: Path) -> LoadedCheckpoint:
         rows, cols = math.prod(shape[:-1]), shape[-1]  # a vector is one row; stacked experts, all their rows
         return QuantTensor(raw.reshape(rows, -1), get_format(tensors[name].ggml_type), (rows, cols))
 
-    weights = _assemble(config, get, str(path))
+    weights = _assemble(config, get, str(path), tensors)
     # the vocabulary lists now live in the tokenizer; keep the scalar metadata (and the chat template)
     scalars = {k: v for k, v in metadata.items() if not isinstance(v, list)}
     return LoadedCheckpoint(config, weights, tokenizer, path, scalars)
 
 
-def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
-    """Build ModelWeights from ``get(gguf_name, shape) -> QuantTensor | None``, checking every shape: each tensor the
-    family needs must be there (the error names the first one missing), and nothing is kept of a failed load."""
+def _assemble(config: ModelConfig, read, source: str, stored: Iterable[str]) -> ModelWeights:
+    """Build ModelWeights from ``read(gguf_name, shape) -> QuantTensor | None``, checking every shape: each tensor the
+    family needs must be there (the error names the first one missing), each of the ``stored`` tensors must be one the
+    model reads, and nothing is kept of a failed load."""
     c, family = config, config.arch
+    asked: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
+        asked.add(name)
+        return read(name, shape)
 
     def matrix(name: str, shape: tuple[int, int]) -> QuantTensor:
         tensor = get(name, shape)
@@ -429,7 +435,7 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
         )
     embed = matrix(GLOBAL_TENSORS["embed"], (c.vocab_size, c.d_model))
     unembed = embed if c.tied_embeddings else matrix(GLOBAL_TENSORS["unembed"], (c.vocab_size, c.d_model))
-    return ModelWeights(
+    weights = ModelWeights(
         embed=embed,
         layers=layers,
         final_norm=vector(GLOBAL_TENSORS["final_norm"], c.d_model),
@@ -441,6 +447,13 @@ def _assemble(config: ModelConfig, get, source: str) -> ModelWeights:
                                             (c.n_layers * c.d_per_layer, c.d_model)),
                 per_layer_proj_norm=vector(GLOBAL_TENSORS["per_layer_proj_norm"], c.d_per_layer)) if c.d_per_layer else {}),
     )
+    # as llama.cpp refuses a file with tensors its model does not take: metadata that lies about the layers or the
+    # family, or a feature not supported here, would otherwise run a different model without a word
+    if unused := sorted(set(stored) - asked):
+        raise ModelLoadError(f"{source}: {len(unused)} tensor(s) that a {c.architecture} model of {c.n_layers} layers "
+                             f"does not use, such as {', '.join(unused[:3])}: the metadata does not describe these "
+                             "tensors, or they hold a feature not supported here")
+    return weights
 
 
 def row_ranges(stacked: QuantTensor, sizes: list[int]) -> list[QuantTensor]:
@@ -617,6 +630,7 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     experts: dict[str, dict[int, torch.Tensor]] = {}  # an MoE's per-expert matrices, stacked once all are read
     expert_scales: dict[str, dict[int, torch.Tensor]] = {}
     mxfp4: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # GPT-OSS's MXFP4 experts, blocks and scales
+    unmapped: list[str] = []  # a block's tensors the family has no name for: refused with those it leaves unread
 
     def place(name: str, tensor: torch.Tensor, into: dict, into_experts: dict) -> None:
         if (mapped := gguf_name(name, config.arch)) is not None:
@@ -624,6 +638,8 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         elif (moe_tensors := moe_lib.hf_tensor(name, tensor, into_experts, config.arch.hf_expert_layout,
                                                mxfp4)) is not None:
             into.update(moe_tensors)
+        elif name.startswith("model.layers.") and not name.endswith("rotary_emb.inv_freq"):
+            unmapped.append(name)
 
     for file in files:
         try:
@@ -681,7 +697,7 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
             matrix = matrix.float()  # norms and biases stay F32, as llama.cpp keeps them
         return QuantTensor.from_floats(matrix)
 
-    weights = _assemble(config, get, str(path))
+    weights = _assemble(config, get, str(path), [*tensors, *unmapped])
     try:
         tokenizer = Tokenizer.from_hf_dir(path)
     except (OSError, *TOKENIZER_ERRORS) as err:
