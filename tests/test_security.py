@@ -182,8 +182,9 @@ def write_metadata_gguf(path, **overrides):
 ])
 def test_gguf_hyperparameters_no_forward_can_use_are_refused(tmp_path, overrides, message, capsys):
     path = write_metadata_gguf(tmp_path / "bad.gguf", **overrides)
-    with pytest.raises(ModelLoadError, match=message):
+    with pytest.raises(ModelLoadError, match=message) as error:
         workbench.load(path)
+    assert str(error.value).startswith(f"{path}: ")  # the file is named, whichever check refused it
     assert main(["info", "--model", str(path)]) == 2
     assert message.split()[0] in capsys.readouterr().err
 

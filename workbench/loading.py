@@ -259,9 +259,13 @@ def _kv_heads(value: Any, sliding: tuple[bool, ...], path: Path) -> tuple[int, i
 @contextmanager
 def _hyperparameters(path: Path) -> Iterator[None]:
     """Reading a config's numbers: a string, null, list or out-of-range value where a number belongs is a
-    ModelLoadError naming the file, not a TypeError from deep inside."""
+    ModelLoadError naming the file, not a TypeError from deep inside (nor the config's check naming only the model)."""
     try:
         yield
+    except ModelLoadError as err:
+        if str(err).startswith(str(path)):
+            raise
+        raise ModelLoadError(f"{path}: {err}") from None
     except (TypeError, ValueError, ArithmeticError, AttributeError) as err:
         raise ModelLoadError(f"{path}: a hyperparameter has the wrong type or value: {clip(str(err), 120)}") from None
 
