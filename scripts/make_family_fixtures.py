@@ -42,7 +42,8 @@ FORMATS = {"Q8_0": 7, "Q4_K_M": 15}  # llama_ftype values
 # family -> n_layers: Gemma 3 needs six for llama.cpp's default layout to reach a global layer; Gemma 4's files name
 # their layout (sliding and global layers alternating here); "gemma4moe" is Gemma 4 with the 26B-A4B's experts,
 # "gemma4e" with the E2B's per-layer embeddings and layers reusing keys and values
-FAMILIES = {"llama": 2, "gemma2": 2, "gemma3": 6, "phi3": 2, "olmo2": 2, "gemma4": 4, "gemma4moe": 4, "gemma4e": 4}
+FAMILIES = {"llama": 2, "gemma2": 2, "gemma3": 6, "phi3": 2, "phi3.5": 2, "olmo2": 2, "gemma4": 4, "gemma4moe": 4,
+            "gemma4e": 4}
 SPM_VOCAB = 320
 # weights 15x transformers' default spread: next-token distributions as peaked as a real model's (top-1 probability
 # ~0.1-0.5 instead of ~1/vocab), so that a wrong computation shows in KL and top-1
@@ -116,6 +117,12 @@ def make_checkpoint(family: str, folder: Path, spm_dir: Path):
         settings["layer_types"] = ["sliding_attention"] * 5 + ["full_attention"]
     if family.startswith("gemma4"):
         settings["final_logit_softcapping"] = 15.0
+    if family == "phi3.5":  # llama.cpp takes the short factors in a context no longer than the original (its 128 is
+        # padded to 256)
+        settings.update(max_position_embeddings=1024, original_max_position_embeddings=256,
+                        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                             original_max_position_embeddings=256,
+                                             short_factor=[1.0, 1.25, 1.5, 2.0], long_factor=[2.0, 3.0, 5.0, 8.0]))
     model = random_hf_checkpoint(family, folder, vocab_size=SPM_VOCAB, n_layers=FAMILIES[family],
                                  initializer_range=INIT, **settings)
     if family.startswith("gemma4"):

@@ -6,12 +6,15 @@ sqrt(d_head).
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import workbench
 from workbench import hooks
 from workbench.errors import ModelLoadError
+from workbench.loading import load_checkpoint
 from workbench.synthetic import random_hf_checkpoint, write_gguf
 
 from test_loading import write_hf_tokenizer
@@ -36,6 +39,34 @@ def test_hf_checkpoint_matches_transformers(family, tmp_path):
     cache = ours.new_cache()
     stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
     assert (stepped - expected).abs().max().item() < 1e-4
+
+
+def test_phi3_long_rope_matches_transformers(tmp_path):
+    """Phi-3.5's LongRoPE: the short factors below the original context (8 positions here), as transformers computes a
+    forward there; from it on the long ones, each position as transformers' cached decoding rotates it when it is new.
+    Written as llama.cpp's converter stores it (the factors as tensors), it loads back to the same logits."""
+    reference = random_hf_checkpoint("phi3.5", tmp_path / "hf")
+    write_hf_tokenizer(tmp_path / "hf")
+    ours = workbench.load(tmp_path / "hf", device="cpu")
+    original = ours.config.rope_long.original_context
+    assert original == 8 and ours.config.rope_long.attn_factor == pytest.approx(math.sqrt(1 + math.log(16) / math.log(8)))
+    steps = []
+    with torch.no_grad():
+        out = reference(torch.tensor([IDS[:original]]), use_cache=True)
+        for token in IDS[original:]:
+            steps.append(out.logits[0])  # positional: the cache's keyword and field are renamed across versions
+            out = reference(torch.tensor([[token]]), None, None, out.get("cache", out.get("past_key_values")),
+                            use_cache=True)
+        expected = torch.cat(steps + [out.logits[0]]).float()
+        whole = reference(torch.tensor([IDS])).logits[0].float()  # the long factors at every position
+    got = ours.forward(IDS)
+    assert (got - expected).abs().max().item() < 1e-4
+    assert (got[original:] - whole[original:]).abs().max().item() > 1e-3  # the long factors matter here
+    checkpoint = load_checkpoint(tmp_path / "hf")
+    path = write_gguf(tmp_path / "phi35.gguf", checkpoint.config, checkpoint.weights)
+    loaded = workbench.load(path, device="cpu")
+    assert loaded.config.rope_long.attn_factor == pytest.approx(ours.config.rope_long.attn_factor)  # stored float32
+    assert (loaded.forward(IDS) - got).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)

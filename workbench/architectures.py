@@ -47,6 +47,8 @@ GLOBAL_TENSORS: dict[str, str] = {
     "final_norm": "output_norm.weight",
     "unembed": "output.weight",
     "rope_freq_factors": "rope_freqs.weight",
+    "rope_short_factors": "rope_factors_short.weight",  # Phi-3's long-context rope, as the converter stores it
+    "rope_long_factors": "rope_factors_long.weight",
     "per_layer_embed": "per_layer_token_embd.weight",
     "per_layer_model_proj": "per_layer_model_proj.weight",
     "per_layer_proj_norm": "per_layer_proj_norm.weight",

@@ -8,7 +8,7 @@ from workbench.architectures import ARCHITECTURES, Architecture
 from workbench.errors import ModelLoadError
 
 
-_FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "rope_yarn", "d_rotary", "attn_scale",
+_FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "rope_yarn", "rope_long", "d_rotary", "attn_scale",
                      "attn_softcap", "final_softcap", "d_head_global", "n_kv_heads_global", "d_per_layer",
                      "kv_shared_layers")
 _GATINGS = ("softmax", "sigmoid", "softmax_weight")
@@ -75,6 +75,28 @@ class YaRN:
 
 
 @dataclass(frozen=True)
+class LongRoPE:
+    """Phi-3's long-context rope ("longrope"): frequency divisors per rotary pair, the short ones (the weights'
+    ``rope_freq_factors``) for positions below ``original_context`` and the long ones (``rope_long_factors``) from
+    there on; cos and sin multiplied by ``attn_factor``. Below the original context this is what transformers and
+    llama.cpp (in a context no longer than that) compute; past it, what transformers' cached decoding does, each position
+    rotated as it was when it was new."""
+
+    original_context: int
+    attn_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.original_context, bool) or not isinstance(self.original_context, int) or (
+                self.original_context < 1):
+            raise ModelLoadError(f"longrope: the original context must be a positive integer, got "
+                                 f"{self.original_context!r}")
+        if not isinstance(self.attn_factor, (int, float)) or not math.isfinite(self.attn_factor) or (
+                self.attn_factor <= 0):
+            raise ModelLoadError(f"longrope: the attention factor must be a positive finite number, got "
+                                 f"{self.attn_factor!r}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a family of ``workbench.architectures``: "llama" (also SmolLM, Mistral, Llama-3), "gemma2", ...
     n_layers: int
@@ -100,6 +122,7 @@ class ModelConfig:
     rope_base_local: float | None = None  # the sliding layers' rope base (None: rope_base)
     rope_scale: float = 1.0  # linear rope scaling of the global layers: positions divided by it
     rope_yarn: YaRN | None = None  # YaRN rope scaling of the global table (GPT-OSS: of every layer, one table)
+    rope_long: LongRoPE | None = None  # Phi-3's long-context rope (its factors are weights)
     d_rotary: int | None = None  # values of each head the rope rotates, the first ones (None: all d_head)
     attn_scale: float | None = None  # attention scores are divided by it (None: sqrt(d_head)), as TransformerLens names it
     attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
@@ -127,6 +150,8 @@ class ModelConfig:
             object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if isinstance(self.rope_yarn, dict):
             object.__setattr__(self, "rope_yarn", YaRN(**self.rope_yarn))
+        if isinstance(self.rope_long, dict):
+            object.__setattr__(self, "rope_long", LongRoPE(**self.rope_long))
         where = self.name or "model"
         for f in fields(self):
             value = getattr(self, f.name)
@@ -189,8 +214,9 @@ class ModelConfig:
         """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""
         settings = {name: value for name in _FEATURE_SETTINGS
                     if (value := getattr(self, name)) is not None and not (name == "rope_scale" and value == 1.0)}
-        if self.rope_yarn is not None:
-            settings["rope_yarn"] = asdict(self.rope_yarn)
+        for name in ("rope_yarn", "rope_long"):
+            if name in settings:
+                settings[name] = asdict(settings[name])
         if self.sliding_window:
             settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
         moe = [self.moe.describe()] if self.moe is not None else []

@@ -21,7 +21,7 @@ from workbench import hf_fp8
 from workbench import moe as moe_lib
 from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS
 from workbench.cache import cache_dir
-from workbench.config import ModelConfig, YaRN
+from workbench.config import LongRoPE, ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
 from workbench.files import replace_file
 from workbench.gguf_file import GGUFFile, TensorInfo
@@ -229,6 +229,10 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
             rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
             rope_yarn=_gguf_yarn(optional, path) if scaling == "yarn" else None,
+            # the converter marks Phi-3's long-context rope by its factors alone
+            rope_long=LongRoPE(int(optional("rope.scaling.original_context_length") or key("context_length")),
+                               float(optional("rope.scaling.attn_factor") or 1.0))
+            if GLOBAL_TENSORS["rope_long_factors"] in tensors else None,
             d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
             attn_softcap=_cap(optional("attn_logit_softcapping")),
@@ -438,14 +442,16 @@ def _assemble(config: ModelConfig, read, source: str, stored: Iterable[str]) -> 
             )
         )
     embed = matrix(GLOBAL_TENSORS["embed"], (c.vocab_size, c.d_model))
+    pairs = (c.d_rotary or c.d_head_global or c.d_head) // 2  # a rope frequency factor for each
     unembed = embed if c.tied_embeddings else matrix(GLOBAL_TENSORS["unembed"], (c.vocab_size, c.d_model))
     weights = ModelWeights(
         embed=embed,
         layers=layers,
         final_norm=vector(GLOBAL_TENSORS["final_norm"], c.d_model),
         unembed=unembed,
-        rope_freq_factors=vector(GLOBAL_TENSORS["rope_freq_factors"], (c.d_rotary or c.d_head_global or c.d_head) // 2,
-                                 required=False),
+        rope_freq_factors=vector(GLOBAL_TENSORS["rope_short_factors" if c.rope_long else "rope_freq_factors"], pairs,
+                                 required=c.rope_long is not None),
+        rope_long_factors=vector(GLOBAL_TENSORS["rope_long_factors"], pairs) if c.rope_long else None,
         **(dict(per_layer_embed=matrix(GLOBAL_TENSORS["per_layer_embed"], (c.vocab_size, c.n_layers * c.d_per_layer)),
                 per_layer_model_proj=matrix(GLOBAL_TENSORS["per_layer_model_proj"],
                                             (c.n_layers * c.d_per_layer, c.d_model)),
@@ -519,9 +525,9 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
             kind = global_rope.get("rope_type", global_rope.get("type", "default"))
-            if kind not in ("default", "linear", "llama3", "proportional", "yarn"):
-                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default, linear, proportional "
-                                     f"and yarn are)")
+            if kind not in ("default", "linear", "llama3", "proportional", "yarn", "longrope", "su"):
+                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default, linear, proportional, "
+                                     f"yarn and longrope are)")
             # "proportional" (Gemma 4) rotates a fraction of each head's pairs: rope_freqs, made on load
             rotary = (global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
                       if kind != "proportional" else None)
@@ -564,6 +570,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 rope_base_local=float(local_base) if window and local_base is not None else None,
                 rope_scale=float(global_rope.get("factor", 1.0)) if kind in ("linear", "proportional") else 1.0,
                 rope_yarn=_hf_yarn(global_rope, cfg, path) if kind == "yarn" else None,
+                rope_long=_hf_long_rope(global_rope, cfg) if kind in ("longrope", "su") else None,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
                 attn_scale=math.sqrt(scalar) if scalar else ARCHITECTURES[arch].attn_scale,
                 attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
@@ -592,6 +599,17 @@ def _hf_yarn(rope: dict[str, Any], cfg: dict[str, Any], path: Path) -> YaRN:
                 beta_slow=float(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
                 attn_factor=float(attention_factor) if attention_factor is not None
                 else 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+
+def _hf_long_rope(rope: dict[str, Any], cfg: dict[str, Any]) -> LongRoPE:
+    """LongRoPE as transformers computes it (``_compute_longrope_parameters``): the attention factor given, or
+    sqrt(1 + ln(factor) / ln(original)) with the factor the context's growth over the original one."""
+    original = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 2048))
+    factor = float(rope.get("factor") or cfg.get("max_position_embeddings", original) / original)
+    attention_factor = rope.get("attention_factor")
+    return LongRoPE(original, float(attention_factor) if attention_factor is not None
+                    else math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
 
 
 def _hf_global_heads(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
@@ -662,6 +680,13 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     scales.update(moe_lib.stack_experts(expert_scales, str(path)))
     if (rope_freqs := _hf_rope_freqs(cfg, config)) is not None:
         tensors[GLOBAL_TENSORS["rope_freq_factors"]] = rope_freqs
+    if config.rope_long is not None:
+        with _hyperparameters(path / "config.json"):
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            for length in ("short", "long"):
+                if not isinstance(factors := rope.get(f"{length}_factor"), list):
+                    raise ModelLoadError(f"{path}/config.json: longrope needs a list of {length}_factor values")
+                tensors[GLOBAL_TENSORS[f"rope_{length}_factors"]] = torch.tensor([float(v) for v in factors])
     if "output.weight" not in tensors:
         config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
 

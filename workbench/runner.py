@@ -486,12 +486,12 @@ class Transformer:
         # a second one
         global_rotary = c.d_rotary or (c.d_head_global or c.d_head)
         self.rope_cos, self.rope_sin = self._rope_table(c.rope_base, c.rope_scale, weights.rope_freq_factors,
-                                                        global_rotary, c.rope_yarn)
+                                                        global_rotary, c.rope_yarn, weights.rope_long_factors)
         self.local_rope = None
         local_rotary = c.d_rotary or c.d_head
         # each table's (base, scale, frequency factors, rotary dims), for llama.cpp numerics' own tables (not YaRN's:
         # those keep the table above)
-        self._rope_params = ({} if c.rope_yarn is not None else
+        self._rope_params = ({} if c.rope_yarn is not None or c.rope_long is not None else
                              {False: (c.rope_base, c.rope_scale, weights.rope_freq_factors, global_rotary)})
         if c.sliding_window and (c.rope_base_local is not None or local_rotary != global_rotary):
             local = ((c.rope_base_local, 1.0, None) if c.rope_base_local is not None
@@ -523,14 +523,23 @@ class Transformer:
                              for own, layer in zip(self._plain_attention, layers)]
 
     def _rope_table(self, base: float, scale: float, freq_factors: torch.Tensor | None, d_rotary: int,
-                    yarn: YaRN | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    yarn: YaRN | None = None, long_factors: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position's rope angles, ``[n_ctx, d_rotary / 2]`` each, taken in float64 once: a
-        forward gathers its rows instead of evaluating float64 trig in every layer's kernels."""
+        forward gathers its rows instead of evaluating float64 trig in every layer's kernels. With ``long_factors``
+        (LongRoPE), the positions from the original context on divide by those instead of ``freq_factors``."""
         exponents = torch.arange(0, d_rotary, 2, dtype=torch.float64) / d_rotary
         inv_freq = 1.0 / (base**exponents) / scale
+        unscaled = inv_freq
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double().cpu()
         magnitude = 1.0
+        positions = torch.arange(self.config.n_ctx, dtype=torch.float64)[:, None]
+        if long_factors is not None:
+            long_rope = self.config.rope_long
+            inv_freq = torch.where(positions < long_rope.original_context, inv_freq,
+                                   unscaled / long_factors.double().cpu())
+            magnitude = long_rope.attn_factor
         if yarn is not None:  # each frequency between interpolated and as trained, along a ramp over the dimensions
             def dim(rotations: float) -> float:  # the dimension whose wavelength fits ``rotations`` in the context
                 turns = yarn.original_context / (rotations * 2 * math.pi)
@@ -543,7 +552,7 @@ class Transformer:
             ramp = ((torch.arange(d_rotary // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
             inv_freq = inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
             magnitude = yarn.mscale
-        angles = torch.arange(self.config.n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        angles = positions * inv_freq
         cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
         return cos.to(torch.float32).to(self.device), sin.to(torch.float32).to(self.device)
 

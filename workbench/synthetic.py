@@ -231,6 +231,9 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         writer.add_rope_scaling_orig_ctx_len(c.rope_yarn.original_context)
         writer.add_rope_scaling_yarn_beta_fast(c.rope_yarn.beta_fast)
         writer.add_rope_scaling_yarn_beta_slow(c.rope_yarn.beta_slow)
+    if c.rope_long is not None:  # as llama.cpp's converter writes Phi-3's (no scaling type: the factors mark it)
+        writer.add_rope_scaling_orig_ctx_len(c.rope_long.original_context)
+        writer.add_rope_scaling_attn_factors(c.rope_long.attn_factor)
     if c.d_rotary is not None:
         writer.add_rope_dimension_count(c.d_rotary)
     if c.attn_softcap:
@@ -279,7 +282,8 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
     add(GLOBAL_TENSORS["final_norm"], weights.final_norm)
     if weights.unembed is not weights.embed:
         add(GLOBAL_TENSORS["unembed"], weights.unembed)
-    add(GLOBAL_TENSORS["rope_freq_factors"], weights.rope_freq_factors)
+    add(GLOBAL_TENSORS["rope_short_factors" if c.rope_long else "rope_freq_factors"], weights.rope_freq_factors)
+    add(GLOBAL_TENSORS["rope_long_factors"], weights.rope_long_factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -314,6 +318,7 @@ _HF_FAMILIES = {
     "gemma4moe": ("Gemma4TextConfig", "Gemma4ForCausalLM"),  # the 26B-A4B's shape: experts beside the dense MLP
     "gemma4e": ("Gemma4TextConfig", "Gemma4ForCausalLM"),  # the E2B's: per-layer embeddings, reused keys and values
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "phi3.5": ("Phi3Config", "Phi3ForCausalLM"),  # with LongRoPE
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
@@ -359,6 +364,10 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
                         vocab_size_per_layer_input=vocab, num_kv_shared_layers=n_layers // 2,
                         use_double_wide_mlp=True),
         "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
+        # Phi-3.5's long-context rope: short factors below 8 positions, long ones from there on
+        "phi3.5": dict(partial_rotary_factor=0.5, original_max_position_embeddings=8, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5, original_max_position_embeddings=8,
+            short_factor=[1.0, 1.25, 1.5, 2.0], long_factor=[2.0, 3.0, 5.0, 8.0])),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen2moe": dict(moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
                          num_experts_per_tok=2),

@@ -90,6 +90,7 @@ class ModelWeights:
     per_layer_embed: QuantTensor | None = None
     per_layer_model_proj: QuantTensor | None = None
     per_layer_proj_norm: torch.Tensor | None = None
+    rope_long_factors: torch.Tensor | None = None  # Phi-3's long-context divisors (config.rope_long)
 
     def named_matrices(self, served: bool = False) -> Iterator[tuple[str, QuantTensor]]:
         """Every quantized matrix of the checkpoint with a readable name, each shared one once (fused
@@ -131,7 +132,7 @@ class ModelWeights:
         unembed = embed if self.unembed is self.embed else self.unembed.to(last)
         return ModelWeights(embed, layers, place(self.final_norm, last), unembed, place(self.rope_freq_factors, first),
                             place(self.per_layer_embed, first), place(self.per_layer_model_proj, first),
-                            place(self.per_layer_proj_norm, first))
+                            place(self.per_layer_proj_norm, first), place(self.rope_long_factors, first))
 
     @property
     def nbytes(self) -> int:
