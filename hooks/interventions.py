@@ -225,11 +225,14 @@ class RegionEdit(Intervention):
         positions = region.positions
         if isinstance(positions, list):
             positions = torch.tensor(positions, device=run.model.point_device(region.name))
+        scores = region.name.endswith("attn.hook_attn_scores")
 
         def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
             mask = _region_mask(x, ax, ctx.positions, positions, region.heads, region.neurons, run.prompt_len)
             if mask is None:
                 return None
+            if scores:  # a blocked slot (causal, sliding window, padding) holds -inf on every path: it stays blocked
+                mask = mask & (x != float("-inf"))
             return edit(x, mask, ctx)
 
         fn.edits_only = True  # see runner.edits_only
