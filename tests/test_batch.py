@@ -426,6 +426,32 @@ def test_a_position_that_fits_one_prompt_but_not_another_is_refused_before_compu
     assert not ran
 
 
+@pytest.fixture()
+def no_forward(llama, monkeypatch):
+    """Runner forwards started during the test (a refusal must come before any)."""
+    ran = []
+    monkeypatch.setattr(llama.runner, "forward", lambda *a, **k: ran.append(1))
+    return ran
+
+
+@pytest.mark.parametrize("prompt", [b"abc", bytearray(b"abc"), [504.9, 3575.2], [1.0, 2.0], [True, 2],
+                                    torch.tensor([1.5, 2.0]), None, 5])
+def test_a_prompt_of_neither_text_nor_integer_ids_is_named(llama, no_forward, prompt):
+    with pytest.raises(WorkbenchError, match="prompt 1: a prompt is a text or a list of integer token ids"):
+        llama.run_batch([[1, 2], prompt])
+    if prompt is not None:
+        with pytest.raises(WorkbenchError, match="^a prompt is a text or a list of integer token ids"):
+            llama.run(prompt)
+    assert not no_forward
+
+
+def test_integer_ids_of_any_integer_type_are_prompts(llama):
+    ids = [5, 17, 42]
+    expected = llama.run(ids).logits
+    for prompt in (torch.tensor(ids), tuple(ids), [torch.tensor(i) for i in ids]):
+        assert torch.equal(llama.run(prompt).logits, expected)
+
+
 def test_reduce_needs_token_major_points(llama):
     with pytest.raises(HookError, match="token-major"):
         llama.run_batch(PROMPTS, record=["blocks.0.attn.hook_pattern"], reduce="last")

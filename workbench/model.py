@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 import os
 import platform
 import time
@@ -295,9 +296,13 @@ class Model:
             ids = self.tokenize(text, add_bos=False if chat else None)
         else:
             try:
-                ids = list(map(int, prompt))
-            except (TypeError, ValueError, OverflowError):
-                raise WorkbenchError(f"a prompt is a text or a list of token ids, got {shorten(prompt)}") from None
+                # int() would read bytes as ids and cut 504.9 to 504: ids are integers, and a bool is no id
+                if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in prompt):
+                    raise TypeError
+                ids = list(map(operator.index, prompt))
+            except TypeError:
+                raise WorkbenchError(f"a prompt is a text or a list of integer token ids, got {shorten(prompt)}"
+                                     ) from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
