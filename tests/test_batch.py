@@ -452,6 +452,16 @@ def test_integer_ids_of_any_integer_type_are_prompts(llama):
         assert torch.equal(llama.run(prompt).logits, expected)
 
 
+def test_iterators_check_batch_size_and_progress_when_called(llama, no_forward):
+    with pytest.raises(WorkbenchError, match="batch_size must be a positive integer"):
+        llama.iter_batch(PROMPTS, batch_size=0)
+    with pytest.raises(WorkbenchError, match="batch_size must be a positive integer"):
+        llama.stream_batch(PROMPTS, 2, batch_size=0)
+    with pytest.raises(WorkbenchError, match="progress must be None, True or a callable"):
+        llama.iter_batch(PROMPTS, progress="yes")
+    assert not no_forward
+
+
 def test_reduce_needs_token_major_points(llama):
     with pytest.raises(HookError, match="token-major"):
         llama.run_batch(PROMPTS, record=["blocks.0.attn.hook_pattern"], reduce="last")

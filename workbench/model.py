@@ -26,7 +26,7 @@ from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, se
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, load_checkpoint
-from workbench.progress import Progress, progress_callback
+from workbench.progress import Progress, check_progress, progress_callback
 from workbench.runner import FINAL_POINTS, LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
 from workbench.tokenizer import StreamDecoder
 from workbench.weights import STACKS
@@ -598,16 +598,16 @@ class Model:
             prompt_hooks, _, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
                                                           [n + max_new_tokens for n in lengths], saes)
         hooks_lib.check_sae_points([n for h in prompt_hooks for n in h], attached)
-        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size, self.current_numerics(),
+        layouts = self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False)
+        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, layouts, self.current_numerics(),
                                   attached, _check_flag(use_error_term), lora)
 
     def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                      prompt_hooks: list[dict], batch_size: int | None, mode: Numerics, saes: list[Any],
+                      prompt_hooks: list[dict], layouts: Iterator[BatchLayout], mode: Numerics, saes: list[Any],
                       use_error_term: bool, lora: list[Lora | None]) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         stop_ids = self.tokenizer.stop_ids
-        lengths = [len(x) for x in ids]
-        for layout in self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False):
+        for layout in layouts:
             hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
@@ -671,10 +671,15 @@ class Model:
     def _batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
                  vocab_rows: bool) -> Iterator[BatchLayout]:
         """Layouts of the forwards a batch runs in: prompts of similar length together (longest first), each forward
-        within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory."""
+        within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory. ``batch_size`` and
+        ``progress`` are checked when this is called, the layouts planned as they are read."""
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows)
+
+    def _plan_batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
+                      vocab_rows: bool) -> Iterator[BatchLayout]:
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         per_token, per_score, budget = self.batch_bytes(vocab_rows)
         update, close = progress_callback(progress, len(lengths), "prompts")
