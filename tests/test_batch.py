@@ -452,6 +452,33 @@ def test_integer_ids_of_any_integer_type_are_prompts(llama):
         assert torch.equal(llama.run(prompt).logits, expected)
 
 
+def test_record_dtype_and_device(llama, no_forward):
+    point = "blocks.0.hook_resid_post"
+    for bad in (torch.int8, torch.int64, torch.bool, "int8", "half precision", None, 16):
+        with pytest.raises(WorkbenchError, match="record_dtype must be a floating torch dtype"):
+            llama.run_batch(PROMPTS, record=[point], record_dtype=bad)
+    for bad in ("cuda:99", "gpu", None):
+        with pytest.raises(WorkbenchError, match="record_device: "):
+            llama.run_batch(PROMPTS, record=[point], record_device=bad)
+    assert not no_forward
+
+
+def test_record_dtype_by_name(llama):
+    point = "blocks.0.hook_resid_post"
+    full = llama.run_batch(PROMPTS, record=[point])
+    for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        for a, b in zip(full, llama.run_batch(PROMPTS, record=[point], record_dtype=name)):
+            assert b.activations[point].dtype == dtype
+            assert torch.equal(b.activations[point], a.activations[point].to(dtype))
+
+
+def test_a_bad_reduce_is_refused_with_nothing_recorded(llama, no_forward):
+    for reduce in ("bogus", 2.0, True):
+        with pytest.raises(HookError, match="reduce must be None, 'last', 'mean' or a position"):
+            llama.run_batch(PROMPTS, reduce=reduce)
+    assert not no_forward
+
+
 def test_iterators_check_batch_size_and_progress_when_called(llama, no_forward):
     with pytest.raises(WorkbenchError, match="batch_size must be a positive integer"):
         llama.iter_batch(PROMPTS, batch_size=0)

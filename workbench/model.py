@@ -73,6 +73,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def check_record_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """What recorded activations are kept in: a floating torch dtype or its name (an integer one would truncate them)."""
+    chosen = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        raise WorkbenchError(f"record_dtype must be a floating torch dtype or one of {', '.join(DTYPES)}, "
+                             f"got {shorten(dtype)}")
+    return chosen
+
+
 class Model:
     """A loaded model. ``workbench.load()`` makes one.
 
@@ -448,11 +457,15 @@ class Model:
         lengths = [len(x) for x in ids]
         choices = self.batch_adapters(adapter, len(ids))
         lora, adapters = [self.lora_terms(c) for c in choices], [self.adapter_record(c) for c in choices]
-        recorder = None
-        if record:
-            names = hooks_lib.Recorder.for_patterns(record, self.config).names
-            recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers)
-            hooks_lib.batching.check_reduce_positions(reduce, lengths)
+        record_dtype = check_record_dtype(record_dtype)
+        try:
+            record_device = check_device(record_device)
+        except WorkbenchError as err:
+            raise WorkbenchError(f"record_device: {err}") from None
+        points = hooks_lib.Recorder.for_patterns(record, self.config)
+        names = points.names if points else []
+        hooks_lib.batching.check_reduce(reduce, names, lengths)  # with nothing recorded too: a typo is no no-op
+        recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers) if names else None
         with self.numerics_scope():  # donor prompts run in the call's numerics
             prompt_hooks, specs, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
                                                               lengths, saes)
