@@ -9,7 +9,8 @@ from workbench.runner import HookContext, HookFn
 from .batching import BatchRecorder, per_prompt_hooks
 from .experts import AblateExpert, ForceRouting, SteerExpert
 from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
-                            RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, merge_hooks, spec_leaves)
+                            RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, intervention_list, merge_hooks,
+                            spec_leaves)
 from .patching import PatchingResult, patching_sweep
 from .points import point_shapes, resolve
 from .recording import Recorder, join_tokens
@@ -58,7 +59,7 @@ def compile_prompt_hooks(model: Any, interventions: Sequence[Sequence[Interventi
 
 __all__ = [
     "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale", "ScaleAdapter",
-    "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
+    "Composite", "FunctionHook", "from_spec", "intervention_list", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
     "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
     "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert", "ForceRouting",

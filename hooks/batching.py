@@ -72,7 +72,10 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
             view = row_view(x, name, layout, b)
             positions = ctx.positions[layout.rows(b)]
             row_ctx = HookContext(name, ctx.layer, positions[-1:] if last_only else positions, ctx.step, prompt)
-            out = run_hooks(fns, view, row_ctx)
+            try:
+                out = run_hooks(fns, view, row_ctx)
+            except HookError as err:  # a hook written for one prompt fails on one: say which
+                raise HookError(f"prompt {prompt}: {err}") from None
             if out is not view:
                 edited.append((b, out))
         if not edited:

@@ -472,6 +472,43 @@ def test_record_dtype_by_name(llama):
             assert torch.equal(b.activations[point], a.activations[point].to(dtype))
 
 
+def test_one_intervention_or_hook_name_where_a_list_belongs(llama, no_forward):
+    steer = hooks.Steer("blocks.1.hook_resid_post", torch.zeros(llama.config.d_model))
+    pair = ("blocks.1.hook_resid_post", lambda x, ctx: None)
+    for single in (steer, steer.to_spec(), pair):
+        for call in (lambda: llama.run(PROMPTS[0], interventions=single),
+                     lambda: llama.run_batch(PROMPTS, interventions=single),
+                     lambda: llama.generate(PROMPTS[0], 2, interventions=single),
+                     lambda: llama.generate_batch(PROMPTS, 2, interventions=single),
+                     lambda: llama.stream_batch(PROMPTS, 2, interventions=single)):
+            with pytest.raises(HookError, match=r"interventions must be a list of interventions, got .*; pass \[it\]"):
+                call()
+    for rows, message in ((5, "one list per prompt"), ("steer", "one list per prompt"),
+                          ([None, [steer], None, []], "prompt 0: its per_prompt_interventions must be a list"),
+                          ([[], steer, [], []], r"prompt 1: .* got one Steer; pass \[it\]"),
+                          ([[], [], "steer", []], "prompt 2: .* must be a list of interventions, got 'steer'")):
+        with pytest.raises(WorkbenchError, match=message):
+            llama.run_batch(PROMPTS, per_prompt_interventions=rows)
+        with pytest.raises(WorkbenchError, match=message):
+            llama.generate_batch(PROMPTS, 2, per_prompt_interventions=rows)
+    for record, message in (("blocks.1.hook_resid_post", r"record must be a list .*; pass \[it\]"),
+                            (5, "record must be a list of hook point names or globs, got 5")):
+        with pytest.raises(HookError, match=message):
+            llama.run_batch(PROMPTS, record=record)
+        with pytest.raises(HookError, match=message):
+            llama.run(PROMPTS[0], record=record)
+    assert not no_forward
+
+
+@pytest.mark.parametrize("count", [1.5, "3", None, True, -1])
+def test_max_new_tokens_must_be_a_count(llama, no_forward, count):
+    for call in (lambda: llama.generate_batch(PROMPTS, count), lambda: llama.stream_batch(PROMPTS, count),
+                 lambda: llama.generate(PROMPTS[0], count), lambda: llama.stream(PROMPTS[0], count)):
+        with pytest.raises(WorkbenchError, match="max_new_tokens must be an integer >= 0"):
+            call()
+    assert not no_forward
+
+
 def test_a_bad_reduce_is_refused_with_nothing_recorded(llama, no_forward):
     for reduce in ("bogus", 2.0, True):
         with pytest.raises(HookError, match="reduce must be None, 'last', 'mean' or a position"):
@@ -487,6 +524,12 @@ def test_iterators_check_batch_size_and_progress_when_called(llama, no_forward):
     with pytest.raises(WorkbenchError, match="progress must be None, True or a callable"):
         llama.iter_batch(PROMPTS, progress="yes")
     assert not no_forward
+
+
+def test_a_function_hook_of_the_wrong_shape_names_its_prompt(llama):
+    crop = ("blocks.0.hook_resid_post", lambda x, ctx: x[:1])
+    with pytest.raises(HookError, match=r"^prompt 2: hook on blocks.0.hook_resid_post returned shape \(1, 64\)"):
+        llama.run_batch(PROMPTS, per_prompt_interventions=[[], [], [crop], []])
 
 
 def test_reduce_needs_token_major_points(llama):

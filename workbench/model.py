@@ -20,7 +20,8 @@ from workbench import hooks as hooks_lib
 from workbench.adapters import Adapter, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
 from workbench.errors import WorkbenchError, finite_number, shorten
-from workbench.generation import Sampling, forget_built_steps, generate_batch_tokens, generate_tokens
+from workbench.generation import (Sampling, check_max_new_tokens, forget_built_steps, generate_batch_tokens,
+                                  generate_tokens)
 from workbench.hooks.trace import tensor_sha256
 from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
@@ -339,7 +340,7 @@ class Model:
 
         Yields the recorder (``.activations()`` after the block) when ``record`` is given.
         """
-        parsed = [hooks_lib.from_spec(i) for i in interventions]
+        parsed = hooks_lib.intervention_list(interventions)
         recorder = hooks_lib.Recorder.for_patterns(record, self.config)
         token = _ACTIVE.set(_ACTIVE.get() + ((self, parsed, recorder),))
         try:
@@ -357,7 +358,7 @@ class Model:
         SAEs it attaches (``saes``, and those its feature interventions need) run at their points."""
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
         all_interventions = [i for parsed, _ in scoped for i in parsed]
-        all_interventions += [hooks_lib.from_spec(i) for i in interventions]
+        all_interventions += hooks_lib.intervention_list(interventions)
         attached = self._call_saes(saes, [all_interventions])
         hooks, recorder, specs = hooks_lib.compile_hooks(self, all_interventions, record, prompt_len, total_len)
         outer = [r.hooks() for _, r in scoped if r is not None]
@@ -598,11 +599,10 @@ class Model:
         interventions or only shared whole-token edits replays one captured decode step per token
         (``generate_batch_tokens``, docs/batches.md "Decoding on CUDA")."""
         sampling = Sampling(temperature, top_k, top_p, seed)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         ids = self.batch_ids(prompts, chat)
         lora = [self.lora_terms(c) for c in self.batch_adapters(adapter, len(ids))]
         lengths = [len(x) for x in ids]
-        if max_new_tokens < 0:
-            raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         for i, n in enumerate(lengths):
             if n + max_new_tokens > self.config.n_ctx:
                 raise WorkbenchError(f"prompt {i}: {n} tokens + {max_new_tokens} new tokens exceed the context of "
@@ -665,14 +665,15 @@ class Model:
                      ) -> tuple[list[dict], list[list[dict]], list[Any]]:
         """Each prompt's hooks and intervention specs: the enclosing ``hooks()`` blocks', ``interventions`` and its own
         ``per_prompt`` ones, all validated before any compute; and the SAEs the batch attaches."""
-        if per_prompt is not None and (isinstance(per_prompt, (str, dict)) or len(per_prompt) != len(prompt_lens)):
-            raise WorkbenchError(f"per_prompt_interventions needs one list per prompt ({len(prompt_lens)})")
+        if per_prompt is not None and (not isinstance(per_prompt, (list, tuple)) or len(per_prompt) != len(prompt_lens)):
+            raise WorkbenchError(f"per_prompt_interventions needs one list per prompt ({len(prompt_lens)}), got "
+                                 f"{shorten(per_prompt)}")
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
-        shared = [i for parsed, _ in scoped for i in parsed] + [hooks_lib.from_spec(i) for i in interventions]
+        shared = [i for parsed, _ in scoped for i in parsed] + hooks_lib.intervention_list(interventions)
         own = []
         for i, items in enumerate(per_prompt if per_prompt is not None else [()] * len(prompt_lens)):
             try:
-                own.append([hooks_lib.from_spec(x) for x in items])
+                own.append(hooks_lib.intervention_list(items, "its per_prompt_interventions"))
             except WorkbenchError as err:
                 raise type(err)(f"prompt {i}: {err}") from None
         attached = self._call_saes(saes, [shared, *own])
@@ -753,6 +754,7 @@ class Model:
         (``current_numerics()``) taken, when this is called, not when iteration starts. ``adapter`` as in ``run``.
         """
         sampling = Sampling(temperature, top_k, top_p, seed)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         ids = self.to_ids(prompt, chat=chat)
         lora = self.lora_terms(adapter)
         start = cache.next_position if cache is not None else 0
