@@ -59,11 +59,11 @@ def compile_prompt_hooks(model: Any, interventions: Sequence[Sequence[Interventi
 
 __all__ = [
     "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale", "ScaleAdapter",
-    "Composite", "FunctionHook", "from_spec", "intervention_list", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
+    "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
     "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
     "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert", "ForceRouting",
-    "SteerExpert",
+    "SteerExpert", "intervention_list",
 ]
 
 

@@ -75,7 +75,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 def check_record_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """What recorded activations are kept in: a floating torch dtype or its name (an integer one would truncate them)."""
+    """What recorded activations are kept in: a floating torch dtype or its name (an integer one would truncate
+    them)."""
     chosen = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
         raise WorkbenchError(f"record_dtype must be a floating torch dtype or one of {', '.join(DTYPES)}, "
@@ -665,7 +666,8 @@ class Model:
                      ) -> tuple[list[dict], list[list[dict]], list[Any]]:
         """Each prompt's hooks and intervention specs: the enclosing ``hooks()`` blocks', ``interventions`` and its own
         ``per_prompt`` ones, all validated before any compute; and the SAEs the batch attaches."""
-        if per_prompt is not None and (not isinstance(per_prompt, (list, tuple)) or len(per_prompt) != len(prompt_lens)):
+        if per_prompt is not None and (not isinstance(per_prompt, (list, tuple))
+                                       or len(per_prompt) != len(prompt_lens)):
             raise WorkbenchError(f"per_prompt_interventions needs one list per prompt ({len(prompt_lens)}), got "
                                  f"{shorten(per_prompt)}")
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
