@@ -9,7 +9,8 @@ from workbench.runner import HookContext, HookFn
 from .batching import BatchRecorder, per_prompt_hooks
 from .experts import AblateExpert, ForceRouting, SteerExpert
 from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
-                            RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, merge_hooks, spec_leaves)
+                            RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, intervention_list, merge_hooks,
+                            spec_leaves)
 from .patching import PatchingResult, patching_sweep
 from .points import point_shapes, resolve
 from .recording import Recorder, join_tokens
@@ -62,7 +63,7 @@ __all__ = [
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
     "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
     "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert", "ForceRouting",
-    "SteerExpert",
+    "SteerExpert", "intervention_list",
 ]
 
 

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from workbench.errors import HookError
+from workbench.errors import HookError, shorten
 from workbench.runner import BatchLayout, HookContext, HookFn, Hooks, run_hooks
 
 from .points import axes
@@ -72,7 +72,10 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
             view = row_view(x, name, layout, b)
             positions = ctx.positions[layout.rows(b)]
             row_ctx = HookContext(name, ctx.layer, positions[-1:] if last_only else positions, ctx.step, prompt)
-            out = run_hooks(fns, view, row_ctx)
+            try:
+                out = run_hooks(fns, view, row_ctx)
+            except HookError as err:  # a hook written for one prompt fails on one: say which
+                raise HookError(f"prompt {prompt}: {err}") from None
             if out is not view:
                 edited.append((b, out))
         if not edited:
@@ -121,13 +124,7 @@ class BatchRecorder:
 
     def __init__(self, names: Sequence[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  reduce: str | int | None = None, own_buffers: bool = True):
-        if reduce is not None and not (reduce in REDUCTIONS or (isinstance(reduce, int)
-                                                                 and not isinstance(reduce, bool))):
-            raise HookError(f"reduce must be None, {', '.join(map(repr, REDUCTIONS))} or a position, got {reduce!r}")
-        if reduce is not None:
-            grown = [n for n in names if axes(n).token != 0]
-            if grown:
-                raise HookError(f"reduce works on token-major hook points, not {grown[0]}")
+        check_reduce(reduce, names)
         self.names, self.device, self.dtype, self.reduce = list(names), torch.device(device), dtype, reduce
         self.own_buffers = own_buffers
         self._forwards: list[_Recorded] = []  # forwards with prompts not yet taken, in order
@@ -227,8 +224,16 @@ def _reduce_position(reduce: str | int, n: int, prompt: int) -> int:
     return at
 
 
-def check_reduce_positions(reduce: str | int | None, lengths: Sequence[int]) -> None:
-    """Refuse, naming the prompt, an int ``reduce`` position outside a prompt (before any compute)."""
-    if isinstance(reduce, int) and not isinstance(reduce, bool):
+def check_reduce(reduce: str | int | None, names: Sequence[str] = (), lengths: Sequence[int] = ()) -> None:
+    """Refuse a ``reduce`` that is not one, one of points that are not token-major (``names``), or, naming the prompt,
+    a position outside a prompt (``lengths``); before any compute."""
+    if reduce is None:
+        return
+    if not (reduce in REDUCTIONS or (isinstance(reduce, int) and not isinstance(reduce, bool))):
+        raise HookError(f"reduce must be None, {', '.join(map(repr, REDUCTIONS))} or a position, got {shorten(reduce)}")
+    grown = [n for n in names if axes(n).token != 0]
+    if grown:
+        raise HookError(f"reduce works on token-major hook points, not {grown[0]}")
+    if isinstance(reduce, int):
         for i, n in enumerate(lengths):
             _reduce_position(reduce, n, i)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
@@ -225,11 +225,14 @@ class RegionEdit(Intervention):
         positions = region.positions
         if isinstance(positions, list):
             positions = torch.tensor(positions, device=run.model.point_device(region.name))
+        scores = region.name.endswith("attn.hook_attn_scores")
 
         def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
             mask = _region_mask(x, ax, ctx.positions, positions, region.heads, region.neurons, run.prompt_len)
             if mask is None:
                 return None
+            if scores:  # a blocked slot (causal, sliding window, padding) holds -inf on every path: it stays blocked
+                mask = mask & (x != float("-inf"))
             return edit(x, mask, ctx)
 
         fn.edits_only = True  # see runner.edits_only
@@ -649,6 +652,17 @@ def spec_leaves(spec: Any, max_depth: int = MAX_SPEC_DEPTH) -> list[Any]:
             raise HookError(f"a composite's parts must be a list of interventions, got {shorten(parts)}")
         stack.extend((part, depth + 1) for part in reversed(parts))
     return leaves
+
+
+def intervention_list(value: Any, what: str = "interventions") -> list[Intervention]:
+    """A call's interventions, a list (or other iterable) of them, each parsed by ``from_spec``. One intervention, spec
+    or ``(hook, function)`` pair on its own is refused, not walked item by item (a spec's keys, a name's letters)."""
+    single = isinstance(value, (Intervention, Mapping)) or (isinstance(value, tuple) and len(value) == 2
+                                                            and isinstance(value[0], str) and callable(value[1]))
+    if single or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        shown = f"one {type(value).__name__}" if isinstance(value, Intervention) else shorten(value)
+        raise HookError(f"{what} must be a list of interventions, got {shown}" + ("; pass [it]" if single else ""))
+    return [from_spec(x) for x in value]
 
 
 def from_spec(spec: dict[str, Any] | Intervention | tuple) -> Intervention:

@@ -426,6 +426,112 @@ def test_a_position_that_fits_one_prompt_but_not_another_is_refused_before_compu
     assert not ran
 
 
+@pytest.fixture()
+def no_forward(llama, monkeypatch):
+    """Runner forwards started during the test (a refusal must come before any)."""
+    ran = []
+    monkeypatch.setattr(llama.runner, "forward", lambda *a, **k: ran.append(1))
+    return ran
+
+
+@pytest.mark.parametrize("prompt", [b"abc", bytearray(b"abc"), [504.9, 3575.2], [1.0, 2.0], [True, 2],
+                                    torch.tensor([1.5, 2.0]), None, 5])
+def test_a_prompt_of_neither_text_nor_integer_ids_is_named(llama, no_forward, prompt):
+    with pytest.raises(WorkbenchError, match="prompt 1: a prompt is a text or a list of integer token ids"):
+        llama.run_batch([[1, 2], prompt])
+    if prompt is not None:
+        with pytest.raises(WorkbenchError, match="^a prompt is a text or a list of integer token ids"):
+            llama.run(prompt)
+    assert not no_forward
+
+
+def test_integer_ids_of_any_integer_type_are_prompts(llama):
+    ids = [5, 17, 42]
+    expected = llama.run(ids).logits
+    for prompt in (torch.tensor(ids), tuple(ids), [torch.tensor(i) for i in ids]):
+        assert torch.equal(llama.run(prompt).logits, expected)
+
+
+def test_record_dtype_and_device(llama, no_forward):
+    point = "blocks.0.hook_resid_post"
+    for bad in (torch.int8, torch.int64, torch.bool, "int8", "half precision", None, 16):
+        with pytest.raises(WorkbenchError, match="record_dtype must be a floating torch dtype"):
+            llama.run_batch(PROMPTS, record=[point], record_dtype=bad)
+    for bad in ("cuda:99", "gpu", None):
+        with pytest.raises(WorkbenchError, match="record_device: "):
+            llama.run_batch(PROMPTS, record=[point], record_device=bad)
+    assert not no_forward
+
+
+def test_record_dtype_by_name(llama):
+    point = "blocks.0.hook_resid_post"
+    full = llama.run_batch(PROMPTS, record=[point])
+    for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        for a, b in zip(full, llama.run_batch(PROMPTS, record=[point], record_dtype=name)):
+            assert b.activations[point].dtype == dtype
+            assert torch.equal(b.activations[point], a.activations[point].to(dtype))
+
+
+def test_one_intervention_or_hook_name_where_a_list_belongs(llama, no_forward):
+    steer = hooks.Steer("blocks.1.hook_resid_post", torch.zeros(llama.config.d_model))
+    pair = ("blocks.1.hook_resid_post", lambda x, ctx: None)
+    for single in (steer, steer.to_spec(), pair):
+        for call in (lambda: llama.run(PROMPTS[0], interventions=single),
+                     lambda: llama.run_batch(PROMPTS, interventions=single),
+                     lambda: llama.generate(PROMPTS[0], 2, interventions=single),
+                     lambda: llama.generate_batch(PROMPTS, 2, interventions=single),
+                     lambda: llama.stream_batch(PROMPTS, 2, interventions=single)):
+            with pytest.raises(HookError, match=r"interventions must be a list of interventions, got .*; pass \[it\]"):
+                call()
+    for rows, message in ((5, "one list per prompt"), ("steer", "one list per prompt"),
+                          ([None, [steer], None, []], "prompt 0: its per_prompt_interventions must be a list"),
+                          ([[], steer, [], []], r"prompt 1: .* got one Steer; pass \[it\]"),
+                          ([[], [], "steer", []], "prompt 2: .* must be a list of interventions, got 'steer'")):
+        with pytest.raises(WorkbenchError, match=message):
+            llama.run_batch(PROMPTS, per_prompt_interventions=rows)
+        with pytest.raises(WorkbenchError, match=message):
+            llama.generate_batch(PROMPTS, 2, per_prompt_interventions=rows)
+    for record, message in (("blocks.1.hook_resid_post", r"record must be a list .*; pass \[it\]"),
+                            (5, "record must be a list of hook point names or globs, got 5")):
+        with pytest.raises(HookError, match=message):
+            llama.run_batch(PROMPTS, record=record)
+        with pytest.raises(HookError, match=message):
+            llama.run(PROMPTS[0], record=record)
+    assert not no_forward
+
+
+@pytest.mark.parametrize("count", [1.5, "3", None, True, -1])
+def test_max_new_tokens_must_be_a_count(llama, no_forward, count):
+    for call in (lambda: llama.generate_batch(PROMPTS, count), lambda: llama.stream_batch(PROMPTS, count),
+                 lambda: llama.generate(PROMPTS[0], count), lambda: llama.stream(PROMPTS[0], count)):
+        with pytest.raises(WorkbenchError, match="max_new_tokens must be an integer >= 0"):
+            call()
+    assert not no_forward
+
+
+def test_a_bad_reduce_is_refused_with_nothing_recorded(llama, no_forward):
+    for reduce in ("bogus", 2.0, True):
+        with pytest.raises(HookError, match="reduce must be None, 'last', 'mean' or a position"):
+            llama.run_batch(PROMPTS, reduce=reduce)
+    assert not no_forward
+
+
+def test_iterators_check_batch_size_and_progress_when_called(llama, no_forward):
+    with pytest.raises(WorkbenchError, match="batch_size must be a positive integer"):
+        llama.iter_batch(PROMPTS, batch_size=0)
+    with pytest.raises(WorkbenchError, match="batch_size must be a positive integer"):
+        llama.stream_batch(PROMPTS, 2, batch_size=0)
+    with pytest.raises(WorkbenchError, match="progress must be None, True or a callable"):
+        llama.iter_batch(PROMPTS, progress="yes")
+    assert not no_forward
+
+
+def test_a_function_hook_of_the_wrong_shape_names_its_prompt(llama):
+    crop = ("blocks.0.hook_resid_post", lambda x, ctx: x[:1])
+    with pytest.raises(HookError, match=r"^prompt 2: hook on blocks.0.hook_resid_post returned shape \(1, 64\)"):
+        llama.run_batch(PROMPTS, per_prompt_interventions=[[], [], [crop], []])
+
+
 def test_reduce_needs_token_major_points(llama):
     with pytest.raises(HookError, match="token-major"):
         llama.run_batch(PROMPTS, record=["blocks.0.attn.hook_pattern"], reduce="last")

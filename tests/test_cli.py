@@ -101,6 +101,7 @@ def test_run_file_prints_one_json_line_per_prompt(capsys, tmp_path, model):
     assert cli.main(["run", "--file", str(path), "--json", "--top-k", "3"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["index"] for line in lines] == [0, 1, 2]
+    assert [line["line"] for line in lines] == [1, 3, 4]  # the file's lines, blank ones counted
     for prompt, line in zip(prompts, lines):
         logprobs = model.forward(prompt)[-1].double().log_softmax(-1)
         assert line["ids"] == model.tokenize(prompt)
@@ -118,3 +119,59 @@ def test_run_file_errors_are_one_line(capsys, args, message):
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_line_is_a_prompt_whatever_other_breaks_it_holds(tmp_path):
+    path = tmp_path / "prompts.txt"
+    # form feed, U+2028, NEL, a lone \r: str.splitlines() would end a line at each
+    path.write_bytes("a\x0cb\u2028c\r\n\nWater boils at\nd\re\x85f\n".encode("utf-8"))
+    assert cli.read_numbered_prompts(str(path)) == [(1, "a\x0cb\u2028c"), (3, "Water boils at"), (4, "d\re\x85f")]
+    assert cli.read_prompts(str(path)) == ["a\x0cb\u2028c", "Water boils at", "d\re\x85f"]
+
+
+def test_run_file_prints_each_result_as_its_forward_finishes(capsys, monkeypatch, tmp_path, model):
+    path = tmp_path / "prompts.txt"
+    path.write_text("One two three four five six seven\nThe capital of France is\n\nHello\n", encoding="utf-8")
+    iter_batch, printed = model.iter_batch, []
+
+    def watched(*args, **kwargs):
+        for index, trace in iter_batch(*args, **kwargs):
+            yield index, trace
+            # the command has taken this result: what has it printed since the last?
+            printed.append((index, tuple(trace.logits.shape), [json.loads(x)["line"] for x in
+                                                               capsys.readouterr().out.splitlines()]))
+
+    monkeypatch.setattr(model, "iter_batch", watched)
+    assert cli.main(["run", "--file", str(path), "--json", "--top-k", "2", "--batch-size", "1"]) == 0
+    vocab = model.config.vocab_size
+    assert printed == [(0, (1, vocab), [1]), (1, (1, vocab), [2]), (2, (1, vocab), [4])]
+
+
+def test_run_file_keeps_the_file_order_when_shorter_prompts_finish_last(capsys, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Hi\nOne two three four five six seven\nThe capital of France is\n", encoding="utf-8")
+    assert cli.main(["run", "--file", str(path), "--json", "--batch-size", "1"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["index"], x["line"]) for x in lines] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_run_file_errors_name_the_prompts_line(capsys, tmp_path, model):
+    path = tmp_path / "prompts.txt"
+    path.write_text("Hello\n\n" + "a " * (model.config.n_ctx + 10) + "\n", encoding="utf-8")
+    assert cli.main(["run", "--file", str(path), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("workbench: error: prompt 1 (line 3): the prompt has") and not captured.out
+
+
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path):
+    path = tmp_path / "many.txt"
+    # far more output than a pipe buffers, so the command is still writing when its reader leaves
+    path.write_text("\n".join(f"Number {i}" for i in range(100)), encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "run", "--file", str(path), "--json", "--top-k",
+                             "50", "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = json.loads(proc.stdout.readline())
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141
+    assert first["index"] == 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err

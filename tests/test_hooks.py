@@ -293,3 +293,33 @@ def test_in_place_edit_of_hook_result_counts(llama):
 def test_stream_validates_when_called_not_when_iterated(llama):
     with pytest.raises(workbench.HookError, match="unknown hook point"):
         llama.stream([1, 2, 3], 4, interventions=[hooks.ZeroAblate("blocks.1.hook_nothing")])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])  # causal; soft-capped with a window; a window
+def test_score_edits_leave_blocked_entries_blocked(tiny_model, arch):
+    model = tiny_model(arch, n_layers=2, seed=3, device="cpu")
+    ids = IDS + [8, 3]  # longer than the window (4) of the sliding layers
+    scores = "blocks.*.attn.hook_attn_scores"
+
+    def uniform(x, ctx):  # every entry a token may attend to set to 0, blocked ones left -inf
+        return x.masked_fill(x != float("-inf"), 0.0)
+
+    expected = model.run(ids, interventions=[(scores, uniform)]).logits
+    for edit in (hooks.Scale(scores, 0.0), hooks.ZeroAblate(scores)):
+        logits = model.run(ids, interventions=[edit]).logits
+        assert torch.equal(logits, expected)  # finite, and no token reads a later one
+        # a shorter prompt's tokens get what they get as the start of the longer one, alone and in a padded batch
+        shorter = model.run(ids[:3], interventions=[edit]).logits
+        torch.testing.assert_close(shorter, logits[:3], rtol=0, atol=1e-5)
+        for row, alone in zip(model.run_batch([ids, ids[:3]], interventions=[edit]), (logits, shorter)):
+            torch.testing.assert_close(row.logits, alone, rtol=0, atol=2e-4)
+        assert model.generate(ids, 4, interventions=[edit]) == model.generate(ids, 4, interventions=[(scores, uniform)])
+    # an edit of some heads and positions keeps its selection and the mask
+    some = model.run(ids, interventions=[hooks.Scale(scores, 0.0, heads=[1], positions=[0, -1])],
+                     record=["blocks.0.attn.hook_attn_scores"]).activations["blocks.0.attn.hook_attn_scores"]
+    clean = model.run(ids, record=["blocks.0.attn.hook_attn_scores"]).activations["blocks.0.attn.hook_attn_scores"]
+    blocked = clean == float("-inf")
+    assert torch.equal(some == float("-inf"), blocked)
+    changed = (some != clean) & ~blocked
+    assert changed[1, [0, -1]].equal(~blocked[1, [0, -1]])
+    assert not changed[[0, 2, 3]].any() and not changed[1, 1:-1].any()

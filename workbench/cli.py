@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,13 +65,21 @@ def next_token_distribution(model, ids: list[int], top_k: int, logits=None) -> d
 
 def read_prompts(path: str) -> list[str]:
     """One prompt per non-empty line of a UTF-8 text file (``-``: standard input)."""
+    return [prompt for _, prompt in read_numbered_prompts(path)]
+
+
+def read_numbered_prompts(path: str) -> list[tuple[int, str]]:
+    """``(line number from 1, prompt)`` of each non-empty line of a UTF-8 text file (``-``: standard input). Lines
+    end at ``\n`` (a ``\r`` before it is dropped) alone: a form feed or U+2028 inside a prompt is part of it."""
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        # bytes decoded here: text-mode reading would also end lines at a lone \r
+        text = (sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()).decode("utf-8")
     except FileNotFoundError:
         raise WorkbenchError(f"prompt file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise WorkbenchError(f"cannot read prompts from {path}: {err.__class__.__name__}: {err}") from None
-    prompts = [line for line in text.splitlines() if line.strip()]
+    lines = text.split("\n")
+    prompts = [(n, line.removesuffix("\r")) for n, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise WorkbenchError(f"{path} holds no prompts (one a line)")
     return prompts
@@ -81,21 +91,38 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.top_k < 1:
         raise WorkbenchError(f"--top-k must be at least 1, got {args.top_k}")
     model = _load(args)
-    if args.file is not None:
-        prompts = read_prompts(args.file)
-        ids = model.batch_ids(prompts, chat=args.chat)
-        logits = model.forward_batch(ids, batch_size=args.batch_size, last_only=True)
-        results = [next_token_distribution(model, i, args.top_k, row[-1]) for i, row in zip(ids, logits)]
-    else:
-        ids = [model.to_ids(args.prompt, chat=args.chat)]
-        results = [next_token_distribution(model, ids[0], args.top_k)]
-    for index, result in enumerate(results):
-        if args.json:  # one JSON object a line, in the prompts' order
-            print(json.dumps({"index": index, **result} if args.file is not None else result))
-            continue
-        print(f"{len(result['ids'])} tokens: " + " ".join(repr(t) for t in result["tokens"]))
-        for row in result["top_k"]:
-            print(f"{row['prob']:8.4f}  {row['logprob']:9.4f}  {row['id']:>7}  {row['token']!r}")
+    if args.file is None:
+        _print_distribution(next_token_distribution(model, model.to_ids(args.prompt, chat=args.chat), args.top_k),
+                            args.json)
+        return
+    numbered = read_numbered_prompts(args.file)
+    lines = [n for n, _ in numbered]
+    try:
+        ids = model.batch_ids([prompt for _, prompt in numbered], chat=args.chat)
+        batches = model.iter_batch(ids, batch_size=args.batch_size, logits="last")
+    except WorkbenchError as err:
+        raise type(err)(re.sub(r"^prompt (\d+):", lambda m: f"prompt {m[1]} (line {lines[int(m[1])]}):", str(err))
+                        ) from None
+    # Forwards finish longest prompts first: each result is printed once those before it in the file are, so only the
+    # finished top-k lists wait (never a forward's logits), and the output keeps the file's order.
+    waiting: dict[int, dict[str, Any]] = {}
+    printed = 0
+    for index, trace in batches:
+        waiting[index] = next_token_distribution(model, ids[index], args.top_k, trace.logits[-1])
+        while printed in waiting:
+            result = waiting.pop(printed)
+            _print_distribution({"index": printed, "line": lines[printed], **result} if args.json else result,
+                                args.json)
+            printed += 1
+
+
+def _print_distribution(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:  # one JSON object a line
+        print(json.dumps(result))
+        return
+    print(f"{len(result['ids'])} tokens: " + " ".join(repr(t) for t in result["tokens"]))
+    for row in result["top_k"]:
+        print(f"{row['prob']:8.4f}  {row['logprob']:9.4f}  {row['id']:>7}  {row['token']!r}")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -322,11 +349,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with numerics(getattr(args, "numerics", "exact")):
             status = args.fn(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
     except WorkbenchError as err:
         print(f"workbench: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader left (``| head``): stop quietly, and point stdout at devnull so the flush at exit cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a process ended by SIGPIPE
     return status or 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 import types
 import warnings
@@ -12,7 +13,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, shared_prefix
 from workbench.moe import by_pair_supported
@@ -63,6 +64,19 @@ class Sampling:
 MIN_STEP_CAPACITY = 256
 
 
+def check_max_new_tokens(value: Any) -> int:
+    """``max_new_tokens`` as an int, or a clear error: a count, so not a float, a string, None or a bool."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:
+        raise WorkbenchError(f"max_new_tokens must be an integer >= 0, got {shorten(value)}") from None
+    if count < 0:
+        raise WorkbenchError(f"max_new_tokens must be an integer >= 0, got {count}")
+    return count
+
+
 def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
                     sampling: Sampling = Sampling(), stop_ids: set[int] = frozenset(), hooks: Hooks | None = None,
                     cache: KVCache | None = None, compiled: bool | str | None = None, lora: Lora | None = None
@@ -89,8 +103,7 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     """
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
-    if max_new_tokens < 0:
-        raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_max_new_tokens(max_new_tokens)
     start = cache.next_position if cache is not None else 0
     if start + len(prompt_ids) + max_new_tokens > runner.config.n_ctx:
         raise WorkbenchError(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 import os
 import platform
 import time
@@ -19,13 +20,14 @@ from workbench import hooks as hooks_lib
 from workbench.adapters import Adapter, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
 from workbench.errors import WorkbenchError, finite_number, shorten
-from workbench.generation import Sampling, forget_built_steps, generate_batch_tokens, generate_tokens
+from workbench.generation import (Sampling, check_max_new_tokens, forget_built_steps, generate_batch_tokens,
+                                  generate_tokens)
 from workbench.hooks.trace import tensor_sha256
 from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, load_checkpoint
-from workbench.progress import Progress, progress_callback
+from workbench.progress import Progress, check_progress, progress_callback
 from workbench.runner import FINAL_POINTS, LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
 from workbench.tokenizer import StreamDecoder
 from workbench.weights import STACKS
@@ -70,6 +72,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise WorkbenchError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def check_record_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """What recorded activations are kept in: a floating torch dtype or its name (an integer one would truncate
+    them)."""
+    chosen = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        raise WorkbenchError(f"record_dtype must be a floating torch dtype or one of {', '.join(DTYPES)}, "
+                             f"got {shorten(dtype)}")
+    return chosen
 
 
 class Model:
@@ -295,9 +307,13 @@ class Model:
             ids = self.tokenize(text, add_bos=False if chat else None)
         else:
             try:
-                ids = list(map(int, prompt))
-            except (TypeError, ValueError, OverflowError):
-                raise WorkbenchError(f"a prompt is a text or a list of token ids, got {shorten(prompt)}") from None
+                # int() would read bytes as ids and cut 504.9 to 504: ids are integers, and a bool is no id
+                if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in prompt):
+                    raise TypeError
+                ids = list(map(operator.index, prompt))
+            except TypeError:
+                raise WorkbenchError(f"a prompt is a text or a list of integer token ids, got {shorten(prompt)}"
+                                     ) from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
@@ -325,7 +341,7 @@ class Model:
 
         Yields the recorder (``.activations()`` after the block) when ``record`` is given.
         """
-        parsed = [hooks_lib.from_spec(i) for i in interventions]
+        parsed = hooks_lib.intervention_list(interventions)
         recorder = hooks_lib.Recorder.for_patterns(record, self.config)
         token = _ACTIVE.set(_ACTIVE.get() + ((self, parsed, recorder),))
         try:
@@ -343,7 +359,7 @@ class Model:
         SAEs it attaches (``saes``, and those its feature interventions need) run at their points."""
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
         all_interventions = [i for parsed, _ in scoped for i in parsed]
-        all_interventions += [hooks_lib.from_spec(i) for i in interventions]
+        all_interventions += hooks_lib.intervention_list(interventions)
         attached = self._call_saes(saes, [all_interventions])
         hooks, recorder, specs = hooks_lib.compile_hooks(self, all_interventions, record, prompt_len, total_len)
         outer = [r.hooks() for _, r in scoped if r is not None]
@@ -443,11 +459,15 @@ class Model:
         lengths = [len(x) for x in ids]
         choices = self.batch_adapters(adapter, len(ids))
         lora, adapters = [self.lora_terms(c) for c in choices], [self.adapter_record(c) for c in choices]
-        recorder = None
-        if record:
-            names = hooks_lib.Recorder.for_patterns(record, self.config).names
-            recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers)
-            hooks_lib.batching.check_reduce_positions(reduce, lengths)
+        record_dtype = check_record_dtype(record_dtype)
+        try:
+            record_device = check_device(record_device)
+        except WorkbenchError as err:
+            raise WorkbenchError(f"record_device: {err}") from None
+        points = hooks_lib.Recorder.for_patterns(record, self.config)
+        names = points.names if points else []
+        hooks_lib.batching.check_reduce(reduce, names, lengths)  # with nothing recorded too: a typo is no no-op
+        recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers) if names else None
         with self.numerics_scope():  # donor prompts run in the call's numerics
             prompt_hooks, specs, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
                                                               lengths, saes)
@@ -580,11 +600,10 @@ class Model:
         interventions or only shared whole-token edits replays one captured decode step per token
         (``generate_batch_tokens``, docs/batches.md "Decoding on CUDA")."""
         sampling = Sampling(temperature, top_k, top_p, seed)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         ids = self.batch_ids(prompts, chat)
         lora = [self.lora_terms(c) for c in self.batch_adapters(adapter, len(ids))]
         lengths = [len(x) for x in ids]
-        if max_new_tokens < 0:
-            raise WorkbenchError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         for i, n in enumerate(lengths):
             if n + max_new_tokens > self.config.n_ctx:
                 raise WorkbenchError(f"prompt {i}: {n} tokens + {max_new_tokens} new tokens exceed the context of "
@@ -593,16 +612,16 @@ class Model:
             prompt_hooks, _, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
                                                           [n + max_new_tokens for n in lengths], saes)
         hooks_lib.check_sae_points([n for h in prompt_hooks for n in h], attached)
-        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, batch_size, self.current_numerics(),
+        layouts = self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False)
+        return self._batch_stream(ids, max_new_tokens, sampling, prompt_hooks, layouts, self.current_numerics(),
                                   attached, _check_flag(use_error_term), lora)
 
     def _batch_stream(self, ids: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                      prompt_hooks: list[dict], batch_size: int | None, mode: Numerics, saes: list[Any],
+                      prompt_hooks: list[dict], layouts: Iterator[BatchLayout], mode: Numerics, saes: list[Any],
                       use_error_term: bool, lora: list[Lora | None]) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         stop_ids = self.tokenizer.stop_ids
-        lengths = [len(x) for x in ids]
-        for layout in self._batches([n + max_new_tokens for n in lengths], batch_size, False, vocab_rows=False):
+        for layout in layouts:
             hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
@@ -647,14 +666,16 @@ class Model:
                      ) -> tuple[list[dict], list[list[dict]], list[Any]]:
         """Each prompt's hooks and intervention specs: the enclosing ``hooks()`` blocks', ``interventions`` and its own
         ``per_prompt`` ones, all validated before any compute; and the SAEs the batch attaches."""
-        if per_prompt is not None and (isinstance(per_prompt, (str, dict)) or len(per_prompt) != len(prompt_lens)):
-            raise WorkbenchError(f"per_prompt_interventions needs one list per prompt ({len(prompt_lens)})")
+        if per_prompt is not None and (not isinstance(per_prompt, (list, tuple))
+                                       or len(per_prompt) != len(prompt_lens)):
+            raise WorkbenchError(f"per_prompt_interventions needs one list per prompt ({len(prompt_lens)}), got "
+                                 f"{shorten(per_prompt)}")
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
-        shared = [i for parsed, _ in scoped for i in parsed] + [hooks_lib.from_spec(i) for i in interventions]
+        shared = [i for parsed, _ in scoped for i in parsed] + hooks_lib.intervention_list(interventions)
         own = []
         for i, items in enumerate(per_prompt if per_prompt is not None else [()] * len(prompt_lens)):
             try:
-                own.append([hooks_lib.from_spec(x) for x in items])
+                own.append(hooks_lib.intervention_list(items, "its per_prompt_interventions"))
             except WorkbenchError as err:
                 raise type(err)(f"prompt {i}: {err}") from None
         attached = self._call_saes(saes, [shared, *own])
@@ -666,10 +687,15 @@ class Model:
     def _batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
                  vocab_rows: bool) -> Iterator[BatchLayout]:
         """Layouts of the forwards a batch runs in: prompts of similar length together (longest first), each forward
-        within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory."""
+        within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory. ``batch_size`` and
+        ``progress`` are checked when this is called, the layouts planned as they are read."""
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows)
+
+    def _plan_batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
+                      vocab_rows: bool) -> Iterator[BatchLayout]:
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         per_token, per_score, budget = self.batch_bytes(vocab_rows)
         update, close = progress_callback(progress, len(lengths), "prompts")
@@ -730,6 +756,7 @@ class Model:
         (``current_numerics()``) taken, when this is called, not when iteration starts. ``adapter`` as in ``run``.
         """
         sampling = Sampling(temperature, top_k, top_p, seed)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         ids = self.to_ids(prompt, chat=chat)
         lora = self.lora_terms(adapter)
         start = cache.next_position if cache is not None else 0
