@@ -56,7 +56,8 @@ with surgery:
     st.number_input("Keep the first", 0, cache.length, cache.length, key="kv_length")
     st.button("Truncate", use_container_width=True,
               on_click=lambda: add("truncate", int(st.session_state.kv_length)))
-    st.selectbox("Layer", range(model.config.n_layers), key="kv_layer")
+    # a layer that reuses an earlier layer's keys and values has none to clear: its source is cleared instead
+    st.selectbox("Layer", [i for i, source in enumerate(cache.kv_sources) if source == i], key="kv_layer")
     st.button("Clear layer", use_container_width=True,
               on_click=lambda: add("clear", int(st.session_state.kv_layer)))
     st.button("Reset", use_container_width=True, disabled=not ops, on_click=ops.clear)
@@ -69,8 +70,9 @@ with view:
     which = st.radio("Show", ["keys", "values"], horizontal=True, key="kv_which")
     if cache.length:
         index = 0 if which == "keys" else 1
-        norms = [cache.get(i)[index].norm(dim=-1).mean(0).tolist() for i in range(model.config.n_layers)]
-        st.plotly_chart(common.heatmap(norms, slot_labels, [f"L{i}" for i in range(model.config.n_layers)],
+        norms = [cache.get(source)[index].norm(dim=-1).mean(0).tolist() for source in cache.kv_sources]
+        layer_labels = [f"L{i}" if source == i else f"L{i} (L{source}'s)" for i, source in enumerate(cache.kv_sources)]
+        st.plotly_chart(common.heatmap(norms, slot_labels, layer_labels,
                                        colorbar=f"{which[:-1]} norm", colorscale="Cividis", x_title="cache slot",
                                        y_title="layer", value_format=".2f", height=640), key="kv_heatmap")
     else:

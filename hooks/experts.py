@@ -2,8 +2,10 @@
 
 - ``ablate_expert``: take experts out of the MoE blocks. ``mode="drop"`` (default) keeps each token's choice and
   gives the ablated experts' slots weight zero (``renormalize``: the other chosen experts' weights are scaled back
-  to the token's original total); ``mode="reroute"`` makes the router unable to pick them (their router logits
-  become -inf), so each token takes its next-best experts, weighted as the model weights any choice.
+  to the token's original total); ``mode="reroute"``: a token that chose one of them takes instead the top
+  ``n_experts_used`` of the other experts by its router logits, weighted as the model weights that choice (from the
+  router's probabilities over all experts, as ``force_routing``); a token that chose none is untouched, so ablating
+  an expert no token picks changes nothing.
 - ``force_routing``: the experts (``n_experts_used`` of them) every selected token goes to, with the router's own
   weights for them, or ``weights`` given.
 - ``steer_expert``: multiply the outputs of experts by ``scale`` and add ``vector`` (before the routing weight).
@@ -92,6 +94,39 @@ class _ChosenExperts:
         return torch.isin(self.by_prompt[ctx.prompt], experts)
 
 
+class _Reroute:
+    """One reroute edit of one block: the router logits it sees, and the experts each token may not take, its own
+    (at its positions) and those of the reroute edits of the block listed before it (per prompt of a batch)."""
+
+    def __init__(self, experts: torch.Tensor, n_experts: int, token_mask, before: _Reroute | None):
+        self.experts, self.token_mask, self.before = experts, token_mask, before
+        self.columns = torch.zeros(n_experts, dtype=torch.bool, device=experts.device)
+        self.columns[experts] = True
+        self.logits: dict[int, torch.Tensor] = {}
+        self.excluded: dict[int, torch.Tensor] = {}
+
+    def observe(self, logits: torch.Tensor, ctx: HookContext) -> None:
+        mask = self.token_mask(logits, ctx)
+        excluded = torch.zeros_like(logits, dtype=torch.bool) if mask is None else mask & self.columns
+        if self.before is not None:  # its hook ran before this one, on the same logits
+            excluded = excluded | self.before.excluded[ctx.prompt]
+        self.logits[ctx.prompt], self.excluded[ctx.prompt] = logits, excluded
+
+    def reroute(self, indices: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
+        mask = self.token_mask(indices, ctx)
+        if mask is None:
+            return None
+        # only tokens that chose an ablated expert move: the others keep their choice, and so their weights
+        moved = mask & torch.isin(indices, self.experts).any(-1, keepdim=True)
+        scores = self.logits[ctx.prompt].masked_fill(self.excluded[ctx.prompt], float("-inf"))
+        return torch.where(moved, scores.topk(indices.shape[-1], dim=-1).indices, indices)
+
+
+def _reroutes(run: RunShape, block: str) -> dict[str, Any]:
+    """The reroute ablations of ``block`` in this call so far: the experts they take out, the last one compiled."""
+    return run.reroutes.setdefault(block, {"taken_out": set(), "last": None})
+
+
 class AblateExpert(ExpertEdit):
     kind: ClassVar[str] = "ablate_expert"
 
@@ -112,34 +147,31 @@ class AblateExpert(ExpertEdit):
             raise HookError("renormalize applies to mode 'drop'; a rerouted token's weights are the model's own")
         super().validate(run)
         moe = run.config.moe
-        if self.mode == "reroute" and moe.n_experts - len(set(self.experts)) < moe.n_experts_used:
-            raise HookError(f"rerouting around {len(set(self.experts))} of {moe.n_experts} experts leaves fewer "
-                            f"than the {moe.n_experts_used} each token uses")
+        if self.mode != "reroute":
+            return
+        for region in self.regions(run):  # with the reroutes of the block listed before this one
+            taken_out = _reroutes(run, self._block(region))["taken_out"]
+            taken_out.update(self.experts)
+            if moe.n_experts - len(taken_out) < moe.n_experts_used:
+                raise HookError(f"rerouting around {len(taken_out)} of {moe.n_experts} experts "
+                                f"{sorted(taken_out)} leaves fewer than the {moe.n_experts_used} each token uses")
 
     def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
         hooks: dict[str, list[HookFn]] = {}
         experts = torch.tensor(self.experts, device=run.model.device)
+        n_experts = run.config.moe.n_experts
         for region in self.regions(run):
-            token_mask = self._token_mask(region, run)
+            token_mask, block = self._token_mask(region, run), self._block(region)
             if self.mode == "reroute":
-                hooks[region.name] = [self._reroute(token_mask, experts, run)]
+                chain = _reroutes(run, block)
+                chain["last"] = reroute = _Reroute(experts, n_experts, token_mask, chain["last"])
+                hooks[region.name] = [reroute.observe]
+                hooks[f"{block}.hook_expert_indices"] = [reroute.reroute]
                 continue
             chosen = _ChosenExperts()
-            block = self._block(region)
             hooks[f"{block}.hook_expert_indices"] = [chosen.observe]
             hooks[f"{block}.hook_expert_weights"] = [self._drop(token_mask, chosen, experts)]
         return hooks
-
-    @staticmethod
-    def _reroute(token_mask, experts: torch.Tensor, run: RunShape) -> HookFn:
-        columns = torch.zeros(run.config.moe.n_experts, dtype=torch.bool, device=run.model.device)
-        columns[experts] = True
-
-        def fn(logits: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
-            mask = token_mask(logits, ctx)
-            return None if mask is None else logits.masked_fill(mask & columns, float("-inf"))
-
-        return fn
 
     def _drop(self, token_mask, chosen: _ChosenExperts, experts: torch.Tensor) -> HookFn:
         renormalize = self.renormalize

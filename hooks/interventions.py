@@ -45,6 +45,9 @@ class RunShape:
     prompt_len: int
     total_len: int  # prompt plus the most tokens generation may add
     _donor_runs: dict = field(default_factory=dict, repr=False)
+    # per MoE block, the experts its reroute ablations take out and the last one compiled (hooks/experts.py): a
+    # later reroute also keeps tokens off the earlier ones' experts
+    reroutes: dict = field(default_factory=dict, repr=False)
 
     @property
     def config(self) -> ModelConfig:

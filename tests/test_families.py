@@ -7,6 +7,7 @@ sqrt(d_head).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,8 +297,43 @@ def test_missing_family_tensor_names_it(family, missing, tmp_path, tiny_checkpoi
 
 def test_info_names_the_family_features(tiny_model):
     info = tiny_model("gemma2", "Q8_0", device="cpu").info()
-    assert "attention-logit and final-logit soft-capping" in info["family"]["features"]
+    assert {"attention-logit soft-capping", "final-logit soft-capping"} <= set(info["family"]["features"])
     assert info["family"]["sliding_window"] == 4
+
+
+GEMMA4_FEATURES = ["norms after attention and MLP", "embeddings x sqrt(d_model)", "GeGLU (tanh GELU)",
+                   "per-head q/k RMSNorm and value RMSNorm, attention scale 1", "sliding-window and global layers",
+                   "global layers with their own head size or key/value heads", "local and global rope bases",
+                   "proportional (partial) rope on global layers"]
+
+
+@pytest.mark.parametrize("fixture, expected", [
+    # its global layers store no attn_v
+    ("gemma4-Q8_0", GEMMA4_FEATURES + ["values from the key projection", "per-layer output scale",
+                                       "final-logit soft-capping"]),
+    # every layer with keys stores attn_v; per-layer embeddings, and the last two layers reuse keys and values
+    ("gemma4e-Q8_0", GEMMA4_FEATURES + ["per-layer output scale", "per-layer embeddings",
+                                        "layers reusing an earlier layer's keys and values",
+                                        "final-logit soft-capping"]),
+    # no rope_freqs tensor; a quarter of each head rotates
+    ("phi3-Q8_0", ["fused qkv and gate/up matrices", "partial rotary"]),
+    ("gemma4moe-Q4_K_M", GEMMA4_FEATURES + [
+        "values from the key projection", "per-layer output scale", "final-logit soft-capping",
+        "mixture of experts: 4 experts of 32, 2 per token by softmax routing, weights normalized, "
+        "beside the dense MLP"]),
+])
+def test_info_lists_the_features_the_loaded_model_has(fixture, expected):
+    import gguf
+
+    path = Path(__file__).parent / "fixtures" / "families" / f"{fixture}.gguf"
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    model = workbench.load(path, device="cpu")
+    assert model.info()["family"]["features"] == expected
+    # what the lists above say of the files
+    with_keys = [i for i in range(model.config.n_layers) if f"blk.{i}.attn_k.weight" in names]
+    without_values = [i for i in with_keys if f"blk.{i}.attn_v.weight" not in names]
+    assert bool(without_values) == ("values from the key projection" in expected)
+    assert ("rope_freqs.weight" in names) == ("proportional (partial) rope on global layers" in expected)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma4", "gemma4moe", "gemma4e"])

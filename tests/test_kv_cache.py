@@ -210,3 +210,65 @@ def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_fo
         BatchKVCache.from_prefixes(cache, [2, 9])
     with pytest.raises(workbench.WorkbenchError, match="prefix lengths"):
         BatchKVCache.from_prefixes(cache, [])
+
+
+def test_surgery_on_a_layer_that_reuses_another_layers_keys_and_values_is_refused():
+    """Gemma 4 E2B/E4B's last layers attend over an earlier layer's keys and values and hold none of their own: every
+    surgery there is refused naming the layer to edit (on a cache and on a batch cache's rows), and nothing changes;
+    the layer it reuses edits both."""
+    from pathlib import Path
+
+    model = workbench.load(Path(__file__).parent / "fixtures" / "families" / "gemma4e-Q8_0.gguf", device="cpu")
+    sources = [model.config.kv_source(i) for i in range(model.config.n_layers)]
+    shared = [i for i, source in enumerate(sources) if source != i]
+    assert shared == [2, 3] and sources[3] == 1
+    cache, other = prefilled(model), prefilled(model, PROMPT[::-1])
+    untouched = model.forward(NEXT, cache=cache.clone())
+    batch = model.runner.new_batch_cache(2)
+    batch.set_row(0, cache)
+    keys, values = cache.get(1)
+    assert keys.abs().sum() > 0 and values.abs().sum() > 0
+    for target in (cache, batch.row(0), cache.clone(), cache.select([2, 0])):
+        donor = other if target.length == other.length else target
+        for layer in shared:
+            message = f"layer {layer} reuses layer {sources[layer]}'s keys and values: %s layer {sources[layer]}"
+            calls = [("read", lambda: target.get(layer)), ("edit", lambda: target.clear(layer)),
+                     ("edit", lambda: target.set(layer, keys[:, : target.length], values[:, : target.length])),
+                     ("edit", lambda: target.copy_layer_from(donor, layer))]
+            for verb, call in calls:
+                with pytest.raises(workbench.WorkbenchError, match=message % verb):
+                    call()
+        assert target.kv_sources == tuple(sources)
+    assert torch.equal(model.forward(NEXT, cache=cache.clone()), untouched)
+    assert torch.equal(model.forward(NEXT, cache=batch.row(0)), untouched)
+    # the layer reused is the one to edit: clearing layer 1 changes what layer 3 attends over
+    cleared = cache.clone()
+    cleared.clear(1)
+    patterns = []
+    for continued in (cleared, cache.clone()):
+        with model.hooks(record=["blocks.3.attn.hook_pattern"]) as recorder:
+            model.forward(NEXT[:1], cache=continued)
+        patterns.append(recorder.activations()["blocks.3.attn.hook_pattern"])
+    assert patterns[0].shape[-1] == len(PROMPT) + 1 and not torch.allclose(*patterns)
+
+
+def test_dashboard_kv_page_on_layers_that_reuse_keys_and_values(monkeypatch):
+    """The KV cache page shows a layer that reuses another's keys and values with that layer's, and offers to clear
+    only layers that hold their own."""
+    streamlit_testing = pytest.importorskip("streamlit.testing.v1")
+    import json
+    from pathlib import Path
+
+    from workbench.app import common
+
+    path = Path(__file__).parent / "fixtures" / "families" / "gemma4e-Q8_0.gguf"
+    monkeypatch.setattr("sys.argv", ["main.py", "--model", str(path)])
+    at = streamlit_testing.AppTest.from_file(str(Path(common.__file__).with_name("main.py")), default_timeout=240)
+    at.run()
+    at.switch_page("page_kv_cache.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    figure = next(json.loads(c.proto.spec) for c in at.get("plotly_chart") if c.key == "kv_heatmap")
+    assert figure["layout"]["yaxis"]["ticktext"] == ["L0", "L1", "L2 (L0's)", "L3 (L1's)"]
+    norms = figure["data"][0]["z"]
+    assert norms[3] == norms[1] and norms[2] == norms[0] and min(norms[1]) > 0
+    assert at.selectbox(key="kv_layer").options == ["0", "1"]

@@ -346,8 +346,8 @@ def test_zero_steers_are_identities(qwen2moe):
 
 def _mlp_parts(model, layer: int, interventions=()) -> dict[str, torch.Tensor]:
     points = ["router_logits", "expert_indices", "expert_weights", "expert_out", "shared_expert_out"]
-    trace = model.run(IDS, record=[f"blocks.{layer}.mlp.hook_{p}" for p in points] + [f"blocks.{layer}.hook_mlp_out"],
-                      interventions=interventions)
+    names = [f"blocks.{layer}.mlp.hook_{p}" for p in points] + [f"blocks.{layer}.hook_mlp_out"]
+    trace = model.run(IDS, record=[n for n in names if n in model.hook_points()], interventions=interventions)
     return {name.rsplit("hook_", 1)[1]: value for name, value in trace.activations.items()}
 
 
@@ -369,20 +369,86 @@ def test_drop_ablation_equals_hand_computation(qwen2moe, renormalize):
     assert not torch.allclose(ablated["mlp_out"], clean["mlp_out"], atol=1e-3)
 
 
-def test_reroute_ablation_equals_hand_computation(qwen2moe):
-    clean = _mlp_parts(qwen2moe, 0)
-    expert = int(clean["expert_indices"][0, 0])
-    ablated = _mlp_parts(qwen2moe, 0, [{"type": "ablate_expert", "experts": [expert], "layer": 0, "mode": "reroute"}])
-    logits = clean["router_logits"].clone()
-    logits[:, expert] = float("-inf")
-    probs = logits.softmax(-1)  # qwen2moe: softmax over the remaining experts, no renormalization after top-k
-    top = probs.topk(2)
-    assert torch.equal(ablated["expert_indices"], top.indices)
-    assert not (ablated["expert_indices"] == expert).any()
-    assert torch.allclose(ablated["expert_weights"], top.values, atol=1e-7)
-    # layer 0's input is unchanged, so each expert's output is the clean one where the clean run chose it
+ROUTERS = {  # a model of each router: softmax then top-k, normalized or not; top-k then softmax; sigmoid
+    "mixtral": "moe/mixtral-Q8_0.gguf", "qwen2moe": "moe/qwen2moe-Q8_0.gguf", "qwen3moe": "moe/qwen3moe-Q8_0.gguf",
+    "gpt-oss": "moe/gpt-oss-MXFP4_MOE.gguf", "gemma4moe": "families/gemma4moe-Q8_0.gguf", "sigmoid": None,
+}
+
+
+def _router_model(name: str, tiny_checkpoint) -> workbench.Model:
+    if ROUTERS[name] is not None:
+        return workbench.load(Path(__file__).parent / "fixtures" / ROUTERS[name], device="cpu")
+    from dataclasses import replace
+
+    from workbench.loading import LoadedCheckpoint
+
+    checkpoint = tiny_checkpoint("qwen3moe", n_experts=8, n_experts_used=3)
+    config = replace(checkpoint.config, moe=replace(checkpoint.config.moe, gating="sigmoid"))
+    return workbench.Model(LoadedCheckpoint(config, checkpoint.weights, checkpoint.tokenizer, checkpoint.path,
+                                            checkpoint.metadata), "cpu")
+
+
+def _routing_weights(model, layer: int, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The weights the model gives each token's chosen ``indices``, computed by hand from its router logits."""
+    m = model.config.moe
+    if m.gating == "softmax_weight":
+        weights = logits.gather(-1, indices).softmax(-1)
+    else:
+        weights = (logits.softmax(-1) if m.gating == "softmax" else logits.sigmoid()).gather(-1, indices)
+    if m.normalize_weights:
+        weights = weights / weights.sum(-1, keepdim=True)
+    scale = model.runner.weights.layers[layer].moe.expert_scale
+    return weights * m.weights_scale * (1.0 if scale is None else scale[indices])
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_reroute_ablation_equals_hand_computation(router, tiny_checkpoint):
+    """A token that chose an ablated expert takes the top k of the others, weighted as the model weights that choice
+    (its probabilities over all experts); every other token keeps its experts and weights, bit for bit."""
+    model = _router_model(router, tiny_checkpoint)
+    k, n = model.config.moe.n_experts_used, model.config.moe.n_experts
+    clean = _mlp_parts(model, 0)
+    clean_logits = model.run(IDS).logits
+    # each token's unchosen experts, ablated at that token alone: nothing changes
+    for t in (0, 3, len(IDS) - 1):
+        unchosen = sorted(set(range(n)) - set(clean["expert_indices"][t].tolist()))
+        spec = {"type": "ablate_expert", "experts": unchosen, "layer": 0, "positions": [t], "mode": "reroute"}
+        trace = model.run(IDS, interventions=[spec])
+        assert torch.equal(trace.logits, clean_logits), (router, t)
+    # an expert some tokens chose and others not, ablated everywhere: the tokens that chose it move, the others stay
+    chose = torch.stack([(clean["expert_indices"] == e).any(-1) for e in range(n)])
+    expert = int(next(e for e in range(n) if 0 < chose[e].sum() < len(IDS)))
+    ablated = _mlp_parts(model, 0, [{"type": "ablate_expert", "experts": [expert], "layer": 0, "mode": "reroute"}])
+    moved = (clean["expert_indices"] == expert).any(-1)
+    indices = torch.where(moved[:, None], clean["router_logits"].index_fill(-1, torch.tensor([expert]),
+                                                                            float("-inf")).topk(k).indices,
+                          clean["expert_indices"])
+    assert moved.any() and (~moved).any()
+    assert torch.equal(ablated["router_logits"], clean["router_logits"])
+    assert torch.equal(ablated["expert_indices"], indices) and not (indices == expert).any()
+    assert torch.allclose(ablated["expert_weights"], _routing_weights(model, 0, clean["router_logits"], indices),
+                          atol=1e-6)
+    assert torch.equal(ablated["expert_weights"][~moved], clean["expert_weights"][~moved])
+    # layer 0's input is unchanged, so each expert's output is the clean one where the clean run chose it (up to
+    # the rounding of matmuls over other groups of tokens)
     same = clean["expert_indices"] == ablated["expert_indices"]
-    assert torch.equal(ablated["expert_out"][same], clean["expert_out"][same])
+    assert torch.allclose(ablated["expert_out"][same], clean["expert_out"][same], atol=1e-6)
+
+
+def test_reroutes_listed_one_after_another_compose(tiny_checkpoint):
+    """Two reroute ablations of a block keep tokens off both's experts, as one ablating both does; an ablation
+    whose experts no token in its positions chose changes nothing, even listed after another."""
+    model = _router_model("qwen2moe", tiny_checkpoint)
+    clean = _mlp_parts(model, 0)
+    first, second = (int(e) for e in clean["expert_indices"][0])
+    spec = {"type": "ablate_expert", "layer": 0, "mode": "reroute"}
+    both = _mlp_parts(model, 0, [{**spec, "experts": [first, second]}])
+    one_by_one = _mlp_parts(model, 0, [{**spec, "experts": [first]}, {**spec, "experts": [second]}])
+    assert torch.equal(one_by_one["expert_indices"], both["expert_indices"])
+    assert torch.equal(one_by_one["expert_weights"], both["expert_weights"])
+    assert not torch.isin(both["expert_indices"], torch.tensor([first, second])).any()
+    with pytest.raises(HookError, match=r"rerouting around 7 of 8 experts \[0, 1, 2, 3, 4, 5, 6\] leaves fewer"):
+        model.run(IDS, interventions=[{**spec, "experts": [0, 1, 2, 3]}, {**spec, "experts": [4, 5, 6]}])
 
 
 def test_force_routing(qwen2moe):

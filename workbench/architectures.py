@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Union
+
+if TYPE_CHECKING:
+    from workbench.config import ModelConfig
+    from workbench.weights import ModelWeights
+
+# What ``workbench info`` lists as a family's special: a string every model of the family has, or (text, whether the
+# loaded model has it, from its config and weights).
+Feature = Union[str, "tuple[str, Callable[[ModelConfig, ModelWeights], bool]]"]
 
 # GGUF tensor name suffix (``blk.{i}.`` + suffix) of each LayerWeights field; the fused tensors a family may store in
 # their place are named by ``Architecture.fused``.
@@ -140,7 +148,11 @@ class Architecture:
     v_norm: bool = False  # RMSNorm without a weight over each value head (Gemma 4)
     # a layer may store no value projection: its values are its keys' projection (Gemma 4's global layers)
     values_from_keys: bool = False
-    features: tuple[str, ...] = ()  # what ``workbench info`` lists as special
+    features: tuple[Feature, ...] = ()  # what ``workbench info`` lists as special
+
+    def model_features(self, config: ModelConfig, weights: ModelWeights) -> list[str]:
+        """The features a loaded model of the family has."""
+        return [f if isinstance(f, str) else f[0] for f in self.features if isinstance(f, str) or f[1](config, weights)]
 
     @property
     def hf_layer_tensors(self) -> dict[str, str]:
@@ -161,12 +173,29 @@ class Architecture:
         return dict(qkv_bias=self.qkv_bias, qk_norm=self.qk_norm is not None, rope_interleaved=self.rope_interleaved)
 
 
+def _sliding(c: ModelConfig, w: ModelWeights) -> bool:
+    return any(c.is_sliding(i) for i in range(c.n_layers))
+
+
+def _has(name: str) -> Callable[[ModelConfig, ModelWeights], bool]:
+    """Whether the checkpoint sets ModelConfig field ``name`` (to other than None)."""
+    return lambda c, w: getattr(c, name) is not None
+
+
+def _rope_factors(c: ModelConfig, w: ModelWeights) -> bool:
+    return w.rope_freq_factors is not None
+
+
+_SLIDING = ("sliding-window and global layers", _sliding)
+_FINAL_SOFTCAP = ("final-logit soft-capping", _has("final_softcap"))
 _GEMMA_FEATURES = ("(1+w) RMSNorm", "norms after attention and MLP", "embeddings x sqrt(d_model)", "GeGLU (tanh GELU)",
-                   "query pre-attention scale", "sliding-window and global layers")
+                   ("query pre-attention scale", _has("attn_scale")), _SLIDING,
+                   ("attention-logit soft-capping", _has("attn_softcap")), _FINAL_SOFTCAP)
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"), rope_interleaved=True,
-                 features=("sliding window where the checkpoint sets one (Mistral)",)),
+                 features=(("sliding window (Mistral)", _has("sliding_window")),
+                           ("rope frequency factors", _rope_factors))),
     Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
     Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
     # their mixture of experts is in ModelConfig.moe (workbench.moe), which ``workbench info`` describes
@@ -175,11 +204,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
                  activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=2,
                  default_window=4096, wide_query_scale_layers=46,
-                 features=_GEMMA_FEATURES + ("attention-logit and final-logit soft-capping",)),
+                 features=_GEMMA_FEATURES),
     Architecture("gemma3", ("Gemma3ForCausalLM",), qk_norm="head", post_norms=True, norm_offset=1.0,
                  embed_scale=True, activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=6,
                  local_rope_base=10000.0, wide_query_scale_layers=62,
-                 features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", "local and global rope bases")),
+                 features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", ("local and global rope bases",
+                                                                         _has("rope_base_local")))),
     # norms multiply by w (no offset); global layers have heads of their own size and count, a "proportional" rope
     # (llama.cpp's rope_freqs) and may take values from the keys' projection; the 26B-A4B's experts run beside the
     # dense MLP (ModelConfig.moe)
@@ -194,14 +224,23 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                              "per_layer_projection.weight": "proj.weight",
                              "post_per_layer_input_norm.weight": "post_norm.weight"},
                  features=("norms after attention and MLP", "embeddings x sqrt(d_model)", "GeGLU (tanh GELU)",
-                           "per-head q/k RMSNorm and value RMSNorm, attention scale 1",
-                           "sliding-window and global layers with their own head sizes and rope bases",
-                           "proportional (partial) rope on global layers", "values from the key projection",
-                           "per-layer output scale", "final-logit soft-capping")),
+                           "per-head q/k RMSNorm and value RMSNorm, attention scale 1", _SLIDING,
+                           ("global layers with their own head size or key/value heads",
+                            lambda c, w: c.d_head_global is not None or c.n_kv_heads_global is not None),
+                           ("local and global rope bases", _has("rope_base_local")),
+                           ("proportional (partial) rope on global layers", _rope_factors),
+                           ("values from the key projection", lambda c, w: any(layer.values_are_keys
+                                                                               for layer in w.layers)),
+                           ("per-layer output scale", lambda c, w: any(layer.out_scale is not None
+                                                                       for layer in w.layers)),
+                           ("per-layer embeddings", _has("d_per_layer")),
+                           ("layers reusing an earlier layer's keys and values", _has("kv_shared_layers")),
+                           _FINAL_SOFTCAP)),
     Architecture("phi3", ("Phi3ForCausalLM",), gguf_window=False,
                  fused={"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")},
                  hf_tensors={"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
-                 features=("fused qkv and gate/up matrices", "partial rotary", "rope frequency factors")),
+                 features=("fused qkv and gate/up matrices", ("partial rotary", _has("d_rotary")),
+                           ("long-context rope (LongRoPE)", _has("rope_long")))),
     # llama.cpp's "openai-moe": the norm before the MLP is stored as post_attention_norm; routing, the clamped SwiGLU
     # and its constants are fixed in llama.cpp's graph (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT, swiglu_oai)
     Architecture("gpt-oss", ("GptOssForCausalLM",), qkv_bias=True, out_bias=True, attn_sinks=True, swa_period=2,
@@ -209,8 +248,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  gguf_tensors={"mlp_norm": "post_attention_norm.weight"},
                  moe=dict(gating="softmax_weight", normalize_weights=False, swiglu_limit=7.0, swiglu_alpha=1.702),
                  moe_biases=True, hf_expert_layout="interleaved",
-                 features=("q/k/v and output biases", "attention sinks", "sliding-window and global layers",
-                           "YaRN rope")),
+                 features=("q/k/v and output biases", "attention sinks", _SLIDING, ("YaRN rope", _has("rope_yarn")))),
     Architecture("olmo2", ("Olmo2ForCausalLM",), qk_norm="projection", pre_norms=False, post_norms=True,
                  hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight",
                              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 from workbench.architectures import ARCHITECTURES, Architecture
 from workbench.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from workbench.weights import ModelWeights
 
 
 _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "rope_yarn", "rope_long", "d_rotary", "attn_scale",
@@ -210,8 +214,9 @@ class ModelConfig:
     def heads_vary(self) -> bool:
         return len({self.layer_heads(i) for i in range(self.n_layers)}) > 1
 
-    def family(self) -> dict:
-        """The family's special features (what ``workbench info`` lists) and the settings this checkpoint gives them."""
+    def family(self, weights: ModelWeights) -> dict:
+        """The family's special features this model has (what ``workbench info`` lists, from this config and the
+        loaded ``weights``) and the settings this checkpoint gives them."""
         settings = {name: value for name in _FEATURE_SETTINGS
                     if (value := getattr(self, name)) is not None and not (name == "rope_scale" and value == 1.0)}
         for name in ("rope_yarn", "rope_long"):
@@ -220,7 +225,7 @@ class ModelConfig:
         if self.sliding_window:
             settings["sliding_layers"] = [i for i in range(self.n_layers) if self.is_sliding(i)]
         moe = [self.moe.describe()] if self.moe is not None else []
-        return {"name": self.architecture, "features": list(self.arch.features) + moe, **settings}
+        return {"name": self.architecture, "features": self.arch.model_features(self, weights) + moe, **settings}
 
     def to_dict(self) -> dict:
         """The fields as JSON keeps them (lists for tuples), so a saved fingerprint compares equal."""

@@ -39,6 +39,10 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True)
 
 
+def _kv_sources(kv_sources: Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
+    return tuple(range(n_layers)) if kv_sources is None else tuple(int(i) for i in kv_sources)
+
+
 def next_position_after(positions: torch.Tensor) -> int:
     """The rope position a sequence continues at after slots at ``positions`` (kept slots keep theirs after surgery)."""
     return int(positions.max()) + 1 if positions.numel() else 0
@@ -85,11 +89,13 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | Sequence[int],
-                 dtype: torch.dtype, device: Devices, capacity: int = 64):
+                 dtype: torch.dtype, device: Devices, capacity: int = 64, kv_sources: Sequence[int] | None = None):
         """``device``: one for every layer, or one per layer (a split model's: each layer's keys and values live
         where it runs; positions and masks are made on the first). ``n_kv_heads`` and ``d_head``: one for every
-        layer, or one per layer."""
+        layer, or one per layer. ``kv_sources``: the layer whose keys and values each layer attends over
+        (``ModelConfig.kv_source``; None: its own)."""
         self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
+        self.kv_sources = _kv_sources(kv_sources, n_layers)
         self.devices = layer_devices(device, n_layers)
         self.dtype, self.device = dtype, self.devices[0]
         self._keys = [torch.zeros(h, capacity, d, dtype=dtype, device=device)
@@ -187,14 +193,14 @@ class KVCache:
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one layer's keys and values, ``[n_kv_heads, length, d_head]`` each."""
-        self._check_layer(layer)
+        self._check_own_layer(layer, "get", "read")
         return self._keys[layer][:, : self.length].clone(), self._values[layer][:, : self.length].clone()
 
     # ---------------------------------------------------------------------------------------- surgery
 
     def set(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace one layer's keys (already rotated) and values, ``[n_kv_heads, length, d_head]`` each."""
-        self._check_layer(layer)
+        self._check_own_layer(layer, "set")
         n_kv_heads, d_head = self.layer_shape(layer)
         expected = (n_kv_heads, self.length, d_head)
         for name, t in (("keys", keys), ("values", values)):
@@ -211,13 +217,14 @@ class KVCache:
     def clear(self, layer: int) -> None:
         """Zero one layer's keys and values. New tokens then score 0 against every cached slot there, so
         those slots still take a share of the softmax but contribute zero values."""
-        self._check_layer(layer)
+        self._check_own_layer(layer, "clear")
         self._keys[layer].zero_()
         self._values[layer].zero_()
 
     def copy_layer_from(self, other: "KVCache", layer: int) -> None:
         """Take one layer's keys and values from another cache of the same length (keys keep the rotation
         they had there; positions are not compared)."""
+        self._check_own_layer(layer, "copy")
         if other.length != self.length:
             raise WorkbenchError(f"kv copy: source cache has {other.length} slots, this one {self.length}")
         self.set(layer, *other.get(layer))
@@ -249,7 +256,8 @@ class KVCache:
     def select(self, slots: Sequence[int] | torch.Tensor) -> "KVCache":
         """A new cache made of the given slots (indices into this cache), in the given order."""
         slots = torch.tensor(self._check_slots(slots, "kv select"), dtype=torch.long) % max(self.length, 1)
-        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices, max(len(slots), 1))
+        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices, max(len(slots), 1),
+                      self.kv_sources)
         for layer, device in enumerate(self.devices):
             idx = slots.to(device)
             out._keys[layer][:, : len(slots)] = self._keys[layer][:, idx]
@@ -277,6 +285,15 @@ class KVCache:
         if not isinstance(layer, int) or not 0 <= layer < self.n_layers:
             raise WorkbenchError(f"kv: layer {layer!r} outside 0..{self.n_layers - 1}")
 
+    def _check_own_layer(self, layer: int, what: str, verb: str = "edit") -> None:
+        """A layer that attends over an earlier layer's keys and values holds none of its own (its slots stay
+        zero): surgery there would read zeros or change nothing."""
+        self._check_layer(layer)
+        source = self.kv_sources[layer]
+        if source != layer:
+            raise WorkbenchError(f"kv {what}: layer {layer} reuses layer {source}'s keys and values: {verb} layer "
+                                 f"{source}")
+
     def __repr__(self) -> str:
         return f"KVCache(layers={self.n_layers}, length={self.length}, next_position={self.next_position})"
 
@@ -287,8 +304,8 @@ class StaticKVCache(KVCache):
     ones masked. Slot i holds position i; generation uses it internally, surgery is for KVCache."""
 
     def __init__(self, n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | Sequence[int],
-                 dtype: torch.dtype, device: Devices, capacity: int):
-        super().__init__(n_layers, n_kv_heads, d_head, dtype, device, capacity)
+                 dtype: torch.dtype, device: Devices, capacity: int, kv_sources: Sequence[int] | None = None):
+        super().__init__(n_layers, n_kv_heads, d_head, dtype, device, capacity, kv_sources)
         self._length = torch.zeros((), dtype=torch.long, device=self.device)
         self._slots = torch.arange(capacity, device=self.device)
 
@@ -337,8 +354,9 @@ class BatchKVCache:
     """
 
     def __init__(self, n_rows: int, n_layers: int, n_kv_heads: int | Sequence[int], d_head: int | Sequence[int],
-                 dtype: torch.dtype, device: Devices, capacity: int = 64):
+                 dtype: torch.dtype, device: Devices, capacity: int = 64, kv_sources: Sequence[int] | None = None):
         self.n_layers, self.n_kv_heads, self.d_head = n_layers, n_kv_heads, d_head
+        self.kv_sources = _kv_sources(kv_sources, n_layers)  # as KVCache's: its rows' surgery refuses shared layers
         self.devices = layer_devices(device, n_layers)  # as KVCache's
         self.dtype, self.device = dtype, self.devices[0]
         self._keys = [torch.zeros((n_rows, h, capacity, d), dtype=dtype, device=device)
@@ -361,7 +379,7 @@ class BatchKVCache:
             raise WorkbenchError("a batch cache needs at least one row")
         first = caches[0]
         out = cls(len(caches), first.n_layers, first.n_kv_heads, first.d_head, first.dtype, first.devices,
-                  max(capacity, max(c.length for c in caches), 1))
+                  max(capacity, max(c.length for c in caches), 1), first.kv_sources)
         for b, cache in enumerate(caches):
             out.set_row(b, cache)
         return out
@@ -377,7 +395,8 @@ class BatchKVCache:
             raise WorkbenchError(f"kv from_prefixes: prefix lengths {list(lengths)} outside 0..{cache.length}")
         n_rows, longest = len(lengths), max(lengths)
         capacity = max(capacity, longest, 1)
-        out = cls(n_rows, cache.n_layers, cache.n_kv_heads, cache.d_head, cache.dtype, cache.devices, 1)
+        out = cls(n_rows, cache.n_layers, cache.n_kv_heads, cache.d_head, cache.dtype, cache.devices, 1,
+                  cache.kv_sources)
         copied = set(range(cache.n_layers) if layers is None else layers)
         for store, source in ((out._keys, cache._keys), (out._values, cache._values)):
             for layer, src in enumerate(source):
@@ -492,7 +511,8 @@ class BatchKVCache:
         """A copy of row ``b`` as a single-sequence cache."""
         self._check_row(b)
         n = self.lengths[b]
-        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices, max(n, 1))
+        out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices, max(n, 1),
+                      self.kv_sources)
         for layer in range(self.n_layers):
             out._keys[layer][:, :n] = self._keys[layer][b, :, :n]
             out._values[layer][:, :n] = self._values[layer][b, :, :n]
@@ -505,7 +525,8 @@ class BatchKVCache:
     def set_row(self, b: int, cache: KVCache) -> None:
         """Replace row ``b`` with (a copy of) a single-sequence cache of the same model."""
         self._check_row(b)
-        if (cache.n_layers, cache.n_kv_heads, cache.d_head) != (self.n_layers, self.n_kv_heads, self.d_head):
+        if ((cache.n_layers, cache.n_kv_heads, cache.d_head, cache.kv_sources)
+                != (self.n_layers, self.n_kv_heads, self.d_head, self.kv_sources)):
             raise WorkbenchError("kv set_row: the cache belongs to a model of another shape")
         n = cache.length
         self.reserve(n)

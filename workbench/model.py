@@ -842,7 +842,7 @@ class Model:
             "model": self.config.name,
             "path": str(self.path),
             "config": self.config.to_dict(),
-            "family": self.config.family(),
+            "family": self.config.family(weights),
             "parameters": self.config.n_params,
             "device": str(self.device),
             **self._split_info(),

@@ -600,11 +600,16 @@ class Transformer:
             return c.n_kv_heads, c.d_head
         return [h for h, _ in self._heads], [d for _, d in self._heads]
 
+    def _kv_sources(self) -> list[int]:
+        return [self.config.kv_source(i) for i in range(self.config.n_layers)]
+
     def new_cache(self, capacity: int = 64) -> KVCache:
-        return KVCache(self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
+        return KVCache(self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity,
+                       self._kv_sources())
 
     def new_batch_cache(self, n_rows: int, capacity: int = 64) -> BatchKVCache:
-        return BatchKVCache(n_rows, self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
+        return BatchKVCache(n_rows, self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity,
+                            self._kv_sources())
 
     @property
     def is_split(self) -> bool:
@@ -631,7 +636,7 @@ class Transformer:
         c = self.config
         if not 0 < capacity <= c.n_ctx:
             raise WorkbenchError(f"a static cache holds 1 to {c.n_ctx} (the model's context) slots, not {capacity}")
-        return StaticKVCache(c.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity)
+        return StaticKVCache(c.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity, self._kv_sources())
 
     def rotation(self, positions: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:

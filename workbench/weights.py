@@ -49,6 +49,14 @@ class LayerWeights:
     wqkv: QuantTensor | None = None
     w_gate_up: QuantTensor | None = None
 
+    @property
+    def values_are_keys(self) -> bool:
+        """Whether the layer stored no value projection, its values being its keys' projection (compared by value:
+        placing and fusing the weights make copies and views)."""
+        k, v = self.wk, self.wv
+        return (k is not None and v is not None and (k.fmt, k.shape) == (v.fmt, v.shape)
+                and torch.equal(k.data, v.data))
+
     def fuse_projections(self) -> None:
         """Stack the rows of wq, wk, wv and of w_gate, w_up into one packed matrix each, the parts becoming
         views of it (no extra memory): decode then streams one larger matrix instead of several small ones,
