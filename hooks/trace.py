@@ -243,6 +243,9 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
         raise TraceError(f"{where}: 'interventions' must be a list of intervention specs")
     if not isinstance(trace.adapters, list) or not all(isinstance(entry, dict) for entry in trace.adapters):
         raise TraceError(f"{where}: 'adapters' must be a list of adapter records")
+    merged = trace.fingerprint.get("merged_adapters", [])
+    if not isinstance(merged, list) or not all(isinstance(entry, dict) for entry in merged):
+        raise TraceError(f"{where}: the fingerprint's 'merged_adapters' must be a list of adapter records")
     logits = trace.logits
     if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[0] != len(trace.ids):
         raise TraceError(f"{where}: logits have shape {tuple(logits.shape)}; a trace of {len(trace.ids)} tokens "

@@ -4,6 +4,7 @@ The tools are called as the server calls them (a session and a cancel flag), on 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 
@@ -254,3 +255,38 @@ def test_an_unexpected_failure_reaches_the_client_as_one_line_with_a_reason(benc
     with pytest.raises(ToolError, match="unknown intervention type") as err:
         anyio.run(call_in_thread, bench, "test", Workbench.run_with_interventions.__get__(bench),
                   {"prompt": PROMPT, "interventions": [{"type": ["steer"]}]})
+
+
+def test_replay_never_loads_an_adapter_named_by_the_manifest(tiny_model, tmp_path, monkeypatch):
+    """An adapter a trace ran with must be resident on the server's model (matched by sha256); the path a manifest
+    names is never opened: not outside the folder, not a FIFO, not to say whether a file exists."""
+    from test_adapters import write_peft
+
+    from workbench.adapters import files_sha256
+
+    model = tiny_model("llama", seed=5, cached=False)  # adapters are loaded on it
+    bench = Workbench(model, tmp_path / "artifacts", LIMITS, model_name="tiny")
+    with bench.sessions.using("test") as session:
+        call = Call(session, threading.Event())
+        peft = write_peft(bench.artifacts.root / "lora", model.config, seed=1)
+        sha = files_sha256([peft / "adapter_config.json", peft / "adapter_model.safetensors"])
+        bench.load_adapter(call, path="lora", name="mine")
+        trace = model.run(PROMPT, adapter="mine")
+        trace.save(bench.artifacts.root / "saved")
+        assert bench.replay_trace(call, trace_id=bench.load_trace(call, path="saved").trace_id).verdict == "identical"
+        model.unload_adapter("mine")
+        outside = write_peft(tmp_path / "outside", model.config, seed=1)  # the very same adapter, outside the folder
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        monkeypatch.setattr(sys.modules["workbench.model"], "load_adapter",
+                            lambda *a, **k: pytest.fail("an adapter was loaded"))
+        for path in (str(outside), str(fifo), "/nonexistent", "lora"):
+            forge(bench.artifacts.root / "saved", lambda m: m.update(adapters=[
+                {"name": "mine", "path": path, "sha256": sha, "scale": 1.0}]))
+            trace_id = bench.load_trace(call, path="saved").trace_id
+            message = refused(bench.replay_trace, call, trace_id=trace_id, match="not resident")
+            assert "'mine'" in message and sha[:12] in message and path not in message
+            assert model.adapters == {}
+        monkeypatch.undo()
+        bench.load_adapter(call, path="lora", name="other name")  # the same file, resident under another name
+        assert bench.replay_trace(call, trace_id=trace_id).verdict == "identical"

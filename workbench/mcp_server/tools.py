@@ -1151,14 +1151,15 @@ class Workbench:
     def replay_trace(self, call: Call, trace_id: TraceId,
                      force: Annotated[bool, Field(description="replay even if the trace was recorded on another "
                                                               "model")] = False) -> s.Replay:
-        """Re-run a trace's prompt and interventions on this session's model and compare every tensor with it."""
+        """Re-run a trace's prompt and interventions on this session's model and compare every tensor with it. The
+        trace's LoRA adapters must already be resident on the model (load_adapter), matched by sha256."""
         trace = call.session.get("trace", trace_id)
         model = self.model(call)
         # a saved trace may say anything: its replay is held to the limits of a direct call
         ids = self._check_cost(model, [trace.prompt], trace.chat, trace.interventions)[0]
         self._record_names(model, list(trace.activations), len(ids))
         call.check()
-        report = replay(trace, model, force=force)
+        report = replay(trace, model, force=force, load_adapters=False)  # never a path a manifest names
         deviation = report.max_abs_deviation
         return s.Replay(trace_id=trace_id, verdict=report.verdict, worst_tensor=report.worst_tensor,
                         max_abs_deviation=deviation if deviation is None or math.isfinite(deviation) else None,
