@@ -290,3 +290,42 @@ def test_replay_never_loads_an_adapter_named_by_the_manifest(tiny_model, tmp_pat
         monkeypatch.undo()
         bench.load_adapter(call, path="lora", name="other name")  # the same file, resident under another name
         assert bench.replay_trace(call, trace_id=trace_id).verdict == "identical"
+
+
+def test_links_inside_sae_adapter_and_checkpoint_folders_are_refused(bench, call, tmp_path):
+    """A folder in the artifacts folder whose files are links (out of it, or anywhere) is refused by sae_load,
+    load_adapter and load_model, as a trace's members are; a FIFO member is refused without blocking, by the Python
+    API too, which otherwise follows links (a Hugging Face cache holds them)."""
+    from test_adapters import write_peft
+    from test_loading import hf_model
+
+    from workbench.probes.sae_train import init_sae
+
+    root, outside = bench.artifacts.root, tmp_path / "outside"
+    model = bench.model(call)
+    init_sae("topk", model.config.d_model, 16, "blocks.0.hook_resid_post", k=2).save(root / "sae")
+    write_peft(root / "lora", model.config)
+    hf_model("llama", root / "hf", tie=False)
+    cases = [("sae", "sae_weights.safetensors", "sae_load"), ("lora", "adapter_model.safetensors", "load_adapter"),
+             ("hf", "config.json", "load_model")]
+    for folder, member, tool in cases:
+        (outside / folder).mkdir(parents=True)
+        (root / folder / member).rename(outside / folder / member)
+        (root / folder / member).symlink_to(outside / folder / member)
+        with pytest.raises(ToolError, match="symbolic link; refused"):  # as the server calls it
+            anyio.run(call_in_thread, bench, "test", getattr(bench, tool), {"path": folder})
+    assert bench.model(call).adapters == {} and call.session.of_kind("sae") == {}
+    assert call.session.model_name == "tiny"
+    workbench_load_adapter = model.load_adapter  # the Python API follows the link
+    assert workbench_load_adapter(root / "lora", name="api").sha256
+    model.unload_adapter("api")
+    (root / "lora" / "adapter_model.safetensors").unlink()
+    os.mkfifo(root / "lora" / "adapter_model.safetensors")
+    with pytest.raises(WorkbenchError, match="not a regular file"):
+        model.load_adapter(root / "lora", name="fifo")
+    (root / "hf" / "config.json").unlink()
+    os.mkfifo(root / "hf" / "config.json")
+    import workbench
+
+    with pytest.raises(WorkbenchError, match="not a regular file"):
+        workbench.load(root / "hf", device="cpu")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,9 +125,9 @@ def adapter_files(path: Path, *, links: bool = True) -> list[Path]:
     if not path.is_dir():
         return [regular_file(path, AdapterError, links=links)]
     files = [path / "adapter_config.json", path / "adapter_model.safetensors"]
-    if not (files[0].is_file() or files[0].is_symlink()):
+    if not os.path.lexists(files[0]):
         raise AdapterError(f"{path} has no adapter_config.json (expected a PEFT adapter folder or a GGUF file)")
-    if not (files[1].is_file() or files[1].is_symlink()):
+    if not os.path.lexists(files[1]):
         raise AdapterError(f"{path} has no adapter_model.safetensors (a .bin adapter is a pickle: convert it)")
     return [regular_file(file, AdapterError, links=links) for file in files]
 

@@ -14,10 +14,10 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
 
 from workbench.errors import WorkbenchError, clip
+from workbench.files import reads_within
 from workbench.kernels import numerics
 from workbench.mcp_server.state import Limits
 from workbench.mcp_server.tools import TOOLS, Call, Workbench
-from workbench.probes.sae import sae_paths_within
 
 INSTRUCTIONS = """\
 Mechanistic interpretability on a local LLM. Start with model_info and list_hook_points; `run` a prompt with
@@ -51,7 +51,7 @@ async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments
 
     with bench.sessions.using(key) as session:
         def work() -> Any:
-            with numerics(session.numerics), bench.lock, sae_paths_within(bench.artifacts.root):
+            with numerics(session.numerics), bench.lock, reads_within(bench.artifacts.root):
                 call = Call(session, cancelled)
                 call.check()  # cancelled while waiting for the lock
                 return method(call, **arguments)
