@@ -292,6 +292,40 @@ def test_replay_never_loads_an_adapter_named_by_the_manifest(tiny_model, tmp_pat
         assert bench.replay_trace(call, trace_id=trace_id).verdict == "identical"
 
 
+def test_sae_train_checks_its_arguments_first_and_always_ends(bench, call, monkeypatch):
+    from workbench import probes
+
+    hook = "blocks.0.hook_resid_post"
+    (bench.artifacts.root / "a file").parent.mkdir(parents=True, exist_ok=True)
+    (bench.artifacts.root / "a file").write_text("keep")
+    with monkeypatch.context() as patched:
+        for name in ("python_docs_corpus", "train_sae"):
+            patched.setattr(probes, name, lambda *a, **k: pytest.fail("computed before the arguments were checked"))
+        for arguments, match in (
+                (dict(k=0), "k must be between 1 and 64"), (dict(k=65), "k must be between 1 and 64"),
+                (dict(batch_tokens=10 ** 9), "batch_tokens must be between 1 and 4096"),
+                (dict(hook="blocks.*.hook_resid_post"), "one hook point"), (dict(hook="blocks.0.nope"), "nope"),
+                (dict(hook_out="blocks.*.hook_mlp_out"), "one hook point"), (dict(path="../out"), "outside"),
+                (dict(path="a file"), "not a folder")):
+            refused(bench.sae_train, call, **{"hook": hook, "path": "sae", "d_sae": 64, **arguments}, match=match)
+    assert (bench.artifacts.root / "a file").read_text() == "keep"
+    ended = []
+
+    def train() -> None:  # two short prompts never fill a step of 1024 tokens: refused, not a loop without end
+        with pytest.raises(WorkbenchError, match="batch_tokens"):
+            bench.sae_train(call, hook=hook, path="sae", d_sae=64, k=4, prompts=["the cat", "on the mat"],
+                            max_seconds=2)
+        ended.append(True)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert ended, "sae_train did not end"
+    out = bench.sae_train(call, hook=hook, path="sae", d_sae=64, k=4, prompts=[PROMPT, PROMPT, "the cat"],
+                          batch_tokens=4, max_seconds=2)
+    assert out.summary["steps"] > 0
+
+
 def test_links_inside_sae_adapter_and_checkpoint_folders_are_refused(bench, call, tmp_path):
     """A folder in the artifacts folder whose files are links (out of it, or anywhere) is refused by sae_load,
     load_adapter and load_model, as a trace's members are; a FIFO member is refused without blocking, by the Python

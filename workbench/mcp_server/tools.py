@@ -1099,14 +1099,22 @@ class Workbench:
                                      ] = None,
                   max_seconds: Annotated[float, Field(description="training time budget (the server caps it)")
                                          ] = 60.0,
-                  batch_tokens: Annotated[int, Field(description="tokens per training step")] = 1024,
+                  batch_tokens: Annotated[int, Field(description="tokens per training step (the server caps it; "
+                                                                 "a buffer of 64 prompts must hold that many)")] = 1024,
                   seed: Seed = 0) -> s.SaeTrained:
         """Train a TopK SAE (or transcoder) on a hook within a time budget; held-out figures (FVU, CE loss
         recovered, L0, dead features); saved in SAELens' format and kept in this session."""
         model = self.model(call)
+        # every cheap argument checked before the corpus is built or anything computed
         if not 0 < max_seconds <= self.limits.max_train_seconds:
             raise WorkbenchError(f"max_seconds must be in (0, {self.limits.max_train_seconds}], got {max_seconds}")
         self._check_count("d_sae", d_sae, self.limits.max_sae_features)
+        self._check_count("k", k, d_sae)
+        self._check_count("batch_tokens", batch_tokens, self.limits.max_sae_batch_tokens)
+        for point in (hook, hook_out) if hook_out is not None else (hook,):
+            if hooks.resolve(point, model.config) != [point]:
+                raise WorkbenchError(f"sae_train reads one hook point, not the pattern {shorten(point)}")
+        probes.sae.check_save_folder(self.artifacts.path(path))
         folder = self.artifacts.target(path)
         corpus = self._prompt_list(call, prompts) if prompts is not None else probes.python_docs_corpus()
         if len(corpus) < 2:
