@@ -412,6 +412,17 @@ def test_invalid_arguments_are_tool_errors_and_the_server_keeps_serving(client):
     assert client.call("tokenize", text="still serving")["tokens"] == ["still", " serving"]
 
 
+def test_non_finite_results_are_null_and_fit_the_output_schema(http):
+    """A steer at 1e308 overflows the residual: the distributions' numbers become NaN or infinite, which travel as
+    null, and the client (which validates structured content against the output schema) accepts the result."""
+    vector = [1.0] * 576
+    out = http.call("steer", prompt=PROMPT, hook="blocks.3.hook_resid_post", vector=vector, scale=1e308,
+                    targets=[" Paris"])
+    numbers = [out["kl"], out["edited"]["entropy"], *(t["logprob"] for t in out["edited"]["top"]),
+               *(c["edited_logprob"] for c in out["targets"])]
+    assert None in numbers
+
+
 def test_paths_outside_the_artifacts_folder_are_refused(client, artifacts, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
