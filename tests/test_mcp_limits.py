@@ -363,3 +363,29 @@ def test_links_inside_sae_adapter_and_checkpoint_folders_are_refused(bench, call
 
     with pytest.raises(WorkbenchError, match="not a regular file"):
         workbench.load(root / "hf", device="cpu")
+
+
+def test_a_trace_of_another_vocabulary_loads_and_lists_and_a_failed_load_keeps_nothing(bench, call, monkeypatch):
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save
+
+    from workbench.hooks.trace import tensor_sha256
+
+    kept = bench.run(call, prompt=PROMPT).trace_id
+    path = saved_trace(bench, call)
+    tensors = load_file(str(path / TENSORS_FILE))
+    tensors["logits"] = torch.randn(tensors["logits"].shape[0], 3)  # a model of three tokens
+    data = save(tensors)
+    (path / TENSORS_FILE).write_bytes(data)
+    forge(path, lambda m: m.update(
+        tensors={k: {"dtype": "float32", "shape": list(t.shape), "sha256": tensor_sha256(t)} for k, t in tensors.items()},
+        tensors_file={"name": TENSORS_FILE, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    loaded = bench.load_trace(call, path="saved")
+    assert len(loaded.next_token.top) == 3 and {t.token for t in loaded.next_token.top} == {""}
+    assert {kept, loaded.trace_id} <= {t.trace_id for t in bench.list_traces(call).traces}
+    held = dict(call.session.entries)
+    monkeypatch.setattr(Workbench, "_summarize", lambda *a: (_ for _ in ()).throw(WorkbenchError("no summary")))
+    refused(bench.load_trace, call, path="saved", match="no summary")
+    assert call.session.entries == held  # nothing kept of the failed load

@@ -252,12 +252,17 @@ class Workbench:
     def trace_summary(self, call: Call, trace_id: str) -> s.TraceSummary:
         """What list_traces and the trace:// resources show of one trace."""
         entry = call.session.entry("trace", trace_id)
-        trace = entry.value
+        return self._summarize(call, trace_id, entry.value, entry.note.get("path"))
+
+    def _summarize(self, call: Call, trace_id: str, trace: hooks.Trace, path: str | None) -> s.TraceSummary:
+        # a loaded trace may come from a model of another vocabulary: its tokens are then not this model's to name
+        model, width = self.model(call), trace.logits.shape[-1]
+        vocab = model if width == model.config.vocab_size else None
         return s.TraceSummary(
             trace_id=trace_id, uri=f"trace://{trace_id}", prompt=trace.prompt, tokens=trace.tokens,
-            next_token=self._distribution(self.model(call), trace.logits[-1], 5),
+            next_token=s.Distribution(**results.next_token(trace.logits, min(5, width), vocab).to_dict()),
             interventions=_compact(trace.interventions), recorded={n: _shape(a) for n, a in trace.activations.items()},
-            model=str(trace.fingerprint.get("file", "")), path=entry.note.get("path"))
+            model=str(trace.fingerprint.get("file", "")), path=path)
 
     # ------------------------------------------------------------------------------------------- model
 
@@ -1152,8 +1157,9 @@ class Workbench:
                    ) -> s.TraceSummary:
         """Load a saved trace artifact (every hash verified) into this session."""
         trace = hooks.load_trace(self.artifacts.path(path), max_bytes=self.limits.max_session_bytes)
+        summary = self._summarize(call, "", trace, path)  # all that can fail, before the trace is kept
         trace_id = call.session.put("trace", trace, path=path)
-        return self.trace_summary(call, trace_id)
+        return summary.model_copy(update={"trace_id": trace_id, "uri": f"trace://{trace_id}"})
 
     @tool
     def replay_trace(self, call: Call, trace_id: TraceId,
