@@ -83,7 +83,9 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     replayed = {"logits": fresh.logits, **fresh.activations}
     verdict, worst, worst_name = IDENTICAL, 0.0, None
     for name, old in recorded.items():
-        new = replayed[name]
+        new = replayed.get(name)
+        if new is None:
+            return ReplayReport(DIFFERENT, None, name, 0, reason=f"the replay recorded no {shorten(name)}", **report)
         if new.shape != old.shape:
             return ReplayReport(DIFFERENT, None, name, 0, reason=f"{name} has shape {tuple(new.shape)}, "
                                                                   f"recorded {tuple(old.shape)}", **report)
