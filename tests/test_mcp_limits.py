@@ -389,3 +389,28 @@ def test_a_trace_of_another_vocabulary_loads_and_lists_and_a_failed_load_keeps_n
     monkeypatch.setattr(Workbench, "_summarize", lambda *a: (_ for _ in ()).throw(WorkbenchError("no summary")))
     refused(bench.load_trace, call, path="saved", match="no summary")
     assert call.session.entries == held  # nothing kept of the failed load
+
+
+def test_export_control_vector_writes_only_a_file_import_reads(bench, call):
+    import gguf
+    import numpy as np
+
+    root = bench.artifacts.root
+    root.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(root / "ok.gguf"), "controlvector")
+    writer.add_tensor("direction.1", np.ones(bench.model(call).config.d_model, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    vector_id = bench.import_control_vector(call, path="ok.gguf").vector_id
+    assert refused(bench.export_control_vector, call, vector_id=vector_id, path="big.gguf", scale=1e39,
+                   match="past float32's range")
+    (root / "folder.gguf").mkdir()
+    message = refused(bench.export_control_vector, call, vector_id=vector_id, path="folder.gguf",
+                      match="not a regular file")
+    assert "\n" not in message
+    assert not (root / "big.gguf").exists() and list((root / "folder.gguf").iterdir()) == []
+    bench.export_control_vector(call, vector_id=vector_id, path="big.gguf", scale=1e15)
+    assert bench.import_control_vector(call, path="big.gguf").norms[0] == pytest.approx(
+        1e15 * bench.model(call).config.d_model ** 0.5, rel=1e-6)
