@@ -423,6 +423,19 @@ def test_non_finite_results_are_null_and_fit_the_output_schema(http):
     assert None in numbers
 
 
+def test_unknown_arguments_are_refused_and_bad_ones_explained_in_one_line(http):
+    """A misspelt argument is refused, not dropped (ablate would otherwise ablate every position), and a value of the
+    wrong type is one line naming the field, without pydantic's documentation link."""
+    tools = {t.name: t for t in http.portal.call(http.session.list_tools).tools}
+    assert all(t.input_schema.get("additionalProperties") is False for t in tools.values())
+    message = http.error("ablate", prompt=PROMPT, hook="blocks.3.hook_resid_post", positons=[0])
+    assert "no argument 'positons'" in message and "positions" in message
+    message = http.error("run", prompt=PROMPT, top_k="many")
+    assert "top_k: " in message and "\n" not in message and "errors.pydantic.dev" not in message
+    message = http.error("run")
+    assert "prompt: Field required" in message and "\n" not in message
+
+
 def test_paths_outside_the_artifacts_folder_are_refused(client, artifacts, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
