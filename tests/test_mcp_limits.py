@@ -380,7 +380,8 @@ def test_a_trace_of_another_vocabulary_loads_and_lists_and_a_failed_load_keeps_n
     data = save(tensors)
     (path / TENSORS_FILE).write_bytes(data)
     forge(path, lambda m: m.update(
-        tensors={k: {"dtype": "float32", "shape": list(t.shape), "sha256": tensor_sha256(t)} for k, t in tensors.items()},
+        tensors={k: {"dtype": "float32", "shape": list(t.shape), "sha256": tensor_sha256(t)}
+                 for k, t in tensors.items()},
         tensors_file={"name": TENSORS_FILE, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
     loaded = bench.load_trace(call, path="saved")
     assert len(loaded.next_token.top) == 3 and {t.token for t in loaded.next_token.top} == {""}

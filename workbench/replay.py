@@ -173,7 +173,8 @@ def _load_recorded_model(trace: Trace) -> Model:
         device = "cpu"
     dtype = backend.get("dtype")
     model = load(path, device=device, dtype=dtype if isinstance(dtype, str) else None)
-    for entry in fingerprint.get("merged_adapters", []):  # merged on the recorded model: merged here the same way, each file checked as a trace adapter
+    # merged on the recorded model: merged here the same way, each file checked as a trace's adapter is
+    for entry in fingerprint.get("merged_adapters", []):
         model.merge_adapter(_resident_adapter(model, entry, True), finite_number(entry.get("scale", 1.0),
                                                                                  "a merged adapter's scale"))
     return model
