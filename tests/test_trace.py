@@ -227,3 +227,24 @@ def test_the_command_line_reports_an_unexpected_failure_in_one_line(trace, tmp_p
     monkeypatch.setenv("WORKBENCH_TRACEBACK", "1")
     with pytest.raises(KeyError):
         main(["replay", str(path)])
+
+
+def test_replay_never_hashes_a_fifo_in_the_recorded_model_folder(trace, tmp_path):
+    import os
+    import threading
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.mkfifo(folder / "model.safetensors")  # hashing it would block for good
+    trace.fingerprint = {**trace.fingerprint, "path": str(folder)}
+    ended = []
+
+    def replay() -> None:
+        with pytest.raises(workbench.WorkbenchError, match="not a regular file"):
+            workbench.replay(trace)
+        ended.append(True)
+
+    thread = threading.Thread(target=replay, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert ended

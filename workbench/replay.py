@@ -15,7 +15,7 @@ from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.hooks import Trace, load_trace
 from workbench.hooks.trace import model_mismatch
 from workbench.kernels import numerics
-from workbench.loading import checkpoint_files, default_model_path, files_sha256
+from workbench.loading import check_hf_files, checkpoint_files, default_model_path, files_sha256
 from workbench.model import Model, load
 
 IDENTICAL, WITHIN_TOLERANCE, DIFFERENT = "identical", "within tolerance", "different"
@@ -165,9 +165,12 @@ def _load_recorded_model(trace: Trace) -> Model:
         path = default
     elif not (path.is_dir() or stat.S_ISREG(path.stat().st_mode)):
         raise WorkbenchError(f"the trace's model {shorten(recorded)} is not a model file; pass model=")
-    elif files_sha256(checkpoint_files(path)) != fingerprint.get("sha256"):
-        raise WorkbenchError(f"the file at the trace's model path {shorten(recorded)} is not the model it was recorded "
-                             "on (its sha256 differs); pass model=")
+    else:
+        if path.is_dir():
+            check_hf_files(path)  # a FIFO among its files would block the hash
+        if files_sha256(checkpoint_files(path)) != fingerprint.get("sha256"):
+            raise WorkbenchError(f"the file at the trace's model path {shorten(recorded)} is not the model it was "
+                                 "recorded on (its sha256 differs); pass model=")
     device = backend.get("device", "cpu")
     if not isinstance(device, str) or (device.startswith("cuda") and not torch.cuda.is_available()):
         device = "cpu"
