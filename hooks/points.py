@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -161,6 +162,13 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
 
 
 MAX_NAME_LENGTH = 256
+# What a hook point's name can look like (a global point, or blocks.<layer>.<suffix>): no glob, no empty part.
+_POINT_NAME = re.compile(r"(blocks\.\d+\.)?[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_point_name(name: str) -> bool:
+    """Whether ``name`` could name one hook point of some model (``resolve`` says which a model has)."""
+    return isinstance(name, str) and len(name) <= MAX_NAME_LENGTH and _POINT_NAME.fullmatch(name) is not None
 
 
 def resolve(pattern: str, config: ModelConfig) -> list[str]:

@@ -25,7 +25,7 @@ from workbench.config import ModelConfig
 from workbench.errors import WorkbenchError, clip, shorten
 from workbench.files import replace_file
 
-from .points import axes
+from .points import axes, is_point_name
 
 if TYPE_CHECKING:  # the results layer sits above this module: imported where used
     from workbench.results import Distribution, TraceComparison
@@ -227,6 +227,9 @@ def _parse_manifest(data: bytes, manifest_path: Path) -> dict[str, Any]:
     return manifest
 
 
+_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
 def _check_consistent(trace: Trace, tensors_path: Path) -> None:
     """What the manifest says agrees with itself and with the tensors: types, and one row per token."""
     def ints(values: Any) -> bool:
@@ -243,11 +246,19 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
         raise TraceError(f"{where}: 'interventions' must be a list of intervention specs")
     if not isinstance(trace.adapters, list) or not all(isinstance(entry, dict) for entry in trace.adapters):
         raise TraceError(f"{where}: 'adapters' must be a list of adapter records")
+    merged = trace.fingerprint.get("merged_adapters", [])
+    if not isinstance(merged, list) or not all(isinstance(entry, dict) for entry in merged):
+        raise TraceError(f"{where}: the fingerprint's 'merged_adapters' must be a list of adapter records")
     logits = trace.logits
     if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[0] != len(trace.ids):
         raise TraceError(f"{where}: logits have shape {tuple(logits.shape)}; a trace of {len(trace.ids)} tokens "
                          f"holds [{len(trace.ids)}, vocab] floats")
     for name, activation in trace.activations.items():
+        if not is_point_name(name):
+            raise TraceError(f"{where}: activation {shorten(name)} is not named by one hook point")
+        if not (activation.is_floating_point() or activation.dtype in _INTEGER_DTYPES):
+            raise TraceError(f"{where}: activation {shorten(name)} holds {str(activation.dtype).removeprefix('torch.')}"
+                             "; a recorded activation holds floats or integers")
         axis = axes(name).token
         if activation.dim() <= axis or activation.shape[axis] != len(trace.ids):
             raise TraceError(f"{where}: activation {shorten(name)} has shape {tuple(activation.shape)}, not one row "

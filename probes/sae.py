@@ -13,17 +13,17 @@ Attached to a run (``model.run(prompt, saes=[sae])``), an SAE fires the hook poi
 from __future__ import annotations
 
 import json
+import os
 import re
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from workbench.errors import HookError, WorkbenchError, finite_number
+from workbench.files import read_root, reads_within, regular_file
 from workbench.hooks import check_saes
 from workbench.hooks.interventions import Positions, Region, RegionEdit, RunShape
 
@@ -293,13 +293,8 @@ class SAE:
     def save(self, path: str | Path, sparsity: torch.Tensor | None = None) -> Path:
         """Write ``cfg.json`` and ``sae_weights.safetensors`` into folder ``path`` (SAELens' layout; with
         ``sparsity``, each feature's log10 firing rate as ``sparsity.safetensors``). Returns the folder."""
-        folder = Path(path)
-        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-            raise WorkbenchError(f"{folder} exists and is not a folder")
+        folder = check_save_folder(Path(path))
         folder.mkdir(parents=True, exist_ok=True)
-        for name in (CFG_FILENAME, WEIGHTS_FILENAME, SPARSITY_FILENAME):
-            if (folder / name).is_symlink():
-                raise WorkbenchError(f"{folder / name} is a symbolic link; refusing to write through it")
         save_file({n: p.detach().cpu().contiguous() for n, p in self.params.items()}, str(folder / WEIGHTS_FILENAME))
         if sparsity is not None:
             save_file({"sparsity": sparsity.detach().float().cpu().contiguous()}, str(folder / SPARSITY_FILENAME))
@@ -307,6 +302,20 @@ class SAE:
         if self.source is None:
             self.source = str(folder.resolve())
         return folder
+
+
+def check_save_folder(folder: Path) -> Path:
+    """``folder``, if ``SAE.save`` may write there: a folder (or nothing yet) that is not a link, holding no link in
+    place of the files it writes, in a folder this process can write (checked before a long training, not after)."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise WorkbenchError(f"{folder} exists and is not a folder")
+    for name in (CFG_FILENAME, WEIGHTS_FILENAME, SPARSITY_FILENAME):
+        if (folder / name).is_symlink():
+            raise WorkbenchError(f"{folder / name} is a symbolic link; refusing to write through it")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise WorkbenchError(f"cannot write into {existing}")
+    return folder
 
 
 def load_sae(path: str | Path, *, hook: str | None = None, device: str | torch.device = "cpu",
@@ -332,8 +341,10 @@ def load_sae(path: str | Path, *, hook: str | None = None, device: str | torch.d
 
 def _load_saelens(folder: Path, hook: str | None) -> SAE:
     cfg_file, weights_file = folder / CFG_FILENAME, folder / WEIGHTS_FILENAME
-    if not cfg_file.is_file() or not weights_file.is_file():
+    if not all(os.path.lexists(f) for f in (cfg_file, weights_file)):
         raise WorkbenchError(f"{folder} holds no SAELens SAE ({CFG_FILENAME} and {WEIGHTS_FILENAME})")
+    for member in (cfg_file, weights_file):
+        regular_file(member)
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as err:
@@ -384,6 +395,7 @@ def _upgrade_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_npz(path: Path, hook: str | None) -> SAE:
+    regular_file(path)
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: np.asarray(data[key]) for key in data.files}
@@ -417,19 +429,9 @@ def _dtype(name: str) -> torch.dtype:
 # ------------------------------------------------------------------------------------------ references
 
 _REGISTERED: dict[str, SAE] = {}
-# Where a spec's SAE path may point: None (anywhere) for the Python API; the artifacts folder inside MCP tool calls,
-# so a forged trace cannot make the server read a file outside it.
-_PATH_ROOT: ContextVar[Path | None] = ContextVar("workbench_sae_path_root", default=None)
-
-
-@contextmanager
-def sae_paths_within(root: str | Path) -> Iterator[None]:
-    """Inside the block (this thread or task only), SAEs named by path load only from inside ``root``."""
-    token = _PATH_ROOT.set(Path(root).resolve())
-    try:
-        yield
-    finally:
-        _PATH_ROOT.reset(token)
+# Inside MCP tool calls a spec's SAE path must point into the artifacts folder (a forged trace cannot make the server
+# read a file outside it), and the SAE folder's files must not be links.
+sae_paths_within = reads_within
 _LOADED: dict[tuple[str, int], SAE] = {}  # (resolved path, modification time) -> SAE, so a replay loads a file once
 
 
@@ -457,7 +459,7 @@ def resolve_sae(reference: SAE | str | Path) -> SAE:
     if str(reference) in _REGISTERED:
         return _REGISTERED[str(reference)]
     path = Path(reference).expanduser()
-    root = _PATH_ROOT.get()
+    root = read_root()
     if root is not None and not path.resolve().is_relative_to(root):
         raise HookError(f"SAE path {str(reference)[:80]!r} is outside the folder SAEs may be read from ({root})")
     if not path.exists():

@@ -204,14 +204,26 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
     update, close = progress_callback(progress, int(max_seconds) if by_time else (budget or 0),
                                       "seconds" if by_time else "tokens")
     seen, step = 0, 0
+
+    def stop() -> bool:
+        """Progress reported (a callback may cancel here) and whether a budget is spent."""
+        elapsed = time.perf_counter() - started
+        if by_time:
+            update(min(int(elapsed), int(max_seconds)))
+        elif budget:
+            update(seen)
+        return (budget is not None and seen >= budget) or (max_seconds is not None and elapsed >= max_seconds)
+
     try:
         while True:
             rng.shuffle(order)
+            steps_before, largest = step, 0
             for start in range(0, len(order), buffer_prompts):
                 group = [prompts[i] for i in order[start:start + buffer_prompts]]
                 pairs = list(_activations(model, group, hooks_in_out, batch_size))
                 x = torch.cat([p[0] for p in pairs]).float()
                 y = torch.cat([p[1] for p in pairs]).float()
+                largest = max(largest, x.shape[0])
                 if trainer.scale_in is None:  # b_dec starts at the data's mean, as Gao et al.'s does (its median)
                     trainer.start(x, y)
                 perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed + step)).to(x.device)
@@ -223,13 +235,16 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
                     history.append({"step": step, "tokens": seen, **metrics})
                     if checkpoint_dir is not None and step % checkpoint_every == 0:
                         trainer.folded().save(Path(checkpoint_dir) / f"step_{step}")
-                    if by_time:
-                        update(min(int(time.perf_counter() - started), int(max_seconds)))
-                    elif budget:
-                        update(seen)
-                    if (budget is not None and seen >= budget) or (
-                            max_seconds is not None and time.perf_counter() - started >= max_seconds):
+                    if stop():
                         raise _Done
+                if stop():  # a buffer too small for a step still counts against the budgets
+                    raise _Done
+            if step == steps_before:  # a pass without a step ends training: it must always end
+                if step == 0:
+                    raise WorkbenchError(f"batch_tokens ({batch_tokens}) is more than any buffer of the prompts "
+                                         f"holds ({largest} tokens): give more or longer prompts, or a smaller "
+                                         "batch_tokens")
+                raise _Done
             if budget is None and max_seconds is None:
                 raise _Done
     except _Done:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from workbench.errors import WorkbenchError, shorten
+from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.hooks import Steer
 from workbench.progress import progress_callback
 
@@ -64,12 +64,20 @@ class SteeringVector:
                                  f"{self.point}")
         if 0 in self.directions:
             raise WorkbenchError("llama.cpp cannot steer the output of block 0 (it rejects direction.0); drop layer 0")
+        scale = finite_number(scale, "a control vector's scale")
+        scaled = {layer: (scale * self.directions[layer]).float() for layer in self.layers}
+        for layer, direction in scaled.items():  # a file import_control_vector would refuse is never written
+            if not bool(direction.isfinite().all()):
+                raise WorkbenchError(f"scale {scale:g} takes direction.{layer} past float32's range (not finite); "
+                                     "use a smaller scale")
         path = Path(path)
+        if path.is_dir() or path.is_symlink() or (path.exists() and not path.is_file()):
+            raise WorkbenchError(f"{path} exists and is not a regular file; give a file name for the control vector")
         writer = gguf.GGUFWriter(str(path), CONTROL_VECTOR_ARCH)
         writer.add_string(f"{CONTROL_VECTOR_ARCH}.model_hint", self.model_hint)
         writer.add_int32(f"{CONTROL_VECTOR_ARCH}.layer_count", len(self.directions))
         for layer in self.layers:
-            writer.add_tensor(f"direction.{layer}", (scale * self.directions[layer]).float().numpy())
+            writer.add_tensor(f"direction.{layer}", scaled[layer].cpu().numpy())
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

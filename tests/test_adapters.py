@@ -368,6 +368,11 @@ def test_merge_restacks_fused_projections_and_replays(tmp_path, tiny_checkpoint)
     assert workbench.replay(tmp_path / "trace").verdict == "identical"  # loads the base and merges "ft" again
     with pytest.raises(WorkbenchError, match="merged into the weights differ"):
         workbench.replay(trace, workbench.load(path, device="cpu"))
+    os.mkfifo(tmp_path / "fifo")
+    for bad, match in ((tmp_path / "fifo", "not a regular file"), (path, "sha256 differs.*nothing was loaded")):
+        trace.fingerprint["merged_adapters"] = [{**plain.merged[0], "path": str(bad)}]  # merged from another file
+        with pytest.raises(WorkbenchError, match=match):
+            workbench.replay(trace)
 
 
 # ------------------------------------------------------------------------------------ traces
@@ -386,6 +391,42 @@ def test_trace_records_and_replay_reapplies_the_adapter(hf_llama, tmp_path):
     other = workbench.load(hf_llama.path, device="cpu", adapters={"a": hf_llama.adapters["b"].path})
     with pytest.raises(WorkbenchError, match="sha256"):
         workbench.replay(loaded, other)
+
+
+def test_replay_loads_a_recorded_adapter_only_once_its_files_hash_to_the_record(hf_llama, tmp_path):
+    """The recorded path is opened only as regular files (no FIFO, no link), hashed before anything is attached, and a
+    refused replay leaves no adapter loaded, whichever of the trace's adapters was refused."""
+    import shutil
+    import threading
+
+    trace = hf_llama.run(IDS, adapter={"a": 0.7, "b": 0.5})
+    fresh = workbench.load(hf_llama.path, device="cpu")
+    good, (a, b) = [dict(entry) for entry in trace.adapters], trace.adapters
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    shutil.copy(Path(b["path"]) / "adapter_config.json", linked)
+    (linked / "adapter_model.safetensors").symlink_to(Path(b["path"]) / "adapter_model.safetensors")
+    (tmp_path / "link").symlink_to(b["path"])
+    for path, match in ((a["path"], "sha256 differs.*nothing was loaded"), (str(fifo), "not a regular file"),
+                        (str(linked), "symbolic link"), (str(tmp_path / "link"), "symbolic link"),
+                        ("/etc/passwd", "sha256 differs")):
+        trace.adapters = [good[0], {**good[1], "path": path}]
+        done = []
+
+        def refused() -> None:
+            with pytest.raises(WorkbenchError, match=match):
+                workbench.replay(trace, fresh)
+            done.append(path)
+
+        thread = threading.Thread(target=refused, daemon=True)  # a FIFO opened would block it for good
+        thread.start()
+        thread.join(20)
+        assert done and not thread.is_alive(), f"a replay of an adapter at {path} did not end"
+        assert fresh.adapters == {}, path  # "a" was loaded, then "b" refused: neither is left
+    trace.adapters = good
+    assert workbench.replay(trace, fresh).verdict == "identical" and set(fresh.adapters) == {"a", "b"}
 
 
 # ------------------------------------------------------------------------------------ bad input

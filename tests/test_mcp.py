@@ -412,6 +412,30 @@ def test_invalid_arguments_are_tool_errors_and_the_server_keeps_serving(client):
     assert client.call("tokenize", text="still serving")["tokens"] == ["still", " serving"]
 
 
+def test_non_finite_results_are_null_and_fit_the_output_schema(http):
+    """A steer at 1e308 overflows the residual: the distributions' numbers become NaN or infinite, which travel as
+    null, and the client (which validates structured content against the output schema) accepts the result."""
+    vector = [1.0] * 576
+    out = http.call("steer", prompt=PROMPT, hook="blocks.3.hook_resid_post", vector=vector, scale=1e308,
+                    targets=[" Paris"])
+    numbers = [out["kl"], out["edited"]["entropy"], *(t["logprob"] for t in out["edited"]["top"]),
+               *(c["edited_logprob"] for c in out["targets"])]
+    assert None in numbers
+
+
+def test_unknown_arguments_are_refused_and_bad_ones_explained_in_one_line(http):
+    """A misspelt argument is refused, not dropped (ablate would otherwise ablate every position), and a value of the
+    wrong type is one line naming the field, without pydantic's documentation link."""
+    tools = {t.name: t for t in http.portal.call(http.session.list_tools).tools}
+    assert all(t.input_schema.get("additionalProperties") is False for t in tools.values())
+    message = http.error("ablate", prompt=PROMPT, hook="blocks.3.hook_resid_post", positons=[0])
+    assert "no argument 'positons'" in message and "positions" in message
+    message = http.error("run", prompt=PROMPT, top_k="many")
+    assert "top_k: " in message and "\n" not in message and "errors.pydantic.dev" not in message
+    message = http.error("run")
+    assert "prompt: Field required" in message and "\n" not in message
+
+
 def test_paths_outside_the_artifacts_folder_are_refused(client, artifacts, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()

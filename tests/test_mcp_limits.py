@@ -4,6 +4,7 @@ The tools are called as the server calls them (a session and a cancel flag), on 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 
@@ -254,3 +255,163 @@ def test_an_unexpected_failure_reaches_the_client_as_one_line_with_a_reason(benc
     with pytest.raises(ToolError, match="unknown intervention type") as err:
         anyio.run(call_in_thread, bench, "test", Workbench.run_with_interventions.__get__(bench),
                   {"prompt": PROMPT, "interventions": [{"type": ["steer"]}]})
+
+
+def test_replay_never_loads_an_adapter_named_by_the_manifest(tiny_model, tmp_path, monkeypatch):
+    """An adapter a trace ran with must be resident on the server's model (matched by sha256); the path a manifest
+    names is never opened: not outside the folder, not a FIFO, not to say whether a file exists."""
+    from test_adapters import write_peft
+
+    from workbench.adapters import files_sha256
+
+    model = tiny_model("llama", seed=5, cached=False)  # adapters are loaded on it
+    bench = Workbench(model, tmp_path / "artifacts", LIMITS, model_name="tiny")
+    with bench.sessions.using("test") as session:
+        call = Call(session, threading.Event())
+        peft = write_peft(bench.artifacts.root / "lora", model.config, seed=1)
+        sha = files_sha256([peft / "adapter_config.json", peft / "adapter_model.safetensors"])
+        bench.load_adapter(call, path="lora", name="mine")
+        trace = model.run(PROMPT, adapter="mine")
+        trace.save(bench.artifacts.root / "saved")
+        assert bench.replay_trace(call, trace_id=bench.load_trace(call, path="saved").trace_id).verdict == "identical"
+        model.unload_adapter("mine")
+        outside = write_peft(tmp_path / "outside", model.config, seed=1)  # the very same adapter, outside the folder
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        monkeypatch.setattr(sys.modules["workbench.model"], "load_adapter",
+                            lambda *a, **k: pytest.fail("an adapter was loaded"))
+        for path in (str(outside), str(fifo), "/nonexistent", "lora"):
+            forge(bench.artifacts.root / "saved", lambda m: m.update(adapters=[
+                {"name": "mine", "path": path, "sha256": sha, "scale": 1.0}]))
+            trace_id = bench.load_trace(call, path="saved").trace_id
+            message = refused(bench.replay_trace, call, trace_id=trace_id, match="not resident")
+            assert "'mine'" in message and sha[:12] in message and path not in message
+            assert model.adapters == {}
+        monkeypatch.undo()
+        bench.load_adapter(call, path="lora", name="other name")  # the same file, resident under another name
+        assert bench.replay_trace(call, trace_id=trace_id).verdict == "identical"
+
+
+def test_sae_train_checks_its_arguments_first_and_always_ends(bench, call, monkeypatch):
+    from workbench import probes
+
+    hook = "blocks.0.hook_resid_post"
+    (bench.artifacts.root / "a file").parent.mkdir(parents=True, exist_ok=True)
+    (bench.artifacts.root / "a file").write_text("keep")
+    with monkeypatch.context() as patched:
+        for name in ("python_docs_corpus", "train_sae"):
+            patched.setattr(probes, name, lambda *a, **k: pytest.fail("computed before the arguments were checked"))
+        for arguments, match in (
+                (dict(k=0), "k must be between 1 and 64"), (dict(k=65), "k must be between 1 and 64"),
+                (dict(batch_tokens=10 ** 9), "batch_tokens must be between 1 and 4096"),
+                (dict(hook="blocks.*.hook_resid_post"), "one hook point"), (dict(hook="blocks.0.nope"), "nope"),
+                (dict(hook_out="blocks.*.hook_mlp_out"), "one hook point"), (dict(path="../out"), "outside"),
+                (dict(path="a file"), "not a folder")):
+            refused(bench.sae_train, call, **{"hook": hook, "path": "sae", "d_sae": 64, **arguments}, match=match)
+    assert (bench.artifacts.root / "a file").read_text() == "keep"
+    ended = []
+
+    def train() -> None:  # two short prompts never fill a step of 1024 tokens: refused, not a loop without end
+        with pytest.raises(WorkbenchError, match="batch_tokens"):
+            bench.sae_train(call, hook=hook, path="sae", d_sae=64, k=4, prompts=["the cat", "on the mat"],
+                            max_seconds=2)
+        ended.append(True)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert ended, "sae_train did not end"
+    out = bench.sae_train(call, hook=hook, path="sae", d_sae=64, k=4, prompts=[PROMPT, PROMPT, "the cat"],
+                          batch_tokens=4, max_seconds=2)
+    assert out.summary["steps"] > 0
+
+
+def test_links_inside_sae_adapter_and_checkpoint_folders_are_refused(bench, call, tmp_path):
+    """A folder in the artifacts folder whose files are links (out of it, or anywhere) is refused by sae_load,
+    load_adapter and load_model, as a trace's members are; a FIFO member is refused without blocking, by the Python
+    API too, which otherwise follows links (a Hugging Face cache holds them)."""
+    from test_adapters import write_peft
+    from test_loading import hf_model
+
+    from workbench.probes.sae_train import init_sae
+
+    root, outside = bench.artifacts.root, tmp_path / "outside"
+    model = bench.model(call)
+    init_sae("topk", model.config.d_model, 16, "blocks.0.hook_resid_post", k=2).save(root / "sae")
+    write_peft(root / "lora", model.config)
+    hf_model("llama", root / "hf", tie=False)
+    cases = [("sae", "sae_weights.safetensors", "sae_load"), ("lora", "adapter_model.safetensors", "load_adapter"),
+             ("hf", "config.json", "load_model")]
+    for folder, member, tool in cases:
+        (outside / folder).mkdir(parents=True)
+        (root / folder / member).rename(outside / folder / member)
+        (root / folder / member).symlink_to(outside / folder / member)
+        with pytest.raises(ToolError, match="symbolic link; refused"):  # as the server calls it
+            anyio.run(call_in_thread, bench, "test", getattr(bench, tool), {"path": folder})
+    assert bench.model(call).adapters == {} and call.session.of_kind("sae") == {}
+    assert call.session.model_name == "tiny"
+    workbench_load_adapter = model.load_adapter  # the Python API follows the link
+    assert workbench_load_adapter(root / "lora", name="api").sha256
+    model.unload_adapter("api")
+    (root / "lora" / "adapter_model.safetensors").unlink()
+    os.mkfifo(root / "lora" / "adapter_model.safetensors")
+    with pytest.raises(WorkbenchError, match="not a regular file"):
+        model.load_adapter(root / "lora", name="fifo")
+    (root / "hf" / "config.json").unlink()
+    os.mkfifo(root / "hf" / "config.json")
+    import workbench
+
+    with pytest.raises(WorkbenchError, match="not a regular file"):
+        workbench.load(root / "hf", device="cpu")
+
+
+def test_a_trace_of_another_vocabulary_loads_and_lists_and_a_failed_load_keeps_nothing(bench, call, monkeypatch):
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save
+
+    from workbench.hooks.trace import tensor_sha256
+
+    kept = bench.run(call, prompt=PROMPT).trace_id
+    path = saved_trace(bench, call)
+    tensors = load_file(str(path / TENSORS_FILE))
+    tensors["logits"] = torch.randn(tensors["logits"].shape[0], 3)  # a model of three tokens
+    data = save(tensors)
+    (path / TENSORS_FILE).write_bytes(data)
+    forge(path, lambda m: m.update(
+        tensors={k: {"dtype": "float32", "shape": list(t.shape), "sha256": tensor_sha256(t)}
+                 for k, t in tensors.items()},
+        tensors_file={"name": TENSORS_FILE, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+    loaded = bench.load_trace(call, path="saved")
+    assert len(loaded.next_token.top) == 3 and {t.token for t in loaded.next_token.top} == {""}
+    assert {kept, loaded.trace_id} <= {t.trace_id for t in bench.list_traces(call).traces}
+    held = dict(call.session.entries)
+    monkeypatch.setattr(Workbench, "_summarize", lambda *a: (_ for _ in ()).throw(WorkbenchError("no summary")))
+    refused(bench.load_trace, call, path="saved", match="no summary")
+    assert call.session.entries == held  # nothing kept of the failed load
+
+
+def test_export_control_vector_writes_only_a_file_import_reads(bench, call):
+    import gguf
+    import numpy as np
+
+    root = bench.artifacts.root
+    root.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(root / "ok.gguf"), "controlvector")
+    writer.add_tensor("direction.1", np.ones(bench.model(call).config.d_model, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    vector_id = bench.import_control_vector(call, path="ok.gguf").vector_id
+    assert refused(bench.export_control_vector, call, vector_id=vector_id, path="big.gguf", scale=1e39,
+                   match="past float32's range")
+    (root / "folder.gguf").mkdir()
+    message = refused(bench.export_control_vector, call, vector_id=vector_id, path="folder.gguf",
+                      match="not a regular file")
+    assert "\n" not in message
+    assert not (root / "big.gguf").exists() and list((root / "folder.gguf").iterdir()) == []
+    bench.export_control_vector(call, vector_id=vector_id, path="big.gguf", scale=1e15)
+    assert bench.import_control_vector(call, path="big.gguf").norms[0] == pytest.approx(
+        1e15 * bench.model(call).config.d_model ** 0.5, rel=1e-6)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -197,3 +198,53 @@ def test_tensor_sha256_on_the_gpu_hashes_the_same_bytes_chunk_by_chunk(monkeypat
     assert trace.tensor_sha256(t) == expected
     assert trace.tensor_sha256(t.cuda()) == expected
     assert trace.tensor_sha256(t.cuda().t()) == trace.tensor_sha256(t.t())  # a view: its bytes in memory order
+
+
+@pytest.mark.parametrize("name, tensor, message", [
+    ("blocks.1.hook_resid_post", lambda t: t > 0, "holds bool"),
+    ("blocks.1.hook_resid_post", lambda t: torch.complex(t, t), "holds complex64"),
+    ("blocks.*.hook_resid_post", lambda t: t, "not named by one hook point"),
+    ("blocks.1.", lambda t: t, "not named by one hook point"),
+])
+def test_a_consistent_artifact_with_impossible_activations_is_refused(trace, tmp_path, capsys, name, tensor, message):
+    """Hashes that agree prove nothing about what a tensor is: an activation that no run records is refused on load,
+    and the command line says so in one line."""
+    trace.activations[name] = tensor(trace.activations.pop("blocks.1.hook_resid_post"))
+    path = trace.save(tmp_path / "forged")
+    with pytest.raises(TraceError, match=message):
+        workbench.load_trace(path)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("workbench: error: ") and message in err and err.count("\n") == 1
+
+
+def test_the_command_line_reports_an_unexpected_failure_in_one_line(trace, tmp_path, capsys, monkeypatch):
+    path = trace.save(tmp_path / "artifact")
+    monkeypatch.setattr(sys.modules["workbench.replay"], "replay", lambda *a, **k: {}["missing"])
+    assert main(["replay", str(path)]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("workbench: internal error (KeyError): 'missing'") and err.count("\n") == 1
+    monkeypatch.setenv("WORKBENCH_TRACEBACK", "1")
+    with pytest.raises(KeyError):
+        main(["replay", str(path)])
+
+
+def test_replay_never_hashes_a_fifo_in_the_recorded_model_folder(trace, tmp_path):
+    import os
+    import threading
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    os.mkfifo(folder / "model.safetensors")  # hashing it would block for good
+    trace.fingerprint = {**trace.fingerprint, "path": str(folder)}
+    ended = []
+
+    def replay() -> None:
+        with pytest.raises(workbench.WorkbenchError, match="not a regular file"):
+            workbench.replay(trace)
+        ended.append(True)
+
+    thread = threading.Thread(target=replay, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert ended

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, finite_number
+from workbench.files import regular_file
 from workbench.kernels import QuantTensor, get_format
 
 # Our projection (a LayerWeights field) -> its llama.cpp tensor name and its Hugging Face module name.
@@ -81,12 +83,11 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
     if not path.exists():
         raise AdapterError(f"no adapter at {path}")
     scale = finite_number(scale, "adapter scale")
+    files = adapter_files(path)
     if path.is_dir():
         pairs, alpha_scale, info = _read_peft(path, config)
-        files = [path / "adapter_config.json", path / "adapter_model.safetensors"]
     else:
         pairs, alpha_scale, info = _read_gguf_adapter(path, config)
-        files = [path]
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.n_layers)]
     ranks = set()
     for (layer, proj), (a, b) in sorted(pairs.items()):
@@ -113,6 +114,22 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
     info.pop("needs_permute", None)
     return Adapter(name, path, "peft" if path.is_dir() else "gguf", files_sha256(files), max(ranks),
                    info.pop("alpha"), scale, layers, info)
+
+
+def adapter_files(path: Path, *, links: bool = True) -> list[Path]:
+    """The files an adapter is read from and hashed over (a GGUF file, or a PEFT folder's config and weights), each a
+    regular file (``files.regular_file``: never a FIFO; a link only where ``links`` and the caller's confinement
+    allow, the folder itself included)."""
+    if not links and path.is_symlink():
+        raise AdapterError(f"{path} is a symbolic link; refused")
+    if not path.is_dir():
+        return [regular_file(path, AdapterError, links=links)]
+    files = [path / "adapter_config.json", path / "adapter_model.safetensors"]
+    if not os.path.lexists(files[0]):
+        raise AdapterError(f"{path} has no adapter_config.json (expected a PEFT adapter folder or a GGUF file)")
+    if not os.path.lexists(files[1]):
+        raise AdapterError(f"{path} has no adapter_model.safetensors (a .bin adapter is a pickle: convert it)")
+    return [regular_file(file, AdapterError, links=links) for file in files]
 
 
 def projection_shape(config: ModelConfig, proj: str) -> tuple[int, int]:
@@ -187,11 +204,7 @@ def _pairs(halves: dict, path: Path, keys: str) -> dict[tuple[int, str], tuple[t
 def _read_peft(path: Path, config: ModelConfig):
     from safetensors.torch import load_file
 
-    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not config_file.is_file():
-        raise AdapterError(f"{path} has no adapter_config.json (expected a PEFT adapter folder or a GGUF file)")
-    if not weights_file.is_file():
-        raise AdapterError(f"{path} has no adapter_model.safetensors (a .bin adapter is a pickle: convert it)")
+    config_file, weights_file = adapter_files(path)  # regular files, checked
     try:
         cfg = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, clip
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -359,6 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the reader left (``| head``): stop quietly, and point stdout at devnull so the flush at exit cannot fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # as a shell reports a process ended by SIGPIPE
+    except Exception as err:  # a bug, or a failure the checks missed: still one line (the traceback on request)
+        if os.environ.get("WORKBENCH_TRACEBACK"):
+            raise
+        print(f"workbench: internal error ({type(err).__name__}): {clip(str(err), 200)} (WORKBENCH_TRACEBACK=1 "
+              "shows the traceback)", file=sys.stderr)
+        return 3
     return status or 0
 
 

@@ -1,9 +1,54 @@
-"""Writing a file into a folder without ever writing through a link planted there (trace artifacts, cache notes)."""
+"""Files in folders someone else may have written: writing without ever writing through a link planted there (trace
+artifacts, cache notes), and reading only regular files, never a link out of a folder confined reads may not leave."""
 from __future__ import annotations
 
 import os
 import secrets
-from contextlib import suppress
+import stat
+from contextlib import contextmanager, suppress
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Iterator
+
+from workbench.errors import WorkbenchError
+
+# Where reads are confined: None (the Python API and the command line load what they are given) or, inside MCP tool
+# calls, the artifacts folder, so that a file, folder or manifest a client wrote cannot lead a read out of it.
+_READ_ROOT: ContextVar[Path | None] = ContextVar("workbench_read_root", default=None)
+
+
+@contextmanager
+def reads_within(root: str | Path) -> Iterator[None]:
+    """Inside the block (this thread or task only), paths named by files (SAE specs) load only from inside ``root``,
+    and members of folders (SAE, adapter and checkpoint folders) that are symbolic links are refused."""
+    token = _READ_ROOT.set(Path(root).resolve())
+    try:
+        yield
+    finally:
+        _READ_ROOT.reset(token)
+
+
+def read_root() -> Path | None:
+    """The folder reads are confined to (``reads_within``), or None."""
+    return _READ_ROOT.get()
+
+
+def regular_file(path: Path, error: type[WorkbenchError] = WorkbenchError, *, links: bool = True) -> Path:
+    """``path``, refused (``error``) unless it is a regular file: opening a FIFO or device would block or never end.
+    A symbolic link is followed only where ``links`` allows it and reads are not confined (``reads_within``)."""
+    try:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            if not links or read_root() is not None:
+                raise error(f"{path} is a symbolic link; refused")
+            info = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path} is missing") from None
+    except OSError as err:
+        raise error(f"{path} cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{path} is not a regular file (a FIFO, device or folder); refused")
+    return path
 
 
 def replace_file(dir_fd: int, name: str, data: bytes) -> None:

@@ -23,7 +23,7 @@ from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS,
 from workbench.cache import cache_dir
 from workbench.config import LongRoPE, ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
-from workbench.files import replace_file
+from workbench.files import regular_file, replace_file
 from workbench.gguf_file import GGUFFile, TensorInfo
 from workbench.kernels import QuantTensor, get_format
 from workbench.kernels.formats import _fp8 as fp8_layout
@@ -634,11 +634,23 @@ def _hf_rope_freqs(cfg: dict[str, Any], config: ModelConfig) -> torch.Tensor | N
     return torch.tensor([1.0] * rotated + [1e30] * (half - rotated))
 
 
+HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+
+def check_hf_files(path: Path) -> None:
+    """Every file a checkpoint folder is read from (those present) is a regular file, before any is opened: a FIFO
+    would block, and a link is followed only where reads are not confined (``files.reads_within``)."""
+    for file in [*(path / name for name in HF_FILES), *sorted(path.glob("*.safetensors"))]:
+        if file.exists() or file.is_symlink():
+            regular_file(file, ModelLoadError)
+
+
 def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpoint:
     """A safetensors checkpoint directory, optionally quantized on load into a GGUF format (an FP8 one keeps its FP8
     weights unless ``quantize`` says otherwise: "F32" dequantizes them once)."""
     from safetensors.torch import load_file
 
+    check_hf_files(path)
     cfg = _read_hf_config(path)
     config = _hf_model_config(cfg, path)
     files = sorted(path.glob("*.safetensors"))

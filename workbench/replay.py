@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
-from workbench.errors import WorkbenchError, shorten
+from workbench.adapters import adapter_files
+from workbench.adapters import files_sha256 as adapter_sha256
+from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.hooks import Trace, load_trace
 from workbench.hooks.trace import model_mismatch
 from workbench.kernels import numerics
-from workbench.loading import checkpoint_files, default_model_path, files_sha256
+from workbench.loading import check_hf_files, checkpoint_files, default_model_path, files_sha256
 from workbench.model import Model, load
 
 IDENTICAL, WITHIN_TOLERANCE, DIFFERENT = "identical", "within tolerance", "different"
@@ -48,25 +50,32 @@ class ReplayReport:
 
 
 def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, force: bool = False,
-           rtol: float = 1e-3, atol: float = 1e-5) -> ReplayReport:
+           rtol: float = 1e-3, atol: float = 1e-5, load_adapters: bool = True) -> ReplayReport:
     """Re-run a trace (or an artifact path) and report how far the new tensors are from the recorded ones.
 
     Without ``model``, the model is loaded from the path in the trace's fingerprint once its files hash to the
     recorded sha256 (the embedded default when that is its file), with the recorded dtype; any other file is
     refused, so an artifact cannot make the replay open what it likes. The re-run computes in the recorded numerics
     (``workbench.kernels.numerics``). A model whose fingerprint (weights sha256, config, tensor formats) differs is
-    refused unless ``force``. The trace's LoRA adapters are re-applied at their recorded scales: the model's adapter
-    of that name, or the recorded file loaded into it; one whose sha256 differs is refused.
+    refused unless ``force``. The trace's LoRA adapters are re-applied at their recorded scales: an adapter resident on
+    the model with the recorded sha256, or (``load_adapters``) the recorded path loaded into it once its files, regular
+    files and no links, hash to that sha256. Anything else is refused, and a refused replay leaves no adapter loaded.
     """
     trace = trace_or_path if isinstance(trace_or_path, Trace) else load_trace(trace_or_path)
     model = model if model is not None else _load_recorded_model(trace)
     mismatch = model_mismatch(trace.fingerprint, model)
     if mismatch and not force:
         raise WorkbenchError(f"the trace was recorded on another model ({mismatch}); pass force=True to replay anyway")
-    adapter = _recorded_adapters(trace, model)
-    with numerics(trace.backend.get("numerics", "exact")):
-        fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
-                          chat=trace.chat, adapter=adapter)
+    before = set(model.adapters)
+    try:
+        adapter = _recorded_adapters(trace, model, load_adapters)
+        with numerics(trace.backend.get("numerics", "exact")):
+            fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
+                              chat=trace.chat, adapter=adapter)
+    except BaseException:
+        for name in set(model.adapters) - before:  # what this replay loaded goes with its refusal
+            model.unload_adapter(name)
+        raise
     report = dict(rtol=rtol, atol=atol, model_forced=bool(mismatch))
     if fresh.ids != list(trace.ids):
         return ReplayReport(DIFFERENT, None, None, 0, reason="the prompt tokenizes to different ids", **report)
@@ -74,7 +83,9 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     replayed = {"logits": fresh.logits, **fresh.activations}
     verdict, worst, worst_name = IDENTICAL, 0.0, None
     for name, old in recorded.items():
-        new = replayed[name]
+        new = replayed.get(name)
+        if new is None:
+            return ReplayReport(DIFFERENT, None, name, 0, reason=f"the replay recorded no {shorten(name)}", **report)
         if new.shape != old.shape:
             return ReplayReport(DIFFERENT, None, name, 0, reason=f"{name} has shape {tuple(new.shape)}, "
                                                                   f"recorded {tuple(old.shape)}", **report)
@@ -101,23 +112,42 @@ def _max_deviation(new: torch.Tensor, old: torch.Tensor) -> float:
     return value if not math.isnan(value) else math.inf
 
 
-def _recorded_adapters(trace: Trace, model: Model) -> dict[str, float]:
-    """``{name: scale}`` of the trace's adapters on ``model``, each checked (or loaded) by its file's sha256."""
-    return {_resident_adapter(model, entry): float(entry.get("scale", 1.0)) for entry in trace.adapters}
+def _recorded_adapters(trace: Trace, model: Model, load: bool) -> dict[str, float]:
+    """``{name: scale}`` of the trace's adapters on ``model``, each matched (or loaded, with ``load``) by sha256."""
+    return {_resident_adapter(model, entry, load): finite_number(entry.get("scale", 1.0), "an adapter's scale")
+            for entry in trace.adapters}
 
 
-def _resident_adapter(model: Model, entry: dict) -> str:
-    """The name of a trace's adapter on ``model``: the model's adapter of that name, or the recorded file loaded into
-    it, either checked by its sha256."""
-    name, sha = entry.get("name"), entry.get("sha256")
-    if name not in model.adapters:
-        if not Path(str(entry.get("path", ""))).exists():
-            raise WorkbenchError(f"the trace ran with adapter {name!r} ({entry.get('path')}), which is neither "
-                                 "loaded nor at its recorded path; model.load_adapter(path, name=...) first")
-        model.load_adapter(entry["path"], name=name)
-    if model.adapters[name].sha256 != sha:
-        raise WorkbenchError(f"adapter {name!r} has sha256 {model.adapters[name].sha256[:12]}...; the trace was "
-                             f"recorded with {str(sha)[:12]}... (another adapter file)")
+def _resident_adapter(model: Model, entry: dict, load: bool) -> str:
+    """The name of a trace's adapter on ``model``: one resident with the recorded sha256 (its recorded name first), or,
+    with ``load``, the recorded path loaded under the recorded name once its files hash to that sha256, so that a
+    manifest can make the replay load no other file (a link, FIFO or device is refused before it is opened)."""
+    name, sha, recorded = entry.get("name"), entry.get("sha256"), entry.get("path")
+    if not isinstance(name, str) or not name or not isinstance(sha, str):
+        raise WorkbenchError(f"the trace's adapter record {shorten(entry)} has no name or sha256")
+    matching = [n for n, adapter in model.adapters.items() if adapter.sha256 == sha]
+    if matching:
+        return name if name in matching else matching[0]
+    if name in model.adapters:
+        raise WorkbenchError(f"adapter {shorten(name)} has sha256 {model.adapters[name].sha256[:12]}...; the trace was "
+                             f"recorded with {sha[:12]}... (another adapter file)")
+    if not load:
+        raise WorkbenchError(f"the trace ran with adapter {shorten(name)} (sha256 {sha[:12]}...), which is not "
+                             "resident on this model; load that adapter first (a replay here never loads a path a "
+                             "trace names)")
+    if not isinstance(recorded, str) or not recorded:
+        raise WorkbenchError(f"the trace's adapter {shorten(name)} records no path; model.load_adapter(path, name=...) "
+                             "first")
+    path = Path(recorded)
+    if not path.exists() and not path.is_symlink():
+        raise WorkbenchError(f"the trace ran with adapter {shorten(name)} ({shorten(recorded)}), which is neither "
+                             "loaded nor at its recorded path; model.load_adapter(path, name=...) first")
+    if adapter_sha256(adapter_files(path, links=False)) != sha:
+        raise WorkbenchError(f"the file {shorten(recorded)} recorded for adapter {shorten(name)} is not the adapter "
+                             "the trace ran with (its sha256 differs); nothing was loaded")
+    if model.load_adapter(path, name=name).sha256 != sha:  # changed since it was hashed
+        model.unload_adapter(name)
+        raise WorkbenchError(f"adapter {shorten(name)} at {shorten(recorded)} changed while it was loaded; refused")
     return name
 
 
@@ -135,14 +165,19 @@ def _load_recorded_model(trace: Trace) -> Model:
         path = default
     elif not (path.is_dir() or stat.S_ISREG(path.stat().st_mode)):
         raise WorkbenchError(f"the trace's model {shorten(recorded)} is not a model file; pass model=")
-    elif files_sha256(checkpoint_files(path)) != fingerprint.get("sha256"):
-        raise WorkbenchError(f"the file at the trace's model path {shorten(recorded)} is not the model it was recorded "
-                             "on (its sha256 differs); pass model=")
+    else:
+        if path.is_dir():
+            check_hf_files(path)  # a FIFO among its files would block the hash
+        if files_sha256(checkpoint_files(path)) != fingerprint.get("sha256"):
+            raise WorkbenchError(f"the file at the trace's model path {shorten(recorded)} is not the model it was "
+                                 "recorded on (its sha256 differs); pass model=")
     device = backend.get("device", "cpu")
     if not isinstance(device, str) or (device.startswith("cuda") and not torch.cuda.is_available()):
         device = "cpu"
     dtype = backend.get("dtype")
     model = load(path, device=device, dtype=dtype if isinstance(dtype, str) else None)
-    for entry in fingerprint.get("merged_adapters", []):  # merged on the recorded model: merged here the same way
-        model.merge_adapter(_resident_adapter(model, entry), float(entry.get("scale", 1.0)))
+    # merged on the recorded model: merged here the same way, each file checked as a trace's adapter is
+    for entry in fingerprint.get("merged_adapters", []):
+        model.merge_adapter(_resident_adapter(model, entry, True), finite_number(entry.get("scale", 1.0),
+                                                                                 "a merged adapter's scale"))
     return model

@@ -10,12 +10,40 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, GetJsonSchemaHandler, create_model
+from pydantic_core import CoreSchema
 
 from workbench import results
 
 # Numbers that may be -inf (masked attention scores) travel as null.
 Value = float | None
+
+
+def _nullable_numbers(schema: Any) -> Any:
+    """A JSON schema with every ``number`` also allowing null (nested models' own schemas are theirs to change)."""
+    if isinstance(schema, list):
+        return [_nullable_numbers(item) for item in schema]
+    if not isinstance(schema, dict) or "$ref" in schema:
+        return schema
+    if schema.get("type") == "number":
+        outer = {k: v for k, v in schema.items() if k in ("title", "description", "default")}
+        inner = {k: v for k, v in schema.items() if k not in outer}
+        return {"anyOf": [inner, {"type": "null"}], **outer}
+    schema = {k: (v if k in ("title", "description", "default") else _nullable_numbers(v)) for k, v in schema.items()}
+    if isinstance(schema.get("anyOf"), list):  # float | None: one null, not a null inside a null
+        flat = [part for item in schema["anyOf"] for part in (item["anyOf"] if set(item) == {"anyOf"} else [item])]
+        schema["anyOf"] = [part for i, part in enumerate(flat) if part not in flat[:i]]
+    return schema
+
+
+class Result(BaseModel):
+    """A tool's result: any float in it may be NaN or infinite, which JSON carries as null, so the schema says so."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        schema.update(_nullable_numbers({k: v for k, v in schema.items() if k == "properties"}))
+        return schema
 
 _DERIVED: dict[type, type[BaseModel]] = {}  # results dataclass -> its model, for fields that nest one
 
@@ -45,7 +73,8 @@ def derive(result: type, name: str | None = None, *, before: dict[str, Any] | No
         if f.name not in exclude:
             description = (descriptions or {}).get(f.name, f.metadata.get("description"))
             fields[f.name] = (_model_type(hints[f.name]), Field(description=description))
-    model = create_model(name or result.__name__, __doc__=result.__doc__, __module__=__name__, **fields)
+    model = create_model(name or result.__name__, __base__=Result, __doc__=result.__doc__, __module__=__name__,
+                         **fields)
     if name is None:
         _DERIVED[result] = model
     return model
@@ -59,7 +88,7 @@ ActivationSummary = derive(results.ActivationSummary, descriptions={
     "position_norms": "L2 norm at each token position (empty when recorded hooks x positions exceed the size limit)"})
 
 
-class ModelInfo(BaseModel):
+class ModelInfo(Result):
     name: str
     path: str
     architecture: str
@@ -80,59 +109,59 @@ class ModelInfo(BaseModel):
                                                          "shared expert (workbench.config.MoEConfig)")
 
 
-class ModelEntry(BaseModel):
+class ModelEntry(Result):
     name: str
     path: str
     loaded: bool
 
 
-class ModelList(BaseModel):
+class ModelList(Result):
     current: str = Field(description="the model this session's tools use")
     models: list[ModelEntry]
 
 
-class LayerRouting(BaseModel):
+class LayerRouting(Result):
     layer: int
     experts: list[list[int]] = Field(description="per token, the chosen experts, best first")
     weights: list[list[float]] = Field(description="per token, the chosen experts' weights")
     load: list[float] = Field(description="per expert, the share of the tokens routed to it")
 
 
-class MoERouting(BaseModel):
+class MoERouting(Result):
     tokens: list[str]
     n_experts: int
     layers: list[LayerRouting]
 
 
-class HookPoints(BaseModel):
+class HookPoints(Result):
     n_layers: int
     block_points: dict[str, str] = Field(description="per-block suffix -> shape; full name blocks.{layer}.{suffix}")
     global_points: dict[str, str]
     matching: list[str] = Field(description="names matching the pattern, when one was given")
 
 
-class Tokenization(BaseModel):
+class Tokenization(Result):
     ids: list[int]
     tokens: list[str]
 
 
-class RunResult(BaseModel):
+class RunResult(Result):
     trace_id: str
     tokens: list[str]
     next_token: Distribution
     recorded: list[ActivationSummary]
 
 
-class PromptNextToken(BaseModel):
+class PromptNextToken(Result):
     tokens: list[str]
     next_token: Distribution
 
 
-class BatchRunResult(BaseModel):
+class BatchRunResult(Result):
     results: list[PromptNextToken] = Field(description="one per prompt, in the prompts' order")
 
 
-class ActivationSlice(BaseModel):
+class ActivationSlice(Result):
     trace_id: str
     hook: str
     full_shape: list[int]
@@ -149,18 +178,18 @@ EditResult = derive(results.NextTokenComparison, "EditResult", exclude=("baselin
     interventions=(list[dict[str, Any]], Field(description="as applied; long vectors shown as {size, norm}"))))
 
 
-class Generation(BaseModel):
+class Generation(Result):
     text: str
     ids: list[int]
     tokens: list[str]
     stopped: bool = Field(description="ended on an end-of-turn / end-of-text token")
 
 
-class BatchGeneration(BaseModel):
+class BatchGeneration(Result):
     generations: list[Generation] = Field(description="one per prompt, in the prompts' order")
 
 
-class AttentionPattern(BaseModel):
+class AttentionPattern(Result):
     trace_id: str
     layer: int
     heads: list[int]
@@ -169,7 +198,7 @@ class AttentionPattern(BaseModel):
     pattern: list[list[list[float]]] = Field(description="[head][query][key] attention weights")
 
 
-class KVInfo(BaseModel):
+class KVInfo(Result):
     cache_id: str
     length: int
     next_position: int
@@ -181,7 +210,7 @@ class KVCreated(KVInfo):
     next_token: Distribution
 
 
-class KVLayer(BaseModel):
+class KVLayer(Result):
     cache_id: str
     layer: int
     shape: list[int] = Field(description="[n_kv_heads, slots, d_head] of the slice")
@@ -194,7 +223,7 @@ class KVGeneration(KVInfo):
     generation: Generation
 
 
-class TraceSummary(BaseModel):
+class TraceSummary(Result):
     trace_id: str
     uri: str = Field(description="the trace as an MCP resource")
     prompt: str | list[int]
@@ -206,11 +235,11 @@ class TraceSummary(BaseModel):
     path: str | None = Field(description="artifacts file it was saved to or loaded from")
 
 
-class TraceList(BaseModel):
+class TraceList(Result):
     traces: list[TraceSummary]
 
 
-class Saved(BaseModel):
+class Saved(Result):
     trace_id: str
     path: str = Field(description="path inside the artifacts folder")
     bytes: int
@@ -220,7 +249,7 @@ Comparison = derive(results.TraceComparison, "Comparison", before=dict(a=(str, F
                     exclude=("max_abs_deviation", "worst_tensor", "kl_per_position", "top1_changes"))
 
 
-class Replay(BaseModel):
+class Replay(Result):
     trace_id: str
     verdict: str = Field(description="'identical', 'within tolerance' or 'different'")
     max_abs_deviation: float | None = Field(description="largest |replayed - recorded| over logits and activations")
@@ -230,7 +259,7 @@ class Replay(BaseModel):
     model_forced: bool = Field(description="replayed on a model whose fingerprint differs (force=true)")
 
 
-class PatchingSweep(BaseModel):
+class PatchingSweep(Result):
     over: list[str] = Field(description="grid axes, e.g. ['layers', 'positions']")
     hook: str = Field(description="hook template, {layer} filled in per row")
     labels: dict[str, list[str]]
@@ -241,30 +270,30 @@ class PatchingSweep(BaseModel):
     normalized: bool = Field(description="grid is (patched - corrupt) / (clean - corrupt)")
 
 
-class Released(BaseModel):
+class Released(Result):
     released: list[str]
 
 
-class TokenP(BaseModel):
+class TokenP(Result):
     id: int
     token: str
     prob: float
 
 
-class LensRow(BaseModel):
+class LensRow(Result):
     layer: int
     position: int
     top: list[TokenP]
 
 
-class Lens(BaseModel):
+class Lens(Result):
     tokens: list[str]
     point: str = Field(description="residual point read through the final norm and unembedding")
     positions: list[int]
     rows: list[LensRow] = Field(description="one per (layer, position), layers in order")
 
 
-class TrackSeries(BaseModel):
+class TrackSeries(Result):
     token: str
     id: int
     position: int
@@ -273,25 +302,25 @@ class TrackSeries(BaseModel):
     first_top1_layer: int | None = Field(description="shallowest layer where it is the top prediction")
 
 
-class TokenTrackResult(BaseModel):
+class TokenTrackResult(Result):
     tokens: list[str]
     point: str
     series: list[TrackSeries]
 
 
-class Component(BaseModel):
+class Component(Result):
     label: str = Field(description="'embed', 'L3H5' (head 5 of layer 3) or 'L3 MLP'")
     kind: str
     contribution: float
 
 
-class LayerAttribution(BaseModel):
+class LayerAttribution(Result):
     layer: int
     attn: float = Field(description="sum over the layer's heads")
     mlp: float
 
 
-class Attribution(BaseModel):
+class Attribution(Result):
     target: str
     position: int
     logit: float = Field(description="the model's logit (difference) at the position")
@@ -302,20 +331,20 @@ class Attribution(BaseModel):
     by_layer: list[LayerAttribution]
 
 
-class DatasetInfo(BaseModel):
+class DatasetInfo(Result):
     name: str = Field(description="a shipped name, or a .jsonl path inside the artifacts folder")
     kind: str = Field(description="classification, completion or pairs")
     n_prompts: int
     description: str
 
 
-class DatasetList(BaseModel):
+class DatasetList(Result):
     datasets: list[DatasetInfo]
     skipped: list[str] = Field(default=[], description="files in the artifacts folder that are not readable "
                                                        "datasets, each with the reason")
 
 
-class ProbeInfo(BaseModel):
+class ProbeInfo(Result):
     probe_id: str
     hook: str
     pooling: str
@@ -327,25 +356,25 @@ class ProbeInfo(BaseModel):
     n_test: int
 
 
-class Prediction(BaseModel):
+class Prediction(Result):
     prompt: str
     label: str
     probs: dict[str, float]
 
 
-class ProbePredictions(BaseModel):
+class ProbePredictions(Result):
     probe_id: str
     predictions: list[Prediction]
 
 
-class LayerAccuracy(BaseModel):
+class LayerAccuracy(Result):
     layer: int
     fraction: float = Field(description="depth fraction layer / (n_layers - 1)")
     accuracy: float
     ci: list[float]
 
 
-class DepthSweepResult(BaseModel):
+class DepthSweepResult(Result):
     dataset: str
     point: str
     pooling: str
@@ -355,7 +384,7 @@ class DepthSweepResult(BaseModel):
     first_reaching_90: int = Field(description="shallowest layer reaching 90% of the peak accuracy")
 
 
-class VectorInfo(BaseModel):
+class VectorInfo(Result):
     vector_id: str
     point: str
     layers: list[int]
@@ -364,14 +393,14 @@ class VectorInfo(BaseModel):
     hooks: list[str]
 
 
-class ExportedVector(BaseModel):
+class ExportedVector(Result):
     vector_id: str
     path: str
     bytes: int
     scale: float
 
 
-class SaeInfo(BaseModel):
+class SaeInfo(Result):
     sae_id: str
     architecture: str
     hook: str = Field(description="the hook point it reads (its points are named under it: <hook>.hook_sae_acts_post)")
@@ -382,18 +411,18 @@ class SaeInfo(BaseModel):
     path: str | None = Field(default=None, description="where it was loaded from or saved to, in the artifacts folder")
 
 
-class TokenFeatures(BaseModel):
+class TokenFeatures(Result):
     position: int
     token: str
     features: list[list[float]] = Field(description="[feature, activation] pairs, strongest first")
 
 
-class SaeFeatures(BaseModel):
+class SaeFeatures(Result):
     sae_id: str
     tokens: list[TokenFeatures]
 
 
-class FeatureExample(BaseModel):
+class FeatureExample(Result):
     activation: float
     prompt: int = Field(description="index of the prompt")
     position: int
@@ -401,7 +430,7 @@ class FeatureExample(BaseModel):
     at: int = Field(description="index of the firing token in tokens")
 
 
-class FeatureExamples(BaseModel):
+class FeatureExamples(Result):
     sae_id: str
     feature: int
     density: float = Field(description="fraction of the prompts' tokens it fires on")
@@ -411,13 +440,13 @@ class FeatureExamples(BaseModel):
     suppressed: list[list[Any]]
 
 
-class SaeTrained(BaseModel):
+class SaeTrained(Result):
     sae: SaeInfo
     summary: dict[str, Any] = Field(description="steps, tokens, seconds, dead fraction and held-out figures (fvu, "
                                                 "ce_recovered, l0, ...)")
 
 
-class AdapterInfo(BaseModel):
+class AdapterInfo(Result):
     name: str = Field(description="what calls name it by (compare_models' adapter)")
     path: str
     format: str = Field(description="'gguf' (llama.cpp) or 'peft'")
@@ -432,16 +461,16 @@ class AdapterInfo(BaseModel):
                                                  "call): what it was re-quantized to, e.g. 're-quantized to Q4_1'")
 
 
-class AdapterList(BaseModel):
+class AdapterList(Result):
     adapters: list[AdapterInfo]
 
 
-class TokenChange(BaseModel):
+class TokenChange(Result):
     token: str
     change: float = Field(description="mean change of its lens logit, adapter minus base")
 
 
-class ModelComparison(BaseModel):
+class ModelComparison(Result):
     a: str = Field(description="what the first side ran with")
     b: str = Field(description="what the second side ran with ('base': no adapter)")
     prompts: int

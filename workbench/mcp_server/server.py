@@ -11,13 +11,14 @@ from typing import Any, AsyncIterator, Callable
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError
+from mcp.server.mcpserver.exceptions import ResourceNotFoundError, ToolError, UnexpectedToolError
+from pydantic import ValidationError
 
-from workbench.errors import WorkbenchError, clip
+from workbench.errors import WorkbenchError, clip, shorten
+from workbench.files import reads_within
 from workbench.kernels import numerics
 from workbench.mcp_server.state import Limits
 from workbench.mcp_server.tools import TOOLS, Call, Workbench
-from workbench.probes.sae import sae_paths_within
 
 INSTRUCTIONS = """\
 Mechanistic interpretability on a local LLM. Start with model_info and list_hook_points; `run` a prompt with
@@ -51,7 +52,7 @@ async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments
 
     with bench.sessions.using(key) as session:
         def work() -> Any:
-            with numerics(session.numerics), bench.lock, sae_paths_within(bench.artifacts.root):
+            with numerics(session.numerics), bench.lock, reads_within(bench.artifacts.root):
                 call = Call(session, cancelled)
                 call.check()  # cancelled while waiting for the lock
                 return method(call, **arguments)
@@ -68,7 +69,45 @@ async def call_in_thread(bench: Workbench, key: str, method: Callable, arguments
             raise ToolError(f"internal error ({type(err).__name__}): {clip(str(err), 200)}") from err
 
 
-def _publish(server: MCPServer, bench: Workbench, name: str) -> None:
+class WorkbenchServer(MCPServer):
+    """The SDK's server, with tools that refuse an argument they do not take (a misspelt ``positons`` would otherwise
+    be dropped and its default used) and say in one line why an argument is bad."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.arguments: dict[str, set[str]] = {}  # tool -> the arguments it takes
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        known = self.arguments.get(name)
+        unknown = sorted(set(arguments or {}) - known) if known is not None else []
+        if unknown:
+            raise ToolError(f"Error executing tool {name}: no argument {shorten(unknown[0])}; it takes "
+                            f"{', '.join(sorted(known)) or 'none'}")
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as err:
+            if isinstance(err, UnexpectedToolError) or not isinstance(err.__cause__, ValidationError):
+                raise
+            raise ToolError(f"Error executing tool {name}: {_one_line(err.__cause__)}") from err.__cause__
+
+    async def list_tools(self) -> list[Any]:
+        tools = await super().list_tools()
+        for listed in tools:
+            if listed.name in self.arguments:
+                listed.input_schema = {**listed.input_schema, "additionalProperties": False}
+        return tools
+
+
+def _one_line(error: ValidationError) -> str:
+    """A validation error as 'field: reason' parts on one line (no input echoed, no documentation links)."""
+    problems = error.errors(include_url=False, include_input=False)
+    parts = [f"{'.'.join(str(part) for part in problem['loc']) or 'arguments'}: {clip(problem['msg'], 120)}"
+             for problem in problems[:3]]
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return "; ".join(parts).replace("\n", " ") + more
+
+
+def _publish(server: WorkbenchServer, bench: Workbench, name: str) -> None:
     """Add one Workbench method as a tool: its signature minus ``call`` is the input schema."""
     method = getattr(bench, name)
     hints = typing.get_type_hints(method, include_extras=True)
@@ -82,9 +121,10 @@ def _publish(server: MCPServer, bench: Workbench, name: str) -> None:
     handler.__annotations__ = {**{p.name: p.annotation for p in params}, "ctx": Context, "return": hints["return"]}
     handler.__name__ = name
     server.add_tool(handler, name=name, description=inspect.getdoc(method))
+    server.arguments[name] = {p.name for p in params}
 
 
-def build_server(bench: Workbench) -> MCPServer:
+def build_server(bench: Workbench) -> WorkbenchServer:
     """An MCPServer with every workbench tool and the session traces as resources."""
 
     @asynccontextmanager
@@ -94,7 +134,7 @@ def build_server(bench: Workbench) -> MCPServer:
             yield {}
             tasks.cancel_scope.cancel()
 
-    server = MCPServer("workbench", instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING")
+    server = WorkbenchServer("workbench", instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING")
     for name in TOOLS:
         _publish(server, bench, name)
 

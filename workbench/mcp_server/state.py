@@ -33,6 +33,7 @@ class Limits:
     idle_seconds: float = 1800.0  # a session unused this long is released
     max_train_seconds: float = 600.0  # one sae_train call
     max_sae_features: int = 65_536  # features of an SAE sae_train makes
+    max_sae_batch_tokens: int = 4096  # tokens of one sae_train step
 
 
 class Cancelled(WorkbenchError):

@@ -252,12 +252,17 @@ class Workbench:
     def trace_summary(self, call: Call, trace_id: str) -> s.TraceSummary:
         """What list_traces and the trace:// resources show of one trace."""
         entry = call.session.entry("trace", trace_id)
-        trace = entry.value
+        return self._summarize(call, trace_id, entry.value, entry.note.get("path"))
+
+    def _summarize(self, call: Call, trace_id: str, trace: hooks.Trace, path: str | None) -> s.TraceSummary:
+        # a loaded trace may come from a model of another vocabulary: its tokens are then not this model's to name
+        model, width = self.model(call), trace.logits.shape[-1]
+        vocab = model if width == model.config.vocab_size else None
         return s.TraceSummary(
             trace_id=trace_id, uri=f"trace://{trace_id}", prompt=trace.prompt, tokens=trace.tokens,
-            next_token=self._distribution(self.model(call), trace.logits[-1], 5),
+            next_token=s.Distribution(**results.next_token(trace.logits, min(5, width), vocab).to_dict()),
             interventions=_compact(trace.interventions), recorded={n: _shape(a) for n, a in trace.activations.items()},
-            model=str(trace.fingerprint.get("file", "")), path=entry.note.get("path"))
+            model=str(trace.fingerprint.get("file", "")), path=path)
 
     # ------------------------------------------------------------------------------------------- model
 
@@ -1099,14 +1104,22 @@ class Workbench:
                                      ] = None,
                   max_seconds: Annotated[float, Field(description="training time budget (the server caps it)")
                                          ] = 60.0,
-                  batch_tokens: Annotated[int, Field(description="tokens per training step")] = 1024,
+                  batch_tokens: Annotated[int, Field(description="tokens per training step (the server caps it; "
+                                                                 "a buffer of 64 prompts must hold that many)")] = 1024,
                   seed: Seed = 0) -> s.SaeTrained:
         """Train a TopK SAE (or transcoder) on a hook within a time budget; held-out figures (FVU, CE loss
         recovered, L0, dead features); saved in SAELens' format and kept in this session."""
         model = self.model(call)
+        # every cheap argument checked before the corpus is built or anything computed
         if not 0 < max_seconds <= self.limits.max_train_seconds:
             raise WorkbenchError(f"max_seconds must be in (0, {self.limits.max_train_seconds}], got {max_seconds}")
         self._check_count("d_sae", d_sae, self.limits.max_sae_features)
+        self._check_count("k", k, d_sae)
+        self._check_count("batch_tokens", batch_tokens, self.limits.max_sae_batch_tokens)
+        for point in (hook, hook_out) if hook_out is not None else (hook,):
+            if hooks.resolve(point, model.config) != [point]:
+                raise WorkbenchError(f"sae_train reads one hook point, not the pattern {shorten(point)}")
+        probes.sae.check_save_folder(self.artifacts.path(path))
         folder = self.artifacts.target(path)
         corpus = self._prompt_list(call, prompts) if prompts is not None else probes.python_docs_corpus()
         if len(corpus) < 2:
@@ -1144,21 +1157,23 @@ class Workbench:
                    ) -> s.TraceSummary:
         """Load a saved trace artifact (every hash verified) into this session."""
         trace = hooks.load_trace(self.artifacts.path(path), max_bytes=self.limits.max_session_bytes)
+        summary = self._summarize(call, "", trace, path)  # all that can fail, before the trace is kept
         trace_id = call.session.put("trace", trace, path=path)
-        return self.trace_summary(call, trace_id)
+        return summary.model_copy(update={"trace_id": trace_id, "uri": f"trace://{trace_id}"})
 
     @tool
     def replay_trace(self, call: Call, trace_id: TraceId,
                      force: Annotated[bool, Field(description="replay even if the trace was recorded on another "
                                                               "model")] = False) -> s.Replay:
-        """Re-run a trace's prompt and interventions on this session's model and compare every tensor with it."""
+        """Re-run a trace's prompt and interventions on this session's model and compare every tensor with it. The
+        trace's LoRA adapters must already be resident on the model (load_adapter), matched by sha256."""
         trace = call.session.get("trace", trace_id)
         model = self.model(call)
         # a saved trace may say anything: its replay is held to the limits of a direct call
         ids = self._check_cost(model, [trace.prompt], trace.chat, trace.interventions)[0]
         self._record_names(model, list(trace.activations), len(ids))
         call.check()
-        report = replay(trace, model, force=force)
+        report = replay(trace, model, force=force, load_adapters=False)  # never a path a manifest names
         deviation = report.max_abs_deviation
         return s.Replay(trace_id=trace_id, verdict=report.verdict, worst_tensor=report.worst_tensor,
                         max_abs_deviation=deviation if deviation is None or math.isfinite(deviation) else None,
