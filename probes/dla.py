@@ -1,8 +1,8 @@
 """Direct logit attribution: how much each component writes the logit (difference) directly.
 
 The final residual at a position is the sum of what the embedding, every attention head (through its
-own slice of W_O) and every MLP wrote into it. The final RMSNorm is linear once its scale is frozen at
-the value of the run, so the logit splits exactly into one term per component:
+own slice of W_O), attention's output bias where the family has one (GPT-OSS) and every MLP wrote into
+it. The final RMSNorm is linear once its scale is frozen at the value of the run, so the logit splits exactly into one term per component:
 
     logit = scale * sum_c (component_c . (norm_weight * unembedding_row))
 """
@@ -22,8 +22,10 @@ from .lens import token_id
 class Attribution:
     """One contribution per component, in forward order; they sum to ``total`` (≈ ``logit``)."""
 
-    labels: list[str]  # "embed", "L3H5", "L3 O LoRA", "L3 MLP"
-    kinds: list[str]  # "embed" | "attn" | "lora" (an adapter's term on W_O, beside the heads) | "mlp"
+    labels: list[str]  # "embed", "L3H5", "L3 O LoRA", "L3 O bias", "L3 MLP"
+    # "embed" | "attn" | "lora" (an adapter's term on W_O, beside the heads) | "bias" (attention's output bias, which
+    # belongs to no head: GPT-OSS) | "mlp"
+    kinds: list[str]
     contributions: torch.Tensor  # float64 [components]
     target: str  # what the direction reads, e.g. "' Paris'" or "' Paris' - ' London'"
     position: int
@@ -56,7 +58,7 @@ class Attribution:
 
         index = range(len(self.labels)) if top is None else [
             self.labels.index(label) for label, _ in self.top(top)]
-        colors = {"embed": "#7f7f7f", "attn": "#1f77b4", "lora": "#2ca02c", "mlp": "#ff7f0e"}
+        colors = {"embed": "#7f7f7f", "attn": "#1f77b4", "lora": "#2ca02c", "bias": "#9467bd", "mlp": "#ff7f0e"}
         fig = go.Figure(go.Bar(
             x=[self.labels[i] for i in index], y=[float(self.contributions[i]) for i in index],
             marker_color=[colors[self.kinds[i]] for i in index]))
@@ -134,6 +136,12 @@ def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None
             components.append(o_lora[position] if o_lora is not None else torch.zeros(c.d_model))
             labels.append(f"L{layer} O LoRA")
             kinds.append("lora")
+        # attn_out = sum of the heads' results + W_O's bias, which no head's result holds: a term of its own
+        bias = model.runner.weights.layers[layer].bo
+        if bias is not None:
+            components.append(bias.float().cpu())
+            labels.append(f"L{layer} O bias")
+            kinds.append("bias")
         components.append(acts[f"blocks.{layer}.hook_mlp_out"][position])
         labels.append(f"L{layer} MLP")
         kinds.append("mlp")

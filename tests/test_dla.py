@@ -43,3 +43,17 @@ def test_sum_check_on_the_embedded_model(model):
     assert len(attribution.contributions) == n_components
     bars = attribution.figure(top=10).data[0]
     assert len(bars.x) == 10 and abs(bars.y[0]) == max(abs(float(c)) for c in attribution.contributions)
+
+
+def test_attention_output_bias_is_a_component(tmp_path):
+    """GPT-OSS adds a bias to attention's output that no head's result holds: it is a component of its own, so the
+    contributions still sum to the logit."""
+    from moe_reference import hf_moe_model
+
+    hf_moe_model("gpt-oss", tmp_path, n_layers=2)
+    model = workbench.load(tmp_path, device="cpu")
+    attribution = probes.direct_logit_attribution(model, [5, 77, 120, 3, 250], target=40, baseline=50)
+    assert attribution.error < 1e-5 * max(1.0, abs(attribution.logit))
+    assert [l for l, k in zip(attribution.labels, attribution.kinds) if k == "bias"] == ["L0 O bias", "L1 O bias"]
+    assert attribution.labels.index("L0 O bias") == 1 + model.config.n_heads
+    assert tuple(attribution.heads().shape) == (2, model.config.n_heads)
