@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from workbench.errors import HookError
+from workbench.errors import HookError, integer, integer_list, shorten
 from workbench.kv_cache import BatchKVCache, KVCache
 from workbench.progress import progress_callback
 from workbench.runner import BatchLayout, HookContext, block_points
@@ -93,7 +93,8 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
     if "{layer}" not in hook:
         raise HookError(f"hook must be a template with '{{layer}}', got {hook!r}")
     c = model.config
-    layers = list(range(c.n_layers)) if layers is None else [int(i) for i in layers]
+    # a float layer (1.7) is refused rather than floored
+    layers = list(range(c.n_layers)) if layers is None else integer_list(layers, "layers", HookError)
     bad_layers = [i for i in layers if not 0 <= i < c.n_layers]
     if not layers or bad_layers:
         raise HookError(f"layers {bad_layers or layers} out of range 0..{c.n_layers - 1}")
@@ -109,6 +110,10 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
     n_tokens = len(clean_ids)
     positions = list(range(n_tokens)) if positions is None else [p % n_tokens for p in _checked(positions, n_tokens)]
     heads = list(range(head_count(names[0], c))) if sweep_heads else []
+    if answers is not None and (isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence)
+                                or len(answers) != 2):
+        raise HookError(f"answers must be a pair (clean answer, corrupt answer) of token ids or single-token strings, "
+                        f"got {shorten(answers)}")
     answer_ids = [_token_id(model, a) for a in answers] if answers is not None else None
     if metric is not None and not callable(metric):
         raise HookError("metric must be a function of the logits [positions, vocab]")
@@ -345,7 +350,7 @@ def _writer(index: tuple[torch.Tensor, ...], values: torch.Tensor):
 
 
 def _checked(positions: Sequence[int], n_tokens: int) -> list[int]:
-    out = [int(p) for p in positions]
+    out = integer_list(positions, "positions", HookError)
     bad = [p for p in out if not -n_tokens <= p < n_tokens]
     if not out or bad:
         raise HookError(f"positions {bad or out} out of range for {n_tokens} tokens")
@@ -358,6 +363,7 @@ def _token_id(model: Any, answer: int | str) -> int:
         if len(ids) != 1:
             raise HookError(f"answer {answer!r} is {len(ids)} tokens; give a single token (or its id)")
         return ids[0]
-    if not 0 <= int(answer) < model.config.vocab_size:
-        raise HookError(f"answer token id {answer} out of range 0..{model.config.vocab_size - 1}")
-    return int(answer)
+    index = integer(answer, "an answer (a token id or a single-token string)", HookError)
+    if not 0 <= index < model.config.vocab_size:
+        raise HookError(f"answer token id {index} out of range 0..{model.config.vocab_size - 1}")
+    return index

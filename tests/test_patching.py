@@ -208,6 +208,13 @@ def test_heads_sweep_and_figure(tiny):
     (dict(layers=[2]), "out of range"),
     (dict(positions=[5]), "out of range"),
     (dict(answers=("the cat", 3)), "single token"),
+    # a single answer or a string (walked character by character) is not the pair the default metric needs
+    (dict(answers="ab"), "must be a pair"),
+    (dict(answers=(10,)), "must be a pair"),
+    (dict(answers=(10, 1.5)), "must be an integer"),
+    (dict(layers=[0.7]), "list of integers"),  # not floored to layer 0
+    (dict(layers="01"), "list of integers"),
+    (dict(positions=[1.5]), "list of integers"),
 ])
 def test_bad_sweeps_are_refused_before_any_compute(tiny, monkeypatch, kwargs, message):
     calls = []

@@ -1,5 +1,8 @@
 """Errors a user can act on. Surfaces print their message without a traceback."""
 import math
+import numbers
+import operator
+from typing import Any
 
 
 class WorkbenchError(Exception):
@@ -28,6 +31,49 @@ def finite_number(value: object, what: str, error: type[WorkbenchError] = Workbe
     if not math.isfinite(number):
         raise error(f"{what} must be finite, got {shorten(value)}")
     return number
+
+
+def real_number(value: object, what: str, error: type[WorkbenchError] = WorkbenchError) -> float:
+    """``value`` as a finite float when it is a real number (Python, numpy or 0-d torch), or ``error`` naming ``what``.
+    Stricter than ``finite_number``: a string ("0.5") or a bool is refused, not converted."""
+    item = value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+    if isinstance(item, bool) or not isinstance(item, numbers.Real):
+        raise error(f"{what} must be a number, got {shorten(value)}")
+    return finite_number(item, what, error)
+
+
+def integer(value: object, what: str, error: type[WorkbenchError] = WorkbenchError) -> int:
+    """``value`` as an int when it is an integer (Python, numpy or 0-d torch), or ``error`` naming ``what``: a float
+    such as 1.7 or 1.0 is refused, not floored, and a bool is refused."""
+    try:
+        if isinstance(value, bool) or type(value).__name__ == "bool_":
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise error(f"{what} must be an integer, got {shorten(value)}") from None
+
+
+def integer_list(values: Any, what: str, error: type[WorkbenchError] = WorkbenchError) -> list[int]:
+    """``values`` as a list of ints (see ``integer``), or ``error``: a single string would otherwise be walked
+    character by character, and a bare number is not a list."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise error(f"{what} must be a list of integers, got {shorten(values)}")
+    values = list(values)
+    try:
+        return [integer(v, what) for v in values]
+    except WorkbenchError:
+        raise error(f"{what} must be a list of integers, got {shorten(values)}") from None
+
+
+def number_list(values: Any, what: str, error: type[WorkbenchError] = WorkbenchError) -> list[float]:
+    """``values`` as a list of finite floats (see ``real_number``), or ``error``, as ``integer_list``."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise error(f"{what} must be a list of numbers, got {shorten(values)}")
+    values = list(values)
+    try:
+        return [real_number(v, what) for v in values]
+    except WorkbenchError:
+        raise error(f"{what} must be a list of finite numbers, got {shorten(values)}") from None
 
 
 def shorten(value: object, limit: int = 80) -> str:
