@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, integer, shorten
 from workbench.kernels import layer_ops, linear
 from workbench.kernels.lens import ROWS_PER_CHUNK, top_k_probs
 from workbench.runner import BatchLayout
@@ -43,9 +43,22 @@ def token_id(model: Any, token: int | str) -> int:
             raise WorkbenchError(f"{token!r} is {len(ids)} tokens {ids}, not one; pass a token id or a single-token "
                                  "string (mind the leading space)")
         return ids[0]
-    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.config.vocab_size:
-        raise WorkbenchError(f"token must be an id in 0..{model.config.vocab_size - 1} or a string, got {token!r}")
-    return token
+    message = f"token must be an id in 0..{model.config.vocab_size - 1} or a string, got {shorten(token)}"
+    try:
+        index = integer(token, "token")  # numpy and torch integers too
+    except WorkbenchError:
+        raise WorkbenchError(message) from None
+    if not 0 <= index < model.config.vocab_size:
+        raise WorkbenchError(message)
+    return index
+
+
+def token_ids(model: Any, tokens: Sequence[int | str], what: str = "tokens") -> list[int]:
+    """Token ids of a list of tokens (see ``token_id``); a single string is refused, not read character by
+    character."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise WorkbenchError(f"{what} must be a list of tokens (ids or single-token strings), got {shorten(tokens)}")
+    return [token_id(model, t) for t in tokens]
 
 
 @dataclass
@@ -98,13 +111,21 @@ class LogitLens:
             raise WorkbenchError(f"this lens was computed at {list(self.points)}, not {point!r}")
         return point
 
+    def _index(self, value: int, what: str, size: int) -> int:
+        index = integer(value, what)
+        if not -size <= index < size:
+            raise WorkbenchError(f"{what} {index} is out of range for {size} {what}s")
+        return index
+
     def top_tokens(self, layer: int = -1, position: int = -1, point: str | None = None) -> list[int]:
         """Token ids the lens predicts at a layer and position, best first."""
-        return self.top_ids[self._point(point)][layer, position].tolist()
+        ids = self.top_ids[self._point(point)]
+        return ids[self._index(layer, "layer", ids.shape[0]), self._index(position, "position", ids.shape[1])].tolist()
 
     def logits(self, layer: int, point: str | None = None) -> torch.Tensor:
         """Full lens logits ``[positions, vocab]`` at one layer."""
-        return unembed(self.model, self.normed[self._point(point)][layer]).cpu()
+        normed = self.normed[self._point(point)]
+        return unembed(self.model, normed[self._index(layer, "layer", normed.shape[0])]).cpu()
 
     def track_token(self, token: int | str, point: str | None = None) -> TokenTrack:
         """Rank and probability of one token across depth, at every position."""
@@ -113,7 +134,7 @@ class LogitLens:
     def track_race(self, tokens: Sequence[int | str], point: str | None = None) -> TokenTrack:
         """Probabilities (and ranks) of several candidate tokens across depth, at every position."""
         point = self._point(point)
-        ids = [token_id(self.model, t) for t in tokens]
+        ids = token_ids(self.model, tokens)  # track_token takes one
         if not ids:
             raise WorkbenchError("track_race needs at least one token")
         chosen = torch.tensor(ids, device=self.normed[point].device)
@@ -280,6 +301,6 @@ def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | N
         tuned.check_model(model)
         if points != ("resid_post",):
             raise WorkbenchError("a tuned lens translates resid_post only; use points=('resid_post',)")
-    if not 1 <= k <= model.config.vocab_size:
+    if not 1 <= integer(k, "k") <= model.config.vocab_size:
         raise WorkbenchError(f"k must be in 1..{model.config.vocab_size}, got {k}")
     return points, {p: [block_hook(model, layer, p) for layer in range(model.config.n_layers)] for p in points}

@@ -20,13 +20,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from workbench.errors import WorkbenchError, finite_number, shorten
+from workbench.errors import WorkbenchError, finite_number, integer_list, number_list, shorten
 from workbench.hooks import Steer
 from workbench.progress import progress_callback
 
 from .activations import Progress, block_hook, collect_activations
 from .data import Dataset, load_dataset, pairs_dataset
-from .lens import token_id
+from .lens import token_ids
 
 CONTROL_VECTOR_ARCH = "controlvector"
 CONTROL_VECTOR_POINT = "resid_post"
@@ -55,10 +55,12 @@ class SteeringVector:
     def norms(self) -> dict[int, float]:
         return {layer: float(v.norm()) for layer, v in sorted(self.directions.items())}
 
-    def export_control_vector(self, path: str | Path, scale: float = 1.0) -> Path:
-        """Write a llama.cpp control vector (``llama-cli --control-vector path``) of ``scale * direction``."""
+    def export_control_vector(self, path: str | Path, scale: float = 1.0, model: Any | None = None) -> Path:
+        """Write a llama.cpp control vector (``llama-cli --control-vector path``) of ``scale * direction``; with
+        ``model``, its layers and width are checked against that model's too."""
         import gguf
 
+        self._check_directions(model)  # a file from_control_vector would refuse is never written
         if self.point != CONTROL_VECTOR_POINT:
             raise WorkbenchError(f"llama.cpp control vectors act on the block output (resid_post); this vector is at "
                                  f"{self.point}")
@@ -66,7 +68,7 @@ class SteeringVector:
             raise WorkbenchError("llama.cpp cannot steer the output of block 0 (it rejects direction.0); drop layer 0")
         scale = finite_number(scale, "a control vector's scale")
         scaled = {layer: (scale * self.directions[layer]).float() for layer in self.layers}
-        for layer, direction in scaled.items():  # a file import_control_vector would refuse is never written
+        for layer, direction in scaled.items():  # finite before scaling (checked above): the scale overflowed
             if not bool(direction.isfinite().all()):
                 raise WorkbenchError(f"scale {scale:g} takes direction.{layer} past float32's range (not finite); "
                                      "use a smaller scale")
@@ -83,6 +85,30 @@ class SteeringVector:
         writer.write_tensors_to_file()
         writer.close()
         return path
+
+    def _check_directions(self, model: Any | None) -> None:
+        """One-dimensional, finite directions of one length (``model``'s width, within its depth, when given)."""
+        if not self.directions:
+            raise WorkbenchError("this steering vector has no directions")
+        widths = set()
+        for layer, direction in sorted(self.directions.items()):
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise WorkbenchError(f"direction layers must be integers >= 0, got {shorten(layer)}")
+            if not isinstance(direction, torch.Tensor) or direction.dim() != 1:
+                raise WorkbenchError(f"the direction of layer {layer} must be a 1-D tensor")
+            if not bool(direction.isfinite().all()):
+                raise WorkbenchError(f"the direction of layer {layer} holds NaN or Inf")
+            widths.add(direction.shape[0])
+        if len(widths) > 1:
+            raise WorkbenchError(f"the directions have different lengths {sorted(widths)}; a control vector holds one "
+                                 "width")
+        if model is not None:
+            c = model.config
+            if widths != {c.d_model}:
+                raise WorkbenchError(f"the directions have {widths.pop()} values; this model's width is {c.d_model}")
+            if self.layers[-1] >= c.n_layers:
+                raise WorkbenchError(f"layer {self.layers[-1]} is past this model's depth (layers 0.."
+                                     f"{c.n_layers - 1})")
 
     @classmethod
     def from_control_vector(cls, path: str | Path, model: Any) -> "SteeringVector":
@@ -141,7 +167,7 @@ def steering_vector(model: Any, dataset: str | Path | Dataset | tuple[Sequence[s
         dataset = pairs_dataset(*dataset)
     data = load_dataset(dataset)
     pos, neg = data.contrast(positive)
-    layers = sorted(set(int(l) for l in layers))
+    layers = sorted(set(integer_list(layers, "layers")))
     if not layers:
         raise WorkbenchError("no layers given for the steering vector")
     point = point.removeprefix("hook_")
@@ -195,10 +221,10 @@ def steering_sweep(model: Any, vector: SteeringVector, prompt: str, target_token
                    positions: Sequence[int] | str | None = None, progress: Progress = None) -> SteeringSweep:
     """Next-token log-probs of the targets at each scale (greedy generations too, when ``max_new_tokens`` > 0); the
     scales run as the rows of one batch."""
-    ids = [token_id(model, t) for t in target_tokens]
+    ids = token_ids(model, target_tokens, "target_tokens")
     if not ids:
         raise WorkbenchError("give at least one target token")
-    scales = [float(s) for s in scales]
+    scales = number_list(scales, "scales")
     if not scales:
         raise WorkbenchError("give at least one scale")
     update, close = progress_callback(progress, 2, "steering sweep")  # the log-probs, then the generations

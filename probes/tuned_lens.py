@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, finite_number
 
 from .activations import Progress, check_prompts
 from .data import load_dataset
@@ -69,9 +69,13 @@ def train_tuned_lens(model: Any, prompts: Sequence[str] | None = None, ridge: fl
     if prompts is None:
         prompts = [p for name in DEFAULT_TRAINING_SETS for p in load_dataset(name).prompts]
     prompts = check_prompts(prompts)
-    if ridge <= 0:
+    if finite_number(ridge, "ridge") <= 0:  # NaN fails every comparison: checked finite first
         raise WorkbenchError(f"ridge must be positive, got {ridge}")
     c = model.config
+    ids = model.batch_ids(prompts)  # counted before the forwards: each token position is one sample
+    if sum(map(len, ids)) <= c.d_model:
+        raise WorkbenchError(f"{sum(map(len, ids))} token positions are too few to fit {c.d_model}-wide translators; "
+                             "give more prompts")
     names = [f"blocks.{layer}.hook_resid_post" for layer in range(c.n_layers)]
     # Streamed sufficient statistics, so memory does not grow with the number of prompts.
     sum_x = torch.zeros(c.n_layers, c.d_model, dtype=torch.float64)
@@ -79,7 +83,7 @@ def train_tuned_lens(model: Any, prompts: Sequence[str] | None = None, ridge: fl
     cross = torch.zeros(c.n_layers, c.d_model, c.d_model, dtype=torch.float64)
     sum_y = torch.zeros(c.d_model, dtype=torch.float64)
     n = 0
-    for _, trace in model.iter_batch(prompts, record=names, logits="last", progress=progress):
+    for _, trace in model.iter_batch(ids, record=names, logits="last", progress=progress):
         x = torch.stack([trace.activations[name] for name in names]).double()  # [layers, T, d]
         y = x[-1]
         sum_x += x.sum(1)

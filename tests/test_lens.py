@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,6 +64,27 @@ def test_bad_lens_requests(small):
         lens.track_token(10**9)
     with pytest.raises(workbench.WorkbenchError, match="empty"):
         probes.logit_lens(small, "   ")
+    # a single string is not read as one token per character
+    with pytest.raises(workbench.WorkbenchError, match="must be a list of tokens"):
+        lens.track_race("ab")
+    with pytest.raises(workbench.WorkbenchError, match="layer 3 is out of range"):
+        lens.top_tokens(3)
+    with pytest.raises(workbench.WorkbenchError, match="layer -4 is out of range"):
+        lens.logits(-4)
+    with pytest.raises(workbench.WorkbenchError, match="k must be an integer"):
+        probes.logit_lens(small, "the cat", k=2.5)
+    assert lens.top_tokens(np.int64(2)) == lens.top_tokens(2)  # numpy integers are integers
+    assert lens.track_token(np.int64(10)).token_ids == [10]
+
+
+def test_tuned_lens_arguments_are_checked_before_any_forward(small, monkeypatch):
+    calls = []
+    monkeypatch.setattr(small, "iter_batch", lambda *a, **k: calls.append(1) or iter(()))
+    for kwargs, message in [(dict(ridge=float("nan")), "ridge must be finite"), (dict(ridge=0), "ridge must be"),
+                            (dict(prompts=["the cat"]), "too few")]:
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            probes.train_tuned_lens(small, **({"prompts": ["the cat sat on the mat"] * 40} | kwargs))
+    assert calls == []
 
 
 def test_lens_on_the_embedded_model(model):

@@ -107,6 +107,30 @@ def test_bad_steering_requests(small):
         probes.steering_vector(small, (POSITIVE, NEGATIVE), layers=[7])
     with pytest.raises(workbench.WorkbenchError, match="cannot be split"):
         probes.steering_vector(small, "capitals")
+    with pytest.raises(workbench.WorkbenchError, match="list of integers"):
+        probes.steering_vector(small, (POSITIVE, NEGATIVE), layers=2)
+
+
+def test_bad_sweeps_are_refused_before_any_forward(small, monkeypatch):
+    vector = probes.SteeringVector({1: torch.ones(small.config.d_model)})
+    calls = []
+    monkeypatch.setattr(small, "forward_batch", lambda *a, **k: calls.append(1))
+    with pytest.raises(workbench.WorkbenchError, match="target_tokens must be a list"):
+        probes.steering_sweep(small, vector, "the cat", "ab")  # not one target per character
+    with pytest.raises(workbench.WorkbenchError, match="scales must be a list of numbers"):
+        probes.steering_sweep(small, vector, "the cat", [10], scales="12")
+    assert calls == []
+
+
+def test_export_writes_only_what_import_reads(small, tmp_path):
+    d = small.config.d_model
+    cases = [({1: torch.ones(d), 2: torch.ones(d - 1)}, "different lengths"),
+             ({1: torch.full((d,), float("nan"))}, "layer 1 holds NaN"),
+             ({small.config.n_layers: torch.ones(d)}, "past this model's depth")]
+    for directions, message in cases:
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            probes.SteeringVector(directions).export_control_vector(tmp_path / "v.gguf", model=small)
+        assert not (tmp_path / "v.gguf").exists()
 
 
 def test_happy_vector_raises_happy_on_the_embedded_model(model):
