@@ -44,6 +44,28 @@ class Dataset:
     records: tuple[dict[str, Any], ...]
     description: str = ""
 
+    def __post_init__(self) -> None:
+        # a Dataset built directly is checked as a file is (kind, records, classes), before anything runs on it
+        if self.kind not in KINDS:
+            raise WorkbenchError(f"dataset {self.name!r}: kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.records, tuple):
+            object.__setattr__(self, "records", tuple(self.records))
+        if not self.records:
+            raise WorkbenchError(f"dataset {self.name!r} is empty")
+        for number, record in enumerate(self.records, start=1):
+            if not isinstance(record, dict):
+                raise WorkbenchError(f"dataset {self.name!r} record {number}: a record must be a dict")
+            _check_record(self.name, self.kind, number, record, "record")
+        if self.kind == "classification":
+            counts = {c: self.labels.count(c) for c in self.classes}
+            if len(counts) < 2:
+                raise WorkbenchError(f"dataset {self.name!r} has only one class ({next(iter(counts))!r}); "
+                                     "a probe needs two or more")
+            thin = [c for c, n in counts.items() if n < 2]
+            if thin:
+                raise WorkbenchError(f"dataset {self.name!r}: classes {thin} have fewer than 2 examples; "
+                                     "a held-out split needs more")
+
     def __len__(self) -> int:
         return len(self.records)
 
@@ -125,6 +147,9 @@ def load_dataset(name_or_path: str | Path | Dataset) -> Dataset:
     """A shipped dataset by name ("sentiment", "facts", "capitals", "happy_sad") or a JSONL file."""
     if isinstance(name_or_path, Dataset):
         return name_or_path
+    if not isinstance(name_or_path, (str, Path)):
+        raise WorkbenchError(f"a dataset must be a shipped name, a JSONL path or a Dataset, got "
+                             f"{type(name_or_path).__name__}")
     shipped = _shipped()
     if isinstance(name_or_path, str) and name_or_path in shipped:
         text = shipped[name_or_path].read_text(encoding="utf-8")
@@ -170,19 +195,9 @@ def _parse(name: str, text: str, description: str) -> Dataset:
     if not records:
         raise WorkbenchError(f"dataset {name!r} is empty")
     kind = _kind_of(name, *records[0])
-    for number, record in records:
+    for number, record in records:  # here, to name the file's line; the classes are checked by Dataset itself
         _check_record(name, kind, number, record)
-    dataset = Dataset(name, kind, tuple(r for _, r in records), description)
-    if kind == "classification":
-        counts = {c: dataset.labels.count(c) for c in dataset.classes}
-        if len(counts) < 2:
-            raise WorkbenchError(f"dataset {name!r} has only one class ({next(iter(counts))!r}); "
-                                 "a probe needs two or more")
-        thin = [c for c, n in counts.items() if n < 2]
-        if thin:
-            raise WorkbenchError(f"dataset {name!r}: classes {thin} have fewer than 2 examples; "
-                                 "a held-out split needs more")
-    return dataset
+    return Dataset(name, kind, tuple(r for _, r in records), description)
 
 
 def _kind_of(name: str, number: int, record: dict) -> str:
@@ -196,16 +211,16 @@ def _kind_of(name: str, number: int, record: dict) -> str:
                          + " or ".join(str(list(k)) for k in KINDS.values()))
 
 
-def _check_record(name: str, kind: str, number: int, record: dict) -> None:
+def _check_record(name: str, kind: str, number: int, record: dict, where: str = "line") -> None:
     keys = KINDS[kind]
     missing = [k for k in keys if k not in record]
     if missing:
         hint = "mismatched pair counts: " if kind == "pairs" else ""
-        raise WorkbenchError(f"dataset {name!r} line {number}: {hint}missing {missing} (this is a {kind} dataset)")
+        raise WorkbenchError(f"dataset {name!r} {where} {number}: {hint}missing {missing} (this is a {kind} dataset)")
     for key in keys:
         value = record[key]
         if not isinstance(value, str):
-            raise WorkbenchError(f"dataset {name!r} line {number}: {key!r} must be a string, "
+            raise WorkbenchError(f"dataset {name!r} {where} {number}: {key!r} must be a string, "
                                  f"got {type(value).__name__}")
         if not value.strip():
-            raise WorkbenchError(f"dataset {name!r} line {number}: empty {key!r}")
+            raise WorkbenchError(f"dataset {name!r} {where} {number}: empty {key!r}")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, integer
 
 from .lens import token_id
 
@@ -87,7 +87,15 @@ def direct_logit_attribution(model: Any, prompt: str | Sequence[int], target: in
     check_linear_heads(model)
     target_id = token_id(model, target)
     baseline_id = None if baseline is None else token_id(model, baseline)
-    return _attribution(model, model.run(prompt, record=RECORD, chat=chat), target_id, baseline_id, position)
+    ids = model.to_ids(prompt, chat=chat)  # the position is checked against these before the forward
+    _check_position(position, len(ids))
+    return _attribution(model, model.run(ids, record=RECORD), target_id, baseline_id, position)
+
+
+def _check_position(position: int, n_tokens: int, prefix: str = "") -> None:
+    position = integer(position, "position")
+    if not -n_tokens <= position < n_tokens:
+        raise WorkbenchError(f"{prefix}position {position} is out of range for a prompt of {n_tokens} tokens")
 
 
 def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[int]],
@@ -108,9 +116,7 @@ def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[
     target_ids, baseline_ids = per_prompt(targets, "targets"), per_prompt(baselines, "baselines")
     ids = model.batch_ids(prompts, chat)  # run as ids: the chat template is applied once, here
     for i, prompt_ids in enumerate(ids):
-        if not -len(prompt_ids) <= position < len(prompt_ids):
-            raise WorkbenchError(f"prompt {i}: position {position} is out of range for a prompt of "
-                                 f"{len(prompt_ids)} tokens")
+        _check_position(position, len(prompt_ids), f"prompt {i}: ")
     traces = model.run_batch(ids, record=RECORD, batch_size=batch_size, progress=progress)
     return [_attribution(model, trace, t, b, position) for trace, t, b in zip(traces, target_ids, baseline_ids)]
 
@@ -121,8 +127,7 @@ def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None
     ``lora_layers`` lists (zero where it was not recorded: so two runs' components line up)."""
     c = model.config
     n_pos = len(trace.ids)
-    if not -n_pos <= position < n_pos:
-        raise WorkbenchError(f"position {position} is out of range for a prompt of {n_pos} tokens")
+    _check_position(position, n_pos)
     acts = trace.activations
 
     components = [acts["hook_embed"][position]]

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench import hooks
+from workbench.errors import WorkbenchError, integer, integer_list, number_list, real_number
 
 from .activations import Progress, block_hook, collect_activations
 from .data import Dataset, load_dataset
@@ -38,8 +39,11 @@ Z_95 = 1.959963984540054
 
 def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
     """95% Wilson score interval for a proportion ``correct / total``."""
+    correct, total = integer(correct, "correct"), integer(total, "total")
     if total <= 0:
         raise WorkbenchError("an accuracy needs at least one test example")
+    if not 0 <= correct <= total:
+        raise WorkbenchError(f"correct must be in 0..total ({total}), got {correct}")
     p = correct / total
     denominator = 1 + z * z / total
     centre = (p + z * z / (2 * total)) / denominator
@@ -52,8 +56,13 @@ def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, f
 
 def layer_at_fraction(n_layers: int, fraction: float) -> int:
     """The layer nearest to ``fraction * (n_layers - 1)``, halves rounding up."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+    try:
+        number = real_number(fraction, "a depth fraction")  # numpy and 0-d torch numbers too
+    except WorkbenchError:
+        number = math.nan  # refused below, with the range in the message
+    if not 0.0 <= number <= 1.0:
         raise WorkbenchError(f"a depth fraction must be a number in [0, 1], got {fraction!r}")
+    fraction = number
     return int(math.floor(fraction * (n_layers - 1) + 0.5))
 
 
@@ -151,6 +160,21 @@ def _splitter(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed
     return StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed), groups
 
 
+def _check_n_components(n_components: int) -> int:
+    n = integer(n_components, "n_components")
+    if n < 1:
+        raise WorkbenchError(f"n_components must be at least 1, got {n}")
+    return n
+
+
+def _held_out_folds(test_size: float) -> int:
+    """The number of folds whose one is the held-out share ``test_size`` (in (0, 0.5])."""
+    share = real_number(test_size, "test_size")
+    if not 0.0 < share <= 0.5:
+        raise WorkbenchError(f"test_size must be in (0, 0.5], got {test_size}")
+    return round(1 / share)
+
+
 def fit_probe(features: np.ndarray | torch.Tensor, labels: Sequence[str], *, hook: str, pooling: str,
               signature: dict[str, Any], groups: Sequence[str] | None = None, test_size: float = 0.25, seed: int = 0,
               n_components: int = N_COMPONENTS, dataset: str = "") -> Probe:
@@ -160,9 +184,8 @@ def fit_probe(features: np.ndarray | torch.Tensor, labels: Sequence[str], *, hoo
     """
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels)
-    if not 0.0 < test_size <= 0.5:
-        raise WorkbenchError(f"test_size must be in (0, 0.5], got {test_size}")
-    splitter, groups = _splitter(round(1 / test_size), y, groups, seed)
+    n_components = _check_n_components(n_components)
+    splitter, groups = _splitter(_held_out_folds(test_size), y, groups, seed)
     train, test = next(splitter.split(x, y, groups))
     pipeline = _pipeline(x.shape[1], len(train), n_components, seed).fit(x[train], y[train])
     correct = int((pipeline.predict(x[test]) == y[test]).sum())
@@ -172,10 +195,19 @@ def fit_probe(features: np.ndarray | torch.Tensor, labels: Sequence[str], *, hoo
 
 def train_probe(model: Any, dataset: str | Path | Dataset, hook: str, pooling: str = "last", test_size: float = 0.25,
                 seed: int = 0, n_components: int = N_COMPONENTS, progress: Progress = None) -> Probe:
-    """Collect ``hook`` over a labelled dataset and fit a probe with a held-out split."""
+    """Collect ``hook`` (one hook point) over a labelled dataset and fit a probe with a held-out split.
+
+    Every class needs at least ``round(1 / test_size)`` examples (4 at the default 0.25; 2 at 0.5)."""
     data = load_dataset(dataset)
-    acts = collect_activations(model, data.prompts, [hook], pooling, progress)
-    name = next(iter(acts))
+    names = hooks.resolve(hook, model.config)
+    if len(names) != 1:  # a probe is fitted at one point; a pattern would silently take its first match
+        raise WorkbenchError(f"{hook!r} matches {len(names)} hook points; a probe needs one "
+                             "(depth_sweep probes many layers)")
+    name = names[0]
+    # every cheap check before the forwards
+    _check_n_components(n_components)
+    _splitter(_held_out_folds(test_size), np.asarray(data.labels), data.groups, seed)
+    acts = collect_activations(model, data.prompts, [name], pooling, progress)
     return fit_probe(acts[name], data.labels, hook=name, pooling=pooling, signature=model_signature(model, name),
                      groups=data.groups, test_size=test_size, seed=seed, n_components=n_components, dataset=data.name)
 
@@ -267,12 +299,13 @@ def depth_sweep(model: Any, dataset: str | Path | Dataset = "sentiment", fractio
 
     data = load_dataset(dataset)
     n_layers = model.config.n_layers
+    n_components = _check_n_components(n_components)
     if fractions is not None and layers is not None:
         raise WorkbenchError("give fractions or layers, not both")
     if fractions is not None:
-        chosen = [layer_at_fraction(n_layers, f) for f in fractions]
-    else:
-        chosen = list(range(n_layers)) if layers is None else [int(l) for l in layers]
+        chosen = [layer_at_fraction(n_layers, f) for f in number_list(fractions, "fractions")]
+    else:  # a float layer (1.7) is refused rather than floored
+        chosen = list(range(n_layers)) if layers is None else integer_list(layers, "layers")
     if not chosen:
         raise WorkbenchError("no layers to sweep")
     chosen = sorted(set(chosen))

@@ -1,6 +1,7 @@
 """Direct logit attribution: the contributions sum to the model's logit (difference)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import workbench
@@ -33,6 +34,18 @@ def test_bad_attribution_requests(small):
         probes.direct_logit_attribution(small, "the cat", target=40, position=9)
     with pytest.raises(workbench.WorkbenchError, match="not one"):
         probes.direct_logit_attribution(small, "the cat", target="the cat sat")
+
+
+def test_position_and_token_are_checked_before_the_forward(small, monkeypatch):
+    calls = []
+    monkeypatch.setattr(small, "run", lambda *a, **k: calls.append(1))
+    with pytest.raises(workbench.WorkbenchError, match="position must be an integer"):
+        probes.direct_logit_attribution(small, "the cat", target=40, position=1.0)
+    with pytest.raises(workbench.WorkbenchError, match="out of range"):
+        probes.direct_logit_attribution(small, "the cat", target=40, position=9)
+    assert calls == []
+    monkeypatch.undo()
+    assert probes.direct_logit_attribution(small, "the cat", target=np.int64(40), position=np.int64(1)).position == 1
 
 
 def test_sum_check_on_the_embedded_model(model):

@@ -182,3 +182,47 @@ def test_depth_sweep_on_the_embedded_model(model):
     # sentiment is not readable from the first token embedding of the last word alone but is mid-depth
     assert sweep.accuracy[15] >= 0.75 and sweep.accuracy[15] > sweep.accuracy[0]
     assert np.isclose(sum(sweep.ci[15]) / 2, sweep.accuracy[15], atol=0.15)
+
+
+def test_bad_probe_requests_are_refused_before_any_forward(small, ending_dataset, monkeypatch):
+    three = probes.make_dataset("three", [{"text": f"good thing {i}", "label": "pos"} for i in range(3)]
+                                + [{"text": f"bad thing {i}", "label": "neg"} for i in range(3)])
+    calls = []
+    monkeypatch.setattr(small, "run_batch", lambda *a, **k: calls.append(1))
+    cases = [
+        (lambda: probes.train_probe(small, ending_dataset, "blocks.*.hook_resid_post"), "matches 3 hook points"),
+        (lambda: probes.train_probe(small, three, "blocks.1.hook_resid_post"), "4 folds need at least 4"),
+        (lambda: probes.train_probe(small, three, "blocks.1.hook_resid_post", test_size=0.9), "test_size"),
+        (lambda: probes.train_probe(small, three, "blocks.1.hook_resid_post", test_size=float("nan")), "finite"),
+        (lambda: probes.train_probe(small, three, "blocks.1.hook_resid_post", 0.5, n_components=0), "n_components"),
+        (lambda: probes.depth_sweep(small, three, layers=[1], folds=3, n_components=0), "n_components"),
+        (lambda: probes.depth_sweep(small, three, layers=[1], folds=4), "4 folds need at least 4"),
+        (lambda: probes.depth_sweep(small, three, layers="12", folds=3), "list of integers"),
+        (lambda: probes.depth_sweep(small, three, layers=[1.7], folds=3), "list of integers"),
+        (lambda: probes.depth_sweep(small, three, fractions=0.5, folds=3), "list of numbers"),
+        (lambda: probes.depth_sweep(small, None), "a dataset must be"),
+        (lambda: probes.load_dataset(5), "a dataset must be"),
+    ]
+    for call, message in cases:
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            call()
+    assert calls == []
+
+
+def test_numpy_and_torch_numbers_and_checked_counts():
+    for fraction in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), 0.5):
+        assert probes.layer_at_fraction(30, fraction) == 15
+    for bad in (True, torch.tensor([0.5, 0.5])):
+        with pytest.raises(workbench.WorkbenchError, match=r"in \[0, 1\]"):
+            probes.layer_at_fraction(30, bad)
+    with pytest.raises(workbench.WorkbenchError, match="correct must be in 0..total"):
+        probes.wilson_interval(5, 3)
+
+
+def test_a_dataset_built_directly_is_validated():
+    with pytest.raises(workbench.WorkbenchError, match="only one class"):
+        probes.Dataset("d", "classification", ({"text": "a", "label": "x"}, {"text": "b", "label": "x"}))
+    with pytest.raises(workbench.WorkbenchError, match="record 2: empty 'positive'"):
+        probes.Dataset("d", "pairs", ({"positive": "a", "negative": "b"}, {"positive": " ", "negative": "b"}))
+    with pytest.raises(workbench.WorkbenchError, match="kind must be one of"):
+        probes.Dataset("d", "regression", ({"text": "a", "label": "x"},))
