@@ -993,7 +993,8 @@ class Workbench:
         vector = call.session.get("vector", vector_id)
         if not math.isfinite(scale):
             raise WorkbenchError(f"scale must be finite, got {scale}")
-        written = vector.export_control_vector(self.artifacts.target(path), scale)
+        # against the session's model: llama.cpp would refuse a file of another depth or width for it
+        written = vector.export_control_vector(self.artifacts.target(path), scale, model=self.model(call))
         return s.ExportedVector(vector_id=vector_id, path=self.artifacts.relative(written),
                                 bytes=written.stat().st_size, scale=scale)
 
