@@ -104,6 +104,10 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
     check_max_new_tokens(max_new_tokens)
+    if not isinstance(sampling, Sampling):
+        raise WorkbenchError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if cache is not None:
+        runner.check_cache(cache)
     start = cache.next_position if cache is not None else 0
     if start + len(prompt_ids) + max_new_tokens > runner.config.n_ctx:
         raise WorkbenchError(

@@ -387,6 +387,8 @@ class Model:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         ids = self.to_ids(ids)
+        if cache is not None:
+            self.runner.check_cache(cache)
         start = cache.next_position if cache is not None else 0
         lora = self.lora_terms(adapter)
         with self.numerics_scope():
@@ -759,6 +761,8 @@ class Model:
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         ids = self.to_ids(prompt, chat=chat)
         lora = self.lora_terms(adapter)
+        if cache is not None:
+            self.runner.check_cache(cache)
         start = cache.next_position if cache is not None else 0
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens,
