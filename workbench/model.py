@@ -753,7 +753,9 @@ class Model:
         eagerly (on CUDA, replaying a graph of the eager forward) until it is ready (default: ``"background"`` on
         CUDA, False on the CPU, where it pays for long or
         repeated generations, as a build takes seconds even from torch's on-disk cache); see
-        :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
+        :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly; a
+        ``cache`` (of this model, checked here) ends holding the prompt and every token generated, so continuing it
+        equals a fresh run on the whole text.
         Everything is validated, and the hooks of enclosing ``hooks()`` blocks and the numerics
         (``current_numerics()``) taken, when this is called, not when iteration starts. ``adapter`` as in ``run``.
         """
