@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from workbench.errors import HookError, WorkbenchError, finite_number
+from workbench.errors import HookError, WorkbenchError, finite_number, shorten
 from workbench.files import read_root, reads_within, regular_file
 from workbench.hooks import check_saes
 from workbench.hooks.interventions import Positions, Region, RegionEdit, RunShape
@@ -364,16 +364,25 @@ def _load_saelens(folder: Path, hook: str | None) -> SAE:
     if metadata.get("hook_head_index") is not None or cfg.get("reshape_activations", "none") != "none":
         raise WorkbenchError("per-head (hook_z) SAEs are not supported yet")
     dtype = _dtype(cfg.get("dtype", "float32"))
+    for name, value in params.items():  # as stored: the cast to the cfg's dtype below would hide integer weights
+        if not value.is_floating_point():
+            raise WorkbenchError(f"SAE parameter {name} must be a floating-point tensor, {weights_file.name} holds "
+                                 f"{value.dtype}")
     params = {name: value.to(dtype) for name, value in params.items()}
     architecture = cfg.get("architecture", "standard")
     hook_name = hook or metadata.get("hook_name")
     if architecture not in ARCHITECTURES:
         raise WorkbenchError(f"unknown SAE architecture {architecture!r}; known: {', '.join(ARCHITECTURES)}")
-    return SAE(architecture, params, hook_name, hook_out=metadata.get("hook_name_out"), k=cfg.get("k"),
-               apply_b_dec_to_input=cfg.get("apply_b_dec_to_input", True),
-               normalize_activations=cfg.get("normalize_activations") or "none",
-               rescale_acts_by_decoder_norm=cfg.get("rescale_acts_by_decoder_norm", False), cfg=cfg,
-               name=folder.name)
+    sae = SAE(architecture, params, hook_name, hook_out=metadata.get("hook_name_out"), k=cfg.get("k"),
+              apply_b_dec_to_input=cfg.get("apply_b_dec_to_input", True),
+              normalize_activations=cfg.get("normalize_activations") or "none",
+              rescale_acts_by_decoder_norm=cfg.get("rescale_acts_by_decoder_norm", False), cfg=cfg,
+              name=folder.name)
+    # a cfg that disagrees with its weights describes another SAE (a wrong file copied in): trust neither
+    for field, actual in (("d_in", sae.d_in), ("d_sae", sae.d_sae)):
+        if field in cfg and cfg[field] != actual:
+            raise WorkbenchError(f"{CFG_FILENAME} says {field} {shorten(cfg[field])}, but the weights have {actual}")
+    return sae
 
 
 def _upgrade_cfg(cfg: dict[str, Any]) -> dict[str, Any]:

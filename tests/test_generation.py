@@ -60,7 +60,7 @@ def test_static_cache_generation_matches_dynamic(small):
     cache = runner.new_static_cache(len(prompt) + 6)
     via_static = list(generate_tokens(runner, prompt, 6, cache=cache))
     assert via_static == list(generate_tokens(runner, prompt, 6))
-    assert int(cache.device_length) == len(prompt) + 5  # the last token is sampled, never fed
+    assert int(cache.device_length) == len(prompt) + 6  # a caller's cache ends holding every generated token
 
 
 def test_sampling_is_seeded_and_bounded():
@@ -73,11 +73,84 @@ def test_sampling_is_seeded_and_bounded():
     assert len(set(draws(Sampling(temperature=5.0, seed=2)))) == 4
 
 
-@pytest.mark.parametrize("kwargs, message", [(dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"),
-                                             (dict(top_p=0.0), "top_p")])
+BAD_SAMPLING = [
+    (dict(temperature=-1), "temperature must be >= 0"), (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(temperature="0.5"), "temperature must be a number"), (dict(temperature=True), "temperature must be a number"),
+    # logits / 1e-45 overflow float32: the softmax would be NaN
+    (dict(temperature=1e-45), "temperature must be 0 .greedy. or at least 1e-06"),
+    (dict(top_k=-2), "top_k must be >= 0"), (dict(top_k=2.5), "top_k must be an integer, got 2.5"),
+    (dict(top_k=True), "top_k must be an integer, got True"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_p="1"), "top_p must be a number"),
+    (dict(seed=1.5), "seed must be an integer, got 1.5"), (dict(seed="a"), "seed must be an integer"),
+    (dict(seed=False), "seed must be an integer"), (dict(seed=2 ** 64), "seed must be an integer in"),
+    (dict(seed=-(2 ** 63) - 1), "seed must be an integer in"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_SAMPLING)
 def test_bad_sampling(kwargs, message):
     with pytest.raises(WorkbenchError, match=message):
         Sampling(**kwargs)
+
+
+def test_sampling_keeps_plain_numbers_and_torchs_seed_range():
+    import numpy as np
+    s = Sampling(temperature=np.float32(0.5), top_k=np.int64(3), top_p=1, seed=2 ** 64 - 1)
+    assert (s.temperature, s.top_k, s.top_p) == (0.5, 3, 1.0) and type(s.top_k) is int
+    assert s.generator().initial_seed() == 2 ** 64 - 1
+    assert Sampling(temperature=1e-6).temperature == 1e-6 and Sampling(temperature=float("inf"), seed=-1)
+
+
+@pytest.mark.parametrize("kwargs, message", BAD_SAMPLING[:9])
+def test_bad_sampling_leaves_a_callers_cache_untouched(small, kwargs, message):
+    cache = small.new_cache()
+    small.forward([3, 4, 5], cache=cache)
+    keys = cache.get(0)[0]
+    with pytest.raises(WorkbenchError, match=message):
+        small.stream([6, 7], 4, cache=cache, **{"temperature": 1.0, **kwargs})  # refused at the call
+    assert cache.tokens == [3, 4, 5] and torch.equal(cache.get(0)[0], keys)
+
+
+def test_continuing_a_cache_after_generating_equals_a_fresh_run(small):
+    """The cache ends holding the prompt and every generated token, so a second turn through it is a fresh run on
+    the whole text."""
+    first, more = [10, 20, 30, 40], [7, 8]
+    cache = small.new_cache()
+    generated = [t for t, _ in small.stream(first, 6, cache=cache)]
+    assert cache.tokens == first + generated
+    second = [t for t, _ in small.stream(more, 6, cache=cache)]
+    assert second == [t for t, _ in small.stream(first + generated + more, 6)]
+    assert cache.tokens == first + generated + more + second
+    # next-token logits through the cache equal the full forward's
+    assert torch.allclose(small.forward([9], cache=cache), small.forward(cache.tokens[:-1] + [9])[-1:], atol=1e-4)
+
+
+def test_a_stop_token_and_a_prompt_alone_reach_the_cache(small):
+    prompt = [10, 20, 30, 40]
+    free = list(generate_tokens(small.runner, prompt, 6))
+    stop = free[2]
+    cache = small.runner.new_cache()
+    tokens = list(generate_tokens(small.runner, prompt, 6, stop_ids={stop}, cache=cache))
+    assert tokens == free[:free.index(stop) + 1] and cache.tokens == prompt + tokens  # the stop token included
+    cache = small.runner.new_cache()
+    assert list(generate_tokens(small.runner, prompt, 0, cache=cache)) == [] and cache.tokens == prompt
+    assert list(generate_tokens(small.runner, prompt, 0)) == []
+
+
+def test_a_reader_leaving_early_has_the_tokens_it_read_in_the_cache(small):
+    prompt = [10, 20, 30, 40]
+    cache = small.runner.new_cache()
+    tokens = generate_tokens(small.runner, prompt, 8, cache=cache)
+    read = [next(tokens), next(tokens)]
+    tokens.close()
+    assert cache.tokens == prompt + read
+    # a cache edited between reads is left as the edit made it
+    cache = small.runner.new_cache()
+    tokens = generate_tokens(small.runner, prompt, 8, cache=cache)
+    next(tokens)
+    cache.truncate(2)
+    tokens.close()
+    assert cache.tokens == prompt[:2]
 
 
 def test_context_overflow_is_refused_before_compute(small):

@@ -166,6 +166,50 @@ def test_bad_surgery_is_refused(tiny):
     assert cache.length == len(PROMPT) and all(torch.equal(a, b) for a, b in zip(cache.get(0), (keys, values)))
 
 
+def test_integers_only_where_the_cache_takes_a_count_a_layer_or_slots(tiny):
+    import numpy as np
+    cache = prefilled(tiny)
+    for call, message in [(lambda: cache.truncate(2.5), "length must be an integer, got 2.5"),
+                          (lambda: cache.truncate(True), "length must be an integer, got True"),
+                          (lambda: cache.get(True), "layer must be an integer, got True"),
+                          (lambda: cache.clear(1.0), "layer must be an integer"),
+                          (lambda: cache.delete_positions(3), r"got the single 3 \(pass \[3\]\)"),
+                          (lambda: cache.delete_positions(None), "slots must be a list of integers")]:
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            call()
+    # nothing was changed by a refused call: the cache is whole and usable
+    assert cache.length == len(PROMPT) and cache.tokens == PROMPT and cache.next_position == len(PROMPT)
+    assert torch.equal(cache.get(np.int64(1))[0], cache.get(1)[0])  # a numpy integer is a layer
+    cache.truncate(np.int64(6))
+    assert cache.length == 6
+    # a generator of slots is read once: both slots go
+    cache = prefilled(tiny)
+    cache.delete_positions(i for i in [3, 4])
+    assert cache.tokens == PROMPT[:3] + PROMPT[5:]
+
+
+def test_a_cache_of_another_model_is_refused_before_any_compute(tiny, tiny_model):
+    from workbench.kv_cache import KVCache
+    runner, config = tiny.runner, tiny.config
+    heads, d_head = runner._cache_heads()
+    others = {
+        f"3 layers, this model has {config.n_layers}": KVCache(3, heads, d_head, runner.dtype, "cpu"),
+        f"layer 0 holds {heads + 1} kv heads": KVCache(config.n_layers, heads + 1, d_head, runner.dtype, "cpu"),
+        f"of size {d_head * 2}, this model's": KVCache(config.n_layers, heads, d_head * 2, runner.dtype, "cpu"),
+        "the cache holds torch.float64": KVCache(config.n_layers, heads, d_head, torch.float64, "cpu"),
+        "got BatchKVCache": tiny.new_batch_cache(1),
+        "got dict": {},
+    }
+    for message, other in others.items():
+        for call in (lambda: tiny.forward(PROMPT, cache=other), lambda: tiny.generate(PROMPT, 2, cache=other),
+                     lambda: tiny.stream(PROMPT, 2, cache=other)):
+            with pytest.raises(workbench.WorkbenchError, match=message):
+                call()
+        if isinstance(other, KVCache):
+            assert other.length == 0
+    assert tiny.forward(PROMPT, cache=tiny.new_cache()).shape[0] == len(PROMPT)
+
+
 def test_positions_past_the_context_are_refused(tiny):
     runner, n_ctx = tiny.runner, tiny.config.n_ctx
     cache = runner.new_cache()

@@ -218,6 +218,28 @@ def test_sae_file_errors(tmp_path):
         load_sae(tmp_path)
 
 
+def test_a_saelens_folder_whose_cfg_or_weights_lie_is_refused(tmp_path):
+    from safetensors.torch import save_file
+    cfg = {"d_in": 12, "d_sae": 8, "dtype": "float32", "architecture": "standard", "apply_b_dec_to_input": True,
+           "normalize_activations": "none", "metadata": {"sae_lens_version": "6.0.0", "hook_name": HOOK}}
+    params = {"W_enc": torch.randn(12, 8), "b_enc": torch.zeros(8), "W_dec": torch.randn(8, 12), "b_dec": torch.zeros(12)}
+
+    def write(name, cfg, params):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cfg.json").write_text(json.dumps(cfg))
+        save_file(params, str(tmp_path / name / "sae_weights.safetensors"))
+        return tmp_path / name
+
+    assert load_sae(write("good", cfg, params)).d_sae == 8
+    with pytest.raises(WorkbenchError, match="cfg.json says d_in 999, but the weights have 12"):
+        load_sae(write("lying", dict(cfg, d_in=999, d_sae=7), params))
+    with pytest.raises(WorkbenchError, match="cfg.json says d_sae 7, but the weights have 8"):
+        load_sae(write("lying_sae", dict(cfg, d_sae=7), params))
+    # integer weights are refused as stored, not silently cast to the cfg's float dtype
+    with pytest.raises(WorkbenchError, match="W_enc must be a floating-point tensor.*torch.int64"):
+        load_sae(write("int", cfg, dict(params, W_enc=torch.randint(-3, 3, (12, 8)))))
+
+
 def test_training_reports_figures_the_saved_file_gives(model, tmp_path):
     from workbench.probes.sae_train import evaluate_sae, train_sae
 

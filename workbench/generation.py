@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 import threading
 import types
@@ -20,22 +21,63 @@ from workbench.moe import by_pair_supported
 from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, capturable, edits_only
 
 
+# The smallest temperature above 0 (greedy): logits / temperature stays far inside float32's range (|logits| would have
+# to pass 3e32 to overflow), where a smaller one overflows to inf and the softmax to NaN.
+MIN_TEMPERATURE = 1e-6
+# torch.Generator.manual_seed's range
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+def _real(value: Any, what: str) -> float:
+    """``value`` as a float (a real number, not a bool or a string), or a clear error naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise WorkbenchError(f"{what} must be a number, got {shorten(value)}")
+    return float(value)
+
+
+def _integer(value: Any, what: str) -> int:
+    """``value`` as an int (anything with ``__index__`` but a bool), or a clear error naming ``what``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise WorkbenchError(f"{what} must be an integer, got {shorten(value)}") from None
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy; otherwise softmax(logits / temperature) cut to top_k and top_p, seeded."""
+    """temperature 0 is greedy; otherwise softmax(logits / temperature) cut to top_k and top_p, seeded.
+
+    Every field is checked here, so a generation refuses a bad value before its prefill touches a cache:
+    ``temperature`` 0 or a real number in [MIN_TEMPERATURE, inf] (inf samples uniformly), ``top_k`` an integer >= 0
+    (0: no cut), ``top_p`` in (0, 1], ``seed`` None (a fresh one) or an integer in torch's seed range (SEED_RANGE)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
 
-    def __post_init__(self):
-        if not self.temperature >= 0:
+    def __post_init__(self) -> None:
+        temperature = _real(self.temperature, "temperature")
+        if not temperature >= 0:  # NaN too
             raise WorkbenchError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise WorkbenchError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise WorkbenchError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature}")
+        top_k = _integer(self.top_k, "top_k")
+        if top_k < 0:
+            raise WorkbenchError(f"top_k must be >= 0, got {top_k}")
+        top_p = _real(self.top_p, "top_p")
+        if not 0 < top_p <= 1:
             raise WorkbenchError(f"top_p must be in (0, 1], got {self.top_p}")
+        seed = self.seed
+        if seed is not None:
+            seed = _integer(seed, "seed")
+            if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+                raise WorkbenchError(f"seed must be an integer in -2**63 .. 2**64 - 1, got {seed}")
+        # the checked values, as plain Python numbers (a numpy integer or float becomes an int or a float)
+        for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+            object.__setattr__(self, name, value)
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()
@@ -83,7 +125,9 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
                     ) -> Iterator[int]:
     """Yield new token ids. The prompt is prefilled once; each step feeds one token through the cache.
 
-    With ``cache``, the prompt tokens continue it and generation appends to it. With no hooks and no
+    With ``cache``, the prompt tokens continue it and generation appends to it: it ends holding the prompt and every
+    token yielded, a stop token included (``_decode``), so a later call continuing it equals a fresh run on the whole
+    text (with ``max_new_tokens=0`` the prompt alone is fed). With no hooks and no
     caller-owned cache, ``compiled`` (default: ``"background"`` on CUDA, False on the CPU) builds the decode step once with
     ``torch.compile``, which fuses the small ops between the matmuls (our kernels, called from the graph):
     on CUDA the build is captured as a CUDA graph and replayed, on the CPU the compiled step is called
@@ -104,6 +148,10 @@ def generate_tokens(runner: Transformer, prompt_ids: Sequence[int], max_new_toke
     if not prompt_ids:
         raise WorkbenchError("generation needs at least one prompt token")
     check_max_new_tokens(max_new_tokens)
+    if not isinstance(sampling, Sampling):
+        raise WorkbenchError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if cache is not None:
+        runner.check_cache(cache)
     start = cache.next_position if cache is not None else 0
     if start + len(prompt_ids) + max_new_tokens > runner.config.n_ctx:
         raise WorkbenchError(
@@ -229,6 +277,45 @@ def _built_step(runner: Transformer, capacity: int, key: Hashable, provisional: 
 def _decode(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_ids: set[int],
             hooks: Hooks | None, cache: KVCache | None, built_step: bool, mode: Numerics,
             lora: Lora | None = None) -> Iterator[int]:
+    """The tokens of ``_decode_steps``; a caller's ``cache`` ends holding the prompt and every token yielded.
+
+    The steps feed each token but the last (its pick ends the loop); here the last one is fed too, with the
+    generation's hooks, adapters and numerics, so that continuing the cache equals a fresh run on the whole text.
+    It is fed eagerly, one more one-token forward: a lazy feed would have to carry those hooks into a later call or
+    into the cache's reads and surgery. A reader that leaves early (``close()``) gets the tokens it read fed, unless
+    the cache changed since the last one (another forward or surgery in between). Without a caller's cache nothing
+    changes: the steps' own cache is dropped."""
+    if cache is None:
+        yield from _decode_steps(runner, prompt_ids, max_new_tokens, sampling, stop_ids, hooks, None, built_step, mode,
+                                 lora)
+        return
+
+    def feed(ids: list[int], step: int) -> None:
+        with numerics(mode):
+            runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks, last_logits_only=True,
+                           step=step, lora=lora)
+
+    if max_new_tokens == 0:  # nothing to generate, but the prompt still continues the cache
+        feed(prompt_ids, 0)
+        return
+    steps = _decode_steps(runner, prompt_ids, max_new_tokens, sampling, stop_ids, hooks, cache, False, mode, lora)
+    count = length = 0
+    try:
+        for token in steps:
+            count, length = count + 1, cache.length
+            yield token
+    except GeneratorExit:
+        steps.close()
+        if count and cache.length == length:
+            feed([token], count)
+        raise
+    if count:
+        feed([token], count)
+
+
+def _decode_steps(runner: Transformer, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+                  stop_ids: set[int], hooks: Hooks | None, cache: KVCache | None, built_step: bool, mode: Numerics,
+                  lora: Lora | None = None) -> Iterator[int]:
     if max_new_tokens == 0:
         return
     # With a cache of its own and no hooks but edits (interventions), nothing of the forward outlives a step but token

@@ -1,11 +1,12 @@
 """The key/value cache, with the surgery operations interpretability work needs."""
 from __future__ import annotations
 
+import operator
 from typing import Sequence, Union
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 
 
 # one device for every layer, or one per layer
@@ -41,6 +42,25 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def _kv_sources(kv_sources: Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
     return tuple(range(n_layers)) if kv_sources is None else tuple(int(i) for i in kv_sources)
+
+
+def _index(value: object, what: str) -> int:
+    """``value`` as an int (``operator.index``: a numpy integer too, never a bool or a float), or a clear error."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise WorkbenchError(f"{what} must be an integer, got {shorten(value)}") from None
+
+
+def _is_index(value: object) -> bool:
+    """Whether ``value`` is one integer (a numpy array of several is not)."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def next_position_after(positions: torch.Tensor) -> int:
@@ -120,7 +140,7 @@ class KVCache:
 
     def layer_shape(self, layer: int) -> tuple[int, int]:
         """``(n_kv_heads, d_head)`` of one layer's keys and values."""
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         return self._keys[layer].shape[0], self._keys[layer].shape[2]
 
     def prepare(self, n_new: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -193,14 +213,14 @@ class KVCache:
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one layer's keys and values, ``[n_kv_heads, length, d_head]`` each."""
-        self._check_own_layer(layer, "get", "read")
+        layer = self._check_own_layer(layer, "get", "read")
         return self._keys[layer][:, : self.length].clone(), self._values[layer][:, : self.length].clone()
 
     # ---------------------------------------------------------------------------------------- surgery
 
     def set(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace one layer's keys (already rotated) and values, ``[n_kv_heads, length, d_head]`` each."""
-        self._check_own_layer(layer, "set")
+        layer = self._check_own_layer(layer, "set")
         n_kv_heads, d_head = self.layer_shape(layer)
         expected = (n_kv_heads, self.length, d_head)
         for name, t in (("keys", keys), ("values", values)):
@@ -217,14 +237,14 @@ class KVCache:
     def clear(self, layer: int) -> None:
         """Zero one layer's keys and values. New tokens then score 0 against every cached slot there, so
         those slots still take a share of the softmax but contribute zero values."""
-        self._check_own_layer(layer, "clear")
+        layer = self._check_own_layer(layer, "clear")
         self._keys[layer].zero_()
         self._values[layer].zero_()
 
     def copy_layer_from(self, other: "KVCache", layer: int) -> None:
         """Take one layer's keys and values from another cache of the same length (keys keep the rotation
         they had there; positions are not compared)."""
-        self._check_own_layer(layer, "copy")
+        layer = self._check_own_layer(layer, "copy")
         if other.length != self.length:
             raise WorkbenchError(f"kv copy: source cache has {other.length} slots, this one {self.length}")
         self.set(layer, *other.get(layer))
@@ -240,6 +260,8 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` slots (generation then continues from there)."""
+        # checked before anything is assigned: a float length would leave the cache unusable
+        length = _index(length, "kv truncate: length")
         if not 0 <= length <= self.length:
             raise WorkbenchError(f"kv truncate: length {length} outside 0..{self.length}")
         self.length = length
@@ -273,6 +295,13 @@ class KVCache:
             if slots.is_floating_point() or slots.dim() != 1:
                 raise WorkbenchError(f"{what}: slots must be a 1-D list of integers")
             slots = slots.tolist()
+        if _is_index(slots):
+            raise WorkbenchError(f"{what}: slots must be a list of integers, got the single {slots!r} (pass [{slots}])")
+        if not isinstance(slots, (str, bytes)):
+            try:  # once: a generator read by the checks below would be empty by the time the slots are used
+                slots = list(slots)
+            except TypeError:
+                raise WorkbenchError(f"{what}: slots must be a list of integers, got {shorten(slots)}") from None
         if isinstance(slots, (str, bytes)) or any(isinstance(s, bool) or not hasattr(s, "__index__")
                                                     for s in slots):
             raise WorkbenchError(f"{what}: slots must be integers, got {slots!r}")
@@ -281,18 +310,22 @@ class KVCache:
             raise WorkbenchError(f"{what}: slots {bad} outside 0..{self.length - 1}")
         return [int(s) for s in slots]
 
-    def _check_layer(self, layer: int) -> None:
-        if not isinstance(layer, int) or not 0 <= layer < self.n_layers:
+    def _check_layer(self, layer: int) -> int:
+        """``layer`` as an int (a numpy integer too, never a bool) in 0..n_layers - 1, or a clear error."""
+        index = _index(layer, "kv: layer")
+        if not 0 <= index < self.n_layers:
             raise WorkbenchError(f"kv: layer {layer!r} outside 0..{self.n_layers - 1}")
+        return index
 
-    def _check_own_layer(self, layer: int, what: str, verb: str = "edit") -> None:
+    def _check_own_layer(self, layer: int, what: str, verb: str = "edit") -> int:
         """A layer that attends over an earlier layer's keys and values holds none of its own (its slots stay
         zero): surgery there would read zeros or change nothing."""
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         source = self.kv_sources[layer]
         if source != layer:
             raise WorkbenchError(f"kv {what}: layer {layer} reuses layer {source}'s keys and values: {verb} layer "
                                  f"{source}")
+        return layer
 
     def __repr__(self) -> str:
         return f"KVCache(layers={self.n_layers}, length={self.length}, next_position={self.next_position})"

@@ -387,6 +387,8 @@ class Model:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         ids = self.to_ids(ids)
+        if cache is not None:
+            self.runner.check_cache(cache)
         start = cache.next_position if cache is not None else 0
         lora = self.lora_terms(adapter)
         with self.numerics_scope():
@@ -751,7 +753,9 @@ class Model:
         eagerly (on CUDA, replaying a graph of the eager forward) until it is ready (default: ``"background"`` on
         CUDA, False on the CPU, where it pays for long or
         repeated generations, as a build takes seconds even from torch's on-disk cache); see
-        :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly.
+        :func:`workbench.generation.generate_tokens`. Runs with interventions or a ``cache`` decode eagerly; a
+        ``cache`` (of this model, checked here) ends holding the prompt and every token generated, so continuing it
+        equals a fresh run on the whole text.
         Everything is validated, and the hooks of enclosing ``hooks()`` blocks and the numerics
         (``current_numerics()``) taken, when this is called, not when iteration starts. ``adapter`` as in ``run``.
         """
@@ -759,6 +763,8 @@ class Model:
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         ids = self.to_ids(prompt, chat=chat)
         lora = self.lora_terms(adapter)
+        if cache is not None:
+            self.runner.check_cache(cache)
         start = cache.next_position if cache is not None else 0
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, start + len(ids), start + len(ids) + max_new_tokens,

@@ -19,7 +19,8 @@ from workbench.config import ModelConfig, YaRN
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kernels import lora as lora_ops
-from workbench.kv_cache import BatchKVCache, KVCache, StaticBatchKVCache, StaticKVCache, causal_mask, to_device
+from workbench.kv_cache import (BatchKVCache, KVCache, StaticBatchKVCache, StaticKVCache, causal_mask, layer_devices,
+                                layer_shapes, to_device)
 from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
                            moe_mlp, with_moe_points)
 from workbench.weights import ModelWeights
@@ -606,6 +607,29 @@ class Transformer:
     def new_cache(self, capacity: int = 64) -> KVCache:
         return KVCache(self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity,
                        self._kv_sources())
+
+    def check_cache(self, cache: object) -> None:
+        """A single-sequence cache of this model (``new_cache``), or a clear error before any compute: a cache of
+        another model would fail mid-forward, or be read past its layers, after some layers had grown it."""
+        if not isinstance(cache, KVCache):
+            raise WorkbenchError(f"cache must be a KVCache of this model (model.new_cache()), got "
+                                 f"{type(cache).__name__}")
+        n = self.config.n_layers
+        if cache.n_layers != n:
+            raise WorkbenchError(f"the cache belongs to another model: {cache.n_layers} layers, this model has {n}")
+        theirs = layer_shapes(n, cache.n_kv_heads, cache.d_head)
+        for i, (shape, mine) in enumerate(zip(theirs, layer_shapes(n, *self._cache_heads()))):
+            if tuple(shape) != tuple(mine):
+                raise WorkbenchError(f"the cache belongs to another model: layer {i} holds {shape[0]} kv heads of size "
+                                     f"{shape[1]}, this model's {mine[0]} of size {mine[1]}")
+        if tuple(cache.kv_sources) != tuple(self._kv_sources()):
+            raise WorkbenchError("the cache belongs to another model: its layers share keys and values otherwise "
+                                 "(kv_sources)")
+        if cache.dtype != self.dtype:
+            raise WorkbenchError(f"the cache holds {cache.dtype}, this model computes in {self.dtype}")
+        for i, (theirs_at, mine_at) in enumerate(zip(cache.devices, layer_devices(self.devices, n))):
+            if theirs_at != mine_at:
+                raise WorkbenchError(f"the cache's layer {i} is on {theirs_at}, this model's on {mine_at}")
 
     def new_batch_cache(self, n_rows: int, capacity: int = 64) -> BatchKVCache:
         return BatchKVCache(n_rows, self.config.n_layers, *self._cache_heads(), self.dtype, self.devices, capacity,

@@ -802,7 +802,7 @@ class Workbench:
     def kv_generate(self, call: Call, cache_id: CacheId, prompt: Prompt, max_new_tokens: MaxNew = 16,
                     interventions: Specs = [], temperature: Temperature = 0.0, seed: Seed = 0) -> s.KVGeneration:
         """Continue a cache: feed the prompt after its slots, then generate; the cache grows in place
-        (it ends holding every generated token but the last; kv_clone first to keep the original)."""
+        (it ends holding the prompt and every generated token; kv_clone first to keep the original)."""
         model = self.model(call)
         cache = call.session.get("cache", cache_id)
         ids = model.tokenize(prompt, add_bos=False)  # a continuation: no BOS in the middle
