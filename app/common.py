@@ -24,7 +24,7 @@ import streamlit as st
 
 import workbench
 from workbench import results
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE
 
 T = TypeVar("T")
@@ -332,15 +332,16 @@ def token_probs(distribution: results.Distribution) -> list[tuple[str, float]]:
     return [(t.token, t.prob) for t in distribution.top]
 
 
-def parse_positions(text: str) -> list[int] | str | None:
-    """Positions typed as ``all``, ``generated``, or integers such as ``-1`` or ``0, 3, 4``."""
+def parse_positions(text: str, field: str = "positions") -> list[int] | str | None:
+    """Positions typed as ``all``, ``generated``, or integers such as ``-1`` or ``0, 3, 4``. ``field``: the box's name
+    for the error (other index lists reuse the parser: neurons take ``all`` or integers, not ``generated``)."""
     text = text.strip().lower()
+    keywords = "'all', 'generated'" if field == "positions" else "'all'"
     if text in ("", "all"):
         return None
-    if text == "generated":
+    if text == "generated" and field == "positions":
         return "generated"
     try:
         return [int(p) for p in text.replace(",", " ").split()]
     except ValueError:
-        raise WorkbenchError(f"positions must be 'all', 'generated' or integers like '-1' or '0, 3', "
-                             f"got {text!r}") from None
+        raise WorkbenchError(f"{field} must be {keywords} or integers like '-1' or '0, 3', got {shorten(text)}") from None

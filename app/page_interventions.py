@@ -43,6 +43,9 @@ def steering(source: str, point: str, layers: list[int], settings: dict) -> "pro
             return probes.SteeringVector.from_control_vector(path, model)
     if source == "Trace difference":
         pair = (settings["positive"], settings["negative"])
+        for label, text in zip(("Towards", "Away from"), pair):
+            if not text.strip():  # named by its box here; the probes would name a dataset line
+                raise WorkbenchError(f"{label} is empty: give a prompt to steer {label.lower()}")
         return common.remember(("steer", pair, point, tuple(layers)), lambda: probes.steering_vector(
             model, ([pair[0]], [pair[1]]), layers, point), "Recording both prompts…")
     dataset = probes.load_dataset(settings["dataset"]).sample(settings["examples"])
@@ -114,9 +117,7 @@ with builder:
 
     def interventions() -> list:
         positions = common.parse_positions(positions_text)
-        neurons = common.parse_positions(neurons_text) if selector == "neurons" else None
-        if isinstance(neurons, str):
-            raise WorkbenchError("neurons must be indices such as '12, 40'")
+        neurons = common.parse_positions(neurons_text, "neurons") if selector == "neurons" else None
         return build(kind, point, layers, positions, heads, neurons, settings)
 
     if control_file and settings["upload"] is None:

@@ -3,6 +3,7 @@ import streamlit as st
 
 from workbench import hooks, probes, results
 from workbench.app import common
+from workbench.errors import WorkbenchError
 
 SWEEPS = {"Layers × positions": ("layers", "positions"), "Layers × heads": ("layers", "heads"),
           "Layers × positions × heads": ("layers", "positions", "heads")}
@@ -44,6 +45,10 @@ with options:
 def metric_and_answers():
     """(metric, answers) for patching_sweep: its default logit difference, or one answer's probability."""
     if metric_name == "Logit difference":
+        if any(answers) and not all(answers):  # one alone would silently fall back to both top tokens
+            missing = "Clean" if not answers[0] else "Corrupt"
+            raise WorkbenchError(f"{missing} answer is empty: the logit difference needs both answers, or neither "
+                                 "(each prompt's top token)")
         return None, (tuple(answers) if all(answers) else None)
     answer = probes.lens.token_id(model, answers[0]) if answers[0] else int(model.forward(clean)[-1].argmax())
 

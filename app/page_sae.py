@@ -1,10 +1,14 @@
 """SAE features: load a sparse autoencoder or transcoder, pick a feature (by index, or among the prompt's most active
 ones), see where it fires over a prompt set, what its decoder direction promotes, and steer generation with it."""
+from pathlib import Path
+
 import plotly.graph_objects as go
 import streamlit as st
 
 from workbench import hooks, probes
 from workbench.app import common
+from workbench.errors import WorkbenchError
+from workbench.probes.sae import CFG_FILENAME, WEIGHTS_FILENAME
 
 st.header("SAE features")
 model = common.model()
@@ -28,6 +32,11 @@ def logit_bars(pairs, title: str, color: str) -> go.Figure:
 
 
 def load(where: str):
+    file = Path(where)
+    # load_sae reads any other file as its folder's SAE and then blames the folder
+    if file.is_file() and file.suffix != ".npz" and file.name not in (CFG_FILENAME, WEIGHTS_FILENAME):
+        raise WorkbenchError(f"{file} is a file, not an SAE folder ({CFG_FILENAME} + {WEIGHTS_FILENAME}) or a Gemma "
+                             "Scope params.npz")
     sae = probes.load_sae(where)
     hooks.check_saes([sae], model.config)
     return sae

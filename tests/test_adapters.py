@@ -474,6 +474,102 @@ def test_bad_adapters_are_refused_before_compute(hf_llama, tmp_path, tiny_model)
     assert sorted(hf_llama.adapters) == ["a", "b"]  # nothing half-loaded
 
 
+def write_lora_gguf(path: Path, arch: str, tensors: dict[str, torch.Tensor], alpha: float = 8.0) -> Path:
+    """A GGUF LoRA adapter of exactly ``tensors`` (F32), for files no converter would write."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), 1e39])
+def test_an_alpha_that_is_not_a_finite_float32_is_refused(hf_llama, tmp_path, alpha):
+    folder = write_peft(tmp_path / "p", hf_llama.config, extra_config={"lora_alpha": alpha})
+    with pytest.raises(AdapterError, match="lora_alpha (must be finite|1e\\+39 is past float32's range)"):
+        hf_llama.load_adapter(folder, name="alpha")
+    if alpha != 1e39:  # a float32 GGUF field cannot hold 1e39
+        with pytest.raises(AdapterError, match="adapter.lora.alpha must be finite"):
+            hf_llama.load_adapter(write_gguf_adapter(tmp_path / "a.gguf", folder, hf_llama.config), name="alpha")
+    assert sorted(hf_llama.adapters) == ["a", "b"]
+
+
+def test_b_that_overflows_once_alpha_is_folded_in_is_refused(hf_llama, tmp_path):
+    # every raw weight is finite (|B| < 1e37), but alpha / rank = 2000 takes B past float32's range
+    folder = write_peft(tmp_path / "p", hf_llama.config, alpha=8000.0, std=1e36)
+    with pytest.raises(AdapterError, match=r"lora B times alpha / rank \(2000\) overflows float32"):
+        hf_llama.load_adapter(folder, name="big")
+    assert sorted(hf_llama.adapters) == ["a", "b"]
+    # finite halves whose product passes float32's range (every logit NaN)
+    with pytest.raises(AdapterError, match="the delta alpha / rank \\* B A can reach .*e\\+4\\d, past float32's"):
+        hf_llama.load_adapter(write_peft(tmp_path / "huge", hf_llama.config, std=1e20), name="huge")
+    assert sorted(hf_llama.adapters) == ["a", "b"]
+    hf_llama.load_adapter(write_peft(tmp_path / "ok", hf_llama.config, alpha=8000.0, std=1e-3), name="ok")
+    try:
+        assert torch.isfinite(hf_llama.forward(IDS, adapter="ok")).all()
+    finally:
+        hf_llama.unload_adapter("ok")
+
+
+@pytest.mark.parametrize("r", [0, 4.7, -4, "4", True])
+def test_a_rank_that_is_not_a_positive_integer_is_refused(hf_llama, tmp_path, r):
+    folder = write_peft(tmp_path / "p", hf_llama.config, extra_config={"r": r})
+    with pytest.raises(AdapterError, match=r"adapter_config.json: r must be a positive integer"):
+        hf_llama.load_adapter(folder, name="r")
+    assert sorted(hf_llama.adapters) == ["a", "b"]
+
+
+def test_a_gguf_adapter_of_rank_zero_is_refused(hf_llama, tmp_path):
+    d, q = hf_llama.config.d_model, hf_llama.config.n_heads * hf_llama.config.d_head
+    path = write_lora_gguf(tmp_path / "r0.gguf", "llama", {"blk.0.attn_q.weight.lora_a": torch.zeros(0, d),
+                                                          "blk.0.attn_q.weight.lora_b": torch.zeros(q, 0)})
+    with pytest.raises(AdapterError, match=r"blk.0.attn_q.weight.lora_a has shape \(0, 64\); a LoRA needs a rank"):
+        hf_llama.load_adapter(path, name="r0")
+    assert sorted(hf_llama.adapters) == ["a", "b"]
+
+
+@pytest.mark.parametrize("proj", ["ffn_gate", "ffn_up", "ffn_down"])
+def test_a_lora_on_the_dense_mlp_of_an_experts_only_base_is_refused(proj, tmp_path):
+    model = workbench.load(Path(__file__).parent / "fixtures" / "moe" / "qwen3moe-Q8_0.gguf", device="cpu")
+    c = model.config
+    g = torch.Generator().manual_seed(0)
+    out_dim, in_dim = (c.d_model, c.d_mlp) if proj == "ffn_down" else (c.d_mlp, c.d_model)
+    path = write_lora_gguf(tmp_path / "mlp.gguf", c.architecture, {
+        f"blk.0.{proj}.weight.lora_a": torch.randn(4, in_dim, generator=g),
+        f"blk.0.{proj}.weight.lora_b": torch.randn(out_dim, 4, generator=g)})
+    with pytest.raises(AdapterError, match=rf"blk.0.{proj}.weight\): the base has no such projection \(its "
+                                           "feed-forward is a mixture of experts only"):
+        model.load_adapter(path, name="mlp")
+    assert not model.adapters
+    q = c.n_heads * c.d_head  # attention projections it has take an adapter
+    model.load_adapter(write_lora_gguf(tmp_path / "q.gguf", c.architecture, {
+        "blk.0.attn_q.weight.lora_a": torch.randn(4, c.d_model, generator=g),
+        "blk.0.attn_q.weight.lora_b": torch.randn(q, 4, generator=g)}), name="q")
+    assert not torch.equal(model.forward(IDS[:4], adapter="q"), model.forward(IDS[:4]))
+
+
+def test_a_lora_on_keys_or_values_a_layer_reuses_is_refused(hf_llama, tmp_path):
+    from workbench.adapters import load_adapter
+
+    # the last layer reuses the one before's keys and values (as Gemma 4 E2B's last layers do): it has no wk / wv
+    shared = ModelConfig(**{**hf_llama.config.to_dict(), "kv_shared_layers": 1})
+    last = shared.n_layers - 1
+    for module in ("k_proj", "v_proj"):
+        folder = write_peft(tmp_path / module, shared, modules=[module], layers=[last])
+        with pytest.raises(AdapterError, match=rf"layer {last} {module} \(base_model.model.model.layers.{last}"
+                                               rf".self_attn.{module}\): the base has no such projection \(the "
+                                               rf"layer reuses layer {last - 1}'s keys and values\)"):
+            load_adapter(folder, shared, "kv")
+    assert load_adapter(write_peft(tmp_path / "early", shared, modules=["k_proj"], layers=[0]), shared,
+                        "kv").adapted_layers == [0]
+
+
 # ------------------------------------------------------------------------------------ diffing
 
 

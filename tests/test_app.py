@@ -146,6 +146,26 @@ def test_interventions_agree_with_the_api_and_refuse_bad_settings(model):
     assert edited_text == model.generate(PROMPT, 3, interventions=specs)
 
 
+def test_interventions_name_the_box_of_a_bad_entry(model):
+    at = start("page_interventions.py")
+    at.text_input(key="iv_positive").set_value("  ").run()  # the default steer: a trace difference
+    assert_clean(at, errors=1)
+    assert at.error[0].value.startswith("Towards is empty")
+    at.text_input(key="iv_positive").set_value("I love this").run()
+    at.text_input(key="iv_negative").set_value("").run()
+    assert_clean(at, errors=1)
+    assert at.error[0].value.startswith("Away from is empty")
+    at.radio(key="iv_kind").set_value("Zero-ablate").run()
+    at.selectbox(key="iv_site").set_value("MLP neurons (mlp.hook_post)").run()
+    for bad in ("3-5", "generated"):
+        at.text_input(key="iv_neurons").set_value(bad).run()
+        assert_clean(at, errors=1)
+        assert at.error[0].value.startswith("neurons must be 'all' or integers"), at.error[0].value
+    at.text_input(key="iv_neurons").set_value("3, 5").run()
+    assert_clean(at)
+    assert all(s["neurons"] == [3, 5] for s in json.loads(at.code[0].value))
+
+
 def test_interventions_steer_with_an_uploaded_control_vector(model, tmp_path):
     at = start("page_interventions.py")
     at.radio(key="iv_source").set_value("Control vector file").run()
@@ -218,6 +238,18 @@ def test_patching_grid_restores_the_clean_answer_at_the_last_position(model):
     button(at, "Run sweep").click().run()
     assert_clean(at, errors=1)
     assert "same number of tokens" in at.error[0].value
+
+
+@pytest.mark.parametrize("given, missing", [("pt_clean_answer", "Corrupt"), ("pt_corrupt_answer", "Clean")])
+def test_patching_refuses_one_answer_without_the_other(model, given, missing):
+    at = start("page_patching.py")
+    last = model.config.n_layers - 1
+    at.slider(key="pt_layers").set_value((last, last)).run()
+    at.text_input(key=given).set_value(" Paris").run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at, errors=1)
+    assert at.error[0].value.startswith(f"{missing} answer is empty: the logit difference needs both answers")
+    assert "pt_result" not in at.session_state
 
 
 def test_batch_page_shows_each_prompts_next_token(model):
@@ -361,3 +393,7 @@ def test_sae_page_shows_a_features_contexts_density_and_steers(model, tmp_path):
     assert plain == model.generate(PROMPT, 16)
     at.text_input(key="sae_path").set_value(str(tmp_path / "missing")).run()
     assert_clean(at, errors=1)
+    (tmp_path / "notes.txt").write_text("not an SAE")
+    at.text_input(key="sae_path").set_value(str(tmp_path / "notes.txt")).run()
+    assert_clean(at, errors=1)
+    assert at.error[0].value.startswith(f"{tmp_path / 'notes.txt'} is a file, not an SAE folder")

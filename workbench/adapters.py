@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import ModelLoadError, finite_number
+from workbench.errors import ModelLoadError, finite_number, shorten
 from workbench.files import regular_file
 from workbench.kernels import QuantTensor, get_format
 
@@ -94,11 +94,17 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
         where = f"{path}: layer {layer} {PROJECTIONS[proj][1]}"
         if not 0 <= layer < config.n_layers:
             raise AdapterError(f"{where}: the base model has layers 0..{config.n_layers - 1}")
-        out_dim, in_dim = projection_shape(config, proj)
+        lacks = missing_projection(config, layer, proj)
+        if lacks:  # an adapter there would load and change nothing
+            raise AdapterError(f"{where} ({info['tensor_names'][layer, proj]}): the base has no such projection "
+                               f"({lacks})")
+        out_dim, in_dim = projection_shape(config, proj, layer)
         if a.dim() != 2 or b.dim() != 2:
             raise AdapterError(f"{where}: lora A and B must be matrices, got shapes {tuple(a.shape)}, {tuple(b.shape)}")
         if a.shape[0] != b.shape[1]:
             raise AdapterError(f"{where}: rank mismatch, A has {a.shape[0]} rows and B {b.shape[1]} columns")
+        if a.shape[0] < 1:
+            raise AdapterError(f"{where}: rank 0 (A and B hold no rows / columns)")
         if a.shape[1] != in_dim or b.shape[0] != out_dim:
             raise AdapterError(f"{where}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base's "
                                f"[{out_dim}, {in_dim}] projection (an adapter for another model?)")
@@ -106,12 +112,27 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
             raise AdapterError(f"{where}: the adapter holds NaN or Inf")
         rank = a.shape[0]
         ranks.add(rank)
+        s = alpha_scale(rank)
+        if not _finite_float32(s):
+            raise AdapterError(f"{where}: the scale alpha / rank = {s:g} is not a finite float32")
         if proj in ("wq", "wk") and info.get("needs_permute"):
             b = permute_rows_for_rope(b, config, proj)
-        layers[layer][proj] = (a.float().contiguous(), (b.float() * alpha_scale(rank)).contiguous())
+        # checked as kept (float32, s folded into B): finite halves can still overflow there and NaN every logit
+        a, b = a.float().contiguous(), (b.float() * s).contiguous()
+        if not torch.isfinite(a).all():
+            raise AdapterError(f"{where}: lora A overflows float32")
+        if not torch.isfinite(b).all():
+            raise AdapterError(f"{where}: lora B times alpha / rank ({s:g}) overflows float32")
+        # a bound on the delta's largest entry (sum over the rank of the largest |s B| times the largest |A|): finite
+        # halves whose product overflows would still NaN every logit
+        bound = float((b.double().abs().amax(dim=0) * a.double().abs().amax(dim=1)).sum())
+        if not _finite_float32(bound):
+            raise AdapterError(f"{where}: the delta alpha / rank * B A can reach {bound:.3g}, past float32's range")
+        layers[layer][proj] = (a, b)
     if not ranks:
         raise AdapterError(f"{path}: the adapter holds no LoRA tensors for the base's projections")
     info.pop("needs_permute", None)
+    info.pop("tensor_names", None)
     return Adapter(name, path, "peft" if path.is_dir() else "gguf", files_sha256(files), max(ranks),
                    info.pop("alpha"), scale, layers, info)
 
@@ -132,12 +153,28 @@ def adapter_files(path: Path, *, links: bool = True) -> list[Path]:
     return [regular_file(file, AdapterError, links=links) for file in files]
 
 
-def projection_shape(config: ModelConfig, proj: str) -> tuple[int, int]:
-    """``(out, in)`` of one of the base's projections."""
-    q_dim, kv_dim = config.n_heads * config.d_head, config.n_kv_heads * config.d_head
+def projection_shape(config: ModelConfig, proj: str, layer: int | None = None) -> tuple[int, int]:
+    """``(out, in)`` of one of the base's projections: of ``layer`` where given (Gemma 4's global layers and MLP
+    widths differ by layer), else of the model-wide sizes."""
+    n_kv_heads, d_head = (config.n_kv_heads, config.d_head) if layer is None else config.layer_heads(layer)
+    d_mlp = config.d_mlp if layer is None else config.layer_d_mlp(layer)
+    q_dim, kv_dim = config.n_heads * d_head, n_kv_heads * d_head
     return {"wq": (q_dim, config.d_model), "wk": (kv_dim, config.d_model), "wv": (kv_dim, config.d_model),
-            "wo": (config.d_model, q_dim), "w_gate": (config.d_mlp, config.d_model),
-            "w_up": (config.d_mlp, config.d_model), "w_down": (config.d_model, config.d_mlp)}[proj]
+            "wo": (config.d_model, q_dim), "w_gate": (d_mlp, config.d_model),
+            "w_up": (d_mlp, config.d_model), "w_down": (config.d_model, d_mlp)}[proj]
+
+
+def missing_projection(config: ModelConfig, layer: int, proj: str) -> str | None:
+    """Why ``layer`` of the base has no ``proj`` matrix (None: it has one)."""
+    if proj in ("w_gate", "w_up", "w_down") and config.moe is not None and not config.moe.dense_mlp:
+        return "its feed-forward is a mixture of experts only, without a dense MLP"
+    if proj in ("wk", "wv") and config.kv_source(layer) != layer:
+        return f"the layer reuses layer {config.kv_source(layer)}'s keys and values"
+    return None
+
+
+def _finite_float32(x: float) -> bool:
+    return math.isfinite(x) and abs(x) <= torch.finfo(torch.float32).max
 
 
 def permute_rows_for_rope(b: torch.Tensor, config: ModelConfig, proj: str) -> torch.Tensor:
@@ -172,18 +209,24 @@ def _read_gguf_adapter(path: Path, config: ModelConfig):
         raise AdapterError(f"{path} is an adapter for a {arch!r} model; the base is {config.architecture!r}")
     if metadata.get("adapter.alora.invocation_tokens") is not None:
         raise AdapterError(f"{path} is an activated LoRA (aLoRA), which is not supported")
+    alpha = finite_number(metadata.get("adapter.lora.alpha", 0.0), f"{path}: adapter.lora.alpha", AdapterError)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str], str] = {}
     for tensor_name, tensor in tensors.items():
         match = _GGUF_TENSOR.fullmatch(tensor_name)
         if match is None or match.group(2) not in _FROM_GGUF:
             raise AdapterError(f"{path}: tensor {tensor_name} is not a LoRA of a supported projection "
                                f"({', '.join(_FROM_GGUF)})")
+        if 0 in tensor.shape:  # rank 0: no bytes to read, and nothing to add
+            raise AdapterError(f"{path}: tensor {tensor_name} has shape {tuple(int(n) for n in reversed(tensor.shape))}"
+                               "; a LoRA needs a rank of at least 1")
         raw, shape = _gguf_tensor_bytes(file, tensor, path)
         rows, cols = (1, shape[0]) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
         matrix = QuantTensor(raw, get_format(tensor.ggml_type), (rows, cols)).dequantize()
-        halves.setdefault((int(match.group(1)), _FROM_GGUF[match.group(2)]), {})[match.group(3)] = matrix
-    alpha = float(metadata.get("adapter.lora.alpha", 0.0))
-    info = {"alpha": alpha or None, "architecture": arch}
+        key = (int(match.group(1)), _FROM_GGUF[match.group(2)])
+        halves.setdefault(key, {})[match.group(3)] = matrix
+        names[key] = tensor_name[:-len(".lora_a")]
+    info = {"alpha": alpha or None, "architecture": arch, "tensor_names": names}
     # llama.cpp: alpha / rank, or the bare adapter scale where the file's alpha is 0
     return _pairs(halves, path, "ab"), (lambda rank: alpha / rank if alpha else 1.0), info
 
@@ -216,10 +259,12 @@ def _read_peft(path: Path, config: ModelConfig):
                       ("modules_to_save", "modules_to_save"), ("lora_bias", "LoRA biases")):
         if cfg.get(key):
             raise AdapterError(f"{config_file}: {what} is not supported")
-    try:
-        r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-    except (KeyError, TypeError, ValueError) as err:
-        raise AdapterError(f"{config_file}: bad or missing r / lora_alpha ({err})") from None
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:  # int() would truncate 4.7; r = 0 divides by zero
+        raise AdapterError(f"{config_file}: r must be a positive integer, got {shorten(r)}")
+    alpha = finite_number(cfg.get("lora_alpha", r), f"{config_file}: lora_alpha", AdapterError)
+    if not _finite_float32(alpha):  # as llama.cpp's GGUF field holds it
+        raise AdapterError(f"{config_file}: lora_alpha {alpha:g} is past float32's range")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         unsupported = sorted(set(targets) - set(_FROM_HF))
@@ -231,6 +276,7 @@ def _read_peft(path: Path, config: ModelConfig):
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise AdapterError(f"{weights_file} is not a valid safetensors file: {err}") from None
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, str], str] = {}
     for tensor_name, tensor in loaded.items():
         match = _PEFT_TENSOR.fullmatch(tensor_name)
         if match is None or match.group(2) not in _FROM_HF:
@@ -239,7 +285,9 @@ def _read_peft(path: Path, config: ModelConfig):
         module = match.group(2)
         if isinstance(targets, list) and module not in targets:
             raise AdapterError(f"{weights_file}: tensor {tensor_name} adapts {module}, not in target_modules {targets}")
-        halves.setdefault((int(match.group(1)), _FROM_HF[module]), {})[match.group(3)] = tensor
+        key = (int(match.group(1)), _FROM_HF[module])
+        halves.setdefault(key, {})[match.group(3)] = tensor
+        names[key] = tensor_name.rsplit(".lora_", 1)[0]
     pairs = _pairs(halves, weights_file, "AB")
     for (layer, proj), (a, _) in pairs.items():
         if a.dim() == 2 and a.shape[0] != r:
@@ -247,5 +295,5 @@ def _read_peft(path: Path, config: ModelConfig):
                                f"adapter_config.json says r = {r}")
     rslora = bool(cfg.get("use_rslora", False))
     info = {"alpha": alpha, "rslora": rslora, "base_model": cfg.get("base_model_name_or_path"),
-            "needs_permute": config.rope_interleaved}
+            "needs_permute": config.rope_interleaved, "tensor_names": names}
     return pairs, (lambda rank: alpha / math.sqrt(rank) if rslora else alpha / rank), info
