@@ -54,26 +54,25 @@ def integer(value: object, what: str, error: type[WorkbenchError] = WorkbenchErr
 
 
 def integer_list(values: Any, what: str, error: type[WorkbenchError] = WorkbenchError) -> list[int]:
-    """``values`` as a list of ints (see ``integer``), or ``error``: a single string would otherwise be walked
-    character by character, and a bare number is not a list."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise error(f"{what} must be a list of integers, got {shorten(values)}")
-    values = list(values)
-    try:
-        return [integer(v, what) for v in values]
-    except WorkbenchError:
-        raise error(f"{what} must be a list of integers, got {shorten(values)}") from None
+    """``values`` as a list of ints (see ``integer``), or ``error``."""
+    return _list_of(values, what, integer, "integers", error)
 
 
 def number_list(values: Any, what: str, error: type[WorkbenchError] = WorkbenchError) -> list[float]:
-    """``values`` as a list of finite floats (see ``real_number``), or ``error``, as ``integer_list``."""
+    """``values`` as a list of finite floats (see ``real_number``), or ``error``."""
+    return _list_of(values, what, real_number, "numbers", error)
+
+
+def _list_of(values: Any, what: str, item: Any, noun: str, error: type[WorkbenchError]) -> list:
+    """``[item(v, what) for v in values]``, or ``error``: a single string would otherwise be walked character by
+    character, and a bare number is not a list."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise error(f"{what} must be a list of numbers, got {shorten(values)}")
+        raise error(f"{what} must be a list of {noun}, got {shorten(values)}")
     values = list(values)
     try:
-        return [real_number(v, what) for v in values]
+        return [item(v, what) for v in values]
     except WorkbenchError:
-        raise error(f"{what} must be a list of finite numbers, got {shorten(values)}") from None
+        raise error(f"{what} must be a list of {noun}, got {shorten(values)}") from None
 
 
 def shorten(value: object, limit: int = 80) -> str:
