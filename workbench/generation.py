@@ -14,7 +14,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from workbench.errors import WorkbenchError, shorten
+from workbench.errors import WorkbenchError, integer, shorten
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, shared_prefix
 from workbench.moe import by_pair_supported
@@ -33,16 +33,6 @@ def _real(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise WorkbenchError(f"{what} must be a number, got {shorten(value)}")
     return float(value)
-
-
-def _integer(value: Any, what: str) -> int:
-    """``value`` as an int (anything with ``__index__`` but a bool), or a clear error naming ``what``."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise WorkbenchError(f"{what} must be an integer, got {shorten(value)}") from None
 
 
 @dataclass(frozen=True)
@@ -64,7 +54,7 @@ class Sampling:
             raise WorkbenchError(f"temperature must be >= 0, got {self.temperature}")
         if 0 < temperature < MIN_TEMPERATURE:
             raise WorkbenchError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature}")
-        top_k = _integer(self.top_k, "top_k")
+        top_k = integer(self.top_k, "top_k")
         if top_k < 0:
             raise WorkbenchError(f"top_k must be >= 0, got {top_k}")
         top_p = _real(self.top_p, "top_p")
@@ -72,7 +62,7 @@ class Sampling:
             raise WorkbenchError(f"top_p must be in (0, 1], got {self.top_p}")
         seed = self.seed
         if seed is not None:
-            seed = _integer(seed, "seed")
+            seed = integer(seed, "seed")
             if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
                 raise WorkbenchError(f"seed must be an integer in -2**63 .. 2**64 - 1, got {seed}")
         # the checked values, as plain Python numbers (a numpy integer or float becomes an int or a float)

@@ -6,7 +6,7 @@ from typing import Sequence, Union
 
 import torch
 
-from workbench.errors import WorkbenchError, shorten
+from workbench.errors import WorkbenchError, integer, shorten
 
 
 # one device for every layer, or one per layer
@@ -42,16 +42,6 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def _kv_sources(kv_sources: Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
     return tuple(range(n_layers)) if kv_sources is None else tuple(int(i) for i in kv_sources)
-
-
-def _index(value: object, what: str) -> int:
-    """``value`` as an int (``operator.index``: a numpy integer too, never a bool or a float), or a clear error."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise WorkbenchError(f"{what} must be an integer, got {shorten(value)}") from None
 
 
 def _is_index(value: object) -> bool:
@@ -261,7 +251,7 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` slots (generation then continues from there)."""
         # checked before anything is assigned: a float length would leave the cache unusable
-        length = _index(length, "kv truncate: length")
+        length = integer(length, "kv truncate: length")
         if not 0 <= length <= self.length:
             raise WorkbenchError(f"kv truncate: length {length} outside 0..{self.length}")
         self.length = length
@@ -312,7 +302,7 @@ class KVCache:
 
     def _check_layer(self, layer: int) -> int:
         """``layer`` as an int (a numpy integer too, never a bool) in 0..n_layers - 1, or a clear error."""
-        index = _index(layer, "kv: layer")
+        index = integer(layer, "kv: layer")
         if not 0 <= index < self.n_layers:
             raise WorkbenchError(f"kv: layer {layer!r} outside 0..{self.n_layers - 1}")
         return index
