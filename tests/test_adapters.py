@@ -99,6 +99,37 @@ def hf_llama(tmp_path_factory):
 # ------------------------------------------------------------------------------------ against PEFT
 
 
+def test_peft_adapter_on_a_layer_reusing_keys_and_values_matches_transformers_peft(tmp_path):
+    """Gemma 4 E2B's last layers project queries but reuse earlier layers' keys and values: an adapter on their
+    queries, output and MLP runs as transformers + PEFT computes it (it failed at every call)."""
+    peft = pytest.importorskip("peft")
+    from test_loading import write_hf_tokenizer
+    from workbench.synthetic import random_hf_checkpoint
+
+    reference = random_hf_checkpoint("gemma4e", tmp_path, initializer_range=0.2)
+    write_hf_tokenizer(tmp_path)
+    last = reference.config.num_hidden_layers - 1
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"],
+                             layers_to_transform=[last - 1, last])
+    wrapped = peft.get_peft_model(reference, config).eval()
+    for name, param in wrapped.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    wrapped.save_pretrained(tmp_path / "adapter")
+    ours = workbench.load(tmp_path, device="cpu", adapters={"ft": tmp_path / "adapter"})
+    assert ours.adapters["ft"].adapted_layers == [last - 1, last]
+    assert [ours.config.kv_source(i) != i for i in (last - 1, last)] == [True, True]
+    with torch.no_grad():
+        expected = wrapped(torch.tensor([IDS])).logits[0].float()
+        with wrapped.disable_adapter():
+            base = wrapped(torch.tensor([IDS])).logits[0].float()
+    assert (expected - base).abs().max() > 0.1
+    assert (ours.forward(IDS, adapter="ft") - expected).abs().max().item() <= 1e-4
+    trace = ours.run(IDS, adapter="ft", record=[f"blocks.{last}.attn.hook_q_lora"])
+    assert trace.activations[f"blocks.{last}.attn.hook_q_lora"].abs().max() > 0
+
+
 @pytest.mark.parametrize("arch, rslora", [("llama", False), ("qwen2", False), ("qwen3", True)])
 def test_peft_adapter_matches_transformers_peft(arch, rslora, tmp_path):
     peft = pytest.importorskip("peft")

@@ -28,7 +28,8 @@ from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, load_checkpoint
 from workbench.progress import Progress, check_progress, progress_callback
-from workbench.runner import FINAL_POINTS, LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
+from workbench.runner import (FINAL_POINTS, LORA_GROUPS, QUERY_ONLY_LORA_GROUPS, BatchLayout, Lora, LoraRows,
+                              Transformer)
 from workbench.tokenizer import StreamDecoder
 from workbench.weights import STACKS
 
@@ -248,7 +249,7 @@ class Model:
         """One layer's terms (``runner.Lora``): per group of projections sharing an input, the adapted ones' A rows
         stacked and their scaled B's transposed as the blocks of one block-diagonal matrix, with each one's rank."""
         terms = {}
-        for group in LORA_GROUPS:
+        for group in LORA_GROUPS if self.runner.weights.layers[i].wk is not None else QUERY_ONLY_LORA_GROUPS:
             adapted = tuple(p for p in group if any(p in self.adapters[name].layers[i] for name in scales))
             if not adapted:
                 continue
