@@ -158,10 +158,6 @@ def quantize(source: Path, out: Path, ftype: int) -> None:
         raise RuntimeError(f"llama.cpp could not quantize {source}")
 
 
-
-
-
-
 def main() -> None:
     import llama_cpp
 

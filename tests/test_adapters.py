@@ -99,6 +99,37 @@ def hf_llama(tmp_path_factory):
 # ------------------------------------------------------------------------------------ against PEFT
 
 
+def test_peft_adapter_on_a_layer_reusing_keys_and_values_matches_transformers_peft(tmp_path):
+    """Gemma 4 E2B's last layers project queries but reuse earlier layers' keys and values: an adapter on their
+    queries, output and MLP runs as transformers + PEFT computes it (it failed at every call)."""
+    peft = pytest.importorskip("peft")
+    from test_loading import write_hf_tokenizer
+    from workbench.synthetic import random_hf_checkpoint
+
+    reference = random_hf_checkpoint("gemma4e", tmp_path, initializer_range=0.2)
+    write_hf_tokenizer(tmp_path)
+    last = reference.config.num_hidden_layers - 1
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"],
+                             layers_to_transform=[last - 1, last])
+    wrapped = peft.get_peft_model(reference, config).eval()
+    for name, param in wrapped.named_parameters():
+        if "lora_" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    wrapped.save_pretrained(tmp_path / "adapter")
+    ours = workbench.load(tmp_path, device="cpu", adapters={"ft": tmp_path / "adapter"})
+    assert ours.adapters["ft"].adapted_layers == [last - 1, last]
+    assert [ours.config.kv_source(i) != i for i in (last - 1, last)] == [True, True]
+    with torch.no_grad():
+        expected = wrapped(torch.tensor([IDS])).logits[0].float()
+        with wrapped.disable_adapter():
+            base = wrapped(torch.tensor([IDS])).logits[0].float()
+    assert (expected - base).abs().max() > 0.1
+    assert (ours.forward(IDS, adapter="ft") - expected).abs().max().item() <= 1e-4
+    trace = ours.run(IDS, adapter="ft", record=[f"blocks.{last}.attn.hook_q_lora"])
+    assert trace.activations[f"blocks.{last}.attn.hook_q_lora"].abs().max() > 0
+
+
 @pytest.mark.parametrize("arch, rslora", [("llama", False), ("qwen2", False), ("qwen3", True)])
 def test_peft_adapter_matches_transformers_peft(arch, rslora, tmp_path):
     peft = pytest.importorskip("peft")
@@ -507,7 +538,8 @@ def test_b_that_overflows_once_alpha_is_folded_in_is_refused(hf_llama, tmp_path)
         hf_llama.load_adapter(folder, name="big")
     assert sorted(hf_llama.adapters) == ["a", "b"]
     # finite halves whose product passes float32's range (every logit NaN)
-    with pytest.raises(AdapterError, match="the delta alpha / rank \\* B A can reach .*e\\+4\\d, past float32's"):
+    with pytest.raises(AdapterError,
+                       match=r"the delta B A \(B times alpha / rank \(\d+\)\) can reach .*e\+4\d, past float32's"):
         hf_llama.load_adapter(write_peft(tmp_path / "huge", hf_llama.config, std=1e20), name="huge")
     assert sorted(hf_llama.adapters) == ["a", "b"]
     hf_llama.load_adapter(write_peft(tmp_path / "ok", hf_llama.config, alpha=8000.0, std=1e-3), name="ok")
@@ -515,6 +547,28 @@ def test_b_that_overflows_once_alpha_is_folded_in_is_refused(hf_llama, tmp_path)
         assert torch.isfinite(hf_llama.forward(IDS, adapter="ok")).all()
     finally:
         hf_llama.unload_adapter("ok")
+
+
+def test_terms_past_the_models_range_at_a_calls_scale_are_refused(tmp_path):
+    """A call's scale, or a float16 model, can take terms that fit float32 at load past the range they are kept in
+    (every logit NaN): refused, naming the layer, the projection and the adapter, and the next call is unharmed."""
+    hf_model("llama", tmp_path, tie=True)
+    write_peft(tmp_path / "small", workbench.load(tmp_path, device="cpu").config, modules=["q_proj"], layers=[0])
+    write_peft(tmp_path / "big", workbench.load(tmp_path, device="cpu").config, modules=["q_proj"], layers=[0],
+               std=400.0)  # B A reaches ~1e7: fine in float32, past float16's 65504
+    for dtype, why in [("float32", r"the delta B A \(B times .*\) can reach .*e\+38, past float32's"),
+                       ("float16", "lora B times alpha / rank and the call's scale overflows float16")]:
+        model = workbench.load(tmp_path, device="cpu", dtype=dtype, adapters={"small": tmp_path / "small",
+                                                                               "big": tmp_path / "big"})
+        # float32: B stays within range, its product with A does not; float16: B itself overflows
+        b_max = model.adapters["small"].layers[0]["wq"][1].abs().max().item()
+        scale = 0.9 * torch.finfo(torch.float32).max / b_max if dtype == "float32" else 1e6
+        with pytest.raises(AdapterError, match=f"layer 0 wq of 'small': {why}"):
+            model.forward(IDS, adapter={"small": scale})
+        assert torch.isfinite(model.forward(IDS, adapter={"small": 2.0})).all()
+    with pytest.raises(AdapterError, match=r"layer 0 wq of 'small', 'big': the delta B A .* past float16's range"):
+        model.forward(IDS, adapter={"small": 1.0, "big": 1.0})
+    assert torch.isfinite(model.forward(IDS, adapter="small")).all()
 
 
 @pytest.mark.parametrize("r", [0, 4.7, -4, "4", True])

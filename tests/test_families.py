@@ -6,6 +6,7 @@ sqrt(d_head).
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -24,12 +25,12 @@ FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"]
 IDS = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3", "phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["mistral", "llama3", "gemma2", "gemma3", "phi3", "olmo2"])
 def test_hf_checkpoint_matches_transformers(family, tmp_path):
     reference = random_hf_checkpoint(family, tmp_path)
     write_hf_tokenizer(tmp_path)
     ours = workbench.load(tmp_path, device="cpu")
-    assert ours.config.architecture == ("llama" if family == "mistral" else family)
+    assert ours.config.architecture == ("llama" if family in ("mistral", "llama3") else family)
     if family in ("mistral", "gemma2", "gemma3"):
         assert ours.config.sliding_window == 4
     with torch.no_grad():
@@ -68,6 +69,35 @@ def test_phi3_long_rope_matches_transformers(tmp_path):
     loaded = workbench.load(path, device="cpu")
     assert loaded.config.rope_long.attn_factor == pytest.approx(ours.config.rope_long.attn_factor)  # stored float32
     assert (loaded.forward(IDS) - got).abs().max().item() < 1e-5
+
+
+def test_llama3_rope_scaling_as_llama_cpp_stores_it(tmp_path):
+    """Llama 3.1's rope scaling from a folder becomes the per-pair divisors llama.cpp's converter writes (1 for short
+    wavelengths, the factor for long ones, smooth between), kept through a GGUF round trip; without them the logits
+    differ."""
+    random_hf_checkpoint("llama3", tmp_path / "hf")
+    write_hf_tokenizer(tmp_path / "hf")
+    ours = workbench.load(tmp_path / "hf", device="cpu")
+    checkpoint = load_checkpoint(tmp_path / "hf")
+    divisors = checkpoint.weights.rope_freq_factors
+    assert divisors[0].item() == 1.0 and 1.0 < divisors[1].item() < 8.0 and torch.all(divisors[2:] == 8.0)
+    path = write_gguf(tmp_path / "llama3.gguf", checkpoint.config, checkpoint.weights)
+    assert torch.equal(workbench.load(path, device="cpu").forward(IDS), ours.forward(IDS))
+    unscaled = load_checkpoint(tmp_path / "hf")
+    unscaled.weights.rope_freq_factors = None
+    plain = write_gguf(tmp_path / "plain.gguf", unscaled.config, unscaled.weights)
+    assert (workbench.load(plain, device="cpu").forward(IDS) - ours.forward(IDS)).abs().max().item() > 1e-3
+
+
+def test_llama3_rope_scaling_missing_a_key_names_it(tmp_path):
+    random_hf_checkpoint("llama3", tmp_path)
+    write_hf_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.get("rope_parameters") or config["rope_scaling"]
+    del rope["low_freq_factor"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="config.json: its rope scaling lacks 'low_freq_factor'"):
+        workbench.load(tmp_path, device="cpu")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

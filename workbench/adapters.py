@@ -117,17 +117,9 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
             raise AdapterError(f"{where}: the scale alpha / rank = {s:g} is not a finite float32")
         if proj in ("wq", "wk") and info.get("needs_permute"):
             b = permute_rows_for_rope(b, config, proj)
-        # checked as kept (float32, s folded into B): finite halves can still overflow there and NaN every logit
+        # checked as kept (float32, s folded into B)
         a, b = a.float().contiguous(), (b.float() * s).contiguous()
-        if not torch.isfinite(a).all():
-            raise AdapterError(f"{where}: lora A overflows float32")
-        if not torch.isfinite(b).all():
-            raise AdapterError(f"{where}: lora B times alpha / rank ({s:g}) overflows float32")
-        # a bound on the delta's largest entry (sum over the rank of the largest |s B| times the largest |A|): finite
-        # halves whose product overflows would still NaN every logit
-        bound = float((b.double().abs().amax(dim=0) * a.double().abs().amax(dim=1)).sum())
-        if not _finite_float32(bound):
-            raise AdapterError(f"{where}: the delta alpha / rank * B A can reach {bound:.3g}, past float32's range")
+        check_term_range(a, b, torch.float32, f"{where}: ", f"alpha / rank ({s:g})")
         layers[layer][proj] = (a, b)
     if not ranks:
         raise AdapterError(f"{path}: the adapter holds no LoRA tensors for the base's projections")
@@ -171,6 +163,20 @@ def missing_projection(config: ModelConfig, layer: int, proj: str) -> str | None
     if proj in ("wk", "wv") and config.kv_source(layer) != layer:
         return f"the layer reuses layer {config.kv_source(layer)}'s keys and values"
     return None
+
+
+def check_term_range(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, where: str, scale: str) -> None:
+    """A LoRA term's A and its B times ``scale`` within ``dtype``'s range, and a bound on the largest entry of their
+    product (the sum over the rank of the largest |B| times the largest |A|): finite halves that overflow there, or
+    whose product does, would make every logit NaN."""
+    limit, kind = torch.finfo(dtype).max, str(dtype).removeprefix("torch.")
+    if not a.abs().max() <= limit:
+        raise AdapterError(f"{where}lora A overflows {kind}")
+    if not b.abs().max() <= limit:
+        raise AdapterError(f"{where}lora B times {scale} overflows {kind}")
+    bound = float((b.double().abs().amax(dim=0) * a.double().abs().amax(dim=1)).sum())
+    if not bound <= limit:
+        raise AdapterError(f"{where}the delta B A (B times {scale}) can reach {bound:.3g}, past {kind}'s range")
 
 
 def _finite_float32(x: float) -> bool:

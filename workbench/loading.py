@@ -526,8 +526,8 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
             kind = global_rope.get("rope_type", global_rope.get("type", "default"))
             if kind not in ("default", "linear", "llama3", "proportional", "yarn", "longrope", "su"):
-                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default, linear, proportional, "
-                                     f"yarn and longrope are)")
+                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default, linear, "
+                                     "llama3, proportional, yarn and longrope are)")
             # "proportional" (Gemma 4) rotates a fraction of each head's pairs: rope_freqs, made on load
             rotary = (global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
                       if kind != "proportional" else None)
@@ -624,14 +624,33 @@ def _hf_global_heads(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
 
 
 def _hf_rope_freqs(cfg: dict[str, Any], config: ModelConfig) -> torch.Tensor | None:
-    """Gemma 4's "proportional" rope as llama.cpp's converter stores it: frequency factors of 1 for the rotated pairs
-    of a global head, 1e30 (no rotation) for the rest."""
-    rope = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
-    if rope.get("rope_type") != "proportional":
-        return None
-    d_head = config.d_head_global or config.d_head
-    half, rotated = d_head // 2, int(d_head * rope.get("partial_rotary_factor", 1.0) / 2)
-    return torch.tensor([1.0] * rotated + [1e30] * (half - rotated))
+    """Per-pair frequency divisors (``rope_freqs``) as llama.cpp's converter stores them, for the rope kinds that
+    have them: Gemma 4's "proportional" (1 for the rotated pairs of a global head, 1e30, no rotation, for the rest)
+    and Llama 3.1's "llama3"."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "proportional":
+        d_head = config.d_head_global or config.d_head
+        half, rotated = d_head // 2, int(d_head * rope.get("partial_rotary_factor", 1.0) / 2)
+        return torch.tensor([1.0] * rotated + [1e30] * (half - rotated))
+    if kind == "llama3":
+        return _llama3_rope_divisors(rope, config.rope_base, config.d_rotary or config.d_head)
+    return None
+
+
+def _llama3_rope_divisors(rope: dict[str, Any], base: float, d_rotary: int) -> torch.Tensor:
+    """Llama 3.1's rope scaling as transformers computes it (``_compute_llama3_parameters``), as divisors of the
+    default frequencies: wavelengths under ``original / high_freq_factor`` kept, those over ``original /
+    low_freq_factor`` divided by ``factor``, the ones between interpolated smoothly."""
+    factor, low, high = (float(rope[key]) for key in ("factor", "low_freq_factor", "high_freq_factor"))
+    original = float(rope["original_max_position_embeddings"])
+    if not (factor > 0 and 0 < low < high and original > 0):
+        raise ValueError(f"llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor, got "
+                         f"factor={factor}, low_freq_factor={low}, high_freq_factor={high}")
+    wavelength = 2 * math.pi * base ** (torch.arange(0, d_rotary, 2, dtype=torch.float64) / d_rotary)
+    smooth = ((original / wavelength - low) / (high - low)).clamp(0, 1)  # 0 past the long end, 1 past the short
+    return 1 / ((1 - smooth) / factor + smooth)
 
 
 HF_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
@@ -690,8 +709,12 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
     tensors.update(moe_lib.stack_experts(experts, str(path)))
     tensors.update(moe_lib.hf_mxfp4_experts(mxfp4, str(path)))
     scales.update(moe_lib.stack_experts(expert_scales, str(path)))
-    if (rope_freqs := _hf_rope_freqs(cfg, config)) is not None:
-        tensors[GLOBAL_TENSORS["rope_freq_factors"]] = rope_freqs
+    try:
+        with _hyperparameters(path / "config.json"):
+            if (rope_freqs := _hf_rope_freqs(cfg, config)) is not None:
+                tensors[GLOBAL_TENSORS["rope_freq_factors"]] = rope_freqs
+    except KeyError as err:
+        raise ModelLoadError(f"{path}/config.json: its rope scaling lacks {err}") from None
     if config.rope_long is not None:
         with _hyperparameters(path / "config.json"):
             rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}

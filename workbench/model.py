@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from workbench import hooks as hooks_lib
-from workbench.adapters import Adapter, load_adapter
+from workbench.adapters import Adapter, check_term_range, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
 from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.generation import (Sampling, check_max_new_tokens, forget_built_steps, generate_batch_tokens,
@@ -28,7 +28,8 @@ from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, load_checkpoint
 from workbench.progress import Progress, check_progress, progress_callback
-from workbench.runner import FINAL_POINTS, LORA_GROUPS, BatchLayout, Lora, LoraRows, Transformer
+from workbench.runner import (FINAL_POINTS, LORA_GROUPS, QUERY_ONLY_LORA_GROUPS, BatchLayout, Lora, LoraRows,
+                              Transformer)
 from workbench.tokenizer import StreamDecoder
 from workbench.weights import STACKS
 
@@ -248,15 +249,21 @@ class Model:
         """One layer's terms (``runner.Lora``): per group of projections sharing an input, the adapted ones' A rows
         stacked and their scaled B's transposed as the blocks of one block-diagonal matrix, with each one's rank."""
         terms = {}
-        for group in LORA_GROUPS:
+        for group in LORA_GROUPS if self.runner.weights.layers[i].wk is not None else QUERY_ONLY_LORA_GROUPS:
             adapted = tuple(p for p in group if any(p in self.adapters[name].layers[i] for name in scales))
             if not adapted:
                 continue
-            pieces = [[(self.adapters[name].layers[i][p], scale) for name, scale in scales.items()
-                       if p in self.adapters[name].layers[i]] for p in adapted]
-            a = torch.cat([a for piece in pieces for (a, _), _ in piece])
-            b_t = torch.block_diag(*[torch.cat([b * scale for (_, b), scale in piece], dim=1).T for piece in pieces])
-            ranks = tuple(sum(a.shape[0] for (a, _), _ in piece) for piece in pieces)
+            pieces = []  # per adapted projection, each adapter's (name, A, B times the call's scale)
+            for p in adapted:
+                held = [(name, scale, self.adapters[name].layers[i].get(p)) for name, scale in scales.items()]
+                pieces.append([(name, factors[0], factors[1] * scale) for name, scale, factors in held if factors])
+            for p, piece in zip(adapted, pieces):  # a call's scales, or a float16 model, can take a term past its range
+                check_term_range(torch.cat([a for _, a, _ in piece]), torch.cat([b for _, _, b in piece], dim=1),
+                                 self.dtype, f"layer {i} {p} of {', '.join(repr(name) for name, _, _ in piece)}: ",
+                                 "alpha / rank and the call's scale")
+            a = torch.cat([a for piece in pieces for _, a, _ in piece])
+            b_t = torch.block_diag(*[torch.cat([b for _, _, b in piece], dim=1).T for piece in pieces])
+            ranks = tuple(sum(a.shape[0] for _, a, _ in piece) for piece in pieces)
             device = self.runner.weights.layers[i].attn_norm.device  # the layer's own, in a model split over devices
             terms[group] = (a.to(device, self.dtype), b_t.to(device, self.dtype), adapted, ranks)
         return terms

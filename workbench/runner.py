@@ -144,6 +144,8 @@ Hooks = Mapping[str, Sequence[HookFn]]
 # adapted projection of the group its term ``s * B (A x)``.
 Lora = Sequence[Mapping[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, tuple[str, ...], tuple[int, ...]]]]
 LORA_GROUPS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+# a layer that reuses another's keys and values (Gemma 4 E2B/E4B) projects its queries alone
+QUERY_ONLY_LORA_GROUPS = (("wq",), *LORA_GROUPS[1:])
 
 
 @dataclass(frozen=True)
@@ -954,9 +956,7 @@ class Transformer:
             if c.qkv_bias:
                 q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         else:
-            if lora:
-                raise WorkbenchError("adapters on layers that reuse another layer's keys and values are not supported")
-            q = linear(x, layer.wq)
+            q, = project_adapted(x, None, (layer.wq,), ("wq",), lora, point, names["lora"], i)
         # Where no hook lies between the projections and z, the rope, the cache's write and attention are one call
         # with the same bits (layer_ops.rope_attention; None where it does not run).
         if self._plain_attention[i] and layout is None and not point.wants_any(names["inside_attention"]):

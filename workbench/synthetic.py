@@ -309,6 +309,7 @@ def _add_metadata(writer, key: str, value) -> None:
 # transformers' class and config of each family in ``random_hf_checkpoint`` ("mistral": llama's family with a window)
 _HF_FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM"),  # with Llama 3.1's rope scaling
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -363,6 +364,10 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
         "gemma4e": dict(_GEMMA4, layer_types=alternating, attention_k_eq_v=False, hidden_size_per_layer_input=8,
                         vocab_size_per_layer_input=vocab, num_kv_shared_layers=n_layers // 2,
                         use_double_wide_mlp=True),
+        # Llama 3.1's rope scaling over 64 positions: of the 8 pairs, one kept, one interpolated, the rest divided
+        "llama3": dict(head_dim=16, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                          low_freq_factor=1.0, high_freq_factor=4.0,
+                                                          original_max_position_embeddings=64)),
         "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=128),
         # Phi-3.5's long-context rope: short factors below 8 positions, long ones from there on
         "phi3.5": dict(partial_rotary_factor=0.5, original_max_position_embeddings=8, rope_parameters=dict(
