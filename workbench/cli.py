@@ -225,8 +225,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Exit status 0 when the replay is identical or within tolerance, 1 when it differs."""
     from workbench.replay import replay
 
-    model = _load(args) if args.model else None
-    report = replay(args.artifact, model, force=args.force, rtol=args.rtol, atol=args.atol)
+    if args.model:
+        report = replay(args.artifact, _load(args), force=args.force, rtol=args.rtol, atol=args.atol)
+    elif args.quantize is not None:
+        raise WorkbenchError("--quantize needs --model: without it the replay loads the trace's own model as recorded")
+    else:  # the trace's own model, on the device and in the dtype given, else as recorded
+        report = replay(args.artifact, force=args.force, rtol=args.rtol, atol=args.atol, device=args.device,
+                        dtype=args.dtype, devices=args.devices)
     print(json.dumps(report.to_dict()) if args.json else report)
     return 0 if report.ok else 1
 
