@@ -213,6 +213,9 @@ def cmd_app(args: argparse.Namespace) -> None:
     if args.quantize is not None:
         check_quantize(args.quantize)
         command += ["--quantize", args.quantize]
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
+        if value is not None:
+            command += [flag, value]
     if args.devices is not None:
         command += ["--devices", ",".join(args.devices)]
     print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
@@ -309,8 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     _model_source_args(dashboard)
     dashboard.add_argument("--port", type=int, default=8501)
-    dashboard.add_argument("--devices", default=None, type=_device_list,
-                           help="split the model's layers over several devices, comma-separated (cuda:0,cuda:1)")
+    _device_args(dashboard)
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
 
