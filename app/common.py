@@ -39,20 +39,24 @@ MAX_ARTIFACT_BYTES = 1 << 30  # refuse uploaded zips that unpack to more than th
 
 
 def cli_options(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The ``--model`` (None: the embedded model), ``--quantize``, ``--devices`` (comma-separated) and ``--numerics``
-    given after ``--`` on the ``streamlit run`` line."""
+    """The ``--model`` (None: the embedded model), ``--quantize``, ``--device``, ``--devices`` (comma-separated),
+    ``--dtype`` and ``--numerics`` given after ``--`` on the ``streamlit run`` line."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=None)
     parser.add_argument("--quantize", default=None)
+    parser.add_argument("--device", default=None)
     parser.add_argument("--devices", default=None)
+    parser.add_argument("--dtype", default=None)
     parser.add_argument("--numerics", default="exact", choices=workbench.kernels.NUMERICS)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return args
 
 
 @st.cache_resource(show_spinner=False)
-def _load(path: str | None, quantize: str | None, devices: str | None) -> workbench.Model:
-    return workbench.load(path, quantize=quantize, devices=devices.split(",") if devices else None)
+def _load(path: str | None, quantize: str | None, device: str | None, devices: str | None,
+          dtype: str | None) -> workbench.Model:
+    return workbench.load(path, quantize=quantize, device=device, devices=devices.split(",") if devices else None,
+                          dtype=dtype)
 
 
 def model() -> workbench.Model:
@@ -60,7 +64,7 @@ def model() -> workbench.Model:
     options = cli_options()
     with st.spinner(f"Loading {options.model or 'the embedded SmolLM2-135M'}…"):
         try:
-            return _load(options.model, options.quantize, options.devices)
+            return _load(options.model, options.quantize, options.device, options.devices, options.dtype)
         except WorkbenchError as err:
             st.error(f"Could not load the model: {err}")
             st.stop()

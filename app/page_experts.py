@@ -11,7 +11,7 @@ st.header("Experts")
 model = common.model()
 moe = model.config.moe
 if moe is None:
-    st.info("This page needs a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE): "
+    st.info("This page needs a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, Gemma 4 26B-A4B): "
             "start the dashboard with `workbench app --model PATH`.")
     st.stop()
 n_layers = model.config.n_layers

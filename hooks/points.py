@@ -173,8 +173,9 @@ def is_point_name(name: str) -> bool:
 
 def resolve(pattern: str, config: ModelConfig) -> list[str]:
     """Hook point names matching an exact name or a glob (``blocks.*.hook_resid_post``, ``*``). The LoRA terms'
-    points (``blocks.3.attn.hook_q_lora``) match only patterns that name them (with ``lora``): ``*`` matches what it
-    matches in a model without adapters."""
+    points (``blocks.3.attn.hook_q_lora``) match only patterns that name them (with ``lora``), and an SAE's points
+    only a last part that does (``<hook>.hook_sae_*``): ``*`` matches what it matches in a model without adapters or
+    SAEs."""
     if not isinstance(pattern, str) or not pattern:
         raise HookError(f"a hook name must be a non-empty string, got {shorten(pattern)}")
     if len(pattern) > MAX_NAME_LENGTH:  # no point is named so; a huge glob or layer number costs time to reject
@@ -182,6 +183,10 @@ def resolve(pattern: str, config: ModelConfig) -> list[str]:
     sae_point = split_sae_point(pattern)
     if sae_point:  # a point of an SAE at the hook (the call checks that one is attached)
         return [f"{base}.{sae_point[1]}" for base in resolve(sae_point[0], config)]
+    base, _, suffix = pattern.rpartition(".")
+    sae_points = fnmatch.filter(SAE_POINTS, suffix) if base and "sae" in suffix else []
+    if sae_points:  # a glob over an SAE's points (``blocks.3.hook_resid_post.hook_sae_*``), named as above
+        return [f"{name}.{point}" for name in resolve(base, config) for point in sae_points]
     names = lora_point_names(config.n_layers) if "lora" in pattern else hook_point_names(config)
     if any(ch in pattern for ch in "*?["):
         matched = fnmatch.filter(names, pattern)

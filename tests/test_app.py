@@ -218,6 +218,23 @@ def test_the_server_computes_in_its_numerics(monkeypatch, model):
     assert shown == pytest.approx(expected, abs=1e-6) and shown != pytest.approx(exact, abs=1e-5)
 
 
+def test_the_server_loads_on_the_device_and_dtype_given(monkeypatch):
+    """``workbench app --device cpu --dtype bfloat16`` hands both to the server's script, which loads the model so
+    (every command takes --device and --dtype)."""
+    import subprocess
+
+    from workbench.cli import main
+
+    commands = []
+    monkeypatch.setattr(subprocess, "call", lambda command: commands.append(command) or 0)
+    assert main(["app", "--device", "cpu", "--dtype", "bfloat16"]) == 0
+    given = commands[0][commands[0].index("--") + 1:]
+    assert (common.cli_options(given).device, common.cli_options(given).dtype) == ("cpu", "bfloat16")
+    monkeypatch.setattr("sys.argv", ["main.py", *given])
+    at = start()
+    assert "cpu bfloat16" in at.sidebar.caption[0].value
+
+
 def test_patching_grid_restores_the_clean_answer_at_the_last_position(model):
     at = start("page_patching.py")
     at.selectbox(key="pt_point").set_value("hook_resid_post").run()

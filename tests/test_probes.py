@@ -155,6 +155,21 @@ def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path, tiny_model)
         probes.Probe.load(tmp_path / "missing")
 
 
+def test_activations_collected_elsewhere_fit_the_probe_train_probe_fits(small, ending_dataset):
+    """docs/scaling.md: features from ``distributed.collect_activations`` go to ``probes.fit_probe``, which gives the
+    probe ``train_probe`` gives on the same point."""
+    from workbench import distributed
+
+    hook = "blocks.2.hook_resid_post"
+    features = distributed.collect_activations(small, ending_dataset.prompts, [hook], "last")
+    probe = probes.fit_probe(features[hook], ending_dataset.labels, hook=hook, pooling="last",
+                             signature=probes.model_signature(small, hook), groups=ending_dataset.groups)
+    trained = probes.train_probe(small, ending_dataset, hook)
+    assert (probe.accuracy, probe.n_train, probe.n_test) == (trained.accuracy, trained.n_train, trained.n_test)
+    new_prompts = ["on the hot mat cat", "tea in the sun"]
+    torch.testing.assert_close(probe.predict_proba(small, new_prompts), trained.predict_proba(small, new_prompts))
+
+
 def test_depth_sweep_on_a_small_model(small, ending_dataset):
     seen = []
     sweep = probes.depth_sweep(small, ending_dataset, fractions=[0.0, 0.5, 1.0], folds=4,

@@ -86,6 +86,20 @@ def transcoder(model):
                     seed=2)
 
 
+def test_a_glob_over_the_sae_points_records_them(model, sae):
+    """``<hook>.hook_sae_*`` names every point of the SAE at the hook, as the exact names do; ``*`` still matches only
+    the model's own points."""
+    exact = model.run(PROMPTS[0], saes=[sae], record=[f"{HOOK}.{p}" for p in hooks.SAE_POINTS])
+    globbed = model.run(PROMPTS[0], saes=[sae], record=[f"{HOOK}.hook_sae_*"])
+    assert globbed.activations.keys() == exact.activations.keys() and len(exact.activations) == len(hooks.SAE_POINTS)
+    assert all(torch.equal(globbed.activations[k], exact.activations[k]) for k in exact.activations)
+    acts = model.run(PROMPTS[0], saes=[sae], record=[f"{HOOK}.hook_sae_acts_?ost"]).activations
+    assert list(acts) == [f"{HOOK}.hook_sae_acts_post"]
+    assert not any("sae" in name for name in model.run(PROMPTS[0], saes=[sae], record=["*"]).activations)
+    with pytest.raises(HookError, match="needs an SAE"):
+        model.run(PROMPTS[0], record=[f"{HOOK}.hook_sae_*"])
+
+
 def test_attaching_changes_no_bit_and_records_the_sae_points(model, sae):
     points = [f"{HOOK}.{p}" for p in hooks.SAE_POINTS]
     plain = model.run(PROMPTS[0], record=[HOOK])

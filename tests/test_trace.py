@@ -135,6 +135,21 @@ def test_cli_replay(trace, tmp_path, capsys):
     assert "modified or is corrupt" in capsys.readouterr().err
 
 
+def test_replay_loads_the_recorded_model_on_the_device_and_dtype_asked_for(trace, gguf_model, tmp_path, capsys):
+    """``workbench replay ARTIFACT --dtype ...`` (or ``--device``, ``--devices``) without ``--model`` loads the trace's
+    own model that way, rather than ignoring the flag; ``--quantize`` needs ``--model``."""
+    path = trace.save(tmp_path / "artifact")
+    assert main(["replay", str(path), "--dtype", "bfloat16", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "different" and report["max_abs_deviation"] > 1e-3
+    split = workbench.replay(path, devices=["cpu", "cpu"])
+    assert split.verdict == "identical"
+    assert main(["replay", str(path), "--quantize", "Q8_0"]) == 2
+    assert "--quantize needs --model" in capsys.readouterr().err
+    with pytest.raises(workbench.WorkbenchError, match="a given model keeps its own"):
+        workbench.replay(path, gguf_model, dtype="bfloat16")
+
+
 def test_activation_cache_utilities(gguf_model):
     # no hook_result recorded: stack_head_results must compute it from hook_z and W_O
     full = gguf_model.run(IDS, record=["hook_embed", "blocks.*.hook_resid_*", "blocks.*.hook_*_out",

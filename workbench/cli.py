@@ -213,6 +213,9 @@ def cmd_app(args: argparse.Namespace) -> None:
     if args.quantize is not None:
         check_quantize(args.quantize)
         command += ["--quantize", args.quantize]
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
+        if value is not None:
+            command += [flag, value]
     if args.devices is not None:
         command += ["--devices", ",".join(args.devices)]
     print(f"workbench dashboard on http://127.0.0.1:{args.port}", file=sys.stderr)
@@ -225,8 +228,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Exit status 0 when the replay is identical or within tolerance, 1 when it differs."""
     from workbench.replay import replay
 
-    model = _load(args) if args.model else None
-    report = replay(args.artifact, model, force=args.force, rtol=args.rtol, atol=args.atol)
+    if args.model:
+        report = replay(args.artifact, _load(args), force=args.force, rtol=args.rtol, atol=args.atol)
+    elif args.quantize is not None:
+        raise WorkbenchError("--quantize needs --model: without it the replay loads the trace's own model as recorded")
+    else:  # the trace's own model, on the device and in the dtype given, else as recorded
+        report = replay(args.artifact, force=args.force, rtol=args.rtol, atol=args.atol, device=args.device,
+                        dtype=args.dtype, devices=args.devices)
     print(json.dumps(report.to_dict()) if args.json else report)
     return 0 if report.ok else 1
 
@@ -304,8 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     _model_source_args(dashboard)
     dashboard.add_argument("--port", type=int, default=8501)
-    dashboard.add_argument("--devices", default=None, type=_device_list,
-                           help="split the model's layers over several devices, comma-separated (cuda:0,cuda:1)")
+    _device_args(dashboard)
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
 

@@ -5,7 +5,7 @@ import math
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -50,19 +50,24 @@ class ReplayReport:
 
 
 def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, force: bool = False,
-           rtol: float = 1e-3, atol: float = 1e-5, load_adapters: bool = True) -> ReplayReport:
+           rtol: float = 1e-3, atol: float = 1e-5, load_adapters: bool = True, device: str | None = None,
+           dtype: str | torch.dtype | None = None, devices: Sequence[str] | None = None) -> ReplayReport:
     """Re-run a trace (or an artifact path) and report how far the new tensors are from the recorded ones.
 
     Without ``model``, the model is loaded from the path in the trace's fingerprint once its files hash to the
-    recorded sha256 (the embedded default when that is its file), with the recorded dtype; any other file is
+    recorded sha256 (the embedded default when that is its file), on the recorded device with the recorded dtype
+    (``device``, ``dtype`` or ``devices``, as ``workbench.load`` takes them, choose others); any other file is
     refused, so an artifact cannot make the replay open what it likes. The re-run computes in the recorded numerics
     (``workbench.kernels.numerics``). A model whose fingerprint (weights sha256, config, tensor formats) differs is
     refused unless ``force``. The trace's LoRA adapters are re-applied at their recorded scales: an adapter resident on
     the model with the recorded sha256, or (``load_adapters``) the recorded path loaded into it once its files, regular
     files and no links, hash to that sha256. Anything else is refused, and a refused replay leaves no adapter loaded.
     """
+    if model is not None and (device is not None or dtype is not None or devices is not None):
+        raise WorkbenchError("device, dtype and devices say how to load the trace's own model; a given model keeps "
+                             "its own")
     trace = trace_or_path if isinstance(trace_or_path, Trace) else load_trace(trace_or_path)
-    model = model if model is not None else _load_recorded_model(trace)
+    model = model if model is not None else _load_recorded_model(trace, device, dtype, devices)
     mismatch = model_mismatch(trace.fingerprint, model)
     if mismatch and not force:
         raise WorkbenchError(f"the trace was recorded on another model ({mismatch}); pass force=True to replay anyway")
@@ -151,9 +156,11 @@ def _resident_adapter(model: Model, entry: dict, load: bool) -> str:
     return name
 
 
-def _load_recorded_model(trace: Trace) -> Model:
+def _load_recorded_model(trace: Trace, device: str | None, dtype: str | torch.dtype | None,
+                         devices: Sequence[str] | None) -> Model:
     """The model the trace names, loaded only once its files hash to the trace's fingerprint: a manifest cannot make
-    the replay open any other file (the embedded default model stands in when the recorded file is not here)."""
+    the replay open any other file (the embedded default model stands in when the recorded file is not here). It
+    loads on ``device`` (or ``devices``) with ``dtype`` where given, else as recorded."""
     fingerprint, backend = trace.fingerprint, trace.backend
     recorded = fingerprint.get("path")
     path = Path(recorded) if isinstance(recorded, str) and recorded else None
@@ -171,11 +178,13 @@ def _load_recorded_model(trace: Trace) -> Model:
         if files_sha256(checkpoint_files(path)) != fingerprint.get("sha256"):
             raise WorkbenchError(f"the file at the trace's model path {shorten(recorded)} is not the model it was "
                                  "recorded on (its sha256 differs); pass model=")
-    device = backend.get("device", "cpu")
-    if not isinstance(device, str) or (device.startswith("cuda") and not torch.cuda.is_available()):
-        device = "cpu"
-    dtype = backend.get("dtype")
-    model = load(path, device=device, dtype=dtype if isinstance(dtype, str) else None)
+    if device is None and devices is None:
+        device = backend.get("device", "cpu")
+        if not isinstance(device, str) or (device.startswith("cuda") and not torch.cuda.is_available()):
+            device = "cpu"
+    if dtype is None and isinstance(backend.get("dtype"), str):
+        dtype = backend["dtype"]
+    model = load(path, device=device, dtype=dtype, devices=devices)
     # merged on the recorded model: merged here the same way, each file checked as a trace's adapter is
     for entry in fingerprint.get("merged_adapters", []):
         model.merge_adapter(_resident_adapter(model, entry, True), finite_number(entry.get("scale", 1.0),
