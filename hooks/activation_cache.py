@@ -58,15 +58,20 @@ class ModelView:
     """What ActivationCache asks of a model: ``cfg``, and with weights ``blocks``, ``W_U``, ``ln_final``."""
 
     def __init__(self, config: ModelConfig, model: Any = None):
-        from transformer_lens.config import TransformerLensConfig
-
         c = config
-        self.cfg = TransformerLensConfig(
+        settings = dict(
             d_model=c.d_model, d_head=c.d_head, n_layers=c.n_layers, n_ctx=c.n_ctx, n_heads=c.n_heads, d_mlp=c.d_mlp,
             d_vocab=c.vocab_size, device="cpu", positional_embedding_type="rotary", n_key_value_heads=c.n_kv_heads,
-            normalization_type="RMSPre", uses_rms_norm=True, final_rms=True, eps=c.rms_eps, act_fn="silu",
-            gated_mlp=True,
+            normalization_type="RMSPre", final_rms=True, eps=c.rms_eps, act_fn="silu", gated_mlp=True,
         )
+        try:  # TransformerLens 3 and later
+            from transformer_lens.config import TransformerLensConfig
+
+            self.cfg = TransformerLensConfig(**settings, uses_rms_norm=True)
+        except ImportError:  # TransformerLens 2
+            from transformer_lens import HookedTransformerConfig
+
+            self.cfg = HookedTransformerConfig(**settings)
         self._config, self._model = config, model
         if model is not None:
             self.blocks = [_Block(layer, config) for layer in model.runner.weights.layers]
