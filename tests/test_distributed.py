@@ -121,8 +121,10 @@ def test_cli_harvest(model_file, tmp_path, capsys):
     assert summary["rows"] == got["offsets"][-1] == sum(len(t.ids) for t in traces)
     for name in ("blocks.1.hook_resid_post", "hook_embed"):
         torch.testing.assert_close(got[name], torch.cat([t.activations[name] for t in traces]))
-    assert main(argv[:-1] + ["--reduce", "sideways"]) == 2
-    assert "reduce" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # refused in the CLI's words, before the model loads
+        main(argv[:-1] + ["--reduce", "sideways"])
+    assert exit.value.code == 2
+    assert "argument --reduce: give none, last, mean or a position, not 'sideways'" in capsys.readouterr().err
 
 
 def test_a_rerun_keeps_only_shards_of_the_same_harvest(model_file, tmp_path):

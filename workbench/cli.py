@@ -46,6 +46,16 @@ def _load(args: argparse.Namespace):
                           devices=args.devices)
 
 
+def _reduction(text: str) -> str | int | None:
+    """``--reduce``: none (every token's row, ``None`` to the API), last, mean, or a position."""
+    if text in ("none", "last", "mean"):
+        return None if text == "none" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give none, last, mean or a position, not {text!r}") from None
+
+
 def _device_list(text: str) -> list[str]:
     devices = [d.strip() for d in text.split(",") if d.strip()]
     if not devices:
@@ -176,15 +186,14 @@ def cmd_harvest(args: argparse.Namespace) -> None:
     import workbench
     from workbench import distributed
 
-    reduce = None if args.reduce == "none" else int(args.reduce) if args.reduce.lstrip("-").isdigit() else args.reduce
     prompts = read_prompts(args.file)
     rank = distributed.init()
     device = args.device
     if device is None and args.devices is None and rank.world > 1:
         device = distributed.local_devices()[0]
     model = workbench.load(args.model, device=device, dtype=args.dtype, quantize=args.quantize, devices=args.devices)
-    manifest = distributed.harvest(model, prompts, args.hook, reduce=reduce, out=args.out, shard_size=args.shard_size,
-                                   batch_size=args.batch_size, retries=args.retries)
+    manifest = distributed.harvest(model, prompts, args.hook, reduce=args.reduce, out=args.out,
+                                   shard_size=args.shard_size, batch_size=args.batch_size, retries=args.retries)
     if rank.rank == 0:
         meta = json.loads(manifest.read_text(encoding="utf-8"))
         summary = {"manifest": str(manifest), "prompts": meta["n_prompts"], "shards": len(meta["shards"]),
@@ -302,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     har.add_argument("--file", required=True, help="a text file of prompts, one a line ('-': standard input)")
     har.add_argument("--hook", required=True, action="append", help="a hook point name or glob (repeatable)")
     har.add_argument("--out", required=True, help="the folder of shards and manifest.json")
-    har.add_argument("--reduce", default="none", help="none (every token's row), last, mean, or a position")
+    har.add_argument("--reduce", type=_reduction, default=None, help="none (every token's row), last, mean, or a position")
     har.add_argument("--shard-size", type=int, default=64, help="prompts a shard (a file, and a unit of retry)")
     har.add_argument("--batch-size", type=int, default=None, help="prompts a forward (default: as many as fit)")
     har.add_argument("--retries", type=int, default=2, help="times a failed shard is retried on another rank")
