@@ -6,6 +6,7 @@ sqrt(d_head).
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -41,6 +42,37 @@ def test_hf_checkpoint_matches_transformers(family, tmp_path):
     stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
     assert (stepped - expected).abs().max().item() < 1e-4
 
+
+
+def transformers_reference(path: Path):
+    """The float32 transformers model of a checkpoint folder, read back from its config.json as transformers reads
+    it (eager attention: the one that takes soft caps)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family, settings, expected", [
+    ("gemma2", {}, (True, False, True, False)),
+    ("gemma3", {"sliding_window_pattern": 3}, (True, True, False, True)),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, (False, True, True, True)),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 4}, ()),
+])
+def test_sliding_layers_without_layer_types(family, settings, expected, tmp_path):
+    """A config.json that names no ``layer_types`` (Gemma 2's and Gemma 3's on the Hub, Qwen's) slides the layers
+    transformers' config class makes slide: Gemma's every n-th layer global, Qwen's only with ``use_sliding_window``
+    and from ``max_window_layers`` on."""
+    random_hf_checkpoint(family, tmp_path, **settings)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, **settings}))
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert ours.config.sliding_layers == expected
+    with torch.no_grad():
+        reference = transformers_reference(tmp_path)(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
 
 def test_phi3_long_rope_matches_transformers(tmp_path):
     """Phi-3.5's LongRoPE: the short factors below the original context (8 positions here), as transformers computes a

@@ -140,6 +140,12 @@ class Architecture:
     default_window: int | None = None
     gguf_window: bool = True
     local_rope_base: float | None = None
+    # Sliding windows in transformers: whether only a config.json that says ``use_sliding_window`` has one (Qwen), and
+    # which layers slide where it names no ``layer_types`` (Gemma 2's and Gemma 3's on the Hub): "all", "period" (every
+    # swa_period-th layer global, or every ``sliding_window_pattern``-th), "from_max_window_layers" or
+    # "even_below_max_window_layers"
+    hf_sliding_switch: bool = False
+    hf_sliding: str = "all"
     # llama.cpp scales queries by 1/sqrt(d_model / n_heads) instead of 1/sqrt(d_head) for a model of this depth (Gemma's
     # 27B, after gemma_pytorch)
     wide_query_scale_layers: int | None = None
@@ -196,18 +202,23 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"), rope_interleaved=True,
                  features=(("sliding window (Mistral)", _has("sliding_window")),
                            ("rope frequency factors", _rope_factors))),
-    Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
-    Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
+    Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, hf_sliding_switch=True,
+                 hf_sliding="from_max_window_layers", features=("q/k/v biases",)),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", hf_sliding_switch=True,
+                 hf_sliding="from_max_window_layers", features=("per-head q/k RMSNorm",)),
     # their mixture of experts is in ModelConfig.moe (workbench.moe), which ``workbench info`` describes
-    Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
-    Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
+    Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, hf_sliding_switch=True,
+                 hf_sliding="even_below_max_window_layers",
+                 features=("q/k/v biases",)),
+    Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), qk_norm="head", hf_sliding_switch=True,
+                 features=("per-head q/k RMSNorm",)),
     Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
                  activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=2,
-                 default_window=4096, wide_query_scale_layers=46,
+                 hf_sliding="period", default_window=4096, wide_query_scale_layers=46,
                  features=_GEMMA_FEATURES),
     Architecture("gemma3", ("Gemma3ForCausalLM",), qk_norm="head", post_norms=True, norm_offset=1.0,
                  embed_scale=True, activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=6,
-                 local_rope_base=10000.0, wide_query_scale_layers=62,
+                 hf_sliding="period", local_rope_base=10000.0, wide_query_scale_layers=62,
                  features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", ("local and global rope bases",
                                                                          _has("rope_base_local")))),
     # norms multiply by w (no offset); global layers have heads of their own size and count, a "proportional" rope
@@ -244,6 +255,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # llama.cpp's "openai-moe": the norm before the MLP is stored as post_attention_norm; routing, the clamped SwiGLU
     # and its constants are fixed in llama.cpp's graph (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT, swiglu_oai)
     Architecture("gpt-oss", ("GptOssForCausalLM",), qkv_bias=True, out_bias=True, attn_sinks=True, swa_period=2,
+                 hf_sliding="period",
                  hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight"},
                  gguf_tensors={"mlp_norm": "post_attention_norm.weight"},
                  moe=dict(gating="softmax_weight", normalize_weights=False, swiglu_limit=7.0, swiglu_alpha=1.702),

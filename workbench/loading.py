@@ -543,11 +543,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             if cfg.get("use_bidirectional_attention") == "all":
                 raise ModelLoadError(f"{path}: bidirectional attention is not supported")
             d_head_global, n_kv_global = _hf_global_heads(cfg)
-            layer_types = cfg.get("layer_types")
-            if layer_types:
-                sliding = tuple(t == "sliding_attention" for t in layer_types)
-            else:
-                sliding = (cfg.get("use_sliding_window", True) is not False,) * n_layers
+            sliding = _hf_sliding_layers(cfg, ARCHITECTURES[arch], n_layers)
             window = cfg.get("sliding_window") if any(sliding) else None
             local_base = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
             scalar = cfg.get("query_pre_attn_scalar")
@@ -585,6 +581,22 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
+
+
+def _hf_sliding_layers(cfg: dict[str, Any], family: Architecture, n_layers: int) -> tuple[bool, ...]:
+    """Which layers slide, as transformers' config class of the family lays them out: ``layer_types``, else the
+    family's default layout (``Architecture.hf_sliding``); none where the family needs ``use_sliding_window``."""
+    if not cfg.get("use_sliding_window", not family.hf_sliding_switch):
+        return (False,) * n_layers
+    if layer_types := cfg.get("layer_types"):
+        return tuple(t == "sliding_attention" for t in layer_types)
+    max_window_layers = int(cfg.get("max_window_layers", 28))  # the Qwen config classes' default
+    return {
+        "all": (True,) * n_layers,
+        "period": swa_layers(n_layers, int(cfg.get("sliding_window_pattern") or family.swa_period)),
+        "from_max_window_layers": tuple(i >= max_window_layers for i in range(n_layers)),
+        "even_below_max_window_layers": tuple(i % 2 == 0 and i < max_window_layers for i in range(n_layers)),
+    }[family.hf_sliding]
 
 
 def _hf_yarn(rope: dict[str, Any], cfg: dict[str, Any], path: Path) -> YaRN:
