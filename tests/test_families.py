@@ -74,6 +74,24 @@ def test_sliding_layers_without_layer_types(family, settings, expected, tmp_path
         reference = transformers_reference(tmp_path)(torch.tensor([IDS])).logits[0].float()
     assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
 
+
+@pytest.mark.parametrize("family, settings, message", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for llama"),
+    ("qwen2", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported for qwen2"),
+    ("phi3", {"hidden_act": "gelu_new"}, "hidden_act 'gelu_new' is not supported for phi3"),
+    # exact GELU, not the tanh approximation Gemma computes
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for gemma2"),
+    ("gemma3", {"use_bidirectional_attention": True}, "bidirectional attention is not supported"),
+])
+def test_settings_that_change_transformers_forward_are_refused(family, settings, message, tmp_path):
+    """A setting under which transformers computes another model than the family's (another MLP activation, attention
+    without the causal mask) is refused in one line naming it, not run as the family's usual model."""
+    random_hf_checkpoint(family, tmp_path, **settings)
+    write_hf_tokenizer(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"^{tmp_path}/config.json: {message}"):
+        workbench.load(tmp_path, device="cpu")
+
+
 def test_phi3_long_rope_matches_transformers(tmp_path):
     """Phi-3.5's LongRoPE: the short factors below the original context (8 positions here), as transformers computes a
     forward there; from it on the long ones, each position as transformers' cached decoding rotates it when it is new.

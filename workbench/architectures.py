@@ -121,6 +121,8 @@ class Architecture:
     norm_offset: float = 0.0
     embed_scale: bool = False  # embeddings times sqrt(d_model)
     activation: str = "silu"  # of the MLP's gate: "silu" or "gelu_tanh"
+    # the config.json key transformers' MLP reads its activation from (None: the family's is fixed, GPT-OSS's)
+    hf_activation_key: str | None = "hidden_act"
     # tensors stored fused in the GGUF: its name -> the LayerWeights fields whose rows it stacks, in order
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Hugging Face tensor names that differ from llama's (suffix after ``model.layers.{i}.`` -> GGUF suffix)
@@ -208,25 +210,25 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  hf_sliding="from_max_window_layers", features=("per-head q/k RMSNorm",)),
     # their mixture of experts is in ModelConfig.moe (workbench.moe), which ``workbench info`` describes
     Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, hf_sliding_switch=True,
-                 hf_sliding="even_below_max_window_layers",
-                 features=("q/k/v biases",)),
+                 hf_sliding="even_below_max_window_layers", features=("q/k/v biases",)),
     Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), qk_norm="head", hf_sliding_switch=True,
                  features=("per-head q/k RMSNorm",)),
     Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
-                 activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=2,
-                 hf_sliding="period", default_window=4096, wide_query_scale_layers=46,
+                 activation="gelu_tanh", hf_activation_key="hidden_activation", hf_tensors=_POST_NORM_HF,
+                 swa_period=2, hf_sliding="period", default_window=4096, wide_query_scale_layers=46,
                  features=_GEMMA_FEATURES),
     Architecture("gemma3", ("Gemma3ForCausalLM",), qk_norm="head", post_norms=True, norm_offset=1.0,
-                 embed_scale=True, activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=6,
-                 hf_sliding="period", local_rope_base=10000.0, wide_query_scale_layers=62,
+                 embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",
+                 hf_tensors=_POST_NORM_HF, swa_period=6, hf_sliding="period", local_rope_base=10000.0,
+                 wide_query_scale_layers=62,
                  features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", ("local and global rope bases",
                                                                          _has("rope_base_local")))),
     # norms multiply by w (no offset); global layers have heads of their own size and count, a "proportional" rope
     # (llama.cpp's rope_freqs) and may take values from the keys' projection; the 26B-A4B's experts run beside the
     # dense MLP (ModelConfig.moe)
     Architecture("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), qk_norm="head",
-                 post_norms=True, embed_scale=True, activation="gelu_tanh", attn_scale=1.0, v_norm=True,
-                 values_from_keys=True,
+                 post_norms=True, embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",
+                 attn_scale=1.0, v_norm=True, values_from_keys=True,
                  hf_tensors={**_POST_NORM_HF, "layer_scalar": "layer_output_scale.weight",
                              "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
                              "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
@@ -255,7 +257,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # llama.cpp's "openai-moe": the norm before the MLP is stored as post_attention_norm; routing, the clamped SwiGLU
     # and its constants are fixed in llama.cpp's graph (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT, swiglu_oai)
     Architecture("gpt-oss", ("GptOssForCausalLM",), qkv_bias=True, out_bias=True, attn_sinks=True, swa_period=2,
-                 hf_sliding="period",
+                 hf_sliding="period", hf_activation_key=None,
                  hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight"},
                  gguf_tensors={"mlp_norm": "post_attention_norm.weight"},
                  moe=dict(gating="softmax_weight", normalize_weights=False, swiglu_limit=7.0, swiglu_alpha=1.702),
@@ -266,6 +268,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
                  features=("norms after attention and MLP only", "q/k RMSNorm over the whole projection")),
 )}
+# transformers' names (ACT2FN) of each MLP activation
+HF_ACTIVATIONS: dict[str, tuple[str, ...]] = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_new")}
 HF_CLASSES: dict[str, str] = {cls: a.name for a in ARCHITECTURES.values() for cls in a.hf_classes}
 
 

@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType
 
 from workbench import hf_fp8
 from workbench import moe as moe_lib
-from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS
+from workbench.architectures import (ARCHITECTURES, GLOBAL_TENSORS, HF_ACTIVATIONS, HF_CLASSES, HF_GLOBAL_TENSORS,
+                                     Architecture)
 from workbench.cache import cache_dir
 from workbench.config import LongRoPE, ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
@@ -540,8 +541,9 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             # Gemma 4 E2B: the layers that reuse keys and values have MLPs twice as wide
             wide = cfg.get("use_double_wide_mlp") and kv_shared
             d_mlp_layers = tuple(d_mlp * (2 if i >= n_layers - kv_shared else 1) for i in range(n_layers)) if wide else ()
-            if cfg.get("use_bidirectional_attention") == "all":
-                raise ModelLoadError(f"{path}: bidirectional attention is not supported")
+            if cfg.get("use_bidirectional_attention") in (True, "all"):
+                raise ModelLoadError(f"{path}/config.json: bidirectional attention is not supported")
+            _check_hf_activation(cfg, ARCHITECTURES[arch], path)
             d_head_global, n_kv_global = _hf_global_heads(cfg)
             sliding = _hf_sliding_layers(cfg, ARCHITECTURES[arch], n_layers)
             window = cfg.get("sliding_window") if any(sliding) else None
@@ -581,6 +583,14 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
+
+
+def _check_hf_activation(cfg: dict[str, Any], family: Architecture, path: Path) -> None:
+    """Refuse an MLP activation other than the one the family computes (a Llama with GELU would otherwise run SiLU)."""
+    key = family.hf_activation_key
+    if key is not None and (name := cfg.get(key)) is not None and name not in HF_ACTIVATIONS[family.activation]:
+        raise ModelLoadError(f"{path}/config.json: {key} {shorten(name)} is not supported for {family.name} (only "
+                             f"{' or '.join(HF_ACTIVATIONS[family.activation])})")
 
 
 def _hf_sliding_layers(cfg: dict[str, Any], family: Architecture, n_layers: int) -> tuple[bool, ...]:
