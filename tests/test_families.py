@@ -6,6 +6,7 @@ sqrt(d_head).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -91,6 +92,32 @@ def test_settings_that_change_transformers_forward_are_refused(family, settings,
     with pytest.raises(ModelLoadError, match=f"^{tmp_path}/config.json: {message}"):
         workbench.load(tmp_path, device="cpu")
 
+
+
+def test_olmo3_matches_transformers_and_its_llama_cpp_conversion(tmp_path):
+    """OLMo 3 (OLMo 2 with three sliding layers to each global one) from its transformers folder: the global layers'
+    rope YaRN-scaled, the sliding layers' not, transformers' logits. llama.cpp's converter writes it as olmo2, whose
+    graph rotates the sliding layers unscaled too: the GGUF loads to the same model, but for the YaRN attention factor,
+    which llama.cpp computes as 0.1 ln(factor) + 1 whatever the file says."""
+    from moe_reference import LLAMA_CPP_SOURCE, convert_with_llama_cpp
+
+    reference = random_hf_checkpoint("olmo3", tmp_path / "hf")
+    write_hf_tokenizer(tmp_path / "hf")
+    ours = workbench.load(tmp_path / "hf", device="cpu")
+    c = ours.config
+    assert (c.architecture, c.sliding_layers, c.rope_base_local) == ("olmo2", (True, True, True, False), 10000.0)
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+    if not (LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp's source tree (WORKBENCH_LLAMA_CPP_SOURCE) is not here")
+    from_gguf = workbench.load(convert_with_llama_cpp(tmp_path / "hf", tmp_path / "olmo3.gguf"), device="cpu")
+    llama_cpp_yarn = dataclasses.replace(c.rope_yarn, attn_factor=0.1 * math.log(8.0) + 1)
+    assert from_gguf.config.rope_yarn == llama_cpp_yarn and from_gguf.config.rope_base_local == 10000.0
+    checkpoint = load_checkpoint(tmp_path / "hf")
+    as_llama_cpp = workbench.Model(dataclasses.replace(checkpoint, config=dataclasses.replace(
+        c, rope_yarn=llama_cpp_yarn)), "cpu")
+    assert (from_gguf.forward(IDS) - as_llama_cpp.forward(IDS)).abs().max().item() < 1e-5
 
 def test_phi3_long_rope_matches_transformers(tmp_path):
     """Phi-3.5's LongRoPE: the short factors below the original context (8 positions here), as transformers computes a

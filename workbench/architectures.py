@@ -142,6 +142,9 @@ class Architecture:
     default_window: int | None = None
     gguf_window: bool = True
     local_rope_base: float | None = None
+    # whether, with a sliding window, llama.cpp rotates the sliding layers at the GGUF's swa base or else the global
+    # one, without the global rope's scaling (OLMo 3's, written as olmo2)
+    unscaled_local_rope: bool = False
     # Sliding windows in transformers: whether only a config.json that says ``use_sliding_window`` has one (Qwen), and
     # which layers slide where it names no ``layer_types`` (Gemma 2's and Gemma 3's on the Hub): "all", "period" (every
     # swa_period-th layer global, or every ``sliding_window_pattern``-th), "from_max_window_layers" or
@@ -263,10 +266,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  moe=dict(gating="softmax_weight", normalize_weights=False, swiglu_limit=7.0, swiglu_alpha=1.702),
                  moe_biases=True, hf_expert_layout="interleaved",
                  features=("q/k/v and output biases", "attention sinks", _SLIDING, ("YaRN rope", _has("rope_yarn")))),
-    Architecture("olmo2", ("Olmo2ForCausalLM",), qk_norm="projection", pre_norms=False, post_norms=True,
+    # OLMo 3 adds sliding layers (every 4th global) whose rope is unscaled
+    Architecture("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), qk_norm="projection", pre_norms=False,
+                 post_norms=True, swa_period=4, hf_sliding="period", unscaled_local_rope=True,
                  hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight",
                              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
-                 features=("norms after attention and MLP only", "q/k RMSNorm over the whole projection")),
+                 features=("norms after attention and MLP only", "q/k RMSNorm over the whole projection", _SLIDING)),
 )}
 # transformers' names (ACT2FN) of each MLP activation
 HF_ACTIVATIONS: dict[str, tuple[str, ...]] = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_new")}

@@ -211,6 +211,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         d_mlp_layers = key("feed_forward_length")  # Gemma 4 E2B: per layer, the KV-sharing layers' twice as wide
         d_mlp_layers = [int(d) for d in d_mlp_layers] if isinstance(d_mlp_layers, list) else [int(d_mlp_layers)]
         d_mlp = d_mlp_layers[0]
+        rope_base = float(key("rope.freq_base", 10000.0))
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
@@ -221,13 +222,14 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             d_mlp=d_mlp,
             vocab_size=int(vocab),
             n_ctx=int(key("context_length", 2048)),
-            rope_base=float(key("rope.freq_base", 10000.0)),
+            rope_base=rope_base,
             rms_eps=float(key("attention.layer_norm_rms_epsilon")),
             tied_embeddings="output.weight" not in tensors,
             name=str(metadata.get("general.name", path.stem)),
             sliding_window=window,
             sliding_layers=sliding if window else (),
-            rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
+            rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base
+                                             or (rope_base if family.unscaled_local_rope else None), window),
             rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
             rope_yarn=_gguf_yarn(optional, path) if scaling == "yarn" else None,
             # the converter marks Phi-3's long-context rope by its factors alone
@@ -516,6 +518,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
         raise ModelLoadError(
             f"{path}: unsupported architecture {shorten(names)}; supported: {', '.join(HF_CLASSES)}"
         )
+    family = ARCHITECTURES[arch]
     try:
         with _hyperparameters(path / "config.json"):
             d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -543,11 +546,14 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             d_mlp_layers = tuple(d_mlp * (2 if i >= n_layers - kv_shared else 1) for i in range(n_layers)) if wide else ()
             if cfg.get("use_bidirectional_attention") in (True, "all"):
                 raise ModelLoadError(f"{path}/config.json: bidirectional attention is not supported")
-            _check_hf_activation(cfg, ARCHITECTURES[arch], path)
+            _check_hf_activation(cfg, family, path)
             d_head_global, n_kv_global = _hf_global_heads(cfg)
-            sliding = _hf_sliding_layers(cfg, ARCHITECTURES[arch], n_layers)
+            sliding = _hf_sliding_layers(cfg, family, n_layers)
             window = cfg.get("sliding_window") if any(sliding) else None
+            rope_base = float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             local_base = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
+            if local_base is None and family.unscaled_local_rope:
+                local_base = rope_base
             scalar = cfg.get("query_pre_attn_scalar")
             return ModelConfig(
                 architecture=arch,
@@ -559,7 +565,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 d_mlp=d_mlp,
                 vocab_size=int(cfg["vocab_size"]),
                 n_ctx=int(cfg.get("max_position_embeddings", 2048)),
-                rope_base=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rope_base=rope_base,
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 name=path.name,
@@ -570,7 +576,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 rope_yarn=_hf_yarn(global_rope, cfg, path) if kind == "yarn" else None,
                 rope_long=_hf_long_rope(global_rope, cfg) if kind in ("longrope", "su") else None,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
-                attn_scale=math.sqrt(scalar) if scalar else ARCHITECTURES[arch].attn_scale,
+                attn_scale=math.sqrt(scalar) if scalar else family.attn_scale,
                 attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
                 final_softcap=_cap(cfg.get("final_logit_softcapping")),
                 d_head_global=d_head_global if d_head_global not in (None, d_head) else None,
@@ -579,7 +585,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 kv_shared_layers=kv_shared or None,
                 d_mlp_layers=d_mlp_layers,
                 moe=moe_lib.hf_config(cfg, arch),
-                **ARCHITECTURES[arch].config_flags(),
+                **family.config_flags(),
             )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
