@@ -202,7 +202,11 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             sliding = swa_layers(n_layers, int(pattern) if pattern is not None else family.swa_period)
         window = int(window) if window and any(sliding) else None
         n_kv_heads, n_kv_heads_global = _kv_heads(key("attention.head_count_kv", n_heads), sliding, path)
-        scaling = optional("rope.scaling.type")
+        if optional("attention.causal") is False:
+            raise ModelLoadError(f"{path}: non-causal attention ('{arch}.attention.causal' false) is not supported")
+        # llama.cpp's scaling type when the file names none is linear, with the factor under either key
+        rope_factor = float(optional("rope.scaling.factor") or optional("rope.scale_linear") or 1.0)
+        scaling = optional("rope.scaling.type") or ("linear" if rope_factor != 1.0 else None)
         if scaling not in (None, "none", "linear", "yarn"):
             raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (linear and yarn are)")
         d_rotary = optional("rope.dimension_count")
@@ -230,7 +234,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             sliding_layers=sliding if window else (),
             rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base
                                              or (rope_base if family.unscaled_local_rope else None), window),
-            rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
+            rope_scale=rope_factor if scaling == "linear" else 1.0,
             rope_yarn=_gguf_yarn(optional, path) if scaling == "yarn" else None,
             # the converter marks Phi-3's long-context rope by its factors alone
             rope_long=LongRoPE(int(optional("rope.scaling.original_context_length") or key("context_length")),
