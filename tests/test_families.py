@@ -94,6 +94,20 @@ def test_settings_that_change_transformers_forward_are_refused(family, settings,
 
 
 
+def test_stored_lm_head_is_read_whatever_tie_word_embeddings_says(tmp_path):
+    """A folder whose config.json says tie_word_embeddings but which stores lm_head.weight: transformers reads that
+    unembedding, and so does the loader (instead of refusing the folder)."""
+    random_hf_checkpoint("llama", tmp_path, tie=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert not ours.config.tied_embeddings
+    with torch.no_grad():
+        reference = transformers_reference(tmp_path)(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
+
+
 def test_olmo3_matches_transformers_and_its_llama_cpp_conversion(tmp_path):
     """OLMo 3 (OLMo 2 with three sliding layers to each global one) from its transformers folder: the global layers'
     rope YaRN-scaled, the sliding layers' not, transformers' logits. llama.cpp's converter writes it as olmo2, whose

@@ -731,8 +731,10 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
                 if not isinstance(factors := rope.get(f"{length}_factor"), list):
                     raise ModelLoadError(f"{path}/config.json: longrope needs a list of {length}_factor values")
                 tensors[GLOBAL_TENSORS[f"rope_{length}_factors"]] = torch.tensor([float(v) for v in factors])
-    if "output.weight" not in tensors:
-        config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
+    # the folder decides, whatever tie_word_embeddings says: transformers reads a stored lm_head.weight and ties only
+    # where there is none
+    if config.tied_embeddings != ("output.weight" not in tensors):
+        config = ModelConfig(**{**config.to_dict(), "tied_embeddings": "output.weight" not in tensors})
 
     def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
         tensor = tensors.get(name)
