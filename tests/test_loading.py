@@ -286,3 +286,16 @@ def test_gguf_non_causal_attention_is_refused(tmp_path, tiny_checkpoint):
                       {**checkpoint.metadata, "llama.attention.causal": False})
     with pytest.raises(ModelLoadError, match=r"non-causal attention \('llama.attention.causal' false\) is not "):
         workbench.load(path, device="cpu")
+
+
+def test_gguf_without_soft_cap_keys_takes_llama_cpp_defaults(tmp_path, tiny_checkpoint):
+    """Where a Gemma 2 GGUF names no soft caps (files converted before the keys existed), llama.cpp caps attention
+    scores at 50 and logits at 30: so does the loader, to llama.cpp's logits."""
+    ids = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
+    checkpoint = tiny_checkpoint("gemma2", "F32")
+    uncapped = dataclasses.replace(checkpoint.config, attn_softcap=None, final_softcap=None)
+    path = write_gguf(tmp_path / "uncapped.gguf", uncapped, checkpoint.weights, checkpoint.metadata)
+    model = workbench.load(path, device="cpu")
+    assert (model.config.attn_softcap, model.config.final_softcap) == (50.0, 30.0)
+    expected = llama_cpp_logits(path, ids)
+    assert (model.forward(ids) - expected).abs().max() < 1e-3 * expected.abs().max()

@@ -145,6 +145,8 @@ class Architecture:
     # whether, with a sliding window, llama.cpp rotates the sliding layers at the GGUF's swa base or else the global
     # one, without the global rope's scaling (OLMo 3's, written as olmo2)
     unscaled_local_rope: bool = False
+    # the soft caps llama.cpp applies where the GGUF names none (Gemma 2's)
+    gguf_softcaps: Mapping[str, float] = field(default_factory=dict)
     # Sliding windows in transformers: whether only a config.json that says ``use_sliding_window`` has one (Qwen), and
     # which layers slide where it names no ``layer_types`` (Gemma 2's and Gemma 3's on the Hub): "all", "period" (every
     # swa_period-th layer global, or every ``sliding_window_pattern``-th), "from_max_window_layers" or
@@ -219,6 +221,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
                  activation="gelu_tanh", hf_activation_key="hidden_activation", hf_tensors=_POST_NORM_HF,
                  swa_period=2, hf_sliding="period", default_window=4096, wide_query_scale_layers=46,
+                 gguf_softcaps={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
                  features=_GEMMA_FEATURES),
     Architecture("gemma3", ("Gemma3ForCausalLM",), qk_norm="head", post_norms=True, norm_offset=1.0,
                  embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",

@@ -181,6 +181,9 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
     def optional(name: str) -> Any:
         return metadata.get(f"{arch}.{name}")
 
+    def softcap(name: str) -> float | None:  # the file's, else the one llama.cpp assumes for the family
+        return _cap(optional(name) or family.gguf_softcaps.get(name))
+
     with _hyperparameters(path):
         d_model = int(key("embedding_length"))
         n_heads = int(key("attention.head_count"))
@@ -242,8 +245,8 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             if GLOBAL_TENSORS["rope_long_factors"] in tensors else None,
             d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
-            attn_softcap=_cap(optional("attn_logit_softcapping")),
-            final_softcap=_cap(optional("final_logit_softcapping")),
+            attn_softcap=softcap("attn_logit_softcapping"),
+            final_softcap=softcap("final_logit_softcapping"),
             d_head_global=d_head if d_head != d_head_swa else None,
             n_kv_heads_global=n_kv_heads_global,
             d_per_layer=int(optional("embedding_length_per_layer_input") or 0) or None,
