@@ -94,6 +94,25 @@ def test_settings_that_change_transformers_forward_are_refused(family, settings,
 
 
 
+@pytest.mark.parametrize("family, settings, dropped", [
+    ("mixtral", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rms_norm_eps": 1e-5},
+     ("rope_parameters", "rms_norm_eps")),
+    ("gemma2", {}, ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")),
+    ("gpt-oss", {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}, ("rope_parameters",)),
+])
+def test_settings_a_config_json_leaves_out_take_transformers_defaults(family, settings, dropped, tmp_path):
+    """A config.json without a setting its transformers class has a default for (Mixtral's rope base of 1e6, Gemma 2's
+    soft caps and query scale of 256, GPT-OSS's YaRN rope) loads as transformers builds it from the same file."""
+    random_hf_checkpoint(family, tmp_path, **settings)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in dropped}))
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    with torch.no_grad():
+        reference = transformers_reference(tmp_path)(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
+
+
 def test_stored_lm_head_is_read_whatever_tie_word_embeddings_says(tmp_path):
     """A folder whose config.json says tie_word_embeddings but which stores lm_head.weight: transformers reads that
     unembedding, and so does the loader (instead of refusing the folder)."""

@@ -276,6 +276,24 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
                  features=("norms after attention and MLP only", "q/k RMSNorm over the whole projection", _SLIDING)),
 )}
+# The config.json values transformers' config classes assume where the file names none, where they differ from the
+# loader's own assumptions (rope_theta 10000, rms_norm_eps 1e-6, head_dim hidden_size / heads, no sliding window or soft
+# caps, a query scale of sqrt(head_dim)): a config.json trimmed to what differs loads as transformers builds it.
+HF_DEFAULTS: dict[str, dict[str, object]] = {
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "Gemma2ForCausalLM": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1e6,
+                          "rope_local_base_freq": 10000.0},
+    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
+    "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
+    "Olmo3ForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
+    # (rope settings under rope_scaling, which a file's rope_parameters or rope_scaling replace)
+    "GptOssForCausalLM": {"head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
+                          "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 4096}},
+}
 # transformers' names (ACT2FN) of each MLP activation
 HF_ACTIVATIONS: dict[str, tuple[str, ...]] = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_new")}
 HF_CLASSES: dict[str, str] = {cls: a.name for a in ARCHITECTURES.values() for cls in a.hf_classes}

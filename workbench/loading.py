@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType
 
 from workbench import hf_fp8
 from workbench import moe as moe_lib
-from workbench.architectures import (ARCHITECTURES, GLOBAL_TENSORS, HF_ACTIVATIONS, HF_CLASSES, HF_GLOBAL_TENSORS,
-                                     Architecture)
+from workbench.architectures import (ARCHITECTURES, GLOBAL_TENSORS, HF_ACTIVATIONS, HF_CLASSES, HF_DEFAULTS,
+                                     HF_GLOBAL_TENSORS, Architecture)
 from workbench.cache import cache_dir
 from workbench.config import LongRoPE, ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
@@ -520,11 +520,12 @@ def _read_hf_config(path: Path) -> dict[str, Any]:
 def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
     names = cfg.get("architectures") or []
     names = names if isinstance(names, list) else [names]
-    arch = next((HF_CLASSES[n] for n in names if isinstance(n, str) and n in HF_CLASSES), None)
-    if arch is None:
+    hf_class = next((n for n in names if isinstance(n, str) and n in HF_CLASSES), None)
+    if hf_class is None:
         raise ModelLoadError(
             f"{path}: unsupported architecture {shorten(names)}; supported: {', '.join(HF_CLASSES)}"
         )
+    arch, cfg = HF_CLASSES[hf_class], {**HF_DEFAULTS.get(hf_class, {}), **cfg}
     family = ARCHITECTURES[arch]
     try:
         with _hyperparameters(path / "config.json"):
