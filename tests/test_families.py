@@ -113,6 +113,18 @@ def test_settings_a_config_json_leaves_out_take_transformers_defaults(family, se
     assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
 
 
+def test_gemma3_attention_soft_cap_setting_is_ignored_as_transformers_does(tmp_path):
+    """Gemma 3's config class keeps attn_logit_softcapping, but neither transformers' Gemma 3 nor llama.cpp's caps
+    attention scores (Gemma 2 does): a config that sets it loads to transformers' logits, uncapped."""
+    reference = random_hf_checkpoint("gemma3", tmp_path, attn_logit_softcapping=4.0)
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert ours.config.attn_softcap is None
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+
+
 def test_stored_lm_head_is_read_whatever_tie_word_embeddings_says(tmp_path):
     """A folder whose config.json says tie_word_embeddings but which stores lm_head.weight: transformers reads that
     unembedding, and so does the loader (instead of refusing the folder)."""

@@ -145,8 +145,10 @@ class Architecture:
     # whether, with a sliding window, llama.cpp rotates the sliding layers at the GGUF's swa base or else the global
     # one, without the global rope's scaling (OLMo 3's, written as olmo2)
     unscaled_local_rope: bool = False
-    # the soft caps llama.cpp applies where the GGUF names none (Gemma 2's)
-    gguf_softcaps: Mapping[str, float] = field(default_factory=dict)
+    # the soft caps the family applies, by their config.json and GGUF key ("attn_logit_softcapping",
+    # "final_logit_softcapping"; transformers and llama.cpp ignore the others), with llama.cpp's cap where a GGUF names
+    # none (None: no cap)
+    softcaps: Mapping[str, float | None] = field(default_factory=dict)
     # Sliding windows in transformers: whether only a config.json that says ``use_sliding_window`` has one (Qwen), and
     # which layers slide where it names no ``layer_types`` (Gemma 2's and Gemma 3's on the Hub): "all", "period" (every
     # swa_period-th layer global, or every ``sliding_window_pattern``-th), "from_max_window_layers" or
@@ -221,11 +223,12 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
                  activation="gelu_tanh", hf_activation_key="hidden_activation", hf_tensors=_POST_NORM_HF,
                  swa_period=2, hf_sliding="period", default_window=4096, wide_query_scale_layers=46,
-                 gguf_softcaps={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+                 softcaps={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
                  features=_GEMMA_FEATURES),
     Architecture("gemma3", ("Gemma3ForCausalLM",), qk_norm="head", post_norms=True, norm_offset=1.0,
                  embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",
                  hf_tensors=_POST_NORM_HF, swa_period=6, hf_sliding="period", local_rope_base=10000.0,
+                 softcaps={"final_logit_softcapping": None},
                  wide_query_scale_layers=62,
                  features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", ("local and global rope bases",
                                                                          _has("rope_base_local")))),
@@ -234,7 +237,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # dense MLP (ModelConfig.moe)
     Architecture("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), qk_norm="head",
                  post_norms=True, embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",
-                 attn_scale=1.0, v_norm=True, values_from_keys=True,
+                 attn_scale=1.0, v_norm=True, values_from_keys=True, softcaps={"final_logit_softcapping": None},
                  hf_tensors={**_POST_NORM_HF, "layer_scalar": "layer_output_scale.weight",
                              "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
                              "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",

@@ -182,7 +182,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         return metadata.get(f"{arch}.{name}")
 
     def softcap(name: str) -> float | None:  # the file's, else the one llama.cpp assumes for the family
-        return _cap(optional(name) or family.gguf_softcaps.get(name))
+        return _cap(optional(name) or family.softcaps[name]) if name in family.softcaps else None
 
     with _hyperparameters(path):
         d_model = int(key("embedding_length"))
@@ -585,8 +585,10 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 rope_long=_hf_long_rope(global_rope, cfg) if kind in ("longrope", "su") else None,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
                 attn_scale=math.sqrt(scalar) if scalar else family.attn_scale,
-                attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
-                final_softcap=_cap(cfg.get("final_logit_softcapping")),
+                attn_softcap=_cap(cfg.get("attn_logit_softcapping")) if "attn_logit_softcapping" in family.softcaps
+                else None,
+                final_softcap=_cap(cfg.get("final_logit_softcapping")) if "final_logit_softcapping" in family.softcaps
+                else None,
                 d_head_global=d_head_global if d_head_global not in (None, d_head) else None,
                 n_kv_heads_global=n_kv_global if n_kv_global not in (None, cfg.get("num_key_value_heads")) else None,
                 d_per_layer=d_per_layer,
