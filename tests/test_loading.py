@@ -299,3 +299,18 @@ def test_gguf_without_soft_cap_keys_takes_llama_cpp_defaults(tmp_path, tiny_chec
     assert (model.config.attn_softcap, model.config.final_softcap) == (50.0, 30.0)
     expected = llama_cpp_logits(path, ids)
     assert (model.forward(ids) - expected).abs().max() < 1e-3 * expected.abs().max()
+
+
+def test_gguf_expert_routing_keys_change_nothing_as_in_llama_cpp(tmp_path, tiny_checkpoint):
+    """llama.cpp's graph fixes a Qwen3-MoE's routing (softmax, normalized, unscaled) and reads no expert_gating_func,
+    expert_weights_norm or expert_weights_scale for it: a file that sets them loads to llama.cpp's logits."""
+    ids = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
+    checkpoint = tiny_checkpoint("qwen3moe", "F32", n_experts=8, n_experts_used=3)
+    keys = {"qwen3moe.expert_gating_func": 2, "qwen3moe.expert_weights_norm": False,
+            "qwen3moe.expert_weights_scale": 2.5}
+    path = write_gguf(tmp_path / "keyed.gguf", checkpoint.config, checkpoint.weights, {**checkpoint.metadata, **keys})
+    model = workbench.load(path, device="cpu")
+    moe = model.config.moe
+    assert (moe.gating, moe.normalize_weights, moe.weights_scale) == ("softmax", True, 1.0)
+    expected = llama_cpp_logits(path, ids)
+    assert (model.forward(ids) - expected).abs().max() < 1e-3 * expected.abs().max()

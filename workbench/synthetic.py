@@ -244,7 +244,6 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         writer.add_expert_count(c.moe.n_experts)
         writer.add_expert_used_count(c.moe.n_experts_used)
         writer.add_expert_feed_forward_length(c.moe.d_expert)
-        writer.add_expert_weights_norm(c.moe.normalize_weights)
         if c.moe.d_shared_expert:
             writer.add_expert_shared_feed_forward_length(c.moe.d_shared_expert)
     for key, value in (metadata or tokenizer_metadata()).items():
