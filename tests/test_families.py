@@ -6,6 +6,7 @@ sqrt(d_head).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -42,6 +43,126 @@ def test_hf_checkpoint_matches_transformers(family, tmp_path):
     stepped = torch.cat([ours.forward(IDS[:3], cache=cache)] + [ours.forward([t], cache=cache) for t in IDS[3:]])
     assert (stepped - expected).abs().max().item() < 1e-4
 
+
+
+def transformers_reference(path: Path):
+    """The float32 transformers model of a checkpoint folder, read back from its config.json as transformers reads
+    it (eager attention: the one that takes soft caps)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family, settings, expected", [
+    ("gemma2", {}, (True, False, True, False)),
+    ("gemma3", {"sliding_window_pattern": 3}, (True, True, False, True)),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}, (False, True, True, True)),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 4}, ()),
+])
+def test_sliding_layers_without_layer_types(family, settings, expected, tmp_path):
+    """A config.json that names no ``layer_types`` (Gemma 2's and Gemma 3's on the Hub, Qwen's) slides the layers
+    transformers' config class makes slide: Gemma's every n-th layer global, Qwen's only with ``use_sliding_window``
+    and from ``max_window_layers`` on."""
+    random_hf_checkpoint(family, tmp_path, **settings)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, **settings}))
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert ours.config.sliding_layers == expected
+    with torch.no_grad():
+        reference = transformers_reference(tmp_path)(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family, settings, message", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for llama"),
+    ("qwen2", {"hidden_act": "relu"}, "hidden_act 'relu' is not supported for qwen2"),
+    ("phi3", {"hidden_act": "gelu_new"}, "hidden_act 'gelu_new' is not supported for phi3"),
+    # exact GELU, not the tanh approximation Gemma computes
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for gemma2"),
+    ("gemma3", {"use_bidirectional_attention": True}, "bidirectional attention is not supported"),
+])
+def test_settings_that_change_transformers_forward_are_refused(family, settings, message, tmp_path):
+    """A setting under which transformers computes another model than the family's (another MLP activation, attention
+    without the causal mask) is refused in one line naming it, not run as the family's usual model."""
+    random_hf_checkpoint(family, tmp_path, **settings)
+    write_hf_tokenizer(tmp_path)
+    with pytest.raises(ModelLoadError, match=f"^{tmp_path}/config.json: {message}"):
+        workbench.load(tmp_path, device="cpu")
+
+
+
+@pytest.mark.parametrize("family, settings, dropped", [
+    ("mixtral", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rms_norm_eps": 1e-5},
+     ("rope_parameters", "rms_norm_eps")),
+    ("gemma2", {}, ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")),
+    ("gpt-oss", {"rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}, ("rope_parameters",)),
+])
+def test_settings_a_config_json_leaves_out_take_transformers_defaults(family, settings, dropped, tmp_path):
+    """A config.json without a setting its transformers class has a default for (Mixtral's rope base of 1e6, Gemma 2's
+    soft caps and query scale of 256, GPT-OSS's YaRN rope) loads as transformers builds it from the same file."""
+    random_hf_checkpoint(family, tmp_path, **settings)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in dropped}))
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    with torch.no_grad():
+        reference = transformers_reference(tmp_path)(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
+
+
+def test_gemma3_attention_soft_cap_setting_is_ignored_as_transformers_does(tmp_path):
+    """Gemma 3's config class keeps attn_logit_softcapping, but neither transformers' Gemma 3 nor llama.cpp's caps
+    attention scores (Gemma 2 does): a config that sets it loads to transformers' logits, uncapped."""
+    reference = random_hf_checkpoint("gemma3", tmp_path, attn_logit_softcapping=4.0)
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert ours.config.attn_softcap is None
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+
+
+def test_stored_lm_head_is_read_whatever_tie_word_embeddings_says(tmp_path):
+    """A folder whose config.json says tie_word_embeddings but which stores lm_head.weight: transformers reads that
+    unembedding, and so does the loader (instead of refusing the folder)."""
+    random_hf_checkpoint("llama", tmp_path, tie=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    write_hf_tokenizer(tmp_path)
+    ours = workbench.load(tmp_path, device="cpu")
+    assert not ours.config.tied_embeddings
+    with torch.no_grad():
+        reference = transformers_reference(tmp_path)(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - reference).abs().max().item() < 1e-4
+
+
+def test_olmo3_matches_transformers_and_its_llama_cpp_conversion(tmp_path):
+    """OLMo 3 (OLMo 2 with three sliding layers to each global one) from its transformers folder: the global layers'
+    rope YaRN-scaled, the sliding layers' not, transformers' logits. llama.cpp's converter writes it as olmo2, whose
+    graph rotates the sliding layers unscaled too: the GGUF loads to the same model, but for the YaRN attention factor,
+    which llama.cpp computes as 0.1 ln(factor) + 1 whatever the file says."""
+    from moe_reference import LLAMA_CPP_SOURCE, convert_with_llama_cpp
+
+    reference = random_hf_checkpoint("olmo3", tmp_path / "hf")
+    write_hf_tokenizer(tmp_path / "hf")
+    ours = workbench.load(tmp_path / "hf", device="cpu")
+    c = ours.config
+    assert (c.architecture, c.sliding_layers, c.rope_base_local) == ("olmo2", (True, True, True, False), 10000.0)
+    with torch.no_grad():
+        expected = reference(torch.tensor([IDS])).logits[0].float()
+    assert (ours.forward(IDS) - expected).abs().max().item() < 1e-4
+    if not (LLAMA_CPP_SOURCE / "convert_hf_to_gguf.py").is_file():
+        pytest.skip("llama.cpp's source tree (WORKBENCH_LLAMA_CPP_SOURCE) is not here")
+    from_gguf = workbench.load(convert_with_llama_cpp(tmp_path / "hf", tmp_path / "olmo3.gguf"), device="cpu")
+    llama_cpp_yarn = dataclasses.replace(c.rope_yarn, attn_factor=0.1 * math.log(8.0) + 1)
+    assert from_gguf.config.rope_yarn == llama_cpp_yarn and from_gguf.config.rope_base_local == 10000.0
+    checkpoint = load_checkpoint(tmp_path / "hf")
+    as_llama_cpp = workbench.Model(dataclasses.replace(checkpoint, config=dataclasses.replace(
+        c, rope_yarn=llama_cpp_yarn)), "cpu")
+    assert (from_gguf.forward(IDS) - as_llama_cpp.forward(IDS)).abs().max().item() < 1e-5
 
 def test_phi3_long_rope_matches_transformers(tmp_path):
     """Phi-3.5's LongRoPE: the short factors below the original context (8 positions here), as transformers computes a

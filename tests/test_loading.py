@@ -248,3 +248,69 @@ def test_models_built_in_memory_hash_their_weights():
     first, again, other = (workbench.Model(random_checkpoint(config, "Q8_0", seed=s), "cpu") for s in (0, 0, 1))
     assert first.file_sha256 == again.file_sha256 != other.file_sha256
     assert len(first.file_sha256) == 64
+
+
+def llama_cpp_logits(path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's float32 logits of every position of ``ids`` (llama-cpp-python)."""
+    import numpy as np
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(path), logits_all=True, verbose=False, n_ctx=64)
+    try:
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[:len(ids)]))
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("keys", [{"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 4.0}])
+def test_gguf_rope_factor_without_a_scaling_type_is_linear(keys, tmp_path, tiny_checkpoint):
+    """llama.cpp takes a rope scaling factor that names no scaling type, or sits under the older key rope.scale_linear,
+    for linear scaling: so does the loader, to llama.cpp's logits."""
+    ids = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
+    checkpoint = tiny_checkpoint("llama", "F32")
+    plain = write_gguf(tmp_path / "plain.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
+    scaled = write_gguf(tmp_path / "scaled.gguf", checkpoint.config, checkpoint.weights, {**checkpoint.metadata, **keys})
+    model = workbench.load(scaled, device="cpu")
+    assert model.config.rope_scale == 4.0
+    expected = llama_cpp_logits(scaled, ids)
+    assert (expected - llama_cpp_logits(plain, ids)).abs().max() > 1.0  # the factor matters
+    assert (model.forward(ids) - expected).abs().max() < 0.05  # llama.cpp's float32 kernels
+
+
+def test_gguf_non_causal_attention_is_refused(tmp_path, tiny_checkpoint):
+    """An embedding model's GGUF marks its attention bidirectional (attention.causal false), which llama.cpp honours:
+    refused in one line, not run causally."""
+    checkpoint = tiny_checkpoint("llama", "Q8_0")
+    path = write_gguf(tmp_path / "bidirectional.gguf", checkpoint.config, checkpoint.weights,
+                      {**checkpoint.metadata, "llama.attention.causal": False})
+    with pytest.raises(ModelLoadError, match=r"non-causal attention \('llama.attention.causal' false\) is not "):
+        workbench.load(path, device="cpu")
+
+
+def test_gguf_without_soft_cap_keys_takes_llama_cpp_defaults(tmp_path, tiny_checkpoint):
+    """Where a Gemma 2 GGUF names no soft caps (files converted before the keys existed), llama.cpp caps attention
+    scores at 50 and logits at 30: so does the loader, to llama.cpp's logits."""
+    ids = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
+    checkpoint = tiny_checkpoint("gemma2", "F32")
+    uncapped = dataclasses.replace(checkpoint.config, attn_softcap=None, final_softcap=None)
+    path = write_gguf(tmp_path / "uncapped.gguf", uncapped, checkpoint.weights, checkpoint.metadata)
+    model = workbench.load(path, device="cpu")
+    assert (model.config.attn_softcap, model.config.final_softcap) == (50.0, 30.0)
+    expected = llama_cpp_logits(path, ids)
+    assert (model.forward(ids) - expected).abs().max() < 1e-3 * expected.abs().max()
+
+
+def test_gguf_expert_routing_keys_change_nothing_as_in_llama_cpp(tmp_path, tiny_checkpoint):
+    """llama.cpp's graph fixes a Qwen3-MoE's routing (softmax, normalized, unscaled) and reads no expert_gating_func,
+    expert_weights_norm or expert_weights_scale for it: a file that sets them loads to llama.cpp's logits."""
+    ids = [5, 77, 120, 3, 250, 9, 14, 200, 31, 64, 8, 199]
+    checkpoint = tiny_checkpoint("qwen3moe", "F32", n_experts=8, n_experts_used=3)
+    keys = {"qwen3moe.expert_gating_func": 2, "qwen3moe.expert_weights_norm": False,
+            "qwen3moe.expert_weights_scale": 2.5}
+    path = write_gguf(tmp_path / "keyed.gguf", checkpoint.config, checkpoint.weights, {**checkpoint.metadata, **keys})
+    model = workbench.load(path, device="cpu")
+    moe = model.config.moe
+    assert (moe.gating, moe.normalize_weights, moe.weights_scale) == ("softmax", True, 1.0)
+    expected = llama_cpp_logits(path, ids)
+    assert (model.forward(ids) - expected).abs().max() < 1e-3 * expected.abs().max()

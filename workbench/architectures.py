@@ -121,6 +121,8 @@ class Architecture:
     norm_offset: float = 0.0
     embed_scale: bool = False  # embeddings times sqrt(d_model)
     activation: str = "silu"  # of the MLP's gate: "silu" or "gelu_tanh"
+    # the config.json key transformers' MLP reads its activation from (None: the family's is fixed, GPT-OSS's)
+    hf_activation_key: str | None = "hidden_act"
     # tensors stored fused in the GGUF: its name -> the LayerWeights fields whose rows it stacks, in order
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # Hugging Face tensor names that differ from llama's (suffix after ``model.layers.{i}.`` -> GGUF suffix)
@@ -140,6 +142,19 @@ class Architecture:
     default_window: int | None = None
     gguf_window: bool = True
     local_rope_base: float | None = None
+    # whether, with a sliding window, llama.cpp rotates the sliding layers at the GGUF's swa base or else the global
+    # one, without the global rope's scaling (OLMo 3's, written as olmo2)
+    unscaled_local_rope: bool = False
+    # the soft caps the family applies, by their config.json and GGUF key ("attn_logit_softcapping",
+    # "final_logit_softcapping"; transformers and llama.cpp ignore the others), with llama.cpp's cap where a GGUF names
+    # none (None: no cap)
+    softcaps: Mapping[str, float | None] = field(default_factory=dict)
+    # Sliding windows in transformers: whether only a config.json that says ``use_sliding_window`` has one (Qwen), and
+    # which layers slide where it names no ``layer_types`` (Gemma 2's and Gemma 3's on the Hub): "all", "period" (every
+    # swa_period-th layer global, or every ``sliding_window_pattern``-th), "from_max_window_layers" or
+    # "even_below_max_window_layers"
+    hf_sliding_switch: bool = False
+    hf_sliding: str = "all"
     # llama.cpp scales queries by 1/sqrt(d_model / n_heads) instead of 1/sqrt(d_head) for a model of this depth (Gemma's
     # 27B, after gemma_pytorch)
     wide_query_scale_layers: int | None = None
@@ -196,26 +211,33 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"), rope_interleaved=True,
                  features=(("sliding window (Mistral)", _has("sliding_window")),
                            ("rope frequency factors", _rope_factors))),
-    Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
-    Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
+    Architecture("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, hf_sliding_switch=True,
+                 hf_sliding="from_max_window_layers", features=("q/k/v biases",)),
+    Architecture("qwen3", ("Qwen3ForCausalLM",), qk_norm="head", hf_sliding_switch=True,
+                 hf_sliding="from_max_window_layers", features=("per-head q/k RMSNorm",)),
     # their mixture of experts is in ModelConfig.moe (workbench.moe), which ``workbench info`` describes
-    Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, features=("q/k/v biases",)),
-    Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), qk_norm="head", features=("per-head q/k RMSNorm",)),
+    Architecture("qwen2moe", ("Qwen2MoeForCausalLM",), qkv_bias=True, hf_sliding_switch=True,
+                 hf_sliding="even_below_max_window_layers", features=("q/k/v biases",)),
+    Architecture("qwen3moe", ("Qwen3MoeForCausalLM",), qk_norm="head", hf_sliding_switch=True,
+                 features=("per-head q/k RMSNorm",)),
     Architecture("gemma2", ("Gemma2ForCausalLM",), post_norms=True, norm_offset=1.0, embed_scale=True,
-                 activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=2,
-                 default_window=4096, wide_query_scale_layers=46,
+                 activation="gelu_tanh", hf_activation_key="hidden_activation", hf_tensors=_POST_NORM_HF,
+                 swa_period=2, hf_sliding="period", default_window=4096, wide_query_scale_layers=46,
+                 softcaps={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
                  features=_GEMMA_FEATURES),
     Architecture("gemma3", ("Gemma3ForCausalLM",), qk_norm="head", post_norms=True, norm_offset=1.0,
-                 embed_scale=True, activation="gelu_tanh", hf_tensors=_POST_NORM_HF, swa_period=6,
-                 local_rope_base=10000.0, wide_query_scale_layers=62,
+                 embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",
+                 hf_tensors=_POST_NORM_HF, swa_period=6, hf_sliding="period", local_rope_base=10000.0,
+                 softcaps={"final_logit_softcapping": None},
+                 wide_query_scale_layers=62,
                  features=_GEMMA_FEATURES + ("per-head q/k RMSNorm", ("local and global rope bases",
                                                                          _has("rope_base_local")))),
     # norms multiply by w (no offset); global layers have heads of their own size and count, a "proportional" rope
     # (llama.cpp's rope_freqs) and may take values from the keys' projection; the 26B-A4B's experts run beside the
     # dense MLP (ModelConfig.moe)
     Architecture("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), qk_norm="head",
-                 post_norms=True, embed_scale=True, activation="gelu_tanh", attn_scale=1.0, v_norm=True,
-                 values_from_keys=True,
+                 post_norms=True, embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",
+                 attn_scale=1.0, v_norm=True, values_from_keys=True, softcaps={"final_logit_softcapping": None},
                  hf_tensors={**_POST_NORM_HF, "layer_scalar": "layer_output_scale.weight",
                              "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
                              "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
@@ -244,16 +266,39 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # llama.cpp's "openai-moe": the norm before the MLP is stored as post_attention_norm; routing, the clamped SwiGLU
     # and its constants are fixed in llama.cpp's graph (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT, swiglu_oai)
     Architecture("gpt-oss", ("GptOssForCausalLM",), qkv_bias=True, out_bias=True, attn_sinks=True, swa_period=2,
+                 hf_sliding="period", hf_activation_key=None,
                  hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight"},
                  gguf_tensors={"mlp_norm": "post_attention_norm.weight"},
                  moe=dict(gating="softmax_weight", normalize_weights=False, swiglu_limit=7.0, swiglu_alpha=1.702),
                  moe_biases=True, hf_expert_layout="interleaved",
                  features=("q/k/v and output biases", "attention sinks", _SLIDING, ("YaRN rope", _has("rope_yarn")))),
-    Architecture("olmo2", ("Olmo2ForCausalLM",), qk_norm="projection", pre_norms=False, post_norms=True,
+    # OLMo 3 adds sliding layers (every 4th global) whose rope is unscaled
+    Architecture("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), qk_norm="projection", pre_norms=False,
+                 post_norms=True, swa_period=4, hf_sliding="period", unscaled_local_rope=True,
                  hf_tensors={"post_attention_layernorm.weight": "post_attention_norm.weight",
                              "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
-                 features=("norms after attention and MLP only", "q/k RMSNorm over the whole projection")),
+                 features=("norms after attention and MLP only", "q/k RMSNorm over the whole projection", _SLIDING)),
 )}
+# The config.json values transformers' config classes assume where the file names none, where they differ from the
+# loader's own assumptions (rope_theta 10000, rms_norm_eps 1e-6, head_dim hidden_size / heads, no sliding window or soft
+# caps, a query scale of sqrt(head_dim)): a config.json trimmed to what differs loads as transformers builds it.
+HF_DEFAULTS: dict[str, dict[str, object]] = {
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "Gemma2ForCausalLM": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1e6,
+                          "rope_local_base_freq": 10000.0},
+    "Phi3ForCausalLM": {"rms_norm_eps": 1e-5},
+    "Olmo2ForCausalLM": {"rms_norm_eps": 1e-5},
+    "Olmo3ForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 500000.0, "sliding_window": 4096},
+    # (rope settings under rope_scaling, which a file's rope_parameters or rope_scaling replace)
+    "GptOssForCausalLM": {"head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
+                          "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 4096}},
+}
+# transformers' names (ACT2FN) of each MLP activation
+HF_ACTIVATIONS: dict[str, tuple[str, ...]] = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_new")}
 HF_CLASSES: dict[str, str] = {cls: a.name for a in ARCHITECTURES.values() for cls in a.hf_classes}
 
 

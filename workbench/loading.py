@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType
 
 from workbench import hf_fp8
 from workbench import moe as moe_lib
-from workbench.architectures import ARCHITECTURES, Architecture, GLOBAL_TENSORS, HF_CLASSES, HF_GLOBAL_TENSORS
+from workbench.architectures import (ARCHITECTURES, GLOBAL_TENSORS, HF_ACTIVATIONS, HF_CLASSES, HF_DEFAULTS,
+                                     HF_GLOBAL_TENSORS, Architecture)
 from workbench.cache import cache_dir
 from workbench.config import LongRoPE, ModelConfig, YaRN
 from workbench.errors import ModelLoadError, clip, shorten
@@ -180,6 +181,9 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
     def optional(name: str) -> Any:
         return metadata.get(f"{arch}.{name}")
 
+    def softcap(name: str) -> float | None:  # the file's, else the one llama.cpp assumes for the family
+        return _cap(optional(name) or family.softcaps[name]) if name in family.softcaps else None
+
     with _hyperparameters(path):
         d_model = int(key("embedding_length"))
         n_heads = int(key("attention.head_count"))
@@ -201,7 +205,11 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             sliding = swa_layers(n_layers, int(pattern) if pattern is not None else family.swa_period)
         window = int(window) if window and any(sliding) else None
         n_kv_heads, n_kv_heads_global = _kv_heads(key("attention.head_count_kv", n_heads), sliding, path)
-        scaling = optional("rope.scaling.type")
+        if optional("attention.causal") is False:
+            raise ModelLoadError(f"{path}: non-causal attention ('{arch}.attention.causal' false) is not supported")
+        # llama.cpp's scaling type when the file names none is linear, with the factor under either key
+        rope_factor = float(optional("rope.scaling.factor") or optional("rope.scale_linear") or 1.0)
+        scaling = optional("rope.scaling.type") or ("linear" if rope_factor != 1.0 else None)
         if scaling not in (None, "none", "linear", "yarn"):
             raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (linear and yarn are)")
         d_rotary = optional("rope.dimension_count")
@@ -210,6 +218,7 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         d_mlp_layers = key("feed_forward_length")  # Gemma 4 E2B: per layer, the KV-sharing layers' twice as wide
         d_mlp_layers = [int(d) for d in d_mlp_layers] if isinstance(d_mlp_layers, list) else [int(d_mlp_layers)]
         d_mlp = d_mlp_layers[0]
+        rope_base = float(key("rope.freq_base", 10000.0))
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
@@ -220,14 +229,15 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             d_mlp=d_mlp,
             vocab_size=int(vocab),
             n_ctx=int(key("context_length", 2048)),
-            rope_base=float(key("rope.freq_base", 10000.0)),
+            rope_base=rope_base,
             rms_eps=float(key("attention.layer_norm_rms_epsilon")),
             tied_embeddings="output.weight" not in tensors,
             name=str(metadata.get("general.name", path.stem)),
             sliding_window=window,
             sliding_layers=sliding if window else (),
-            rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base, window),
-            rope_scale=float(optional("rope.scaling.factor") or 1.0) if scaling == "linear" else 1.0,
+            rope_base_local=_local_rope_base(optional("rope.freq_base_swa") or family.local_rope_base
+                                             or (rope_base if family.unscaled_local_rope else None), window),
+            rope_scale=rope_factor if scaling == "linear" else 1.0,
             rope_yarn=_gguf_yarn(optional, path) if scaling == "yarn" else None,
             # the converter marks Phi-3's long-context rope by its factors alone
             rope_long=LongRoPE(int(optional("rope.scaling.original_context_length") or key("context_length")),
@@ -235,8 +245,8 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             if GLOBAL_TENSORS["rope_long_factors"] in tensors else None,
             d_rotary=int(d_rotary) if d_rotary is not None and int(d_rotary) != d_head else None,
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
-            attn_softcap=_cap(optional("attn_logit_softcapping")),
-            final_softcap=_cap(optional("final_logit_softcapping")),
+            attn_softcap=softcap("attn_logit_softcapping"),
+            final_softcap=softcap("final_logit_softcapping"),
             d_head_global=d_head if d_head != d_head_swa else None,
             n_kv_heads_global=n_kv_heads_global,
             d_per_layer=int(optional("embedding_length_per_layer_input") or 0) or None,
@@ -510,11 +520,13 @@ def _read_hf_config(path: Path) -> dict[str, Any]:
 def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
     names = cfg.get("architectures") or []
     names = names if isinstance(names, list) else [names]
-    arch = next((HF_CLASSES[n] for n in names if isinstance(n, str) and n in HF_CLASSES), None)
-    if arch is None:
+    hf_class = next((n for n in names if isinstance(n, str) and n in HF_CLASSES), None)
+    if hf_class is None:
         raise ModelLoadError(
             f"{path}: unsupported architecture {shorten(names)}; supported: {', '.join(HF_CLASSES)}"
         )
+    arch, cfg = HF_CLASSES[hf_class], {**HF_DEFAULTS.get(hf_class, {}), **cfg}
+    family = ARCHITECTURES[arch]
     try:
         with _hyperparameters(path / "config.json"):
             d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -540,16 +552,16 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             # Gemma 4 E2B: the layers that reuse keys and values have MLPs twice as wide
             wide = cfg.get("use_double_wide_mlp") and kv_shared
             d_mlp_layers = tuple(d_mlp * (2 if i >= n_layers - kv_shared else 1) for i in range(n_layers)) if wide else ()
-            if cfg.get("use_bidirectional_attention") == "all":
-                raise ModelLoadError(f"{path}: bidirectional attention is not supported")
+            if cfg.get("use_bidirectional_attention") in (True, "all"):
+                raise ModelLoadError(f"{path}/config.json: bidirectional attention is not supported")
+            _check_hf_activation(cfg, family, path)
             d_head_global, n_kv_global = _hf_global_heads(cfg)
-            layer_types = cfg.get("layer_types")
-            if layer_types:
-                sliding = tuple(t == "sliding_attention" for t in layer_types)
-            else:
-                sliding = (cfg.get("use_sliding_window", True) is not False,) * n_layers
+            sliding = _hf_sliding_layers(cfg, family, n_layers)
             window = cfg.get("sliding_window") if any(sliding) else None
+            rope_base = float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             local_base = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
+            if local_base is None and family.unscaled_local_rope:
+                local_base = rope_base
             scalar = cfg.get("query_pre_attn_scalar")
             return ModelConfig(
                 architecture=arch,
@@ -561,7 +573,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 d_mlp=d_mlp,
                 vocab_size=int(cfg["vocab_size"]),
                 n_ctx=int(cfg.get("max_position_embeddings", 2048)),
-                rope_base=float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rope_base=rope_base,
                 rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 name=path.name,
@@ -572,19 +584,45 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 rope_yarn=_hf_yarn(global_rope, cfg, path) if kind == "yarn" else None,
                 rope_long=_hf_long_rope(global_rope, cfg) if kind in ("longrope", "su") else None,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
-                attn_scale=math.sqrt(scalar) if scalar else ARCHITECTURES[arch].attn_scale,
-                attn_softcap=_cap(cfg.get("attn_logit_softcapping")),
-                final_softcap=_cap(cfg.get("final_logit_softcapping")),
+                attn_scale=math.sqrt(scalar) if scalar else family.attn_scale,
+                attn_softcap=_cap(cfg.get("attn_logit_softcapping")) if "attn_logit_softcapping" in family.softcaps
+                else None,
+                final_softcap=_cap(cfg.get("final_logit_softcapping")) if "final_logit_softcapping" in family.softcaps
+                else None,
                 d_head_global=d_head_global if d_head_global not in (None, d_head) else None,
                 n_kv_heads_global=n_kv_global if n_kv_global not in (None, cfg.get("num_key_value_heads")) else None,
                 d_per_layer=d_per_layer,
                 kv_shared_layers=kv_shared or None,
                 d_mlp_layers=d_mlp_layers,
                 moe=moe_lib.hf_config(cfg, arch),
-                **ARCHITECTURES[arch].config_flags(),
+                **family.config_flags(),
             )
     except KeyError as err:
         raise ModelLoadError(f"{path}/config.json lacks {err}") from None
+
+
+def _check_hf_activation(cfg: dict[str, Any], family: Architecture, path: Path) -> None:
+    """Refuse an MLP activation other than the one the family computes (a Llama with GELU would otherwise run SiLU)."""
+    key = family.hf_activation_key
+    if key is not None and (name := cfg.get(key)) is not None and name not in HF_ACTIVATIONS[family.activation]:
+        raise ModelLoadError(f"{path}/config.json: {key} {shorten(name)} is not supported for {family.name} (only "
+                             f"{' or '.join(HF_ACTIVATIONS[family.activation])})")
+
+
+def _hf_sliding_layers(cfg: dict[str, Any], family: Architecture, n_layers: int) -> tuple[bool, ...]:
+    """Which layers slide, as transformers' config class of the family lays them out: ``layer_types``, else the
+    family's default layout (``Architecture.hf_sliding``); none where the family needs ``use_sliding_window``."""
+    if not cfg.get("use_sliding_window", not family.hf_sliding_switch):
+        return (False,) * n_layers
+    if layer_types := cfg.get("layer_types"):
+        return tuple(t == "sliding_attention" for t in layer_types)
+    max_window_layers = int(cfg.get("max_window_layers", 28))  # the Qwen config classes' default
+    return {
+        "all": (True,) * n_layers,
+        "period": swa_layers(n_layers, int(cfg.get("sliding_window_pattern") or family.swa_period)),
+        "from_max_window_layers": tuple(i >= max_window_layers for i in range(n_layers)),
+        "even_below_max_window_layers": tuple(i % 2 == 0 and i < max_window_layers for i in range(n_layers)),
+    }[family.hf_sliding]
 
 
 def _hf_yarn(rope: dict[str, Any], cfg: dict[str, Any], path: Path) -> YaRN:
@@ -722,8 +760,10 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
                 if not isinstance(factors := rope.get(f"{length}_factor"), list):
                     raise ModelLoadError(f"{path}/config.json: longrope needs a list of {length}_factor values")
                 tensors[GLOBAL_TENSORS[f"rope_{length}_factors"]] = torch.tensor([float(v) for v in factors])
-    if "output.weight" not in tensors:
-        config = ModelConfig(**{**config.to_dict(), "tied_embeddings": True})
+    # the folder decides, whatever tie_word_embeddings says: transformers reads a stored lm_head.weight and ties only
+    # where there is none
+    if config.tied_embeddings != ("output.weight" not in tensors):
+        config = ModelConfig(**{**config.to_dict(), "tied_embeddings": "output.weight" not in tensors})
 
     def get(name: str, shape: tuple[int, ...]) -> QuantTensor | None:
         tensor = tensors.get(name)

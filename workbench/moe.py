@@ -343,22 +343,18 @@ _HF_SWIGLU = ("swiglu_limit", "swiglu_alpha")  # GPT-OSS's config.json names the
 
 def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -> MoEConfig | None:
     """The MoE part of a GGUF's metadata (``key(name, default)`` reads ``{arch}.{name}``), as llama.cpp reads it for
-    Mixtral (llama with experts), Qwen2-MoE and Qwen3-MoE."""
+    Mixtral (llama with experts), Qwen2-MoE, Qwen3-MoE, Gemma 4 and GPT-OSS: its graph fixes their routing (softmax,
+    weights normalized but for qwen2moe, unscaled), so a file's expert_gating_func, expert_weights_norm and
+    expert_weights_scale change nothing there, nor here."""
     n_experts = int(key("expert_count", 0))
     if not n_experts:
         if architecture.endswith("moe"):
             raise ModelLoadError(f"{architecture}: metadata key '{architecture}.expert_count' is missing")
         return None
-    gating = {0: "softmax", 1: "softmax", 2: "sigmoid"}.get(int(key("expert_gating_func", 0)))
-    if gating is None:
-        raise ModelLoadError(f"{architecture}: unsupported expert gating function {key('expert_gating_func', 0)}")
-    scale = float(key("expert_weights_scale", 0.0))
     config = MoEConfig(
         n_experts=n_experts, n_experts_used=int(key("expert_used_count", None)),
-        d_expert=int(key("expert_feed_forward_length", d_mlp)), gating=gating,
-        # llama.cpp's qwen2moe never normalizes, its llama (Mixtral) and qwen3moe always do
-        normalize_weights=bool(key("expert_weights_norm", architecture != "qwen2moe")),
-        weights_scale=scale if scale else 1.0,
+        d_expert=int(key("expert_feed_forward_length", d_mlp)),
+        normalize_weights=architecture != "qwen2moe",
         # llama.cpp reads the shared expert's width for qwen2moe only (a Qwen3-MoE GGUF may carry the key unused)
         d_shared_expert=int(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
         dense_mlp=architecture == "gemma4",

@@ -499,7 +499,10 @@ class Transformer:
         if c.sliding_window and (c.rope_base_local is not None or local_rotary != global_rotary):
             local = ((c.rope_base_local, 1.0, None) if c.rope_base_local is not None
                      else (c.rope_base, c.rope_scale, weights.rope_freq_factors))
-            if (*local[:2], local_rotary) != (c.rope_base, c.rope_scale, global_rotary):
+            # a rope base of their own also leaves the global table's YaRN or LongRoPE out (OLMo 3's sliding layers)
+            scaled_global = c.rope_yarn is not None or c.rope_long is not None
+            if (c.rope_base_local is not None and scaled_global
+                    or (*local[:2], local_rotary) != (c.rope_base, c.rope_scale, global_rotary)):
                 self.local_rope = self._rope_table(*local, local_rotary)
                 self._rope_params[True] = (*local, local_rotary)
         self._llamacpp_rope: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}  # ggml's tables, built on first use

@@ -244,7 +244,6 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         writer.add_expert_count(c.moe.n_experts)
         writer.add_expert_used_count(c.moe.n_experts_used)
         writer.add_expert_feed_forward_length(c.moe.d_expert)
-        writer.add_expert_weights_norm(c.moe.normalize_weights)
         if c.moe.d_shared_expert:
             writer.add_expert_shared_feed_forward_length(c.moe.d_shared_expert)
     for key, value in (metadata or tokenizer_metadata()).items():
@@ -321,6 +320,7 @@ _HF_FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "phi3.5": ("Phi3Config", "Phi3ForCausalLM"),  # with LongRoPE
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),  # OLMo 2 with sliding layers, which llama.cpp converts as olmo2
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -373,6 +373,11 @@ def random_hf_checkpoint(family: str, path: str | Path, vocab_size: int | None =
         "phi3.5": dict(partial_rotary_factor=0.5, original_max_position_embeddings=8, rope_parameters=dict(
             rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5, original_max_position_embeddings=8,
             short_factor=[1.0, 1.25, 1.5, 2.0], long_factor=[2.0, 3.0, 5.0, 8.0])),
+        # every 4th layer global, its rope alone YaRN-scaled (OLMo 3's long-context rope, 8x over 16 positions)
+        "olmo3": dict(sliding_window=4, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "attention_factor": 1.2,
+                               "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
         "qwen2moe": dict(moe_intermediate_size=48, shared_expert_intermediate_size=80, num_experts=8,
                          num_experts_per_tok=2),
