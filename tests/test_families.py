@@ -210,14 +210,18 @@ def test_llama3_rope_scaling_as_llama_cpp_stores_it(tmp_path):
     assert (workbench.load(plain, device="cpu").forward(IDS) - ours.forward(IDS)).abs().max().item() > 1e-3
 
 
-def test_llama3_rope_scaling_missing_a_key_names_it(tmp_path):
+def test_rope_scaling_errors_name_the_config_once(tmp_path):
     random_hf_checkpoint("llama3", tmp_path)
     write_hf_tokenizer(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     rope = config.get("rope_parameters") or config["rope_scaling"]
     del rope["low_freq_factor"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="config.json: its rope scaling lacks 'low_freq_factor'"):
+    with pytest.raises(ModelLoadError, match=f"^{tmp_path}/config.json: its rope scaling lacks 'low_freq_factor'$"):
+        workbench.load(tmp_path, device="cpu")
+    rope["rope_type"] = "dynamic"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"^{tmp_path}/config.json: rope scaling 'dynamic' is not supported "):
         workbench.load(tmp_path, device="cpu")
 
 

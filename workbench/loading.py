@@ -538,14 +538,14 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
             kind = global_rope.get("rope_type", global_rope.get("type", "default"))
             if kind not in ("default", "linear", "llama3", "proportional", "yarn", "longrope", "su"):
-                raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (default, linear, "
+                raise ModelLoadError(f"{path}/config.json: rope scaling {kind!r} is not supported (default, linear, "
                                      "llama3, proportional, yarn and longrope are)")
             # "proportional" (Gemma 4) rotates a fraction of each head's pairs: rope_freqs, made on load
             rotary = (global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
                       if kind != "proportional" else None)
             d_per_layer = int(cfg.get("hidden_size_per_layer_input") or 0) or None
             if d_per_layer and cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]) != cfg["vocab_size"]:
-                raise ModelLoadError(f"{path}: per-layer embeddings of another vocabulary size than the model's are "
+                raise ModelLoadError(f"{path}/config.json: per-layer embeddings of another vocabulary size than the model's are "
                                      "not supported")
             kv_shared = int(cfg.get("num_kv_shared_layers") or 0)
             d_mlp = int(cfg["intermediate_size"])
@@ -629,7 +629,7 @@ def _hf_yarn(rope: dict[str, Any], cfg: dict[str, Any], path: Path) -> YaRN:
     """YaRN as transformers computes it (``_compute_yarn_parameters``), which rounds the ramp's ends only where the
     config says ``truncate``."""
     if rope.get("mscale") and rope.get("mscale_all_dim"):
-        raise ModelLoadError(f"{path}: YaRN with mscale and mscale_all_dim (DeepSeek's) is not supported")
+        raise ModelLoadError(f"{path}/config.json: YaRN with mscale and mscale_all_dim (DeepSeek's) is not supported")
     original = rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
     factor = float(rope.get("factor") or cfg.get("max_position_embeddings", 2048) / original)
     attention_factor = rope.get("attention_factor")
