@@ -59,7 +59,7 @@ def test_metadata_fields(smollm):
     assert smollm.vocab_size == 49152
     assert (smollm.bos_id, smollm.eos_id) == (1, 2)
     assert smollm.add_bos_by_default is False  # tokenizer.ggml.add_bos_token = false in this GGUF
-    assert smollm.stop_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+    assert smollm.stop_ids == {0, 2, 4}  # <|endoftext|>, <|im_end|>, <reponame> (a FIM token), as in llama.cpp
 
 
 def test_bos_follows_model_default_unless_asked(smollm, vocab):
@@ -229,13 +229,76 @@ def _write_vocab_gguf(metadata: dict, path: Path) -> None:
     writer.add_tokenizer_model(metadata["tokenizer.ggml.model"])
     writer.add_token_list(metadata["tokenizer.ggml.tokens"])
     writer.add_token_types(metadata["tokenizer.ggml.token_type"])
-    writer.add_token_scores(metadata["tokenizer.ggml.scores"])
+    if "tokenizer.ggml.scores" in metadata:
+        writer.add_token_scores(metadata["tokenizer.ggml.scores"])
+    else:
+        writer.add_tokenizer_pre(metadata["tokenizer.ggml.pre"])
+        writer.add_token_merges(metadata["tokenizer.ggml.merges"])
     writer.add_bos_token_id(metadata["tokenizer.ggml.bos_token_id"])
     writer.add_eos_token_id(metadata["tokenizer.ggml.eos_token_id"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# --- where generation ends: llama.cpp's end-of-generation tokens ---------------------------
+
+# Vocabularies of the chat formats whose stops llama.cpp finds by text, each after "<bos>", "<eos>", "a", "aa".
+STOP_VOCABULARIES = {
+    "gpt-oss (Harmony)": ["<|return|>", "<|call|>", "<|end|>", "<|channel|>", "<|message|>", "<|start|>",
+                          "<|constrain|>"],
+    "Gemma 4": ["<|turn>", "<turn|>", "<|tool_response>", "</s>"],
+    "Phi-3": ["<|end|>", "</s>"],
+    "fill-in-the-middle, others": ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "[EOS]", "<end_of_utterance>"],
+}
+
+
+def stop_vocabulary_metadata(chat_tokens: list[str], **overrides) -> dict:
+    tokens = ["<bos>", "<eos>", "a", "aa", *chat_tokens]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3] + [1] * (len(tokens) - 2), "tokenizer.ggml.merges": ["a a"],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1, **overrides}
+
+
+def stop_texts(tokenizer: Tokenizer, metadata: dict) -> set[str]:
+    return {metadata["tokenizer.ggml.tokens"][i] for i in tokenizer.stop_ids}
+
+
+def test_stops_where_chat_formats_end_a_turn():
+    """Gemma 4 ends a turn with "<turn|>"; gpt-oss ends its answer with "<|return|>" or "<|call|>", while "<|end|>"
+    only ends a message (its reasoning, say), on which generation must go on."""
+    gemma4 = stop_vocabulary_metadata(STOP_VOCABULARIES["Gemma 4"])
+    assert stop_texts(Tokenizer.from_gguf_metadata(gemma4), gemma4) == {"<eos>", "<turn|>", "<|tool_response>"}
+    harmony = stop_vocabulary_metadata(STOP_VOCABULARIES["gpt-oss (Harmony)"])
+    gpt_oss = Tokenizer.from_gguf_metadata(harmony)
+    assert stop_texts(gpt_oss, harmony) == {"<eos>", "<|return|>", "<|call|>"}
+    reply = "<|channel|>a<|message|>aa<|end|>"
+    assert gpt_oss.decode(gpt_oss.encode(reply), skip_special=True) == reply  # the markers a reply's parser reads
+    phi3 = stop_vocabulary_metadata(STOP_VOCABULARIES["Phi-3"])
+    assert "<|end|>" in stop_texts(Tokenizer.from_gguf_metadata(phi3), phi3)
+
+
+@pytest.mark.parametrize("name", STOP_VOCABULARIES)
+def test_stops_and_token_types_match_llama_cpp(tmp_path, name):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the reference) is not installed")
+    metadata = stop_vocabulary_metadata(STOP_VOCABULARIES[name])
+    path = tmp_path / "vocab.gguf"
+    _write_vocab_gguf(metadata, path)
+    reference = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    tokens = metadata["tokenizer.ggml.tokens"]
+    assert ours.stop_ids == {i for i in range(len(tokens)) if llama_cpp.llama_vocab_is_eog(reference._model.vocab, i)}
+    # what a token's type decides: parsed as a unit with special parsing on (CONTROL) or always (USER_DEFINED)
+    for text in tokens[4:]:
+        for special in (True, False):
+            assert ours.encode(text, parse_special=special) == reference.tokenize(text.encode(), True, special), text
+
+
+def test_fill_in_the_middle_stops_follow_their_gguf_keys():
+    metadata = stop_vocabulary_metadata(STOP_VOCABULARIES["fill-in-the-middle, others"],
+                                        **{"tokenizer.ggml.fim_pad_token_id": 1})  # the pad is EOS here
+    assert "<|fim_pad|>" not in stop_texts(Tokenizer.from_gguf_metadata(metadata), metadata)
 
 
 # --- small byte-level BPE vocabularies: unknown pre-tokenizer, tokenizer.json ----------------
@@ -284,6 +347,18 @@ def test_from_hf_dir(tmp_path):
 
     _write_hf_dir(tmp_path, {"bos_token": "<s>", "add_bos_token": False})
     assert Tokenizer.from_hf_dir(tmp_path).encode("ab") == [6]
+
+
+def test_hf_generation_ends_where_transformers_generate_does(tmp_path):
+    """On generation_config.json's eos_token_id (an id, a list or null), else config.json's."""
+    _write_hf_dir(tmp_path, {"eos_token": "</s>"})
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 6}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 6}
+    (tmp_path / "generation_config.json").unlink()
+    assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 6}
 
 
 # --- bad input -------------------------------------------------------------------------------
