@@ -384,6 +384,23 @@ def test_bad_arguments_are_named():
         spm.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def test_chat_template_generation_blocks_render_as_transformers_does():
+    """{% generation %} marks the assistant's text for transformers' training masks; it renders as its text."""
+    template = ("{% set ns = namespace(turns=0) %}{% for m in messages %}<{{ m['role'] }}>"
+                "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% set ns.turns = ns.turns + 1 %}"
+                "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}[{{ ns.turns }}]"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"}]
+    chat = Tokenizer.from_gguf_metadata(spm_metadata(**{"tokenizer.chat_template": template}))
+    assert chat.apply_chat_template(messages) == "<user>hi<assistant>hello<user>bye[1]<assistant>"
+    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    (reference,), _ = chat_template_utils.render_jinja_template([messages], chat_template=template,
+                                                                add_generation_prompt=True, bos_token="<s>",
+                                                                eos_token="</s>")
+    assert chat.apply_chat_template(messages) == reference
+
+
 def test_chat_template_errors():
     template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}ok"
     chat = Tokenizer.from_gguf_metadata(spm_metadata(**{"tokenizer.chat_template": template}))

@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, NoReturn
 import gguf
 import jinja2
 import jinja2.compiler
+import jinja2.ext
 import jinja2.nodes
 import jinja2.runtime
 import tokenizers
@@ -616,6 +617,18 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}``, which marks the assistant's text for its training masks
+    (return_assistant_tokens_mask); rendered as the text inside, in a scope of its own, as transformers renders it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
 _render_budget = threading.local()
 
 
@@ -689,8 +702,8 @@ def _guarded(limit: int, failing: str) -> Iterator[None]:
 @functools.cache
 def _chat_template_env() -> ImmutableSandboxedEnvironment:
     # Same settings as transformers' apply_chat_template, which the templates are written for.
-    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                          optimized=False)
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=["jinja2.ext.loopcontrols", _GenerationBlocks], optimized=False)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
