@@ -8,7 +8,7 @@ from pathlib import Path
 import gguf
 import pytest
 import tokenizers
-from tokenizers import AddedToken, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
 from workbench.tokenizer import StreamDecoder, Tokenizer
 
@@ -359,6 +359,31 @@ def test_hf_generation_ends_where_transformers_generate_does(tmp_path):
     assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 6}
     (tmp_path / "generation_config.json").unlink()
     assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 6}
+
+
+def test_hf_space_prefixed_at_the_start_only_decodes_as_transformers_does(tmp_path):
+    """A Metaspace that prepends "▁" to the text's start only (Llama 2, Mistral): after the BOS encode adds, the
+    text's first piece still carries the prefix, which decode drops."""
+    tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "▁b", "ab", "▁ab"]
+    backend = tokenizers.Tokenizer(models.BPE({text: i for i, text in enumerate(tokens)},
+                                              [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.add_special_tokens([AddedToken(text, special=True) for text in tokens[:3]])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    texts = ["ab a", "b  a", "a</s>b"]
+    for text in texts:
+        assert ours.decode(ours.encode(text), skip_special=True) == text.replace("</s>", "")
+        assert ours.decode(ours.encode(text)) == "<s>" + text
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in [*texts, " ab"]:  # a leading space is the prefix's own here, lost in both
+        ids = reference(text)["input_ids"]
+        assert ours.encode(text) == ids
+        assert ours.decode(ids, skip_special=True) == reference.decode(ids, skip_special_tokens=True)
 
 
 # --- bad input -------------------------------------------------------------------------------

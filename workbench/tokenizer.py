@@ -309,11 +309,13 @@ class Tokenizer:
         """
         pieces = []
         at_prefix_point = self._space_prefix != "never"  # the start of the text
-        for token_id in ids:
+        for n, token_id in enumerate(ids):
             token_id = self._check_id(token_id)
             piece = self._piece(token_id)
             if token_id in self._added_ids:
-                at_prefix_point = self._space_prefix == "always"
+                # the BOS that encode puts before the text leaves the text's start (and its prefix) after it
+                at_prefix_point = self._space_prefix == "always" or (at_prefix_point and n == 0
+                                                                     and token_id == self.bos_id)
                 if skip_special and token_id in self._hidden_ids:
                     continue
             elif at_prefix_point:
