@@ -50,6 +50,16 @@ def test_matches_llama_cpp_reference(smollm):
     assert mismatches == []
 
 
+def test_gpt_4o_pre_tokenizer_matches_llama_cpp(smollm_metadata, tmp_path):
+    """gpt-oss's GGUFs (o200k) name the "gpt-4o" pre-tokenizer; here the embedded vocabulary split its way."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the reference) is not installed")
+    metadata = {**smollm_metadata, "tokenizer.ggml.pre": "gpt-4o"}
+    _write_vocab_gguf(metadata, tmp_path / "gpt-4o.gguf")
+    reference = llama_cpp.Llama(str(tmp_path / "gpt-4o.gguf"), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    assert [text for text in CASES if ours.encode(text) != reference.tokenize(text.encode(), True, True)] == []
+
+
 def test_decode_inverts_encode(smollm):
     failures = [text for text in CASES if smollm.decode(smollm.encode(text)) != text]
     assert failures == []
