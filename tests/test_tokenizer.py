@@ -3,6 +3,7 @@ tokenizer.json vocabularies, and parity with llama.cpp where its output is avail
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import gguf
@@ -99,6 +100,7 @@ def test_special_tokens_parse_as_single_ids(smollm, vocab):
     assert smollm.decode(as_text) == text
 
 
+@pytest.mark.filterwarnings("ignore:the text starts with the BOS token")  # a second BOS, as meant
 def test_decode_skip_special_drops_control_tokens(smollm):
     ids = smollm.encode("<|im_start|>assistant\nSure.<|im_end|>", add_bos=True)
     assert smollm.decode(ids, skip_special=True) == "assistant\nSure."
@@ -207,6 +209,18 @@ def test_spm_spaces_bytes_and_specials():
     assert spm.token_bytes(byte_id(0xC3)) == b"\xc3"
 
 
+def test_a_second_bos_is_warned_about():
+    """A rendered chat template carries its own BOS (Gemma's, Llama 3's); adding one more, as llama.cpp does too, changes
+    every activation, so both warn."""
+    spm = Tokenizer.from_gguf_metadata(spm_metadata())
+    with pytest.warns(UserWarning, match="starts with the BOS token"):
+        assert spm.encode("<s>ab") == [1, 1, spm_id("▁"), spm_id("ab")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert spm.encode("<s>ab", add_bos=False) == [1, spm_id("▁"), spm_id("ab")]
+        assert spm.encode("ab <s>") == [1, spm_id("▁"), spm_id("ab"), spm_id("▁"), 1]
+
+
 def test_spm_without_space_prefix():
     spm = Tokenizer.from_gguf_metadata(spm_metadata(**{"tokenizer.ggml.add_space_prefix": False}))
     assert spm.encode("c c", add_bos=False) == [spm_id("c"), spm_id("▁c")]
@@ -219,6 +233,7 @@ def test_stream_decoder_joins_byte_fallback_tokens():
     assert stream.feed(byte_id(0xA9)) == "é"
 
 
+@pytest.mark.filterwarnings("ignore:the text starts with the BOS token")  # a second BOS, as meant
 def test_spm_matches_llama_cpp(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the reference) is not installed")
     texts = ["abc", "c c", " c  c ", "hé", "<|im_start|>c<tool>b", "<s>ab", "\n\tü"]

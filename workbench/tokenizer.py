@@ -304,6 +304,9 @@ class Tokenizer:
             raise ValueError("add_bos=True but this vocabulary has no BOS token")
         self._backend.encode_special_tokens = not parse_special
         ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_bos and ids[:1] == [self.bos_id]:  # llama.cpp warns the same
+            warnings.warn("the text starts with the BOS token and add_bos adds a second one; encode a text that "
+                          "carries its own (a rendered chat template, say) with add_bos=False", stacklevel=2)
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
