@@ -210,8 +210,8 @@ def test_spm_spaces_bytes_and_specials():
 
 
 def test_a_second_bos_is_warned_about():
-    """A rendered chat template carries its own BOS (Gemma's, Llama 3's); adding one more, as llama.cpp does too, changes
-    every activation, so both warn."""
+    """A rendered chat template carries its own BOS (Gemma's, Llama 3's); adding one more, as llama.cpp does too,
+    changes every activation, so both warn."""
     spm = Tokenizer.from_gguf_metadata(spm_metadata())
     with pytest.warns(UserWarning, match="starts with the BOS token"):
         assert spm.encode("<s>ab") == [1, 1, spm_id("▁"), spm_id("ab")]
@@ -390,8 +390,8 @@ def test_hf_space_prefixed_at_the_start_only_decodes_as_transformers_does(tmp_pa
     """A Metaspace that prepends "▁" to the text's start only (Llama 2, Mistral): after the BOS encode adds, the
     text's first piece still carries the prefix, which decode drops."""
     tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "▁b", "ab", "▁ab"]
-    backend = tokenizers.Tokenizer(models.BPE({text: i for i, text in enumerate(tokens)},
-                                              [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")], unk_token="<unk>"))
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
+    backend = tokenizers.Tokenizer(models.BPE({text: i for i, text in enumerate(tokens)}, merges, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
     backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])

@@ -105,8 +105,10 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 TEKKEN_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 DEFAULT_PRE = "default"
 PRE_TOKENIZER_FAMILIES: tuple[tuple[tuple[str, ...], PreTokenizerSpec], ...] = (
@@ -252,7 +254,8 @@ class Tokenizer:
         backend.no_truncation()
         tokenizer_json = json.loads(tokenizer_file.read_text(encoding="utf-8"))
         config = _read_json(path / "tokenizer_config.json")
-        # transformers' generate ends on generation_config.json's eos_token_id (an id, a list or null), else config.json's
+        # transformers' generate ends on generation_config.json's eos_token_id (an id, a list or null), else on
+        # config.json's
         eos_ids = (_read_json(path / "generation_config.json").get("eos_token_id")
                    or _read_json(path / "config.json").get("eos_token_id") or [])
 
@@ -428,7 +431,8 @@ def _checked_id(token_id: Any, vocab_size: int) -> int:
 
 def _end_of_generation(texts: list[str], declared: Iterable[Any], metadata: dict[str, Any]
                        ) -> tuple[set[int], dict[int, int]]:
-    """The ids generation ends on, as llama.cpp finds them (src/llama-vocab.cpp), and the token types it sets on the way.
+    """The ids generation ends on, as llama.cpp finds them (src/llama-vocab.cpp), and the token types it sets on the
+    way.
 
     They are the `declared` ids (EOS, EOT, EOM; a generation_config's eos_token_id), each fill-in-the-middle role's id
     (FIM_STOP_TOKENS: its key in the GGUF `metadata`, else found by text) and the END_OF_GENERATION_TOKENS; those found
