@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 
+from workbench import model as model_module
 from workbench.errors import WorkbenchError
 from workbench.kernels import cpu, layer_ops
 from workbench.generation import (
@@ -440,3 +441,18 @@ def test_decoding_with_interventions_alone_runs_under_inference_mode(small, monk
     assert recorded == steered and seen and not any(seen)
     assert not any(t.is_inference() for t in kept)
     assert not recorder.activations()["blocks.0.hook_resid_post"].is_inference()
+
+
+def test_generated_text_keeps_a_character_left_unfinished(small, monkeypatch):
+    """Generation ending inside a character (its first two bytes of four, "🤔" cut short) shows U+FFFD, as
+    StreamDecoder.flush does, rather than dropping the bytes; a stop token after them ends the text the same way."""
+    byte_token = {small.tokenizer.token_bytes(i): i for i in range(small.tokenizer.vocab_size)}
+    cut = [byte_token[bytes([b])] for b in "🤔".encode()[:2]]
+    stop = next(iter(small.tokenizer.stop_ids))
+    monkeypatch.setattr(model_module, "generate_tokens", lambda *args, **kwargs: iter(cut))
+    assert small.generate([5, 6], 2) == "\ufffd"
+    monkeypatch.setattr(model_module, "generate_tokens", lambda *args, **kwargs: iter([*cut, stop]))
+    assert small.generate([5, 6], 8) == "\ufffd"
+    monkeypatch.setattr(model_module, "generate_batch_tokens",
+                        lambda runner, rows, *args: iter([(i, t) for t in cut for i in rows]))
+    assert small.generate_batch([[5, 6], [7]], 2) == ["\ufffd", "\ufffd"]

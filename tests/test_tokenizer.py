@@ -3,12 +3,13 @@ tokenizer.json vocabularies, and parity with llama.cpp where its output is avail
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import gguf
 import pytest
 import tokenizers
-from tokenizers import AddedToken, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
 from workbench.tokenizer import StreamDecoder, Tokenizer
 
@@ -50,6 +51,16 @@ def test_matches_llama_cpp_reference(smollm):
     assert mismatches == []
 
 
+def test_gpt_4o_pre_tokenizer_matches_llama_cpp(smollm_metadata, tmp_path):
+    """gpt-oss's GGUFs (o200k) name the "gpt-4o" pre-tokenizer; here the embedded vocabulary split its way."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the reference) is not installed")
+    metadata = {**smollm_metadata, "tokenizer.ggml.pre": "gpt-4o"}
+    _write_vocab_gguf(metadata, tmp_path / "gpt-4o.gguf")
+    reference = llama_cpp.Llama(str(tmp_path / "gpt-4o.gguf"), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    assert [text for text in CASES if ours.encode(text) != reference.tokenize(text.encode(), True, True)] == []
+
+
 def test_decode_inverts_encode(smollm):
     failures = [text for text in CASES if smollm.decode(smollm.encode(text)) != text]
     assert failures == []
@@ -59,7 +70,7 @@ def test_metadata_fields(smollm):
     assert smollm.vocab_size == 49152
     assert (smollm.bos_id, smollm.eos_id) == (1, 2)
     assert smollm.add_bos_by_default is False  # tokenizer.ggml.add_bos_token = false in this GGUF
-    assert smollm.stop_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+    assert smollm.stop_ids == {0, 2, 4}  # <|endoftext|>, <|im_end|>, <reponame> (a FIM token), as in llama.cpp
 
 
 def test_bos_follows_model_default_unless_asked(smollm, vocab):
@@ -89,6 +100,7 @@ def test_special_tokens_parse_as_single_ids(smollm, vocab):
     assert smollm.decode(as_text) == text
 
 
+@pytest.mark.filterwarnings("ignore:the text starts with the BOS token")  # a second BOS, as meant
 def test_decode_skip_special_drops_control_tokens(smollm):
     ids = smollm.encode("<|im_start|>assistant\nSure.<|im_end|>", add_bos=True)
     assert smollm.decode(ids, skip_special=True) == "assistant\nSure."
@@ -197,6 +209,18 @@ def test_spm_spaces_bytes_and_specials():
     assert spm.token_bytes(byte_id(0xC3)) == b"\xc3"
 
 
+def test_a_second_bos_is_warned_about():
+    """A rendered chat template carries its own BOS (Gemma's, Llama 3's); adding one more, as llama.cpp does too,
+    changes every activation, so both warn."""
+    spm = Tokenizer.from_gguf_metadata(spm_metadata())
+    with pytest.warns(UserWarning, match="starts with the BOS token"):
+        assert spm.encode("<s>ab") == [1, 1, spm_id("▁"), spm_id("ab")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert spm.encode("<s>ab", add_bos=False) == [1, spm_id("▁"), spm_id("ab")]
+        assert spm.encode("ab <s>") == [1, spm_id("▁"), spm_id("ab"), spm_id("▁"), 1]
+
+
 def test_spm_without_space_prefix():
     spm = Tokenizer.from_gguf_metadata(spm_metadata(**{"tokenizer.ggml.add_space_prefix": False}))
     assert spm.encode("c c", add_bos=False) == [spm_id("c"), spm_id("▁c")]
@@ -209,6 +233,7 @@ def test_stream_decoder_joins_byte_fallback_tokens():
     assert stream.feed(byte_id(0xA9)) == "é"
 
 
+@pytest.mark.filterwarnings("ignore:the text starts with the BOS token")  # a second BOS, as meant
 def test_spm_matches_llama_cpp(tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the reference) is not installed")
     texts = ["abc", "c c", " c  c ", "hé", "<|im_start|>c<tool>b", "<s>ab", "\n\tü"]
@@ -229,13 +254,76 @@ def _write_vocab_gguf(metadata: dict, path: Path) -> None:
     writer.add_tokenizer_model(metadata["tokenizer.ggml.model"])
     writer.add_token_list(metadata["tokenizer.ggml.tokens"])
     writer.add_token_types(metadata["tokenizer.ggml.token_type"])
-    writer.add_token_scores(metadata["tokenizer.ggml.scores"])
+    if "tokenizer.ggml.scores" in metadata:
+        writer.add_token_scores(metadata["tokenizer.ggml.scores"])
+    else:
+        writer.add_tokenizer_pre(metadata["tokenizer.ggml.pre"])
+        writer.add_token_merges(metadata["tokenizer.ggml.merges"])
     writer.add_bos_token_id(metadata["tokenizer.ggml.bos_token_id"])
     writer.add_eos_token_id(metadata["tokenizer.ggml.eos_token_id"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# --- where generation ends: llama.cpp's end-of-generation tokens ---------------------------
+
+# Vocabularies of the chat formats whose stops llama.cpp finds by text, each after "<bos>", "<eos>", "a", "aa".
+STOP_VOCABULARIES = {
+    "gpt-oss (Harmony)": ["<|return|>", "<|call|>", "<|end|>", "<|channel|>", "<|message|>", "<|start|>",
+                          "<|constrain|>"],
+    "Gemma 4": ["<|turn>", "<turn|>", "<|tool_response>", "</s>"],
+    "Phi-3": ["<|end|>", "</s>"],
+    "fill-in-the-middle, others": ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "[EOS]", "<end_of_utterance>"],
+}
+
+
+def stop_vocabulary_metadata(chat_tokens: list[str], **overrides) -> dict:
+    tokens = ["<bos>", "<eos>", "a", "aa", *chat_tokens]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3, 3] + [1] * (len(tokens) - 2), "tokenizer.ggml.merges": ["a a"],
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1, **overrides}
+
+
+def stop_texts(tokenizer: Tokenizer, metadata: dict) -> set[str]:
+    return {metadata["tokenizer.ggml.tokens"][i] for i in tokenizer.stop_ids}
+
+
+def test_stops_where_chat_formats_end_a_turn():
+    """Gemma 4 ends a turn with "<turn|>"; gpt-oss ends its answer with "<|return|>" or "<|call|>", while "<|end|>"
+    only ends a message (its reasoning, say), on which generation must go on."""
+    gemma4 = stop_vocabulary_metadata(STOP_VOCABULARIES["Gemma 4"])
+    assert stop_texts(Tokenizer.from_gguf_metadata(gemma4), gemma4) == {"<eos>", "<turn|>", "<|tool_response>"}
+    harmony = stop_vocabulary_metadata(STOP_VOCABULARIES["gpt-oss (Harmony)"])
+    gpt_oss = Tokenizer.from_gguf_metadata(harmony)
+    assert stop_texts(gpt_oss, harmony) == {"<eos>", "<|return|>", "<|call|>"}
+    reply = "<|channel|>a<|message|>aa<|end|>"
+    assert gpt_oss.decode(gpt_oss.encode(reply), skip_special=True) == reply  # the markers a reply's parser reads
+    phi3 = stop_vocabulary_metadata(STOP_VOCABULARIES["Phi-3"])
+    assert "<|end|>" in stop_texts(Tokenizer.from_gguf_metadata(phi3), phi3)
+
+
+@pytest.mark.parametrize("name", STOP_VOCABULARIES)
+def test_stops_and_token_types_match_llama_cpp(tmp_path, name):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the reference) is not installed")
+    metadata = stop_vocabulary_metadata(STOP_VOCABULARIES[name])
+    path = tmp_path / "vocab.gguf"
+    _write_vocab_gguf(metadata, path)
+    reference = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    tokens = metadata["tokenizer.ggml.tokens"]
+    assert ours.stop_ids == {i for i in range(len(tokens)) if llama_cpp.llama_vocab_is_eog(reference._model.vocab, i)}
+    # what a token's type decides: parsed as a unit with special parsing on (CONTROL) or always (USER_DEFINED)
+    for text in tokens[4:]:
+        for special in (True, False):
+            assert ours.encode(text, parse_special=special) == reference.tokenize(text.encode(), True, special), text
+
+
+def test_fill_in_the_middle_stops_follow_their_gguf_keys():
+    metadata = stop_vocabulary_metadata(STOP_VOCABULARIES["fill-in-the-middle, others"],
+                                        **{"tokenizer.ggml.fim_pad_token_id": 1})  # the pad is EOS here
+    assert "<|fim_pad|>" not in stop_texts(Tokenizer.from_gguf_metadata(metadata), metadata)
 
 
 # --- small byte-level BPE vocabularies: unknown pre-tokenizer, tokenizer.json ----------------
@@ -286,6 +374,43 @@ def test_from_hf_dir(tmp_path):
     assert Tokenizer.from_hf_dir(tmp_path).encode("ab") == [6]
 
 
+def test_hf_generation_ends_where_transformers_generate_does(tmp_path):
+    """On generation_config.json's eos_token_id (an id, a list or null), else config.json's."""
+    _write_hf_dir(tmp_path, {"eos_token": "</s>"})
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 6}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 6}
+    (tmp_path / "generation_config.json").unlink()
+    assert Tokenizer.from_hf_dir(tmp_path).stop_ids == {1, 2, 6}
+
+
+def test_hf_space_prefixed_at_the_start_only_decodes_as_transformers_does(tmp_path):
+    """A Metaspace that prepends "▁" to the text's start only (Llama 2, Mistral): after the BOS encode adds, the
+    text's first piece still carries the prefix, which decode drops."""
+    tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "▁b", "ab", "▁ab"]
+    merges = [("▁", "a"), ("▁", "b"), ("a", "b"), ("▁a", "b")]
+    backend = tokenizers.Tokenizer(models.BPE({text: i for i, text in enumerate(tokens)}, merges, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    backend.add_special_tokens([AddedToken(text, special=True) for text in tokens[:3]])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    texts = ["ab a", "b  a", "a</s>b"]
+    for text in texts:
+        assert ours.decode(ours.encode(text), skip_special=True) == text.replace("</s>", "")
+        assert ours.decode(ours.encode(text)) == "<s>" + text
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in [*texts, " ab"]:  # a leading space is the prefix's own here, lost in both
+        ids = reference(text)["input_ids"]
+        assert ours.encode(text) == ids
+        assert ours.decode(ids, skip_special=True) == reference.decode(ids, skip_special_tokens=True)
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 def test_unknown_tokenizer_model_is_rejected():
@@ -307,6 +432,23 @@ def test_bad_arguments_are_named():
         spm.token_text("a")
     with pytest.raises(ValueError, match="no chat template"):
         spm.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_generation_blocks_render_as_transformers_does():
+    """{% generation %} marks the assistant's text for transformers' training masks; it renders as its text."""
+    template = ("{% set ns = namespace(turns=0) %}{% for m in messages %}<{{ m['role'] }}>"
+                "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% set ns.turns = ns.turns + 1 %}"
+                "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}[{{ ns.turns }}]"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"}]
+    chat = Tokenizer.from_gguf_metadata(spm_metadata(**{"tokenizer.chat_template": template}))
+    assert chat.apply_chat_template(messages) == "<user>hi<assistant>hello<user>bye[1]<assistant>"
+    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    (reference,), _ = chat_template_utils.render_jinja_template([messages], chat_template=template,
+                                                                add_generation_prompt=True, bos_token="<s>",
+                                                                eos_token="</s>")
+    assert chat.apply_chat_template(messages) == reference
 
 
 def test_chat_template_errors():

@@ -629,13 +629,14 @@ class Model:
                       prompt_hooks: list[dict], layouts: Iterator[BatchLayout], mode: Numerics, saes: list[Any],
                       use_error_term: bool, lora: list[Lora | None]) -> Iterator[tuple[int, int, str]]:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
-        stop_ids = self.tokenizer.stop_ids
+        generated = [0] * len(ids)
         for layout in layouts:
             hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
-            for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, stop_ids, hooks or None,
-                                                  mode, layout_adapters(lora, layout.prompts)):
-                yield i, token, "" if token in stop_ids else decoders[i].feed(token)
+            for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, self.tokenizer.stop_ids,
+                                                  hooks or None, mode, layout_adapters(lora, layout.prompts)):
+                generated[i] += 1
+                yield i, token, self._generated_text(decoders[i], token, last=generated[i] == max_new_tokens)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32,
                        **kwargs: Any) -> list[str]:
@@ -778,12 +779,20 @@ class Model:
                                            saes, use_error_term)
             tokens = generate_tokens(self.runner, ids, max_new_tokens, sampling, self.tokenizer.stop_ids, hooks,
                                      cache, compiled, lora)
-        return self._with_text(tokens)
+        return self._with_text(tokens, max_new_tokens)
 
-    def _with_text(self, tokens: Iterator[int]) -> Iterator[tuple[int, str]]:
+    def _with_text(self, tokens: Iterator[int], max_new_tokens: int) -> Iterator[tuple[int, str]]:
         decoder = StreamDecoder(self.tokenizer)
-        for token in tokens:
-            yield token, "" if token in self.tokenizer.stop_ids else decoder.feed(token)
+        for n, token in enumerate(tokens, 1):
+            yield token, self._generated_text(decoder, token, last=n == max_new_tokens)
+
+    def _generated_text(self, decoder: StreamDecoder, token: int, last: bool) -> str:
+        """A generated token's new text: none for a stop token. The generation's last token (a stop or the
+        max_new_tokens-th) also brings out a character left unfinished, as U+FFFD, instead of dropping it."""
+        if token in self.tokenizer.stop_ids:
+            return decoder.flush()
+        text = decoder.feed(token)
+        return text + decoder.flush() if last else text
 
     def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 32, **kwargs: Any) -> str:
         """The generated continuation as text (stops at an end-of-turn or end-of-text token)."""

@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, NoReturn
 import gguf
 import jinja2
 import jinja2.compiler
+import jinja2.ext
 import jinja2.nodes
 import jinja2.runtime
 import tokenizers
@@ -54,12 +55,30 @@ TokenType = gguf.TokenType
 KEY = gguf.Keys.Tokenizer
 SPACE_MARKER = "\u2581"  # SentencePiece's visible space, "▁"
 
-# Tokens that end an assistant turn in common chat formats; llama.cpp treats them as
-# end-of-generation (and as CONTROL even when a GGUF mislabels them).
-END_OF_TURN_TOKENS = (
-    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
-    "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>",
+# Tokens llama.cpp ends generation on, found by their text (src/llama-vocab.cpp), and makes CONTROL even when a GGUF
+# mislabels them: the ends of turns, answers and texts of the chat formats it knows.
+END_OF_GENERATION_TOKENS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
 )
+# Fill-in-the-middle tokens llama.cpp also ends generation on: per role, its GGUF key, else the first of its spellings
+# in the vocabulary (made CONTROL).
+FIM_STOP_TOKENS = (
+    (KEY.FIM_PAD_ID, ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")),
+    (KEY.FIM_REP_ID, ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+    (KEY.FIM_SEP_ID, ("<|file_sep|>",)),
+)
+# Stops llama.cpp drops again where other stops show the vocabulary uses them otherwise: the token, the type it gets,
+# and the sets of stops any one of which drops it. gpt-oss's "<|end|>" ends a message (its reasoning, say), not the
+# answer; Gemma 4's "</s>" is text.
+DEMOTED_STOPS = (
+    ("<|end|>", TokenType.USER_DEFINED, ({"<|return|>", "<|call|>"}, {"<|return|>", "<|calls|>"},
+                                         {"<|call|>", "<|flush|>"}, {"<|calls|>", "<|flush|>"})),
+    ("</s>", TokenType.NORMAL, ({"<|tool_response>"}, {"<|plamo:eos|>"})),
+)
+# gpt-oss's Harmony markers, which llama.cpp always renders (USER_DEFINED) for the reply's parser to see.
+ALWAYS_RENDERED_TOKENS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 # Tokens matched as units ahead of the BPE model (llama.cpp's "special tokens cache").
 ADDED_TOKEN_TYPES = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
 # Tokens that decode(skip_special=True) leaves out; UNUSED ones never render.
@@ -86,6 +105,11 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 TEKKEN_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 DEFAULT_PRE = "default"
 PRE_TOKENIZER_FAMILIES: tuple[tuple[tuple[str, ...], PreTokenizerSpec], ...] = (
     ((DEFAULT_PRE,), PreTokenizerSpec(
@@ -100,6 +124,7 @@ PRE_TOKENIZER_FAMILIES: tuple[tuple[tuple[str, ...], PreTokenizerSpec], ...] = (
     (("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"),
      PreTokenizerSpec((QWEN2_REGEX,))),
     (("tekken",), PreTokenizerSpec((TEKKEN_REGEX,), ignore_merges=True, add_bos=True)),
+    (("gpt-4o", "llama4", "kanana2", "talkie"), PreTokenizerSpec((GPT4O_REGEX,))),  # gpt-oss's o200k among them
     (("falcon",), PreTokenizerSpec(
         (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_REGEX, "[0-9][0-9][0-9]"))),
 )
@@ -112,6 +137,7 @@ class Tokenizer:
     Build one with `from_gguf_metadata` or `from_hf_dir`. `space_prefix` says where the
     tokenizer adds a "▁" that is not in the text ("never", "first": at the start only,
     "always": at the start and after every special token), so decode can drop it again.
+    `stop_ids` are the ids generation ends on (`_end_of_generation`).
     """
 
     def __init__(
@@ -126,7 +152,7 @@ class Tokenizer:
         eos_id: int | None,
         add_bos_by_default: bool,
         chat_template: str | None,
-        extra_stop_ids: Iterable[int] = (),
+        stop_ids: Iterable[int] = (),
     ) -> None:
         if space_prefix not in ("never", "first", "always"):
             raise ValueError(f"space_prefix must be 'never', 'first' or 'always', got {space_prefix!r}")
@@ -142,11 +168,7 @@ class Tokenizer:
         self.eos_id = self._check_optional_id(eos_id, "eos_id")
         self.add_bos_by_default = add_bos_by_default and bos_id is not None
         self.chat_template = chat_template
-        id_of = {text: i for i, text in enumerate(token_texts)}
-        self.stop_ids: set[int] = {id_of[text] for text in END_OF_TURN_TOKENS if text in id_of}
-        self.stop_ids.update(self._check_id(i) for i in extra_stop_ids)
-        if self.eos_id is not None:
-            self.stop_ids.add(self.eos_id)
+        self.stop_ids: set[int] = {self._check_id(i) for i in stop_ids}
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
@@ -161,10 +183,12 @@ class Tokenizer:
         types = metadata.get(KEY.TOKEN_TYPE) or [TokenType.NORMAL] * len(texts)
         if len(types) != len(texts):
             raise ValueError(f"{KEY.TOKEN_TYPE} has {len(types)} entries for {len(texts)} tokens")
-        types = [TokenType.CONTROL if text in END_OF_TURN_TOKENS else kind for text, kind in zip(texts, types)]
         vocab = {text: i for i, text in enumerate(texts)}
         if len(vocab) != len(texts):
             raise ValueError(f"{KEY.LIST} contains duplicate tokens")
+        stop_ids, retyped = _end_of_generation(
+            texts, [metadata[key] for key in (KEY.EOS_ID, KEY.EOT_ID, KEY.EOM_ID) if key in metadata], metadata)
+        types = [retyped.get(i, kind) for i, kind in enumerate(types)]
 
         if model == "gpt2":
             merges = [_split_merge(merge) for merge in _required_list(metadata, KEY.MERGES, str)]
@@ -212,7 +236,7 @@ class Tokenizer:
             eos_id=metadata.get(KEY.EOS_ID),
             add_bos_by_default=metadata.get(KEY.ADD_BOS, add_bos),
             chat_template=metadata.get(KEY.CHAT_TEMPLATE),
-            extra_stop_ids=[metadata[key] for key in (KEY.EOT_ID, KEY.EOM_ID) if key in metadata],
+            stop_ids=stop_ids,
         )
 
     @classmethod
@@ -230,7 +254,10 @@ class Tokenizer:
         backend.no_truncation()
         tokenizer_json = json.loads(tokenizer_file.read_text(encoding="utf-8"))
         config = _read_json(path / "tokenizer_config.json")
-        generation_config = _read_json(path / "generation_config.json")
+        # transformers' generate ends on generation_config.json's eos_token_id (an id, a list or null), else on
+        # config.json's
+        eos_ids = (_read_json(path / "generation_config.json").get("eos_token_id")
+                   or _read_json(path / "config.json").get("eos_token_id") or [])
 
         byte_level = bool(_nodes_of_type(tokenizer_json.get("pre_tokenizer"), "ByteLevel")
                           or _nodes_of_type(tokenizer_json.get("decoder"), "ByteLevel"))
@@ -249,16 +276,17 @@ class Tokenizer:
         add_bos = config.get("add_bos_token")
         if add_bos is None:  # no flag: trust the post-processor, as transformers does
             add_bos = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
-        eos_ids = generation_config.get("eos_token_id", [])
+        eos_id = _token_id(vocab, config.get("eos_token"))
+        declared = [*(eos_ids if isinstance(eos_ids, list) else [eos_ids]), *([] if eos_id is None else [eos_id])]
         return cls(
             backend, texts, types,
             byte_level=byte_level,
             space_prefix=_hf_space_prefix(tokenizer_json),
             bos_id=bos_id,
-            eos_id=_token_id(vocab, config.get("eos_token")),
+            eos_id=eos_id,
             add_bos_by_default=bool(add_bos),
             chat_template=_hf_chat_template(path, config),
-            extra_stop_ids=eos_ids if isinstance(eos_ids, list) else [eos_ids],
+            stop_ids=_end_of_generation(texts, declared, {})[0],  # the types are tokenizer.json's
         )
 
     def to_hf_json(self) -> str:
@@ -279,6 +307,9 @@ class Tokenizer:
             raise ValueError("add_bos=True but this vocabulary has no BOS token")
         self._backend.encode_special_tokens = not parse_special
         ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_bos and ids[:1] == [self.bos_id]:  # llama.cpp warns the same
+            warnings.warn("the text starts with the BOS token and add_bos adds a second one; encode a text that "
+                          "carries its own (a rendered chat template, say) with add_bos=False", stacklevel=2)
         return [self.bos_id, *ids] if add_bos else ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
@@ -288,11 +319,13 @@ class Tokenizer:
         """
         pieces = []
         at_prefix_point = self._space_prefix != "never"  # the start of the text
-        for token_id in ids:
+        for n, token_id in enumerate(ids):
             token_id = self._check_id(token_id)
             piece = self._piece(token_id)
             if token_id in self._added_ids:
-                at_prefix_point = self._space_prefix == "always"
+                # the BOS that encode puts before the text leaves the text's start (and its prefix) after it
+                at_prefix_point = self._space_prefix == "always" or (at_prefix_point and n == 0
+                                                                     and token_id == self.bos_id)
                 if skip_special and token_id in self._hidden_ids:
                     continue
             elif at_prefix_point:
@@ -348,15 +381,7 @@ class Tokenizer:
         return "" if token_id is None else self.token_text(token_id)
 
     def _check_id(self, token_id: Any) -> int:
-        if isinstance(token_id, bool):
-            raise TypeError("token ids must be integers, got bool")
-        try:
-            token_id = operator.index(token_id)  # also numpy / 0-d torch integers
-        except TypeError:
-            raise TypeError(f"token ids must be integers, got {type(token_id).__name__}") from None
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
-        return token_id
+        return _checked_id(token_id, self.vocab_size)
 
     def _check_optional_id(self, token_id: Any, name: str) -> int | None:
         if token_id is None:
@@ -390,6 +415,46 @@ class StreamDecoder:
     def flush(self) -> str:
         """Text still held back at the end; an unfinished character becomes U+FFFD."""
         return self._utf8.decode(b"", final=True)
+
+
+def _checked_id(token_id: Any, vocab_size: int) -> int:
+    if isinstance(token_id, bool):
+        raise TypeError("token ids must be integers, got bool")
+    try:
+        token_id = operator.index(token_id)  # also numpy / 0-d torch integers
+    except TypeError:
+        raise TypeError(f"token ids must be integers, got {type(token_id).__name__}") from None
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+    return token_id
+
+
+def _end_of_generation(texts: list[str], declared: Iterable[Any], metadata: dict[str, Any]
+                       ) -> tuple[set[int], dict[int, int]]:
+    """The ids generation ends on, as llama.cpp finds them (src/llama-vocab.cpp), and the token types it sets on the
+    way.
+
+    They are the `declared` ids (EOS, EOT, EOM; a generation_config's eos_token_id), each fill-in-the-middle role's id
+    (FIM_STOP_TOKENS: its key in the GGUF `metadata`, else found by text) and the END_OF_GENERATION_TOKENS; those found
+    by text become CONTROL. A stop the others show to be text is dropped again (DEMOTED_STOPS), and gpt-oss's Harmony
+    markers always render (USER_DEFINED)."""
+    id_of = {text: i for i, text in enumerate(texts)}
+    stops = {_checked_id(i, len(texts)) for i in declared}
+    found = {id_of[text] for text in END_OF_GENERATION_TOKENS if text in id_of}
+    for key, spellings in FIM_STOP_TOKENS:
+        if key in metadata:
+            stops.add(_checked_id(metadata[key], len(texts)))
+        elif spelled := [id_of[text] for text in spellings if text in id_of]:
+            found.add(min(spelled))
+    types = dict.fromkeys(found, TokenType.CONTROL)
+    stops |= found
+    stop_texts = {texts[i] for i in stops}
+    for text, kind, shown_by in DEMOTED_STOPS:
+        if text in stop_texts and any(others <= stop_texts for others in shown_by):
+            stops.discard(id_of[text])
+            types[id_of[text]] = kind
+    types.update((id_of[text], TokenType.USER_DEFINED) for text in ALWAYS_RENDERED_TOKENS if text in id_of)
+    return stops, types
 
 
 def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **options: Any) -> tokenizers.Tokenizer:
@@ -565,6 +630,18 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}``, which marks the assistant's text for its training masks
+    (return_assistant_tokens_mask); rendered as the text inside, in a scope of its own, as transformers renders it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
 _render_budget = threading.local()
 
 
@@ -638,8 +715,8 @@ def _guarded(limit: int, failing: str) -> Iterator[None]:
 @functools.cache
 def _chat_template_env() -> ImmutableSandboxedEnvironment:
     # Same settings as transformers' apply_chat_template, which the templates are written for.
-    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
-                          optimized=False)
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=["jinja2.ext.loopcontrols", _GenerationBlocks], optimized=False)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
