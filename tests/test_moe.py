@@ -567,7 +567,10 @@ def test_mcp_tools_on_an_moe_model(qwen2moe, tmp_path):
             routing = await call("moe_routing", prompt="the cat sat", layers=[1])
             ablated = await call("moe_routing", prompt="the cat sat", layers=[1], interventions=[ablate])
             edit = await call("run_batch", prompts=["the cat", "a dog"], interventions=[ablate])
-            return dict(info=info, run=run, routing=routing, ablated=ablated, edit=edit)
+            rerouted = await call("run_with_interventions", prompt="the cat sat", interventions=[ablate],
+                                  record=["blocks.*.mlp.*"])
+            compared = await call("compare_traces", a=rerouted["baseline_trace_id"], b=rerouted["trace_id"])
+            return dict(info=info, run=run, routing=routing, ablated=ablated, edit=edit, compared=compared)
 
     out = anyio.run(scenario)
     assert out["info"]["moe"]["n_experts"] == 4 and out["info"]["moe"]["d_shared_expert"] == 64
@@ -580,6 +583,9 @@ def test_mcp_tools_on_an_moe_model(qwen2moe, tmp_path):
     assert sum(layer["load"]) == pytest.approx(2.0)  # two experts per token
     assert out["ablated"]["layers"][0]["load"][0] == 0.0
     assert len(out["edit"]["results"]) == 2
+    # the chosen experts (integers) compare as numbers beside the float activations
+    diffs = {d["hook"]: d for d in out["compared"]["activations"]}
+    assert {"blocks.1.mlp.hook_expert_indices", "blocks.1.mlp.hook_expert_out"} <= set(diffs)
 
 
 def test_bad_moe_configs_are_named(hf_moe, tmp_path):
