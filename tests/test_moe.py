@@ -504,8 +504,23 @@ def test_batch_matches_single_runs(qwen2moe):
     for prompt, trace in zip(prompts, batched):
         single = qwen2moe.run(prompt, record=["blocks.0.mlp.hook_expert_indices"], interventions=[spec])
         assert torch.allclose(trace.logits, single.logits, atol=1e-5)
-        assert torch.equal(trace.activations["blocks.0.mlp.hook_expert_indices"].long(),
+        assert torch.equal(trace.activations["blocks.0.mlp.hook_expert_indices"],
                            single.activations["blocks.0.mlp.hook_expert_indices"])
+
+
+def test_batches_record_the_chosen_experts_as_integers(qwen2moe):
+    """Batched recording keeps the chosen experts int64, as ``run`` records them, whatever ``record_dtype`` the float
+    activations take (a bfloat16 expert id is rounded from 257 experts on) and in a trace owning its buffers."""
+    prompts = [IDS, IDS[:4]]
+    names = ["blocks.0.mlp.hook_expert_indices", "blocks.0.mlp.hook_expert_weights"]
+    single = [qwen2moe.run(p, record=names).activations for p in prompts]
+    for kwargs in [{}, {"record_dtype": torch.bfloat16}, {"reduce": "last"}]:
+        for i, trace in qwen2moe.iter_batch(prompts, record=names, **kwargs):
+            chosen, weights = (trace.activations[n] for n in names)
+            expected = single[i][names[0]]
+            assert chosen.dtype == torch.int64, kwargs
+            assert torch.equal(chosen, expected[-1] if "reduce" in kwargs else expected)
+            assert weights.dtype == kwargs.get("record_dtype", torch.float32)
 
 
 def test_generation_with_kv_cache_matches_full_forward(qwen2moe):
