@@ -237,6 +237,28 @@ def test_hook_invariants(family, tiny_model, gemma4):
     assert torch.equal(model.forward(IDS, interventions=[patch]), plain)
 
 
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gemma4e"])
+def test_activation_cache_reads_the_logits_and_splits_a_summed_stream(family, tiny_model, gemma4):
+    """TransformerLens' cache of a trace: the last normalized residual through W_U is the logits before the final soft
+    cap; the stream decomposes into the embedding and the blocks' outputs where it is their sum, and Gemma 4, whose
+    blocks scale their output (and whose E2B layout adds per-layer inputs), is refused, with the model or without."""
+    from workbench.errors import WorkbenchError
+
+    model = gemma4(family)[0] if family.startswith("gemma4") else tiny_model(family, "Q8_0", seed=1, device="cpu")
+    trace = model.run(IDS, record=["hook_embed", "blocks.*.hook_resid_*", "blocks.*.hook_*_out", "*.hook_scale"])
+    cache = trace.to_activation_cache(model)
+    raw = cache.accumulated_resid(apply_ln=True)[-1, 0] @ cache.model.W_U
+    cap = model.config.final_softcap
+    torch.testing.assert_close(torch.tanh(raw / cap) * cap if cap else raw, trace.logits, rtol=1e-4, atol=1e-4)
+    if family.startswith("gemma4"):
+        for view in (model, None):
+            with pytest.raises(WorkbenchError, match="gemma4 scales each block's output"):
+                trace.to_activation_cache(view).decompose_resid()
+    else:
+        last = trace.activations[f"blocks.{model.config.n_layers - 1}.hook_resid_post"]
+        torch.testing.assert_close(cache.decompose_resid().sum(0)[0], last, rtol=1e-5, atol=1e-5)
+
+
 def test_sliding_window_masks_by_position(tiny_model):
     """On a sliding layer a token attends to the last ``window`` positions only (its pattern is zero before), also
     after cache surgery, where the kept slots keep their positions."""
