@@ -251,16 +251,16 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         _add_metadata(writer, key, value)
 
     def add(name: str, tensor: QuantTensor | torch.Tensor | None, shape: tuple[int, ...] | None = None) -> None:
-        """``shape`` (torch order) for stacked experts, ``[n_experts, rows, cols]``."""
+        """``shape`` (torch order) for stacked experts, ``[n_experts, rows, cols]``, and their biases,
+        ``[n_experts, rows]``."""
         if tensor is None:
             return
         if isinstance(tensor, torch.Tensor):  # norms and biases are stored F32
+            shape = shape or tuple(tensor.shape)
             tensor = QuantTensor.from_floats(tensor.float())
-            data = tensor.data.cpu().numpy().reshape(-1)
-        else:
-            data = tensor.data.cpu().numpy()
-            if shape is not None:
-                data = data.reshape(*shape[:-1], -1)
+        data = tensor.data.cpu().numpy()
+        if shape is not None:
+            data = data.reshape(*shape[:-1], -1)
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
 
     add(GLOBAL_TENSORS["embed"], weights.embed)
