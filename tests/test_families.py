@@ -70,10 +70,11 @@ def test_phi3_long_rope_matches_transformers(tmp_path):
     assert (loaded.forward(IDS) - got).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gpt-oss"])
 def test_gguf_round_trip(family, tmp_path, tiny_checkpoint, tiny_model):
     """Written as llama.cpp's converter stores the family (fused tensors, norm names, metadata keys), a model loads
-    back to the same config and the same logits."""
+    back to the same config and the same logits: the random model is what its file is (Gemma 4's attention scale of 1
+    and value norm; GPT-OSS's sinks, output bias, routing and expert biases)."""
     checkpoint = tiny_checkpoint(family, "Q8_0", seed=2)
     path = write_gguf(tmp_path / f"{family}.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
     loaded = workbench.load(path, device="cpu")
