@@ -320,6 +320,18 @@ def test_generation_past_the_window_matches_full_forwards(mxfp4):
                                                                   for p in prompts]
 
 
+def test_compiled_cpu_decode_decodes_eagerly(hf_gpt_oss):
+    """On the CPU an MoE's experts run by a routing read back into Python between graphs, whose values a compiled step
+    keeps without guards: it kept the experts of the token it was built on, and greedy decoding went wrong from the
+    first step. So ``compiled=True`` decodes an MoE model eagerly there, building no step."""
+    from workbench.generation import _BUILT, generate_tokens
+
+    runner = workbench.load(hf_gpt_oss[1], device="cpu").runner
+    eager = list(generate_tokens(runner, IDS[:3], 8))
+    assert list(generate_tokens(runner, IDS[:3], 8, compiled=True)) == eager
+    assert runner not in _BUILT
+
+
 def test_info_names_the_features(mxfp4):
     family = mxfp4.info()["family"]
     assert {"attention sinks", "YaRN rope", "q/k/v and output biases"} <= set(family["features"])
