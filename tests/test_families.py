@@ -99,6 +99,20 @@ def gemma4(tmp_path_factory):
     return load
 
 
+@pytest.mark.parametrize("family, refused", [
+    ("gemma4", "global layers with their own head shape"),
+    ("gemma4moe", "global layers with their own head shape, experts beside the dense MLP"),
+    ("gemma4e", "global layers with their own head shape, per-layer embeddings, layers reusing keys and values, "
+                "per-layer MLP widths")])
+def test_write_gguf_refuses_gemma4_layouts_it_cannot_write(family, refused, gemma4, tmp_path):
+    """``synthetic.write_gguf`` wrote these as if every layer had one shape, a file that did not load: it names them."""
+    gemma4(family)
+    checkpoint = load_checkpoint(gemma4.paths[family])
+    with pytest.raises(ValueError, match=f"write_gguf cannot write {refused}; convert the folder with llama.cpp's"):
+        write_gguf(tmp_path / "gemma4.gguf", checkpoint.config, checkpoint.weights)
+    assert not (tmp_path / "gemma4.gguf").exists()
+
+
 @pytest.mark.parametrize("family", ["gemma4", "gemma4moe", "gemma4e"])
 def test_gemma4_matches_transformers(family, gemma4):
     """Gemma 4 (the 31B's layout, the 26B-A4B's experts beside the dense MLP, the E2B's per-layer embeddings and layers

@@ -207,11 +207,20 @@ def random_checkpoint(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, dev
 
 
 def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, metadata: dict | None = None) -> Path:
-    """Write a model as llama.cpp would store it (tensor names, layouts and metadata keys)."""
+    """Write a model as llama.cpp would store it (tensor names, layouts and metadata keys). Gemma 4's per-layer
+    layouts (global layers' own head shape, per-layer embeddings and MLP widths, reused keys and values, experts beside
+    the dense MLP) are refused: llama.cpp's converter writes those."""
     import gguf
 
     path = Path(path)
     c, arch = config, config.architecture
+    unwritable = [what for what, present in (
+        ("global layers with their own head shape", c.d_head_global or c.n_kv_heads_global),
+        ("per-layer embeddings", c.d_per_layer), ("layers reusing keys and values", c.kv_shared_layers),
+        ("per-layer MLP widths", c.d_mlp_layers), ("experts beside the dense MLP", c.moe and c.moe.dense_mlp)) if present]
+    if unwritable:
+        raise ValueError(f"write_gguf cannot write {', '.join(unwritable)}; convert the folder with llama.cpp's "
+                         "convert_hf_to_gguf.py")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(c.name)
     writer.add_block_count(c.n_layers)
