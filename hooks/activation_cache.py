@@ -7,22 +7,26 @@ the same name, since each hook point already holds TransformerLens' value (``*.h
 The cache's ``model`` is a stand-in that follows TransformerLens' folded-LayerNorm convention
 (``fold_ln=True``): ``cfg.normalization_type`` is "RMSPre", ``ln_final`` normalizes without a weight and
 ``W_U`` is the unembedding with the final norm weight folded in, so ``ln_final(resid) @ W_U`` gives the
-logits. With the workbench Model it also has each block's ``attn.W_O`` and ``mlp.W_out`` (dequantized
-on first use).
+logits (before the final soft cap of Gemma 2 and 4, as TransformerLens leaves ``logit_attrs`` linear). With the
+workbench Model it also has each block's ``attn.W_O`` and ``mlp.W_out`` (dequantized on first use).
 
 Tested: indexing by full name or shorthand (``cache["resid_pre", 3]``), ``stack_activation``,
 ``accumulated_resid`` (``apply_ln`` included), ``decompose_resid``, ``apply_ln_to_stack``,
 ``stack_head_results`` (from a recorded ``hook_result``, or from ``hook_z`` and ``W_O``), ``logit_attrs``,
 ``remove_batch_dim``. Without the model only the weight-free ones work. Not supported:
-``get_full_resid_decomposition`` (needs ``accumulated_bias``) and helpers that re-run the model.
+``get_full_resid_decomposition`` (needs ``accumulated_bias``) and helpers that re-run the model; ``decompose_resid``
+is refused where the stream is no sum of the embedding and the blocks' outputs (Gemma 4 scales each block's output,
+and its E2B/E4B layout adds per-layer inputs).
 """
 from __future__ import annotations
 
+import functools
 from functools import cached_property
 from typing import Any
 
 import torch
 
+from workbench.architectures import LAYER_TENSORS
 from workbench.config import ModelConfig
 from workbench.errors import WorkbenchError
 
@@ -72,9 +76,14 @@ class ModelView:
             from transformer_lens import HookedTransformerConfig
 
             self.cfg = HookedTransformerConfig(**settings)
-        self._config, self._model = config, model
+        self._config, self._model, self.architecture = config, model, config.architecture
         if model is not None:
-            self.blocks = [_Block(layer, config) for layer in model.runner.weights.layers]
+            layers = model.runner.weights.layers
+            self.blocks = [_Block(layer, config) for layer in layers]
+            self.additive_stream = all(layer.out_scale is None and layer.per_layer_gate is None for layer in layers)
+        else:  # the family alone says whether its blocks may scale their output: its folders name such a tensor
+            self.additive_stream = (config.d_per_layer is None
+                                    and LAYER_TENSORS["out_scale"] not in config.arch.hf_tensors.values())
 
     def ln_final(self, x: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm without its weight (folded into ``W_U``)."""
@@ -104,10 +113,24 @@ class ModelView:
         return self._model
 
 
-def to_activation_cache(trace: Any, model: Any = None):
-    """A ``transformer_lens.ActivationCache`` (batch dim 1) of the trace's recorded activations."""
+@functools.cache
+def _cache_class() -> type:
+    """TransformerLens' ActivationCache (imported on first use), refusing a decomposition that would not add up."""
     from transformer_lens import ActivationCache
 
+    class SummedStreamCache(ActivationCache):
+        def decompose_resid(self, *args: Any, **kwargs: Any):
+            if not self.model.additive_stream:
+                raise WorkbenchError(f"decompose_resid splits the residual stream into the embedding and each block's "
+                                     f"attention and MLP outputs; {self.model.architecture} scales each block's output "
+                                     f"or adds per-layer inputs, so they do not add up to the stream")
+            return super().decompose_resid(*args, **kwargs)
+
+    return SummedStreamCache
+
+
+def to_activation_cache(trace: Any, model: Any = None):
+    """A ``transformer_lens.ActivationCache`` (batch dim 1) of the trace's recorded activations."""
     from .trace import model_mismatch
 
     if not trace.activations:
@@ -120,4 +143,4 @@ def to_activation_cache(trace: Any, model: Any = None):
     else:
         config = ModelConfig(**trace.fingerprint["config"])
     cache = {name: t.unsqueeze(0) for name, t in trace.activations.items()}
-    return ActivationCache(cache, ModelView(config, model), has_batch_dim=True)
+    return _cache_class()(cache, ModelView(config, model), has_batch_dim=True)

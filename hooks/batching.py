@@ -137,7 +137,7 @@ class BatchRecorder:
                 self._forwards.append(_Recorded(layout, reduce_now))
             forward = self._forwards[-1]
             kept = self._reduce_rows(x.detach(), layout) if forward.reduced else x.detach()
-            forward.tensors[ctx.name] = forward.copy(kept, self.device, self.dtype)
+            forward.tensors[ctx.name] = forward.copy(kept, self.device, self._dtype(kept))
 
         return {name: [record] for name in self.names}
 
@@ -165,8 +165,13 @@ class BatchRecorder:
         if reduced or self.reduce is None:
             joined = {name: join_tokens(name, chunks) for name, chunks in parts.items()}
             return _own_buffer(joined) if self.own_buffers else joined
-        return {name: reduce_tokens(join_tokens(name, chunks), self.reduce, prompt).to(self.dtype)
-                for name, chunks in parts.items()}
+        rows = {name: reduce_tokens(join_tokens(name, chunks), self.reduce, prompt) for name, chunks in parts.items()}
+        return {name: x.to(self._dtype(x)) for name, x in rows.items()}
+
+    def _dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The recording dtype for floating activations; integer ones (an MoE's chosen experts) keep theirs, as
+        ``model.run`` records them (a float16 or bfloat16 expert id would be rounded past 2048 or 256 experts)."""
+        return self.dtype if x.is_floating_point() else x.dtype
 
 
 class _Recorded:
@@ -200,12 +205,14 @@ def pinned_copy(x: torch.Tensor, dtype: torch.dtype | None = None, wait: bool = 
 
 
 def _own_buffer(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors copied into one new buffer, each a view of its own part."""
-    if not tensors:
-        return {}
-    flat = torch.cat([x.reshape(-1) for x in tensors.values()])
-    pieces = flat.split([x.numel() for x in tensors.values()])
-    return {name: piece.view(x.shape) for (name, x), piece in zip(tensors.items(), pieces)}
+    """The tensors copied into one new buffer per dtype (an MoE's chosen experts stay integers), each a view of its
+    own part, in their order."""
+    views = {}
+    for dtype in {x.dtype for x in tensors.values()}:
+        group = {name: x for name, x in tensors.items() if x.dtype == dtype}
+        pieces = torch.cat([x.reshape(-1) for x in group.values()]).split([x.numel() for x in group.values()])
+        views.update({name: piece.view(x.shape) for (name, x), piece in zip(group.items(), pieces)})
+    return {name: views[name] for name in tensors}
 
 
 def reduce_tokens(x: torch.Tensor, reduce: str | int, prompt: int) -> torch.Tensor:

@@ -225,10 +225,11 @@ def test_rope_scaling_errors_name_the_config_once(tmp_path):
         workbench.load(tmp_path, device="cpu")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gpt-oss"])
 def test_gguf_round_trip(family, tmp_path, tiny_checkpoint, tiny_model):
     """Written as llama.cpp's converter stores the family (fused tensors, norm names, metadata keys), a model loads
-    back to the same config and the same logits."""
+    back to the same config and the same logits: the random model is what its file is (Gemma 4's attention scale of 1
+    and value norm; GPT-OSS's sinks, output bias, routing and expert biases)."""
     checkpoint = tiny_checkpoint(family, "Q8_0", seed=2)
     path = write_gguf(tmp_path / f"{family}.gguf", checkpoint.config, checkpoint.weights, checkpoint.metadata)
     loaded = workbench.load(path, device="cpu")
@@ -251,6 +252,20 @@ def gemma4(tmp_path_factory):
         return models[family]
     load.paths = {}
     return load
+
+
+@pytest.mark.parametrize("family, refused", [
+    ("gemma4", "global layers with their own head shape"),
+    ("gemma4moe", "global layers with their own head shape, experts beside the dense MLP"),
+    ("gemma4e", "global layers with their own head shape, per-layer embeddings, layers reusing keys and values, "
+                "per-layer MLP widths")])
+def test_write_gguf_refuses_gemma4_layouts_it_cannot_write(family, refused, gemma4, tmp_path):
+    """``synthetic.write_gguf`` wrote these as if every layer had one shape, a file that did not load: it names them."""
+    gemma4(family)
+    checkpoint = load_checkpoint(gemma4.paths[family])
+    with pytest.raises(ValueError, match=f"write_gguf cannot write {refused}; convert the folder with llama.cpp's"):
+        write_gguf(tmp_path / "gemma4.gguf", checkpoint.config, checkpoint.weights)
+    assert not (tmp_path / "gemma4.gguf").exists()
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4moe", "gemma4e"])
@@ -390,6 +405,28 @@ def test_hook_invariants(family, tiny_model, gemma4):
     assert torch.equal(model.forward(IDS, interventions=steers), plain)
     patch = hooks.Patch("*", donor=trace)
     assert torch.equal(model.forward(IDS, interventions=[patch]), plain)
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["gemma4", "gemma4e"])
+def test_activation_cache_reads_the_logits_and_splits_a_summed_stream(family, tiny_model, gemma4):
+    """TransformerLens' cache of a trace: the last normalized residual through W_U is the logits before the final soft
+    cap; the stream decomposes into the embedding and the blocks' outputs where it is their sum, and Gemma 4, whose
+    blocks scale their output (and whose E2B layout adds per-layer inputs), is refused, with the model or without."""
+    from workbench.errors import WorkbenchError
+
+    model = gemma4(family)[0] if family.startswith("gemma4") else tiny_model(family, "Q8_0", seed=1, device="cpu")
+    trace = model.run(IDS, record=["hook_embed", "blocks.*.hook_resid_*", "blocks.*.hook_*_out", "*.hook_scale"])
+    cache = trace.to_activation_cache(model)
+    raw = cache.accumulated_resid(apply_ln=True)[-1, 0] @ cache.model.W_U
+    cap = model.config.final_softcap
+    torch.testing.assert_close(torch.tanh(raw / cap) * cap if cap else raw, trace.logits, rtol=1e-4, atol=1e-4)
+    if family.startswith("gemma4"):
+        for view in (model, None):
+            with pytest.raises(WorkbenchError, match="gemma4 scales each block's output"):
+                trace.to_activation_cache(view).decompose_resid()
+    else:
+        last = trace.activations[f"blocks.{model.config.n_layers - 1}.hook_resid_post"]
+        torch.testing.assert_close(cache.decompose_resid().sum(0)[0], last, rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_window_masks_by_position(tiny_model):

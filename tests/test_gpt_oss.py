@@ -15,6 +15,7 @@ import workbench
 from workbench import hooks
 from workbench.errors import ModelLoadError
 from workbench.loading import LoadedCheckpoint, load_checkpoint
+from workbench.synthetic import write_gguf
 
 from moe_reference import LLAMA_CPP_SOURCE, convert_with_llama_cpp, hf_moe_model
 
@@ -102,16 +103,30 @@ def test_llama_cpp_converted_gguf_matches(hf_gpt_oss, tmp_path):
     rounds to whole dimensions (transformers here does not): with the folder's ramp rounded too, the same logits."""
     _, path = hf_gpt_oss
     from_gguf = workbench.load(convert_with_llama_cpp(path, tmp_path / "gpt-oss.gguf"), device="cpu")
-    from_hf = workbench.load(path, device="cpu")
     assert from_gguf.tensor_formats()["blocks.0.moe.gate"] == "F32"
-    hf_config = from_hf.config
+    assert_folder_with_a_rounded_ramp(path, from_gguf)
+
+
+def assert_folder_with_a_rounded_ramp(path: Path, from_gguf: workbench.Model) -> None:
+    """``from_gguf`` has the config of the folder at ``path`` but for the rounded YaRN ramp, and with the folder's ramp
+    rounded too, the same logits."""
+    checkpoint = load_checkpoint(path)
+    hf_config = checkpoint.config
     rounded = dataclasses.replace(hf_config, rope_yarn=dataclasses.replace(hf_config.rope_yarn, truncate=True),
                                   name=from_gguf.config.name, rms_eps=from_gguf.config.rms_eps)  # GGUF's float32
     assert from_gguf.config == rounded
-    checkpoint = load_checkpoint(path)
     rounded_hf = workbench.Model(LoadedCheckpoint(rounded, checkpoint.weights, checkpoint.tokenizer, checkpoint.path,
                                                   checkpoint.metadata), "cpu")
     assert (from_gguf.forward(IDS) - rounded_hf.forward(IDS)).abs().max().item() < 1e-5
+
+
+def test_written_gguf_loads_back(hf_gpt_oss, tmp_path):
+    """``synthetic.write_gguf`` stores the experts' biases ``[n_experts, rows]``, as llama.cpp's converter does (they
+    were written flat, and the file did not load): the folder's model loads back from it."""
+    _, path = hf_gpt_oss
+    checkpoint = load_checkpoint(path)
+    written = write_gguf(tmp_path / "gpt-oss.gguf", checkpoint.config, checkpoint.weights)
+    assert_folder_with_a_rounded_ramp(path, workbench.load(written, device="cpu"))
 
 
 def mxfp4_folder(float_dir: Path, out: Path) -> Path:
@@ -303,6 +318,18 @@ def test_generation_past_the_window_matches_full_forwards(mxfp4):
     prompts = [IDS, IDS[:3], [9] * 7 + IDS[:2]]
     assert mxfp4.generate_batch(prompts, 5, temperature=0.0) == [mxfp4.generate(p, 5, temperature=0.0)
                                                                   for p in prompts]
+
+
+def test_compiled_cpu_decode_decodes_eagerly(hf_gpt_oss):
+    """On the CPU an MoE's experts run by a routing read back into Python between graphs, whose values a compiled step
+    keeps without guards: it kept the experts of the token it was built on, and greedy decoding went wrong from the
+    first step. So ``compiled=True`` decodes an MoE model eagerly there, building no step."""
+    from workbench.generation import _BUILT, generate_tokens
+
+    runner = workbench.load(hf_gpt_oss[1], device="cpu").runner
+    eager = list(generate_tokens(runner, IDS[:3], 8))
+    assert list(generate_tokens(runner, IDS[:3], 8, compiled=True)) == eager
+    assert runner not in _BUILT
 
 
 def test_info_names_the_features(mxfp4):

@@ -504,8 +504,23 @@ def test_batch_matches_single_runs(qwen2moe):
     for prompt, trace in zip(prompts, batched):
         single = qwen2moe.run(prompt, record=["blocks.0.mlp.hook_expert_indices"], interventions=[spec])
         assert torch.allclose(trace.logits, single.logits, atol=1e-5)
-        assert torch.equal(trace.activations["blocks.0.mlp.hook_expert_indices"].long(),
+        assert torch.equal(trace.activations["blocks.0.mlp.hook_expert_indices"],
                            single.activations["blocks.0.mlp.hook_expert_indices"])
+
+
+def test_batches_record_the_chosen_experts_as_integers(qwen2moe):
+    """Batched recording keeps the chosen experts int64, as ``run`` records them, whatever ``record_dtype`` the float
+    activations take (a bfloat16 expert id is rounded from 257 experts on) and in a trace owning its buffers."""
+    prompts = [IDS, IDS[:4]]
+    names = ["blocks.0.mlp.hook_expert_indices", "blocks.0.mlp.hook_expert_weights"]
+    single = [qwen2moe.run(p, record=names).activations for p in prompts]
+    for kwargs in [{}, {"record_dtype": torch.bfloat16}, {"reduce": "last"}]:
+        for i, trace in qwen2moe.iter_batch(prompts, record=names, **kwargs):
+            chosen, weights = (trace.activations[n] for n in names)
+            expected = single[i][names[0]]
+            assert chosen.dtype == torch.int64, kwargs
+            assert torch.equal(chosen, expected[-1] if "reduce" in kwargs else expected)
+            assert weights.dtype == kwargs.get("record_dtype", torch.float32)
 
 
 def test_generation_with_kv_cache_matches_full_forward(qwen2moe):
@@ -567,7 +582,10 @@ def test_mcp_tools_on_an_moe_model(qwen2moe, tmp_path):
             routing = await call("moe_routing", prompt="the cat sat", layers=[1])
             ablated = await call("moe_routing", prompt="the cat sat", layers=[1], interventions=[ablate])
             edit = await call("run_batch", prompts=["the cat", "a dog"], interventions=[ablate])
-            return dict(info=info, run=run, routing=routing, ablated=ablated, edit=edit)
+            rerouted = await call("run_with_interventions", prompt="the cat sat", interventions=[ablate],
+                                  record=["blocks.*.mlp.*"])
+            compared = await call("compare_traces", a=rerouted["baseline_trace_id"], b=rerouted["trace_id"])
+            return dict(info=info, run=run, routing=routing, ablated=ablated, edit=edit, compared=compared)
 
     out = anyio.run(scenario)
     assert out["info"]["moe"]["n_experts"] == 4 and out["info"]["moe"]["d_shared_expert"] == 64
@@ -580,6 +598,9 @@ def test_mcp_tools_on_an_moe_model(qwen2moe, tmp_path):
     assert sum(layer["load"]) == pytest.approx(2.0)  # two experts per token
     assert out["ablated"]["layers"][0]["load"][0] == 0.0
     assert len(out["edit"]["results"]) == 2
+    # the chosen experts (integers) compare as numbers beside the float activations
+    diffs = {d["hook"]: d for d in out["compared"]["activations"]}
+    assert {"blocks.1.mlp.hook_expert_indices", "blocks.1.mlp.hook_expert_out"} <= set(diffs)
 
 
 def test_bad_moe_configs_are_named(hf_moe, tmp_path):

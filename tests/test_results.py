@@ -216,6 +216,25 @@ def test_compare_traces_by_hand():
     json.dumps(cmp.to_dict())
 
 
+def test_compare_traces_of_integer_and_half_precision_activations():
+    """An MoE's chosen experts (int64) and activations recorded in float16 compare as float32 numbers: no crash on the
+    integers, and no float16 norm overflowing to inf (which made every relative difference 0)."""
+    experts = torch.tensor([[0, 1], [2, 3]])
+    rerouted = torch.tensor([[0, 1], [2, 0]])
+    big = torch.full((100, 64), 1000.0, dtype=torch.float16)  # norm 80000, past float16's largest 65504
+    edited = big.clone()
+    edited[0, 0] = 900.0
+    a = trace([1, 2], logits(2, 60, seed=3), **{"blocks.0.mlp.hook_expert_indices": experts,
+                                                 "blocks.0.hook_resid_post": big})
+    b = trace([1, 2], logits(2, 60, seed=3), **{"blocks.0.mlp.hook_expert_indices": rerouted,
+                                                 "blocks.0.hook_resid_post": edited})
+    by_hook = {d.hook: d for d in results.compare_traces(a, b).activations}
+    chosen = by_hook["blocks.0.mlp.hook_expert_indices"]
+    assert chosen.max_abs_diff == 3.0 and chosen.relative_diff == pytest.approx(3 / math.sqrt(14))
+    resid = by_hook["blocks.0.hook_resid_post"]
+    assert resid.max_abs_diff == 100.0 and resid.relative_diff == pytest.approx(100 / 80000)
+
+
 def test_trace_methods_use_the_results_layer():
     t = trace([1, 2], logits(2, 80, seed=11))
     expected = torch.topk(t.logits[0].softmax(-1), 5)

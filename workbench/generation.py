@@ -623,7 +623,9 @@ def build_decode_step(runner: Transformer, cache: StaticKVCache, compiled: bool 
     """
     lora = own_lora(lora)
     if runner.device.type != "cuda":
-        return _compile_on_cpu(runner, cache, lora) if compiled else None
+        # The CPU runs an MoE's experts by the routing read back on the host, in Python between graphs: a compiled step
+        # (which keeps no guards on such values, see _guards_on_global_state) would keep the experts of its build.
+        return _compile_on_cpu(runner, cache, lora) if compiled and runner.config.moe is None else None
     if not _graph_holds_moe(runner):
         return None
     if compiled:

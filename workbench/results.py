@@ -251,7 +251,9 @@ def compare_next_token(baseline_logits: torch.Tensor, edited_logits: torch.Tenso
 
 
 def hook_diff(name: str, a: torch.Tensor, b: torch.Tensor) -> HookDiff:
-    """Largest |a - b| and ||a - b|| / ||a|| of one activation, over the entries finite in both."""
+    """Largest |a - b| and ||a - b|| / ||a|| of one activation, over the entries finite in both. Integer activations
+    (an MoE's chosen experts) and half-precision ones compare as float32 numbers."""
+    a, b = a.float(), b.float().to(a.device)
     both = torch.isfinite(a) & torch.isfinite(b)
     delta = torch.where(both, a - b, torch.zeros_like(a))
     reference = torch.where(both, a, torch.zeros_like(a)).norm()

@@ -74,6 +74,7 @@ FAMILY_SETTINGS: dict[str, dict] = {
     "gemma2": dict(sliding_window=4, attn_softcap=50.0, final_softcap=30.0),
     "gemma3": dict(sliding_window=4, rope_base=1e6, rope_base_local=10000.0),
     "phi3": dict(partial_rotary=0.5),
+    "gpt-oss": dict(sliding_window=4),
 }
 
 
@@ -85,16 +86,19 @@ def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int =
     set any other ModelConfig field (``sliding_window=4`` on llama: Mistral with a window), or ``partial_rotary``, the
     fraction of each head the rope turns. Sliding-window families alternate sliding and global layers.
 
-    With ``n_experts`` (a "qwen2moe"/"qwen3moe" architecture: 4 by default) every block's MLP is that many experts of
-    ``d_expert`` (default ``d_mlp``) hidden units, ``n_experts_used`` per token, weighted as llama.cpp weights that
-    family's (Mixtral is "llama" with experts)."""
+    With ``n_experts`` (a "qwen2moe"/"qwen3moe"/"gpt-oss" architecture: 4 by default) every block's MLP is that many
+    experts of ``d_expert`` (default ``d_mlp``) hidden units, ``n_experts_used`` per token, weighted as llama.cpp
+    weights that family's (Mixtral is "llama" with experts). Gemma 4 is its dense layout with heads of one size."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; choose from {', '.join(ARCHITECTURES)}")
-    settings = {**FAMILY_SETTINGS.get(architecture, {}), **settings}
-    n_experts = n_experts or (4 if architecture.endswith("moe") else 0)
+    family = ARCHITECTURES[architecture]
+    # the attention scale loading a GGUF of the family gives (Gemma 4's is 1)
+    settings = {"attn_scale": family.gguf_attn_scale(n_layers, d_model, n_heads),
+                **FAMILY_SETTINGS.get(architecture, {}), **settings}
+    n_experts = n_experts or (4 if architecture.endswith("moe") or family.moe else 0)
     if n_experts:
         settings["moe"] = MoEConfig(n_experts, n_experts_used, d_expert or d_mlp, d_shared_expert=d_shared_expert,
-                                    normalize_weights=architecture != "qwen2moe")
+                                    **{"normalize_weights": architecture != "qwen2moe", **family.moe})
     vocab = vocab_size or len(tokenizer_metadata()["tokenizer.ggml.tokens"])
     d_head = d_head or d_model // n_heads
     partial = settings.pop("partial_rotary", None)
@@ -105,7 +109,7 @@ def random_config(architecture: str = "llama", n_layers: int = 2, d_model: int =
     return ModelConfig(architecture=architecture, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
                        n_kv_heads=n_kv_heads, d_head=d_head, d_mlp=d_mlp, vocab_size=vocab, n_ctx=n_ctx,
                        rope_base=settings.pop("rope_base", 10000.0), rms_eps=RMS_EPS, tied_embeddings=tied_embeddings,
-                       name=f"random-{architecture}", **ARCHITECTURES[architecture].config_flags(), **settings)
+                       name=f"random-{architecture}", **family.config_flags(), **settings)
 
 
 def random_matrix(rows: int, cols: int, fmt: str, std: float = 1.0, generator: torch.Generator | None = None,
@@ -146,16 +150,18 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
                                                             * std)) if s else {}
         # the router stays float32, as llama.cpp's quantizer leaves it
         router = QuantTensor.from_floats(torch.randn(m.n_experts, c.d_model, generator=g, device=device) * std)
+        biases = dict(router_bias=bias(m.n_experts), gate_bias=bias(m.n_experts, f), up_bias=bias(m.n_experts, f),
+                      down_bias=bias(m.n_experts, c.d_model)) if family.moe_biases else {}
         return moe_lib.MoEWeights(router=router, gate=matrix(p + "ffn_gate_exps.weight", rows, c.d_model, std),
                                   up=matrix(p + "ffn_up_exps.weight", rows, c.d_model, std),
                                   down=matrix(p + "ffn_down_exps.weight", m.n_experts * c.d_model, f, f**-0.5),
-                                  **shared)
+                                  **shared, **biases)
 
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g, device=device)
 
-    def bias(n: int) -> torch.Tensor:
-        return 0.02 * torch.randn(n, generator=g, device=device)
+    def bias(*shape: int) -> torch.Tensor:
+        return 0.02 * torch.randn(*shape, generator=g, device=device)
 
     std = c.d_model**-0.5
     family = c.arch
@@ -180,7 +186,9 @@ def random_weights(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, device
             mlp_norm=norm(c.d_model) if family.pre_norms else None,
             w_down=None if c.moe else matrix(p + "ffn_down.weight", c.d_model, c.d_mlp, c.d_mlp**-0.5),
             bq=bias(q_dim) if c.qkv_bias else None, bk=bias(kv_dim) if c.qkv_bias else None,
-            bv=bias(kv_dim) if c.qkv_bias else None,
+            bv=bias(kv_dim) if c.qkv_bias else None, bo=bias(c.d_model) if family.out_bias else None,
+            sinks=torch.randn(c.n_heads, generator=g, device=device) if family.attn_sinks else None,
+            v_norm=torch.ones(c.d_head, device=device) if family.v_norm else None,
             q_norm=norm(qk_norm[0]) if qk_norm else None, k_norm=norm(qk_norm[1]) if qk_norm else None,
             attn_post_norm=norm(c.d_model) if family.post_norms else None,
             mlp_post_norm=norm(c.d_model) if family.post_norms else None,
@@ -199,11 +207,20 @@ def random_checkpoint(config: ModelConfig, fmt: str = "Q8_0", seed: int = 0, dev
 
 
 def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, metadata: dict | None = None) -> Path:
-    """Write a model as llama.cpp would store it (tensor names, layouts and metadata keys)."""
+    """Write a model as llama.cpp would store it (tensor names, layouts and metadata keys). Gemma 4's per-layer
+    layouts (global layers' own head shape, per-layer embeddings and MLP widths, reused keys and values, experts beside
+    the dense MLP) are refused: llama.cpp's converter writes those."""
     import gguf
 
     path = Path(path)
     c, arch = config, config.architecture
+    unwritable = [what for what, present in (
+        ("global layers with their own head shape", c.d_head_global or c.n_kv_heads_global),
+        ("per-layer embeddings", c.d_per_layer), ("layers reusing keys and values", c.kv_shared_layers),
+        ("per-layer MLP widths", c.d_mlp_layers), ("experts beside the dense MLP", c.moe and c.moe.dense_mlp)) if present]
+    if unwritable:
+        raise ValueError(f"write_gguf cannot write {', '.join(unwritable)}; convert the folder with llama.cpp's "
+                         "convert_hf_to_gguf.py")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(c.name)
     writer.add_block_count(c.n_layers)
@@ -250,16 +267,16 @@ def write_gguf(path: str | Path, config: ModelConfig, weights: ModelWeights, met
         _add_metadata(writer, key, value)
 
     def add(name: str, tensor: QuantTensor | torch.Tensor | None, shape: tuple[int, ...] | None = None) -> None:
-        """``shape`` (torch order) for stacked experts, ``[n_experts, rows, cols]``."""
+        """``shape`` (torch order) for stacked experts, ``[n_experts, rows, cols]``, and their biases,
+        ``[n_experts, rows]``."""
         if tensor is None:
             return
         if isinstance(tensor, torch.Tensor):  # norms and biases are stored F32
+            shape = shape or tuple(tensor.shape)
             tensor = QuantTensor.from_floats(tensor.float())
-            data = tensor.data.cpu().numpy().reshape(-1)
-        else:
-            data = tensor.data.cpu().numpy()
-            if shape is not None:
-                data = data.reshape(*shape[:-1], -1)
+        data = tensor.data.cpu().numpy()
+        if shape is not None:
+            data = data.reshape(*shape[:-1], -1)
         writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType(tensor.fmt.ggml_type))
 
     add(GLOBAL_TENSORS["embed"], weights.embed)
