@@ -545,8 +545,8 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                       if kind != "proportional" else None)
             d_per_layer = int(cfg.get("hidden_size_per_layer_input") or 0) or None
             if d_per_layer and cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]) != cfg["vocab_size"]:
-                raise ModelLoadError(f"{path}/config.json: per-layer embeddings of another vocabulary size than the model's are "
-                                     "not supported")
+                raise ModelLoadError(f"{path}/config.json: per-layer embeddings of another vocabulary size than the "
+                                     "model's are not supported")
             kv_shared = int(cfg.get("num_kv_shared_layers") or 0)
             d_mlp = int(cfg["intermediate_size"])
             # Gemma 4 E2B: the layers that reuse keys and values have MLPs twice as wide
