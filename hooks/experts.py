@@ -33,6 +33,7 @@ class ExpertEdit(RegionEdit):
     """An edit of the experts ``experts`` in the MoE block ``layer`` (None: every block), at ``positions``."""
 
     point: ClassVar[str] = "mlp.hook_router_logits"  # the hook point whose name resolves the blocks
+    writes_ids: ClassVar[bool] = True  # rerouting and forcing choose the experts
 
     def __init__(self, experts: Sequence[int], layer: int | None = None, positions: Positions = None):
         if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):

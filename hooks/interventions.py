@@ -27,7 +27,7 @@ from workbench.config import ModelConfig
 from workbench.errors import HookError, WorkbenchError, finite_number, shorten
 from workbench.runner import LORA_POINTS, HookContext, HookFn
 
-from .points import axes, feature_size, head_count, resolve, token_shape
+from .points import ID_POINTS, axes, feature_size, head_count, resolve, token_shape
 from .recording import Recorder
 from .trace import model_mismatch
 
@@ -158,6 +158,9 @@ class RegionEdit(Intervention):
     # whether the editor computes each value from that value alone, the same way in every prompt (no donor, no draws
     # per row, no reading of ``ctx``): a batched forward then edits all its rows in one call (``RowEdit``)
     elementwise: ClassVar[bool] = False
+    # whether the edit may stand at a point of ids (ID_POINTS): it copies other runs' values there (a donor's, a
+    # resample's) or chooses the experts itself, where arithmetic on ids would mean nothing
+    writes_ids: ClassVar[bool] = False
 
     def __post_init__(self):
         if not isinstance(self.hook, str) or not self.hook:
@@ -185,6 +188,9 @@ class RegionEdit(Intervention):
 
     def validate(self, run: RunShape) -> None:
         for region in self.regions(run):
+            if not self.writes_ids and region.name.endswith(ID_POINTS):
+                raise HookError(f"{self.kind} on {region.name}: its values are expert ids, not activations (patch "
+                                "them from another run, or use ablate_expert / force_routing)")
             self._check(region, run)
 
     def compile(self, run: RunShape) -> dict[str, list[HookFn]]:
@@ -432,6 +438,7 @@ class Patch(RegionEdit):
 
     donor: Any = None
     kind: ClassVar[str] = "patch"
+    writes_ids: ClassVar[bool] = True
 
     def __init__(self, hook: str, donor: Any = None, positions: Positions = None, heads=None, neurons=None):
         RegionEdit.__init__(self, hook, positions, heads, neurons)
@@ -495,6 +502,7 @@ class ResampleAblate(RegionEdit):
     donors: Sequence[Any] = field(default_factory=list)
     seed: int = 0
     kind: ClassVar[str] = "resample_ablate"
+    writes_ids: ClassVar[bool] = True
 
     def __init__(self, hook: str, donors: Sequence[Any] = (), positions: Positions = None, heads=None, neurons=None,
                  seed: int = 0):

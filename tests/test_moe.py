@@ -497,6 +497,22 @@ def test_specs_round_trip_and_bad_input(qwen2moe, tiny_model):
         tiny_model("llama").run(IDS, interventions=[{"type": "ablate_expert", "experts": [0]}])
 
 
+def test_expert_ids_take_only_edits_that_copy_them(qwen2moe):
+    """The chosen experts are ids: zeroing, scaling, steering or averaging them would route every token to expert 0
+    or to truncated means, so those are refused; patching them from a donor run routes this run as the donor's."""
+    point = "blocks.1.mlp.hook_expert_indices"
+    for bad in [{"type": "zero_ablate"}, {"type": "scale", "factor": 0.5}, {"type": "mean_ablate", "mean": [1.0, 2.0]},
+                {"type": "steer", "vector": [1.0, 1.0]}]:
+        with pytest.raises(HookError, match=f"{bad['type']} on {point}: its values are expert ids"):
+            qwen2moe.run(IDS, interventions=[{**bad, "hook": point}])
+    donor = IDS[::-1]
+    routed = qwen2moe.run(donor, record=[point]).activations[point]
+    patched = qwen2moe.run(IDS, record=[point, "blocks.1.mlp.hook_expert_out"],
+                           interventions=[{"type": "patch", "hook": point, "donor": donor}])
+    assert torch.equal(patched.activations[point], routed)
+    assert not torch.equal(routed, qwen2moe.run(IDS, record=[point]).activations[point])
+
+
 def test_batch_matches_single_runs(qwen2moe):
     prompts = [IDS, IDS[:4], IDS[3:9]]
     spec = {"type": "ablate_expert", "experts": [1], "mode": "drop", "renormalize": True}
