@@ -2,7 +2,8 @@
 
 The final residual at a position is the sum of what the embedding, every attention head (through its
 own slice of W_O), attention's output bias where the family has one (GPT-OSS) and every MLP wrote into
-it. The final RMSNorm is linear once its scale is frozen at the value of the run, so the logit splits exactly into one term per component:
+it. The final RMSNorm is linear once its scale is frozen at the value of the run, so the logit splits exactly
+into one term per component:
 
     logit = scale * sum_c (component_c . (norm_weight * unembedding_row))
 """
@@ -13,9 +14,9 @@ from typing import Any, Sequence
 
 import torch
 
-from workbench.errors import WorkbenchError, integer
+from workbench.errors import WorkbenchError
 
-from .lens import token_id
+from .lens import check_position, token_id
 
 
 @dataclass
@@ -88,14 +89,8 @@ def direct_logit_attribution(model: Any, prompt: str | Sequence[int], target: in
     target_id = token_id(model, target)
     baseline_id = None if baseline is None else token_id(model, baseline)
     ids = model.to_ids(prompt, chat=chat)  # the position is checked against these before the forward
-    _check_position(position, len(ids))
+    check_position(position, len(ids))
     return _attribution(model, model.run(ids, record=RECORD), target_id, baseline_id, position)
-
-
-def _check_position(position: int, n_tokens: int, prefix: str = "") -> None:
-    position = integer(position, "position")
-    if not -n_tokens <= position < n_tokens:
-        raise WorkbenchError(f"{prefix}position {position} is out of range for a prompt of {n_tokens} tokens")
 
 
 def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[int]],
@@ -116,7 +111,7 @@ def direct_logit_attribution_batch(model: Any, prompts: Sequence[str | Sequence[
     target_ids, baseline_ids = per_prompt(targets, "targets"), per_prompt(baselines, "baselines")
     ids = model.batch_ids(prompts, chat)  # run as ids: the chat template is applied once, here
     for i, prompt_ids in enumerate(ids):
-        _check_position(position, len(prompt_ids), f"prompt {i}: ")
+        check_position(position, len(prompt_ids), f"prompt {i}: ")
     traces = model.run_batch(ids, record=RECORD, batch_size=batch_size, progress=progress)
     return [_attribution(model, trace, t, b, position) for trace, t, b in zip(traces, target_ids, baseline_ids)]
 
@@ -127,7 +122,7 @@ def _attribution(model: Any, trace: Any, target_id: int, baseline_id: int | None
     ``lora_layers`` lists (zero where it was not recorded: so two runs' components line up)."""
     c = model.config
     n_pos = len(trace.ids)
-    _check_position(position, n_pos)
+    position = check_position(position, n_pos)
     acts = trace.activations
 
     components = [acts["hook_embed"][position]]

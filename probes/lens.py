@@ -53,6 +53,15 @@ def token_id(model: Any, token: int | str) -> int:
     return index
 
 
+def check_position(position: int, n_tokens: int, prefix: str = "") -> int:
+    """``position`` (an integer, negative from the end) within a prompt of ``n_tokens``, or a clear error (``prefix``
+    names the prompt of a batch)."""
+    position = integer(position, "position")
+    if not -n_tokens <= position < n_tokens:
+        raise WorkbenchError(f"{prefix}position {position} is out of range for a prompt of {n_tokens} tokens")
+    return position
+
+
 def token_ids(model: Any, tokens: Sequence[int | str], what: str = "tokens") -> list[int]:
     """Token ids of a list of tokens (see ``token_id``); a single string is refused, not read character by
     character."""

@@ -24,7 +24,7 @@ import torch
 from workbench.errors import WorkbenchError
 
 from .dla import RECORD as DLA_RECORD, Attribution, _attribution
-from .lens import final_norm, token_id, unembed
+from .lens import check_position, final_norm, token_id, unembed
 from .steering import SteeringVector
 
 
@@ -86,8 +86,7 @@ def compare_models(model: Any, prompts: Sequence[str | Sequence[int]], adapter: 
         raise WorkbenchError(f"k must be a positive integer, got {k!r}")
     ids = model.batch_ids(prompts, chat)
     for i, prompt_ids in enumerate(ids):
-        if not -len(prompt_ids) <= position < len(prompt_ids):
-            raise WorkbenchError(f"prompt {i}: position {position} is out of range for {len(prompt_ids)} tokens")
+        check_position(position, len(prompt_ids), f"prompt {i}: ")
     sides = [model.adapter_scales(adapter), model.adapter_scales(base)]  # unknown names fail here, before compute
     target_id = None if target is None else token_id(model, target)
     record = [*DLA_RECORD, "blocks.*.hook_resid_post"]

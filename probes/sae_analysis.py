@@ -11,7 +11,7 @@ import torch
 
 from workbench.errors import WorkbenchError
 
-from .lens import token_id
+from .lens import check_position, token_id
 from .sae import SAE
 
 
@@ -141,9 +141,7 @@ def feature_attribution(model: Any, sae: SAE, prompt: str | Sequence[int], targe
     baseline_id = None if baseline is None else token_id(model, baseline)
     acts_name = f"{sae.hook}.hook_sae_acts_post"
     trace = model.run(prompt, saes=[sae], record=[acts_name, f"{sae.hook}.hook_sae_error", "ln_final.hook_scale"])
-    n_pos = len(trace.ids)
-    if not -n_pos <= position < n_pos:
-        raise WorkbenchError(f"position {position} is out of range for a prompt of {n_pos} tokens")
+    position = check_position(position, len(trace.ids))
     ids = [target_id] if baseline_id is None else [target_id, baseline_id]
     unembedding = model.runner.weights.unembed
     rows = unembedding.dequantize_rows(torch.tensor(ids, device=unembedding.device)).cpu().double()
@@ -159,4 +157,4 @@ def feature_attribution(model: Any, sae: SAE, prompt: str | Sequence[int], targe
         error=scale * float(trace.activations[f"{sae.hook}.hook_sae_error"][position].double() @ direction),
         bias=scale * float(sae.b_dec.detach().cpu().double() @ direction),
         target=repr(texts[0]) if baseline_id is None else f"{texts[0]!r} - {texts[1]!r}",
-        position=position % n_pos, scale=scale)
+        position=position % len(trace.ids), scale=scale)
