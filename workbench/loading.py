@@ -532,11 +532,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             n_layers = _layer_count(cfg["num_hidden_layers"], path)
             d_head = int(cfg.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0))
-            # transformers 5 keeps rope settings in rope_parameters (per attention kind where they differ); older
-            # configs at the top level
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            global_rope, local_rope = rope.get("full_attention", rope), rope.get("sliding_attention", {})
-            kind = global_rope.get("rope_type", global_rope.get("type", "default"))
+            global_rope, local_rope, kind = _hf_rope(cfg)
             if kind not in ("default", "linear", "llama3", "proportional", "yarn", "longrope", "su"):
                 raise ModelLoadError(f"{path}/config.json: rope scaling {kind!r} is not supported (default, linear, "
                                      "llama3, proportional, yarn and longrope are)")
@@ -661,13 +657,21 @@ def _hf_global_heads(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
     return (int(size) if size else None), (int(heads) if heads else None)
 
 
+def _hf_rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """A config.json's rope settings: its global (full-attention) layers', its sliding layers', and the global kind
+    ("default" where it names none). transformers 5 keeps them in rope_parameters (per attention kind where they
+    differ), older configs in rope_scaling."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    global_rope = rope.get("full_attention", rope)
+    kind = global_rope.get("rope_type", global_rope.get("type", "default"))
+    return global_rope, rope.get("sliding_attention", {}), kind
+
+
 def _hf_rope_freqs(cfg: dict[str, Any], config: ModelConfig) -> torch.Tensor | None:
     """Per-pair frequency divisors (``rope_freqs``) as llama.cpp's converter stores them, for the rope kinds that
     have them: Gemma 4's "proportional" (1 for the rotated pairs of a global head, 1e30, no rotation, for the rest)
     and Llama 3.1's "llama3"."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope = rope.get("full_attention", rope)
-    kind = rope.get("rope_type", rope.get("type"))
+    rope, _, kind = _hf_rope(cfg)
     if kind == "proportional":
         d_head = config.d_head_global or config.d_head
         half, rotated = d_head // 2, int(d_head * rope.get("partial_rotary_factor", 1.0) / 2)
@@ -755,7 +759,7 @@ def load_hf_checkpoint(path: Path, quantize: str | None = None) -> LoadedCheckpo
         raise ModelLoadError(f"{path}/config.json: its rope scaling lacks {err}") from None
     if config.rope_long is not None:
         with _hyperparameters(path / "config.json"):
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            rope = _hf_rope(cfg)[0]
             for length in ("short", "long"):
                 if not isinstance(factors := rope.get(f"{length}_factor"), list):
                     raise ModelLoadError(f"{path}/config.json: longrope needs a list of {length}_factor values")
