@@ -256,11 +256,12 @@ class Model:
             pieces = []  # per adapted projection, each adapter's (name, A, B times the call's scale)
             for p in adapted:
                 held = [(name, scale, self.adapters[name].layers[i].get(p)) for name, scale in scales.items()]
-                pieces.append([(name, factors[0], factors[1] * scale) for name, scale, factors in held if factors])
-            for p, piece in zip(adapted, pieces):  # a call's scales, or a float16 model, can take a term past its range
+                piece = [(name, factors[0], factors[1] * scale) for name, scale, factors in held if factors]
+                # a call's scales, or a float16 model, can take a term past its range
                 check_term_range(torch.cat([a for _, a, _ in piece]), torch.cat([b for _, _, b in piece], dim=1),
                                  self.dtype, f"layer {i} {p} of {', '.join(repr(name) for name, _, _ in piece)}: ",
                                  "alpha / rank and the call's scale")
+                pieces.append(piece)
             a = torch.cat([a for piece in pieces for _, a, _ in piece])
             b_t = torch.block_diag(*[torch.cat([b for _, _, b in piece], dim=1).T for piece in pieces])
             ranks = tuple(sum(a.shape[0] for _, a, _ in piece) for piece in pieces)
