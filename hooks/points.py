@@ -36,7 +36,8 @@ _AXES = {
     "mlp.hook_expert_out": Axes(0, None, 2),  # [T, top_k, d_model]: a vector added reaches every chosen expert
 }
 _TOKEN_MAJOR = Axes(0, None, 1)
-# points whose values are ids, not activations: an edit may only copy them (from a donor run)
+# points whose values are ids, not activations: a declarative edit there may only copy them from other runs or
+# choose the experts itself (RegionEdit.writes_ids)
 ID_POINTS = ("mlp.hook_expert_indices",)
 
 # The points an SAE attached at a hook fires under it (``blocks.3.hook_resid_post.hook_sae_acts_post``; hooks/saes.py)

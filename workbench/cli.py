@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     har.add_argument("--file", required=True, help="a text file of prompts, one a line ('-': standard input)")
     har.add_argument("--hook", required=True, action="append", help="a hook point name or glob (repeatable)")
     har.add_argument("--out", required=True, help="the folder of shards and manifest.json")
-    har.add_argument("--reduce", type=_reduction, default=None, help="none (every token's row), last, mean, or a position")
+    har.add_argument("--reduce", type=_reduction, default=None,
+                     help="none (every token's row), last, mean, or a position")
     har.add_argument("--shard-size", type=int, default=64, help="prompts a shard (a file, and a unit of retry)")
     har.add_argument("--batch-size", type=int, default=None, help="prompts a forward (default: as many as fit)")
     har.add_argument("--retries", type=int, default=2, help="times a failed shard is retried on another rank")
