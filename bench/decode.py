@@ -230,6 +230,7 @@ def synthetic_gguf(architecture: str, dims: dict, fmt: str, path: Path) -> Path:
         config = random_config(architecture, n_ctx=4096, **dims)
         checkpoint = random_checkpoint(config, fmt, distinct_rows=256)
         print(f"writing {path} ...", flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_gguf(path, config, checkpoint.weights, checkpoint.metadata)
     return path
 
