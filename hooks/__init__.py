@@ -8,6 +8,7 @@ from workbench.runner import HookContext, HookFn
 
 from .batching import BatchRecorder, per_prompt_hooks
 from .experts import AblateExpert, ForceRouting, SteerExpert
+from .gradients import GradientTaps, Gradients, metric_value
 from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
                             RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, intervention_list, merge_hooks,
                             spec_leaves)
@@ -63,7 +64,7 @@ __all__ = [
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
     "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
     "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert", "ForceRouting",
-    "SteerExpert", "intervention_list",
+    "SteerExpert", "intervention_list", "Gradients", "GradientTaps", "metric_value",
 ]
 
 

@@ -220,10 +220,15 @@ def _run_llamacpp_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts
         x32, [w.data for w in parts], fmt.ggml_type, *parts[0].shape, list(starts), list(counts)))
 
 
+def _dequantize(w: QuantTensor) -> torch.Tensor:
+    return extension().dequantize(w.data.contiguous(), w.fmt.ggml_type, w.shape[1])
+
+
 EXACT = Kernel("cpu-gguf-exact", "cpu", _runs_here, _run_exact, _run_exact_parts, _run_exact_segments, traceable=True,
-               formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
+               formats=tuple(SUPPORTED_TYPES.values()), by_type=True, dequantize=_dequantize)
 LLAMACPP = Kernel("cpu-gguf-llamacpp", "cpu", _runs_here, _run_llamacpp, _run_llamacpp_parts, _run_llamacpp_segments,
-                  traceable=True, numerics="llamacpp", formats=tuple(SUPPORTED_TYPES.values()), by_type=True)
+                  traceable=True, numerics="llamacpp", formats=tuple(SUPPORTED_TYPES.values()), by_type=True,
+                  dequantize=_dequantize)
 register_kernel(EXACT)
 register_kernel(LLAMACPP)
 

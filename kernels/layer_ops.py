@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from . import cpu, llamacpp_ops
 from . import triton as _triton
 from .linear import get_numerics
 from .quant_tensor import QuantTensor
-from .tracing import compiling
+from .tracing import compiling, tracks_grad
 
 # Set by ``torch_formulas()``: every op runs its torch formula, whatever the backend.
 _FORCE_TORCH = {"on": False}
@@ -103,6 +103,40 @@ def exact_glue() -> Iterator[None]:
         _EXACT_GLUE["on"] = previous
 
 
+_SAVED = object()  # marks the arguments _KernelForward keeps as saved tensors
+
+
+class _KernelForward(torch.autograd.Function):
+    """``op(*args)`` as a forward without gradients computes it (the C++, Triton or llama.cpp-numerics kernel, its
+    bits), differentiated as its torch formula: the backward recomputes the op under ``torch_formulas()`` and
+    ``exact_glue()`` and takes that graph's gradients. So a gradient run's forward is the production forward."""
+
+    @staticmethod
+    def forward(ctx, op: Callable, *args: Any) -> Any:
+        ctx.op, ctx.args = op, [_SAVED if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))
+        return op(*args)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        saved, wants = iter(ctx.saved_tensors), ctx.needs_input_grad[1:]
+        args = [next(saved).detach().requires_grad_(want) if a is _SAVED else a for a, want in zip(ctx.args, wants)]
+        with torch.enable_grad(), torch_formulas(), exact_glue():
+            outs = ctx.op(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(out, grad) for out, grad in zip(outs, grads) if grad is not None and out.requires_grad]
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+                     if pairs and inputs else [None] * len(inputs))
+        return (None, *(next(found) if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))
+
+
+def _kernel_grad_run(*tensors: torch.Tensor) -> bool:
+    """Whether an op on ``tensors`` runs through ``_KernelForward``: autograd tracks them, and the op is not already
+    running its torch formulas (as in that backward)."""
+    return tracks_grad(*tensors) and not _FORCE_TORCH["on"]
+
+
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``, with no op call when ``x`` already has it: the eager forward pays per call, even for a no-op."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -111,6 +145,8 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last axis of ``x`` ``[..., d]``: the scale ``1 / sqrt(mean(x^2) + eps)`` ``[..., 1]``
     (computed in float32, in ``x``'s dtype) and ``(x * scale) * weight``."""
+    if _kernel_grad_run(x, weight):
+        return _KernelForward.apply(rms_norm, x, weight, eps)
     if llamacpp_glue(x):
         return llamacpp_ops.rms_norm(x, weight, eps)
     native = _native(x, weight)
@@ -128,6 +164,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The residual sum ``x + delta`` (both ``[T, d]``, in ``x``'s dtype) and ``rms_norm`` of it: the sum, its scale and
     its normalized output, as ``x + delta`` then ``rms_norm`` give them bit for bit; one call on CUDA and the CPU."""
+    if _kernel_grad_run(x, delta, weight):
+        return _KernelForward.apply(add_rms_norm, x, delta, weight, eps)
     if x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype and not llamacpp_glue(x):
         if _native(x, weight) and delta.is_cpu:
             return cpu.extension().add_rms_norm(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
@@ -145,6 +183,8 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate`` and ``up`` ``[T, d]``, each product rounded to their dtype as the torch formula
     rounds it: one call on CUDA and the CPU (in float32, the bits of the formula)."""
+    if _kernel_grad_run(gate, up):
+        return _KernelForward.apply(swiglu, gate, up)
     if llamacpp_glue(gate):
         return llamacpp_ops.swiglu(gate, up)
     if (_native(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.stride(-1) == 1
@@ -161,6 +201,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, returned in ``x``'s dtype. ``cos`` and ``sin``
     ``[T, 1, d_head]`` hold each pair's factors at both of its values, sin signed for each value (-sin at the first):
     ``x * cos + partner(x) * sin`` is the formula in two products and a sum."""
+    if _kernel_grad_run(x):
+        return _KernelForward.apply(rope, x, cos, sin, interleaved)
     if llamacpp_glue(x):
         return llamacpp_ops.rope(x, cos, sin, interleaved)
     if _native(x, cos):
@@ -202,6 +244,8 @@ def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocke
 
     A batch of sequences adds a leading axis to each: ``q`` ``[B, T, heads, d]``, ``keys`` ``[B, kv_heads, S, d]``,
     ``blocked`` broadcastable to ``[B, 1, T, S]``, scores ``[B, heads, T, S]``; it takes the batched matmul."""
+    if _kernel_grad_run(q, keys):
+        return _KernelForward.apply(attention_scores, q, keys, divisor, blocked)
     if (q.dim() == 3 and _on_triton(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
             and (blocked is None or blocked.stride(-1) == 1)):
         return _triton.attention_scores(q, keys, divisor, blocked)
@@ -218,6 +262,8 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``z`` ``[T, heads, d]`` in the values' dtype: the float32 ``pattern`` ``[heads, T, S]``, rounded to the values'
     dtype, times the ``values`` ``[kv_heads, S, d]`` of each head's kv head. A batch adds a leading axis to each
     (``[B, heads, T, S]`` and ``[B, kv_heads, S, d]`` give ``[B, T, heads, d]``)."""
+    if _kernel_grad_run(pattern, values):
+        return _KernelForward.apply(attend, pattern, values)
     if (pattern.dim() == 3 and _on_triton(pattern, values) and values.stride(-1) == 1
             and pattern.dtype == torch.float32):
         return _triton.attend(pattern, values)
@@ -247,6 +293,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
 
     In llama.cpp numerics (eager), llama.cpp's CPU flash attention instead (``llamacpp_ops``): F16 keys and
     values, and its own order and precision of every sum."""
+    if llamacpp_glue(q) and _kernel_grad_run(q, keys, values):
+        return _KernelForward.apply(attention, q, keys, values, divisor, blocked, budget)
     if llamacpp_glue(q):
         return llamacpp_ops.attention(q, keys, values, divisor, blocked)
     budget = SCORES_BUDGET if budget is None else budget
@@ -267,7 +315,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     products' in the last bits. ``rotation``: ``(cos, sin, interleaved)``, ``rope``'s arguments for the whole head: q
     and k are rotated in the same launch, to ``rope``'s bits. None where it does not run (off CUDA, or inside
     ``torch.compile``)."""
-    if not _on_triton(q, k):
+    if not _on_triton(q, k) or tracks_grad(q, k, v):
         return None
     return _triton.packed_attention(q, k, v, starts, width, divisor, window, rotation)
 
@@ -288,7 +336,7 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
     where that call does not run: it takes float32 CPU tensors in an eager forward's exact numerics, the rope over
     every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none)."""
     tokens, slots = q.shape[0], q.shape[0] + (kv_slots[2] if kv_slots is not None else 0)
-    if (not _native(q, cos) or llamacpp_glue(q) or cos.shape[-1] * heads != q.shape[1]
+    if (not _native(q, cos) or llamacpp_glue(q) or tracks_grad(q, k, v) or cos.shape[-1] * heads != q.shape[1]
             or heads * tokens * slots * 4 > SCORES_BUDGET):
         return None
     keys, values, start = kv_slots if kv_slots is not None else (None, None, 0)
@@ -339,7 +387,7 @@ def blocks_exact_may_run(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether ``blocks_exact`` may take a forward whose stream is ``x`` and rope table ``cos``: float32 CPU tensors of
     an eager forward (the glue's own C++ calls) in exact numerics. A cheap test before the blocks' arguments are
     gathered."""
-    return _native(x, cos) and get_numerics() == "exact"
+    return _native(x, cos) and get_numerics() == "exact" and not tracks_grad(x)
 
 
 def readable(weights: Sequence[QuantTensor]) -> bool:

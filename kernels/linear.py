@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 
 from .quant_tensor import FLOAT_DTYPES, QuantTensor
-from .tracing import compiling
+from .tracing import compiling, tracks_grad
 
 Numerics = Literal["exact", "llamacpp"]
 NUMERICS: tuple[Numerics, ...] = typing.get_args(Numerics)  # for argument parsers and checks
@@ -49,6 +49,8 @@ class Kernel:
     traceable: bool = False
     # What it computes: "exact" (``x @ dequantize(w).T`` up to float rounding) or "llamacpp" (see ``set_numerics``).
     numerics: Numerics = "exact"
+    # The float32 weights it multiplies, for a gradient's ``grad @ dequantize(w)`` (None: ``QuantTensor.dequantize``).
+    dequantize: Callable[[QuantTensor], torch.Tensor] | None = None
     # The weight formats it reads, so that ``select_kernel`` skips it for others without asking ``supports`` (which
     # still says no to them); None: any format.
     formats: tuple[str, ...] | None = None
@@ -301,10 +303,41 @@ def _as_input_shape(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _input_grad(grad: torch.Tensor, w: QuantTensor, kernel: Kernel) -> torch.Tensor:
+    """``grad @ dequantize(w)``, the gradient of ``linear``'s input, with the weights ``kernel`` multiplies, a chunk of
+    rows at a time (as ``_blockwise_dequant_matmul``: no float copy of the whole weight)."""
+    rows, cols = w.shape
+    chunk = max(1, _CHUNK_VALUES // cols)
+    out = grad.new_zeros(grad.shape[0], cols)
+    for start in range(0, rows, chunk):
+        part = QuantTensor(w.data[start:start + chunk], w.fmt, (min(chunk, rows - start), cols))
+        weights = kernel.dequantize(part) if kernel.dequantize is not None else part.dequantize()
+        out.addmm_(grad[:, start:start + chunk], weights.to(grad.dtype))
+    return out
+
+
+class _LinearWithInputGrad(torch.autograd.Function):
+    """``kernel.run(x, w)``, the forward's own kernel and bits, with the gradient of ``x``: the derivative of ``x @
+    dequantize(w).T`` (in llama.cpp numerics too, whose rounding of ``x`` it passes straight through). Weights take
+    none: they are the model's, not parameters."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kernel: Kernel, w: QuantTensor) -> torch.Tensor:
+        ctx.kernel, ctx.w = kernel, w
+        return kernel.run(x, w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _input_grad(grad, ctx.w, ctx.kernel), None, None
+
+
 def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-    """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks."""
+    """``x @ w.T`` for ``x`` of shape ``[..., in_features]``, computed on ``w``'s packed blocks; differentiable in
+    ``x`` where autograd tracks it."""
     _check_input(x, w)
     x2 = _as_rows(x)
+    if tracks_grad(x2):
+        return _as_input_shape(_LinearWithInputGrad.apply(x2, select_kernel(x2, w), w), x)
     kernel = _compiled_kernel(x2, w) if compiling() else select_kernel(x2, w)
     out = _linear_op(x2, w.data, w.fmt.name, *w.shape) if kernel is None else kernel.run(x2, w)
     return _as_input_shape(out, x)
@@ -313,7 +346,7 @@ def linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 def linear_parts(x: torch.Tensor, parts: Sequence[QuantTensor]) -> list[torch.Tensor]:
     """``[linear(x, w) for w in parts]``, in one kernel call where one kernel serves every part and takes
     several weights at once (the CPU kernels: one parallel region for q, k and v instead of three)."""
-    if len(parts) < 2:
+    if len(parts) < 2 or tracks_grad(x):
         return [linear(x, w) for w in parts]
     for w in parts:
         _check_input(x, w)
@@ -340,6 +373,7 @@ def linear_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Seque
     x2 = _as_rows(x)
     pick = _compiled_kernel if compiling() else select_kernel
     kernel = pick(x2, parts[0])
-    if kernel is not None and kernel.run_segments is not None and all(pick(x2, w) is kernel for w in parts[1:]):
+    if (kernel is not None and kernel.run_segments is not None and not tracks_grad(x2)
+            and all(pick(x2, w) is kernel for w in parts[1:])):
         return kernel.run_segments(x2, parts, starts, counts)
     return torch.cat([linear(x2[start:start + count], w) for w, start, count in zip(parts, starts, counts)])

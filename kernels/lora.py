@@ -32,7 +32,7 @@ from . import triton as _triton
 from .launch_choices import gemv_rows
 from .linear import _traced_numerics as traced_numerics, linear, select_kernel
 from .quant_tensor import QuantTensor
-from .tracing import compiling
+from .tracing import compiling, tracks_grad
 
 # Rows (tokens) up to which the fused call serves: decode, batched decode and short prompts.
 MAX_ROWS = 16
@@ -56,7 +56,7 @@ def add_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequenc
               ranks: Sequence[int]) -> list[torch.Tensor]:
     """``[out + term for each part]`` for the group's input ``x`` ``[T, in]`` and outputs ``outs`` ``[T, width]``."""
     summed = None
-    if x.shape[0] <= MAX_ROWS and a.dtype == x.dtype and b_t.dtype == x.dtype:
+    if x.shape[0] <= MAX_ROWS and a.dtype == x.dtype and b_t.dtype == x.dtype and not tracks_grad(x, *outs):
         if x.is_cpu and x.dtype == torch.float32 and cpu.extension() is not None:
             summed = cpu.extension().lora_add(x.contiguous(), a, b_t, outs, ranks, CPU_PARALLEL_WORK)
         elif x.is_cuda and _triton.AVAILABLE and len(outs) <= _TRITON_PARTS and max(ranks) <= _TRITON_MAX_RANK:
@@ -77,7 +77,8 @@ def linear_with_terms(x: torch.Tensor, stacked: QuantTensor | None, parts: Seque
     after a split shrink (``triton/lora.py``), no launch or one more than the base where ``add_terms`` after it takes
     one more with a shrink of dependent steps, and the base's output is never read back. None where it cannot serve (the
     caller takes the base's matmuls and ``add_terms``)."""
-    if not (GEMV_EPILOGUE and (x.is_cuda or GEMV_ON_CPU) and _triton.AVAILABLE and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+    if not (GEMV_EPILOGUE and (x.is_cuda or GEMV_ON_CPU) and _triton.AVAILABLE and not tracks_grad(x)
+            and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and a.dtype == x.dtype and b_t.dtype == x.dtype and max(part_ranks) <= _TRITON_MAX_RANK):
         return None
     weights = [stacked] if stacked is not None else list(parts)

@@ -24,3 +24,13 @@ setattr(_tracing_in_this_thread, CONSTANT_RESULT_MARK, True)
 def compiling() -> bool:
     """True while ``torch.compile`` traces this code (in this thread), False in eager code."""
     return torch.compiler.is_compiling() and _tracing_in_this_thread()
+
+
+def tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records the ops on any of ``tensors`` (a gradient run, ``Model.run_with_gradients``): the
+    kernels without a backward then run inside wrappers that have one, or give way to the torch formulas. The
+    attribute reads come first: this runs per op call."""
+    for t in tensors:
+        if t.requires_grad:
+            return torch.is_grad_enabled()
+    return False

@@ -12,7 +12,7 @@ from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -362,15 +362,17 @@ class Model:
         return any(model is self for model, _, _ in _ACTIVE.get())
 
     def _call_hooks(self, interventions: Sequence[Any], record: Sequence[str] | None, prompt_len: int,
-                    total_len: int, saes: Sequence[Any] = (), use_error_term: bool = True):
-        """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks, with the
-        SAEs it attaches (``saes``, and those its feature interventions need) run at their points."""
+                    total_len: int, saes: Sequence[Any] = (), use_error_term: bool = True,
+                    taps: Mapping[str, list[hooks_lib.HookFn]] | None = None):
+        """Hooks for one call: its own interventions and records, plus those of enclosing ``hooks()`` blocks, and
+        ``taps`` after them (a gradient run's), with the SAEs it attaches (``saes``, and those its feature
+        interventions need) run at their points."""
         scoped = [(parsed, recorder) for model, parsed, recorder in _ACTIVE.get() if model is self]
         all_interventions = [i for parsed, _ in scoped for i in parsed]
         all_interventions += hooks_lib.intervention_list(interventions)
         attached = self._call_saes(saes, [all_interventions])
         hooks, recorder, specs = hooks_lib.compile_hooks(self, all_interventions, record, prompt_len, total_len)
-        outer = [r.hooks() for _, r in scoped if r is not None]
+        outer = [r.hooks() for _, r in scoped if r is not None] + ([taps] if taps else [])
         if outer:
             hooks = hooks_lib.merge_hooks([hooks, *outer])
         hooks = hooks_lib.attach_saes(hooks, attached, _check_flag(use_error_term))
@@ -426,6 +428,34 @@ class Model:
             fingerprint=self.fingerprint(), backend=backend, versions=package_versions(), chat=chat,
             adapters=self.adapter_record(adapter),
         )
+
+    def run_with_gradients(self, prompt: str | Sequence[int], metric: Callable[[torch.Tensor], torch.Tensor],
+                           points: Sequence[str], *, interventions: Sequence[Any] = (), chat: bool = False,
+                           saes: Sequence[Any] = (), use_error_term: bool = True,
+                           adapter: AdapterChoice = None) -> hooks_lib.Gradients:
+        """One forward and backward: ``metric(logits)`` (``logits`` float32 ``[positions, vocab]``; a 0-d tensor
+        computed from them, e.g. ``logits[-1, a] - logits[-1, b]``) and its gradient with respect to the activation
+        at each point of ``points`` (names or globs), as the rest of the forward reads it (after the call's
+        interventions). The forward computes what ``run`` computes, bit for bit; the weights take no gradient.
+        Other arguments as in ``run`` (docs/hooks.md, "Gradients")."""
+        ids = self.to_ids(prompt, chat=chat)
+        if not callable(metric):
+            raise WorkbenchError("metric must be a function of the logits [positions, vocab]")
+        pattern_points = hooks_lib.Recorder.for_patterns(points, self.config)
+        if pattern_points is None:
+            raise WorkbenchError(f"points {shorten(points)} name no hook point")
+        taps = hooks_lib.GradientTaps(pattern_points.names)
+        lora = self.lora_terms(adapter)
+        with self.numerics_scope():
+            hooks, _, _ = self._call_hooks(interventions, None, len(ids), len(ids), saes, use_error_term, taps.hooks())
+            with torch.enable_grad():
+                logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora)
+                value = hooks_lib.metric_value(metric(logits))
+                gradients = taps.gradients(value)
+        return hooks_lib.Gradients(
+            ids=ids, tokens=self.token_texts(ids), logits=logits.detach().cpu(), metric=float(value.detach()),
+            activations={name: taps.activations[name].to("cpu", torch.float32) for name in taps.names},
+            gradients=gradients)
 
     # ---------------------------------------------------------------------------------------- batches
 

@@ -23,6 +23,7 @@ from workbench.architectures import ARCHITECTURES
 from workbench.config import MoEConfig
 from workbench.errors import HookError, ModelLoadError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts, linear_segments
+from workbench.kernels.tracing import tracks_grad
 
 # The hook points of an MoE block's MLP, in the order the forward reaches them (they replace mlp.hook_pre,
 # mlp.hook_pre_linear and mlp.hook_post, which a token has once per chosen expert here).
@@ -246,7 +247,8 @@ def decodes_by_pair(x: torch.Tensor, indices: torch.Tensor, w: MoEWeights) -> bo
     """Whether ``run_experts`` takes ``run_experts_by_pair``: on CUDA, for experts it reads, where there are no more
     (token, slot) pairs than experts. Each pair reads its expert's rows, so past that the grouped path, which reads
     each active expert once, reads less (it costs a host sync and launches per active expert)."""
-    return x.is_cuda and indices.numel() <= len(w.experts) and by_pair_supported(w, x.device)
+    return (x.is_cuda and indices.numel() <= len(w.experts) and not tracks_grad(x)
+            and by_pair_supported(w, x.device))
 
 
 def by_pair_supported(w: MoEWeights, device: torch.device) -> bool:

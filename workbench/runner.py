@@ -358,8 +358,12 @@ def _norm_points(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, weight
         # hooks see TransformerLens' divisor; the norm keeps its own multiplier unless they change the divisor
         divisor = 1.0 / scale
         edited = point(names[0], divisor, layer)
-        if edited is not divisor and not torch.equal(edited, divisor):
-            scale = 1.0 / edited
+        if edited is not divisor:
+            if not torch.equal(edited, divisor):
+                scale = 1.0 / edited
+            elif edited.requires_grad:  # a gradient run's tap: the multiplier's bits, the divisor's gradient
+                reciprocal = 1.0 / edited
+                scale = scale.detach() + (reciprocal - reciprocal.detach())
     normalized = point(names[1], x * scale, layer)
     return normalized * weight
 

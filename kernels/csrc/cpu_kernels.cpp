@@ -1121,6 +1121,18 @@ void parallel_side_by_side(const std::vector<int64_t>& first_row, int64_t work_p
   });
 }
 
+// The float32 values of packed [rows, bytes a row] (GGUF type ggml_type, rows of cols values), as the exact kernels
+// multiply them: for products these kernels do not take (a gradient's grad @ dequantize(W)).
+torch::Tensor dequantize(const torch::Tensor& packed, int64_t ggml_type, int64_t cols) {
+  return visit_format(ggml_type, [&](auto format) {
+    using F = decltype(format);
+    check_inputs(torch::empty({0, cols}), packed, packed.size(0), cols, F::kValues, F::kBytes);
+    torch::Tensor out = torch::empty({packed.size(0), cols});
+    dequantize_rows<F>(packed.data_ptr<uint8_t>(), packed.size(0), cols, out.data_ptr<float>());
+    return out;
+  });
+}
+
 // x [M, K] float32 @ dequantize(W).T for each weight W = packed[p] (GGUF type ggml_types[p], rows[p] x K), the
 // results side by side: [M, sum of rows]. Several weights of one input (q, k, v) thus take one call and one
 // parallel region. From panel_min_batch rows of x on, panels of each W are dequantized for at::mm instead.
@@ -1983,6 +1995,7 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "int[] x_count) -> Tensor");
   // ggml-cpu's Q8_0 / Q8_1 / Q8_K blocks of x for a weight type
   m.def("quantize_activations(Tensor x, int ggml_type) -> Tensor");
+  m.def("dequantize(Tensor packed, int ggml_type, int cols) -> Tensor");
   // {values, bytes, activation type} of a weight type as compiled in, from the format table's macros
   m.def("format_layout(int ggml_type) -> int[]", &format_layout);
   // RMSNorm's scale and output (after the residual sum), SwiGLU and the rope, for the runner's eager CPU forward
@@ -2020,6 +2033,7 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("linear_llamacpp", &linear_llamacpp);
   m.impl("linear_llamacpp_segments", &linear_llamacpp_segments);
   m.impl("quantize_activations", &quantize_activations);
+  m.impl("dequantize", &dequantize);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("swiglu", &swiglu);

@@ -1,0 +1,70 @@
+"""Gradients of a metric of the logits with respect to activations at hook points (``Model.run_with_gradients``).
+
+Each point gets a hook that adds a zero tensor autograd tracks (``x + 0``, the same values), so the gradient with
+respect to that zero is the gradient with respect to the activation as the rest of the forward reads it, after any
+intervention at the point. The forward keeps its kernels' bits (``kernels/layer_ops.py``, ``_KernelForward``); the
+matmuls' input gradients multiply the weights their kernel multiplies (``kernels/linear.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from workbench.errors import HookError, shorten
+from workbench.runner import HookContext, HookFn
+
+from .points import ID_POINTS
+
+Metric = Callable[[torch.Tensor], torch.Tensor]  # logits [positions, vocab] -> a 0-d tensor computed from them
+
+
+@dataclass
+class Gradients:
+    """One forward and backward: the logits, the metric's value, and at each point its activation and the metric's
+    gradient with respect to it (float32, on the CPU, the activation's shape)."""
+
+    ids: list[int]
+    tokens: list[str]
+    logits: torch.Tensor
+    metric: float
+    activations: dict[str, torch.Tensor]
+    gradients: dict[str, torch.Tensor]
+
+
+class GradientTaps:
+    """The hooks of a gradient run at ``names``: each keeps its activation and the zero it adds."""
+
+    def __init__(self, names: list[str]):
+        for name in names:
+            if name.endswith(ID_POINTS):
+                raise HookError(f"{name} holds integer expert ids, which have no gradient")
+        self.names = names
+        self.activations: dict[str, torch.Tensor] = {}
+        self.zeros: dict[str, torch.Tensor] = {}
+
+    def hooks(self) -> dict[str, list[HookFn]]:
+        def tap(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+            zero = torch.zeros_like(x, requires_grad=True)
+            self.activations[ctx.name], self.zeros[ctx.name] = x.detach(), zero
+            return x + zero
+
+        return {name: [tap] for name in self.names}
+
+    def gradients(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        """d value / d activation at each point; zeros where the value does not depend on it."""
+        found = torch.autograd.grad(value, [self.zeros[n] for n in self.names], allow_unused=True)
+        return {name: (torch.zeros_like(self.zeros[name]) if grad is None else grad).to("cpu", torch.float32)
+                for name, grad in zip(self.names, found)}
+
+
+def metric_value(value: object) -> torch.Tensor:
+    """A metric's result as the 0-d tensor a backward starts from, or a clear error."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        hint = " (a Python number has no gradient)" if isinstance(value, (int, float)) else ""
+        raise HookError(f"metric must return a one-element float tensor computed from the logits, got "
+                        f"{shorten(value)}{hint}")
+    if not value.requires_grad:
+        raise HookError("metric's value does not depend on the logits it was given (it has no gradient)")
+    return value.reshape(())

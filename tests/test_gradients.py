@@ -1,0 +1,171 @@
+"""Gradients of a metric with respect to any hook point (``Model.run_with_gradients``): against TransformerLens'
+bridge at every point of every family, against transformers on a quantized GGUF (the matmuls' input gradients with
+the weights the kernels multiply), and the forward of a gradient run bit-identical to the production forward."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import workbench
+from workbench.errors import HookError, WorkbenchError
+from workbench.kernels import QuantTensor, linear
+from workbench.synthetic import random_checkpoint, random_config, write_gguf
+
+from test_transformerlens_hooks import IDS, NOT_IN_BRIDGE, NOT_IN_BRIDGE_OF, as_ours, pair  # noqa: F401 (fixture)
+
+
+def next_token_log_likelihood(ids):
+    """Every position's log-probability of the next prompt token: a metric that reads all positions."""
+    targets = torch.tensor(ids[1:])
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:-1].log_softmax(-1).gather(1, targets[:, None]).sum()
+
+    return metric
+
+
+def bridge_gradients(bridge, names: list[str], metric) -> tuple[float, dict[str, torch.Tensor]]:
+    """The bridge's gradients at ``names``, found the same way in its own forward: a zero autograd tracks added at
+    each hook."""
+    zeros = {}
+
+    def tap(name):
+        def add_zero(x, hook):
+            zeros[name] = torch.zeros_like(x, requires_grad=True)
+            return x + zeros[name]
+
+        return add_zero
+
+    with torch.enable_grad():
+        logits = bridge.run_with_hooks(torch.tensor([IDS]), fwd_hooks=[(name, tap(name)) for name in names])[0]
+        value = metric(logits)
+        found = torch.autograd.grad(value, [zeros[n] for n in names], allow_unused=True)
+    return float(value), {n: torch.zeros_like(zeros[n]) if g is None else g for n, g in zip(names, found)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"])
+def test_every_hook_points_gradient_matches_transformerlens(family, pair):
+    ours, bridge = pair(family)
+    metric = next_token_log_likelihood(IDS)
+    skipped = NOT_IN_BRIDGE + NOT_IN_BRIDGE_OF.get(family, ())
+    names = [n for n in ours.hook_points() if not n.endswith(skipped)]
+    got = ours.run_with_gradients(IDS, metric, names)
+    expected_value, expected = bridge_gradients(bridge, names, metric)
+    assert got.metric == pytest.approx(expected_value, rel=1e-5)
+    bad = []
+    for name in names:
+        theirs = as_ours(name, expected[name], family)
+        if name.endswith("hook_resid_mid"):
+            # the bridge's resid_mid feeds the second norm alone (the block's residual sum reads HF's own tensor);
+            # TransformerLens' HookedTransformer, as ours, sums the hooked value: the gradient of that meaning adds
+            # the one the sum passes on, resid_post's
+            theirs = theirs + as_ours(name.replace("resid_mid", "resid_post"), expected[name.replace("resid_mid", "resid_post")], family)
+        ours_grad = got.gradients[name]
+        if ours_grad.shape != theirs.shape:  # OLMo 2's q/k norms: heads apart in ours
+            theirs = theirs.reshape(ours_grad.shape)
+        if name.endswith("hook_attn_scores"):  # masked scores: no gradient in either
+            ours_grad, theirs = ours_grad.nan_to_num(), theirs.nan_to_num()
+        scale = theirs.abs().max().item()
+        assert scale > 0, name  # every point's value reaches the metric
+        error = (ours_grad - theirs).abs().max().item() / scale
+        if error >= 1e-4:
+            bad.append((name, error))
+    assert not bad
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A tiny llama in Q4_K (Q6_K and Q8_0 where llama.cpp's mix puts them) as a GGUF, with transformers' model of the
+    same file (gguf-py dequantizes it)."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4km.gguf"
+    config = random_config("llama", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512)
+    checkpoint = random_checkpoint(config, "Q4_K_M")
+    write_gguf(path, config, checkpoint.weights, checkpoint.metadata)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    return workbench.load(path, device="cpu"), reference
+
+
+def test_quantized_gradients_match_transformers_on_the_same_gguf(quantized):
+    ours, reference = quantized
+    metric = next_token_log_likelihood(IDS)
+    zeros = []
+
+    def tap(module, args, kwargs):
+        zeros.append(torch.zeros_like(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+                                      requires_grad=True))
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = kwargs["hidden_states"] + zeros[-1]
+            return args, kwargs
+        return (args[0] + zeros[-1], *args[1:]), kwargs
+
+    handles = [layer.register_forward_pre_hook(tap, with_kwargs=True) for layer in reference.model.layers]
+    try:
+        value = metric(reference(torch.tensor([IDS])).logits[0])
+        expected = torch.autograd.grad(value, zeros)
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = [f"blocks.{i}.hook_resid_pre" for i in range(len(zeros))]
+    got = ours.run_with_gradients(IDS, metric, names)
+    assert got.metric == pytest.approx(float(value), rel=1e-5)
+    for name, theirs in zip(names, expected):
+        error = (got.gradients[name] - theirs[0]).abs().max() / theirs.abs().max()
+        assert error.item() < 1e-4, name
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_K", "Q6_K", "Q8_0", "F16"])
+def test_linear_input_gradient_multiplies_the_dequantized_weight(fmt):
+    torch.manual_seed(0)
+    w = QuantTensor.quantize(torch.randn(96, 256), fmt)
+    x = torch.randn(5, 256, requires_grad=True)
+    grad = torch.randn(5, 96)
+    linear(x, w).backward(grad)
+    blocks = w.data.numpy().view(np.uint8)
+    dense = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[fmt])))
+    expected = grad.double() @ dense.double().reshape(96, 256)
+    assert (x.grad.double() - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
+
+
+def test_a_gradient_runs_forward_is_the_production_forward(model):
+    prompt = "The Eiffel Tower is in the city of"
+    logits = model.forward(prompt)
+    a, b = logits[-1].topk(2).indices.tolist()
+    got = model.run_with_gradients(prompt, lambda x: x[-1, a] - x[-1, b], ["blocks.*.hook_resid_post"])
+    assert torch.equal(got.logits, logits)
+    assert got.metric == float(logits[-1, a] - logits[-1, b])
+    trace = model.run(prompt, record=["blocks.*.hook_resid_post"])
+    for name, value in trace.activations.items():
+        assert torch.equal(got.activations[name], value), name
+
+
+def test_gradients_follow_the_calls_interventions(model):
+    """With a steer at layer 3, the gradient at layer 5 is the steered run's: the metric's change under a small
+    push along it matches the gradient's prediction, and differs from the unsteered run's gradient."""
+    ids = model.to_ids("The capital of France is")
+    name = "blocks.5.hook_resid_post"
+    torch.manual_seed(0)
+    steer = {"type": "steer", "hook": "blocks.3.hook_resid_post", "vector": (8 * torch.randn(576)).tolist()}
+    metric = lambda logits: logits[-1].log_softmax(-1)[ids[-1]]  # noqa: E731
+    steered = model.run_with_gradients(ids, metric, [name], interventions=[steer])
+    plain = model.run_with_gradients(ids, metric, [name])
+    assert (steered.gradients[name] - plain.gradients[name]).abs().max() > 1e-3
+    last = steered.gradients[name][-1]
+    push = {"type": "steer", "hook": name, "vector": (last / last.norm()).tolist(), "scale": 0.05, "positions": [-1]}
+    pushed = float(metric(model.forward(ids, interventions=[steer, push])))
+    assert pushed - steered.metric == pytest.approx(0.05 * last.norm().item(), rel=0.05)
+
+
+def test_bad_gradient_requests_are_refused(model):
+    with pytest.raises(HookError, match="a Python number has no gradient"):
+        model.run_with_gradients("Hello", lambda logits: float(logits[-1, 0]), ["blocks.0.hook_resid_pre"])
+    with pytest.raises(HookError, match="does not depend on the logits"):
+        model.run_with_gradients("Hello", lambda logits: torch.tensor(1.0), ["blocks.0.hook_resid_pre"])
+    with pytest.raises(WorkbenchError, match="out of range"):
+        model.run_with_gradients("Hello", lambda logits: logits[-1, 0], ["blocks.99.hook_resid_pre"])
+    with pytest.raises(WorkbenchError, match="metric must be a function"):
+        model.run_with_gradients("Hello", 3, ["blocks.0.hook_resid_pre"])
+
