@@ -21,7 +21,8 @@ from workbench.runner import BatchLayout, HookContext, block_points
 from .interventions import Patch
 from .points import axes, head_count, resolve
 
-Metric = Callable[[torch.Tensor], float]  # logits [positions, vocab] -> number
+# logits [positions, vocab] -> a number (a 0-d tensor computed from them, for attribution patching)
+Metric = Callable[[torch.Tensor], "float | torch.Tensor"]
 ProgressFn = Callable[[int, int], None]  # (cells done, cells in all)
 
 AXES = {("layers", "positions"), ("layers", "heads"), ("layers", "positions", "heads")}
@@ -40,6 +41,7 @@ class PatchingResult:
     corrupt_metric: float
     metric_name: str
     normalized: bool  # grid is (patched - corrupt) / (clean - corrupt): 0 = no effect, 1 = clean restored
+    method: str = "activation patching"  # or "attribution patching": the grid estimated from gradients
 
     def figure(self, title: str | None = None):
         """A plotly heatmap (one panel per head for a layers x positions x heads sweep)."""
@@ -56,7 +58,7 @@ class PatchingResult:
         if len(self.over) == 3:
             heads = self.labels["heads"]
             fig.for_each_annotation(lambda a: a.update(text=heads[int(a.text.split("=")[-1])]))
-        fig.update_layout(title=title or f"patching {self.hook} (clean {self.clean_metric:.3g}, "
+        fig.update_layout(title=title or f"{self.method} {self.hook} (clean {self.clean_metric:.3g}, "
                                          f"corrupt {self.corrupt_metric:.3g})")
         return fig
 
@@ -64,27 +66,58 @@ class PatchingResult:
         """JSON-ready form (for MCP and the app)."""
         return {"grid": self.grid.tolist(), "over": list(self.over), "hook": self.hook, "labels": self.labels,
                 "clean_metric": self.clean_metric, "corrupt_metric": self.corrupt_metric,
-                "metric_name": self.metric_name, "normalized": self.normalized}
+                "metric_name": self.metric_name, "normalized": self.normalized, "method": self.method}
 
 
 def logit_diff(clean_answer: int, corrupt_answer: int) -> Metric:
-    """logit(clean answer) - logit(corrupt answer) at the last position."""
-    return lambda logits: float(logits[-1, clean_answer] - logits[-1, corrupt_answer])
+    """logit(clean answer) - logit(corrupt answer) at the last position (a 0-d tensor: a gradient starts from it)."""
+    return lambda logits: logits[-1, clean_answer] - logits[-1, corrupt_answer]
 
 
-def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequence[int], metric: Metric | None = None,
-                   *, over: Sequence[str] = ("layers", "positions"), hook: str | None = None,
-                   layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
-                   answers: tuple[int | str, int | str] | None = None, normalize: bool = False,
-                   progress: bool | ProgressFn = True) -> PatchingResult:
-    """Patch each (layer, position | head) cell of ``hook`` from the clean run into the corrupt run.
+@dataclass
+class _Sweep:
+    """A sweep's cells as the arguments of ``patching_sweep`` and ``attribution_patching`` give them, checked."""
 
-    ``hook`` is a template with ``{layer}`` (default ``blocks.{layer}.hook_resid_pre``, or
-    ``blocks.{layer}.attn.hook_z`` when sweeping heads). ``metric(logits)`` defaults to the logit
-    difference between the clean and corrupt answers at the last position (``answers`` as token ids or
-    single-token strings; by default each run's top prediction). A heads-only sweep patches each head
-    at every position. ``progress``: True for a progress bar, False for none, or ``fn(done, total)``.
-    """
+    over: tuple[str, ...]
+    hook: str
+    layers: list[int]
+    names: list[str]  # the hook point of each layer
+    positions: list[int]
+    heads: list[int]
+    clean_ids: list[int]
+    corrupt_ids: list[int]
+    answer_ids: list[int] | None
+
+    def cells(self) -> list[Cell]:
+        return [(self.layers[i], name, pos, head) for i, name in enumerate(self.names)
+                for pos in (self.positions if "positions" in self.over else [None])
+                for head in (self.heads if "heads" in self.over else [None])]
+
+    def answers(self, clean_logits: torch.Tensor, corrupt_logits: torch.Tensor) -> tuple[int, int]:
+        """The default metric's answers: as given, else each run's top prediction."""
+        pair = self.answer_ids or (int(clean_logits[-1].argmax()), int(corrupt_logits[-1].argmax()))
+        if pair[0] == pair[1]:
+            raise HookError("the clean and corrupt runs predict the same token; pass answers=(clean, corrupt)")
+        return pair[0], pair[1]
+
+    def result(self, model: Any, grid: torch.Tensor, clean_metric: float, corrupt_metric: float, metric_name: str,
+               normalize: bool, method: str) -> PatchingResult:
+        shape = ([len(self.layers)] + ([len(self.positions)] if "positions" in self.over else [])
+                 + ([len(self.heads)] if "heads" in self.over else []))
+        grid = grid.view(shape)
+        if normalize:
+            grid = (grid - corrupt_metric) / (clean_metric - corrupt_metric)
+        tokens = model.token_texts(self.clean_ids)
+        labels = {"layers": [f"L{i}" for i in self.layers],
+                  "positions": [f"{p}: {tokens[p]}" for p in self.positions],
+                  "heads": [f"H{h}" for h in self.heads]}
+        return PatchingResult(grid, self.over, self.hook, {axis: labels[axis] for axis in self.over}, clean_metric,
+                              corrupt_metric, metric_name, normalize, method)
+
+
+def _sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequence[int], metric: Metric | None,
+           over: Sequence[str], hook: str | None, layers: Sequence[int] | None, positions: Sequence[int] | None,
+           answers: tuple[int | str, int | str] | None) -> _Sweep:
     over = tuple(over)
     if over not in AXES:
         raise HookError(f"over must be one of {sorted(AXES)}, got {over}")
@@ -117,33 +150,47 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
     answer_ids = [_token_id(model, a) for a in answers] if answers is not None else None
     if metric is not None and not callable(metric):
         raise HookError("metric must be a function of the logits [positions, vocab]")
+    return _Sweep(over, hook, layers, names, positions, heads, clean_ids, corrupt_ids, answer_ids)
 
-    clean_trace = model.run(clean_ids, record=names)
-    cells = [(layers[i], name, pos, head) for i, name in enumerate(names)
-             for pos in (positions if "positions" in over else [None])
-             for head in (heads if sweep_heads else [None])]
-    continued = _can_continue(model, names)
+
+def _metric_name(model: Any, metric: Metric | None, answers: tuple[int, int] | None) -> str:
+    if answers is None:
+        return getattr(metric, "__name__", "metric")
+    texts = model.token_texts(answers)
+    return f"logit diff {texts[0]!r} - {texts[1]!r}"
+
+
+def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequence[int], metric: Metric | None = None,
+                   *, over: Sequence[str] = ("layers", "positions"), hook: str | None = None,
+                   layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
+                   answers: tuple[int | str, int | str] | None = None, normalize: bool = False,
+                   progress: bool | ProgressFn = True) -> PatchingResult:
+    """Patch each (layer, position | head) cell of ``hook`` from the clean run into the corrupt run.
+
+    ``hook`` is a template with ``{layer}`` (default ``blocks.{layer}.hook_resid_pre``, or
+    ``blocks.{layer}.attn.hook_z`` when sweeping heads). ``metric(logits)`` defaults to the logit
+    difference between the clean and corrupt answers at the last position (``answers`` as token ids or
+    single-token strings; by default each run's top prediction). A heads-only sweep patches each head
+    at every position. ``progress``: True for a progress bar, False for none, or ``fn(done, total)``.
+    """
+    sweep = _sweep(model, clean, corrupt, metric, over, hook, layers, positions, answers)
+    clean_trace = model.run(sweep.clean_ids, record=sweep.names)
+    cells = sweep.cells()
+    continued = _can_continue(model, sweep.names)
     if continued:
-        corrupt = _corrupt_run(model, corrupt_ids, {_start_of(model, layer) for layer in layers})
-        corrupt_logits = corrupt.logits
+        corrupt_run = _corrupt_run(model, sweep.corrupt_ids, {_start_of(model, layer) for layer in sweep.layers})
+        corrupt_logits = corrupt_run.logits
     else:
-        corrupt_logits = model.forward(corrupt_ids)
-    answer_pair = None
-    if metric is None:
-        answer_pair = answer_ids or (int(clean_trace.logits[-1].argmax()), int(corrupt_logits[-1].argmax()))
-        if answer_pair[0] == answer_pair[1]:
-            raise HookError("the clean and corrupt runs predict the same token; pass answers=(clean, corrupt)")
-        metric = logit_diff(*answer_pair)
-        texts = model.token_texts(answer_pair)
-        metric_name = f"logit diff {texts[0]!r} - {texts[1]!r}"
-    else:
-        metric_name = getattr(metric, "__name__", "metric")
+        corrupt_logits = model.forward(sweep.corrupt_ids)
+    answer_pair = sweep.answers(clean_trace.logits, corrupt_logits) if metric is None else None
+    metric = logit_diff(*answer_pair) if metric is None else metric
     clean_metric, corrupt_metric = float(metric(clean_trace.logits)), float(metric(corrupt_logits))
     if normalize and clean_metric == corrupt_metric:
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
 
     if continued:
-        grid = _continued_cells(model, cells, clean_trace, corrupt, corrupt_ids, metric, answer_pair, progress)
+        grid = _continued_cells(model, cells, clean_trace, corrupt_run, sweep.corrupt_ids, metric, answer_pair,
+                                progress)
     else:
         # every cell is a row of batched forwards of the whole corrupt prompt, each row with its own patch
         patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
@@ -151,19 +198,47 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
         grid = torch.empty(len(cells))
         # the default metric reads the last position alone: the cells then skip every other position's unembedding
         rows = "last" if answer_pair else "all"
-        for n, trace in model.iter_batch([corrupt_ids] * len(cells), per_prompt_interventions=patches, logits=rows,
-                                         progress=progress):
+        for n, trace in model.iter_batch([sweep.corrupt_ids] * len(cells), per_prompt_interventions=patches,
+                                         logits=rows, progress=progress):
             grid[n] = float(metric(trace.logits))
-    shape = [len(layers)] + ([len(positions)] if "positions" in over else []) + ([len(heads)] if sweep_heads else [])
-    grid = grid.view(shape)
-    if normalize:
-        grid = (grid - corrupt_metric) / (clean_metric - corrupt_metric)
-    tokens = model.token_texts(clean_ids)
-    labels = {"layers": [f"L{i}" for i in layers],
-              "positions": [f"{p}: {tokens[p]}" for p in positions],
-              "heads": [f"H{h}" for h in heads]}
-    return PatchingResult(grid, over, hook, {axis: labels[axis] for axis in over}, clean_metric, corrupt_metric,
-                          metric_name, normalize)
+    return sweep.result(model, grid, clean_metric, corrupt_metric, _metric_name(model, metric, answer_pair),
+                        normalize, "activation patching")
+
+
+def attribution_patching(model: Any, clean: str | Sequence[int], corrupt: str | Sequence[int],
+                         metric: Metric | None = None, *, over: Sequence[str] = ("layers", "positions"),
+                         hook: str | None = None, layers: Sequence[int] | None = None,
+                         positions: Sequence[int] | None = None, answers: tuple[int | str, int | str] | None = None,
+                         normalize: bool = False) -> PatchingResult:
+    """``patching_sweep``'s grid estimated to first order from one backward (attribution patching): each cell is the
+    corrupt metric plus ``(clean - corrupt) . d metric / d activation`` over the cell's activation, the gradient taken
+    in the corrupt run. Arguments and result as ``patching_sweep``'s; ``metric`` must return a tensor computed from the
+    logits (docs/hooks.md, "Gradients"). Two forwards and a backward however many cells: a map of where to patch, to
+    check with ``patching_sweep`` where it matters (a linear estimate misses saturated effects)."""
+    sweep = _sweep(model, clean, corrupt, metric, over, hook, layers, positions, answers)
+    clean_trace = model.run(sweep.clean_ids, record=sweep.names)
+    answer_pair: list[tuple[int, int]] = []
+
+    def default_metric(logits: torch.Tensor) -> torch.Tensor:
+        answer_pair.append(sweep.answers(clean_trace.logits, logits.detach()))
+        return logit_diff(*answer_pair[0])(logits)
+
+    corrupt = model.run_with_gradients(sweep.corrupt_ids, metric or default_metric, sweep.names)
+    metric = logit_diff(*answer_pair[0]) if answer_pair else metric
+    clean_metric, corrupt_metric = float(metric(clean_trace.logits)), corrupt.metric
+    if normalize and clean_metric == corrupt_metric:
+        raise HookError("cannot normalize: the clean and corrupt metrics are equal")
+    grid = torch.empty(len(sweep.cells()))
+    effects = {name: (clean_trace.activations[name] - corrupt.activations[name]) * corrupt.gradients[name]
+               for name in sweep.names}
+    for n, (_, name, pos, head) in enumerate(sweep.cells()):
+        effect = effects[name]
+        if head is not None:
+            effect = effect.select(axes(name).head, head)
+        grid[n] = corrupt_metric + float(effect.sum() if pos is None else effect[pos].sum())
+    return sweep.result(model, grid, clean_metric, corrupt_metric,
+                        _metric_name(model, metric, answer_pair[0] if answer_pair else None), normalize,
+                        "attribution patching")
 
 
 Cell = tuple[int, str, "int | None", "int | None"]  # (layer, hook point, position or None for all, head or None)

@@ -169,3 +169,53 @@ def test_bad_gradient_requests_are_refused(model):
     with pytest.raises(WorkbenchError, match="metric must be a function"):
         model.run_with_gradients("Hello", 3, ["blocks.0.hook_resid_pre"])
 
+
+CLEAN, CORRUPT = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
+
+
+@pytest.mark.parametrize("hook, over", [(None, ("layers", "positions")),
+                                        ("blocks.{layer}.hook_mlp_out", ("layers", "positions")),
+                                        (None, ("layers", "heads")), (None, ("layers", "positions", "heads"))])
+def test_attribution_cells_are_the_first_order_terms_of_patched_runs(model, hook, over):
+    """A cell's estimate minus the corrupt metric is the derivative of the metric along the patch: patching a hundredth
+    of the way from the corrupt activation to the clean one moves the metric by a hundredth of it."""
+    result = workbench.hooks.attribution_patching(model, CLEAN, CORRUPT, hook=hook, over=over, layers=[0, 7, 20])
+    patched = workbench.hooks.patching_sweep(model, CLEAN, CORRUPT, hook=hook, over=over, layers=[0, 7, 20],
+                                             progress=False)
+    assert result.corrupt_metric == patched.corrupt_metric and result.clean_metric == patched.clean_metric
+    assert result.method == "attribution patching" and result.labels == patched.labels
+    assert result.grid.shape == patched.grid.shape
+    clean, corrupt = model.to_ids(CLEAN), model.to_ids(CORRUPT)
+    answers = (int(model.forward(clean)[-1].argmax()), int(model.forward(corrupt)[-1].argmax()))
+    name_of = (hook or ("blocks.{layer}.attn.hook_z" if "heads" in over else "blocks.{layer}.hook_resid_pre")).format
+    torch.manual_seed(0)
+    for index in torch.randint(0, result.grid.numel(), (4,)).tolist():
+        cell = np.unravel_index(index, tuple(result.grid.shape))
+        layer = [0, 7, 20][cell[0]]
+        position = cell[1] if "positions" in over else None
+        head = cell[-1] if "heads" in over else None
+        name = name_of(layer=layer)
+        donor, base = model.run(clean, record=[name]).activations[name], model.run(corrupt, record=[name]).activations[name]
+        region = (slice(None) if position is None else position, *(() if head is None else (head,)))
+
+        def nudge(x, ctx):
+            x = x.clone()
+            x[region] = base[region] + 0.01 * (donor[region] - base[region])
+            return x
+
+        logits = model.forward(corrupt, interventions=[(name, nudge)])
+        moved = float(logits[-1, answers[0]] - logits[-1, answers[1]]) - result.corrupt_metric
+        expected = 0.01 * (result.grid[cell].item() - result.corrupt_metric)
+        assert moved == pytest.approx(expected, rel=0.05, abs=2e-4), (name, cell)
+
+
+def test_attribution_normalizes_and_refuses_as_patching_does(model):
+    plain = workbench.hooks.attribution_patching(model, CLEAN, CORRUPT, layers=[3])
+    normalized = workbench.hooks.attribution_patching(model, CLEAN, CORRUPT, layers=[3], normalize=True)
+    span = plain.clean_metric - plain.corrupt_metric
+    assert torch.allclose(normalized.grid, (plain.grid - plain.corrupt_metric) / span)
+    assert normalized.to_dict()["method"] == "attribution patching"
+    with pytest.raises(HookError, match="same number of tokens"):
+        workbench.hooks.attribution_patching(model, CLEAN, "Paris")
+    with pytest.raises(HookError, match="a Python number has no gradient"):
+        workbench.hooks.attribution_patching(model, CLEAN, CORRUPT, metric=lambda logits: float(logits[-1, 0]))
