@@ -1,15 +1,17 @@
-"""Patching: patch clean activations into the corrupt run cell by cell and map where the answer lives."""
+"""Patching: patch clean activations into the corrupt run cell by cell (or estimate every cell from one backward)
+and map where the answer lives."""
 import streamlit as st
 
-from workbench import hooks, probes, results
+from workbench import hooks, probes
 from workbench.app import common
 from workbench.errors import WorkbenchError
 
 SWEEPS = {"Layers × positions": ("layers", "positions"), "Layers × heads": ("layers", "heads"),
           "Layers × positions × heads": ("layers", "positions", "heads")}
 POINTS = ["hook_resid_pre", "hook_resid_post", "hook_attn_out", "hook_mlp_out"]
+METHODS = ["Activation patching", "Attribution patching"]
 
-st.header("Activation patching")
+st.header("Patching")
 model = common.model()
 n_layers = model.config.n_layers
 
@@ -29,6 +31,9 @@ with prompts:
                corrupt_answer.text_input("Corrupt answer", "", key="pt_corrupt_answer", placeholder="its top token",
                                          disabled=metric_name != "Logit difference"))
 with options:
+    method = st.radio("Method", METHODS, horizontal=True, key="pt_method",
+                      help="Attribution patching estimates every cell to first order from the gradient of the corrupt "
+                           "run: fast, but it misses saturated effects; check the cells that matter by patching.")
     over = SWEEPS[st.radio("Sweep", list(SWEEPS), key="pt_over")]
     hook = "blocks.{layer}.attn.hook_z" if "heads" in over else \
         "blocks.{layer}." + st.selectbox("Hook point", POINTS, key="pt_point")
@@ -38,7 +43,8 @@ with options:
     normalize = st.toggle("Normalize (0 = corrupt, 1 = clean)", value=True, key="pt_normalize")
     n_tokens = len(ids[0]) if ids[0] else 0
     cells = len(layers) * (n_tokens if "positions" in over else 1) * (model.config.n_heads if "heads" in over else 1)
-    st.caption(f"{cells} patched forwards (+2)")
+    st.caption(f"{cells} patched forwards (+2)" if method == "Activation patching" else
+               f"{cells} cells from two forwards and a backward")
     run = st.button("Run sweep", type="primary", disabled=None in ids, use_container_width=True)
 
 
@@ -52,8 +58,8 @@ def metric_and_answers():
         return None, (tuple(answers) if all(answers) else None)
     answer = probes.lens.token_id(model, answers[0]) if answers[0] else int(model.forward(clean)[-1].argmax())
 
-    def probability_of_clean_answer(logits):
-        return float(results.probs(logits[-1])[answer])
+    def probability_of_clean_answer(logits):  # a tensor from the logits: attribution patching differentiates it
+        return logits[-1].double().softmax(-1)[answer]
 
     return probability_of_clean_answer, None
 
@@ -61,9 +67,12 @@ def metric_and_answers():
 if run:
     with common.guard():
         metric, answer_pair = metric_and_answers()
-        result = common.with_progress("Patching", lambda report: hooks.patching_sweep(
-            model, clean, corrupt, metric, over=over, hook=hook, layers=layers, answers=answer_pair,
-            normalize=normalize, progress=report))
+        sweep = dict(over=over, hook=hook, layers=layers, answers=answer_pair, normalize=normalize)
+        if method == "Activation patching":
+            result = common.with_progress("Patching", lambda report: hooks.patching_sweep(
+                model, clean, corrupt, metric, **sweep, progress=report))
+        else:
+            result = hooks.attribution_patching(model, clean, corrupt, metric, **sweep)
         st.session_state.pt_result = result
 
 result = st.session_state.get("pt_result")
@@ -73,6 +82,6 @@ if result is not None:
     a.metric("Clean metric", f"{result.clean_metric:.3f}")
     b.metric("Corrupt metric", f"{result.corrupt_metric:.3f}")
     c.metric("Grid", " × ".join(str(n) for n in result.grid.shape))
-    st.caption(f"{result.metric_name} · {result.hook}")
+    st.caption(f"{result.method} · {result.metric_name} · {result.hook}")
     height = 520 if len(result.over) == 2 else 260 * -(-result.grid.shape[2] // 4) + 120
     st.plotly_chart(common.style(result.figure(), height=height), key="pt_figure")

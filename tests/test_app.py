@@ -257,6 +257,26 @@ def test_patching_grid_restores_the_clean_answer_at_the_last_position(model):
     assert "same number of tokens" in at.error[0].value
 
 
+def test_patching_page_estimates_cells_by_attribution(model):
+    at = start("page_patching.py")
+    at.radio(key="pt_method").set_value("Attribution patching").run()
+    at.radio(key="pt_metric").set_value("Probability of the clean answer").run()
+    at.slider(key="pt_layers").set_value((3, 9)).run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at)
+    clean, corrupt = at.text_input(key="pt_clean").value, at.text_input(key="pt_corrupt").value
+    answer = int(model.forward(clean)[-1].argmax())
+
+    def probability_of_clean_answer(logits):
+        return logits[-1].double().softmax(-1)[answer]
+
+    expected = hooks.attribution_patching(model, clean, corrupt, probability_of_clean_answer,
+                                          layers=[3, 8], normalize=True)
+    assert torch.tensor(values(chart(at, "pt_figure")["data"][0]["z"])).numpy() == pytest.approx(
+        expected.grid.numpy(), abs=1e-5)
+    assert any(c.value.startswith("attribution patching · ") for c in at.caption)
+
+
 @pytest.mark.parametrize("given, missing", [("pt_clean_answer", "Corrupt"), ("pt_corrupt_answer", "Clean")])
 def test_patching_refuses_one_answer_without_the_other(model, given, missing):
     at = start("page_patching.py")

@@ -564,6 +564,11 @@ def test_patching_sweep(http, model):
     assert out["labels"] == expected.labels
     assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
     assert "the limit is 256" in http.error("patching_sweep", clean=clean, corrupt=corrupt, over=["layers", "heads"])
+    # attribution patching estimates every cell from one backward: no cell limit
+    out = http.call("patching_sweep", clean=clean, corrupt=corrupt, over=["layers", "heads"], method="attribution")
+    expected = hooks.attribution_patching(model, clean, corrupt, over=("layers", "heads"))
+    assert out["method"] == "attribution patching" and len(out["grid"]) * len(out["grid"][0]) > 256
+    assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
 
 
 # ---------------------------------------------------------------------------------- sessions, concurrency

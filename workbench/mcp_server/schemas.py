@@ -268,6 +268,8 @@ class PatchingSweep(Result):
     corrupt_metric: float
     metric_name: str
     normalized: bool = Field(description="grid is (patched - corrupt) / (clean - corrupt)")
+    method: str = Field(description="'activation patching' (each cell a patched run) or 'attribution patching' (each "
+                                    "cell its first-order estimate from one backward)")
 
 
 class Released(Result):

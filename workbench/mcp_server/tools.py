@@ -10,7 +10,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable, Literal
 
 import torch
 from pydantic import Field
@@ -672,9 +672,14 @@ class Workbench:
                                                                               "single tokens; the metric is their "
                                                                               "logit difference (default: each run's "
                                                                               "top token)")] = None,
-                       normalize: Annotated[bool, Field(description="0 = no effect, 1 = clean restored")] = False
+                       normalize: Annotated[bool, Field(description="0 = no effect, 1 = clean restored")] = False,
+                       method: Annotated[Literal["activation", "attribution"], Field(
+                           description="activation: each cell a patched forward; attribution: each cell's first-order "
+                                       "estimate from one backward of the corrupt run (any number of cells, misses "
+                                       "saturated effects)")] = "activation"
                        ) -> s.PatchingSweep:
-        """Activation patching sweep: patch each (layer, position | head) cell of the clean run into the corrupt run."""
+        """Activation patching sweep: patch each (layer, position | head) cell of the clean run into the corrupt run
+        (or estimate every cell at once from gradients: attribution patching)."""
         model = self.model(call)
         n_tokens = len(self._ids(model, clean))
         self._ids(model, corrupt)
@@ -683,14 +688,17 @@ class Workbench:
         first = template.format(layer=layers[0] if layers else 0) if "{layer}" in template else template
         n_heads = (head_count(hooks.resolve(first, model.config)[0], model.config) or 1) if "heads" in over else 1
         cells = n_layers * (len(positions or range(n_tokens)) if "positions" in over else 1) * n_heads
-        if cells > self.limits.max_sweep:
+        if method == "activation" and cells > self.limits.max_sweep:
             raise WorkbenchError(f"the sweep has {cells} cells (one forward each); the limit is "
                                  f"{self.limits.max_sweep}: choose layers or positions")
         if answers is not None and len(answers) != 2:
             raise WorkbenchError(f"answers must be [clean answer, corrupt answer], got {len(answers)} strings")
-        result = hooks.patching_sweep(model, clean, corrupt, over=over, hook=hook, layers=layers, positions=positions,
-                                      answers=tuple(answers) if answers else None, normalize=normalize,
-                                      progress=lambda done, total: call.check())
+        sweep = dict(over=over, hook=hook, layers=layers, positions=positions,
+                     answers=tuple(answers) if answers else None, normalize=normalize)
+        if method == "attribution":
+            result = hooks.attribution_patching(model, clean, corrupt, **sweep)
+        else:
+            result = hooks.patching_sweep(model, clean, corrupt, **sweep, progress=lambda done, total: call.check())
         return s.PatchingSweep(**result.to_dict())
 
     # ---------------------------------------------------------------------------------------- KV cache
