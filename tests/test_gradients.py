@@ -76,17 +76,37 @@ def test_every_hook_points_gradient_matches_transformerlens(family, pair):
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    """A tiny llama in Q4_K (Q6_K and Q8_0 where llama.cpp's mix puts them) as a GGUF, with transformers' model of the
-    same file (gguf-py dequantizes it)."""
-    transformers = pytest.importorskip("transformers")
+def tiny_gguf(tmp_path_factory):
+    """A tiny llama in Q4_K (Q6_K and Q8_0 where llama.cpp's mix puts them) as a GGUF."""
     path = tmp_path_factory.mktemp("gguf") / "tiny-q4km.gguf"
     config = random_config("llama", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_mlp=512)
     checkpoint = random_checkpoint(config, "Q4_K_M")
-    write_gguf(path, config, checkpoint.weights, checkpoint.metadata)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+    return write_gguf(path, config, checkpoint.weights, checkpoint.metadata)
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_gguf):
+    """Our model of the tiny GGUF, with transformers' model of the same file (gguf-py dequantizes it)."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name,
                                                                   dtype=torch.float32).eval()
-    return workbench.load(path, device="cpu"), reference
+    return workbench.load(tiny_gguf, device="cpu"), reference
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-3), (torch.bfloat16, 0.1)])
+def test_cuda_gradients_match_the_cpus(tiny_gguf, dtype, bound):
+    """The Triton kernels' forward, bit for bit as without gradients, and their gradients those of the CPU's within the
+    dtype's rounding (float32 products on the tensor cores round their inputs to TF32)."""
+    metric = next_token_log_likelihood(IDS)
+    names = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_z", "blocks.1.hook_mlp_out"]
+    cpu = workbench.load(tiny_gguf, device="cpu").run_with_gradients(IDS, metric, names)
+    model = workbench.load(tiny_gguf, device="cuda", dtype=dtype)
+    got = model.run_with_gradients(IDS, metric, names)
+    assert torch.equal(got.logits, model.forward(IDS).cpu())
+    for name in names:
+        error = (got.gradients[name] - cpu.gradients[name]).abs().max() / cpu.gradients[name].abs().max()
+        assert error.item() < bound, name
 
 
 def test_quantized_gradients_match_transformers_on_the_same_gguf(quantized):

@@ -433,11 +433,11 @@ class Model:
                            points: Sequence[str], *, interventions: Sequence[Any] = (), chat: bool = False,
                            saes: Sequence[Any] = (), use_error_term: bool = True,
                            adapter: AdapterChoice = None) -> hooks_lib.Gradients:
-        """One forward and backward: ``metric(logits)`` (``logits`` float32 ``[positions, vocab]``; a 0-d tensor
-        computed from them, e.g. ``logits[-1, a] - logits[-1, b]``) and its gradient with respect to the activation
-        at each point of ``points`` (names or globs), as the rest of the forward reads it (after the call's
-        interventions). The forward computes what ``run`` computes, bit for bit; the weights take no gradient.
-        Other arguments as in ``run`` (docs/hooks.md, "Gradients")."""
+        """One forward and backward: ``metric(logits)`` (``logits`` float32 ``[positions, vocab]`` on the CPU, as a
+        trace holds them; a 0-d tensor computed from them, e.g. ``logits[-1, a] - logits[-1, b]``) and its gradient
+        with respect to the activation at each point of ``points`` (names or globs), as the rest of the forward reads
+        it (after the call's interventions). The forward computes what ``run`` computes, bit for bit; the weights take
+        no gradient. Other arguments as in ``run`` (docs/hooks.md, "Gradients")."""
         ids = self.to_ids(prompt, chat=chat)
         if not callable(metric):
             raise WorkbenchError("metric must be a function of the logits [positions, vocab]")
@@ -449,11 +449,11 @@ class Model:
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, len(ids), len(ids), saes, use_error_term, taps.hooks())
             with torch.enable_grad():
-                logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora)
+                logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora).cpu()
                 value = hooks_lib.metric_value(metric(logits))
                 gradients = taps.gradients(value)
         return hooks_lib.Gradients(
-            ids=ids, tokens=self.token_texts(ids), logits=logits.detach().cpu(), metric=float(value.detach()),
+            ids=ids, tokens=self.token_texts(ids), logits=logits.detach(), metric=float(value.detach()),
             activations={name: taps.activations[name].to("cpu", torch.float32) for name in taps.names},
             gradients=gradients)
 
