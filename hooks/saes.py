@@ -120,8 +120,9 @@ def _sae_hook(sae: Any, hooks: Mapping[str, Sequence[HookFn]], use_error_term: b
         if "hook_sae_error" in hooked:
             error = x.to(clean.dtype) - clean
             delta = delta + (fire("hook_sae_error", error) - error)
-        # x itself wherever nothing changed (x + 0 would turn -0.0 into +0.0)
-        out = torch.where(delta != 0, x + delta, x)
+        # x itself wherever nothing changed (x + 0 would turn -0.0 into +0.0), but in a gradient run, whose taps add
+        # zeros that the gradient must pass through
+        out = x + delta if delta.requires_grad else torch.where(delta != 0, x + delta, x)
         return fire("hook_sae_output", out)
 
     return fn

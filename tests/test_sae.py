@@ -378,3 +378,22 @@ def test_spec_paths_stay_inside_the_allowed_folder(sae, tmp_path):
         with pytest.raises(HookError, match="outside the folder SAEs may be read from"):
             hooks.from_spec(spec)
     assert hooks.from_spec(spec).sae.hook == HOOK  # the Python API reads what it is given
+
+
+def test_gradients_reach_the_sae_features(model, sae):
+    """The gradient at an attached SAE's feature activations is the metric's derivative along each feature: steering a
+    feature by a small amount moves the metric by that amount times its gradient."""
+    x = model.run(PROMPTS[0], record=[HOOK]).activations[HOOK]
+    feature = int(sae.encode(x)[-1].argmax())
+    ids = model.to_ids(PROMPTS[0])
+
+    def metric(logits):  # the last position: HOOK follows the last block, where positions no longer mix
+        return logits[-1, 10] - logits[-1, 11]
+
+    point = f"{HOOK}.hook_sae_acts_post"
+    got = model.run_with_gradients(ids, metric, [point], saes=[sae])
+    assert got.gradients[point].shape == (len(ids), sae.d_sae)
+    assert got.gradients[point][-1, feature].abs() > 1e-3
+    steered = model.forward(ids, interventions=[FeatureSteer(sae, feature, 1e-2, positions=[-1])])
+    moved = float(metric(steered)) - got.metric
+    assert moved == pytest.approx(1e-2 * got.gradients[point][-1, feature].item(), rel=0.02)
