@@ -11,8 +11,9 @@ import torch
 import workbench
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, linear
-from workbench.synthetic import random_checkpoint, random_config, write_gguf
+from workbench.synthetic import random_checkpoint, random_config, random_hf_checkpoint, write_gguf
 
+from test_loading import write_hf_tokenizer
 from test_transformerlens_hooks import IDS, NOT_IN_BRIDGE, NOT_IN_BRIDGE_OF, as_ours, pair  # noqa: F401 (fixture)
 
 
@@ -109,9 +110,8 @@ def test_cuda_gradients_match_the_cpus(tiny_gguf, dtype, bound):
         assert error.item() < bound, name
 
 
-def test_quantized_gradients_match_transformers_on_the_same_gguf(quantized):
-    ours, reference = quantized
-    metric = next_token_log_likelihood(IDS)
+def layer_input_gradients(reference, metric) -> tuple[float, list[torch.Tensor]]:
+    """transformers' gradients of ``metric`` at each decoder layer's input (a zero added by a pre-hook)."""
     zeros = []
 
     def tap(module, args, kwargs):
@@ -125,16 +125,35 @@ def test_quantized_gradients_match_transformers_on_the_same_gguf(quantized):
     handles = [layer.register_forward_pre_hook(tap, with_kwargs=True) for layer in reference.model.layers]
     try:
         value = metric(reference(torch.tensor([IDS])).logits[0])
-        expected = torch.autograd.grad(value, zeros)
+        return float(value), [grad[0] for grad in torch.autograd.grad(value, zeros)]
     finally:
         for handle in handles:
             handle.remove()
-    names = [f"blocks.{i}.hook_resid_pre" for i in range(len(zeros))]
+
+
+def assert_layer_input_gradients_match(ours, reference):
+    metric = next_token_log_likelihood(IDS)
+    value, expected = layer_input_gradients(reference, metric)
+    names = [f"blocks.{i}.hook_resid_pre" for i in range(len(expected))]
     got = ours.run_with_gradients(IDS, metric, names)
-    assert got.metric == pytest.approx(float(value), rel=1e-5)
+    assert got.metric == pytest.approx(value, rel=1e-5)
     for name, theirs in zip(names, expected):
-        error = (got.gradients[name] - theirs[0]).abs().max() / theirs.abs().max()
+        error = (got.gradients[name] - theirs).abs().max() / theirs.abs().max()
         assert error.item() < 1e-4, name
+
+
+def test_quantized_gradients_match_transformers_on_the_same_gguf(quantized):
+    assert_layer_input_gradients_match(*quantized)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe", "gpt-oss", "gemma4", "gemma4moe"])
+def test_gradients_of_families_beyond_transformerlens_match_transformers(family, tmp_path):
+    """Routers, experts, attention sinks, Gemma 4's scaled blocks: the gradient at every layer's input as transformers
+    computes it on the same checkpoint."""
+    pytest.importorskip("transformers")
+    reference = random_hf_checkpoint(family, tmp_path, n_layers=2).float().eval()
+    write_hf_tokenizer(tmp_path)
+    assert_layer_input_gradients_match(workbench.load(tmp_path, device="cpu"), reference)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_K", "Q6_K", "Q8_0", "F16"])
