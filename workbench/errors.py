@@ -33,13 +33,15 @@ def finite_number(value: object, what: str, error: type[WorkbenchError] = Workbe
     return number
 
 
-def real_number(value: object, what: str, error: type[WorkbenchError] = WorkbenchError) -> float:
-    """``value`` as a finite float when it is a real number (Python, numpy or 0-d torch), or ``error`` naming ``what``.
+def real_number(value: object, what: str, error: type[WorkbenchError] = WorkbenchError,
+                finite: bool = True) -> float:
+    """``value`` as a float when it is a real number (Python, numpy or 0-d torch), or ``error`` naming ``what``; a
+    finite one unless ``finite`` is False (a temperature may be infinite, or NaN for its own check to refuse).
     Stricter than ``finite_number``: a string ("0.5") or a bool is refused, not converted."""
     item = value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
     if isinstance(item, bool) or not isinstance(item, numbers.Real):
         raise error(f"{what} must be a number, got {shorten(value)}")
-    return finite_number(item, what, error)
+    return finite_number(item, what, error) if finite else float(item)
 
 
 def integer(value: object, what: str, error: type[WorkbenchError] = WorkbenchError) -> int:

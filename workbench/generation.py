@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import numbers
 import operator
 import threading
 import types
@@ -14,7 +13,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from workbench.errors import WorkbenchError, integer, shorten
+from workbench.errors import WorkbenchError, integer, real_number, shorten
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, shared_prefix
 from workbench.moe import by_pair_supported
@@ -26,13 +25,6 @@ from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, ca
 MIN_TEMPERATURE = 1e-6
 # torch.Generator.manual_seed's range
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
-
-
-def _real(value: Any, what: str) -> float:
-    """``value`` as a float (a real number, not a bool or a string), or a clear error naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise WorkbenchError(f"{what} must be a number, got {shorten(value)}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -49,7 +41,7 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        temperature = _real(self.temperature, "temperature")
+        temperature = real_number(self.temperature, "temperature", finite=False)
         if not temperature >= 0:  # NaN too
             raise WorkbenchError(f"temperature must be >= 0, got {self.temperature}")
         if 0 < temperature < MIN_TEMPERATURE:
@@ -57,7 +49,7 @@ class Sampling:
         top_k = integer(self.top_k, "top_k")
         if top_k < 0:
             raise WorkbenchError(f"top_k must be >= 0, got {top_k}")
-        top_p = _real(self.top_p, "top_p")
+        top_p = real_number(self.top_p, "top_p", finite=False)
         if not 0 < top_p <= 1:
             raise WorkbenchError(f"top_p must be in (0, 1], got {self.top_p}")
         seed = self.seed
