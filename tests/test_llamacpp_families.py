@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 import workbench
-from workbench.parity import top_kl
+from workbench.parity import kl_per_position, top_kl
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 META = json.loads((FIXTURES / "llamacpp_families.json").read_text())
@@ -73,3 +73,22 @@ def test_tokenizer_gives_llamacpps_ids(family):
     model = workbench.load(FIXTURES / f"{family}-Q8_0.gguf", device="cpu")
     for case in META["families"][family]["Q8_0"]["tokens"]:
         assert model.tokenize(case["text"]) == case["ids"], case["text"]
+
+
+def test_gemma4_without_a_final_soft_cap_key_takes_llamacpps_default(tmp_path):
+    """A Gemma 4 GGUF that names no final soft cap is capped at llama.cpp's default (30; Gemma 3's is none), compared
+    with llama.cpp on a copy of the fixture whose key is renamed (same length: every offset stays)."""
+    from test_loading import llama_cpp_logits
+
+    key = b"gemma4.final_logit_softcapping"
+    data = (FIXTURES / "gemma4-Q8_0.gguf").read_bytes()
+    assert data.count(key) == 1
+    path = tmp_path / "gemma4-no-final-cap.gguf"
+    path.write_bytes(data.replace(key, b"gemma4.final_logit_softcappinX"))
+    ids = META["families"]["gemma4"]["Q8_0"]["prompts"][0]["ids"]
+    model = workbench.load(path, device="cpu")
+    assert model.config.final_softcap == 30.0
+    expected = llama_cpp_logits(path, ids)
+    assert expected.abs().max() > 10  # where a cap of 30 moves a logit by 0.35 or more
+    kl = kl_per_position(expected, model.forward(ids))
+    assert kl.mean() < TIGHTER["gemma4"][0] and kl.max() < TIGHTER["gemma4"][1]

@@ -237,7 +237,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # dense MLP (ModelConfig.moe)
     Architecture("gemma4", ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"), qk_norm="head",
                  post_norms=True, embed_scale=True, activation="gelu_tanh", hf_activation_key="hidden_activation",
-                 attn_scale=1.0, v_norm=True, values_from_keys=True, softcaps={"final_logit_softcapping": None},
+                 attn_scale=1.0, v_norm=True, values_from_keys=True, softcaps={"final_logit_softcapping": 30.0},
                  hf_tensors={**_POST_NORM_HF, "layer_scalar": "layer_output_scale.weight",
                              "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
                              "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",

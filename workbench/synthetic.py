@@ -75,6 +75,7 @@ FAMILY_SETTINGS: dict[str, dict] = {
     "gemma3": dict(sliding_window=4, rope_base=1e6, rope_base_local=10000.0),
     "phi3": dict(partial_rotary=0.5),
     "gpt-oss": dict(sliding_window=4),
+    "gemma4": dict(final_softcap=30.0),  # what a GGUF without the key takes (llama.cpp's default), as the real ones
 }
 
 
