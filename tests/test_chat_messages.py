@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import threading
 
+import anyio
 import pytest
 import torch
 
@@ -12,6 +15,8 @@ import workbench
 from workbench import cli, hooks, probes
 from workbench.errors import WorkbenchError
 from workbench.hooks.trace import MANIFEST_FILE, TraceError, manifest_sha256
+from workbench.mcp_server import Workbench, build_server
+from workbench.mcp_server.tools import Call
 from workbench.replay import replay
 
 transformers = pytest.importorskip("transformers")
@@ -203,3 +208,72 @@ def test_patching_and_steering_take_conversations(model):
     run = model.run_batch(positive + negative, record=["blocks.3.hook_resid_post"], reduce="mean")
     expected = run[0].activations["blocks.3.hook_resid_post"] - run[1].activations["blocks.3.hook_resid_post"]
     torch.testing.assert_close(vector.directions[3], expected.flatten(), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ surfaces
+
+
+@pytest.fixture()
+def reuse_loaded_model(monkeypatch, model):
+    monkeypatch.setattr(workbench, "load", lambda *args, **kwargs: model)
+
+
+def test_cli_messages_file_and_system(reuse_loaded_model, model, tmp_path, capsys):
+    messages = [SYSTEM, USER, PREFILL]
+    (tmp_path / "chat.json").write_text(json.dumps(messages))
+    assert cli.main(["run", "--messages", str(tmp_path / "chat.json"), "--json", "--top-k", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ids"] == transformers_ids(model, messages)
+    assert out["top_k"][0]["id"] == model.forward(out["ids"])[-1].argmax().item()
+    assert cli.main(["generate", USER["content"], "--system", SYSTEM["content"], "--max-new-tokens", "4",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt"] == [SYSTEM, USER] and out["text"] == model.generate([SYSTEM, USER], 4)
+    (tmp_path / "prompts.txt").write_text("Hi\nHello\n")
+    assert cli.main(["run", "--file", str(tmp_path / "prompts.txt"), "--system", "Be kind.", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["ids"] for r in rows] == [model.to_ids([{"role": "system", "content": "Be kind."},
+                                                      {"role": "user", "content": t}]) for t in ("Hi", "Hello")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "Hi", "--messages", "chat.json"], "give no prompt or --system with it"),
+    (["generate", "--messages", "missing.json"], "messages file not found"),
+    (["generate", "--messages", "bad.json"], r"bad.json: message 0 lacks 'content'"),
+    (["generate", "--messages", "text.json"], "not valid JSON|JSONDecodeError"),
+    (["generate"], "give a prompt, or --messages"),
+])
+def test_cli_bad_messages_are_one_line(reuse_loaded_model, tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chat.json").write_text(json.dumps([USER]))
+    (tmp_path / "bad.json").write_text(json.dumps([{"role": "user"}]))
+    (tmp_path / "text.json").write_text("hello")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert re.search(message, err), err
+
+
+def test_mcp_tools_take_conversations(model, tmp_path):
+    bench = Workbench(model, tmp_path / "artifacts")
+    messages = [SYSTEM, USER, PREFILL]
+    ids = transformers_ids(model, messages)
+    with bench.sessions.using("test") as session:
+        call = Call(session, threading.Event())
+        assert bench.tokenize(call, text=messages).ids == ids
+        result = bench.run(call, prompt=messages, top_k=3)
+        trace = session.get("trace", result.trace_id)
+        assert trace.prompt == messages and trace.chat and trace.ids == ids
+        assert result.next_token.top[0].id == model.forward(ids)[-1].argmax().item()
+        batch = bench.run_batch(call, prompts=[messages, "Hello"], top_k=1)
+        assert [r.tokens for r in batch.results] == [model.token_texts(ids), model.token_texts(model.to_ids("Hello"))]
+        assert bench.generate(call, prompt=messages, max_new_tokens=3).text == model.generate(messages, 3)
+        with pytest.raises(WorkbenchError, match="prompt 1: message 0 lacks 'content'"):
+            bench.run_batch(call, prompts=["Hi", [{"role": "user"}]])
+    # through the server, as a client calls it: the schema takes a conversation
+    server = build_server(bench)
+    tools = {tool.name: tool for tool in anyio.run(server.list_tools)}
+    assert "conversation" in json.dumps(tools["run"].input_schema["properties"]["prompt"])
+    assert "conversation" in json.dumps(tools["generate_batch"].input_schema["properties"]["prompts"])
+    arguments = server._tool_manager.get_tool("run").fn_metadata.arg_model.model_validate({"prompt": messages})
+    assert arguments.prompt == messages  # validated as the conversation it is, not coerced
