@@ -264,6 +264,7 @@ def test_mcp_tools_take_conversations(model, tmp_path):
         result = bench.run(call, prompt=messages, top_k=3)
         trace = session.get("trace", result.trace_id)
         assert trace.prompt == messages and trace.chat and trace.ids == ids
+        assert bench.trace_summary(call, result.trace_id).prompt == messages
         assert result.next_token.top[0].id == model.forward(ids)[-1].argmax().item()
         batch = bench.run_batch(call, prompts=[messages, "Hello"], top_k=1)
         assert [r.tokens for r in batch.results] == [model.token_texts(ids), model.token_texts(model.to_ids("Hello"))]
