@@ -26,6 +26,7 @@ import workbench
 from workbench import results
 from workbench.errors import WorkbenchError, shorten
 from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE
+from workbench.messages import conversation
 
 T = TypeVar("T")
 log = logging.getLogger("workbench.app")
@@ -101,6 +102,7 @@ def upload_on_disk(upload: Any, name: str) -> Iterator[Path]:
 def remember(key: tuple, compute: Callable[[], T], message: str | None = None) -> T:
     """A result kept in this session (so reruns answer at once), computed (under a spinner) when new."""
     memo: OrderedDict = st.session_state.setdefault("_memo", OrderedDict())
+    key = _hashable(key)
     if key in memo:
         memo.move_to_end(key)
         return memo[key]
@@ -113,6 +115,15 @@ def remember(key: tuple, compute: Callable[[], T], message: str | None = None) -
     while len(memo) > MEMO_ENTRIES:
         memo.popitem(last=False)
     return result
+
+
+def _hashable(value: Any) -> Any:
+    """A memo key with its lists and dicts (a conversation prompt's) as tuples."""
+    if isinstance(value, dict):
+        return tuple((k, _hashable(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def with_progress(label: str, work: Callable[[Callable[[int, int], None]], T]) -> T:
@@ -173,15 +184,20 @@ def prompt_inputs() -> None:
     st.session_state.setdefault("prompt", DEFAULT_PROMPT)
     st.sidebar.text_area("Prompt", key="prompt", height=110,
                          help="Every page analyses this prompt. Ctrl+Enter applies it.")
-    st.sidebar.toggle("Chat template", key="chat",
-                      help="Wrap the prompt as a user message in the model's chat template.")
+    if st.sidebar.toggle("Chat template", key="chat",
+                         help="Wrap the prompt as a user message in the model's chat template."):
+        st.sidebar.text_area("System prompt", key="system", height=68,
+                             help="A system message before the prompt (left empty: none).")
 
 
-def prompt() -> tuple[str, bool]:
-    return st.session_state.get("prompt", DEFAULT_PROMPT), bool(st.session_state.get("chat", False))
+def prompt() -> tuple[str | list[dict[str, str]], bool]:
+    """The sidebar's prompt and chat flag: with the chat template and a system prompt, the conversation of the two."""
+    text, chat = st.session_state.get("prompt", DEFAULT_PROMPT), bool(st.session_state.get("chat", False))
+    system = st.session_state.get("system", "")
+    return (conversation(text, system) if chat and system.strip() else text), chat
 
 
-def check_prompt(m: workbench.Model, text: str, chat: bool = False) -> list[int]:
+def check_prompt(m: workbench.Model, text: str | list[dict[str, str]], chat: bool = False) -> list[int]:
     """The prompt's token ids, or a WorkbenchError naming what is wrong with it."""
     ids = m.to_ids(text, chat=chat)
     if len(ids) > MAX_PROMPT_TOKENS:
@@ -213,7 +229,8 @@ def session_trace(m: workbench.Model, record: Sequence[str] = ()) -> "workbench.
                    lambda: m.run(text, chat=chat, record=list(record) or None), "Running the model…")
 
 
-def generate(m: workbench.Model, prompt: str | Sequence[int], max_new_tokens: int, label: str, **kwargs: Any) -> str:
+def generate(m: workbench.Model, prompt: str | Sequence[int] | list[dict[str, str]], max_new_tokens: int, label: str,
+             **kwargs: Any) -> str:
     """``model.stream`` to text, with a progress bar while tokens arrive."""
     def work(report: Callable[[int, int], None]) -> str:
         pieces = []

@@ -15,6 +15,7 @@ import torch
 
 from workbench.errors import HookError, integer, integer_list, shorten
 from workbench.kv_cache import BatchKVCache, KVCache
+from workbench.messages import Prompt
 from workbench.progress import progress_callback
 from workbench.runner import BatchLayout, HookContext, block_points
 
@@ -115,7 +116,7 @@ class _Sweep:
                               corrupt_metric, metric_name, normalize, method)
 
 
-def _sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequence[int], metric: Metric | None,
+def _sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | None,
            over: Sequence[str], hook: str | None, layers: Sequence[int] | None, positions: Sequence[int] | None,
            answers: tuple[int | str, int | str] | None) -> _Sweep:
     over = tuple(over)
@@ -160,7 +161,7 @@ def _metric_name(model: Any, metric: Metric | None, answers: tuple[int, int] | N
     return f"logit diff {texts[0]!r} - {texts[1]!r}"
 
 
-def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequence[int], metric: Metric | None = None,
+def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | None = None,
                    *, over: Sequence[str] = ("layers", "positions"), hook: str | None = None,
                    layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
                    answers: tuple[int | str, int | str] | None = None, normalize: bool = False,
@@ -205,7 +206,7 @@ def patching_sweep(model: Any, clean: str | Sequence[int], corrupt: str | Sequen
                         normalize, "activation patching")
 
 
-def attribution_patching(model: Any, clean: str | Sequence[int], corrupt: str | Sequence[int],
+def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
                          metric: Metric | None = None, *, over: Sequence[str] = ("layers", "positions"),
                          hook: str | None = None, layers: Sequence[int] | None = None,
                          positions: Sequence[int] | None = None, answers: tuple[int | str, int | str] | None = None,

@@ -24,6 +24,7 @@ import torch
 from workbench.config import ModelConfig
 from workbench.errors import WorkbenchError, clip, shorten
 from workbench.files import replace_file
+from workbench.messages import check_messages, is_messages
 
 from .points import axes, is_point_name
 
@@ -44,7 +45,7 @@ class TraceError(WorkbenchError):
 
 @dataclass
 class Trace:
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict[str, str]]  # a text, ids, or a conversation (rendered with chat)
     ids: list[int]
     tokens: list[str]
     logits: torch.Tensor  # float32 [positions, vocab]
@@ -240,7 +241,15 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
         raise TraceError(f"{where}: 'ids' must be a non-empty list of token ids")
     if not all(isinstance(t, str) for t in trace.tokens) or len(trace.tokens) != len(trace.ids):
         raise TraceError(f"{where}: 'tokens' must be {len(trace.ids)} strings, one per id")
-    if isinstance(trace.prompt, list) and trace.prompt != trace.ids:
+    if is_messages(trace.prompt):
+        try:
+            check_messages(trace.prompt)
+        except WorkbenchError as err:
+            raise TraceError(f"{where}: 'prompt' is no conversation ({err})") from None
+        if not trace.chat:
+            raise TraceError(f"{where}: a prompt given as messages is rendered through the chat template: 'chat' must "
+                             "be true")
+    elif isinstance(trace.prompt, list) and trace.prompt != trace.ids:
         raise TraceError(f"{where}: a prompt given as ids must equal 'ids'")
     if not all(isinstance(spec, dict) for spec in trace.interventions):
         raise TraceError(f"{where}: 'interventions' must be a list of intervention specs")

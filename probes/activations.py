@@ -6,8 +6,9 @@ from typing import Any, Sequence
 import torch
 
 from workbench import hooks
-from workbench.errors import HookError, WorkbenchError
+from workbench.errors import HookError, WorkbenchError, shorten
 from workbench.hooks.points import axes
+from workbench.messages import is_messages
 from workbench.progress import Progress
 
 POOLINGS = ("last", "mean")
@@ -21,15 +22,16 @@ def block_hook(model: Any, layer: int, point: str) -> str:
     return hooks.resolve(name, model.config)[0]
 
 
-def check_prompts(prompts: Sequence[str]) -> list[str]:
+def check_prompts(prompts: Sequence[str | list[dict[str, str]]]) -> list[str | list[dict[str, str]]]:
+    """The prompts as a list: texts or conversations (lists of messages, checked with the batch they run in)."""
     if isinstance(prompts, str):
         raise WorkbenchError("expected a list of prompts, got a single string")
     prompts = list(prompts)
     if not prompts:
         raise WorkbenchError("no prompts given")
     for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise WorkbenchError(f"prompt {i} is empty or not a string: {prompt!r}")
+        if not is_messages(prompt) and (not isinstance(prompt, str) or not prompt.strip()):
+            raise WorkbenchError(f"prompt {i} is empty or neither a text nor a list of messages: {shorten(prompt)}")
     return prompts
 
 

@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from workbench.errors import WorkbenchError
+from workbench.messages import check_messages, is_messages
 
 KINDS = {
     "classification": ("text", "label"),
     "completion": ("text", "answer"),
     "pairs": ("positive", "negative"),
 }
+# fields that may hold a conversation (a list of chat messages) instead of a text: steering's prompts
+CONVERSATION_KEYS = ("positive", "negative")
 # The shipped files: the repository's top-level datasets/ folder, installed as the data-only package
 # workbench.datasets. It has no __init__.py, so that ``import datasets`` from the repository root finds Hugging Face's
 # package, not this folder; and no importer reads it, since an editable install cannot import a package without one
@@ -169,7 +172,7 @@ def make_dataset(name: str, records: Sequence[dict[str, Any]]) -> Dataset:
 def pairs_dataset(positive: Sequence[str], negative: Sequence[str], name: str = "pairs") -> Dataset:
     """A pairs dataset from two lists of prompts of equal length."""
     if isinstance(positive, str) or isinstance(negative, str):
-        raise WorkbenchError("positive and negative prompts must be lists of strings")
+        raise WorkbenchError("positive and negative prompts must be lists of texts or conversations")
     if len(positive) != len(negative):
         raise WorkbenchError(f"mismatched pair counts: {len(positive)} positive and {len(negative)} negative prompts")
     return make_dataset(name, [{"positive": p, "negative": n} for p, n in zip(positive, negative)])
@@ -219,6 +222,12 @@ def _check_record(name: str, kind: str, number: int, record: dict, where: str = 
         raise WorkbenchError(f"dataset {name!r} {where} {number}: {hint}missing {missing} (this is a {kind} dataset)")
     for key in keys:
         value = record[key]
+        if key in CONVERSATION_KEYS and is_messages(value):
+            try:
+                check_messages(value)
+            except WorkbenchError as err:
+                raise WorkbenchError(f"dataset {name!r} {where} {number}: {key!r}: {err}") from None
+            continue
         if not isinstance(value, str):
             raise WorkbenchError(f"dataset {name!r} {where} {number}: {key!r} must be a string, "
                                  f"got {type(value).__name__}")

@@ -99,6 +99,19 @@ def test_run_lens_matches_forward_and_handles_bad_prompts(model):
     assert chart(at, "lens_heatmap")["data"][0]["text"][-1][-1] == model.tokenizer.token_text(top)
 
 
+def test_a_system_prompt_makes_the_sidebar_prompt_a_conversation(model):
+    at = start()
+    assert not [t for t in at.sidebar.text_area if t.key == "system"]  # offered with the chat template only
+    at.sidebar.toggle(key="chat").set_value(True).run()
+    at.sidebar.text_area(key="system").set_value("Answer in one word.").run()
+    assert_clean(at)
+    conversation = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": PROMPT}]
+    probs = model.forward(conversation)[-1].softmax(-1)
+    heat = chart(at, "lens_heatmap")["data"][0]
+    assert len(heat["z"][0]) == len(model.to_ids(conversation))
+    assert heat["z"][-1][-1] == pytest.approx(float(probs.max()), abs=1e-4)
+
+
 def test_attention_pattern_and_head_scores(model):
     at = start("page_attention.py")
     at.slider(key="attn_layer").set_value(3).run()

@@ -437,10 +437,11 @@ def no_forward(llama, monkeypatch):
 @pytest.mark.parametrize("prompt", [b"abc", bytearray(b"abc"), [504.9, 3575.2], [1.0, 2.0], [True, 2],
                                     torch.tensor([1.5, 2.0]), None, 5])
 def test_a_prompt_of_neither_text_nor_integer_ids_is_named(llama, no_forward, prompt):
-    with pytest.raises(WorkbenchError, match="prompt 1: a prompt is a text or a list of integer token ids"):
+    neither = "a prompt is a text, a list of integer token ids or a list of messages"
+    with pytest.raises(WorkbenchError, match=f"prompt 1: {neither}"):
         llama.run_batch([[1, 2], prompt])
     if prompt is not None:
-        with pytest.raises(WorkbenchError, match="^a prompt is a text or a list of integer token ids"):
+        with pytest.raises(WorkbenchError, match=f"^{neither}"):
             llama.run(prompt)
     assert not no_forward
 

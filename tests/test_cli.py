@@ -110,8 +110,8 @@ def test_run_file_prints_one_json_line_per_prompt(capsys, tmp_path, model):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["run"], "give one prompt, or --file"),
-    (["run", "x", "--file", "p.txt"], "give one prompt, or --file"),
+    (["run"], "give one prompt (or --messages), or --file"),
+    (["run", "x", "--file", "p.txt"], "give one prompt (or --messages), or --file"),
     (["run", "--file", "/nonexistent/prompts.txt"], "prompt file not found"),
     (["run", "x", "--top-k", "0"], "--top-k must be at least 1"),
 ])

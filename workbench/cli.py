@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from workbench.errors import WorkbenchError, clip
+from workbench.messages import check_messages, conversation
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -95,20 +96,46 @@ def read_numbered_prompts(path: str) -> list[tuple[int, str]]:
     return prompts
 
 
+def read_messages(path: str) -> list[dict[str, str]]:
+    """A conversation from a UTF-8 JSON file (``-``: standard input): a list of ``{"role", "content"}`` messages."""
+    try:
+        text = (sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()).decode("utf-8")
+        return check_messages(json.loads(text))
+    except FileNotFoundError:
+        raise WorkbenchError(f"messages file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise WorkbenchError(f"cannot read messages from {path}: {err.__class__.__name__}: {err}") from None
+    except WorkbenchError as err:
+        raise WorkbenchError(f"{path}: {err}") from None
+
+
+def command_line_prompt(args: argparse.Namespace, text: str | None) -> str | list[dict[str, str]]:
+    """The prompt a command line gives: ``--messages``'s conversation, or the text (after ``--system`` as one user
+    message, when given)."""
+    if args.messages is not None:
+        if text is not None or args.system is not None:
+            raise WorkbenchError("--messages holds the whole conversation: give no prompt or --system with it")
+        return read_messages(args.messages)
+    if text is None:
+        raise WorkbenchError("give a prompt, or --messages with a JSON file of chat messages")
+    return text if args.system is None else conversation(text, args.system)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
-    if (args.prompt is None) == (args.file is None):
-        raise WorkbenchError("give one prompt, or --file with a prompt a line")
+    if (args.file is None) == (args.prompt is None and args.messages is None):
+        raise WorkbenchError("give one prompt (or --messages), or --file with a prompt a line")
+    prompt = command_line_prompt(args, args.prompt) if args.file is None else None
     if args.top_k < 1:
         raise WorkbenchError(f"--top-k must be at least 1, got {args.top_k}")
     model = _load(args)
-    if args.file is None:
-        _print_distribution(next_token_distribution(model, model.to_ids(args.prompt, chat=args.chat), args.top_k),
+    if prompt is not None:
+        _print_distribution(next_token_distribution(model, model.to_ids(prompt, chat=args.chat), args.top_k),
                             args.json)
         return
     numbered = read_numbered_prompts(args.file)
     lines = [n for n, _ in numbered]
     try:
-        ids = model.batch_ids([prompt for _, prompt in numbered], chat=args.chat)
+        ids = model.batch_ids([command_line_prompt(args, prompt) for _, prompt in numbered], chat=args.chat)
         batches = model.iter_batch(ids, batch_size=args.batch_size, logits="last")
     except WorkbenchError as err:
         raise type(err)(re.sub(r"^prompt (\d+):", lambda m: f"prompt {m[1]} (line {lines[int(m[1])]}):", str(err))
@@ -136,6 +163,7 @@ def _print_distribution(result: dict[str, Any], as_json: bool) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    prompt = command_line_prompt(args, args.prompt)
     model = _load(args)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
                   compiled=args.compile)
@@ -144,12 +172,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
               "seconds once torch has cached the build)", file=sys.stderr)
     if args.json:
         ids, pieces = [], []
-        for token, text in model.stream(args.prompt, args.max_new_tokens, **kwargs):
+        for token, text in model.stream(prompt, args.max_new_tokens, **kwargs):
             ids.append(token)
             pieces.append(text)
-        print(json.dumps({"prompt": args.prompt, "ids": ids, "tokens": model.token_texts(ids), "text": "".join(pieces)}))
+        print(json.dumps({"prompt": prompt, "ids": ids, "tokens": model.token_texts(ids), "text": "".join(pieces)}))
         return
-    for _, text in model.stream(args.prompt, args.max_new_tokens, **kwargs):
+    for _, text in model.stream(prompt, args.max_new_tokens, **kwargs):
         print(text, end="", flush=True)
     print()
 
@@ -273,6 +301,16 @@ def cmd_mcp(args: argparse.Namespace) -> None:
           dtype=args.dtype, quantize=args.quantize, devices=args.devices)
 
 
+def _chat_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--system", default=None, metavar="TEXT",
+                        help="a system prompt before the prompt (implies the chat template)")
+    parser.add_argument("--messages", default=None, metavar="FILE.json",
+                        help='a whole conversation instead of a prompt: a JSON list of {"role", "content"} messages '
+                             "('-': standard input), rendered through the chat template; ending with an assistant "
+                             "message continues it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -283,14 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "--json, one JSON object a line")
     run.add_argument("--batch-size", type=int, default=None, help="prompts a forward (default: as many as fit)")
     run.add_argument("--top-k", type=int, default=10)
-    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _chat_args(run)
     _model_args(run)
     run.set_defaults(fn=cmd_run)
 
     gen = sub.add_parser("generate", help="generate a continuation, streaming tokens")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _chat_args(gen)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)

@@ -27,6 +27,7 @@ from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, se
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
 from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
 from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, load_checkpoint
+from workbench.messages import Prompt, check_messages, continues_answer, conversation, is_messages, is_utf8
 from workbench.progress import Progress, check_progress, progress_callback
 from workbench.runner import (FINAL_POINTS, LORA_GROUPS, QUERY_ONLY_LORA_GROUPS, BatchLayout, Lora, LoraRows,
                               Transformer)
@@ -52,13 +53,11 @@ def layout_adapters(lora: Sequence[Lora | None], prompts: Sequence[int]) -> Lora
     return chosen[0] if all(terms is chosen[0] for terms in chosen) else LoraRows(tuple(chosen))
 
 
-def is_utf8(text: str) -> bool:
-    """Whether a str encodes as UTF-8 (Python keeps undecodable command-line bytes as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+def recorded_prompt(prompt: Prompt, ids: list[int]) -> str | list:
+    """What a trace records as its prompt: the text, the conversation (as plain dicts), or else the ids."""
+    if is_messages(prompt):
+        return check_messages(prompt)
+    return prompt if isinstance(prompt, str) else list(ids)
 
 
 def default_device() -> str:
@@ -297,22 +296,30 @@ class Model:
         return self.tokenizer.encode(text, add_bos=add_bos)
 
     def chat_prompt(self, user_message: str, system: str | None = None) -> str:
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": user_message}
-        ]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.render_messages(conversation(user_message, system))
 
-    def to_ids(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-        """Token ids of a prompt (text, rendered through the chat template with ``chat``, or ids as given)."""
-        if isinstance(prompt, str):
+    def render_messages(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """A conversation rendered through the chat template: with the generation prompt after it, or, when the last
+        message is the assistant's, that message left open for the model to continue (its prefilled answer)."""
+        messages = check_messages(messages)
+        prefilled = continues_answer(messages)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=not prefilled,
+                                                  continue_final_message=prefilled)
+
+    def to_ids(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids of a prompt: a text (rendered as one user message through the chat template with ``chat``), a
+        conversation (a list of ``{"role", "content"}`` messages, always rendered through the chat template; see
+        ``render_messages``), or ids as given."""
+        if is_messages(prompt):
+            # a rendered chat template carries its own BOS where the model wants one
+            ids = self.tokenize(self.render_messages(prompt), add_bos=False)
+        elif isinstance(prompt, str):
             if not prompt.strip() and not chat:
                 raise WorkbenchError("the prompt is empty")
             if not is_utf8(prompt):
                 raise WorkbenchError("the prompt is not valid UTF-8 text (it holds lone surrogates, e.g. from "
                                      "undecodable bytes in a command line)")
-            text = self.chat_prompt(prompt) if chat else prompt
-            # a rendered chat template carries its own BOS where the model wants one
-            ids = self.tokenize(text, add_bos=False if chat else None)
+            ids = self.tokenize(self.chat_prompt(prompt), add_bos=False) if chat else self.tokenize(prompt)
         else:
             try:
                 # int() would read bytes as ids and cut 504.9 to 504: ids are integers, and a bool is no id
@@ -320,8 +327,8 @@ class Model:
                     raise TypeError
                 ids = list(map(operator.index, prompt))
             except TypeError:
-                raise WorkbenchError(f"a prompt is a text or a list of integer token ids, got {shorten(prompt)}"
-                                     ) from None
+                raise WorkbenchError(f"a prompt is a text, a list of integer token ids or a list of messages, got "
+                                     f"{shorten(prompt)}") from None
         if not ids:
             raise WorkbenchError("the prompt is empty")
         if len(ids) > self.config.n_ctx:
@@ -390,7 +397,7 @@ class Model:
                         attached.append(sae)
         return [sae.on(self.device) for sae in hooks_lib.check_saes(attached, self.config)]
 
-    def forward(self, ids: str | Sequence[int] | torch.Tensor, interventions: Sequence[Any] = (),
+    def forward(self, ids: Prompt | torch.Tensor, interventions: Sequence[Any] = (),
                 cache: KVCache | None = None, saes: Sequence[Any] = (), use_error_term: bool = True,
                 adapter: AdapterChoice = None) -> torch.Tensor:
         """Float32 logits ``[len(ids), vocab_size]``, one row per position."""
@@ -406,7 +413,7 @@ class Model:
                                            use_error_term)
             return self.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks, lora=lora)
 
-    def run(self, prompt: str | Sequence[int], *, record: Sequence[str] | None = None,
+    def run(self, prompt: Prompt, *, record: Sequence[str] | None = None,
             interventions: Sequence[Any] = (), chat: bool = False, saes: Sequence[Any] = (),
             use_error_term: bool = True, adapter: AdapterChoice = None) -> hooks_lib.Trace:
         """One forward over the prompt: a Trace with logits and the recorded activations.
@@ -423,13 +430,14 @@ class Model:
             logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora)
             backend = self.backend()
         return hooks_lib.Trace(
-            prompt=prompt if isinstance(prompt, str) else list(ids), ids=ids, tokens=self.token_texts(ids),
+            prompt=recorded_prompt(prompt, ids), ids=ids, tokens=self.token_texts(ids),
             logits=logits.cpu(), activations=recorder.activations() if recorder else {}, interventions=specs,
-            fingerprint=self.fingerprint(), backend=backend, versions=package_versions(), chat=chat,
+            fingerprint=self.fingerprint(), backend=backend, versions=package_versions(),
+            chat=chat or is_messages(prompt),
             adapters=self.adapter_record(adapter),
         )
 
-    def run_with_gradients(self, prompt: str | Sequence[int], metric: Callable[[torch.Tensor], torch.Tensor],
+    def run_with_gradients(self, prompt: Prompt, metric: Callable[[torch.Tensor], torch.Tensor],
                            points: Sequence[str], *, interventions: Sequence[Any] = (), chat: bool = False,
                            saes: Sequence[Any] = (), use_error_term: bool = True,
                            adapter: AdapterChoice = None) -> hooks_lib.Gradients:
@@ -459,7 +467,7 @@ class Model:
 
     # ---------------------------------------------------------------------------------------- batches
 
-    def run_batch(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any) -> list[hooks_lib.Trace]:
+    def run_batch(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[hooks_lib.Trace]:
         """``run`` over many prompts in batched forwards: one Trace per prompt, in the prompts' order, with the shapes
         and meaning ``model.run(prompt)`` gives (docs/batches.md). Keywords as ``iter_batch``."""
         traces: list[hooks_lib.Trace | None] = [None] * (len(prompts) if isinstance(prompts, Sequence) else 0)
@@ -468,7 +476,7 @@ class Model:
             traces[i] = trace
         return traces
 
-    def iter_batch(self, prompts: Sequence[str | Sequence[int]], *, record: Sequence[str] | None = None,
+    def iter_batch(self, prompts: Sequence[Prompt], *, record: Sequence[str] | None = None,
                    interventions: Sequence[Any] = (), per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
@@ -540,9 +548,10 @@ class Model:
                     activations = {name: hooks_lib.join_tokens(name, [prefix_activations[name], tail])
                                    for name, tail in activations.items()}
                 yield i, hooks_lib.Trace(
-                    prompt=prompts[i] if isinstance(prompts[i], str) else list(ids[i]), ids=ids[i],
+                    prompt=recorded_prompt(prompts[i], ids[i]), ids=ids[i],
                     tokens=self.token_texts(ids[i]), logits=row_logits.clone(), activations=activations,
-                    interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions, chat=chat,
+                    interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions,
+                    chat=chat or is_messages(prompts[i]),
                     adapters=adapters[i])
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
@@ -577,7 +586,7 @@ class Model:
                                               last_logits_only=last_only, lora=lora, stop_at_layer=stop))
         return pieces[-1] if last_only else torch.cat(pieces)
 
-    def forward_batch(self, prompts: Sequence[str | Sequence[int]], *, interventions: Sequence[Any] = (),
+    def forward_batch(self, prompts: Sequence[Prompt], *, interventions: Sequence[Any] = (),
                       per_prompt_interventions: Sequence[Sequence[Any]] | None = None, batch_size: int | None = None,
                       last_only: bool = False, adapter: BatchAdapterChoice = None) -> list[torch.Tensor]:
         """``forward`` over many prompts in batched forwards: float32 logits per prompt, ``[len(ids), vocab_size]``
@@ -586,7 +595,7 @@ class Model:
                                 batch_size=batch_size, logits="last" if last_only else "all", adapter=adapter)
         return [t.logits for t in traces]
 
-    def run_with_batch_hooks(self, prompts: Sequence[str | Sequence[int]],
+    def run_with_batch_hooks(self, prompts: Sequence[Prompt],
                              hooks: Mapping[str, hooks_lib.HookFn | Sequence[hooks_lib.HookFn]], *, chat: bool = False,
                              batch_size: int | None = None, progress: Progress = False,
                              logits: bool = True) -> torch.Tensor | None:
@@ -627,7 +636,7 @@ class Model:
                     last[list(layout.prompts)] = out.float().cpu()
         return last
 
-    def stream_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32, *,
+    def stream_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 32, *,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                      chat: bool = False, interventions: Sequence[Any] = (),
                      per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
@@ -669,7 +678,7 @@ class Model:
                 generated[i] += 1
                 yield i, token, self._generated_text(decoders[i], token, last=generated[i] == max_new_tokens)
 
-    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 32,
+    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 32,
                        **kwargs: Any) -> list[str]:
         """Each prompt's generated continuation as text (see ``stream_batch``), in the prompts' order."""
         texts = [""] * len(prompts) if isinstance(prompts, Sequence) else []
@@ -680,10 +689,13 @@ class Model:
     def new_batch_cache(self, n_rows: int) -> BatchKVCache:
         return self.runner.new_batch_cache(n_rows)
 
-    def batch_ids(self, prompts: Sequence[str | Sequence[int]], chat: bool = False) -> list[list[int]]:
+    def batch_ids(self, prompts: Sequence[Prompt], chat: bool = False) -> list[list[int]]:
         """Token ids of every prompt of a batch, checked before any compute (errors name the prompt)."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise WorkbenchError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        if prompts and all(isinstance(prompt, Mapping) for prompt in prompts):
+            raise WorkbenchError("prompts is one conversation (a list of messages); a batch is a list of prompts: "
+                                 "wrap it in a list")
         if not prompts:
             raise WorkbenchError("the list of prompts is empty")
         ids = []
@@ -781,7 +793,7 @@ class Model:
     def new_cache(self) -> KVCache:
         return self.runner.new_cache()
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
+    def stream(self, prompt: Prompt, max_new_tokens: int = 32, *, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                interventions: Sequence[Any] = (), cache: KVCache | None = None,
                compiled: bool | str | None = None, saes: Sequence[Any] = (), use_error_term: bool = True,
@@ -825,7 +837,7 @@ class Model:
         text = decoder.feed(token)
         return text + decoder.flush() if last else text
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 32, **kwargs: Any) -> str:
+    def generate(self, prompt: Prompt, max_new_tokens: int = 32, **kwargs: Any) -> str:
         """The generated continuation as text (stops at an end-of-turn or end-of-text token)."""
         return "".join(text for _, text in self.stream(prompt, max_new_tokens, **kwargs))
 

@@ -83,7 +83,8 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
         raise
     report = dict(rtol=rtol, atol=atol, model_forced=bool(mismatch))
     if fresh.ids != list(trace.ids):
-        return ReplayReport(DIFFERENT, None, None, 0, reason="the prompt tokenizes to different ids", **report)
+        how = "renders (through the chat template) and tokenizes" if trace.chat else "tokenizes"
+        return ReplayReport(DIFFERENT, None, None, 0, reason=f"the prompt {how} to different ids", **report)
     recorded = {"logits": trace.logits, **trace.activations}
     replayed = {"logits": fresh.logits, **fresh.activations}
     verdict, worst, worst_name = IDENTICAL, 0.0, None

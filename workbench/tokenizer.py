@@ -353,9 +353,13 @@ class Tokenizer:
         """Whether decode(skip_special=True) drops this token (CONTROL/UNKNOWN)."""
         return self._check_id(token_id) in self._hidden_ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
         """Render the model's jinja chat template for `messages` (dicts with role and content), in a sandbox with
-        limits on time and size: a template that loops or builds huge strings is refused with a ChatTemplateError."""
+        limits on time and size: a template that loops or builds huge strings is refused with a ChatTemplateError.
+        ``continue_final_message`` leaves the last message open for the model to continue (a prefilled answer), as
+        transformers' option of that name does: no generation prompt, and what the template writes after the
+        message's text (its end of turn) cut off."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template (tokenizer.chat_template is missing)")
         if not isinstance(messages, list):
@@ -365,10 +369,25 @@ class Tokenizer:
                 raise TypeError(f"messages[{n}] must be a dict, got {type(message).__name__}")
             if not isinstance(message.get("role"), str) or "content" not in message:
                 raise ValueError(f"messages[{n}] needs a string 'role' and a 'content'")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+            if not messages or not isinstance(messages[-1]["content"], str):
+                raise ValueError("continue_final_message needs a last message whose content is a string")
+            # transformers' way: mark where the message's text ends, render, and cut there
+            messages = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         content = sum(len(str(m["content"])) for m in messages)
-        return _render_limited(self._compiled_chat_template, TEMPLATE_OUTPUT_CHARS + 4 * content,
-                               messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self._special_text(self.bos_id), eos_token=self._special_text(self.eos_id))
+        rendered = _render_limited(self._compiled_chat_template, TEMPLATE_OUTPUT_CHARS + 4 * content,
+                                   messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self._special_text(self.bos_id), eos_token=self._special_text(self.eos_id))
+        if not continue_final_message:
+            return rendered
+        end = rendered.rfind(_CONTINUE_TAG.strip())
+        if end < 0:
+            raise ChatTemplateError(f"message {len(messages) - 1}: the chat template drops the text of the message "
+                                    "to continue")
+        # a template that trims the message (Llama 3's "| trim") trimmed the tag's space too: trim the text alike
+        return rendered[:end] if rendered.startswith(_CONTINUE_TAG, end) else rendered[:end].rstrip()
 
     @functools.cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
@@ -569,6 +588,10 @@ def _hf_chat_template(path: Path, config: dict[str, Any]) -> str | None:
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         template = next((entry["template"] for entry in template if entry.get("name") == "default"), None)
     return template
+
+
+# appended to a message to continue, to find where its text ends in the rendering (transformers' tag)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplateError(WorkbenchError, ValueError):

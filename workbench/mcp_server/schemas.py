@@ -226,7 +226,7 @@ class KVGeneration(KVInfo):
 class TraceSummary(Result):
     trace_id: str
     uri: str = Field(description="the trace as an MCP resource")
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict[str, str]] = Field(description="text, ids, or a conversation of messages")
     tokens: list[str]
     next_token: Distribution
     interventions: list[dict[str, Any]]

@@ -21,6 +21,8 @@ from workbench.errors import WorkbenchError, clip, shorten
 from workbench.hooks.points import axes, head_count
 from workbench.kernels import get_numerics
 from workbench.kernels.linear import Numerics
+from workbench.messages import check_messages, is_messages
+from workbench.model import recorded_prompt
 from workbench.probes.lens import token_id
 from workbench.quant_mix import check_quantize
 from workbench.replay import replay
@@ -50,9 +52,15 @@ class Call:
 
 # ------------------------------------------------------------------------------------------ argument types
 
-Prompt = Annotated[str, Field(description="prompt text")]
-Prompts = Annotated[list[str], Field(description="prompt texts, run together in batched forwards")]
-Chat = Annotated[bool, Field(description="wrap the prompt in the model's chat template")]
+# a text, or a conversation (workbench.messages): checked by Model.to_ids, whose errors name the bad message
+ChatPrompt = str | list[dict[str, Any]]
+CONVERSATION = ("or a conversation: a list of {'role', 'content'} messages (strings), rendered through the model's "
+                "chat template (a last assistant message is continued, else the generation prompt follows)")
+Prompt = Annotated[ChatPrompt, Field(description=f"prompt text, {CONVERSATION}")]
+Prompts = Annotated[list[ChatPrompt], Field(description=f"prompts, each a text {CONVERSATION}; run together in "
+                                                        "batched forwards")]
+Chat = Annotated[bool, Field(description="wrap a text prompt as one user message in the model's chat template (a "
+                                         "conversation always is)")]
 TopK = Annotated[int, Field(description="how many most likely next tokens to return")]
 Hook = Annotated[str, Field(description="hook point name, e.g. blocks.12.hook_resid_post (list_hook_points)")]
 Record = Annotated[list[str], Field(description="hook names or globs to record into the trace, e.g. "
@@ -134,14 +142,16 @@ class Workbench:
     def model(self, call: Call) -> Any:
         return self.models.get(call.session.model_name)
 
-    def _ids(self, model: Any, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, str) and len(prompt) > 64 * self.limits.max_prompt_tokens:
-            # no token is this long on average: refused before a huge text is tokenized (or templated)
-            raise WorkbenchError(f"the prompt has {len(prompt):,} characters; this server takes at most "
-                                 f"{self.limits.max_prompt_tokens} tokens")
+    def _ids(self, model: Any, prompt: ChatPrompt | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, list) and len(prompt) > self.limits.max_prompt_tokens:
-            raise WorkbenchError(f"the prompt has {len(prompt)} tokens; this server takes at most "
-                                 f"{self.limits.max_prompt_tokens}")
+            raise WorkbenchError(f"the prompt has {len(prompt)} tokens or messages; this server takes at most "
+                                 f"{self.limits.max_prompt_tokens} tokens")
+        text = (sum(len(m["role"]) + len(m["content"]) for m in check_messages(prompt)) if is_messages(prompt)
+                else len(prompt) if isinstance(prompt, str) else 0)
+        if text > 64 * self.limits.max_prompt_tokens:
+            # no token is this long on average: refused before a huge text is tokenized (or templated)
+            raise WorkbenchError(f"the prompt has {text:,} characters; this server takes at most "
+                                 f"{self.limits.max_prompt_tokens} tokens")
         ids = model.to_ids(prompt, chat=chat)
         if len(ids) > self.limits.max_prompt_tokens:
             raise WorkbenchError(f"the prompt has {len(ids)} tokens; this server takes at most "
@@ -171,13 +181,20 @@ class Workbench:
                                  f"the limit is {self.limits.max_record_values:,} (record fewer points)")
         return names
 
-    def _check_cost(self, model: Any, prompts: Iterable[str | list[int]] = (), chat: bool = False,
+    def _check_cost(self, model: Any, prompts: Iterable[ChatPrompt | list[int]] = (), chat: bool = False,
                     specs: Iterable[Any] = (), new_tokens: int | None = None) -> list[list[int]]:
         """The one check of what a request would cost before anything runs: each prompt's tokens, every intervention
         (the leaves of nested composites counted, their nesting bounded), the donor prompts they would run (counted
         and each measured like a prompt) and the tokens to generate. Returns the prompts' ids. Every tool that runs
         a forward passes here, replays of saved traces included."""
-        ids = [self._ids(model, prompt, chat) for prompt in prompts]
+        prompts, ids = list(prompts), []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids.append(self._ids(model, prompt, chat))
+            except WorkbenchError as err:
+                if len(prompts) == 1:
+                    raise
+                raise type(err)(f"prompt {i}: {err}") from None
         leaves = [leaf for spec in specs for leaf in hooks.spec_leaves(spec)]
         if len(leaves) > self.limits.max_interventions:
             raise WorkbenchError(f"{len(leaves)} interventions (composite parts counted); the limit is "
@@ -219,7 +236,7 @@ class Workbench:
             spec["vector"] = vector.directions[layer]
         return [hooks.from_spec(spec)]
 
-    def _run(self, call: Call, prompt: str, chat: bool = False, record: list[str] = (),
+    def _run(self, call: Call, prompt: ChatPrompt, chat: bool = False, record: list[str] = (),
              interventions: list[hooks.Intervention] = ()) -> tuple[str, hooks.Trace]:
         """One forward through Model.run; the trace is kept in the session and its id returned."""
         model = self.model(call)
@@ -227,7 +244,8 @@ class Workbench:
         names = self._record_names(model, list(record), len(ids))
         call.check()
         trace = model.run(ids, record=names, interventions=interventions, chat=chat)
-        trace.prompt = prompt  # run as ids (templated and checked once); the trace keeps the text
+        # run as ids (templated and checked once); the trace keeps the text or conversation
+        trace.prompt, trace.chat = recorded_prompt(prompt, ids), chat or is_messages(prompt)
         return call.session.put("trace", trace), trace
 
     def _summaries(self, trace: hooks.Trace) -> list[s.ActivationSummary]:
@@ -236,7 +254,7 @@ class Workbench:
         return [s.ActivationSummary(**summary.to_dict())
                 for summary in results.summarize_activations(trace, per_position)]
 
-    def _compare(self, call: Call, prompt: str, specs: list[dict[str, Any]], chat: bool, top_k: int,
+    def _compare(self, call: Call, prompt: ChatPrompt, specs: list[dict[str, Any]], chat: bool, top_k: int,
                  targets: list[str], record: list[str] = ()) -> s.EditResult:
         """Baseline and edited runs of one prompt, and how the next-token distribution moved."""
         model = self.model(call)
@@ -366,9 +384,9 @@ class Workbench:
         return s.MoERouting(tokens=trace.tokens, n_experts=moe.n_experts, layers=out)
 
     @tool
-    def tokenize(self, call: Call, text: Annotated[str, Field(description="text to tokenize")],
+    def tokenize(self, call: Call, text: Annotated[ChatPrompt, Field(description=f"text to tokenize, {CONVERSATION}")],
                  chat: Chat = False) -> s.Tokenization:
-        """Token ids and token strings of a text (as a prompt: with BOS when the model adds one)."""
+        """Token ids and token strings of a prompt (with BOS when the model adds one; a conversation as rendered)."""
         model = self.model(call)
         ids = self._ids(model, text, chat)
         return s.Tokenization(ids=ids, tokens=model.token_texts(ids))
@@ -657,8 +675,10 @@ class Workbench:
                             stopped=bool(ids) and ids[-1] in model.tokenizer.stop_ids)
 
     @tool
-    def patching_sweep(self, call: Call, clean: Annotated[str, Field(description="clean prompt")],
-                       corrupt: Annotated[str, Field(description="corrupt prompt, same number of tokens")],
+    def patching_sweep(self, call: Call, clean: Annotated[ChatPrompt, Field(description=f"clean prompt: a text "
+                                                                                     f"{CONVERSATION}")],
+                       corrupt: Annotated[ChatPrompt, Field(description="corrupt prompt, same number of tokens (a text "
+                                                                        "or a conversation)")],
                        over: Annotated[list[str], Field(description="['layers', 'positions'], ['layers', 'heads'] or "
                                                                     "['layers', 'positions', 'heads']")
                                        ] = ["layers", "positions"],
@@ -807,8 +827,10 @@ class Workbench:
         return s.KVInfo(**self._kv_info(call, cache_id))
 
     @tool
-    def kv_generate(self, call: Call, cache_id: CacheId, prompt: Prompt, max_new_tokens: MaxNew = 16,
-                    interventions: Specs = [], temperature: Temperature = 0.0, seed: Seed = 0) -> s.KVGeneration:
+    def kv_generate(self, call: Call, cache_id: CacheId,
+                    prompt: Annotated[str, Field(description="text fed after the cache's slots")],
+                    max_new_tokens: MaxNew = 16, interventions: Specs = [], temperature: Temperature = 0.0,
+                    seed: Seed = 0) -> s.KVGeneration:
         """Continue a cache: feed the prompt after its slots, then generate; the cache grows in place
         (it ends holding the prompt and every generated token; kv_clone first to keep the original)."""
         model = self.model(call)
