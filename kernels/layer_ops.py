@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from contextvars import ContextVar
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -52,14 +53,14 @@ def _native(x: torch.Tensor, factor: torch.Tensor) -> bool:
     dtype): float32 CPU tensors, eager, and the extension built. Attribute reads only: this runs per op call."""
     return (
         x.is_cpu and factor.is_cpu and x.dtype == torch.float32 and factor.dtype == torch.float32
-        and not compiling() and not _FORCE_TORCH["on"] and cpu.extension() is not None
+        and not compiling() and not _FORCE_TORCH["on"] and not tracks_grad(x, factor) and cpu.extension() is not None
     )
 
 
 def _on_triton(x: torch.Tensor, factor: torch.Tensor) -> bool:
     """Whether the Triton kernel takes ``x`` and its factors: CUDA tensors, eager, Triton installed."""
     return (x.is_cuda and factor.is_cuda and _triton.AVAILABLE and not compiling()
-            and not _FORCE_TORCH["on"])
+            and not _FORCE_TORCH["on"] and not tracks_grad(x, factor))
 
 
 def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
@@ -84,7 +85,7 @@ def llamacpp_glue(x: torch.Tensor) -> bool:
     numerics are asked right after ``compiling()`` (torch.compile cannot trace the ``ContextVar`` read): in exact
     numerics they answer, and this runs at every op of the glue."""
     return (not compiling() and get_numerics() == "llamacpp" and x.is_cpu and x.dtype == torch.float32
-            and not _EXACT_GLUE["on"])
+            and not _EXACT_GLUE["on"] and not tracks_grad(x))
 
 
 # Set by ``exact_glue()``: llama.cpp numerics keep the exact numerics' glue (their matmuls stay llama.cpp's).
@@ -104,12 +105,16 @@ def exact_glue() -> Iterator[None]:
 
 
 _SAVED = object()  # marks the arguments _KernelForward keeps as saved tensors
+# Set while _KernelForward's backward recomputes an op, in that thread alone: the op then runs as autograd can follow
+# it (its torch formula, since the kernels refuse tensors autograd tracks) instead of going through _KernelForward.
+_DIFFERENTIATING: ContextVar[bool] = ContextVar("workbench_differentiating", default=False)
 
 
 class _KernelForward(torch.autograd.Function):
     """``op(*args)`` as a forward without gradients computes it (the C++, Triton or llama.cpp-numerics kernel, its
-    bits), differentiated as its torch formula: the backward recomputes the op under ``torch_formulas()`` and
-    ``exact_glue()`` and takes that graph's gradients. So a gradient run's forward is the production forward."""
+    bits), differentiated as its torch formula: the backward recomputes the op on inputs autograd tracks, where no
+    kernel without a backward runs (``_native``, ``_on_triton``, ``llamacpp_glue``), and takes that graph's gradients.
+    So a gradient run's forward is the production forward."""
 
     @staticmethod
     def forward(ctx, op: Callable, *args: Any) -> Any:
@@ -121,8 +126,12 @@ class _KernelForward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         saved, wants = iter(ctx.saved_tensors), ctx.needs_input_grad[1:]
         args = [next(saved).detach().requires_grad_(want) if a is _SAVED else a for a, want in zip(ctx.args, wants)]
-        with torch.enable_grad(), torch_formulas(), exact_glue():
-            outs = ctx.op(*args)
+        token = _DIFFERENTIATING.set(True)
+        try:
+            with torch.enable_grad():
+                outs = ctx.op(*args)
+        finally:
+            _DIFFERENTIATING.reset(token)
         outs = outs if isinstance(outs, tuple) else (outs,)
         pairs = [(out, grad) for out, grad in zip(outs, grads) if grad is not None and out.requires_grad]
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -132,9 +141,8 @@ class _KernelForward(torch.autograd.Function):
 
 
 def _kernel_grad_run(*tensors: torch.Tensor) -> bool:
-    """Whether an op on ``tensors`` runs through ``_KernelForward``: autograd tracks them, and the op is not already
-    running its torch formulas (as in that backward)."""
-    return tracks_grad(*tensors) and not _FORCE_TORCH["on"]
+    """Whether an op on ``tensors`` runs through ``_KernelForward``: autograd tracks them, outside its backward."""
+    return tracks_grad(*tensors) and not _DIFFERENTIATING.get()
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -293,7 +301,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
 
     In llama.cpp numerics (eager), llama.cpp's CPU flash attention instead (``llamacpp_ops``): F16 keys and
     values, and its own order and precision of every sum."""
-    if llamacpp_glue(q) and _kernel_grad_run(q, keys, values):
+    if _kernel_grad_run(q, keys, values):
         return _KernelForward.apply(attention, q, keys, values, divisor, blocked, budget)
     if llamacpp_glue(q):
         return llamacpp_ops.attention(q, keys, values, divisor, blocked)

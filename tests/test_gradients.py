@@ -10,7 +10,7 @@ import torch
 
 import workbench
 from workbench.errors import HookError, WorkbenchError
-from workbench.kernels import QuantTensor, linear
+from workbench.kernels import QuantTensor, linear, numerics
 from workbench.synthetic import random_checkpoint, random_config, random_hf_checkpoint, write_gguf
 
 from test_loading import write_hf_tokenizer
@@ -169,16 +169,21 @@ def test_linear_input_gradient_multiplies_the_dequantized_weight(fmt):
     assert (x.grad.double() - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
 
 
-def test_a_gradient_runs_forward_is_the_production_forward(model):
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_a_gradient_runs_forward_is_the_production_forward(model, mode):
+    """The C++ glue (llama.cpp's own in its numerics) computes a gradient run's forward as it computes a run's."""
     prompt = "The Eiffel Tower is in the city of"
-    logits = model.forward(prompt)
-    a, b = logits[-1].topk(2).indices.tolist()
-    got = model.run_with_gradients(prompt, lambda x: x[-1, a] - x[-1, b], ["blocks.*.hook_resid_post"])
+    with numerics(mode):
+        logits = model.forward(prompt)
+        a, b = logits[-1].topk(2).indices.tolist()
+        got = model.run_with_gradients(prompt, lambda x: x[-1, a] - x[-1, b],
+                                       ["blocks.*.hook_resid_post", "blocks.*.ln2.hook_scale"])
+        trace = model.run(prompt, record=["blocks.*.hook_resid_post", "blocks.*.ln2.hook_scale"])
     assert torch.equal(got.logits, logits)
     assert got.metric == float(logits[-1, a] - logits[-1, b])
-    trace = model.run(prompt, record=["blocks.*.hook_resid_post"])
     for name, value in trace.activations.items():
         assert torch.equal(got.activations[name], value), name
+    assert all(g.abs().max() > 0 for g in got.gradients.values())
 
 
 def test_gradients_follow_the_calls_interventions(model):
