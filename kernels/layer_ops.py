@@ -174,7 +174,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     its normalized output, as ``x + delta`` then ``rms_norm`` give them bit for bit; one call on CUDA and the CPU."""
     if _kernel_grad_run(x, delta, weight):
         return _KernelForward.apply(add_rms_norm, x, delta, weight, eps)
-    if x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype and not llamacpp_glue(x):
+    if (x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype and not llamacpp_glue(x)
+            and not tracks_grad(delta)):
         if _native(x, weight) and delta.is_cpu:
             return cpu.extension().add_rms_norm(x.contiguous(), delta.contiguous(), weight.contiguous(), eps)
         if _on_triton(x, weight) and weight.dtype == x.dtype and delta.is_cuda:

@@ -285,8 +285,7 @@ def test_patching_page_estimates_cells_by_attribution(model):
 
     expected = hooks.attribution_patching(model, clean, corrupt, probability_of_clean_answer,
                                           layers=[3, 8], normalize=True)
-    assert torch.tensor(values(chart(at, "pt_figure")["data"][0]["z"])).numpy() == pytest.approx(
-        expected.grid.numpy(), abs=1e-5)
+    assert values(chart(at, "pt_figure")["data"][0]["z"]).numpy() == pytest.approx(expected.grid.numpy(), abs=1e-5)
     assert any(c.value.startswith("attribution patching · ") for c in at.caption)
 
 

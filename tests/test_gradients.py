@@ -3,6 +3,8 @@ bridge at every point of every family, against transformers on a quantized GGUF 
 the weights the kernels multiply), and the forward of a gradient run bit-identical to the production forward."""
 from __future__ import annotations
 
+import warnings
+
 import gguf
 import numpy as np
 import pytest
@@ -43,7 +45,7 @@ def bridge_gradients(bridge, names: list[str], metric) -> tuple[float, dict[str,
         logits = bridge.run_with_hooks(torch.tensor([IDS]), fwd_hooks=[(name, tap(name)) for name in names])[0]
         value = metric(logits)
         found = torch.autograd.grad(value, [zeros[n] for n in names], allow_unused=True)
-    return float(value), {n: torch.zeros_like(zeros[n]) if g is None else g for n, g in zip(names, found)}
+    return value.item(), {n: torch.zeros_like(zeros[n]) if g is None else g for n, g in zip(names, found)}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2"])
@@ -125,7 +127,7 @@ def layer_input_gradients(reference, metric) -> tuple[float, list[torch.Tensor]]
     handles = [layer.register_forward_pre_hook(tap, with_kwargs=True) for layer in reference.model.layers]
     try:
         value = metric(reference(torch.tensor([IDS])).logits[0])
-        return float(value), [grad[0] for grad in torch.autograd.grad(value, zeros)]
+        return value.item(), [grad[0] for grad in torch.autograd.grad(value, zeros)]
     finally:
         for handle in handles:
             handle.remove()
@@ -263,3 +265,17 @@ def test_attribution_normalizes_and_refuses_as_patching_does(model):
         workbench.hooks.attribution_patching(model, CLEAN, "Paris")
     with pytest.raises(HookError, match="a Python number has no gradient"):
         workbench.hooks.attribution_patching(model, CLEAN, CORRUPT, metric=lambda logits: float(logits[-1, 0]))
+
+
+@pytest.mark.parametrize("point, stream", [("hook_attn_out", "hook_resid_mid"), ("hook_mlp_out", "hook_resid_post")])
+def test_a_block_outputs_gradient_is_the_stream_it_is_added_to(model, point, stream):
+    """attn_out is added to the stream as resid_mid, mlp_out as resid_post: each alone takes its sum's gradient (the
+    residual sum and its norm, one C++ call without gradients, must pass it on, with no autograd fallback warning)."""
+    ids = model.to_ids("The Eiffel Tower is in the city of")
+    metric = next_token_log_likelihood(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alone = model.run_with_gradients(ids, metric, [f"blocks.5.{point}"]).gradients[f"blocks.5.{point}"]
+        summed = model.run_with_gradients(ids, metric, [f"blocks.5.{stream}"]).gradients[f"blocks.5.{stream}"]
+    assert alone.abs().max() > 0.01
+    assert (alone - summed).abs().max() <= 1e-5 * summed.abs().max()
