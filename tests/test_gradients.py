@@ -18,6 +18,9 @@ from workbench.synthetic import random_checkpoint, random_config, random_hf_chec
 from test_loading import write_hf_tokenizer
 from test_transformerlens_hooks import IDS, NOT_IN_BRIDGE, NOT_IN_BRIDGE_OF, as_ours, pair  # noqa: F401 (fixture)
 
+# an op without a backward that autograd passes through drops its inputs' gradients: torch only warns
+pytestmark = pytest.mark.filterwarnings("error:.*an autograd kernel was not registered:UserWarning")
+
 
 def next_token_log_likelihood(ids):
     """Every position's log-probability of the next prompt token: a metric that reads all positions."""
