@@ -282,3 +282,21 @@ def test_a_block_outputs_gradient_is_the_stream_it_is_added_to(model, point, str
         summed = model.run_with_gradients(ids, metric, [f"blocks.5.{stream}"]).gradients[f"blocks.5.{stream}"]
     assert alone.abs().max() > 0.01
     assert (alone - summed).abs().max() <= 1e-5 * summed.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_a_point_alone_takes_the_gradient_it_takes_beside_the_embeddings(tiny_model, mode):
+    """A point whose tensor alone is tracked (the first norm's output, the keys, the values, the MLP's up projection)
+    must not pass through a C++ call without a backward (the blocks in one call, llama.cpp's flash attention and
+    SwiGLU), which would drop its gradient: alone it takes the gradient it takes when the embeddings' is asked too,
+    where every op after them is tracked."""
+    model = tiny_model(device="cpu")
+    metric = next_token_log_likelihood(IDS)
+    points = ["blocks.1.ln1.hook_scale", "blocks.1.ln1.hook_normalized", "blocks.1.attn.hook_k",
+              "blocks.1.attn.hook_v", "blocks.1.attn.hook_rot_k", "blocks.1.mlp.hook_pre_linear"]
+    with numerics(mode):
+        for name in points:
+            alone = model.run_with_gradients(IDS, metric, [name]).gradients[name]
+            beside = model.run_with_gradients(IDS, metric, [name, "hook_embed"]).gradients[name]
+            assert beside.abs().max() > 0.01, name
+            assert (alone - beside).abs().max() <= 1e-5 * beside.abs().max(), name

@@ -752,7 +752,7 @@ class Transformer:
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
         # whether layer_ops.blocks_exact declines this forward's inputs (it does for every block or none)
-        i, whole_declined = first, not layer_ops.blocks_exact_may_run(x, rotation[0])
+        i, whole_declined = first, not layer_ops.blocks_exact_may_run(x, normalized, rotation[0])
         while i < stop:
             layer, names = w.layers[i], self._names[i]
             run = 0 if whole_declined else self._whole_run(i, stop, point, layout, segments, cache)
