@@ -300,3 +300,38 @@ def test_a_point_alone_takes_the_gradient_it_takes_beside_the_embeddings(tiny_mo
             beside = model.run_with_gradients(IDS, metric, [name, "hook_embed"]).gradients[name]
             assert beside.abs().max() > 0.01, name
             assert (alone - beside).abs().max() <= 1e-5 * beside.abs().max(), name
+
+
+def directional_derivative(model, ids, metric, name, direction, eps=1e-3, **call) -> float:
+    """The metric's central difference along ``direction`` added at ``name`` (``call``: the run's interventions and
+    saes, kept in the pushed forwards)."""
+    def pushed(step: float) -> float:
+        push = [(name, lambda x, ctx: x + step * direction)]
+        logits = model.forward(ids, interventions=[*call.get("interventions", ()), *push], saes=call.get("saes", ()))
+        return float(metric(logits))
+
+    return (pushed(eps) - pushed(-eps)) / (2 * eps)
+
+
+@pytest.mark.parametrize("case", ["sae", "feature steer", "transcoder"])
+def test_gradients_through_an_attached_sae_are_the_forwards_derivative(tiny_model, case):
+    """With its error term an SAE passes its input on plus its features' edits: the gradient before it is that of the
+    forward (a central difference along it), not the reconstruction's Jacobian added to it, whichever of its points
+    are asked too."""
+    from workbench.probes.sae import FeatureSteer
+    from workbench.probes.sae_train import init_sae
+
+    model = tiny_model(device="cpu")
+    d = model.config.d_model
+    sae = init_sae("topk", d, 4 * d, "blocks.0.hook_resid_post", k=8, seed=1)
+    call = {"sae": {"saes": [sae]}, "feature steer": {"interventions": [FeatureSteer(sae, 3, 5.0)]},
+            "transcoder": {"saes": [init_sae("skip_transcoder", d, 3 * d, "blocks.1.ln2.hook_normalized",
+                                             hook_out="blocks.1.hook_mlp_out", seed=2)]}}[case]
+    sae_point = ("blocks.1.ln2.hook_normalized" if case == "transcoder" else sae.hook) + ".hook_sae_acts_post"
+    metric = next_token_log_likelihood(IDS)
+    names = ["blocks.0.hook_resid_pre", "blocks.0.hook_resid_post"]
+    got = model.run_with_gradients(IDS, metric, [*names, sae_point], **call)
+    for name in names:
+        grad = got.gradients[name]
+        expected = directional_derivative(model, IDS, metric, name, grad / grad.norm(), **call)
+        assert grad.norm().item() == pytest.approx(expected, rel=0.01), name
