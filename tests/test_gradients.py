@@ -303,11 +303,12 @@ def test_a_point_alone_takes_the_gradient_it_takes_beside_the_embeddings(tiny_mo
 
 
 def directional_derivative(model, ids, metric, name, direction, eps=1e-3, **call) -> float:
-    """The metric's central difference along ``direction`` added at ``name`` (``call``: the run's interventions and
-    saes, kept in the pushed forwards)."""
+    """The metric's central difference along ``direction`` added at ``name`` (``call``: the run's interventions,
+    saes and adapter, kept in the pushed forwards)."""
     def pushed(step: float) -> float:
         push = [(name, lambda x, ctx: x + step * direction)]
-        logits = model.forward(ids, interventions=[*call.get("interventions", ()), *push], saes=call.get("saes", ()))
+        logits = model.forward(ids, interventions=[*call.get("interventions", ()), *push], saes=call.get("saes", ()),
+                               adapter=call.get("adapter"))
         return float(metric(logits))
 
     return (pushed(eps) - pushed(-eps)) / (2 * eps)
@@ -335,3 +336,30 @@ def test_gradients_through_an_attached_sae_are_the_forwards_derivative(tiny_mode
         grad = got.gradients[name]
         expected = directional_derivative(model, IDS, metric, name, grad / grad.norm(), **call)
         assert grad.norm().item() == pytest.approx(expected, rel=0.01), name
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_model, tmp_path_factory):
+    """A tiny llama with a PEFT adapter of q, v and down loaded as "a"."""
+    from test_adapters import write_peft
+
+    model = tiny_model(device="cpu", cached=False)
+    model.load_adapter(write_peft(tmp_path_factory.mktemp("peft"), model.config,
+                                  modules=["q_proj", "v_proj", "down_proj"]), name="a")
+    return model
+
+
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_a_gradient_run_with_an_adapter_keeps_the_forwards_bits(adapted, mode):
+    """The adapter's terms (one fused call for a short prompt) add in a gradient run as in the production forward, and
+    the gradient through them is the forward's derivative."""
+    metric = next_token_log_likelihood(IDS)
+    names = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_q_lora"]
+    with numerics(mode):
+        got = adapted.run_with_gradients(IDS, metric, names[:1], adapter="a")
+        assert torch.equal(got.logits, adapted.forward(IDS, adapter="a"))
+    grads = adapted.run_with_gradients(IDS, metric, names, adapter="a").gradients
+    for name in names:
+        expected = directional_derivative(adapted, IDS, metric, name, grads[name] / grads[name].norm(), adapter="a")
+        assert grads[name].norm().item() == pytest.approx(expected, rel=0.01), name
+
