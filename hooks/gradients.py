@@ -52,6 +52,13 @@ class GradientTaps:
 
         return {name: [tap] for name in self.names}
 
+    def check_fired(self) -> None:
+        """Refuse points the forward did not run (they have no activation to take a gradient at)."""
+        unfired = [name for name in self.names if name not in self.zeros]
+        if unfired:
+            raise HookError(f"{shorten(unfired)} did not run in this forward (a LoRA term's point runs only where the "
+                            f"call's adapter adapts its projection)")
+
     def gradients(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """d value / d activation at each point; zeros where the value does not depend on it."""
         found = torch.autograd.grad(value, [self.zeros[n] for n in self.names], allow_unused=True)

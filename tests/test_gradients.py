@@ -363,3 +363,10 @@ def test_a_gradient_run_with_an_adapter_keeps_the_forwards_bits(adapted, mode):
         expected = directional_derivative(adapted, IDS, metric, name, grads[name] / grads[name].norm(), adapter="a")
         assert grads[name].norm().item() == pytest.approx(expected, rel=0.01), name
 
+
+def test_points_that_do_not_run_are_named(adapted):
+    metric = next_token_log_likelihood(IDS)
+    with pytest.raises(HookError, match=r"blocks.0.attn.hook_k_lora'\] did not run in this forward"):
+        adapted.run_with_gradients(IDS, metric, ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_k_lora"], adapter="a")
+    with pytest.raises(HookError, match="did not run in this forward"):
+        adapted.run_with_gradients(IDS, metric, ["blocks.0.attn.hook_q_lora"])

@@ -458,6 +458,7 @@ class Model:
             hooks, _, _ = self._call_hooks(interventions, None, len(ids), len(ids), saes, use_error_term, taps.hooks())
             with torch.enable_grad():
                 logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora).cpu()
+                taps.check_fired()
                 value = hooks_lib.metric_value(metric(logits))
                 gradients = taps.gradients(value)
         return hooks_lib.Gradients(
