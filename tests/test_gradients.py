@@ -370,3 +370,17 @@ def test_points_that_do_not_run_are_named(adapted):
         adapted.run_with_gradients(IDS, metric, ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_k_lora"], adapter="a")
     with pytest.raises(HookError, match="did not run in this forward"):
         adapted.run_with_gradients(IDS, metric, ["blocks.0.attn.hook_q_lora"])
+
+
+def test_a_glob_passes_over_the_chosen_experts_a_name_of_them_is_refused(tiny_model):
+    model = tiny_model("qwen3moe", device="cpu")
+    metric = next_token_log_likelihood(IDS)
+    got = model.run_with_gradients(IDS, metric, ["*"])
+    assert list(got.gradients) == [n for n in model.hook_points() if not n.endswith("hook_expert_indices")]
+    assert got.gradients["blocks.0.mlp.hook_router_logits"].abs().max() > 0
+    with pytest.raises(HookError, match="integer expert ids"):
+        model.run_with_gradients(IDS, metric, ["blocks.0.mlp.hook_expert_indices"])
+    with pytest.raises(HookError, match="no hook point with a gradient"):
+        model.run_with_gradients(IDS, metric, ["blocks.*.mlp.hook_expert_indices"])
+    with pytest.raises(HookError, match=r"^points must be a list .*; pass \[it\]$"):
+        model.run_with_gradients(IDS, metric, "blocks.0.hook_resid_pre")

@@ -449,10 +449,7 @@ class Model:
         ids = self.to_ids(prompt, chat=chat)
         if not callable(metric):
             raise WorkbenchError("metric must be a function of the logits [positions, vocab]")
-        pattern_points = hooks_lib.Recorder.for_patterns(points, self.config)
-        if pattern_points is None:
-            raise WorkbenchError(f"points {shorten(points)} name no hook point")
-        taps = hooks_lib.GradientTaps(pattern_points.names)
+        taps = hooks_lib.GradientTaps.for_patterns(points, self.config)
         lora = self.lora_terms(adapter)
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, len(ids), len(ids), saes, use_error_term, taps.hooks())
