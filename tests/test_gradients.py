@@ -384,3 +384,21 @@ def test_a_glob_passes_over_the_chosen_experts_a_name_of_them_is_refused(tiny_mo
         model.run_with_gradients(IDS, metric, ["blocks.*.mlp.hook_expert_indices"])
     with pytest.raises(HookError, match=r"^points must be a list .*; pass \[it\]$"):
         model.run_with_gradients(IDS, metric, "blocks.0.hook_resid_pre")
+
+
+def test_a_hook_that_edits_in_place_works_in_a_gradient_run(tiny_model):
+    """An in-place edit of the pattern (softmax's output, which autograd keeps for the backward) edits the run as in
+    the forward, and the gradient before it is the edited forward's derivative."""
+    model = tiny_model(device="cpu")
+    metric = next_token_log_likelihood(IDS)
+
+    def halve_first_key(x, ctx):
+        x[..., 0] *= 0.5
+
+    edit = [("blocks.1.attn.hook_pattern", halve_first_key)]
+    name = "blocks.0.hook_resid_post"
+    got = model.run_with_gradients(IDS, metric, [name], interventions=edit)
+    assert torch.equal(got.logits, model.forward(IDS, interventions=edit))
+    grad = got.gradients[name]
+    expected = directional_derivative(model, IDS, metric, name, grad / grad.norm(), interventions=edit)
+    assert grad.norm().item() == pytest.approx(expected, rel=0.01)
