@@ -402,3 +402,15 @@ def test_a_hook_that_edits_in_place_works_in_a_gradient_run(tiny_model):
     grad = got.gradients[name]
     expected = directional_derivative(model, IDS, metric, name, grad / grad.norm(), interventions=edit)
     assert grad.norm().item() == pytest.approx(expected, rel=0.01)
+
+
+def test_a_metric_that_edits_the_logits_in_place_leaves_the_returned_ones(tiny_model):
+    model = tiny_model(device="cpu")
+
+    def metric(logits):
+        logits[:, 5] = 0.0
+        return logits[-1].log_softmax(-1)[3]
+
+    got = model.run_with_gradients(IDS, metric, ["blocks.1.hook_resid_pre"])
+    assert torch.equal(got.logits, model.forward(IDS))
+    assert got.metric == pytest.approx(float(metric(model.forward(IDS))))

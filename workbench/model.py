@@ -456,7 +456,8 @@ class Model:
             with torch.enable_grad():
                 logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora).cpu()
                 taps.check_fired()
-                value = hooks_lib.metric_value(metric(logits))
+                # the metric reads a copy: an in-place edit of it must not change the logits returned
+                value = hooks_lib.metric_value(metric(logits.clone()))
                 gradients = taps.gradients(value)
         return hooks_lib.Gradients(
             ids=ids, tokens=self.token_texts(ids), logits=logits.detach(), metric=float(value.detach()),
