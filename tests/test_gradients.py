@@ -414,3 +414,14 @@ def test_a_metric_that_edits_the_logits_in_place_leaves_the_returned_ones(tiny_m
     got = model.run_with_gradients(IDS, metric, ["blocks.1.hook_resid_pre"])
     assert torch.equal(got.logits, model.forward(IDS))
     assert got.metric == pytest.approx(float(metric(model.forward(IDS))))
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_gradient_run_inside_a_callers_no_gradient_block(tiny_model, mode):
+    model = tiny_model(device="cpu")
+    metric = next_token_log_likelihood(IDS)
+    name = "blocks.1.hook_resid_pre"
+    expected = model.run_with_gradients(IDS, metric, [name]).gradients[name]
+    with mode():
+        got = model.run_with_gradients(IDS, metric, [name]).gradients[name]
+    assert torch.equal(got, expected)

@@ -453,7 +453,7 @@ class Model:
         lora = self.lora_terms(adapter)
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, len(ids), len(ids), saes, use_error_term, taps.hooks())
-            with torch.enable_grad():
+            with torch.inference_mode(False), torch.enable_grad():  # a caller's inference mode would record no graph
                 logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora).cpu()
                 taps.check_fired()
                 # the metric reads a copy: an in-place edit of it must not change the logits returned
