@@ -425,3 +425,28 @@ def test_a_gradient_run_inside_a_callers_no_gradient_block(tiny_model, mode):
     with mode():
         got = model.run_with_gradients(IDS, metric, [name]).gradients[name]
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("point", ["attn.hook_pattern", "attn.hook_attn_scores"])
+def test_attribution_over_positions_of_scores_and_patterns_reads_the_query_axis(model, point):
+    """Scores and patterns are [heads, T, S]: a position's cell is its query row (every head), as patching it is,
+    and the masked scores (-inf in both runs) add nothing, not NaN. Each cell is the first-order term of a patch a
+    hundredth of the way from the corrupt row to the clean one."""
+    hook = "blocks.{layer}." + point
+    result = workbench.hooks.attribution_patching(model, CLEAN, CORRUPT, hook=hook, layers=[10])
+    assert result.grid.isfinite().all()
+    clean, corrupt = model.to_ids(CLEAN), model.to_ids(CORRUPT)
+    answers = (int(model.forward(clean)[-1].argmax()), int(model.forward(corrupt)[-1].argmax()))
+    name = hook.format(layer=10)
+    donor, base = model.run(clean, record=[name]).activations[name], model.run(corrupt, record=[name]).activations[name]
+    for position in (3, 5, 8):
+        def nudge(x, ctx):
+            x = x.clone()
+            x[:, position] = torch.where(donor[:, position] == base[:, position], base[:, position],
+                                         base[:, position] + 0.01 * (donor[:, position] - base[:, position]))
+            return x
+
+        logits = model.forward(corrupt, interventions=[(name, nudge)])
+        moved = float(logits[-1, answers[0]] - logits[-1, answers[1]]) - result.corrupt_metric
+        expected = 0.01 * (result.grid[0, position].item() - result.corrupt_metric)
+        assert moved == pytest.approx(expected, rel=0.05, abs=2e-4), position
