@@ -8,14 +8,15 @@ matmuls' input gradients multiply the weights their kernel multiplies (``kernels
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
+from workbench.config import ModelConfig
 from workbench.errors import HookError, shorten
 from workbench.runner import HookContext, HookFn
 
-from .points import ID_POINTS
+from .points import ID_POINTS, resolve
 
 Metric = Callable[[torch.Tensor], torch.Tensor]  # logits [positions, vocab] -> a 0-d tensor computed from them
 
@@ -44,6 +45,21 @@ class GradientTaps:
         self.activations: dict[str, torch.Tensor] = {}
         self.zeros: dict[str, torch.Tensor] = {}
 
+    @classmethod
+    def for_patterns(cls, patterns: Sequence[str], config: ModelConfig) -> "GradientTaps":
+        """The taps of every point the names or globs match, each once: a glob passes over the integer points (``*``
+        on a mixture of experts), a name of one is refused."""
+        if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Iterable):
+            raise HookError(f"points must be a list of hook point names or globs, got {shorten(patterns)}"
+                            + ("; pass [it]" if isinstance(patterns, str) else ""))
+        names: list[str] = []
+        for pattern in patterns:
+            matched = resolve(pattern, config)
+            names += matched if matched == [pattern] else [n for n in matched if not n.endswith(ID_POINTS)]
+        if not names:
+            raise HookError(f"points {shorten(patterns)} name no hook point with a gradient")
+        return cls(list(dict.fromkeys(names)))
+
     def hooks(self) -> dict[str, list[HookFn]]:
         def tap(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
             zero = torch.zeros_like(x, requires_grad=True)
@@ -51,6 +67,13 @@ class GradientTaps:
             return x + zero
 
         return {name: [tap] for name in self.names}
+
+    def check_fired(self) -> None:
+        """Refuse points the forward did not run (they have no activation to take a gradient at)."""
+        unfired = [name for name in self.names if name not in self.zeros]
+        if unfired:
+            raise HookError(f"{shorten(unfired)} did not run in this forward (a LoRA term's point runs only where the "
+                            f"call's adapter adapts its projection)")
 
     def gradients(self, value: torch.Tensor) -> dict[str, torch.Tensor]:
         """d value / d activation at each point; zeros where the value does not depend on it."""

@@ -230,16 +230,23 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
     if normalize and clean_metric == corrupt_metric:
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
     grid = torch.empty(len(sweep.cells()))
-    effects = {name: (clean_trace.activations[name] - corrupt.activations[name]) * corrupt.gradients[name]
-               for name in sweep.names}
+    effects = {name: _first_order_effect(clean_trace.activations[name], corrupt.activations[name],
+                                         corrupt.gradients[name]) for name in sweep.names}
     for n, (_, name, pos, head) in enumerate(sweep.cells()):
-        effect = effects[name]
-        if head is not None:
-            effect = effect.select(axes(name).head, head)
-        grid[n] = corrupt_metric + float(effect.sum() if pos is None else effect[pos].sum())
+        region = [slice(None)] * effects[name].dim()
+        for axis, index in ((axes(name).token, pos), (axes(name).head, head)):
+            if index is not None:
+                region[axis] = index
+        grid[n] = corrupt_metric + float(effects[name][tuple(region)].sum())
     return sweep.result(model, grid, clean_metric, corrupt_metric,
                         _metric_name(model, metric, answer_pair[0] if answer_pair else None), normalize,
                         "attribution patching")
+
+
+def _first_order_effect(clean: torch.Tensor, corrupt: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+    """``(clean - corrupt) * gradient`` per value, 0 where the two runs agree (the masked scores, -inf in both, whose
+    difference would be NaN)."""
+    return torch.where(clean == corrupt, 0.0, (clean - corrupt) * gradient)
 
 
 Cell = tuple[int, str, "int | None", "int | None"]  # (layer, hook point, position or None for all, head or None)

@@ -21,6 +21,7 @@ import torch
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError
+from workbench.kernels.tracing import tracks_grad
 from workbench.runner import HookContext, HookFn, hook_point_names, run_hooks
 
 from .points import SAE_POINTS, axes, feature_size, split_sae_point
@@ -114,7 +115,9 @@ def _sae_hook(sae: Any, hooks: Mapping[str, Sequence[HookFn]], use_error_term: b
         _, out = sae.forward(source, fire)
         if not use_error_term:
             return fire("hook_sae_output", out)
-        with torch.no_grad():
+        # in a gradient run the clean reconstruction is differentiated too: x + (out - clean) is x where nothing is
+        # edited, and so is its gradient (a constant clean would add the SAE's Jacobian to every gradient before it)
+        with torch.set_grad_enabled(tracks_grad(source)):
             _, clean = sae.forward(source)
         delta = out - clean
         if "hook_sae_error" in hooked:

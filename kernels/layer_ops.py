@@ -78,14 +78,16 @@ def implementations(device: torch.device, dtype: torch.dtype) -> dict[str, str]:
             "packed_attention": "triton" if on_triton else "padded ops"}
 
 
-def llamacpp_glue(x: torch.Tensor) -> bool:
-    """Whether the ops on ``x`` compute as llama.cpp's CPU does (``llamacpp_ops``): float32 on the CPU, eager, in
-    llama.cpp numerics, outside ``exact_glue()``. Compiled graphs keep the exact numerics' glue, and so do CUDA
-    tensors: ggml-cpu's loops are not what llama.cpp's CUDA backend runs, and would run there one key at a time. The
-    numerics are asked right after ``compiling()`` (torch.compile cannot trace the ``ContextVar`` read): in exact
-    numerics they answer, and this runs at every op of the glue."""
+def llamacpp_glue(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether an op on ``x`` (and ``others``, the rest of the tensors it reads) computes as llama.cpp's CPU does
+    (``llamacpp_ops``): float32 on the CPU, eager, in llama.cpp numerics, outside ``exact_glue()``, and none of them
+    tracked by autograd (the C++ kernels have no backward: a gradient at the keys alone must not pass through one).
+    Compiled graphs keep the exact numerics' glue, and so do CUDA tensors: ggml-cpu's loops are not what llama.cpp's
+    CUDA backend runs, and would run there one key at a time. The numerics are asked right after ``compiling()``
+    (torch.compile cannot trace the ``ContextVar`` read): in exact numerics they answer, and this runs at every op of
+    the glue."""
     return (not compiling() and get_numerics() == "llamacpp" and x.is_cpu and x.dtype == torch.float32
-            and not _EXACT_GLUE["on"] and not tracks_grad(x))
+            and not _EXACT_GLUE["on"] and not tracks_grad(x, *others))
 
 
 # Set by ``exact_glue()``: llama.cpp numerics keep the exact numerics' glue (their matmuls stay llama.cpp's).
@@ -194,7 +196,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rounds it: one call on CUDA and the CPU (in float32, the bits of the formula)."""
     if _kernel_grad_run(gate, up):
         return _KernelForward.apply(swiglu, gate, up)
-    if llamacpp_glue(gate):
+    if llamacpp_glue(gate, up):
         return llamacpp_ops.swiglu(gate, up)
     if (_native(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.stride(-1) == 1
             and up.stride(-1) == 1):
@@ -304,7 +306,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
     values, and its own order and precision of every sum."""
     if _kernel_grad_run(q, keys, values):
         return _KernelForward.apply(attention, q, keys, values, divisor, blocked, budget)
-    if llamacpp_glue(q):
+    if llamacpp_glue(q, keys, values):
         return llamacpp_ops.attention(q, keys, values, divisor, blocked)
     budget = SCORES_BUDGET if budget is None else budget
     *batch, tokens, heads, d = q.shape
@@ -377,7 +379,7 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
     caller picks such blocks). None where it does not run: as ``rope_attention``, and in exact numerics; none of that
     depends on the block, so a caller declined once may take every block of the forward apart."""
     tokens, slots = x.shape[0], x.shape[0] + (kv_slots[0][2] if kv_slots is not None else 0)
-    if (not blocks_exact_may_run(x, rotations[0][0])
+    if (not blocks_exact_may_run(x, normalized, rotations[0][0])
             or any(cos.shape[-1] * heads != blocks[0].weights[0].shape[0] for cos, _ in rotations)
             or heads * tokens * slots * 4 > SCORES_BUDGET):
         return None
@@ -392,11 +394,12 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
         list(blocked), cpu.PANEL_MIN_BATCH)
 
 
-def blocks_exact_may_run(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether ``blocks_exact`` may take a forward whose stream is ``x`` and rope table ``cos``: float32 CPU tensors of
-    an eager forward (the glue's own C++ calls) in exact numerics. A cheap test before the blocks' arguments are
-    gathered."""
-    return _native(x, cos) and get_numerics() == "exact" and not tracks_grad(x)
+def blocks_exact_may_run(x: torch.Tensor, normalized: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether ``blocks_exact`` may take a forward whose stream is ``x``, first norm's output ``normalized`` and rope
+    table ``cos``: float32 CPU tensors of an eager forward (the glue's own C++ calls) in exact numerics, autograd
+    tracking neither (a gradient at the first norm alone tracks ``normalized`` alone). A cheap test before the
+    blocks' arguments are gathered."""
+    return _native(x, cos) and get_numerics() == "exact" and not tracks_grad(x, normalized)
 
 
 def readable(weights: Sequence[QuantTensor]) -> bool:

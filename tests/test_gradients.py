@@ -282,3 +282,171 @@ def test_a_block_outputs_gradient_is_the_stream_it_is_added_to(model, point, str
         summed = model.run_with_gradients(ids, metric, [f"blocks.5.{stream}"]).gradients[f"blocks.5.{stream}"]
     assert alone.abs().max() > 0.01
     assert (alone - summed).abs().max() <= 1e-5 * summed.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_a_point_alone_takes_the_gradient_it_takes_beside_the_embeddings(tiny_model, mode):
+    """A point whose tensor alone is tracked (the first norm's output, the keys, the values, the MLP's up projection)
+    must not pass through a C++ call without a backward (the blocks in one call, llama.cpp's flash attention and
+    SwiGLU), which would drop its gradient: alone it takes the gradient it takes when the embeddings' is asked too,
+    where every op after them is tracked."""
+    model = tiny_model(device="cpu")
+    metric = next_token_log_likelihood(IDS)
+    points = ["blocks.1.ln1.hook_scale", "blocks.1.ln1.hook_normalized", "blocks.1.attn.hook_k",
+              "blocks.1.attn.hook_v", "blocks.1.attn.hook_rot_k", "blocks.1.mlp.hook_pre_linear"]
+    with numerics(mode):
+        for name in points:
+            alone = model.run_with_gradients(IDS, metric, [name]).gradients[name]
+            beside = model.run_with_gradients(IDS, metric, [name, "hook_embed"]).gradients[name]
+            assert beside.abs().max() > 0.01, name
+            assert (alone - beside).abs().max() <= 1e-5 * beside.abs().max(), name
+
+
+def directional_derivative(model, ids, metric, name, direction, eps=1e-3, **call) -> float:
+    """The metric's central difference along ``direction`` added at ``name`` (``call``: the run's interventions,
+    saes and adapter, kept in the pushed forwards)."""
+    def pushed(step: float) -> float:
+        push = [(name, lambda x, ctx: x + step * direction)]
+        logits = model.forward(ids, interventions=[*call.get("interventions", ()), *push], saes=call.get("saes", ()),
+                               adapter=call.get("adapter"))
+        return float(metric(logits))
+
+    return (pushed(eps) - pushed(-eps)) / (2 * eps)
+
+
+@pytest.mark.parametrize("case", ["sae", "feature steer", "transcoder"])
+def test_gradients_through_an_attached_sae_are_the_forwards_derivative(tiny_model, case):
+    """With its error term an SAE passes its input on plus its features' edits: the gradient before it is that of the
+    forward (a central difference along it), not the reconstruction's Jacobian added to it, whichever of its points
+    are asked too."""
+    from workbench.probes.sae import FeatureSteer
+    from workbench.probes.sae_train import init_sae
+
+    model = tiny_model(device="cpu")
+    d = model.config.d_model
+    sae = init_sae("topk", d, 4 * d, "blocks.0.hook_resid_post", k=8, seed=1)
+    call = {"sae": {"saes": [sae]}, "feature steer": {"interventions": [FeatureSteer(sae, 3, 5.0)]},
+            "transcoder": {"saes": [init_sae("skip_transcoder", d, 3 * d, "blocks.1.ln2.hook_normalized",
+                                             hook_out="blocks.1.hook_mlp_out", seed=2)]}}[case]
+    sae_point = ("blocks.1.ln2.hook_normalized" if case == "transcoder" else sae.hook) + ".hook_sae_acts_post"
+    metric = next_token_log_likelihood(IDS)
+    names = ["blocks.0.hook_resid_pre", "blocks.0.hook_resid_post"]
+    got = model.run_with_gradients(IDS, metric, [*names, sae_point], **call)
+    for name in names:
+        grad = got.gradients[name]
+        expected = directional_derivative(model, IDS, metric, name, grad / grad.norm(), **call)
+        assert grad.norm().item() == pytest.approx(expected, rel=0.01), name
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_model, tmp_path_factory):
+    """A tiny llama with a PEFT adapter of q, v and down loaded as "a"."""
+    from test_adapters import write_peft
+
+    model = tiny_model(device="cpu", cached=False)
+    model.load_adapter(write_peft(tmp_path_factory.mktemp("peft"), model.config,
+                                  modules=["q_proj", "v_proj", "down_proj"]), name="a")
+    return model
+
+
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_a_gradient_run_with_an_adapter_keeps_the_forwards_bits(adapted, mode):
+    """The adapter's terms (one fused call for a short prompt) add in a gradient run as in the production forward, and
+    the gradient through them is the forward's derivative."""
+    metric = next_token_log_likelihood(IDS)
+    names = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_q_lora"]
+    with numerics(mode):
+        got = adapted.run_with_gradients(IDS, metric, names[:1], adapter="a")
+        assert torch.equal(got.logits, adapted.forward(IDS, adapter="a"))
+    grads = adapted.run_with_gradients(IDS, metric, names, adapter="a").gradients
+    for name in names:
+        expected = directional_derivative(adapted, IDS, metric, name, grads[name] / grads[name].norm(), adapter="a")
+        assert grads[name].norm().item() == pytest.approx(expected, rel=0.01), name
+
+
+def test_points_that_do_not_run_are_named(adapted):
+    metric = next_token_log_likelihood(IDS)
+    with pytest.raises(HookError, match=r"blocks.0.attn.hook_k_lora'\] did not run in this forward"):
+        adapted.run_with_gradients(IDS, metric, ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_k_lora"], adapter="a")
+    with pytest.raises(HookError, match="did not run in this forward"):
+        adapted.run_with_gradients(IDS, metric, ["blocks.0.attn.hook_q_lora"])
+
+
+def test_a_glob_passes_over_the_chosen_experts_a_name_of_them_is_refused(tiny_model):
+    model = tiny_model("qwen3moe", device="cpu")
+    metric = next_token_log_likelihood(IDS)
+    got = model.run_with_gradients(IDS, metric, ["*"])
+    assert list(got.gradients) == [n for n in model.hook_points() if not n.endswith("hook_expert_indices")]
+    assert got.gradients["blocks.0.mlp.hook_router_logits"].abs().max() > 0
+    with pytest.raises(HookError, match="integer expert ids"):
+        model.run_with_gradients(IDS, metric, ["blocks.0.mlp.hook_expert_indices"])
+    with pytest.raises(HookError, match="no hook point with a gradient"):
+        model.run_with_gradients(IDS, metric, ["blocks.*.mlp.hook_expert_indices"])
+    with pytest.raises(HookError, match=r"^points must be a list .*; pass \[it\]$"):
+        model.run_with_gradients(IDS, metric, "blocks.0.hook_resid_pre")
+
+
+def test_a_hook_that_edits_in_place_works_in_a_gradient_run(tiny_model):
+    """An in-place edit of the pattern (softmax's output, which autograd keeps for the backward) edits the run as in
+    the forward, and the gradient before it is the edited forward's derivative."""
+    model = tiny_model(device="cpu")
+    metric = next_token_log_likelihood(IDS)
+
+    def halve_first_key(x, ctx):
+        x[..., 0] *= 0.5
+
+    edit = [("blocks.1.attn.hook_pattern", halve_first_key)]
+    name = "blocks.0.hook_resid_post"
+    got = model.run_with_gradients(IDS, metric, [name], interventions=edit)
+    assert torch.equal(got.logits, model.forward(IDS, interventions=edit))
+    grad = got.gradients[name]
+    expected = directional_derivative(model, IDS, metric, name, grad / grad.norm(), interventions=edit)
+    assert grad.norm().item() == pytest.approx(expected, rel=0.01)
+
+
+def test_a_metric_that_edits_the_logits_in_place_leaves_the_returned_ones(tiny_model):
+    model = tiny_model(device="cpu")
+
+    def metric(logits):
+        logits[:, 5] = 0.0
+        return logits[-1].log_softmax(-1)[3]
+
+    got = model.run_with_gradients(IDS, metric, ["blocks.1.hook_resid_pre"])
+    assert torch.equal(got.logits, model.forward(IDS))
+    assert got.metric == pytest.approx(float(metric(model.forward(IDS))))
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_gradient_run_inside_a_callers_no_gradient_block(tiny_model, mode):
+    model = tiny_model(device="cpu")
+    metric = next_token_log_likelihood(IDS)
+    name = "blocks.1.hook_resid_pre"
+    expected = model.run_with_gradients(IDS, metric, [name]).gradients[name]
+    with mode():
+        got = model.run_with_gradients(IDS, metric, [name]).gradients[name]
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("point", ["attn.hook_pattern", "attn.hook_attn_scores"])
+def test_attribution_over_positions_of_scores_and_patterns_reads_the_query_axis(model, point):
+    """Scores and patterns are [heads, T, S]: a position's cell is its query row (every head), as patching it is,
+    and the masked scores (-inf in both runs) add nothing, not NaN. Each cell is the first-order term of a patch a
+    hundredth of the way from the corrupt row to the clean one."""
+    hook = "blocks.{layer}." + point
+    result = workbench.hooks.attribution_patching(model, CLEAN, CORRUPT, hook=hook, layers=[10])
+    assert result.grid.isfinite().all()
+    clean, corrupt = model.to_ids(CLEAN), model.to_ids(CORRUPT)
+    answers = (int(model.forward(clean)[-1].argmax()), int(model.forward(corrupt)[-1].argmax()))
+    name = hook.format(layer=10)
+    donor, base = model.run(clean, record=[name]).activations[name], model.run(corrupt, record=[name]).activations[name]
+    for position in (3, 5, 8):
+        def nudge(x, ctx):
+            x = x.clone()
+            x[:, position] = torch.where(donor[:, position] == base[:, position], base[:, position],
+                                         base[:, position] + 0.01 * (donor[:, position] - base[:, position]))
+            return x
+
+        logits = model.forward(corrupt, interventions=[(name, nudge)])
+        moved = float(logits[-1, answers[0]] - logits[-1, answers[1]]) - result.corrupt_metric
+        expected = 0.01 * (result.grid[0, position].item() - result.corrupt_metric)
+        assert moved == pytest.approx(expected, rel=0.05, abs=2e-4), position

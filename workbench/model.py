@@ -449,16 +449,15 @@ class Model:
         ids = self.to_ids(prompt, chat=chat)
         if not callable(metric):
             raise WorkbenchError("metric must be a function of the logits [positions, vocab]")
-        pattern_points = hooks_lib.Recorder.for_patterns(points, self.config)
-        if pattern_points is None:
-            raise WorkbenchError(f"points {shorten(points)} name no hook point")
-        taps = hooks_lib.GradientTaps(pattern_points.names)
+        taps = hooks_lib.GradientTaps.for_patterns(points, self.config)
         lora = self.lora_terms(adapter)
         with self.numerics_scope():
             hooks, _, _ = self._call_hooks(interventions, None, len(ids), len(ids), saes, use_error_term, taps.hooks())
-            with torch.enable_grad():
+            with torch.inference_mode(False), torch.enable_grad():  # a caller's inference mode would record no graph
                 logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora).cpu()
-                value = hooks_lib.metric_value(metric(logits))
+                taps.check_fired()
+                # the metric reads a copy: an in-place edit of it must not change the logits returned
+                value = hooks_lib.metric_value(metric(logits.clone()))
                 gradients = taps.gradients(value)
         return hooks_lib.Gradients(
             ids=ids, tokens=self.token_texts(ids), logits=logits.detach(), metric=float(value.detach()),

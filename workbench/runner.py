@@ -19,6 +19,7 @@ from workbench.config import ModelConfig, YaRN
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kernels import lora as lora_ops
+from workbench.kernels.tracing import tracks_grad
 from workbench.kv_cache import (BatchKVCache, KVCache, StaticBatchKVCache, StaticKVCache, causal_mask, layer_devices,
                                 layer_shapes, to_device)
 from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
@@ -316,6 +317,8 @@ def run_hooks(fns: Sequence[HookFn], x: torch.Tensor, ctx: HookContext) -> torch
     """``x`` through hook functions in order: each may return a replacement of the same shape (cast to ``x``'s dtype)
     or None; ``x`` itself is returned when none replaces it."""
     for fn in fns:
+        if tracks_grad(x):  # autograd may have kept x for the backward (softmax's output, the pattern): edit a copy
+            x = x.clone()
         out = fn(x, ctx)
         if out is not None:
             if out.shape != x.shape:
@@ -752,7 +755,7 @@ class Transformer:
         # Each residual sum comes with the norm after it (the next block's ln1 after resid_post), so that where no
         # hook sits between them the two are one call.
         # whether layer_ops.blocks_exact declines this forward's inputs (it does for every block or none)
-        i, whole_declined = first, not layer_ops.blocks_exact_may_run(x, rotation[0])
+        i, whole_declined = first, not layer_ops.blocks_exact_may_run(x, normalized, rotation[0])
         while i < stop:
             layer, names = w.layers[i], self._names[i]
             run = 0 if whole_declined else self._whole_run(i, stop, point, layout, segments, cache)
