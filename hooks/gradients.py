@@ -2,7 +2,7 @@
 
 Each point gets a hook that adds a zero tensor autograd tracks (``x + 0``, the same values), so the gradient with
 respect to that zero is the gradient with respect to the activation as the rest of the forward reads it, after any
-intervention at the point. The forward keeps its kernels' bits (``kernels/layer_ops.py``, ``_KernelForward``); the
+intervention at the point. The forward keeps its kernels' bits (``kernels/layer_ops.py``, ``KernelForward``); the
 matmuls' input gradients multiply the weights their kernel multiplies (``kernels/linear.py``).
 """
 from __future__ import annotations

@@ -106,13 +106,13 @@ def exact_glue() -> Iterator[None]:
         _EXACT_GLUE["on"] = previous
 
 
-_SAVED = object()  # marks the arguments _KernelForward keeps as saved tensors
-# Set while _KernelForward's backward recomputes an op, in that thread alone: the op then runs as autograd can follow
-# it (its torch formula, since the kernels refuse tensors autograd tracks) instead of going through _KernelForward.
+_SAVED = object()  # marks the arguments KernelForward keeps as saved tensors
+# Set while KernelForward's backward recomputes an op, in that thread alone: the op then runs as autograd can follow
+# it (its torch formula, since the kernels refuse tensors autograd tracks) instead of going through KernelForward.
 _DIFFERENTIATING: ContextVar[bool] = ContextVar("workbench_differentiating", default=False)
 
 
-class _KernelForward(torch.autograd.Function):
+class KernelForward(torch.autograd.Function):
     """``op(*args)`` as a forward without gradients computes it (the C++, Triton or llama.cpp-numerics kernel, its
     bits), differentiated as its torch formula: the backward recomputes the op on inputs autograd tracks, where no
     kernel without a backward runs (``_native``, ``_on_triton``, ``llamacpp_glue``), and takes that graph's gradients.
@@ -142,8 +142,8 @@ class _KernelForward(torch.autograd.Function):
         return (None, *(next(found) if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))
 
 
-def _kernel_grad_run(*tensors: torch.Tensor) -> bool:
-    """Whether an op on ``tensors`` runs through ``_KernelForward``: autograd tracks them, outside its backward."""
+def kernel_grad_run(*tensors: torch.Tensor) -> bool:
+    """Whether an op on ``tensors`` runs through ``KernelForward``: autograd tracks them, outside its backward."""
     return tracks_grad(*tensors) and not _DIFFERENTIATING.get()
 
 
@@ -155,8 +155,8 @@ def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last axis of ``x`` ``[..., d]``: the scale ``1 / sqrt(mean(x^2) + eps)`` ``[..., 1]``
     (computed in float32, in ``x``'s dtype) and ``(x * scale) * weight``."""
-    if _kernel_grad_run(x, weight):
-        return _KernelForward.apply(rms_norm, x, weight, eps)
+    if kernel_grad_run(x, weight):
+        return KernelForward.apply(rms_norm, x, weight, eps)
     if llamacpp_glue(x):
         return llamacpp_ops.rms_norm(x, weight, eps)
     native = _native(x, weight)
@@ -174,8 +174,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The residual sum ``x + delta`` (both ``[T, d]``, in ``x``'s dtype) and ``rms_norm`` of it: the sum, its scale and
     its normalized output, as ``x + delta`` then ``rms_norm`` give them bit for bit; one call on CUDA and the CPU."""
-    if _kernel_grad_run(x, delta, weight):
-        return _KernelForward.apply(add_rms_norm, x, delta, weight, eps)
+    if kernel_grad_run(x, delta, weight):
+        return KernelForward.apply(add_rms_norm, x, delta, weight, eps)
     if (x.dim() == 2 and delta.shape == x.shape and delta.dtype == x.dtype and not llamacpp_glue(x)
             and not tracks_grad(delta)):
         if _native(x, weight) and delta.is_cpu:
@@ -194,8 +194,8 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate`` and ``up`` ``[T, d]``, each product rounded to their dtype as the torch formula
     rounds it: one call on CUDA and the CPU (in float32, the bits of the formula)."""
-    if _kernel_grad_run(gate, up):
-        return _KernelForward.apply(swiglu, gate, up)
+    if kernel_grad_run(gate, up):
+        return KernelForward.apply(swiglu, gate, up)
     if llamacpp_glue(gate, up):
         return llamacpp_ops.swiglu(gate, up)
     if (_native(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.stride(-1) == 1
@@ -212,8 +212,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, returned in ``x``'s dtype. ``cos`` and ``sin``
     ``[T, 1, d_head]`` hold each pair's factors at both of its values, sin signed for each value (-sin at the first):
     ``x * cos + partner(x) * sin`` is the formula in two products and a sum."""
-    if _kernel_grad_run(x):
-        return _KernelForward.apply(rope, x, cos, sin, interleaved)
+    if kernel_grad_run(x):
+        return KernelForward.apply(rope, x, cos, sin, interleaved)
     if llamacpp_glue(x):
         return llamacpp_ops.rope(x, cos, sin, interleaved)
     if _native(x, cos):
@@ -255,8 +255,8 @@ def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocke
 
     A batch of sequences adds a leading axis to each: ``q`` ``[B, T, heads, d]``, ``keys`` ``[B, kv_heads, S, d]``,
     ``blocked`` broadcastable to ``[B, 1, T, S]``, scores ``[B, heads, T, S]``; it takes the batched matmul."""
-    if _kernel_grad_run(q, keys):
-        return _KernelForward.apply(attention_scores, q, keys, divisor, blocked)
+    if kernel_grad_run(q, keys):
+        return KernelForward.apply(attention_scores, q, keys, divisor, blocked)
     if (q.dim() == 3 and _on_triton(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
             and (blocked is None or blocked.stride(-1) == 1)):
         return _triton.attention_scores(q, keys, divisor, blocked)
@@ -273,8 +273,8 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``z`` ``[T, heads, d]`` in the values' dtype: the float32 ``pattern`` ``[heads, T, S]``, rounded to the values'
     dtype, times the ``values`` ``[kv_heads, S, d]`` of each head's kv head. A batch adds a leading axis to each
     (``[B, heads, T, S]`` and ``[B, kv_heads, S, d]`` give ``[B, T, heads, d]``)."""
-    if _kernel_grad_run(pattern, values):
-        return _KernelForward.apply(attend, pattern, values)
+    if kernel_grad_run(pattern, values):
+        return KernelForward.apply(attend, pattern, values)
     if (pattern.dim() == 3 and _on_triton(pattern, values) and values.stride(-1) == 1
             and pattern.dtype == torch.float32):
         return _triton.attend(pattern, values)
@@ -304,8 +304,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
 
     In llama.cpp numerics (eager), llama.cpp's CPU flash attention instead (``llamacpp_ops``): F16 keys and
     values, and its own order and precision of every sum."""
-    if _kernel_grad_run(q, keys, values):
-        return _KernelForward.apply(attention, q, keys, values, divisor, blocked, budget)
+    if kernel_grad_run(q, keys, values):
+        return KernelForward.apply(attention, q, keys, values, divisor, blocked, budget)
     if llamacpp_glue(q, keys, values):
         return llamacpp_ops.attention(q, keys, values, divisor, blocked)
     budget = SCORES_BUDGET if budget is None else budget

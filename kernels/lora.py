@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from . import cpu
 from . import triton as _triton
 from .launch_choices import gemv_rows
-from .layer_ops import _KernelForward, _kernel_grad_run
+from .layer_ops import KernelForward, kernel_grad_run
 from .linear import _traced_numerics as traced_numerics, linear, select_kernel
 from .quant_tensor import QuantTensor
 from .tracing import compiling, tracks_grad
@@ -56,8 +56,8 @@ def torch_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor) -> torch.Te
 def add_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequence[torch.Tensor],
               ranks: Sequence[int]) -> list[torch.Tensor]:
     """``[out + term for each part]`` for the group's input ``x`` ``[T, in]`` and outputs ``outs`` ``[T, width]``."""
-    if _kernel_grad_run(x, *outs):  # a gradient run keeps the fused call's bits, differentiated as the two matmuls
-        return list(_KernelForward.apply(_add_terms_to_parts, x, a, b_t, ranks, *outs))
+    if kernel_grad_run(x, *outs):  # a gradient run keeps the fused call's bits, differentiated as the two matmuls
+        return list(KernelForward.apply(_add_terms_to_parts, x, a, b_t, ranks, *outs))
     summed = None
     if x.shape[0] <= MAX_ROWS and a.dtype == x.dtype and b_t.dtype == x.dtype and not tracks_grad(x, *outs):
         if x.is_cpu and x.dtype == torch.float32 and cpu.extension() is not None:
@@ -74,7 +74,7 @@ def add_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequenc
 
 def _add_terms_to_parts(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, ranks: Sequence[int],
                         *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``add_terms`` with each output an argument of its own, as ``_KernelForward`` tracks them."""
+    """``add_terms`` with each output an argument of its own, as ``KernelForward`` tracks them."""
     return tuple(add_terms(x, a, b_t, outs, ranks))
 
 
