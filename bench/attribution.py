@@ -58,8 +58,9 @@ def main() -> None:
         cell = [labels[i] for labels, i in zip(patched.labels.values(), torch.unravel_index(
             torch.tensor(worst), patched.grid.shape))]
         seconds = {method: statistics.median(t[1:]) for method, t in times.items()}
+        correlation = torch.corrcoef(torch.stack([a, b]))[0, 1]
         print(f"{name:10} {a.numel():>6} {seconds['patching']:>11.3f} {seconds['attribution']:>14.3f} "
-              f"{seconds['patching'] / seconds['attribution']:>8.2f}x {torch.corrcoef(torch.stack([a, b]))[0, 1]:>12.2f}"
+              f"{seconds['patching'] / seconds['attribution']:>8.2f}x {correlation:>12.2f}"
               f"  {' '.join(cell)}: {a[worst]:.2f} / {b[worst]:.2f}")
 
 

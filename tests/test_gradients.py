@@ -67,7 +67,8 @@ def test_every_hook_points_gradient_matches_transformerlens(family, pair):
             # the bridge's resid_mid feeds the second norm alone (the block's residual sum reads HF's own tensor);
             # TransformerLens' HookedTransformer, as ours, sums the hooked value: the gradient of that meaning adds
             # the one the sum passes on, resid_post's
-            theirs = theirs + as_ours(name.replace("resid_mid", "resid_post"), expected[name.replace("resid_mid", "resid_post")], family)
+            post = name.replace("resid_mid", "resid_post")
+            theirs = theirs + as_ours(post, expected[post], family)
         ours_grad = got.gradients[name]
         if ours_grad.shape != theirs.shape:  # OLMo 2's q/k norms: heads apart in ours
             theirs = theirs.reshape(ours_grad.shape)
@@ -244,7 +245,8 @@ def test_attribution_cells_are_the_first_order_terms_of_patched_runs(model, hook
         position = cell[1] if "positions" in over else None
         head = cell[-1] if "heads" in over else None
         name = name_of(layer=layer)
-        donor, base = model.run(clean, record=[name]).activations[name], model.run(corrupt, record=[name]).activations[name]
+        donor = model.run(clean, record=[name]).activations[name]
+        base = model.run(corrupt, record=[name]).activations[name]
         region = (slice(None) if position is None else position, *(() if head is None else (head,)))
 
         def nudge(x, ctx):
