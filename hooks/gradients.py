@@ -90,4 +90,6 @@ def metric_value(value: object) -> torch.Tensor:
                         f"{shorten(value)}{hint}")
     if not value.requires_grad:
         raise HookError("metric's value does not depend on the logits it was given (it has no gradient)")
+    if not torch.isfinite(value.detach()).all():  # every gradient would be NaN
+        raise HookError(f"metric's value is {value.item()}, not a finite number")
     return value.reshape(())

@@ -212,6 +212,8 @@ def test_gradients_follow_the_calls_interventions(model):
 def test_bad_gradient_requests_are_refused(model):
     with pytest.raises(HookError, match="a Python number has no gradient"):
         model.run_with_gradients("Hello", lambda logits: float(logits[-1, 0]), ["blocks.0.hook_resid_pre"])
+    with pytest.raises(HookError, match="metric's value is nan, not a finite number"):
+        model.run_with_gradients("Hello", lambda logits: logits[-1, 0] * float("nan"), ["blocks.0.hook_resid_pre"])
     with pytest.raises(HookError, match="does not depend on the logits"):
         model.run_with_gradients("Hello", lambda logits: torch.tensor(1.0), ["blocks.0.hook_resid_pre"])
     with pytest.raises(WorkbenchError, match="out of range"):
