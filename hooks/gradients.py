@@ -8,7 +8,7 @@ matmuls' input gradients multiply the weights their kernel multiplies (``kernels
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from workbench.config import ModelConfig
 from workbench.errors import HookError, shorten
 from workbench.runner import HookContext, HookFn
 
-from .points import ID_POINTS, resolve
+from .points import ID_POINTS, check_patterns, resolve
 
 Metric = Callable[[torch.Tensor], torch.Tensor]  # logits [positions, vocab] -> a 0-d tensor computed from them
 
@@ -49,9 +49,7 @@ class GradientTaps:
     def for_patterns(cls, patterns: Sequence[str], config: ModelConfig) -> "GradientTaps":
         """The taps of every point the names or globs match, each once: a glob passes over the integer points (``*``
         on a mixture of experts), a name of one is refused."""
-        if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Iterable):
-            raise HookError(f"points must be a list of hook point names or globs, got {shorten(patterns)}"
-                            + ("; pass [it]" if isinstance(patterns, str) else ""))
+        check_patterns(patterns, "points")
         names: list[str] = []
         for pattern in patterns:
             matched = resolve(pattern, config)

@@ -6,6 +6,7 @@ import fnmatch
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Iterable
 
 from workbench.config import ModelConfig
 from workbench.errors import HookError, shorten
@@ -172,6 +173,14 @@ _POINT_NAME = re.compile(r"(blocks\.\d+\.)?[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 def is_point_name(name: str) -> bool:
     """Whether ``name`` could name one hook point of some model (``resolve`` says which a model has)."""
     return isinstance(name, str) and len(name) <= MAX_NAME_LENGTH and _POINT_NAME.fullmatch(name) is not None
+
+
+def check_patterns(patterns: object, what: str) -> None:
+    """Refuse ``patterns`` unless they are a list of hook point names or globs: a name on its own would be walked
+    letter by letter. ``what`` names the argument in the error."""
+    if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Iterable):
+        raise HookError(f"{what} must be a list of hook point names or globs, got {shorten(patterns)}"
+                        + ("; pass [it]" if isinstance(patterns, str) else ""))
 
 
 def resolve(pattern: str, config: ModelConfig) -> list[str]:

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError, shorten
 from workbench.runner import HookContext, HookFn
 
-from .points import axes, resolve
+from .points import axes, check_patterns, resolve
 
 
 class Recorder:
@@ -29,10 +28,8 @@ class Recorder:
     @classmethod
     def for_patterns(cls, patterns: Sequence[str] | None, config: ModelConfig) -> "Recorder | None":
         """A recorder of every point the names or globs match (each once), or None when there are none."""
-        if isinstance(patterns, (str, bytes)) or not (patterns is None or isinstance(patterns, Iterable)):
-            # a name on its own would be walked letter by letter
-            raise HookError(f"record must be a list of hook point names or globs, got {shorten(patterns)}"
-                            + ("; pass [it]" if isinstance(patterns, str) else ""))
+        if patterns is not None:
+            check_patterns(patterns, "record")
         names = list(dict.fromkeys(name for pattern in patterns or () for name in resolve(pattern, config)))
         return cls(names) if names else None
 
