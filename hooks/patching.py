@@ -229,10 +229,11 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
     clean_metric, corrupt_metric = float(metric(clean_trace.logits)), corrupt.metric
     if normalize and clean_metric == corrupt_metric:
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
-    grid = torch.empty(len(sweep.cells()))
+    cells = sweep.cells()
+    grid = torch.empty(len(cells))
     effects = {name: _first_order_effect(clean_trace.activations[name], corrupt.activations[name],
                                          corrupt.gradients[name]) for name in sweep.names}
-    for n, (_, name, pos, head) in enumerate(sweep.cells()):
+    for n, (_, name, pos, head) in enumerate(cells):
         region = [slice(None)] * effects[name].dim()
         for axis, index in ((axes(name).token, pos), (axes(name).head, head)):
             if index is not None:

@@ -701,8 +701,9 @@ class Workbench:
         """Activation patching sweep: patch each (layer, position | head) cell of the clean run into the corrupt run
         (or estimate every cell at once from gradients: attribution patching)."""
         model = self.model(call)
-        n_tokens = len(self._ids(model, clean))
-        self._ids(model, corrupt)
+        # the sweep runs on the checked ids: a conversation is rendered once
+        clean_ids, corrupt_ids = self._ids(model, clean), self._ids(model, corrupt)
+        n_tokens = len(clean_ids)
         n_layers = model.config.n_layers if layers is None else len(layers)
         template = hook or ("blocks.{layer}.attn.hook_z" if "heads" in over else "blocks.{layer}.hook_resid_pre")
         first = template.format(layer=layers[0] if layers else 0) if "{layer}" in template else template
@@ -716,9 +717,10 @@ class Workbench:
         sweep = dict(over=over, hook=hook, layers=layers, positions=positions,
                      answers=tuple(answers) if answers else None, normalize=normalize)
         if method == "attribution":
-            result = hooks.attribution_patching(model, clean, corrupt, **sweep)
+            result = hooks.attribution_patching(model, clean_ids, corrupt_ids, **sweep)
         else:
-            result = hooks.patching_sweep(model, clean, corrupt, **sweep, progress=lambda done, total: call.check())
+            result = hooks.patching_sweep(model, clean_ids, corrupt_ids, **sweep,
+                                          progress=lambda done, total: call.check())
         return s.PatchingSweep(**result.to_dict())
 
     # ---------------------------------------------------------------------------------------- KV cache
