@@ -34,6 +34,12 @@ with options:
     method = st.radio("Method", METHODS, horizontal=True, key="pt_method",
                       help="Attribution patching estimates every cell to first order from the gradient of the corrupt "
                            "run: fast, but it misses saturated effects; check the cells that matter by patching.")
+    steps = 1
+    if method == "Attribution patching":
+        steps = st.number_input("Integrated-gradient steps", 1, 32, 1, key="pt_steps",
+                                help="1: the gradient of the corrupt run. More: the mean gradient along the way from "
+                                     "the corrupt inputs to the clean ones, closer to patching where effects "
+                                     "saturate (one forward and backward each, batched).")
     over = SWEEPS[st.radio("Sweep", list(SWEEPS), key="pt_over")]
     hook = "blocks.{layer}.attn.hook_z" if "heads" in over else \
         "blocks.{layer}." + st.selectbox("Hook point", POINTS, key="pt_point")
@@ -44,7 +50,8 @@ with options:
     n_tokens = len(ids[0]) if ids[0] else 0
     cells = len(layers) * (n_tokens if "positions" in over else 1) * (model.config.n_heads if "heads" in over else 1)
     st.caption(f"{cells} patched forwards (+2)" if method == "Activation patching" else
-               f"{cells} cells from two forwards and a backward")
+               f"{cells} cells from {steps + 1 if steps > 1 else 2} forwards and "
+               f"{'a backward' if steps == 1 else f'{steps} backwards'}")
     run = st.button("Run sweep", type="primary", disabled=None in ids, use_container_width=True)
 
 
@@ -72,7 +79,7 @@ if run:
             result = common.with_progress("Patching", lambda report: hooks.patching_sweep(
                 model, clean, corrupt, metric, **sweep, progress=report))
         else:
-            result = hooks.attribution_patching(model, clean, corrupt, metric, **sweep)
+            result = hooks.attribution_patching(model, clean, corrupt, metric, **sweep, steps=steps)
         st.session_state.pt_result = result
 
 result = st.session_state.get("pt_result")

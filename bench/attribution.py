@@ -1,9 +1,11 @@
 """Attribution patching against activation patching on the same sweeps: seconds of each (taking turns, median of
-``--repeats``) and how well the first-order estimates track the patched runs (Pearson correlation over the cells, and
-the cell where they differ most). The README's prompts by default.
+``--repeats``) and how well the estimates track the patched runs (Pearson correlation over the cells, and the cell
+where they differ most), for each ``--steps`` (1: the gradient in the corrupt run; more: integrated gradients). The
+README's prompts by default. Then the gradients of ``--prompts`` copies of the clean prompt, batched against one at a
+time.
 
     python bench/attribution.py                        # embedded model, CPU, 2 threads
-    python bench/attribution.py --device cuda --repeats 5
+    python bench/attribution.py --steps 1 5 --device cuda --repeats 5
 """
 from __future__ import annotations
 
@@ -33,36 +35,58 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clean", default="The Eiffel Tower is in the city of")
     parser.add_argument("--corrupt", default="The Colosseum is in the city of")
+    parser.add_argument("--steps", type=int, nargs="+", default=[1, 5], help="attribution_patching's steps")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts in the batched gradient run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = workbench.load(args.model, device=args.device)
     print(f"torch {torch.__version__}, {model.device}, threads {args.threads}")
-    print(f"{'sweep':10} {'cells':>6} {'patching s':>11} {'attribution s':>14} {'speed-up':>9} {'correlation':>12}  "
+    print(f"{'sweep':10} {'cells':>6} {'method':>10} {'seconds':>8} {'speed-up':>9} {'correlation':>12}  "
           "largest difference (cell: patched / estimated)")
+    methods = {"patching": lambda **kw: hooks.patching_sweep(**kw, progress=False)}
+    for steps in args.steps:
+        methods[f"steps {steps}"] = lambda steps=steps, **kw: hooks.attribution_patching(**kw, steps=steps)
     for name, (hook, over) in SWEEPS.items():
-        times: dict[str, list[float]] = {"patching": [], "attribution": []}
+        times: dict[str, list[float]] = {method: [] for method in methods}
+        results = {}
         for _ in range(args.repeats + 1):  # the first round warms up
-            for method, sweep in (("patching", hooks.patching_sweep), ("attribution", hooks.attribution_patching)):
-                extra = {"progress": False} if method == "patching" else {}
+            for method, sweep in methods.items():
                 synchronize(model.device)
                 start = time.perf_counter()
-                result = sweep(model, args.clean, args.corrupt, hook=hook, over=over, **extra)
+                results[method] = sweep(model=model, clean=args.clean, corrupt=args.corrupt, hook=hook, over=over)
                 synchronize(model.device)
                 times[method].append(time.perf_counter() - start)
-                if method == "patching":
-                    patched = result
-                else:
-                    estimated = result
-        a, b = patched.grid.flatten(), estimated.grid.flatten()
-        worst = int((a - b).abs().argmax())
-        cell = [labels[i] for labels, i in zip(patched.labels.values(), torch.unravel_index(
-            torch.tensor(worst), patched.grid.shape))]
         seconds = {method: statistics.median(t[1:]) for method, t in times.items()}
-        correlation = torch.corrcoef(torch.stack([a, b]))[0, 1]
-        print(f"{name:10} {a.numel():>6} {seconds['patching']:>11.3f} {seconds['attribution']:>14.3f} "
-              f"{seconds['patching'] / seconds['attribution']:>8.2f}x {correlation:>12.2f}"
-              f"  {' '.join(cell)}: {a[worst]:.2f} / {b[worst]:.2f}")
+        patched = results["patching"]
+        print(f"{name:10} {patched.grid.numel():>6} {'patching':>10} {seconds['patching']:>8.3f}")
+        for method in methods:
+            if method == "patching":
+                continue
+            a, b = patched.grid.flatten(), results[method].grid.flatten()
+            worst = int((a - b).abs().argmax())
+            cell = [labels[i] for labels, i in zip(patched.labels.values(), torch.unravel_index(
+                torch.tensor(worst), patched.grid.shape))]
+            correlation = torch.corrcoef(torch.stack([a, b]))[0, 1]
+            print(f"{'':10} {'':>6} {method:>10} {seconds[method]:>8.3f} {seconds['patching'] / seconds[method]:>8.2f}x "
+                  f"{correlation:>12.2f}  {' '.join(cell)}: {a[worst]:.2f} / {b[worst]:.2f}")
 
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[-1].log_softmax(-1).max()
+
+    prompts, points = [args.clean] * args.prompts, ["blocks.*.hook_resid_pre"]
+    runs = {"batched": lambda: model.run_with_gradients_batch(prompts, metric, points),
+            "one at a time": lambda: [model.run_with_gradients(p, metric, points) for p in prompts]}
+    times = {name: [] for name in runs}
+    for _ in range(args.repeats + 1):
+        for name, run in runs.items():
+            synchronize(model.device)
+            start = time.perf_counter()
+            run()
+            synchronize(model.device)
+            times[name].append(time.perf_counter() - start)
+    batched, alone = (statistics.median(times[name][1:]) for name in runs)
+    print(f"gradients at every resid_pre of {args.prompts} prompts: batched {batched:.3f} s, one at a time "
+          f"{alone:.3f} s ({alone / batched:.2f}x)")
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ from workbench.messages import Prompt
 from workbench.progress import progress_callback
 from workbench.runner import BatchLayout, HookContext, block_points
 
-from .interventions import Patch
+from .interventions import FunctionHook, Patch
 from .points import axes, head_count, resolve
 
 # logits [positions, vocab] -> a number (a 0-d tensor computed from them, for attribution patching)
@@ -210,38 +210,81 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
                          metric: Metric | None = None, *, over: Sequence[str] = ("layers", "positions"),
                          hook: str | None = None, layers: Sequence[int] | None = None,
                          positions: Sequence[int] | None = None, answers: tuple[int | str, int | str] | None = None,
-                         normalize: bool = False) -> PatchingResult:
-    """``patching_sweep``'s grid estimated to first order from one backward (attribution patching): each cell is the
-    corrupt metric plus ``(clean - corrupt) . d metric / d activation`` over the cell's activation, the gradient taken
-    in the corrupt run. Arguments and result as ``patching_sweep``'s; ``metric`` must return a tensor computed from the
-    logits (docs/hooks.md, "Gradients"). Two forwards and a backward however many cells: a map of where to patch, to
-    check with ``patching_sweep`` where it matters (a linear estimate misses saturated effects)."""
+                         normalize: bool = False, steps: int = 1) -> PatchingResult:
+    """``patching_sweep``'s grid estimated to first order from gradients (attribution patching): each cell is the
+    corrupt metric plus ``(clean - corrupt) . d metric / d activation`` over the cell's activation. Arguments and
+    result as ``patching_sweep``'s; ``metric`` must return a tensor computed from the logits (docs/hooks.md,
+    "Gradients").
+
+    ``steps=1`` takes the gradient in the corrupt run: two forwards and a backward however many cells. More steps
+    average the gradients of ``steps`` runs whose inputs (the embeddings, and Gemma 4's per-layer inputs) lie at the
+    midpoints of equal steps on the straight line from the corrupt run's to the clean run's (integrated gradients,
+    as EAP-IG takes them): closer to the patched values where the metric saturates, for a forward and a backward a
+    step. Either way a map of where to patch, to check with ``patching_sweep`` where it matters."""
+    steps = integer(steps, "steps", HookError)
+    if steps < 1:
+        raise HookError(f"steps must be at least 1, got {steps}")
     sweep = _sweep(model, clean, corrupt, metric, over, hook, layers, positions, answers)
-    clean_trace = model.run(sweep.clean_ids, record=sweep.names)
+    inputs = _input_points(model.config) if steps > 1 else []
+    clean_trace = model.run(sweep.clean_ids, record=[*sweep.names, *inputs])
     answer_pair: list[tuple[int, int]] = []
 
     def default_metric(logits: torch.Tensor) -> torch.Tensor:
-        answer_pair.append(sweep.answers(clean_trace.logits, logits.detach()))
+        if not answer_pair:  # the first gradient run is the corrupt one
+            answer_pair.append(sweep.answers(clean_trace.logits, logits.detach()))
         return logit_diff(*answer_pair[0])(logits)
 
-    corrupt = model.run_with_gradients(sweep.corrupt_ids, metric or default_metric, sweep.names)
+    if steps == 1:
+        corrupt_run = model.run_with_gradients(sweep.corrupt_ids, metric or default_metric, sweep.names)
+        corrupt_values, corrupt_metric, gradients = corrupt_run.activations, corrupt_run.metric, corrupt_run.gradients
+    else:
+        corrupt_trace = model.run(sweep.corrupt_ids, record=[*sweep.names, *inputs])
+        if metric is None:
+            default_metric(corrupt_trace.logits)
+        corrupt_values = corrupt_trace.activations
+        between = [[FunctionHook(name, _interpolation(corrupt_values[name], clean_trace.activations[name],
+                                                      (step + 0.5) / steps)) for name in inputs]
+                   for step in range(steps)]
+        runs = model.run_with_gradients_batch([sweep.corrupt_ids] * steps, metric or default_metric, sweep.names,
+                                              per_prompt_interventions=between)
+        gradients = {name: torch.stack([run.gradients[name] for run in runs]).mean(0) for name in sweep.names}
     metric = logit_diff(*answer_pair[0]) if answer_pair else metric
-    clean_metric, corrupt_metric = float(metric(clean_trace.logits)), corrupt.metric
+    clean_metric = float(metric(clean_trace.logits))
+    if steps > 1:
+        corrupt_metric = float(metric(corrupt_trace.logits))
     if normalize and clean_metric == corrupt_metric:
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
     cells = sweep.cells()
     grid = torch.empty(len(cells))
-    effects = {name: _first_order_effect(clean_trace.activations[name], corrupt.activations[name],
-                                         corrupt.gradients[name]) for name in sweep.names}
+    effects = {name: _first_order_effect(clean_trace.activations[name], corrupt_values[name], gradients[name])
+               for name in sweep.names}
     for n, (_, name, pos, head) in enumerate(cells):
         region = [slice(None)] * effects[name].dim()
         for axis, index in ((axes(name).token, pos), (axes(name).head, head)):
             if index is not None:
                 region[axis] = index
         grid[n] = corrupt_metric + float(effects[name][tuple(region)].sum())
+    method = "attribution patching" + (f", integrated gradients ({steps} steps)" if steps > 1 else "")
     return sweep.result(model, grid, clean_metric, corrupt_metric,
-                        _metric_name(model, metric, answer_pair[0] if answer_pair else None), normalize,
-                        "attribution patching")
+                        _metric_name(model, metric, answer_pair[0] if answer_pair else None), normalize, method)
+
+
+def _input_points(config: Any) -> list[str]:
+    """The points that hold a run's inputs, everything computed from the token ids before the first block: the
+    embeddings, and Gemma 4 E2B/E4B's per-layer inputs (their token embeddings would stay the corrupt run's if only
+    the embeddings moved)."""
+    per_layer = [f"blocks.{i}.per_layer.hook_input" for i in range(config.n_layers)] if config.d_per_layer else []
+    return ["hook_embed", *per_layer]
+
+
+def _interpolation(start: torch.Tensor, end: torch.Tensor, fraction: float) -> Callable:
+    """A hook that puts ``start + fraction * (end - start)`` in place of the activation."""
+    value = start + fraction * (end - start)
+
+    def interpolate(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        return value.to(x.device, x.dtype)
+
+    return interpolate
 
 
 def _first_order_effect(clean: torch.Tensor, corrupt: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:

@@ -287,6 +287,13 @@ def test_patching_page_estimates_cells_by_attribution(model):
                                           layers=[3, 8], normalize=True)
     assert values(chart(at, "pt_figure")["data"][0]["z"]).numpy() == pytest.approx(expected.grid.numpy(), abs=1e-5)
     assert any(c.value.startswith("attribution patching · ") for c in at.caption)
+    at.number_input(key="pt_steps").set_value(3).run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at)
+    expected = hooks.attribution_patching(model, clean, corrupt, probability_of_clean_answer,
+                                          layers=[3, 8], normalize=True, steps=3)
+    assert values(chart(at, "pt_figure")["data"][0]["z"]).numpy() == pytest.approx(expected.grid.numpy(), abs=1e-5)
+    assert any(c.value.startswith("attribution patching, integrated gradients (3 steps) · ") for c in at.caption)
 
 
 @pytest.mark.parametrize("given, missing", [("pt_clean_answer", "Corrupt"), ("pt_corrupt_answer", "Clean")])

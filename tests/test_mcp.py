@@ -569,6 +569,12 @@ def test_patching_sweep(http, model):
     expected = hooks.attribution_patching(model, clean, corrupt, over=("layers", "heads"))
     assert out["method"] == "attribution patching" and len(out["grid"]) * len(out["grid"][0]) > 256
     assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
+    out = http.call("patching_sweep", clean=clean, corrupt=corrupt, layers=[0, 29], method="attribution", steps=3)
+    expected = hooks.attribution_patching(model, clean, corrupt, layers=[0, 29], steps=3)
+    assert out["method"] == "attribution patching, integrated gradients (3 steps)"
+    assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
+    assert "steps applies to method='attribution'" in http.error("patching_sweep", clean=clean, corrupt=corrupt,
+                                                                 layers=[0], steps=3)
 
 
 # ---------------------------------------------------------------------------------- sessions, concurrency

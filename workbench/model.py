@@ -464,6 +464,60 @@ class Model:
             activations={name: taps.activations[name].to("cpu", torch.float32) for name in taps.names},
             gradients=gradients)
 
+    def run_with_gradients_batch(self, prompts: Sequence[Prompt],
+                                 metric: Callable[[torch.Tensor], torch.Tensor] | Sequence[Callable],
+                                 points: Sequence[str], *, interventions: Sequence[Any] = (),
+                                 per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
+                                 batch_size: int | None = None, chat: bool = False, saes: Sequence[Any] = (),
+                                 use_error_term: bool = True, adapter: BatchAdapterChoice = None
+                                 ) -> list[hooks_lib.Gradients]:
+        """``run_with_gradients`` over many prompts in batched forwards and backwards: one Gradients per prompt, in the
+        prompts' order, each what ``run_with_gradients`` of its prompt alone gives. ``metric`` is one function for
+        every prompt or a list of one per prompt, each given its prompt's logits alone (the backward takes the sum of
+        the metrics, and no prompt's value depends on another's). ``batch_size`` prompts a forward (None: as many as
+        fit a quarter of the free memory with every layer's activations kept for the backward). Other arguments as in
+        ``run_batch``."""
+        ids = self.batch_ids(prompts, chat)
+        metrics = list(metric) if isinstance(metric, (list, tuple)) else [metric] * len(ids)
+        if len(metrics) != len(ids) or not all(callable(m) for m in metrics):
+            raise WorkbenchError(f"metric must be a function of the logits [positions, vocab], or a list of one per "
+                                 f"prompt ({len(ids)}), got {shorten(metric)}")
+        names = hooks_lib.GradientTaps.for_patterns(points, self.config).names
+        lengths = [len(x) for x in ids]
+        lora = [self.lora_terms(c) for c in self.batch_adapters(adapter, len(ids))]
+        mode = self.current_numerics()
+        with numerics(mode):
+            prompt_hooks, _, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths, lengths,
+                                                          saes)
+        hooks_lib.check_sae_points([n for h in prompt_hooks for n in h] + names, attached)
+        use_error_term = _check_flag(use_error_term)
+        results: list[hooks_lib.Gradients | None] = [None] * len(ids)
+        for layout in self._batches(lengths, batch_size, False, vocab_rows=True, backward=True):
+            taps = hooks_lib.GradientTaps(names)
+            hooks = self._forward_hooks(prompt_hooks, layout, attached, use_error_term, taps.hooks())
+            with numerics(mode), torch.inference_mode(False), torch.enable_grad():
+                packed = torch.tensor([t for i in layout.prompts for t in ids[i]], dtype=torch.long)
+                logits = self.runner.forward(packed, hooks=hooks, layout=layout,
+                                             lora=layout_adapters(lora, layout.prompts)).cpu()
+                taps.check_fired()
+                rows = logits.split(list(layout.lengths))
+                values = []
+                for i, row in zip(layout.prompts, rows):
+                    try:  # the metric reads a copy: an in-place edit of it must not change the logits returned
+                        values.append(hooks_lib.metric_value(metrics[i](row.clone())))
+                    except WorkbenchError as err:
+                        raise type(err)(f"prompt {i}: {err}") from None
+                gradients = taps.gradients(torch.stack(values).sum())
+            for b, (i, row, value) in enumerate(zip(layout.prompts, rows, values)):
+                def own(x: torch.Tensor, name: str) -> torch.Tensor:
+                    return hooks_lib.batching.row_view(x, name, layout, b).to("cpu", torch.float32, copy=True)
+
+                results[i] = hooks_lib.Gradients(
+                    ids=ids[i], tokens=self.token_texts(ids[i]), logits=row.detach().clone(), metric=float(value.detach()),
+                    activations={name: own(taps.activations[name], name) for name in names},
+                    gradients={name: own(gradients[name], name) for name in names})
+        return results
+
     # ---------------------------------------------------------------------------------------- batches
 
     def run_batch(self, prompts: Sequence[Prompt], **kwargs: Any) -> list[hooks_lib.Trace]:
@@ -737,19 +791,20 @@ class Model:
                 attached)
 
     def _batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
-                 vocab_rows: bool) -> Iterator[BatchLayout]:
+                 vocab_rows: bool, backward: bool = False) -> Iterator[BatchLayout]:
         """Layouts of the forwards a batch runs in: prompts of similar length together (longest first), each forward
-        within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory. ``batch_size`` and
-        ``progress`` are checked when this is called, the layouts planned as they are read."""
+        within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory (every layer's, for a
+        ``backward``). ``batch_size`` and ``progress`` are checked when this is called, the layouts planned as they
+        are read."""
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows)
+        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows, backward)
 
     def _plan_batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
-                      vocab_rows: bool) -> Iterator[BatchLayout]:
+                      vocab_rows: bool, backward: bool) -> Iterator[BatchLayout]:
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        per_token, per_score, budget = self.batch_bytes(vocab_rows)
+        per_token, per_score, budget = self.batch_bytes(vocab_rows, backward)
         update, close = progress_callback(progress, len(lengths), "prompts")
         done, chunk = 0, []
         try:
@@ -777,15 +832,16 @@ class Model:
         holding one long prompt grow with its length squared."""
         return 8192 if self.device.type == "cuda" else 2048
 
-    def batch_bytes(self, vocab_rows: bool = True) -> tuple[int, int, int]:
+    def batch_bytes(self, vocab_rows: bool = True, backward: bool = False) -> tuple[int, int, int]:
         """What a batched forward is sized by when no ``batch_size`` is given: bytes of working memory per token
         (activations, and float32 logits with ``vocab_rows``), per token per attended slot (attention's scores and
-        pattern), and the budget: a quarter of the device's free memory."""
+        pattern), and the budget: a quarter of the device's free memory. A ``backward`` keeps every layer's."""
         c = self.config
         element = torch.finfo(self.dtype).bits // 8
-        per_token = element * (6 * c.d_model + 3 * c.d_mlp + 2 * c.n_heads * c.d_head)
+        layers = c.n_layers if backward else 1
+        per_token = layers * element * (6 * c.d_model + 3 * c.d_mlp + 2 * c.n_heads * c.d_head)
         per_token += 8 * c.vocab_size if vocab_rows else 0
-        per_score = 12 * c.n_heads
+        per_score = layers * 12 * c.n_heads
         free = min(free_memory(d) for d in set(self.runner.devices))
         return per_token, per_score, free // 4
 

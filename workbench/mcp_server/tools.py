@@ -696,7 +696,11 @@ class Workbench:
                        method: Annotated[Literal["activation", "attribution"], Field(
                            description="activation: each cell a patched forward; attribution: each cell's first-order "
                                        "estimate from one backward of the corrupt run (any number of cells, misses "
-                                       "saturated effects)")] = "activation"
+                                       "saturated effects)")] = "activation",
+                       steps: Annotated[int, Field(ge=1, le=64, description=(
+                           "attribution only: 1 takes the gradient in the corrupt run; more average the gradients "
+                           "along the way from the corrupt inputs to the clean (integrated gradients: closer to "
+                           "patching where effects saturate, a forward and backward each)"))] = 1
                        ) -> s.PatchingSweep:
         """Activation patching sweep: patch each (layer, position | head) cell of the clean run into the corrupt run
         (or estimate every cell at once from gradients: attribution patching)."""
@@ -717,7 +721,9 @@ class Workbench:
         sweep = dict(over=over, hook=hook, layers=layers, positions=positions,
                      answers=tuple(answers) if answers else None, normalize=normalize)
         if method == "attribution":
-            result = hooks.attribution_patching(model, clean_ids, corrupt_ids, **sweep)
+            result = hooks.attribution_patching(model, clean_ids, corrupt_ids, **sweep, steps=steps)
+        elif steps != 1:
+            raise WorkbenchError("steps applies to method='attribution' (activation patching runs each cell once)")
         else:
             result = hooks.patching_sweep(model, clean_ids, corrupt_ids, **sweep,
                                           progress=lambda done, total: call.check())
