@@ -561,3 +561,21 @@ def test_bad_batch_gradient_requests_name_the_prompt(tiny_model):
 
     with pytest.raises(HookError, match="prompt 1: metric's value does not depend on the logits"):
         model.run_with_gradients_batch(prompts, [next_token_log_likelihood(IDS), constant], ["hook_embed"])
+
+
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_a_batchs_gradients_with_an_adapter_per_prompt(adapted, mode):
+    """Prompts with and without the adapter in one forward and backward: each as its run alone."""
+    prompts, choices = [IDS, IDS[:6], IDS[1:]], ["a", None, "a"]
+    metrics = [next_token_log_likelihood(p) for p in prompts]
+    names = ["blocks.0.hook_resid_pre", "blocks.1.attn.hook_v"]
+    with numerics(mode):
+        batch = adapted.run_with_gradients_batch(prompts, metrics, names, adapter=choices)
+        for prompt, metric, choice, got in zip(prompts, metrics, choices, batch):
+            alone = adapted.run_with_gradients(prompt, metric, names, adapter=choice)
+            assert got.metric == pytest.approx(alone.metric, rel=1e-5)
+            for name in names:
+                assert (got.gradients[name] - alone.gradients[name]).abs().max() <= (
+                    1e-4 * alone.gradients[name].abs().max()), name
+    unadapted = adapted.run_with_gradients(IDS, metrics[0], names)
+    assert (batch[0].gradients[names[0]] - unadapted.gradients[names[0]]).abs().max() > 1e-3
