@@ -114,6 +114,15 @@ def test_cuda_gradients_match_the_cpus(tiny_gguf, dtype, bound):
     for name in names:
         error = (got.gradients[name] - cpu.gradients[name]).abs().max() / cpu.gradients[name].abs().max()
         assert error.item() < bound, name
+    # batched: the padded attention and the packed rows' kernels (every row's gradients its run's alone)
+    prompts = [IDS, IDS[:5], [9, 8, 7] + IDS]
+    metrics = [next_token_log_likelihood(p) for p in prompts]
+    batch = model.run_with_gradients_batch(prompts, metrics, names)
+    for prompt, metric, row in zip(prompts, metrics, batch):
+        alone = model.run_with_gradients(prompt, metric, names)
+        for name in names:
+            error = (row.gradients[name] - alone.gradients[name]).abs().max() / alone.gradients[name].abs().max()
+            assert error.item() < bound, name
 
 
 def layer_input_gradients(reference, metric) -> tuple[float, list[torch.Tensor]]:
