@@ -72,6 +72,14 @@ def add_terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, outs: Sequenc
     return [summed] if len(outs) == 1 else list(summed.split_with_sizes([out.shape[-1] for out in outs], dim=-1))
 
 
+def terms(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, widths: Sequence[int],
+          ranks: Sequence[int]) -> list[torch.Tensor]:
+    """Each part's term held apart (its hook point's value), as ``add_terms`` computes it: added to zero by the same
+    call, so that ``out + term`` is ``add_terms``' sum bit for bit (the fused kernels add each term to its output once,
+    in the output's dtype; on CUDA in bfloat16 or float16 the term is rounded once more first)."""
+    return add_terms(x, a, b_t, [x.new_zeros(x.shape[0], width) for width in widths], ranks)
+
+
 def _add_terms_to_parts(x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, ranks: Sequence[int],
                         *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``add_terms`` with each output an argument of its own, as ``KernelForward`` tracks them."""

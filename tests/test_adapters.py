@@ -20,7 +20,7 @@ from workbench.synthetic import write_gguf
 from workbench.adapters import AdapterError, files_sha256
 from workbench.errors import HookError, WorkbenchError
 from workbench.generation import _BUILT, _forward_and_pick, generate_batch_tokens, generate_tokens, step_key
-from workbench.kernels import lora as lora_ops
+from workbench.kernels import lora as lora_ops, numerics
 from workbench.runner import LoraRows
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -305,23 +305,27 @@ def test_cuda_graph_decode_takes_the_adapter(tiny_model, tmp_path):
     assert_built_step_takes_adapters(model, tmp_path)
 
 
-def test_fused_terms_agree_with_the_hooked_ones(hf_llama, monkeypatch):
+@pytest.mark.parametrize("mode", ["exact", "llamacpp"])
+def test_a_hooked_lora_point_keeps_the_forwards_bits(hf_llama, monkeypatch, mode):
     """A plain run adds each group's terms in one fused call (kernels.lora.add_terms), holding no term apart; a hook on
-    a LoRA point takes its group through the point as two matmuls. Both give the same logits within float32 rounding,
-    and the recorded terms are what the adapter adds."""
+    a LoRA point holds its group's terms apart, computed by the same call on zero outputs, so that recording any term
+    leaves the logits' bits as they are."""
     fused = []
     add_terms = lora_ops.add_terms
-    monkeypatch.setattr(lora_ops, "add_terms", lambda x, a, b_t, outs, ranks: fused.append(len(outs)) or
-                        add_terms(x, a, b_t, outs, ranks))
-    plain = hf_llama.run(IDS, adapter="a")
+    monkeypatch.setattr(lora_ops, "add_terms", lambda x, a, b_t, outs, ranks: fused.append(
+        sum(out.abs().max().item() > 0 for out in outs)) or add_terms(x, a, b_t, outs, ranks))
     n_layers = hf_llama.config.n_layers
-    assert fused == [3, 1, 2, 1] * n_layers
-    fused.clear()
-    hooked = hf_llama.run(IDS, adapter="a", record=["blocks.1.attn.hook_v_lora", "blocks.0.mlp.*_lora"])
-    assert fused == [3, 1] + [1, 2, 1] + [3, 1, 2, 1] * (n_layers - 2)  # the MLP of layer 0, q/k/v of layer 1 apart
-    torch.testing.assert_close(hooked.logits, plain.logits, rtol=1e-5, atol=1e-5)
-    assert set(hooked.activations) == {"blocks.1.attn.hook_v_lora", "blocks.0.mlp.hook_gate_lora",
-                                       "blocks.0.mlp.hook_up_lora", "blocks.0.mlp.hook_down_lora"}
+    with numerics(mode):
+        plain = hf_llama.run(IDS, adapter="a")
+        assert fused == [3, 1, 2, 1] * n_layers  # every group's terms added to its outputs
+        fused.clear()
+        hooked = hf_llama.run(IDS, adapter="a", record=["blocks.1.attn.hook_v_lora", "blocks.0.mlp.*_lora"])
+        assert fused == [3, 1, 0, 0] + [0, 1, 2, 1] + [3, 1, 2, 1] * (n_layers - 2)  # layer 0's MLP, 1's q/k/v apart
+        assert torch.equal(hooked.logits, plain.logits)
+        assert set(hooked.activations) == {"blocks.1.attn.hook_v_lora", "blocks.0.mlp.hook_gate_lora",
+                                           "blocks.0.mlp.hook_up_lora", "blocks.0.mlp.hook_down_lora"}
+        for point in [p for p in hf_llama.hook_points() if p.endswith("_lora")]:
+            assert torch.equal(hf_llama.run(IDS, adapter="a", record=[point]).logits, plain.logits), point
 
 
 def test_scale_adapter_intervention(hf_llama):

@@ -428,11 +428,13 @@ def add_lora(x: torch.Tensor, outs: Sequence[torch.Tensor], parts: tuple[str, ..
     for terms, rows in lora:
         if parts not in terms:
             continue
-        a, b_t, adapted, _ = terms[parts]
+        a, b_t, adapted, ranks = terms[parts]
         rows = rows if rows is None else rows.to(x.device)  # a no-op but where a split model moved the layer
         x_rows = x if rows is None else x.index_select(0, rows)
-        products = lora_ops.torch_terms(x_rows, a, b_t).split([outs[parts.index(p)].shape[-1] for p in adapted],
-                                                              dim=-1)
+        widths = [outs[parts.index(p)].shape[-1] for p in adapted]
+        # one choice for every token: the terms the unhooked forward's add_terms adds, bit for bit
+        products = (lora_ops.terms(x, a, b_t, widths, ranks) if rows is None
+                    else lora_ops.torch_terms(x_rows, a, b_t).split(widths, dim=-1))
         for p, product in zip(adapted, products):
             if rows is None:  # the one choice of every token
                 added[p] = product
