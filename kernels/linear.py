@@ -90,6 +90,8 @@ def _dense_matmul_llamacpp(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """ggml-cpu's float dot products: the activations rounded to the weight's type (its ``vec_dot_type``), products
     and sums in float32; the weight converted a chunk of rows at a time."""
     rounded = x.to(FLOAT_DTYPES[w.fmt.name]).float()
+    if w.fmt.name == "F32":  # its bytes are the float32 weight (an MoE router): no copy to convert
+        return _dense_matmul(rounded, w).to(x.dtype)
     return _blockwise_dequant_matmul(rounded, w).to(x.dtype)
 
 

@@ -258,17 +258,20 @@ def _reach(allowed: torch.Tensor) -> int:
 def _one_chunk(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, scale: float,
                allowed: torch.Tensor) -> torch.Tensor:
     """``ggml_compute_forward_flash_attn_ext_f16_one_chunk`` for every row: ``q`` ``[..., H, T, D]`` float32,
-    ``k16``/``v16`` ``[..., H, S, D]`` float16, ``allowed`` ``[..., H|1, T, S]``; float32 ``[..., H, T, D]``.
+    ``k16``/``v16`` ``[..., H_kv, S, D]`` float16 (each serving ``H / H_kv`` query heads), ``allowed`` ``[..., H|1, T,
+    S]``; float32 ``[..., H, T, D]``.
 
     On the CPU the C++ kernel's ``flash_attn_one_chunk``, the same loop with the same bits, a query row a thread at a
-    time (the loop below takes ~15 small tensor ops a key, most of a decode step); elsewhere the loop below."""
+    time, reading each key-value head where its query heads share it (the loop below takes ~15 small tensor ops a key,
+    most of a decode step); elsewhere the loop below."""
     ext = _glue_kernels(q)
     if ext is not None:
-        rows = q.shape[:-2]
+        rows, kv_rows = q.shape[:-2], (*q.shape[:-3], k16.shape[-3])
         flat = [t.reshape(-1, *t.shape[-2:]).contiguous()
-                for t in (q, k16.expand(*rows, *k16.shape[-2:]), v16.expand(*rows, *v16.shape[-2:]),
+                for t in (q, k16.expand(*kv_rows, *k16.shape[-2:]), v16.expand(*kv_rows, *v16.shape[-2:]),
                           allowed.expand(*rows, *allowed.shape[-2:]))]
         return ext.flash_attn_one_chunk(*flat, scale).view(*rows, q.shape[-2], v16.shape[-1])
+    k16, v16 = _query_heads(k16, q), _query_heads(v16, q)
     scores = vec_dot_f16(q.half(), k16) * scale
     M = scores.new_full(scores.shape[:-1], float("-inf"))
     S = scores.new_zeros(scores.shape[:-1])
@@ -285,6 +288,11 @@ def _one_chunk(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, scale: flo
         S = torch.where(seen, _fma(S, ms, vs), S)
     inverse = torch.where(S == 0, 0.0, _divide(1.0, S))
     return acc.float() * inverse[..., None]
+
+
+def _query_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Keys or values ``[..., H_kv, S, D]`` repeated for the query heads that share each: ``[..., H, S, D]``."""
+    return kv.repeat_interleave(q.shape[-3] // kv.shape[-3], dim=-3)
 
 
 def _fma_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -306,7 +314,7 @@ def _tiled(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, scale: float,
            allowed: torch.Tensor) -> torch.Tensor:
     """``ggml_compute_forward_flash_attn_ext_tiled`` for every row (shapes as ``_one_chunk``'s). Each tile is computed
     for the query rows that see any of its keys (the others skip it, as ggml's do)."""
-    keys, values = k16.float(), v16.float()
+    keys, values = _query_heads(k16, q).float(), _query_heads(v16, q).float()
     M = q.new_full(q.shape[:-1], float("-inf"))
     S = q.new_zeros(q.shape[:-1])
     acc = q.new_zeros(*q.shape[:-1], values.shape[-1])
@@ -354,10 +362,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, divisor
     ``blocked`` ``[T, S]`` or ``[B, 1, T, S]`` (None: nothing masked); ``[..., T, heads, d]`` in the queries' dtype.
     The scores are scaled by the float32 ``1 / divisor`` (llama.cpp's ``kq_scale``)."""
     dtype = q.dtype
-    heads, kv_heads = q.shape[-2], keys.shape[-3]
     qh = q.float().transpose(-3, -2)  # [..., H, T, d]
-    k16 = keys.half().repeat_interleave(heads // kv_heads, dim=-3)
-    v16 = values.half().repeat_interleave(heads // kv_heads, dim=-3)
+    k16, v16 = keys.half(), values.half()
     scale = float(np.float32(1.0) / np.float32(divisor))  # a float32 value: the float32 product rounds once
     allowed = (torch.ones(qh.shape[-2], keys.shape[-2], dtype=torch.bool, device=q.device) if blocked is None
                else ~blocked)

@@ -1750,6 +1750,52 @@ inline c10::Half half_once(double e) {
   return c10::Half(f);
 }
 
+#if defined(__AVX512F__)
+inline __m512 load_halves16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store_halves16(c10::Half* p, __m512 x) {  // rounded to nearest even, as c10::Half(float) rounds
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+// acc = acc * factor rounded to F16: ``factor16`` (the factor as an F16) on the first ``full`` values, the F32 path's
+// ``factor`` on the rest
+inline void scale_f16(c10::Half* acc, int64_t full, int64_t dv, float factor16, float factor) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i < full; i += kLanes) store_halves16(acc + i, _mm512_mul_ps(load_halves16(acc + i), _mm512_set1_ps(factor16)));
+#endif
+  for (; i < dv; ++i) acc[i] = c10::Half(static_cast<float>(acc[i]) * (i < full ? factor16 : factor));
+}
+
+// acc += value * weight: on the first ``full`` values a native F16 fused multiply-add (``half_once`` of the exact
+// sum, ``weight16`` the weight as an F16), on the rest the F32 path's float fused multiply-add rounded to F16
+inline void mad_f16(c10::Half* acc, const c10::Half* value, int64_t full, int64_t dv, double weight16, float weight) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  const __m512d w = _mm512_set1_pd(weight16);
+  for (; i < full; i += 8) {
+    const __m512d a = _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(acc + i))));
+    const __m512d v = _mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(value + i))));
+    const __m512d e = _mm512_add_pd(a, _mm512_mul_pd(v, w));  // the product is exact in double
+    // half_once: rounded to odd in float32 (truncated, the last bit set where that was inexact), then to F16
+    const __m256 truncated = _mm512_cvt_roundpd_ps(e, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask8 inexact = _mm512_cmp_pd_mask(_mm512_cvtps_pd(truncated), e, _CMP_NEQ_UQ);
+    const __m256i odd = _mm256_mask_or_epi32(_mm256_castps_si256(truncated), inexact, _mm256_castps_si256(truncated),
+                                             _mm256_set1_epi32(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(acc + i),
+                     _mm256_cvtps_ph(_mm256_castsi256_ps(odd), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i + kLanes <= dv; i += kLanes)
+    store_halves16(acc + i, _mm512_fmadd_ps(load_halves16(value + i), _mm512_set1_ps(weight), load_halves16(acc + i)));
+#endif
+  for (; i < dv; ++i)
+    acc[i] = i < full ? half_once(static_cast<double>(static_cast<float>(acc[i])) +
+                                  static_cast<double>(static_cast<float>(value[i])) * weight16)
+                      : c10::Half(std::fma(static_cast<float>(value[i]), weight, static_cast<float>(acc[i])));
+}
+
 // ggml_vec_dot_f16: products (exact in float32) summed in four registers of sixteen lanes over full steps of 64, the
 // registers added pairwise (0+2, 1+3, then 0+1), the lanes as a tree, the products past the last step in double
 __attribute__((optimize("fp-contract=off")))
@@ -1757,6 +1803,15 @@ inline float dot_f16(const c10::Half* q, const c10::Half* k, int64_t d) {
   const int64_t full = d - d % kDotStep;
   double total = 0.0;
   if (full) {
+    float v[kLanes];
+#if defined(__AVX512F__)
+    __m512 reg[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < full; i += kDotStep)
+      for (int r = 0; r < 4; ++r)  // a product of two halves is exact in float32: with or without a fused add
+        reg[r] = _mm512_add_ps(reg[r], _mm512_mul_ps(load_halves16(q + i + r * kLanes),
+                                                     load_halves16(k + i + r * kLanes)));
+    _mm512_storeu_ps(v, _mm512_add_ps(_mm512_add_ps(reg[0], reg[2]), _mm512_add_ps(reg[1], reg[3])));
+#else
     float reg[4][kLanes] = {};
     for (int64_t i = 0; i < full; i += kDotStep)
       for (int r = 0; r < 4; ++r)
@@ -1764,9 +1819,9 @@ inline float dot_f16(const c10::Half* q, const c10::Half* k, int64_t d) {
           const int64_t at = i + r * kLanes + lane;
           reg[r][lane] += static_cast<float>(q[at]) * static_cast<float>(k[at]);
         }
-    float v[kLanes];
     for (int64_t lane = 0; lane < kLanes; ++lane)
       v[lane] = (reg[0][lane] + reg[2][lane]) + (reg[1][lane] + reg[3][lane]);
+#endif
     for (int64_t width = kLanes / 2; width >= 2; width /= 2)
       for (int64_t lane = 0; lane < width; ++lane) v[lane] += v[lane + width];
     total = static_cast<double>(v[0] + v[1]);
@@ -1786,13 +1841,15 @@ torch::Tensor flash_attn_one_chunk(const torch::Tensor& q, const torch::Tensor& 
                   k.scalar_type() == torch::kHalf && k.is_contiguous() && k.dim() == 3 &&
                   v.scalar_type() == torch::kHalf && v.is_contiguous() && v.dim() == 3 &&
                   allowed.scalar_type() == torch::kBool && allowed.is_contiguous() && allowed.dim() == 3 &&
-                  k.size(0) == q.size(0) && k.size(2) == q.size(2) && v.size(0) == q.size(0) &&
+                  k.size(0) > 0 && q.size(0) % k.size(0) == 0 && k.size(2) == q.size(2) && v.size(0) == k.size(0) &&
                   v.size(1) == k.size(1) && allowed.size(0) == q.size(0) && allowed.size(1) == q.size(1) &&
                   allowed.size(2) == k.size(1),
-              "workbench cpu kernels: flash_attn_one_chunk needs q [N, T, D] float32, k [N, S, D] and v [N, S, Dv] "
-              "float16 and allowed [N, T, S] bool, all contiguous; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes(),
-              ", ", allowed.sizes());
+              "workbench cpu kernels: flash_attn_one_chunk needs q [N, T, D] float32, k [N / G, S, D] and v [N / G, "
+              "S, Dv] float16 and allowed [N, T, S] bool, all contiguous; got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes(), ", ", allowed.sizes());
+  // G query heads share each key-value head (grouped-query attention): q's row n reads k's and v's row n / G
   const int64_t n = q.size(0), tokens = q.size(1), d = q.size(2), slots = k.size(1), dv = v.size(2);
+  const int64_t group = n / k.size(0);
   const float kq_scale = static_cast<float>(scale);
   torch::Tensor out = torch::empty({n, tokens, dv}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -1804,30 +1861,23 @@ torch::Tensor flash_attn_one_chunk(const torch::Tensor& q, const torch::Tensor& 
   at::parallel_for(0, n * tokens, 1, [&](int64_t begin, int64_t end) {
     std::vector<c10::Half> q16(d), acc(dv);
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t head = row / tokens;
+      const int64_t kv_row = row / tokens / group;
       for (int64_t i = 0; i < d; ++i) q16[i] = c10::Half(qp[row * d + i]);
       std::fill(acc.begin(), acc.end(), c10::Half(0.0f));
       float best = -INFINITY, sum = 0.0f;
       for (int64_t key = 0; key < slots; ++key) {
         if (!ap[row * slots + key]) continue;
-        const float s = dot_f16(q16.data(), kp + (head * slots + key) * d, d) * kq_scale;
+        const float s = dot_f16(q16.data(), kp + (kv_row * slots + key) * d, d) * kq_scale;
         float ms = 1.0f, vs = 1.0f;
         if (s > best) {  // a new maximum: what was accumulated scaled by exp(M_old - M), this key weighed by 1
           ms = expf_libm(best - s);
           best = s;
-          const float factor16 = static_cast<float>(c10::Half(ms));
-          for (int64_t i = 0; i < dv; ++i)
-            acc[i] = c10::Half(static_cast<float>(acc[i]) * (i < full ? factor16 : ms));
+          scale_f16(acc.data(), full, dv, static_cast<float>(c10::Half(ms)), ms);
         } else {
           vs = expf_libm(s - best);
         }
-        const c10::Half* value = vp + (head * slots + key) * dv;
-        const double weight16 = static_cast<double>(static_cast<float>(c10::Half(vs)));
-        for (int64_t i = 0; i < dv; ++i) {
-          acc[i] = i < full ? half_once(static_cast<double>(static_cast<float>(acc[i])) +
-                                        static_cast<double>(static_cast<float>(value[i])) * weight16)
-                            : c10::Half(std::fma(static_cast<float>(value[i]), vs, static_cast<float>(acc[i])));
-        }
+        mad_f16(acc.data(), vp + (kv_row * slots + key) * dv, full, dv,
+                static_cast<double>(static_cast<float>(c10::Half(vs))), vs);
         sum = static_cast<float>(static_cast<double>(sum) * ms + vs);
       }
       const float inverse = sum == 0.0f ? 0.0f : static_cast<float>(1.0 / static_cast<double>(sum));
