@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -43,23 +44,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, {model.device}, threads {args.threads}")
     print(f"{'sweep':10} {'cells':>6} {'method':>10} {'seconds':>8} {'speed-up':>9} {'correlation':>12}  "
           "largest difference (cell: patched / estimated)")
-    methods = {"patching": lambda **kw: hooks.patching_sweep(**kw, progress=False)}
-    for steps in args.steps:
-        methods[f"steps {steps}"] = lambda steps=steps, **kw: hooks.attribution_patching(**kw, steps=steps)
     for name, (hook, over) in SWEEPS.items():
-        times: dict[str, list[float]] = {method: [] for method in methods}
-        results = {}
-        for _ in range(args.repeats + 1):  # the first round warms up
-            for method, sweep in methods.items():
-                synchronize(model.device)
-                start = time.perf_counter()
-                results[method] = sweep(model=model, clean=args.clean, corrupt=args.corrupt, hook=hook, over=over)
-                synchronize(model.device)
-                times[method].append(time.perf_counter() - start)
-        seconds = {method: statistics.median(t[1:]) for method, t in times.items()}
+        sweep = dict(model=model, clean=args.clean, corrupt=args.corrupt, hook=hook, over=over)
+        runs = {"patching": lambda: hooks.patching_sweep(**sweep, progress=False)}
+        for steps in args.steps:
+            runs[f"steps {steps}"] = lambda steps=steps: hooks.attribution_patching(**sweep, steps=steps)
+        seconds, results = timed(runs, args.repeats, model.device)
         patched = results["patching"]
         print(f"{name:10} {patched.grid.numel():>6} {'patching':>10} {seconds['patching']:>8.3f}")
-        for method in methods:
+        for method in runs:
             if method == "patching":
                 continue
             a, b = patched.grid.flatten(), results[method].grid.flatten()
@@ -67,26 +60,34 @@ def main() -> None:
             cell = [labels[i] for labels, i in zip(patched.labels.values(), torch.unravel_index(
                 torch.tensor(worst), patched.grid.shape))]
             correlation = torch.corrcoef(torch.stack([a, b]))[0, 1]
-            print(f"{'':10} {'':>6} {method:>10} {seconds[method]:>8.3f} {seconds['patching'] / seconds[method]:>8.2f}x "
+            speed_up = seconds["patching"] / seconds[method]
+            print(f"{'':10} {'':>6} {method:>10} {seconds[method]:>8.3f} {speed_up:>8.2f}x "
                   f"{correlation:>12.2f}  {' '.join(cell)}: {a[worst]:.2f} / {b[worst]:.2f}")
 
     def metric(logits: torch.Tensor) -> torch.Tensor:
         return logits[-1].log_softmax(-1).max()
 
     prompts, points = [args.clean] * args.prompts, ["blocks.*.hook_resid_pre"]
-    runs = {"batched": lambda: model.run_with_gradients_batch(prompts, metric, points),
-            "one at a time": lambda: [model.run_with_gradients(p, metric, points) for p in prompts]}
-    times = {name: [] for name in runs}
-    for _ in range(args.repeats + 1):
+    seconds, _ = timed({"batched": lambda: model.run_with_gradients_batch(prompts, metric, points),
+                        "one at a time": lambda: [model.run_with_gradients(p, metric, points) for p in prompts]},
+                       args.repeats, model.device)
+    print(f"gradients at every resid_pre of {args.prompts} prompts: batched {seconds['batched']:.3f} s, one at a "
+          f"time {seconds['one at a time']:.3f} s ({seconds['one at a time'] / seconds['batched']:.2f}x)")
+
+
+def timed(runs: dict[str, Callable[[], Any]], repeats: int, device: torch.device
+          ) -> tuple[dict[str, float], dict[str, Any]]:
+    """Each run's median seconds over ``repeats`` rounds, taking turns after a warm-up round, and its last result."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    results: dict[str, Any] = {}
+    for _ in range(repeats + 1):
         for name, run in runs.items():
-            synchronize(model.device)
+            synchronize(device)
             start = time.perf_counter()
-            run()
-            synchronize(model.device)
+            results[name] = run()
+            synchronize(device)
             times[name].append(time.perf_counter() - start)
-    batched, alone = (statistics.median(times[name][1:]) for name in runs)
-    print(f"gradients at every resid_pre of {args.prompts} prompts: batched {batched:.3f} s, one at a time "
-          f"{alone:.3f} s ({alone / batched:.2f}x)")
+    return {name: statistics.median(t[1:]) for name, t in times.items()}, results
 
 if __name__ == "__main__":
     main()

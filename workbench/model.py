@@ -513,8 +513,8 @@ class Model:
                     return hooks_lib.batching.row_view(x, name, layout, b).to("cpu", torch.float32, copy=True)
 
                 results[i] = hooks_lib.Gradients(
-                    ids=ids[i], tokens=self.token_texts(ids[i]), logits=row.detach().clone(), metric=float(value.detach()),
-                    activations={name: own(taps.activations[name], name) for name in names},
+                    ids=ids[i], tokens=self.token_texts(ids[i]), logits=row.detach().clone(),
+                    metric=float(value.detach()), activations={name: own(taps.activations[name], name) for name in names},
                     gradients={name: own(gradients[name], name) for name in names})
         return results
 

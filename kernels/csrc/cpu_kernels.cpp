@@ -1764,7 +1764,8 @@ inline void store_halves16(c10::Half* p, __m512 x) {  // rounded to nearest even
 inline void scale_f16(c10::Half* acc, int64_t full, int64_t dv, float factor16, float factor) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  for (; i < full; i += kLanes) store_halves16(acc + i, _mm512_mul_ps(load_halves16(acc + i), _mm512_set1_ps(factor16)));
+  for (; i < full; i += kLanes)
+    store_halves16(acc + i, _mm512_mul_ps(load_halves16(acc + i), _mm512_set1_ps(factor16)));
 #endif
   for (; i < dv; ++i) acc[i] = c10::Half(static_cast<float>(acc[i]) * (i < full ? factor16 : factor));
 }
