@@ -125,10 +125,20 @@ def test_batch_size_splits_into_forwards_with_the_same_results(llama, monkeypatc
 def test_batches_group_prompts_by_length_within_the_memory_budget(llama, monkeypatch):
     per_token, per_score, _ = llama.batch_bytes()
     longest = max(len(p) for p in PROMPTS)
-    monkeypatch.setattr(llama, "batch_bytes",
-                        lambda vocab_rows=True: (per_token, per_score, 2 * longest * (per_token + per_score * longest)))
+    budget = 2 * longest * (per_token + per_score * longest)
+    real = llama.batch_bytes
+    monkeypatch.setattr(llama, "batch_bytes", lambda vocab_rows=True, backward=False: (
+        *real(vocab_rows, backward)[:2], budget))
     layouts = list(llama._batches([len(p) for p in PROMPTS], None, False, True))
     assert [list(layout.prompts) for layout in layouts] == [[2, 0], [3, 1]]  # longest first, two rows a forward
+    # a backward keeps every layer's activations: the same budget holds fewer prompts a forward
+    backward_token, backward_score, _ = real(True, True)
+    assert backward_token > per_token and backward_score == llama.config.n_layers * per_score
+    layouts = list(llama._batches([len(p) for p in PROMPTS], None, False, True, backward=True))
+    assert len(layouts) > 2 and sorted(i for layout in layouts for i in layout.prompts) == [0, 1, 2, 3]
+    for layout in layouts:
+        width = max(layout.lengths)
+        assert layout.size == 1 or layout.size * width * (backward_token + backward_score * width) <= budget
 
 
 # ------------------------------------------------------------------------------------- interventions
