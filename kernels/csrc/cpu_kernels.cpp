@@ -1759,6 +1759,15 @@ inline void store_halves16(c10::Half* p, __m512 x) {  // rounded to nearest even
 }
 #endif
 
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 load_halves8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_halves8(c10::Half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
 // acc = acc * factor rounded to F16: ``factor16`` (the factor as an F16) on the first ``full`` values, the F32 path's
 // ``factor`` on the rest
 inline void scale_f16(c10::Half* acc, int64_t full, int64_t dv, float factor16, float factor) {
@@ -1766,6 +1775,8 @@ inline void scale_f16(c10::Half* acc, int64_t full, int64_t dv, float factor16, 
 #if defined(__AVX512F__)
   for (; i < full; i += kLanes)
     store_halves16(acc + i, _mm512_mul_ps(load_halves16(acc + i), _mm512_set1_ps(factor16)));
+#elif defined(__AVX2__) && defined(__F16C__)
+  for (; i < full; i += 8) store_halves8(acc + i, _mm256_mul_ps(load_halves8(acc + i), _mm256_set1_ps(factor16)));
 #endif
   for (; i < dv; ++i) acc[i] = c10::Half(static_cast<float>(acc[i]) * (i < full ? factor16 : factor));
 }
@@ -1790,6 +1801,32 @@ inline void mad_f16(c10::Half* acc, const c10::Half* value, int64_t full, int64_
   }
   for (; i + kLanes <= dv; i += kLanes)
     store_halves16(acc + i, _mm512_fmadd_ps(load_halves16(value + i), _mm512_set1_ps(weight), load_halves16(acc + i)));
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  const __m256d w = _mm256_set1_pd(weight16);
+  const __m256d magnitude = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+  const __m256i low_words = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m128i one = _mm_set1_epi32(1);
+  for (; i < full; i += 4) {
+    const __m128i a16 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(acc + i));
+    const __m128i v16 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(value + i));
+    const __m256d e = _mm256_add_pd(_mm256_cvtps_pd(_mm_cvtph_ps(a16)),
+                                    _mm256_mul_pd(_mm256_cvtps_pd(_mm_cvtph_ps(v16)), w));
+    // half_once: rounded to nearest in float32, stepped toward zero where that went past e (truncation), the last
+    // bit set where inexact; each 64-bit comparison's low word is the float32 lane's mask
+    const __m128 nearest = _mm256_cvtpd_ps(e);
+    const __m256d back = _mm256_cvtps_pd(nearest);
+    const __m256d past = _mm256_cmp_pd(_mm256_and_pd(back, magnitude), _mm256_and_pd(e, magnitude), _CMP_GT_OQ);
+    const __m256d inexact = _mm256_cmp_pd(back, e, _CMP_NEQ_UQ);
+    const __m128i past32 = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(past), low_words));
+    const __m128i inexact32 =
+        _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(_mm256_castpd_si256(inexact), low_words));
+    __m128i bits = _mm_sub_epi32(_mm_castps_si128(nearest), _mm_and_si128(past32, one));
+    bits = _mm_or_si128(bits, _mm_and_si128(inexact32, one));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(acc + i),
+                     _mm_cvtps_ph(_mm_castsi128_ps(bits), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i + 8 <= dv; i += 8)
+    store_halves8(acc + i, _mm256_fmadd_ps(load_halves8(value + i), _mm256_set1_ps(weight), load_halves8(acc + i)));
 #endif
   for (; i < dv; ++i)
     acc[i] = i < full ? half_once(static_cast<double>(static_cast<float>(acc[i])) +
@@ -1812,6 +1849,17 @@ inline float dot_f16(const c10::Half* q, const c10::Half* k, int64_t d) {
         reg[r] = _mm512_add_ps(reg[r], _mm512_mul_ps(load_halves16(q + i + r * kLanes),
                                                      load_halves16(k + i + r * kLanes)));
     _mm512_storeu_ps(v, _mm512_add_ps(_mm512_add_ps(reg[0], reg[2]), _mm512_add_ps(reg[1], reg[3])));
+#elif defined(__AVX2__) && defined(__F16C__)
+    __m256 reg[4][2] = {};  // each sixteen-lane register as two of eight lanes
+    for (int64_t i = 0; i < full; i += kDotStep)
+      for (int r = 0; r < 4; ++r)
+        for (int half = 0; half < 2; ++half) {
+          const int64_t at = i + r * kLanes + half * 8;
+          reg[r][half] = _mm256_add_ps(reg[r][half], _mm256_mul_ps(load_halves8(q + at), load_halves8(k + at)));
+        }
+    for (int half = 0; half < 2; ++half)
+      _mm256_storeu_ps(v + half * 8, _mm256_add_ps(_mm256_add_ps(reg[0][half], reg[2][half]),
+                                                   _mm256_add_ps(reg[1][half], reg[3][half])));
 #else
     float reg[4][kLanes] = {};
     for (int64_t i = 0; i < full; i += kDotStep)
