@@ -385,7 +385,8 @@ def test_set_numerics_rejects_unknown_mode():
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
 def test_narrower_builds_match_the_native_build(isa):
     """The builds for CPUs without AVX-512 (AVX2) or without AVX2 (portable C++) compute the same numbers up
-    to fp32 rounding, and quantize activations for llama.cpp numerics identically."""
+    to fp32 rounding, and quantize activations and attend for llama.cpp numerics identically (the one-chunk
+    attention's F16 steps in 16, 8 or 1 lanes: heads of 64 on its F32 path, 128 on the native F16 one, 144 on both)."""
     order = ["scalar", "avx2", "avx512"]
     if order.index(isa) >= order.index(cpu._native_isa()):
         pytest.skip(f"the native build ({cpu._native_isa()}) is not wider than {isa}")
@@ -402,6 +403,13 @@ def test_narrower_builds_match_the_native_build(isa):
         torch.testing.assert_close(
             narrow.linear_llamacpp(x, [w.data], t, [24], K), cpu.extension().linear_llamacpp(x, [w.data], t, [24], K)
         )
+    g = torch.Generator().manual_seed(6)
+    for d in (64, 128, 144):
+        q = torch.randn(8, 3, d, generator=g) * 3
+        keys, values = ((torch.randn(2, 40, d, generator=g) * 3).half() for _ in range(2))  # 4 query heads each
+        allowed = torch.rand(8, 3, 40, generator=g) > 0.2
+        assert torch.equal(narrow.flash_attn_one_chunk(q, keys, values, allowed, 0.1),
+                           cpu.extension().flash_attn_one_chunk(q, keys, values, allowed, 0.1)), d
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_K"])
