@@ -230,7 +230,7 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
     answer_pair: list[tuple[int, int]] = []
 
     def default_metric(logits: torch.Tensor) -> torch.Tensor:
-        if not answer_pair:  # the first gradient run is the corrupt one
+        if not answer_pair:  # the first call reads the corrupt run's logits
             answer_pair.append(sweep.answers(clean_trace.logits, logits.detach()))
         return logit_diff(*answer_pair[0])(logits)
 
