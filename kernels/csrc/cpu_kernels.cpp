@@ -669,13 +669,25 @@ struct Q6_K {
     return {values(b, g), d * static_cast<float>(scale(b, g, 0)), d * static_cast<float>(scale(b, g, 1)), 0.0f, 0.0f};
   }
 #if defined(__AVX512BW__)
-  // Two groups a 64-byte vector, with codes() unpacking: each 32-bit lane holds the integer it holds in the 32-byte
+  // Half-block h's codes, 0..63 (values() plus 32), in two 64-byte vectors of two groups each (groups 4h and 4h + 1,
+  // then 4h + 2 and 4h + 3): bits 0-3 from the nibbles, bits 4-5 from the 2-bit highs shifted into place (the shift
+  // of each 32-byte half of a vector set on its own), where values() takes eight 32-byte steps per group.
+  static void unsigned_codes(const uint8_t* b, int half, __m512i* quarters) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), six_bits = _mm512_set1_epi8(0x3F);
+    constexpr int kNibbleOrHigh = 0xE4;  // ternary logic: c ? a : b
+    const __m512i lows = _mm512_loadu_si512(b + 64 * half);
+    const __m512i highs = both_halves(b + 128 + 32 * half);
+    quarters[0] = _mm512_and_si512(
+        _mm512_ternarylogic_epi32(lows, _mm512_sllv_epi16(highs, per_half(4, 2)), nibble, kNibbleOrHigh), six_bits);
+    quarters[1] = _mm512_and_si512(
+        _mm512_ternarylogic_epi32(_mm512_srli_epi16(lows, 4), shifted_halves(highs, 0, 2), nibble, kNibbleOrHigh),
+        six_bits);
+  }
+  // Two groups a 64-byte vector, with unsigned_codes(): each 32-bit lane holds the integer it holds in the 32-byte
   // form below (the same products, their sums in another order), the two halves added at the end; the signed codes'
   // products as the unsigned 6-bit codes' minus 32 times the activations' (no 64-byte form of the sign moves).
   static void dot(const uint8_t* b, const Act& y, Floats& acc, float&) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), six_bits = _mm512_set1_epi8(0x3F), bias = _mm512_set1_epi8(32);
-    const __m512i left_01 = per_half(4, 2);
-    constexpr int kNibbleOrHigh = 0xE4;  // ternary logic: c ? a : b
+    const __m512i bias = _mm512_set1_epi8(32);
     // the 16 scales as 16-bit words, and for groups (2k, 2k + 1) the words lo, hi, lo, hi eight times each
     const __m512i scales = _mm512_castsi256_si512(
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
@@ -683,16 +695,13 @@ struct Q6_K {
                                             1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i sumi = _mm512_setzero_si512();
     for (int half = 0; half < 2; ++half) {
-      const __m512i lows = _mm512_loadu_si512(b + 64 * half);
-      const __m512i highs = both_halves(b + 128 + 32 * half);
-      const __m512i q01 = _mm512_ternarylogic_epi32(lows, _mm512_sllv_epi16(highs, left_01), nibble, kNibbleOrHigh);
-      const __m512i q23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lows, 4), shifted_halves(highs, 0, 2), nibble,
-                                                    kNibbleOrHigh);
+      __m512i quarters[2];
+      unsigned_codes(b, half, quarters);
       for (int pair = 0; pair < 2; ++pair) {
         const int k = 2 * half + pair;  // groups 2k and 2k + 1
-        const __m512i codes = _mm512_and_si512(pair ? q23 : q01, six_bits);
         const __m512i yv = _mm512_loadu_si512(y.qs + 64 * k);
-        const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, yv), _mm512_maddubs_epi16(bias, yv));
+        const __m512i pairs = _mm512_sub_epi16(_mm512_maddubs_epi16(quarters[pair], yv),
+                                               _mm512_maddubs_epi16(bias, yv));
         const __m512i word_scales = _mm512_permutexvar_epi16(_mm512_add_epi16(spread, _mm512_set1_epi16(4 * k)),
                                                              scales);
         sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(pairs, word_scales));
@@ -710,21 +719,14 @@ struct Q6_K {
   }
 #endif
 #if defined(__AVX512BW__)
-  // The 256 codes (as values() gives them) and a scale per 16 values, a half-block (four groups) at a time in
-  // 64-byte vectors: bits 0-3 from the nibbles, bits 4-5 from the 2-bit highs shifted into place (the shift of each
-  // 32-byte half of a vector set on its own), where values() takes eight 32-byte steps per group.
+  // The 256 codes (as values() gives them) and a scale per 16 values, a half-block (four groups) at a time.
   static void codes(const uint8_t* b, int8_t* q, float* scale) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), six_bits = _mm512_set1_epi8(0x3F), bias = _mm512_set1_epi8(32);
-    const __m512i left_01 = per_half(4, 2);
-    constexpr int kNibbleOrHigh = 0xE4;  // ternary logic: c ? a : b
+    const __m512i bias = _mm512_set1_epi8(32);
     for (int half = 0; half < 2; ++half) {
-      const __m512i lows = _mm512_loadu_si512(b + 64 * half);
-      const __m512i highs = both_halves(b + 128 + 32 * half);
-      const __m512i q01 = _mm512_ternarylogic_epi32(lows, _mm512_sllv_epi16(highs, left_01), nibble, kNibbleOrHigh);
-      const __m512i q23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lows, 4), shifted_halves(highs, 0, 2), nibble,
-                                                    kNibbleOrHigh);
-      _mm512_storeu_si512(q + 128 * half, _mm512_sub_epi8(_mm512_and_si512(q01, six_bits), bias));
-      _mm512_storeu_si512(q + 128 * half + 64, _mm512_sub_epi8(_mm512_and_si512(q23, six_bits), bias));
+      __m512i quarters[2];
+      unsigned_codes(b, half, quarters);
+      _mm512_storeu_si512(q + 128 * half, _mm512_sub_epi8(quarters[0], bias));
+      _mm512_storeu_si512(q + 128 * half + 64, _mm512_sub_epi8(quarters[1], bias));
     }
     const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
     _mm512_storeu_ps(scale, _mm512_mul_ps(scales, _mm512_set1_ps(half_at(b + 208))));
