@@ -80,8 +80,10 @@ class GradientTaps:
                 for name, grad in zip(self.names, found)}
 
 
-def metric_value(value: object) -> torch.Tensor:
-    """A metric's result as the 0-d tensor a backward starts from, or a clear error."""
+def metric_value(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
+    """``metric`` of the logits as the 0-d tensor a backward starts from, or a clear error. The metric reads a copy:
+    an in-place edit of it must not change the logits a caller returns."""
+    value = metric(logits.clone())
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         hint = " (a Python number has no gradient)" if isinstance(value, (int, float)) else ""
         raise HookError(f"metric must return a one-element float tensor computed from the logits, got "

@@ -239,9 +239,8 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
         corrupt_values, corrupt_metric, gradients = corrupt_run.activations, corrupt_run.metric, corrupt_run.gradients
     else:
         corrupt_trace = model.run(sweep.corrupt_ids, record=[*sweep.names, *inputs])
-        if metric is None:
-            default_metric(corrupt_trace.logits)
         corrupt_values = corrupt_trace.activations
+        corrupt_metric = float((metric or default_metric)(corrupt_trace.logits))
         between = [[FunctionHook(name, _interpolation(corrupt_values[name], clean_trace.activations[name],
                                                       (step + 0.5) / steps)) for name in inputs]
                    for step in range(steps)]
@@ -250,8 +249,6 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
         gradients = {name: torch.stack([run.gradients[name] for run in runs]).mean(0) for name in sweep.names}
     metric = logit_diff(*answer_pair[0]) if answer_pair else metric
     clean_metric = float(metric(clean_trace.logits))
-    if steps > 1:
-        corrupt_metric = float(metric(corrupt_trace.logits))
     if normalize and clean_metric == corrupt_metric:
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
     cells = sweep.cells()

@@ -456,8 +456,7 @@ class Model:
             with torch.inference_mode(False), torch.enable_grad():  # a caller's inference mode would record no graph
                 logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora).cpu()
                 taps.check_fired()
-                # the metric reads a copy: an in-place edit of it must not change the logits returned
-                value = hooks_lib.metric_value(metric(logits.clone()))
+                value = hooks_lib.metric_value(metric, logits)
                 gradients = taps.gradients(value)
         return hooks_lib.Gradients(
             ids=ids, tokens=self.token_texts(ids), logits=logits.detach(), metric=float(value.detach()),
@@ -503,19 +502,21 @@ class Model:
                 rows = logits.split(list(layout.lengths))
                 values = []
                 for i, row in zip(layout.prompts, rows):
-                    try:  # the metric reads a copy: an in-place edit of it must not change the logits returned
-                        values.append(hooks_lib.metric_value(metrics[i](row.clone())))
+                    try:
+                        values.append(hooks_lib.metric_value(metrics[i], row))
                     except WorkbenchError as err:
                         raise type(err)(f"prompt {i}: {err}") from None
                 gradients = taps.gradients(torch.stack(values).sum())
-            for b, (i, row, value) in enumerate(zip(layout.prompts, rows, values)):
-                def own(x: torch.Tensor, name: str) -> torch.Tensor:
-                    return hooks_lib.batching.row_view(x, name, layout, b).to("cpu", torch.float32, copy=True)
 
+            def own(x: torch.Tensor, name: str, b: int) -> torch.Tensor:  # row b's part, a tensor of its own
+                return hooks_lib.batching.row_view(x, name, layout, b).to("cpu", torch.float32, copy=True)
+
+            for b, (i, row, value) in enumerate(zip(layout.prompts, rows, values)):
                 results[i] = hooks_lib.Gradients(
                     ids=ids[i], tokens=self.token_texts(ids[i]), logits=row.detach().clone(),
-                    metric=float(value.detach()), activations={name: own(taps.activations[name], name) for name in names},
-                    gradients={name: own(gradients[name], name) for name in names})
+                    metric=float(value.detach()),
+                    activations={name: own(taps.activations[name], name, b) for name in names},
+                    gradients={name: own(gradients[name], name, b) for name in names})
         return results
 
     # ---------------------------------------------------------------------------------------- batches
