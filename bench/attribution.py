@@ -2,7 +2,8 @@
 ``--repeats``) and how well the estimates track the patched runs (Pearson correlation over the cells, and the cell
 where they differ most), for each ``--steps`` (1: the gradient in the corrupt run; more: integrated gradients). The
 README's prompts by default. Then the gradients of ``--prompts`` copies of the clean prompt, batched against one at a
-time.
+time; and attribution patching over the first ``--pairs`` pairs of the shipped ``ioi`` dataset (``dataset_patching``,
+the pairs batched) against a loop of one pair at a time, each against activation patching over the same pairs.
 
     python bench/attribution.py                        # embedded model, CPU, 2 threads
     python bench/attribution.py --steps 1 5 --device cuda --repeats 5
@@ -18,7 +19,7 @@ import torch
 
 import workbench
 from decode import synchronize
-from workbench import hooks
+from workbench import hooks, probes
 
 SWEEPS = {  # name -> (hook template, axes)
     "resid_pre": (None, ("layers", "positions")),
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--corrupt", default="The Colosseum is in the city of")
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 5], help="attribution_patching's steps")
     parser.add_argument("--prompts", type=int, default=8, help="prompts in the batched gradient run")
+    parser.add_argument("--pairs", type=int, default=16, help="ioi pairs of the dataset sweeps (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = workbench.load(args.model, device=args.device)
@@ -73,6 +75,38 @@ def main() -> None:
                        args.repeats, model.device)
     print(f"gradients at every resid_pre of {args.prompts} prompts: batched {seconds['batched']:.3f} s, one at a "
           f"time {seconds['one at a time']:.3f} s ({seconds['one at a time'] / seconds['batched']:.2f}x)")
+    if args.pairs:
+        dataset_sweeps(model, args.pairs, args.steps, args.repeats)
+
+
+def dataset_sweeps(model: workbench.Model, n_pairs: int, steps_list: list[int], repeats: int) -> None:
+    """Attribution patching over ioi pairs, batched and one pair at a time, against activation patching (timed once:
+    each pair's cells are batched already, and it is the reference)."""
+    pairs, answers = probes.load_dataset("ioi").patching()
+    pairs, answers = pairs[:n_pairs], answers[:n_pairs]
+    print(f"\nioi, {len(pairs)} pairs: seconds, and correlation with activation patching over the same pairs")
+    for name in ("resid_pre", "heads"):
+        hook, over = SWEEPS[name]
+        sweep = dict(hook=hook, over=over, answers=answers, progress=False)
+        start = time.perf_counter()
+        patched = hooks.dataset_patching(model, pairs, **sweep)
+        synchronize(model.device)
+        print(f"{name:10} {patched.grid.numel():>6} cells, activation patching {time.perf_counter() - start:.3f} s")
+        for steps in steps_list:
+            def one_at_a_time(steps: int = steps) -> torch.Tensor:
+                return torch.stack([hooks.attribution_patching(model, clean, corrupt, hook=hook, over=over,
+                                                               answers=pair_answers, steps=steps).grid
+                                    for (clean, corrupt), pair_answers in zip(pairs, answers)]).mean(0)
+
+            seconds, results = timed({"batched": lambda steps=steps: hooks.dataset_patching(
+                model, pairs, method="attribution", steps=steps, **sweep), "one at a time": one_at_a_time},
+                repeats, model.device)
+            batched = results["batched"].grid
+            gap = float((batched - results["one at a time"]).abs().max())
+            correlation = torch.corrcoef(torch.stack([patched.grid.flatten(), batched.flatten()]))[0, 1]
+            print(f"{'':10} steps {steps}: batched {seconds['batched']:.3f} s, one pair at a time "
+                  f"{seconds['one at a time']:.3f} s ({seconds['one at a time'] / seconds['batched']:.2f}x, largest "
+                  f"difference {gap:.1e}), correlation {correlation:.2f}")
 
 
 def timed(runs: dict[str, Callable[[], Any]], repeats: int, device: torch.device

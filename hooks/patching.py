@@ -13,10 +13,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from workbench.errors import HookError, integer, integer_list, shorten
+from workbench.errors import HookError, WorkbenchError, integer, integer_list, shorten
 from workbench.kv_cache import BatchKVCache, KVCache
 from workbench.messages import Prompt
-from workbench.progress import progress_callback
+from workbench.progress import check_progress, progress_callback
 from workbench.runner import BatchLayout, HookContext, block_points
 
 from .interventions import FunctionHook, Patch
@@ -43,6 +43,7 @@ class PatchingResult:
     metric_name: str
     normalized: bool  # grid is (patched - corrupt) / (clean - corrupt): 0 = no effect, 1 = clean restored
     method: str = "activation patching"  # or "attribution patching": the grid estimated from gradients
+    pairs: int = 1  # the (clean, corrupt) pairs whose grids and metrics are averaged (``dataset_patching``)
 
     def figure(self, title: str | None = None):
         """A plotly heatmap (one panel per head for a layers x positions x heads sweep)."""
@@ -59,15 +60,17 @@ class PatchingResult:
         if len(self.over) == 3:
             heads = self.labels["heads"]
             fig.for_each_annotation(lambda a: a.update(text=heads[int(a.text.split("=")[-1])]))
+        over = f", mean of {self.pairs} pairs" if self.pairs > 1 else ""
         fig.update_layout(title=title or f"{self.method} {self.hook} (clean {self.clean_metric:.3g}, "
-                                         f"corrupt {self.corrupt_metric:.3g})")
+                                         f"corrupt {self.corrupt_metric:.3g}{over})")
         return fig
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for MCP and the app)."""
         return {"grid": self.grid.tolist(), "over": list(self.over), "hook": self.hook, "labels": self.labels,
                 "clean_metric": self.clean_metric, "corrupt_metric": self.corrupt_metric,
-                "metric_name": self.metric_name, "normalized": self.normalized, "method": self.method}
+                "metric_name": self.metric_name, "normalized": self.normalized, "method": self.method,
+                "pairs": self.pairs}
 
 
 def logit_diff(clean_answer: int, corrupt_answer: int) -> Metric:
@@ -77,7 +80,8 @@ def logit_diff(clean_answer: int, corrupt_answer: int) -> Metric:
 
 @dataclass
 class _Sweep:
-    """A sweep's cells as the arguments of ``patching_sweep`` and ``attribution_patching`` give them, checked."""
+    """One (clean, corrupt) pair's sweep as the arguments of ``patching_sweep``, ``attribution_patching`` and
+    ``dataset_patching`` give it, checked."""
 
     over: tuple[str, ...]
     hook: str
@@ -88,6 +92,7 @@ class _Sweep:
     clean_ids: list[int]
     corrupt_ids: list[int]
     answer_ids: list[int] | None
+    label: str = ""  # "pair 3: " in a dataset, for its errors
 
     def cells(self) -> list[Cell]:
         return [(self.layers[i], name, pos, head) for i, name in enumerate(self.names)
@@ -95,30 +100,22 @@ class _Sweep:
                 for head in (self.heads if "heads" in self.over else [None])]
 
     def answers(self, clean_logits: torch.Tensor, corrupt_logits: torch.Tensor) -> tuple[int, int]:
-        """The default metric's answers: as given, else each run's top prediction."""
-        pair = self.answer_ids or (int(clean_logits[-1].argmax()), int(corrupt_logits[-1].argmax()))
-        if pair[0] == pair[1]:
-            raise HookError("the clean and corrupt runs predict the same token; pass answers=(clean, corrupt)")
-        return pair[0], pair[1]
+        """The default metric's answers: as given, else each run's top prediction (unchecked: ``checked``)."""
+        if self.answer_ids:
+            return self.answer_ids[0], self.answer_ids[1]
+        return int(clean_logits[-1].argmax()), int(corrupt_logits[-1].argmax())
 
-    def result(self, model: Any, grid: torch.Tensor, clean_metric: float, corrupt_metric: float, metric_name: str,
-               normalize: bool, method: str) -> PatchingResult:
-        shape = ([len(self.layers)] + ([len(self.positions)] if "positions" in self.over else [])
-                 + ([len(self.heads)] if "heads" in self.over else []))
-        grid = grid.view(shape)
-        if normalize:
-            grid = (grid - corrupt_metric) / (clean_metric - corrupt_metric)
-        tokens = model.token_texts(self.clean_ids)
-        labels = {"layers": [f"L{i}" for i in self.layers],
-                  "positions": [f"{p}: {tokens[p]}" for p in self.positions],
-                  "heads": [f"H{h}" for h in self.heads]}
-        return PatchingResult(grid, self.over, self.hook, {axis: labels[axis] for axis in self.over}, clean_metric,
-                              corrupt_metric, metric_name, normalize, method)
+    def checked(self, answers: tuple[int, int]) -> tuple[int, int]:
+        if answers[0] == answers[1]:
+            raise HookError(f"{self.label}the clean and corrupt runs predict the same token; "
+                            f"pass answers=(clean, corrupt)")
+        return answers
 
 
-def _sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | None,
-           over: Sequence[str], hook: str | None, layers: Sequence[int] | None, positions: Sequence[int] | None,
-           answers: tuple[int | str, int | str] | None) -> _Sweep:
+def _sweeps(model: Any, pairs: Sequence[tuple[Prompt, Prompt]], over: Sequence[str], hook: str | None,
+            layers: Sequence[int] | None, positions: Sequence[int] | None,
+            answers: Sequence[tuple[int | str, int | str] | None]) -> list[_Sweep]:
+    """Each pair's sweep, ``answers`` one entry per pair; in a dataset (more than one pair) an error names its pair."""
     over = tuple(over)
     if over not in AXES:
         raise HookError(f"over must be one of {sorted(AXES)}, got {over}")
@@ -137,21 +134,35 @@ def _sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | None,
         resolve(name, c)
         if sweep_heads and head_count(name, c) is None:
             raise HookError(f"{name} has no head axis to sweep")
-    clean_ids, corrupt_ids = model.to_ids(clean), model.to_ids(corrupt)
-    if len(clean_ids) != len(corrupt_ids):
-        raise HookError(f"clean and corrupt prompts must have the same number of tokens "
-                        f"({len(clean_ids)} vs {len(corrupt_ids)})")
-    n_tokens = len(clean_ids)
-    positions = list(range(n_tokens)) if positions is None else [p % n_tokens for p in _checked(positions, n_tokens)]
     heads = list(range(head_count(names[0], c))) if sweep_heads else []
-    if answers is not None and (isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence)
-                                or len(answers) != 2):
+    sweeps = []
+    for i, (clean, corrupt) in enumerate(pairs):
+        label = f"pair {i}: " if len(pairs) > 1 else ""
+        try:
+            clean_ids, corrupt_ids = model.to_ids(clean), model.to_ids(corrupt)
+            if len(clean_ids) != len(corrupt_ids):
+                raise HookError(f"clean and corrupt prompts must have the same number of tokens "
+                                f"({len(clean_ids)} vs {len(corrupt_ids)})")
+            n_tokens = len(clean_ids)
+            if "positions" in over and sweeps and n_tokens != len(sweeps[0].clean_ids):
+                raise HookError(f"{n_tokens} tokens where pair 0 has {len(sweeps[0].clean_ids)}: a sweep over "
+                                f"positions takes pairs of one length (one over ['layers', 'heads'] takes any)")
+            cells_at = (list(range(n_tokens)) if positions is None
+                        else [p % n_tokens for p in _checked(positions, n_tokens)])
+            answer_ids = _answer_ids(model, answers[i])
+        except WorkbenchError as err:
+            raise type(err)(f"{label}{err}") from None
+        sweeps.append(_Sweep(over, hook, layers, names, cells_at, heads, clean_ids, corrupt_ids, answer_ids, label))
+    return sweeps
+
+
+def _answer_ids(model: Any, answers: tuple[int | str, int | str] | None) -> list[int] | None:
+    if answers is None:
+        return None
+    if isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence) or len(answers) != 2:
         raise HookError(f"answers must be a pair (clean answer, corrupt answer) of token ids or single-token strings, "
                         f"got {shorten(answers)}")
-    answer_ids = [_token_id(model, a) for a in answers] if answers is not None else None
-    if metric is not None and not callable(metric):
-        raise HookError("metric must be a function of the logits [positions, vocab]")
-    return _Sweep(over, hook, layers, names, positions, heads, clean_ids, corrupt_ids, answer_ids)
+    return [_token_id(model, a) for a in answers]
 
 
 def _metric_name(model: Any, metric: Metric | None, answers: tuple[int, int] | None) -> str:
@@ -159,6 +170,50 @@ def _metric_name(model: Any, metric: Metric | None, answers: tuple[int, int] | N
         return getattr(metric, "__name__", "metric")
     texts = model.token_texts(answers)
     return f"logit diff {texts[0]!r} - {texts[1]!r}"
+
+
+def _check_metric(metric: Any) -> None:
+    if metric is not None and not callable(metric):
+        raise HookError("metric must be a function of the logits [positions, vocab]")
+
+
+@dataclass
+class _PairGrid:
+    """One pair's cells (flat, in ``_Sweep.cells`` order) and metrics."""
+
+    grid: torch.Tensor
+    clean_metric: float
+    corrupt_metric: float
+    metric_name: str
+
+
+def _result(model: Any, sweeps: Sequence[_Sweep], pairs: Sequence[_PairGrid], normalize: bool,
+            method: str) -> PatchingResult:
+    """The pairs' mean grid and metrics; normalized, by the mean metrics (as EAP normalizes a dataset's scores)."""
+    first = sweeps[0]
+    clean_metric = sum(p.clean_metric for p in pairs) / len(pairs)
+    corrupt_metric = sum(p.corrupt_metric for p in pairs) / len(pairs)
+    if normalize and clean_metric == corrupt_metric:
+        raise HookError("cannot normalize: the clean and corrupt metrics are equal"
+                        + (" on average over the pairs" if len(pairs) > 1 else ""))
+    shape = ([len(first.layers)] + ([len(first.positions)] if "positions" in first.over else [])
+             + ([len(first.heads)] if "heads" in first.over else []))
+    grid = torch.stack([p.grid for p in pairs]).mean(0).view(shape)
+    if normalize:
+        grid = (grid - corrupt_metric) / (clean_metric - corrupt_metric)
+    labels = {"layers": [f"L{i}" for i in first.layers], "heads": [f"H{h}" for h in first.heads]}
+    if "positions" in first.over:  # a position's token where every pair has the same one there
+        texts = [model.token_texts(s.clean_ids) for s in sweeps]
+        labels["positions"] = [f"{p}: {texts[0][p]}" if all(t[p] == texts[0][p] for t in texts) else f"{p}"
+                               for p in first.positions]
+    names = {p.metric_name for p in pairs}
+    if len(names) == 1:
+        metric_name = names.pop()
+    else:
+        answers = all(n.startswith("logit diff ") for n in names)
+        metric_name = "logit diff of each pair's answers" if answers else "each pair's metric"
+    return PatchingResult(grid, first.over, first.hook, {axis: labels[axis] for axis in first.over}, clean_metric,
+                          corrupt_metric, metric_name, normalize, method, len(pairs))
 
 
 def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | None = None,
@@ -174,7 +229,16 @@ def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | 
     single-token strings; by default each run's top prediction). A heads-only sweep patches each head
     at every position. ``progress``: True for a progress bar, False for none, or ``fn(done, total)``.
     """
-    sweep = _sweep(model, clean, corrupt, metric, over, hook, layers, positions, answers)
+    _check_metric(metric)
+    sweep, = _sweeps(model, [(clean, corrupt)], over, hook, layers, positions, [answers])
+    check_progress(progress)
+    return _result(model, [sweep], [_patched(model, sweep, metric, normalize, progress)], normalize,
+                   "activation patching")
+
+
+def _patched(model: Any, sweep: _Sweep, metric: Metric | None, refuse_equal: bool,
+             progress: bool | ProgressFn) -> _PairGrid:
+    """One pair's activation patching; ``refuse_equal``: the normalization's check, before the cells run."""
     clean_trace = model.run(sweep.clean_ids, record=sweep.names)
     cells = sweep.cells()
     continued = _can_continue(model, sweep.names)
@@ -183,10 +247,10 @@ def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | 
         corrupt_logits = corrupt_run.logits
     else:
         corrupt_logits = model.forward(sweep.corrupt_ids)
-    answer_pair = sweep.answers(clean_trace.logits, corrupt_logits) if metric is None else None
+    answer_pair = sweep.checked(sweep.answers(clean_trace.logits, corrupt_logits)) if metric is None else None
     metric = logit_diff(*answer_pair) if metric is None else metric
     clean_metric, corrupt_metric = float(metric(clean_trace.logits)), float(metric(corrupt_logits))
-    if normalize and clean_metric == corrupt_metric:
+    if refuse_equal and clean_metric == corrupt_metric:
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
 
     if continued:
@@ -202,8 +266,7 @@ def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | 
         for n, trace in model.iter_batch([sweep.corrupt_ids] * len(cells), per_prompt_interventions=patches,
                                          logits=rows, progress=progress):
             grid[n] = float(metric(trace.logits))
-    return sweep.result(model, grid, clean_metric, corrupt_metric, _metric_name(model, metric, answer_pair),
-                        normalize, "activation patching")
+    return _PairGrid(grid, clean_metric, corrupt_metric, _metric_name(model, metric, answer_pair))
 
 
 def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
@@ -221,49 +284,150 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
     midpoints of equal steps on the straight line from the corrupt run's to the clean run's (integrated gradients,
     as EAP-IG takes them): closer to the patched values where the metric saturates, for a forward and a backward a
     step. Either way a map of where to patch, to check with ``patching_sweep`` where it matters."""
+    steps = _checked_steps(steps)
+    _check_metric(metric)
+    sweep, = _sweeps(model, [(clean, corrupt)], over, hook, layers, positions, [answers])
+    return _result(model, [sweep], _attributed(model, [sweep], [metric], steps), normalize,
+                   _attribution_method(steps))
+
+
+def _checked_steps(steps: int) -> int:
     steps = integer(steps, "steps", HookError)
     if steps < 1:
         raise HookError(f"steps must be at least 1, got {steps}")
-    sweep = _sweep(model, clean, corrupt, metric, over, hook, layers, positions, answers)
+    return steps
+
+
+def _attribution_method(steps: int) -> str:
+    return "attribution patching" + (f", integrated gradients ({steps} steps)" if steps > 1 else "")
+
+
+class _PairMetric:
+    """A pair's metric: the caller's, or the logit difference of the pair's answers at the last position, as given or
+    else each run's top prediction, the corrupt run's read from the first logits it is given (the corrupt run's)."""
+
+    def __init__(self, sweep: _Sweep, clean_logits: torch.Tensor, metric: Metric | None):
+        self.sweep, self.clean_logits, self.metric = sweep, clean_logits, metric
+        self.answers: tuple[int, int] | None = None
+
+    def __call__(self, logits: torch.Tensor) -> float | torch.Tensor:
+        if self.metric is not None:
+            return self.metric(logits)
+        if self.answers is None:
+            self.answers = self.sweep.answers(self.clean_logits, logits.detach())
+        return logit_diff(*self.answers)(logits)
+
+    def name(self, model: Any) -> str:
+        return _metric_name(model, self.metric, self.answers)
+
+
+def _traces(model: Any, prompts: Sequence[list[int]], record: Sequence[str]) -> list[Any]:
+    """Each prompt's Trace: one prompt runs alone (the production forward's bits), more in batched forwards."""
+    if len(prompts) == 1:
+        return [model.run(prompts[0], record=record)]
+    return model.run_batch(prompts, record=record)
+
+
+def _attributed(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric | None], steps: int) -> list[_PairGrid]:
+    """Each pair's attribution patching grid, the pairs' forwards and backwards batched."""
+    names = sweeps[0].names
     inputs = _input_points(model.config) if steps > 1 else []
-    clean_trace = model.run(sweep.clean_ids, record=[*sweep.names, *inputs])
-    answer_pair: list[tuple[int, int]] = []
-
-    def default_metric(logits: torch.Tensor) -> torch.Tensor:
-        if not answer_pair:  # the first call reads the corrupt run's logits
-            answer_pair.append(sweep.answers(clean_trace.logits, logits.detach()))
-        return logit_diff(*answer_pair[0])(logits)
-
+    cleans = _traces(model, [s.clean_ids for s in sweeps], [*names, *inputs])
+    chosen = [_PairMetric(s, clean.logits, m) for s, clean, m in zip(sweeps, cleans, metrics)]
+    corrupt_ids = [s.corrupt_ids for s in sweeps]
     if steps == 1:
-        corrupt_run = model.run_with_gradients(sweep.corrupt_ids, metric or default_metric, sweep.names)
-        corrupt_values, corrupt_metric, gradients = corrupt_run.activations, corrupt_run.metric, corrupt_run.gradients
+        runs = ([model.run_with_gradients(corrupt_ids[0], chosen[0], names)] if len(sweeps) == 1
+                else model.run_with_gradients_batch(corrupt_ids, chosen, names))
+        corrupt_values, corrupt_metrics = [r.activations for r in runs], [r.metric for r in runs]
+        gradients = [r.gradients for r in runs]
     else:
-        corrupt_trace = model.run(sweep.corrupt_ids, record=[*sweep.names, *inputs])
-        corrupt_values = corrupt_trace.activations
-        corrupt_metric = float((metric or default_metric)(corrupt_trace.logits))
-        between = [[FunctionHook(name, _interpolation(corrupt_values[name], clean_trace.activations[name],
+        corrupts = _traces(model, corrupt_ids, [*names, *inputs])
+        corrupt_values = [t.activations for t in corrupts]
+        corrupt_metrics = [float(metric(t.logits)) for metric, t in zip(chosen, corrupts)]
+        between = [[FunctionHook(name, _interpolation(corrupt.activations[name], clean.activations[name],
                                                       (step + 0.5) / steps)) for name in inputs]
-                   for step in range(steps)]
-        runs = model.run_with_gradients_batch([sweep.corrupt_ids] * steps, metric or default_metric, sweep.names,
+                   for clean, corrupt in zip(cleans, corrupts) for step in range(steps)]
+        runs = model.run_with_gradients_batch([ids for ids in corrupt_ids for _ in range(steps)],
+                                              [metric for metric in chosen for _ in range(steps)], names,
                                               per_prompt_interventions=between)
-        gradients = {name: torch.stack([run.gradients[name] for run in runs]).mean(0) for name in sweep.names}
-    metric = logit_diff(*answer_pair[0]) if answer_pair else metric
-    clean_metric = float(metric(clean_trace.logits))
-    if normalize and clean_metric == corrupt_metric:
-        raise HookError("cannot normalize: the clean and corrupt metrics are equal")
-    cells = sweep.cells()
-    grid = torch.empty(len(cells))
-    effects = {name: _first_order_effect(clean_trace.activations[name], corrupt_values[name], gradients[name])
-               for name in sweep.names}
-    for n, (_, name, pos, head) in enumerate(cells):
-        region = [slice(None)] * effects[name].dim()
-        for axis, index in ((axes(name).token, pos), (axes(name).head, head)):
-            if index is not None:
-                region[axis] = index
-        grid[n] = corrupt_metric + float(effects[name][tuple(region)].sum())
-    method = "attribution patching" + (f", integrated gradients ({steps} steps)" if steps > 1 else "")
-    return sweep.result(model, grid, clean_metric, corrupt_metric,
-                        _metric_name(model, metric, answer_pair[0] if answer_pair else None), normalize, method)
+        gradients = [{name: torch.stack([run.gradients[name] for run in runs[i * steps:(i + 1) * steps]]).mean(0)
+                      for name in names} for i in range(len(sweeps))]
+    grids = []
+    for sweep, clean, metric, values, corrupt_metric, gradient in zip(sweeps, cleans, chosen, corrupt_values,
+                                                                      corrupt_metrics, gradients):
+        if metric.answers is not None:
+            sweep.checked(metric.answers)
+        effects = {name: _first_order_effect(clean.activations[name], values[name], gradient[name]) for name in names}
+        cells = sweep.cells()
+        grid = torch.empty(len(cells))
+        for n, (_, name, pos, head) in enumerate(cells):
+            region = [slice(None)] * effects[name].dim()
+            for axis, index in ((axes(name).token, pos), (axes(name).head, head)):
+                if index is not None:
+                    region[axis] = index
+            grid[n] = corrupt_metric + float(effects[name][tuple(region)].sum())
+        grids.append(_PairGrid(grid, float(metric(clean.logits)), corrupt_metric, metric.name(model)))
+    return grids
+
+
+# Pairs a batched gradient call takes, each row's activations and gradients at the swept points kept until its pair's
+# grid is taken: a dataset of pairs runs in chunks of rows (a pair's integrated-gradient steps are a row each).
+_GRADIENT_ROWS = 32
+
+
+def dataset_patching(model: Any, pairs: Sequence[tuple[Prompt, Prompt]],
+                     metric: Metric | Sequence[Metric] | None = None, *, method: str = "activation", steps: int = 1,
+                     over: Sequence[str] = ("layers", "positions"), hook: str | None = None,
+                     layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
+                     answers: Sequence[tuple[int | str, int | str]] | None = None, normalize: bool = False,
+                     progress: bool | ProgressFn = True) -> PatchingResult:
+    """``patching_sweep`` (``method="activation"``) or ``attribution_patching`` (``"attribution"``, with its
+    ``steps``) over a dataset of ``(clean, corrupt)`` pairs: the grid and the clean and corrupt metrics are the means
+    of each pair's, as the single-pair call gives them, and ``normalize`` divides by the mean change (as EAP
+    normalizes). ``metric`` is one function for every pair or a list of one per pair; ``answers`` a list of one
+    ``(clean answer, corrupt answer)`` per pair (default: each run's top prediction). A sweep over positions takes
+    pairs of one token count (a template filled in); one over ``("layers", "heads")`` takes any. Attribution runs
+    the pairs' forwards and backwards batched, activation patching each pair's cells. Errors name the pair."""
+    if method not in ("activation", "attribution"):
+        raise HookError(f"method must be 'activation' or 'attribution', got {shorten(method)}")
+    steps = _checked_steps(steps)
+    if method == "activation" and steps != 1:
+        raise HookError("steps applies to method='attribution' (activation patching runs each cell once)")
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs:
+        raise HookError(f"pairs must be a non-empty list of (clean, corrupt) prompt pairs, got {shorten(pairs)}")
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, (str, bytes, dict)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise HookError(f"pair {i}: a pair is (clean prompt, corrupt prompt), got {shorten(pair)}")
+    metrics = list(metric) if isinstance(metric, (list, tuple)) else [metric] * len(pairs)
+    if len(metrics) != len(pairs):
+        raise HookError(f"metric must be one function or a list of one per pair ({len(pairs)}), got {len(metrics)}")
+    for m in metrics:
+        _check_metric(m)
+    if answers is not None and (isinstance(answers, (str, bytes)) or not isinstance(answers, Sequence)
+                                or len(answers) != len(pairs)):
+        raise HookError(f"answers must be a list of one (clean answer, corrupt answer) per pair ({len(pairs)}), "
+                        f"got {shorten(answers)}")
+    sweeps = _sweeps(model, pairs, over, hook, layers, positions, answers or [None] * len(pairs))
+    check_progress(progress)
+    if method == "attribution":
+        grids: list[_PairGrid] = []
+        chunk = max(1, _GRADIENT_ROWS // steps)
+        update, close = progress_callback(progress, len(sweeps), "pairs")
+        try:
+            for start in range(0, len(sweeps), chunk):
+                grids += _attributed(model, sweeps[start:start + chunk], metrics[start:start + chunk], steps)
+                update(len(grids))
+        finally:
+            close()
+        return _result(model, sweeps, grids, normalize, _attribution_method(steps))
+    n_cells = len(sweeps[0].cells())  # every pair's count: positions swept take pairs of one length
+    update, close = progress_callback(progress, n_cells * len(sweeps), "cells")
+    try:
+        grids = [_patched(model, sweep, m, False, lambda done, total, i=i: update(i * n_cells + done))
+                 for i, (sweep, m) in enumerate(zip(sweeps, metrics))]
+    finally:
+        close()
+    return _result(model, sweeps, grids, normalize, "activation patching")
 
 
 def _input_points(config: Any) -> list[str]:

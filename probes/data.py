@@ -1,10 +1,12 @@
 """Labelled prompt sets: the ones shipped in ``workbench.datasets`` by name, or a user's JSONL file.
 
-Three kinds, told apart by the keys of each record (datasets/README.md documents the schema):
+Four kinds, told apart by the keys of each record (datasets/README.md documents the schema):
 
 - classification: ``{"text": ..., "label": ...}`` with at least two labels;
 - completion: ``{"text": ..., "answer": ...}``, the answer being the expected continuation;
-- pairs: ``{"positive": ..., "negative": ...}``, contrastive prompts for steering.
+- pairs: ``{"positive": ..., "negative": ...}``, contrastive prompts for steering;
+- patching: ``{"clean": ..., "corrupt": ..., "clean_answer": ..., "corrupt_answer": ...}``, prompt pairs of one
+  token count each for ``hooks.dataset_patching``.
 """
 from __future__ import annotations
 
@@ -21,22 +23,24 @@ KINDS = {
     "classification": ("text", "label"),
     "completion": ("text", "answer"),
     "pairs": ("positive", "negative"),
+    "patching": ("clean", "corrupt", "clean_answer", "corrupt_answer"),
 }
-# fields that may hold a conversation (a list of chat messages) instead of a text: steering's prompts
-CONVERSATION_KEYS = ("positive", "negative")
+# fields that may hold a conversation (a list of chat messages) instead of a text: the two sides' prompts
+CONVERSATION_KEYS = ("positive", "negative", "clean", "corrupt")
 # The shipped files: the repository's top-level datasets/ folder, installed as the data-only package
 # workbench.datasets. It has no __init__.py, so that ``import datasets`` from the repository root finds Hugging Face's
 # package, not this folder; and no importer reads it, since an editable install cannot import a package without one
 # from a mapped folder. The installed layout mirrors the repository's (probes/ -> workbench/probes, datasets/ ->
 # workbench/datasets), so it lies beside this package's folder in both.
 SHIPPED = Path(__file__).resolve().parent.parent / "datasets"
-# Label names for the two sides of a pairs dataset when it is used as a classification set.
-PAIR_LABELS = ("positive", "negative")
+# The two prompts of a record of the kinds that have two, their keys also their labels as a classification set.
+SIDES = {"pairs": ("positive", "negative"), "patching": ("clean", "corrupt")}
 DESCRIPTIONS = {
     "sentiment": "80 short reviews and remarks, 40 positive and 40 negative (classification)",
     "facts": "80 simple statements, 40 true and 40 false (classification)",
     "capitals": "50 'The capital of X is' prompts with the capital as answer (completion)",
     "happy_sad": "40 pairs of sentences differing in happy vs sad mood (pairs, for steering)",
+    "ioi": "32 indirect-object sentences and their three-new-names twins, the answers the two names (patching)",
 }
 
 
@@ -74,16 +78,17 @@ class Dataset:
 
     @property
     def prompts(self) -> list[str]:
-        """Every prompt; for pairs, all positives then all negatives."""
-        if self.kind == "pairs":
-            return [r["positive"] for r in self.records] + [r["negative"] for r in self.records]
+        """Every prompt; for pairs, all positives then all negatives (patching: cleans then corrupts)."""
+        if self.kind in SIDES:
+            return [r[side] for side in SIDES[self.kind] for r in self.records]
         return [r["text"] for r in self.records]
 
     @property
     def labels(self) -> list[str]:
-        """One label per prompt (pairs: "positive"/"negative"; completion: the answer)."""
-        if self.kind == "pairs":
-            return [PAIR_LABELS[0]] * len(self.records) + [PAIR_LABELS[1]] * len(self.records)
+        """One label per prompt (pairs: "positive"/"negative"; patching: "clean"/"corrupt"; completion: the
+        answer)."""
+        if self.kind in SIDES:
+            return [side for side in SIDES[self.kind] for _ in self.records]
         key = "label" if self.kind == "classification" else "answer"
         return [str(r[key]) for r in self.records]
 
@@ -94,7 +99,7 @@ class Dataset:
         A record's optional ``"group"`` key (near-identical twins share one), each record on its own
         otherwise; the two sides of a pair are one group.
         """
-        if self.kind == "pairs":
+        if self.kind in SIDES:
             return [str(i) for i in range(len(self.records))] * 2
         return [str(r.get("group", f"#{i}")) for i, r in enumerate(self.records)]
 
@@ -105,11 +110,11 @@ class Dataset:
     def contrast(self, positive: str | None = None) -> tuple[list[str], list[str]]:
         """(positive prompts, negative prompts) for a steering vector.
 
-        Pairs give their two columns. A two-class classification set gives the prompts of ``positive``
-        (default: the label "positive" or "true" when present) against those of the other class.
+        Pairs give their two columns (patching: clean, corrupt). A two-class classification set gives the prompts
+        of ``positive`` (default: the label "positive" or "true" when present) against those of the other class.
         """
-        if self.kind == "pairs":
-            return ([r["positive"] for r in self.records], [r["negative"] for r in self.records])
+        if self.kind in SIDES:
+            return tuple([r[side] for r in self.records] for side in SIDES[self.kind])
         if self.kind != "classification" or len(self.classes) != 2:
             raise WorkbenchError(f"dataset {self.name!r} ({self.kind}, classes {self.classes[:5]}) cannot be split "
                                  "into a positive and a negative side: use a pairs dataset or a two-class one")
@@ -122,6 +127,15 @@ class Dataset:
         pos = [p for p, l in zip(self.prompts, self.labels) if l == positive]
         neg = [p for p, l in zip(self.prompts, self.labels) if l != positive]
         return pos, neg
+
+    def patching(self) -> tuple[list[tuple[Any, Any]], list[tuple[str, str]]]:
+        """A patching dataset's ``(clean, corrupt)`` prompt pairs and their ``(clean answer, corrupt answer)``, as
+        ``hooks.dataset_patching`` takes them."""
+        if self.kind != "patching":
+            raise WorkbenchError(f"dataset {self.name!r} is a {self.kind} dataset; patching takes one of clean and "
+                                 "corrupt prompts with their answers")
+        return ([(r["clean"], r["corrupt"]) for r in self.records],
+                [(r["clean_answer"], r["corrupt_answer"]) for r in self.records])
 
     def sample(self, n: int, seed: int = 0) -> "Dataset":
         """A seeded subset of about ``n`` records with every class kept in equal share (for quick runs)."""
@@ -147,7 +161,7 @@ def list_datasets() -> dict[str, str]:
 
 
 def load_dataset(name_or_path: str | Path | Dataset) -> Dataset:
-    """A shipped dataset by name ("sentiment", "facts", "capitals", "happy_sad") or a JSONL file."""
+    """A shipped dataset by name ("sentiment", "facts", "capitals", "happy_sad", "ioi") or a JSONL file."""
     if isinstance(name_or_path, Dataset):
         return name_or_path
     if not isinstance(name_or_path, (str, Path)):
@@ -210,6 +224,9 @@ def _kind_of(name: str, number: int, record: dict) -> str:
     if "positive" in record or "negative" in record:
         raise WorkbenchError(f"dataset {name!r} line {number}: mismatched pair counts: a pairs record needs both "
                              "'positive' and 'negative'")
+    if "clean" in record or "corrupt" in record:
+        *first, last = (repr(k) for k in KINDS["patching"])
+        raise WorkbenchError(f"dataset {name!r} line {number}: a patching record needs {', '.join(first)} and {last}")
     raise WorkbenchError(f"dataset {name!r} line {number}: unknown record {sorted(record)}; expected keys "
                          + " or ".join(str(list(k)) for k in KINDS.values()))
 
@@ -218,7 +235,7 @@ def _check_record(name: str, kind: str, number: int, record: dict, where: str = 
     keys = KINDS[kind]
     missing = [k for k in keys if k not in record]
     if missing:
-        hint = "mismatched pair counts: " if kind == "pairs" else ""
+        hint = "mismatched pair counts: " if kind in SIDES else ""
         raise WorkbenchError(f"dataset {name!r} {where} {number}: {hint}missing {missing} (this is a {kind} dataset)")
     for key in keys:
         value = record[key]

@@ -228,3 +228,105 @@ def test_bad_sweeps_are_refused_before_any_compute(tiny, monkeypatch, kwargs, me
 def test_default_answers_must_differ(tiny):
     with pytest.raises(workbench.HookError, match="predict the same token"):
         hooks.patching_sweep(tiny, CLEAN_IDS, CLEAN_IDS, progress=False)
+
+
+# Two pairs of one length (8 tokens), differing at positions 1 and 2, and a pair of 9 tokens
+PAIRS = [("The Louvre is in the city of", "The Prado is in the city of"),
+         ("The Kremlin is in the city of", "The Acropolis is in the city of")]
+LONGER = (CLEAN, CORRUPT)
+
+
+@pytest.mark.parametrize("method, steps", [("activation", 1), ("attribution", 1), ("attribution", 2)])
+def test_a_datasets_grid_is_the_mean_of_its_pairs(model, method, steps):
+    """Each pair's cells are what its single-pair call gives (attribution's pairs run batched: within the batched
+    kernels' rounding), the grid and both metrics their means over the pairs."""
+    single = (lambda clean, corrupt, **kw: hooks.patching_sweep(model, clean, corrupt, progress=False, **kw)) \
+        if method == "activation" else \
+        (lambda clean, corrupt, **kw: hooks.attribution_patching(model, clean, corrupt, steps=steps, **kw))
+    layers = [0, 3, 11]
+    dataset = hooks.dataset_patching(model, PAIRS, method=method, steps=steps, layers=layers, progress=False)
+    pairs = [single(clean, corrupt, layers=layers) for clean, corrupt in PAIRS]
+    assert dataset.pairs == 2 and pairs[0].pairs == 1 and dataset.method == pairs[0].method
+    bound = 0 if method == "activation" else 1e-4  # activation patching runs each pair's cells as its call does
+    torch.testing.assert_close(dataset.grid, (pairs[0].grid + pairs[1].grid) / 2, atol=bound, rtol=0)
+    assert dataset.clean_metric == pytest.approx((pairs[0].clean_metric + pairs[1].clean_metric) / 2, abs=bound)
+    assert dataset.corrupt_metric == pytest.approx((pairs[0].corrupt_metric + pairs[1].corrupt_metric) / 2, abs=bound)
+    # each pair's default metric has its own answers; a position's label has its token where the pairs share it
+    assert dataset.metric_name == "logit diff of each pair's answers"
+    assert dataset.labels["positions"][:4] == ["0: The", "1", "2", "3:  is"] == pairs[0].labels["positions"][:1] + [
+        "1", "2"] + pairs[1].labels["positions"][3:4]
+    assert (dataset.grid[0, 1] - dataset.corrupt_metric).abs() > 0.1  # the differing token matters at layer 0
+    assert dataset.to_dict()["pairs"] == 2 and "mean of 2 pairs" in dataset.figure().layout.title.text
+
+
+def test_a_dataset_normalizes_by_the_mean_change_and_takes_a_metric_and_answers_per_pair(model):
+    answers = [(" Paris", " Madrid"), (" Moscow", " Athens")]
+    def sweep(*args, **kwargs):
+        return hooks.dataset_patching(model, PAIRS, *args, method="attribution", layers=[2], progress=False, **kwargs)
+
+    plain, normalized = sweep(answers=answers), sweep(answers=answers, normalize=True)
+    span = plain.clean_metric - plain.corrupt_metric
+    torch.testing.assert_close(normalized.grid, (plain.grid - plain.corrupt_metric) / span)
+    # the same answers given as metrics, one per pair
+    ids = [[model.tokenize(a, add_bos=False)[0] for a in pair] for pair in answers]
+    metrics = [lambda logits, a=a: logits[-1, a[0]] - logits[-1, a[1]] for a in ids]
+    by_metric = sweep(metrics)
+    torch.testing.assert_close(by_metric.grid, plain.grid, atol=1e-5, rtol=0)
+    assert by_metric.metric_name == "<lambda>"
+
+
+def test_pairs_of_different_lengths_sweep_heads_not_positions(model):
+    pairs = [*PAIRS, LONGER]
+    heads = hooks.dataset_patching(model, pairs, method="attribution", over=("layers", "heads"), layers=[5],
+                                   progress=False)
+    alone = [hooks.attribution_patching(model, clean, corrupt, over=("layers", "heads"), layers=[5])
+             for clean, corrupt in pairs]
+    torch.testing.assert_close(heads.grid, sum(r.grid for r in alone) / 3, atol=1e-4, rtol=0)
+    with pytest.raises(workbench.HookError, match=r"pair 2: 9 tokens where pair 0 has 8: a sweep over positions"):
+        hooks.dataset_patching(model, pairs, method="attribution", layers=[5], progress=False)
+
+
+def test_a_dataset_in_chunks_gives_what_it_gives_at_once(model, monkeypatch):
+    """Integrated gradients of three pairs, two steps each: one batched gradient call, or chunks of one pair."""
+    pairs = [*PAIRS, ("The Kremlin is in the city of", "The Louvre is in the city of")]
+    whole = hooks.dataset_patching(model, pairs, method="attribution", steps=2, layers=[1, 6], progress=False)
+    seen = []
+    monkeypatch.setattr(patching, "_GRADIENT_ROWS", 2)
+    chunked = hooks.dataset_patching(model, pairs, method="attribution", steps=2, layers=[1, 6],
+                                     progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    torch.testing.assert_close(chunked.grid, whole.grid, atol=1e-4, rtol=0)
+
+
+def test_an_activation_datasets_progress_counts_every_pairs_cells(model):
+    seen = []
+    hooks.dataset_patching(model, PAIRS, layers=[0], positions=[-1], progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (2, 2) and all(t == 2 for _, t in seen)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pairs=[]), "pairs must be a non-empty list"),
+    (dict(pairs="The Louvre"), "pairs must be a non-empty list"),
+    (dict(pairs=[PAIRS[0], ("The Louvre is in the city of",)]), r"pair 1: a pair is \(clean prompt, corrupt prompt\)"),
+    (dict(pairs=[PAIRS[0], ("The Louvre is in the city of", "Paris")]), "pair 1: clean and corrupt prompts must have"),
+    (dict(pairs=PAIRS, metric=[lambda logits: logits[-1, 0]]), "a list of one per pair"),
+    (dict(pairs=PAIRS, metric=[lambda logits: logits[-1, 0], 3]), "metric must be a function"),
+    (dict(pairs=PAIRS, answers=[(" Paris", " Madrid")]), "answers must be a list of one"),
+    (dict(pairs=PAIRS, answers=[(" Paris", " Madrid"), (" Moscow", " Athens and more")]), "pair 1: answer"),
+    (dict(pairs=PAIRS, method="gradients"), "method must be 'activation' or 'attribution'"),
+    (dict(pairs=PAIRS, steps=4), "steps applies to method='attribution'"),
+    (dict(pairs=PAIRS, method="attribution", steps=0), "steps must be at least 1"),
+    (dict(pairs=PAIRS, positions=[9]), "pair 0: positions"),
+    (dict(pairs=PAIRS, layers=[99]), "out of range"),
+])
+def test_bad_datasets_are_refused_before_any_run(model, monkeypatch, kwargs, message):
+    monkeypatch.setattr(model.runner, "forward", lambda *a, **k: pytest.fail("ran a forward"))
+    with pytest.raises(workbench.HookError, match=message):
+        hooks.dataset_patching(model, progress=False, **kwargs)
+
+
+def test_a_pair_whose_runs_predict_the_same_token_is_named(model):
+    pairs = [PAIRS[0], ("The Louvre is in the city of", "The Louvre is in the city of")]
+    for method in ("activation", "attribution"):
+        with pytest.raises(workbench.HookError, match="pair 1: the clean and corrupt runs predict the same token"):
+            hooks.dataset_patching(model, pairs, method=method, layers=[0], progress=False)

@@ -75,12 +75,26 @@ def test_shipped_datasets():
     assert len(set(sentiment.prompts)) == len(sentiment)
     # twins written as pairs share a group, so splits never test a probe on a training sentence's twin
     assert sentiment.groups[:4] == ["0", "0", "1", "1"] and pairs.groups[0] == pairs.groups[len(pairs)]
+    ioi = probes.load_dataset("ioi")
+    prompts, answers = ioi.patching()
+    assert ioi.kind == "patching" and len(prompts) == len(answers) == len(ioi) == 32
+    # the clean answer is the indirect object, named first; the corrupt prompt has three other names
+    clean, corrupt = prompts[0]
+    assert clean.startswith("When" + answers[0][0] + " and" + answers[0][1])
+    assert clean.count(answers[0][1]) == 2 and answers[0][0] not in corrupt and answers[0][1] not in corrupt
+    assert ioi.contrast() == ([c for c, _ in prompts], [x for _, x in prompts]) and ioi.labels[-1] == "corrupt"
+    with pytest.raises(workbench.WorkbenchError, match="'happy_sad' is a pairs dataset; patching takes"):
+        pairs.patching()
 
 
 def test_dataset_validation(tmp_path):
     cases = {
         "one class": [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}],
         "mismatched pair counts": [{"positive": "a", "negative": "b"}, {"positive": "c"}],
+        "a patching record needs 'clean', 'corrupt', 'clean_answer' and": [{"clean": "a", "corrupt": "b"}],
+        "line 2: 'corrupt_answer' must be a string": [
+            {"clean": "a", "corrupt": "b", "clean_answer": " x", "corrupt_answer": " y"},
+            {"clean": "a", "corrupt": "b", "clean_answer": " x", "corrupt_answer": 3}],
         "empty 'text'": [{"text": "a", "label": "x"}, {"text": "  ", "label": "y"}],
         "unknown record": [{"prompt": "a"}],
         "fewer than 2": [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}, {"text": "c", "label": "y"}],
