@@ -577,6 +577,35 @@ def test_patching_sweep(http, model):
                                                                  layers=[0], steps=3)
 
 
+def test_dataset_patching(http, model):
+    """The shipped ioi pairs by name (a sample) or pairs given inline: the grid dataset_patching gives."""
+    out = http.call("dataset_patching", dataset="ioi", sample=3, over=["layers", "heads"], layers=[0, 9])
+    sampled = probes.load_dataset("ioi").sample(3)
+    prompts, answers = sampled.patching()
+    expected = hooks.dataset_patching(model, prompts, method="attribution", over=("layers", "heads"), layers=[0, 9],
+                                      answers=answers, progress=False)
+    assert out["pairs"] == 3 and out["method"] == "attribution patching" and out["labels"] == expected.labels
+    assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
+    pairs = [{"clean": c, "corrupt": x, "answers": list(a)} for (c, x), a in zip(prompts[:2], answers[:2])]
+    out = http.call("dataset_patching", pairs=pairs, method="activation", layers=[0], positions=[-4, -1])
+    expected = hooks.dataset_patching(model, prompts[:2], layers=[0], positions=[-4, -1], answers=answers[:2],
+                                      progress=False)
+    assert out["method"] == "activation patching" and out["pairs"] == 2
+    assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
+    for args, message in [
+        (dict(), "give a dataset or pairs"),
+        (dict(dataset="ioi", pairs=pairs), "give a dataset or pairs"),
+        (dict(dataset="happy_sad"), "is a pairs dataset; patching takes"),
+        (dict(pairs=pairs, sample=2), "sample applies to a dataset"),
+        (dict(pairs=[pairs[0], {"clean": prompts[1][0], "corrupt": prompts[1][1]}]), "pair 1: give answers for every"),
+        (dict(pairs=[{**pairs[0], "answer": [" a", " b"]}]), "answer"),
+        (dict(pairs=[pairs[0], {**pairs[1], "corrupt": "Paris"}]), "pair 1: clean and corrupt prompts must have"),
+        (dict(dataset="ioi", sample=3, method="activation"), "runs 1260 forwards; the limit is 256"),
+        (dict(dataset="ioi", sample=8, steps=40), "runs 320 forwards; the limit is 256"),
+    ]:
+        assert message in http.error("dataset_patching", **args), args
+
+
 # ---------------------------------------------------------------------------------- sessions, concurrency
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from workbench.errors import WorkbenchError
 from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE, manifest_sha256
-from workbench.mcp_server import Limits, Workbench
+from workbench.mcp_server import Limits, Workbench, schemas
 from workbench.mcp_server.server import call_in_thread
 from workbench.mcp_server.tools import Call
 from mcp.server.mcpserver.exceptions import ToolError
@@ -119,6 +119,8 @@ def test_prompt_and_generation_limits_on_every_tool(bench, call):
     assert refused(bench.track_token, call, prompt=LONG, tokens=["a"], match="at most 12")
     assert refused(bench.attention_pattern, call, prompt=LONG, layer=0, match="at most 12")
     assert refused(bench.patching_sweep, call, clean=LONG, corrupt=LONG, match="at most 12")
+    assert refused(bench.dataset_patching, call, pairs=[schemas.PatchingPair(clean=LONG, corrupt=LONG)],
+                   match="at most 12")
 
 
 def saved_trace(bench, call, name="saved", specs=(), prompt=PROMPT, record=()):

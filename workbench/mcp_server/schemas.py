@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, Field, GetJsonSchemaHandler, create_model
+from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, create_model
 from pydantic_core import CoreSchema
 
 from workbench import results
@@ -270,6 +270,16 @@ class PatchingSweep(Result):
     normalized: bool = Field(description="grid is (patched - corrupt) / (clean - corrupt)")
     method: str = Field(description="'activation patching' (each cell a patched run) or 'attribution patching' (each "
                                     "cell its first-order estimate from one backward)")
+    pairs: int = Field(1, description="the prompt pairs whose grids and metrics are averaged (dataset_patching)")
+
+
+class PatchingPair(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    clean: str | list[dict[str, Any]] = Field(description="clean prompt: a text or a conversation")
+    corrupt: str | list[dict[str, Any]] = Field(description="corrupt prompt, the clean one's number of tokens")
+    answers: list[str] | None = Field(None, min_length=2, max_length=2, description=(
+        "[clean answer, corrupt answer] single tokens, the metric their logit difference (default: each run's top "
+        "token); for every pair or for none"))
 
 
 class Released(Result):
@@ -335,7 +345,7 @@ class Attribution(Result):
 
 class DatasetInfo(Result):
     name: str = Field(description="a shipped name, or a .jsonl path inside the artifacts folder")
-    kind: str = Field(description="classification, completion or pairs")
+    kind: str = Field(description="classification, completion, pairs or patching")
     n_prompts: int
     description: str
 

@@ -707,12 +707,7 @@ class Workbench:
         model = self.model(call)
         # the sweep runs on the checked ids: a conversation is rendered once
         clean_ids, corrupt_ids = self._ids(model, clean), self._ids(model, corrupt)
-        n_tokens = len(clean_ids)
-        n_layers = model.config.n_layers if layers is None else len(layers)
-        template = hook or ("blocks.{layer}.attn.hook_z" if "heads" in over else "blocks.{layer}.hook_resid_pre")
-        first = template.format(layer=layers[0] if layers else 0) if "{layer}" in template else template
-        n_heads = (head_count(hooks.resolve(first, model.config)[0], model.config) or 1) if "heads" in over else 1
-        cells = n_layers * (len(positions or range(n_tokens)) if "positions" in over else 1) * n_heads
+        cells = self._sweep_cells(model, len(clean_ids), over, hook, layers, positions)
         if method == "activation" and cells > self.limits.max_sweep:
             raise WorkbenchError(f"the sweep has {cells} cells (one forward each); the limit is "
                                  f"{self.limits.max_sweep}: choose layers or positions")
@@ -727,6 +722,66 @@ class Workbench:
         else:
             result = hooks.patching_sweep(model, clean_ids, corrupt_ids, **sweep,
                                           progress=lambda done, total: call.check())
+        return s.PatchingSweep(**result.to_dict())
+
+    @staticmethod
+    def _sweep_cells(model: Any, n_tokens: int, over: list[str], hook: str | None, layers: list[int] | None,
+                     positions: list[int] | None) -> int:
+        """A sweep's cells (each a forward in activation patching), to refuse one past the limit before it runs."""
+        n_layers = model.config.n_layers if layers is None else len(layers)
+        template = hook or ("blocks.{layer}.attn.hook_z" if "heads" in over else "blocks.{layer}.hook_resid_pre")
+        first = template.format(layer=layers[0] if layers else 0) if "{layer}" in template else template
+        n_heads = (head_count(hooks.resolve(first, model.config)[0], model.config) or 1) if "heads" in over else 1
+        return n_layers * (len(positions or range(n_tokens)) if "positions" in over else 1) * n_heads
+
+    @tool
+    def dataset_patching(self, call: Call,
+                         dataset: Annotated[str | None, Field(description=(
+                             "a shipped patching dataset (list_datasets, kind 'patching': 'ioi') or a .jsonl file of "
+                             "that kind in the artifacts folder; its records' answers are the metric's"))] = None,
+                         pairs: Annotated[list[s.PatchingPair] | None, Field(
+                             description="the pairs themselves, instead of a dataset")] = None,
+                         sample: Sample = None, seed: Seed = 0,
+                         over: Annotated[list[str], Field(description="as patching_sweep's; a sweep over positions "
+                                                                      "takes pairs of one token count")
+                                         ] = ["layers", "positions"],
+                         hook: Annotated[str | None, Field(description="as patching_sweep's")] = None,
+                         layers: Annotated[list[int] | None, Field(description="layers to sweep; all when omitted")
+                                           ] = None,
+                         positions: Positions = None,
+                         normalize: Annotated[bool, Field(description="by the mean metrics: 0 = no effect, 1 = clean "
+                                                                      "restored")] = False,
+                         method: Annotated[Literal["activation", "attribution"], Field(
+                             description="as patching_sweep's; attribution runs the pairs batched")] = "attribution",
+                         steps: Annotated[int, Field(ge=1, le=64, description="attribution's integrated-gradient "
+                                                                              "steps, as patching_sweep's")] = 1
+                         ) -> s.PatchingSweep:
+        """Patching over a dataset of (clean, corrupt) prompt pairs: each cell, and the clean and corrupt metrics, the
+        mean of the pairs' (a circuit's components scored over a task, as EAP scores them)."""
+        model = self.model(call)
+        if (dataset is None) == (pairs is None):
+            raise WorkbenchError("give a dataset or pairs, one of the two")
+        if dataset is not None:
+            prompts, answers = self._dataset(call, dataset, sample, seed).patching()
+        else:
+            if sample is not None:
+                raise WorkbenchError("sample applies to a dataset")
+            self._check_count("pairs", len(pairs), self.limits.max_batch // 2)
+            given = [pair.answers is not None for pair in pairs]
+            if any(given) and not all(given):
+                raise WorkbenchError(f"pair {given.index(not given[0])}: give answers for every pair or for none")
+            prompts = [(pair.clean, pair.corrupt) for pair in pairs]
+            answers = [tuple(pair.answers) for pair in pairs] if all(given) else None
+        ids = [(self._ids(model, clean), self._ids(model, corrupt)) for clean, corrupt in prompts]
+        # activation patching runs a forward a cell of each pair, attribution a forward and backward a pair and step
+        runs = (sum(self._sweep_cells(model, len(clean), over, hook, layers, positions) for clean, _ in ids)
+                if method == "activation" else len(ids) * steps)
+        if runs > self.limits.max_sweep:
+            raise WorkbenchError(f"the sweep over {len(ids)} pairs runs {runs} forwards; the limit is "
+                                 f"{self.limits.max_sweep}: choose fewer pairs, layers or positions")
+        result = hooks.dataset_patching(model, ids, method=method, steps=steps, over=over, hook=hook, layers=layers,
+                                        positions=positions, answers=answers, normalize=normalize,
+                                        progress=lambda done, total: call.check())
         return s.PatchingSweep(**result.to_dict())
 
     # ---------------------------------------------------------------------------------------- KV cache
