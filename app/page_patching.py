@@ -1,5 +1,5 @@
 """Patching: patch clean activations into the corrupt run cell by cell (or estimate every cell from one backward)
-and map where the answer lives."""
+and map where the answer lives, for one pair of prompts or as the mean over a dataset of pairs."""
 import streamlit as st
 
 from workbench import hooks, probes
@@ -17,19 +17,34 @@ n_layers = model.config.n_layers
 
 prompts, options = st.columns([3, 2], gap="large")
 with prompts:
-    clean = st.text_input("Clean prompt", "The Eiffel Tower is in the city of", key="pt_clean")
-    corrupt = st.text_input("Corrupted prompt", "The Colosseum is in the city of", key="pt_corrupt")
-    ids = [common.attempt(common.check_prompt, model, p) for p in (clean, corrupt)]
-    for name, prompt_ids in zip(("clean", "corrupt"), ids):
+    source = st.radio("Prompts", ["One pair", "A dataset"], horizontal=True, key="pt_source",
+                      help="A dataset's grid is the mean of its pairs' grids, each pair with its own answers.")
+    if source == "One pair":
+        clean = st.text_input("Clean prompt", "The Eiffel Tower is in the city of", key="pt_clean")
+        corrupt = st.text_input("Corrupted prompt", "The Colosseum is in the city of", key="pt_corrupt")
+        ids = [common.attempt(common.check_prompt, model, p) for p in (clean, corrupt)]
+    else:
+        shipped = [n for n in probes.list_datasets() if probes.load_dataset(n).kind == "patching"]
+        name = st.selectbox("Dataset", shipped, key="pt_dataset")
+        st.caption(probes.list_datasets()[name])
+        data = probes.load_dataset(name)
+        count = st.number_input("Pairs (a seeded sample)", 1, len(data), min(8, len(data)), key="pt_pairs")
+        pairs, pair_answers = data.sample(count).patching()
+        clean, corrupt = pairs[0]
+        ids = [common.attempt(common.check_prompt, model, p) for p in pairs[0]]
+    for side, prompt_ids in zip(("clean", "corrupt"), ids):
         if prompt_ids is not None:
-            st.caption(f"{name}: {len(prompt_ids)} tokens")
+            st.caption(f"{side}{' (the first pair)' if source == 'A dataset' else ''}: {len(prompt_ids)} tokens")
             common.token_chips(model.token_texts(prompt_ids), prompt_ids)
     metric_name = st.radio("Metric", ["Logit difference", "Probability of the clean answer"], horizontal=True,
                            key="pt_metric")
-    clean_answer, corrupt_answer = st.columns(2)
-    answers = (clean_answer.text_input("Clean answer", "", key="pt_clean_answer", placeholder="its top token"),
-               corrupt_answer.text_input("Corrupt answer", "", key="pt_corrupt_answer", placeholder="its top token",
-                                         disabled=metric_name != "Logit difference"))
+    if source == "One pair":
+        clean_answer, corrupt_answer = st.columns(2)
+        answers = (clean_answer.text_input("Clean answer", "", key="pt_clean_answer", placeholder="its top token"),
+                   corrupt_answer.text_input("Corrupt answer", "", key="pt_corrupt_answer",
+                                             placeholder="its top token", disabled=metric_name != "Logit difference"))
+    else:
+        st.caption("Each pair's answers are the dataset's.")
 with options:
     method = st.radio("Method", METHODS, horizontal=True, key="pt_method",
                       help="Attribution patching estimates every cell to first order from the gradient of the corrupt "
@@ -49,14 +64,33 @@ with options:
     normalize = st.toggle("Normalize (0 = corrupt, 1 = clean)", value=True, key="pt_normalize")
     n_tokens = len(ids[0]) if ids[0] else 0
     cells = len(layers) * (n_tokens if "positions" in over else 1) * (model.config.n_heads if "heads" in over else 1)
-    st.caption(f"{cells} patched forwards (+2)" if method == "Activation patching" else
+    n_pairs = 1 if source == "One pair" else len(pairs)
+    each = " for each pair" if n_pairs > 1 else ""
+    st.caption(f"{cells * n_pairs} patched forwards (+{2 * n_pairs})" if method == "Activation patching" else
                f"{cells} cells from {steps + 1 if steps > 1 else 2} forwards and "
-               f"{'a backward' if steps == 1 else f'{steps} backwards'}")
+               f"{'a backward' if steps == 1 else f'{steps} backwards'}{each}, batched")
     run = st.button("Run sweep", type="primary", disabled=None in ids, use_container_width=True)
+
+
+def probability_of(answer: int):
+    def probability_of_clean_answer(logits):  # a tensor from the logits: attribution patching differentiates it
+        return logits[-1].double().softmax(-1)[answer]
+
+    return probability_of_clean_answer
+
+
+def dataset_metrics_and_answers():
+    """(metrics, answers) for dataset_patching: the logit difference of each pair's answers, or the probability of
+    each pair's clean answer."""
+    if metric_name == "Logit difference":
+        return None, pair_answers
+    return [probability_of(probes.lens.token_id(model, clean_answer)) for clean_answer, _ in pair_answers], None
 
 
 def metric_and_answers():
     """(metric, answers) for patching_sweep: its default logit difference, or one answer's probability."""
+    if source == "A dataset":
+        return dataset_metrics_and_answers()
     if metric_name == "Logit difference":
         if any(answers) and not all(answers):  # one alone would silently fall back to both top tokens
             missing = "Clean" if not answers[0] else "Corrupt"
@@ -64,18 +98,18 @@ def metric_and_answers():
                                  "(each prompt's top token)")
         return None, (tuple(answers) if all(answers) else None)
     answer = probes.lens.token_id(model, answers[0]) if answers[0] else int(model.forward(clean)[-1].argmax())
-
-    def probability_of_clean_answer(logits):  # a tensor from the logits: attribution patching differentiates it
-        return logits[-1].double().softmax(-1)[answer]
-
-    return probability_of_clean_answer, None
+    return probability_of(answer), None
 
 
 if run:
     with common.guard():
         metric, answer_pair = metric_and_answers()
         sweep = dict(over=over, hook=hook, layers=layers, answers=answer_pair, normalize=normalize)
-        if method == "Activation patching":
+        if source == "A dataset":
+            kind = "activation" if method == "Activation patching" else "attribution"
+            result = common.with_progress("Patching", lambda report: hooks.dataset_patching(
+                model, pairs, metric, method=kind, steps=steps, **sweep, progress=report))
+        elif method == "Activation patching":
             result = common.with_progress("Patching", lambda report: hooks.patching_sweep(
                 model, clean, corrupt, metric, **sweep, progress=report))
         else:
@@ -89,6 +123,7 @@ if result is not None:
     a.metric("Clean metric", f"{result.clean_metric:.3f}")
     b.metric("Corrupt metric", f"{result.corrupt_metric:.3f}")
     c.metric("Grid", " × ".join(str(n) for n in result.grid.shape))
-    st.caption(f"{result.method} · {result.metric_name} · {result.hook}")
+    over_pairs = f" · mean of {result.pairs} pairs" if result.pairs > 1 else ""
+    st.caption(f"{result.method} · {result.metric_name} · {result.hook}{over_pairs}")
     height = 520 if len(result.over) == 2 else 260 * -(-result.grid.shape[2] // 4) + 120
     st.plotly_chart(common.style(result.figure(), height=height), key="pt_figure")

@@ -296,6 +296,41 @@ def test_patching_page_estimates_cells_by_attribution(model):
     assert any(c.value.startswith("attribution patching, integrated gradients (3 steps) · ") for c in at.caption)
 
 
+def test_patching_page_sweeps_a_dataset_of_pairs(model):
+    """The shipped ioi pairs: the mean grid over a sample, each pair with its answers, by attribution (and the
+    probability of each pair's clean answer) and by patching."""
+    at = start("page_patching.py")
+    at.radio(key="pt_source").set_value("A dataset").run()
+    at.number_input(key="pt_pairs").set_value(3).run()
+    at.radio(key="pt_method").set_value("Attribution patching").run()
+    at.slider(key="pt_layers").set_value((3, 9)).run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at)
+    pairs, answers = probes.load_dataset("ioi").sample(3).patching()
+    expected = hooks.dataset_patching(model, pairs, method="attribution", layers=[3, 8], answers=answers,
+                                      normalize=True, progress=False)
+    assert values(chart(at, "pt_figure")["data"][0]["z"]).numpy() == pytest.approx(expected.grid.numpy(), abs=1e-5)
+    assert any(c.value.endswith(" · mean of 3 pairs") for c in at.caption)
+    at.radio(key="pt_metric").set_value("Probability of the clean answer").run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at)
+    ids = [model.tokenize(clean_answer, add_bos=False)[0] for clean_answer, _ in answers]
+    metrics = [lambda logits, i=i: logits[-1].double().softmax(-1)[i] for i in ids]
+    expected = hooks.dataset_patching(model, pairs, metrics, method="attribution", layers=[3, 8], normalize=True,
+                                      progress=False)
+    assert values(chart(at, "pt_figure")["data"][0]["z"]).numpy() == pytest.approx(expected.grid.numpy(), abs=1e-5)
+    at.radio(key="pt_method").set_value("Activation patching").run()
+    at.radio(key="pt_metric").set_value("Logit difference").run()
+    at.selectbox(key="pt_point").set_value("hook_resid_post").run()
+    last = model.config.n_layers - 1
+    at.slider(key="pt_layers").set_value((last, last)).run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at)
+    grid = values(chart(at, "pt_figure")["data"][0]["z"])
+    # after the last block only the last position reaches the logits, for every pair
+    assert float(grid[0, -1]) == pytest.approx(1.0, abs=2e-4) and grid[0, :-1].abs().max() <= 2e-4
+
+
 @pytest.mark.parametrize("given, missing", [("pt_clean_answer", "Corrupt"), ("pt_corrupt_answer", "Clean")])
 def test_patching_refuses_one_answer_without_the_other(model, given, missing):
     at = start("page_patching.py")
