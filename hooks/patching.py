@@ -4,6 +4,9 @@ The clean run is recorded once. A patch in block L at position p changes nothing
 (attention being causal) no position before p. So each cell continues the corrupt run: it runs blocks L.. on positions
 p.. alone, from the corrupt run's residual stream entering block L and its keys and values of the positions before p
 (a cache prefix), and the cells are the rows of batched forwards (docs/batches.md, "Patching sweeps").
+
+Attribution patching estimates the same cells from gradients instead, and either method runs over a dataset of
+(clean, corrupt) pairs as their mean (``dataset_patching``).
 """
 from __future__ import annotations
 
