@@ -207,6 +207,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (the first of equal maxima; a NaN counts as the largest): one C++ pass on the CPU, where
+    ATen's reduction takes 1.2-2.3 ns a value (a third of a millisecond a greedy token over a 150k vocabulary)."""
+    if (logits.is_cpu and logits.dtype == torch.float32 and logits.dim() in (1, 2) and logits.shape[-1]
+            and logits.stride(-1) == 1 and not compiling() and not _FORCE_TORCH["on"] and not tracks_grad(logits)
+            and cpu.extension() is not None):
+        rows = cpu.extension().argmax_rows(logits.view(-1, logits.shape[-1]))
+        return rows.view(logits.shape[:-1])
+    return logits.argmax(-1)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate each pair of values of ``x`` ``[T, heads, d_head]`` (adjacent values, or the two halves of each head):
     ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` in float32, returned in ``x``'s dtype. ``cos`` and ``sin``

@@ -375,7 +375,9 @@ def linear_segments(x: torch.Tensor, parts: Sequence[QuantTensor], starts: Seque
     x2 = _as_rows(x)
     pick = _compiled_kernel if compiling() else select_kernel
     kernel = pick(x2, parts[0])
+    # parts of one shape, format and input take one kernel: asked once a format (a decode step's 8 to 16 experts)
+    formats = {w.fmt.name: w for w in parts}
     if (kernel is not None and kernel.run_segments is not None and not tracks_grad(x2)
-            and all(pick(x2, w) is kernel for w in parts[1:])):
+            and all(pick(x2, w) is kernel for w in formats.values())):
         return kernel.run_segments(x2, parts, starts, counts)
     return torch.cat([linear(x2[start:start + count], w) for w, start, count in zip(parts, starts, counts)])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.kernels import cpu
+from workbench.kernels import cpu, layer_ops
 from workbench.kernels.formats import QuantFormat
 from workbench.kernels.linear import (
     BLOCKWISE, REGISTRY, Kernel, linear, linear_parts, linear_segments, select_kernel,
@@ -413,6 +413,33 @@ def test_narrower_builds_match_the_native_build(isa):
         allowed = torch.rand(8, 3, 40, generator=g) > 0.2
         assert torch.equal(narrow.flash_attn_one_chunk(q, keys, values, allowed, 0.1),
                            cpu.extension().flash_attn_one_chunk(q, keys, values, allowed, 0.1)), d
+    for n in (5, 16, 40, 1000):
+        for x in argmax_cases(n, g):
+            assert torch.equal(narrow.argmax_rows(x), x.argmax(-1)), n
+
+
+def argmax_cases(n: int, g: torch.Generator) -> list[torch.Tensor]:
+    """Rows of n values: random, many ties, a NaN in the middle, all -inf, zeros of both signs, inf then a NaN last."""
+    ties = torch.randint(-3, 3, (3, n), generator=g).float()
+    nan = torch.randn(3, n, generator=g)
+    nan[:, n // 2] = float("nan")
+    signed_zeros = torch.zeros(3, n)
+    signed_zeros[:, ::2] = -0.0
+    last_nan = torch.randn(3, n, generator=g)
+    last_nan[:, 0], last_nan[:, -1] = float("inf"), float("nan")
+    return [torch.randn(3, n, generator=g), ties, nan, torch.full((3, n), float("-inf")), signed_zeros, last_nan]
+
+
+def test_argmax_picks_what_torch_picks():
+    """The greedy pick's C++ argmax: torch's index (the first of equal maxima, a NaN counting as the largest) for rows
+    shorter than a vector, with tails, and of vocabulary sizes, one row or several, rows strided."""
+    g = torch.Generator().manual_seed(7)
+    for n in [*range(1, 70), 49152, 151936]:
+        for x in argmax_cases(n, g):
+            assert torch.equal(layer_ops.argmax(x), x.argmax(-1)), n
+            assert torch.equal(layer_ops.argmax(x[1]), x[1].argmax()), n
+            if n > 1:
+                assert torch.equal(layer_ops.argmax(x[:, 1:]), x[:, 1:].argmax(-1)), n
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_K"])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.errors import WorkbenchError, integer, real_number, shorten
+from workbench.kernels import layer_ops
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, shared_prefix
 from workbench.moe import by_pair_supported
@@ -69,7 +70,7 @@ class Sampling:
     def pick(self, logits: torch.Tensor, generator: torch.Generator) -> int:
         """One token id from float32 logits ``[vocab]``."""
         if self.temperature == 0:
-            return int(logits.argmax())
+            return int(layer_ops.argmax(logits))
         logits = logits.float().cpu() / self.temperature
         if self.top_k:
             kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
@@ -523,7 +524,7 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
             logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout,
                                     lora=lora)
         if sampling.temperature == 0:
-            tokens = logits.argmax(-1).tolist()  # one read-back for the whole batch
+            tokens = layer_ops.argmax(logits).tolist()  # one read-back for the whole batch
         else:
             tokens = [sampling.pick(row, g) for row, g in zip(logits, generators)]
         keep = []

@@ -1474,6 +1474,59 @@ torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   return out;
 }
 
+// The index of a row's largest value, the first of equal ones, a NaN counting as the largest (torch.argmax's choice):
+// each AVX-512 lane keeps its best value and the first index that had it, where ATen's reduction ran 1.2-2.3 ns a
+// value on the development machine (0.36 ms a greedy token over a 151,936-word vocabulary).
+int64_t argmax_row(const float* v, int64_t n) {
+  int64_t i = 0, best_at = 0;
+  float best = v[0];
+#if defined(__AVX512F__)
+  if (n >= 32) {
+    __m512 lane_best = _mm512_loadu_ps(v);
+    __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), at = lane_at;
+    __mmask16 nan = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+      const __m512 value = _mm512_loadu_ps(v + i);
+      const __mmask16 greater = _mm512_cmp_ps_mask(value, lane_best, _CMP_GT_OQ);
+      nan |= _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+      lane_best = _mm512_mask_mov_ps(lane_best, greater, value);
+      lane_at = _mm512_mask_mov_epi32(lane_at, greater, at);
+    }
+    if (nan) {
+      for (int64_t j = 0;; ++j)
+        if (std::isnan(v[j])) return j;
+    }
+    best = _mm512_reduce_max_ps(lane_best);
+    const __mmask16 holders = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_at = _mm512_mask_reduce_min_epi32(holders, lane_at);
+  }
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(v[i])) return i;
+    if (v[i] > best) {
+      best = v[i];
+      best_at = i;
+    }
+  }
+  return best_at;
+}
+
+// argmax_row of each row of x [rows, n] (float32, rows contiguous; n below 2^31): a greedy pick's token.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1 && x.size(1) > 0 &&
+                  x.size(1) < (int64_t{1} << 31),
+              "workbench cpu kernels: argmax_rows needs float32 [rows, n] with rows contiguous, got ", x.sizes());
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  torch::Tensor out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * stride, n);
+  });
+  return out;
+}
+
 // Rope of rows x [rows, D] into out: out = x * cos + partner(x) * sin with cos and sin [rows / heads, D] (the
 // runner's rotation(): cos at both values of a pair, sin signed for each value), the partner of value i being i ^ 1
 // (adjacent pairs) or i +- D/2 (the two halves of each head).
@@ -2138,6 +2191,8 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
+  // each row's index of its largest value, as torch.argmax(-1) picks it (greedy decoding)
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
   // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
@@ -2173,6 +2228,7 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("swiglu", &swiglu);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("rope", &rope);
   m.impl("rope_attention", &rope_attention);
   m.impl("blocks_exact", &blocks_exact);
