@@ -49,12 +49,15 @@ with options:
     method = st.radio("Method", METHODS, horizontal=True, key="pt_method",
                       help="Attribution patching estimates every cell to first order from the gradient of the corrupt "
                            "run: fast, but it misses saturated effects; check the cells that matter by patching.")
-    steps = 1
+    steps, verify = 1, 0
     if method == "Attribution patching":
         steps = st.number_input("Integrated-gradient steps", 1, 32, 1, key="pt_steps",
                                 help="1: the gradient of the corrupt run. More: the mean gradient along the way from "
                                      "the corrupt inputs to the clean ones, closer to patching where effects "
                                      "saturate (one forward and backward each, batched).")
+        verify = st.number_input("Verify the top cells by patching", 0, 64, 0, key="pt_verify",
+                                 help="Patch this many cells of the largest estimated effect (a forward each, "
+                                      "batched) and list them beside their estimates.")
     over = SWEEPS[st.radio("Sweep", list(SWEEPS), key="pt_over")]
     hook = "blocks.{layer}.attn.hook_z" if "heads" in over else \
         "blocks.{layer}." + st.selectbox("Hook point", POINTS, key="pt_point")
@@ -108,12 +111,12 @@ if run:
         if source == "A dataset":
             kind = "activation" if method == "Activation patching" else "attribution"
             result = common.with_progress("Patching", lambda report: hooks.dataset_patching(
-                model, pairs, metric, method=kind, steps=steps, **sweep, progress=report))
+                model, pairs, metric, method=kind, steps=steps, verify=verify, **sweep, progress=report))
         elif method == "Activation patching":
             result = common.with_progress("Patching", lambda report: hooks.patching_sweep(
                 model, clean, corrupt, metric, **sweep, progress=report))
         else:
-            result = hooks.attribution_patching(model, clean, corrupt, metric, **sweep, steps=steps)
+            result = hooks.attribution_patching(model, clean, corrupt, metric, **sweep, steps=steps, verify=verify)
         st.session_state.pt_result = result
 
 result = st.session_state.get("pt_result")
@@ -127,3 +130,7 @@ if result is not None:
     st.caption(f"{result.method} · {result.metric_name} · {result.hook}{over_pairs}")
     height = 520 if len(result.over) == 2 else 260 * -(-result.grid.shape[2] // 4) + 120
     st.plotly_chart(common.style(result.figure(), height=height), key="pt_figure")
+    if result.verified():
+        st.caption("The cells of the largest estimated effect, patched")
+        st.dataframe([{"cell": " ".join(cell["labels"]), "estimated": cell["estimated"], "patched": cell["patched"]}
+                      for cell in result.verified()], hide_index=True, use_container_width=True)

@@ -47,6 +47,9 @@ class PatchingResult:
     normalized: bool  # grid is (patched - corrupt) / (clean - corrupt): 0 = no effect, 1 = clean restored
     method: str = "activation patching"  # or "attribution patching": the grid estimated from gradients
     pairs: int = 1  # the (clean, corrupt) pairs whose grids and metrics are averaged (``dataset_patching``)
+    # attribution's ``verify``: grid's shape, each verified cell's activation-patched value (mean over the pairs,
+    # normalized as the grid), NaN where a cell was only estimated
+    patched: torch.Tensor | None = None
 
     def figure(self, title: str | None = None):
         """A plotly heatmap (one panel per head for a layers x positions x heads sweep)."""
@@ -73,7 +76,18 @@ class PatchingResult:
         return {"grid": self.grid.tolist(), "over": list(self.over), "hook": self.hook, "labels": self.labels,
                 "clean_metric": self.clean_metric, "corrupt_metric": self.corrupt_metric,
                 "metric_name": self.metric_name, "normalized": self.normalized, "method": self.method,
-                "pairs": self.pairs}
+                "pairs": self.pairs, "verified": self.verified()}
+
+    def verified(self) -> list[dict[str, Any]]:
+        """The cells attribution's ``verify`` patched, largest estimated effect first: each cell's index, labels,
+        estimate and patched value."""
+        if self.patched is None:
+            return []
+        estimated = self.grid - (0.0 if self.normalized else self.corrupt_metric)
+        cells = [tuple(int(i) for i in index) for index in torch.nonzero(~self.patched.isnan())]
+        cells.sort(key=lambda index: -abs(float(estimated[index])))
+        return [{"index": list(index), "labels": [self.labels[axis][i] for axis, i in zip(self.over, index)],
+                 "estimated": float(self.grid[index]), "patched": float(self.patched[index])} for index in cells]
 
 
 def logit_diff(clean_answer: int, corrupt_answer: int) -> Metric:
@@ -191,8 +205,9 @@ class _PairGrid:
 
 
 def _result(model: Any, sweeps: Sequence[_Sweep], pairs: Sequence[_PairGrid], normalize: bool,
-            method: str) -> PatchingResult:
-    """The pairs' mean grid and metrics; normalized, by the mean metrics (as EAP normalizes a dataset's scores)."""
+            method: str, patched: Sequence[_PairGrid] = ()) -> PatchingResult:
+    """The pairs' mean grid and metrics; normalized, by the mean metrics (as EAP normalizes a dataset's scores).
+    ``patched``: the pairs' activation patching of the cells attribution's ``verify`` chose (NaN elsewhere)."""
     first = sweeps[0]
     clean_metric = sum(p.clean_metric for p in pairs) / len(pairs)
     corrupt_metric = sum(p.corrupt_metric for p in pairs) / len(pairs)
@@ -201,9 +216,11 @@ def _result(model: Any, sweeps: Sequence[_Sweep], pairs: Sequence[_PairGrid], no
                         + (" on average over the pairs" if len(pairs) > 1 else ""))
     shape = ([len(first.layers)] + ([len(first.positions)] if "positions" in first.over else [])
              + ([len(first.heads)] if "heads" in first.over else []))
-    grid = torch.stack([p.grid for p in pairs]).mean(0).view(shape)
+    grids = [torch.stack([p.grid for p in pairs]).mean(0).view(shape)]
+    if patched:
+        grids.append(torch.stack([p.grid for p in patched]).mean(0).view(shape))
     if normalize:
-        grid = (grid - corrupt_metric) / (clean_metric - corrupt_metric)
+        grids = [(grid - corrupt_metric) / (clean_metric - corrupt_metric) for grid in grids]
     labels = {"layers": [f"L{i}" for i in first.layers], "heads": [f"H{h}" for h in first.heads]}
     if "positions" in first.over:  # a position's token where every pair has the same one there
         texts = [model.token_texts(s.clean_ids) for s in sweeps]
@@ -215,8 +232,9 @@ def _result(model: Any, sweeps: Sequence[_Sweep], pairs: Sequence[_PairGrid], no
     else:
         answers = all(n.startswith("logit diff ") for n in names)
         metric_name = "logit diff of each pair's answers" if answers else "each pair's metric"
-    return PatchingResult(grid, first.over, first.hook, {axis: labels[axis] for axis in first.over}, clean_metric,
-                          corrupt_metric, metric_name, normalize, method, len(pairs))
+    return PatchingResult(grids[0], first.over, first.hook, {axis: labels[axis] for axis in first.over},
+                          clean_metric, corrupt_metric, metric_name, normalize, method, len(pairs),
+                          grids[1] if patched else None)
 
 
 def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | None = None,
@@ -240,10 +258,13 @@ def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | 
 
 
 def _patched(model: Any, sweep: _Sweep, metric: Metric | None, refuse_equal: bool,
-             progress: bool | ProgressFn) -> _PairGrid:
-    """One pair's activation patching; ``refuse_equal``: the normalization's check, before the cells run."""
+             progress: bool | ProgressFn, only: Sequence[int] | None = None) -> _PairGrid:
+    """One pair's activation patching; ``refuse_equal``: the normalization's check, before the cells run. ``only``:
+    the indices of the cells to run (the grid NaN at the others)."""
     clean_trace = model.run(sweep.clean_ids, record=sweep.names)
-    cells = sweep.cells()
+    every = sweep.cells()
+    run = range(len(every)) if only is None else only
+    cells = [every[n] for n in run]
     continued = _can_continue(model, sweep.names)
     if continued:
         corrupt_run = _corrupt_run(model, sweep.corrupt_ids, {_start_of(model, layer) for layer in sweep.layers})
@@ -257,18 +278,19 @@ def _patched(model: Any, sweep: _Sweep, metric: Metric | None, refuse_equal: boo
         raise HookError("cannot normalize: the clean and corrupt metrics are equal")
 
     if continued:
-        grid = _continued_cells(model, cells, clean_trace, corrupt_run, sweep.corrupt_ids, metric, answer_pair,
-                                progress)
+        values = _continued_cells(model, cells, clean_trace, corrupt_run, sweep.corrupt_ids, metric, answer_pair,
+                                  progress)
     else:
         # every cell is a row of batched forwards of the whole corrupt prompt, each row with its own patch
         patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
                           donor=clean_trace)] for _, name, pos, head in cells]
-        grid = torch.empty(len(cells))
+        values = torch.empty(len(cells))
         # the default metric reads the last position alone: the cells then skip every other position's unembedding
         rows = "last" if answer_pair else "all"
         for n, trace in model.iter_batch([sweep.corrupt_ids] * len(cells), per_prompt_interventions=patches,
                                          logits=rows, progress=progress):
-            grid[n] = float(metric(trace.logits))
+            values[n] = float(metric(trace.logits))
+    grid = values if only is None else torch.full((len(every),), math.nan).index_put_((torch.tensor(run),), values)
     return _PairGrid(grid, clean_metric, corrupt_metric, _metric_name(model, metric, answer_pair))
 
 
@@ -276,7 +298,7 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
                          metric: Metric | None = None, *, over: Sequence[str] = ("layers", "positions"),
                          hook: str | None = None, layers: Sequence[int] | None = None,
                          positions: Sequence[int] | None = None, answers: tuple[int | str, int | str] | None = None,
-                         normalize: bool = False, steps: int = 1) -> PatchingResult:
+                         normalize: bool = False, steps: int = 1, verify: int = 0) -> PatchingResult:
     """``patching_sweep``'s grid estimated to first order from gradients (attribution patching): each cell is the
     corrupt metric plus ``(clean - corrupt) . d metric / d activation`` over the cell's activation. Arguments and
     result as ``patching_sweep``'s; ``metric`` must return a tensor computed from the logits (docs/hooks.md,
@@ -286,12 +308,16 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
     average the gradients of ``steps`` runs whose inputs (the embeddings, and Gemma 4's per-layer inputs) lie at the
     midpoints of equal steps on the straight line from the corrupt run's to the clean run's (integrated gradients,
     as EAP-IG takes them): closer to the patched values where the metric saturates, for a forward and a backward a
-    step. Either way a map of where to patch, to check with ``patching_sweep`` where it matters."""
+    step. Either way a map of where to patch: ``verify=k`` patches the k cells of the largest estimated effect
+    (activation patching, their rows batched), the result's ``patched`` grid holding them (``verified()`` lists
+    them beside their estimates)."""
     steps = _checked_steps(steps)
     _check_metric(metric)
     sweep, = _sweeps(model, [(clean, corrupt)], over, hook, layers, positions, [answers])
-    return _result(model, [sweep], _attributed(model, [sweep], [metric], steps), normalize,
-                   _attribution_method(steps))
+    top = _checked_verify(verify, len(sweep.cells()))
+    grids = _attributed(model, [sweep], [metric], steps)
+    return _result(model, [sweep], grids, normalize, _attribution_method(steps),
+                   _verified(model, [sweep], [metric], grids, top))
 
 
 def _checked_steps(steps: int) -> int:
@@ -299,6 +325,28 @@ def _checked_steps(steps: int) -> int:
     if steps < 1:
         raise HookError(f"steps must be at least 1, got {steps}")
     return steps
+
+
+def _checked_verify(verify: int, n_cells: int) -> int:
+    verify = integer(verify, "verify", HookError)
+    if not 0 <= verify <= n_cells:
+        raise HookError(f"verify must be between 0 and the sweep's {n_cells} cells, got {verify}")
+    return verify
+
+
+def _verified(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric | None], grids: Sequence[_PairGrid],
+              top: int, done: Callable[[int], None] = lambda pairs: None) -> list[_PairGrid]:
+    """Each pair's activation patching of the ``top`` cells whose mean estimated effect is the largest (none for 0);
+    ``done(pairs)`` after each pair."""
+    if not top:
+        return []
+    effect = torch.stack([g.grid for g in grids]).mean(0) - sum(g.corrupt_metric for g in grids) / len(grids)
+    chosen = effect.abs().argsort(descending=True, stable=True)[:top].tolist()
+    patched = []
+    for sweep, metric in zip(sweeps, metrics):
+        patched.append(_patched(model, sweep, metric, False, False, only=chosen))
+        done(len(patched))
+    return patched
 
 
 def _attribution_method(steps: int) -> str:
@@ -383,19 +431,21 @@ def dataset_patching(model: Any, pairs: Sequence[tuple[Prompt, Prompt]],
                      over: Sequence[str] = ("layers", "positions"), hook: str | None = None,
                      layers: Sequence[int] | None = None, positions: Sequence[int] | None = None,
                      answers: Sequence[tuple[int | str, int | str]] | None = None, normalize: bool = False,
-                     progress: bool | ProgressFn = True) -> PatchingResult:
+                     verify: int = 0, progress: bool | ProgressFn = True) -> PatchingResult:
     """``patching_sweep`` (``method="activation"``) or ``attribution_patching`` (``"attribution"``, with its
     ``steps``) over a dataset of ``(clean, corrupt)`` pairs: the grid and the clean and corrupt metrics are the means
     of each pair's, as the single-pair call gives them, and ``normalize`` divides by the mean change (as EAP
     normalizes). ``metric`` is one function for every pair or a list of one per pair; ``answers`` a list of one
     ``(clean answer, corrupt answer)`` per pair (default: each run's top prediction). A sweep over positions takes
     pairs of one token count (a template filled in); one over ``("layers", "heads")`` takes any. Attribution runs
-    the pairs' forwards and backwards batched, activation patching each pair's cells. Errors name the pair."""
+    the pairs' forwards and backwards batched, activation patching each pair's cells; attribution's ``verify=k``
+    patches the k cells of the largest mean estimate in every pair. Errors name the pair."""
     if method not in ("activation", "attribution"):
         raise HookError(f"method must be 'activation' or 'attribution', got {shorten(method)}")
     steps = _checked_steps(steps)
-    if method == "activation" and steps != 1:
-        raise HookError("steps applies to method='attribution' (activation patching runs each cell once)")
+    if method == "activation" and (steps != 1 or verify):
+        raise HookError(f"{'steps' if steps != 1 else 'verify'} applies to method='attribution' (activation patching "
+                        f"runs each cell once)")
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs:
         raise HookError(f"pairs must be a non-empty list of (clean, corrupt) prompt pairs, got {shorten(pairs)}")
     for i, pair in enumerate(pairs):
@@ -411,18 +461,21 @@ def dataset_patching(model: Any, pairs: Sequence[tuple[Prompt, Prompt]],
         raise HookError(f"answers must be a list of one (clean answer, corrupt answer) per pair ({len(pairs)}), "
                         f"got {shorten(answers)}")
     sweeps = _sweeps(model, pairs, over, hook, layers, positions, answers or [None] * len(pairs))
+    top = _checked_verify(verify, len(sweeps[0].cells()))
     check_progress(progress)
     if method == "attribution":
         grids: list[_PairGrid] = []
         chunk = max(1, _GRADIENT_ROWS // steps)
-        update, close = progress_callback(progress, len(sweeps), "pairs")
+        # pairs attributed, then pairs verified
+        update, close = progress_callback(progress, len(sweeps) * (2 if top else 1), "pairs")
         try:
             for start in range(0, len(sweeps), chunk):
                 grids += _attributed(model, sweeps[start:start + chunk], metrics[start:start + chunk], steps)
                 update(len(grids))
+            patched = _verified(model, sweeps, metrics, grids, top, lambda done: update(len(sweeps) + done))
         finally:
             close()
-        return _result(model, sweeps, grids, normalize, _attribution_method(steps))
+        return _result(model, sweeps, grids, normalize, _attribution_method(steps), patched)
     n_cells = len(sweeps[0].cells())  # every pair's count: positions swept take pairs of one length
     update, close = progress_callback(progress, n_cells * len(sweeps), "cells")
     try:

@@ -294,6 +294,14 @@ def test_patching_page_estimates_cells_by_attribution(model):
                                           layers=[3, 8], normalize=True, steps=3)
     assert values(chart(at, "pt_figure")["data"][0]["z"]).numpy() == pytest.approx(expected.grid.numpy(), abs=1e-5)
     assert any(c.value.startswith("attribution patching, integrated gradients (3 steps) · ") for c in at.caption)
+    at.number_input(key="pt_verify").set_value(2).run()
+    button(at, "Run sweep").click().run()
+    assert_clean(at)
+    expected = hooks.attribution_patching(model, clean, corrupt, probability_of_clean_answer,
+                                          layers=[3, 8], normalize=True, steps=3, verify=2)
+    table = at.dataframe[0].value
+    assert list(table["cell"]) == [" ".join(cell["labels"]) for cell in expected.verified()]
+    assert list(table["patched"]) == pytest.approx([cell["patched"] for cell in expected.verified()], abs=1e-4)
 
 
 def test_patching_page_sweeps_a_dataset_of_pairs(model):

@@ -575,6 +575,15 @@ def test_patching_sweep(http, model):
     assert torch.tensor(out["grid"]) == pytest.approx(expected.grid, abs=1e-4)
     assert "steps applies to method='attribution'" in http.error("patching_sweep", clean=clean, corrupt=corrupt,
                                                                  layers=[0], steps=3)
+    out = http.call("patching_sweep", clean=clean, corrupt=corrupt, layers=[0, 29], method="attribution", verify=2)
+    expected = hooks.attribution_patching(model, clean, corrupt, layers=[0, 29], verify=2)
+    assert [cell["index"] for cell in out["verified"]] == [cell["index"] for cell in expected.verified()]
+    assert [cell["patched"] for cell in out["verified"]] == pytest.approx(
+        [cell["patched"] for cell in expected.verified()], abs=1e-4)
+    assert "verify applies to method='attribution'" in http.error("patching_sweep", clean=clean, corrupt=corrupt,
+                                                                  layers=[0], verify=1)
+    assert "verify patches 300 cells" in http.error("patching_sweep", clean=clean, corrupt=corrupt,
+                                                    method="attribution", verify=300)
 
 
 def test_dataset_patching(http, model):
@@ -602,6 +611,7 @@ def test_dataset_patching(http, model):
         (dict(pairs=[pairs[0], {**pairs[1], "corrupt": "Paris"}]), "pair 1: clean and corrupt prompts must have"),
         (dict(dataset="ioi", sample=3, method="activation"), "runs 1260 forwards; the limit is 256"),
         (dict(dataset="ioi", sample=8, steps=40), "runs 320 forwards; the limit is 256"),
+        (dict(dataset="ioi", sample=8, steps=2, verify=31), "runs 264 forwards; the limit is 256"),
     ]:
         assert message in http.error("dataset_patching", **args), args
 

@@ -330,3 +330,51 @@ def test_a_pair_whose_runs_predict_the_same_token_is_named(model):
     for method in ("activation", "attribution"):
         with pytest.raises(workbench.HookError, match="pair 1: the clean and corrupt runs predict the same token"):
             hooks.dataset_patching(model, pairs, method=method, layers=[0], progress=False)
+
+
+def test_attribution_verifies_its_largest_cells_by_patching(model):
+    """verify=k patches the k cells of the largest estimated effect: each the value patching_sweep gives it (the cells
+    run batched, within the batched kernels' rounding), the rest NaN; verified() lists them largest first."""
+    estimated = hooks.attribution_patching(model, CLEAN, CORRUPT, layers=[0, 4, 12], verify=5)
+    patched = hooks.patching_sweep(model, CLEAN, CORRUPT, layers=[0, 4, 12], progress=False)
+    plain = hooks.attribution_patching(model, CLEAN, CORRUPT, layers=[0, 4, 12])
+    assert torch.equal(estimated.grid, plain.grid) and plain.patched is None and plain.verified() == []
+    ran = ~estimated.patched.isnan()
+    effect = (estimated.grid - estimated.corrupt_metric).abs()
+    assert int(ran.sum()) == 5 and effect[ran].min() >= effect[~ran].max()
+    torch.testing.assert_close(estimated.patched[ran], patched.grid[ran], atol=BOUND, rtol=0)
+    listed = estimated.to_dict()["verified"]
+    assert [abs(c["estimated"] - estimated.corrupt_metric) for c in listed] == sorted(effect[ran].tolist(), reverse=True)
+    first = listed[0]
+    assert first["labels"] == [estimated.labels["layers"][first["index"][0]],
+                               estimated.labels["positions"][first["index"][1]]]
+    assert first["patched"] == pytest.approx(float(patched.grid[tuple(first["index"])]), abs=BOUND)
+    normalized = hooks.attribution_patching(model, CLEAN, CORRUPT, layers=[0, 4, 12], verify=5, normalize=True)
+    span = estimated.clean_metric - estimated.corrupt_metric
+    torch.testing.assert_close(normalized.patched[ran], (estimated.patched[ran] - estimated.corrupt_metric) / span)
+
+
+def test_a_dataset_verifies_the_cells_of_its_largest_mean_estimate_in_every_pair(model):
+    result = hooks.dataset_patching(model, PAIRS, method="attribution", over=("layers", "heads"), layers=[2, 9],
+                                    verify=3, progress=False)
+    ran = ~result.patched.isnan()
+    patched = [hooks.patching_sweep(model, clean, corrupt, over=("layers", "heads"), layers=[2, 9], progress=False)
+               for clean, corrupt in PAIRS]
+    assert int(ran.sum()) == 3
+    torch.testing.assert_close(result.patched[ran], ((patched[0].grid + patched[1].grid) / 2)[ran], atol=BOUND,
+                               rtol=0)
+    seen = []
+    hooks.dataset_patching(model, PAIRS, method="attribution", layers=[2], positions=[-1], verify=1,
+                           progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(2, 4), (3, 4), (4, 4)]
+
+
+@pytest.mark.parametrize("verify, message", [(-1, "between 0 and the sweep's 9 cells"),
+                                             (10, "between 0 and the sweep's 9 cells"),
+                                             (1.5, "verify must be an integer"), (True, "verify must be an integer")])
+def test_bad_verification_is_refused(model, monkeypatch, verify, message):
+    monkeypatch.setattr(model.runner, "forward", lambda *a, **k: pytest.fail("ran a forward"))
+    with pytest.raises(workbench.HookError, match=message):
+        hooks.attribution_patching(model, CLEAN, CORRUPT, layers=[3], verify=verify)
+    with pytest.raises(workbench.HookError, match="verify applies to method='attribution'"):
+        hooks.dataset_patching(model, PAIRS, layers=[3], verify=1, progress=False)

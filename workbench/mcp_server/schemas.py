@@ -271,6 +271,15 @@ class PatchingSweep(Result):
     method: str = Field(description="'activation patching' (each cell a patched run) or 'attribution patching' (each "
                                     "cell its first-order estimate from one backward)")
     pairs: int = Field(1, description="the prompt pairs whose grids and metrics are averaged (dataset_patching)")
+    verified: list[VerifiedCell] = Field(default_factory=list, description=(
+        "attribution's verify: the cells of the largest estimated effect, patched, largest first"))
+
+
+class VerifiedCell(BaseModel):
+    index: list[int] = Field(description="the cell's index in grid")
+    labels: list[str]
+    estimated: float = Field(description="the attribution estimate (as grid)")
+    patched: float = Field(description="the activation-patched value (as grid)")
 
 
 class PatchingPair(BaseModel):

@@ -85,6 +85,8 @@ Temperature = Annotated[float, Field(description="sampling temperature; 0 is gre
 Dataset = Annotated[str, Field(description="a shipped dataset (list_datasets) or a .jsonl file in the artifacts "
                                            "folder")]
 Sample = Annotated[int | None, Field(description="use a seeded subset of about this many records")]
+Verify = Annotated[int, Field(ge=0, description="attribution only: patch this many cells of the largest estimated "
+                                                "effect, to check the estimates (a forward each)")]
 Pooling = Annotated[str, Field(description="'last' token or 'mean' over tokens")]
 
 
@@ -700,8 +702,8 @@ class Workbench:
                        steps: Annotated[int, Field(ge=1, le=64, description=(
                            "attribution only: 1 takes the gradient in the corrupt run; more average the gradients "
                            "along the way from the corrupt inputs to the clean (integrated gradients: closer to "
-                           "patching where effects saturate, a forward and backward each)"))] = 1
-                       ) -> s.PatchingSweep:
+                           "patching where effects saturate, a forward and backward each)"))] = 1,
+                       verify: Verify = 0) -> s.PatchingSweep:
         """Activation patching sweep: patch each (layer, position | head) cell of the clean run into the corrupt run
         (or estimate every cell at once from gradients: attribution patching)."""
         model = self.model(call)
@@ -711,14 +713,18 @@ class Workbench:
         if method == "activation" and cells > self.limits.max_sweep:
             raise WorkbenchError(f"the sweep has {cells} cells (one forward each); the limit is "
                                  f"{self.limits.max_sweep}: choose layers or positions")
+        if verify > self.limits.max_sweep:
+            raise WorkbenchError(f"verify patches {verify} cells (one forward each); the limit is "
+                                 f"{self.limits.max_sweep}")
         if answers is not None and len(answers) != 2:
             raise WorkbenchError(f"answers must be [clean answer, corrupt answer], got {len(answers)} strings")
         sweep = dict(over=over, hook=hook, layers=layers, positions=positions,
                      answers=tuple(answers) if answers else None, normalize=normalize)
         if method == "attribution":
-            result = hooks.attribution_patching(model, clean_ids, corrupt_ids, **sweep, steps=steps)
-        elif steps != 1:
-            raise WorkbenchError("steps applies to method='attribution' (activation patching runs each cell once)")
+            result = hooks.attribution_patching(model, clean_ids, corrupt_ids, **sweep, steps=steps, verify=verify)
+        elif steps != 1 or verify:
+            raise WorkbenchError(f"{'steps' if steps != 1 else 'verify'} applies to method='attribution' (activation "
+                                 f"patching runs each cell once)")
         else:
             result = hooks.patching_sweep(model, clean_ids, corrupt_ids, **sweep,
                                           progress=lambda done, total: call.check())
@@ -754,8 +760,8 @@ class Workbench:
                          method: Annotated[Literal["activation", "attribution"], Field(
                              description="as patching_sweep's; attribution runs the pairs batched")] = "attribution",
                          steps: Annotated[int, Field(ge=1, le=64, description="attribution's integrated-gradient "
-                                                                              "steps, as patching_sweep's")] = 1
-                         ) -> s.PatchingSweep:
+                                                                              "steps, as patching_sweep's")] = 1,
+                         verify: Verify = 0) -> s.PatchingSweep:
         """Patching over a dataset of (clean, corrupt) prompt pairs: each cell, and the clean and corrupt metrics, the
         mean of the pairs' (a circuit's components scored over a task, as EAP scores them)."""
         model = self.model(call)
@@ -774,13 +780,14 @@ class Workbench:
             answers = [tuple(pair.answers) for pair in pairs] if all(given) else None
         ids = [(self._ids(model, clean), self._ids(model, corrupt)) for clean, corrupt in prompts]
         # activation patching runs a forward a cell of each pair, attribution a forward and backward a pair and step
+        # and a forward a verified cell of each pair
         runs = (sum(self._sweep_cells(model, len(clean), over, hook, layers, positions) for clean, _ in ids)
-                if method == "activation" else len(ids) * steps)
+                if method == "activation" else len(ids) * (steps + verify))
         if runs > self.limits.max_sweep:
             raise WorkbenchError(f"the sweep over {len(ids)} pairs runs {runs} forwards; the limit is "
                                  f"{self.limits.max_sweep}: choose fewer pairs, layers or positions")
         result = hooks.dataset_patching(model, ids, method=method, steps=steps, over=over, hook=hook, layers=layers,
-                                        positions=positions, answers=answers, normalize=normalize,
+                                        positions=positions, answers=answers, normalize=normalize, verify=verify,
                                         progress=lambda done, total: call.check())
         return s.PatchingSweep(**result.to_dict())
 
