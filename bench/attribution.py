@@ -3,7 +3,8 @@
 where they differ most), for each ``--steps`` (1: the gradient in the corrupt run; more: integrated gradients). The
 README's prompts by default. Then the gradients of ``--prompts`` copies of the clean prompt, batched against one at a
 time; and attribution patching over the first ``--pairs`` pairs of the shipped ``ioi`` dataset (``dataset_patching``,
-the pairs batched) against a loop of one pair at a time, each against activation patching over the same pairs.
+the pairs batched) against a loop of one pair at a time, each against activation patching over the same pairs, and its
+``verify=10`` against patching's own top 10 cells.
 
     python bench/attribution.py                        # embedded model, CPU, 2 threads
     python bench/attribution.py --steps 1 5 --device cuda --repeats 5
@@ -107,6 +108,17 @@ def dataset_sweeps(model: workbench.Model, n_pairs: int, steps_list: list[int], 
             print(f"{'':10} steps {steps}: batched {seconds['batched']:.3f} s, one pair at a time "
                   f"{seconds['one at a time']:.3f} s ({seconds['one at a time'] / seconds['batched']:.2f}x, largest "
                   f"difference {gap:.1e}), correlation {correlation:.2f}")
+        # verify: the 10 cells of the largest estimate, patched; their effects against patching's own top 10 (cells
+        # of equal effect, the last position of many layers, make the top 10's members arbitrary: their sizes count)
+        start = time.perf_counter()
+        verified = hooks.dataset_patching(model, pairs, method="attribution", verify=10, **sweep)
+        seconds = time.perf_counter() - start
+        ran = ~verified.patched.isnan()
+        found = (verified.patched[ran] - patched.corrupt_metric).abs().sum()
+        best = (patched.grid - patched.corrupt_metric).abs().flatten().sort(descending=True).values[:10].sum()
+        print(f"{'':10} verify 10: {seconds:.3f} s, their patched effects {float(found / best):.0%} of patching's top "
+              f"10, the estimates off by up to {float((verified.grid - verified.patched)[ran].abs().max()):.2f}, the "
+              f"patched values within {float((verified.patched - patched.grid)[ran].abs().max()):.1e} of the sweep's")
 
 
 def timed(runs: dict[str, Callable[[], Any]], repeats: int, device: torch.device
