@@ -329,9 +329,12 @@ def test_steer_ablate_patch_and_combinations(stdio, model):
 
 
 def test_mean_ablation_over_reference_prompts(http, model):
-    hook, references = "blocks.6.hook_mlp_out", ["The capital of Spain is", "A cat sat on the mat"]
+    """Reference prompts are texts or conversations (rendered through the chat template)."""
+    conversation = [{"role": "user", "content": "Name a capital."}]
+    hook, references = "blocks.6.hook_mlp_out", ["The capital of Spain is", "A cat sat on the mat", conversation]
     out = http.call("ablate", prompt=PROMPT, hook=hook, method="mean", reference_prompts=references, top_k=5)
     traces = [model.run(p, record=[hook]) for p in references]
+    assert len(traces[2].tokens) > 10  # the template's tokens around the message
     _check_edit(out, model, [hooks.MeanAblate.from_traces(hook, traces)])
 
 
@@ -479,9 +482,11 @@ def test_datasets_probes_and_depth_sweep(http, artifacts, model):
     probe = http.call("probe_train", dataset="mood.jsonl", hook="blocks.12.hook_resid_post", test_size=0.5)
     reference = probes.train_probe(model, dataset, "blocks.12.hook_resid_post", test_size=0.5)
     assert (probe["accuracy"], probe["ci"], probe["n_test"]) == (reference.accuracy, list(reference.ci), 4)
-    prompts = ["A lovely, happy evening.", "A miserable, awful evening."]
+    prompts = ["A lovely, happy evening.", "A miserable, awful evening.",
+               [{"role": "user", "content": "What a lovely, happy evening!"}]]
     applied = http.call("probe_apply", probe_id=probe["probe_id"], prompts=prompts)
     expected = reference.predict_proba(model, prompts)
+    assert [prediction["prompt"] for prediction in applied["predictions"]] == prompts
     for prediction, row in zip(applied["predictions"], expected):
         assert [prediction["probs"][c] for c in reference.classes] == pytest.approx(row.tolist(), abs=1e-6)
 
@@ -814,9 +819,10 @@ def test_sae_tools(http, artifacts, model):
     assert [[f for f, _ in t["features"]] for t in features] == [[f for f, _ in r["features"]] for r in expected]
     feature = int(features[-1]["features"][0][0])
 
-    prompts = ["The capital of Spain is", "A cat sat on the mat", PROMPT]
+    prompts = ["The capital of Spain is", "A cat sat on the mat", PROMPT,
+               [{"role": "user", "content": "The capital of France is?"}]]
     examples = http.call("feature_top_examples", sae_id=info["sae_id"], feature=feature, prompts=prompts, n=3)
-    stats = probes.feature_stats(model, sae, prompts, 3)
+    stats = probes.feature_stats(model, sae, [model.to_ids(p) for p in prompts], 3)
     assert examples["density"] == pytest.approx(float(stats.density[feature]))
     assert [e["activation"] for e in examples["examples"]] == pytest.approx(
         [e["activation"] for e in stats.examples(model, feature)], abs=1e-5)

@@ -378,7 +378,7 @@ class ProbeInfo(Result):
 
 
 class Prediction(Result):
-    prompt: str
+    prompt: str | list[dict[str, Any]]
     label: str
     probs: dict[str, float]
 

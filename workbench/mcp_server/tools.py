@@ -567,7 +567,8 @@ class Workbench:
                                                         "(from reference prompts)")] = "zero",
                positions: Positions = None, heads: Heads = None,
                neurons: Annotated[list[int] | None, Field(description="feature indices; all when omitted")] = None,
-               reference_prompts: Annotated[list[str], Field(description="prompts for mean / resample")] = [],
+               reference_prompts: Annotated[list[ChatPrompt], Field(description=(
+                   f"prompts for mean / resample, each a text {CONVERSATION}"))] = [],
                targets: Targets = [], top_k: TopK = 10, chat: Chat = False) -> s.EditResult:
         """Ablate a region of a hook point (zero, mean or resample): baseline vs edited distributions."""
         region = {"hook": hook, "positions": positions, "heads": heads, "neurons": neurons}
@@ -1039,7 +1040,8 @@ class Workbench:
 
     @tool
     def probe_apply(self, call: Call, probe_id: Annotated[str, Field(description="a probe id from probe_train")],
-                    prompts: Annotated[list[str], Field(description="prompts to classify")]) -> s.ProbePredictions:
+                    prompts: Annotated[list[ChatPrompt], Field(description=f"prompts to classify, each a text "
+                                                                           f"{CONVERSATION}")]) -> s.ProbePredictions:
         """Classify prompts with a trained probe: label and class probabilities for each."""
         probe = call.session.get("probe", probe_id)
         model = self.model(call)
@@ -1126,12 +1128,11 @@ class Workbench:
         return s.SaeInfo(sae_id=sae_id, architecture=sae.architecture, hook=sae.hook, hook_out=sae.hook_out,
                          d_in=sae.d_in, d_sae=sae.d_sae, k=sae.k, path=path)
 
-    def _prompt_list(self, call: Call, prompts: list[str]) -> list[str]:
+    def _prompt_list(self, call: Call, prompts: list[ChatPrompt]) -> list[list[int]]:
+        """Each prompt's checked ids (a conversation rendered once)."""
         self._check_count("number of prompts", len(prompts), self.limits.max_batch)
         model = self.model(call)
-        for prompt in prompts:
-            self._ids(model, prompt)
-        return prompts
+        return [self._ids(model, prompt) for prompt in prompts]
 
     @tool
     def sae_load(self, call: Call,
@@ -1160,7 +1161,8 @@ class Workbench:
     @tool
     def feature_top_examples(self, call: Call, sae_id: Annotated[str, Field(description="an SAE id")],
                              feature: Annotated[int, Field(description="feature index")],
-                             prompts: Annotated[list[str], Field(description="the corpus to search")],
+                             prompts: Annotated[list[ChatPrompt], Field(description=f"the corpus to search, each a "
+                                                                                    f"text {CONVERSATION}")],
                              n: Annotated[int, Field(description="how many top contexts")] = 10,
                              context: Annotated[int, Field(description="tokens shown either side")] = 8
                              ) -> s.FeatureExamples:
@@ -1200,9 +1202,9 @@ class Workbench:
                   k: Annotated[int, Field(description="active features per token (TopK)")] = 32,
                   hook_out: Annotated[str | None, Field(description="train a transcoder writing this point "
                                                                     "(e.g. blocks.3.hook_mlp_out)")] = None,
-                  prompts: Annotated[list[str] | None, Field(description="training prompts; omitted: prose shipped "
-                                                                         "with Python (docstrings, help topics)")
-                                     ] = None,
+                  prompts: Annotated[list[ChatPrompt] | None, Field(description=(
+                      f"training prompts, each a text {CONVERSATION}; omitted: prose shipped with Python "
+                      f"(docstrings, help topics)"))] = None,
                   max_seconds: Annotated[float, Field(description="training time budget (the server caps it)")
                                          ] = 60.0,
                   batch_tokens: Annotated[int, Field(description="tokens per training step (the server caps it; "
