@@ -1045,9 +1045,7 @@ class Workbench:
         """Classify prompts with a trained probe: label and class probabilities for each."""
         probe = call.session.get("probe", probe_id)
         model = self.model(call)
-        self._check_count("prompts", len(prompts), self.limits.max_batch)
-        for prompt in prompts:
-            self._ids(model, prompt)
+        self._prompt_list(call, prompts)  # checked: the probe reads the prompts as given (texts or conversations)
         probs = probe.predict_proba(model, prompts, progress=lambda done, total: call.check())
         classes = probe.classes
         return s.ProbePredictions(probe_id=probe_id, predictions=[
