@@ -71,7 +71,8 @@ with options:
     each = " for each pair" if n_pairs > 1 else ""
     st.caption(f"{cells * n_pairs} patched forwards (+{2 * n_pairs})" if method == "Activation patching" else
                f"{cells} cells from {steps + 1 if steps > 1 else 2} forwards and "
-               f"{'a backward' if steps == 1 else f'{steps} backwards'}{each}, batched")
+               f"{'a backward' if steps == 1 else f'{steps} backwards'}{each}, batched"
+               + (f", then {verify} patched forwards{each}" if verify else ""))
     run = st.button("Run sweep", type="primary", disabled=None in ids, use_container_width=True)
 
 
