@@ -204,6 +204,13 @@ class _PairGrid:
     metric_name: str
 
 
+def _check_normalizable(normalize: bool, clean_metric: float, corrupt_metric: float, pairs: int = 1) -> None:
+    """A normalized grid divides by clean - corrupt (the pairs' means): refused where that is zero."""
+    if normalize and clean_metric == corrupt_metric:
+        raise HookError("cannot normalize: the clean and corrupt metrics are equal"
+                        + (" on average over the pairs" if pairs > 1 else ""))
+
+
 def _result(model: Any, sweeps: Sequence[_Sweep], pairs: Sequence[_PairGrid], normalize: bool,
             method: str, patched: Sequence[_PairGrid] = ()) -> PatchingResult:
     """The pairs' mean grid and metrics; normalized, by the mean metrics (as EAP normalizes a dataset's scores).
@@ -211,9 +218,7 @@ def _result(model: Any, sweeps: Sequence[_Sweep], pairs: Sequence[_PairGrid], no
     first = sweeps[0]
     clean_metric = sum(p.clean_metric for p in pairs) / len(pairs)
     corrupt_metric = sum(p.corrupt_metric for p in pairs) / len(pairs)
-    if normalize and clean_metric == corrupt_metric:
-        raise HookError("cannot normalize: the clean and corrupt metrics are equal"
-                        + (" on average over the pairs" if len(pairs) > 1 else ""))
+    _check_normalizable(normalize, clean_metric, corrupt_metric, len(pairs))
     shape = ([len(first.layers)] + ([len(first.positions)] if "positions" in first.over else [])
              + ([len(first.heads)] if "heads" in first.over else []))
     grids = [torch.stack([p.grid for p in pairs]).mean(0).view(shape)]
@@ -274,8 +279,7 @@ def _patched(model: Any, sweep: _Sweep, metric: Metric | None, refuse_equal: boo
     answer_pair = sweep.checked(sweep.answers(clean_trace.logits, corrupt_logits)) if metric is None else None
     metric = logit_diff(*answer_pair) if metric is None else metric
     clean_metric, corrupt_metric = float(metric(clean_trace.logits)), float(metric(corrupt_logits))
-    if refuse_equal and clean_metric == corrupt_metric:
-        raise HookError("cannot normalize: the clean and corrupt metrics are equal")
+    _check_normalizable(refuse_equal, clean_metric, corrupt_metric)
 
     if continued:
         values = _continued_cells(model, cells, clean_trace, corrupt_run, sweep.corrupt_ids, metric, answer_pair,
