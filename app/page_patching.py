@@ -131,7 +131,8 @@ if result is not None:
     st.caption(f"{result.method} · {result.metric_name} · {result.hook}{over_pairs}")
     height = 520 if len(result.over) == 2 else 260 * -(-result.grid.shape[2] // 4) + 120
     st.plotly_chart(common.style(result.figure(), height=height), key="pt_figure")
-    if result.verified():
+    verified = result.verified()
+    if verified:
         st.caption("The cells of the largest estimated effect, patched")
         st.dataframe([{"cell": " ".join(cell["labels"]), "estimated": cell["estimated"], "patched": cell["patched"]}
-                      for cell in result.verified()], hide_index=True, use_container_width=True)
+                      for cell in verified], hide_index=True, use_container_width=True)
