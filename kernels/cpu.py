@@ -46,8 +46,11 @@ SUPPORTED_TYPES: dict[int, str] = dict(sorted((SPECS[name].ggml_type, name) for 
 PANEL_MIN_BATCH = launch_choices.PANEL_MIN_BATCH
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_AVX512_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 _ISA_FLAGS = {
-    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"],
+    # VNNI's byte dot product (vpdpbusd) where the build has it, its two-instruction form where not: the same integers
+    "avx512_vnni": [*_AVX512_FLAGS, "-mavx512vnni"],
+    "avx512": _AVX512_FLAGS,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "scalar": [],
 }
@@ -66,8 +69,10 @@ def format_macros() -> list[str]:
 
 
 def _native_isa() -> str:
-    """The widest instruction set the extension has code for that this CPU runs (torch's own probe)."""
-    return {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
+    """The widest instruction set the extension has code for that this CPU runs (torch's own probes)."""
+    isa = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
+    capabilities = getattr(torch.cpu, "get_capabilities", dict)()
+    return "avx512_vnni" if isa == "avx512" and capabilities.get("avx512_vnni", False) else isa
 
 
 def _build_stamp(name: str, source: Path, cflags: list[str]) -> Path:
@@ -102,7 +107,8 @@ def _build_extension(isa: str, source: Path = _SOURCE, name: str | None = None) 
 
         load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
              is_python_module=False)
-        library = next((p for p in torch.ops.loaded_libraries if Path(p).name.startswith(name)), None)
+        # the file named for this build exactly: another build's name may begin with it (avx512, avx512_vnni)
+        library = next((p for p in torch.ops.loaded_libraries if Path(p).name.split(".")[0] == name), None)
         if library is not None:
             stamp.write_text(f"{library}\n{Path(library).stat().st_mtime_ns}")
     ops = getattr(torch.ops, name)

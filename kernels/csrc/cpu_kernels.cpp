@@ -4,13 +4,15 @@
 //   exact:    each weight block is dequantized into a small float buffer and multiplied
 //             against fp32 activations with fp32 accumulation, i.e. x @ dequantize(W).T up to
 //             fp32 rounding. For larger batches a panel of rows is dequantized and handed to
-//             the BLAS (at::mm), which beats any hand-written micro-kernel there.
+//             the BLAS (at::mm), which beats any hand-written micro-kernel there. Q6_K's single
+//             rows on AVX-512 take the activations in 24-bit block floating point and multiply
+//             in integers (digit_dot).
 //   llamacpp: activations are first quantized to Q8_0 / Q8_1 / Q8_K as ggml-cpu does and each
 //             block product is an integer dot product scaled in float, as ggml's vec_dot functions.
 //
 // The code is plain C++ over a few AVX2 primitives (with a portable fallback); the exact dot products
 // also have AVX-512 code (16 lanes, and table lookups for the 4-bit formats). cpu.py compiles it for the
-// widest vector ISA the CPU has (AVX-512, AVX2+FMA, or none).
+// widest vector ISA the CPU has (AVX-512 with or without VNNI, AVX2+FMA, or none).
 //
 // The formats' GGML type numbers and block sizes are not written here: cpu.py passes the format table
 // (kernels/formats/table.py) as macros, WB_<FORMAT>_TYPE, WB_<FORMAT>_VALUES and WB_<FORMAT>_BYTES for every weight
@@ -28,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -728,8 +731,21 @@ struct Q6_K {
       _mm512_storeu_si512(q + 128 * half, _mm512_sub_epi8(quarters[0], bias));
       _mm512_storeu_si512(q + 128 * half + 64, _mm512_sub_epi8(quarters[1], bias));
     }
-    const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
-    _mm512_storeu_ps(scale, _mm512_mul_ps(scales, _mm512_set1_ps(half_at(b + 208))));
+    _mm512_storeu_ps(scale, scales(b));
+  }
+  // d times each 16 values' scale
+  static __m512 scales(const uint8_t* b) {
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(half_at(b + 208)));
+  }
+  // For digit_dot: half-block h's unsigned codes (0..63) in two vectors whose 32-bit lanes 2s and 2s + 1 hold
+  // values of sub-block 8h + s, the first vector values 0..7 of each 16, the second 8..15 (the order ActDigits
+  // writes the activations' digits in).
+  static void paired_codes(const uint8_t* b, int half, __m512i& first, __m512i& second) {
+    __m512i quarters[2];
+    unsigned_codes(b, half, quarters);
+    first = _mm512_permutex2var_epi64(quarters[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), quarters[1]);
+    second = _mm512_permutex2var_epi64(quarters[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), quarters[1]);
   }
 #endif
 };
@@ -805,8 +821,9 @@ inline float wide_sum(WideFloats a, WideFloats b) { return hsum(add(a, b)); }
 // Q4_1, Q8_0, Q6_K; docs/performance.md). 2 KB ahead ran 1.00-1.13x as fast as 1 or 4 KB, 8 KB no faster than 4.
 // Prefetches never fault, so past the matrix's end they cost nothing. The bits are the same.
 constexpr int64_t kPrefetchBytes = 2048;
+template <int64_t kAhead = kPrefetchBytes>
 inline void prefetch_block(const uint8_t* block, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(block + kPrefetchBytes + b);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(block + kAhead + b);
 }
 
 // A row of blocks a span of kSpan blocks at a time, for the dot products that decode a span into memory before they
@@ -1013,6 +1030,128 @@ void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, 
 }
 #endif
 
+#if defined(__AVX512BW__)
+template <class F, class = void>
+constexpr bool kDigitDots = false;
+template <class F>
+constexpr bool kDigitDots<F, std::void_t<decltype(&F::paired_codes)>> = true;
+
+// Q6_K's exact dot products as integer dot products. Converting each code to float and multiplying it by its scale
+// held Q6_K's dot products to about half the rows a second of llama.cpp's integer ones (the float conversions and
+// multiplies take the two vector ports). Here each 16 activations are integers m times a power of two 2^e, e chosen
+// so that their largest |m| lies in [2^22, 2^23) (each value rounded to the nearest multiple of 2^e, so off by at most
+// 2^-23 of the largest), and m is split into three bytes: the byte products with the 6-bit codes, summed four at a
+// time into 32-bit lanes (AVX-512 VNNI's vpdpbusd, or its two-instruction form), are exact, and so is their sum over
+// 8 values; a sum's float conversion and its multiply-add by d * scale * 2^e are the only roundings.
+// docs/faithfulness.md gives the bound this meets; docs/performance.md the speed (1.3-1.4x the rows a second).
+inline __m512i dot_bytes4(__m512i acc, __m512i u8, __m512i s8) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+#endif
+}
+
+// The activation rows of one call in digits, prepared once before the threads multiply. A row of k values holds:
+// the bytes of m (bits 16-23 signed, 8-15 and 0-7 unsigned) in the order paired_codes() gives the codes, k each;
+// -32 times the sum of m over each 32-bit lane's 8 values, folding the codes' offset of 32 into the sums (k / 8
+// int32); and 2^e of each 16 values (k / 16 floats). A row with a NaN or an infinity is marked unusable and takes the
+// float dot products.
+class ActDigits {
+ public:
+  // The rows of x [m, k] that `wanted` marks.
+  ActDigits(const float* x, int64_t m, int64_t k, const std::vector<char>& wanted)
+      : k_(k), row_bytes_(3 * k + k / 2 + k / 4), slot_(m, -1) {
+    int64_t slots = 0;
+    for (int64_t i = 0; i < m; ++i)
+      if (wanted[i]) slot_[i] = slots++;
+    data_ = torch::empty({slots, row_bytes_}, torch::kUInt8);
+    usable_.resize(slots);
+    for (int64_t i = 0; i < m; ++i)
+      if (slot_[i] >= 0) usable_[slot_[i]] = prepare(x + i * k, data_.data_ptr<uint8_t>() + slot_[i] * row_bytes_);
+  }
+  // The digits of row i where they were prepared and are usable, else nullptr.
+  const uint8_t* row(int64_t i) const {
+    const int64_t slot = slot_[i];
+    return slot >= 0 && usable_[slot] ? data_.data_ptr<uint8_t>() + slot * row_bytes_ : nullptr;
+  }
+
+ private:
+  bool prepare(const float* x, uint8_t* row) const {
+    const int64_t k = k_;
+    int32_t* sums = reinterpret_cast<int32_t*>(row + 3 * k);
+    float* powers = reinterpret_cast<float*>(row + 3 * k + k / 2);
+    const __m512i limit = _mm512_set1_epi32((1 << 23) - 1);
+    for (int64_t j = 0; j < k / 16; ++j) {
+      const __m512 v = _mm512_loadu_ps(x + 16 * j);
+      if (_mm512_fpclass_ps_mask(v, 0x99)) return false;  // a NaN or an infinity
+      int e = 0;
+      std::frexp(_mm512_reduce_max_ps(_mm512_abs_ps(v)), &e);  // largest magnitude in [2^(e-1), 2^e); e = 0 for zeros
+      e = std::max(e, -100);  // 2^(e - 23) stays a normal float
+      powers[j] = std::ldexp(1.0f, e - 23);
+      __m512i m = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(std::ldexp(1.0f, 23 - e))));  // rounded to even
+      m = _mm512_max_epi32(_mm512_min_epi32(m, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      // values 0..7 of sub-block s of half-block h go to bytes 8s.. of the first 64, values 8..15 of the second
+      uint8_t* first = row + 128 * (j / 8) + 8 * (j % 8);
+      const __m128i bytes[3] = {_mm512_cvtepi32_epi8(_mm512_srai_epi32(m, 16)),
+                                _mm512_cvtepi32_epi8(_mm512_srli_epi32(m, 8)), _mm512_cvtepi32_epi8(m)};
+      for (int d = 0; d < 3; ++d) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(first + d * k), bytes[d]);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(first + d * k + 64), _mm_unpackhi_epi64(bytes[d], bytes[d]));
+      }
+      // lane 2s: values 0..3 and 8..11; lane 2s + 1: values 4..7 and 12..15
+      const __m512i pairs = _mm512_add_epi32(m, _mm512_shuffle_i32x4(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+      sums[16 * (j / 8) + 2 * (j % 8)] = -32 * _mm512_mask_reduce_add_epi32(0x000F, pairs);
+      sums[16 * (j / 8) + 2 * (j % 8) + 1] = -32 * _mm512_mask_reduce_add_epi32(0x00F0, pairs);
+    }
+    return true;
+  }
+
+  int64_t k_, row_bytes_;
+  std::vector<int64_t> slot_;  // each row's place in data_, -1 where not prepared
+  torch::Tensor data_;
+  std::vector<char> usable_;
+};
+
+// Reading 4 KB ahead where the float dot products read 2 KB: 1.3x the rows a second of 2 KB from memory (2 threads,
+// 151936 x 2048), 8 KB no faster.
+constexpr int64_t kDigitPrefetchBytes = 4096;
+
+// The dot product of one weight row with one activation row given in digits. Only for single rows: from four rows
+// the float dot products' one decode of a weight serves them all for less (0.83x their rows a second as digits).
+template <class F>
+float digit_dot(const uint8_t* wrow, const uint8_t* digits, int64_t k) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // one accumulator a half-block
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i lane_scale = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const int32_t* sums = reinterpret_cast<const int32_t*>(digits + 3 * k);
+  const float* powers = reinterpret_cast<const float*>(digits + 3 * k + k / 2);
+  for (int64_t b = 0; b < k / F::kValues; ++b) {
+    const uint8_t* block = wrow + b * F::kBytes;
+    prefetch_block<kDigitPrefetchBytes>(block, F::kBytes);
+    const __m512 scales = _mm512_mul_ps(F::scales(block), _mm512_loadu_ps(powers + 16 * b));
+    for (int half = 0; half < 2; ++half) {
+      __m512i first, second;
+      F::paired_codes(block, half, first, second);
+      const int64_t n = F::kValues * b + 128 * half;
+      const auto bytes = [&](int d, int which) { return _mm512_loadu_si512(digits + d * k + n + 64 * which); };
+      // m's low two bytes are unsigned and the codes 0..63, so either side of vpdpbusd takes them
+      const __m512i low =
+          dot_bytes4(dot_bytes4(_mm512_loadu_si512(sums + n / 8), bytes(2, 0), first), bytes(2, 1), second);
+      const __m512i mid = dot_bytes4(dot_bytes4(zero, bytes(1, 0), first), bytes(1, 1), second);
+      const __m512i high = dot_bytes4(dot_bytes4(zero, first, bytes(0, 0)), second, bytes(0, 1));
+      // |sum| < 8 * 32 * 2^23 = 2^31: the 32-bit sum of the three is exact (wrapping in between does no harm)
+      const __m512i sum =
+          _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 16), _mm512_slli_epi32(mid, 8)), low);
+      const __m512 lane_scales =
+          _mm512_permutexvar_ps(_mm512_add_epi32(lane_scale, _mm512_set1_epi32(8 * half)), scales);
+      acc[half] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), lane_scales, acc[half]);
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+#endif
+
 // The fused dot products of one weight row with TM activation rows.
 template <class F, int TM>
 void dot_rows(const uint8_t* wrow, const float* x, int64_t k, float* out, int64_t ldo) {
@@ -1048,16 +1187,51 @@ void parallel_rows(int64_t n, int64_t work_per_row, const Body& body) {
   });
 }
 
-// out[i * ldo + r] for weight rows r in [begin, end) and every activation row i.
+#if !defined(__AVX512BW__)
+class ActDigits {};  // only the AVX-512 builds take activations in digits
+#endif
+
+// The rows of x that matmul_rows_exact multiplies one at a time (past its tiles of kRowTile) in a call of m rows from
+// row `first`, marked in `single`.
+void mark_single_rows(int64_t first, int64_t m, std::vector<char>& single) {
+  std::fill_n(single.begin() + first + m / kRowTile * kRowTile, m % kRowTile, 1);
+}
+
+// The digits of x's rows that `wanted` marks, for a call of these formats: where one of them takes digits (AVX-512
+// builds), else none.
+std::unique_ptr<ActDigits> digits_for(const torch::Tensor& x, const std::vector<int64_t>& ggml_types,
+                                      const std::vector<char>& wanted) {
+#if defined(__AVX512BW__)
+  const bool takes_digits = std::any_of(ggml_types.begin(), ggml_types.end(), [](int64_t type) {
+    return visit_format(type, [](auto format) { return kDigitDots<decltype(format)>; });
+  });
+  if (takes_digits && std::find(wanted.begin(), wanted.end(), 1) != wanted.end())
+    return std::make_unique<ActDigits>(x.data_ptr<float>(), x.size(0), x.size(1), wanted);
+#endif
+  return nullptr;
+}
+
+// out[i * ldo + r] for weight rows r in [begin, end) and every activation row i: tiles of kRowTile rows, then the rest
+// one at a time, as digits where `digits` has row digit_row + i of them.
 template <class F>
 void matmul_rows_exact(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t begin, int64_t end, float* out,
-                       int64_t ldo) {
+                       int64_t ldo, const ActDigits* digits = nullptr, int64_t digit_row = 0) {
   const int64_t row_bytes = k / F::kValues * F::kBytes;
   for (int64_t r = begin; r < end; ++r) {
     const uint8_t* wrow = w + r * row_bytes;
     int64_t i = 0;
     for (; i + kRowTile <= m; i += kRowTile) dot_rows<F, kRowTile>(wrow, x + i * k, k, out + i * ldo + r, ldo);
-    for (; i < m; ++i) dot_rows<F, 1>(wrow, x + i * k, k, out + i * ldo + r, ldo);
+    for (; i < m; ++i) {
+#if defined(__AVX512BW__)
+      if constexpr (kDigitDots<F>) {
+        if (const uint8_t* d = digits ? digits->row(digit_row + i) : nullptr) {
+          out[i * ldo + r] = digit_dot<F>(wrow, d, k);
+          continue;
+        }
+      }
+#endif
+      dot_rows<F, 1>(wrow, x + i * k, k, out + i * ldo + r, ldo);
+    }
   }
 }
 
@@ -1191,10 +1365,13 @@ torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::I
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
   if (m < panel_min_batch) {
+    std::vector<char> single(m, 0);
+    mark_single_rows(0, m, single);
+    const std::unique_ptr<ActDigits> digits = digits_for(x, ggml_types.vec(), single);
     parallel_side_by_side(first_row, cols * m, [&](size_t p, int64_t lo, int64_t hi) {
       visit_format(ggml_types[p], [&](auto format) {
         matmul_rows_exact<decltype(format)>(xp, m, cols, packed[p].data_ptr<uint8_t>(), lo, hi, outp + first_row[p],
-                                            n);
+                                            n, digits.get());
       });
     });
     return out;
@@ -1258,11 +1435,18 @@ torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packe
   float* outp = out.data_ptr<float>();
   const int64_t mean_count = std::max<int64_t>(1, out_first[parts] / static_cast<int64_t>(parts));
   const int64_t n_fused = static_cast<int64_t>(fused.size());
+  std::vector<int64_t> fused_types;
+  std::vector<char> single(x.size(0), 0);
+  for (const size_t p : fused) {
+    fused_types.push_back(ggml_types[p]);
+    mark_single_rows(x_first[p], x_count[p], single);
+  }
+  const std::unique_ptr<ActDigits> digits = digits_for(x, fused_types, single);
   parallel_part_rows(n_fused, rows, cols * mean_count, [&](int64_t j, int64_t lo, int64_t hi) {
     const size_t p = fused[j];
     visit_format(ggml_types[p], [&](auto format) {
       matmul_rows_exact<decltype(format)>(xp + x_first[p] * cols, x_count[p], cols, packed[p].data_ptr<uint8_t>(), lo,
-                                          hi, outp + out_first[p] * rows, rows);
+                                          hi, outp + out_first[p] * rows, rows, digits.get(), x_first[p]);
     });
   });
   for (size_t p = 0; p < parts; ++p) {
