@@ -115,8 +115,11 @@ def test_exact_rows_of_an_odd_number_of_blocks(name, values):
     assert_within_fp32_rounding(linear(x, w), x.double() @ w_ref.double().T, x, w_ref)
 
 
+DIGIT_FORMATS = ["Q6_K", "Q3_K"]  # those whose single rows multiply in integers on AVX-512
+
+
 def activations_as_digits(x: torch.Tensor) -> torch.Tensor:
-    """x as Q6_K's single-row dot products take it on AVX-512: each 16 values rounded (half to even) to a multiple of
+    """x as the single-row dot products of DIGIT_FORMATS take it on AVX-512: each 16 values rounded (half to even) to a multiple of
     2^(e - 23), where 2^e is the power of two above their largest magnitude (e = 0 for zeros, at least -100), and at
     most 2^23 - 1 multiples from zero. In float64."""
     groups = x.double().reshape(*x.shape[:-1], -1, 16)
@@ -129,17 +132,18 @@ def digits_in_build() -> bool:
     return cpu.extension() is not None and cpu._native_isa().startswith("avx512")
 
 
+@pytest.mark.parametrize("name", DIGIT_FORMATS)
 @pytest.mark.parametrize("k", [256, 2048])
-def test_q6_k_single_rows_multiply_integer_digits_of_the_activations(k):
-    """On AVX-512, a Q6_K weight times a single row of activations (or each row past the tiles of 4: rows 5 and 6 of
-    6) is integer arithmetic on the activations as activations_as_digits rounds them: within (K / 256 + 8) u
+def test_single_rows_multiply_integer_digits_of_the_activations(name, k):
+    """On AVX-512, a Q6_K or Q3_K weight times a single row of activations (or each row past the tiles of 4: rows 5
+    and 6 of 6) is integer arithmetic on the activations as activations_as_digits rounds them: within (K / 256 + 8) u
     (|x~| @ |w|.T) of the float64 product of the rounded activations x~ (the lane sums are exact; a sum's conversion,
     the chain of K / 256 multiply-adds a lane and the final sums round), where the float32 bound of x @ w allows
     (K + 2) u. Activations of every magnitude from 1e-30 to 1e30, zeros and sign flips within a 16."""
     if not digits_in_build():
         pytest.skip("the digits are the AVX-512 builds' path")
     g = torch.Generator().manual_seed(11)
-    w = random_weight("Q6_K", 24, k)
+    w = random_weight(name, 24, k)
     w_ref = w.dequantize().double()
     x = torch.randn(6, k, generator=g) * torch.pow(10.0, torch.randint(-30, 31, (6, k // 16, 1), generator=g).float()
                                                    ).repeat_interleave(16, 1).reshape(6, k)
@@ -154,7 +158,8 @@ def test_q6_k_single_rows_multiply_integer_digits_of_the_activations(k):
         assert_within_fp32_rounding(y, rows.double() @ w_ref.T, rows, w_ref.float())
 
 
-def test_q6_k_digits_round_half_to_even_and_leave_rows_with_nan_to_floats():
+@pytest.mark.parametrize("name", DIGIT_FORMATS)
+def test_digits_round_half_to_even_and_leave_rows_with_nan_to_floats(name):
     """A hand-made case: the weight is w1 (about 1) at value 1, about -0.5 at value 3 and 0 elsewhere; the activations
     1 at value 0, 3 * 2^-23 at value 1 and 2^-24 at value 3: their 16 step by 2^-22, so 1.5 steps round to 2 and a
     quarter step to 0, and the product is exactly w1 * 2^-21, where float dot products give w1 * 3 * 2^-23 + w3 * 2^-24. A
@@ -163,7 +168,7 @@ def test_q6_k_digits_round_half_to_even_and_leave_rows_with_nan_to_floats():
         pytest.skip("the digits are the AVX-512 builds' path")
     row = torch.zeros(1, 256)
     row[0, 1], row[0, 3] = 1.0, -0.5
-    w = QuantTensor.quantize(row, "Q6_K")
+    w = QuantTensor.quantize(row, name)
     w_ref = w.dequantize()
     assert (w_ref != 0).sum() == 2
     x = torch.zeros(2, 256)
@@ -448,7 +453,7 @@ def test_narrower_builds_match_the_native_build(isa):
     llama.cpp numerics identically (the one-chunk
     attention's F16 steps in 16, 8 or 1 lanes: heads of 64 on its F32 path, 128 on the native F16 one, 144 on both).
     The AVX-512 build without VNNI gives every bit the VNNI build gives (its byte dot products' two-instruction form
-    sums the same integers; a Q6_K row of 5 takes them)."""
+    sums the same integers; the Q6_K and Q3_K row of 5 takes them)."""
     order = ["scalar", "avx2", "avx512", "avx512_vnni"]
     if order.index(isa) >= order.index(cpu._native_isa()):
         pytest.skip(f"the native build ({cpu._native_isa()}) is not wider than {isa}")

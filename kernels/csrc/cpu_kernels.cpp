@@ -628,18 +628,27 @@ struct Q3_K {
     acc = fmadd(broadcast(y.d * half_at(b + 108)), ints_to_floats(sumi), acc);
   }
 #if defined(__AVX512BW__)
-  // The 256 codes as values() gives them, two groups a step, and the 16 scales as group() has them: the 6-bit fields
-  // of scale() for all 16 in the bytes of one vector.
-  static void codes(const uint8_t* b, int8_t* q, float* scale) {
+  static constexpr int kCodeOffsetBits = 2;  // values() is the code 0..7 minus 4
+  // Half-block h's codes 0..7 (values() plus 4) in two 64-byte vectors of two groups each (groups 4h and 4h + 1, then
+  // 4h + 2 and 4h + 3).
+  static void unsigned_codes(const uint8_t* b, int half, __m512i* quarters) {
     const __m512i highs = both_halves(b);
+    const __m512i lows = both_halves(b + 32 + 32 * half);
+    for (int j = 0; j < 2; ++j)
+      quarters[j] = _mm512_or_si512(crumb_pairs(lows, 2 * j), bit_pairs(highs, 4 * half + 2 * j, 2));
+  }
+  // The 256 codes as values() gives them, two groups a step, and the 16 scales as group() has them.
+  static void codes(const uint8_t* b, int8_t* q, float* scale) {
     for (int half = 0; half < 2; ++half) {
-      const __m512i lows = both_halves(b + 32 + 32 * half);
-      for (int j = 0; j < 4; j += 2) {
-        const int g = 4 * half + j;
-        const __m512i code = _mm512_or_si512(crumb_pairs(lows, j), bit_pairs(highs, g, 2));
-        _mm512_storeu_si512(q + 32 * g, _mm512_sub_epi8(code, _mm512_set1_epi8(4)));
-      }
+      __m512i quarters[2];
+      unsigned_codes(b, half, quarters);
+      for (int j = 0; j < 2; ++j)
+        _mm512_storeu_si512(q + 128 * half + 64 * j, _mm512_sub_epi8(quarters[j], _mm512_set1_epi8(4)));
     }
+    _mm512_storeu_ps(scale, scales(b));
+  }
+  // d times each 16 values' scale: the 6-bit fields of scale() for all 16 in the bytes of one vector.
+  static __m512 scales(const uint8_t* b) {
     const __m128i packed = _mm_maskz_loadu_epi8(0x0FFF, b + 96);  // the 12 bytes of scales, nothing past the block
     const __m128i nibble = _mm_set1_epi8(0x0F);
     const __m128i low_bytes = _mm_shuffle_epi8(packed, _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7));
@@ -649,7 +658,7 @@ struct Q3_K {
     const __m128i top = _mm_and_si128(_mm_srlv_epi32(top_bytes, _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
     const __m512i scales = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_or_si128(low, _mm_slli_epi16(top, 4))),
                                             _mm512_set1_epi32(32));
-    _mm512_storeu_ps(scale, _mm512_mul_ps(_mm512_cvtepi32_ps(scales), _mm512_set1_ps(half_at(b + 108))));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(scales), _mm512_set1_ps(half_at(b + 108)));
   }
 #endif
 };
@@ -675,6 +684,7 @@ struct Q6_K {
   // Half-block h's codes, 0..63 (values() plus 32), in two 64-byte vectors of two groups each (groups 4h and 4h + 1,
   // then 4h + 2 and 4h + 3): bits 0-3 from the nibbles, bits 4-5 from the 2-bit highs shifted into place (the shift
   // of each 32-byte half of a vector set on its own), where values() takes eight 32-byte steps per group.
+  static constexpr int kCodeOffsetBits = 5;  // values() is the code 0..63 minus 32
   static void unsigned_codes(const uint8_t* b, int half, __m512i* quarters) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), six_bits = _mm512_set1_epi8(0x3F);
     constexpr int kNibbleOrHigh = 0xE4;  // ternary logic: c ? a : b
@@ -737,15 +747,6 @@ struct Q6_K {
   static __m512 scales(const uint8_t* b) {
     const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(half_at(b + 208)));
-  }
-  // For digit_dot: half-block h's unsigned codes (0..63) in two vectors whose 32-bit lanes 2s and 2s + 1 hold
-  // values of sub-block 8h + s, the first vector values 0..7 of each 16, the second 8..15 (the order ActDigits
-  // writes the activations' digits in).
-  static void paired_codes(const uint8_t* b, int half, __m512i& first, __m512i& second) {
-    __m512i quarters[2];
-    unsigned_codes(b, half, quarters);
-    first = _mm512_permutex2var_epi64(quarters[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), quarters[1]);
-    second = _mm512_permutex2var_epi64(quarters[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), quarters[1]);
   }
 #endif
 };
@@ -1031,19 +1032,33 @@ void dot_rows_codes(const uint8_t* wrow, const float* x, int64_t k, float* out, 
 #endif
 
 #if defined(__AVX512BW__)
+// The exact dot products of Q6_K and Q3_K as integer dot products. Converting each code to float and multiplying it
+// by its scale held their dot products to about half the rows a second of llama.cpp's integer ones (the float
+// conversions and multiplies take the two vector ports). Here each 16 activations are integers m times a power of two
+// 2^e, e chosen so that their largest |m| lies in [2^22, 2^23) (each value rounded to the nearest multiple of 2^e, so
+// off by at most 2^-23 of the largest), and m is split into three bytes: the byte products with the codes, summed four
+// at a time into 32-bit lanes (AVX-512 VNNI's vpdpbusd, or its two-instruction form), are exact, and so is their sum
+// over 8 values; a sum's float conversion and its multiply-add by d * scale * 2^e are the only roundings.
+// docs/faithfulness.md gives the bound this meets; docs/performance.md the speed.
+//
+// The formats that take it: a scale per 16 values (F::scales) and unsigned codes under 128 (F::unsigned_codes) that
+// are values() plus 2^F::kCodeOffsetBits.
 template <class F, class = void>
 constexpr bool kDigitDots = false;
 template <class F>
-constexpr bool kDigitDots<F, std::void_t<decltype(&F::paired_codes)>> = true;
+constexpr bool kDigitDots<F, std::void_t<decltype(F::kCodeOffsetBits)>> = true;
 
-// Q6_K's exact dot products as integer dot products. Converting each code to float and multiplying it by its scale
-// held Q6_K's dot products to about half the rows a second of llama.cpp's integer ones (the float conversions and
-// multiplies take the two vector ports). Here each 16 activations are integers m times a power of two 2^e, e chosen
-// so that their largest |m| lies in [2^22, 2^23) (each value rounded to the nearest multiple of 2^e, so off by at most
-// 2^-23 of the largest), and m is split into three bytes: the byte products with the 6-bit codes, summed four at a
-// time into 32-bit lanes (AVX-512 VNNI's vpdpbusd, or its two-instruction form), are exact, and so is their sum over
-// 8 values; a sum's float conversion and its multiply-add by d * scale * 2^e are the only roundings.
-// docs/faithfulness.md gives the bound this meets; docs/performance.md the speed (1.3-1.4x the rows a second).
+// Half-block h's unsigned codes (F::unsigned_codes: values 0..63 and 64..127 of it) in two vectors whose 32-bit lanes
+// 2s and 2s + 1 hold values of sub-block 8h + s, the first vector values 0..7 of each 16, the second 8..15 (the order
+// ActDigits writes the activations' digits in).
+template <class F>
+inline void paired_codes(const uint8_t* b, int half, __m512i& first, __m512i& second) {
+  __m512i quarters[2];
+  F::unsigned_codes(b, half, quarters);
+  first = _mm512_permutex2var_epi64(quarters[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), quarters[1]);
+  second = _mm512_permutex2var_epi64(quarters[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), quarters[1]);
+}
+
 inline __m512i dot_bytes4(__m512i acc, __m512i u8, __m512i s8) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(acc, u8, s8);
@@ -1054,8 +1069,8 @@ inline __m512i dot_bytes4(__m512i acc, __m512i u8, __m512i s8) {
 
 // The activation rows of one call in digits, prepared once before the threads multiply. A row of k values holds:
 // the bytes of m (bits 16-23 signed, 8-15 and 0-7 unsigned) in the order paired_codes() gives the codes, k each;
-// -32 times the sum of m over each 32-bit lane's 8 values, folding the codes' offset of 32 into the sums (k / 8
-// int32); and 2^e of each 16 values (k / 16 floats). A row with a NaN or an infinity is marked unusable and takes the
+// minus the sum of m over each 32-bit lane's 8 values, which digit_dot scales by the codes' offset (k / 8 int32); and
+// 2^e of each 16 values (k / 16 floats). A row with a NaN or an infinity is marked unusable and takes the
 // float dot products.
 class ActDigits {
  public:
@@ -1101,8 +1116,8 @@ class ActDigits {
       }
       // lane 2s: values 0..3 and 8..11; lane 2s + 1: values 4..7 and 12..15
       const __m512i pairs = _mm512_add_epi32(m, _mm512_shuffle_i32x4(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-      sums[16 * (j / 8) + 2 * (j % 8)] = -32 * _mm512_mask_reduce_add_epi32(0x000F, pairs);
-      sums[16 * (j / 8) + 2 * (j % 8) + 1] = -32 * _mm512_mask_reduce_add_epi32(0x00F0, pairs);
+      sums[16 * (j / 8) + 2 * (j % 8)] = -_mm512_mask_reduce_add_epi32(0x000F, pairs);
+      sums[16 * (j / 8) + 2 * (j % 8) + 1] = -_mm512_mask_reduce_add_epi32(0x00F0, pairs);
     }
     return true;
   }
@@ -1132,12 +1147,14 @@ float digit_dot(const uint8_t* wrow, const uint8_t* digits, int64_t k) {
     const __m512 scales = _mm512_mul_ps(F::scales(block), _mm512_loadu_ps(powers + 16 * b));
     for (int half = 0; half < 2; ++half) {
       __m512i first, second;
-      F::paired_codes(block, half, first, second);
+      paired_codes<F>(block, half, first, second);
       const int64_t n = F::kValues * b + 128 * half;
       const auto bytes = [&](int d, int which) { return _mm512_loadu_si512(digits + d * k + n + 64 * which); };
-      // m's low two bytes are unsigned and the codes 0..63, so either side of vpdpbusd takes them
+      // the codes are unsigned, values() plus 2^kCodeOffsetBits: the sums start from minus that times m's sums
+      const __m512i offsets = _mm512_slli_epi32(_mm512_loadu_si512(sums + n / 8), F::kCodeOffsetBits);
+      // m's low two bytes are unsigned and the codes under 128, so either side of vpdpbusd takes them
       const __m512i low =
-          dot_bytes4(dot_bytes4(_mm512_loadu_si512(sums + n / 8), bytes(2, 0), first), bytes(2, 1), second);
+          dot_bytes4(dot_bytes4(offsets, bytes(2, 0), first), bytes(2, 1), second);
       const __m512i mid = dot_bytes4(dot_bytes4(zero, bytes(1, 0), first), bytes(1, 1), second);
       const __m512i high = dot_bytes4(dot_bytes4(zero, first, bytes(0, 0)), second, bytes(0, 1));
       // |sum| < 8 * 32 * 2^23 = 2^31: the 32-bit sum of the three is exact (wrapping in between does no harm)
