@@ -119,9 +119,9 @@ DIGIT_FORMATS = ["Q6_K", "Q3_K"]  # those whose single rows multiply in integers
 
 
 def activations_as_digits(x: torch.Tensor) -> torch.Tensor:
-    """x as the single-row dot products of DIGIT_FORMATS take it on AVX-512: each 16 values rounded (half to even) to a multiple of
-    2^(e - 23), where 2^e is the power of two above their largest magnitude (e = 0 for zeros, at least -100), and at
-    most 2^23 - 1 multiples from zero. In float64."""
+    """x as the single-row dot products of DIGIT_FORMATS take it on AVX-512: each 16 values rounded (half to even) to
+    a multiple of 2^(e - 23), where 2^e is the power of two above their largest magnitude (e = 0 for zeros, at least
+    -100), and at most 2^23 - 1 multiples from zero. In float64."""
     groups = x.double().reshape(*x.shape[:-1], -1, 16)
     e = torch.frexp(groups.abs().amax(-1, keepdim=True)).exponent.clamp(min=-100)
     step = torch.pow(2.0, (e - 23).double())
@@ -162,8 +162,9 @@ def test_single_rows_multiply_integer_digits_of_the_activations(name, k):
 def test_digits_round_half_to_even_and_leave_rows_with_nan_to_floats(name):
     """A hand-made case: the weight is w1 (about 1) at value 1, about -0.5 at value 3 and 0 elsewhere; the activations
     1 at value 0, 3 * 2^-23 at value 1 and 2^-24 at value 3: their 16 step by 2^-22, so 1.5 steps round to 2 and a
-    quarter step to 0, and the product is exactly w1 * 2^-21, where float dot products give w1 * 3 * 2^-23 + w3 * 2^-24. A
-    row with a NaN keeps the float dot products and its NaN, and leaves the other row's result as it was."""
+    quarter step to 0, and the product is exactly w1 * 2^-21, where float dot products give w1 * 3 * 2^-23 +
+    w3 * 2^-24. A row with a NaN keeps the float dot products and its NaN, and leaves the other row's result as it
+    was."""
     if not digits_in_build():
         pytest.skip("the digits are the AVX-512 builds' path")
     row = torch.zeros(1, 256)

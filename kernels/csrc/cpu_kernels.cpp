@@ -681,10 +681,10 @@ struct Q6_K {
     return {values(b, g), d * static_cast<float>(scale(b, g, 0)), d * static_cast<float>(scale(b, g, 1)), 0.0f, 0.0f};
   }
 #if defined(__AVX512BW__)
+  static constexpr int kCodeOffsetBits = 5;  // values() is the code 0..63 minus 32
   // Half-block h's codes, 0..63 (values() plus 32), in two 64-byte vectors of two groups each (groups 4h and 4h + 1,
   // then 4h + 2 and 4h + 3): bits 0-3 from the nibbles, bits 4-5 from the 2-bit highs shifted into place (the shift
   // of each 32-byte half of a vector set on its own), where values() takes eight 32-byte steps per group.
-  static constexpr int kCodeOffsetBits = 5;  // values() is the code 0..63 minus 32
   static void unsigned_codes(const uint8_t* b, int half, __m512i* quarters) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), six_bits = _mm512_set1_epi8(0x3F);
     constexpr int kNibbleOrHigh = 0xE4;  // ternary logic: c ? a : b
@@ -1136,6 +1136,7 @@ constexpr int64_t kDigitPrefetchBytes = 4096;
 // the float dot products' one decode of a weight serves them all for less (0.83x their rows a second as digits).
 template <class F>
 float digit_dot(const uint8_t* wrow, const uint8_t* digits, int64_t k) {
+  static_assert(F::kValues == 256, "two half-blocks of 128 values a block");
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // one accumulator a half-block
   const __m512i zero = _mm512_setzero_si512();
   const __m512i lane_scale = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
