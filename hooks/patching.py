@@ -465,7 +465,8 @@ def dataset_patching(model: Any, pairs: Sequence[tuple[Prompt, Prompt]],
         raise HookError(f"answers must be a list of one (clean answer, corrupt answer) per pair ({len(pairs)}), "
                         f"got {shorten(answers)}")
     sweeps = _sweeps(model, pairs, over, hook, layers, positions, answers or [None] * len(pairs))
-    top = _checked_verify(verify, len(sweeps[0].cells()))
+    n_cells = len(sweeps[0].cells())  # every pair's count: positions swept take pairs of one length
+    top = _checked_verify(verify, n_cells)
     check_progress(progress)
     if method == "attribution":
         grids: list[_PairGrid] = []
@@ -480,7 +481,6 @@ def dataset_patching(model: Any, pairs: Sequence[tuple[Prompt, Prompt]],
         finally:
             close()
         return _result(model, sweeps, grids, normalize, _attribution_method(steps), patched)
-    n_cells = len(sweeps[0].cells())  # every pair's count: positions swept take pairs of one length
     update, close = progress_callback(progress, n_cells * len(sweeps), "cells")
     try:
         grids = [_patched(model, sweep, m, False, lambda done, total, i=i: update(i * n_cells + done))
