@@ -48,6 +48,8 @@ PANEL_MIN_BATCH = launch_choices.PANEL_MIN_BATCH
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _AVX512_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 _ISA_FLAGS = {
+    # AMX's int8 tiles for batches of the formats with a scale a 32 (csrc: tile_matmul)
+    "avx512_amx": [*_AVX512_FLAGS, "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
     # VNNI's byte dot product (vpdpbusd) where the build has it, its two-instruction form where not: the same integers
     "avx512_vnni": [*_AVX512_FLAGS, "-mavx512vnni"],
     "avx512": _AVX512_FLAGS,
@@ -72,7 +74,9 @@ def _native_isa() -> str:
     """The widest instruction set the extension has code for that this CPU runs (torch's own probes)."""
     isa = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "scalar")
     capabilities = getattr(torch.cpu, "get_capabilities", dict)()
-    return "avx512_vnni" if isa == "avx512" and capabilities.get("avx512_vnni", False) else isa
+    if isa != "avx512" or not capabilities.get("avx512_vnni", False):
+        return isa
+    return "avx512_amx" if capabilities.get("amx_int8", False) and capabilities.get("amx_tile", False) else "avx512_vnni"
 
 
 def _build_stamp(name: str, source: Path, cflags: list[str]) -> Path:

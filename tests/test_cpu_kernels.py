@@ -118,11 +118,12 @@ def test_exact_rows_of_an_odd_number_of_blocks(name, values):
 DIGIT_FORMATS = ["Q6_K", "Q3_K"]  # those whose single rows multiply in integers on AVX-512
 
 
-def activations_as_digits(x: torch.Tensor) -> torch.Tensor:
-    """x as the single-row dot products of DIGIT_FORMATS take it on AVX-512: each 16 values rounded (half to even) to
-    a multiple of 2^(e - 23), where 2^e is the power of two above their largest magnitude (e = 0 for zeros, at least
-    -100), and at most 2^23 - 1 multiples from zero. In float64."""
-    groups = x.double().reshape(*x.shape[:-1], -1, 16)
+def activations_as_digits(x: torch.Tensor, values: int = 16) -> torch.Tensor:
+    """x as the single-row dot products of DIGIT_FORMATS take it on AVX-512 (values=16), or the AMX tiles of
+    TILE_FORMATS (values=32): each run of that many values rounded (half to even) to a multiple of 2^(e - 23), where
+    2^e is the power of two above their largest magnitude (e = 0 for zeros, at least -100), and at most 2^23 - 1
+    multiples from zero. In float64."""
+    groups = x.double().reshape(*x.shape[:-1], -1, values)
     e = torch.frexp(groups.abs().amax(-1, keepdim=True)).exponent.clamp(min=-100)
     step = torch.pow(2.0, (e - 23).double())
     return (torch.round(groups / step).clamp(-(2**23 - 1), 2**23 - 1) * step).reshape(x.shape)
@@ -178,6 +179,62 @@ def test_digits_round_half_to_even_and_leave_rows_with_nan_to_floats(name):
     y = cpu.extension().linear_exact(x, [w.data], [w.fmt.ggml_type], [1], 256, 10**9)
     assert y[0].item() == w_ref[0, 1].item() * 2.0**-21 != w_ref[0, 1].item() * 3 * 2.0**-23
     assert y[1].isnan().item()
+
+
+TILE_FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "MXFP4"]  # a scale a 32: AMX's batches
+
+
+def tiles_in_build() -> bool:
+    return cpu.extension() is not None and cpu._native_isa() == "avx512_amx"
+
+
+@pytest.mark.parametrize("name", TILE_FORMATS)
+@pytest.mark.parametrize("k", [256, 2048])
+def test_batches_multiply_integer_tiles_of_the_activations(name, k):
+    """With AMX, a batch of 24 to 512 rows multiplies in int8 tiles: the activations as activations_as_digits rounds
+    each 32 values, the codes as integers, every 32 products summed exactly. Within (K / 32 + 8) u (|x~| @ |w|.T) of
+    the float64 product of the rounded activations x~ (a unit's three sums combine with two roundings, then one
+    multiply-add a unit and the offsets' term round), and within the float32 bound of the unrounded product. Activations
+    of every magnitude from 1e-30 to 1e30, zeros, 37 rows (two tiles of 16 and a partial one) and 40 weight rows (a
+    partial tile of 16)."""
+    if not tiles_in_build():
+        pytest.skip("the tiles are the AMX build's path")
+    g = torch.Generator().manual_seed(12)
+    w = random_weight(name, 40, k)
+    w_ref = w.dequantize().double()
+    x = torch.randn(37, k, generator=g) * torch.pow(10.0, torch.randint(-30, 31, (37, k // 32, 1), generator=g).float()
+                                                    ).repeat_interleave(32, 1).reshape(37, k)
+    x = x * torch.rand(37, k, generator=g) ** 6  # magnitudes spread within each 32
+    x[0, :32] = 0.0
+    y = cpu.extension().linear_exact(x, [w.data], [w.fmt.ggml_type], [40], k, 24).double()
+    rounded = activations_as_digits(x, 32)
+    bound = (rounded.abs() @ w_ref.abs().T) * (k / 32 + 8) * U
+    assert ((y - rounded @ w_ref.T).abs() <= bound).all()
+    assert_within_fp32_rounding(y, x.double() @ w_ref.T, x, w_ref.float())
+    # not the panels' float products: the tiles see x~, which differs from x in the last bits
+    panels = cpu.extension().linear_exact(x, [w.data], [w.fmt.ggml_type], [40], k, 10**9)
+    assert not torch.equal(y.float(), panels)
+
+
+def test_tile_rows_are_independent_of_their_batch_and_nan_rows_take_the_panels():
+    """A row's result on the tiles is the same bits in a batch of 24 or of 300 rows, and whatever row of its tile of 16
+    it lands in; a batch with a NaN takes the panels and keeps the NaN to its row."""
+    if not tiles_in_build():
+        pytest.skip("the tiles are the AMX build's path")
+    g = torch.Generator().manual_seed(13)
+    w = random_weight("Q4_1", 48, K)
+    x = torch.randn(300, K, generator=g)
+    run = lambda rows: cpu.extension().linear_exact(rows, [w.data], [w.fmt.ggml_type], [48], K, 24)  # noqa: E731
+    whole, first, shifted = run(x), run(x[:24]), run(x[5:29])
+    assert torch.equal(whole[:24], first) and torch.equal(whole[5:29], shifted)
+    with_nan = x[:24].clone()
+    with_nan[3, 7] = float("nan")
+    y = run(with_nan)
+    assert y[3].isnan().all() and not y[torch.arange(24) != 3].isnan().any()
+    clean = torch.arange(24) != 3
+    assert not torch.equal(y[clean], first[clean])  # the panels' float products, not the tiles'
+    w_ref = w.dequantize()
+    assert_within_fp32_rounding(y[clean], x[:24][clean].double() @ w_ref.double().T, x[:24][clean], w_ref)
 
 
 def test_exact_keeps_batch_dims_and_half_precision_inputs():
@@ -447,15 +504,16 @@ def test_set_numerics_rejects_unknown_mode():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "avx512_vnni"])
 def test_narrower_builds_match_the_native_build(isa):
     """The builds for CPUs without AVX-512 (AVX2) or without AVX2 (portable C++) compute the same numbers up
     to fp32 rounding (the AVX2 build's llama.cpp numerics bit for bit), and quantize activations and attend for
     llama.cpp numerics identically (the one-chunk
     attention's F16 steps in 16, 8 or 1 lanes: heads of 64 on its F32 path, 128 on the native F16 one, 144 on both).
     The AVX-512 build without VNNI gives every bit the VNNI build gives (its byte dot products' two-instruction form
-    sums the same integers; the Q6_K and Q3_K row of 5 takes them)."""
-    order = ["scalar", "avx2", "avx512", "avx512_vnni"]
+    sums the same integers; the Q6_K and Q3_K row of 5 takes them), and the VNNI build every bit of the AMX build
+    below its batches (5 rows)."""
+    order = ["scalar", "avx2", "avx512", "avx512_vnni", "avx512_amx"]
     if order.index(isa) >= order.index(cpu._native_isa()):
         pytest.skip(f"the native build ({cpu._native_isa()}) is not wider than {isa}")
     narrow = cpu._build_extension(isa)
@@ -467,11 +525,11 @@ def test_narrower_builds_match_the_native_build(isa):
         ys = [ext.linear_exact(x, [w.data], [t], [24], K, 10**9) for ext in (narrow, cpu.extension())]
         for y in ys:
             assert_within_fp32_rounding(y, x.double() @ w_ref.double().T, x, w_ref)
-        if isa == "avx512":
+        if isa in ("avx512", "avx512_vnni"):
             assert torch.equal(*ys), name
         assert torch.equal(narrow.quantize_activations(x, t), cpu.extension().quantize_activations(x, t))
         got, native = (ext.linear_llamacpp(x, [w.data], t, [24], K) for ext in (narrow, cpu.extension()))
-        if isa in ("avx2", "avx512"):  # the same integer lanes scaled and summed in the same order
+        if isa in ("avx2", "avx512", "avx512_vnni"):  # the same integer lanes scaled and summed in the same order
             assert torch.equal(got, native), name
         else:  # the portable build sums its lanes in another order
             torch.testing.assert_close(got, native)

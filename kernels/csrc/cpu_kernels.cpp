@@ -38,6 +38,10 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if !defined(WB_Q8_0_TYPE) || !defined(WB_Q8_K_VALUES)
 #error "the format table's macros are missing: build this file through workbench.kernels.cpu"
@@ -1325,6 +1329,245 @@ void panel_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch:
   at::parallel_for(0, panels, 1, multiply);
 }
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+// ---------------------------------------------------------------------------------------------
+// AMX: batches as integer tiles.
+//
+// From panel_min_batch rows of x up to kTileMaxBatch, the formats with one scale and offset per 32 values multiply on
+// AMX's int8 tiles instead of dequantized panels and the BLAS. Each 32 values of a row of x become 24-bit block
+// floating point, as the digits of single rows do (ActDigits): integers m, |m| < 2^23, times 2^(e - 23), 2^e the
+// power of two above the 32's largest magnitude. m's three bytes (the top signed, the others unsigned) make three
+// 16 x 32-byte tiles of 16 rows; a weight's 32 integer codes (F::group's q) for 16 weight rows make one 8 x 64-byte
+// tile. A tile product sums 32 byte products a (row, weight row) in int32, exactly; the three sums are combined and
+// scaled by the group's scale times 2^(e - 23) in float32, and the offset times the 32 rounded values' sum added.
+// docs/faithfulness.md gives the bound this meets; docs/performance.md the speed.
+
+// Rows of x past which the BLAS on dequantized panels is as fast: it multiplies 16 floats a vector operation, and
+// the tiles do a third of their products' work for each 32 values (three digits), then convert the sums.
+constexpr int64_t kTileMaxBatch = 512;
+
+// The formats whose F::group has one scale and offset for all its 32 values (not Q2_K, Q3_K and Q6_K: a scale a 16).
+template <class F>
+constexpr bool kTileCodes = !std::is_same_v<F, Q2_K> && !std::is_same_v<F, Q3_K> && !std::is_same_v<F, Q6_K>;
+
+// Linux lends a process the tile registers' state once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+// Tiles 0-2: the int32 sums of the three digits (16 x 16), 3-5: the digits (16 rows x 32 bytes), 6: the codes
+// (8 rows x 64 bytes: 4 values of 16 weight rows a row). Set on each thread before it multiplies.
+void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes[16] = {64, 64, 64, 32, 32, 32, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8};
+  } config;
+  _tile_loadconfig(&config);
+}
+
+// The rows of x [m, k] as tiles, for each 16 rows (zeros past m) and each 32 values: the three digit tiles, each 16 rows
+// of 32 bytes, then each row's 2^(e - 23) and the sum of its 32 rounded values (16 floats each). Unusable where a row
+// holds a NaN or an infinity: the call takes the panels.
+class ActTiles {
+ public:
+  static constexpr int64_t kUnitBytes = 3 * 512 + 2 * 64;
+  ActTiles(const float* x, int64_t m, int64_t k) : units_(k / 32), groups_((m + 15) / 16) {
+    data_ = torch::zeros({groups_ * units_ * kUnitBytes}, torch::kUInt8);
+    std::atomic<bool> finite{true};
+    parallel_rows(m, k, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        if (!prepare(x + i * k, i)) finite = false;
+    });
+    usable_ = finite;
+  }
+  bool usable() const { return usable_; }
+  int64_t groups() const { return groups_; }
+  int64_t units() const { return units_; }
+  const uint8_t* unit(int64_t group, int64_t u) const {
+    return data_.data_ptr<uint8_t>() + (group * units_ + u) * kUnitBytes;
+  }
+
+ private:
+  bool prepare(const float* x, int64_t i) {
+    const __m512i limit = _mm512_set1_epi32((1 << 23) - 1);
+    for (int64_t u = 0; u < units_; ++u) {
+      const __m512 v[2] = {_mm512_loadu_ps(x + 32 * u), _mm512_loadu_ps(x + 32 * u + 16)};
+      if (_mm512_fpclass_ps_mask(v[0], 0x99) | _mm512_fpclass_ps_mask(v[1], 0x99)) return false;  // NaN, infinity
+      int e = 0;
+      std::frexp(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), &e);
+      e = std::max(e, -100);  // 2^(e - 23) stays a normal float
+      uint8_t* tiles = data_.data_ptr<uint8_t>() + ((i / 16) * units_ + u) * kUnitBytes + 32 * (i % 16);
+      float* power = reinterpret_cast<float*>(tiles - 32 * (i % 16) + 3 * 512) + i % 16;
+      int64_t sum = 0;
+      for (int h = 0; h < 2; ++h) {
+        __m512i m = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(std::ldexp(1.0f, 23 - e))));  // to even
+        m = _mm512_max_epi32(_mm512_min_epi32(m, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+        sum += _mm512_reduce_add_epi32(m);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(tiles + 16 * h), _mm512_cvtepi32_epi8(_mm512_srai_epi32(m, 16)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(tiles + 512 + 16 * h), _mm512_cvtepi32_epi8(_mm512_srli_epi32(m, 8)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(tiles + 1024 + 16 * h), _mm512_cvtepi32_epi8(m));
+      }
+      power[0] = std::ldexp(1.0f, e - 23);
+      power[16] = static_cast<float>(sum) * power[0];  // |sum| < 2^28: one rounding
+    }
+    return true;
+  }
+
+  int64_t units_, groups_;
+  torch::Tensor data_;
+  bool usable_ = false;
+};
+
+// The codes tile of 32 values (unit u) of `valid` weight rows from wrow (rows of row_bytes, zeros past valid), with
+// their scales and offsets: F::group row by row, then 16 x 8 words turned into 8 x 16. The legacy formats gather their
+// fields straight from the blocks instead (F::codes_tile): for Q4_1, 0.27 ms of a 1536 x 576 call's weights
+// (one thread) went to this generic path.
+template <class F>
+void codes_tile(const uint8_t* wrow, int64_t row_bytes, int64_t u, int64_t valid, uint8_t* tile, float* scale,
+                float* offset) {
+  constexpr int64_t kGroups = F::kValues / 32;
+  alignas(64) uint8_t codes[16 * 32] = {};
+  for (int64_t r = 0; r < 16; ++r) {
+    scale[r] = offset[r] = 0.0f;
+    if (r >= valid) continue;
+    const Group g = F::group(wrow + r * row_bytes + u / kGroups * F::kBytes, u % kGroups);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 32 * r), g.q);
+    scale[r] = g.scale_lo;
+    offset[r] = g.offset_lo;
+  }
+  const __m512i words = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(32));
+  for (int j = 0; j < 8; ++j) _mm512_store_si512(tile + 64 * j, _mm512_i32gather_epi32(words, codes + 4 * j, 1));
+}
+
+// The same for the legacy 32-value blocks, 16 weight rows' words a gather: the halves at the block's start
+// (halves_at), then the codes' words.
+template <class F>
+void legacy_codes_tile(const uint8_t* wrow, int64_t row_bytes, int64_t u, int64_t valid, uint8_t* tile, float* scale,
+                       float* offset) {
+  const __mmask16 rows = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512i starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const uint8_t* block = wrow + u * F::kBytes;
+  const auto words = [&](int64_t at) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, starts, block + at, 1);
+  };
+  const __m512i halves = words(0);
+  _mm512_store_ps(scale, low_halves(halves));
+  _mm512_store_ps(offset, std::is_same_v<F, Q4_1> ? high_halves(halves) : _mm512_setzero_ps());
+  if constexpr (std::is_same_v<F, Q8_0>) {
+    for (int j = 0; j < 8; ++j) _mm512_store_si512(tile + 64 * j, words(2 + 4 * j));
+  } else {  // byte i of the nibbles holds value i (low) and value i + 16 (high)
+    constexpr int kNibbles = std::is_same_v<F, Q4_1> ? 4 : 2;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i shift = _mm512_set1_epi8(std::is_same_v<F, Q4_0> ? 8 : 0);  // Q4_0's codes are q - 8
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = words(kNibbles + 4 * j);
+      _mm512_store_si512(tile + 64 * j, _mm512_sub_epi8(_mm512_and_si512(v, low4), shift));
+      _mm512_store_si512(tile + 64 * (4 + j), _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi32(v, 4), low4), shift));
+    }
+  }
+}
+
+// out [M, rows] (a view, rows of ldo floats) = x @ dequantize(W).T for x in tiles: each thread takes 16 weight rows at
+// a time, lays their codes out as tiles with their scales and offsets, and multiplies every 16 rows of x by them.
+template <class F>
+void tile_matmul(const ActTiles& act, int64_t m, const uint8_t* w, int64_t rows, int64_t k, float* out, int64_t ldo) {
+  constexpr int64_t kPanelUnit = 512 + 2 * 64;  // codes tile, 16 scales, 16 offsets
+  const int64_t units = k / 32, row_bytes = k / F::kValues * F::kBytes;
+  // Each thread sets its tiles and buffers up once and takes 16 weight rows at a time from a shared counter.
+  const int64_t weight_tiles = (rows + 15) / 16;
+  std::atomic<int64_t> next{0};
+  const auto multiply = [&](int64_t, int64_t) {
+    configure_tiles();
+    std::vector<__m512i> panel_vectors(units * kPanelUnit / 64);  // 64-byte aligned, as the tile loads like them
+    uint8_t* panel = reinterpret_cast<uint8_t*>(panel_vectors.data());
+    alignas(64) int32_t sums[3][3][256];
+    for (int64_t t; (t = next.fetch_add(1)) < weight_tiles;) {
+      const int64_t valid = std::min<int64_t>(16, rows - 16 * t);
+      const uint8_t* wrow = w + 16 * t * row_bytes;
+      for (int64_t u = 0; u < units; ++u) {
+        uint8_t* unit = panel + u * kPanelUnit;
+        float* scale = reinterpret_cast<float*>(unit + 512);
+        if constexpr (std::is_same_v<F, Q4_0> || std::is_same_v<F, Q4_1> || std::is_same_v<F, Q8_0>)
+          legacy_codes_tile<F>(wrow, row_bytes, u, valid, unit, scale, scale + 16);
+        else
+          codes_tile<F>(wrow, row_bytes, u, valid, unit, scale, scale + 16);
+      }
+      for (int64_t group = 0; group < act.groups(); ++group) {
+        __m512 acc[16];
+        for (__m512& a : acc) a = _mm512_setzero_ps();
+        const auto add_unit = [&](int64_t u) {
+          const int32_t(*s)[256] = sums[u % 3];
+          const float* scale = reinterpret_cast<const float*>(panel + u * kPanelUnit + 512);
+          const float* power = reinterpret_cast<const float*>(act.unit(group, u) + 3 * 512);
+          const __m512 scales = _mm512_load_ps(scale), offsets = _mm512_load_ps(scale + 16);
+          for (int r = 0; r < 16; ++r) {
+            const __m512 top = _mm512_cvtepi32_ps(_mm512_load_si512(s[0] + 16 * r));
+            const __m512 mid = _mm512_cvtepi32_ps(_mm512_load_si512(s[1] + 16 * r));
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_load_si512(s[2] + 16 * r));
+            const __m512 sum = _mm512_fmadd_ps(top, _mm512_set1_ps(65536.0f), _mm512_fmadd_ps(mid, _mm512_set1_ps(256.0f), low));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scales, _mm512_set1_ps(power[r])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(offsets, _mm512_set1_ps(power[16 + r]), acc[r]);
+          }
+        };
+        for (int64_t u = 0; u < units; ++u) {
+          const uint8_t* digits = act.unit(group, u);
+          _tile_loadd(6, panel + u * kPanelUnit, 64);
+          _tile_loadd(3, digits, 32);
+          _tile_loadd(4, digits + 512, 32);
+          _tile_loadd(5, digits + 1024, 32);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_dpbssd(0, 3, 6);
+          _tile_dpbusd(1, 4, 6);
+          _tile_dpbusd(2, 5, 6);
+          _tile_stored(0, sums[u % 3][0], 64);
+          _tile_stored(1, sums[u % 3][1], 64);
+          _tile_stored(2, sums[u % 3][2], 64);
+          if (u > 1) add_unit(u - 2);  // the float work of an earlier unit beside this one's tile products
+        }
+        if (units > 1) add_unit(units - 2);
+        add_unit(units - 1);
+        const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+        for (int64_t r = 0; r < 16 && 16 * group + r < m; ++r)
+          _mm512_mask_storeu_ps(out + (16 * group + r) * ldo + 16 * t, lanes, acc[r]);
+      }
+    }
+    _tile_release();
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), weight_tiles);
+  if (threads <= 1 || at::in_parallel_region())
+    multiply(0, 1);
+  else
+    at::parallel_for(0, threads, 1, multiply);
+}
+#endif
+
+#if !defined(__AMX_INT8__) || !defined(__AMX_TILE__)
+class ActTiles {};  // only the AMX builds take activations in tiles
+#endif
+
+// out [M, rows] (a view) = x [M, K] @ dequantize(W).T for M of at least panel_min_batch rows: on AMX's tiles where the
+// build, the CPU, the format and x allow (x's tiles made on first use, for every weight of the call), else on panels.
+template <class F>
+void batch_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch::Tensor out,
+                  std::unique_ptr<ActTiles>& tiles) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if constexpr (kTileCodes<F>) {
+    if (x.size(0) <= kTileMaxBatch && tiles_permitted()) {
+      if (!tiles) tiles = std::make_unique<ActTiles>(x.data_ptr<float>(), x.size(0), x.size(1));
+      if (tiles->usable())
+        return tile_matmul<F>(*tiles, x.size(0), w, rows, x.size(1), out.data_ptr<float>(), out.stride(0));
+    }
+  }
+#endif
+  panel_matmul<F>(x, w, rows, out);
+}
+
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t rows, int64_t cols, int64_t block_values,
                   int64_t block_bytes) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "workbench cpu kernels: tensors must be on the CPU");
@@ -1394,9 +1637,11 @@ torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::I
     });
     return out;
   }
+  std::unique_ptr<ActTiles> tiles;
   for (size_t p = 0; p < parts; ++p) {
     visit_format(ggml_types[p], [&](auto format) {
-      panel_matmul<decltype(format)>(x, packed[p].data_ptr<uint8_t>(), rows[p], out.narrow(1, first_row[p], rows[p]));
+      batch_matmul<decltype(format)>(x, packed[p].data_ptr<uint8_t>(), rows[p], out.narrow(1, first_row[p], rows[p]),
+                                     tiles);
     });
   }
   return out;
@@ -1469,9 +1714,10 @@ torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packe
   });
   for (size_t p = 0; p < parts; ++p) {
     if (x_count[p] < panel_min_batch) continue;
+    std::unique_ptr<ActTiles> tiles;
     visit_format(ggml_types[p], [&](auto format) {
-      panel_matmul<decltype(format)>(x.narrow(0, x_first[p], x_count[p]), packed[p].data_ptr<uint8_t>(), rows,
-                                     out.narrow(0, out_first[p], x_count[p]));
+      batch_matmul<decltype(format)>(x.narrow(0, x_first[p], x_count[p]), packed[p].data_ptr<uint8_t>(), rows,
+                                     out.narrow(0, out_first[p], x_count[p]), tiles);
     });
   }
   return out;
