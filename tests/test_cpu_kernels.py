@@ -191,7 +191,7 @@ def tiles_in_build() -> bool:
 @pytest.mark.parametrize("name", TILE_FORMATS)
 @pytest.mark.parametrize("k", [256, 2048])
 def test_batches_multiply_integer_tiles_of_the_activations(name, k):
-    """With AMX, a batch of 24 to 512 rows multiplies in int8 tiles: the activations as activations_as_digits rounds
+    """With AMX, a batch of 24 to 256 rows multiplies in int8 tiles: the activations as activations_as_digits rounds
     each 32 values, the codes as integers, every 32 products summed exactly. Within (K / 32 + 8) u (|x~| @ |w|.T) of
     the float64 product of the rounded activations x~ (a unit's three sums combine with two roundings, then one
     multiply-add a unit and the offsets' term round), and within the float32 bound of the unrounded product. Activations
@@ -217,16 +217,17 @@ def test_batches_multiply_integer_tiles_of_the_activations(name, k):
 
 
 def test_tile_rows_are_independent_of_their_batch_and_nan_rows_take_the_panels():
-    """A row's result on the tiles is the same bits in a batch of 24 or of 300 rows, and whatever row of its tile of 16
-    it lands in; a batch with a NaN takes the panels and keeps the NaN to its row."""
+    """A row's result on the tiles is the same bits in a batch of 24 or of 250 rows, and whatever row of its tile of 16
+    it lands in; a batch with a NaN takes the panels and keeps the NaN to its row; past 256 rows the panels take over."""
     if not tiles_in_build():
         pytest.skip("the tiles are the AMX build's path")
     g = torch.Generator().manual_seed(13)
     w = random_weight("Q4_1", 48, K)
     x = torch.randn(300, K, generator=g)
     run = lambda rows: cpu.extension().linear_exact(rows, [w.data], [w.fmt.ggml_type], [48], K, 24)  # noqa: E731
-    whole, first, shifted = run(x), run(x[:24]), run(x[5:29])
+    whole, first, shifted = run(x[:250]), run(x[:24]), run(x[5:29])
     assert torch.equal(whole[:24], first) and torch.equal(whole[5:29], shifted)
+    assert not torch.equal(run(x)[:24], first)
     with_nan = x[:24].clone()
     with_nan[3, 7] = float("nan")
     y = run(with_nan)

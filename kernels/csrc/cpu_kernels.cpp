@@ -4,9 +4,9 @@
 //   exact:    each weight block is dequantized into a small float buffer and multiplied
 //             against fp32 activations with fp32 accumulation, i.e. x @ dequantize(W).T up to
 //             fp32 rounding. For larger batches a panel of rows is dequantized and handed to
-//             the BLAS (at::mm), which beats any hand-written micro-kernel there. Q6_K's single
-//             rows on AVX-512 take the activations in 24-bit block floating point and multiply
-//             in integers (digit_dot).
+//             the BLAS (at::mm). Q6_K's and Q3_K's single rows on AVX-512 take the activations
+//             in 24-bit block floating point and multiply in integers (digit_dot), and so do
+//             batches of 24-256 rows on AMX's int8 tiles (tile_matmul).
 //   llamacpp: activations are first quantized to Q8_0 / Q8_1 / Q8_K as ggml-cpu does and each
 //             block product is an integer dot product scaled in float, as ggml's vec_dot functions.
 //
@@ -1342,9 +1342,10 @@ void panel_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch:
 // scaled by the group's scale times 2^(e - 23) in float32, and the offset times the 32 rounded values' sum added.
 // docs/faithfulness.md gives the bound this meets; docs/performance.md the speed.
 
-// Rows of x past which the BLAS on dequantized panels is as fast: it multiplies 16 floats a vector operation, and
-// the tiles do a third of their products' work for each 32 values (three digits), then convert the sums.
-constexpr int64_t kTileMaxBatch = 512;
+// Rows of x past which the BLAS on dequantized panels is as fast (2 threads, the embedded model's shapes: 1.1-1.4x
+// the panels' speed at 24-128 rows, 1.0-1.16x at 256, 0.84-1.13x at 384-512): the tiles do a third of their products'
+// work for each 32 values (three digits), and then store, convert and scale every 32's sums.
+constexpr int64_t kTileMaxBatch = 256;
 
 // The formats whose F::group has one scale and offset for all its 32 values (not Q2_K, Q3_K and Q6_K: a scale a 16).
 template <class F>
@@ -1482,8 +1483,9 @@ void tile_matmul(const ActTiles& act, int64_t m, const uint8_t* w, int64_t rows,
   std::atomic<int64_t> next{0};
   const auto multiply = [&](int64_t, int64_t) {
     configure_tiles();
-    std::vector<__m512i> panel_vectors(units * kPanelUnit / 64);  // 64-byte aligned, as the tile loads like them
-    uint8_t* panel = reinterpret_cast<uint8_t*>(panel_vectors.data());
+    struct alignas(64) Line { uint8_t bytes[64]; };  // the aligned loads and stores below need 64-byte lines
+    std::vector<Line> lines(units * kPanelUnit / 64);
+    uint8_t* panel = lines.data()->bytes;
     alignas(64) int32_t sums[3][3][256];
     for (int64_t t; (t = next.fetch_add(1)) < weight_tiles;) {
       const int64_t valid = std::min<int64_t>(16, rows - 16 * t);
