@@ -5,6 +5,7 @@
     python bench/vs_transformerlens.py --quick               # smoke test: 8 prompts (a), layers 0/10/20 (b),
                                                              # 4 prompts x 8 tokens (c), 4 prompts (d), 1 repeat
     [--tasks a,b,c,d] [--repeats 3] [--threads N] [--batch-size 64] [--steer-scale 64] [--json out.json]
+    [--kernels-from REV]                                     # and workbench on REV's CPU kernels: a before/after row
 
 Needs ``pip install -e ".[bench]"`` (nnsight; transformer-lens is a core dependency). A library that is missing or
 fails is reported as such and the others still run.
@@ -562,7 +563,17 @@ class NNsight(_HF):
         raise ValueError(task)
 
 
-LIBRARIES = {"wb": Workbench, "wb_single": Workbench, "tl": TransformerLens, "nn": NNsight}
+LIBRARIES = {"wb": Workbench, "wb_single": Workbench, "wb_from": Workbench, "tl": TransformerLens, "nn": NNsight}
+
+
+def kernels_of(revision: str) -> Any:
+    """bench/common.py's build of ``revision``'s CPU kernels (loaded by path: this script keeps bench/ off sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_common", Path(__file__).resolve().parent / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    return common.kernels_from(revision), common.using_kernels
 
 
 # ------------------------------------------------------------------------------------------------------ the child
@@ -578,6 +589,13 @@ def child(args: argparse.Namespace) -> None:
     load_seconds = time.perf_counter() - started
     model_bytes = memory.now() - before
     job = library.job(args.task, args.child)
+    if args.child == "wb_from":  # the same calls on another revision's CPU kernels
+        ops, using_kernels = kernels_of(args.kernels_from)
+        calls = job
+
+        def job() -> Any:
+            with using_kernels(ops):
+                return calls()
     times, peak, clean_peak, out = measure(job, memory, args.repeats)
     summary = library.summary(args.task, args.child, out)
     torch.save({"times": times, "peak_bytes": peak, "peak_excludes_warmup": clean_peak, "model_bytes": model_bytes,
@@ -662,7 +680,8 @@ def run_child(args: argparse.Namespace, work: Path, task: str, variant: str) -> 
     command = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--task", task, "--work", str(work),
                "--out", str(out), "--device", args.device, "--threads", str(args.threads), "--repeats",
                str(args.repeats), "--batch-size", str(args.batch_size), "--steer-scale", str(args.steer_scale),
-               "--wb-dtype", args.wb_dtype] + (["--model", str(Path(args.model).resolve())] if args.model else [])
+               "--wb-dtype", args.wb_dtype] + (["--model", str(Path(args.model).resolve())] if args.model else []) + (
+               ["--kernels-from", args.kernels_from] if args.kernels_from else [])
     started = time.perf_counter()
     result = subprocess.run(command, cwd=work, capture_output=True, text=True)
     if result.returncode != 0 or not out.exists():
@@ -763,6 +782,11 @@ def report_task(task: str, rows: dict[str, dict], inputs: dict) -> dict:
         ratio = single["seconds"] / ours["seconds"]
         print(f"  workbench batched vs {labels['wb_single'].removeprefix('workbench ')}: {ratio:.2f}x the speed")
         out["batched_vs_single"] = ratio
+    before = next((r for name, r in out["rows"].items() if name.startswith("workbench, CPU kernels of")), {})
+    if "seconds" in ours and "seconds" in before:
+        ratio = before["seconds"] / ours["seconds"]
+        print(f"  workbench vs itself on the other revision's CPU kernels: {ratio:.2f}x the speed")
+        out["vs_kernels_from"] = ratio
     out["checks"] = checks(task, rows, inputs)
     for line in out["checks"]:
         print(f"  check: {line}")
@@ -786,6 +810,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="the GGUF file (default: the embedded SmolLM2-135M Q4_1)")
     parser.add_argument("--hf-dir", default=None, help="where to keep (and reuse) the dequantized float32 HF copy")
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--kernels-from", default=None, metavar="REV",
+                        help="also run workbench on the CPU kernels of this git revision (a before/after row)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -833,7 +859,9 @@ def main() -> None:
         results = {"info": info, "tasks": {}}
         for task in tasks:
             rows = {}
-            for variant, label in VARIANTS[task]:
+            variants = VARIANTS[task][:1] + ([("wb_from", f"workbench, CPU kernels of {args.kernels_from}")]
+                                             if args.kernels_from else []) + VARIANTS[task][1:]
+            for variant, label in variants:
                 print(f"  ({task}) {label} ...", file=sys.stderr, flush=True)
                 rows[label] = run_child(args, work, task, variant)
                 if "error" in rows[label]:
