@@ -218,7 +218,8 @@ def test_batches_multiply_integer_tiles_of_the_activations(name, k):
 
 def test_tile_rows_are_independent_of_their_batch_and_nan_rows_take_the_panels():
     """A row's result on the tiles is the same bits in a batch of 24 or of 250 rows, and whatever row of its tile of 16
-    it lands in; a batch with a NaN takes the panels and keeps the NaN to its row; past 256 rows the panels take over."""
+    it lands in; a batch with a NaN takes the panels and keeps the NaN to its row; past 256 rows the panels take
+    over."""
     if not tiles_in_build():
         pytest.skip("the tiles are the AMX build's path")
     g = torch.Generator().manual_seed(13)
