@@ -6,7 +6,7 @@
 //             fp32 rounding. For larger batches a panel of rows is dequantized and handed to
 //             the BLAS (at::mm). Q6_K's and Q3_K's single rows on AVX-512 take the activations
 //             in 24-bit block floating point and multiply in integers (digit_dot), and so do
-//             batches of 24-256 rows on AMX's int8 tiles (tile_matmul).
+//             batches of 12-256 rows on AMX's int8 tiles (tile_matmul).
 //   llamacpp: activations are first quantized to Q8_0 / Q8_1 / Q8_K as ggml-cpu does and each
 //             block product is an integer dot product scaled in float, as ggml's vec_dot functions.
 //
@@ -1333,8 +1333,8 @@ void panel_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch:
 // ---------------------------------------------------------------------------------------------
 // AMX: batches as integer tiles.
 //
-// From panel_min_batch rows of x up to kTileMaxBatch, the formats with one scale and offset per 32 values multiply on
-// AMX's int8 tiles instead of dequantized panels and the BLAS. Each 32 values of a row of x become 24-bit block
+// From kTileMinBatch rows of x up to kTileMaxBatch, the formats with one scale and offset per 32 values multiply on
+// AMX's int8 tiles instead of the fused dot products or dequantized panels and the BLAS. Each 32 values of a row of x become 24-bit block
 // floating point, as the digits of single rows do (ActDigits): integers m, |m| < 2^23, times 2^(e - 23), 2^e the
 // power of two above the 32's largest magnitude. m's three bytes (the top signed, the others unsigned) make three
 // 16 x 32-byte tiles of 16 rows; a weight's 32 integer codes (F::group's q) for 16 weight rows make one 8 x 64-byte
@@ -1346,6 +1346,8 @@ void panel_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch:
 // the panels' speed at 24-128 rows, 1.0-1.16x at 256, 0.84-1.13x at 384-512): the tiles do a third of their products'
 // work for each 32 values (three digits), and then store, convert and scale every 32's sums.
 constexpr int64_t kTileMaxBatch = 256;
+// Rows of x from which the tiles beat the fused dot products (1.2-1.4x at 12 rows, 1.5-1.8x at 16-23; 0.8-0.9x at 8).
+constexpr int64_t kTileMinBatch = 12;
 
 // The formats whose F::group has one scale and offset for all its 32 values (not Q2_K, Q3_K and Q6_K: a scale a 16).
 template <class F>
@@ -1553,14 +1555,24 @@ void tile_matmul(const ActTiles& act, int64_t m, const uint8_t* w, int64_t rows,
 class ActTiles {};  // only the AMX builds take activations in tiles
 #endif
 
-// out [M, rows] (a view) = x [M, K] @ dequantize(W).T for M of at least panel_min_batch rows: on AMX's tiles where the
-// build, the CPU, the format and x allow (x's tiles made on first use, for every weight of the call), else on panels.
+// Whether m rows of x multiply a weight of format F on the tiles: the AMX build, a CPU that lends the tile state, a
+// scale a 32, and kTileMinBatch to kTileMaxBatch rows.
+template <class F>
+bool takes_tiles(int64_t m) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if constexpr (kTileCodes<F>) return m >= kTileMinBatch && m <= kTileMaxBatch && tiles_permitted();
+#endif
+  return false;
+}
+
+// out [M, rows] (a view) = x [M, K] @ dequantize(W).T on the tiles where takes_tiles and x allow (x's tiles made on
+// first use, for every weight of the call), else on panels.
 template <class F>
 void batch_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch::Tensor out,
                   std::unique_ptr<ActTiles>& tiles) {
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
   if constexpr (kTileCodes<F>) {
-    if (x.size(0) <= kTileMaxBatch && tiles_permitted()) {
+    if (takes_tiles<F>(x.size(0))) {
       if (!tiles) tiles = std::make_unique<ActTiles>(x.data_ptr<float>(), x.size(0), x.size(1));
       if (tiles->usable())
         return tile_matmul<F>(*tiles, x.size(0), w, rows, x.size(1), out.data_ptr<float>(), out.stride(0));
@@ -1609,7 +1621,8 @@ torch::Tensor dequantize(const torch::Tensor& packed, int64_t ggml_type, int64_t
 
 // x [M, K] float32 @ dequantize(W).T for each weight W = packed[p] (GGUF type ggml_types[p], rows[p] x K), the
 // results side by side: [M, sum of rows]. Several weights of one input (q, k, v) thus take one call and one
-// parallel region. From panel_min_batch rows of x on, panels of each W are dequantized for at::mm instead.
+// parallel region. From panel_min_batch rows of x on, panels of each W are dequantized for at::mm instead; with AMX the
+// formats with a scale a 32 take the tiles from kTileMinBatch to kTileMaxBatch rows (batch_matmul).
 torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::IntArrayRef ggml_types,
                            c10::IntArrayRef rows, int64_t cols, int64_t panel_min_batch) {
   const size_t parts = packed.size();
@@ -1627,20 +1640,31 @@ torch::Tensor linear_exact(const torch::Tensor& x, at::TensorList packed, c10::I
   torch::Tensor out = torch::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   float* outp = out.data_ptr<float>();
-  if (m < panel_min_batch) {
+  // Below panel_min_batch rows the parts that do not take the tiles share one parallel region of fused dot products.
+  std::vector<size_t> fused;
+  std::vector<int64_t> fused_types, fused_first{0};
+  for (size_t p = 0; p < parts; ++p) {
+    if (m >= panel_min_batch || visit_format(ggml_types[p], [&](auto f) { return takes_tiles<decltype(f)>(m); }))
+      continue;
+    fused.push_back(p);
+    fused_types.push_back(ggml_types[p]);
+    fused_first.push_back(fused_first.back() + rows[p]);
+  }
+  if (!fused.empty()) {
     std::vector<char> single(m, 0);
     mark_single_rows(0, m, single);
-    const std::unique_ptr<ActDigits> digits = digits_for(x, ggml_types.vec(), single);
-    parallel_side_by_side(first_row, cols * m, [&](size_t p, int64_t lo, int64_t hi) {
+    const std::unique_ptr<ActDigits> digits = digits_for(x, fused_types, single);
+    parallel_side_by_side(fused_first, cols * m, [&](size_t j, int64_t lo, int64_t hi) {
+      const size_t p = fused[j];
       visit_format(ggml_types[p], [&](auto format) {
         matmul_rows_exact<decltype(format)>(xp, m, cols, packed[p].data_ptr<uint8_t>(), lo, hi, outp + first_row[p],
                                             n, digits.get());
       });
     });
-    return out;
   }
   std::unique_ptr<ActTiles> tiles;
   for (size_t p = 0; p < parts; ++p) {
+    if (std::find(fused.begin(), fused.end(), p) != fused.end()) continue;
     visit_format(ggml_types[p], [&](auto format) {
       batch_matmul<decltype(format)>(x, packed[p].data_ptr<uint8_t>(), rows[p], out.narrow(1, first_row[p], rows[p]),
                                      tiles);
@@ -1677,9 +1701,9 @@ void parallel_part_rows(int64_t n_parts, int64_t rows, int64_t work_per_row, con
 
 // Each weight times its own rows of x, as llama.cpp's mul_mat_id runs a token's experts: rows x_first[p] ..
 // x_first[p] + x_count[p] of x [M, K] float32 @ dequantize(packed[p]).T (GGUF type ggml_types[p], rows x K), stacked in
-// part order: [sum of x_count, rows]. The parts of fewer than panel_min_batch rows of x share one parallel region and
-// linear_exact's fused dot products; larger ones take its panels. Either way each output has the bits linear_exact
-// gives on that part's rows alone.
+// part order: [sum of x_count, rows]. The parts of fewer than panel_min_batch rows of x that do not take the tiles
+// share one parallel region and linear_exact's fused dot products; the others take its tiles or panels. Either way
+// each output has the bits linear_exact gives on that part's rows alone.
 torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packed, c10::IntArrayRef ggml_types,
                                     int64_t rows, int64_t cols, c10::IntArrayRef x_first, c10::IntArrayRef x_count,
                                     int64_t panel_min_batch) {
@@ -1692,7 +1716,9 @@ torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packe
       using F = decltype(format);
       check_inputs(x, packed[p], rows, cols, F::kValues, F::kBytes);
     });
-    if (x_count[p] > 0 && x_count[p] < panel_min_batch) fused.push_back(p);
+    if (x_count[p] > 0 && x_count[p] < panel_min_batch &&
+        !visit_format(ggml_types[p], [&](auto f) { return takes_tiles<decltype(f)>(x_count[p]); }))
+      fused.push_back(p);
   }
   const std::vector<int64_t> out_first = segment_starts(x, x_first, x_count);
   torch::Tensor out = torch::empty({out_first[parts], rows}, x.options());
@@ -1715,7 +1741,7 @@ torch::Tensor linear_exact_segments(const torch::Tensor& x, at::TensorList packe
     });
   });
   for (size_t p = 0; p < parts; ++p) {
-    if (x_count[p] < panel_min_batch) continue;
+    if (x_count[p] == 0 || std::find(fused.begin(), fused.end(), p) != fused.end()) continue;
     std::unique_ptr<ActTiles> tiles;
     visit_format(ggml_types[p], [&](auto format) {
       batch_matmul<decltype(format)>(x.narrow(0, x_first[p], x_count[p]), packed[p].data_ptr<uint8_t>(), rows,
