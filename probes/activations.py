@@ -8,7 +8,7 @@ import torch
 from workbench import hooks
 from workbench.errors import HookError, WorkbenchError, shorten
 from workbench.hooks.points import axes
-from workbench.messages import is_messages
+from workbench.messages import Prompt
 from workbench.progress import Progress
 
 POOLINGS = ("last", "mean")
@@ -22,20 +22,22 @@ def block_hook(model: Any, layer: int, point: str) -> str:
     return hooks.resolve(name, model.config)[0]
 
 
-def check_prompts(prompts: Sequence[str | list[dict[str, str]]]) -> list[str | list[dict[str, str]]]:
-    """The prompts as a list: texts or conversations (lists of messages, checked with the batch they run in)."""
+def check_prompts(prompts: Sequence[Prompt]) -> list[Prompt]:
+    """The prompts as a list: texts, token ids or conversations (lists of ids or messages are checked with the batch
+    they run in, which names the prompt)."""
     if isinstance(prompts, str):
         raise WorkbenchError("expected a list of prompts, got a single string")
     prompts = list(prompts)
     if not prompts:
         raise WorkbenchError("no prompts given")
     for i, prompt in enumerate(prompts):
-        if not is_messages(prompt) and (not isinstance(prompt, str) or not prompt.strip()):
-            raise WorkbenchError(f"prompt {i} is empty or neither a text nor a list of messages: {shorten(prompt)}")
+        if not isinstance(prompt, (list, tuple)) and (not isinstance(prompt, str) or not prompt.strip()):
+            raise WorkbenchError(f"prompt {i} is empty or neither a text, token ids nor a list of messages: "
+                                 f"{shorten(prompt)}")
     return prompts
 
 
-def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence[str], pooling: str = "last",
+def collect_activations(model: Any, prompts: Sequence[Prompt], hook_names: Sequence[str], pooling: str = "last",
                         progress: Progress = None) -> dict[str, torch.Tensor]:
     """Pooled activations ``{hook: [len(prompts), features]}`` (float32 CPU), from batched forwards.
 

@@ -21,6 +21,7 @@ import torch
 
 from workbench import hooks
 from workbench.errors import WorkbenchError, integer, integer_list, number_list, real_number
+from workbench.messages import Prompt
 
 from .activations import Progress, block_hook, collect_activations
 from .data import Dataset, load_dataset
@@ -99,16 +100,16 @@ class Probe:
         """Raise a clear error if ``model`` is not one this probe was fitted for."""
         check_signature(self.signature, model, "this probe")
 
-    def features(self, model: Any, prompts: Sequence[str], progress: Progress = None) -> np.ndarray:
+    def features(self, model: Any, prompts: Sequence[Prompt], progress: Progress = None) -> np.ndarray:
         self.check_model(model)
         acts = collect_activations(model, prompts, [self.hook], self.pooling, progress)
         return acts[self.hook].numpy()
 
-    def predict(self, model: Any, prompts: Sequence[str], progress: Progress = None) -> list[str]:
+    def predict(self, model: Any, prompts: Sequence[Prompt], progress: Progress = None) -> list[str]:
         """The predicted class of each prompt."""
         return [str(c) for c in self.pipeline.predict(self.features(model, prompts, progress))]
 
-    def predict_proba(self, model: Any, prompts: Sequence[str], progress: Progress = None) -> torch.Tensor:
+    def predict_proba(self, model: Any, prompts: Sequence[Prompt], progress: Progress = None) -> torch.Tensor:
         """Class probabilities ``[prompts, classes]`` in the order of ``.classes``."""
         return torch.from_numpy(self.pipeline.predict_proba(self.features(model, prompts, progress)))
 

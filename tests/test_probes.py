@@ -158,6 +158,12 @@ def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path, tiny_model)
     loaded = probes.Probe.load(tmp_path / "ending.safetensors", small)
     assert loaded.classes == probe.classes and loaded.accuracy == probe.accuracy
     torch.testing.assert_close(loaded.predict_proba(small, new_prompts), probe.predict_proba(small, new_prompts))
+    ids = [small.to_ids(p) for p in new_prompts]  # token ids, as the MCP server passes its checked prompts
+    assert torch.equal(probe.predict_proba(small, ids), probe.predict_proba(small, new_prompts))
+    with pytest.raises(workbench.WorkbenchError, match="prompt 1: token ids out of range"):
+        probe.predict(small, [ids[0], [10**9]])
+    with pytest.raises(workbench.WorkbenchError, match="prompt 1 is empty or neither"):
+        probe.predict(small, [ids[0], "  "])
 
     wider = tiny_model("llama", n_layers=3, d_model=128, device="cpu")
     with pytest.raises(workbench.WorkbenchError, match="d_model 64"):

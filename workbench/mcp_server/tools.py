@@ -1045,8 +1045,8 @@ class Workbench:
         """Classify prompts with a trained probe: label and class probabilities for each."""
         probe = call.session.get("probe", probe_id)
         model = self.model(call)
-        self._prompt_list(call, prompts)  # checked: the probe reads the prompts as given (texts or conversations)
-        probs = probe.predict_proba(model, prompts, progress=lambda done, total: call.check())
+        ids = self._prompt_list(call, prompts)  # checked and tokenized once: the probe runs these ids
+        probs = probe.predict_proba(model, ids, progress=lambda done, total: call.check())
         classes = probe.classes
         return s.ProbePredictions(probe_id=probe_id, predictions=[
             s.Prediction(prompt=prompt, label=classes[int(row.argmax())],
