@@ -12,7 +12,7 @@ from .gradients import GradientTaps, Gradients, metric_value
 from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
                             RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, intervention_list, merge_hooks,
                             spec_leaves)
-from .patching import PatchingResult, attribution_patching, dataset_patching, patching_sweep
+from .patching import PatchingResult, attribution_patching, check_patching_method, dataset_patching, patching_sweep
 from .points import point_shapes, resolve
 from .recording import Recorder, join_tokens
 from .saes import SAE_POINTS, attach_saes, check_sae_points, check_saes
@@ -65,7 +65,7 @@ __all__ = [
     "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
     "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert", "ForceRouting",
     "SteerExpert", "intervention_list", "Gradients", "GradientTaps", "metric_value", "attribution_patching",
-    "dataset_patching",
+    "dataset_patching", "check_patching_method",
 ]
 
 

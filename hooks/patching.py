@@ -324,6 +324,18 @@ def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
                    _verified(model, [sweep], [metric], grids, top))
 
 
+def check_patching_method(method: str, steps: int, verify: int) -> int:
+    """``steps`` checked for ``method`` ("activation" or "attribution"), with ``steps`` and ``verify`` refused where
+    they do not apply (activation patching runs each cell once)."""
+    if method not in ("activation", "attribution"):
+        raise HookError(f"method must be 'activation' or 'attribution', got {shorten(method)}")
+    steps = _checked_steps(steps)
+    if method == "activation" and (steps != 1 or verify):
+        raise HookError(f"{'steps' if steps != 1 else 'verify'} applies to method='attribution' (activation patching "
+                        f"runs each cell once)")
+    return steps
+
+
 def _checked_steps(steps: int) -> int:
     steps = integer(steps, "steps", HookError)
     if steps < 1:
@@ -444,12 +456,7 @@ def dataset_patching(model: Any, pairs: Sequence[tuple[Prompt, Prompt]],
     pairs of one token count (a template filled in); one over ``("layers", "heads")`` takes any. Attribution runs
     the pairs' forwards and backwards batched, activation patching each pair's cells; attribution's ``verify=k``
     patches the k cells of the largest mean estimate in every pair. Errors name the pair."""
-    if method not in ("activation", "attribution"):
-        raise HookError(f"method must be 'activation' or 'attribution', got {shorten(method)}")
-    steps = _checked_steps(steps)
-    if method == "activation" and (steps != 1 or verify):
-        raise HookError(f"{'steps' if steps != 1 else 'verify'} applies to method='attribution' (activation patching "
-                        f"runs each cell once)")
+    steps = check_patching_method(method, steps, verify)
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or not pairs:
         raise HookError(f"pairs must be a non-empty list of (clean, corrupt) prompt pairs, got {shorten(pairs)}")
     for i, pair in enumerate(pairs):

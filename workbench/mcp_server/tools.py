@@ -708,6 +708,7 @@ class Workbench:
         """Activation patching sweep: patch each (layer, position | head) cell of the clean run into the corrupt run
         (or estimate every cell at once from gradients: attribution patching)."""
         model = self.model(call)
+        hooks.check_patching_method(method, steps, verify)
         # the sweep runs on the checked ids: a conversation is rendered once
         clean_ids, corrupt_ids = self._ids(model, clean), self._ids(model, corrupt)
         cells = self._sweep_cells(model, len(clean_ids), over, hook, layers, positions)
@@ -723,9 +724,6 @@ class Workbench:
                      answers=tuple(answers) if answers else None, normalize=normalize)
         if method == "attribution":
             result = hooks.attribution_patching(model, clean_ids, corrupt_ids, **sweep, steps=steps, verify=verify)
-        elif steps != 1 or verify:
-            raise WorkbenchError(f"{'steps' if steps != 1 else 'verify'} applies to method='attribution' (activation "
-                                 f"patching runs each cell once)")
         else:
             result = hooks.patching_sweep(model, clean_ids, corrupt_ids, **sweep,
                                           progress=lambda done, total: call.check())
