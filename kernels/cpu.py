@@ -151,6 +151,9 @@ def _build_or_warn(isa: str) -> Any | None:
     try:
         return _build_extension(isa)
     except Exception as err:  # no compiler, no headers, a failed build: all degrade the same way
+        if isa == "avx512_amx":  # a compiler without AMX's intrinsics (GCC before 11) still builds the VNNI kernels
+            _log.info("the AMX build failed (%s); building the AVX-512 VNNI kernels", err)
+            return _build_or_warn("avx512_vnni")
         warnings.warn(
             f"workbench.kernels.cpu: could not build the C++ CPU kernels ({isa}): {err}. "
             f"Quantized CPU matmuls fall back to the slow '{BLOCKWISE.name}' path.",

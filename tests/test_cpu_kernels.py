@@ -377,6 +377,23 @@ def test_build_failure_warns_and_falls_back_to_blockwise(monkeypatch, fresh_regi
         assert select_kernel(torch.randn(1, 256), w) is BLOCKWISE
 
 
+def test_an_amx_build_that_fails_falls_back_to_the_vnni_build(monkeypatch):
+    """A compiler without AMX's intrinsics fails the AMX build; the VNNI build is asked for next, with no warning."""
+    asked = []
+
+    def compiler_without_amx(isa):
+        asked.append(isa)
+        if isa == "avx512_amx":
+            raise RuntimeError("unrecognized command-line option '-mamx-tile'")
+        return f"ops for {isa}"
+
+    monkeypatch.setattr(cpu, "_build_extension", compiler_without_amx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu._build_or_warn("avx512_amx") == "ops for avx512_vnni"
+    assert asked == ["avx512_amx", "avx512_vnni"]
+
+
 def test_kernel_choices_are_kept_only_where_they_depend_on_types_alone():
     """A registry keeps the CPU kernels' choice per (device type, format, dtype, numerics); a kernel whose ``supports``
     reads more (here the row count, as the CUDA kernels do) is asked again every time."""
