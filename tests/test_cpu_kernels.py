@@ -129,6 +129,17 @@ def activations_as_digits(x: torch.Tensor, values: int = 16) -> torch.Tensor:
     return (torch.round(groups / step).clamp(-(2**23 - 1), 2**23 - 1) * step).reshape(x.shape)
 
 
+def activations_of_every_magnitude(rows: int, k: int, values: int, g: torch.Generator) -> torch.Tensor:
+    """Activations whose runs of `values` values each take a magnitude from 1e-30 to 1e30, spread within each run, the
+    first run of row 0 zeros."""
+    x = torch.randn(rows, k, generator=g) * torch.pow(
+        10.0, torch.randint(-30, 31, (rows, k // values, 1), generator=g).float()).repeat_interleave(values, 1).reshape(
+        rows, k)
+    x = x * torch.rand(rows, k, generator=g) ** 6
+    x[0, :values] = 0.0
+    return x
+
+
 def digits_in_build() -> bool:
     return cpu.extension() is not None and cpu._native_isa().startswith("avx512")
 
@@ -146,10 +157,7 @@ def test_single_rows_multiply_integer_digits_of_the_activations(name, k):
     g = torch.Generator().manual_seed(11)
     w = random_weight(name, 24, k)
     w_ref = w.dequantize().double()
-    x = torch.randn(6, k, generator=g) * torch.pow(10.0, torch.randint(-30, 31, (6, k // 16, 1), generator=g).float()
-                                                   ).repeat_interleave(16, 1).reshape(6, k)
-    x = x * torch.rand(6, k, generator=g) ** 6  # magnitudes spread within each 16
-    x[0, :16] = 0.0
+    x = activations_of_every_magnitude(6, k, 16, g)
     for rows in (x[:1], x):
         y = cpu.extension().linear_exact(rows, [w.data], [w.fmt.ggml_type], [24], k, 10**9)
         single = rows[-2:] if len(rows) == 6 else rows
@@ -202,10 +210,7 @@ def test_batches_multiply_integer_tiles_of_the_activations(name, k):
     g = torch.Generator().manual_seed(12)
     w = random_weight(name, 40, k)
     w_ref = w.dequantize().double()
-    x = torch.randn(37, k, generator=g) * torch.pow(10.0, torch.randint(-30, 31, (37, k // 32, 1), generator=g).float()
-                                                    ).repeat_interleave(32, 1).reshape(37, k)
-    x = x * torch.rand(37, k, generator=g) ** 6  # magnitudes spread within each 32
-    x[0, :32] = 0.0
+    x = activations_of_every_magnitude(37, k, 32, g)
     y = cpu.extension().linear_exact(x, [w.data], [w.fmt.ggml_type], [40], k, 24).double()
     rounded = activations_as_digits(x, 32)
     bound = (rounded.abs() @ w_ref.abs().T) * (k / 32 + 8) * U

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -292,15 +293,19 @@ inline void dot_legacy(const Group& g, float dw, const Act& y, Floats& acc) {
 }
 
 #if defined(__AVX512F__)
+// 0, stride, 2 stride, .. 15 stride: the byte offsets of a gather of 16 strided words.
+inline __m512i strided_lanes(int stride) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(stride));
+}
+
 // The 32-bit words at the starts of 16 consecutive blocks of kBytes bytes, in one gather: where a legacy format keeps
 // its halves (Q4_0's d, Q4_1's d and m). Converted a block at a time, each half cost two shuffles on the port the
 // nibble lookups need, 27 % of a Q4_1 dot product's samples; gathered, the rows a second rose 1.26-1.32x for Q4_1 and
 // 1.09-1.24x for Q4_0 (bench/cpu_builds.py, 2 threads, the embedded model's shapes and 1024 x 8448).
 template <int kBytes>
 inline __m512i block_words16(const uint8_t* b) {
-  const __m512i starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(kBytes));
-  return _mm512_i32gather_epi32(starts, b, 1);
+  return _mm512_i32gather_epi32(strided_lanes(kBytes), b, 1);
 }
 inline __m512 low_halves(__m512i words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)); }
 inline __m512 high_halves(__m512i words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16))); }
@@ -1071,6 +1076,27 @@ inline __m512i dot_bytes4(__m512i acc, __m512i u8, __m512i s8) {
 #endif
 }
 
+// The n vectors of values v as integers m, |m| <= 2^23 - 1, times 2^(e - 23), where 2^e is the power of two above
+// their largest magnitude (e = 0 for zeros, at least -100 so that 2^(e - 23) stays a normal float), each rounded to
+// the nearest multiple, ties to even. Returns e, or nothing where a value is a NaN or an infinity.
+template <int n>
+inline std::optional<int> block_integers(const __m512 (&v)[n], __m512i (&m)[n]) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int h = 0; h < n; ++h) {
+    if (_mm512_fpclass_ps_mask(v[h], 0x99)) return std::nullopt;
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(v[h]));
+  }
+  int e = 0;
+  std::frexp(_mm512_reduce_max_ps(largest), &e);  // largest magnitude in [2^(e-1), 2^e)
+  e = std::max(e, -100);
+  const __m512i limit = _mm512_set1_epi32((1 << 23) - 1);
+  for (int h = 0; h < n; ++h) {
+    m[h] = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(std::ldexp(1.0f, 23 - e))));
+    m[h] = _mm512_max_epi32(_mm512_min_epi32(m[h], limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+  }
+  return e;
+}
+
 // The activation rows of one call in digits, prepared once before the threads multiply. A row of k values holds:
 // the bytes of m (bits 16-23 signed, 8-15 and 0-7 unsigned) in the order paired_codes() gives the codes, k each;
 // minus the sum of m over each 32-bit lane's 8 values, which digit_dot scales by the codes' offset (k / 8 int32); and
@@ -1100,16 +1126,13 @@ class ActDigits {
     const int64_t k = k_;
     int32_t* sums = reinterpret_cast<int32_t*>(row + 3 * k);
     float* powers = reinterpret_cast<float*>(row + 3 * k + k / 2);
-    const __m512i limit = _mm512_set1_epi32((1 << 23) - 1);
     for (int64_t j = 0; j < k / 16; ++j) {
-      const __m512 v = _mm512_loadu_ps(x + 16 * j);
-      if (_mm512_fpclass_ps_mask(v, 0x99)) return false;  // a NaN or an infinity
-      int e = 0;
-      std::frexp(_mm512_reduce_max_ps(_mm512_abs_ps(v)), &e);  // largest magnitude in [2^(e-1), 2^e); e = 0 for zeros
-      e = std::max(e, -100);  // 2^(e - 23) stays a normal float
-      powers[j] = std::ldexp(1.0f, e - 23);
-      __m512i m = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(std::ldexp(1.0f, 23 - e))));  // rounded to even
-      m = _mm512_max_epi32(_mm512_min_epi32(m, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      const __m512 v[1] = {_mm512_loadu_ps(x + 16 * j)};
+      __m512i ms[1];
+      const std::optional<int> e = block_integers(v, ms);
+      if (!e) return false;
+      powers[j] = std::ldexp(1.0f, *e - 23);
+      const __m512i m = ms[0];
       // values 0..7 of sub-block s of half-block h go to bytes 8s.. of the first 64, values 8..15 of the second
       uint8_t* first = row + 128 * (j / 8) + 8 * (j % 8);
       const __m128i bytes[3] = {_mm512_cvtepi32_epi8(_mm512_srai_epi32(m, 16)),
@@ -1334,12 +1357,13 @@ void panel_matmul(const torch::Tensor& x, const uint8_t* w, int64_t rows, torch:
 // AMX: batches as integer tiles.
 //
 // From kTileMinBatch rows of x up to kTileMaxBatch, the formats with one scale and offset per 32 values multiply on
-// AMX's int8 tiles instead of the fused dot products or dequantized panels and the BLAS. Each 32 values of a row of x become 24-bit block
-// floating point, as the digits of single rows do (ActDigits): integers m, |m| < 2^23, times 2^(e - 23), 2^e the
-// power of two above the 32's largest magnitude. m's three bytes (the top signed, the others unsigned) make three
-// 16 x 32-byte tiles of 16 rows; a weight's 32 integer codes (F::group's q) for 16 weight rows make one 8 x 64-byte
-// tile. A tile product sums 32 byte products a (row, weight row) in int32, exactly; the three sums are combined and
-// scaled by the group's scale times 2^(e - 23) in float32, and the offset times the 32 rounded values' sum added.
+// AMX's int8 tiles instead of the fused dot products or dequantized panels and the BLAS. Each 32 values of a row of x
+// become 24-bit block floating point, as the digits of single rows do (block_integers): integers m, |m| < 2^23, times
+// 2^(e - 23), 2^e the power of two above the 32's largest magnitude. m's three bytes (the top signed, the others
+// unsigned) make three 16 x 32-byte tiles of 16 rows; a weight's 32 integer codes (F::group's q) for 16 weight rows
+// make one 8 x 64-byte tile. A tile product sums 32 byte products a (row, weight row) in int32, exactly; the three
+// sums are combined and scaled by the group's scale times 2^(e - 23) in float32, and the offset times the 32 rounded
+// values' sum added.
 // docs/faithfulness.md gives the bound this meets; docs/performance.md the speed.
 
 // Rows of x past which the BLAS on dequantized panels is as fast (2 threads, the embedded model's shapes: 1.1-1.4x
@@ -1371,8 +1395,8 @@ void configure_tiles() {
 }
 
 // The rows of x [m, k] as tiles, for each 16 rows (zeros past m) and each 32 values: the three digit tiles, each 16
-// rows of 32 bytes, then each row's 2^(e - 23) and the sum of its 32 rounded values (16 floats each). Unusable where a row
-// holds a NaN or an infinity: the call takes the panels.
+// rows of 32 bytes, then each row's 2^(e - 23) and the sum of its 32 rounded values (16 floats each). Unusable where
+// a row holds a NaN or an infinity: the call takes the panels.
 class ActTiles {
  public:
   static constexpr int64_t kUnitBytes = 3 * 512 + 2 * 64;
@@ -1393,25 +1417,22 @@ class ActTiles {
 
  private:
   bool prepare(const float* x, int64_t i) {
-    const __m512i limit = _mm512_set1_epi32((1 << 23) - 1);
     for (int64_t u = 0; u < units_; ++u) {
       const __m512 v[2] = {_mm512_loadu_ps(x + 32 * u), _mm512_loadu_ps(x + 32 * u + 16)};
-      if (_mm512_fpclass_ps_mask(v[0], 0x99) | _mm512_fpclass_ps_mask(v[1], 0x99)) return false;  // NaN, infinity
-      int e = 0;
-      std::frexp(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), &e);
-      e = std::max(e, -100);  // 2^(e - 23) stays a normal float
+      __m512i m[2];
+      const std::optional<int> e = block_integers(v, m);
+      if (!e) return false;
       uint8_t* tiles = data_.data_ptr<uint8_t>() + ((i / 16) * units_ + u) * kUnitBytes + 32 * (i % 16);
       float* power = reinterpret_cast<float*>(tiles - 32 * (i % 16) + 3 * 512) + i % 16;
       int64_t sum = 0;
       for (int h = 0; h < 2; ++h) {
-        __m512i m = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(std::ldexp(1.0f, 23 - e))));  // to even
-        m = _mm512_max_epi32(_mm512_min_epi32(m, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
-        sum += _mm512_reduce_add_epi32(m);
-        const __m512i bytes[3] = {_mm512_srai_epi32(m, 16), _mm512_srli_epi32(m, 8), m};  // each cut to its low byte
+        sum += _mm512_reduce_add_epi32(m[h]);
+        // m's three bytes, each cut to its low byte by the conversion
+        const __m512i bytes[3] = {_mm512_srai_epi32(m[h], 16), _mm512_srli_epi32(m[h], 8), m[h]};
         for (int d = 0; d < 3; ++d)
           _mm_storeu_si128(reinterpret_cast<__m128i*>(tiles + 512 * d + 16 * h), _mm512_cvtepi32_epi8(bytes[d]));
       }
-      power[0] = std::ldexp(1.0f, e - 23);
+      power[0] = std::ldexp(1.0f, *e - 23);
       power[16] = static_cast<float>(sum) * power[0];  // |sum| < 2^28: one rounding
     }
     return true;
@@ -1439,9 +1460,8 @@ void codes_tile(const uint8_t* wrow, int64_t row_bytes, int64_t u, int64_t valid
     scale[r] = g.scale_lo;
     offset[r] = g.offset_lo;
   }
-  const __m512i words = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(32));
-  for (int j = 0; j < 8; ++j) _mm512_store_si512(tile + 64 * j, _mm512_i32gather_epi32(words, codes + 4 * j, 1));
+  for (int j = 0; j < 8; ++j)
+    _mm512_store_si512(tile + 64 * j, _mm512_i32gather_epi32(strided_lanes(32), codes + 4 * j, 1));
 }
 
 // The same for the legacy 32-value blocks (Q4_0, Q4_1, Q8_0), 16 weight rows' words a gather: the halves at the
@@ -1450,8 +1470,7 @@ template <class F>
 void legacy_codes_tile(const uint8_t* wrow, int64_t row_bytes, int64_t u, int64_t valid, uint8_t* tile, float* scale,
                        float* offset) {
   const __mmask16 rows = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512i starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const __m512i starts = strided_lanes(static_cast<int>(row_bytes));
   const uint8_t* block = wrow + u * F::kBytes;
   const auto words = [&](int64_t at) {
     return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, starts, block + at, 1);
