@@ -34,8 +34,10 @@ Tasks (each library does the same work; times exclude loading):
 
 (a) Record every ``hook_resid_post`` (30 layers) at every position of 256 prompts (``datasets/sentiment.jsonl``,
     cycled), ending as float32 tensors on the CPU.
-    workbench: ``model.run_batch(ids, record=["blocks.*.hook_resid_post"], logits="last")``; also
-    ``model.run(ids, record=...)`` one prompt at a time, for the batched-vs-one-at-a-time ratio.
+    workbench: ``model.run_batch(ids, record=["blocks.*.hook_resid_post"], logits="last")``, which computes each of the
+    80 distinct prompts once (a repeated prompt takes its first copy's results); also with ``share_prefix=False``,
+    every prompt computed as TL and nnsight compute them; and ``model.run(ids, record=...)`` one prompt at a time,
+    for the batched-vs-one-at-a-time ratio.
     TL: ``bridge.run_with_cache(batch, names_filter=<endswith hook_resid_post>)`` per batch (the bridge computes the
     full logits as well: its ``stop_at_layer`` stops *before* a block, so it cannot skip only the unembedding),
     stacked and moved to the CPU. nnsight: ``with model.trace(batch)`` saving each decoder layer's output, then
@@ -108,8 +110,8 @@ TASKS = {
 }
 # Variants run per task: (key, label). The first workbench variant is the one compared with TL and nnsight.
 VARIANTS = {
-    "a": [("wb", "workbench (run_batch)"), ("wb_single", "workbench (run, one prompt at a time)"),
-          ("tl", "transformer-lens"), ("nn", "nnsight")],
+    "a": [("wb", "workbench (run_batch)"), ("wb_unshared", "workbench (run_batch, share_prefix=False)"),
+          ("wb_single", "workbench (run, one prompt at a time)"), ("tl", "transformer-lens"), ("nn", "nnsight")],
     "b": [("wb", "workbench (hooks.patching_sweep)"), ("tl", "transformer-lens"), ("nn", "nnsight")],
     "c": [("wb", "workbench (stream_batch)"), ("tl", "transformer-lens"), ("nn", "nnsight")],
     "d": [("wb", "workbench (logit_lens_batch)"), ("wb_single", "workbench (probes.logit_lens per prompt)"),
@@ -256,7 +258,8 @@ class Workbench:
             prompts = inp["prompt_ids"][:inp["sizes"]["a_prompts"]]
             if variant == "wb_single":
                 return lambda: [model.run(p, record=self.resid_post) for p in prompts]
-            return lambda: model.run_batch(prompts, record=self.resid_post, logits="last")
+            return lambda: model.run_batch(prompts, record=self.resid_post, logits="last",
+                                           share_prefix=variant != "wb_unshared")
         if task == "b":
             return lambda: hooks.patching_sweep(model, CLEAN, CORRUPT, answers=ANSWERS, layers=inp["b_layers"],
                                                 progress=False)
@@ -563,7 +566,8 @@ class NNsight(_HF):
         raise ValueError(task)
 
 
-LIBRARIES = {"wb": Workbench, "wb_single": Workbench, "wb_from": Workbench, "tl": TransformerLens, "nn": NNsight}
+LIBRARIES = {"wb": Workbench, "wb_unshared": Workbench, "wb_single": Workbench, "wb_from": Workbench,
+             "tl": TransformerLens, "nn": NNsight}
 
 
 def kernels_of(revision: str) -> Any:
@@ -777,6 +781,11 @@ def report_task(task: str, rows: dict[str, dict], inputs: dict) -> dict:
         out["speedup_vs_fastest_other"] = speed
         out["fastest_other"] = labels[fastest]
         out["memory_ratio_vs_leanest_other"] = mem
+    unshared = out["rows"].get(labels.get("wb_unshared", ""), {})
+    if "seconds" in unshared and others:
+        speed = others[fastest]["seconds"] / unshared["seconds"]
+        print(f"  {labels['wb_unshared']} vs the faster of TL and nnsight: {speed:.2f}x the speed")
+        out["unshared_vs_fastest_other"] = speed
     single = out["rows"].get(labels.get("wb_single", ""), {})
     if "seconds" in ours and "seconds" in single:
         ratio = single["seconds"] / ours["seconds"]

@@ -195,7 +195,8 @@ def logit_lens(model: Any, prompt: str | Sequence[int], points: str | Sequence[s
     """
     points, names = _lens_points(model, points, k, tuned)
     trace = model.run(prompt, record=[n for group in names.values() for n in group], chat=chat)
-    lens, layout = _PackedLens(model, points, k, tuned), BatchLayout([len(trace.ids)], model.runner.output_device)
+    layout = BatchLayout([len(trace.ids)], model.runner.output_device)
+    lens = _PackedLens(model, points, k, tuned, [trace.ids])
     for layer in range(model.config.n_layers):  # in forward order, as the hooks of a forward would see them
         for point in points:
             lens.add(layout, point, layer, trace.activations[names[point][layer]])
@@ -206,10 +207,11 @@ def logit_lens_batch(model: Any, prompts: Sequence[str | Sequence[int]], points:
                      k: int = 10, chat: bool = False, tuned: Any | None = None, batch_size: int | None = None,
                      progress: Any = False) -> list[LogitLens]:
     """``logit_lens`` of every prompt: the prompts run in batched forwards whose hooks take the lens of each whole
-    forward as it runs (``_PackedLens``), with no trace per prompt."""
+    forward as it runs (``_PackedLens``), with no trace per prompt. Positions that prompts of a forward share (the
+    same tokens up to there: a template, a contrastive pair's start) are unembedded once."""
     points, names = _lens_points(model, points, k, tuned)
     ids = model.batch_ids(prompts, chat)
-    lens = _PackedLens(model, points, k, tuned)
+    lens = _PackedLens(model, points, k, tuned, ids)
     model.run_with_batch_hooks(ids, {name: lens.hook(point, layer) for point, group in names.items()
                                      for layer, name in enumerate(group)}, batch_size=batch_size, progress=progress,
                                logits=False)
@@ -232,6 +234,7 @@ class _LensForward:
     normed: torch.Tensor
     probs: torch.Tensor
     ids: torch.Tensor
+    distinct: tuple[torch.Tensor, torch.Tensor] | None  # distinct_prefixes of the layout
 
 
 class _PackedLens:
@@ -239,8 +242,8 @@ class _PackedLens:
     residual goes into its forward's buffer, and once a group of them is complete they are final-normed in place and
     their top-k launched."""
 
-    def __init__(self, model: Any, points: tuple[str, ...], k: int, tuned: Any | None):
-        self.model, self.points, self.k, self.tuned = model, points, k, tuned
+    def __init__(self, model: Any, points: tuple[str, ...], k: int, tuned: Any | None, ids: Sequence[Sequence[int]]):
+        self.model, self.points, self.k, self.tuned, self.prompt_ids = model, points, k, tuned, ids
         self.n_points = len(points) * model.config.n_layers
         on_cuda = model.runner.output_device.type == "cuda"
         self.group = LENS_GROUP if on_cuda else self.n_points
@@ -263,7 +266,8 @@ class _PackedLens:
             self.forwards.append(_LensForward(
                 layout, torch.empty(self.n_points, n, x.shape[-1], dtype=self.model.dtype, device=device),
                 torch.empty(self.n_points, n, self.k, device=device),
-                torch.empty(self.n_points, n, self.k, dtype=torch.long, device=device)))
+                torch.empty(self.n_points, n, self.k, dtype=torch.long, device=device),
+                distinct_prefixes(layout, self.prompt_ids, device)))
         return self.forwards[-1]
 
     def _top_k(self, forward: _LensForward, first: int, end: int) -> None:
@@ -271,11 +275,15 @@ class _PackedLens:
         if self.tuned is not None:  # it translates resid_post alone, so the points are the layers
             resid = self.tuned.translate(resid, first_layer=first)
         normed = forward.normed[first:end] = final_norm(self.model, resid)
+        if forward.distinct is not None:
+            normed = normed[:, forward.distinct[0]]
         with self.model.numerics_scope():
             probs, ids = top_k_probs(normed.reshape(-1, normed.shape[-1]), self.model.runner.unembed, self.k,
                                      self.model.config.final_softcap or None)
-        forward.probs[first:end] = probs.view(end - first, -1, self.k)
-        forward.ids[first:end] = ids.view(end - first, -1, self.k)
+        probs, ids = probs.view(end - first, -1, self.k), ids.view(end - first, -1, self.k)
+        if forward.distinct is not None:
+            probs, ids = probs[:, forward.distinct[1]], ids[:, forward.distinct[1]]
+        forward.probs[first:end], forward.ids[first:end] = probs, ids
 
     def results(self, ids: list[list[int]]) -> list[LogitLens]:
         """Each prompt's lens, in the prompts' order: its rows of its forwards (several for a prompt in chunks)."""
@@ -296,6 +304,30 @@ class _PackedLens:
                                     *({point: x[:, j] for j, point in enumerate(self.points)}
                                       for x in (normed, top, probs))))
         return lenses
+
+
+def distinct_prefixes(layout: BatchLayout, ids: Sequence[Sequence[int]], device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a forward whose prompts start alike, one packed row of each distinct prefix of tokens (a row's prompt up to
+    and with its token) and, for every row, which of those holds its prefix; None when no two rows share one. A
+    forward computes a prefix's rows the same in every prompt (its tokens, and kernels that take each row on its own),
+    so the lens unembeds one of them."""
+    child: dict[tuple[int, int], int] = {}  # (node, token) -> node: the prefixes as a tree
+    row_of: dict[int, int] = {}  # node -> its place among the distinct rows
+    distinct: list[int] = []
+    inverse: list[int] = []
+    for b, prompt in enumerate(layout.prompts):
+        node, cached = -1, layout.cached[b]
+        for j, token in enumerate(ids[prompt][:cached + layout.lengths[b]]):
+            node = child.setdefault((node, token), len(child))
+            if j >= cached:
+                if node not in row_of:
+                    row_of[node] = len(distinct)
+                    distinct.append(layout.starts[b] + j - cached)
+                inverse.append(row_of[node])
+    if len(distinct) == layout.n_tokens:
+        return None
+    return torch.tensor(distinct, device=device), torch.tensor(inverse, device=device)
 
 
 def _lens_points(model: Any, points: str | Sequence[str], k: int, tuned: Any | None

@@ -13,6 +13,7 @@ import torch
 from workbench import hooks
 from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import layer_ops
+from workbench.kv_cache import PrefixGroup, prefix_groups
 from workbench.runner import BatchLayout
 
 # ids prompts of different lengths for the random models (their tokenizer is byte-level)
@@ -582,6 +583,23 @@ def test_logit_lens_batch_of_a_prompt_in_chunks_and_with_a_tuned_lens(llama, mon
         torch.testing.assert_close(lens.top_probs["resid_post"], alone.top_probs["resid_post"], atol=1e-4, rtol=1e-3)
 
 
+def test_the_lens_unembeds_the_positions_prompts_share_once(llama, monkeypatch):
+    from workbench.probes import lens as lens_module
+
+    prompts = [PROMPTS[0], PROMPTS[0][:4] + [90, 91], PROMPTS[1], PROMPTS[0]]
+    rows = []
+    top_k = lens_module.top_k_probs
+    monkeypatch.setattr(lens_module, "top_k_probs", lambda x, *a: rows.append(x.shape[0]) or top_k(x, *a))
+    shared = lens_module.logit_lens_batch(llama, prompts, k=4)
+    # 7 positions of the first prompt, 2 of the pair's own, 2 of [8, 3]; the repeat adds none
+    assert rows == [llama.config.n_layers * (7 + 2 + 2)]
+    monkeypatch.setattr(lens_module, "distinct_prefixes", lambda *a: None)
+    every = lens_module.logit_lens_batch(llama, prompts, k=4)
+    for a, b in zip(shared, every):  # a forward's rows of one prefix are the same bits: so are their lenses
+        assert torch.equal(a.top_ids["resid_post"], b.top_ids["resid_post"])
+        assert torch.equal(a.top_probs["resid_post"], b.top_probs["resid_post"])
+
+
 def test_dla_batch_equals_each_prompt(llama):
     from workbench import probes
 
@@ -634,8 +652,75 @@ def test_no_sharing_with_interventions_or_short_prefixes(llama, monkeypatch):
     monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
     prompts = [TEMPLATE + p for p in PROMPTS]
     llama.run_batch(prompts, interventions=[hooks.ZeroAblate("blocks.0.hook_mlp_out", positions=[3])])
-    llama.run_batch([TEMPLATE[:10] + p for p in PROMPTS])
-    assert widths == [sum(map(len, prompts)), 10 * len(PROMPTS) + sum(map(len, PROMPTS))]
+    llama.run_batch([TEMPLATE[:5] + p for p in PROMPTS])  # would save 5 x 3 tokens, under MIN_SHARED_TOKENS
+    assert widths == [sum(map(len, prompts)), 5 * len(PROMPTS) + sum(map(len, PROMPTS))]
+
+
+def test_a_repeated_prompt_is_computed_once(llama, monkeypatch):
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], list(PROMPTS[0]), PROMPTS[1]]
+    steer = [[], [], [hooks.Steer("blocks.0.hook_resid_post", torch.ones(llama.config.d_model), 2.0)], [], []]
+    separate = llama.run_batch(prompts, record=["blocks.1.hook_resid_post"], share_prefix=False,
+                               per_prompt_interventions=steer)
+    widths = []
+    forward = llama.runner.forward
+    monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
+    done = []
+    traces = dict(llama.iter_batch(prompts, record=["blocks.1.hook_resid_post"], per_prompt_interventions=steer,
+                                   progress=lambda n, total: done.append((n, total))))
+    # prompt 2 has an intervention of its own; 3 and 4 repeat 0 and 1 and take their results
+    assert widths == [2 * len(PROMPTS[0]) + len(PROMPTS[1])] and done[-1] == (3, 3)
+    assert sorted(traces) == list(range(5))
+    for i, trace in traces.items():
+        assert trace.ids == separate[i].ids and trace.interventions == separate[i].interventions
+        assert torch.equal(trace.logits, separate[i].logits)
+        torch.testing.assert_close(trace.activations["blocks.1.hook_resid_post"],
+                                   separate[i].activations["blocks.1.hook_resid_post"], rtol=0, atol=0)
+    assert not torch.equal(traces[2].logits, traces[0].logits)
+    # iter_batch's traces own their buffers: editing one leaves its repeat's alone
+    traces[3].activations["blocks.1.hook_resid_post"].zero_()
+    assert traces[0].activations["blocks.1.hook_resid_post"].abs().sum() > 0
+
+
+def test_prefix_groups_pick_the_runs_that_save_the_most():
+    pair = TEMPLATE[:20]
+    rows = [pair + [1, 2], [9, 9, 9], pair + [3], TEMPLATE + [4], TEMPLATE + [4], [9, 9, 8], TEMPLATE + [4]]
+    assert prefix_groups(rows) == [PrefixGroup(20, (0, 2)), PrefixGroup(30, (3, 4, 6))]
+    # a repeated prompt keeps its last token; one template under two long starts saves more as one group
+    assert prefix_groups([[7] * 17, [7] * 17]) == [PrefixGroup(16, (0, 1))]
+    assert prefix_groups([[7] * 16, [7] * 16]) == []
+    starts = [TEMPLATE + [k] * 8 + [j] for k in (1, 2) for j in (3, 4)]
+    assert prefix_groups(starts) == [PrefixGroup(30, (0, 1, 2, 3))]
+    assert prefix_groups([]) == prefix_groups([[1]]) == []
+
+
+def test_groups_of_shared_prefixes_are_computed_once_with_the_same_results(llama, monkeypatch):
+    """A contrastive pair and three prompts that differ in their last token, beside a prompt that shares nothing: each
+    group's prefix runs once (the prefixes together in one forward), then every row's own tokens over its cache row."""
+    pairs = [TEMPLATE[:18] + [70, 71], TEMPLATE[:18] + [80, 81, 82], PROMPTS[1]] + [PROMPTS[2] + [k] for k in (1, 2, 3)]
+    names = ["blocks.*.hook_resid_post", "blocks.1.attn.hook_pattern"]
+    separate = llama.run_batch(pairs, record=names, share_prefix=False)
+    widths = []
+    forward = llama.runner.forward
+    monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
+    shared = llama.run_batch(pairs, record=names)
+    # the prefixes (13 of the three, 18 of the pair), then 1 + 1 + 1 tokens of the three's, 2 + 3 of the pair's and
+    # the 2 of the prompt alone
+    assert widths == [13 + 18, 3 + 5 + 2]
+    for a, b in zip(shared, separate):
+        assert a.ids == b.ids
+        assert_close_logits(a.logits, b.logits)
+        for name, value in b.activations.items():
+            assert a.activations[name].shape == value.shape
+            torch.testing.assert_close(a.activations[name], value, atol=1e-3, rtol=1e-3)
+    assert all(torch.equal(shared[3].logits[:13], t.logits[:13]) for t in shared[4:])  # one prefix's logits
+    last = llama.run_batch(pairs, logits="last", record=["blocks.1.hook_resid_post"], reduce="last")
+    for a, b in zip(last, separate):
+        assert_close_logits(a.logits, b.logits[-1:])
+        torch.testing.assert_close(a.activations["blocks.1.hook_resid_post"], b.activations["blocks.1.hook_resid_post"][-1],
+                                   atol=1e-3, rtol=1e-3)
+    widths.clear()
+    assert llama.generate_batch(pairs, 5) == [llama.generate(p, 5) for p in pairs]
+    assert widths[0] == 13 + 18  # the prefill of the generation shares them too
 
 
 # ------------------------------------------------------------------------------------- packed attention

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from workbench.errors import WorkbenchError, integer, real_number, shorten
 from workbench.kernels import layer_ops
 from workbench.kernels.linear import Numerics, get_numerics, numerics
-from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, shared_prefix
+from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, prefix_groups
 from workbench.moe import by_pair_supported
 from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, capturable, edits_only
 
@@ -505,20 +505,21 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     rows = [prompts[i] for i in order]
     capacity = max(map(len, rows)) + max_new_tokens
     generators = [sampling.generator() for _ in order]
-    # with no hooks and one adapter choice, a prefix every prompt starts with (a system prompt, a template) is
-    # computed once
-    shared = 0 if hooks or isinstance(lora, LoraRows) else shared_prefix(rows)
+    # with no hooks and one adapter choice, prefixes that prompts start with (a system prompt, a template) are computed
+    # once
+    groups = [] if hooks or isinstance(lora, LoraRows) else prefix_groups(rows)
     static_step = static_step and max_new_tokens > 1 and _holds_batch_step(runner, sampling, hooks, lora, capacity)
     # the batch's cache is its own (see _decode); a static step's cache and tokens are written between its runs,
     # outside any mode, and a CUDA graph has no autograd bookkeeping to skip
     inference = edits_only(hooks) and not static_step
     with torch.inference_mode(inference), numerics(mode):  # around each forward alone: the caller runs between yields
-        if shared:
-            cache, _ = runner.prefill_shared(rows[0][:shared], len(rows), capacity, last_logits_only=True, lora=lora)
+        if groups:
+            cache, _ = runner.prefill_prefixes(rows, groups, capacity, last_logits_only=True, lora=lora)
         else:
             cache = runner.new_batch_cache(len(rows), capacity)
-    layout = BatchLayout([len(r) - shared for r in rows], runner.device, prompts=order, cached=cache.lengths)
-    packed = torch.tensor([t for r in rows for t in r[shared:]], dtype=torch.long)
+    shared = list(cache.lengths)
+    layout = BatchLayout([len(r) - n for r, n in zip(rows, shared)], runner.device, prompts=order, cached=shared)
+    packed = torch.tensor([t for r, n in zip(rows, shared) for t in r[n:]], dtype=torch.long)
     for step in range(max_new_tokens):
         with torch.inference_mode(inference), numerics(mode):
             logits = runner.forward(packed, cache=cache, hooks=hooks, last_logits_only=True, step=step, layout=layout,

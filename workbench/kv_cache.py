@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 
 from workbench.errors import WorkbenchError, integer, shorten
@@ -66,20 +68,60 @@ def causal_mask(n_new: int, n_slots: int, device: torch.device | str) -> torch.T
     return torch.ones(n_new, n_slots, dtype=torch.bool, device=device).triu(n_slots - n_new + 1)
 
 
-# Fewest leading tokens shared by every sequence of a batched forward that are computed once, not once a sequence.
-MIN_SHARED_PREFIX = 16
+# Fewest tokens a group of rows sharing a prefix must save (the prefix's length times the rows after the first) for
+# the prefix to be computed once, and the least share of a forward's tokens all its groups must save: the prefixes'
+# own forward reads every weight once more (on 2 CPU threads about what 30 tokens of a batch cost), and each grouped
+# row copies its prefix's keys and values.
+MIN_SHARED_TOKENS = 16
+MIN_SHARED_FRACTION = 0.1
 
 
-def shared_prefix(rows: Sequence[Sequence[int]]) -> int:
-    """How many leading tokens every row shares, when worth computing once (at least MIN_SHARED_PREFIX, in a batch of
-    two or more rows); each row keeps at least one token of its own."""
-    if len(rows) < 2:
-        return 0
-    shortest = min(len(r) for r in rows)
-    length = 0
-    while length < shortest - 1 and all(r[length] == rows[0][length] for r in rows):
-        length += 1
-    return length if length >= MIN_SHARED_PREFIX else 0
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Rows of a batched forward (indices into its rows) that start with the same ``length`` tokens."""
+    length: int
+    rows: tuple[int, ...]
+
+
+def prefix_groups(rows: Sequence[Sequence[int]]) -> list[PrefixGroup]:
+    """Groups of rows whose shared leading tokens are worth computing once (a few-shot template, a system prompt, the
+    common start of a contrastive pair, a repeated prompt), as a server's prefix cache shares them across requests:
+    of the rows in token order, the runs that save the most tokens in all (a run's saving: the tokens all its rows
+    share, times its rows after the first, when that reaches ``MIN_SHARED_TOKENS``), or none when they save less than
+    ``MIN_SHARED_FRACTION`` of the rows' tokens. Each row keeps at least one token of its own, whose logits its forward
+    gives."""
+    order = sorted(range(len(rows)), key=lambda i: list(rows[i]))
+    # shared[k]: the tokens sorted rows k - 1 and k share, each keeping one of its own
+    shared = np.array([0] + [min(common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1)
+                             for a, b in zip(order, order[1:])], dtype=np.int64)
+    best = np.zeros(len(order) + 1, dtype=np.int64)  # best[j]: the most the first j sorted rows save
+    first = list(range(len(order) + 1))  # first[j]: where the last run of that best starts
+    for j in range(2, len(order) + 1):  # the last run is sorted rows first[j] .. j - 1
+        length = np.minimum.accumulate(shared[j - 1:0:-1])  # the run's shared tokens, starting at j - 2, j - 3, .., 0
+        saving = length * np.arange(1, j)
+        saving[saving < MIN_SHARED_TOKENS] = 0
+        gains = best[j - 2::-1] + saving
+        k = int(gains.argmax())
+        best[j], first[j] = (gains[k], j - 2 - k) if gains[k] > best[j - 1] else (best[j - 1], j - 1)
+    if best[-1] < MIN_SHARED_FRACTION * sum(map(len, rows)):
+        return []
+    groups, j = [], len(order)
+    while j > 0:
+        i = first[j]
+        if j - i > 1:
+            groups.append(PrefixGroup(int(shared[i + 1:j].min()), tuple(order[i:j])))
+        j = i if j - i > 1 else j - 1
+    return groups[::-1]
+
+
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class KVCache:
@@ -561,12 +603,27 @@ class BatchKVCache:
         self.lengths[b] = n
         self._next[b] = cache.next_position
 
-    def repeat_row(self, n_rows: int, capacity: int = 0) -> "BatchKVCache":
-        """A cache of ``n_rows`` copies of this one-row cache (a prefix computed once for many sequences), with room
-        for ``capacity`` slots a row."""
-        if self.n_rows != 1:
-            raise WorkbenchError(f"kv repeat_row: the cache has {self.n_rows} rows, not one")
-        return BatchKVCache.from_caches([self.row(0)] * n_rows, capacity)
+    def spread(self, sources: Sequence[int | None], capacity: int = 0) -> "BatchKVCache":
+        """A cache of one row per entry of ``sources``: a copy of this cache's row ``sources[b]``, or an empty row for
+        None (prefixes computed once, each seeding the rows that start with it), with room for ``capacity`` slots a
+        row."""
+        for b in sources:
+            if b is not None:
+                self._check_row(b)
+        longest = max((self.lengths[b] for b in sources if b is not None), default=0)
+        out = BatchKVCache(len(sources), self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices,
+                           max(capacity, longest, 1), self.kv_sources)
+        index = torch.tensor([0 if b is None else b for b in sources], dtype=torch.long)
+        # every row takes the longest source's slots at once; a row's slots past its own length are masked, then
+        # overwritten
+        for store, source in ((out._keys, self._keys), (out._values, self._values)):
+            for layer, src in enumerate(source):
+                store[layer][:, :, :longest] = src[index.to(src.device), :, :longest]
+        out._positions[:, :longest] = self._positions[index, :longest]
+        out._tokens = [[] if b is None else list(self._tokens[b]) for b in sources]
+        out.lengths = [0 if b is None else self.lengths[b] for b in sources]
+        out._next = [0 if b is None else self._next[b] for b in sources]
+        return out
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (finished sequences leave a generating batch)."""

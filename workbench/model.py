@@ -12,7 +12,7 @@ from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from workbench.generation import (Sampling, check_max_new_tokens, forget_built_s
 from workbench.hooks.trace import tensor_sha256
 from workbench.kernels import QuantTensor, get_numerics, layer_ops, numerics, select_kernel
 from workbench.kernels.linear import Numerics, check_numerics, scoped_numerics
-from workbench.kv_cache import BatchKVCache, KVCache, shared_prefix
+from workbench.kv_cache import BatchKVCache, KVCache, PrefixGroup, prefix_groups
 from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, load_checkpoint
 from workbench.messages import Prompt, check_messages, continues_answer, conversation, is_messages, is_utf8
 from workbench.progress import Progress, check_progress, progress_callback
@@ -51,6 +51,23 @@ def layout_adapters(lora: Sequence[Lora | None], prompts: Sequence[int]) -> Lora
     it, else a choice per sequence."""
     chosen = [lora[i] for i in prompts]
     return chosen[0] if all(terms is chosen[0] for terms in chosen) else LoraRows(tuple(chosen))
+
+
+def repeated_prompts(ids: Sequence[list[int]], prompt_hooks: Sequence[dict], lora: Sequence[Lora | None]
+                     ) -> dict[int, list[int]]:
+    """The later copies of each prompt that a batch repeats with nothing of its own (no hooks, the same adapter
+    choice), by the first one's index: they take its forward's results instead of a forward of their own."""
+    first: dict[tuple, int] = {}
+    repeats: dict[int, list[int]] = {}
+    for i, x in enumerate(ids):
+        if prompt_hooks[i]:
+            continue
+        key = (tuple(x), id(lora[i]))  # lora_terms builds one object per choice
+        if key in first:
+            repeats.setdefault(first[key], []).append(i)
+        else:
+            first[key] = i
+    return repeats
 
 
 def recorded_prompt(prompt: Prompt, ids: list[int]) -> str | list:
@@ -551,9 +568,11 @@ class Model:
         trace's activations are copied out of their forward's buffers, so a kept trace holds no other prompt's (False:
         views, no copy, as ``run_batch`` takes them).
 
-        With ``share_prefix``, the tokens that every prompt of a forward starts with (a few-shot template, a system
-        prompt; at least ``kv_cache.MIN_SHARED_PREFIX`` of them) are computed once, for a run with no interventions: their keys and
-        values seed each prompt's cache row, and their logits and recorded activations are each prompt's own.
+        With ``share_prefix``, a prompt repeated with nothing of its own (no interventions, the same adapter) runs
+        once, and in each forward the leading tokens that groups of prompts share (a few-shot template, a system
+        prompt, a contrastive pair's common start: ``kv_cache.prefix_groups``) are computed once for a forward with
+        no interventions: their keys and values seed each prompt's cache row, and their logits and recorded
+        activations are each prompt's own (docs/batches.md).
         """
         if logits not in ("all", "last"):
             raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
@@ -575,58 +594,72 @@ class Model:
                                                               lengths, saes)
         hooks_lib.check_sae_points([n for h in prompt_hooks for n in h] + (recorder.names if recorder else []),
                                    attached)
-        layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all")
+        repeats = repeated_prompts(ids, prompt_hooks, lora) if share_prefix else {}
+        layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all",
+                                skip={j for later in repeats.values() for j in later})
         return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix,
-                                 self.current_numerics(), attached, _check_flag(use_error_term), lora, adapters)
+                                 self.current_numerics(), attached, _check_flag(use_error_term), lora, adapters,
+                                 repeats)
 
     def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix, mode,
-                     saes, use_error_term, lora, adapters) -> Iterator[tuple[int, hooks_lib.Trace]]:
+                     saes, use_error_term, lora, adapters, repeats) -> Iterator[tuple[int, hooks_lib.Trace]]:
         # each forward enters the numerics taken at the call: a block around a ``yield`` would leak into the reader's code
         with numerics(mode):
             fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
+
+        def trace(i: int, row_logits: torch.Tensor, activations: dict[str, torch.Tensor]) -> hooks_lib.Trace:
+            return hooks_lib.Trace(
+                prompt=recorded_prompt(prompts[i], ids[i]), ids=ids[i], tokens=self.token_texts(ids[i]),
+                logits=row_logits.clone(), activations=activations, interventions=specs[i], fingerprint=fingerprint,
+                backend=backend, versions=versions, chat=chat or is_messages(prompts[i]), adapters=adapters[i])
+
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
             edited = any(prompt_hooks[i] for i in layout.prompts)
             layout_lora = layout_adapters(lora, layout.prompts)
-            shared = shared_prefix(rows) if share_prefix and not edited and not isinstance(layout_lora, LoraRows) and (
-                recorder is None or recorder.reduce in (None, "last")) else 0
+            groups = prefix_groups(rows) if share_prefix and not edited and not isinstance(layout_lora, LoraRows) and (
+                recorder is None or recorder.reduce in (None, "last")) else []
             hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term, recorder and recorder.hooks())
             with torch.inference_mode(not hooks), numerics(mode):
-                out = self._forward_rows(rows, layout, hooks or None, logits == "last", shared, layout_lora)
+                out = self._forward_rows(rows, layout, hooks or None, logits == "last", groups, layout_lora)
             out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
-            prefix_activations = recorder.take(-1) if shared and recorder else {}
+            prefixes = [recorder.take(-1 - g) for g in range(len(groups))] if recorder else []
+            prefix_of = {b: prefixes[g] for g, group in enumerate(groups) for b in group.rows} if prefixes else {}
             per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
-            for i, row_logits in zip(layout.prompts, per_row):
+            for b, (i, row_logits) in enumerate(zip(layout.prompts, per_row)):
                 activations = recorder.take(i) if recorder else {}
-                if prefix_activations and recorder.reduce is None:
-                    activations = {name: hooks_lib.join_tokens(name, [prefix_activations[name], tail])
+                if b in prefix_of and recorder.reduce is None:
+                    activations = {name: hooks_lib.join_tokens(name, [prefix_of[b][name], tail])
                                    for name, tail in activations.items()}
-                yield i, hooks_lib.Trace(
-                    prompt=recorded_prompt(prompts[i], ids[i]), ids=ids[i],
-                    tokens=self.token_texts(ids[i]), logits=row_logits.clone(), activations=activations,
-                    interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions,
-                    chat=chat or is_messages(prompts[i]),
-                    adapters=adapters[i])
+                yield i, trace(i, row_logits, activations)
+                for j in repeats.get(i, ()):  # views of the same activations, or copies of its own for iter_batch
+                    yield j, trace(j, row_logits, {name: x.clone() if recorder.own_buffers else x
+                                                   for name, x in activations.items()} if recorder else {})
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
-                      shared: int, lora: Lora | LoraRows | None = None, logits: bool = True) -> torch.Tensor:
+                      groups: Sequence[PrefixGroup] = (), lora: Lora | LoraRows | None = None,
+                      logits: bool = True) -> torch.Tensor:
         """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``); without
-        ``logits`` (no ``shared`` prefix then), the residual stream after the last block: the final norm and the
-        unembedding do not run. A prefix all rows share is computed once first; a prompt longer than a forward takes
-        runs in chunks through a cache, as a long prefill does."""
-        if shared and not logits:
-            raise ValueError("_forward_rows: a shared prefix's forwards give logits")
+        ``logits`` (no prefix ``groups`` then), the residual stream after the last block: the final norm and the
+        unembedding do not run. Each group's shared prefix is computed once first; a prompt longer than a forward
+        takes runs in chunks through a cache, as a long prefill does."""
+        if groups and not logits:
+            raise ValueError("_forward_rows: shared prefixes' forwards give logits")
         stop = None if logits else self.config.n_layers
         longest = max(map(len, rows))
-        if shared:
-            cache, head = self.runner.prefill_shared(rows[0][:shared], len(rows), longest, hooks, last_only, lora)
-            tails = BatchLayout([len(r) - shared for r in rows], self.device, layout.prompts, cached=cache.lengths)
-            out = self.runner.forward(torch.tensor([t for r in rows for t in r[shared:]]), cache=cache, hooks=hooks,
-                                      layout=tails, last_logits_only=last_only, lora=lora)
+        if groups:
+            cache, heads = self.runner.prefill_prefixes(rows, groups, longest, hooks, last_only, lora)
+            shared = list(cache.lengths)
+            tails = BatchLayout([len(r) - n for r, n in zip(rows, shared)], self.device, layout.prompts, cached=shared)
+            out = self.runner.forward(torch.tensor([t for r, n in zip(rows, shared) for t in r[n:]]), cache=cache,
+                                      hooks=hooks, layout=tails, last_logits_only=last_only, lora=lora)
             if last_only:
                 return out
-            n_tail = [len(r) - shared for r in rows]  # each row's prefix logits before its own
-            return torch.cat([x for b, tail in enumerate(out.split(n_tail)) for x in (head, tail)])
+            # each grouped row's prefix logits before its own
+            heads = heads.split([group.length for group in groups])
+            head = {b: heads[g] for g, group in enumerate(groups) for b in group.rows}
+            return torch.cat([x for b, tail in enumerate(out.split(tails.lengths))
+                              for x in ((head[b], tail) if b in head else (tail,))])
         chunk = self.max_batch_tokens()
         if len(rows) > 1 or longest <= chunk:
             return self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
@@ -684,7 +717,7 @@ class Model:
         with numerics(self.current_numerics()), torch.no_grad():
             for layout in self._batches(lengths, batch_size, progress, vocab_rows=False):
                 forward_hooks = self._forward_hooks(prompt_hooks, layout, attached, True, batch_hooks)
-                out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True, 0,
+                out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True,
                                          logits=logits)
                 if logits:
                     last[list(layout.prompts)] = out.float().cpu()
@@ -792,21 +825,21 @@ class Model:
                 attached)
 
     def _batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
-                 vocab_rows: bool, backward: bool = False) -> Iterator[BatchLayout]:
+                 vocab_rows: bool, backward: bool = False, skip: Collection[int] = ()) -> Iterator[BatchLayout]:
         """Layouts of the forwards a batch runs in: prompts of similar length together (longest first), each forward
         within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory (every layer's, for a
-        ``backward``). ``batch_size`` and ``progress`` are checked when this is called, the layouts planned as they
-        are read."""
+        ``backward``); the prompts in ``skip`` in none. ``batch_size`` and ``progress`` are checked when this is
+        called, the layouts planned as they are read."""
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows, backward)
+        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows, backward, skip)
 
     def _plan_batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
-                      vocab_rows: bool, backward: bool) -> Iterator[BatchLayout]:
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+                      vocab_rows: bool, backward: bool, skip: Collection[int]) -> Iterator[BatchLayout]:
+        order = sorted((i for i in range(len(lengths)) if i not in skip), key=lambda i: -lengths[i])
         per_token, per_score, budget = self.batch_bytes(vocab_rows, backward)
-        update, close = progress_callback(progress, len(lengths), "prompts")
+        update, close = progress_callback(progress, len(order), "prompts")
         done, chunk = 0, []
         try:
             for i in order + [None]:

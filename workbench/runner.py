@@ -20,8 +20,8 @@ from workbench.errors import HookError, WorkbenchError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts
 from workbench.kernels import lora as lora_ops
 from workbench.kernels.tracing import tracks_grad
-from workbench.kv_cache import (BatchKVCache, KVCache, StaticBatchKVCache, StaticKVCache, causal_mask, layer_devices,
-                                layer_shapes, to_device)
+from workbench.kv_cache import (BatchKVCache, KVCache, PrefixGroup, StaticBatchKVCache, StaticKVCache, causal_mask,
+                                layer_devices, layer_shapes, to_device)
 from workbench.moe import (DENSE_BRANCH_POINTS, EXPERTS_BRANCH_POINTS, MOE_POINTS, SHARED_POINTS, gemma4_router_input,
                            moe_mlp, with_moe_points)
 from workbench.weights import ModelWeights
@@ -660,15 +660,23 @@ class Transformer:
             return self.devices[int(name.split(".")[1])]
         return self.device if name == "hook_embed" else self.output_device
 
-    def prefill_shared(self, prefix: Sequence[int], n_rows: int, capacity: int, hooks: Hooks | None = None,
-                       last_logits_only: bool = False, lora: Lora | None = None) -> tuple[BatchKVCache, torch.Tensor]:
-        """The forward of a prefix that ``n_rows`` sequences share, computed once: a BatchKVCache whose every row
-        holds its keys and values (room for ``capacity`` slots a row), and its logits. Hooks see it as prompt -1."""
-        cache = self.new_batch_cache(1, len(prefix))
-        layout = BatchLayout([len(prefix)], self.device, prompts=(-1,))
-        logits = self.forward(torch.tensor(list(prefix), dtype=torch.long), cache=cache, hooks=hooks, layout=layout,
-                              last_logits_only=last_logits_only, lora=lora)
-        return cache.repeat_row(n_rows, capacity), logits
+    def prefill_prefixes(self, rows: Sequence[Sequence[int]], groups: Sequence[PrefixGroup], capacity: int,
+                         hooks: Hooks | None = None, last_logits_only: bool = False, lora: Lora | None = None
+                         ) -> tuple[BatchKVCache, torch.Tensor]:
+        """The forward of each group's shared prefix (``kv_cache.prefix_groups``), once for all its rows: a
+        BatchKVCache of one row per row of ``rows`` (room for ``capacity`` slots a row), a grouped row's holding its
+        prefix's keys and values and the others empty, and the prefixes' logits packed as a batch of the prefixes.
+        Hooks see group ``g`` as prompt ``-1 - g``."""
+        prefixes = [list(rows[group.rows[0]][:group.length]) for group in groups]
+        cache = self.new_batch_cache(len(prefixes), max(map(len, prefixes)))
+        layout = BatchLayout([len(p) for p in prefixes], self.device, prompts=[-1 - g for g in range(len(groups))])
+        logits = self.forward(torch.tensor([t for p in prefixes for t in p], dtype=torch.long), cache=cache,
+                              hooks=hooks, layout=layout, last_logits_only=last_logits_only, lora=lora)
+        source: list[int | None] = [None] * len(rows)
+        for g, group in enumerate(groups):
+            for r in group.rows:
+                source[r] = g
+        return cache.spread(source, capacity), logits
 
     def new_static_cache(self, capacity: int) -> StaticKVCache:
         c = self.config
