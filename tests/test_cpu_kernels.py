@@ -569,6 +569,10 @@ def test_narrower_builds_match_the_native_build(isa):
     for n in (5, 16, 40, 1000):
         for x in argmax_cases(n, g):
             assert torch.equal(narrow.argmax_rows(x), x.argmax(-1)), n
+    logits = torch.randn(6, 3000, generator=g) * 8  # the lens's top-k softmax: the same ids, the same probabilities
+    (probs, ids), (native_probs, native_ids) = (ext.top_k_softmax(logits, 7) for ext in (narrow, cpu.extension()))
+    assert torch.equal(ids, native_ids)
+    torch.testing.assert_close(probs, native_probs, rtol=1e-6, atol=0)
 
 
 def argmax_cases(n: int, g: torch.Generator) -> list[torch.Tensor]:
@@ -593,6 +597,36 @@ def test_argmax_picks_what_torch_picks():
             assert torch.equal(layer_ops.argmax(x[1]), x[1].argmax()), n
             if n > 1:
                 assert torch.equal(layer_ops.argmax(x[:, 1:]), x[:, 1:].argmax(-1)), n
+
+
+def test_the_lens_top_k_softmax_pass_against_float64():
+    """The lens's C++ top-k and softmax of each row: the k largest values best first, the first of equal ones ranked
+    higher, their probabilities within a few float32 roundings of float64's softmax, for rows shorter than a vector,
+    with tails past the blocks and of a vocabulary's length, rows strided; rows with a NaN or an infinity (and rows of
+    -inf, whose softmax is NaN) as torch gives them."""
+    from workbench.kernels.lens import _top_k_softmax
+
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(1, 1), (5, 5), (17, 3), (1030, 10), (2049, 64), (49152, 10)]:
+        for x in argmax_cases(n, g):
+            x = torch.cat([x, x * 40.0, x.flip(1) - 90.0])  # wide ranges: exponentials that underflow to 0 too
+            for rows in (x, x[:, :-1] if n > k else x):
+                probs, ids = _top_k_softmax(rows, k)
+                top = rows.topk(k, dim=-1)
+                if not torch.isfinite(rows).all(1).any():
+                    continue
+                finite = torch.isfinite(rows).all(1)
+                expected = torch.softmax(rows[finite].double(), -1)
+                assert torch.equal(rows[finite].gather(1, ids[finite]), top.values[finite]), n  # the k largest
+                # of equal values the first index first
+                same = rows[finite].gather(1, ids[finite])
+                ties = (same[:, 1:] == same[:, :-1])
+                assert (ids[finite][:, 1:][ties] > ids[finite][:, :-1][ties]).all(), n
+                torch.testing.assert_close(probs[finite].double(), expected.gather(1, ids[finite]), rtol=8e-7,
+                                           atol=1e-30)
+                fallback = torch.softmax(rows[~finite], -1).gather(1, top.indices[~finite])
+                assert torch.equal(ids[~finite], top.indices[~finite])
+                torch.testing.assert_close(probs[~finite], fallback, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q5_K"])

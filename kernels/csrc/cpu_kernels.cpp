@@ -2024,6 +2024,115 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// exp of 16 values by ggml's polynomial (v_expf, below, is the same for one value), for arguments at most 0: below
+// -104 (where float32's exp is 0) the result is 0.
+#if defined(__AVX512F__)
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 r = _mm512_set1_ps(0x1.8p23f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r), r);
+  const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+  const __m512 u = _mm512_mul_ps(b, b);
+  const __m512 j = _mm512_fmadd_ps(
+      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)), u,
+                      _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), j, n);
+}
+#endif
+inline float v_expf(float v);
+
+// The k largest values of a row (best first; of equal ones the first) and the softmax probability of each,
+// exp(value - max) / sum(exp(row - max)), in one read of the row: a block of 1024 values (in L1) gives its maximum and
+// the values above the k-th best so far, then the sum of its exponentials from its own maximum, merged into the row's
+// (rescaled to the larger maximum). False for a row holding a NaN or an infinity.
+bool top_k_softmax_row(const float* v, int64_t n, int64_t k, float* probs, int64_t* ids) {
+  constexpr int64_t kBlock = 1024;
+  std::vector<float> best(k);
+  int64_t filled = 0;
+  float threshold = -INFINITY;  // the k-th best once k are held
+  const auto offer = [&](float x, int64_t i) {
+    int64_t at = filled < k ? filled++ : k - 1;
+    while (at > 0 && best[at - 1] < x) {  // after equal values: the first of equal ones ranks higher
+      best[at] = best[at - 1];
+      ids[at] = ids[at - 1];
+      --at;
+    }
+    best[at] = x;
+    ids[at] = i;
+    if (filled == k) threshold = best[k - 1];
+  };
+  float row_max = -INFINITY;
+  double row_sum = 0.0;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(n, start + kBlock);
+    int64_t i = start;
+    float block_max = -INFINITY;
+#if defined(__AVX512F__)
+    __m512 lanes_max = _mm512_set1_ps(-INFINITY);
+    __mmask16 bad = 0;
+    for (; i + 16 <= end; i += 16) {
+      const __m512 x = _mm512_loadu_ps(v + i);
+      lanes_max = _mm512_max_ps(lanes_max, x);
+      bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // NaN or +-inf
+      __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(threshold), _CMP_GT_OQ);
+      while (above) {  // lanes in order: offers come by ascending index
+        const int lane = __builtin_ctz(above);
+        above &= above - 1;
+        if (v[i + lane] > threshold) offer(v[i + lane], i + lane);
+      }
+    }
+    if (bad) return false;
+    block_max = _mm512_reduce_max_ps(lanes_max);
+#endif
+    for (int64_t j = i; j < end; ++j) {
+      if (!std::isfinite(v[j])) return false;
+      block_max = std::max(block_max, v[j]);
+      if (v[j] > threshold) offer(v[j], j);
+    }
+    float block_sum = 0.0f;
+    i = start;
+#if defined(__AVX512F__)
+    __m512 lanes_sum = _mm512_setzero_ps();
+    for (; i + 16 <= end; i += 16)
+      lanes_sum = _mm512_add_ps(lanes_sum, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(v + i),
+                                                                          _mm512_set1_ps(block_max))));
+    block_sum = _mm512_reduce_add_ps(lanes_sum);
+#endif
+    for (int64_t j = i; j < end; ++j) block_sum += v_expf(v[j] - block_max);
+    if (block_max > row_max) {
+      row_sum = row_sum * std::exp(static_cast<double>(row_max) - block_max) + block_sum;
+      row_max = block_max;
+    } else {
+      row_sum += block_sum * std::exp(static_cast<double>(block_max) - row_max);
+    }
+  }
+  if (filled < k) return false;
+  for (int64_t j = 0; j < k; ++j)
+    probs[j] = static_cast<float>(std::exp(static_cast<double>(best[j]) - row_max) / row_sum);
+  return true;
+}
+
+// top_k_softmax_row of each row of logits [rows, n] (float32, rows contiguous): (probs [rows, k], ids [rows, k]), a
+// row that holds a NaN or an infinity marked by ids -1 (the caller takes softmax's own answer for it).
+std::tuple<torch::Tensor, torch::Tensor> top_k_softmax(const torch::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1 && k >= 1 &&
+                  k <= logits.size(1),
+              "workbench cpu kernels: top_k_softmax needs float32 [rows, n] with rows contiguous and 1 <= k <= n, got ",
+              logits.sizes(), ", k ", k);
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  torch::Tensor probs = torch::empty({rows, k}, logits.options());
+  torch::Tensor ids = torch::empty({rows, k}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  float* pp = probs.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      if (!top_k_softmax_row(lp + r * stride, n, k, pp + r * k, ip + r * k)) std::fill_n(ip + r * k, k, -1);
+  });
+  return {probs, ids};
+}
+
 // Rope of rows x [rows, D] into out: out = x * cos + partner(x) * sin with cos and sin [rows / heads, D] (the
 // runner's rotation(): cos at both values of a pair, sin signed for each value), the partner of value i being i ^ 1
 // (adjacent pairs) or i +- D/2 (the two halves of each head).
@@ -2690,6 +2799,8 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu(Tensor gate, Tensor up) -> Tensor");
   // each row's index of its largest value, as torch.argmax(-1) picks it (greedy decoding)
   m.def("argmax_rows(Tensor x) -> Tensor");
+  // each row's k largest values' softmax probabilities and ids (the logit lens)
+  m.def("top_k_softmax(Tensor logits, int k) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
   // the rope of q and k, the cache write and attention of a layer without hooks between them (eager forward)
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
@@ -2726,6 +2837,7 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("swiglu", &swiglu);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("top_k_softmax", &top_k_softmax);
   m.impl("rope", &rope);
   m.impl("rope_attention", &rope_attention);
   m.impl("blocks_exact", &blocks_exact);
