@@ -1401,7 +1401,15 @@ class ActTiles {
  public:
   static constexpr int64_t kUnitBytes = 3 * 512 + 2 * 64;
   ActTiles(const float* x, int64_t m, int64_t k) : units_(k / 32), groups_((m + 15) / 16) {
-    data_ = torch::zeros({groups_ * units_ * kUnitBytes}, torch::kUInt8);
+    data_ = torch::empty({groups_ * units_ * kUnitBytes}, torch::kUInt8);
+    // the last group's rows past m, zeros (every other byte is written below): an output row of theirs is never stored
+    for (int64_t u = 0, pad = groups_ * 16 - m; pad > 0 && u < units_; ++u) {
+      uint8_t* tiles = data_.data_ptr<uint8_t>() + ((groups_ - 1) * units_ + u) * kUnitBytes;
+      for (int d = 0; d < 3; ++d) std::memset(tiles + 512 * d + 32 * (16 - pad), 0, 32 * pad);
+      float* power = reinterpret_cast<float*>(tiles + 3 * 512);
+      std::fill_n(power + 16 - pad, pad, 0.0f);
+      std::fill_n(power + 32 - pad, pad, 0.0f);
+    }
     std::atomic<bool> finite{true};
     parallel_rows(m, k, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
