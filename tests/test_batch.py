@@ -668,7 +668,7 @@ def test_a_repeated_prompt_is_computed_once(llama, monkeypatch):
     traces = dict(llama.iter_batch(prompts, record=["blocks.1.hook_resid_post"], per_prompt_interventions=steer,
                                    progress=lambda n, total: done.append((n, total))))
     # prompt 2 has an intervention of its own; 3 and 4 repeat 0 and 1 and take their results
-    assert widths == [2 * len(PROMPTS[0]) + len(PROMPTS[1])] and done[-1] == (3, 3)
+    assert widths == [2 * len(PROMPTS[0]) + len(PROMPTS[1])] and done[-1] == (5, 5)
     assert sorted(traces) == list(range(5))
     for i, trace in traces.items():
         assert trace.ids == separate[i].ids and trace.interventions == separate[i].interventions

@@ -12,7 +12,7 @@ from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -596,7 +596,7 @@ class Model:
                                    attached)
         repeats = repeated_prompts(ids, prompt_hooks, lora) if share_prefix else {}
         layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all",
-                                skip={j for later in repeats.values() for j in later})
+                                repeats=repeats)
         return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix,
                                  self.current_numerics(), attached, _check_flag(use_error_term), lora, adapters,
                                  repeats)
@@ -825,21 +825,25 @@ class Model:
                 attached)
 
     def _batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
-                 vocab_rows: bool, backward: bool = False, skip: Collection[int] = ()) -> Iterator[BatchLayout]:
+                 vocab_rows: bool, backward: bool = False, repeats: Mapping[int, Sequence[int]] | None = None
+                 ) -> Iterator[BatchLayout]:
         """Layouts of the forwards a batch runs in: prompts of similar length together (longest first), each forward
         within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory (every layer's, for a
-        ``backward``); the prompts in ``skip`` in none. ``batch_size`` and ``progress`` are checked when this is
+        ``backward``); the later copies in ``repeats`` (``repeated_prompts``) in none, counted done with their first.
+        ``batch_size`` and ``progress`` are checked when this is
         called, the layouts planned as they are read."""
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
-        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows, backward, skip)
+        return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows, backward, repeats or {})
 
     def _plan_batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
-                      vocab_rows: bool, backward: bool, skip: Collection[int]) -> Iterator[BatchLayout]:
-        order = sorted((i for i in range(len(lengths)) if i not in skip), key=lambda i: -lengths[i])
+                      vocab_rows: bool, backward: bool, repeats: Mapping[int, Sequence[int]]
+                      ) -> Iterator[BatchLayout]:
+        copies = {j for later in repeats.values() for j in later}
+        order = sorted((i for i in range(len(lengths)) if i not in copies), key=lambda i: -lengths[i])
         per_token, per_score, budget = self.batch_bytes(vocab_rows, backward)
-        update, close = progress_callback(progress, len(order), "prompts")
+        update, close = progress_callback(progress, len(lengths), "prompts")
         done, chunk = 0, []
         try:
             for i in order + [None]:
@@ -855,7 +859,7 @@ class Model:
                     chunk.append(i)
                     continue
                 yield BatchLayout([lengths[j] for j in chunk], self.device, prompts=chunk)
-                done += len(chunk)
+                done += sum(1 + len(repeats.get(j, ())) for j in chunk)
                 update(done)
                 chunk = [i]
         finally:
