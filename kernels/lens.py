@@ -5,9 +5,9 @@
   activations' dtype (what the production matmul multiplies in exact numerics) and never writes the logits: it keeps
   each row's max, sum of exponentials and top-k as it walks the vocabulary in tiles.
 - Elsewhere (the CPU, llama.cpp numerics, a k past the kernel's), the logits of a chunk of rows at a time, then their
-  top-k and softmax (on the CPU one C++ pass a row, ``top_k_softmax``): one chunk's logits alive at a time. In exact numerics the weight is dequantized once and
-  each chunk is a dense matmul (what ``blockwise-dequant-matmul`` and ``triton-dequant-matmul`` compute); in llama.cpp
-  numerics each chunk goes through the production matmul ``linear``.
+  top-k and softmax (on the CPU one C++ pass a row, ``top_k_softmax``): one chunk's logits alive at a time. In exact
+  numerics the weight is dequantized once and each chunk is a dense matmul (what ``blockwise-dequant-matmul`` and
+  ``triton-dequant-matmul`` compute); in llama.cpp numerics each chunk goes through the production matmul ``linear``.
 
 Both give the probabilities ``exp(logit - max) / sum(exp(logits - max))`` of float32 logits, best first. The C++ pass
 sums ggml's exp polynomial block by block, the blocks in double: within 1e-6 relative of float64's softmax (ATen's

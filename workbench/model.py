@@ -595,8 +595,7 @@ class Model:
         hooks_lib.check_sae_points([n for h in prompt_hooks for n in h] + (recorder.names if recorder else []),
                                    attached)
         repeats = repeated_prompts(ids, prompt_hooks, lora) if share_prefix else {}
-        layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all",
-                                repeats=repeats)
+        layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all", repeats=repeats)
         return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix,
                                  self.current_numerics(), attached, _check_flag(use_error_term), lora, adapters,
                                  repeats)
