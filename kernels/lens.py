@@ -56,8 +56,8 @@ def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int, cap: float | None = Non
 
 
 def _top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top ``k`` of ``softmax(logits)`` per row and their ids: on the CPU one C++ pass over each row (ATen's topk and
-    softmax took 1.9 s of task (d)'s 6.9 on 2 threads), the rows holding a NaN or an infinity as torch gives them."""
+    """The top ``k`` of ``softmax(logits)`` per row and their ids: on the CPU one C++ pass over each row (ATen's topk
+    and softmax took 1.9 s of task (d)'s 6.9 on 2 threads), the rows holding a NaN or an infinity as torch gives them."""
     extension = cpu.extension() if logits.is_cpu and logits.dtype == torch.float32 and logits.stride(-1) == 1 else None
     if extension is not None:
         probs, ids = extension.top_k_softmax(logits, k)

@@ -716,8 +716,8 @@ def test_groups_of_shared_prefixes_are_computed_once_with_the_same_results(llama
     last = llama.run_batch(pairs, logits="last", record=["blocks.1.hook_resid_post"], reduce="last")
     for a, b in zip(last, separate):
         assert_close_logits(a.logits, b.logits[-1:])
-        torch.testing.assert_close(a.activations["blocks.1.hook_resid_post"], b.activations["blocks.1.hook_resid_post"][-1],
-                                   atol=1e-3, rtol=1e-3)
+        name = "blocks.1.hook_resid_post"
+        torch.testing.assert_close(a.activations[name], b.activations[name][-1], atol=1e-3, rtol=1e-3)
     widths.clear()
     assert llama.generate_batch(pairs, 5) == [llama.generate(p, 5) for p in pairs]
     assert widths[0] == 13 + 18  # the prefill of the generation shares them too
