@@ -829,8 +829,7 @@ class Model:
         """Layouts of the forwards a batch runs in: prompts of similar length together (longest first), each forward
         within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory (every layer's, for a
         ``backward``); the later copies in ``repeats`` (``repeated_prompts``) in none, counted done with their first.
-        ``batch_size`` and ``progress`` are checked when this is
-        called, the layouts planned as they are read."""
+        ``batch_size`` and ``progress`` are checked when this is called, the layouts planned as they are read."""
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                        or batch_size < 1):
             raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
