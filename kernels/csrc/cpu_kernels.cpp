@@ -1076,6 +1076,9 @@ inline __m512i dot_bytes4(__m512i acc, __m512i u8, __m512i s8) {
 #endif
 }
 
+// The lanes of v that hold a NaN or an infinity (quiet or signalling NaN, +inf, -inf).
+inline __mmask16 non_finite_lanes(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x99); }
+
 // The n vectors of values v as integers m, |m| <= 2^23 - 1, times 2^(e - 23), where 2^e is the power of two above
 // their largest magnitude (e = 0 for zeros, at least -100 so that 2^(e - 23) stays a normal float), each rounded to
 // the nearest multiple, ties to even. Returns e, or nothing where a value is a NaN or an infinity.
@@ -1083,7 +1086,7 @@ template <int n>
 inline std::optional<int> block_integers(const __m512 (&v)[n], __m512i (&m)[n]) {
   __m512 largest = _mm512_setzero_ps();
   for (int h = 0; h < n; ++h) {
-    if (_mm512_fpclass_ps_mask(v[h], 0x99)) return std::nullopt;
+    if (non_finite_lanes(v[h])) return std::nullopt;
     largest = _mm512_max_ps(largest, _mm512_abs_ps(v[h]));
   }
   int e = 0;
@@ -2034,7 +2037,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 
 // exp of 16 values by ggml's polynomial (v_expf, below, is the same for one value), for arguments at most 0: below
 // -104 (where float32's exp is 0) the result is 0.
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 r = _mm512_set1_ps(0x1.8p23f);
   const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r), r);
@@ -2077,13 +2080,13 @@ bool top_k_softmax_row(const float* v, int64_t n, int64_t k, float* probs, int64
     const int64_t end = std::min(n, start + kBlock);
     int64_t i = start;
     float block_max = -INFINITY;
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
     __m512 lanes_max = _mm512_set1_ps(-INFINITY);
     __mmask16 bad = 0;
     for (; i + 16 <= end; i += 16) {
       const __m512 x = _mm512_loadu_ps(v + i);
       lanes_max = _mm512_max_ps(lanes_max, x);
-      bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // NaN or +-inf
+      bad |= non_finite_lanes(x);
       __mmask16 above = _mm512_cmp_ps_mask(x, _mm512_set1_ps(threshold), _CMP_GT_OQ);
       while (above) {  // lanes in order: offers come by ascending index
         const int lane = __builtin_ctz(above);
@@ -2101,7 +2104,7 @@ bool top_k_softmax_row(const float* v, int64_t n, int64_t k, float* probs, int64
     }
     float block_sum = 0.0f;
     i = start;
-#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
     __m512 lanes_sum = _mm512_setzero_ps();
     for (; i + 16 <= end; i += 16)
       lanes_sum = _mm512_add_ps(lanes_sum, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(v + i),
