@@ -257,18 +257,28 @@ def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.bmm(queries, keys.transpose(1, 2))
 
 
+def _few_queries(x: torch.Tensor, other: torch.Tensor, tokens_axis: int = -3) -> bool:
+    """Whether attention's products of ``x`` (queries, or a pattern with ``tokens_axis``) take the C++ loops for a few
+    queries (``cpu.FEW_QUERIES`` tokens a sequence at most): float32 CPU tensors of an eager forward. Those give a
+    row's results the same bits in any batch; larger ones take batched matmuls."""
+    return x.shape[tokens_axis] <= cpu.FEW_QUERIES and _native(x, other) and other.dtype == x.dtype
+
+
 def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocked: torch.Tensor | None) -> torch.Tensor:
     """Float32 scores ``[heads, T, S]``: each query ``q`` ``[T, heads, d]`` dotted with the ``keys`` ``[kv_heads, S,
     d]`` of its kv head (query head h reads kv head ``h // (heads / kv_heads)``), the dot rounded to the inputs' dtype
     as a matmul rounds it, divided by ``divisor``, and -inf where ``blocked`` ``[T, S]`` is True (None: nowhere).
 
     A batch of sequences adds a leading axis to each: ``q`` ``[B, T, heads, d]``, ``keys`` ``[B, kv_heads, S, d]``,
-    ``blocked`` broadcastable to ``[B, 1, T, S]``, scores ``[B, heads, T, S]``; it takes the batched matmul."""
+    ``blocked`` broadcastable to ``[B, 1, T, S]``, scores ``[B, heads, T, S]``; it takes the batched matmul. On the
+    CPU in float32, up to ``cpu.FEW_QUERIES`` query tokens (decode) take the C++ loops of ``_few_queries`` instead."""
     if kernel_grad_run(q, keys):
         return KernelForward.apply(attention_scores, q, keys, divisor, blocked)
     if (q.dim() == 3 and _on_triton(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
             and (blocked is None or blocked.stride(-1) == 1)):
         return _triton.attention_scores(q, keys, divisor, blocked)
+    if _few_queries(q, keys):
+        return cpu.extension().few_query_scores(q, keys, divisor, blocked)
     *batch, tokens, heads, d = q.shape
     kv_heads, slots = keys.shape[-3], keys.shape[-2]
     rows = kv_heads * (batch[0] if batch else 1)
@@ -287,6 +297,8 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     if (pattern.dim() == 3 and _on_triton(pattern, values) and values.stride(-1) == 1
             and pattern.dtype == torch.float32):
         return _triton.attend(pattern, values)
+    if _few_queries(pattern, values, tokens_axis=-2):
+        return cpu.extension().few_query_attend(pattern, values)
     *batch, heads, tokens, slots = pattern.shape
     kv_heads, d = values.shape[-3], values.shape[-1]
     rows = kv_heads * (batch[0] if batch else 1)
@@ -340,29 +352,51 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     return _triton.packed_attention(q, k, v, starts, width, divisor, window, rotation)
 
 
+# A cache layer's key and value buffers and where the new tokens' slots start: ``[kv_heads, capacity, d]`` and the
+# first new slot (``KVCache.buffers``), or a batch's ``[B, kv_heads, capacity, d]`` and each row's (``BatchKVCache``).
+KVSlots = tuple[torch.Tensor, torch.Tensor, "int | tuple[int, ...]"]
+
+
+def _fused_attention_starts(tokens: int, heads: int, kv_slots: KVSlots | None, bounds: Sequence[int] | None,
+                            blocked: torch.Tensor | None) -> list[int] | None:
+    """The new slots' starts that ``rope_attention`` and ``blocks_exact`` pass their C++ call (one, or one a sequence
+    of a batch packed at ``bounds``), or None where that call declines the shapes: scores past ``SCORES_BUDGET``, or a
+    batch without a batch cache and its mask or with more than ``cpu.FEW_QUERIES`` tokens a sequence."""
+    if bounds is None:
+        start = kv_slots[2] if kv_slots is not None else 0
+        return [start] if heads * tokens * (tokens + start) * 4 <= SCORES_BUDGET else None
+    width = max(b - a for a, b in zip(bounds, bounds[1:]))
+    if kv_slots is None or blocked is None or width > cpu.FEW_QUERIES:
+        return None
+    return list(kv_slots[2]) if heads * (len(bounds) - 1) * width * blocked.shape[-1] * 4 <= SCORES_BUDGET else None
+
+
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, cos: torch.Tensor,
-                   sin: torch.Tensor, interleaved: bool, kv_slots: tuple[torch.Tensor, torch.Tensor, int] | None,
-                   divisor: float, blocked: torch.Tensor | None,
-                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
+                   sin: torch.Tensor, interleaved: bool, kv_slots: KVSlots | None, divisor: float,
+                   blocked: torch.Tensor | None, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                   bounds: Sequence[int] | None = None) -> torch.Tensor | None:
     """``z`` ``[T, heads, d]`` of ``attention`` over the rope of ``q`` ``[T, heads * d]`` and ``k`` ``[T, kv_heads *
     d]`` (``cos`` and ``sin`` ``[T, 1, d]`` as ``rope`` takes them), and ``v`` ``[T, kv_heads * d]``: with ``kv_slots``
-    (a cache layer's key and value buffers ``[kv_heads, capacity, d]`` and the first new slot), the new keys and
-    values written into the buffers and every slot up to them attended over; without, the new ones alone. With
-    ``qk_norm`` (q's and k's RMSNorm weights ``[d]`` and the epsilon, Qwen3's), each head of q and k goes through its
-    norm first (``rms_norm``).
+    (a cache layer's buffers and the first new slot), the new keys and values written into the buffers and every slot
+    up to them attended over; without, the new ones alone. With ``qk_norm`` (q's and k's RMSNorm weights ``[d]`` and
+    the epsilon, Qwen3's), each head of q and k goes through its norm first (``rms_norm``). With ``bounds`` (where
+    each sequence starts in the packed rows, and their total: ``BatchLayout.starts`` and ``n_tokens``), the rows of a
+    batch of sequences, each over its own row of a ``BatchKVCache`` (``kv_slots``) with ``blocked`` ``[B, 1, T_max,
+    S]``, as the runner pads them for ``attention``.
 
     One C++ call that gives the bits of ``rope``, the cache's write, ``attention_scores``, softmax and ``attend`` (~25
     op calls of an eager forward): the runner takes it where no hook lies between the projections and ``z``. None
     where that call does not run: it takes float32 CPU tensors in an eager forward's exact numerics, the rope over
-    every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none)."""
-    tokens, slots = q.shape[0], q.shape[0] + (kv_slots[2] if kv_slots is not None else 0)
-    if (not _native(q, cos) or llamacpp_glue(q) or tracks_grad(q, k, v) or cos.shape[-1] * heads != q.shape[1]
-            or heads * tokens * slots * 4 > SCORES_BUDGET):
+    every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none); a batch, a cache
+    and at most ``cpu.FEW_QUERIES`` tokens a sequence."""
+    starts = _fused_attention_starts(q.shape[0], heads, kv_slots, bounds, blocked)
+    if (starts is None or not _native(q, cos) or llamacpp_glue(q) or tracks_grad(q, k, v)
+            or cos.shape[-1] * heads != q.shape[1]):
         return None
-    keys, values, start = kv_slots if kv_slots is not None else (None, None, 0)
+    keys, values = kv_slots[:2] if kv_slots is not None else (None, None)
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-    return cpu.extension().rope_attention(q, k, v, cos.contiguous(), sin.contiguous(), interleaved, keys, values, start,
-                                          divisor, blocked, q_norm, k_norm, eps)
+    return cpu.extension().rope_attention(q, k, v, cos.contiguous(), sin.contiguous(), interleaved, keys, values,
+                                          starts, divisor, blocked, q_norm, k_norm, eps, list(bounds or ()))
 
 
 class PlainBlock(NamedTuple):
@@ -376,31 +410,31 @@ class PlainBlock(NamedTuple):
 
 def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[PlainBlock], eps: float, heads: int,
                  rotations: Sequence[tuple[torch.Tensor, torch.Tensor]], interleaved: bool,
-                 kv_slots: Sequence[tuple[torch.Tensor, torch.Tensor, int]] | None, divisor: float,
-                 blocked: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 kv_slots: Sequence[KVSlots] | None, divisor: float, blocked: Sequence[torch.Tensor | None],
+                 bounds: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Consecutive blocks of llama's form with no hook inside them nor between them, in one C++ call: from the first
     one's input stream ``x`` ``[T, d_model]`` and its first norm ``normalized``, each block's projections, attention
     (``rope_attention`` with its own ``rotations``, ``kv_slots`` and ``blocked``, ``heads`` and ``divisor``), residual
-    sum with its second norm, SwiGLU, and between two blocks the residual sum with the next one's first norm: the last
+    sum with its second norm, SwiGLU, and between two blocks the residual sum with the next one's first norm (a batch's
+    packed sequences with ``bounds``, as ``rope_attention`` takes them): the last
     block's stream after attention and its MLP's output, with the bits of the separate calls (``linear``'s exact CPU
     kernel, the bias sums, ``rms_norm``, ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager decode step
     pays for in Python more than in arithmetic. Every weight is of a format the C++ kernels read (``readable``: the
     caller picks such blocks). None where it does not run: as ``rope_attention``, and in exact numerics; none of that
     depends on the block, so a caller declined once may take every block of the forward apart."""
-    tokens, slots = x.shape[0], x.shape[0] + (kv_slots[0][2] if kv_slots is not None else 0)
-    if (not blocks_exact_may_run(x, normalized, rotations[0][0])
-            or any(cos.shape[-1] * heads != blocks[0].weights[0].shape[0] for cos, _ in rotations)
-            or heads * tokens * slots * 4 > SCORES_BUDGET):
+    starts = _fused_attention_starts(x.shape[0], heads, kv_slots[0] if kv_slots is not None else None, bounds,
+                                     blocked[0])
+    if (starts is None or not blocks_exact_may_run(x, normalized, rotations[0][0])
+            or any(cos.shape[-1] * heads != blocks[0].weights[0].shape[0] for cos, _ in rotations)):
         return None
     weights = [w for block in blocks for w in block.weights]
-    start = kv_slots[0][2] if kv_slots is not None else 0
     return cpu.extension().blocks_exact(
         x, normalized, [w.data for w in weights], [w.fmt.ggml_type for w in weights], [w.shape[0] for w in weights],
         [t for block in blocks for t in block.qkv_bias], [t for block in blocks for t in block.qk_norm],
         [block.attn_norm for block in blocks[1:]], [block.mlp_norm for block in blocks], eps,
         [cos.contiguous() for cos, _ in rotations], [sin.contiguous() for _, sin in rotations], interleaved,
-        [keys for keys, _, _ in kv_slots or ()], [values for _, values, _ in kv_slots or ()], start, divisor,
-        list(blocked), cpu.PANEL_MIN_BATCH)
+        [keys for keys, _, _ in kv_slots or ()], [values for _, values, _ in kv_slots or ()], starts, divisor,
+        list(blocked), list(bounds or ()), cpu.PANEL_MIN_BATCH)
 
 
 def blocks_exact_may_run(x: torch.Tensor, normalized: torch.Tensor, cos: torch.Tensor) -> bool:

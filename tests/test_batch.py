@@ -394,8 +394,16 @@ def test_keep_rows_drops_rows(llama):
     cache = llama.runner.new_batch_cache(3)
     llama.runner.forward(torch.tensor(sum(PROMPTS[:3], [])), cache=cache,
                          layout=BatchLayout([len(p) for p in PROMPTS[:3]], "cpu"))
+    before = [[cache.row(b).get(layer) for layer in range(cache.n_layers)] for b in range(3)]
     cache.keep_rows([2, 0])
     assert cache.lengths == [len(PROMPTS[2]), len(PROMPTS[0])] and cache.tokens(1) == PROMPTS[0]
+    for b, kept in enumerate([2, 0]):  # each kept row's keys and values, moved in place
+        for layer in range(cache.n_layers):
+            assert all(torch.equal(a, e) for a, e in zip(cache.row(b).get(layer), before[kept][layer]))
+    cache.keep_rows([1])
+    assert cache.n_rows == 1 and torch.equal(cache.row(0).get(0)[0], before[0][0][0])
+    with pytest.raises(WorkbenchError, match=r"keeps each row once, got \[0, 0\]"):
+        cache.keep_rows([0, 0])
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -112,33 +112,88 @@ def test_cpu_layer_ops_refuse_bad_shapes():
         ext.swiglu(torch.randn(2, 4), torch.randn(2, 5))
     cos = torch.randn(1, 1, 8)
     with pytest.raises(RuntimeError, match="KV dividing H"):  # 4 query heads, 3 key heads
-        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 24), torch.randn(1, 24), cos, cos, False, None, None, 0,
+        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 24), torch.randn(1, 24), cos, cos, False, None, None, [0],
                            1.0, None)
     with pytest.raises(RuntimeError, match="have no slots 4 to 5"):  # a cache of 4 slots, full
         ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False,
-                           torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 4, 1.0, None)
+                           torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), [4], 1.0, None)
     with pytest.raises(RuntimeError, match="takes q and k's norms together"):
-        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False, None, None, 0,
+        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False, None, None, [0],
                            1.0, None, torch.ones(8), None, 1e-5)
     x, norm = torch.randn(1, 8), torch.ones(8)
     with pytest.raises(RuntimeError, match="blocks_exact takes wq, wk, wv, wo, w_gate, w_up and w_down for each of 1"):
-        ext.blocks_exact(x, x, [], [], [], [], [], [], [norm], 1e-5, [cos], [cos], False, [], [], 0, 1.0, [None], 24)
+        ext.blocks_exact(x, x, [], [], [], [], [], [], [norm], 1e-5, [cos], [cos], False, [], [], [0], 1.0, [None], [], 24)
     with pytest.raises(RuntimeError, match="and the first norms of all but the first"):  # two blocks, one cos
         ext.blocks_exact(x, x, [torch.zeros(1, 1, dtype=torch.uint8)] * 14, [8] * 14, [8] * 14, [], [], [norm],
-                         [norm, norm], 1e-5, [cos], [cos], False, [], [], 0, 1.0, [None, None], 24)
+                         [norm, norm], 1e-5, [cos], [cos], False, [], [], [0], 1.0, [None, None], [], 24)
+    with pytest.raises(RuntimeError, match="takes one start without a batch"):
+        ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False, None, None,
+                           [0, 0], 1.0, None)
+    # a batch of two sequences of 1 and 17 tokens, past the few queries its loops take
+    q, kv, cos18 = torch.randn(18, 32), torch.randn(18, 16), torch.randn(18, 1, 8)
+    buffers, mask = torch.zeros(2, 2, 24, 8), torch.zeros(2, 1, 17, 17, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="takes at most 16 tokens a sequence, got 17"):
+        ext.rope_attention(q, kv, kv, cos18, cos18, False, buffers, buffers, [0, 0], 1.0, mask, bounds=[0, 1, 18])
+    with pytest.raises(RuntimeError, match="needs cache buffers, a mask"):
+        ext.rope_attention(q, kv, kv, cos18, cos18, False, None, None, [0, 0], 1.0, mask, bounds=[0, 1, 18])
+    with pytest.raises(RuntimeError, match="sequence 1 has no slots 20 to 22 of 21"):  # a cache row's start too late
+        ext.rope_attention(q[:3], kv[:3], kv[:3], cos18[:3], cos18[:3], False, buffers, buffers, [0, 20], 1.0,
+                           torch.zeros(2, 1, 2, 21, dtype=torch.bool), bounds=[0, 1, 3])
+
+
+@pytest.mark.parametrize("d", [64, 80])  # a head of 16-value steps, and one with a tail
+def test_few_query_attention_against_float64_and_alone_in_a_batch(d):
+    """Attention's products for a few queries (the C++ loops on the CPU in float32): scores, and z of the softmax, within
+    float32 rounding of a float64 reference, masked slots -inf (and adding nothing to z, whatever they hold); and each
+    sequence's rows the same bits alone as in a batch, its scores even over fewer slots than the batch's longest."""
+    from workbench.kernels import cpu
+    if cpu.extension() is None:
+        pytest.skip("the C++ CPU kernels could not be built here")
+    generator = torch.Generator().manual_seed(d)
+    batch, tokens, heads, kv_heads, slots = 3, 2, 6, 2, 40
+    q = torch.randn(batch, tokens, heads, d, generator=generator)
+    keys, values = (torch.randn(batch, kv_heads, slots, d, generator=generator) for _ in range(2))
+    lengths = torch.tensor([9, 40, 23])  # each sequence's slots; its two queries see all but its last one's last
+    blocked = torch.arange(slots)[None, None, None, :] >= (lengths[:, None, None, None] - 1 + torch.arange(tokens)[
+        None, None, :, None])
+    values[0, :, 9:] = float("nan")  # past the first sequence's slots: masked, so never read into z
+    scores = layer_ops.attention_scores(q, keys, 8.0, blocked)
+    z = layer_ops.attend(scores.softmax(-1), values)
+    group = heads // kv_heads
+    expected_scores = torch.einsum("bthd,bhsd->bhts", q.double(), keys.double().repeat_interleave(group, 1)) / 8.0
+    expected_scores = expected_scores.masked_fill(blocked, float("-inf"))
+    finite = ~blocked.expand_as(scores)
+    assert torch.equal(scores.isinf(), ~finite)
+    assert (scores[finite] - expected_scores[finite]).abs().max() < 1e-5 * expected_scores[finite].abs().max()
+    pattern = expected_scores.softmax(-1)
+    expected_z = torch.einsum("bhts,bhsd->bthd", pattern, values.double().nan_to_num().repeat_interleave(group, 1))
+    assert z.isfinite().all() and (z - expected_z).abs().max() < 1e-5
+    for b in range(batch):
+        alone = layer_ops.attention_scores(q[b:b + 1], keys[b:b + 1], 8.0, blocked[b:b + 1])
+        assert torch.equal(alone, scores[b:b + 1])
+        assert torch.equal(layer_ops.attend(alone.softmax(-1), values[b:b + 1]), z[b:b + 1])
+        assert torch.equal(layer_ops.attention_scores(q[b], keys[b], 8.0, blocked[b, 0]), scores[b])  # no batch axis
+        # over its own slots alone: the same scores; softmax sums its row in another order
+        own = int(lengths[b]) + 1
+        alone = layer_ops.attention_scores(q[b:b + 1], keys[b:b + 1, :, :own], 8.0, blocked[b:b + 1, ..., :own])
+        assert torch.equal(alone, scores[b:b + 1, ..., :own])
+        own_z = layer_ops.attend(alone.softmax(-1), values[b:b + 1, :, :own])
+        assert (own_z - z[b:b + 1]).abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("tokens, cached", [(1, 0), (1, 5), (3, 0), (3, 5)])  # decode / prefill, with a cache or not
+# decode, a short prompt (the few queries' loops) and a longer one (batched matmuls), with a cache or not
+@pytest.mark.parametrize("tokens, cached", [(1, 0), (1, 5), (3, 0), (3, 5), (20, 0), (20, 5)])
 def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, tokens, cached, monkeypatch):
     """The one C++ call an eager CPU forward takes where no hook lies inside attention gives the bits of the separate
-    ops (their torch formulas here): the rope of q and k, the cache's write and attention's scores, softmax and sum."""
+    ops: the rope of q and k and the cache's write (their torch formulas here), and attention's scores, softmax and
+    sum."""
     from workbench.kernels import cpu
     from workbench.kv_cache import causal_mask
     if cpu.extension() is None:
         pytest.skip("the C++ CPU kernels could not be built here")
     generator = torch.Generator().manual_seed(10 * tokens + cached)
-    heads, kv_heads, d, capacity = 4, 2, 16, 8
+    heads, kv_heads, d, capacity = 4, 2, 16, cached + tokens + 3
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=generator)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # rows strided, as the projections give them
     cos, sin = (torch.randn(tokens, 1, d, generator=generator) for _ in range(2))
@@ -152,7 +207,7 @@ def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, t
             expected_keys, expected_values = key_buffer.clone(), value_buffer.clone()
             expected_keys[:, cached:cached + tokens], expected_values[:, cached:cached + tokens] = keys, values
             keys, values = expected_keys[:, :cached + tokens], expected_values[:, :cached + tokens]
-        expected = layer_ops.attend(layer_ops.attention_scores(q_rot, keys, 4.0, blocked).softmax(-1), values)
+    expected = layer_ops.attend(layer_ops.attention_scores(q_rot, keys, 4.0, blocked).softmax(-1), values)
     slots = (key_buffer, value_buffer, cached) if cached else None
     z = layer_ops.rope_attention(q, k, v, heads, cos, sin, interleaved, slots, 4.0, blocked)
     assert z.shape == (tokens, heads, d) and torch.equal(z, expected)
@@ -189,6 +244,54 @@ def test_decode_steps_without_hooks_inside_attention_keep_every_bit(family, tiny
         calls.append((list(blocks), len(attentions)))
     # without hooks each forward's blocks whole in one call; with a hook in each MLP each attention in one call
     assert calls == [([len(layers)] * 7, 0), ([], 7 * len(layers)), ([], 0)]
+    (plain, plain_cache), *others = results
+    for logits, cache in others:
+        assert all(torch.equal(a, b) for a, b in zip(plain, logits))
+        assert all(torch.equal(a, b) for layer, other in zip(plain_cache, cache) for a, b in zip(layer, other))
+
+
+@pytest.mark.parametrize("family", [dict(arch="llama"), dict(arch="llama", sliding_window=4), dict(arch="qwen2"),
+                                    dict(arch="qwen3")], ids=["llama", "sliding-window", "qwen2", "qwen3"])
+@pytest.mark.parametrize("longest", [8, 17])  # a prefill of few queries a sequence, and one past them
+def test_batch_decode_steps_without_hooks_inside_attention_keep_every_bit(family, longest, tiny_model, monkeypatch):
+    """A batch of prompts of three lengths on a batch cache, then decode steps, each row at its own length: without
+    hooks (each forward's blocks in one C++ call), with a hook inside every MLP (each attention in one C++ call) and
+    with a hook inside every attention (the separate ops over the padded sequences): the same logits and the same
+    cache rows, bit for bit. A prefill past the few queries a sequence that the C++ call takes runs the separate ops."""
+    from workbench.runner import BatchLayout
+    model = tiny_model(**family, fmt="Q8_0", n_layers=2, device="cpu")
+    runner = model.runner
+    prompts = [[3, 14, 15, 92, 65], [35, 89], [(7 * j) % 90 + 3 for j in range(longest)]]
+    blocks, attentions = [], []  # the blocks of each call of layer_ops.blocks_exact that ran, each rope_attention's
+    blocks_exact, rope_attention = layer_ops.blocks_exact, layer_ops.rope_attention
+
+    def count(calls, op, size):
+        def counted(*args):
+            out = op(*args)
+            if out is not None:
+                calls.append(size(args))
+            return out
+        return counted
+    monkeypatch.setattr(layer_ops, "blocks_exact", count(blocks, blocks_exact, lambda a: len(a[2])))
+    monkeypatch.setattr(layer_ops, "rope_attention", count(attentions, rope_attention, lambda a: 1))
+    layers = range(runner.config.n_layers)
+    in_mlp = {f"blocks.{i}.mlp.hook_post": [lambda x, ctx: None] for i in layers}
+    inside = {f"blocks.{i}.attn.hook_pattern": [lambda x, ctx: None] for i in layers}
+    results, calls = [], []
+    for hooks in (None, in_mlp, inside):
+        blocks.clear(), attentions.clear()
+        cache = runner.new_batch_cache(len(prompts), 4)  # grown on the way
+        layout = BatchLayout([len(p) for p in prompts], "cpu")
+        logits = [runner.forward(torch.tensor([t for p in prompts for t in p]), cache=cache, hooks=hooks,
+                                 layout=layout)]
+        for step in range(1, 4):
+            layout = BatchLayout([1] * len(prompts), "cpu", cached=cache.lengths)
+            logits.append(runner.forward(torch.tensor([p[step % len(p)] for p in prompts]), cache=cache, hooks=hooks, step=step,
+                                         layout=layout))
+        results.append((logits, [cache.row(b).get(i) for b in range(len(prompts)) for i in layers]))
+        calls.append((list(blocks), len(attentions)))
+    fused_forwards = 4 if longest <= 16 else 3
+    assert calls == [([len(layers)] * fused_forwards, 0), ([], fused_forwards * len(layers)), ([], 0)]
     (plain, plain_cache), *others = results
     for logits, cache in others:
         assert all(torch.equal(a, b) for a, b in zip(plain, logits))

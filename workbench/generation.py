@@ -64,7 +64,10 @@ class Sampling:
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        if self.seed is None:
+            g.seed()  # a nondeterministic seed of its own (torch.seed() would reseed torch's global generators too)
+        else:
+            g.manual_seed(self.seed)
         return g
 
     def pick(self, logits: torch.Tensor, generator: torch.Generator) -> int:
@@ -504,7 +507,7 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     order = list(prompts)
     rows = [prompts[i] for i in order]
     capacity = max(map(len, rows)) + max_new_tokens
-    generators = [sampling.generator() for _ in order]
+    generators = [sampling.generator() if sampling.temperature else None for _ in order]
     # with no hooks and one adapter choice, prefixes that prompts start with (a system prompt, a template) are computed
     # once
     groups = [] if hooks or isinstance(lora, LoraRows) else prefix_groups(rows)

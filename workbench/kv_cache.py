@@ -542,6 +542,13 @@ class BatchKVCache:
         positions[:, :longest] = self._positions[:, :longest]
         self._positions = positions
 
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+        """One layer's key and value stores ``[B, n_kv_heads, capacity, d_head]`` and each row's first new slot, for an
+        op that writes a forward's new tokens there itself as ``write`` does (``layer_ops.rope_attention``); None for a
+        layer ``from_prefixes`` did not copy (it holds no memory of its own)."""
+        keys, values = self._keys[layer], self._values[layer]
+        return (keys, values, tuple(self.lengths)) if keys.is_contiguous() and values.is_contiguous() else None
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new ``[B, n_kv, T_max, d_head]`` keys/values after each row's slots; return every row's slots
         up to the longest, ``[B, n_kv, S, d_head]`` (slots past a row's end hold padding, which the mask hides)."""
@@ -629,9 +636,19 @@ class BatchKVCache:
         """Keep only these rows, in this order (finished sequences leave a generating batch)."""
         for b in rows:
             self._check_row(b)
-        index = torch.tensor(list(rows), dtype=torch.long)
-        self._keys = [k[index.to(k.device)] for k in self._keys]
-        self._values = [v[index.to(v.device)] for v in self._values]
+        rows = list(rows)
+        if len(set(rows)) < len(rows):
+            raise WorkbenchError(f"kv: keep_rows keeps each row once, got {rows}")
+        index = torch.tensor(rows, dtype=torch.long)
+        # in place: each kept row moves down over the rows dropped before it, only its slots up to the longest kept
+        # (a decode step drops finished rows from stores of every layer; copying whole stores cost more than the step)
+        moved = next((j for j, b in enumerate(rows) if b != j), len(rows))
+        longest = max((self.lengths[b] for b in rows[moved:]), default=0)
+        for store in (self._keys, self._values):
+            for layer, old in enumerate(store):
+                if moved < len(rows) and old.is_contiguous():  # not from_prefixes' zeros of a layer left out
+                    old[moved:len(rows), :, :longest] = old[index[moved:].to(old.device), :, :longest]
+                store[layer] = old[:len(rows)]
         self._positions = self._positions[index]
         self._tokens = [self._tokens[b] for b in rows]
         self.lengths = [self.lengths[b] for b in rows]
@@ -685,6 +702,9 @@ class StaticBatchKVCache:
     def slot_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Every row's slots' rope positions ``[B, capacity]``: slot i holds position i."""
         return self._slots.expand(self.n_rows, -1)
+
+    def buffers(self, layer: int) -> None:
+        return None  # its new slots lie where the device-side lengths say
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store each row's new ``[B, n_kv, 1, d_head]`` key/value at its length; return every slot of every row."""

@@ -106,9 +106,14 @@ class BatchLayout:
         flat = x.reshape(self.size * self.width, *x.shape[2:])
         return flat if self.uniform else flat[self.scatter]
 
+    @property
+    def host_bounds(self) -> tuple[int, ...]:
+        """Where each sequence's tokens start in the packed axis, and their total (``B + 1`` values)."""
+        return (*self.starts, self.n_tokens)
+
     def bounds(self) -> torch.Tensor:
-        """Where each sequence's tokens start in the packed axis, and their total: ``[B + 1]`` on the device."""
-        return self.on_device((*self.starts, self.n_tokens))
+        """``host_bounds`` as a tensor ``[B + 1]`` on the device."""
+        return self.on_device(self.host_bounds)
 
     def last_rows(self) -> torch.Tensor:
         """The packed index of each sequence's last token, ``[B]`` (the final norm and every hook on a last-rows
@@ -769,8 +774,8 @@ class Transformer:
         while i < stop:
             layer, names = w.layers[i], self._names[i]
             run = 0 if whole_declined else self._whole_run(i, stop, point, layout, segments, cache)
-            whole = (self._whole_blocks(x, normalized, i, run, rotation, blocked, local_rotation, local_blocked, cache)
-                     if run else None)
+            whole = (self._whole_blocks(x, normalized, i, run, rotation, blocked, local_rotation, local_blocked, cache,
+                                        layout) if run else None)
             whole_declined = whole_declined or (run > 0 and whole is None)
             if whole is not None:  # blocks i .. i + run - 1 in one call, with the bits of the steps below
                 (x, mlp_out), i = whole, i + run - 1
@@ -819,8 +824,8 @@ class Transformer:
         """How many blocks from block ``i`` on (before ``stop``) may run as one call (``layer_ops.blocks_exact``):
         plain blocks of one device (of formats the call reads), without an adapter's terms, whose cache layers take the
         op's writes, with no hook inside them nor between two of them (a hook on the first one's input or first norm,
-        or the last one's output, keeps them). 0 where block ``i`` may not."""
-        if layout is not None:
+        or the last one's output, keeps them); a batch's over a batch cache alone. 0 where block ``i`` may not."""
+        if layout is not None and cache is None:
             return 0
         n = 0
         while (i + n < stop and self._plain_block[i + n] and not point.wants_any(self._names[i + n]["inside_block"])
@@ -835,7 +840,7 @@ class Transformer:
     def _whole_blocks(self, x: torch.Tensor, normalized: torch.Tensor, i: int, n: int,
                       rotation: tuple[torch.Tensor, torch.Tensor], blocked: torch.Tensor | None,
                       local_rotation: tuple[torch.Tensor, torch.Tensor], local_blocked: torch.Tensor | None,
-                      cache: KVCache | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      cache: KVCache | None, layout: BatchLayout | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Blocks ``i`` .. ``i + n - 1`` as one call (``layer_ops.blocks_exact``): the last one's stream after attention
         and its MLP's output; None where that call does not run."""
         c, span = self.config, range(i, i + n)
@@ -846,7 +851,7 @@ class Transformer:
             x, normalized, blocks, c.rms_eps, c.n_heads,
             [local_rotation if self._sliding[j] else rotation for j in span], c.rope_interleaved,
             None if cache is None else [cache.buffers(j) for j in span], self.attn_scale,
-            [local_blocked if self._sliding[j] else blocked for j in span])
+            [local_blocked if self._sliding[j] else blocked for j in span], None if layout is None else layout.host_bounds)
 
     def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
                 logit_ids: torch.Tensor | None) -> torch.Tensor:
@@ -978,12 +983,14 @@ class Transformer:
         else:
             q, = project_adapted(x, None, (layer.wq,), ("wq",), lora, point, names["lora"], i)
         # Where no hook lies between the projections and z, the rope, the cache's write and attention are one call
-        # with the same bits (layer_ops.rope_attention; None where it does not run).
-        if self._plain_attention[i] and layout is None and not point.wants_any(names["inside_attention"]):
+        # with the same bits (layer_ops.rope_attention; None where it does not run), a batch's over a batch cache.
+        if (self._plain_attention[i] and (layout is None or cache is not None)
+                and not point.wants_any(names["inside_attention"])):
             slots = cache.buffers(i) if cache is not None else None
             if cache is None or slots is not None:
                 z = layer_ops.rope_attention(q, k, v, c.n_heads, *rotation, c.rope_interleaved, slots, self.attn_scale,
-                                             blocked, (layer.q_norm, layer.k_norm, c.rms_eps) if c.qk_norm else None)
+                                             blocked, (layer.q_norm, layer.k_norm, c.rms_eps) if c.qk_norm else None,
+                                             None if layout is None else layout.host_bounds)
                 if z is not None:
                     return self._attention_out(z, layer, i, point, lora)
         q = self._head_point(point, names["attn.hook_q"], q.view(n_new, c.n_heads, d_head), i)
