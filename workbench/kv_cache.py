@@ -647,7 +647,8 @@ class BatchKVCache:
         for store in (self._keys, self._values):
             for layer, old in enumerate(store):
                 if moved < len(rows) and old.is_contiguous():  # not from_prefixes' zeros of a layer left out
-                    old[moved:len(rows), :, :longest] = old[index[moved:].to(old.device), :, :longest]
+                    with torch.inference_mode(old.is_inference()):  # a store a generation's prefill made
+                        old[moved:len(rows), :, :longest] = old[index[moved:].to(old.device), :, :longest]
                 store[layer] = old[:len(rows)]
         self._positions = self._positions[index]
         self._tokens = [self._tokens[b] for b in rows]
