@@ -361,14 +361,15 @@ def _fused_attention_starts(tokens: int, heads: int, kv_slots: KVSlots | None, b
                             blocked: torch.Tensor | None) -> list[int] | None:
     """The new slots' starts that ``rope_attention`` and ``blocks_exact`` pass their C++ call (one, or one a sequence
     of a batch packed at ``bounds``), or None where that call declines the shapes: scores past ``SCORES_BUDGET``, or a
-    batch without a batch cache and its mask or with more than ``cpu.FEW_QUERIES`` tokens a sequence."""
+    batch without its mask or with more than ``cpu.FEW_QUERIES`` tokens a sequence."""
     if bounds is None:
         start = kv_slots[2] if kv_slots is not None else 0
         return [start] if heads * tokens * (tokens + start) * 4 <= SCORES_BUDGET else None
     width = max(b - a for a, b in zip(bounds, bounds[1:]))
-    if kv_slots is None or blocked is None or width > cpu.FEW_QUERIES:
+    if blocked is None or width > cpu.FEW_QUERIES:
         return None
-    return list(kv_slots[2]) if heads * (len(bounds) - 1) * width * blocked.shape[-1] * 4 <= SCORES_BUDGET else None
+    starts = list(kv_slots[2]) if kv_slots is not None else [0] * (len(bounds) - 1)
+    return starts if heads * (len(bounds) - 1) * width * blocked.shape[-1] * 4 <= SCORES_BUDGET else None
 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, cos: torch.Tensor,
@@ -380,15 +381,16 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
     (a cache layer's buffers and the first new slot), the new keys and values written into the buffers and every slot
     up to them attended over; without, the new ones alone. With ``qk_norm`` (q's and k's RMSNorm weights ``[d]`` and
     the epsilon, Qwen3's), each head of q and k goes through its norm first (``rms_norm``). With ``bounds`` (where
-    each sequence starts in the packed rows, and their total: ``BatchLayout.starts`` and ``n_tokens``), the rows of a
-    batch of sequences, each over its own row of a ``BatchKVCache`` (``kv_slots``) with ``blocked`` ``[B, 1, T_max,
-    S]``, as the runner pads them for ``attention``.
+    each sequence starts in the packed rows, and their total: ``BatchLayout.host_bounds``), the rows of a batch of
+    sequences, each over its own row of a ``BatchKVCache`` (``kv_slots``) with ``blocked`` ``[B, 1, T_max, S]``, or
+    without a cache over its own tokens with ``blocked`` ``[T_max, T_max]``, as the runner pads them for
+    ``attention``.
 
     One C++ call that gives the bits of ``rope``, the cache's write, ``attention_scores``, softmax and ``attend`` (~25
     op calls of an eager forward): the runner takes it where no hook lies between the projections and ``z``. None
     where that call does not run: it takes float32 CPU tensors in an eager forward's exact numerics, the rope over
-    every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none); a batch, a cache
-    and at most ``cpu.FEW_QUERIES`` tokens a sequence."""
+    every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none); a batch, at most
+    ``cpu.FEW_QUERIES`` tokens a sequence."""
     starts = _fused_attention_starts(q.shape[0], heads, kv_slots, bounds, blocked)
     if (starts is None or not _native(q, cos) or llamacpp_glue(q) or tracks_grad(q, k, v)
             or cos.shape[-1] * heads != q.shape[1]):

@@ -737,10 +737,13 @@ def test_groups_of_shared_prefixes_are_computed_once_with_the_same_results(llama
 @pytest.fixture
 def packed_on_cpu(monkeypatch):
     """A batch's attention without a cache as CUDA runs it, one packed Triton launch a layer (here through Triton's
-    interpreter, on CPU tensors): the windows of the calls it took."""
+    interpreter, on CPU tensors, the CPU's one C++ call for attention or whole blocks declined): the windows of the
+    calls it took."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1, which tests/conftest.py sets where no CUDA device is present")
     triton_ops = pytest.importorskip("workbench.kernels.triton")
+    monkeypatch.setattr(layer_ops, "rope_attention", lambda *args, **kwargs: None)
+    monkeypatch.setattr(layer_ops, "blocks_exact", lambda *args, **kwargs: None)
     windows = []
 
     def packed(q, k, v, starts, width, divisor, window=0, rotation=None):

@@ -134,8 +134,8 @@ def test_cpu_layer_ops_refuse_bad_shapes():
     buffers, mask = torch.zeros(2, 2, 24, 8), torch.zeros(2, 1, 17, 17, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="takes at most 16 tokens a sequence, got 17"):
         ext.rope_attention(q, kv, kv, cos18, cos18, False, buffers, buffers, [0, 0], 1.0, mask, bounds=[0, 1, 18])
-    with pytest.raises(RuntimeError, match="needs cache buffers, a mask"):
-        ext.rope_attention(q, kv, kv, cos18, cos18, False, None, None, [0, 0], 1.0, mask, bounds=[0, 1, 18])
+    with pytest.raises(RuntimeError, match="batch needs a mask"):
+        ext.rope_attention(q, kv, kv, cos18, cos18, False, buffers, buffers, [0, 0], 1.0, None, bounds=[0, 1, 18])
     with pytest.raises(RuntimeError, match="sequence 1 has no slots 20 to 22 of 21"):  # a cache row's start too late
         ext.rope_attention(q[:3], kv[:3], kv[:3], cos18[:3], cos18[:3], False, buffers, buffers, [0, 20], 1.0,
                            torch.zeros(2, 1, 2, 21, dtype=torch.bool), bounds=[0, 1, 3])
@@ -254,10 +254,11 @@ def test_decode_steps_without_hooks_inside_attention_keep_every_bit(family, tiny
                                     dict(arch="qwen3")], ids=["llama", "sliding-window", "qwen2", "qwen3"])
 @pytest.mark.parametrize("longest", [8, 17])  # a prefill of few queries a sequence, and one past them
 def test_batch_decode_steps_without_hooks_inside_attention_keep_every_bit(family, longest, tiny_model, monkeypatch):
-    """A batch of prompts of three lengths on a batch cache, then decode steps, each row at its own length: without
-    hooks (each forward's blocks in one C++ call), with a hook inside every MLP (each attention in one C++ call) and
-    with a hook inside every attention (the separate ops over the padded sequences): the same logits and the same
-    cache rows, bit for bit. A prefill past the few queries a sequence that the C++ call takes runs the separate ops."""
+    """A batch of prompts of three lengths without a cache, and on a batch cache followed by decode steps, each row at
+    its own length: without hooks (each forward's blocks in one C++ call), with a hook inside every MLP (each attention
+    in one C++ call) and with a hook inside every attention (the separate ops over the padded sequences): the same
+    logits and the same cache rows, bit for bit. Prompts past the few queries a sequence that the C++ call takes run
+    the separate ops."""
     from workbench.runner import BatchLayout
     model = tiny_model(**family, fmt="Q8_0", n_layers=2, device="cpu")
     runner = model.runner
@@ -281,16 +282,16 @@ def test_batch_decode_steps_without_hooks_inside_attention_keep_every_bit(family
     for hooks in (None, in_mlp, inside):
         blocks.clear(), attentions.clear()
         cache = runner.new_batch_cache(len(prompts), 4)  # grown on the way
-        layout = BatchLayout([len(p) for p in prompts], "cpu")
-        logits = [runner.forward(torch.tensor([t for p in prompts for t in p]), cache=cache, hooks=hooks,
-                                 layout=layout)]
+        layout, packed = BatchLayout([len(p) for p in prompts], "cpu"), torch.tensor([t for p in prompts for t in p])
+        logits = [runner.forward(packed, hooks=hooks, layout=layout)]
+        logits.append(runner.forward(packed, cache=cache, hooks=hooks, layout=layout))
         for step in range(1, 4):
             layout = BatchLayout([1] * len(prompts), "cpu", cached=cache.lengths)
             logits.append(runner.forward(torch.tensor([p[step % len(p)] for p in prompts]), cache=cache, hooks=hooks, step=step,
                                          layout=layout))
         results.append((logits, [cache.row(b).get(i) for b in range(len(prompts)) for i in layers]))
         calls.append((list(blocks), len(attentions)))
-    fused_forwards = 4 if longest <= 16 else 3
+    fused_forwards = 5 if longest <= 16 else 3
     assert calls == [([len(layers)] * fused_forwards, 0), ([], fused_forwards * len(layers)), ([], 0)]
     (plain, plain_cache), *others = results
     for logits, cache in others:

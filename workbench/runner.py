@@ -773,7 +773,7 @@ class Transformer:
         i, whole_declined = first, not layer_ops.blocks_exact_may_run(x, normalized, rotation[0])
         while i < stop:
             layer, names = w.layers[i], self._names[i]
-            run = 0 if whole_declined else self._whole_run(i, stop, point, layout, segments, cache)
+            run = 0 if whole_declined else self._whole_run(i, stop, point, segments, cache)
             whole = (self._whole_blocks(x, normalized, i, run, rotation, blocked, local_rotation, local_blocked, cache,
                                         layout) if run else None)
             whole_declined = whole_declined or (run > 0 and whole is None)
@@ -819,14 +819,11 @@ class Transformer:
             cache.commit(fed)
         return x
 
-    def _whole_run(self, i: int, stop: int, point: _Points, layout: BatchLayout | None, segments: list,
-                   cache: KVCache | None) -> int:
+    def _whole_run(self, i: int, stop: int, point: _Points, segments: list, cache: KVCache | None) -> int:
         """How many blocks from block ``i`` on (before ``stop``) may run as one call (``layer_ops.blocks_exact``):
         plain blocks of one device (of formats the call reads), without an adapter's terms, whose cache layers take the
         op's writes, with no hook inside them nor between two of them (a hook on the first one's input or first norm,
-        or the last one's output, keeps them); a batch's over a batch cache alone. 0 where block ``i`` may not."""
-        if layout is not None and cache is None:
-            return 0
+        or the last one's output, keeps them). 0 where block ``i`` may not."""
         n = 0
         while (i + n < stop and self._plain_block[i + n] and not point.wants_any(self._names[i + n]["inside_block"])
                and not any(terms[i + n] for terms, _ in segments)
@@ -983,9 +980,8 @@ class Transformer:
         else:
             q, = project_adapted(x, None, (layer.wq,), ("wq",), lora, point, names["lora"], i)
         # Where no hook lies between the projections and z, the rope, the cache's write and attention are one call
-        # with the same bits (layer_ops.rope_attention; None where it does not run), a batch's over a batch cache.
-        if (self._plain_attention[i] and (layout is None or cache is not None)
-                and not point.wants_any(names["inside_attention"])):
+        # with the same bits (layer_ops.rope_attention; None where it does not run).
+        if self._plain_attention[i] and not point.wants_any(names["inside_attention"]):
             slots = cache.buffers(i) if cache is not None else None
             if cache is None or slots is not None:
                 z = layer_ops.rope_attention(q, k, v, c.n_heads, *rotation, c.rope_interleaved, slots, self.attn_scale,

@@ -2322,9 +2322,9 @@ torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               const c10::optional<torch::Tensor>& blocked, c10::IntArrayRef bounds) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(1);
   const int64_t batch = static_cast<int64_t>(bounds.size()) - 1;
-  TORCH_CHECK(key_cache.has_value() && value_cache.has_value() && blocked.has_value() && batch >= 1 &&
+  TORCH_CHECK(key_cache.has_value() == value_cache.has_value() && blocked.has_value() && batch >= 1 &&
                   static_cast<int64_t>(starts.size()) == batch && bounds[0] == 0 && bounds[batch] == n,
-              "workbench cpu kernels: rope_attention's batch needs cache buffers, a mask, the bounds of its ", n,
+              "workbench cpu kernels: rope_attention's batch needs a mask, the bounds of its ", n,
               " packed rows and a start for each sequence");
   int64_t width = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -2333,17 +2333,24 @@ torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k, co
   }
   TORCH_CHECK(width <= kFewQueries, "workbench cpu kernels: rope_attention's batch takes at most ", kFewQueries,
               " tokens a sequence, got ", width);
-  const torch::Tensor &kb = *key_cache, &vb = *value_cache, &mask = *blocked;
+  // without a cache, each sequence's keys and values padded to the longest's tokens (zeros past its own), as the runner
+  // pads them, and its mask [T_max, T_max] the same for every sequence
+  const torch::Tensor kb = key_cache.has_value() ? *key_cache : torch::zeros({batch, kv_heads, width, d}, q.options());
+  const torch::Tensor vb = value_cache.has_value() ? *value_cache : torch::zeros_like(kb);
+  torch::Tensor mask = *blocked;
+  while (mask.dim() < 4) mask = mask.unsqueeze(0);
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == torch::kBool,
+              "workbench cpu kernels: rope_attention's batch mask must be a bool [B, 1, T_max, S] or [T_max, S], got ",
+              blocked->scalar_type(), " ", blocked->sizes());
+  mask = mask.expand({batch, 1, width, mask.size(3)}).contiguous();
   check_floats(kb, "key_cache", 4);
   check_floats(vb, "value_cache", 4);
   TORCH_CHECK(kb.sizes() == vb.sizes() && kb.size(0) == batch && kb.size(1) == kv_heads && kb.size(3) == d,
               "workbench cpu kernels: rope_attention's batch cache buffers ", kb.sizes(), " and ", vb.sizes(),
               " do not hold ", batch, " sequences of ", kv_heads, " key heads of ", d);
-  const int64_t capacity = kb.size(2), slots = mask.dim() == 4 ? mask.size(3) : 0;
-  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.dim() == 4 && mask.size(0) == batch &&
-                  mask.size(1) == 1 && mask.size(2) == width && slots <= capacity,
-              "workbench cpu kernels: rope_attention's batch mask must be a contiguous bool [B, 1, T_max, S] = [",
-              batch, ", 1, ", width, ", S <= ", capacity, "], got ", mask.scalar_type(), " ", mask.sizes());
+  const int64_t capacity = kb.size(2), slots = mask.size(3);
+  TORCH_CHECK(slots <= capacity, "workbench cpu kernels: rope_attention's batch mask covers ", slots,
+              " slots of a cache of ", capacity);
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(starts[b] >= 0 && starts[b] + width <= slots, "workbench cpu kernels: rope_attention's sequence ", b,
                 " has no slots ", starts[b], " to ", starts[b] + width, " of ", slots);
@@ -2405,6 +2412,7 @@ torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k, co
 // A batch (bounds given): q, k and v hold B sequences packed one after another, sequence b the rows bounds[b] to
 // bounds[b + 1], each with at most kFewQueries tokens; the cache buffers are [B, KV, capacity, D] (BatchKVCache's),
 // sequence b's tokens taking slots starts[b] onwards; blocked is [B, 1, T_max, S], T_max the longest sequence's tokens.
+// Without a cache, each sequence attends over its own new tokens (starts all 0, blocked [T_max, T_max]).
 // As the runner pads each sequence to T_max tokens with zeros, the slots past a sequence's own tokens up to T_max are
 // written with zeros, and the scores of its padding queries are those of a zero query. Returns z [N, H, D], packed.
 torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
