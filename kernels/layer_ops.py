@@ -259,8 +259,8 @@ def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def _few_queries(x: torch.Tensor, other: torch.Tensor, tokens_axis: int = -3) -> bool:
     """Whether attention's products of ``x`` (queries, or a pattern with ``tokens_axis``) take the C++ loops for a few
-    queries (``cpu.FEW_QUERIES`` tokens a sequence at most): float32 CPU tensors of an eager forward. Those give a
-    row's results the same bits in any batch; larger ones take batched matmuls."""
+    queries (``cpu.FEW_QUERIES`` tokens a sequence at most): float32 CPU tensors of an eager forward. They give a
+    row's scores the same bits in any batch (and its z those of its pattern); more queries take batched matmuls."""
     return x.shape[tokens_axis] <= cpu.FEW_QUERIES and _native(x, other) and other.dtype == x.dtype
 
 
@@ -418,10 +418,10 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
     one's input stream ``x`` ``[T, d_model]`` and its first norm ``normalized``, each block's projections, attention
     (``rope_attention`` with its own ``rotations``, ``kv_slots`` and ``blocked``, ``heads`` and ``divisor``), residual
     sum with its second norm, SwiGLU, and between two blocks the residual sum with the next one's first norm (a batch's
-    packed sequences with ``bounds``, as ``rope_attention`` takes them): the last
-    block's stream after attention and its MLP's output, with the bits of the separate calls (``linear``'s exact CPU
-    kernel, the bias sums, ``rms_norm``, ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager decode step
-    pays for in Python more than in arithmetic. Every weight is of a format the C++ kernels read (``readable``: the
+    packed sequences with ``bounds``, as ``rope_attention`` takes them): the last block's stream after attention and
+    its MLP's output, with the bits of the separate calls (``linear``'s exact CPU kernel, the bias sums, ``rms_norm``,
+    ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager decode step pays for in Python more than in
+    arithmetic. Every weight is of a format the C++ kernels read (``readable``: the
     caller picks such blocks). None where it does not run: as ``rope_attention``, and in exact numerics; none of that
     depends on the block, so a caller declined once may take every block of the forward apart."""
     starts = _fused_attention_starts(x.shape[0], heads, kv_slots[0] if kv_slots is not None else None, bounds,

@@ -122,7 +122,8 @@ def test_cpu_layer_ops_refuse_bad_shapes():
                            1.0, None, torch.ones(8), None, 1e-5)
     x, norm = torch.randn(1, 8), torch.ones(8)
     with pytest.raises(RuntimeError, match="blocks_exact takes wq, wk, wv, wo, w_gate, w_up and w_down for each of 1"):
-        ext.blocks_exact(x, x, [], [], [], [], [], [], [norm], 1e-5, [cos], [cos], False, [], [], [0], 1.0, [None], [], 24)
+        ext.blocks_exact(x, x, [], [], [], [], [], [], [norm], 1e-5, [cos], [cos], False, [], [], [0], 1.0, [None], [],
+                         24)
     with pytest.raises(RuntimeError, match="and the first norms of all but the first"):  # two blocks, one cos
         ext.blocks_exact(x, x, [torch.zeros(1, 1, dtype=torch.uint8)] * 14, [8] * 14, [8] * 14, [], [], [norm],
                          [norm, norm], 1e-5, [cos], [cos], False, [], [], [0], 1.0, [None, None], [], 24)
@@ -143,9 +144,10 @@ def test_cpu_layer_ops_refuse_bad_shapes():
 
 @pytest.mark.parametrize("d", [64, 80])  # a head of 16-value steps, and one with a tail
 def test_few_query_attention_against_float64_and_alone_in_a_batch(d):
-    """Attention's products for a few queries (the C++ loops on the CPU in float32): scores, and z of the softmax, within
-    float32 rounding of a float64 reference, masked slots -inf (and adding nothing to z, whatever they hold); and each
-    sequence's rows the same bits alone as in a batch, its scores even over fewer slots than the batch's longest."""
+    """Attention's products for a few queries (the C++ loops on the CPU in float32): scores, and z of the softmax,
+    within float32 rounding of a float64 reference, masked slots -inf (and adding nothing to z, whatever they hold);
+    and each sequence's rows the same bits alone as in a batch, its scores even over fewer slots than the batch's
+    longest."""
     from workbench.kernels import cpu
     if cpu.extension() is None:
         pytest.skip("the C++ CPU kernels could not be built here")
@@ -287,8 +289,8 @@ def test_batch_decode_steps_without_hooks_inside_attention_keep_every_bit(family
         logits.append(runner.forward(packed, cache=cache, hooks=hooks, layout=layout))
         for step in range(1, 4):
             layout = BatchLayout([1] * len(prompts), "cpu", cached=cache.lengths)
-            logits.append(runner.forward(torch.tensor([p[step % len(p)] for p in prompts]), cache=cache, hooks=hooks, step=step,
-                                         layout=layout))
+            tokens = torch.tensor([p[step % len(p)] for p in prompts])
+            logits.append(runner.forward(tokens, cache=cache, hooks=hooks, step=step, layout=layout))
         results.append((logits, [cache.row(b).get(i) for b in range(len(prompts)) for i in layers]))
         calls.append((list(blocks), len(attentions)))
     fused_forwards = 5 if longest <= 16 else 3

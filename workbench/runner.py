@@ -848,7 +848,8 @@ class Transformer:
             x, normalized, blocks, c.rms_eps, c.n_heads,
             [local_rotation if self._sliding[j] else rotation for j in span], c.rope_interleaved,
             None if cache is None else [cache.buffers(j) for j in span], self.attn_scale,
-            [local_blocked if self._sliding[j] else blocked for j in span], None if layout is None else layout.host_bounds)
+            [local_blocked if self._sliding[j] else blocked for j in span],
+            None if layout is None else layout.host_bounds)
 
     def _logits(self, x: torch.Tensor, point: _Points, layout: BatchLayout | None, last_logits_only: bool,
                 logit_ids: torch.Tensor | None) -> torch.Tensor:

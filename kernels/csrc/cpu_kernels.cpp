@@ -2197,8 +2197,8 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention of a few queries: up to kFewQueries query tokens a sequence (a decode step, a short chunk), float32. The two
-// products run in loops of their own instead of batched matmuls, whose fixed cost a call outweighs a decode step's
+// Attention of a few queries: up to kFewQueries query tokens a sequence (a decode step, a short chunk), float32. The
+// two products run in loops of their own instead of batched matmuls, whose fixed cost a call outweighs a decode step's
 // arithmetic (for 28 sequences of 44 slots the two bmm took 110 us a layer). A dot sums its D products in 16 running
 // sums and then in a fixed tree; z sums the slots in order, skipping those of probability zero (a masked slot adds
 // nothing, whatever it holds); no contraction into fused multiply-adds. A row's results therefore depend on its own
@@ -2224,7 +2224,8 @@ __attribute__((optimize("fp-contract=off"), noinline))
 void score_row(const float* q, const float* keys, int64_t key_stride, int64_t slots, int64_t d, float divisor,
                const bool* blocked, int64_t blocked_stride, float* out) {
   for (int64_t s = 0; s < slots; ++s)
-    out[s] = (blocked != nullptr && blocked[s * blocked_stride]) ? -INFINITY : fixed_dot(q, keys + s * key_stride, d) / divisor;
+    out[s] = (blocked != nullptr && blocked[s * blocked_stride]) ? -INFINITY
+                                                                   : fixed_dot(q, keys + s * key_stride, d) / divisor;
 }
 
 // z = the sum over slots s of pattern[s] * value s, values value_stride floats apart.
@@ -2248,9 +2249,9 @@ torch::Tensor few_query_operand(const torch::Tensor& t, const char* name, int64_
   return batched.stride(-1) == 1 ? batched : batched.contiguous();
 }
 
-// Scores [B, H, T, S] ([H, T, S] without the batch axis) of queries q [B, T, H, D] over keys [B, KV, S, D] (query head h
-// reading kv head h / (H / KV)): score_row of each, as layer_ops.attention_scores gives them for at most kFewQueries
-// queries. blocked: broadcastable to [B, 1, T, S], True where a query may not see a slot.
+// Scores [B, H, T, S] ([H, T, S] without the batch axis) of queries q [B, T, H, D] over keys [B, KV, S, D] (query
+// head h reading kv head h / (H / KV)): score_row of each, as layer_ops.attention_scores gives them for at most
+// kFewQueries queries. blocked: broadcastable to [B, 1, T, S], True where a query may not see a slot.
 torch::Tensor few_query_scores(const torch::Tensor& q_in, const torch::Tensor& keys_in, double divisor,
                                const c10::optional<torch::Tensor>& blocked_in) {
   const torch::Tensor q = few_query_operand(q_in, "q", 4), keys = few_query_operand(keys_in, "keys", 4);
@@ -2287,8 +2288,8 @@ torch::Tensor few_query_scores(const torch::Tensor& q_in, const torch::Tensor& k
   return q_in.dim() == 4 ? scores : scores.squeeze(0);
 }
 
-// z [B, T, H, D] ([T, H, D] without the batch axis) of the pattern [B, H, T, S] over values [B, KV, S, D]: attend_row of
-// each, as layer_ops.attend gives it for at most kFewQueries queries.
+// z [B, T, H, D] ([T, H, D] without the batch axis) of the pattern [B, H, T, S] over values [B, KV, S, D]:
+// attend_row of each, as layer_ops.attend gives it for at most kFewQueries queries.
 torch::Tensor few_query_attend(const torch::Tensor& pattern_in, const torch::Tensor& values_in) {
   const torch::Tensor pattern = few_query_operand(pattern_in, "pattern", 4);
   const torch::Tensor values = few_query_operand(values_in, "values", 4);
@@ -2447,7 +2448,8 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
             tokens * heads, heads, d, interleaved);
   rope_rows(kc.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_rot.data_ptr<float>(),
             tokens * kv_heads, kv_heads, d, interleaved);
-  if (!bounds.empty()) return batch_attention(q_rot, k_rot, vc, key_cache, value_cache, starts, divisor, blocked, bounds);
+  if (!bounds.empty())
+    return batch_attention(q_rot, k_rot, vc, key_cache, value_cache, starts, divisor, blocked, bounds);
   TORCH_CHECK(starts.size() == 1, "workbench cpu kernels: rope_attention takes one start without a batch, got ",
               starts.size());
   const int64_t start = starts[0];
