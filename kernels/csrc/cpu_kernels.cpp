@@ -1532,19 +1532,23 @@ void tile_matmul(const ActTiles& act, int64_t m, const uint8_t* w, int64_t rows,
       for (int64_t group = 0; group < act.groups(); ++group) {
         __m512 acc[16];
         for (__m512& a : acc) a = _mm512_setzero_ps();
+        // only the group's rows of x: a decode step's last group is often part padding (and the loop's bound at run
+        // time alone made every batch 1.0-1.15x faster, bit for bit: bench/cpu_builds.py, 12-200 rows)
+        const int rows_here = static_cast<int>(std::min<int64_t>(16, m - 16 * group));
         const auto add_unit = [&](int64_t u) {
           const int32_t(*s)[256] = sums[u % 3];
           const float* scale = reinterpret_cast<const float*>(panel + u * kPanelUnit + 512);
           const float* power = reinterpret_cast<const float*>(act.unit(group, u) + 3 * 512);
           const __m512 scales = _mm512_load_ps(scale), offsets = _mm512_load_ps(scale + 16);
-          for (int r = 0; r < 16; ++r) {
+          for (int r = 0; r < rows_here; ++r) {
             const __m512 top = _mm512_cvtepi32_ps(_mm512_load_si512(s[0] + 16 * r));
             const __m512 mid = _mm512_cvtepi32_ps(_mm512_load_si512(s[1] + 16 * r));
             const __m512 low = _mm512_cvtepi32_ps(_mm512_load_si512(s[2] + 16 * r));
             const __m512 sum =
                 _mm512_fmadd_ps(top, _mm512_set1_ps(65536.0f), _mm512_fmadd_ps(mid, _mm512_set1_ps(256.0f), low));
             acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scales, _mm512_set1_ps(power[r])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(offsets, _mm512_set1_ps(power[16 + r]), acc[r]);
+            if constexpr (!std::is_same_v<F, Q4_0> && !std::is_same_v<F, Q8_0>)  // the formats with an offset
+              acc[r] = _mm512_fmadd_ps(offsets, _mm512_set1_ps(power[16 + r]), acc[r]);
           }
         };
         for (int64_t u = 0; u < units; ++u) {
@@ -1569,7 +1573,7 @@ void tile_matmul(const ActTiles& act, int64_t m, const uint8_t* w, int64_t rows,
         if (units > 1) add_unit(units - 2);
         add_unit(units - 1);
         const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
-        for (int64_t r = 0; r < 16 && 16 * group + r < m; ++r)
+        for (int r = 0; r < rows_here; ++r)
           _mm512_mask_storeu_ps(out + (16 * group + r) * ldo + 16 * t, lanes, acc[r]);
       }
     }
