@@ -45,10 +45,6 @@ SUPPORTED_TYPES: dict[int, str] = dict(sorted((SPECS[name].ggml_type, name) for 
 # dequantization into the dot products (a launch choice, ``launch_choices``' ``cpu.panel_min_batch``).
 PANEL_MIN_BATCH = launch_choices.PANEL_MIN_BATCH
 
-# Query tokens a sequence up to which float32 attention takes its two products in the extension's loops (a decode
-# step, a short chunk: csrc's few_query_scores and few_query_attend) instead of batched matmuls.
-FEW_QUERIES = 16
-
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _AVX512_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 _ISA_FLAGS = {
@@ -101,7 +97,7 @@ def _build_extension(isa: str, source: Path = _SOURCE, name: str | None = None) 
     ``cpp_extension.load`` imports setuptools and runs ninja to find the build up to date, ~0.5 s of a first call
     (docs/performance.md, "Load time and memory")."""
     name = name or f"workbench_cpu_kernels_{isa}"
-    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa], *format_macros(), f"-DWB_FEW_QUERIES={FEW_QUERIES}"]
+    cflags = ["-O3", "-fopenmp", *_ISA_FLAGS[isa], *format_macros()]
     stamp = _build_stamp(name, source, cflags)
     # the library's path and modification time: a build of another source in the same folder since then replaced it
     noted = stamp.read_text().split("\n") if stamp.is_file() else []

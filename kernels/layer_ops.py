@@ -257,28 +257,18 @@ def _query_key_dots(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.bmm(queries, keys.transpose(1, 2))
 
 
-def _few_queries(x: torch.Tensor, other: torch.Tensor, tokens_axis: int = -3) -> bool:
-    """Whether attention's products of ``x`` (queries, or a pattern with ``tokens_axis``) take the C++ loops for a few
-    queries (``cpu.FEW_QUERIES`` tokens a sequence at most): float32 CPU tensors of an eager forward. They give a
-    row's scores the same bits in any batch (and its z those of its pattern); more queries take batched matmuls."""
-    return x.shape[tokens_axis] <= cpu.FEW_QUERIES and _native(x, other) and other.dtype == x.dtype
-
-
 def attention_scores(q: torch.Tensor, keys: torch.Tensor, divisor: float, blocked: torch.Tensor | None) -> torch.Tensor:
     """Float32 scores ``[heads, T, S]``: each query ``q`` ``[T, heads, d]`` dotted with the ``keys`` ``[kv_heads, S,
     d]`` of its kv head (query head h reads kv head ``h // (heads / kv_heads)``), the dot rounded to the inputs' dtype
     as a matmul rounds it, divided by ``divisor``, and -inf where ``blocked`` ``[T, S]`` is True (None: nowhere).
 
     A batch of sequences adds a leading axis to each: ``q`` ``[B, T, heads, d]``, ``keys`` ``[B, kv_heads, S, d]``,
-    ``blocked`` broadcastable to ``[B, 1, T, S]``, scores ``[B, heads, T, S]``; it takes the batched matmul. On the
-    CPU in float32, up to ``cpu.FEW_QUERIES`` query tokens (decode) take the C++ loops of ``_few_queries`` instead."""
+    ``blocked`` broadcastable to ``[B, 1, T, S]``, scores ``[B, heads, T, S]``; it takes the batched matmul."""
     if kernel_grad_run(q, keys):
         return KernelForward.apply(attention_scores, q, keys, divisor, blocked)
     if (q.dim() == 3 and _on_triton(q, keys) and q.stride(-1) == 1 and keys.stride(-1) == 1
             and (blocked is None or blocked.stride(-1) == 1)):
         return _triton.attention_scores(q, keys, divisor, blocked)
-    if _few_queries(q, keys):
-        return cpu.extension().few_query_scores(q, keys, divisor, blocked)
     *batch, tokens, heads, d = q.shape
     kv_heads, slots = keys.shape[-3], keys.shape[-2]
     rows = kv_heads * (batch[0] if batch else 1)
@@ -297,8 +287,6 @@ def attend(pattern: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     if (pattern.dim() == 3 and _on_triton(pattern, values) and values.stride(-1) == 1
             and pattern.dtype == torch.float32):
         return _triton.attend(pattern, values)
-    if _few_queries(pattern, values, tokens_axis=-2):
-        return cpu.extension().few_query_attend(pattern, values)
     *batch, heads, tokens, slots = pattern.shape
     kv_heads, d = values.shape[-3], values.shape[-1]
     rows = kv_heads * (batch[0] if batch else 1)
@@ -360,13 +348,13 @@ KVSlots = tuple[torch.Tensor, torch.Tensor, "int | tuple[int, ...]"]
 def _fused_attention_starts(tokens: int, heads: int, kv_slots: KVSlots | None, bounds: Sequence[int] | None,
                             blocked: torch.Tensor | None) -> list[int] | None:
     """The new slots' starts that ``rope_attention`` and ``blocks_exact`` pass their C++ call (one, or one a sequence
-    of a batch packed at ``bounds``), or None where that call declines the shapes: scores past ``SCORES_BUDGET``, or a
-    batch without its mask or with more than ``cpu.FEW_QUERIES`` tokens a sequence."""
+    of a batch packed at ``bounds``), or None where that call declines the shapes: scores past ``SCORES_BUDGET`` (as
+    ``attention`` holds none past it), or a batch without its mask."""
     if bounds is None:
         start = kv_slots[2] if kv_slots is not None else 0
         return [start] if heads * tokens * (tokens + start) * 4 <= SCORES_BUDGET else None
     width = max(b - a for a, b in zip(bounds, bounds[1:]))
-    if blocked is None or width > cpu.FEW_QUERIES:
+    if blocked is None:
         return None
     starts = list(kv_slots[2]) if kv_slots is not None else [0] * (len(bounds) - 1)
     return starts if heads * (len(bounds) - 1) * width * blocked.shape[-1] * 4 <= SCORES_BUDGET else None
@@ -389,8 +377,7 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
     One C++ call that gives the bits of ``rope``, the cache's write, ``attention_scores``, softmax and ``attend`` (~25
     op calls of an eager forward): the runner takes it where no hook lies between the projections and ``z``. None
     where that call does not run: it takes float32 CPU tensors in an eager forward's exact numerics, the rope over
-    every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none); a batch, at most
-    ``cpu.FEW_QUERIES`` tokens a sequence."""
+    every value of a head, and scores within ``SCORES_BUDGET`` (past it, ``attention`` holds none)."""
     starts = _fused_attention_starts(q.shape[0], heads, kv_slots, bounds, blocked)
     if (starts is None or not _native(q, cos) or llamacpp_glue(q) or tracks_grad(q, k, v)
             or cos.shape[-1] * heads != q.shape[1]):

@@ -535,10 +535,10 @@ def test_batches_slide_as_single_prompts(family, tiny_model, gemma4):
     two head shapes in the caches)."""
     model = gemma4(family)[0] if family.startswith("gemma4") else tiny_model(family, "Q8_0", device="cpu")
     prompts = [IDS, IDS[:5], IDS[:3] + [7, 8, 9, 10, 11, 12, 13, 14, 15], [9] * 20 + IDS, [9] * 20 + [1, 2, 3]]
-    # a batch rounds otherwise than one prompt: softmax sums rows padded to the longest prompt's slots, and matmuls
-    # (an MoE's experts too) multiply groups of other sizes
+    # an MoE's experts multiply a batch's tokens in groups of other sizes than one prompt's: other rounding
+    tolerance = 1e-4 if model.config.moe else 1e-5
     for prompt, trace in zip(prompts, model.run_batch(prompts)):
-        torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(trace.logits, model.forward(prompt), rtol=tolerance, atol=tolerance)
     batched = model.generate_batch(prompts, 6, temperature=0.0)
     assert batched == [model.generate(p, 6, temperature=0.0) for p in prompts]
 

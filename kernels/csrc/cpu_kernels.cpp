@@ -2231,127 +2231,9 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Attention of a few queries: up to kFewQueries query tokens a sequence (a decode step, a short chunk), float32. The
-// two products run in loops of their own instead of batched matmuls, whose fixed cost a call outweighs a decode step's
-// arithmetic (for 28 sequences of 44 slots the two bmm took 110 us a layer). A dot sums its D products in 16 running
-// sums and then in a fixed tree; z sums the slots in order, skipping those of probability zero (a masked slot adds
-// nothing, whatever it holds); no contraction into fused multiply-adds. A row's results therefore depend on its own
-// inputs alone (its scores on its slots, z on its pattern): the same bits in any batch, and in the fused call
-// (rope_attention) as in the separate ones that hooks see between (few_query_scores, softmax, few_query_attend).
-constexpr int64_t kFewQueries = WB_FEW_QUERIES;  // cpu.FEW_QUERIES
-
-__attribute__((optimize("fp-contract=off"), noinline))
-float fixed_dot(const float* a, const float* b, int64_t d) {
-  float acc[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int l = 0; i + l < d; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int width = 8; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
-  return acc[0];
-}
-
-// out[s] = fixed_dot(q, key s) / divisor, or -inf where blocked[s * blocked_stride] (blocked may be null), for slots
-// keys key_stride floats apart.
-__attribute__((optimize("fp-contract=off"), noinline))
-void score_row(const float* q, const float* keys, int64_t key_stride, int64_t slots, int64_t d, float divisor,
-               const bool* blocked, int64_t blocked_stride, float* out) {
-  for (int64_t s = 0; s < slots; ++s)
-    out[s] = (blocked != nullptr && blocked[s * blocked_stride]) ? -INFINITY
-                                                                   : fixed_dot(q, keys + s * key_stride, d) / divisor;
-}
-
-// z = the sum over slots s of pattern[s] * value s, values value_stride floats apart.
-__attribute__((optimize("fp-contract=off"), noinline))
-void attend_row(const float* pattern, const float* values, int64_t value_stride, int64_t slots, int64_t d, float* z) {
-  std::fill_n(z, d, 0.0f);
-  for (int64_t s = 0; s < slots; ++s) {
-    const float p = pattern[s];
-    if (p == 0.0f) continue;
-    const float* v = values + s * value_stride;
-    for (int64_t i = 0; i < d; ++i) z[i] += p * v[i];
-  }
-}
-
-// A float32 CPU tensor of dim dims (or dims - 1, given a leading axis of one) whose last axis is contiguous.
-torch::Tensor few_query_operand(const torch::Tensor& t, const char* name, int64_t dims) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && (t.dim() == dims || t.dim() == dims - 1),
-              "workbench cpu kernels: ", name, " must be a ", dims - 1, "-D or ", dims, "-D float32 CPU tensor, got ",
-              t.scalar_type(), " ", t.sizes());
-  const torch::Tensor batched = t.dim() == dims ? t : t.unsqueeze(0);
-  return batched.stride(-1) == 1 ? batched : batched.contiguous();
-}
-
-// Scores [B, H, T, S] ([H, T, S] without the batch axis) of queries q [B, T, H, D] over keys [B, KV, S, D] (query
-// head h reading kv head h / (H / KV)): score_row of each, as layer_ops.attention_scores gives them for at most
-// kFewQueries queries. blocked: broadcastable to [B, 1, T, S], True where a query may not see a slot.
-torch::Tensor few_query_scores(const torch::Tensor& q_in, const torch::Tensor& keys_in, double divisor,
-                               const c10::optional<torch::Tensor>& blocked_in) {
-  const torch::Tensor q = few_query_operand(q_in, "q", 4), keys = few_query_operand(keys_in, "keys", 4);
-  const int64_t batch = q.size(0), tokens = q.size(1), heads = q.size(2), d = q.size(3), kv_heads = keys.size(1),
-                slots = keys.size(2);
-  TORCH_CHECK(keys.size(0) == batch && keys.size(3) == d && kv_heads > 0 && heads % kv_heads == 0 &&
-                  tokens <= kFewQueries,
-              "workbench cpu kernels: few_query_scores needs q [B, T, H, D] (T <= ", kFewQueries,
-              ") and keys [B, KV, S, D] (KV dividing H), got ", q_in.sizes(), " and ", keys_in.sizes());
-  torch::Tensor blocked;
-  if (blocked_in.has_value()) {
-    TORCH_CHECK(blocked_in->scalar_type() == torch::kBool && blocked_in->dim() <= 4,
-                "workbench cpu kernels: few_query_scores' mask must be a bool tensor broadcastable to [B, 1, T, S], "
-                "got ", blocked_in->scalar_type(), " ", blocked_in->sizes());
-    blocked = *blocked_in;
-    while (blocked.dim() < 4) blocked = blocked.unsqueeze(0);
-    blocked = blocked.expand({batch, 1, tokens, slots});
-  }
-  torch::Tensor scores = torch::empty({batch, heads, tokens, slots}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = keys.data_ptr<float>();
-  const bool* bp = blocked.defined() ? blocked.data_ptr<bool>() : nullptr;
-  float* sp = scores.data_ptr<float>();
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * heads * tokens, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, slots * d)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / (heads * tokens), h = r / tokens % heads, t = r % tokens;
-      score_row(qp + b * q.stride(0) + t * q.stride(1) + h * q.stride(2), kp + b * keys.stride(0) +
-                    h / group * keys.stride(1), keys.stride(2), slots, d, static_cast<float>(divisor),
-                bp == nullptr ? nullptr : bp + b * blocked.stride(0) + t * blocked.stride(2), bp == nullptr ? 0 :
-                    blocked.stride(3), sp + r * slots);
-    }
-  });
-  return q_in.dim() == 4 ? scores : scores.squeeze(0);
-}
-
-// z [B, T, H, D] ([T, H, D] without the batch axis) of the pattern [B, H, T, S] over values [B, KV, S, D]:
-// attend_row of each, as layer_ops.attend gives it for at most kFewQueries queries.
-torch::Tensor few_query_attend(const torch::Tensor& pattern_in, const torch::Tensor& values_in) {
-  const torch::Tensor pattern = few_query_operand(pattern_in, "pattern", 4);
-  const torch::Tensor values = few_query_operand(values_in, "values", 4);
-  const int64_t batch = pattern.size(0), heads = pattern.size(1), tokens = pattern.size(2), slots = pattern.size(3),
-                kv_heads = values.size(1), d = values.size(3);
-  TORCH_CHECK(values.size(0) == batch && values.size(2) == slots && kv_heads > 0 && heads % kv_heads == 0 &&
-                  tokens <= kFewQueries,
-              "workbench cpu kernels: few_query_attend needs a pattern [B, H, T, S] (T <= ", kFewQueries,
-              ") and values [B, KV, S, D] (KV dividing H), got ", pattern_in.sizes(), " and ", values_in.sizes());
-  torch::Tensor z = torch::empty({batch, tokens, heads, d}, values.options());
-  const float *pp = pattern.data_ptr<float>(), *vp = values.data_ptr<float>();
-  float* zp = z.data_ptr<float>();
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, batch * heads * tokens, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, slots * d)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / (heads * tokens), h = r / tokens % heads, t = r % tokens;
-      attend_row(pp + b * pattern.stride(0) + h * pattern.stride(1) + t * pattern.stride(2),
-                 vp + b * values.stride(0) + h / group * values.stride(1), values.stride(2), slots, d,
-                 zp + ((b * tokens + t) * heads + h) * d);
-    }
-  });
-  return pattern_in.dim() == 4 ? z : z.squeeze(0);
-}
-
 // rope_attention's batch (see there), from the rotated queries q [N, H, D] and keys k [N, KV, D] and the values
-// v [N, KV * D].
+// v [N, KV * D]: the runner's padded attention (layout.pad, BatchKVCache.write, layer_ops.attention_scores, softmax,
+// layer_ops.attend, layout.unpad), the same ATen ops on the same views.
 torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const c10::optional<torch::Tensor>& key_cache,
                               const c10::optional<torch::Tensor>& value_cache, c10::IntArrayRef starts, double divisor,
@@ -2363,35 +2245,31 @@ torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k, co
               "workbench cpu kernels: rope_attention's batch needs a mask, the bounds of its ", n,
               " packed rows and a start for each sequence");
   int64_t width = 0;
+  bool uniform = true;
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(bounds[b + 1] >= bounds[b], "workbench cpu kernels: rope_attention's bounds must not decrease");
     width = std::max(width, bounds[b + 1] - bounds[b]);
+    uniform = uniform && bounds[b + 1] - bounds[b] == bounds[1];
   }
-  TORCH_CHECK(width <= kFewQueries, "workbench cpu kernels: rope_attention's batch takes at most ", kFewQueries,
-              " tokens a sequence, got ", width);
-  // without a cache, each sequence's keys and values padded to the longest's tokens (zeros past its own), as the runner
-  // pads them, and its mask [T_max, T_max] the same for every sequence
+  // without a cache, each sequence's keys and values padded to the longest's tokens (zeros past its own), as
+  // layout.pad gives them
   const torch::Tensor kb = key_cache.has_value() ? *key_cache : torch::zeros({batch, kv_heads, width, d}, q.options());
   const torch::Tensor vb = value_cache.has_value() ? *value_cache : torch::zeros_like(kb);
-  torch::Tensor mask = *blocked;
-  while (mask.dim() < 4) mask = mask.unsqueeze(0);
-  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == torch::kBool,
-              "workbench cpu kernels: rope_attention's batch mask must be a bool [B, 1, T_max, S] or [T_max, S], got ",
-              blocked->scalar_type(), " ", blocked->sizes());
-  mask = mask.expand({batch, 1, width, mask.size(3)}).contiguous();
   check_floats(kb, "key_cache", 4);
   check_floats(vb, "value_cache", 4);
   TORCH_CHECK(kb.sizes() == vb.sizes() && kb.size(0) == batch && kb.size(1) == kv_heads && kb.size(3) == d,
               "workbench cpu kernels: rope_attention's batch cache buffers ", kb.sizes(), " and ", vb.sizes(),
               " do not hold ", batch, " sequences of ", kv_heads, " key heads of ", d);
-  const int64_t capacity = kb.size(2), slots = mask.size(3);
-  TORCH_CHECK(slots <= capacity, "workbench cpu kernels: rope_attention's batch mask covers ", slots,
-              " slots of a cache of ", capacity);
+  const int64_t capacity = kb.size(2), slots = blocked->size(-1);
+  TORCH_CHECK(blocked->scalar_type() == torch::kBool && slots <= capacity, "workbench cpu kernels: rope_attention's "
+              "batch mask must be a bool tensor of at most ", capacity, " slots, got ", blocked->scalar_type(), " ",
+              blocked->sizes());
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(starts[b] >= 0 && starts[b] + width <= slots, "workbench cpu kernels: rope_attention's sequence ", b,
                 " has no slots ", starts[b], " to ", starts[b] + width, " of ", slots);
+  // the cache's write: each sequence's tokens after its own slots, then zeros up to the longest's tokens
   float *kbp = kb.data_ptr<float>(), *vbp = vb.data_ptr<float>();
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t length = bounds[b + 1] - bounds[b];
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -2407,32 +2285,33 @@ torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k, co
       }
     }
   }
-  const int64_t group = heads / kv_heads, grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, slots * d));
-  const std::vector<float> zero_query(d, 0.0f);
-  torch::Tensor scores = torch::empty({batch, heads, width, slots}, q.options());
-  float* sp = scores.data_ptr<float>();
-  const bool* bp = mask.data_ptr<bool>();
-  at::parallel_for(0, batch * heads * width, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / (heads * width), h = r / width % heads, t = r % width;
-      const float* query = t < bounds[b + 1] - bounds[b] ? qp + ((bounds[b] + t) * heads + h) * d : zero_query.data();
-      score_row(query, kbp + (b * kv_heads + h / group) * capacity * d, d, slots, d, static_cast<float>(divisor),
-                bp + (b * width + t) * slots, 1, sp + r * slots);
-    }
-  });
+  // layout.pad of the queries: [B, T_max, H, D], zeros past each sequence's end
+  torch::Tensor padded;
+  if (uniform) {
+    padded = q.view({batch, width, heads, d});
+  } else {
+    std::vector<int64_t> rows(batch * width);
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t t = 0; t < width; ++t) rows[b * width + t] = t < bounds[b + 1] - bounds[b] ? bounds[b] + t : n;
+    padded = at::cat({q, q.new_zeros({1, heads, d})}).index({torch::tensor(rows)}).view({batch, width, heads, d});
+  }
+  const torch::Tensor keys = kb.narrow(2, 0, slots), values = vb.narrow(2, 0, slots);
+  // layer_ops.attention_scores, softmax and layer_ops.attend
+  const int64_t rows = batch * kv_heads, group = heads / kv_heads;
+  const torch::Tensor q_grouped = padded.transpose(-3, -2).reshape({rows, group * width, d});
+  const torch::Tensor dots = at::bmm(q_grouped, keys.reshape({rows, slots, d}).transpose(1, 2));
+  const torch::Tensor scores = (dots.view({batch, heads, width, slots}) / divisor).masked_fill(*blocked, -INFINITY);
   const torch::Tensor pattern = at::_softmax(scores, -1, false);
-  const float* pp = pattern.data_ptr<float>();
-  torch::Tensor z = torch::empty({n, heads, d}, q.options());
-  float* zp = z.data_ptr<float>();
-  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t row = r / heads, h = r % heads;
-      const int64_t b = std::upper_bound(bounds.begin(), bounds.end(), row) - bounds.begin() - 1;
-      attend_row(pp + ((b * heads + h) * width + row - bounds[b]) * slots,
-                 vbp + (b * kv_heads + h / group) * capacity * d, d, slots, d, zp + r * d);
-    }
-  });
-  return z;
+  const torch::Tensor z = at::bmm(pattern.reshape({rows, group * width, slots}), values.reshape({rows, slots, d}))
+                              .view({batch, heads, width, d})
+                              .transpose(-3, -2);
+  // layout.unpad
+  const torch::Tensor flat = z.reshape({batch * width, heads, d});
+  if (uniform) return flat;
+  std::vector<int64_t> packed;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < bounds[b + 1] - bounds[b]; ++t) packed.push_back(b * width + t);
+  return flat.index({torch::tensor(packed)});
 }
 
 // Attention of the queries q [T, H * D] over a layer's keys and values, from the projections q, k [T, KV * D] and
@@ -2441,16 +2320,14 @@ torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k, co
 // q and k (rope_rows) with cos and sin [T, 1, D]; with a cache, the new keys and values written into its
 // buffers [KV, capacity, D] at slots [start, start + T) and every slot up to them attended over (KVCache.write),
 // without one, the new ones alone; then layer_ops.attention_scores, softmax and layer_ops.attend, step by step the
-// same ops on the same views (query head h reads kv head h / (H / KV)), so the same bits: batched matmuls, or for at
-// most kFewQueries queries score_row and attend_row. Scores are divided by divisor and -inf where blocked [T, S] is
-// true. starts holds start alone. Returns z [T, H, D].
+// same ATen ops on the same views (query head h reads kv head h / (H / KV)), so the same bits. Scores are divided by
+// divisor and -inf where blocked [T, S] is true. starts holds start alone. Returns z [T, H, D].
 //
 // A batch (bounds given): q, k and v hold B sequences packed one after another, sequence b the rows bounds[b] to
-// bounds[b + 1], each with at most kFewQueries tokens; the cache buffers are [B, KV, capacity, D] (BatchKVCache's),
-// sequence b's tokens taking slots starts[b] onwards; blocked is [B, 1, T_max, S], T_max the longest sequence's tokens.
-// Without a cache, each sequence attends over its own new tokens (starts all 0, blocked [T_max, T_max]).
-// As the runner pads each sequence to T_max tokens with zeros, the slots past a sequence's own tokens up to T_max are
-// written with zeros, and the scores of its padding queries are those of a zero query. Returns z [N, H, D], packed.
+// bounds[b + 1]; the cache buffers are [B, KV, capacity, D] (BatchKVCache's), sequence b's tokens taking slots
+// starts[b] onwards; blocked is [B, 1, T_max, S], T_max the longest sequence's tokens. Without a cache, each sequence
+// attends over its own new tokens (starts all 0, blocked [T_max, T_max]). The sequences are padded to T_max tokens
+// with zeros as the runner pads them (batch_attention). Returns z [N, H, D], packed.
 torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                              const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved,
                              const c10::optional<torch::Tensor>& key_cache,
@@ -2519,8 +2396,6 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
                 blocked->size(0) == tokens && blocked->size(1) == slots,
                 "workbench cpu kernels: rope_attention's mask must be a contiguous bool [T, S] = [", tokens, ", ",
                 slots, "], got ", blocked->scalar_type(), " ", blocked->sizes());
-  if (tokens <= kFewQueries)
-    return few_query_attend(at::_softmax(few_query_scores(q_rot, keys, divisor, blocked), -1, false), values);
   // layer_ops.attention_scores
   const torch::Tensor q_grouped = q_rot.transpose(0, 1).reshape({kv_heads, group * tokens, d});
   torch::Tensor scores = at::bmm(q_grouped, keys.reshape({kv_heads, slots, d}).transpose(1, 2))
@@ -3071,10 +2946,6 @@ WORKBENCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   m.def("rope_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, bool interleaved, Tensor? key_cache, "
         "Tensor? value_cache, int[] starts, float divisor, Tensor? blocked, Tensor? q_norm=None, Tensor? k_norm=None, "
         "float eps=0.0, int[] bounds=[]) -> Tensor");
-  // attention's two products for a few queries (decode), each row in loops of its own (layer_ops.attention_scores,
-  // layer_ops.attend)
-  m.def("few_query_scores(Tensor q, Tensor keys, float divisor, Tensor? blocked) -> Tensor");
-  m.def("few_query_attend(Tensor pattern, Tensor values) -> Tensor");
   // a run of whole plain blocks with no hook inside or between them (eager forward): the last one's stream after
   // attention and its MLP's output
   m.def("blocks_exact(Tensor x, Tensor normalized, Tensor[] weights, int[] ggml_types, int[] rows, Tensor[] qkv_bias, "
@@ -3109,8 +2980,6 @@ WORKBENCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("top_k_softmax", &top_k_softmax);
   m.impl("rope", &rope);
   m.impl("rope_attention", &rope_attention);
-  m.impl("few_query_scores", &few_query_scores);
-  m.impl("few_query_attend", &few_query_attend);
   m.impl("blocks_exact", &blocks_exact);
   m.impl("fma_chain", &fma_chain);
   m.impl("ggml_expf", &ggml_expf);
