@@ -130,11 +130,12 @@ def test_cpu_layer_ops_refuse_bad_shapes():
     with pytest.raises(RuntimeError, match="takes one start without a batch"):
         ext.rope_attention(torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16), cos, cos, False, None, None,
                            [0, 0], 1.0, None)
-    # a batch of two sequences of 1 and 17 tokens
+    # a batch of two sequences of 1 and 17 tokens (and three with decreasing bounds)
     q, kv, cos18 = torch.randn(18, 32), torch.randn(18, 16), torch.randn(18, 1, 8)
     buffers, mask = torch.zeros(2, 2, 24, 8), torch.zeros(2, 1, 17, 17, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="bounds must not decrease"):
-        ext.rope_attention(q, kv, kv, cos18, cos18, False, buffers, buffers, [0, 0, 0], 1.0, mask, bounds=[0, 17, 1, 18])
+        ext.rope_attention(q, kv, kv, cos18, cos18, False, buffers, buffers, [0, 0, 0], 1.0, mask,
+                           bounds=[0, 17, 1, 18])
     with pytest.raises(RuntimeError, match="batch needs a mask"):
         ext.rope_attention(q, kv, kv, cos18, cos18, False, buffers, buffers, [0, 0], 1.0, None, bounds=[0, 1, 18])
     with pytest.raises(RuntimeError, match="sequence 1 has no slots 20 to 22 of 21"):  # a cache row's start too late
@@ -146,14 +147,13 @@ def test_cpu_layer_ops_refuse_bad_shapes():
 @pytest.mark.parametrize("tokens, cached", [(1, 0), (1, 5), (3, 0), (3, 5)])  # decode / prefill, with a cache or not
 def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, tokens, cached, monkeypatch):
     """The one C++ call an eager CPU forward takes where no hook lies inside attention gives the bits of the separate
-    ops: the rope of q and k and the cache's write (their torch formulas here), and attention's scores, softmax and
-    sum."""
+    ops (their torch formulas here): the rope of q and k, the cache's write and attention's scores, softmax and sum."""
     from workbench.kernels import cpu
     from workbench.kv_cache import causal_mask
     if cpu.extension() is None:
         pytest.skip("the C++ CPU kernels could not be built here")
     generator = torch.Generator().manual_seed(10 * tokens + cached)
-    heads, kv_heads, d, capacity = 4, 2, 16, cached + tokens + 3
+    heads, kv_heads, d, capacity = 4, 2, 16, 8
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=generator)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # rows strided, as the projections give them
     cos, sin = (torch.randn(tokens, 1, d, generator=generator) for _ in range(2))
@@ -167,7 +167,7 @@ def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, t
             expected_keys, expected_values = key_buffer.clone(), value_buffer.clone()
             expected_keys[:, cached:cached + tokens], expected_values[:, cached:cached + tokens] = keys, values
             keys, values = expected_keys[:, :cached + tokens], expected_values[:, :cached + tokens]
-    expected = layer_ops.attend(layer_ops.attention_scores(q_rot, keys, 4.0, blocked).softmax(-1), values)
+        expected = layer_ops.attend(layer_ops.attention_scores(q_rot, keys, 4.0, blocked).softmax(-1), values)
     slots = (key_buffer, value_buffer, cached) if cached else None
     z = layer_ops.rope_attention(q, k, v, heads, cos, sin, interleaved, slots, 4.0, blocked)
     assert z.shape == (tokens, heads, d) and torch.equal(z, expected)
