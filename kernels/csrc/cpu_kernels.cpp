@@ -2391,18 +2391,20 @@ torch::Tensor rope_attention(const torch::Tensor& q, const torch::Tensor& k, con
     values = v.view({tokens, kv_heads, d}).transpose(0, 1);  // the runner's view, strides and all
   }
   const int64_t slots = keys.size(1), group = heads / kv_heads;
-  if (blocked.has_value())
-    TORCH_CHECK(blocked->scalar_type() == torch::kBool && blocked->is_contiguous() && blocked->dim() == 2 &&
-                blocked->size(0) == tokens && blocked->size(1) == slots,
-                "workbench cpu kernels: rope_attention's mask must be a contiguous bool [T, S] = [", tokens, ", ",
-                slots, "], got ", blocked->scalar_type(), " ", blocked->sizes());
   // layer_ops.attention_scores
   const torch::Tensor q_grouped = q_rot.transpose(0, 1).reshape({kv_heads, group * tokens, d});
   torch::Tensor scores = at::bmm(q_grouped, keys.reshape({kv_heads, slots, d}).transpose(1, 2))
                              .view({heads, tokens, slots}).contiguous();
   float* sp = scores.data_ptr<float>();
   const float scale_divisor = static_cast<float>(divisor);
-  const bool* bp = blocked.has_value() ? blocked->data_ptr<bool>() : nullptr;
+  const bool* bp = nullptr;
+  if (blocked.has_value()) {
+    TORCH_CHECK(blocked->scalar_type() == torch::kBool && blocked->is_contiguous() && blocked->dim() == 2 &&
+                blocked->size(0) == tokens && blocked->size(1) == slots,
+                "workbench cpu kernels: rope_attention's mask must be a contiguous bool [T, S] = [", tokens, ", ",
+                slots, "], got ", blocked->scalar_type(), " ", blocked->sizes());
+    bp = blocked->data_ptr<bool>();
+  }
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t i = 0; i < tokens * slots; ++i) {
       float& score = sp[h * tokens * slots + i];
