@@ -56,14 +56,28 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
     # Where every row's hooks are the same elementwise edits (an intervention shared by the batch), one call edits all
     # rows: a decode step of 32 rows then calls it once, not 32 times.
     row_edits = {p: _row_edits(hooks.get(name)) for p, hooks in prompt_hooks.items()} if token_major else {}
+    # On a decode step every row's token is a generated one, which positions None and "generated" both select: where
+    # every prompt shares such edits here, of whole tokens (a selection of heads or neurons indexes with a list from the
+    # host), the step applies them in one call that a CUDA graph holds (runner.capturable).
+    keys = {None if edits is None else edits[0] for edits in row_edits.values()}
+    capturable = len(keys) == 1 and None not in keys and all(
+        (edit.positions is None or isinstance(edit.positions, str)) and edit.heads is None and edit.neurons is None
+        for _, edits in row_edits.values() for edit in edits)
+    # Such edits are also those of a prefix that prompts share (kv_cache.prefix_groups), computed once as the rows of
+    # prompts -1, -2, ...: they edit each of its tokens as every prompt's do. Taken from the longest prompt, whose length
+    # no prefix reaches, so that "generated" selects none of a prefix's tokens.
+    prefix_edits = max(row_edits.values(), key=lambda edits: edits[1][0].prompt_len) if capturable else None
+
+    def edits_of(prompt: int) -> tuple[tuple, list] | None:
+        return row_edits.get(prompt) if prompt >= 0 else prefix_edits
 
     def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
         layout = ctx.layout
         last_only = token_major and _last_rows_only(x, layout)
-        shared = row_edits.get(layout.prompts[0])
-        if shared is not None and all(row_edits.get(p) is not None and row_edits[p][0] == shared[0]
+        shared = edits_of(layout.prompts[0])
+        if shared is not None and all(edits_of(p) is not None and edits_of(p)[0] == shared[0]
                                       for p in layout.prompts[1:]):
-            return _edit_rows(x, ctx, [row_edits[p][1] for p in layout.prompts], last_only)
+            return _edit_rows(x, ctx, [edits_of(p)[1] for p in layout.prompts], last_only)
         edited = []
         for b, prompt in enumerate(layout.prompts):
             fns = prompt_hooks.get(prompt, {}).get(name)
@@ -86,13 +100,7 @@ def _splitter(name: str, prompt_hooks: Mapping[int, Hooks]) -> HookFn:
         return x
 
     fn.edits_only = all(getattr(f, "edits_only", False) for hooks in prompt_hooks.values() for f in hooks.get(name, ()))
-    # On a decode step every row's token is a generated one, which positions None and "generated" both select: where
-    # every prompt shares such edits here, of whole tokens (a selection of heads or neurons indexes with a list from the
-    # host), the step applies them in one call that a CUDA graph holds (runner.capturable).
-    keys = {None if edits is None else edits[0] for edits in row_edits.values()}
-    fn.capturable = len(keys) == 1 and None not in keys and all(
-        (edit.positions is None or isinstance(edit.positions, str)) and edit.heads is None and edit.neurons is None
-        for _, edits in row_edits.values() for edit in edits)
+    fn.capturable = capturable
     return fn
 
 

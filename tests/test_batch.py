@@ -654,6 +654,31 @@ def test_generation_shares_the_prefix(llama):
     assert llama.generate_batch(prompts, 6) == [llama.generate(p, 6) for p in prompts]
 
 
+def test_edits_of_every_token_share_the_prefix(llama, monkeypatch):
+    """An intervention that every prompt shares at every token (a Steer at positions None, or "generated") edits the
+    shared prefix's tokens as it edits each prompt's own: the template runs once, with the same results as without
+    sharing, and greedy generation equals generate's."""
+    prompts = [TEMPLATE + p for p in PROMPTS]
+    vector = torch.randn(llama.config.d_model, generator=torch.Generator().manual_seed(4))
+    widths = []
+    forward = llama.runner.forward
+    monkeypatch.setattr(llama.runner, "forward", lambda ids, *a, **k: widths.append(len(ids)) or forward(ids, *a, **k))
+    plain = llama.run_batch(prompts, share_prefix=False)
+    for positions in (None, "generated"):
+        steer = hooks.Steer("blocks.0.hook_resid_post", vector, scale=4.0, positions=positions)
+        separate = llama.run_batch(prompts, interventions=[steer], share_prefix=False)
+        widths.clear()
+        shared = llama.run_batch(prompts, interventions=[steer])
+        assert widths == [len(TEMPLATE), sum(map(len, PROMPTS))]
+        for a, b, c in zip(shared, separate, plain):
+            assert_close_logits(a.logits, b.logits)
+            assert (positions is None) != torch.equal(b.logits, c.logits)  # the template's tokens steered or not
+        widths.clear()
+        batched = llama.generate_batch(prompts, 6, interventions=[steer])
+        assert widths[0] == len(TEMPLATE)
+        assert batched == [llama.generate(p, 6, interventions=[steer]) for p in prompts]
+
+
 def test_no_sharing_with_interventions_or_short_prefixes(llama, monkeypatch):
     widths = []
     forward = llama.runner.forward

@@ -508,16 +508,17 @@ def _decode_batch(runner: Transformer, prompts: dict[int, list[int]], max_new_to
     rows = [prompts[i] for i in order]
     capacity = max(map(len, rows)) + max_new_tokens
     generators = [sampling.generator() if sampling.temperature else None for _ in order]
-    # with no hooks and one adapter choice, prefixes that prompts start with (a system prompt, a template) are computed
-    # once
-    groups = [] if hooks or isinstance(lora, LoraRows) else prefix_groups(rows)
+    # with one adapter choice and no hooks but edits that every prompt shares at every token (a Steer at positions
+    # None or "generated": runner.capturable), prefixes that prompts start with (a system prompt, a template) are
+    # computed once
+    groups = [] if (hooks and not capturable(hooks)) or isinstance(lora, LoraRows) else prefix_groups(rows)
     static_step = static_step and max_new_tokens > 1 and _holds_batch_step(runner, sampling, hooks, lora, capacity)
     # the batch's cache is its own (see _decode); a static step's cache and tokens are written between its runs,
     # outside any mode, and a CUDA graph has no autograd bookkeeping to skip
     inference = edits_only(hooks) and not static_step
     with torch.inference_mode(inference), numerics(mode):  # around each forward alone: the caller runs between yields
         if groups:
-            cache, _ = runner.prefill_prefixes(rows, groups, capacity, last_logits_only=True, lora=lora)
+            cache, _ = runner.prefill_prefixes(rows, groups, capacity, hooks, last_logits_only=True, lora=lora)
         else:
             cache = runner.new_batch_cache(len(rows), capacity)
     shared = list(cache.lengths)

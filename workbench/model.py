@@ -30,7 +30,7 @@ from workbench.loading import LoadedCheckpoint, checkpoint_files, files_sha256, 
 from workbench.messages import Prompt, check_messages, continues_answer, conversation, is_messages, is_utf8
 from workbench.progress import Progress, check_progress, progress_callback
 from workbench.runner import (FINAL_POINTS, LORA_GROUPS, QUERY_ONLY_LORA_GROUPS, BatchLayout, Lora, LoraRows,
-                              Transformer)
+                              Transformer, capturable)
 from workbench.tokenizer import StreamDecoder
 from workbench.weights import STACKS
 
@@ -614,11 +614,13 @@ class Model:
 
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
-            edited = any(prompt_hooks[i] for i in layout.prompts)
-            layout_lora = layout_adapters(lora, layout.prompts)
-            groups = prefix_groups(rows) if share_prefix and not edited and not isinstance(layout_lora, LoraRows) and (
-                recorder is None or recorder.reduce in (None, "last")) else []
             hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term, recorder and recorder.hooks())
+            # a prefix that prompts share is computed once where their edits are those every prompt makes at every
+            # token (runner.capturable: the prefix's tokens take them too) and the recorder keeps whole runs or last rows
+            edits = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
+            layout_lora = layout_adapters(lora, layout.prompts)
+            groups = prefix_groups(rows) if share_prefix and capturable(edits) and not isinstance(
+                layout_lora, LoraRows) and (recorder is None or recorder.reduce in (None, "last")) else []
             with torch.inference_mode(not hooks), numerics(mode):
                 out = self._forward_rows(rows, layout, hooks or None, logits == "last", groups, layout_lora)
             out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
