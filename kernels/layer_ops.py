@@ -353,9 +353,9 @@ def _fused_attention_starts(tokens: int, heads: int, kv_slots: KVSlots | None, b
     if bounds is None:
         start = kv_slots[2] if kv_slots is not None else 0
         return [start] if heads * tokens * (tokens + start) * 4 <= SCORES_BUDGET else None
-    width = max(b - a for a, b in zip(bounds, bounds[1:]))
     if blocked is None:
         return None
+    width = max(b - a for a, b in zip(bounds, bounds[1:]))
     starts = list(kv_slots[2]) if kv_slots is not None else [0] * (len(bounds) - 1)
     return starts if heads * (len(bounds) - 1) * width * blocked.shape[-1] * 4 <= SCORES_BUDGET else None
 
@@ -408,9 +408,9 @@ def blocks_exact(x: torch.Tensor, normalized: torch.Tensor, blocks: Sequence[Pla
     packed sequences with ``bounds``, as ``rope_attention`` takes them): the last block's stream after attention and
     its MLP's output, with the bits of the separate calls (``linear``'s exact CPU kernel, the bias sums, ``rms_norm``,
     ``rope_attention``, ``add_rms_norm``, ``swiglu``), which an eager decode step pays for in Python more than in
-    arithmetic. Every weight is of a format the C++ kernels read (``readable``: the
-    caller picks such blocks). None where it does not run: as ``rope_attention``, and in exact numerics; none of that
-    depends on the block, so a caller declined once may take every block of the forward apart."""
+    arithmetic. Every weight is of a format the C++ kernels read (``readable``: the caller picks such blocks). None
+    where it does not run: as ``rope_attention``, and in exact numerics; none of that depends on the block, so a
+    caller declined once may take every block of the forward apart."""
     starts = _fused_attention_starts(x.shape[0], heads, kv_slots[0] if kv_slots is not None else None, bounds,
                                      blocked[0])
     if (starts is None or not blocks_exact_may_run(x, normalized, rotations[0][0])
