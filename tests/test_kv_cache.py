@@ -250,6 +250,10 @@ def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_fo
         for b, p in enumerate(prefixes):
             keys, _ = rows.row(b).get(n_layers - 1)
             assert torch.equal(keys[:, :p], cache.get(n_layers - 1)[0][:, :p])
+        last = rows.row(2).get(n_layers - 1)
+        rows.keep_rows([2, 0])  # in place, over every layer's stores
+        assert rows.lengths == [len(PROMPT)] * 2
+        assert all(torch.equal(a, b) for a, b in zip(rows.row(0).get(n_layers - 1), last))
     with pytest.raises(workbench.WorkbenchError, match="outside 0..8"):
         BatchKVCache.from_prefixes(cache, [2, 9])
     with pytest.raises(workbench.WorkbenchError, match="prefix lengths"):
