@@ -510,7 +510,8 @@ class Model:
         results: list[hooks_lib.Gradients | None] = [None] * len(ids)
         for layout in self._batches(lengths, batch_size, False, vocab_rows=True, backward=True):
             taps = hooks_lib.GradientTaps(names)
-            hooks = self._forward_hooks(prompt_hooks, layout, attached, use_error_term, taps.hooks())
+            hooks = self._forward_hooks(self._layout_hooks(prompt_hooks, layout), attached, use_error_term,
+                                        taps.hooks())
             with numerics(mode), torch.inference_mode(False), torch.enable_grad():
                 packed = torch.tensor([t for i in layout.prompts for t in ids[i]], dtype=torch.long)
                 logits = self.runner.forward(packed, hooks=hooks, layout=layout,
@@ -614,10 +615,10 @@ class Model:
 
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
-            hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term, recorder and recorder.hooks())
+            edits = self._layout_hooks(prompt_hooks, layout)
+            hooks = self._forward_hooks(edits, saes, use_error_term, recorder and recorder.hooks())
             # a prefix that prompts share is computed once where their edits are those every prompt makes at every
             # token (runner.capturable: the prefix's tokens take them too) and the recorder keeps whole runs or last rows
-            edits = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
             layout_lora = layout_adapters(lora, layout.prompts)
             groups = prefix_groups(rows) if share_prefix and capturable(edits) and not isinstance(
                 layout_lora, LoraRows) and (recorder is None or recorder.reduce in (None, "last")) else []
@@ -717,7 +718,8 @@ class Model:
         last = torch.empty(len(ids), self.config.vocab_size) if logits else None
         with numerics(self.current_numerics()), torch.no_grad():
             for layout in self._batches(lengths, batch_size, progress, vocab_rows=False):
-                forward_hooks = self._forward_hooks(prompt_hooks, layout, attached, True, batch_hooks)
+                forward_hooks = self._forward_hooks(self._layout_hooks(prompt_hooks, layout), attached, True,
+                                                    batch_hooks)
                 out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True,
                                          logits=logits)
                 if logits:
@@ -759,7 +761,7 @@ class Model:
         decoders = [StreamDecoder(self.tokenizer) for _ in ids]
         generated = [0] * len(ids)
         for layout in layouts:
-            hooks = self._forward_hooks(prompt_hooks, layout, saes, use_error_term)
+            hooks = self._forward_hooks(self._layout_hooks(prompt_hooks, layout), saes, use_error_term)
             rows = {i: ids[i] for i in layout.prompts}
             for i, token in generate_batch_tokens(self.runner, rows, max_new_tokens, sampling, self.tokenizer.stop_ids,
                                                   hooks or None, mode, layout_adapters(lora, layout.prompts)):
@@ -795,11 +797,15 @@ class Model:
         return ids
 
     @staticmethod
-    def _forward_hooks(prompt_hooks: list[dict], layout: BatchLayout, saes: list[Any], use_error_term: bool,
+    def _layout_hooks(prompt_hooks: list[dict], layout: BatchLayout) -> dict[str, list[hooks_lib.HookFn]]:
+        """The hooks of one batched forward's prompts, each prompt's own on that prompt's slice."""
+        return hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
+
+    @staticmethod
+    def _forward_hooks(per_prompt: dict[str, list[hooks_lib.HookFn]], saes: list[Any], use_error_term: bool,
                        whole: Mapping[str, list[hooks_lib.HookFn]] | None = None) -> dict[str, list[hooks_lib.HookFn]]:
-        """One batched forward's hooks: each of its prompts' own on that prompt's slice, then ``whole``'s (a recorder's,
-        or hooks that see the forward whole), with the SAEs attached at their points."""
-        per_prompt = hooks_lib.per_prompt_hooks({i: prompt_hooks[i] for i in layout.prompts})
+        """One batched forward's hooks: its prompts' own (``_layout_hooks``), then ``whole``'s (a recorder's, or hooks
+        that see the forward whole), with the SAEs attached at their points."""
         return hooks_lib.attach_saes(hooks_lib.merge_hooks([per_prompt, whole or {}]), saes, use_error_term)
 
     def _batch_hooks(self, interventions: Sequence[Any], per_prompt: Sequence[Sequence[Any]] | None,
