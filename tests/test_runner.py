@@ -179,39 +179,62 @@ def test_rope_attention_is_the_rope_the_cache_write_and_attention(interleaved, t
     assert layer_ops.rope_attention(q, k, v, heads, cos, sin, interleaved, slots, 4.0, blocked) is None
 
 
-@pytest.mark.parametrize("family", [dict(arch="llama"), dict(arch="llama", sliding_window=4), dict(arch="qwen2"),
-                                    dict(arch="qwen3")], ids=["llama", "sliding-window", "qwen2", "qwen3"])
+# the families whose blocks the C++ calls take whole: llama's (with a sliding window too), Qwen2's biases, Qwen3's norms
+PLAIN_FAMILIES = pytest.mark.parametrize(
+    "family", [dict(arch="llama"), dict(arch="llama", sliding_window=4), dict(arch="qwen2"), dict(arch="qwen3")],
+    ids=["llama", "sliding-window", "qwen2", "qwen3"])
+
+
+def fused_calls_keep_every_bit(monkeypatch, runner, inside: str, run) -> list[tuple[list[int], int]]:
+    """``run(hooks)``, which gives its logits and its cache's tensors, without hooks, with a hook inside every layer's
+    MLP and with one at ``attn.<inside>`` of every layer: asserts the three give the same bits, and returns for each
+    the blocks of every call of ``layer_ops.blocks_exact`` that ran and how many calls of ``rope_attention`` ran."""
+    blocks, attentions = [], []
+
+    def counted(calls, op, size):
+        def call(*args):
+            out = op(*args)
+            if out is not None:
+                calls.append(size(args))
+            return out
+        return call
+    monkeypatch.setattr(layer_ops, "blocks_exact", counted(blocks, layer_ops.blocks_exact, lambda a: len(a[2])))
+    monkeypatch.setattr(layer_ops, "rope_attention", counted(attentions, layer_ops.rope_attention, lambda a: 1))
+    layers = range(runner.config.n_layers)
+    in_mlp = {f"blocks.{i}.mlp.hook_post": [lambda x, ctx: None] for i in layers}
+    in_attention = {f"blocks.{i}.attn.{inside}": [lambda x, ctx: None] for i in layers}
+    results, calls = [], []
+    for hooks in (None, in_mlp, in_attention):
+        blocks.clear(), attentions.clear()
+        results.append(run(hooks))
+        calls.append((list(blocks), len(attentions)))
+    (plain, plain_cache), *others = results
+    for logits, cache in others:
+        assert all(torch.equal(a, b) for a, b in zip(plain, logits))
+        assert all(torch.equal(a, b) for layer, other in zip(plain_cache, cache) for a, b in zip(layer, other))
+    return calls
+
+
+@PLAIN_FAMILIES
 def test_decode_steps_without_hooks_inside_attention_keep_every_bit(family, tiny_model, monkeypatch):
     """A prompt and decode steps on a cache without hooks (the blocks in one C++ call, Qwen2's biases and Qwen3's q/k
     norms included), with a hook inside every layer's MLP only (attention in one C++ call, q/k norms included) and
     with a hook inside every layer's attention (the separate ops): the same logits and the same cache, bit for bit."""
     model = tiny_model(**family, fmt="Q8_0", n_layers=2, device="cpu")
     runner, ids = model.runner, [3, 14, 15, 92, 65, 35]
-    blocks, attentions = [], []  # the blocks of each call of layer_ops.blocks_exact, each call of rope_attention
-    blocks_exact, rope_attention = layer_ops.blocks_exact, layer_ops.rope_attention
-    monkeypatch.setattr(layer_ops, "blocks_exact", lambda *a: blocks.append(len(a[2])) or blocks_exact(*a))
-    monkeypatch.setattr(layer_ops, "rope_attention", lambda *a: attentions.append(1) or rope_attention(*a))
-    layers = range(runner.config.n_layers)
-    in_mlp = {f"blocks.{i}.mlp.hook_post": [lambda x, ctx: None] for i in layers}
-    inside = {f"blocks.{i}.attn.hook_rot_k": [lambda x, ctx: None] for i in layers}
-    results, calls = [], []
-    for hooks in (None, in_mlp, inside):
-        blocks.clear(), attentions.clear()
+    n_layers = runner.config.n_layers
+
+    def run(hooks):
         cache = runner.new_cache(4)  # grown on the way
         logits = [runner.forward(torch.tensor(ids), cache=cache, hooks=hooks)]
         logits += [runner.forward(torch.tensor([t]), cache=cache, hooks=hooks, step=s) for s, t in enumerate(ids, 1)]
-        results.append((logits, [cache.get(i) for i in layers]))
-        calls.append((list(blocks), len(attentions)))
+        return logits, [cache.get(i) for i in range(n_layers)]
+    calls = fused_calls_keep_every_bit(monkeypatch, runner, "hook_rot_k", run)
     # without hooks each forward's blocks whole in one call; with a hook in each MLP each attention in one call
-    assert calls == [([len(layers)] * 7, 0), ([], 7 * len(layers)), ([], 0)]
-    (plain, plain_cache), *others = results
-    for logits, cache in others:
-        assert all(torch.equal(a, b) for a, b in zip(plain, logits))
-        assert all(torch.equal(a, b) for layer, other in zip(plain_cache, cache) for a, b in zip(layer, other))
+    assert calls == [([n_layers] * 7, 0), ([], 7 * n_layers), ([], 0)]
 
 
-@pytest.mark.parametrize("family", [dict(arch="llama"), dict(arch="llama", sliding_window=4), dict(arch="qwen2"),
-                                    dict(arch="qwen3")], ids=["llama", "sliding-window", "qwen2", "qwen3"])
+@PLAIN_FAMILIES
 @pytest.mark.parametrize("longest", [8, 17])
 def test_batch_decode_steps_without_hooks_inside_attention_keep_every_bit(family, longest, tiny_model, monkeypatch):
     """A batch of prompts of three lengths without a cache, and on a batch cache followed by decode steps, each row at
@@ -221,25 +244,10 @@ def test_batch_decode_steps_without_hooks_inside_attention_keep_every_bit(family
     from workbench.runner import BatchLayout
     model = tiny_model(**family, fmt="Q8_0", n_layers=2, device="cpu")
     runner = model.runner
+    n_layers = runner.config.n_layers
     prompts = [[3, 14, 15, 92, 65], [35, 89], [(7 * j) % 90 + 3 for j in range(longest)]]
-    blocks, attentions = [], []  # the blocks of each call of layer_ops.blocks_exact that ran, each rope_attention's
-    blocks_exact, rope_attention = layer_ops.blocks_exact, layer_ops.rope_attention
 
-    def count(calls, op, size):
-        def counted(*args):
-            out = op(*args)
-            if out is not None:
-                calls.append(size(args))
-            return out
-        return counted
-    monkeypatch.setattr(layer_ops, "blocks_exact", count(blocks, blocks_exact, lambda a: len(a[2])))
-    monkeypatch.setattr(layer_ops, "rope_attention", count(attentions, rope_attention, lambda a: 1))
-    layers = range(runner.config.n_layers)
-    in_mlp = {f"blocks.{i}.mlp.hook_post": [lambda x, ctx: None] for i in layers}
-    inside = {f"blocks.{i}.attn.hook_pattern": [lambda x, ctx: None] for i in layers}
-    results, calls = [], []
-    for hooks in (None, in_mlp, inside):
-        blocks.clear(), attentions.clear()
+    def run(hooks):
         cache = runner.new_batch_cache(len(prompts), 4)  # grown on the way
         layout, packed = BatchLayout([len(p) for p in prompts], "cpu"), torch.tensor([t for p in prompts for t in p])
         logits = [runner.forward(packed, hooks=hooks, layout=layout)]
@@ -248,13 +256,9 @@ def test_batch_decode_steps_without_hooks_inside_attention_keep_every_bit(family
             layout = BatchLayout([1] * len(prompts), "cpu", cached=cache.lengths)
             tokens = torch.tensor([p[step % len(p)] for p in prompts])
             logits.append(runner.forward(tokens, cache=cache, hooks=hooks, step=step, layout=layout))
-        results.append((logits, [cache.row(b).get(i) for b in range(len(prompts)) for i in layers]))
-        calls.append((list(blocks), len(attentions)))
-    assert calls == [([len(layers)] * 5, 0), ([], 5 * len(layers)), ([], 0)]
-    (plain, plain_cache), *others = results
-    for logits, cache in others:
-        assert all(torch.equal(a, b) for a, b in zip(plain, logits))
-        assert all(torch.equal(a, b) for layer, other in zip(plain_cache, cache) for a, b in zip(layer, other))
+        return logits, [cache.row(b).get(i) for b in range(len(prompts)) for i in range(n_layers)]
+    calls = fused_calls_keep_every_bit(monkeypatch, runner, "hook_pattern", run)
+    assert calls == [([n_layers] * 5, 0), ([], 5 * n_layers), ([], 0)]
 
 
 def test_whole_blocks_run_where_no_hook_lies_inside_them(tiny_model, monkeypatch):
