@@ -272,7 +272,9 @@ def _patched(model: Any, sweep: _Sweep, metric: Metric | None, refuse_equal: boo
     cells = [every[n] for n in run]
     continued = _can_continue(model, sweep.names)
     if continued:
-        corrupt_run = _corrupt_run(model, sweep.corrupt_ids, {_start_of(model, layer) for layer in sweep.layers})
+        first = _first_positions(model, cells)
+        corrupt_run = _corrupt_run(model, sweep.corrupt_ids, {_start_of(model, layer) for layer in sweep.layers},
+                                   keep_cache=any(first))
         corrupt_logits = corrupt_run.logits
     else:
         corrupt_logits = model.forward(sweep.corrupt_ids)
@@ -282,8 +284,8 @@ def _patched(model: Any, sweep: _Sweep, metric: Metric | None, refuse_equal: boo
     _check_normalizable(refuse_equal, clean_metric, corrupt_metric)
 
     if continued:
-        values = _continued_cells(model, cells, clean_trace, corrupt_run, sweep.corrupt_ids, metric, answer_pair,
-                                  progress)
+        values = _continued_cells(model, cells, first, clean_trace, corrupt_run, sweep.corrupt_ids, metric,
+                                  answer_pair, progress)
     else:
         # every cell is a row of batched forwards of the whole corrupt prompt, each row with its own patch
         patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
@@ -528,12 +530,18 @@ Cell = tuple[int, str, "int | None", "int | None"]  # (layer, hook point, positi
 # blocks a later cell recomputes when it joins an earlier forward. On the CPU's 2 threads it took what 30 to 40 tokens
 # of an embedded-model block take (docs/batches.md, "Patching sweeps"); CUDA's is an estimate (3 ms of an H100).
 FORWARD_FLOPS = {"cpu": 3e8, "cuda": 1e11}
+# What a forward whose rows continue from cache rows costs beyond one whose rows start at the first token, as FLOPs of
+# arithmetic in the same time, weighed by ``_first_positions`` against the tokens before the cells' positions. On CUDA
+# a batch with no cache takes one attention launch a layer over its packed rows, and one with a cache the padded path's
+# some 25: about 40 ms of host time a forward of the embedded model on an H200 (docs/batches.md, "Patching sweeps").
+# On the CPU both are one C++ call a layer.
+CACHED_FORWARD_FLOPS = {"cpu": 0.0, "cuda": 1e12}
 
 
 @dataclass
 class _CorruptRun:
     logits: torch.Tensor  # [T, vocab] float32, on the CPU
-    cache: KVCache  # every layer's keys and values
+    cache: KVCache | None  # every layer's keys and values, where the cells continue from them
     resid: dict[int, torch.Tensor]  # layer -> the residual stream entering it, [T, d_model]
 
 
@@ -552,30 +560,46 @@ def _start_of(model: Any, layer: int) -> int:
     return next((a for a in range(layer, 0, -1) if model.runner.can_start_at_layer(a)), 0)
 
 
-def _corrupt_run(model: Any, ids: list[int], starts: set[int]) -> _CorruptRun:
-    """The corrupt prompt's forward, keeping its keys and values and the residual stream entering each of ``starts``."""
+def _corrupt_run(model: Any, ids: list[int], starts: set[int], keep_cache: bool) -> _CorruptRun:
+    """The corrupt prompt's forward, keeping the residual stream entering each of ``starts``, and its keys and values
+    where ``keep_cache``."""
     resid: dict[int, torch.Tensor] = {}
 
     def keep(x: torch.Tensor, ctx: HookContext) -> None:
         resid[ctx.layer] = x
 
     hooks = {f"blocks.{layer}.hook_resid_pre": [keep] for layer in starts if layer}
-    cache = model.runner.new_cache(len(ids))
+    cache = model.runner.new_cache(len(ids)) if keep_cache else None
     with torch.inference_mode(), model.numerics_scope():
         logits = model.runner.forward(torch.tensor(ids, dtype=torch.long), cache=cache, hooks=hooks or None)
     return _CorruptRun(logits.cpu(), cache, resid)
 
 
-def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _CorruptRun, corrupt_ids: list[int],
-                     metric: Metric, answer_pair: tuple[int, int] | None, progress: bool | ProgressFn) -> torch.Tensor:
-    """Each cell's metric, the cell continuing the corrupt run from its block and position as a row of batched
-    forwards. The cells (in chunks that fit memory) pass through the blocks in segments (``_segments``): a cell joins
-    the rows at the start of the segment holding its layer, from the corrupt run's residual stream there, its cache row
-    seeded with the corrupt run's keys and values before its position; each segment goes on from the stream the last
-    one stopped at."""
+def _block_flops_per_token(c: Any) -> float:
+    """A block's arithmetic for one token: twice its weights (the embedding and unembedding left out)."""
+    return 2 * (c.n_params - c.vocab_size * c.d_model * (1 if c.tied_embeddings else 2)) / c.n_layers
+
+
+def _first_positions(model: Any, cells: Sequence[Cell]) -> list[int]:
+    """The first position of the corrupt prompt each cell's row runs: the cell's own, its cache row seeded with the
+    corrupt run's keys and values before it; or 0 for every cell, with no cache, where the tokens before the cells'
+    positions cost less to recompute through their blocks than cache rows cost a forward (``CACHED_FORWARD_FLOPS``)."""
+    first = [pos or 0 for _, _, pos, _ in cells]
+    blocks = [model.config.n_layers - _start_of(model, cell[0]) for cell in cells]  # the blocks each row runs
+    recomputed = _block_flops_per_token(model.config) * sum(p * n for p, n in zip(first, blocks))
+    return [0] * len(cells) if recomputed < CACHED_FORWARD_FLOPS.get(model.runner.device.type, 0.0) else first
+
+
+def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], clean: Any, corrupt: _CorruptRun,
+                     corrupt_ids: list[int], metric: Metric, answer_pair: tuple[int, int] | None,
+                     progress: bool | ProgressFn) -> torch.Tensor:
+    """Each cell's metric, the cell continuing the corrupt run from its block and position ``first`` (at or before its
+    own) as a row of batched forwards. The cells (in chunks that fit memory) pass through the blocks in segments
+    (``_segments``): a cell joins the rows at the start of the segment holding its layer, from the corrupt run's
+    residual stream there, its cache row seeded with the corrupt run's keys and values before its first position; each
+    segment goes on from the stream the last one stopped at."""
     runner, n_tokens = model.runner, len(corrupt_ids)
     layer = [cell[0] for cell in cells]
-    first = [pos or 0 for _, _, pos, _ in cells]  # the first position each cell runs
     last_only = answer_pair is not None
     answer_ids = torch.tensor(answer_pair, device=runner.output_device) if last_only else None
     donors = {name: clean.activations[name].to(model.point_device(name), model.dtype) for _, name, _, _ in cells}
@@ -597,7 +621,7 @@ def _continued_cells(model: Any, cells: Sequence[Cell], clean: Any, corrupt: _Co
                 if start:  # rows so far go on from where the last segment stopped, joining ones from the corrupt run
                     stream = ([] if x is None else [x]) + [corrupt.resid[start][first[n]:] for n in joining]
                     x = torch.cat([part.to(runner.devices[start]) for part in stream])
-                patched = [(b, cells[n]) for b, n in enumerate(rows) if start <= layer[n] < stop]
+                patched = [(b, cells[n], first[n]) for b, n in enumerate(rows) if start <= layer[n] < stop]
                 with torch.inference_mode(), model.numerics_scope():
                     x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
                                        layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
@@ -646,8 +670,7 @@ def _segments(model: Any, cells: Sequence[int], layer: Sequence[int], first: Seq
     lies past them). A forward is cheap against the arithmetic on the CPU and for large models: about a segment per
     layer; for a small model on a GPU, whose blocks are bound by kernel launches, one forward from the first layer."""
     c = model.config
-    flops_per_token = 2 * (c.n_params - c.vocab_size * c.d_model * (1 if c.tied_embeddings else 2)) / c.n_layers
-    setup = FORWARD_FLOPS.get(model.runner.device.type, FORWARD_FLOPS["cuda"]) / flops_per_token
+    setup = FORWARD_FLOPS.get(model.runner.device.type, FORWARD_FLOPS["cuda"]) / _block_flops_per_token(c)
     tokens: dict[int, int] = {}  # layer -> its cells' tokens
     for n in cells:
         tokens[layer[n]] = tokens.get(layer[n], 0) + n_tokens - first[n]
@@ -672,16 +695,16 @@ def _segments(model: Any, cells: Sequence[int], layer: Sequence[int], first: Seq
     return segments[::-1]
 
 
-def _patch_hooks(model: Any, patched: Sequence[tuple[int, Cell]], layout: BatchLayout,
+def _patch_hooks(model: Any, patched: Sequence[tuple[int, Cell, int]], layout: BatchLayout,
                  donors: dict[str, torch.Tensor]) -> dict[str, list] | None:
-    """One hook per patched point of a forward, row ``b`` of ``patched`` being the cell it names: the hook writes the
-    clean run's activation into all its rows' cells at once (a row starts at its cell's position, or at position 0 to
-    patch every position)."""
+    """One hook per patched point of a forward, ``(b, cell, first)`` of ``patched`` naming row ``b``'s cell and the
+    corrupt prompt's position the row starts at: the hook writes the clean run's activation into all its rows' cells at
+    once (every position from the row's first where the cell names none)."""
     edits: dict[str, tuple[list[int], list[int], list[int]]] = {}
-    for b, (_, name, pos, head) in patched:
+    for b, (_, name, pos, head), first in patched:
         dst, src, heads = edits.setdefault(name, ([], [], []))
-        positions = range(layout.lengths[b]) if pos is None else [pos]
-        dst += [layout.starts[b] + p - (pos or 0) for p in positions]
+        positions = range(first, first + layout.lengths[b]) if pos is None else [pos]
+        dst += [layout.starts[b] + p - first for p in positions]
         src += list(positions)
         heads += [head] * len(positions)
     hooks = {}

@@ -112,13 +112,15 @@ SWEEPS = [  # (over, hook, metric, positions)
 CUDA_F32 = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))
 
 
-@pytest.mark.parametrize("forward_flops", [0.0, 1e30])  # a forward per block / one forward from the first
+# (a forward per block / one forward from the first, rows from their cells' positions / from the first token)
+@pytest.mark.parametrize("forward_flops, cached_forward_flops", [(0.0, 0.0), (1e30, 0.0), (0.0, 1e30), (1e30, 1e30)])
 @pytest.mark.parametrize("over, hook, metric, positions", SWEEPS)
 @pytest.mark.parametrize("device", ["cpu", CUDA_F32])
-def test_continued_cells_equal_plain_patched_runs(over, hook, metric, positions, forward_flops, device, tiny_model,
-                                                  monkeypatch):
+def test_continued_cells_equal_plain_patched_runs(over, hook, metric, positions, forward_flops, cached_forward_flops,
+                                                  device, tiny_model, monkeypatch):
     model = tiny_model("llama", n_layers=3, seed=4, device=device, dtype=torch.float32)
     monkeypatch.setitem(patching.FORWARD_FLOPS, device, forward_flops)
+    monkeypatch.setitem(patching.CACHED_FORWARD_FLOPS, device, cached_forward_flops)
     clean, corrupt = [5, 17, 42, 99, 7, 8, 9], [5, 17, 60, 99, 7, 3, 9]
     result = hooks.patching_sweep(model, clean, corrupt, metric, over=over, hook=hook, positions=positions,
                                   answers=None if metric else (10, 11), progress=False)
