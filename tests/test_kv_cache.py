@@ -247,6 +247,8 @@ def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_fo
         for b, p in enumerate(prefixes):  # the batched kernels' rounding (docs/batches.md)
             torch.testing.assert_close(out[layout.rows(b)], whole[p:], atol=2e-4, rtol=0)
         assert rows.lengths == [len(PROMPT)] * 3
+        assert rows.capacity > 7  # the forward's write grew the rows, and a layer left out still holds no memory
+        assert (rows.buffers(0) is None) == (start == 1)
         for b, p in enumerate(prefixes):
             keys, _ = rows.row(b).get(n_layers - 1)
             assert torch.equal(keys[:, :p], cache.get(n_layers - 1)[0][:, :p])

@@ -535,6 +535,9 @@ class BatchKVCache:
         longest = max(self.lengths)
         for store in (self._keys, self._values):
             for i, old in enumerate(store):
+                if not old.is_contiguous():  # from_prefixes' zeros of a layer left out: still no memory of its own
+                    store[i] = old[:, :, :1].expand(self.n_rows, old.shape[1], capacity, old.shape[3])
+                    continue
                 grown = old.new_zeros(self.n_rows, old.shape[1], capacity, old.shape[3])
                 grown[:, :, :longest] = old[:, :, :longest]
                 store[i] = grown
