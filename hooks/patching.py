@@ -6,7 +6,7 @@ p.. alone, from the corrupt run's residual stream entering block L and its keys 
 (a cache prefix), and the cells are the rows of batched forwards (docs/batches.md, "Patching sweeps").
 
 Attribution patching estimates the same cells from gradients instead, and either method runs over a dataset of
-(clean, corrupt) pairs as their mean (``dataset_patching``).
+(clean, corrupt) pairs as their mean (``dataset_patching``), the pairs' runs batched.
 """
 from __future__ import annotations
 
@@ -256,48 +256,55 @@ def patching_sweep(model: Any, clean: Prompt, corrupt: Prompt, metric: Metric | 
     at every position. ``progress``: True for a progress bar, False for none, or ``fn(done, total)``.
     """
     _check_metric(metric)
-    sweep, = _sweeps(model, [(clean, corrupt)], over, hook, layers, positions, [answers])
+    sweeps = _sweeps(model, [(clean, corrupt)], over, hook, layers, positions, [answers])
     check_progress(progress)
-    return _result(model, [sweep], [_patched(model, sweep, metric, normalize, progress)], normalize,
+    return _result(model, sweeps, _patched(model, sweeps, [metric], normalize, progress), normalize,
                    "activation patching")
 
 
-def _patched(model: Any, sweep: _Sweep, metric: Metric | None, refuse_equal: bool,
-             progress: bool | ProgressFn, only: Sequence[int] | None = None) -> _PairGrid:
-    """One pair's activation patching; ``refuse_equal``: the normalization's check, before the cells run. ``only``:
-    the indices of the cells to run (the grid NaN at the others)."""
-    clean_trace = model.run(sweep.clean_ids, record=sweep.names)
-    every = sweep.cells()
+def _patched(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric | None], refuse_equal: bool,
+             progress: bool | ProgressFn, only: Sequence[int] | None = None) -> list[_PairGrid]:
+    """The pairs' activation patching, their runs batched: each pair's grid as its single-pair call gives it, within
+    the batched kernels' rounding (one pair runs its clean and corrupt prompts alone). ``refuse_equal``: the
+    normalization's check, before the cells run. ``only``: the indices of the cells to run (the grid NaN at the
+    others). ``progress`` counts the cells of every pair."""
+    names = sweeps[0].names
+    cleans = _traces(model, [s.clean_ids for s in sweeps], names)
+    every = sweeps[0].cells()  # the pairs' cells are the same: positions swept take pairs of one length
     run = range(len(every)) if only is None else only
     cells = [every[n] for n in run]
-    continued = _can_continue(model, sweep.names)
+    continued = _can_continue(model, names)
     if continued:
         first = _first_positions(model, cells)
-        corrupt_run = _corrupt_run(model, sweep.corrupt_ids, {_start_of(model, layer) for layer in sweep.layers},
-                                   keep_cache=any(first))
-        corrupt_logits = corrupt_run.logits
+        corrupts = _corrupt_runs(model, sweeps, {_start_of(model, layer) for layer in sweeps[0].layers}, any(first))
+        corrupt_logits = [corrupt.logits for corrupt in corrupts]
     else:
-        corrupt_logits = model.forward(sweep.corrupt_ids)
-    answer_pair = sweep.checked(sweep.answers(clean_trace.logits, corrupt_logits)) if metric is None else None
-    metric = logit_diff(*answer_pair) if metric is None else metric
-    clean_metric, corrupt_metric = float(metric(clean_trace.logits)), float(metric(corrupt_logits))
-    _check_normalizable(refuse_equal, clean_metric, corrupt_metric)
+        corrupt_logits = [t.logits for t in _traces(model, [s.corrupt_ids for s in sweeps], [])]
+    answer_pairs, chosen, grids = [], [], []
+    for sweep, metric, clean, corrupt in zip(sweeps, metrics, cleans, corrupt_logits):
+        answer_pair = sweep.checked(sweep.answers(clean.logits, corrupt)) if metric is None else None
+        metric = logit_diff(*answer_pair) if metric is None else metric
+        grids.append(_PairGrid(torch.empty(0), float(metric(clean.logits)), float(metric(corrupt)),
+                               _metric_name(model, metric, answer_pair)))
+        _check_normalizable(refuse_equal, grids[-1].clean_metric, grids[-1].corrupt_metric)
+        answer_pairs.append(answer_pair)
+        chosen.append(metric)
 
     if continued:
-        values = _continued_cells(model, cells, first, clean_trace, corrupt_run, sweep.corrupt_ids, metric,
-                                  answer_pair, progress)
+        values = _continued_cells(model, cells, first, cleans, corrupts, sweeps, chosen, answer_pairs, progress)
     else:
-        # every cell is a row of batched forwards of the whole corrupt prompt, each row with its own patch
+        # every cell is a row of batched forwards of its pair's whole corrupt prompt, each row with its own patch
         patches = [[Patch(name, positions=None if pos is None else [pos], heads=None if head is None else [head],
-                          donor=clean_trace)] for _, name, pos, head in cells]
-        values = torch.empty(len(cells))
+                          donor=clean)] for clean in cleans for _, name, pos, head in cells]
+        values = torch.empty(len(sweeps), len(cells))
         # the default metric reads the last position alone: the cells then skip every other position's unembedding
-        rows = "last" if answer_pair else "all"
-        for n, trace in model.iter_batch([sweep.corrupt_ids] * len(cells), per_prompt_interventions=patches,
-                                         logits=rows, progress=progress):
-            values[n] = float(metric(trace.logits))
-    grid = values if only is None else torch.full((len(every),), math.nan).index_put_((torch.tensor(run),), values)
-    return _PairGrid(grid, clean_metric, corrupt_metric, _metric_name(model, metric, answer_pair))
+        rows = "last" if all(answer_pairs) else "all"
+        for n, trace in model.iter_batch([s.corrupt_ids for s in sweeps for _ in cells],
+                                         per_prompt_interventions=patches, logits=rows, progress=progress):
+            values[n // len(cells), n % len(cells)] = float(chosen[n // len(cells)](trace.logits))
+    for grid, row in zip(grids, values):
+        grid.grid = row if only is None else torch.full((len(every),), math.nan).index_put_((torch.tensor(run),), row)
+    return grids
 
 
 def attribution_patching(model: Any, clean: Prompt, corrupt: Prompt,
@@ -360,9 +367,9 @@ def _verified(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric | N
         return []
     effect = torch.stack([g.grid for g in grids]).mean(0) - sum(g.corrupt_metric for g in grids) / len(grids)
     chosen = effect.abs().argsort(descending=True, stable=True)[:top].tolist()
-    patched = []
-    for sweep, metric in zip(sweeps, metrics):
-        patched.append(_patched(model, sweep, metric, False, False, only=chosen))
+    patched: list[_PairGrid] = []
+    for pairs in _pair_chunks(model, sweeps):
+        patched += _patched(model, [sweeps[i] for i in pairs], [metrics[i] for i in pairs], False, False, only=chosen)
         done(len(patched))
     return patched
 
@@ -492,8 +499,10 @@ def dataset_patching(model: Any, pairs: Sequence[tuple[Prompt, Prompt]],
         return _result(model, sweeps, grids, normalize, _attribution_method(steps), patched)
     update, close = progress_callback(progress, n_cells * len(sweeps), "cells")
     try:
-        grids = [_patched(model, sweep, m, False, lambda done, total, i=i: update(i * n_cells + done))
-                 for i, (sweep, m) in enumerate(zip(sweeps, metrics))]
+        grids = []
+        for pairs in _pair_chunks(model, sweeps):
+            grids += _patched(model, [sweeps[i] for i in pairs], [metrics[i] for i in pairs], False,
+                              lambda done, total, before=len(grids): update(before * n_cells + done))
     finally:
         close()
     return _result(model, sweeps, grids, normalize, "activation patching")
@@ -575,6 +584,29 @@ def _corrupt_run(model: Any, ids: list[int], starts: set[int], keep_cache: bool)
     return _CorruptRun(logits.cpu(), cache, resid)
 
 
+def _corrupt_runs(model: Any, sweeps: Sequence[_Sweep], starts: set[int], keep_cache: bool) -> list[_CorruptRun]:
+    """Each pair's corrupt run (``_corrupt_run``): one forward a pair where the cells continue from its keys and
+    values, else the pairs' prompts in batched forwards, each keeping the residual stream entering ``starts``."""
+    if keep_cache or len(sweeps) == 1:
+        return [_corrupt_run(model, s.corrupt_ids, starts, keep_cache) for s in sweeps]
+    layers = sorted(layer for layer in starts if layer)
+    traces = model.run_batch([s.corrupt_ids for s in sweeps], record=[f"blocks.{i}.hook_resid_pre" for i in layers])
+    return [_CorruptRun(t.logits, None, {i: t.activations[f"blocks.{i}.hook_resid_pre"] for i in layers})
+            for t in traces]
+
+
+# The clean runs' recorded activations a call of several pairs keeps at once (``_pair_chunks``).
+DONOR_BYTES = 1 << 28
+
+
+def _pair_chunks(model: Any, sweeps: Sequence[_Sweep]) -> list[range]:
+    """The pairs in chunks whose clean runs' recorded points take at most ``DONOR_BYTES``, to be patched together."""
+    c = model.config
+    per_pair = 4 * c.d_model * len(sweeps[0].names) * max(len(s.clean_ids) for s in sweeps)
+    size = max(1, DONOR_BYTES // per_pair)
+    return [range(i, min(i + size, len(sweeps))) for i in range(0, len(sweeps), size)]
+
+
 def _block_flops_per_token(c: Any) -> float:
     """A block's arithmetic for one token: twice its weights (the embedding and unembedding left out)."""
     return 2 * (c.n_params - c.vocab_size * c.d_model * (1 if c.tied_embeddings else 2)) / c.n_layers
@@ -590,95 +622,125 @@ def _first_positions(model: Any, cells: Sequence[Cell]) -> list[int]:
     return [0] * len(cells) if recomputed < CACHED_FORWARD_FLOPS.get(model.runner.device.type, 0.0) else first
 
 
-def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], clean: Any, corrupt: _CorruptRun,
-                     corrupt_ids: list[int], metric: Metric, answer_pair: tuple[int, int] | None,
-                     progress: bool | ProgressFn) -> torch.Tensor:
-    """Each cell's metric, the cell continuing the corrupt run from its block and position ``first`` (at or before its
-    own) as a row of batched forwards. The cells (in chunks that fit memory) pass through the blocks in segments
-    (``_segments``): a cell joins the rows at the start of the segment holding its layer, from the corrupt run's
-    residual stream there, its cache row seeded with the corrupt run's keys and values before its first position; each
-    segment goes on from the stream the last one stopped at."""
-    runner, n_tokens = model.runner, len(corrupt_ids)
-    layer = [cell[0] for cell in cells]
-    last_only = answer_pair is not None
-    answer_ids = torch.tensor(answer_pair, device=runner.output_device) if last_only else None
-    donors = {name: clean.activations[name].to(model.point_device(name), model.dtype) for _, name, _, _ in cells}
-    grid = torch.empty(len(cells))
-    update, close = progress_callback(progress, len(cells), "cells")
+def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cleans: Sequence[Any],
+                     corrupts: Sequence[_CorruptRun], sweeps: Sequence[_Sweep], metrics: Sequence[Metric],
+                     answer_pairs: Sequence[tuple[int, int] | None], progress: bool | ProgressFn) -> torch.Tensor:
+    """Each pair's metric of each cell, ``[pairs, cells]``, the cell continuing its pair's corrupt run from its block
+    and position ``first`` (at or before its own) as a row of batched forwards. The rows (in chunks that fit memory)
+    pass through the blocks in segments (``_segments``): a row joins at the start of the segment holding its layer, from
+    its corrupt run's residual stream there, its cache row seeded with that run's keys and values before its first
+    position; each segment goes on from the stream the last one stopped at. The pairs share forwards where no row
+    continues from cache rows (a forward's cache rows come from one pair's run)."""
+    runner, n_cells = model.runner, len(cells)
+    # a row u: pair u // n_cells, cell u % n_cells
+    units = range(len(sweeps) * n_cells)
+    pair = [u // n_cells for u in units]
+    layer = [cells[u % n_cells][0] for u in units]
+    starts = [first[u % n_cells] for u in units]
+    lengths = [len(sweeps[p].corrupt_ids) for p in pair]
+    last_only = all(answer_pairs)
+    answer_ids = columns = None
+    if last_only:  # the default metrics take their answers' logits alone: one small copy back
+        ids = sorted({i for answers in answer_pairs for i in answers})
+        answer_ids = torch.tensor(ids, device=runner.output_device)
+        columns = torch.tensor([[ids.index(a) for a in answers] for answers in answer_pairs])
+    donors = {name: _stacked([clean.activations[name] for clean in cleans]).to(model.point_device(name), model.dtype)
+              for _, name, _, _ in cells}
+    grid = torch.empty(len(sweeps) * n_cells)
+    update, close = progress_callback(progress, len(grid), "cells")
     done = 0
+    groups = [list(units)] if not any(first) else [[u for u in units if pair[u] == p] for p in range(len(sweeps))]
     try:
-        for chunk in _chunks(model, sorted(range(len(cells)), key=lambda n: (layer[n], first[n])), first, n_tokens,
-                             last_only):
-            rows: list[int] = []  # the cells of the forward's rows, in order: each segment's joining cells are appended
-            x = None
-            for start, stop, joining in _segments(model, chunk, layer, first, n_tokens):
-                rows += joining
-                cached = [first[n] for n in rows]
-                layout = BatchLayout([n_tokens - p for p in cached], runner.device, cached=cached)
-                cache = (BatchKVCache.from_prefixes(corrupt.cache, cached, max(cached) + layout.width,
-                                                    range(start, stop)) if any(cached) else None)
-                ids = torch.tensor([t for p in cached for t in corrupt_ids[p:]], dtype=torch.long)
-                if start:  # rows so far go on from where the last segment stopped, joining ones from the corrupt run
-                    stream = ([] if x is None else [x]) + [corrupt.resid[start][first[n]:] for n in joining]
-                    x = torch.cat([part.to(runner.devices[start]) for part in stream])
-                patched = [(b, cells[n], first[n]) for b, n in enumerate(rows) if start <= layer[n] < stop]
-                with torch.inference_mode(), model.numerics_scope():
-                    x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
-                                       layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
-                                       stop_at_layer=stop if stop < model.config.n_layers else None,
-                                       logit_ids=answer_ids)
-            if last_only:  # the default metric takes the two answers' logits alone: one small copy back
-                grid[rows] = (x[:, 0] - x[:, 1]).cpu()
-            else:  # a metric of every position sees the corrupt run's logits before the row's first position
-                logits = x.cpu()
-                for b, n in enumerate(rows):
-                    grid[n] = float(metric(torch.cat((corrupt.logits[:first[n]], logits[layout.rows(b)]))))
-            done += len(chunk)
-            update(done)
+        for group in groups:
+            order = sorted(group, key=lambda u: (layer[u], starts[u]))
+            for chunk in _chunks(model, order, starts, lengths, last_only):
+                rows: list[int] = []  # the forward's rows, in order: each segment's joining ones are appended
+                x = None
+                for start, stop, joining in _segments(model, chunk, layer, starts, lengths):
+                    rows += joining
+                    cached = [starts[u] for u in rows]
+                    layout = BatchLayout([lengths[u] - starts[u] for u in rows], runner.device, cached=cached)
+                    cache = (BatchKVCache.from_prefixes(corrupts[pair[group[0]]].cache, cached,
+                                                        max(cached) + layout.width, range(start, stop))
+                             if any(cached) else None)
+                    ids = torch.tensor([t for u in rows for t in sweeps[pair[u]].corrupt_ids[starts[u]:]],
+                                       dtype=torch.long)
+                    if start:  # rows so far go on from where the last segment stopped, joining ones from their runs
+                        stream = ([] if x is None else [x]) + [corrupts[pair[u]].resid[start][starts[u]:]
+                                                               for u in joining]
+                        x = torch.cat([part.to(runner.devices[start], model.dtype) for part in stream])
+                    patched = [(b, pair[u], cells[u % n_cells], starts[u]) for b, u in enumerate(rows)
+                               if start <= layer[u] < stop]
+                    with torch.inference_mode(), model.numerics_scope():
+                        x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
+                                           layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
+                                           stop_at_layer=stop if stop < model.config.n_layers else None,
+                                           logit_ids=answer_ids)
+                if last_only:
+                    chosen = columns[[pair[u] for u in rows]]
+                    x = x.cpu()
+                    grid[rows] = x.gather(1, chosen[:, :1])[:, 0] - x.gather(1, chosen[:, 1:])[:, 0]
+                else:  # a metric of every position sees the corrupt run's logits before the row's first position
+                    logits = x.cpu()
+                    for b, u in enumerate(rows):
+                        before = corrupts[pair[u]].logits[:starts[u]]
+                        grid[u] = float(metrics[pair[u]](torch.cat((before, logits[layout.rows(b)]))))
+                done += len(chunk)
+                update(done)
     finally:
         close()
-    return grid
+    return grid.view(len(sweeps), n_cells)
 
 
-def _chunks(model: Any, order: list[int], first: Sequence[int], n_tokens: int, last_only: bool) -> list[list[int]]:
-    """The cells ``order`` (by layer, then position) in chunks whose rows fit one forward, all of them at once: within
+def _stacked(activations: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The pairs' recordings of one point, ``[pairs, positions, ...]``, a shorter prompt's padded with zeros."""
+    longest = max(a.shape[0] for a in activations)
+    out = activations[0].new_zeros(len(activations), longest, *activations[0].shape[1:])
+    for p, a in enumerate(activations):
+        out[p, :a.shape[0]] = a
+    return out
+
+
+def _chunks(model: Any, order: list[int], first: Sequence[int], lengths: Sequence[int],
+            last_only: bool) -> list[list[int]]:
+    """The rows ``order`` (by layer, then position) in chunks that fit one forward, all of them at once: within
     ``model.max_batch_tokens()`` padded tokens, and ``model.batch_bytes`` for activations, attention scores and cache
-    rows."""
+    rows. Row ``u`` runs its prompt's ``lengths[u]`` tokens from ``first[u]``."""
     c = model.config
     per_token, per_score, budget = model.batch_bytes(vocab_rows=not last_only)
     element = torch.finfo(model.dtype).bits // 8
     slot_bytes = element * 2 * sum(math.prod(c.layer_heads(i)) for i in range(c.n_layers))  # a row's cache slot
     chunks, chunk, width, prefix = [], [], 0, 0  # width: the chunk's longest row; prefix: its longest cached prefix
-    for n in order:
-        grown_width, grown_prefix = max(width, n_tokens - first[n]), max(prefix, first[n])
+    for u in order:
+        grown_width, grown_prefix = max(width, lengths[u] - first[u]), max(prefix, first[u])
         rows = len(chunk) + 1
         padded, slots = rows * grown_width, grown_prefix + grown_width
         if chunk and (padded > model.max_batch_tokens()
                       or padded * (per_token + per_score * slots) + rows * slots * slot_bytes > budget):
             chunks.append(chunk)
-            chunk, grown_width, grown_prefix = [], n_tokens - first[n], first[n]
-        chunk.append(n)
+            chunk, grown_width, grown_prefix = [], lengths[u] - first[u], first[u]
+        chunk.append(u)
         width, prefix = grown_width, grown_prefix
     return chunks + [chunk]
 
 
-def _segments(model: Any, cells: Sequence[int], layer: Sequence[int], first: Sequence[int], n_tokens: int
+def _segments(model: Any, rows: Sequence[int], layer: Sequence[int], first: Sequence[int], lengths: Sequence[int]
               ) -> list[tuple[int, int, list[int]]]:
-    """The blocks split into forwards ``(start, stop, the cells joining at start)``, each going on from the last one's
+    """The blocks split into forwards ``(start, stop, the rows joining at start)``, each going on from the last one's
     stream, so that the tokens run through blocks plus the forwards (``FORWARD_FLOPS``' worth of tokens each) are
-    fewest. A cell joins at the start of its layer's segment, recomputing the blocks from there to its own (the patch
+    fewest. A row joins at the start of its layer's segment, recomputing the blocks from there to its own (the patch
     lies past them). A forward is cheap against the arithmetic on the CPU and for large models: about a segment per
     layer; for a small model on a GPU, whose blocks are bound by kernel launches, one forward from the first layer."""
     c = model.config
     setup = FORWARD_FLOPS.get(model.runner.device.type, FORWARD_FLOPS["cuda"]) / _block_flops_per_token(c)
-    tokens: dict[int, int] = {}  # layer -> its cells' tokens
-    for n in cells:
-        tokens[layer[n]] = tokens.get(layer[n], 0) + n_tokens - first[n]
-    # where a segment may start: the first cell's start, and each later swept layer a forward can start at
+    tokens: dict[int, int] = {}  # layer -> its rows' tokens
+    for u in rows:
+        tokens[layer[u]] = tokens.get(layer[u], 0) + lengths[u] - first[u]
+    # where a segment may start: the first row's start, and each later swept layer a forward can start at
     starts = [_start_of(model, min(tokens))]
     starts += [i for i in sorted(tokens) if i > starts[0] and model.runner.can_start_at_layer(i)]
     bounds = starts + [c.n_layers]
-    # active[j]: the tokens of the cells whose layer lies before bounds[j], all running in a segment that ends there
+    # active[j]: the tokens of the rows whose layer lies before bounds[j], all running in a segment that ends there
     active = [sum(t for i, t in tokens.items() if i < bound) for bound in bounds]
     cost, split = [0.0] + [math.inf] * (len(bounds) - 1), [0] * len(bounds)
     for j in range(1, len(bounds)):
@@ -689,31 +751,33 @@ def _segments(model: Any, cells: Sequence[int], layer: Sequence[int], first: Seq
     segments, j = [], len(bounds) - 1
     while j:
         i = split[j]
-        joining = [n for n in cells if bounds[i] <= layer[n] < bounds[j]]
+        joining = [u for u in rows if bounds[i] <= layer[u] < bounds[j]]
         segments.append((bounds[i], bounds[j], joining))
         j = i
     return segments[::-1]
 
 
-def _patch_hooks(model: Any, patched: Sequence[tuple[int, Cell, int]], layout: BatchLayout,
+def _patch_hooks(model: Any, patched: Sequence[tuple[int, int, Cell, int]], layout: BatchLayout,
                  donors: dict[str, torch.Tensor]) -> dict[str, list] | None:
-    """One hook per patched point of a forward, ``(b, cell, first)`` of ``patched`` naming row ``b``'s cell and the
-    corrupt prompt's position the row starts at: the hook writes the clean run's activation into all its rows' cells at
-    once (every position from the row's first where the cell names none)."""
-    edits: dict[str, tuple[list[int], list[int], list[int]]] = {}
-    for b, (_, name, pos, head), first in patched:
-        dst, src, heads = edits.setdefault(name, ([], [], []))
+    """One hook per patched point of a forward, ``(b, pair, cell, first)`` of ``patched`` naming row ``b``'s pair and
+    cell and the corrupt prompt's position the row starts at: the hook writes the pair's clean activation (``donors``,
+    ``[pairs, positions, ...]``) into all its rows' cells at once (every position from the row's first where the cell
+    names none)."""
+    edits: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
+    for b, pair, (_, name, pos, head), first in patched:
+        dst, pairs, src, heads = edits.setdefault(name, ([], [], [], []))
         positions = range(first, first + layout.lengths[b]) if pos is None else [pos]
         dst += [layout.starts[b] + p - first for p in positions]
+        pairs += [pair] * len(positions)
         src += list(positions)
         heads += [head] * len(positions)
     hooks = {}
-    for name, (dst, src, heads) in edits.items():
+    for name, (dst, pairs, src, heads) in edits.items():
         device = model.point_device(name)
         index = (torch.tensor(dst, device=device),)
         if heads[0] is not None:
             index += (torch.tensor(heads, device=device),)
-        values = donors[name][torch.tensor(src, device=device), *index[1:]]
+        values = donors[name][torch.tensor(pairs, device=device), torch.tensor(src, device=device), *index[1:]]
         hooks[name] = [_writer(index, values)]
     return hooks or None
 

@@ -240,8 +240,8 @@ LONGER = (CLEAN, CORRUPT)
 
 @pytest.mark.parametrize("method, steps", [("activation", 1), ("attribution", 1), ("attribution", 2)])
 def test_a_datasets_grid_is_the_mean_of_its_pairs(model, method, steps):
-    """Each pair's cells are what its single-pair call gives (attribution's pairs run batched: within the batched
-    kernels' rounding), the grid and both metrics their means over the pairs."""
+    """Each pair's cells are what its single-pair call gives (the pairs' runs batched: within the batched kernels'
+    rounding), the grid and both metrics their means over the pairs."""
     single = (lambda clean, corrupt, **kw: hooks.patching_sweep(model, clean, corrupt, progress=False, **kw)) \
         if method == "activation" else \
         (lambda clean, corrupt, **kw: hooks.attribution_patching(model, clean, corrupt, steps=steps, **kw))
@@ -249,7 +249,7 @@ def test_a_datasets_grid_is_the_mean_of_its_pairs(model, method, steps):
     dataset = hooks.dataset_patching(model, PAIRS, method=method, steps=steps, layers=layers, progress=False)
     pairs = [single(clean, corrupt, layers=layers) for clean, corrupt in PAIRS]
     assert dataset.pairs == 2 and pairs[0].pairs == 1 and dataset.method == pairs[0].method
-    bound = 0 if method == "activation" else 1e-4  # activation patching runs each pair's cells as its call does
+    bound = 1e-4
     torch.testing.assert_close(dataset.grid, (pairs[0].grid + pairs[1].grid) / 2, atol=bound, rtol=0)
     assert dataset.clean_metric == pytest.approx((pairs[0].clean_metric + pairs[1].clean_metric) / 2, abs=bound)
     assert dataset.corrupt_metric == pytest.approx((pairs[0].corrupt_metric + pairs[1].corrupt_metric) / 2, abs=bound)
@@ -286,6 +286,37 @@ def test_pairs_of_different_lengths_sweep_heads_not_positions(model):
     torch.testing.assert_close(heads.grid, sum(r.grid for r in alone) / 3, atol=1e-4, rtol=0)
     with pytest.raises(workbench.HookError, match=r"pair 2: 9 tokens where pair 0 has 8: a sweep over positions"):
         hooks.dataset_patching(model, pairs, method="attribution", layers=[5], progress=False)
+
+
+LAST_MEAN = [lambda logits, a=a: logits[:, a].mean() for a in (10, 11, 12)]  # a metric of every position, a pair
+
+
+@pytest.mark.parametrize("over, hook, metrics, cached_forward_flops", [
+    (("layers", "heads"), None, None, 0.0),
+    (("layers", "heads"), None, LAST_MEAN, 0.0),
+    (("layers", "heads"), "blocks.{layer}.attn.hook_pattern", None, 0.0),  # not continued: whole prompts
+    (("layers", "positions"), None, None, 0.0),  # each pair's rows continue its own cache rows
+    (("layers", "positions"), None, None, 1e30),  # the pairs' rows from the first token, in shared forwards
+    (("layers", "positions"), None, LAST_MEAN, 1e30),
+])
+def test_an_activation_datasets_pairs_share_forwards_and_give_each_pairs_sweep(model, monkeypatch, over, hook,
+                                                                                metrics, cached_forward_flops):
+    """Rows of several pairs in one forward, each patched from its own clean run, its metric on its own corrupt run's
+    logits (pairs of different lengths over heads), or each pair's cells continuing its own cache rows: each pair's
+    grid is its own sweep's, in fewer forwards than pair by pair."""
+    monkeypatch.setitem(patching.CACHED_FORWARD_FLOPS, "cpu", cached_forward_flops)
+    pairs = [*PAIRS, LONGER] if "heads" in over else [*PAIRS, (PAIRS[1][1], PAIRS[0][0])]
+    forwards = []
+    forward = model.runner.forward
+    monkeypatch.setattr(model.runner, "forward", lambda ids, **kw: forwards.append(len(ids)) or forward(ids, **kw))
+    dataset = hooks.dataset_patching(model, pairs, metrics, over=over, hook=hook, layers=[2, 7], progress=False)
+    shared = len(forwards)
+    forwards.clear()
+    alone = [hooks.patching_sweep(model, clean, corrupt, None if metrics is None else metrics[i], over=over, hook=hook,
+                                  layers=[2, 7], progress=False) for i, (clean, corrupt) in enumerate(pairs)]
+    assert shared < len(forwards)
+    torch.testing.assert_close(dataset.grid, sum(r.grid for r in alone) / 3, atol=BOUND, rtol=0)
+    assert dataset.corrupt_metric == pytest.approx(sum(r.corrupt_metric for r in alone) / 3, abs=BOUND)
 
 
 def test_a_dataset_in_chunks_gives_what_it_gives_at_once(model, monkeypatch):
@@ -368,7 +399,7 @@ def test_a_dataset_verifies_the_cells_of_its_largest_mean_estimate_in_every_pair
     seen = []
     hooks.dataset_patching(model, PAIRS, method="attribution", layers=[2], positions=[-1], verify=1,
                            progress=lambda done, total: seen.append((done, total)))
-    assert seen == [(2, 4), (3, 4), (4, 4)]
+    assert seen == [(2, 4), (4, 4)]  # the pairs attributed, then verified together
 
 
 @pytest.mark.parametrize("verify, message", [(-1, "between 0 and the sweep's 9 cells"),
