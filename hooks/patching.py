@@ -636,7 +636,7 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
     units = range(len(sweeps) * n_cells)
     pair = [u // n_cells for u in units]
     layer = [cells[u % n_cells][0] for u in units]
-    starts = [first[u % n_cells] for u in units]
+    begin = [first[u % n_cells] for u in units]  # the first position each row runs
     lengths = [len(sweeps[p].corrupt_ids) for p in pair]
     last_only = all(answer_pairs)
     answer_ids = columns = None
@@ -652,24 +652,24 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
     groups = [list(units)] if not any(first) else [[u for u in units if pair[u] == p] for p in range(len(sweeps))]
     try:
         for group in groups:
-            order = sorted(group, key=lambda u: (layer[u], starts[u]))
-            for chunk in _chunks(model, order, starts, lengths, last_only):
+            order = sorted(group, key=lambda u: (layer[u], begin[u]))
+            for chunk in _chunks(model, order, begin, lengths, last_only):
                 rows: list[int] = []  # the forward's rows, in order: each segment's joining ones are appended
                 x = None
-                for start, stop, joining in _segments(model, chunk, layer, starts, lengths):
+                for start, stop, joining in _segments(model, chunk, layer, begin, lengths):
                     rows += joining
-                    cached = [starts[u] for u in rows]
-                    layout = BatchLayout([lengths[u] - starts[u] for u in rows], runner.device, cached=cached)
+                    cached = [begin[u] for u in rows]
+                    layout = BatchLayout([lengths[u] - begin[u] for u in rows], runner.device, cached=cached)
                     cache = (BatchKVCache.from_prefixes(corrupts[pair[group[0]]].cache, cached,
                                                         max(cached) + layout.width, range(start, stop))
                              if any(cached) else None)
-                    ids = torch.tensor([t for u in rows for t in sweeps[pair[u]].corrupt_ids[starts[u]:]],
+                    ids = torch.tensor([t for u in rows for t in sweeps[pair[u]].corrupt_ids[begin[u]:]],
                                        dtype=torch.long)
                     if start:  # rows so far go on from where the last segment stopped, joining ones from their runs
-                        stream = ([] if x is None else [x]) + [corrupts[pair[u]].resid[start][starts[u]:]
+                        stream = ([] if x is None else [x]) + [corrupts[pair[u]].resid[start][begin[u]:]
                                                                for u in joining]
                         x = torch.cat([part.to(runner.devices[start], model.dtype) for part in stream])
-                    patched = [(b, pair[u], cells[u % n_cells], starts[u]) for b, u in enumerate(rows)
+                    patched = [(b, pair[u], cells[u % n_cells], begin[u]) for b, u in enumerate(rows)
                                if start <= layer[u] < stop]
                     with torch.inference_mode(), model.numerics_scope():
                         x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
@@ -683,7 +683,7 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
                 else:  # a metric of every position sees the corrupt run's logits before the row's first position
                     logits = x.cpu()
                     for b, u in enumerate(rows):
-                        before = corrupts[pair[u]].logits[:starts[u]]
+                        before = corrupts[pair[u]].logits[:begin[u]]
                         grid[u] = float(metrics[pair[u]](torch.cat((before, logits[layout.rows(b)]))))
                 done += len(chunk)
                 update(done)
