@@ -331,10 +331,17 @@ def test_a_dataset_in_chunks_gives_what_it_gives_at_once(model, monkeypatch):
     torch.testing.assert_close(chunked.grid, whole.grid, atol=1e-4, rtol=0)
 
 
-def test_an_activation_datasets_progress_counts_every_pairs_cells(model):
+def test_an_activation_datasets_progress_counts_every_pairs_cells(model, monkeypatch):
+    """Over the pairs together, or a pair at a time where their clean runs' recordings pass DONOR_BYTES."""
     seen = []
-    hooks.dataset_patching(model, PAIRS, layers=[0], positions=[-1], progress=lambda d, t: seen.append((d, t)))
+    together = hooks.dataset_patching(model, PAIRS, layers=[0], positions=[-1],
+                                      progress=lambda d, t: seen.append((d, t)))
     assert seen[-1] == (2, 2) and all(t == 2 for _, t in seen)
+    monkeypatch.setattr(patching, "DONOR_BYTES", 1)
+    seen.clear()
+    apart = hooks.dataset_patching(model, PAIRS, layers=[0], positions=[-1], progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(1, 2), (2, 2)]
+    torch.testing.assert_close(apart.grid, together.grid, atol=BOUND, rtol=0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
