@@ -460,7 +460,8 @@ class BatchKVCache:
             raise WorkbenchError(f"kv from_prefixes: prefix lengths {list(lengths)} outside 0..{cache.length}")
         n_rows, longest = len(lengths), max(lengths)
         capacity = max(capacity, longest, 1)
-        out = cls(n_rows, cache.n_layers, cache.n_kv_heads, cache.d_head, cache.dtype, cache.devices, 1,
+        # no stores of its own yet (each is set below): zero slots cost nothing to make
+        out = cls(n_rows, cache.n_layers, cache.n_kv_heads, cache.d_head, cache.dtype, cache.devices, 0,
                   cache.kv_sources)
         copied = set(range(cache.n_layers) if layers is None else layers)
         for store, source in ((out._keys, cache._keys), (out._values, cache._values)):
@@ -478,7 +479,9 @@ class BatchKVCache:
         out._positions[:, :longest] = cache._positions[:longest]
         out._tokens = [list(cache._tokens[:n]) for n in lengths]
         out.lengths = [int(n) for n in lengths]
-        out._next = [next_position_after(cache._positions[:n]) for n in out.lengths]
+        # each prefix's next position from one running maximum, not a maximum a row (a sweep has hundreds of rows)
+        after = (cache._positions[:longest].cummax(0).values + 1).tolist()
+        out._next = [after[n - 1] if n else 0 for n in out.lengths]
         return out
 
     @property
