@@ -629,8 +629,7 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
     and position ``first`` (at or before its own) as a row of batched forwards. The rows (in chunks that fit memory)
     pass through the blocks in segments (``_segments``): a row joins at the start of the segment holding its layer, from
     its corrupt run's residual stream there, its cache row seeded with that run's keys and values before its first
-    position; each segment goes on from the stream the last one stopped at. The pairs share forwards where no row
-    continues from cache rows (a forward's cache rows come from one pair's run)."""
+    position; each segment goes on from the stream the last one stopped at. The pairs' rows share forwards."""
     runner, n_cells = model.runner, len(cells)
     # a row u: pair u // n_cells, cell u % n_cells
     units = range(len(sweeps) * n_cells)
@@ -649,44 +648,40 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
     grid = torch.empty(len(sweeps) * n_cells)
     update, close = progress_callback(progress, len(grid), "cells")
     done = 0
-    groups = [list(units)] if not any(first) else [[u for u in units if pair[u] == p] for p in range(len(sweeps))]
     try:
-        for group in groups:
-            order = sorted(group, key=lambda u: (layer[u], begin[u]))
-            for chunk in _chunks(model, order, begin, lengths, last_only):
-                rows: list[int] = []  # the forward's rows, in order: each segment's joining ones are appended
-                x = None
-                for start, stop, joining in _segments(model, chunk, layer, begin, lengths):
-                    rows += joining
-                    cached = [begin[u] for u in rows]
-                    layout = BatchLayout([lengths[u] - begin[u] for u in rows], runner.device, cached=cached)
-                    cache = (BatchKVCache.from_prefixes(corrupts[pair[group[0]]].cache, cached,
-                                                        max(cached) + layout.width, range(start, stop))
-                             if any(cached) else None)
-                    ids = torch.tensor([t for u in rows for t in sweeps[pair[u]].corrupt_ids[begin[u]:]],
-                                       dtype=torch.long)
-                    if start:  # rows so far go on from where the last segment stopped, joining ones from their runs
-                        stream = ([] if x is None else [x]) + [corrupts[pair[u]].resid[start][begin[u]:]
-                                                               for u in joining]
-                        x = torch.cat([part.to(runner.devices[start], model.dtype) for part in stream])
-                    patched = [(b, pair[u], cells[u % n_cells], begin[u]) for b, u in enumerate(rows)
-                               if start <= layer[u] < stop]
-                    with torch.inference_mode(), model.numerics_scope():
-                        x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
-                                           layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
-                                           stop_at_layer=stop if stop < model.config.n_layers else None,
-                                           logit_ids=answer_ids)
-                if last_only:
-                    chosen = columns[[pair[u] for u in rows]]
-                    x = x.cpu()
-                    grid[rows] = x.gather(1, chosen[:, :1])[:, 0] - x.gather(1, chosen[:, 1:])[:, 0]
-                else:  # a metric of every position sees the corrupt run's logits before the row's first position
-                    logits = x.cpu()
-                    for b, u in enumerate(rows):
-                        before = corrupts[pair[u]].logits[:begin[u]]
-                        grid[u] = float(metrics[pair[u]](torch.cat((before, logits[layout.rows(b)]))))
-                done += len(chunk)
-                update(done)
+        for chunk in _chunks(model, sorted(units, key=lambda u: (layer[u], begin[u])), begin, lengths, last_only):
+            rows: list[int] = []  # the forward's rows, in order: each segment's joining ones are appended
+            x = None
+            for start, stop, joining in _segments(model, chunk, layer, begin, lengths):
+                rows += joining
+                cached = [begin[u] for u in rows]
+                layout = BatchLayout([lengths[u] - begin[u] for u in rows], runner.device, cached=cached)
+                cache = (BatchKVCache.from_prefixes([corrupts[pair[u]].cache for u in rows], cached,
+                                                    max(cached) + layout.width, range(start, stop))
+                         if any(cached) else None)
+                ids = torch.tensor([t for u in rows for t in sweeps[pair[u]].corrupt_ids[begin[u]:]], dtype=torch.long)
+                if start:  # rows so far go on from where the last segment stopped, joining ones from their runs
+                    stream = ([] if x is None else [x]) + [corrupts[pair[u]].resid[start][begin[u]:]
+                                                           for u in joining]
+                    x = torch.cat([part.to(runner.devices[start], model.dtype) for part in stream])
+                patched = [(b, pair[u], cells[u % n_cells], begin[u]) for b, u in enumerate(rows)
+                           if start <= layer[u] < stop]
+                with torch.inference_mode(), model.numerics_scope():
+                    x = runner.forward(ids, cache=cache, hooks=_patch_hooks(model, patched, layout, donors),
+                                       layout=layout, last_logits_only=last_only, start_at_layer=start, resid=x,
+                                       stop_at_layer=stop if stop < model.config.n_layers else None,
+                                       logit_ids=answer_ids)
+            if last_only:
+                chosen = columns[[pair[u] for u in rows]]
+                x = x.cpu()
+                grid[rows] = x.gather(1, chosen[:, :1])[:, 0] - x.gather(1, chosen[:, 1:])[:, 0]
+            else:  # a metric of every position sees the corrupt run's logits before the row's first position
+                logits = x.cpu()
+                for b, u in enumerate(rows):
+                    before = corrupts[pair[u]].logits[:begin[u]]
+                    grid[u] = float(metrics[pair[u]](torch.cat((before, logits[layout.rows(b)]))))
+            done += len(chunk)
+            update(done)
     finally:
         close()
     return grid.view(len(sweeps), n_cells)

@@ -262,6 +262,30 @@ def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_fo
         BatchKVCache.from_prefixes(cache, [])
 
 
+def test_rows_continuing_caches_of_different_sequences_from_prefixes_equal_their_whole_forwards(tiny):
+    """``from_prefixes`` with a cache a row: rows of two sequences (a dataset's pairs), each continuing its own."""
+    from workbench.kv_cache import BatchKVCache
+    from workbench.runner import BatchLayout
+
+    runner, other = tiny.runner, [9, 4, 77, 31, 2, 60]
+    prompts = [PROMPT, other, PROMPT, other]
+    caches = [prefilled(tiny, p) for p in (PROMPT, other)]
+    wholes = [runner.forward(torch.tensor(p)) for p in (PROMPT, other)]
+    sources, prefixes = [caches[0], caches[1], caches[0], caches[1]], [3, 5, 0, 2]
+    rows = BatchKVCache.from_prefixes(sources, prefixes)
+    assert rows.next_positions == prefixes and [rows.tokens(b) for b in range(4)] == [
+        p[:n] for p, n in zip(prompts, prefixes)]
+    layout = BatchLayout([len(p) - n for p, n in zip(prompts, prefixes)], runner.device, cached=prefixes)
+    out = runner.forward(torch.tensor([t for p, n in zip(prompts, prefixes) for t in p[n:]]), cache=rows,
+                         layout=layout)
+    for b, (n, whole) in enumerate(zip(prefixes, [wholes[0], wholes[1]] * 2)):
+        torch.testing.assert_close(out[layout.rows(b)], whole[n:], atol=2e-4, rtol=0)
+    with pytest.raises(workbench.WorkbenchError, match="row 1's outside 0..6"):
+        BatchKVCache.from_prefixes(caches, [2, 7])
+    with pytest.raises(workbench.WorkbenchError, match="for 2 caches"):
+        BatchKVCache.from_prefixes(caches, [2])
+
+
 def test_surgery_on_a_layer_that_reuses_another_layers_keys_and_values_is_refused():
     """Gemma 4 E2B/E4B's last layers attend over an earlier layer's keys and values and hold none of their own: every
     surgery there is refused naming the layer to edit (on a cache and on a batch cache's rows), and nothing changes;

@@ -450,22 +450,39 @@ class BatchKVCache:
         return out
 
     @classmethod
-    def from_prefixes(cls, cache: KVCache, lengths: Sequence[int], capacity: int = 0,
+    def from_prefixes(cls, caches: KVCache | Sequence[KVCache], lengths: Sequence[int], capacity: int = 0,
                       layers: Sequence[int] | None = None) -> "BatchKVCache":
-        """One row per entry of ``lengths``, row ``b`` holding the first ``lengths[b]`` slots of one sequence's
-        ``cache``: runs that each continue the same tokens from a point of their own (a patching sweep's cells), with
-        room for ``capacity`` slots a row. Only ``layers`` (None: every one) are copied; the others read as zeros and
-        take no memory, for a forward that starts past them (``start_at_layer``), which never reads them."""
-        if not lengths or any(not 0 <= n <= cache.length for n in lengths):
-            raise WorkbenchError(f"kv from_prefixes: prefix lengths {list(lengths)} outside 0..{cache.length}")
+        """One row per entry of ``lengths``, row ``b`` holding the first ``lengths[b]`` slots of a sequence's cache:
+        ``caches``, one for every row, or one a row (caches of one model). Runs that each continue a sequence from a
+        point of their own (a patching sweep's cells, of one pair or of several), with room for ``capacity`` slots a
+        row. Only ``layers`` (None: every one) are copied; the others read as zeros and take no memory, for a forward
+        that starts past them (``start_at_layer``), which never reads them."""
+        sources = [caches] * len(lengths) if isinstance(caches, KVCache) else list(caches)
+        if not lengths or len(sources) != len(lengths):
+            raise WorkbenchError(f"kv from_prefixes: prefix lengths {list(lengths)} for {len(sources)} caches")
+        for b, (cache, n) in enumerate(zip(sources, lengths)):
+            if not 0 <= n <= cache.length:
+                raise WorkbenchError(f"kv from_prefixes: prefix lengths {list(lengths)}: row {b}'s outside "
+                                     f"0..{cache.length}")
+        index: dict[int, int] = {}  # id(cache) -> its place among the distinct caches
+        distinct: list[KVCache] = []
+        for cache in sources:
+            if id(cache) not in index:
+                index[id(cache)] = len(distinct)
+                distinct.append(cache)
+        which = [index[id(c)] for c in sources]
+        first = distinct[0]
+        if any(c.kv_sources != first.kv_sources or c.dtype != first.dtype
+               or [k.shape[::2] for k in c._keys] != [k.shape[::2] for k in first._keys] for c in distinct):
+            raise WorkbenchError("kv from_prefixes: the caches are of different models")
         n_rows, longest = len(lengths), max(lengths)
         capacity = max(capacity, longest, 1)
         # no stores of its own yet (each is set below): zero slots cost nothing to make
-        out = cls(n_rows, cache.n_layers, cache.n_kv_heads, cache.d_head, cache.dtype, cache.devices, 0,
-                  cache.kv_sources)
-        copied = set(range(cache.n_layers) if layers is None else layers)
-        for store, source in ((out._keys, cache._keys), (out._values, cache._values)):
-            for layer, src in enumerate(source):
+        out = cls(n_rows, first.n_layers, first.n_kv_heads, first.d_head, first.dtype, first.devices, 0,
+                  first.kv_sources)
+        copied = set(range(first.n_layers) if layers is None else layers)
+        for store, part in ((out._keys, "_keys"), (out._values, "_values")):
+            for layer, src in enumerate(getattr(first, part)):
                 h, d = src.shape[0], src.shape[2]
                 if layer not in copied:  # one zero slot seen everywhere: no memory, and a write to it fails
                     store[layer] = src.new_zeros(1, h, 1, d).expand(n_rows, h, capacity, d)
@@ -473,15 +490,25 @@ class BatchKVCache:
                 # every row takes the longest prefix at once; a row's slots past its own length are masked, then
                 # overwritten
                 store[layer] = src.new_empty(n_rows, h, capacity, d)
-                store[layer][:, :, :longest] = src[None, :, :longest]
                 store[layer][:, :, longest:] = 0
+                if len(distinct) == 1:
+                    store[layer][:, :, :longest] = src[None, :, :longest]
+                    continue
+                prefixes = src.new_zeros(len(distinct), h, longest, d)
+                for i, cache in enumerate(distinct):
+                    n = min(longest, cache.length)
+                    prefixes[i, :, :n] = getattr(cache, part)[layer][:, :n]
+                store[layer][:, :, :longest] = prefixes[torch.tensor(which, device=src.device)]
+        positions = torch.zeros(len(distinct), longest, dtype=torch.long)
+        for i, cache in enumerate(distinct):
+            positions[i, :min(longest, cache.length)] = cache._positions[:min(longest, cache.length)]
         out._positions = torch.zeros(n_rows, capacity, dtype=torch.long)
-        out._positions[:, :longest] = cache._positions[:longest]
-        out._tokens = [list(cache._tokens[:n]) for n in lengths]
+        out._positions[:, :longest] = positions[0] if len(distinct) == 1 else positions[which]
+        out._tokens = [list(c._tokens[:n]) for c, n in zip(sources, lengths)]
         out.lengths = [int(n) for n in lengths]
-        # each prefix's next position from one running maximum, not a maximum a row (a sweep has hundreds of rows)
-        after = (cache._positions[:longest].cummax(0).values + 1).tolist()
-        out._next = [after[n - 1] if n else 0 for n in out.lengths]
+        # each prefix's next position from a running maximum of its cache's, not a maximum a row (hundreds of rows)
+        after = (positions.cummax(1).values + 1).tolist()
+        out._next = [after[i][n - 1] if n else 0 for i, n in zip(which, out.lengths)]
         return out
 
     @property
