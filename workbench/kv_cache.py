@@ -55,6 +55,17 @@ def _is_index(value: object) -> bool:
     return True
 
 
+def _left_out(n_rows: int, h: int, capacity: int, d: int, like: torch.Tensor) -> torch.Tensor:
+    """The store of a layer ``BatchKVCache.from_prefixes`` did not copy: one zero slot seen everywhere, which takes no
+    memory and which a write fails on (a forward that starts past the layer never reads or writes it)."""
+    return like.new_zeros(1, h, 1, d).expand(n_rows, h, capacity, d)
+
+
+def _is_left_out(store: torch.Tensor) -> bool:
+    """Whether ``store`` is a layer's ``_left_out`` view rather than memory of its own."""
+    return not store.is_contiguous()
+
+
 def next_position_after(positions: torch.Tensor) -> int:
     """The rope position a sequence continues at after slots at ``positions`` (kept slots keep theirs after surgery)."""
     return int(positions.max()) + 1 if positions.numel() else 0
@@ -484,8 +495,8 @@ class BatchKVCache:
         for store, part in ((out._keys, "_keys"), (out._values, "_values")):
             for layer, src in enumerate(getattr(first, part)):
                 h, d = src.shape[0], src.shape[2]
-                if layer not in copied:  # one zero slot seen everywhere: no memory, and a write to it fails
-                    store[layer] = src.new_zeros(1, h, 1, d).expand(n_rows, h, capacity, d)
+                if layer not in copied:
+                    store[layer] = _left_out(n_rows, h, capacity, d, src)
                     continue
                 # every row takes the longest prefix at once; a row's slots past its own length are masked, then
                 # overwritten
@@ -501,7 +512,8 @@ class BatchKVCache:
                 store[layer][:, :, :longest] = prefixes[torch.tensor(which, device=src.device)]
         positions = torch.zeros(len(distinct), longest, dtype=torch.long)
         for i, cache in enumerate(distinct):
-            positions[i, :min(longest, cache.length)] = cache._positions[:min(longest, cache.length)]
+            n = min(longest, cache.length)
+            positions[i, :n] = cache._positions[:n]
         out._positions = torch.zeros(n_rows, capacity, dtype=torch.long)
         out._positions[:, :longest] = positions[0] if len(distinct) == 1 else positions[which]
         out._tokens = [list(c._tokens[:n]) for c, n in zip(sources, lengths)]
@@ -565,8 +577,8 @@ class BatchKVCache:
         longest = max(self.lengths)
         for store in (self._keys, self._values):
             for i, old in enumerate(store):
-                if not old.is_contiguous():  # from_prefixes' zeros of a layer left out: still no memory of its own
-                    store[i] = old[:, :, :1].expand(self.n_rows, old.shape[1], capacity, old.shape[3])
+                if _is_left_out(old):  # still no memory of its own
+                    store[i] = _left_out(self.n_rows, old.shape[1], capacity, old.shape[3], old)
                     continue
                 grown = old.new_zeros(self.n_rows, old.shape[1], capacity, old.shape[3])
                 grown[:, :, :longest] = old[:, :, :longest]
@@ -580,7 +592,7 @@ class BatchKVCache:
         op that writes a forward's new tokens there itself as ``write`` does (``layer_ops.rope_attention``); None for a
         layer ``from_prefixes`` did not copy (it holds no memory of its own)."""
         keys, values = self._keys[layer], self._values[layer]
-        return (keys, values, tuple(self.lengths)) if keys.is_contiguous() and values.is_contiguous() else None
+        return None if _is_left_out(keys) or _is_left_out(values) else (keys, values, tuple(self.lengths))
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new ``[B, n_kv, T_max, d_head]`` keys/values after each row's slots; return every row's slots
@@ -679,7 +691,7 @@ class BatchKVCache:
         longest = max((self.lengths[b] for b in rows[moved:]), default=0)
         for store in (self._keys, self._values):
             for layer, old in enumerate(store):
-                if moved < len(rows) and old.is_contiguous():  # not from_prefixes' zeros of a layer left out
+                if moved < len(rows) and not _is_left_out(old):
                     with torch.inference_mode(old.is_inference()):  # a store a generation's prefill made
                         old[moved:len(rows), :, :longest] = old[index[moved:].to(old.device), :, :longest]
                 store[layer] = old[:len(rows)]
