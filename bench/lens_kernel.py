@@ -9,9 +9,9 @@ on 2 threads), the top-k probabilities and ids of all rows through the embedded 
 - ``softmax+topk``: what the lens did before the fused kernel: ``linear`` on 1,024 rows at a time, softmax, topk;
 - ``chunked``: ``top_k_probs``'s path off CUDA (the weight dequantized once, a dense matmul per 1,024 rows, topk,
   softmax);
-- ``fused`` (CUDA): ``top_k_probs`` (the weight dequantized once, the fused kernel, the merge of its vocabulary
-  slices);
-- with ``--sweep``, the fused kernel's launch choices (rows and columns per tile, warps, stages, dot precision).
+- ``fused`` (CUDA): ``top_k_probs`` (the weight dequantized and split once, the fused kernel, the merge of its
+  vocabulary slices);
+- with ``--sweep``, the fused kernel alone (the weight split once) at each of ``LAUNCH_CHOICES`` and precision.
 With ``--groups`` it times ``probes.logit_lens_batch`` on those prompts instead (median and min of 7 calls), the lens
 launched every ``probes.lens.LENS_GROUP`` layers as the forward passes them, for each group size given (CUDA; on
 the CPU the lens is one call after the forward whatever the size).
@@ -33,6 +33,13 @@ from workbench import probes
 from workbench.kernels import lens as lens_ops
 from workbench.kernels import linear
 from workbench.probes import load_dataset
+
+
+# (rows, columns, depth) of a tile, warps, stages, lanes a tile folds onto: the launch choices ``--sweep`` times at
+# each precision
+LAUNCH_CHOICES = [(128, 128, 32, 8, 3, 32), (128, 128, 32, 8, 3, 16), (128, 128, 32, 8, 3, 128),
+                  (128, 128, 64, 8, 3, 32), (128, 128, 64, 8, 2, 32), (128, 256, 32, 8, 2, 32),
+                  (128, 64, 32, 4, 4, 32), (64, 128, 32, 4, 3, 32), (64, 256, 32, 8, 3, 32), (128, 128, 32, 4, 3, 32)]
 
 
 def before(rows: torch.Tensor, w, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,12 +124,13 @@ def main() -> None:
     if args.device == "cuda":
         variants["fused (default)"] = lambda x: lens_ops.top_k_probs(x, w, args.k)
     if args.sweep and args.device == "cuda":
-        from workbench.kernels.triton.lens import top_k_probs as fused_top_k_probs
+        from workbench.kernels.triton.lens import split, top_k_probs as fused_top_k_probs
 
-        for bm, bn, warps, stages, precision in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
-                                                                  ("tf32x3", "tf32")):
-            options = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, precision=precision)
-            variants[f"fused bm={bm} bn={bn} warps={warps} stages={stages} {precision}"] = (
+        halves = {"fp16x3": split(dense), "tf32": None}
+        for precision, (bm, bn, bk, warps, stages, fold) in itertools.product(halves, LAUNCH_CHOICES):
+            options = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, fold=fold,
+                           precision=precision, w_split=halves[precision])
+            variants[f"fused {bm}x{bn}x{bk} w{warps} s{stages} fold {fold} {precision}"] = (
                 lambda x, options=options: fused_top_k_probs(x, dense, args.k, **options))
     print(f"{'variant':58} {'ms':>8} {'max rel err':>12} {'rows off':>9}")
     for name, run in variants.items():

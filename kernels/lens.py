@@ -2,8 +2,8 @@
 (every layer's residual at every position) times a vocabulary make logits far larger than the answer.
 
 - On CUDA in exact numerics, one fused Triton kernel (``triton/lens.py``) takes the weight dequantized once to the
-  activations' dtype (what the production matmul multiplies in exact numerics) and never writes the logits: it keeps
-  each row's max, sum of exponentials and top-k as it walks the vocabulary in tiles.
+  activations' dtype (what the production matmul multiplies in exact numerics; float32 split into float16 halves) and
+  never writes the logits: it keeps each row's max, sum of exponentials and top-k as it walks the vocabulary in tiles.
 - Elsewhere (the CPU, llama.cpp numerics, a k past the kernel's), the logits of a chunk of rows at a time, then their
   top-k and softmax (on the CPU one C++ pass a row, ``top_k_softmax``): one chunk's logits alive at a time. In exact
   numerics the weight is dequantized once and each chunk is a dense matmul (what ``blockwise-dequant-matmul`` and
@@ -32,13 +32,20 @@ ROWS_PER_CHUNK = 1024
 DENSE_BYTES = 1 << 29
 
 
-def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int, cap: float | None = None
+def top_k_probs(x: torch.Tensor, w: QuantTensor, k: int, cap: float | None = None, kept: dict | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, ids)``, each ``[N, k]`` (float32, int64), of ``softmax(linear(x, w).float())`` for ``x`` ``[N, in]``:
     the ``k`` most probable outputs of each row, best first, in the current numerics; with ``cap``, of the logits
-    soft-capped first (``layer_ops.soft_cap``), as the forward caps a model's final logits."""
+    soft-capped first (``layer_ops.soft_cap``), as the forward caps a model's final logits. ``kept``: a dict the caller
+    keeps over calls with the same ``w`` (a lens's groups of layers), where the fused kernel's form of it is made
+    once."""
     if cap is None and fuses(x, k):
-        return _fused_top_k_probs(x if x.stride(-1) == 1 else x.contiguous(), dense_weight(w, x.dtype), k)
+        kept = {} if kept is None else kept
+        if x.dtype not in kept:
+            dense = dense_weight(w, x.dtype)
+            kept[x.dtype] = dense, _split(dense) if x.dtype == torch.float32 else None
+        dense, parts = kept[x.dtype]
+        return _fused_top_k_probs(x if x.stride(-1) == 1 else x.contiguous(), dense, k, w_split=parts)
     # in exact numerics, the weight dequantized once and a dense matmul per chunk, as the production kernels compute it
     dense = (dense_weight(w, x.dtype) if get_numerics() == "exact" and x.shape[0] > ROWS_PER_CHUNK
              and w.shape[0] * w.shape[1] * x.element_size() <= DENSE_BYTES else None)
@@ -88,6 +95,6 @@ def dense_weight(w: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 if _triton.AVAILABLE:
-    from .triton.lens import MAX_K as _MAX_K, top_k_probs as _fused_top_k_probs
+    from .triton.lens import MAX_K as _MAX_K, split as _split, top_k_probs as _fused_top_k_probs
 else:
     _MAX_K = 0

@@ -248,6 +248,7 @@ class _PackedLens:
         on_cuda = model.runner.output_device.type == "cuda"
         self.group = LENS_GROUP if on_cuda else self.n_points
         self.forwards: list[_LensForward] = []
+        self.kept_weight: dict = {}  # the unembedding as the fused top-k reads it, made once for all groups
 
     def hook(self, point: str, layer: int) -> Callable[[torch.Tensor, Any], None]:
         return lambda x, ctx: self.add(ctx.layout, point, layer, x)
@@ -279,7 +280,7 @@ class _PackedLens:
             normed = normed[:, forward.distinct[0]]
         with self.model.numerics_scope():
             probs, ids = top_k_probs(normed.reshape(-1, normed.shape[-1]), self.model.runner.unembed, self.k,
-                                     self.model.config.final_softcap or None)
+                                     self.model.config.final_softcap or None, self.kept_weight)
         probs, ids = probs.view(end - first, -1, self.k), ids.view(end - first, -1, self.k)
         if forward.distinct is not None:
             probs, ids = probs[:, forward.distinct[1]], ids[:, forward.distinct[1]]

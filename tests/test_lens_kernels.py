@@ -11,13 +11,16 @@ from workbench import probes
 from workbench.kernels import QuantTensor, linear, numerics
 from workbench.kernels import lens as lens_ops
 
-# (rows, vocabulary, width, k, vocabulary slices, tile columns): a vocabulary that is no multiple of the tile, k = 1,
-# k past the tile (the tile widens to k's power of two), slices narrower than k's power of two, one row
-SHAPES = [(37, 200, 48, 5, 2, 32), (9, 100, 24, 1, 1, 16), (11, 70, 16, 20, 3, 16), (1, 130, 32, 64, 1, 32)]
-# Error in log-probability (about the probabilities' relative error) against float64's: TF32x3's three products keep
-# each |x_i w_i| to about 3 x 2^-22, so a logit to 2^-20 of sum |x_i w_i| and a log-probability to twice that (its
-# logit's error and the maximum's); float32 sums and exponentials add some 1e-6. Measured under the interpreter (float32
-# products): at most 2.3e-6 (torch's float32 softmax of the same logits: 4.4e-6). In half precision, where the
+# (rows, vocabulary, width, k, vocabulary slices, tile columns, lanes a tile folds onto): a vocabulary that is no
+# multiple of the tile, k = 1, k past the tile (the tile widens to k's power of two), slices narrower than k's power of
+# two, one row, and a slice of 64 tiles: past its first few, tiles fold onto k's power of two (and the crowded ones
+# still sort whole)
+SHAPES = [(37, 200, 48, 5, 2, 32, 32), (9, 100, 24, 1, 1, 16, 2), (11, 70, 16, 20, 3, 16, 16),
+          (1, 130, 32, 64, 1, 32, 64), (12, 4096, 32, 6, 1, 64, 8)]
+# Error in log-probability (about the probabilities' relative error) against float64's: a logit within the product
+# error (PRODUCT_ERROR below) of sum |x_i w_i|, and a log-probability within twice that (its logit's error and the
+# maximum's); float32 sums and exponentials add some 1e-6. Measured under the interpreter (float32 products): at most
+# 2.3e-6 (torch's float32 softmax of the same logits: 4.4e-6). In half precision, where the
 # kernel's float32 sum and float64's fall on two sides of a rounding boundary the logit moves by an ulp: two ulps of the
 # largest logit are allowed on top.
 TOLERANCE = 1e-5  # the chunked path: float32 products
@@ -52,9 +55,16 @@ def triton_device() -> str:
     return "cpu" if INTERPRETING else "cuda"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows, vocab, width, k, splits, block_n", SHAPES)
-def test_fused_kernel_against_float64(rows, vocab, width, k, splits, block_n, dtype):
+# float32 inputs at each precision, half inputs (multiplied exactly at any); each product's error as a fraction of
+# |x_i w_i|: at fp16x3 about 3 x 2^-24 (each half of an 11-bit significand, the low halves' product left out), within
+# 2^-20; at TF32 2^-10
+INPUTS = [(torch.float32, "fp16x3"), (torch.float32, "tf32"), (torch.float16, "fp16x3"), (torch.bfloat16, "fp16x3")]
+PRODUCT_ERROR = {"fp16x3": 2.0**-20, "tf32": 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype, precision", INPUTS, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("rows, vocab, width, k, splits, block_n, fold", SHAPES)
+def test_fused_kernel_against_float64(rows, vocab, width, k, splits, block_n, fold, dtype, precision):
     device = triton_device()
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter multiplies bfloat16 tiles wrongly (and truncates to it): left to CUDA")
@@ -64,12 +74,15 @@ def test_fused_kernel_against_float64(rows, vocab, width, k, splits, block_n, dt
     # logits of spread ~5, a few rows peaked: the probabilities span many orders of magnitude
     x = (torch.randn(rows, width, generator=g) * torch.linspace(0.3, 3.0, rows)[:, None]).to(dtype)
     w = (torch.randn(vocab, width, generator=g) * 2 / width**0.5).to(dtype)
-    probs, ids = top_k_probs(x.to(device), w.to(device), k, block_m=16, block_n=block_n, block_k=16, splits=splits)
+    probs, ids = top_k_probs(x.to(device), w.to(device), k, block_m=16, block_n=block_n, block_k=16, splits=splits,
+                             precision=precision, fold=fold)
     logits = reference(x, w)
-    dot_error = 2.0**-20 * float((x.double().abs() @ w.double().abs().T).max())
+    dot_error = PRODUCT_ERROR[precision] * float((x.double().abs() @ w.double().abs().T).max())
     assert_top_k(probs.cpu(), ids.cpu(), logits, k, 1e-6 + 2 * dot_error + HALF_ULPS[dtype] * float(logits.abs().max()))
     with pytest.raises(ValueError, match="lens top_k_probs"):
         top_k_probs(x.to(device), w.to(device), vocab + 1)
+    with pytest.raises(ValueError, match="precision 'fp8'"):
+        top_k_probs(x.to(device), w.to(device), k, precision="fp8")
 
 
 @pytest.mark.parametrize("rows", [21, 8])  # several chunks of 8: the weight dequantized once; one: read packed
@@ -115,7 +128,7 @@ def test_lens_with_the_fused_kernel_equals_the_lens_without(tiny_model, monkeypa
     for a, b in zip(plain, fused):
         assert a.tokens == b.tokens
         for point in points:
-            # float32 products against TF32x3's on CUDA: each some 1e-6 from float64's (test_fused_kernel_against_float64)
+            # float32 products against fp16x3's on CUDA: each ~1e-6 from float64's (test_fused_kernel_against_float64)
             torch.testing.assert_close(b.top_probs[point], a.top_probs[point], rtol=1e-4, atol=1e-7)
             same = b.top_ids[point] == a.top_ids[point]
             # where ids differ, the lens's probabilities tie
@@ -123,3 +136,22 @@ def test_lens_with_the_fused_kernel_equals_the_lens_without(tiny_model, monkeypa
             full = torch.stack([a.logits(layer, point) for layer in range(2)]).softmax(-1)
             top = full.topk(4)
             torch.testing.assert_close(b.top_probs[point], top.values, rtol=1e-4, atol=1e-7)
+
+
+def test_split_keeps_float32_rows_to_their_largest_magnitude():
+    """``split``'s halves rebuild each row within 2^-22 of its largest magnitude: rows near float32's largest number
+    and near 2^-99, a zero row, and one of spread magnitudes; a NaN comes through."""
+    pytest.importorskip("triton")
+    from workbench.kernels.triton.lens import split
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 64, generator=g) * torch.tensor([1.0, 1e38, 1e-30, 0.0, 1.0, 1.0])[:, None]
+    rows[4] *= torch.logspace(-20, 0, 64)  # magnitudes from 1e-20 up
+    high, low, scale = split(rows)
+    assert high.dtype == low.dtype == torch.float16 and scale.dtype == torch.float32
+    rebuilt = (high.double() + low.double()) * scale.double()[:, None]
+    error = (rebuilt - rows.double()).abs().amax(1)
+    assert torch.all(error <= 2.0**-22 * rows.double().abs().amax(1))
+    assert float(error[4]) > 0  # the halves drop the smallest magnitudes' last bits: the bound is not vacuous
+    rows[5, 7] = float("nan")
+    assert split(rows)[0][5].isnan().any()
