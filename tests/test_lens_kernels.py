@@ -3,6 +3,8 @@
 lens through the public API with the fused kernel equal to the lens without it."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +85,8 @@ def test_fused_kernel_against_float64(rows, vocab, width, k, splits, block_n, fo
         top_k_probs(x.to(device), w.to(device), vocab + 1)
     with pytest.raises(ValueError, match="precision 'fp8'"):
         top_k_probs(x.to(device), w.to(device), k, precision="fp8")
+    with pytest.raises(ValueError, match="fold 12"):
+        top_k_probs(x.to(device), w.to(device), k, fold=12)
 
 
 @pytest.mark.parametrize("rows", [21, 8])  # several chunks of 8: the weight dequantized once; one: read packed
@@ -155,3 +159,26 @@ def test_split_keeps_float32_rows_to_their_largest_magnitude():
     assert float(error[4]) > 0  # the halves drop the smallest magnitudes' last bits: the bound is not vacuous
     rows[5, 7] = float("nan")
     assert split(rows)[0][5].isnan().any()
+
+
+def test_the_fused_path_splits_a_kept_weight_once(monkeypatch):
+    """Calls that share ``kept`` (a lens's groups of layers) split the unembedding once, and give what a call that
+    splits it afresh gives."""
+    device = triton_device()
+    monkeypatch.setattr(lens_ops, "fuses", lambda x, k: True)
+    fused = lens_ops._fused_top_k_probs  # small tiles: the interpreter's time grows with theirs
+    monkeypatch.setattr(lens_ops, "_fused_top_k_probs", functools.partial(fused, block_m=16, block_n=32, block_k=16))
+    splits = []
+    split = lens_ops._split
+    monkeypatch.setattr(lens_ops, "_split", lambda w: splits.append(tuple(w.shape)) or split(w))
+    g = torch.Generator().manual_seed(4)
+    w = QuantTensor.quantize(torch.randn(300, 64, generator=g) / 4, "Q8_0").to(device)
+    x = torch.randn(2, 10, 64, generator=g).to(device)
+    kept: dict = {}
+    lens_ops.top_k_probs(x[0], w, 5, kept=kept)
+    probs, ids = lens_ops.top_k_probs(x[1], w, 5, kept=kept)
+    assert splits == [(300, 64)]
+    fresh_probs, fresh_ids = lens_ops.top_k_probs(x[1], w, 5)
+    assert splits == [(300, 64)] * 2
+    assert torch.equal(probs, fresh_probs) and torch.equal(ids, fresh_ids)
+    assert_top_k(probs.cpu(), ids.cpu(), reference(x[1].cpu(), w.dequantize().cpu()), 5, TOLERANCE)

@@ -132,9 +132,10 @@ def top_k_probs(x: torch.Tensor, w: torch.Tensor, k: int, block_m: int = 128, bl
     m, d = x.shape
     n = w.shape[0]
     if (not 1 <= k <= min(MAX_K, n) or w.shape[1] != d or w.dtype != x.dtype or x.stride(1) != 1 or w.stride(1) != 1
-            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or precision not in ("fp16x3", "tf32")):
+            or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or precision not in ("fp16x3", "tf32")
+            or fold < 1 or fold & (fold - 1)):
         raise ValueError(f"lens top_k_probs: x {x.dtype} {tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}, k {k}, "
-                         f"precision {precision!r}")
+                         f"precision {precision!r}, fold {fold} (a power of two)")
     k_pad = max(2, next_power_of_2(k))  # tl.topk takes a power of two
     block_n = max(block_n, k_pad)
     row_blocks = cdiv(m, block_m)
