@@ -13,8 +13,8 @@ Float32 inputs are multiplied at ``"fp16x3"``, about float32's accuracy: each ro
 power of two into float16's range and split into a float16 high and low half (``split``), and a tile is the three
 products high x high, high x low and low x high on the float16 tensor cores, scaled back. Float16 keeps 11 bits of a
 significand as TF32 does, so this is TF32x3's accuracy on tensor cores that multiply float16 at twice TF32's rate, and
-the split is made once per weight rather than at every tile (docs/performance.md, "The lens kernel on float16
-halves"). Half inputs multiply exactly, the tile rounded to their dtype as the dense matmul's result is.
+the split is made once per weight rather than at every tile (docs/performance.md, "The four tasks on an H200"). Half
+inputs multiply exactly, the tile rounded to their dtype as the dense matmul's result is.
 """
 from __future__ import annotations
 
