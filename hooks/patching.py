@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from workbench.errors import HookError, WorkbenchError, integer, integer_list, shorten
 from workbench.kv_cache import BatchKVCache, KVCache
@@ -643,8 +644,9 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
         ids = sorted({i for answers in answer_pairs for i in answers})
         answer_ids = torch.tensor(ids, device=runner.output_device)
         columns = torch.tensor([[ids.index(a) for a in answers] for answers in answer_pairs])
-    donors = {name: _stacked([clean.activations[name] for clean in cleans]).to(model.point_device(name), model.dtype)
-              for _, name, _, _ in cells}
+    # each point's recordings [pairs, positions, ...], a shorter prompt's padded with zeros
+    donors = {name: pad_sequence([clean.activations[name] for clean in cleans], batch_first=True).to(
+        model.point_device(name), model.dtype) for _, name, _, _ in cells}
     grid = torch.empty(len(sweeps) * n_cells)
     update, close = progress_callback(progress, len(grid), "cells")
     done = 0
@@ -685,15 +687,6 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
     finally:
         close()
     return grid.view(len(sweeps), n_cells)
-
-
-def _stacked(activations: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The pairs' recordings of one point, ``[pairs, positions, ...]``, a shorter prompt's padded with zeros."""
-    longest = max(a.shape[0] for a in activations)
-    out = activations[0].new_zeros(len(activations), longest, *activations[0].shape[1:])
-    for p, a in enumerate(activations):
-        out[p, :a.shape[0]] = a
-    return out
 
 
 def _chunks(model: Any, order: list[int], first: Sequence[int], lengths: Sequence[int],
