@@ -17,7 +17,8 @@ from test_loading import hf_model
 import workbench
 from workbench.config import ModelConfig
 from workbench.synthetic import write_gguf
-from workbench.adapters import AdapterError, files_sha256
+from workbench.adapters import AdapterError
+from workbench.loading import hash_files
 from workbench.errors import HookError, WorkbenchError
 from workbench.generation import _BUILT, _forward_and_pick, generate_batch_tokens, generate_tokens, step_key
 from workbench.kernels import lora as lora_ops, numerics
@@ -373,7 +374,7 @@ def test_merged_adapter_is_within_one_rounding_of_the_unmerged(fmt, tmp_path):
         assert 0 < error < quantize_drift and record["merged"] == f"re-quantized to {fmt}"
         assert set(model.tensor_formats().values()) == {fmt}  # the same formats, the same size
     assert "ft" not in model.adapters and model.list_adapters() == [record]
-    assert model.info()["merged_adapters"] == [record] and record["sha256"] == files_sha256(
+    assert model.info()["merged_adapters"] == [record] and record["sha256"] == hash_files(
         [peft_dir / "adapter_config.json", peft_dir / "adapter_model.safetensors"])
     with pytest.raises(WorkbenchError, match="unknown adapter 'ft'"):
         model.forward(ids, adapter="ft")

@@ -264,14 +264,14 @@ def test_replay_never_loads_an_adapter_named_by_the_manifest(tiny_model, tmp_pat
     names is never opened: not outside the folder, not a FIFO, not to say whether a file exists."""
     from test_adapters import write_peft
 
-    from workbench.adapters import files_sha256
+    from workbench.loading import hash_files
 
     model = tiny_model("llama", seed=5, cached=False)  # adapters are loaded on it
     bench = Workbench(model, tmp_path / "artifacts", LIMITS, model_name="tiny")
     with bench.sessions.using("test") as session:
         call = Call(session, threading.Event())
         peft = write_peft(bench.artifacts.root / "lora", model.config, seed=1)
-        sha = files_sha256([peft / "adapter_config.json", peft / "adapter_model.safetensors"])
+        sha = hash_files([peft / "adapter_config.json", peft / "adapter_model.safetensors"])
         bench.load_adapter(call, path="lora", name="mine")
         trace = model.run(PROMPT, adapter="mine")
         trace.save(bench.artifacts.root / "saved")

@@ -9,7 +9,6 @@ applied it to a GGUF adapter).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, finite_number, shorten
 from workbench.files import regular_file
 from workbench.kernels import QuantTensor, get_format
+from workbench.loading import hash_files, permute_for_interleaved_rope
 
 # Our projection (a LayerWeights field) -> its llama.cpp tensor name and its Hugging Face module name.
 PROJECTIONS: dict[str, tuple[str, str]] = {
@@ -125,7 +125,7 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
         raise AdapterError(f"{path}: the adapter holds no LoRA tensors for the base's projections")
     info.pop("needs_permute", None)
     info.pop("tensor_names", None)
-    return Adapter(name, path, "peft" if path.is_dir() else "gguf", files_sha256(files), max(ranks),
+    return Adapter(name, path, "peft" if path.is_dir() else "gguf", hash_files(files), max(ranks),
                    info.pop("alpha"), scale, layers, info)
 
 
@@ -185,18 +185,7 @@ def _finite_float32(x: float) -> bool:
 
 def permute_rows_for_rope(b: torch.Tensor, config: ModelConfig, proj: str) -> torch.Tensor:
     """B's rows in the order llama.cpp's converter gives the base's Q or K rows (``B A``'s rows are the delta's)."""
-    from workbench.loading import permute_for_interleaved_rope
-
     return permute_for_interleaved_rope(b, config.n_heads if proj == "wq" else config.n_kv_heads)
-
-
-def files_sha256(files: list[Path]) -> str:
-    h = hashlib.sha256()
-    for file in files:
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- GGUF

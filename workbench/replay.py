@@ -10,12 +10,11 @@ from typing import Any, Sequence
 import torch
 
 from workbench.adapters import adapter_files
-from workbench.adapters import files_sha256 as adapter_sha256
 from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.hooks import Trace, load_trace
 from workbench.hooks.trace import model_mismatch
 from workbench.kernels import numerics
-from workbench.loading import check_hf_files, checkpoint_files, default_model_path, files_sha256
+from workbench.loading import check_hf_files, checkpoint_files, default_model_path, files_sha256, hash_files
 from workbench.model import Model, load
 
 IDENTICAL, WITHIN_TOLERANCE, DIFFERENT = "identical", "within tolerance", "different"
@@ -148,7 +147,7 @@ def _resident_adapter(model: Model, entry: dict, load: bool) -> str:
     if not path.exists() and not path.is_symlink():
         raise WorkbenchError(f"the trace ran with adapter {shorten(name)} ({shorten(recorded)}), which is neither "
                              "loaded nor at its recorded path; model.load_adapter(path, name=...) first")
-    if adapter_sha256(adapter_files(path, links=False)) != sha:
+    if hash_files(adapter_files(path, links=False)) != sha:
         raise WorkbenchError(f"the file {shorten(recorded)} recorded for adapter {shorten(name)} is not the adapter "
                              "the trace ran with (its sha256 differs); nothing was loaded")
     if model.load_adapter(path, name=name).sha256 != sha:  # changed since it was hashed
