@@ -1114,14 +1114,15 @@ class ActDigits {
     for (int64_t i = 0; i < m; ++i)
       if (wanted[i]) slot_[i] = slots++;
     data_ = torch::empty({slots, row_bytes_}, torch::kUInt8);
+    bytes_ = data_.data_ptr<uint8_t>();
     usable_.resize(slots);
     for (int64_t i = 0; i < m; ++i)
-      if (slot_[i] >= 0) usable_[slot_[i]] = prepare(x + i * k, data_.data_ptr<uint8_t>() + slot_[i] * row_bytes_);
+      if (slot_[i] >= 0) usable_[slot_[i]] = prepare(x + i * k, bytes_ + slot_[i] * row_bytes_);
   }
   // The digits of row i where they were prepared and are usable, else nullptr.
   const uint8_t* row(int64_t i) const {
     const int64_t slot = slot_[i];
-    return slot >= 0 && usable_[slot] ? data_.data_ptr<uint8_t>() + slot * row_bytes_ : nullptr;
+    return slot >= 0 && usable_[slot] ? bytes_ + slot * row_bytes_ : nullptr;
   }
 
  private:
@@ -1155,6 +1156,7 @@ class ActDigits {
   int64_t k_, row_bytes_;
   std::vector<int64_t> slot_;  // each row's place in data_, -1 where not prepared
   torch::Tensor data_;
+  uint8_t* bytes_;  // data_'s: its data_ptr checks the type and storage at every call, and row() runs per weight row
   std::vector<char> usable_;
 };
 
@@ -1405,9 +1407,10 @@ class ActTiles {
   static constexpr int64_t kUnitBytes = 3 * 512 + 2 * 64;
   ActTiles(const float* x, int64_t m, int64_t k) : units_(k / 32), groups_((m + 15) / 16) {
     data_ = torch::empty({groups_ * units_ * kUnitBytes}, torch::kUInt8);
+    bytes_ = data_.data_ptr<uint8_t>();
     // the last group's rows past m, zeros (every other byte is written below): an output row of theirs is never stored
     for (int64_t u = 0, pad = groups_ * 16 - m; pad > 0 && u < units_; ++u) {
-      uint8_t* tiles = data_.data_ptr<uint8_t>() + ((groups_ - 1) * units_ + u) * kUnitBytes;
+      uint8_t* tiles = bytes_ + ((groups_ - 1) * units_ + u) * kUnitBytes;
       for (int d = 0; d < 3; ++d) std::memset(tiles + 512 * d + 32 * (16 - pad), 0, 32 * pad);
       float* power = reinterpret_cast<float*>(tiles + 3 * 512);
       std::fill_n(power + 16 - pad, pad, 0.0f);
@@ -1423,7 +1426,7 @@ class ActTiles {
   bool usable() const { return usable_; }
   int64_t groups() const { return groups_; }
   const uint8_t* unit(int64_t group, int64_t u) const {
-    return data_.data_ptr<uint8_t>() + (group * units_ + u) * kUnitBytes;
+    return bytes_ + (group * units_ + u) * kUnitBytes;
   }
 
  private:
@@ -1433,7 +1436,7 @@ class ActTiles {
       __m512i m[2];
       const std::optional<int> e = block_integers(v, m);
       if (!e) return false;
-      uint8_t* tiles = data_.data_ptr<uint8_t>() + ((i / 16) * units_ + u) * kUnitBytes + 32 * (i % 16);
+      uint8_t* tiles = bytes_ + ((i / 16) * units_ + u) * kUnitBytes + 32 * (i % 16);
       float* power = reinterpret_cast<float*>(tiles - 32 * (i % 16) + 3 * 512) + i % 16;
       int64_t sum = 0;
       for (int h = 0; h < 2; ++h) {
@@ -1451,6 +1454,7 @@ class ActTiles {
 
   int64_t units_, groups_;
   torch::Tensor data_;
+  uint8_t* bytes_;  // data_'s: its data_ptr checks the type and storage at every call, and unit() runs per tile
   bool usable_ = false;
 };
 
