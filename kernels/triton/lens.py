@@ -25,6 +25,8 @@ import triton.language as tl
 from .launch import cdiv, launch, next_power_of_2
 
 MAX_K = 64  # a larger k takes the unfused path
+# the dtype a tile's logits are rounded to: the dense matmul's result is in the activations' dtype
+_LOGITS = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
@@ -151,7 +153,7 @@ def top_k_probs(x: torch.Tensor, w: torch.Tensor, k: int, block_m: int = 128, bl
     ids = torch.empty(m, splits * k_pad, dtype=torch.int32, device=x.device)
     if m:
         three = x.dtype == torch.float32 and precision == "fp16x3"
-        logits = _LOGITS[x.dtype]  # the dense matmul's result is in the activations' dtype
+        logits = _LOGITS[x.dtype]
         (x, x_low, x_scale), (w, w_low, w_scale) = (split(x), w_split or split(w)) if three else ((x,) * 3, (w,) * 3)
         launch(_lens_kernel, (row_blocks, splits), x, x_low, x_scale, w, w_low, w_scale, maxes, sums, values, ids, m,
                n, d, x.stride(0), w.stride(0), split_cols, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -163,5 +165,3 @@ def top_k_probs(x: torch.Tensor, w: torch.Tensor, k: int, block_m: int = 128, bl
     total = (sums * (maxes - top_max).exp()).sum(1, keepdim=True)
     return (top - top_max).exp() / total, ids.gather(1, where).long()
 
-
-_LOGITS = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
