@@ -60,6 +60,7 @@ def axes(name: str) -> Axes:
 
 
 def layer_of(name: str) -> int | None:
+    """The block a hook point lies in (None for the embedding's and the final norm's and logits' points)."""
     return int(name.split(".")[1]) if name.startswith("blocks.") else None
 
 
@@ -85,10 +86,6 @@ def _lora_width(suffix: str, config: ModelConfig) -> int:
     return projection_shape(config, _LORA_PROJECTION[suffix])[0]
 
 
-def _layer(name: str) -> int | None:
-    return int(name.split(".")[1]) if name.startswith("blocks.") else None
-
-
 def _dims(config: ModelConfig, layer: int | None) -> dict[str, int]:
     """The sizes a point's shape names, at ``layer`` (Gemma 4's global layers have heads and MLPs of their own)."""
     n_kv_heads, d_head = config.layer_heads(layer) if layer is not None else (config.n_kv_heads, config.d_head)
@@ -111,7 +108,7 @@ def _shape_table(config: ModelConfig) -> tuple[tuple[str, str], ...]:
     blocks = block_points(config)
     for name in hook_point_names(config):
         suffix = name.split(".", 2)[2] if name.startswith("blocks.") else name
-        out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix], _layer(name))))
+        out.append((name, fill(blocks.get(suffix) or GLOBAL_POINTS[suffix], layer_of(name))))
     out += [(name, f"[T, {_lora_width(name.split('.', 2)[2], config)}]") for name in lora_point_names(config.n_layers)]
     return tuple(out)
 
@@ -140,7 +137,7 @@ def head_count(name: str, config: ModelConfig) -> int | None:
     if axes(name).head is None:
         return None
     kv = name.endswith(("hook_k", "hook_v", "hook_rot_k")) or ".k_norm." in name or ".v_norm." in name
-    return _dims(config, _layer(name))["n_kv_heads"] if kv else config.n_heads
+    return _dims(config, layer_of(name))["n_kv_heads"] if kv else config.n_heads
 
 
 def feature_size(name: str, config: ModelConfig) -> int | None:
@@ -153,11 +150,11 @@ def feature_size(name: str, config: ModelConfig) -> int | None:
     if a.feature is None:
         return None
     if a.head is not None:
-        return config.d_model if name.endswith("hook_result") else _dims(config, _layer(name))["d_head"]
+        return config.d_model if name.endswith("hook_result") else _dims(config, layer_of(name))["d_head"]
     if name.endswith("_lora"):
         return _lora_width(name.split(".", 2)[2], config)
     if name.endswith(("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")):
-        return _dims(config, _layer(name))["d_mlp"]
+        return _dims(config, layer_of(name))["d_mlp"]
     if name.endswith("per_layer.hook_input"):
         return config.d_per_layer
     if name.endswith("mlp.hook_router_logits"):

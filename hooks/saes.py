@@ -24,7 +24,7 @@ from workbench.errors import HookError
 from workbench.kernels.tracing import tracks_grad
 from workbench.runner import HookContext, HookFn, hook_point_names, run_hooks
 
-from .points import SAE_POINTS, axes, feature_size, split_sae_point
+from .points import SAE_POINTS, axes, feature_size, layer_of, split_sae_point
 
 
 def check_saes(saes: Sequence[Any], config: ModelConfig) -> list[Any]:
@@ -50,17 +50,13 @@ def check_saes(saes: Sequence[Any], config: ModelConfig) -> list[Any]:
                 raise HookError(f"{sae.label()}: its {what} is {width} but {point} has {size} features")
         if sae.is_transcoder:
             start, end = names.index(sae.hook), names.index(sae.hook_out)
-            if not start < end or point_layer(sae.hook) != point_layer(sae.hook_out):
+            if not start < end or layer_of(sae.hook) != layer_of(sae.hook_out):
                 raise HookError(f"{sae.label()}: a transcoder reads {sae.hook} and writes {sae.hook_out}: the input "
                                 "must come first, in the same block")
         if sae.hook in seen and seen[sae.hook] is not sae:
             raise HookError(f"two SAEs attached at {sae.hook}: attach one per hook point")
         seen[sae.hook] = sae
     return list(dict.fromkeys(saes))
-
-
-def point_layer(name: str) -> int | None:
-    return int(name.split(".")[1]) if name.startswith("blocks.") else None
 
 
 def check_sae_points(names: Sequence[str], saes: Sequence[Any]) -> None:
