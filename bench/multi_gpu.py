@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Iterator
 
 import torch

@@ -204,9 +204,9 @@ def fused_calls_keep_every_bit(monkeypatch, runner, inside: str, run) -> list[tu
     in_mlp = {f"blocks.{i}.mlp.hook_post": [lambda x, ctx: None] for i in layers}
     in_attention = {f"blocks.{i}.attn.{inside}": [lambda x, ctx: None] for i in layers}
     results, calls = [], []
-    for hooks in (None, in_mlp, in_attention):
+    for hooked in (None, in_mlp, in_attention):
         blocks.clear(), attentions.clear()
-        results.append(run(hooks))
+        results.append(run(hooked))
         calls.append((list(blocks), len(attentions)))
     (plain, plain_cache), *others = results
     for logits, cache in others:
