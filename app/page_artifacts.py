@@ -69,7 +69,8 @@ left.code(f"{a.prompt!r}\n{len(a.interventions)} interventions", language=None, 
 right.code(f"{b.prompt!r}\n{len(b.interventions)} interventions", language=None, wrap_lines=True)
 if a.fingerprint.get("sha256") != b.fingerprint.get("sha256"):
     st.warning("The traces were recorded on different models.")
-common.compare_next_token(model, a.logits[-1], b.logits[-1], ("A", "B"), "ar_next")
+with common.guard():  # a trace from a batch run may keep no logits
+    common.compare_next_token(model, a.logits_at(-1), b.logits_at(-1), ("A", "B"), "ar_next")
 if a.ids == b.ids:
     figure = common.attempt(common.residual_change, a, b, model.config.n_layers,
                             "‖resid_post(B) − resid_post(A)‖ / ‖resid_post(A)‖")

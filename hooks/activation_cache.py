@@ -135,6 +135,9 @@ def to_activation_cache(trace: Any, model: Any = None):
 
     if not trace.activations:
         raise WorkbenchError("the trace recorded no activations (run with record=[...])")
+    if trace.reduce is not None:
+        raise WorkbenchError(f"the trace kept one row per point (reduce={trace.reduce!r}); an ActivationCache holds "
+                             "every position's: record without reduce")
     if model is not None:
         mismatch = model_mismatch(trace.fingerprint, model)
         if mismatch:

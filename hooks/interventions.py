@@ -65,7 +65,8 @@ class RunShape:
         key = (tuple(ids), tuple(names))
         if key not in self._donor_runs:
             recorder = Recorder(names)
-            self.model.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=recorder.hooks())
+            self.model.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=recorder.hooks(),
+                                      stop_at_layer=self.model.runner.stop_after(names))
             self._donor_runs[key] = recorder.activations()
         return self._donor_runs[key]
 

@@ -26,6 +26,7 @@ from workbench.errors import WorkbenchError, clip, shorten
 from workbench.files import replace_file
 from workbench.messages import check_messages, is_messages
 
+from .batching import check_reduce
 from .points import axes, is_point_name
 
 if TYPE_CHECKING:  # the results layer sits above this module: imported where used
@@ -48,7 +49,9 @@ class Trace:
     prompt: str | list[int] | list[dict[str, str]]  # a text, ids, or a conversation (rendered with chat)
     ids: list[int]
     tokens: list[str]
-    logits: torch.Tensor  # float32 [positions, vocab]
+    # float32 [positions, vocab]; [1, vocab], the last position's, from a batch run with logits="last"; None with
+    # logits=None
+    logits: torch.Tensor | None
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
     interventions: list[dict[str, Any]] = field(default_factory=list)  # JSON specs
     fingerprint: dict[str, Any] = field(default_factory=dict)  # model file sha256, path, architecture, formats
@@ -58,19 +61,34 @@ class Trace:
     chat: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     adapters: list[dict[str, Any]] = field(default_factory=list)  # LoRA adapters run with: name, scale, path, sha256
+    reduce: str | int | None = None  # how a batch run kept one row per recorded point ("last", "mean", a position)
+
+    def logits_at(self, position: int = -1) -> torch.Tensor:
+        """The logits ``[vocab]`` at a position (negative from the end), where the trace kept them."""
+        n = len(self.ids)
+        if self.logits is None:
+            raise TraceError("this trace kept no logits (it was recorded with logits=None)")
+        if isinstance(position, bool) or not isinstance(position, int) or not -n <= position < n:
+            raise TraceError(f"position {shorten(position)} is outside the trace's {n} tokens")
+        if self.logits.shape[0] == n:
+            return self.logits[position]
+        if position % n != n - 1:
+            raise TraceError(f"this trace kept the last position's logits alone (logits='last'), not position "
+                             f"{position}'s")
+        return self.logits[-1]
 
     def top_tokens(self, position: int = -1, k: int = 10) -> list[tuple[int, float]]:
         """(token id, probability) of the k most likely next tokens at a position."""
         from workbench.results import top_k
 
-        return [(t.id, t.prob) for t in top_k(self.logits[position], k)]
+        return [(t.id, t.prob) for t in top_k(self.logits_at(position), k)]
 
     def next_token(self, k: int = 10, vocab: Any = None, position: int = -1) -> "Distribution":
         """The next-token distribution at a position: top ``k`` (named by ``vocab``, a model or its tokenizer) and
         entropy (``workbench.results.next_token``)."""
         from workbench.results import next_token
 
-        return next_token(self.logits[position], k, vocab)
+        return next_token(self.logits_at(position), k, vocab)
 
     def compare(self, other: "Trace", vocab: Any = None, per_position: bool = True) -> "TraceComparison":
         """How ``other`` differs from this trace: KL, top-1, logits, activations
@@ -80,8 +98,8 @@ class Trace:
         return compare_traces(self, other, vocab, per_position)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Logits and activations under the keys the artifact stores them by."""
-        out = {"logits": self.logits}
+        """Logits (where kept) and activations under the keys the artifact stores them by."""
+        out = {} if self.logits is None else {"logits": self.logits}
         out.update({_ACTIVATION_PREFIX + name: t for name, t in self.activations.items()})
         return out
 
@@ -113,6 +131,7 @@ class Trace:
             "interventions": self.interventions,
             "metrics": self.metrics,
             "adapters": self.adapters,
+            "reduce": self.reduce,
             "tensors": {key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                               "sha256": tensor_sha256(t)} for key, t in tensors.items()},
             "tensors_file": {"name": TENSORS_FILE, "bytes": len(tensor_bytes),
@@ -170,14 +189,17 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
                 or tensor_sha256(t) != entry.get("sha256")):
             raise TraceError(f"tensor {shorten(key)} in {tensors_path} does not match its manifest entry (shape, dtype "
                              "or hash)")
-    if "logits" not in tensors:
-        raise TraceError(f"{tensors_path} holds no logits")
-    trace = Trace(prompt=manifest["prompt"], ids=manifest["ids"], tokens=manifest["tokens"], logits=tensors["logits"],
+    stray = [key for key in tensors if key != "logits" and not key.startswith(_ACTIVATION_PREFIX)]
+    if stray:
+        raise TraceError(f"{tensors_path} holds {shorten(stray[0])}, neither logits nor an activation")
+    trace = Trace(prompt=manifest["prompt"], ids=manifest["ids"], tokens=manifest["tokens"],
+                  logits=tensors.get("logits"),
                   activations={key[len(_ACTIVATION_PREFIX):]: t for key, t in tensors.items()
                                if key.startswith(_ACTIVATION_PREFIX)},
                   interventions=manifest["interventions"], fingerprint=manifest["fingerprint"],
                   backend=manifest["backend"], versions=manifest["versions"], seed=manifest["seed"],
-                  chat=manifest["chat"], metrics=manifest["metrics"], adapters=manifest.get("adapters", []))
+                  chat=manifest["chat"], metrics=manifest["metrics"], adapters=manifest.get("adapters", []),
+                  reduce=manifest.get("reduce"))
     _check_consistent(trace, tensors_path)
     return trace
 
@@ -259,9 +281,14 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
     if not isinstance(merged, list) or not all(isinstance(entry, dict) for entry in merged):
         raise TraceError(f"{where}: the fingerprint's 'merged_adapters' must be a list of adapter records")
     logits = trace.logits
-    if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[0] != len(trace.ids):
+    if logits is not None and (logits.dim() != 2 or not logits.is_floating_point()
+                               or logits.shape[0] not in (len(trace.ids), 1)):
         raise TraceError(f"{where}: logits have shape {tuple(logits.shape)}; a trace of {len(trace.ids)} tokens "
-                         f"holds [{len(trace.ids)}, vocab] floats")
+                         f"holds [{len(trace.ids)}, vocab] floats (or [1, vocab], the last position's)")
+    try:
+        check_reduce(trace.reduce, list(trace.activations), [len(trace.ids)])
+    except WorkbenchError as err:
+        raise TraceError(f"{where}: 'reduce': {err}") from None
     for name, activation in trace.activations.items():
         if not is_point_name(name):
             raise TraceError(f"{where}: activation {shorten(name)} is not named by one hook point")
@@ -269,7 +296,7 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
             raise TraceError(f"{where}: activation {shorten(name)} holds {str(activation.dtype).removeprefix('torch.')}"
                              "; a recorded activation holds floats or integers")
         axis = axes(name).token
-        if activation.dim() <= axis or activation.shape[axis] != len(trace.ids):
+        if trace.reduce is None and (activation.dim() <= axis or activation.shape[axis] != len(trace.ids)):
             raise TraceError(f"{where}: activation {shorten(name)} has shape {tuple(activation.shape)}, not one row "
                              f"per token of {len(trace.ids)}")
 

@@ -52,6 +52,6 @@ def collect_activations(model: Any, prompts: Sequence[Prompt], hook_names: Seque
     token_major = [n for n in names if axes(n).token != 0]
     if token_major:
         raise HookError(f"{token_major[0]} is not token-major ([heads, T, S]); it cannot be pooled over tokens")
-    traces = model.run_batch(prompts, record=names, reduce=pooling, logits="last", progress=progress)
+    traces = model.run_batch(prompts, record=names, reduce=pooling, logits=None, progress=progress)
     return {name: torch.stack([t.activations[name].flatten() for t in traces]) for name in names}
 

@@ -59,7 +59,7 @@ def feature_stats(model: Any, sae: SAE, prompts: Sequence[Any], n: int = 10, bat
     top_position = torch.full((d, n), -1, dtype=torch.long)
     tokens = 0
     with torch.no_grad():
-        for i, trace in model.iter_batch(ids, record=[sae.hook], logits="last", batch_size=batch_size,
+        for i, trace in model.iter_batch(ids, record=[sae.hook], logits=None, batch_size=batch_size,
                                           progress=progress):
             acts = sae.on(model.device).encode(trace.activations[sae.hook].to(model.device)).float().cpu()  # [T, d_sae]
             tokens += acts.shape[0]

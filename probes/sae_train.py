@@ -136,7 +136,7 @@ def generated_corpus(model: Any, n_texts: int, cache: str | Path | None = None, 
 def _activations(model: Any, prompts: Sequence[Any], hooks: Sequence[str], batch_size: int | None
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(input, target) activations of each prompt, its first token left out; an SAE's target is its input."""
-    for _, trace in model.iter_batch(list(prompts), record=list(dict.fromkeys(hooks)), logits="last",
+    for _, trace in model.iter_batch(list(prompts), record=list(dict.fromkeys(hooks)), logits=None,
                                      batch_size=batch_size, record_device=model.device):
         x = trace.activations[hooks[0]][1:]
         yield x, trace.activations[hooks[-1]][1:] if hooks[-1] != hooks[0] else x

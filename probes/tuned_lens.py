@@ -83,7 +83,7 @@ def train_tuned_lens(model: Any, prompts: Sequence[str] | None = None, ridge: fl
     cross = torch.zeros(c.n_layers, c.d_model, c.d_model, dtype=torch.float64)
     sum_y = torch.zeros(c.d_model, dtype=torch.float64)
     n = 0
-    for _, trace in model.iter_batch(ids, record=names, logits="last", progress=progress):
+    for _, trace in model.iter_batch(ids, record=names, logits=None, progress=progress):
         x = torch.stack([trace.activations[name] for name in names]).double()  # [layers, T, d]
         y = x[-1]
         sum_x += x.sum(1)

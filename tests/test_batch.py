@@ -110,6 +110,41 @@ def test_last_logits_only(llama):
         assert_close_logits(row, llama.forward(prompt)[-1:])
 
 
+def test_without_logits_the_forwards_stop_after_the_deepest_recorded_block(llama, monkeypatch):
+    """``logits=None`` (TransformerLens' ``stop_at_layer``): the recorded bits of the whole run, through shared
+    prefixes and a prompt in chunks too, with no block after the deepest recorded one and no unembedding run."""
+    names = ["hook_embed", "blocks.0.attn.hook_z", "blocks.0.hook_resid_post"]  # of 2 blocks
+    shared, long = PROMPTS + [TEMPLATE + p for p in PROMPTS[:2]], [list(range(1, 40))]
+    whole = llama.run_batch(shared, record=names)
+    with monkeypatch.context() as patch:
+        patch.setattr(llama, "max_batch_tokens", lambda: 32)
+        whole += llama.run_batch(long, record=names)
+    stops, widths = [], []
+    forward = llama.runner.forward
+
+    def watched(ids, *args, **kwargs):
+        stops.append(kwargs.get("stop_at_layer"))
+        widths.append(len(ids))
+        return forward(ids, *args, **kwargs)
+    monkeypatch.setattr(llama.runner, "forward", watched)
+    monkeypatch.setattr(llama.runner, "_logits", lambda *a, **k: pytest.fail("the unembedding ran"))
+    stopped = llama.run_batch(shared, record=names, logits=None)
+    monkeypatch.setattr(llama, "max_batch_tokens", lambda: 32)
+    stopped += llama.run_batch(long, record=names, logits=None)
+    assert widths[0] == len(TEMPLATE) and widths[-2:] == [32, 7]  # the shared prefix once; the long prompt in chunks
+    assert set(stops) == {1}
+    for a, b in zip(whole, stopped, strict=True):
+        assert b.logits is None and all(torch.equal(a.activations[n], b.activations[n]) for n in names)
+    monkeypatch.undo()
+    late = llama.run_batch(shared, record=names + ["ln_final.hook_normalized"], logits=None)  # runs every block
+    for a, b in zip(whole, late):
+        assert b.logits is None and all(torch.equal(a.activations[n], b.activations[n]) for n in names)
+    with pytest.raises(WorkbenchError, match="records nothing"):
+        llama.run_batch(PROMPTS, logits=None)
+    with pytest.raises(WorkbenchError, match="logits must be 'all', 'last' or None"):
+        llama.run_batch(PROMPTS, logits="none")
+
+
 def test_batch_size_splits_into_forwards_with_the_same_results(llama, monkeypatch):
     calls = []
     forward = llama.runner.forward

@@ -417,3 +417,19 @@ def test_export_control_vector_writes_only_a_file_import_reads(bench, call):
     bench.export_control_vector(call, vector_id=vector_id, path="big.gguf", scale=1e15)
     assert bench.import_control_vector(call, path="big.gguf").norms[0] == pytest.approx(
         1e15 * bench.model(call).config.d_model ** 0.5, rel=1e-6)
+
+
+def test_a_batch_trace_that_kept_less_loads_replays_and_is_compared_by_what_it_kept(bench, call):
+    """A trace saved from a batch run with no logits and one row per point: its summary has no next token, its
+    activation is one position, it replays, and comparing it is refused by name (no tool crashes on it)."""
+    model = bench.model(call)
+    name = "blocks.0.hook_resid_post"
+    trace = model.run_batch([PROMPT, "the dog"], record=[name], logits=None, reduce="last")[0]
+    trace.save(bench.artifacts.root / "reduced")
+    loaded = bench.load_trace(call, path="reduced")
+    assert loaded.next_token is None and loaded.recorded == {name: [model.config.d_model]}
+    sliced = bench.get_activation(call, trace_id=loaded.trace_id, hook=name, positions=[-1])
+    assert sliced.shape == [1, model.config.d_model]
+    assert bench.replay_trace(call, trace_id=loaded.trace_id).verdict != "different"
+    other = bench.run(call, prompt=PROMPT, record=[name]).trace_id
+    refused(bench.compare_traces, call, a=other, b=loaded.trace_id, match="kept no logits")

@@ -263,3 +263,47 @@ def test_replay_never_hashes_a_fifo_in_the_recorded_model_folder(trace, tmp_path
     thread.start()
     thread.join(20)
     assert ended
+
+
+def test_batch_traces_that_keep_less_save_load_and_replay_as_kept(gguf_model, tmp_path):
+    """A batch run's trace keeps what it was asked for (the last position's logits, none, one row per point): it
+    saves, loads and replays as kept, and what it did not keep is refused by name."""
+    name = "blocks.1.hook_resid_post"
+    full = gguf_model.run_batch([IDS, IDS[:3]], record=[name])[0]
+    for logits, reduce in (("last", None), ("last", "mean"), (None, -2), (None, None)):
+        trace = gguf_model.run_batch([IDS, IDS[:3]], record=[name], logits=logits, reduce=reduce)[0]
+        path = trace.save(tmp_path / f"{logits}-{reduce}")
+        loaded = workbench.load_trace(path)
+        assert loaded.reduce == reduce and (loaded.logits is None) == (logits is None)
+        assert torch.equal(loaded.activations[name], trace.activations[name])
+        report = workbench.replay(loaded, gguf_model)
+        assert report.ok and report.tensors_compared == 1 + (logits is not None), report
+        loaded.activations[name][0] += 1.0
+        assert workbench.replay(loaded, gguf_model).verdict == "different"
+        if logits == "last":
+            torch.testing.assert_close(loaded.logits_at(-1), full.logits[-1], atol=2e-4, rtol=0)
+            with pytest.raises(TraceError, match="last position's logits alone"):
+                loaded.top_tokens(position=0)
+            comparison = full.compare(loaded)
+            assert comparison.kl_per_position is None and comparison.max_abs_logit_diff < 2e-4
+        else:
+            with pytest.raises(TraceError, match="kept no logits"):
+                loaded.next_token()
+        if reduce is not None:
+            with pytest.raises(workbench.WorkbenchError, match="one row per point"):
+                loaded.to_activation_cache()
+    with pytest.raises(TraceError, match="outside the trace's 6 tokens"):
+        full.logits_at(6)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(reduce=None), "not one row per token"),
+    (lambda m: m.update(reduce="median"), "'reduce'"),
+    (lambda m: m.update(reduce=99), "lies outside them"),
+])
+def test_a_forged_reduction_is_refused(gguf_model, tmp_path, edit, message):
+    trace = gguf_model.run_batch([IDS], record=["blocks.0.hook_resid_post"], reduce="last")[0]
+    path = trace.save(tmp_path / "reduced")
+    edit_manifest(path, edit)
+    with pytest.raises(TraceError, match=message):
+        workbench.load_trace(path)

@@ -271,7 +271,7 @@ def _shard_activations(model: Any, prompts: list, names: list[str], reduce: str 
                        batch_size: int | None) -> dict[str, torch.Tensor]:
     """One shard's activations: ``{hook: [rows, ...]}`` (one row per prompt with ``reduce``, else every token) and
     ``"offsets"`` ``[prompts + 1]``, where prompt ``i``'s rows start."""
-    traces = model.run_batch(prompts, record=names, reduce=reduce, logits="last", batch_size=batch_size)
+    traces = model.run_batch(prompts, record=names, reduce=reduce, logits=None, batch_size=batch_size)
     join = torch.cat if reduce is None else torch.stack
     out = {name: join([t.activations[name] for t in traces]) for name in names}
     rows = [1 if reduce is not None else len(t.ids) for t in traces]

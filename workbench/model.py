@@ -552,7 +552,7 @@ class Model:
                    interventions: Sequence[Any] = (), per_prompt_interventions: Sequence[Sequence[Any]] | None = None,
                    batch_size: int | None = None, chat: bool = False, reduce: str | int | None = None,
                    record_device: str | torch.device = "cpu", record_dtype: torch.dtype = torch.float32,
-                   logits: str = "all", share_prefix: bool = True, progress: Progress = False,
+                   logits: str | None = "all", share_prefix: bool = True, progress: Progress = False,
                    saes: Sequence[Any] = (), use_error_term: bool = True, adapter: BatchAdapterChoice = None,
                    own_buffers: bool = True) -> Iterator[tuple[int, hooks_lib.Trace]]:
         """``(prompt index, Trace)`` as each batched forward finishes (prompts of similar length run together, so not
@@ -563,7 +563,9 @@ class Model:
         prompt's own. ``batch_size`` prompts go through one forward (None: as many as fit ``batch_bytes``). Recorded
         activations are kept on ``record_device`` in ``record_dtype``; ``reduce`` keeps one row per prompt as they are
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
-        (``[1, vocab]``). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
+        (``[1, vocab]``); ``logits=None`` keeps none, and the forwards stop after the deepest block a recorded point
+        lies in (TransformerLens' ``stop_at_layer``): the blocks after it, the final norm and the unembedding do not
+        run, nor do hooks there (all of them do for a point after the last block). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
         ``use_error_term`` as in ``run``, for every prompt; ``adapter`` as in ``run`` for every prompt, or a list of
         one choice per prompt (prompts of different choices share forwards: docs/adapters.md). ``own_buffers``: each
         trace's activations are copied out of their forward's buffers, so a kept trace holds no other prompt's (False:
@@ -575,8 +577,8 @@ class Model:
         no interventions: their keys and values seed each prompt's cache row, and their logits and recorded
         activations are each prompt's own (docs/batches.md).
         """
-        if logits not in ("all", "last"):
-            raise WorkbenchError(f"logits must be 'all' or 'last', got {logits!r}")
+        if logits not in ("all", "last", None):
+            raise WorkbenchError(f"logits must be 'all', 'last' or None, got {shorten(logits)}")
         ids = self.batch_ids(prompts, chat)
         lengths = [len(x) for x in ids]
         choices = self.batch_adapters(adapter, len(ids))
@@ -589,6 +591,9 @@ class Model:
         points = hooks_lib.Recorder.for_patterns(record, self.config)
         names = points.names if points else []
         hooks_lib.batching.check_reduce(reduce, names, lengths)  # with nothing recorded too: a typo is no no-op
+        if logits is None and not names:
+            raise WorkbenchError("logits=None keeps nothing of a run that records nothing: give record")
+        stop = self.runner.stop_after(names) if logits is None else None
         recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers) if names else None
         with self.numerics_scope():  # donor prompts run in the call's numerics
             prompt_hooks, specs, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
@@ -597,21 +602,24 @@ class Model:
                                    attached)
         repeats = repeated_prompts(ids, prompt_hooks, lora) if share_prefix else {}
         layouts = self._batches(lengths, batch_size, progress, vocab_rows=logits == "all", repeats=repeats)
-        return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix,
-                                 self.current_numerics(), attached, _check_flag(use_error_term), lora, adapters,
-                                 repeats)
+        return self._run_batches(prompts, ids, layouts, prompt_hooks, specs, recorder, logits, stop, chat,
+                                 share_prefix, self.current_numerics(), attached, _check_flag(use_error_term), lora,
+                                 adapters, repeats)
 
-    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, chat, share_prefix, mode,
-                     saes, use_error_term, lora, adapters, repeats) -> Iterator[tuple[int, hooks_lib.Trace]]:
+    def _run_batches(self, prompts, ids, layouts, prompt_hooks, specs, recorder, logits, stop, chat, share_prefix,
+                     mode, saes, use_error_term, lora, adapters, repeats) -> Iterator[tuple[int, hooks_lib.Trace]]:
         # each forward enters the numerics taken at the call: a block around a ``yield`` would leak into the reader's code
         with numerics(mode):
             fingerprint, backend, versions = self.fingerprint(), self.backend(), package_versions()
 
-        def trace(i: int, row_logits: torch.Tensor, activations: dict[str, torch.Tensor]) -> hooks_lib.Trace:
+        reduce = recorder.reduce if recorder else None
+
+        def trace(i: int, row_logits: torch.Tensor | None, activations: dict[str, torch.Tensor]) -> hooks_lib.Trace:
             return hooks_lib.Trace(
                 prompt=recorded_prompt(prompts[i], ids[i]), ids=ids[i], tokens=self.token_texts(ids[i]),
-                logits=row_logits.clone(), activations=activations, interventions=specs[i], fingerprint=fingerprint,
-                backend=backend, versions=versions, chat=chat or is_messages(prompts[i]), adapters=adapters[i])
+                logits=None if row_logits is None else row_logits.clone(), activations=activations,
+                interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions,
+                chat=chat or is_messages(prompts[i]), adapters=adapters[i], reduce=reduce)
 
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
@@ -623,11 +631,14 @@ class Model:
             groups = prefix_groups(rows) if share_prefix and capturable(edits) and not isinstance(
                 layout_lora, LoraRows) and (recorder is None or recorder.reduce in (None, "last")) else []
             with torch.inference_mode(not hooks), numerics(mode):
-                out = self._forward_rows(rows, layout, hooks or None, logits == "last", groups, layout_lora)
-            out = hooks_lib.batching.pinned_copy(out) if out.is_cuda else out  # each row is cloned out of it below
+                out = self._forward_rows(rows, layout, hooks or None, logits != "all", groups, layout_lora, stop)
+            out = None if logits is None else out  # a recorded point after the last block ran the whole forward
+            if out is not None and out.is_cuda:  # each row is cloned out of it below
+                out = hooks_lib.batching.pinned_copy(out)
             prefixes = [recorder.take(-1 - g) for g in range(len(groups))] if recorder else []
             prefix_of = {b: prefixes[g] for g, group in enumerate(groups) for b in group.rows} if prefixes else {}
-            per_row = out.split(1 if logits == "last" else [len(r) for r in rows])
+            per_row = ([None] * len(rows) if out is None
+                       else out.split(1 if logits == "last" else [len(r) for r in rows]))
             for b, (i, row_logits) in enumerate(zip(layout.prompts, per_row)):
                 activations = recorder.take(i) if recorder else {}
                 if b in prefix_of and recorder.reduce is None:
@@ -640,21 +651,21 @@ class Model:
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
                       groups: Sequence[PrefixGroup] = (), lora: Lora | LoraRows | None = None,
-                      logits: bool = True) -> torch.Tensor:
-        """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``); without
-        ``logits`` (no prefix ``groups`` then), the residual stream after the last block: the final norm and the
-        unembedding do not run. Each group's shared prefix is computed once first; a prompt longer than a forward
-        takes runs in chunks through a cache, as a long prefill does."""
-        if groups and not logits:
-            raise ValueError("_forward_rows: shared prefixes' forwards give logits")
-        stop = None if logits else self.config.n_layers
+                      stop: int | None = None) -> torch.Tensor | None:
+        """Logits of the rows of one planned forward, packed (each row's last alone with ``last_only``); with
+        ``stop`` (``runner.forward``'s ``stop_at_layer``), None: the forward stops before that block, for hooks that
+        took what they need on the way. Each group's shared prefix is computed once first; a prompt longer than a
+        forward takes runs in chunks through a cache, as a long prefill does."""
         longest = max(map(len, rows))
         if groups:
-            cache, heads = self.runner.prefill_prefixes(rows, groups, longest, hooks, last_only, lora)
+            cache, heads = self.runner.prefill_prefixes(rows, groups, longest, hooks, last_only, lora, stop)
             shared = list(cache.lengths)
             tails = BatchLayout([len(r) - n for r, n in zip(rows, shared)], self.device, layout.prompts, cached=shared)
             out = self.runner.forward(torch.tensor([t for r, n in zip(rows, shared) for t in r[n:]]), cache=cache,
-                                      hooks=hooks, layout=tails, last_logits_only=last_only, lora=lora)
+                                      hooks=hooks, layout=tails, last_logits_only=last_only, lora=lora,
+                                      stop_at_layer=stop)
+            if stop is not None:
+                return None
             if last_only:
                 return out
             # each grouped row's prefix logits before its own
@@ -664,8 +675,9 @@ class Model:
                               for x in ((head[b], tail) if b in head else (tail,))])
         chunk = self.max_batch_tokens()
         if len(rows) > 1 or longest <= chunk:
-            return self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
-                                       last_logits_only=last_only, lora=lora, stop_at_layer=stop)
+            out = self.runner.forward(torch.tensor([t for r in rows for t in r]), hooks=hooks, layout=layout,
+                                      last_logits_only=last_only, lora=lora, stop_at_layer=stop)
+            return None if stop is not None else out
         cache, pieces = self.runner.new_batch_cache(1, longest), []
         for start in range(0, longest, chunk):
             piece = rows[0][start:start + chunk]
@@ -673,6 +685,8 @@ class Model:
                                complete=start + chunk >= longest)
             pieces.append(self.runner.forward(torch.tensor(piece), cache=cache, hooks=hooks, layout=part,
                                               last_logits_only=last_only, lora=lora, stop_at_layer=stop))
+        if stop is not None:
+            return None
         return pieces[-1] if last_only else torch.cat(pieces)
 
     def forward_batch(self, prompts: Sequence[Prompt], *, interventions: Sequence[Any] = (),
@@ -721,7 +735,7 @@ class Model:
                 forward_hooks = self._forward_hooks(self._layout_hooks(prompt_hooks, layout), attached, True,
                                                     batch_hooks)
                 out = self._forward_rows([ids[i] for i in layout.prompts], layout, forward_hooks or None, True,
-                                         logits=logits)
+                                         stop=None if logits else self.config.n_layers)
                 if logits:
                     last[list(layout.prompts)] = out.float().cpu()
         return last

@@ -12,6 +12,7 @@ import torch
 from workbench.adapters import adapter_files
 from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.hooks import Trace, load_trace
+from workbench.hooks.batching import reduce_tokens
 from workbench.hooks.trace import model_mismatch
 from workbench.kernels import numerics
 from workbench.loading import check_hf_files, checkpoint_files, default_model_path, files_sha256, hash_files
@@ -84,8 +85,7 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     if fresh.ids != list(trace.ids):
         how = "renders (through the chat template) and tokenizes" if trace.chat else "tokenizes"
         return ReplayReport(DIFFERENT, None, None, 0, reason=f"the prompt {how} to different ids", **report)
-    recorded = {"logits": trace.logits, **trace.activations}
-    replayed = {"logits": fresh.logits, **fresh.activations}
+    recorded, replayed = kept_like(trace, fresh)
     verdict, worst, worst_name = IDENTICAL, 0.0, None
     for name, old in recorded.items():
         new = replayed.get(name)
@@ -105,6 +105,20 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
         else:
             verdict = DIFFERENT
     return ReplayReport(verdict, worst, worst_name, len(recorded), **report)
+
+
+def kept_like(trace: Trace, fresh: Trace) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The recorded tensors by name, and the whole run's ``fresh`` tensors kept as the trace kept them: its logits
+    (every position's, the last's alone, or none), each activation reduced as a batch run reduced it (``reduce``)
+    and in its recorded dtype."""
+    recorded: dict[str, torch.Tensor] = {} if trace.logits is None else {"logits": trace.logits}
+    replayed = {} if trace.logits is None else {"logits": fresh.logits[-trace.logits.shape[0]:]}
+    for name, old in trace.activations.items():
+        recorded[name] = old
+        if name in fresh.activations:
+            new = fresh.activations[name]
+            replayed[name] = (new if trace.reduce is None else reduce_tokens(new, trace.reduce, 0)).to(old.dtype)
+    return recorded, replayed
 
 
 def _max_deviation(new: torch.Tensor, old: torch.Tensor) -> float:

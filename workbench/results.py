@@ -107,7 +107,7 @@ class TraceComparison(Result):
     """How two traces differ: next-token distributions, logits, and every activation both recorded.
 
     The next-token fields are of the last position. Logits are compared at every position when the traces are of
-    the same tokens, else at the last one only.
+    the same tokens and both kept every position's (a batch run may keep the last one's alone), else at the last one.
     """
 
     same_tokens: bool
@@ -120,7 +120,7 @@ class TraceComparison(Result):
                                           "recorded")
     worst_tensor: str = _described("where it occurs: 'logits' or a hook name")
     kl_per_position: list[float] | None = _described(
-        "KL(a || b) at every position (None for traces of different tokens, or when not asked for)")
+        "KL(a || b) at every position (None where logits are compared at the last one only, or when not asked for)")
     top1_changes: list[int] | None = _described(
         "positions whose most likely next token differs (None as for kl_per_position)")
 
@@ -264,11 +264,13 @@ def hook_diff(name: str, a: torch.Tensor, b: torch.Tensor) -> HookDiff:
 def compare_traces(a: Any, b: Any, vocab: Any = None, per_position: bool = True) -> TraceComparison:
     """How trace ``b`` differs from trace ``a`` (see ``TraceComparison``); ``per_position=False`` skips the KL and
     top-1 of every position (a float64 softmax over [positions, vocab])."""
-    same_tokens = list(a.ids) == list(b.ids)
-    last_a, last_b = a.logits[-1], b.logits[-1].to(a.logits.device)
+    last_a, last_b = a.logits_at(-1), b.logits_at(-1).to(a.logits.device)
     if last_a.shape != last_b.shape:
         raise WorkbenchError(f"the traces' vocabularies differ ({last_a.numel()} and {last_b.numel()} tokens)")
-    logits_a, logits_b = (a.logits, b.logits.to(a.logits.device)) if same_tokens else (last_a, last_b)
+    same_tokens = list(a.ids) == list(b.ids)
+    # every position's logits where both kept them (a batch run may keep the last position's alone)
+    every_position = same_tokens and a.logits.shape[0] == b.logits.shape[0] == len(a.ids)
+    logits_a, logits_b = (a.logits, b.logits.to(a.logits.device)) if every_position else (last_a, last_b)
     logit_diff = float((logits_a - logits_b).abs().max())
     diffs = sorted((hook_diff(name, a.activations[name], b.activations[name])
                     for name in a.activations.keys() & b.activations.keys()
@@ -278,7 +280,7 @@ def compare_traces(a: Any, b: Any, vocab: Any = None, per_position: bool = True)
         if d.max_abs_diff > worst:
             worst, worst_tensor = d.max_abs_diff, d.hook
     kl_per_position = top1_changes = None
-    if per_position and same_tokens:
+    if per_position and every_position:
         kl_per_position = kl_divergence(a.logits, logits_b).tolist()
         top1_changes = torch.nonzero(a.logits.argmax(-1) != logits_b.argmax(-1)).flatten().tolist()
     return TraceComparison(
@@ -296,6 +298,8 @@ def relative_change(base: Any, other: Any, hooks: Sequence[str]) -> torch.Tensor
         raise WorkbenchError(f"both traces must record {missing[0]}")
     if list(base.ids) != list(other.ids):
         raise WorkbenchError("the traces are of different prompts; comparing activations needs the same tokens")
+    if base.reduce is not None or other.reduce is not None:
+        raise WorkbenchError("a trace kept one row per recorded point (reduce), not every position's")
     return torch.stack([(other.activations[n] - base.activations[n]).norm(dim=-1) / base.activations[n].norm(dim=-1)
                         for n in hooks])
 
@@ -303,16 +307,19 @@ def relative_change(base: Any, other: Any, hooks: Sequence[str]) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------------- summaries
 
 
-def summarize_activation(name: str, activation: torch.Tensor, per_position: bool = True) -> ActivationSummary:
+def summarize_activation(name: str, activation: torch.Tensor, per_position: bool = True,
+                         reduced: bool = False) -> ActivationSummary:
     """Shape, norm and max |value| of a recorded activation, and (``per_position``) its norm at each token position;
-    non-finite entries (masked attention scores) count as 0."""
-    rows = activation.movedim(axes(name).token, 0).flatten(1).float()
+    non-finite entries (masked attention scores) count as 0. A ``reduced`` one (a batch run's ``reduce``) is one row
+    with no positions."""
+    rows = (activation.reshape(1, -1) if reduced else activation.movedim(axes(name).token, 0).flatten(1)).float()
     finite = torch.where(torch.isfinite(rows), rows, torch.zeros_like(rows))
     return ActivationSummary(hook=name, shape=[int(n) for n in activation.shape], norm=float(finite.norm()),
                              max_abs=float(finite.abs().max()),
-                             position_norms=finite.norm(dim=1).tolist() if per_position else [])
+                             position_norms=finite.norm(dim=1).tolist() if per_position and not reduced else [])
 
 
 def summarize_activations(trace: Any, per_position: bool = True) -> list[ActivationSummary]:
     """``summarize_activation`` of every activation a trace recorded, in recording order."""
-    return [summarize_activation(name, act, per_position) for name, act in trace.activations.items()]
+    return [summarize_activation(name, act, per_position, trace.reduce is not None)
+            for name, act in trace.activations.items()]

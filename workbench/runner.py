@@ -665,18 +665,31 @@ class Transformer:
             return self.devices[int(name.split(".")[1])]
         return self.device if name == "hook_embed" else self.output_device
 
+    def stop_after(self, names: Sequence[str]) -> int | None:
+        """The ``stop_at_layer`` of a forward that only has to reach these hook points: the block after the deepest
+        one they lie in. None where one lies after the last block (the final norm's, the logits'): the whole forward."""
+        last = 0
+        for name in names:
+            if name.startswith("blocks."):
+                last = max(last, int(name.split(".")[1]))
+            elif name.split(".")[0] != "hook_embed":
+                return None
+        return last + 1
+
     def prefill_prefixes(self, rows: Sequence[Sequence[int]], groups: Sequence[PrefixGroup], capacity: int,
-                         hooks: Hooks | None = None, last_logits_only: bool = False, lora: Lora | None = None
-                         ) -> tuple[BatchKVCache, torch.Tensor]:
+                         hooks: Hooks | None = None, last_logits_only: bool = False, lora: Lora | None = None,
+                         stop_at_layer: int | None = None) -> tuple[BatchKVCache, torch.Tensor]:
         """The forward of each group's shared prefix (``kv_cache.prefix_groups``), once for all its rows: a
         BatchKVCache of one row per row of ``rows`` (room for ``capacity`` slots a row), a grouped row's holding its
-        prefix's keys and values and the others empty, and the prefixes' logits packed as a batch of the prefixes.
+        prefix's keys and values and the others empty, and the prefixes' logits packed as a batch of the prefixes
+        (with ``stop_at_layer``, their residual stream entering that block, as ``forward`` gives it).
         Hooks see group ``g`` as prompt ``-1 - g``."""
         prefixes = [list(rows[group.rows[0]][:group.length]) for group in groups]
         cache = self.new_batch_cache(len(prefixes), max(map(len, prefixes)))
         layout = BatchLayout([len(p) for p in prefixes], self.device, prompts=[-1 - g for g in range(len(groups))])
         logits = self.forward(torch.tensor([t for p in prefixes for t in p], dtype=torch.long), cache=cache,
-                              hooks=hooks, layout=layout, last_logits_only=last_logits_only, lora=lora)
+                              hooks=hooks, layout=layout, last_logits_only=last_logits_only, lora=lora,
+                              stop_at_layer=stop_at_layer)
         source: list[int | None] = [None] * len(rows)
         for g, group in enumerate(groups):
             for r in group.rows:

@@ -228,7 +228,7 @@ class TraceSummary(Result):
     uri: str = Field(description="the trace as an MCP resource")
     prompt: str | list[int] | list[dict[str, str]] = Field(description="text, ids, or a conversation of messages")
     tokens: list[str]
-    next_token: Distribution
+    next_token: Distribution | None = Field(description="at the last position (None: the trace kept no logits)")
     interventions: list[dict[str, Any]]
     recorded: dict[str, list[int]] = Field(description="hook -> shape")
     model: str = Field(description="model file the trace was recorded on")
@@ -486,7 +486,7 @@ class AdapterList(Result):
     adapters: list[AdapterInfo]
 
 
-class TokenChange(Result):
+class LensTokenChange(Result):
     token: str
     change: float = Field(description="mean change of its lens logit, adapter minus base")
 
@@ -500,9 +500,9 @@ class ModelComparison(Result):
     kl_per_position: list[list[float]] = Field(description="per prompt, per position")
     resid_diff_norm: list[float] = Field(description="per layer: mean |resid_post_a - resid_post_b|")
     resid_diff_relative: list[float] = Field(description="per layer: the same over the mean |resid_post_b|")
-    lens_promoted: list[list[TokenChange]] = Field(description="per layer: tokens the difference raises most (logit "
-                                                               "lens at the chosen position)")
-    lens_suppressed: list[list[TokenChange]]
+    lens_promoted: list[list[LensTokenChange]] = Field(
+        description="per layer: tokens the difference raises most (logit lens at the chosen position)")
+    lens_suppressed: list[list[LensTokenChange]]
     attribution_target: str
     attribution_top: list[Component] = Field(description="components whose direct logit attribution to the target "
                                                           "changes most, a minus b")

@@ -275,12 +275,15 @@ class Workbench:
         return self._summarize(call, trace_id, entry.value, entry.note.get("path"))
 
     def _summarize(self, call: Call, trace_id: str, trace: hooks.Trace, path: str | None) -> s.TraceSummary:
-        # a loaded trace may come from a model of another vocabulary: its tokens are then not this model's to name
-        model, width = self.model(call), trace.logits.shape[-1]
-        vocab = model if width == model.config.vocab_size else None
+        next_token = None
+        if trace.logits is not None:
+            # a loaded trace may come from a model of another vocabulary: its tokens are then not this model's to name
+            model, width = self.model(call), trace.logits.shape[-1]
+            vocab = model if width == model.config.vocab_size else None
+            next_token = s.Distribution(**results.next_token(trace.logits, min(5, width), vocab).to_dict())
         return s.TraceSummary(
             trace_id=trace_id, uri=f"trace://{trace_id}", prompt=trace.prompt, tokens=trace.tokens,
-            next_token=s.Distribution(**results.next_token(trace.logits, min(5, width), vocab).to_dict()),
+            next_token=next_token,
             interventions=_compact(trace.interventions), recorded={n: _shape(a) for n, a in trace.activations.items()},
             model=str(trace.fingerprint.get("file", "")), path=path)
 
@@ -436,6 +439,8 @@ class Workbench:
             raise WorkbenchError(f"trace {trace_id} did not record {shorten(hook)}; it recorded: "
                                  f"{', '.join(trace.activations) or 'nothing (run with record=[...])'}")
         act, ax = trace.activations[hook], axes(hook)
+        if trace.reduce is not None:  # a batch run kept one row per point (token-major ones only): one position
+            act = act.unsqueeze(ax.token)
         n_tokens = act.shape[ax.token]
         positions = list(range(n_tokens)) if positions is None else self._positions(positions, n_tokens)
         x = act.index_select(ax.token, torch.tensor(positions))
@@ -584,7 +589,7 @@ class Workbench:
                 reference_ids = [self._ids(model, reference) for reference in reference_prompts]
                 hooks.resolve(hook, model.config)
                 call.check()
-                references = model.run_batch(reference_ids, record=[hook], logits="last",
+                references = model.run_batch(reference_ids, record=[hook], logits=None,
                                              progress=lambda done, total: call.check())
                 region.pop("hook")
                 spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
@@ -1003,8 +1008,8 @@ class Workbench:
         return s.ModelComparison(
             **{key: summary[key] for key in ("a", "b", "prompts", "mean_kl", "max_kl", "kl_per_position",
                                              "resid_diff_norm", "resid_diff_relative", "attribution_target")},
-            lens_promoted=[[s.TokenChange(token=t, change=v) for t, v in row] for row in summary["lens_promoted"]],
-            lens_suppressed=[[s.TokenChange(token=t, change=v) for t, v in row] for row in summary["lens_suppressed"]],
+            **{key: [[s.LensTokenChange(token=t, change=v) for t, v in row] for row in summary[key]]
+               for key in ("lens_promoted", "lens_suppressed")},
             attribution_top=[s.Component(label=label, kind=diff.attribution.kinds[diff.attribution.labels.index(label)],
                                          contribution=value) for label, value in summary["attribution_top"]],
             steering=self._vector_info(vector_id, diff.steering))
