@@ -139,6 +139,14 @@ def test_without_logits_the_forwards_stop_after_the_deepest_recorded_block(llama
     late = llama.run_batch(shared, record=names + ["ln_final.hook_normalized"], logits=None)  # runs every block
     for a, b in zip(whole, late):
         assert b.logits is None and all(torch.equal(a.activations[n], b.activations[n]) for n in names)
+    with llama.hooks(record=["blocks.1.hook_resid_post"]) as outer:  # an enclosing block's points are reached too
+        llama.run_batch(PROMPTS, record=names, logits=None)
+    assert outer.activations()["blocks.1.hook_resid_post"].shape[0] == sum(map(len, PROMPTS))
+    alone = llama.run(PROMPTS[0], record=names)  # one prompt's run keeps the same choice
+    assert llama.run(PROMPTS[0], record=names, logits=None).logits is None
+    assert torch.equal(llama.run(PROMPTS[0], logits="last").logits, alone.logits[-1:])
+    assert all(torch.equal(llama.run(PROMPTS[0], record=names, logits=None).activations[n], alone.activations[n])
+               for n in names)
     with pytest.raises(WorkbenchError, match="records nothing"):
         llama.run_batch(PROMPTS, logits=None)
     with pytest.raises(WorkbenchError, match="logits must be 'all', 'last' or None"):

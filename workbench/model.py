@@ -101,6 +101,12 @@ def check_record_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return chosen
 
 
+def check_logits(logits: object) -> None:
+    """Which logits a run keeps: ``"all"`` positions', the ``"last"`` one's, or None."""
+    if logits not in ("all", "last", None):
+        raise WorkbenchError(f"logits must be 'all', 'last' or None, got {shorten(logits)}")
+
+
 class Model:
     """A loaded model. ``workbench.load()`` makes one.
 
@@ -402,6 +408,15 @@ class Model:
         hooks = hooks_lib.attach_saes(hooks, attached, _check_flag(use_error_term))
         return hooks or None, recorder, specs
 
+    def _stop_after_recorded(self, names: Sequence[str]) -> int | None:
+        """Where a call that keeps no logits stops (``runner.stop_after``): after the deepest block its recorded
+        points, or those of enclosing ``hooks()`` blocks, lie in."""
+        names = [*names, *(name for model, _, recorder in _ACTIVE.get() if model is self and recorder is not None
+                           for name in recorder.names)]
+        if not names:
+            raise WorkbenchError("logits=None keeps nothing of a run that records nothing: give record")
+        return self.runner.stop_after(names)
+
     def _call_saes(self, saes: Sequence[Any], interventions: Sequence[Sequence[Any]]) -> list[Any]:
         """The SAEs a call attaches, checked against the model: ``saes``, then those its interventions edit features
         of (an intervention's SAE at a hook where ``saes`` has one from the same file is that one)."""
@@ -432,23 +447,29 @@ class Model:
 
     def run(self, prompt: Prompt, *, record: Sequence[str] | None = None,
             interventions: Sequence[Any] = (), chat: bool = False, saes: Sequence[Any] = (),
-            use_error_term: bool = True, adapter: AdapterChoice = None) -> hooks_lib.Trace:
-        """One forward over the prompt: a Trace with logits and the recorded activations.
+            use_error_term: bool = True, adapter: AdapterChoice = None, logits: str | None = "all") -> hooks_lib.Trace:
+        """One forward over the prompt: a Trace with logits and the recorded activations. ``logits`` as in
+        ``iter_batch``: every position's, the last one's (``"last"``, ``[1, vocab]``) or none (None: the forward stops
+        after the deepest block a recorded point lies in, TransformerLens' ``stop_at_layer``).
 
         ``saes`` attaches sparse autoencoders or transcoders (``workbench.probes.load_sae``) at their hook points,
         whose own points (``<hook>.hook_sae_acts_post``, ...) can then be recorded and hooked; with ``use_error_term``
         the SAE's error is added back, so that only edits of its points change the output (docs/saes.md).
         ``adapter``: the LoRA adapters to run with (a loaded one's name, or ``{name: scale}``; None: the base model)."""
+        check_logits(logits)
         ids = self.to_ids(prompt, chat=chat)
         lora = self.lora_terms(adapter)
         with self.numerics_scope():
             hooks, recorder, specs = self._call_hooks(interventions, record, len(ids), len(ids), saes,
                                                       use_error_term)
-            logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora)
+            stop = self._stop_after_recorded(recorder.names if recorder else []) if logits is None else None
+            out = self.runner.forward(torch.tensor(ids, dtype=torch.long), hooks=hooks, lora=lora,
+                                      last_logits_only=logits == "last", stop_at_layer=stop)
             backend = self.backend()
         return hooks_lib.Trace(
             prompt=recorded_prompt(prompt, ids), ids=ids, tokens=self.token_texts(ids),
-            logits=logits.cpu(), activations=recorder.activations() if recorder else {}, interventions=specs,
+            logits=None if logits is None else out.cpu(), activations=recorder.activations() if recorder else {},
+            interventions=specs,
             fingerprint=self.fingerprint(), backend=backend, versions=package_versions(),
             chat=chat or is_messages(prompt),
             adapters=self.adapter_record(adapter),
@@ -577,8 +598,7 @@ class Model:
         no interventions: their keys and values seed each prompt's cache row, and their logits and recorded
         activations are each prompt's own (docs/batches.md).
         """
-        if logits not in ("all", "last", None):
-            raise WorkbenchError(f"logits must be 'all', 'last' or None, got {shorten(logits)}")
+        check_logits(logits)
         ids = self.batch_ids(prompts, chat)
         lengths = [len(x) for x in ids]
         choices = self.batch_adapters(adapter, len(ids))
@@ -591,9 +611,7 @@ class Model:
         points = hooks_lib.Recorder.for_patterns(record, self.config)
         names = points.names if points else []
         hooks_lib.batching.check_reduce(reduce, names, lengths)  # with nothing recorded too: a typo is no no-op
-        if logits is None and not names:
-            raise WorkbenchError("logits=None keeps nothing of a run that records nothing: give record")
-        stop = self.runner.stop_after(names) if logits is None else None
+        stop = self._stop_after_recorded(names) if logits is None else None
         recorder = hooks_lib.BatchRecorder(names, record_device, record_dtype, reduce, own_buffers) if names else None
         with self.numerics_scope():  # donor prompts run in the call's numerics
             prompt_hooks, specs, attached = self._batch_hooks(interventions, per_prompt_interventions, lengths,
