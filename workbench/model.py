@@ -469,8 +469,7 @@ class Model:
         return hooks_lib.Trace(
             prompt=recorded_prompt(prompt, ids), ids=ids, tokens=self.token_texts(ids),
             logits=None if logits is None else out.cpu(), activations=recorder.activations() if recorder else {},
-            interventions=specs,
-            fingerprint=self.fingerprint(), backend=backend, versions=package_versions(),
+            interventions=specs, fingerprint=self.fingerprint(), backend=backend, versions=package_versions(),
             chat=chat or is_messages(prompt),
             adapters=self.adapter_record(adapter),
         )
@@ -586,11 +585,11 @@ class Model:
         recorded (``"last"``, ``"mean"`` or a position). ``logits="last"`` keeps each prompt's last row alone
         (``[1, vocab]``); ``logits=None`` keeps none, and the forwards stop after the deepest block a recorded point
         lies in (TransformerLens' ``stop_at_layer``): the blocks after it, the final norm and the unembedding do not
-        run, nor do hooks there (all of them do for a point after the last block). ``progress``: True for a progress bar, or ``fn(done, total)``. ``saes`` and
-        ``use_error_term`` as in ``run``, for every prompt; ``adapter`` as in ``run`` for every prompt, or a list of
-        one choice per prompt (prompts of different choices share forwards: docs/adapters.md). ``own_buffers``: each
-        trace's activations are copied out of their forward's buffers, so a kept trace holds no other prompt's (False:
-        views, no copy, as ``run_batch`` takes them).
+        run, nor do hooks there (all of them do for a point after the last block). ``progress``: True for a progress
+        bar, or ``fn(done, total)``. ``saes`` and ``use_error_term`` as in ``run``, for every prompt; ``adapter`` as in
+        ``run`` for every prompt, or a list of one choice per prompt (prompts of different choices share forwards:
+        docs/adapters.md). ``own_buffers``: each trace's activations are copied out of their forward's buffers, so a
+        kept trace holds no other prompt's (False: views, no copy, as ``run_batch`` takes them).
 
         With ``share_prefix``, a prompt repeated with nothing of its own (no interventions, the same adapter) runs
         once, and in each forward the leading tokens that groups of prompts share (a few-shot template, a system
