@@ -402,14 +402,17 @@ class MeanAblate(RegionEdit):
 
     @classmethod
     def from_traces(cls, hook: str, traces: Sequence[Any], **selectors) -> "MeanAblate":
-        """Mean of ``hook`` (one exact hook name) over every position of traces that recorded it."""
+        """Mean of ``hook`` (one exact hook name) over every position of traces that recorded it (over their one
+        row each, for traces of a batch run that reduced them)."""
         if not traces:
             raise HookError("mean ablation needs at least one trace to average")
         rows = []
         for trace in traces:
             if hook not in trace.activations:
                 raise HookError(f"trace of {shorten(trace.prompt)} did not record {hook}")
-            rows.append(trace.activations[hook].movedim(axes(hook).token, 0))
+            recorded = trace.activations[hook]
+            rows.append(recorded[None] if getattr(trace, "reduce", None) is not None
+                        else recorded.movedim(axes(hook).token, 0))
         shapes = {tuple(r.shape[1:]) for r in rows}
         if len(shapes) > 1:
             raise HookError(f"traces recorded {hook} with different per-token shapes {sorted(shapes)}")
@@ -462,9 +465,8 @@ class Patch(RegionEdit):
 
     def _check(self, region, run):
         if _is_trace(self.donor):
-            if region.name not in self.donor.activations:
-                raise HookError(f"the donor trace did not record {region.name}")
             donor_len = len(self.donor.ids)
+            _check_donor_activation(self.donor, region.name, donor_len, run.config)
         else:
             donor_len = len(run.donor_ids(self.donor))
         if token_shape(region.name, run.config) is None and (donor_len != run.prompt_len
@@ -494,6 +496,26 @@ class Patch(RegionEdit):
 
 def _is_trace(value: Any) -> bool:
     return hasattr(value, "activations") and hasattr(value, "fingerprint")
+
+
+def _check_donor_activation(trace: Any, name: str, n_tokens: int, config: ModelConfig) -> None:
+    """A donor trace holds ``name`` as this model's forward gives it for its ``n_tokens`` tokens (a loaded trace may
+    say anything, and a batch run's may keep one row per point)."""
+    if name not in trace.activations:
+        raise HookError(f"the donor trace did not record {name}")
+    if getattr(trace, "reduce", None) is not None:
+        raise HookError(f"the donor trace kept one row per point (reduce={trace.reduce!r}); a patch reads its "
+                        "positions: record the donor without reduce")
+    donor, per_token, heads = trace.activations[name], token_shape(name, config), head_count(name, config)
+    if per_token is not None:
+        expected = (n_tokens, *per_token)
+    elif heads is not None:  # attention scores and patterns: [heads, T, S], S the donor's own tokens
+        expected = (heads, n_tokens, n_tokens)
+    else:  # an SAE's features of a size the config does not give
+        return
+    if tuple(donor.shape) != expected:
+        raise HookError(f"the donor trace's {name} has shape {tuple(donor.shape)}, not this model's for its "
+                        f"{n_tokens} tokens")
 
 
 @dataclass

@@ -156,6 +156,10 @@ def test_mean_and_resample_ablation(llama):
     mean = torch.cat([t.activations[name] for t in references]).mean(0)
     edited = llama.run(IDS, record=[name], interventions=[mean_ablate]).activations[name]
     torch.testing.assert_close(edited[2], mean, rtol=0, atol=1e-6)
+    last_rows = llama.run_batch([[1, 2, 3, 4], [9, 8, 7]], record=[name], reduce="last", logits=None)
+    from_last = hooks.MeanAblate.from_traces(name, last_rows).mean  # one row a trace
+    last_mean = torch.stack([t.activations[name][-1] for t in references]).mean(0)
+    torch.testing.assert_close(from_last, last_mean, rtol=0, atol=1e-5)
 
     donors = [[11, 12, 13], [14, 15]]
     pool = torch.cat([llama.run(d, record=[name]).activations[name] for d in donors])

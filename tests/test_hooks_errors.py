@@ -92,6 +92,20 @@ def test_a_donor_trace_without_the_hook(tiny, forwards):
     assert forwards == []
 
 
+@pytest.mark.parametrize("name, recorded, message", [
+    ("blocks.0.hook_resid_pre", torch.zeros(D), "kept one row per point"),
+    ("blocks.0.hook_resid_pre", torch.zeros(5, D + 1), r"has shape \(5, 65\), not this model's"),
+    ("blocks.0.attn.hook_pattern", torch.zeros(4, 5, 4), r"has shape \(4, 5, 4\)"),
+])
+def test_a_donor_trace_that_cannot_be_patched_from(tiny, forwards, name, recorded, message):
+    """A reduced batch trace, or a loaded one whose activation is not this model's shape, is refused by name."""
+    donor = hooks.Trace(IDS, IDS, [], torch.zeros(5, 8), {name: recorded}, fingerprint=tiny.fingerprint(),
+                        reduce="last" if recorded.dim() == 1 else None)
+    with pytest.raises(workbench.HookError, match=message):
+        tiny.run(IDS, interventions=[hooks.Patch(name, donor=donor)])
+    assert forwards == []
+
+
 def test_a_later_bad_intervention_stops_an_earlier_donor_run(tiny, forwards):
     good = hooks.Patch("blocks.0.hook_resid_pre", donor=[1, 2, 3, 4, 5])
     bad = hooks.Steer("blocks.0.hook_resid_post", torch.ones(3))
