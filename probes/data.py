@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
 from workbench.messages import check_messages, is_messages
 
 KINDS = {
@@ -114,7 +114,11 @@ class Dataset:
         of ``positive`` (default: the label "positive" or "true" when present) against those of the other class.
         """
         if self.kind in SIDES:
-            return tuple([r[side] for r in self.records] for side in SIDES[self.kind])
+            sides = SIDES[self.kind]
+            if positive is not None and positive != sides[0]:
+                raise WorkbenchError(f"dataset {self.name!r} holds {self.kind}: its positive side is its {sides[0]!r} "
+                                     f"column, not {shorten(positive)} (positive= chooses a class of two-class sets)")
+            return tuple([r[side] for r in self.records] for side in sides)
         if self.kind != "classification" or len(self.classes) != 2:
             raise WorkbenchError(f"dataset {self.name!r} ({self.kind}, classes {self.classes[:5]}) cannot be split "
                                  "into a positive and a negative side: use a pairs dataset or a two-class one")

@@ -152,7 +152,9 @@ class Probe:
 def _splitter(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed: int):
     """Stratified, seeded folds that keep each group (e.g. a sentence and its twin) on one side."""
     counts = np.unique(labels, return_counts=True)[1]
-    if folds < 2 or counts.min() < folds:
+    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+        raise WorkbenchError(f"folds must be an integer of at least 2 (a train and a test side), got {folds!r}")
+    if counts.min() < folds:
         raise WorkbenchError(f"{folds} folds need at least {folds} examples of every class; "
                              f"the class sizes are {sorted(counts.tolist())}")
     from sklearn.model_selection import StratifiedGroupKFold

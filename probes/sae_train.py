@@ -188,6 +188,8 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
 
     widths = [hooks_lib.points.feature_size(h, model.config) for h in hooks_lib.resolve(hook, model.config)
               + (hooks_lib.resolve(hook_out, model.config) if hook_out else [])]
+    if None in widths:
+        raise WorkbenchError(f"an SAE reads one vector a token; {hook_out if widths[0] else hook} has no fixed width")
     architecture = "topk_transcoder" if hook_out else "topk"
     sae = init_sae(architecture, widths[0], d_sae, hook, k=k, hook_out=hook_out, d_out=widths[-1], seed=seed,
                    scale=0.0)

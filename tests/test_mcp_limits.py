@@ -11,6 +11,7 @@ import threading
 import anyio
 import pytest
 
+from workbench import probes
 from workbench.errors import WorkbenchError
 from workbench.hooks.trace import MANIFEST_FILE, TENSORS_FILE, manifest_sha256
 from workbench.mcp_server import Limits, Workbench, schemas
@@ -433,3 +434,50 @@ def test_a_batch_trace_that_kept_less_loads_replays_and_is_compared_by_what_it_k
     assert bench.replay_trace(call, trace_id=loaded.trace_id).verdict != "different"
     other = bench.run(call, prompt=PROMPT, record=[name]).trace_id
     refused(bench.compare_traces, call, a=other, b=loaded.trace_id, match="kept no logits")
+
+
+def test_growth_records_and_grids_stay_within_the_limits(tiny_model, tmp_path):
+    """The paths that grew past a limit: a cache generating in place (session memory), mean ablation's reference runs
+    (recorded values) and attribution grids (returned numbers)."""
+    small = Limits(max_prompt_tokens=64, max_batch=3, max_new_tokens=64, max_record_values=4000, max_values=50,
+                   max_session_bytes=40_000)
+    bench = Workbench(tiny_model("llama", seed=5), tmp_path / "artifacts", small, model_name="tiny")
+    with bench.sessions.using("test") as session:
+        call = Call(session, threading.Event())
+        cache_id = bench.kv_create(call, prompt="one two three").cache_id  # 64 slots of 512 bytes
+        cache = session.entries[cache_id].value
+        held, length = cache.nbytes, cache.length
+        refused(bench.kv_generate, call, cache_id=cache_id, prompt=" six", max_new_tokens=64,
+                match="the limits are .* MiB")  # past 64 slots the cache would double, past the 40 KB
+        assert (cache.nbytes, cache.length) == (held, length)
+        bench.release(call, ids=[cache_id])
+        mean = dict(prompt=PROMPT, method="mean", reference_prompts=[LONG[:40]] * 3)
+        refused(bench.ablate, call, hook="blocks.0.mlp.hook_post", **mean, match="keeps .* values; the limit is 4,000")
+        refused(bench.ablate, call, hook="blocks.*.hook_resid_post", **mean, match="one hook point")
+        bench.ablate(call, hook="blocks.0.hook_resid_post", **mean)  # 3 x 10 tokens x 64: within it
+        refused(bench.patching_sweep, call, clean=PROMPT, corrupt=PROMPT, method="attribution",
+                over=["layers", "positions", "heads"], match="grid has 64 cells; at most 50 numbers")
+
+
+def test_a_refused_call_changes_nothing_in_the_session(bench, call):
+    model = bench.model(call)
+    before = dict(call.session.entries)
+    refused(bench.steer, call, prompt=PROMPT, hook="blocks.0.hook_resid_post", vector=[1.0, 2.0], match="shape")
+    refused(bench.ablate, call, prompt=PROMPT, hook="blocks.0.hook_resid_post", positions=[40], match="out of range")
+    assert call.session.entries == before  # no baseline trace left behind
+    trace_id = bench.run(call, prompt=PROMPT, record=["blocks.0.attn.hook_z"]).trace_id
+    refused(bench.get_activation, call, trace_id=trace_id, hook="blocks.0.attn.hook_z", heads=[], match="empty")
+    assert bench.release(call, ids=[trace_id, trace_id]).released == [trace_id]
+    cache_id = bench.kv_create(call, prompt=PROMPT).cache_id
+    call.session.model_name = "another"  # as after load_model: the cache is not this model's
+    for tool, kwargs in (("kv_truncate", dict(length=1)), ("kv_clone", {}), ("kv_clear_layer", dict(layer=0)),
+                         ("kv_delete_positions", dict(slots=[0]))):
+        refused(getattr(bench, tool), call, cache_id=cache_id, **kwargs, match="made on model 'tiny'")
+    call.session.model_name = "tiny"
+    assert bench.kv_truncate(call, cache_id=cache_id, length=2).length == 2
+    vector_id = call.session.put("vector", probes.steering_vector(model, (["the cat"], ["the dog"]), layers=[0, 1]))
+    refused(bench.run_with_interventions, call, prompt=PROMPT, interventions=[
+        {"type": "zero_ablate", "vector": {"id": vector_id}}], match="stands in a steer spec")
+    refused(bench.run_with_interventions, call, prompt=PROMPT, interventions=[
+        {"type": "steer", "vector": {"id": vector_id}, "bogus": 1}], match="bogus")
+    refused(bench.load_model, call, path="embedded", quantize="Q8_0", match="float checkpoints")

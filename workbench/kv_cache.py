@@ -199,12 +199,16 @@ class KVCache:
         what a sliding window masks by."""
         return torch.cat((to_device(self._positions[: self.length], positions.device), positions))
 
-    def reserve(self, n_new: int) -> None:
-        """Make room for ``n_new`` more slots (amortized doubling)."""
+    def capacity_for(self, n_new: int) -> int:
+        """The capacity ``reserve(n_new)`` leaves: amortized doubling."""
         needed = self.length + n_new
-        if needed <= self.capacity:
+        return self.capacity if needed <= self.capacity else max(needed, 2 * self.capacity)
+
+    def reserve(self, n_new: int) -> None:
+        """Make room for ``n_new`` more slots."""
+        capacity = self.capacity_for(n_new)
+        if capacity == self.capacity:
             return
-        capacity = max(needed, 2 * self.capacity)
         for store in (self._keys, self._values):
             for i, old in enumerate(store):
                 grown = old.new_zeros(old.shape[0], capacity, old.shape[2])
@@ -350,7 +354,8 @@ class KVCache:
             raise WorkbenchError(f"{what}: slots must be integers, got {slots!r}")
         bad = [int(s) for s in slots if not -self.length <= int(s) < self.length]
         if bad:
-            raise WorkbenchError(f"{what}: slots {bad} outside 0..{self.length - 1}")
+            raise WorkbenchError(f"{what}: slots {bad} outside 0..{self.length - 1} (or -{self.length}..-1 from the "
+                                 "end)")
         return [int(s) for s in slots]
 
     def _check_layer(self, layer: int) -> int:

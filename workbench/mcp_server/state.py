@@ -60,16 +60,29 @@ class Session:
         self.calls = 0  # calls in flight, waiting for the model or running: a busy session is never idle
 
     def put(self, kind: str, value: Any, **note: Any) -> str:
+        return self.put_all(kind, [value], **note)[0]
+
+    def put_all(self, kind: str, values: list[Any], **note: Any) -> list[str]:
+        """Keep every value, or (past the limits) none."""
+        self.check_room(len(values), sum(map(_nbytes, values)))
+        ids = []
+        for value in values:
+            object_id = f"{kind}-{secrets.token_hex(4)}"
+            while object_id in self.entries:
+                object_id = f"{kind}-{secrets.token_hex(4)}"
+            self.entries[object_id] = Entry(kind, value, note)
+            ids.append(object_id)
+        return ids
+
+    def check_room(self, objects: int, nbytes: int) -> None:
+        """Refuse what would take the session past its limits: ``objects`` more objects, ``nbytes`` more bytes (of new
+        objects, or of held ones that grow)."""
         held = sum(_nbytes(e.value) for e in self.entries.values())
-        if len(self.entries) >= self.limits.max_objects or held + _nbytes(value) > self.limits.max_session_bytes:
+        if (len(self.entries) + objects > self.limits.max_objects
+                or held + nbytes > self.limits.max_session_bytes):
             raise WorkbenchError(f"this session holds {len(self.entries)} objects of {held / 2**20:.0f} MiB; the "
                                  f"limits are {self.limits.max_objects} objects and "
                                  f"{self.limits.max_session_bytes / 2**20:.0f} MiB: free some (release, kv_release)")
-        object_id = f"{kind}-{secrets.token_hex(4)}"
-        while object_id in self.entries:
-            object_id = f"{kind}-{secrets.token_hex(4)}"
-        self.entries[object_id] = Entry(kind, value, note)
-        return object_id
 
     def entry(self, kind: str, object_id: str) -> Entry:
         entry = self.entries.get(object_id)

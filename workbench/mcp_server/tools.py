@@ -18,7 +18,7 @@ from pydantic import Field
 import workbench
 from workbench import hooks, probes, results
 from workbench.errors import WorkbenchError, clip, shorten
-from workbench.hooks.points import axes, head_count
+from workbench.hooks.points import axes, head_count, token_shape
 from workbench.kernels import get_numerics
 from workbench.kernels.linear import Numerics
 from workbench.messages import check_messages, is_messages
@@ -228,8 +228,14 @@ class Workbench:
         if spec.get("type") in hooks.interventions.FEATURE_KINDS:
             spec["sae"] = self._sae(call, spec.get("sae"))
         if _is_ref(spec.get("vector")):
+            if spec.get("type") != "steer":
+                raise WorkbenchError(f"a stored vector's id stands in a steer spec, not {shorten(spec.get('type'))}")
             vector = call.session.get("vector", spec["vector"]["id"])
             if "hook" not in spec:
+                unknown = sorted(set(spec) - {"type", "vector", "scale", "positions"})
+                if unknown:
+                    raise WorkbenchError(f"a steer by a stored vector at its own layers takes scale and positions, "
+                                         f"not {shorten(unknown)}")
                 return vector.interventions(spec.get("scale", 1.0), spec.get("positions"))
             layer = next((layer for layer in vector.layers if vector.hook(layer) == spec["hook"]), None)
             if layer is None:
@@ -241,6 +247,11 @@ class Workbench:
     def _run(self, call: Call, prompt: ChatPrompt, chat: bool = False, record: list[str] = (),
              interventions: list[hooks.Intervention] = ()) -> tuple[str, hooks.Trace]:
         """One forward through Model.run; the trace is kept in the session and its id returned."""
+        trace = self._traced(call, prompt, chat, record, interventions)
+        return call.session.put("trace", trace), trace
+
+    def _traced(self, call: Call, prompt: ChatPrompt, chat: bool = False, record: list[str] = (),
+                interventions: list[hooks.Intervention] = ()) -> hooks.Trace:
         model = self.model(call)
         ids = self._check_cost(model, [prompt], chat)[0]
         names = self._record_names(model, list(record), len(ids))
@@ -248,7 +259,7 @@ class Workbench:
         trace = model.run(ids, record=names, interventions=interventions, chat=chat)
         # run as ids (templated and checked once); the trace keeps the text or conversation
         trace.prompt, trace.chat = recorded_prompt(prompt, ids), chat or is_messages(prompt)
-        return call.session.put("trace", trace), trace
+        return trace
 
     def _summaries(self, trace: hooks.Trace) -> list[s.ActivationSummary]:
         """Shape, norm and max of each recorded activation; per-position norms while they fit the size limit."""
@@ -263,8 +274,10 @@ class Workbench:
         self._check_count("top_k", top_k, self.limits.max_top_k)
         interventions = self._interventions(call, specs)
         target_ids = [token_id(model, t) for t in targets]
-        baseline_id, baseline = self._run(call, prompt, chat, record)
-        edited_id, edited = self._run(call, prompt, chat, record, interventions)
+        # the edited run first, and both traces kept only once both ran: a refused edit leaves nothing behind
+        edited = self._traced(call, prompt, chat, record, interventions)
+        baseline = self._traced(call, prompt, chat, record)
+        baseline_id, edited_id = call.session.put_all("trace", [baseline, edited])
         comparison = results.compare_next_token(baseline.logits[-1], edited.logits[-1], model, top_k, target_ids)
         return s.EditResult(trace_id=edited_id, baseline_trace_id=baseline_id,
                             interventions=_compact(edited.interventions), **comparison.to_dict())
@@ -313,6 +326,8 @@ class Workbench:
         if quantize is not None:
             check_quantize(quantize)
             quantize = quantize.upper()
+            if path == Models.EMBEDDED:
+                raise WorkbenchError("quantize= applies to float checkpoints; the embedded model is a GGUF file")
         if path == Models.EMBEDDED or (quantize is None and path in self.models.loaded()):
             name, file = path, None
         else:
@@ -447,6 +462,8 @@ class Workbench:
         if heads is not None:
             if ax.head is None:
                 raise WorkbenchError(f"{hook} has no head axis")
+            if not heads:
+                raise WorkbenchError("heads is empty: give head indices, or leave heads out for all")
             bad = [h for h in heads if not 0 <= h < act.shape[ax.head]]
             if bad:
                 raise WorkbenchError(f"heads {bad} out of range 0..{act.shape[ax.head] - 1}")
@@ -587,12 +604,16 @@ class Workbench:
             else:
                 model = self.model(call)
                 reference_ids = [self._ids(model, reference) for reference in reference_prompts]
-                hooks.resolve(hook, model.config)
+                names = hooks.resolve(hook, model.config)
+                if len(names) != 1 or token_shape(names[0], model.config) is None:
+                    raise WorkbenchError(f"mean ablation averages one hook point of a fixed per-token shape, not "
+                                         f"{shorten(hook)}")
+                self._record_names(model, names, sum(map(len, reference_ids)))  # what the references keep
                 call.check()
-                references = model.run_batch(reference_ids, record=[hook], logits=None,
+                references = model.run_batch(reference_ids, record=names, logits=None,
                                              progress=lambda done, total: call.check())
                 region.pop("hook")
-                spec = hooks.MeanAblate.from_traces(hook, references, **region).to_spec()
+                spec = hooks.MeanAblate.from_traces(names[0], references, **region).to_spec()
         else:
             raise WorkbenchError(f"method must be 'zero', 'mean' or 'resample', got {shorten(method)}")
         return self._compare(call, prompt, [spec], chat, top_k, targets)
@@ -717,6 +738,7 @@ class Workbench:
         # the sweep runs on the checked ids: a conversation is rendered once
         clean_ids, corrupt_ids = self._ids(model, clean), self._ids(model, corrupt)
         cells = self._sweep_cells(model, len(clean_ids), over, hook, layers, positions)
+        self._check_grid(cells)
         if method == "activation" and cells > self.limits.max_sweep:
             raise WorkbenchError(f"the sweep has {cells} cells (one forward each); the limit is "
                                  f"{self.limits.max_sweep}: choose layers or positions")
@@ -733,6 +755,11 @@ class Workbench:
             result = hooks.patching_sweep(model, clean_ids, corrupt_ids, **sweep,
                                           progress=lambda done, total: call.check())
         return s.PatchingSweep(**result.to_dict())
+
+    def _check_grid(self, cells: int) -> None:
+        if cells > self.limits.max_values:
+            raise WorkbenchError(f"the sweep's grid has {cells:,} cells; at most {self.limits.max_values:,} numbers are "
+                                 "returned: choose layers, positions or heads")
 
     @staticmethod
     def _sweep_cells(model: Any, n_tokens: int, over: list[str], hook: str | None, layers: list[int] | None,
@@ -785,8 +812,9 @@ class Workbench:
         ids = [(self._ids(model, clean), self._ids(model, corrupt)) for clean, corrupt in prompts]
         # activation patching runs a forward a cell of each pair, attribution a forward and backward a pair and step
         # and a forward a verified cell of each pair
-        runs = (sum(self._sweep_cells(model, len(clean), over, hook, layers, positions) for clean, _ in ids)
-                if method == "activation" else len(ids) * (steps + verify))
+        cells = [self._sweep_cells(model, len(clean), over, hook, layers, positions) for clean, _ in ids]
+        self._check_grid(max(cells))
+        runs = sum(cells) if method == "activation" else len(ids) * (steps + verify)
         if runs > self.limits.max_sweep:
             raise WorkbenchError(f"the sweep over {len(ids)} pairs runs {runs} forwards; the limit is "
                                  f"{self.limits.max_sweep}: choose fewer pairs, layers or positions")
@@ -797,8 +825,19 @@ class Workbench:
 
     # ---------------------------------------------------------------------------------------- KV cache
 
+    def _cache(self, call: Call, cache_id: str) -> Any:
+        """A cache of this session, made on the model the session runs now (else refused before any change)."""
+        entry = call.session.entry("cache", cache_id)
+        if entry.note.get("model") != call.session.model_name:
+            raise WorkbenchError(f"cache {cache_id} was made on model {entry.note.get('model')!r}; this session now "
+                                 f"runs {call.session.model_name!r}: create a new cache (kv_create)")
+        return entry.value
+
+    def _keep_cache(self, call: Call, cache: Any) -> str:
+        return call.session.put("cache", cache, model=call.session.model_name)
+
     def _kv_info(self, call: Call, cache_id: str) -> dict[str, Any]:
-        cache = call.session.get("cache", cache_id)
+        cache = self._cache(call, cache_id)
         return dict(cache_id=cache_id, length=cache.length, next_position=cache.next_position,
                     tokens=self.model(call).token_texts(cache.tokens), positions=cache.positions.tolist())
 
@@ -816,7 +855,7 @@ class Workbench:
         self._check_count("top_k", top_k, self.limits.max_top_k)
         cache = model.new_cache()
         logits = model.forward(ids, cache=cache)
-        cache_id = call.session.put("cache", cache)
+        cache_id = self._keep_cache(call, cache)
         return s.KVCreated(**self._kv_info(call, cache_id), next_token=self._distribution(model, logits[-1], top_k))
 
     @tool
@@ -825,7 +864,7 @@ class Workbench:
                      stop: Annotated[int | None, Field(description="end slot (exclusive); the cache length when "
                                                                     "omitted")] = None) -> s.KVLayer:
         """Keys and values of one layer for a slot range, [n_kv_heads, slots, d_head] each, row-major (size-bounded)."""
-        cache = call.session.get("cache", cache_id)
+        cache = self._cache(call, cache_id)
         keys, values = cache.get(self._kv_layer_index(call, layer))
         stop = cache.length if stop is None else stop
         if not 0 <= start <= stop <= cache.length:
@@ -846,12 +885,12 @@ class Workbench:
                      values: Annotated[list[float] | None, Field(description="same shape as keys")] = None
                      ) -> s.KVInfo:
         """Overwrite one layer's keys and values: from another cache, or from numbers."""
-        cache = call.session.get("cache", cache_id)
+        cache = self._cache(call, cache_id)
         layer = self._kv_layer_index(call, layer)
         if source_cache_id is not None:
             if keys is not None or values is not None:
                 raise WorkbenchError("give source_cache_id or keys and values, not both")
-            cache.copy_layer_from(call.session.get("cache", source_cache_id), layer)
+            cache.copy_layer_from(self._cache(call, source_cache_id), layer)
         else:
             if keys is None or values is None:
                 raise WorkbenchError("give source_cache_id, or both keys and values")
@@ -869,35 +908,35 @@ class Workbench:
     @tool
     def kv_clear_layer(self, call: Call, cache_id: CacheId, layer: Layer) -> s.KVInfo:
         """Zero one layer's keys and values: that layer's attention then sees no content in the cached slots."""
-        call.session.get("cache", cache_id).clear(self._kv_layer_index(call, layer))
+        self._cache(call, cache_id).clear(self._kv_layer_index(call, layer))
         return s.KVInfo(**self._kv_info(call, cache_id))
 
     @tool
     def kv_clone(self, call: Call, cache_id: CacheId) -> s.KVInfo:
         """An independent copy of a cache, under a new id."""
-        clone = call.session.get("cache", cache_id).clone()
-        return s.KVInfo(**self._kv_info(call, call.session.put("cache", clone)))
+        clone = self._cache(call, cache_id).clone()
+        return s.KVInfo(**self._kv_info(call, self._keep_cache(call, clone)))
 
     @tool
     def kv_clone_positions(self, call: Call, cache_id: CacheId,
                            start: Annotated[int, Field(description="first slot")],
                            stop: Annotated[int, Field(description="end slot (exclusive)")]) -> s.KVInfo:
         """A new cache holding slots start:stop of another (their rope positions kept)."""
-        clone = call.session.get("cache", cache_id).clone_positions(start, stop)
-        return s.KVInfo(**self._kv_info(call, call.session.put("cache", clone)))
+        clone = self._cache(call, cache_id).clone_positions(start, stop)
+        return s.KVInfo(**self._kv_info(call, self._keep_cache(call, clone)))
 
     @tool
     def kv_truncate(self, call: Call, cache_id: CacheId,
                     length: Annotated[int, Field(description="slots to keep")]) -> s.KVInfo:
         """Keep the first `length` slots; generation then continues from there."""
-        call.session.get("cache", cache_id).truncate(length)
+        self._cache(call, cache_id).truncate(length)
         return s.KVInfo(**self._kv_info(call, cache_id))
 
     @tool
     def kv_delete_positions(self, call: Call, cache_id: CacheId,
-                            slots: Annotated[list[int], Field(description="slot indices to remove")]) -> s.KVInfo:
+                            slots: Annotated[list[int], Field(description="slot indices to remove (negative from the end)")]) -> s.KVInfo:
         """Remove slots; kept keys stay rotated at their original positions."""
-        call.session.get("cache", cache_id).delete_positions(slots)
+        self._cache(call, cache_id).delete_positions(slots)
         return s.KVInfo(**self._kv_info(call, cache_id))
 
     @tool
@@ -908,12 +947,17 @@ class Workbench:
         """Continue a cache: feed the prompt after its slots, then generate; the cache grows in place
         (it ends holding the prompt and every generated token; kv_clone first to keep the original)."""
         model = self.model(call)
-        cache = call.session.get("cache", cache_id)
+        cache = self._cache(call, cache_id)
         ids = model.tokenize(prompt, add_bos=False)  # a continuation: no BOS in the middle
         self._check_count("continuation tokens", len(ids), self.limits.max_prompt_tokens)
         if cache.length + len(ids) > self.limits.max_prompt_tokens + self.limits.max_new_tokens:
             raise WorkbenchError(f"the cache would exceed {self.limits.max_prompt_tokens + self.limits.max_new_tokens}"
                                  " slots; truncate or clone positions first")
+        # the cache grows in place: the room it takes is reserved now, within the session's limits
+        self._check_cost(model, new_tokens=max_new_tokens)
+        n_new = len(ids) + max_new_tokens
+        call.session.check_room(0, cache.nbytes // cache.capacity * (cache.capacity_for(n_new) - cache.capacity))
+        cache.reserve(n_new)
         generation = self._generate(call, model, ids, max_new_tokens, interventions,
                                     dict(temperature=temperature, seed=seed), cache=cache)
         return s.KVGeneration(**self._kv_info(call, cache_id), generation=generation)
@@ -1139,8 +1183,9 @@ class Workbench:
     def sae_load(self, call: Call,
                  path: Annotated[str, Field(description="a SAELens folder (cfg.json + sae_weights.safetensors) or a "
                                                         "Gemma Scope params.npz, inside the artifacts folder")],
-                 hook: Annotated[str | None, Field(description="the hook it reads, where the file does not say "
-                                                               "(params.npz)")] = None) -> s.SaeInfo:
+                 hook: Annotated[str | None, Field(description="the hook it reads: needed where the file does not "
+                                                               "say (a params.npz outside a layer_<n> folder); "
+                                                               "given, it overrides the file's")] = None) -> s.SaeInfo:
         """Load a sparse autoencoder or transcoder into this session, checked against the model; returns its id."""
         sae = probes.load_sae(self.artifacts.path(path), hook=hook)
         hooks.check_saes([sae], self.model(call).config)
@@ -1172,7 +1217,8 @@ class Workbench:
         sae, model = call.session.get("sae", sae_id), self.model(call)
         sae.check_feature(feature)
         self._check_count("n", n, self.limits.max_top_k)
-        self._check_count("context", context + 1, 65)
+        if not 0 <= context <= 64:
+            raise WorkbenchError(f"context must be between 0 and 64 tokens, got {context}")
         prompts = self._prompt_list(call, prompts)
         stats = probes.feature_stats(model, sae, prompts, n, progress=lambda done, total: call.check())
         promoted = probes.promoted_tokens(model, sae, feature) if sae.d_out == model.config.d_model else {
@@ -1298,6 +1344,7 @@ class Workbench:
     def release(self, call: Call, ids: Annotated[list[str], Field(description="ids of traces, caches, probes, "
                                                                            "vectors")]) -> s.Released:
         """Free server-side objects of this session."""
+        ids = list(dict.fromkeys(ids))  # an id given twice is released once
         unknown = [i for i in ids if i not in call.session.entries]
         if unknown:
             raise WorkbenchError(f"unknown ids {shorten(unknown)}; nothing released")
