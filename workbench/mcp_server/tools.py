@@ -758,8 +758,8 @@ class Workbench:
 
     def _check_grid(self, cells: int) -> None:
         if cells > self.limits.max_values:
-            raise WorkbenchError(f"the sweep's grid has {cells:,} cells; at most {self.limits.max_values:,} numbers are "
-                                 "returned: choose layers, positions or heads")
+            raise WorkbenchError(f"the sweep's grid has {cells:,} cells; at most {self.limits.max_values:,} numbers "
+                                 "are returned: choose layers, positions or heads")
 
     @staticmethod
     def _sweep_cells(model: Any, n_tokens: int, over: list[str], hook: str | None, layers: list[int] | None,
@@ -934,7 +934,8 @@ class Workbench:
 
     @tool
     def kv_delete_positions(self, call: Call, cache_id: CacheId,
-                            slots: Annotated[list[int], Field(description="slot indices to remove (negative from the end)")]) -> s.KVInfo:
+                            slots: Annotated[list[int], Field(
+                                description="slot indices to remove (negative from the end)")]) -> s.KVInfo:
         """Remove slots; kept keys stay rotated at their original positions."""
         self._cache(call, cache_id).delete_positions(slots)
         return s.KVInfo(**self._kv_info(call, cache_id))
