@@ -113,8 +113,12 @@ def test_a_forged_manifest_that_disagrees_with_itself_is_refused(saved, edit, me
         workbench.load_trace(saved)
 
 
-def test_a_forged_artifact_without_logits_is_refused(saved, gguf_model):
-    tensors = {"activations.blocks.0.hook_resid_post": torch.zeros(5, gguf_model.config.d_model)}
+@pytest.mark.parametrize("key", ["activations.blocks.0.hook_resid_post", "stray"])
+def test_a_forged_artifact_without_logits_loads_as_such_and_replays_as_different(saved, gguf_model, key):
+    """A consistent artifact holding no logits is a trace that kept none (a batch run's ``logits=None``): it loads
+    saying so, and its forged activation replays as different; a tensor that is neither logits nor an activation is
+    refused."""
+    tensors = {key: torch.zeros(5, gguf_model.config.d_model)}
     save_file(tensors, str(saved / TENSORS_FILE))
     data = (saved / TENSORS_FILE).read_bytes()
 
@@ -124,8 +128,16 @@ def test_a_forged_artifact_without_logits_is_refused(saved, gguf_model):
         m["tensors_file"] = {"name": TENSORS_FILE, "bytes": len(data),
                              "sha256": __import__("hashlib").sha256(data).hexdigest()}
     forge(saved, edit)
-    with pytest.raises(TraceError, match="no logits"):
-        workbench.load_trace(saved)
+    if key == "stray":
+        with pytest.raises(TraceError, match="'stray', neither logits nor an activation"):
+            workbench.load_trace(saved)
+        return
+    trace = workbench.load_trace(saved)
+    assert trace.logits is None
+    with pytest.raises(TraceError, match="kept no logits"):
+        trace.next_token()
+    report = workbench.replay(trace, gguf_model)
+    assert report.verdict == "different" and report.tensors_compared == 1
 
 
 def test_sizes_are_checked_before_anything_is_hashed(saved, monkeypatch):
