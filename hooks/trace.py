@@ -14,16 +14,15 @@ import hashlib
 import json
 import os
 import stat
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workbench.config import ModelConfig
 from workbench.errors import WorkbenchError, clip, shorten
-from workbench.files import replace_file
+from workbench.files import open_folder, replace_file
 from workbench.messages import check_messages, is_messages
 
 from .batching import check_reduce
@@ -138,7 +137,7 @@ class Trace:
                              "sha256": hashlib.sha256(tensor_bytes).hexdigest()},
         }
         manifest["manifest_sha256"] = manifest_sha256(manifest)
-        with _open_directory(directory) as fd:
+        with open_folder(directory, TraceError) as fd:
             for name in (TENSORS_FILE, MANIFEST_FILE):  # both checked before either is written
                 _refuse_link(fd, directory, name)
             replace_file(fd, TENSORS_FILE, tensor_bytes)
@@ -165,7 +164,7 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
     if not (directory / MANIFEST_FILE).exists() and not (directory / MANIFEST_FILE).is_symlink():
         raise TraceError(f"{directory} is not a trace artifact: {MANIFEST_FILE} is missing")
     budget = MAX_MANIFEST_BYTES if max_bytes is None else min(max_bytes, MAX_MANIFEST_BYTES)
-    with _open_directory(directory) as fd:
+    with open_folder(directory, TraceError) as fd:
         manifest = _parse_manifest(_read_member(fd, directory, MANIFEST_FILE, budget), directory / MANIFEST_FILE)
         expected = manifest["tensors_file"]
         limit = None if max_bytes is None else max_bytes
@@ -299,22 +298,6 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
         if trace.reduce is None and (activation.dim() <= axis or activation.shape[axis] != len(trace.ids)):
             raise TraceError(f"{where}: activation {shorten(name)} has shape {tuple(activation.shape)}, not one row "
                              f"per token of {len(trace.ids)}")
-
-
-@contextmanager
-def _open_directory(directory: Path) -> Iterator[int]:
-    """A descriptor of the artifact directory itself, never of a link: members are opened relative to it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise TraceError(f"{directory} is not a trace artifact: no such directory") from None
-    except OSError as err:
-        raise TraceError(f"{directory} cannot be opened as a directory (a symbolic link or not a folder: "
-                         f"{err.strerror})") from None
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 def _refuse_link(fd: int, directory: Path, name: str) -> None:

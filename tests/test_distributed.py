@@ -139,3 +139,27 @@ def test_a_rerun_keeps_only_shards_of_the_same_harvest(model_file, tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("shard-*")} == written  # kept, not recomputed
     distributed.harvest(model, prompts, ["hook_embed"], reduce="last", out=folder, shard_size=2)
     assert distributed.read_harvest(folder)["hook_embed"].shape[0] == 5  # recomputed: one row a prompt now
+
+
+def test_a_harvest_never_writes_through_a_link_planted_in_its_folder(model_file, tmp_path):
+    """Links at the manifest's and a shard's names (and at the old fixed temporary name) are replaced as entries;
+    the files they point to, outside the folder, stay as they were. Bad arguments and a bad manifest say so."""
+    import workbench
+
+    model = workbench.load(str(model_file), device="cpu")
+    folder, victim = tmp_path / "h", tmp_path / "victim"
+    folder.mkdir()
+    victim.write_text("ORIGINAL")
+    for name in ("manifest.json", "manifest.json.tmp", "shard-00000.safetensors"):
+        (folder / name).symlink_to(victim)
+    distributed.harvest(model, distributed_job.PROMPTS[:3], ["hook_embed"], out=folder, shard_size=2)
+    assert victim.read_text() == "ORIGINAL"
+    assert not (folder / "manifest.json").is_symlink() and not (folder / "shard-00000.safetensors").is_symlink()
+    assert distributed.read_harvest(folder)["hook_embed"].shape[0] == 3
+    with pytest.raises(workbench.WorkbenchError, match="lies outside them"):
+        distributed.harvest(model, distributed_job.PROMPTS[:3], ["hook_embed"], reduce=99, out=folder)
+    with pytest.raises(workbench.WorkbenchError, match="batch_size must be a positive integer"):
+        distributed.harvest(model, distributed_job.PROMPTS[:3], ["hook_embed"], batch_size=0, out=folder)
+    (folder / "manifest.json").write_text('{"format": 1}')
+    with pytest.raises(workbench.WorkbenchError, match="is no harvest manifest"):
+        distributed.read_harvest(folder)

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, clip, shorten
+from workbench.files import open_folder, regular_file, replace_file
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -291,10 +292,12 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     once, atomically, and a rerun (``torchrun --max-restarts``) keeps the shards already written. Returns the
     manifest's path."""
     from workbench.hooks import Recorder
+    from workbench.hooks.batching import check_reduce
     from workbench.hooks.points import axes
+    from workbench.model import check_batch_size
 
-    if reduce is not None and reduce not in ("last", "mean") and (isinstance(reduce, bool) or not isinstance(reduce, int)):
-        raise WorkbenchError(f"reduce must be None, 'last', 'mean' or a position, got {reduce!r}")
+    check_reduce(reduce)
+    check_batch_size(batch_size)
     if out is None and reduce is None:
         raise WorkbenchError("harvesting every token needs out=FOLDER (safetensors shards); in memory, give reduce")
     recorder = Recorder.for_patterns(hooks, model.config)
@@ -305,6 +308,7 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     if grown:
         raise WorkbenchError(f"{grown[0]} is not token-major ([heads, T, S]): harvest token-major hook points")
     ids = model.batch_ids(list(prompts))  # every prompt checked before any rank computes
+    check_reduce(reduce, names, [len(x) for x in ids])
     if out is None:
         parts = _run_shards(ids, lambda shard: _shard_activations(model, shard.items, names, reduce, batch_size),
                             shard_size, retries)
@@ -323,8 +327,11 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
                                         ).encode()).hexdigest()
         offsets = _written_offsets(path, key)
         if offsets is None:
+            from safetensors.torch import save
+
             tensors = _shard_activations(model, shard.items, names, reduce, batch_size)
-            _write_atomic(path, tensors, {"harvest": key})
+            _write_atomic(folder, path.name, save({name: t.contiguous() for name, t in tensors.items()},
+                                                  metadata={"harvest": key}))
             offsets = tensors["offsets"]
         return offsets.diff().tolist()
 
@@ -340,20 +347,16 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
                 "model": {"name": model.config.name, "architecture": model.config.architecture,
                           "n_layers": model.config.n_layers, "d_model": model.config.d_model},
                 "shards": shards}
-        tmp = manifest.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        tmp.replace(manifest)
+        _write_atomic(folder, manifest.name, json.dumps(meta, indent=2).encode())
     if this_rank().world > 1:
         dist.barrier()  # the manifest exists on return, on every rank
     return manifest
 
 
-def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
-    tmp.replace(path)
+def _write_atomic(folder: Path, name: str, data: bytes) -> None:
+    """``folder/name`` replaced by ``data``, never written through a link planted in the folder."""
+    with open_folder(folder) as fd:
+        replace_file(fd, name, data)
 
 
 def _written_offsets(path: Path, key: str) -> torch.Tensor | None:
@@ -373,24 +376,35 @@ def _written_offsets(path: Path, key: str) -> torch.Tensor | None:
 
 def read_harvest(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every shard of a harvest folder joined in order: ``{hook: [rows, ...], "offsets": [prompts + 1]}``."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     folder = Path(folder)
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         raise WorkbenchError(f"{folder} holds no harvest (no manifest.json)")
-    meta = json.loads(manifest.read_text(encoding="utf-8"))
+    try:
+        meta = json.loads(regular_file(manifest).read_text(encoding="utf-8"))
+        hooks, shards = meta["hooks"], meta["shards"]
+        files = [shard["file"] for shard in shards]
+    except (ValueError, RecursionError, KeyError, TypeError) as err:  # bad JSON, fields missing or of other types
+        raise WorkbenchError(f"{manifest} is no harvest manifest ({clip(str(err), 120)})") from None
     if meta.get("format") != HARVEST_FORMAT:
-        raise WorkbenchError(f"{manifest} is not a workbench harvest (format {meta.get('format')!r})")
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in meta["hooks"]}
+        raise WorkbenchError(f"{manifest} is not a workbench harvest (format {shorten(meta.get('format'))})")
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in hooks}
     offsets, base = [torch.zeros(1, dtype=torch.long)], 0
-    for shard in meta["shards"]:
-        path = folder / shard["file"]
+    for name in files:
+        path = folder / str(name)
         if path.is_symlink() or path.resolve().parent != folder.resolve() or not path.is_file():
-            raise WorkbenchError(f"harvest shard {shard['file']} is missing from {folder}")
-        tensors = load_file(str(path))
-        for name in parts:
-            parts[name].append(tensors[name])
+            raise WorkbenchError(f"harvest shard {shorten(name)} is missing from {folder}")
+        try:
+            tensors = load(regular_file(path).read_bytes())
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types on a malformed file
+            raise WorkbenchError(f"harvest shard {path} cannot be read: {clip(str(err), 120)}") from None
+        missing = [key for key in (*parts, "offsets") if key not in tensors]
+        if missing:
+            raise WorkbenchError(f"harvest shard {path} holds no {shorten(missing[0])}")
+        for hook in parts:
+            parts[hook].append(tensors[hook])
         offsets.append(tensors["offsets"][1:] + base)
         base += int(tensors["offsets"][-1])
     return {**{name: torch.cat(chunks) for name, chunks in parts.items()}, "offsets": torch.cat(offsets)}

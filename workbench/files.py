@@ -51,6 +51,22 @@ def regular_file(path: Path, error: type[WorkbenchError] = WorkbenchError, *, li
     return path
 
 
+@contextmanager
+def open_folder(directory: Path, error: type[WorkbenchError] = WorkbenchError) -> Iterator[int]:
+    """A descriptor of the folder itself, never of a link: its members are then opened relative to it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise error(f"{directory}: no such folder") from None
+    except OSError as err:
+        raise error(f"{directory} cannot be opened as a folder (a symbolic link or not a folder: "
+                    f"{err.strerror})") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def replace_file(dir_fd: int, name: str, data: bytes) -> None:
     """Write ``name`` in the directory open at ``dir_fd``: a fresh temporary file (O_EXCL, O_NOFOLLOW, so never through
     a planted link) renamed over it, which replaces a directory entry and never writes through one."""

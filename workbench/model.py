@@ -101,6 +101,12 @@ def check_record_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return chosen
 
 
+def check_batch_size(batch_size: object) -> None:
+    """Prompts a forward takes: a positive integer, or None for as many as fit."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+
+
 def check_logits(logits: object) -> None:
     """Which logits a run keeps: ``"all"`` positions', the ``"last"`` one's, or None."""
     if logits not in ("all", "last", None):
@@ -869,9 +875,7 @@ class Model:
         within ``batch_size`` prompts or, with None, within ``batch_bytes`` of working memory (every layer's, for a
         ``backward``); the later copies in ``repeats`` (``repeated_prompts``) in none, counted done with their first.
         ``batch_size`` and ``progress`` are checked when this is called, the layouts planned as they are read."""
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                       or batch_size < 1):
-            raise WorkbenchError(f"batch_size must be a positive integer or None, got {batch_size!r}")
+        check_batch_size(batch_size)
         return self._plan_batches(lengths, batch_size, check_progress(progress), vocab_rows, backward, repeats or {})
 
     def _plan_batches(self, lengths: list[int], batch_size: int | None, progress: Progress,
