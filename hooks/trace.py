@@ -26,7 +26,7 @@ from workbench.files import open_folder, replace_file
 from workbench.messages import check_messages, is_messages
 
 from .batching import check_reduce
-from .points import axes, is_point_name
+from .points import ID_POINTS, axes, is_point_name
 
 if TYPE_CHECKING:  # the results layer sits above this module: imported where used
     from workbench.results import Distribution, TraceComparison
@@ -108,7 +108,7 @@ class Trace:
         written to a new temporary name in the directory (created exclusively) and then renamed into place."""
         from safetensors.torch import save
 
-        directory = Path(path)
+        directory = _artifact_path(path)
         if directory.is_symlink():
             raise TraceError(f"{directory} is a symbolic link; a trace is written into a real directory only")
         if directory.exists() and not directory.is_dir():
@@ -157,7 +157,7 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
     sizes (at most ``max_bytes`` in all, when given) are checked before anything is hashed or parsed."""
     from safetensors.torch import load
 
-    directory = Path(path)
+    directory = _artifact_path(path)
     if directory.name == MANIFEST_FILE:
         directory = directory.parent
     directory = directory.resolve()  # the folder may be reached through a link; its members may not be links
@@ -203,6 +203,13 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
     return trace
 
 
+def _artifact_path(path: str | Path) -> Path:
+    """An artifact's folder; an empty string is refused (it would name the current folder)."""
+    if isinstance(path, str) and not path.strip():
+        raise TraceError("the artifact's path is empty")
+    return Path(path)
+
+
 def manifest_sha256(manifest: dict[str, Any]) -> str:
     """sha256 of everything a manifest says (its canonical JSON), the hash field itself left out."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
@@ -220,7 +227,7 @@ _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
 def _parse_manifest(data: bytes, manifest_path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except ValueError as err:  # invalid JSON or text, or an integer of more digits than Python converts
         raise TraceError(f"{manifest_path} is not valid JSON ({clip(str(err), 120)})") from None
     except RecursionError:
         raise TraceError(f"{manifest_path} nests too deeply to be a trace manifest") from None
@@ -250,6 +257,8 @@ def _parse_manifest(data: bytes, manifest_path: Path) -> dict[str, Any]:
 
 
 _INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+# what a trace keeps floats in (a recorded activation may be kept in half precision)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_consistent(trace: Trace, tensors_path: Path) -> None:
@@ -280,7 +289,9 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
     if not isinstance(merged, list) or not all(isinstance(entry, dict) for entry in merged):
         raise TraceError(f"{where}: the fingerprint's 'merged_adapters' must be a list of adapter records")
     logits = trace.logits
-    if logits is not None and (logits.dim() != 2 or not logits.is_floating_point()
+    if logits is None and not trace.activations:
+        raise TraceError(f"{where}: the trace holds neither logits nor activations")
+    if logits is not None and (logits.dim() != 2 or logits.dtype not in FLOAT_DTYPES
                                or logits.shape[0] not in (len(trace.ids), 1)):
         raise TraceError(f"{where}: logits have shape {tuple(logits.shape)}; a trace of {len(trace.ids)} tokens "
                          f"holds [{len(trace.ids)}, vocab] floats (or [1, vocab], the last position's)")
@@ -291,9 +302,11 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
     for name, activation in trace.activations.items():
         if not is_point_name(name):
             raise TraceError(f"{where}: activation {shorten(name)} is not named by one hook point")
-        if not (activation.is_floating_point() or activation.dtype in _INTEGER_DTYPES):
+        ids = name.endswith(ID_POINTS)  # an MoE's chosen experts, kept as integers
+        if activation.dtype not in (_INTEGER_DTYPES if ids else FLOAT_DTYPES):
+            kept = "integers" if ids else "float16, bfloat16, float32 or float64 numbers"
             raise TraceError(f"{where}: activation {shorten(name)} holds {str(activation.dtype).removeprefix('torch.')}"
-                             "; a recorded activation holds floats or integers")
+                             f"; this point is recorded as {kept}")
         axis = axes(name).token
         if trace.reduce is None and (activation.dim() <= axis or activation.shape[axis] != len(trace.ids)):
             raise TraceError(f"{where}: activation {shorten(name)} has shape {tuple(activation.shape)}, not one row "
@@ -319,10 +332,11 @@ def _read_member(fd: int, directory: Path, name: str, max_bytes: int | None, siz
         raise TraceError(f"{path} is missing") from None
     except OSError as err:
         raise TraceError(f"{path} cannot be read: a symbolic link or not a regular file ({err.strerror})") from None
+    info = os.fstat(member)
+    if not stat.S_ISREG(info.st_mode):  # checked before fdopen, which refuses a folder with its own error
+        os.close(member)
+        raise TraceError(f"{path} is not a regular file")
     with os.fdopen(member, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise TraceError(f"{path} is not a regular file")
         if size is not None and info.st_size != size:
             raise TraceError(f"{path} has {info.st_size:,} bytes, its manifest says {size:,}: the file was modified "
                              "or is corrupt")

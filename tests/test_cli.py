@@ -94,6 +94,27 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_bad_ports_replay_numerics_messages_and_folders_are_one_line_errors(capsys, tmp_path):
+    """Each a one-line error with exit status 2, before any server starts (argparse's own for a port)."""
+    huge = tmp_path / "huge.json"
+    huge.write_text('[{"role": "user", "content": "Hi", "x": ' + "9" * 5000 + "}]")
+    cases = [
+        (["mcp", "--http", "--port", "99999"], "a port is a number from 1 to 65535"),
+        (["app", "--port", "-5"], "a port is a number from 1 to 65535"),
+        (["replay", str(tmp_path), "--numerics", "llamacpp"], "--numerics does not apply"),
+        (["generate", "--messages", str(huge)], "cannot read messages"),
+        (["mcp", "--artifacts", str(huge)], "exists and is not a folder"),
+    ]
+    for args, message in cases:
+        if "--port" in args:
+            with pytest.raises(SystemExit) as exited:
+                cli.main(args)
+            assert exited.value.code == 2
+        else:
+            assert cli.main(args) == 2
+        assert message in capsys.readouterr().err, args
+
+
 def test_run_file_prints_one_json_line_per_prompt(capsys, tmp_path, model):
     prompts = ["The capital of France is", "Hello", "Water boils at"]
     path = tmp_path / "prompts.txt"

@@ -307,3 +307,28 @@ def test_a_forged_reduction_is_refused(gguf_model, tmp_path, edit, message):
     edit_manifest(path, edit)
     with pytest.raises(TraceError, match=message):
         workbench.load_trace(path)
+
+
+def test_replay_compares_bits_nan_included_and_never_casts_across_kinds(gguf_model, tmp_path):
+    """A trace whose values overflowed to NaN replays identical (NaN where NaN was recorded); integers forged into a
+    float point are refused on load; tolerances are checked; an empty path and an empty trace are refused."""
+    name = "blocks.1.hook_resid_post"
+    blown = gguf_model.run(IDS, record=[name], interventions=[hooks.Scale("blocks.0.hook_resid_post", factor=1e38)])
+    assert blown.activations[name].isnan().any() or blown.activations[name].isinf().any()
+    report = workbench.replay(blown.save(tmp_path / "nan"), gguf_model)
+    assert report.verdict == "identical" and report.max_abs_deviation == 0
+    forged = gguf_model.run(IDS, record=[name])
+    forged.activations[name] = forged.activations[name].to(torch.int8)
+    with pytest.raises(TraceError, match="holds int8; this point is recorded as float16"):
+        workbench.load_trace(forged.save(tmp_path / "int8"))
+    for rtol, atol in ((float("nan"), 1e-5), (1e-3, -1.0), (float("inf"), 1e-5)):
+        with pytest.raises(workbench.WorkbenchError, match="rtol|atol"):
+            workbench.replay(tmp_path / "nan", gguf_model, rtol=rtol, atol=atol)
+    with pytest.raises(TraceError, match="path is empty"):
+        forged.save("")
+    with pytest.raises(TraceError, match="path is empty"):
+        workbench.load_trace(" ")
+    empty = gguf_model.run(IDS, record=[name])
+    empty.logits, empty.activations = None, {}
+    with pytest.raises(TraceError, match="neither logits nor activations"):
+        workbench.load_trace(empty.save(tmp_path / "empty"))

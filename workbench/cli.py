@@ -64,6 +64,17 @@ def _device_list(text: str) -> list[str]:
     return devices
 
 
+def _port(text: str) -> int:
+    """A TCP port, checked before any model loads."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, not {text!r}")
+    return port
+
+
 def next_token_distribution(model, ids: list[int], top_k: int, logits=None) -> dict[str, Any]:
     """The next-token top-k of a prompt, with token text and log-probabilities (JSON-ready); ``logits`` are the
     prompt's last row when already computed."""
@@ -103,10 +114,11 @@ def read_messages(path: str) -> list[dict[str, str]]:
         return check_messages(json.loads(text))
     except FileNotFoundError:
         raise WorkbenchError(f"messages file not found: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise WorkbenchError(f"cannot read messages from {path}: {err.__class__.__name__}: {err}") from None
     except WorkbenchError as err:
         raise WorkbenchError(f"{path}: {err}") from None
+    except (OSError, ValueError, RecursionError) as err:  # bad UTF-8 or JSON, a number JSON cannot convert
+        raise WorkbenchError(f"cannot read messages from {path}: {err.__class__.__name__}: {clip(str(err), 200)}"
+                             ) from None
 
 
 def command_line_prompt(args: argparse.Namespace, text: str | None) -> str | list[dict[str, str]]:
@@ -265,6 +277,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Exit status 0 when the replay is identical or within tolerance, 1 when it differs."""
     from workbench.replay import replay
 
+    if args.numerics is not None:
+        raise WorkbenchError("a replay computes in the numerics its trace recorded: --numerics does not apply")
     if args.model:
         report = replay(args.artifact, _load(args), force=args.force, rtol=args.rtol, atol=args.atol)
     elif args.quantize is not None:
@@ -359,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dashboard = sub.add_parser("app", help="the Streamlit dashboard, on 127.0.0.1")
     _model_source_args(dashboard)
-    dashboard.add_argument("--port", type=int, default=8501)
+    dashboard.add_argument("--port", type=_port, default=8501)
     _device_args(dashboard)
     _numerics_arg(dashboard)
     dashboard.set_defaults(fn=cmd_app)
@@ -380,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     mcp = sub.add_parser("mcp", help="MCP server for agents: stdio, or streamable HTTP with --http")
     mcp.add_argument("--http", action="store_true", help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio")
     mcp.add_argument("--host", default="127.0.0.1", help="HTTP address (default: loopback only)")
-    mcp.add_argument("--port", type=int, default=8000)
+    mcp.add_argument("--port", type=_port, default=8000)
     mcp.add_argument("--artifacts", default="artifacts", help="the only folder tools read and write (default: ./artifacts)")
     _model_source_args(mcp)
     _device_args(mcp)
@@ -393,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--rtol", type=float, default=1e-3, help="tolerance relative to each tensor's largest value")
     rep.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance")
     _model_args(rep)
-    rep.set_defaults(fn=cmd_replay)
+    rep.set_defaults(fn=cmd_replay, numerics=None)  # a replay computes in the numerics its trace recorded
     return parser
 
 
@@ -402,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        with numerics(getattr(args, "numerics", "exact")):
+        with numerics(getattr(args, "numerics", None) or "exact"):
             status = args.fn(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
     except WorkbenchError as err:

@@ -95,7 +95,7 @@ def check_record_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """What recorded activations are kept in: a floating torch dtype or its name (an integer one would truncate
     them)."""
     chosen = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+    if chosen not in hooks_lib.trace.FLOAT_DTYPES:  # what a saved trace may hold
         raise WorkbenchError(f"record_dtype must be a floating torch dtype or one of {', '.join(DTYPES)}, "
                              f"got {shorten(dtype)}")
     return chosen

@@ -14,7 +14,7 @@ from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.hooks import Trace, load_trace
 from workbench.hooks.batching import reduce_tokens
 from workbench.hooks.trace import model_mismatch
-from workbench.kernels import numerics
+from workbench.kernels import NUMERICS, numerics
 from workbench.loading import check_hf_files, checkpoint_files, default_model_path, files_sha256, hash_files
 from workbench.model import Model, load
 
@@ -39,7 +39,11 @@ class ReplayReport:
         return self.verdict != DIFFERENT
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready: an infinite deviation (NaN against a number) as None."""
+        out = asdict(self)
+        if out["max_abs_deviation"] is not None and not math.isfinite(out["max_abs_deviation"]):
+            out["max_abs_deviation"] = None
+        return out
 
     def __str__(self) -> str:
         if self.reason:
@@ -66,7 +70,14 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     if model is not None and (device is not None or dtype is not None or devices is not None):
         raise WorkbenchError("device, dtype and devices say how to load the trace's own model; a given model keeps "
                              "its own")
+    for value, name in ((rtol, "rtol"), (atol, "atol")):
+        if finite_number(value, name) < 0:
+            raise WorkbenchError(f"{name} must be at least 0, got {value!r}")
     trace = trace_or_path if isinstance(trace_or_path, Trace) else load_trace(trace_or_path)
+    recorded_numerics = trace.backend.get("numerics", "exact")
+    if recorded_numerics not in NUMERICS:
+        raise WorkbenchError(f"the trace was recorded in numerics {shorten(recorded_numerics)}, none this workbench "
+                             f"computes ({', '.join(NUMERICS)})")
     model = model if model is not None else _load_recorded_model(trace, device, dtype, devices)
     mismatch = model_mismatch(trace.fingerprint, model)
     if mismatch and not force:
@@ -74,7 +85,7 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     before = set(model.adapters)
     try:
         adapter = _recorded_adapters(trace, model, load_adapters)
-        with numerics(trace.backend.get("numerics", "exact")):
+        with numerics(recorded_numerics):
             fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
                               chat=trace.chat, adapter=adapter)
     except BaseException:
@@ -97,7 +108,7 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
         deviation = _max_deviation(new, old)
         if deviation > worst or worst_name is None:
             worst, worst_name = deviation, name
-        if torch.equal(new, old):
+        if deviation == 0.0 and new.dtype == old.dtype:  # bit for bit, NaN where NaN was recorded included
             continue
         scale = old[old.isfinite()].abs().max().item() if old.isfinite().any() else 0.0
         if deviation <= atol + rtol * scale:
@@ -117,17 +128,21 @@ def kept_like(trace: Trace, fresh: Trace) -> tuple[dict[str, torch.Tensor], dict
         recorded[name] = old
         if name in fresh.activations:
             new = fresh.activations[name]
-            replayed[name] = (new if trace.reduce is None else reduce_tokens(new, trace.reduce, 0)).to(old.dtype)
+            new = new if trace.reduce is None else reduce_tokens(new, trace.reduce, 0)
+            # rounded to a recorded float dtype as the recorder rounds (half precision); never cast across kinds,
+            # which would make forged integers of a float point compare equal
+            replayed[name] = new.to(old.dtype) if new.is_floating_point() and old.is_floating_point() else new
     return recorded, replayed
 
 
 def _max_deviation(new: torch.Tensor, old: torch.Tensor) -> float:
-    """Largest absolute difference; equal infinities (masked attention scores) count as equal."""
-    same = new == old
+    """Largest absolute difference, in float64; equal infinities (masked attention scores) and NaN where both hold
+    NaN count as equal, NaN against a number as infinitely far."""
+    new, old = new.double(), old.double()
+    same = (new == old) | (new.isnan() & old.isnan())
     if bool(same.all()):
         return 0.0
-    diff = (new - old).abs()[~same]
-    value = diff.max().item()
+    value = (new - old).abs()[~same].max().item()
     return value if not math.isnan(value) else math.inf
 
 

@@ -168,7 +168,11 @@ class Artifacts:
     """The one folder tools read and write. Any path resolving outside it is refused."""
 
     def __init__(self, root: str | Path):
+        if isinstance(root, str) and not root.strip():
+            raise WorkbenchError("the artifacts folder is an empty path")
         self.root = Path(root).expanduser().resolve()
+        if self.root.exists() and not self.root.is_dir():
+            raise WorkbenchError(f"the artifacts folder {self.root} exists and is not a folder")
 
     def path(self, relative: str, must_exist: bool = False) -> Path:
         """The absolute path of ``relative`` inside the folder (absolute paths must already point inside it)."""
