@@ -136,9 +136,10 @@ def kept_like(trace: Trace, fresh: Trace) -> tuple[dict[str, torch.Tensor], dict
 
 
 def _max_deviation(new: torch.Tensor, old: torch.Tensor) -> float:
-    """Largest absolute difference, in float64; equal infinities (masked attention scores) and NaN where both hold
-    NaN count as equal, NaN against a number as infinitely far."""
-    new, old = new.double(), old.double()
+    """Largest absolute difference (in float64 between two dtypes); equal infinities (masked attention scores) and NaN
+    where both hold NaN count as equal, NaN against a number as infinitely far."""
+    if new.dtype != old.dtype:
+        new, old = new.double(), old.double()
     same = (new == old) | (new.isnan() & old.isnan())
     if bool(same.all()):
         return 0.0
