@@ -104,6 +104,7 @@ def test_bad_ports_replay_numerics_messages_and_folders_are_one_line_errors(caps
         (["replay", str(tmp_path), "--numerics", "llamacpp"], "--numerics does not apply"),
         (["generate", "--messages", str(huge)], "cannot read messages"),
         (["mcp", "--artifacts", str(huge)], "exists and is not a folder"),
+        (["harvest", "--file", str(huge), "--hook", "hook_embed", "--out", ""], "out is an empty path"),
     ]
     for args, message in cases:
         if "--port" in args:
@@ -113,6 +114,8 @@ def test_bad_ports_replay_numerics_messages_and_folders_are_one_line_errors(caps
         else:
             assert cli.main(args) == 2
         assert message in capsys.readouterr().err, args
+    with pytest.raises(workbench.WorkbenchError, match="the model path is empty"):  # `--model ""`
+        workbench.loading.load_checkpoint("")
 
 
 def test_run_file_prints_one_json_line_per_prompt(capsys, tmp_path, model):

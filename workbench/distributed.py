@@ -313,6 +313,8 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
         parts = _run_shards(ids, lambda shard: _shard_activations(model, shard.items, names, reduce, batch_size),
                             shard_size, retries)
         return {name: torch.cat([part[name] for part in parts]) for name in names}
+    if isinstance(out, str) and not out.strip():
+        raise WorkbenchError("out is an empty path: name the folder to write the shards into")
     folder = Path(out)
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise WorkbenchError(f"{folder} is not a folder to write shards into")

@@ -73,6 +73,8 @@ def default_model_path() -> Path:
 
 def load_checkpoint(path: str | Path | None = None, quantize: str | None = None) -> LoadedCheckpoint:
     """A GGUF file or a Hugging Face checkpoint directory; the embedded model when ``path`` is None."""
+    if isinstance(path, str) and not path.strip():
+        raise ModelLoadError("the model path is empty (leave it out for the embedded model)")
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ModelLoadError(f"no model at {path}")
