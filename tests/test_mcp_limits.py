@@ -481,3 +481,12 @@ def test_a_refused_call_changes_nothing_in_the_session(bench, call):
     refused(bench.run_with_interventions, call, prompt=PROMPT, interventions=[
         {"type": "steer", "vector": {"id": vector_id}, "bogus": 1}], match="bogus")
     refused(bench.load_model, call, path="embedded", quantize="Q8_0", match="float checkpoints")
+
+
+def test_an_edit_s_two_traces_keep_notes_of_their_own(bench, call):
+    """Saving the edited trace of a steer names its path in its own entry, not the baseline's."""
+    out = bench.steer(call, prompt=PROMPT, hook="blocks.0.hook_resid_post",
+                      vector=[1.0] * bench.model(call).config.d_model)
+    bench.save_trace(call, trace_id=out.trace_id, path="edited")
+    assert bench.trace_summary(call, out.trace_id).path == "edited"
+    assert bench.trace_summary(call, out.baseline_trace_id).path is None

@@ -70,7 +70,7 @@ class Session:
             object_id = f"{kind}-{secrets.token_hex(4)}"
             while object_id in self.entries:
                 object_id = f"{kind}-{secrets.token_hex(4)}"
-            self.entries[object_id] = Entry(kind, value, note)
+            self.entries[object_id] = Entry(kind, value, dict(note))  # each its own: save_trace adds a path
             ids.append(object_id)
         return ids
 
