@@ -296,7 +296,6 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     from workbench.hooks.points import axes
     from workbench.model import check_batch_size
 
-    check_reduce(reduce)
     check_batch_size(batch_size)
     if out is None and reduce is None:
         raise WorkbenchError("harvesting every token needs out=FOLDER (safetensors shards); in memory, give reduce")
@@ -308,7 +307,7 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     if grown:
         raise WorkbenchError(f"{grown[0]} is not token-major ([heads, T, S]): harvest token-major hook points")
     ids = model.batch_ids(list(prompts))  # every prompt checked before any rank computes
-    check_reduce(reduce, names, [len(x) for x in ids])
+    check_reduce(reduce, names, [len(x) for x in ids])  # its type, and a position within every prompt
     if out is None:
         parts = _run_shards(ids, lambda shard: _shard_activations(model, shard.items, names, reduce, batch_size),
                             shard_size, retries)

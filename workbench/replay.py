@@ -121,7 +121,7 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
 def kept_like(trace: Trace, fresh: Trace) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The recorded tensors by name, and the whole run's ``fresh`` tensors kept as the trace kept them: its logits
     (every position's, the last's alone, or none), each activation reduced as a batch run reduced it (``reduce``)
-    and in its recorded dtype."""
+    and, a float, in its recorded float dtype."""
     recorded: dict[str, torch.Tensor] = {} if trace.logits is None else {"logits": trace.logits}
     replayed = {} if trace.logits is None else {"logits": fresh.logits[-trace.logits.shape[0]:]}
     for name, old in trace.activations.items():
