@@ -641,6 +641,7 @@ class Composite(Intervention):
         if not isinstance(self.parts, (list, tuple)):
             raise HookError(f"a composite's parts must be a list of interventions, got {shorten(self.parts)}")
         self.parts = [from_spec(p) for p in self.parts]
+        spec_leaves(self)  # as deep as a spec may nest, so that what runs also saves, loads and replays
 
     def to_spec(self) -> dict[str, Any]:
         return {"type": self.kind, "parts": [p.to_spec() for p in self.parts]}

@@ -297,6 +297,15 @@ def test_spec_types_and_nesting_are_hook_errors():
     shallow = {"type": "composite", "parts": [{"type": "composite", "parts": [{"type": "zero_ablate",
                                                                                  "hook": "hook_embed"}]}]}
     assert len(hooks.spec_leaves(shallow)) == 1 and isinstance(hooks.from_spec(shallow), hooks.Composite)
+    # built in Python, a composite nests no deeper than its spec may: what runs also saves, loads and replays
+    built = hooks.Scale("hook_embed", 0.5)
+    for depth in range(1, 10):
+        if depth <= 8:
+            built = hooks.Composite([built])
+            assert isinstance(hooks.from_spec(built.to_spec()), hooks.Composite)
+        else:
+            with pytest.raises(HookError, match="nest more than 8 deep"):
+                hooks.Composite([built])
 
 
 def test_error_messages_do_not_copy_huge_inputs_back(gguf_model):
