@@ -61,6 +61,11 @@ class Trace:
     metrics: dict[str, float] = field(default_factory=dict)
     adapters: list[dict[str, Any]] = field(default_factory=list)  # LoRA adapters run with: name, scale, path, sha256
     reduce: str | int | None = None  # how a batch run kept one row per recorded point ("last", "mean", a position)
+    # The batched forward that computed it, which a replay recomputes whole so that its bits come out the same (a
+    # forward's rows choose the kernels' tiling and what is computed once): every row's ids, this trace's "row", the
+    # "logits" kept ("all", "last" or None) and "share_prefix". None from a one-prompt run, or rows with differing
+    # interventions or adapters (then the replay runs the prompt alone, within the batched kernels' rounding).
+    batch: dict[str, Any] | None = None
 
     def logits_at(self, position: int = -1) -> torch.Tensor:
         """The logits ``[vocab]`` at a position (negative from the end), where the trace kept them."""
@@ -131,6 +136,7 @@ class Trace:
             "metrics": self.metrics,
             "adapters": self.adapters,
             "reduce": self.reduce,
+            "batch": self.batch,
             "tensors": {key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                               "sha256": tensor_sha256(t)} for key, t in tensors.items()},
             "tensors_file": {"name": TENSORS_FILE, "bytes": len(tensor_bytes),
@@ -198,7 +204,7 @@ def load_trace(path: str | Path, max_bytes: int | None = None) -> Trace:
                   interventions=manifest["interventions"], fingerprint=manifest["fingerprint"],
                   backend=manifest["backend"], versions=manifest["versions"], seed=manifest["seed"],
                   chat=manifest["chat"], metrics=manifest["metrics"], adapters=manifest.get("adapters", []),
-                  reduce=manifest.get("reduce"))
+                  reduce=manifest.get("reduce"), batch=manifest.get("batch"))
     _check_consistent(trace, tensors_path)
     return trace
 
@@ -299,6 +305,7 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
         check_reduce(trace.reduce, list(trace.activations), [len(trace.ids)])
     except WorkbenchError as err:
         raise TraceError(f"{where}: 'reduce': {err}") from None
+    _check_batch(trace, where)
     for name, activation in trace.activations.items():
         if not is_point_name(name):
             raise TraceError(f"{where}: activation {shorten(name)} is not named by one hook point")
@@ -311,6 +318,30 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
         if trace.reduce is None and (activation.dim() <= axis or activation.shape[axis] != len(trace.ids)):
             raise TraceError(f"{where}: activation {shorten(name)} has shape {tuple(activation.shape)}, not one row "
                              f"per token of {len(trace.ids)}")
+
+
+_BATCH_KEYS = {"rows", "row", "logits", "share_prefix"}
+
+
+def _check_batch(trace: Trace, where: Path) -> None:
+    """A recorded batched forward holds this trace's ids at its row and the logits the trace kept."""
+    batch = trace.batch
+    if batch is None:
+        return
+    if not isinstance(batch, dict) or set(batch) != _BATCH_KEYS:
+        raise TraceError(f"{where}: 'batch' must be null or hold exactly {', '.join(sorted(_BATCH_KEYS))}")
+    rows, row, logits = batch["rows"], batch["row"], batch["logits"]
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, list) and r and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in r)
+            for r in rows):
+        raise TraceError(f"{where}: the batch's 'rows' must be a non-empty list of non-empty lists of token ids")
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(rows) or rows[row] != trace.ids:
+        raise TraceError(f"{where}: the batch's 'row' must index the row that holds the trace's ids")
+    kept = None if trace.logits is None else "last" if trace.logits.shape[0] == 1 else "all"
+    if logits not in ("all", "last", None) or (logits != kept and not (kept == "last" and len(trace.ids) == 1)):
+        raise TraceError(f"{where}: the batch's 'logits' ({shorten(logits)}) must say which logits the trace kept")
+    if not isinstance(batch["share_prefix"], bool):
+        raise TraceError(f"{where}: the batch's 'share_prefix' must be true or false")
 
 
 def _refuse_link(fd: int, directory: Path, name: str) -> None:

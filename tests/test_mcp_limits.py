@@ -160,6 +160,23 @@ def test_a_replayed_trace_is_held_to_the_limits_of_a_direct_call(bench, call):
                    match="takes at most 12")
 
 
+def test_a_batch_traces_forward_is_held_to_the_limits(bench, call):
+    """A batch run's trace replays by recomputing its forward's rows: they count as prompts, each held to the token
+    limit, and its recorded values count over all of their tokens."""
+    model = bench.model(call)
+    names = ["blocks.0.hook_resid_post", "blocks.0.mlp.hook_post"]  # 192 values a token
+    trace = model.run_batch([PROMPT, "the dog", "a cat sat"], record=names)[1]
+    path = trace.save(bench.artifacts.root / "batch")
+    loaded = bench.load_trace(call, path="batch").trace_id
+    assert bench.replay_trace(call, trace_id=loaded).verdict == "identical"
+    ids, row = trace.batch["rows"], trace.batch["row"]
+    for rows, match in (([ids[row]] * 4, "rows of the trace's batched forward must be between 1 and 3"),
+                        ([ids[row], list(range(1, 20))], "takes at most 12"),
+                        ([ids[row], list(range(1, 12)), list(range(1, 12))], "record fewer points")):
+        forge(path, lambda m: m["batch"].update(rows=rows, row=0))
+        assert refused(bench.replay_trace, call, trace_id=bench.load_trace(call, path="batch").trace_id, match=match)
+
+
 def test_a_replayed_trace_cannot_record_past_the_limit(bench, call):
     path = saved_trace(bench, call, record=["blocks.0.hook_resid_post"])
     manifest = json.loads((path / MANIFEST_FILE).read_text())

@@ -296,10 +296,43 @@ def test_batch_traces_that_keep_less_save_load_and_replay_as_kept(gguf_model, tm
         full.logits_at(6)
 
 
+def test_a_batch_trace_replays_its_forward_bit_for_bit(gguf_model, tmp_path):
+    """A batch run's trace records its forward's rows, and the replay recomputes that forward: in bfloat16, where a
+    forward of other rows rounds otherwise, it is identical whole, reduced, stopped early, steered and past shared
+    prefixes. Without the rows, or where rows ran with interventions of their own, it runs the prompt alone."""
+    model = workbench.load(gguf_model.path, device="cpu", dtype="bfloat16")
+    prompts = [IDS + IDS, IDS, IDS[:4] + [1, 2], [9], list(range(1, 30))]  # 54 rows: panels, not the fused dot
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_z"]
+    steer = hooks.Steer("blocks.0.hook_resid_post", torch.ones(model.config.d_model), positions=[-1])
+    for i, kwargs in enumerate([{}, {"logits": "last", "reduce": "mean"}, {"logits": None, "reduce": 0},
+                                {"interventions": [steer]}, {"share_prefix": False}]):
+        traces = model.run_batch(prompts, record=names, **kwargs)
+        for b in (1, 3):
+            path = traces[b].save(tmp_path / f"{i}-{b}")
+            batch = workbench.load_trace(path).batch
+            assert batch == traces[b].batch and sorted(batch["rows"]) == sorted(prompts)  # longest first
+            report = workbench.replay(path, model)
+            assert report.verdict == "identical", (kwargs, b, report)
+    alone = model.run_batch(prompts, record=names)[1]
+    alone.batch = None
+    assert workbench.replay(alone, model).verdict == "different"  # bfloat16 rounds this prompt otherwise alone
+    own = model.run_batch(prompts, record=names, per_prompt_interventions=[[steer], [], [], [], []])
+    assert all(t.batch is None for t in own)
+    assert workbench.replay(own[1], model).verdict == "different"
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda m: m.update(reduce=None), "not one row per token"),
     (lambda m: m.update(reduce="median"), "'reduce'"),
     (lambda m: m.update(reduce=99), "lies outside them"),
+    (lambda m: m.update(batch=[1]), "'batch' must be null or hold exactly"),
+    (lambda m: m["batch"].update(extra=1), "'batch' must be null or hold exactly"),
+    (lambda m: m["batch"].update(rows=[[5, True]]), "non-empty list of non-empty lists of token ids"),
+    (lambda m: m["batch"].update(rows=[[]]), "non-empty list of non-empty lists of token ids"),
+    (lambda m: m["batch"].update(row=1), "'row' must index the row that holds the trace's ids"),
+    (lambda m: m["batch"]["rows"][0].append(7), "'row' must index the row that holds the trace's ids"),
+    (lambda m: m["batch"].update(logits=None), "must say which logits the trace kept"),
+    (lambda m: m["batch"].update(share_prefix="yes"), "'share_prefix' must be true or false"),
 ])
 def test_a_forged_reduction_is_refused(gguf_model, tmp_path, edit, message):
     trace = gguf_model.run_batch([IDS], record=["blocks.0.hook_resid_post"], reduce="last")[0]

@@ -637,15 +637,21 @@ class Model:
 
         reduce = recorder.reduce if recorder else None
 
-        def trace(i: int, row_logits: torch.Tensor | None, activations: dict[str, torch.Tensor]) -> hooks_lib.Trace:
+        def trace(i: int, row_logits: torch.Tensor | None, activations: dict[str, torch.Tensor],
+                  batch: dict | None) -> hooks_lib.Trace:
             return hooks_lib.Trace(
                 prompt=recorded_prompt(prompts[i], ids[i]), ids=ids[i], tokens=self.token_texts(ids[i]),
                 logits=None if row_logits is None else row_logits.clone(), activations=activations,
                 interventions=specs[i], fingerprint=fingerprint, backend=backend, versions=versions,
-                chat=chat or is_messages(prompts[i]), adapters=adapters[i], reduce=reduce)
+                chat=chat or is_messages(prompts[i]), adapters=adapters[i], reduce=reduce, batch=batch)
 
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
+            # a replay recomputes this forward from its rows where each ran with the same interventions and adapter
+            first = layout.prompts[0]
+            forward = ({"rows": rows, "logits": logits, "share_prefix": share_prefix}
+                       if all(specs[i] == specs[first] and adapters[i] == adapters[first] for i in layout.prompts)
+                       else None)
             edits = self._layout_hooks(prompt_hooks, layout)
             hooks = self._forward_hooks(edits, saes, use_error_term, recorder and recorder.hooks())
             # a prefix that prompts share is computed once where their edits are those every prompt makes at every
@@ -667,10 +673,11 @@ class Model:
                 if b in prefix_of and recorder.reduce is None:
                     activations = {name: hooks_lib.join_tokens(name, [prefix_of[b][name], tail])
                                    for name, tail in activations.items()}
-                yield i, trace(i, row_logits, activations)
+                batch = None if forward is None else {**forward, "row": b}
+                yield i, trace(i, row_logits, activations, batch)
                 for j in repeats.get(i, ()):  # views of the same activations, or copies of its own for iter_batch
                     yield j, trace(j, row_logits, {name: x.clone() if recorder.own_buffers else x
-                                                   for name, x in activations.items()} if recorder else {})
+                                                   for name, x in activations.items()} if recorder else {}, batch)
 
     def _forward_rows(self, rows: list[list[int]], layout: BatchLayout, hooks: dict | None, last_only: bool,
                       groups: Sequence[PrefixGroup] = (), lora: Lora | LoraRows | None = None,

@@ -86,8 +86,7 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     try:
         adapter = _recorded_adapters(trace, model, load_adapters)
         with numerics(recorded_numerics):
-            fresh = model.run(trace.prompt, record=list(trace.activations), interventions=trace.interventions,
-                              chat=trace.chat, adapter=adapter)
+            fresh = _rerun(trace, model, adapter)
     except BaseException:
         for name in set(model.adapters) - before:  # what this replay loaded goes with its refusal
             model.unload_adapter(name)
@@ -118,17 +117,31 @@ def replay(trace_or_path: Trace | str | Path, model: Model | None = None, *, for
     return ReplayReport(verdict, worst, worst_name, len(recorded), **report)
 
 
+def _rerun(trace: Trace, model: Model, adapter: dict[str, float]) -> Trace:
+    """The trace's run again: the batched forward it records recomputed whole (the same rows, so the same tiling and
+    the same bits), else its prompt alone. A prompt that tokenizes otherwise is run alone, for the report to say so."""
+    record, batch = list(trace.activations), trace.batch
+    if batch is None or model.batch_ids([trace.prompt], trace.chat)[0] != list(trace.ids):
+        return model.run(trace.prompt, record=record, interventions=trace.interventions, chat=trace.chat,
+                         adapter=adapter)
+    floats = {t.dtype for t in trace.activations.values() if t.is_floating_point()}
+    return model.run_batch(batch["rows"], record=record, interventions=trace.interventions,
+                           batch_size=len(batch["rows"]), logits=batch["logits"], reduce=trace.reduce,
+                           share_prefix=batch["share_prefix"], adapter=adapter,
+                           record_dtype=floats.pop() if len(floats) == 1 else torch.float32)[batch["row"]]
+
+
 def kept_like(trace: Trace, fresh: Trace) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The recorded tensors by name, and the whole run's ``fresh`` tensors kept as the trace kept them: its logits
-    (every position's, the last's alone, or none), each activation reduced as a batch run reduced it (``reduce``)
-    and, a float, in its recorded float dtype."""
+    """The recorded tensors by name, and the re-run's ``fresh`` tensors kept as the trace kept them: its logits
+    (every position's, the last's alone, or none), each activation reduced as a batch run reduced it (``reduce``,
+    unless ``fresh`` was) and, a float, in its recorded float dtype."""
     recorded: dict[str, torch.Tensor] = {} if trace.logits is None else {"logits": trace.logits}
     replayed = {} if trace.logits is None else {"logits": fresh.logits[-trace.logits.shape[0]:]}
     for name, old in trace.activations.items():
         recorded[name] = old
         if name in fresh.activations:
             new = fresh.activations[name]
-            new = new if trace.reduce is None else reduce_tokens(new, trace.reduce, 0)
+            new = new if trace.reduce is None or fresh.reduce is not None else reduce_tokens(new, trace.reduce, 0)
             # rounded to a recorded float dtype as the recorder rounds (half precision); never cast across kinds,
             # which would make forged integers of a float point compare equal
             replayed[name] = new.to(old.dtype) if new.is_floating_point() and old.is_floating_point() else new

@@ -1322,7 +1322,10 @@ class Workbench:
         model = self.model(call)
         # a saved trace may say anything: its replay is held to the limits of a direct call
         ids = self._check_cost(model, [trace.prompt], trace.chat, trace.interventions)[0]
-        self._record_names(model, list(trace.activations), len(ids))
+        rows = trace.batch["rows"] if trace.batch else [ids]  # a batch run's trace recomputes its whole forward
+        self._check_count("rows of the trace's batched forward", len(rows), self.limits.max_batch)
+        self._check_cost(model, rows)
+        self._record_names(model, list(trace.activations), sum(map(len, rows)))
         call.check()
         report = replay(trace, model, force=force, load_adapters=False)  # never a path a manifest names
         deviation = report.max_abs_deviation
