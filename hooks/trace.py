@@ -63,8 +63,9 @@ class Trace:
     reduce: str | int | None = None  # how a batch run kept one row per recorded point ("last", "mean", a position)
     # The batched forward that computed it, which a replay recomputes whole so that its bits come out the same (a
     # forward's rows choose the kernels' tiling and what is computed once): every row's ids, this trace's "row", the
-    # "logits" kept ("all", "last" or None) and "share_prefix". None from a one-prompt run, or rows with differing
-    # interventions or adapters (then the replay runs the prompt alone, within the batched kernels' rounding).
+    # "logits" kept ("all", "last" or None), "share_prefix", and each row's "interventions" (None: all ran this
+    # trace's). None from a one-prompt run, or rows of differing adapters (then the replay runs the prompt alone,
+    # within the batched kernels' rounding).
     batch: dict[str, Any] | None = None
 
     def logits_at(self, position: int = -1) -> torch.Tensor:
@@ -320,11 +321,11 @@ def _check_consistent(trace: Trace, tensors_path: Path) -> None:
                              f"per token of {len(trace.ids)}")
 
 
-_BATCH_KEYS = {"rows", "row", "logits", "share_prefix"}
+_BATCH_KEYS = {"rows", "row", "logits", "share_prefix", "interventions"}
 
 
 def _check_batch(trace: Trace, where: Path) -> None:
-    """A recorded batched forward holds this trace's ids at its row and the logits the trace kept."""
+    """A recorded batched forward holds this trace's ids and interventions at its row, and the logits it kept."""
     batch = trace.batch
     if batch is None:
         return
@@ -342,6 +343,12 @@ def _check_batch(trace: Trace, where: Path) -> None:
         raise TraceError(f"{where}: the batch's 'logits' ({shorten(logits)}) must say which logits the trace kept")
     if not isinstance(batch["share_prefix"], bool):
         raise TraceError(f"{where}: the batch's 'share_prefix' must be true or false")
+    specs = batch["interventions"]
+    if specs is not None and (not isinstance(specs, list) or len(specs) != len(rows) or specs[row] != trace.interventions
+                              or not all(isinstance(x, list) and all(isinstance(spec, dict) for spec in x)
+                                         for x in specs)):
+        raise TraceError(f"{where}: the batch's 'interventions' must be null or a list of each row's specs, the trace's "
+                         "own at its row")
 
 
 def _refuse_link(fd: int, directory: Path, name: str) -> None:

@@ -162,7 +162,7 @@ def test_a_replayed_trace_is_held_to_the_limits_of_a_direct_call(bench, call):
 
 def test_a_batch_traces_forward_is_held_to_the_limits(bench, call):
     """A batch run's trace replays by recomputing its forward's rows: they count as prompts, each held to the token
-    limit, and its recorded values count over all of their tokens."""
+    limit and its interventions to a direct call's, and its recorded values count over all of their tokens."""
     model = bench.model(call)
     names = ["blocks.0.hook_resid_post", "blocks.0.mlp.hook_post"]  # 192 values a token
     trace = model.run_batch([PROMPT, "the dog", "a cat sat"], record=names)[1]
@@ -175,6 +175,9 @@ def test_a_batch_traces_forward_is_held_to_the_limits(bench, call):
                         ([ids[row], list(range(1, 12)), list(range(1, 12))], "record fewer points")):
         forge(path, lambda m: m["batch"].update(rows=rows, row=0))
         assert refused(bench.replay_trace, call, trace_id=bench.load_trace(call, path="batch").trace_id, match=match)
+    forge(path, lambda m: m["batch"].update(rows=[ids[row]] * 2, interventions=[[], [ZERO] * 5]))  # another row's
+    assert refused(bench.replay_trace, call, trace_id=bench.load_trace(call, path="batch").trace_id,
+                   match="5 interventions")
 
 
 def test_a_replayed_trace_cannot_record_past_the_limit(bench, call):

@@ -298,8 +298,8 @@ def test_batch_traces_that_keep_less_save_load_and_replay_as_kept(gguf_model, tm
 
 def test_a_batch_trace_replays_its_forward_bit_for_bit(gguf_model, tmp_path):
     """A batch run's trace records its forward's rows, and the replay recomputes that forward: in bfloat16, where a
-    forward of other rows rounds otherwise, it is identical whole, reduced, stopped early, steered and past shared
-    prefixes. Without the rows, or where rows ran with interventions of their own, it runs the prompt alone."""
+    forward of other rows rounds otherwise, it is identical whole, reduced, stopped early, steered (every row, or rows
+    of their own) and past shared prefixes. Without the rows it runs the prompt alone, and rounds otherwise."""
     model = workbench.load(gguf_model.path, device="cpu", dtype="bfloat16")
     prompts = [IDS + IDS, IDS, IDS[:4] + [1, 2], [9], list(range(1, 30))]  # 54 rows: panels, not the fused dot
     names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_z"]
@@ -316,8 +316,10 @@ def test_a_batch_trace_replays_its_forward_bit_for_bit(gguf_model, tmp_path):
     alone = model.run_batch(prompts, record=names)[1]
     alone.batch = None
     assert workbench.replay(alone, model).verdict == "different"  # bfloat16 rounds this prompt otherwise alone
-    own = model.run_batch(prompts, record=names, per_prompt_interventions=[[steer], [], [], [], []])
-    assert all(t.batch is None for t in own)
+    own = model.run_batch(prompts, record=names, per_prompt_interventions=[[steer], [], [], [], [steer]])
+    assert own[1].batch["interventions"] == [t.interventions for t in sorted(own, key=lambda t: -len(t.ids))]
+    assert all(workbench.replay(own[b].save(tmp_path / f"own{b}"), model).verdict == "identical" for b in (0, 1))
+    own[1].batch = None
     assert workbench.replay(own[1], model).verdict == "different"
 
 
@@ -333,6 +335,10 @@ def test_a_batch_trace_replays_its_forward_bit_for_bit(gguf_model, tmp_path):
     (lambda m: m["batch"]["rows"][0].append(7), "'row' must index the row that holds the trace's ids"),
     (lambda m: m["batch"].update(logits=None), "must say which logits the trace kept"),
     (lambda m: m["batch"].update(share_prefix="yes"), "'share_prefix' must be true or false"),
+    (lambda m: m["batch"].update(interventions={}), "'interventions' must be null or a list of each row's specs"),
+    (lambda m: m["batch"].update(interventions=[[{"type": "zero_ablate", "hook": "hook_embed"}]]),
+     "'interventions' must be null or a list of each row's specs"),
+    (lambda m: m["batch"].update(interventions=[[1]]), "'interventions' must be null or a list of each row's specs"),
 ])
 def test_a_forged_reduction_is_refused(gguf_model, tmp_path, edit, message):
     trace = gguf_model.run_batch([IDS], record=["blocks.0.hook_resid_post"], reduce="last")[0]

@@ -647,11 +647,12 @@ class Model:
 
         for layout in layouts:
             rows = [ids[i] for i in layout.prompts]
-            # a replay recomputes this forward from its rows where each ran with the same interventions and adapter
+            # what a replay recomputes this forward from, where the rows ran with one adapter choice
             first = layout.prompts[0]
-            forward = ({"rows": rows, "logits": logits, "share_prefix": share_prefix}
-                       if all(specs[i] == specs[first] and adapters[i] == adapters[first] for i in layout.prompts)
-                       else None)
+            same_specs = all(specs[i] == specs[first] for i in layout.prompts)
+            forward = ({"rows": rows, "logits": logits, "share_prefix": share_prefix,
+                        "interventions": None if same_specs else [specs[i] for i in layout.prompts]}
+                       if all(adapters[i] == adapters[first] for i in layout.prompts) else None)
             edits = self._layout_hooks(prompt_hooks, layout)
             hooks = self._forward_hooks(edits, saes, use_error_term, recorder and recorder.hooks())
             # a prefix that prompts share is computed once where their edits are those every prompt makes at every

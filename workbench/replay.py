@@ -125,9 +125,10 @@ def _rerun(trace: Trace, model: Model, adapter: dict[str, float]) -> Trace:
         return model.run(trace.prompt, record=record, interventions=trace.interventions, chat=trace.chat,
                          adapter=adapter)
     floats = {t.dtype for t in trace.activations.values() if t.is_floating_point()}
-    return model.run_batch(batch["rows"], record=record, interventions=trace.interventions,
-                           batch_size=len(batch["rows"]), logits=batch["logits"], reduce=trace.reduce,
-                           share_prefix=batch["share_prefix"], adapter=adapter,
+    per_row = batch["interventions"]
+    return model.run_batch(batch["rows"], record=record, interventions=trace.interventions if per_row is None else (),
+                           per_prompt_interventions=per_row, batch_size=len(batch["rows"]), logits=batch["logits"],
+                           reduce=trace.reduce, share_prefix=batch["share_prefix"], adapter=adapter,
                            record_dtype=floats.pop() if len(floats) == 1 else torch.float32)[batch["row"]]
 
 
