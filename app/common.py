@@ -91,10 +91,22 @@ def attempt(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
 
 
 @contextmanager
+def upload_folder(label: str, file: str | None = None) -> Iterator[Path]:
+    """A private temporary folder for uploads that APIs read by path. An error naming the folder, or ``file`` in it,
+    names the upload (``label``) instead: the folder is gone by the time the message is read."""
+    with tempfile.TemporaryDirectory(prefix="workbench-upload-") as folder:
+        try:
+            yield Path(folder)
+        except WorkbenchError as err:
+            message = str(err).replace(str(Path(folder) / file), label) if file else str(err)
+            raise type(err)(message.replace(f"{folder}/", f"{label}: ").replace(folder, label)) from None
+
+
+@contextmanager
 def upload_on_disk(upload: Any, name: str) -> Iterator[Path]:
     """An uploaded file written to a private temporary folder as ``name`` (for APIs that read paths)."""
-    with tempfile.TemporaryDirectory(prefix="workbench-upload-") as folder:
-        path = Path(folder) / name
+    with upload_folder(upload.name, name) as folder:
+        path = folder / name
         path.write_bytes(upload.getvalue())
         yield path
 
@@ -170,13 +182,30 @@ def trace_from_upload(uploads: list) -> workbench.Trace:
     if missing:
         raise WorkbenchError(f"the upload lacks {', '.join(missing)}: upload the zip the Save button makes, "
                              f"or its {' and '.join(ARTIFACT_FILES)}")
-    with tempfile.TemporaryDirectory(prefix="workbench-upload-") as folder:
+    with upload_folder(uploads[0].name if len(uploads) == 1 else "the upload") as folder:
         for name, data in files.items():
-            (Path(folder) / name).write_bytes(data)
+            (folder / name).write_bytes(data)
         return workbench.load_trace(folder)
 
 
 # ----------------------------------------------------------------------------------------- prompt
+
+# Keys of widgets whose values a script may not set (buttons, downloads, uploads): Streamlit refuses it.
+UNSETTABLE_KEYS = frozenset({"ar_keep", "ar_replay", "ar_download", "ar_upload", "iv_control_file"})
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def keep_widget_values() -> None:
+    """Keep every page's settings while another page shows. Streamlit forgets a widget's value in a run that does not
+    draw it (another page, the system prompt while the chat template is off) unless the script set it in that run:
+    each plain value is set here to itself, first thing in every run."""
+    for key in list(st.session_state):
+        value = st.session_state[key]
+        plain = isinstance(value, _PLAIN) or (isinstance(value, (list, tuple))
+                                              and all(isinstance(v, _PLAIN) for v in value))
+        if plain and key not in UNSETTABLE_KEYS:
+            st.session_state[key] = value
+
 
 
 def prompt_inputs() -> None:

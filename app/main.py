@@ -5,6 +5,7 @@ import workbench
 from workbench.app import common
 
 st.set_page_config(page_title="workbench", page_icon=":material/biotech:", layout="wide")
+common.keep_widget_values()
 
 PAGES = [
     st.Page("page_run_lens.py", title="Run & lens", icon=":material/layers:", default=True),

@@ -11,11 +11,19 @@ model = common.model()
 library: dict = st.session_state.setdefault("traces", {})  # name -> Trace, this session's shelf
 
 
-def shelve(name: str, trace: workbench.Trace) -> None:
-    """Keep a trace; a new one becomes B of the comparison (set before that widget is drawn)."""
-    if name not in library:
-        st.session_state.ar_compare_b = name
-    library[name] = trace
+def shelve(name: str, trace: workbench.Trace) -> str:
+    """Keep a trace under a name of its own (another trace of the same prompt gets a number) and make it B of the
+    comparison (set before that widget is drawn); a trace kept already stays where it is. Returns its name."""
+    for kept, held in library.items():
+        if held is trace:
+            return kept
+    unique, n = name, 1
+    while unique in library:
+        n += 1
+        unique = f"{name} ({n})"
+    library[unique] = trace
+    st.session_state.ar_compare_b = unique
+    return unique
 
 
 save, load = st.columns(2, gap="large")
@@ -31,7 +39,7 @@ with save:
                    f"{len(trace.interventions)} interventions")
         st.download_button("Download artifact (.zip)", lambda: common.artifact_zip(trace), "trace.zip",
                            "application/zip", type="primary", key="ar_download")
-        label = f"{'edited' if trace.interventions else 'clean'}: {trace.prompt!r}"[:80]
+        label = f"{'edited' if trace.interventions else 'clean'}{' chat' if trace.chat else ''}: {trace.prompt!r}"[:80]
         st.button("Keep for replay and comparison", key="ar_keep", on_click=shelve, args=(label, trace))
 
 with load:
@@ -39,11 +47,17 @@ with load:
     uploads = st.file_uploader("Trace artifact (.zip, or manifest.json + tensors.safetensors)",
                                type=["zip", "json", "safetensors"], accept_multiple_files=True, key="ar_upload")
     if uploads:
-        loaded = common.attempt(common.trace_from_upload, uploads)
-        if loaded is not None:
-            shelve(f"uploaded: {uploads[0].name}", loaded)
-            st.success(f"Loaded {uploads[0].name}: {loaded.prompt!r}, {len(loaded.ids)} tokens, "
-                       f"{len(loaded.activations)} activations")
+        # the uploader hands the same files to every rerun: each upload is read and kept once
+        uploaded: dict = st.session_state.setdefault("ar_uploaded", {})  # the files' ids -> the kept trace's name
+        files = tuple(upload.file_id for upload in uploads)
+        if files not in uploaded:
+            loaded = common.attempt(common.trace_from_upload, uploads)
+            if loaded is not None:
+                uploaded[files] = shelve(f"uploaded: {uploads[0].name}", loaded)
+        kept = library.get(uploaded.get(files))
+        if kept is not None:
+            st.success(f"Loaded {uploads[0].name}: {kept.prompt!r}, {len(kept.ids)} tokens, "
+                       f"{len(kept.activations)} activations")
 
 st.subheader("Replay", divider="gray")
 if not library:

@@ -17,8 +17,13 @@ with settings:
     name = st.selectbox("Dataset", labelled, index=labelled.index("sentiment") if "sentiment" in labelled else 0,
                         key="pr_dataset", help="Pairs datasets probe positive vs negative.")
     st.caption(probes.list_datasets()[name])
-    examples = st.slider("Examples", 10, 80, 16, 2, key="pr_examples",
-                         help="A seeded, class-balanced sample, run in batched forwards.")
+    data = probes.load_dataset(name)
+    per_record = 1 if data.kind == "classification" else 2  # a pair's two prompts are two examples
+    most = min(80, per_record * len(data.records))
+    if st.session_state.get("pr_examples", 0) > most:  # kept from a larger dataset
+        st.session_state.pr_examples = most
+    examples = st.slider("Examples", 10, most, min(16, most), 2, key="pr_examples",
+                         help="A seeded, class-balanced sample (a pair gives two), run in batched forwards.")
     point = st.selectbox("Point", ["resid_post", "resid_mid", "resid_pre"], key="pr_point")
     pooling = st.radio("Pooling", ["last", "mean"], horizontal=True, key="pr_pooling",
                        help="The last token's activation, or the mean over the prompt's tokens.")
@@ -27,7 +32,7 @@ with settings:
 
 if run:
     with common.guard():
-        dataset = probes.load_dataset(name).sample(examples)
+        dataset = data.sample(max(1, examples // per_record))
         sweep = common.with_progress("Collecting activations", lambda report: probes.depth_sweep(
             model, dataset, layers=range(0, n_layers, step), point=point, pooling=pooling, progress=report))
         st.session_state.pr_sweep = dataset, sweep

@@ -18,6 +18,7 @@ with load_col:
     path = st.text_input("SAE", key="sae_path", placeholder="folder with cfg.json + sae_weights.safetensors, or a "
                                                               "Gemma Scope params.npz",
                          help="SAELens' format; loaded and checked against this model (docs/saes.md).")
+path = path.strip()
 if not path:
     st.info("Give the path of an SAE trained on this model (``python bench/train_sae.py --out FOLDER`` makes one).")
     st.stop()
@@ -117,5 +118,7 @@ if steer_c.button("Generate", type="primary", use_container_width=True):
 if "sae_generated" in st.session_state:
     plain, steered = st.session_state.sae_generated
     left, right = st.columns(2)
-    left.text_area("Plain", plain, disabled=True, key="sae_plain_text")
-    right.text_area("Steered", steered, disabled=True, key="sae_steered_text")
+    # a keyed widget shows its state, not a new value: the state is the latest generation
+    st.session_state.sae_plain_text, st.session_state.sae_steered_text = plain, steered
+    left.text_area("Plain", disabled=True, key="sae_plain_text")
+    right.text_area("Steered", disabled=True, key="sae_steered_text")

@@ -125,8 +125,8 @@ class _Sweep:
 
     def checked(self, answers: tuple[int, int]) -> tuple[int, int]:
         if answers[0] == answers[1]:
-            raise HookError(f"{self.label}the clean and corrupt runs predict the same token; "
-                            f"pass answers=(clean, corrupt)")
+            raise HookError(f"{self.label}the clean and corrupt runs predict the same token; give the clean and "
+                            "corrupt answers to compare (answers=(clean, corrupt))")
         return answers
 
 

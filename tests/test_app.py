@@ -187,7 +187,7 @@ def test_interventions_steer_with_an_uploaded_control_vector(model, tmp_path):
     upload = at.file_uploader(key="iv_control_file")
     upload.set_value(("junk.gguf", b"GGUF but not really", "application/octet-stream")).run()
     assert_clean(at, errors=1)
-    assert "not a GGUF file" in at.error[0].value
+    assert at.error[0].value.startswith("junk.gguf is not a GGUF file")  # the upload's name, not a temporary path
 
     generator = torch.Generator().manual_seed(0)
     vector = probes.SteeringVector({3: torch.randn(model.config.d_model, generator=generator),
@@ -406,6 +406,13 @@ def test_probe_depth_sweep_and_pca(model):
     scatter = chart(at, "pr_pca")["data"]
     assert sorted(trace["name"] for trace in scatter) == ["negative", "positive"]
     assert sum(values(trace["x"]).numel() for trace in scatter) == 10
+    at.selectbox(key="pr_dataset").set_value("happy_sad").run()  # pairs: two examples each
+    button(at, "Run depth sweep").click().run()
+    assert sum(values(trace["x"]).numel() for trace in chart(at, "pr_pca")["data"]) == 10
+    at.slider(key="pr_examples").set_value(80).run()
+    at.selectbox(key="pr_dataset").set_value("ioi").run()  # 32 pairs: the slider stops at 64
+    assert at.slider(key="pr_examples").value == 64
+    assert_clean(at)
 
 
 def test_kv_cache_surgery_and_continuation(model):
@@ -464,9 +471,26 @@ def test_artifacts_replay_compare_and_corrupt_uploads(model):
                                 ("tampered.zip", tampered.getvalue(), "sha256")):
         at.file_uploader(key="ar_upload").set_value((name, data, "application/zip")).run()
         assert_clean(at, errors=1)
-        assert message in at.error[0].value
+        assert message in at.error[0].value and at.error[0].value.startswith(name) and "/tmp" not in at.error[0].value
     button(at, "Replay").click().run()  # the page still works after a bad upload
     assert not at.exception and at.success
+
+
+def test_artifacts_keep_each_trace_and_refuse_comparing_vocabularies(model, tiny_model):
+    at = start("page_artifacts.py")
+    button(at, "Keep for replay and comparison").click().run()
+    button(at, "Keep for replay and comparison").click().run()  # the same trace again: still one entry
+    at.sidebar.toggle(key="chat").set_value(True).run()
+    button(at, "Keep for replay and comparison").click().run()  # the same prompt through the chat template
+    assert_clean(at)
+    kept = at.session_state["traces"]
+    assert [len(t.ids) for t in kept.values()] == [len(model.to_ids(PROMPT)), len(model.to_ids(PROMPT, chat=True))]
+    other = tiny_model("llama", seed=5).run("the cat", record=["blocks.*.hook_resid_post"])
+    at.file_uploader(key="ar_upload").set_value(("tiny.zip", common.artifact_zip(other), "application/zip")).run()
+    at.run()  # an upload is kept once, however often the page reruns
+    assert len(at.session_state["traces"]) == 3 and at.selectbox(key="ar_compare_b").value == "uploaded: tiny.zip"
+    assert_clean(at, errors=1)
+    assert "vocabularies differ" in at.error[0].value
 
 
 def test_sae_page_shows_a_features_contexts_density_and_steers(model, tmp_path):
@@ -491,9 +515,50 @@ def test_sae_page_shows_a_features_contexts_density_and_steers(model, tmp_path):
     assert_clean(at)
     plain = at.text_area(key="sae_plain_text").value
     assert plain == model.generate(PROMPT, 16)
+    at.slider(key="sae_new").set_value(8).run()
+    button(at, "Generate").click().run()  # the boxes show the latest generation
+    assert at.text_area(key="sae_plain_text").value == model.generate(PROMPT, 8)
+    at.text_input(key="sae_path").set_value("   ").run()  # blank: the hint, not "no SAE at"
+    assert_clean(at)
+    assert at.info
     at.text_input(key="sae_path").set_value(str(tmp_path / "missing")).run()
     assert_clean(at, errors=1)
     (tmp_path / "notes.txt").write_text("not an SAE")
     at.text_input(key="sae_path").set_value(str(tmp_path / "notes.txt")).run()
     assert_clean(at, errors=1)
     assert at.error[0].value.startswith(f"{tmp_path / 'notes.txt'} is a file, not an SAE folder")
+
+
+def test_settings_survive_other_pages_and_hidden_inputs(model):
+    """A page's settings, and the system prompt while the chat template is off, are kept while not drawn."""
+    at = start("page_patching.py")
+    at.text_input(key="pt_clean").set_value("The Louvre is in the city of").run()
+    at.text_input(key="pt_clean_answer").set_value(" Paris").run()
+    at.switch_page("page_attention.py").run()
+    at.switch_page("page_patching.py").run()
+    assert at.text_input(key="pt_clean").value == "The Louvre is in the city of"
+    assert at.text_input(key="pt_clean_answer").value == " Paris"
+    at.radio(key="pt_source").set_value("A dataset").run()
+    at.radio(key="pt_source").set_value("One pair").run()
+    assert at.text_input(key="pt_clean").value == "The Louvre is in the city of"
+    at.sidebar.toggle(key="chat").set_value(True).run()
+    at.sidebar.text_area(key="system").set_value("Answer in one word.").run()
+    at.sidebar.toggle(key="chat").set_value(False).run()
+    at.sidebar.toggle(key="chat").set_value(True).run()
+    assert at.sidebar.text_area(key="system").value == "Answer in one word."
+    assert_clean(at)
+
+
+def test_keys_the_dashboard_may_not_set_are_never_kept():
+    """Streamlit refuses a script's value for a button, download or upload: every such keyed widget is left out of
+    ``keep_widget_values``."""
+    import ast
+
+    keyed = set()
+    for source in Path(common.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("button", "download_button", "file_uploader", "form_submit_button",
+                                           "chat_input", "data_editor")):
+                keyed |= {k.value.value for k in node.keywords if k.arg == "key" and isinstance(k.value, ast.Constant)}
+    assert keyed == common.UNSETTABLE_KEYS

@@ -255,7 +255,9 @@ def cmd_app(args: argparse.Namespace) -> None:
     script = Path(app.__file__).with_name("main.py")
     command = [sys.executable, "-m", "streamlit", "run", str(script), "--server.port", str(args.port),
                "--server.address", "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
-               "--client.toolbarMode", "minimal"]
+               "--client.toolbarMode", "minimal",
+               # the dashboard sets each widget's value to itself to keep it across pages (app/common.py)
+               "--global.disableWidgetStateDuplicationWarning", "true"]
     command += ["--", "--numerics", args.numerics]
     if args.model is not None:
         command += ["--model", str(Path(args.model).resolve())]

@@ -232,6 +232,9 @@ def compare_next_token(baseline_logits: torch.Tensor, edited_logits: torch.Tenso
     logits as for ``next_token``): both top-k, KL(baseline || edited), the log-probability changes of the tokens in
     either top-k (largest |delta| first, at most ``k``) and of the ``targets`` (token ids)."""
     base_row, edit_row = _row(baseline_logits), _row(edited_logits)
+    if base_row.shape != edit_row.shape:
+        raise WorkbenchError(f"the logits' vocabularies differ ({base_row.numel()} and {edit_row.numel()} tokens): "
+                             "comparing next tokens needs one model's")
     before, after = log_probs(base_row), log_probs(edit_row.to(base_row.device))
     baseline = Distribution(top=top_k(base_row, k, vocab), entropy=float(entropy(base_row)))
     edited = Distribution(top=top_k(edit_row, k, vocab), entropy=float(entropy(edit_row)))
