@@ -207,7 +207,6 @@ def keep_widget_values() -> None:
             st.session_state[key] = value
 
 
-
 def prompt_inputs() -> None:
     """The session's prompt, edited in the sidebar and read by every page."""
     st.session_state.setdefault("prompt", DEFAULT_PROMPT)
