@@ -344,11 +344,11 @@ def _check_batch(trace: Trace, where: Path) -> None:
     if not isinstance(batch["share_prefix"], bool):
         raise TraceError(f"{where}: the batch's 'share_prefix' must be true or false")
     specs = batch["interventions"]
-    if specs is not None and (not isinstance(specs, list) or len(specs) != len(rows) or specs[row] != trace.interventions
-                              or not all(isinstance(x, list) and all(isinstance(spec, dict) for spec in x)
-                                         for x in specs)):
-        raise TraceError(f"{where}: the batch's 'interventions' must be null or a list of each row's specs, the trace's "
-                         "own at its row")
+    if specs is not None and (
+            not isinstance(specs, list) or len(specs) != len(rows) or specs[row] != trace.interventions
+            or not all(isinstance(x, list) and all(isinstance(spec, dict) for spec in x) for x in specs)):
+        raise TraceError(f"{where}: the batch's 'interventions' must be null or a list of each row's specs, the "
+                         "trace's own at its row")
 
 
 def _refuse_link(fd: int, directory: Path, name: str) -> None:
