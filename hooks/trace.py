@@ -66,7 +66,7 @@ class Trace:
     # "logits" kept ("all", "last" or None), "share_prefix", and each row's "interventions" (None: all ran this
     # trace's). None from a one-prompt run, or rows of differing adapters (then the replay runs the prompt alone,
     # within the batched kernels' rounding).
-    batch: dict[str, Any] | None = None
+    batch: dict[str, Any] | None = field(default=None, repr=False)  # every row's ids: too long to print
 
     def logits_at(self, position: int = -1) -> torch.Tensor:
         """The logits ``[vocab]`` at a position (negative from the end), where the trace kept them."""
