@@ -153,6 +153,27 @@ def test_without_logits_the_forwards_stop_after_the_deepest_recorded_block(llama
         llama.run_batch(PROMPTS, logits="none")
 
 
+@pytest.mark.parametrize("name", ["ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits"])
+def test_points_after_the_last_block_see_every_row_whatever_logits_are_kept(llama, name):
+    """The final norm and the logits run on every row where they are recorded or edited, as in the whole run; only
+    then are the last rows kept (they used to see each prompt's last row alone, so a recorded trace could not load and
+    its mean mixed prompts)."""
+    prompts = PROMPTS + [TEMPLATE + PROMPTS[0]]  # a shared prefix too
+    for interventions in ([], [hooks.Scale(name, 0.5, positions=[0])]):
+        for reduce in (None, "mean", "last", 0):
+            whole = llama.run_batch(prompts, record=[name], reduce=reduce, interventions=interventions)
+            for logits in ("last", None):
+                kept = llama.run_batch(prompts, record=[name], reduce=reduce, logits=logits,
+                                       interventions=interventions)
+                for a, b in zip(whole, kept, strict=True):
+                    assert torch.equal(a.activations[name], b.activations[name]), (logits, reduce)
+                    assert b.logits is None if logits is None else torch.equal(b.logits, a.logits[-1:])
+        alone = llama.run(prompts[0], record=[name], interventions=interventions)
+        last = llama.run(prompts[0], record=[name], logits="last", interventions=interventions)
+        assert torch.equal(last.activations[name], alone.activations[name])
+        assert torch.equal(last.logits, alone.logits[-1:])
+
+
 def test_batch_size_splits_into_forwards_with_the_same_results(llama, monkeypatch):
     calls = []
     forward = llama.runner.forward

@@ -141,6 +141,7 @@ class BatchLayout:
 # The hook points after the last block (the final norm's and the logits'): a forward with a ``stop_at_layer`` never
 # reaches them.
 FINAL_POINTS = ("ln_final.hook_scale", "ln_final.hook_normalized", "hook_logits")
+_FINAL_POINT_SET = frozenset(FINAL_POINTS)
 
 HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
 Hooks = Mapping[str, Sequence[HookFn]]
@@ -869,14 +870,19 @@ class Transformer:
         """Float32 logits of the residual stream after the last block (each sequence's last row alone with
         ``last_logits_only``; the ids ``logit_ids`` alone)."""
         c = self.config
-        if last_logits_only:
+        # a hook on the final norm or the logits sees every row, as in a whole run: the last rows are taken after it
+        hooked = last_logits_only and point.wants_any(_FINAL_POINT_SET)
+        if last_logits_only and not hooked:
             x = x[-1:] if layout is None else x[layout.last_rows()]
         scale_name, normalized_name, logits_name = FINAL_POINTS
         x = rms_norm(x, self.weights.final_norm, c.rms_eps, point, (scale_name, normalized_name), None)
         logits = linear(x, self.unembed if logit_ids is None else self.unembed.select_rows(logit_ids)).float()
         if c.final_softcap:
             logits = layer_ops.soft_cap(logits, c.final_softcap)
-        return point(logits_name, logits)
+        logits = point(logits_name, logits)
+        if hooked:
+            logits = logits[-1:] if layout is None else logits[layout.last_rows()]
+        return logits
 
     def can_start_at_layer(self, layer: int) -> bool:
         """Whether a forward can start at block ``layer`` from its residual stream: not where a later block reads the
