@@ -10,8 +10,8 @@ from .batching import BatchRecorder, per_prompt_hooks
 from .experts import AblateExpert, ForceRouting, SteerExpert
 from .gradients import GradientTaps, Gradients, metric_value
 from .interventions import (Composite, FunctionHook, Intervention, MeanAblate, Patch, RegionEdit, ResampleAblate,
-                            RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, intervention_list, merge_hooks,
-                            spec_leaves)
+                            RunShape, Scale, ScaleAdapter, Steer, ZeroAblate, from_spec, has_function_hook,
+                            intervention_list, merge_hooks, spec_leaves)
 from .patching import PatchingResult, attribution_patching, check_patching_method, dataset_patching, patching_sweep
 from .points import point_shapes, resolve
 from .recording import Recorder, join_tokens
@@ -62,10 +62,10 @@ __all__ = [
     "Intervention", "RegionEdit", "ZeroAblate", "MeanAblate", "ResampleAblate", "Steer", "Patch", "Scale", "ScaleAdapter",
     "Composite", "FunctionHook", "from_spec", "compile_hooks", "merge_hooks", "Recorder", "Trace", "TraceError",
     "load_trace", "point_shapes", "resolve", "HookContext", "patching_sweep", "PatchingResult", "BatchRecorder",
-    "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "SAE_POINTS", "attach_saes",
-    "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert", "ForceRouting",
-    "SteerExpert", "intervention_list", "Gradients", "GradientTaps", "metric_value", "attribution_patching",
-    "dataset_patching", "check_patching_method",
+    "per_prompt_hooks", "compile_prompt_hooks", "join_tokens", "spec_leaves", "has_function_hook", "SAE_POINTS",
+    "attach_saes", "check_saes", "check_sae_points", "FeatureSteer", "FeatureAblate", "FeatureClamp", "AblateExpert",
+    "ForceRouting", "SteerExpert", "intervention_list", "Gradients", "GradientTaps", "metric_value",
+    "attribution_patching", "dataset_patching", "check_patching_method",
 ]
 
 

@@ -689,6 +689,12 @@ def spec_leaves(spec: Any, max_depth: int = MAX_SPEC_DEPTH) -> list[Any]:
     return leaves
 
 
+def has_function_hook(specs: Sequence[Any]) -> bool:
+    """Whether any of these specs, composites' parts included, is a plain function's (which no spec rebuilds)."""
+    return any(isinstance(leaf, dict) and leaf.get("type") == FunctionHook.kind
+               for spec in specs for leaf in spec_leaves(spec))
+
+
 def intervention_list(value: Any, what: str = "interventions") -> list[Intervention]:
     """A call's interventions, a list (or other iterable) of them, each parsed by ``from_spec``. One intervention, spec
     or ``(hook, function)`` pair on its own is refused, not walked item by item (a spec's keys, a name's letters)."""

@@ -339,7 +339,7 @@ def _check_batch(trace: Trace, where: Path) -> None:
     if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(rows) or rows[row] != trace.ids:
         raise TraceError(f"{where}: the batch's 'row' must index the row that holds the trace's ids")
     kept = None if trace.logits is None else "last" if trace.logits.shape[0] == 1 else "all"
-    if logits not in ("all", "last", None) or (logits != kept and not (kept == "last" and len(trace.ids) == 1)):
+    if logits != kept and not (kept == "last" and logits == "all" and len(trace.ids) == 1):
         raise TraceError(f"{where}: the batch's 'logits' ({shorten(logits)}) must say which logits the trace kept")
     if not isinstance(batch["share_prefix"], bool):
         raise TraceError(f"{where}: the batch's 'share_prefix' must be true or false")

@@ -321,6 +321,23 @@ def test_a_batch_trace_replays_its_forward_bit_for_bit(gguf_model, tmp_path):
     assert all(workbench.replay(own[b].save(tmp_path / f"own{b}"), model).verdict == "identical" for b in (0, 1))
     own[1].batch = None
     assert workbench.replay(own[1], model).verdict == "different"
+    assert own[0].batch["rows"][own[0].batch["row"]] is not own[0].ids  # a copy: editing the ids leaves it as it ran
+    halve = ("blocks.0.hook_resid_post", lambda x, ctx: x * 0.5)  # a function no spec rebuilds, in another row
+    clean = model.run_batch(prompts, record=names, per_prompt_interventions=[[halve], [], [], [], []])[1]
+    assert clean.batch is None and workbench.replay(clean, model).verdict == "different"  # replayed alone
+
+
+def test_a_forged_batch_is_refused_or_named_in_the_replays_error(gguf_model, tmp_path):
+    one_token = gguf_model.run_batch([[9], IDS], record=["blocks.0.hook_resid_post"])[0]
+    path = one_token.save(tmp_path / "one")
+    edit_manifest(path, lambda m: m["batch"].update(logits=None))  # [1, vocab] logits kept: "all" or "last"
+    with pytest.raises(TraceError, match="must say which logits the trace kept"):
+        workbench.load_trace(path)
+    edit_manifest(path, lambda m: m["batch"].update(logits="last"))
+    assert workbench.replay(path, gguf_model).ok
+    edit_manifest(path, lambda m: m["batch"]["rows"].append([gguf_model.config.vocab_size]))
+    with pytest.raises(workbench.WorkbenchError, match="the trace's batched forward .*token ids out of range"):
+        workbench.replay(path, gguf_model)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -126,10 +126,15 @@ def _rerun(trace: Trace, model: Model, adapter: dict[str, float]) -> Trace:
                          adapter=adapter)
     floats = {t.dtype for t in trace.activations.values() if t.is_floating_point()}
     per_row = batch["interventions"]
-    return model.run_batch(batch["rows"], record=record, interventions=trace.interventions if per_row is None else (),
-                           per_prompt_interventions=per_row, batch_size=len(batch["rows"]), logits=batch["logits"],
-                           reduce=trace.reduce, share_prefix=batch["share_prefix"], adapter=adapter,
-                           record_dtype=floats.pop() if len(floats) == 1 else torch.float32)[batch["row"]]
+    try:
+        return model.run_batch(batch["rows"], record=record,
+                               interventions=trace.interventions if per_row is None else (),
+                               per_prompt_interventions=per_row, batch_size=len(batch["rows"]),
+                               logits=batch["logits"], reduce=trace.reduce, share_prefix=batch["share_prefix"],
+                               adapter=adapter, record_dtype=floats.pop() if len(floats) == 1 else torch.float32
+                               )[batch["row"]]
+    except WorkbenchError as err:  # its "prompt i" is a row of the forward
+        raise type(err)(f"the trace's batched forward (its rows are the prompts): {err}") from None
 
 
 def kept_like(trace: Trace, fresh: Trace) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
