@@ -649,12 +649,12 @@ class Model:
             rows = [ids[i] for i in layout.prompts]
             # what a replay recomputes this forward from, where the rows ran with one adapter choice and no function
             # hook (which no spec rebuilds); its own lists, so that editing a trace's ids leaves it as it ran
-            first = layout.prompts[0]
-            same_specs = all(specs[i] == specs[first] for i in layout.prompts)
-            forward = ({"rows": [list(r) for r in rows], "logits": logits, "share_prefix": share_prefix,
-                        "interventions": None if same_specs else [specs[i] for i in layout.prompts]}
-                       if all(adapters[i] == adapters[first] for i in layout.prompts)
-                       and not any(hooks_lib.has_function_hook(specs[i]) for i in layout.prompts) else None)
+            first, forward = layout.prompts[0], None
+            if (all(adapters[i] == adapters[first] for i in layout.prompts)
+                    and not any(hooks_lib.has_function_hook(specs[i]) for i in layout.prompts)):
+                same_specs = all(specs[i] == specs[first] for i in layout.prompts)
+                forward = {"rows": [list(r) for r in rows], "logits": logits, "share_prefix": share_prefix,
+                           "interventions": None if same_specs else [specs[i] for i in layout.prompts]}
             edits = self._layout_hooks(prompt_hooks, layout)
             hooks = self._forward_hooks(edits, saes, use_error_term, recorder and recorder.hooks())
             # a prefix that prompts share is computed once where their edits are those every prompt makes at every
