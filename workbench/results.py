@@ -195,6 +195,13 @@ def _token_text(vocab: Any) -> Callable[[int], str]:
     return tokenizer.token_text
 
 
+def _check_one_vocabulary(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Two rows of logits to compare come from one vocabulary (one model's)."""
+    if a.shape != b.shape:
+        raise WorkbenchError(f"the vocabularies differ ({a.numel()} and {b.numel()} tokens): comparing logits needs "
+                             "one model's")
+
+
 def _row(logits: torch.Tensor) -> torch.Tensor:
     """One row of logits: a [vocab] tensor as it is, the last row of [positions, vocab]."""
     if logits.dim() == 2:
@@ -232,9 +239,7 @@ def compare_next_token(baseline_logits: torch.Tensor, edited_logits: torch.Tenso
     logits as for ``next_token``): both top-k, KL(baseline || edited), the log-probability changes of the tokens in
     either top-k (largest |delta| first, at most ``k``) and of the ``targets`` (token ids)."""
     base_row, edit_row = _row(baseline_logits), _row(edited_logits)
-    if base_row.shape != edit_row.shape:
-        raise WorkbenchError(f"the logits' vocabularies differ ({base_row.numel()} and {edit_row.numel()} tokens): "
-                             "comparing next tokens needs one model's")
+    _check_one_vocabulary(base_row, edit_row)
     before, after = log_probs(base_row), log_probs(edit_row.to(base_row.device))
     baseline = Distribution(top=top_k(base_row, k, vocab), entropy=float(entropy(base_row)))
     edited = Distribution(top=top_k(edit_row, k, vocab), entropy=float(entropy(edit_row)))
@@ -268,8 +273,7 @@ def compare_traces(a: Any, b: Any, vocab: Any = None, per_position: bool = True)
     """How trace ``b`` differs from trace ``a`` (see ``TraceComparison``); ``per_position=False`` skips the KL and
     top-1 of every position (a float64 softmax over [positions, vocab])."""
     last_a, last_b = a.logits_at(-1), b.logits_at(-1).to(a.logits.device)
-    if last_a.shape != last_b.shape:
-        raise WorkbenchError(f"the traces' vocabularies differ ({last_a.numel()} and {last_b.numel()} tokens)")
+    _check_one_vocabulary(last_a, last_b)
     same_tokens = list(a.ids) == list(b.ids)
     # every position's logits where both kept them (a batch run may keep the last position's alone)
     every_position = same_tokens and a.logits.shape[0] == b.logits.shape[0] == len(a.ids)
