@@ -121,7 +121,7 @@ def _rerun(trace: Trace, model: Model, adapter: dict[str, float]) -> Trace:
     """The trace's run again: the batched forward it records recomputed whole (the same rows, so the same tiling and
     the same bits), else its prompt alone. A prompt that tokenizes otherwise is run alone, for the report to say so."""
     record, batch = list(trace.activations), trace.batch
-    if batch is None or model.batch_ids([trace.prompt], trace.chat)[0] != list(trace.ids):
+    if batch is None or model.to_ids(trace.prompt, chat=trace.chat) != list(trace.ids):
         return model.run(trace.prompt, record=record, interventions=trace.interventions, chat=trace.chat,
                          adapter=adapter)
     floats = {t.dtype for t in trace.activations.values() if t.is_floating_point()}

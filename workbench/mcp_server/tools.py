@@ -1322,11 +1322,13 @@ class Workbench:
         model = self.model(call)
         # a saved trace may say anything: its replay is held to the limits of a direct call
         ids = self._check_cost(model, [trace.prompt], trace.chat, trace.interventions)[0]
-        rows = trace.batch["rows"] if trace.batch else [ids]  # a batch run's trace recomputes its whole forward
-        self._check_count("rows of the trace's batched forward", len(rows), self.limits.max_batch)
-        self._check_cost(model, rows)
-        for specs in (trace.batch or {}).get("interventions") or ():  # each row's, as a direct call's
-            self._check_cost(model, specs=specs)
+        rows = [ids]
+        if trace.batch:  # a batch run's trace recomputes its whole forward: every row, each with its interventions
+            rows = trace.batch["rows"]
+            self._check_count("rows of the trace's batched forward", len(rows), self.limits.max_batch)
+            self._check_cost(model, rows)
+            for specs in trace.batch["interventions"] or ():
+                self._check_cost(model, specs=specs)
         self._record_names(model, list(trace.activations), sum(map(len, rows)))
         call.check()
         report = replay(trace, model, force=force, load_adapters=False)  # never a path a manifest names
