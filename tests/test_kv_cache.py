@@ -15,6 +15,12 @@ def tiny(request, tiny_model):
     return tiny_model(request.param, n_layers=2, seed=5)
 
 
+@pytest.fixture(scope="module")
+def tiny32(tiny, tiny_model):
+    """``tiny`` in float32 (on a GPU, a model's default is bfloat16), for the tests held to float32's batch bound."""
+    return tiny_model(tiny.config.architecture, n_layers=2, seed=5, dtype=torch.float32)
+
+
 def prefilled(model, ids=PROMPT):
     cache = model.new_cache()
     model.forward(ids, cache=cache)
@@ -224,12 +230,13 @@ def test_positions_past_the_context_are_refused(tiny):
         runner.new_static_cache(n_ctx + 1)
 
 
-def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_forward(tiny):
+def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_forward(tiny32):
     """``BatchKVCache.from_prefixes``: each row continues the same tokens from its own point, as a patching sweep's
     cells do; from a later block too (``start_at_layer``), whose earlier layers the rows then do not hold."""
     from workbench.kv_cache import BatchKVCache
     from workbench.runner import BatchLayout
 
+    tiny = tiny32
     runner, n_layers = tiny.runner, tiny.config.n_layers
     resid = {}
     whole = runner.forward(torch.tensor(PROMPT), hooks={"blocks.1.hook_resid_pre": [
@@ -262,11 +269,12 @@ def test_rows_continuing_one_cache_from_prefixes_of_their_own_equal_the_whole_fo
         BatchKVCache.from_prefixes(cache, [])
 
 
-def test_rows_continuing_caches_of_different_sequences_from_prefixes_equal_their_whole_forwards(tiny):
+def test_rows_continuing_caches_of_different_sequences_from_prefixes_equal_their_whole_forwards(tiny32):
     """``from_prefixes`` with a cache a row: rows of two sequences (a dataset's pairs), each continuing its own."""
     from workbench.kv_cache import BatchKVCache
     from workbench.runner import BatchLayout
 
+    tiny = tiny32
     runner, other = tiny.runner, [9, 4, 77, 31, 2, 60]
     prompts = [PROMPT, other, PROMPT, other]
     caches = [prefilled(tiny, p) for p in (PROMPT, other)]
