@@ -225,6 +225,22 @@ def test_a_valid_hf_folder_loads(tmp_path):
     assert workbench.load(write_hf_dir(tmp_path / "ok"), device="cpu").config.n_layers == 1
 
 
+def test_ids_past_the_tokenizers_last_token_decode_to_nothing(tmp_path):
+    """An embedding of more rows than the tokenizer has tokens (Qwen's checkpoints): those ids rank, are sampled and
+    decode to nothing, as llama.cpp's converter pads them."""
+    model = workbench.load(write_hf_dir(tmp_path / "ok"), device="cpu")
+    assert model.tokenizer.vocab_size == model.config.vocab_size == 300  # the fixture's tokenizer has 273 tokens
+    assert model.tokenizer.decode([5, 280, 299, 6]) == model.tokenizer.decode([5, 6])
+    assert model.tokenizer.token_text(299) == ""
+    top = model.run("hi").top_tokens(k=300)
+    assert sorted(i for i, _ in top) == list(range(300))
+    assert model.token_texts(range(273, 300)) == [""] * 27
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.tokenizer.decode([300])
+    text = model.generate("hi", 40, temperature=5.0, seed=1)
+    assert isinstance(text, str)
+
+
 @pytest.mark.parametrize("overrides", [dict(hidden_size="sixty-four"), dict(num_attention_heads=None),
                                        dict(num_hidden_layers=-1), dict(intermediate_size=[96]),
                                        dict(rms_norm_eps="tiny"), dict(architectures=5),

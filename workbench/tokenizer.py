@@ -312,6 +312,15 @@ class Tokenizer:
                           "carries its own (a rendered chat template, say) with add_bos=False", stacklevel=2)
         return [self.bos_id, *ids] if add_bos else ids
 
+    def pad_to(self, vocab_size: int) -> None:
+        """Ids up to ``vocab_size`` where the model's embedding has rows past the tokenizer's last token (Qwen's
+        Hugging Face checkpoints pad it to a multiple of 128 or more): unused tokens that encode never gives and that
+        decode to nothing, as llama.cpp's converter writes them (``[PAD<id>]``)."""
+        extra = range(self.vocab_size, vocab_size)
+        self._texts = [*self._texts, *(f"[PAD{i}]" for i in extra)]
+        self._types = [*self._types, *(TokenType.UNUSED for _ in extra)]
+        self.vocab_size = max(self.vocab_size, vocab_size)
+
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`, undoing encode exactly (including the SentencePiece space prefix).
 
