@@ -141,6 +141,36 @@ def test_a_rerun_keeps_only_shards_of_the_same_harvest(model_file, tmp_path):
     assert distributed.read_harvest(folder)["hook_embed"].shape[0] == 5  # recomputed: one row a prompt now
 
 
+def test_a_rerun_recomputes_shards_of_other_numerics_dtypes_or_weights(model_file, tmp_path):
+    """The shards an earlier run wrote are kept only for the same computation, not the same config and path alone."""
+    import workbench
+    from workbench.kernels import numerics
+
+    model = workbench.load(str(model_file), device="cpu")
+    prompts, hook = distributed_job.PROMPTS[:3], "blocks.1.hook_resid_post"
+
+    def harvested(model: workbench.Model, folder: str) -> torch.Tensor:
+        distributed.harvest(model, prompts, [hook], reduce=None, out=tmp_path / folder, shard_size=2)
+        return distributed.read_harvest(tmp_path / folder)[hook]
+
+    exact = harvested(model, "h")
+    with numerics("llamacpp"):
+        rerun, fresh = harvested(model, "h"), harvested(model, "fresh_llamacpp")
+    assert torch.equal(rerun, fresh) and not torch.equal(fresh, exact)
+    half = workbench.load(str(model_file), device="cpu", dtype="bfloat16")
+    rerun, fresh = harvested(half, "h"), harvested(half, "fresh_bfloat16")
+    assert torch.equal(rerun, fresh) and not torch.equal(fresh.float(), exact)
+    # two random models of one config, both named <random-llama>: their weights tell them apart
+    same, other = (workbench.Model(random_checkpoint(random_config("llama", n_layers=2), "Q8_0", seed=seed), "cpu",
+                                   None) for seed in (0, 1))
+    assert same.config == other.config and same.path == other.path
+    first = harvested(same, "memory")
+    rerun, fresh = harvested(other, "memory"), harvested(other, "fresh_other")
+    assert torch.equal(rerun, fresh) and not torch.equal(fresh, first)
+    with model.hooks([{"type": "zero_ablate", "hook": hook}]), pytest.raises(WorkbenchError, match="outside the block"):
+        harvested(model, "h")
+
+
 def test_a_harvest_never_writes_through_a_link_planted_in_its_folder(model_file, tmp_path):
     """Links at the manifest's and a shard's names (and at the old fixed temporary name) are replaced as entries;
     the files they point to, outside the folder, stay as they were. Bad arguments and a bad manifest say so."""

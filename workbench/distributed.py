@@ -317,15 +317,19 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     folder = Path(out)
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise WorkbenchError(f"{folder} is not a folder to write shards into")
+    if model.in_hooks_block():
+        raise WorkbenchError("a harvest into a folder keeps the shards an earlier run wrote by what computed them, "
+                             "which a `with model.hooks(...)` block's edits are not part of: harvest outside the block")
     folder.mkdir(parents=True, exist_ok=True)
+    # what computed the shards: the weights (their sha256, formats and merged adapters), dtype, numerics and device
+    computed_by = [model.fingerprint(), str(model.dtype), model.current_numerics(), model.device.type]
 
     def work(shard: Shard) -> list[int]:
         """Writes the shard's file (unless an earlier run of this same harvest wrote it) and gives each prompt's row
         count."""
         path = folder / f"shard-{shard.index:05d}.safetensors"
-        # what the file holds: a rerun keeps it only when this matches (same model, prompts, hooks and reduce)
-        key = hashlib.sha256(json.dumps([model.config.to_dict(), str(model.path), shard.items, names, reduce]
-                                        ).encode()).hexdigest()
+        # what the file holds: a rerun keeps it only when this matches (same computation, prompts, hooks and reduce)
+        key = hashlib.sha256(json.dumps([computed_by, shard.items, names, reduce], default=str).encode()).hexdigest()
         offsets = _written_offsets(path, key)
         if offsets is None:
             from safetensors.torch import save
