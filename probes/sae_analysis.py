@@ -111,8 +111,9 @@ def top_features(model: Any, sae: SAE, prompt: str | Sequence[int], k: int = 5) 
 
 @dataclass
 class FeatureAttribution:
-    """Each feature's direct contribution to a logit (difference) at one position, with the SAE's error and
-    decoder bias: together they are the direct contribution of the activation the SAE reads."""
+    """Each feature's direct contribution to a logit (difference) at one position, with the SAE's error, decoder bias
+    and (a skip transcoder's) skip connection: together they are the direct contribution of the activation the SAE
+    writes."""
 
     features: torch.Tensor  # float64 [d_sae]
     error: float
@@ -120,10 +121,11 @@ class FeatureAttribution:
     target: str
     position: int
     scale: float  # the frozen final-norm scale
+    skip: float = 0.0  # a skip transcoder's input times W_skip (0 without)
 
     @property
     def total(self) -> float:
-        return float(self.features.sum()) + self.error + self.bias
+        return float(self.features.sum()) + self.error + self.bias + self.skip
 
     def top(self, n: int = 10) -> list[tuple[int, float]]:
         order = self.features.abs().argsort(descending=True)[:n]
@@ -139,8 +141,9 @@ def feature_attribution(model: Any, sae: SAE, prompt: str | Sequence[int], targe
                              f"{model.config.d_model} features with no per-token normalization")
     target_id = token_id(model, target)
     baseline_id = None if baseline is None else token_id(model, baseline)
-    acts_name = f"{sae.hook}.hook_sae_acts_post"
-    trace = model.run(prompt, saes=[sae], record=[acts_name, f"{sae.hook}.hook_sae_error", "ln_final.hook_scale"])
+    acts_name, input_name = f"{sae.hook}.hook_sae_acts_post", f"{sae.hook}.hook_sae_input"
+    trace = model.run(prompt, saes=[sae], record=[acts_name, input_name, f"{sae.hook}.hook_sae_error",
+                                                  "ln_final.hook_scale"])
     position = check_position(position, len(trace.ids))
     ids = [target_id] if baseline_id is None else [target_id, baseline_id]
     unembedding = model.runner.weights.unembed
@@ -151,10 +154,14 @@ def feature_attribution(model: Any, sae: SAE, prompt: str | Sequence[int], targe
     if sae.rescale_acts_by_decoder_norm:
         w_dec = w_dec / w_dec.norm(dim=-1, keepdim=True)
     acts = trace.activations[acts_name][position].double()
+    skip = 0.0
+    if sae.has_skip:  # the input's own path to the output, beside the features
+        sae_in = trace.activations[input_name][position].double()
+        skip = scale * float(sae_in @ sae.params["W_skip"].detach().cpu().double().T @ direction)
     texts = model.token_texts(ids)
     return FeatureAttribution(
         features=scale * acts * (w_dec @ direction),
         error=scale * float(trace.activations[f"{sae.hook}.hook_sae_error"][position].double() @ direction),
         bias=scale * float(sae.b_dec.detach().cpu().double() @ direction),
         target=repr(texts[0]) if baseline_id is None else f"{texts[0]!r} - {texts[1]!r}",
-        position=position % len(trace.ids), scale=scale)
+        position=position % len(trace.ids), scale=scale, skip=skip)

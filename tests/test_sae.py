@@ -283,6 +283,20 @@ def test_training_reports_figures_the_saved_file_gives(model, tmp_path):
     assert figures["ce_loss_clean"] == pytest.approx(float(clean.mean()), rel=1e-5)
 
 
+def test_a_skip_transcoders_attribution_sums_to_the_direct_effect_of_what_it_writes(model, transcoder):
+    """Features, error, b_dec and the skip connection together: the output point's direct effect on the logit
+    difference, through the final norm at the run's scale and the unembedding (computed here from a plain run)."""
+    from workbench import probes
+
+    attribution = probes.feature_attribution(model, transcoder, PROMPTS[0], target=5, baseline=7, position=-2)
+    run = model.run(PROMPTS[0], record=["blocks.1.hook_mlp_out", "ln_final.hook_scale"])
+    rows = model.runner.weights.unembed.dequantize_rows(torch.tensor([5, 7])).double()
+    direction = (rows[0] - rows[1]) * model.runner.weights.final_norm.double()
+    direct = float(run.activations["blocks.1.hook_mlp_out"][-2].double() @ direction) / float(
+        run.activations["ln_final.hook_scale"][-2, 0])
+    assert attribution.skip != 0 and attribution.total == pytest.approx(direct, abs=1e-4)
+
+
 def test_feature_reading_tools(model, sae):
     from workbench import probes
 
