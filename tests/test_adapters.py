@@ -384,6 +384,22 @@ def test_merged_adapter_is_within_one_rounding_of_the_unmerged(fmt, tmp_path):
         workbench.load(tmp_path, device="cpu", adapters={"ft": peft_dir}, merge="ft")
 
 
+def test_a_merge_that_fails_on_a_later_layer_changes_nothing(tmp_path):
+    """A delta past the format's range on the last layer is refused before any matrix is replaced."""
+    hf_model("llama", tmp_path, tie=False)
+    config = workbench.load(tmp_path, device="cpu").config
+    peft_dir = write_peft(tmp_path / "ft", config, seed=1, std=0.03)
+    huge = write_peft(tmp_path / "huge", config, seed=1, layers=[config.n_layers - 1])
+    tensors = {name: t * 1e4 for name, t in load_file(huge / "adapter_model.safetensors").items()}
+    save_file({**load_file(peft_dir / "adapter_model.safetensors"), **tensors}, str(huge / "adapter_model.safetensors"))
+    model = workbench.load(tmp_path, device="cpu", quantize="Q8_0", adapters={"huge": huge})
+    before = model.forward(IDS)
+    last = config.n_layers - 1
+    with pytest.raises(AdapterError, match=rf"adapter 'huge' cannot merge into layer {last} w_\w+: .* overflows"):
+        model.merge_adapter("huge", scale=10.0)
+    assert torch.equal(model.forward(IDS), before) and model.merged == [] and "huge" in model.adapters
+
+
 def test_merge_restacks_fused_projections_and_replays(tmp_path, tiny_checkpoint):
     """A layer whose q/k/v and gate/up are stacked (as on CUDA) serves the merged matrices; a trace of a merged model
     records the merge, a replay on a fresh load merges the same file again, and an unmerged model is refused."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from workbench import hooks as hooks_lib
-from workbench.adapters import Adapter, check_term_range, load_adapter
+from workbench.adapters import Adapter, AdapterError, check_term_range, load_adapter
 from workbench.devices import check_device, check_devices, free_memory, split_layers
 from workbench.errors import WorkbenchError, finite_number, shorten
 from workbench.generation import (Sampling, check_max_new_tokens, forget_built_steps, generate_batch_tokens,
@@ -211,7 +211,8 @@ class Model:
         size and kernels, and the merged delta takes that format's rounding). ``scale``: default the adapter's own.
         One-way: the adapter leaves the resident ones (every call now runs with it; reload the model to undo) and is
         listed as merged (``list_adapters``, ``info``, and traces' fingerprints, so that a replay merges it too).
-        Returns that record."""
+        Returns that record. All or nothing: the new matrices are made before any replaces its old one (so the adapted
+        ones are held twice meanwhile), and a sum past the format's range (an AdapterError) changes none."""
         adapter = self._adapter(name)
         scale = adapter.scale if scale is None else finite_number(scale, "adapter scale")
         weights = self.runner.weights
@@ -219,13 +220,17 @@ class Model:
         missing = [f"layer {i} {proj}" for i, proj in targets if getattr(weights.layers[i], proj) is None]
         if missing:  # a mixture-of-experts MLP has no single matrix to merge into
             raise WorkbenchError(f"adapter {name!r} adapts {missing[0]}, which this model has no matrix for")
-        formats = set()
+        merged = {}  # every matrix quantized before any is replaced: a failure (a sum past the format) changes none
         for i, proj in targets:
-            layer = weights.layers[i]
-            w = getattr(layer, proj)
+            w = getattr(weights.layers[i], proj)
             a, b = (t.to(w.device) for t in adapter.layers[i][proj])
-            setattr(layer, proj, QuantTensor.quantize(w.dequantize() + scale * (b @ a), w.fmt))
-            formats.add(w.fmt.name)
+            try:
+                merged[i, proj] = QuantTensor.quantize(w.dequantize() + scale * (b @ a), w.fmt)
+            except ValueError as err:
+                raise AdapterError(f"adapter {name!r} cannot merge into layer {i} {proj}: {err}") from None
+        formats = {w.fmt.name for w in merged.values()}
+        for (i, proj), w in merged.items():
+            setattr(weights.layers[i], proj, w)
         for layer in {i for i, _ in targets}:
             if any(getattr(weights.layers[layer], stacked) is not None for stacked in STACKS):
                 weights.layers[layer].fuse_projections()  # stack the new parts (the old stack held the old ones)
