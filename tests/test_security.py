@@ -244,7 +244,14 @@ def test_ids_past_the_tokenizers_last_token_decode_to_nothing(tmp_path):
 @pytest.mark.parametrize("overrides", [dict(hidden_size="sixty-four"), dict(num_attention_heads=None),
                                        dict(num_hidden_layers=-1), dict(intermediate_size=[96]),
                                        dict(rms_norm_eps="tiny"), dict(architectures=5),
-                                       dict(vocab_size=1e400)])
+                                       dict(vocab_size=1e400), dict(hidden_size=64.9), dict(hidden_size="64"),
+                                       dict(num_hidden_layers=True), dict(rms_norm_eps="1e-5"),
+                                       dict(max_position_embeddings=2**32 - 1),
+                                       *(dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 512, **bad})
+                                         for bad in ({"factor": float("nan")}, {"beta_fast": -1},
+                                                     {"attention_factor": float("nan")}, {"beta_slow": "1"},
+                                                     {"original_max_position_embeddings": -64}))])
 def test_hf_config_of_the_wrong_types_is_a_load_error(tmp_path, overrides):
     with pytest.raises(ModelLoadError):
         workbench.load(write_hf_dir(tmp_path / "bad", **overrides), device="cpu")

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from workbench.architectures import ARCHITECTURES, Architecture
-from workbench.errors import ModelLoadError
+from workbench.errors import ModelLoadError, shorten
 
 if TYPE_CHECKING:
     from workbench.weights import ModelWeights
@@ -16,6 +17,26 @@ _FEATURE_SETTINGS = ("sliding_window", "rope_base_local", "rope_scale", "rope_ya
                      "attn_softcap", "final_softcap", "d_head_global", "n_kv_heads_global", "d_per_layer",
                      "kv_shared_layers")
 _GATINGS = ("softmax", "sigmoid", "softmax_weight")
+# The longest context whose rope tables a model builds at load (2^24 positions, past every released model's): a header
+# that claims more would have the tables take terabytes.
+MAX_CONTEXT = 1 << 24
+
+
+def integer(value: Any) -> int:
+    """A hyperparameter that is a whole number, as a config file holds it: an integer, or a float with no fraction
+    (JSON's 4096.0); a string, a bool or 64.9 is a ValueError rather than a number read another way."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ValueError(f"expected an integer, got {shorten(value)}")
+
+
+def number(value: Any) -> float:
+    """A hyperparameter that is a real number: an integer or a float, not a string or a bool."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"expected a number, got {shorten(value)}")
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,17 @@ class YaRN:
     beta_slow: float = 1.0
     truncate: bool = True  # the ramp's ends rounded outward to whole dimensions (llama.cpp always; transformers may)
     attn_factor: float | None = None  # None: 0.1 ln(factor) + 1
+
+    def __post_init__(self) -> None:
+        positive = {"factor": self.factor, "beta_fast": self.beta_fast, "beta_slow": self.beta_slow,
+                    **({} if self.attn_factor is None else {"attention factor": self.attn_factor})}
+        for name, value in positive.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ModelLoadError(f"yarn: the {name} must be a positive finite number, got {value!r}")
+        if isinstance(self.original_context, bool) or not isinstance(self.original_context, int) or (
+                self.original_context < 1):
+            raise ModelLoadError(f"yarn: the original context must be a positive integer, got "
+                                 f"{self.original_context!r}")
 
     @property
     def mscale(self) -> float:
@@ -166,6 +198,9 @@ class ModelConfig:
             if f.type.startswith("float") and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                                or not math.isfinite(value) or value <= 0):
                 raise ModelLoadError(f"{where}: {f.name} must be a positive finite number, got {value!r}")
+        if self.n_ctx > MAX_CONTEXT:
+            raise ModelLoadError(f"{where}: a context of {self.n_ctx:,} positions is past the {MAX_CONTEXT:,} this "
+                                 "workbench builds rope tables for")
         for n_kv in {self.n_kv_heads, self.n_kv_heads_global or self.n_kv_heads}:
             if self.n_heads % n_kv:
                 raise ModelLoadError(f"{where}: {self.n_heads} attention heads do not split into {n_kv} "
