@@ -13,8 +13,10 @@ Attached to a run (``model.run(prompt, saes=[sae])``), an SAE fires the hook poi
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from workbench.errors import HookError, WorkbenchError, finite_number, shorten
+from workbench.errors import HookError, WorkbenchError, clip, finite_number, shorten
 from workbench.files import read_root, reads_within, regular_file
 from workbench.hooks import check_saes
 from workbench.hooks.interventions import Positions, Region, RegionEdit, RunShape
@@ -403,13 +405,45 @@ def _upgrade_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _load_npz(path: Path, hook: str | None) -> SAE:
-    regular_file(path)
+# How many times its own size an .npz's arrays may hold: savez stores them as they are and savez_compressed shrinks
+# float weights little, while a zip of 4 MB that inflates to 4 GiB is a bomb.
+NPZ_INFLATION = 8
+
+
+def _npz_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The float arrays of an .npz, each checked before it is read: a member ``<name>.npy`` of a float dtype whose
+    header's shape matches its bytes, and all of them within ``NPZ_INFLATION`` times the file's size (a header may not
+    claim 37 GiB of a 500-byte file). Read without ``np.load``, which allocates what a header claims."""
+    budget = NPZ_INFLATION * regular_file(path).stat().st_size + (1 << 20)
+    arrays = {}
     try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {key: np.asarray(data[key]) for key in data.files}
-    except (OSError, ValueError) as err:
-        raise WorkbenchError(f"cannot read {path} as a numpy .npz without pickle: {err}") from None
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+            if sum(m.file_size for m in members) > budget:
+                raise WorkbenchError(f"{path}: its arrays claim {sum(m.file_size for m in members):,} bytes, more than "
+                                     f"{NPZ_INFLATION} times the file's size")
+            for member in members:
+                name = member.filename.removesuffix(".npy")
+                with archive.open(member) as f:
+                    major, _ = np.lib.format.read_magic(f)
+                    read_header = np.lib.format.read_array_header_1_0 if major == 1 else \
+                        np.lib.format.read_array_header_2_0
+                    shape, fortran, dtype = read_header(f)
+                    if dtype.kind != "f" or dtype.fields is not None or name == member.filename:
+                        raise WorkbenchError(f"{path}: member {shorten(member.filename)} is not a float array .npy "
+                                             f"({dtype})")
+                    size = math.prod(shape) * dtype.itemsize
+                    if member.file_size - f.tell() != size:
+                        raise WorkbenchError(f"{path}: array {shorten(name)}'s header claims shape {shape} of {dtype}, "
+                                             f"which its {member.file_size - f.tell():,} bytes do not hold")
+                    arrays[name] = np.frombuffer(f.read(size), dtype).reshape(shape, order="F" if fortran else "C")
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise WorkbenchError(f"cannot read {path} as a numpy .npz of float arrays: {clip(str(err), 160)}") from None
+    return arrays
+
+
+def _load_npz(path: Path, hook: str | None) -> SAE:
+    arrays = _npz_arrays(path)
     params = {("W_" + key[2:] if key.startswith("w_") else key): torch.from_numpy(value.astype(np.float32))
               for key, value in arrays.items()}
     if "scaling_factor" in params:

@@ -42,10 +42,40 @@ def test_gemma_scope_npz_loads_as_saelens_does():
         torch.testing.assert_close(output, expected["output"], rtol=0, atol=1e-6)
 
 
-def test_npz_with_pickled_objects_is_refused(tmp_path):
-    np.savez(tmp_path / "params.npz", W_enc=np.array([{"a": 1}], dtype=object))
-    with pytest.raises(WorkbenchError, match="without pickle"):
-        load_sae(tmp_path / "params.npz", hook=HOOK)
+def lying_npy(shape: tuple[int, ...], data: bytes) -> bytes:
+    """A .npy whose header claims ``shape`` of float32 over ``data``."""
+    header = repr({"descr": "<f4", "fortran_order": False, "shape": shape}).encode()
+    header += b" " * (63 - (10 + len(header)) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data
+
+
+@pytest.mark.parametrize("case, match", [
+    ("pickled objects", "not a float array"), ("strings", "not a float array"), ("complex", "not a float array"),
+    ("structured", "not a float array"), ("a lying header", r"claims shape \(100000, 100000\)"),
+    ("a zip bomb", "more than 8 times the file's size"), ("truncated", "cannot read"), ("a bare .npy", "cannot read")])
+def test_an_npz_is_checked_before_anything_is_read(tmp_path, case, match):
+    """Never unpickled, and never an allocation a header or a compressed member claims beyond the file's size."""
+    import zipfile
+
+    path = tmp_path / "params.npz"
+    if case == "pickled objects":
+        np.savez(path, W_enc=np.array([{"a": 1}], dtype=object))
+    elif case in ("strings", "complex", "structured"):
+        np.savez(path, W_enc={"strings": np.array(["a"]), "complex": np.ones(4, np.complex64),
+                              "structured": np.zeros(2, [("a", "f4"), ("b", "f4")])}[case])
+    elif case == "a lying header":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("W_enc.npy", lying_npy((100000, 100000), bytes(64)))
+    elif case == "a zip bomb":
+        np.savez_compressed(path, W_enc=np.zeros((2048, 2048), np.float32))  # 16 MiB in some 16 KiB
+    elif case == "truncated":
+        np.savez(path, W_enc=np.ones((8, 8), np.float32))
+        path.write_bytes(path.read_bytes()[:200])
+    else:
+        np.save(tmp_path / "params.npy", np.ones(4, np.float32))
+        (tmp_path / "params.npy").rename(path)
+    with pytest.raises(WorkbenchError, match=match):
+        load_sae(path, hook=HOOK)
 
 
 @pytest.mark.parametrize("case", ["topk", "gated", "skip_transcoder", "standard_constant_norm"])
