@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from workbench.errors import WorkbenchError, shorten
+from workbench.files import parse_json, regular_file
 from workbench.messages import check_messages, is_messages
 
 KINDS = {
@@ -179,7 +180,11 @@ def load_dataset(name_or_path: str | Path | Dataset) -> Dataset:
     if not path.is_file():
         raise WorkbenchError(f"no dataset {str(name_or_path)!r}: not a shipped name ({', '.join(sorted(shipped))}) "
                              "and not a file")
-    return _parse(path.stem, path.read_text(encoding="utf-8"), f"user file {path}")
+    try:
+        text = regular_file(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise WorkbenchError(f"dataset {path} is not UTF-8 text (byte {err.start})") from None
+    return _parse(path.stem, text, f"user file {path}")
 
 
 def make_dataset(name: str, records: Sequence[dict[str, Any]]) -> Dataset:
@@ -206,10 +211,7 @@ def _parse(name: str, text: str, description: str) -> Dataset:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise WorkbenchError(f"dataset {name!r} line {number}: not valid JSON ({err.msg})") from None
+        record = parse_json(line, f"dataset {name!r} line {number}")
         if not isinstance(record, dict):
             raise WorkbenchError(f"dataset {name!r} line {number}: a record must be a JSON object")
         records.append((number, record))

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workbench.errors import HookError, WorkbenchError, clip, finite_number, shorten
-from workbench.files import read_root, reads_within, regular_file
+from workbench.files import read_json, read_root, reads_within, regular_file
 from workbench.hooks import check_saes
 from workbench.hooks.interventions import Positions, Region, RegionEdit, RunShape
 
@@ -158,7 +158,8 @@ class SAE:
                                  f"expected ({self.d_out}, {self.d_in})")
         if not self.is_transcoder and self.d_in != self.d_out:
             raise WorkbenchError(f"an SAE reconstructs its input: d_in {self.d_in} != d_out {self.d_out}")
-        if self.activation == "topk" and not (isinstance(self.k, int) and 0 < self.k <= self.d_sae):
+        if self.activation == "topk" and not (isinstance(self.k, int) and not isinstance(self.k, bool)
+                                              and 0 < self.k <= self.d_sae):
             raise WorkbenchError(f"a TopK SAE needs k in 1..{self.d_sae}, got {self.k!r}")
         if not isinstance(self.hook, str) or not self.hook:
             raise WorkbenchError("the SAE names no hook point (cfg.json metadata.hook_name)")
@@ -347,13 +348,7 @@ def _load_saelens(folder: Path, hook: str | None) -> SAE:
         raise WorkbenchError(f"{folder} holds no SAELens SAE ({CFG_FILENAME} and {WEIGHTS_FILENAME})")
     for member in (cfg_file, weights_file):
         regular_file(member)
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as err:
-        raise WorkbenchError(f"cannot read {cfg_file}: {err}") from None
-    if not isinstance(cfg, dict):
-        raise WorkbenchError(f"{cfg_file} is not a JSON object")
-    cfg = _upgrade_cfg(cfg)
+    cfg = _upgrade_cfg(_checked_cfg(read_json(cfg_file), cfg_file))
     try:
         params = load_file(str(weights_file))
     except Exception as err:  # safetensors raises its own error types for corrupt files
@@ -385,6 +380,29 @@ def _load_saelens(folder: Path, hook: str | None) -> SAE:
         if field in cfg and cfg[field] != actual:
             raise WorkbenchError(f"{CFG_FILENAME} says {field} {shorten(cfg[field])}, but the weights have {actual}")
     return sae
+
+
+# The fields of a SAELens config that are read, and the types they must have (a list where an object belongs raised
+# AttributeError deep inside); under "metadata" too.
+_CFG_TYPES: dict[str, tuple[type, ...]] = {
+    "metadata": (dict,), "activation_fn_kwargs": (dict,), "architecture": (str,), "dtype": (str,),
+    "sae_lens_version": (str, int, float), "hook_name": (str,), "hook_point": (str,), "hook_name_out": (str,),
+    "apply_b_dec_to_input": (bool,), "rescale_acts_by_decoder_norm": (bool,), "normalize_activations": (str, bool),
+    "activation_fn": (str,)}
+
+
+def _checked_cfg(cfg: Any, cfg_file: Path) -> dict[str, Any]:
+    if not isinstance(cfg, dict):
+        raise WorkbenchError(f"{cfg_file} is not a JSON object")
+    for where in (cfg, cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}):
+        for key, types in _CFG_TYPES.items():
+            if where.get(key) is not None and not isinstance(where[key], types):
+                raise WorkbenchError(f"{cfg_file}: {key} must be of type {' or '.join(t.__name__ for t in types)}, "
+                                     f"got {shorten(where[key])}")
+        version = where.get("sae_lens_version")
+        if version is not None and not re.match(r"\d+(\.|$)", str(version)):
+            raise WorkbenchError(f"{cfg_file}: sae_lens_version {shorten(version)} is not a version number")
+    return cfg
 
 
 def _upgrade_cfg(cfg: dict[str, Any]) -> dict[str, Any]:

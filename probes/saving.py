@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, shorten
+from workbench.files import read_json
 from workbench.hooks import point_shapes
 
 
@@ -38,9 +39,10 @@ def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], meta: dic
 def read_artifact(path: str | Path, what: str, fmt: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors and metadata ``write_artifact`` wrote, after checking the metadata names format ``fmt``."""
     tensors_file, json_file = existing_artifact(path, what)
-    meta = json.loads(json_file.read_text(encoding="utf-8"))
-    if meta.get("format") != fmt:
-        raise WorkbenchError(f"{json_file} is not a workbench {what} (format {meta.get('format')!r})")
+    meta = read_json(json_file)
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise WorkbenchError(f"{json_file} is not a workbench {what} (format {shorten(found)})")
     return load_file(str(tensors_file)), meta
 
 

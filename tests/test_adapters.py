@@ -523,6 +523,18 @@ def test_bad_adapters_are_refused_before_compute(hf_llama, tmp_path, tiny_model)
         hf_llama.load_adapter(write_gguf(tmp_path / "base.gguf", qwen.config, qwen.runner.weights), name="base")
     with pytest.raises(AdapterError, match="no adapter"):
         hf_llama.load_adapter(tmp_path / "missing", name="missing")
+    with pytest.raises(AdapterError, match="target_modules must be names"):
+        hf_llama.load_adapter(write_peft(tmp_path / "dicts", config, extra_config={"target_modules": [{"a": 1}]}),
+                              name="dicts")
+    deep = write_peft(tmp_path / "deep", config)
+    (deep / "adapter_config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(AdapterError, match="nests too deeply"):
+        hf_llama.load_adapter(deep, name="deep")
+    tensors = {name: t.to(torch.float8_e4m3fn) for name, t in load_file(str(peft_dir / "adapter_model.safetensors"))
+               .items()}
+    save_file(tensors, str(peft_dir / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="must be float16, bfloat16, float32 or float64"):
+        hf_llama.load_adapter(peft_dir, name="fp8")
     assert sorted(hf_llama.adapters) == ["a", "b"]  # nothing half-loaded
 
 

@@ -193,3 +193,32 @@ def test_a_harvest_never_writes_through_a_link_planted_in_its_folder(model_file,
     (folder / "manifest.json").write_text('{"format": 1}')
     with pytest.raises(workbench.WorkbenchError, match="is no harvest manifest"):
         distributed.read_harvest(folder)
+
+
+def test_a_harvest_folder_that_lies_is_refused_in_one_line(model_file, tmp_path):
+    """Manifests and shards written by hand: each lie a WorkbenchError naming it, not a TypeError, an IndexError from
+    the offsets or rows joined silently past their prompts."""
+    import json
+
+    import workbench
+    from safetensors.torch import save_file
+
+    model = workbench.load(str(model_file), device="cpu")
+    folder = tmp_path / "h"
+    distributed.harvest(model, distributed_job.PROMPTS[:4], ["hook_embed"], reduce=None, out=folder, shard_size=2)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    shard = folder / manifest["shards"][1]["file"]
+    tensors = load_file(shard)
+
+    def refused(match: str, meta: dict | str | None = None, **shard_tensors: torch.Tensor) -> None:
+        (folder / "manifest.json").write_text(meta if isinstance(meta, str) else json.dumps(meta or manifest))
+        save_file({**tensors, **shard_tensors}, str(shard))
+        with pytest.raises(WorkbenchError, match=match):
+            distributed.read_harvest(folder)
+
+    refused("hooks must be a list of hook point names", {**manifest, "hooks": [{"a": 1}]})
+    refused("nests too deeply", "[" * 100000 + "]" * 100000)
+    refused("offsets do not count rows up from 0", offsets=torch.tensor(0))
+    refused("offsets do not count rows up from 0", offsets=torch.zeros(0, dtype=torch.long))
+    refused("offsets end at", offsets=torch.tensor([0, 10**12]))
+    refused("unlike earlier shards'", hook_embed=tensors["hook_embed"][:, :5].contiguous())

@@ -105,6 +105,12 @@ def test_dataset_validation(tmp_path):
     (tmp_path / "junk.jsonl").write_text('{"text": "a", "label": "x"}\n{not json', encoding="utf-8")
     with pytest.raises(workbench.WorkbenchError, match="line 2: not valid JSON"):
         probes.load_dataset(tmp_path / "junk.jsonl")
+    for content, message in ((b'{"text": "a\xff", "label": "x"}', "not UTF-8 text"),
+                             (b"[" * 100000 + b"]" * 100000, "line 1: nests too deeply"),
+                             (b'{"text": "a", "label": ' + b"1" * 5000 + b"}", "line 1: not valid JSON")):
+        (tmp_path / "junk.jsonl").write_bytes(content)
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            probes.load_dataset(tmp_path / "junk.jsonl")
     with pytest.raises(workbench.WorkbenchError, match="not a shipped name"):
         probes.load_dataset("no_such_dataset")
     with pytest.raises(workbench.WorkbenchError, match="mismatched pair counts"):
@@ -173,6 +179,11 @@ def test_probe_fits_saves_and_loads(small, ending_dataset, tmp_path, tiny_model)
         loaded.predict(shallower, new_prompts)
     with pytest.raises(workbench.WorkbenchError, match="not found"):
         probes.Probe.load(tmp_path / "missing")
+    for text, message in (("{not json", "not valid JSON"), ("[1]", "is not a workbench probe"),
+                          ("[" * 100000 + "]" * 100000, "nests too deeply")):
+        json_file.write_text(text)
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            probes.Probe.load(tmp_path / "ending", small)
 
 
 def test_activations_collected_elsewhere_fit_the_probe_train_probe_fits(small, ending_dataset):

@@ -42,6 +42,22 @@ def test_gemma_scope_npz_loads_as_saelens_does():
         torch.testing.assert_close(output, expected["output"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("edit, match", [
+    ({"metadata": [1]}, "metadata must be of type dict"), ({"metadata": {"sae_lens_version": "abc"}}, "not a version"),
+    ({"architecture": ["standard"]}, "architecture must be of type str"),
+    ({"sae_lens_version": "5.0", "activation_fn": "topk", "activation_fn_kwargs": [1]}, "activation_fn_kwargs must"),
+    ({"architecture": "topk", "k": True}, "needs k in"), (None, "nests too deeply")])
+def test_a_saelens_config_of_the_wrong_shape_is_refused_in_one_line(tmp_path, edit, match):
+    import shutil
+
+    folder = tmp_path / "sae"
+    shutil.copytree(FIXTURES / "topk", folder)
+    cfg = json.loads((folder / "cfg.json").read_text())
+    (folder / "cfg.json").write_text("[" * 100000 + "]" * 100000 if edit is None else json.dumps({**cfg, **edit}))
+    with pytest.raises(WorkbenchError, match=match):
+        load_sae(folder)
+
+
 def lying_npy(shape: tuple[int, ...], data: bytes) -> bytes:
     """A .npy whose header claims ``shape`` of float32 over ``data``."""
     header = repr({"descr": "<f4", "fortran_order": False, "shape": shape}).encode()

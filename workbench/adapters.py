@@ -9,7 +9,6 @@ applied it to a GGUF adapter).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -21,7 +20,7 @@ import torch
 
 from workbench.config import ModelConfig
 from workbench.errors import ModelLoadError, finite_number, shorten
-from workbench.files import regular_file
+from workbench.files import read_json, regular_file
 from workbench.kernels import QuantTensor, get_format
 from workbench.loading import hash_files, permute_for_interleaved_rope
 
@@ -101,6 +100,9 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
         out_dim, in_dim = projection_shape(config, proj, layer)
         if a.dim() != 2 or b.dim() != 2:
             raise AdapterError(f"{where}: lora A and B must be matrices, got shapes {tuple(a.shape)}, {tuple(b.shape)}")
+        if not all(t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for t in (a, b)):
+            raise AdapterError(f"{where}: lora A and B must be float16, bfloat16, float32 or float64, got {a.dtype} "
+                               f"and {b.dtype}")
         if a.shape[0] != b.shape[1]:
             raise AdapterError(f"{where}: rank mismatch, A has {a.shape[0]} rows and B {b.shape[1]} columns")
         if a.shape[0] < 1:
@@ -243,10 +245,7 @@ def _read_peft(path: Path, config: ModelConfig):
     from safetensors.torch import load_file
 
     config_file, weights_file = adapter_files(path)  # regular files, checked
-    try:
-        cfg = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise AdapterError(f"{config_file} is not valid JSON: {err}") from None
+    cfg = read_json(config_file, AdapterError)
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{config_file}: peft_type {cfg.get('peft_type') if isinstance(cfg, dict) else cfg!r} "
                            "is not LORA")
@@ -262,6 +261,8 @@ def _read_peft(path: Path, config: ModelConfig):
         raise AdapterError(f"{config_file}: lora_alpha {alpha:g} is past float32's range")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
+        if not all(isinstance(t, str) for t in targets):
+            raise AdapterError(f"{config_file}: target_modules must be names, got {shorten(targets)}")
         unsupported = sorted(set(targets) - set(_FROM_HF))
         if unsupported:
             raise AdapterError(f"{config_file}: target modules {unsupported} are not supported; "

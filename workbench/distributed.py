@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import WorkbenchError, clip, shorten
-from workbench.files import open_folder, regular_file, replace_file
+from workbench.files import open_folder, read_json, regular_file, replace_file
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -387,14 +387,16 @@ def read_harvest(folder: str | Path) -> dict[str, torch.Tensor]:
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         raise WorkbenchError(f"{folder} holds no harvest (no manifest.json)")
+    meta = read_json(manifest)
     try:
-        meta = json.loads(regular_file(manifest).read_text(encoding="utf-8"))
         hooks, shards = meta["hooks"], meta["shards"]
         files = [shard["file"] for shard in shards]
-    except (ValueError, RecursionError, KeyError, TypeError) as err:  # bad JSON, fields missing or of other types
+    except (KeyError, TypeError) as err:  # fields missing or of other types
         raise WorkbenchError(f"{manifest} is no harvest manifest ({clip(str(err), 120)})") from None
     if meta.get("format") != HARVEST_FORMAT:
         raise WorkbenchError(f"{manifest} is not a workbench harvest (format {shorten(meta.get('format'))})")
+    if not isinstance(hooks, list) or not hooks or not all(isinstance(hook, str) for hook in hooks):
+        raise WorkbenchError(f"{manifest}: hooks must be a list of hook point names, got {shorten(hooks)}")
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in hooks}
     offsets, base = [torch.zeros(1, dtype=torch.long)], 0
     for name in files:
@@ -408,11 +410,28 @@ def read_harvest(folder: str | Path) -> dict[str, torch.Tensor]:
         missing = [key for key in (*parts, "offsets") if key not in tensors]
         if missing:
             raise WorkbenchError(f"harvest shard {path} holds no {shorten(missing[0])}")
+        _check_shard(tensors, parts, path)
         for hook in parts:
             parts[hook].append(tensors[hook])
         offsets.append(tensors["offsets"][1:] + base)
         base += int(tensors["offsets"][-1])
     return {**{name: torch.cat(chunks) for name, chunks in parts.items()}, "offsets": torch.cat(offsets)}
+
+
+def _check_shard(tensors: dict[str, torch.Tensor], parts: dict[str, list[torch.Tensor]], path: Path) -> None:
+    """A shard's offsets count up from 0 to the rows of each of its hooks, whose rows are as wide as earlier shards'."""
+    offsets = tensors["offsets"]
+    if (offsets.dim() != 1 or len(offsets) < 1 or offsets.dtype != torch.long or int(offsets[0]) != 0
+            or bool((offsets.diff() < 0).any())):
+        raise WorkbenchError(f"harvest shard {path}: its offsets do not count rows up from 0")
+    for hook, chunks in parts.items():
+        rows = tensors[hook]
+        if rows.dim() < 1 or rows.shape[0] != int(offsets[-1]):
+            raise WorkbenchError(f"harvest shard {path}: {hook} has {tuple(rows.shape)[:1]} rows where its offsets "
+                                 f"end at {int(offsets[-1])}")
+        if chunks and (rows.shape[1:] != chunks[0].shape[1:] or rows.dtype != chunks[0].dtype):
+            raise WorkbenchError(f"harvest shard {path}: {hook} is {rows.dtype} {tuple(rows.shape[1:])} a row, "
+                                 f"unlike earlier shards' {chunks[0].dtype} {tuple(chunks[0].shape[1:])}")
 
 
 def collect_activations(model: Any, prompts: Sequence[str], hook_names: Sequence[str], pooling: str = "last", *,

@@ -2,13 +2,14 @@
 artifacts, cache notes), and reading only regular files, never a link out of a folder confined reads may not leave."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import stat
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from workbench.errors import WorkbenchError
 
@@ -49,6 +50,26 @@ def regular_file(path: Path, error: type[WorkbenchError] = WorkbenchError, *, li
     if not stat.S_ISREG(info.st_mode):
         raise error(f"{path} is not a regular file (a FIFO, device or folder); refused")
     return path
+
+
+def parse_json(text: str | bytes, where: str, error: type[WorkbenchError] = WorkbenchError) -> Any:
+    """The JSON value of ``text`` (``where`` names it in errors): text that is not UTF-8 JSON, nests past Python's
+    recursion limit or holds an integer of more digits than Python converts is ``error`` in one line."""
+    try:
+        return json.loads(text)
+    except ValueError as err:  # invalid JSON, invalid UTF-8 bytes, or an integer of too many digits
+        raise error(f"{where}: not valid JSON ({str(err)[:120]})") from None
+    except RecursionError:
+        raise error(f"{where}: nests too deeply to be read") from None
+
+
+def read_json(path: Path, error: type[WorkbenchError] = WorkbenchError) -> Any:
+    """The JSON value of the regular file ``path`` (``regular_file``), with ``parse_json``'s errors."""
+    try:
+        data = regular_file(path, error).read_bytes()
+    except OSError as err:
+        raise error(f"{path} cannot be read ({err.strerror})") from None
+    return parse_json(data, str(path), error)
 
 
 @contextmanager
