@@ -13,6 +13,7 @@ applied one block later than where it was measured; it is loaded here where llam
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,7 +21,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from workbench.errors import WorkbenchError, finite_number, integer_list, number_list, shorten
+from workbench.errors import WorkbenchError, clip, finite_number, integer_list, number_list, shorten
+from workbench.files import regular_file
+from workbench.gguf_file import GGUFFile
+from workbench.kernels.formats.table import SPECS
 from workbench.hooks import Steer
 from workbench.progress import progress_callback
 
@@ -30,6 +34,7 @@ from .lens import token_ids
 
 CONTROL_VECTOR_ARCH = "controlvector"
 CONTROL_VECTOR_POINT = "resid_post"
+F32_TYPE = SPECS["F32"].ggml_type
 
 
 @dataclass
@@ -113,25 +118,23 @@ class SteeringVector:
     @classmethod
     def from_control_vector(cls, path: str | Path, model: Any) -> "SteeringVector":
         """Read a llama.cpp control vector GGUF; ``direction.k`` steers ``blocks.{k}.hook_resid_post``."""
-        import gguf
-
         path = Path(path)
         if not path.is_file():
             raise WorkbenchError(f"control vector file not found: {path}")
         try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as err:  # the gguf reader raises bare ValueError/struct errors on junk
-            raise WorkbenchError(f"{path} is not a GGUF file: {err}") from None
-        fields = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-        arch = fields.get("general.architecture")
+            file = GGUFFile(regular_file(path))
+        except (ValueError, OSError, struct.error) as err:  # a header that lies, or invalid UTF-8 in a string
+            raise WorkbenchError(f"{path} is not a GGUF file: {clip(str(err), 160)}") from None
+        arch = file.metadata.get("general.architecture")
         if arch != CONTROL_VECTOR_ARCH:
-            raise WorkbenchError(f"{path} is not a control vector (general.architecture is {arch!r})")
-        hint = fields.get(f"{CONTROL_VECTOR_ARCH}.model_hint", "")
+            raise WorkbenchError(f"{path} is not a control vector (general.architecture is {shorten(arch)})")
+        hint = file.metadata.get(f"{CONTROL_VECTOR_ARCH}.model_hint", "")
         if hint and hint != model.config.architecture:
-            raise WorkbenchError(f"{path} was made for a {hint!r} model; this one is {model.config.architecture!r}")
+            raise WorkbenchError(f"{path} was made for a {shorten(hint)} model; this one is "
+                                 f"{model.config.architecture!r}")
         c = model.config
         directions: dict[int, torch.Tensor] = {}
-        for tensor in reader.tensors:
+        for tensor in file.tensors.values():
             prefix, _, index = tensor.name.partition(".")
             # direction.<k> exactly as llama.cpp writes it: "direction.01" would silently stand for direction.1
             if prefix != "direction" or not (index.isascii() and index.isdigit()) or str(int(index)) != index:
@@ -140,13 +143,14 @@ class SteeringVector:
             if not 1 <= layer < c.n_layers:
                 raise WorkbenchError(f"{path}: {tensor.name} is outside llama.cpp's range direction.1.."
                                      f"direction.{c.n_layers - 1} for a model of {c.n_layers} blocks")
-            if layer in directions:
-                raise WorkbenchError(f"{path}: {tensor.name} appears twice")
-            data = np.asarray(tensor.data)
-            if tensor.tensor_type != gguf.GGMLQuantizationType.F32 or len(tensor.shape) != 1 or data.size != c.d_model:
+            if tensor.ggml_type != F32_TYPE or tensor.shape != (c.d_model,):
                 raise WorkbenchError(f"{path}: {tensor.name} must be a 1-D F32 vector of {c.d_model} values, got "
-                                     f"{tensor.tensor_type.name} of shape {[int(n) for n in tensor.shape]}")
-            direction = torch.from_numpy(data.astype(np.float32).reshape(-1).copy())
+                                     f"type {tensor.ggml_type} of shape {list(tensor.shape)}")
+            try:
+                data = file.data(tensor, 4 * c.d_model).view(np.float32)
+            except ValueError as err:
+                raise WorkbenchError(f"{path}: {err}") from None
+            direction = torch.from_numpy(data.copy())
             if not torch.isfinite(direction).all():
                 raise WorkbenchError(f"{path}: {tensor.name} holds NaN or Inf")
             directions[layer] = direction

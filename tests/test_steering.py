@@ -95,6 +95,10 @@ def test_llamacpp_layout_loads_on_the_right_layers(small, tmp_path):
     with pytest.raises(workbench.WorkbenchError, match="made for a 'qwen2' model"):
         probes.SteeringVector.from_control_vector(
             write_llamacpp_vector(tmp_path / "qwen.gguf", {1: np.ones(64)}, hint="qwen2"), small)
+    qwen = tmp_path / "qwen.gguf"
+    qwen.write_bytes(qwen.read_bytes().replace(b"qwen2", b"qwe\xff2"))  # the hint's text no longer UTF-8
+    with pytest.raises(workbench.WorkbenchError, match="not a GGUF file.*utf-8"):
+        probes.SteeringVector.from_control_vector(qwen, small)
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(workbench.WorkbenchError, match="not a GGUF file"):
         probes.SteeringVector.from_control_vector(tmp_path / "junk.gguf", small)

@@ -18,6 +18,7 @@ import numpy as np
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # ggml's
 
 
 @dataclass(frozen=True)
@@ -41,21 +42,34 @@ class GGUFFile:
         version, n_tensors, n_kv = self._unpack("<IQQ")
         if version not in (2, 3):
             raise ValueError(f"unsupported GGUF version {version}")
+        # what llama.cpp's gguf reader refuses, refused here too: a key or tensor named twice, a tensor of no or more
+        # than 4 dimensions, an alignment that is not a power of two, a tensor not at a multiple of it
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._string()
+            if key in self.metadata:
+                raise ValueError(f"key {key!r} appears twice")
             self.metadata[key] = self._value(self._unpack("<I")[0])
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {str(alignment)[:40]} is not a power of two")
+        self.tensors: dict[str, TensorInfo] = {}
         infos = []
         for _ in range(n_tensors):
             name = self._string()
             n_dims = self._unpack("<I")[0]
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
             shape = self._unpack(f"<{n_dims}Q")
             ggml_type, offset = self._unpack("<IQ")
+            if offset % alignment:
+                raise ValueError(f"tensor {name!r} lies at offset {offset}, not a multiple of the alignment {alignment}")
             infos.append((name, shape, ggml_type, offset))
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-self._at // alignment) * alignment
-        self.tensors = {name: TensorInfo(name, tuple(shape), ggml_type, start + offset)
-                        for name, shape, ggml_type, offset in infos}
+        for name, shape, ggml_type, offset in infos:
+            if name in self.tensors:
+                raise ValueError(f"tensor {name!r} appears twice")
+            self.tensors[name] = TensorInfo(name, tuple(shape), ggml_type, start + offset)
         del self._buffer
 
     def data(self, info: TensorInfo, n_bytes: int) -> np.ndarray:
@@ -89,6 +103,8 @@ class GGUFFile:
         if kind != _ARRAY:
             raise ValueError(f"unknown GGUF value type {kind}")
         item, count = self._unpack("<IQ")
+        if item == _ARRAY:  # llama.cpp's reader has no arrays of arrays either
+            raise ValueError("an array of arrays")
         if item == _STRING:
             return self._strings(count)
         if item in _SCALARS:
@@ -99,7 +115,7 @@ class GGUFFile:
             values = np.frombuffer(self._buffer, dtype, count, self._at).tolist()
             self._at = end
             return values
-        return [self._value(item) for _ in range(count)]
+        raise ValueError(f"unknown GGUF array type {item}")
 
     def _strings(self, count: int) -> list[str]:
         """``count`` length-prefixed strings in one loop of slices (a vocabulary's worth in tens of ms)."""

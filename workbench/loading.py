@@ -286,7 +286,7 @@ def _hyperparameters(path: Path) -> Iterator[None]:
         if str(err).startswith(str(path)):
             raise
         raise ModelLoadError(f"{path}: {err}") from None
-    except (TypeError, ValueError, ArithmeticError, AttributeError) as err:
+    except (TypeError, ValueError, ArithmeticError, AttributeError, IndexError) as err:
         raise ModelLoadError(f"{path}: a hyperparameter has the wrong type or value: {clip(str(err), 120)}") from None
 
 
