@@ -51,7 +51,7 @@ def feature_stats(model: Any, sae: SAE, prompts: Sequence[Any], n: int = 10, bat
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise WorkbenchError(f"n must be a positive integer, got {n!r}")
     hooks_lib.check_saes([sae], model.config)
-    ids = model.batch_ids(list(prompts))
+    ids = model.batch_ids(prompts)  # a string is refused, not read as prompts of one character
     d = sae.d_sae
     fired = torch.zeros(d, dtype=torch.long)
     top_values = torch.zeros(d, n)

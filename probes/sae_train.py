@@ -26,6 +26,7 @@ import torch
 from workbench.errors import WorkbenchError
 from workbench.progress import Progress, progress_callback
 
+from .activations import check_prompts
 from .sae import ARCHITECTURES, SAE
 
 
@@ -176,8 +177,8 @@ def train_sae(model: Any, prompts: Sequence[Any], hook: str, *, d_sae: int, k: i
     ``checkpoint_dir/final``). With ``heldout`` prompts, the result carries ``evaluate_sae`` of them."""
     started = time.perf_counter()
     hooks_in_out = [hook, hook_out or hook]
-    if not prompts:
-        raise WorkbenchError("training needs prompts")
+    prompts = check_prompts(prompts)
+    heldout = _evaluation_prompts(model, heldout) if heldout else []  # refused before training, not after it
     for value, what in ((d_sae, "d_sae"), (k, "k"), (batch_tokens, "batch_tokens"), (buffer_prompts, "buffer_prompts"),
                         (dead_tokens, "dead_tokens"), (checkpoint_every, "checkpoint_every")):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -353,7 +354,7 @@ def evaluate_sae(model: Any, sae: SAE, prompts: Sequence[Any], batch_size: int |
 
     hooks_lib.check_saes([sae], model.config)
     sae = sae.on(model.device)
-    prompts = list(prompts)
+    prompts = _evaluation_prompts(model, prompts)
     hooks_in_out = [sae.hook, sae.hook_out]
     residual = total = l0 = 0.0
     sum_y = sum_y2 = None
@@ -370,9 +371,10 @@ def evaluate_sae(model: Any, sae: SAE, prompts: Sequence[Any], batch_size: int |
             l0 += float(active.sum())
             fired |= active.any(0).cpu()
             n += x.shape[0]
-    if n == 0:
-        raise WorkbenchError("evaluation needs prompts of at least two tokens")
     total = sum_y2 - float(sum_y.pow(2).sum()) / n
+    if total <= 1e-6 * sum_y2:  # no variance but float32's rounding of the sums
+        raise WorkbenchError(f"the activation at {sae.hook_out} does not vary over these {n} tokens: its fraction of "
+                             "variance unexplained is undefined (give more or other prompts)")
 
     def splice(replace):
         """A hook that puts ``replace(x, ctx)`` at every position but the first."""
@@ -400,6 +402,14 @@ def evaluate_sae(model: Any, sae: SAE, prompts: Sequence[Any], batch_size: int |
             "ce_loss_ablated": ablated_loss,
             "ce_recovered": (ablated_loss - spliced_loss) / (ablated_loss - clean) if ablated_loss != clean else 1.0,
             "l0": l0 / n, "dead_fraction": float((~fired).float().mean()), "tokens": n}
+
+
+def _evaluation_prompts(model: Any, prompts: Sequence[Any]) -> list[Any]:
+    """``evaluate_sae``'s prompts, checked before any compute: its cross-entropies count predictions from token 2."""
+    prompts = check_prompts(prompts)
+    if all(len(ids) < 3 for ids in model.batch_ids(prompts)):
+        raise WorkbenchError("evaluating an SAE needs a prompt of at least three tokens")
+    return prompts
 
 
 def _ce_loss(model: Any, prompts: Sequence[Any], interventions: list, batch_size: int | None) -> float:

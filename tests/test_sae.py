@@ -274,7 +274,7 @@ def test_sae_file_errors(tmp_path):
         load_sae(tmp_path / "missing")
     (tmp_path / "cfg.json").write_text("{not json")
     (tmp_path / "sae_weights.safetensors").write_bytes(b"")
-    with pytest.raises(WorkbenchError, match="cannot read"):
+    with pytest.raises(WorkbenchError, match="cfg.json: not valid JSON"):
         load_sae(tmp_path)
 
 
@@ -402,6 +402,24 @@ def test_generated_corpus_is_cached_per_model(model, tmp_path, monkeypatch):
     assert all(len(t) > len(s) for t, s in zip(texts, SEED_PROMPTS))
     monkeypatch.setattr(model, "generate_batch", lambda *a, **k: pytest.fail("the cache should answer"))
     assert generated_corpus(model, 4, tmp_path / "corpus.jsonl", max_new_tokens=3) == texts[:4]
+
+
+def test_prompts_that_cannot_be_evaluated_are_refused_before_compute(model, sae):
+    """A string is not a list of prompts; prompts too short for a cross-entropy, or an activation that never varies,
+    give no figures rather than made-up ones (0.0 losses, a recovery of 1.0) or a ZeroDivisionError."""
+    from workbench import probes
+    from workbench.probes.sae_train import evaluate_sae, train_sae
+
+    for call in (lambda: evaluate_sae(model, sae, "ab cd ef"), lambda: probes.feature_stats(model, sae, "hello"),
+                 lambda: train_sae(model, "ab cd ef", HOOK, d_sae=16, k=2)):
+        with pytest.raises(WorkbenchError, match="list of prompts"):
+            call()
+    with pytest.raises(WorkbenchError, match="at least three tokens"):
+        evaluate_sae(model, sae, [[3, 9], [7, 2]])
+    with pytest.raises(WorkbenchError, match="at least three tokens"):  # before any training
+        train_sae(model, PROMPTS, HOOK, d_sae=16, k=2, heldout=[[3, 9]])
+    with pytest.raises(WorkbenchError, match="does not vary over these 2 tokens"):
+        evaluate_sae(model, sae, [[3, 3, 3]])
 
 
 @pytest.mark.cuda

@@ -306,7 +306,7 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     grown = [name for name in names if axes(name).token != 0]
     if grown:
         raise WorkbenchError(f"{grown[0]} is not token-major ([heads, T, S]): harvest token-major hook points")
-    ids = model.batch_ids(list(prompts))  # every prompt checked before any rank computes
+    ids = model.batch_ids(prompts)  # every prompt checked before any rank computes (a string is refused)
     check_reduce(reduce, names, [len(x) for x in ids])  # its type, and a position within every prompt
     if out is None:
         parts = _run_shards(ids, lambda shard: _shard_activations(model, shard.items, names, reduce, batch_size),
@@ -317,12 +317,11 @@ def harvest(model: Any, prompts: Sequence[str | Sequence[int]], hooks: Sequence[
     folder = Path(out)
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise WorkbenchError(f"{folder} is not a folder to write shards into")
-    if model.in_hooks_block():
-        raise WorkbenchError("a harvest into a folder keeps the shards an earlier run wrote by what computed them, "
-                             "which a `with model.hooks(...)` block's edits are not part of: harvest outside the block")
     folder.mkdir(parents=True, exist_ok=True)
-    # what computed the shards: the weights (their sha256, formats and merged adapters), dtype, numerics and device
-    computed_by = [model.fingerprint(), str(model.dtype), model.current_numerics(), model.device.type]
+    # what computed the shards: the weights (their sha256, formats and merged adapters), dtype, numerics, device and
+    # the interventions of enclosing hooks blocks (a function hook by its name)
+    computed_by = [model.fingerprint(), str(model.dtype), model.current_numerics(), model.device.type,
+                   model.hooks_block_specs()]
 
     def work(shard: Shard) -> list[int]:
         """Writes the shard's file (unless an earlier run of this same harvest wrote it) and gives each prompt's row

@@ -402,6 +402,11 @@ class Model:
         """Whether a ``with model.hooks(...)`` block applies to this model's calls here."""
         return any(model is self for model, _, _ in _ACTIVE.get())
 
+    def hooks_block_specs(self) -> list[dict[str, Any]]:
+        """The specs of the interventions that enclosing ``with model.hooks(...)`` blocks apply to this model's calls
+        here (a function hook's names its function), outermost first."""
+        return [i.to_spec() for model, parsed, _ in _ACTIVE.get() if model is self for i in parsed]
+
     def _call_hooks(self, interventions: Sequence[Any], record: Sequence[str] | None, prompt_len: int,
                     total_len: int, saes: Sequence[Any] = (), use_error_term: bool = True,
                     taps: Mapping[str, list[hooks_lib.HookFn]] | None = None):
