@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from workbench.architectures import ARCHITECTURES, Architecture
-from workbench.errors import ModelLoadError, shorten
+from workbench.errors import ModelLoadError, integer, real_number
 
 if TYPE_CHECKING:
     from workbench.weights import ModelWeights
@@ -22,21 +21,15 @@ _GATINGS = ("softmax", "sigmoid", "softmax_weight")
 MAX_CONTEXT = 1 << 24
 
 
-def integer(value: Any) -> int:
-    """A hyperparameter that is a whole number, as a config file holds it: an integer, or a float with no fraction
-    (JSON's 4096.0); a string, a bool or 64.9 is a ValueError rather than a number read another way."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise ValueError(f"expected an integer, got {shorten(value)}")
+def config_int(value: Any) -> int:
+    """A config's integer, strictly (``errors.integer``): a string, a bool or 64.9 is refused, not coerced."""
+    return integer(value, "a hyperparameter", ModelLoadError)
 
 
-def number(value: Any) -> float:
-    """A hyperparameter that is a real number: an integer or a float, not a string or a bool."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"expected a number, got {shorten(value)}")
+def config_float(value: Any) -> float:
+    """A config's real number, strictly (``errors.real_number``): a string or a bool is refused, not converted; NaN
+    and infinities are left to the config's own checks, which name the field."""
+    return real_number(value, "a hyperparameter", ModelLoadError, finite=False)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from workbench import moe as moe_lib
 from workbench.architectures import (ARCHITECTURES, GLOBAL_TENSORS, HF_ACTIVATIONS, HF_CLASSES, HF_DEFAULTS,
                                      HF_GLOBAL_TENSORS, Architecture)
 from workbench.cache import cache_dir
-from workbench.config import LongRoPE, ModelConfig, YaRN, integer, number
+from workbench.config import LongRoPE, ModelConfig, YaRN, config_float, config_int
 from workbench.errors import ModelLoadError, clip, shorten
 from workbench.files import regular_file, replace_file
 from workbench.gguf_file import GGUFFile, TensorInfo
@@ -191,13 +191,13 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         return _cap(optional(name) or family.softcaps[name]) if name in family.softcaps else None
 
     with _hyperparameters(path):
-        d_model = integer(key("embedding_length"))
-        n_heads = integer(key("attention.head_count"))
+        d_model = config_int(key("embedding_length"))
+        n_heads = config_int(key("attention.head_count"))
         n_layers = _layer_count(key("block_count"), path)
-        d_head = integer(key("attention.key_length", d_model // n_heads if n_heads > 0 else 0))
+        d_head = config_int(key("attention.key_length", d_model // n_heads if n_heads > 0 else 0))
         # Gemma 4: key_length is the global layers' head size, key_length_swa the sliding ones', and head_count_kv may
         # name each layer's
-        d_head_swa = integer(optional("attention.key_length_swa") or d_head)
+        d_head_swa = config_int(optional("attention.key_length_swa") or d_head)
         vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or [])
         if not vocab:
             raise ModelLoadError(f"{path}: neither '{arch}.vocab_size' nor a tokenizer vocabulary is present")
@@ -208,23 +208,23 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
         if isinstance(pattern, list):
             sliding = tuple(bool(p) for p in pattern)
         else:
-            sliding = swa_layers(n_layers, integer(pattern) if pattern is not None else family.swa_period)
-        window = integer(window) if window and any(sliding) else None
+            sliding = swa_layers(n_layers, config_int(pattern) if pattern is not None else family.swa_period)
+        window = config_int(window) if window and any(sliding) else None
         n_kv_heads, n_kv_heads_global = _kv_heads(key("attention.head_count_kv", n_heads), sliding, path)
         if optional("attention.causal") is False:
             raise ModelLoadError(f"{path}: non-causal attention ('{arch}.attention.causal' false) is not supported")
         # llama.cpp's scaling type when the file names none is linear, with the factor under either key
-        rope_factor = number(optional("rope.scaling.factor") or optional("rope.scale_linear") or 1.0)
+        rope_factor = config_float(optional("rope.scaling.factor") or optional("rope.scale_linear") or 1.0)
         scaling = optional("rope.scaling.type") or ("linear" if rope_factor != 1.0 else None)
         if scaling not in (None, "none", "linear", "yarn"):
             raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (linear and yarn are)")
         d_rotary = optional("rope.dimension_count")
-        if integer(optional("rope.dimension_count_swa") or d_head_swa) != d_head_swa:
+        if config_int(optional("rope.dimension_count_swa") or d_head_swa) != d_head_swa:
             raise ModelLoadError(f"{path}: partial rotary on sliding layers is not supported")
         d_mlp_layers = key("feed_forward_length")  # Gemma 4 E2B: per layer, the KV-sharing layers' twice as wide
-        d_mlp_layers = [integer(d) for d in (d_mlp_layers if isinstance(d_mlp_layers, list) else [d_mlp_layers])]
+        d_mlp_layers = [config_int(d) for d in (d_mlp_layers if isinstance(d_mlp_layers, list) else [d_mlp_layers])]
         d_mlp = d_mlp_layers[0]
-        rope_base = number(key("rope.freq_base", 10000.0))
+        rope_base = config_float(key("rope.freq_base", 10000.0))
         return ModelConfig(
             architecture=arch,
             n_layers=n_layers,
@@ -233,10 +233,10 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             n_kv_heads=n_kv_heads,
             d_head=d_head_swa,
             d_mlp=d_mlp,
-            vocab_size=integer(vocab),
-            n_ctx=integer(key("context_length", 2048)),
+            vocab_size=config_int(vocab),
+            n_ctx=config_int(key("context_length", 2048)),
             rope_base=rope_base,
-            rms_eps=number(key("attention.layer_norm_rms_epsilon")),
+            rms_eps=config_float(key("attention.layer_norm_rms_epsilon")),
             tied_embeddings="output.weight" not in tensors,
             name=str(metadata.get("general.name", path.stem)),
             sliding_window=window,
@@ -246,17 +246,17 @@ def _gguf_config(metadata: dict[str, Any], tensors: dict, path: Path) -> ModelCo
             rope_scale=rope_factor if scaling == "linear" else 1.0,
             rope_yarn=_gguf_yarn(optional, path) if scaling == "yarn" else None,
             # the converter marks Phi-3's long-context rope by its factors alone
-            rope_long=LongRoPE(integer(optional("rope.scaling.original_context_length") or key("context_length")),
-                               number(optional("rope.scaling.attn_factor") or 1.0))
+            rope_long=LongRoPE(config_int(optional("rope.scaling.original_context_length") or key("context_length")),
+                               config_float(optional("rope.scaling.attn_factor") or 1.0))
             if GLOBAL_TENSORS["rope_long_factors"] in tensors else None,
-            d_rotary=integer(d_rotary) if d_rotary is not None and integer(d_rotary) != d_head else None,
+            d_rotary=config_int(d_rotary) if d_rotary is not None and config_int(d_rotary) != d_head else None,
             attn_scale=family.gguf_attn_scale(n_layers, d_model, n_heads),
             attn_softcap=softcap("attn_logit_softcapping"),
             final_softcap=softcap("final_logit_softcapping"),
             d_head_global=d_head if d_head != d_head_swa else None,
             n_kv_heads_global=n_kv_heads_global,
-            d_per_layer=integer(optional("embedding_length_per_layer_input") or 0) or None,
-            kv_shared_layers=integer(optional("attention.shared_kv_layers") or 0) or None,
+            d_per_layer=config_int(optional("embedding_length_per_layer_input") or 0) or None,
+            kv_shared_layers=config_int(optional("attention.shared_kv_layers") or 0) or None,
             d_mlp_layers=tuple(d_mlp_layers) if len(set(d_mlp_layers)) > 1 else (),
             moe=moe_lib.gguf_config(key, arch, d_mlp),
             **family.config_flags(),
@@ -267,8 +267,8 @@ def _kv_heads(value: Any, sliding: tuple[bool, ...], path: Path) -> tuple[int, i
     """The key/value heads of the sliding (or all) layers and of the global ones where they differ, from a count or
     a per-layer list (Gemma 4)."""
     if not isinstance(value, list):
-        return integer(value), None
-    by_kind = {kind: {integer(v) for v, s in zip(value, sliding) if s == kind} for kind in (True, False)}
+        return config_int(value), None
+    by_kind = {kind: {config_int(v) for v, s in zip(value, sliding) if s == kind} for kind in (True, False)}
     if len(value) != len(sliding) or any(len(counts) > 1 for counts in by_kind.values()):
         raise ModelLoadError(f"{path}: key/value head counts {value} vary within sliding or global layers")
     local, global_ = (next(iter(by_kind[kind]), None) for kind in (True, False))
@@ -293,34 +293,34 @@ def _hyperparameters(path: Path) -> Iterator[None]:
 def _gguf_yarn(optional, path: Path) -> YaRN:
     """YaRN as llama.cpp applies it from GGUF metadata: the ramp's ends always rounded outward, and cos and sin scaled
     by 0.1 ln(factor) + 1 times the file's attention factor (its context computes ``yarn_attn_factor`` so)."""
-    factor = number(optional("rope.scaling.factor") or 1.0)
+    factor = config_float(optional("rope.scaling.factor") or 1.0)
     ext_factor = optional("rope.scaling.yarn_ext_factor")
-    if ext_factor is not None and number(ext_factor) != 1.0:
+    if ext_factor is not None and config_float(ext_factor) != 1.0:
         raise ModelLoadError(f"{path}: YaRN with an extrapolation factor of {ext_factor} is not supported")
     if optional("rope.scaling.yarn_log_multiplier"):
         raise ModelLoadError(f"{path}: YaRN with a log multiplier (DeepSeek's mscale) is not supported")
     original = optional("rope.scaling.original_context_length") or optional("context_length")
-    return YaRN(factor=factor, original_context=integer(original),
-                beta_fast=number(optional("rope.scaling.yarn_beta_fast") or 32.0),
-                beta_slow=number(optional("rope.scaling.yarn_beta_slow") or 1.0), truncate=True,
+    return YaRN(factor=factor, original_context=config_int(original),
+                beta_fast=config_float(optional("rope.scaling.yarn_beta_fast") or 32.0),
+                beta_slow=config_float(optional("rope.scaling.yarn_beta_slow") or 1.0), truncate=True,
                 attn_factor=(0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
-                * number(optional("rope.scaling.attn_factor") or 1.0))
+                * config_float(optional("rope.scaling.attn_factor") or 1.0))
 
 
 def _layer_count(value: Any, path: Path) -> int:
     """The number of blocks, bounded before per-layer tables are built from it."""
-    n_layers = integer(value)
+    n_layers = config_int(value)
     if not 1 <= n_layers <= MAX_LAYERS:
         raise ModelLoadError(f"{path}: {n_layers} layers; a model has between 1 and {MAX_LAYERS:,}")
     return n_layers
 
 
 def _local_rope_base(base: Any, window: int | None) -> float | None:
-    return number(base) if window and base is not None else None
+    return config_float(base) if window and base is not None else None
 
 
 def _cap(value: Any) -> float | None:
-    return number(value) if value else None
+    return config_float(value) if value else None
 
 
 def swa_layers(n_layers: int, period: int) -> tuple[bool, ...]:
@@ -535,9 +535,9 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
     family = ARCHITECTURES[arch]
     try:
         with _hyperparameters(path / "config.json"):
-            d_model, n_heads = integer(cfg["hidden_size"]), integer(cfg["num_attention_heads"])
+            d_model, n_heads = config_int(cfg["hidden_size"]), config_int(cfg["num_attention_heads"])
             n_layers = _layer_count(cfg["num_hidden_layers"], path)
-            d_head = integer(cfg.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0))
+            d_head = config_int(cfg.get("head_dim") or (d_model // n_heads if n_heads > 0 else 0))
             global_rope, local_rope, kind = _hf_rope(cfg)
             if kind not in ("default", "linear", "llama3", "proportional", "yarn", "longrope", "su"):
                 raise ModelLoadError(f"{path}/config.json: rope scaling {kind!r} is not supported (default, linear, "
@@ -545,12 +545,12 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             # "proportional" (Gemma 4) rotates a fraction of each head's pairs: rope_freqs, made on load
             rotary = (global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
                       if kind != "proportional" else None)
-            d_per_layer = integer(cfg.get("hidden_size_per_layer_input") or 0) or None
+            d_per_layer = config_int(cfg.get("hidden_size_per_layer_input") or 0) or None
             if d_per_layer and cfg.get("vocab_size_per_layer_input", cfg["vocab_size"]) != cfg["vocab_size"]:
                 raise ModelLoadError(f"{path}/config.json: per-layer embeddings of another vocabulary size than the "
                                      "model's are not supported")
-            kv_shared = integer(cfg.get("num_kv_shared_layers") or 0)
-            d_mlp = integer(cfg["intermediate_size"])
+            kv_shared = config_int(cfg.get("num_kv_shared_layers") or 0)
+            d_mlp = config_int(cfg["intermediate_size"])
             # Gemma 4 E2B: the layers that reuse keys and values have MLPs twice as wide
             wide = cfg.get("use_double_wide_mlp") and kv_shared
             d_mlp_layers = tuple(d_mlp * (2 if i >= n_layers - kv_shared else 1) for i in range(n_layers)) if wide else ()
@@ -560,7 +560,7 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
             d_head_global, n_kv_global = _hf_global_heads(cfg)
             sliding = _hf_sliding_layers(cfg, family, n_layers)
             window = cfg.get("sliding_window") if any(sliding) else None
-            rope_base = number(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            rope_base = config_float(global_rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
             local_base = local_rope.get("rope_theta", cfg.get("rope_local_base_freq"))
             if local_base is None and family.unscaled_local_rope:
                 local_base = rope_base
@@ -570,19 +570,19 @@ def _hf_model_config(cfg: dict[str, Any], path: Path) -> ModelConfig:
                 n_layers=n_layers,
                 d_model=d_model,
                 n_heads=n_heads,
-                n_kv_heads=integer(cfg.get("num_key_value_heads") or n_heads),
+                n_kv_heads=config_int(cfg.get("num_key_value_heads") or n_heads),
                 d_head=d_head,
                 d_mlp=d_mlp,
-                vocab_size=integer(cfg["vocab_size"]),
-                n_ctx=integer(cfg.get("max_position_embeddings", 2048)),
+                vocab_size=config_int(cfg["vocab_size"]),
+                n_ctx=config_int(cfg.get("max_position_embeddings", 2048)),
                 rope_base=rope_base,
-                rms_eps=number(cfg.get("rms_norm_eps", 1e-6)),
+                rms_eps=config_float(cfg.get("rms_norm_eps", 1e-6)),
                 tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 name=path.name,
-                sliding_window=integer(window) if window else None,
+                sliding_window=config_int(window) if window else None,
                 sliding_layers=sliding if window else (),
-                rope_base_local=number(local_base) if window and local_base is not None else None,
-                rope_scale=number(global_rope.get("factor", 1.0)) if kind in ("linear", "proportional") else 1.0,
+                rope_base_local=config_float(local_base) if window and local_base is not None else None,
+                rope_scale=config_float(global_rope.get("factor", 1.0)) if kind in ("linear", "proportional") else 1.0,
                 rope_yarn=_hf_yarn(global_rope, cfg, path) if kind == "yarn" else None,
                 rope_long=_hf_long_rope(global_rope, cfg) if kind in ("longrope", "su") else None,
                 d_rotary=int(d_head * rotary) if rotary is not None and rotary != 1 else None,
@@ -633,22 +633,23 @@ def _hf_yarn(rope: dict[str, Any], cfg: dict[str, Any], path: Path) -> YaRN:
     if rope.get("mscale") and rope.get("mscale_all_dim"):
         raise ModelLoadError(f"{path}/config.json: YaRN with mscale and mscale_all_dim (DeepSeek's) is not supported")
     original = rope.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048)
-    factor = number(rope.get("factor") or cfg.get("max_position_embeddings", 2048) / original)
+    factor = config_float(rope.get("factor") or cfg.get("max_position_embeddings", 2048) / original)
     attention_factor = rope.get("attention_factor")
-    return YaRN(factor=factor, original_context=integer(original), beta_fast=number(rope.get("beta_fast") or 32.0),
-                beta_slow=number(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
-                attn_factor=number(attention_factor) if attention_factor is not None
+    return YaRN(factor=factor, original_context=config_int(original),
+                beta_fast=config_float(rope.get("beta_fast") or 32.0),
+                beta_slow=config_float(rope.get("beta_slow") or 1.0), truncate=bool(rope.get("truncate", True)),
+                attn_factor=config_float(attention_factor) if attention_factor is not None
                 else 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
 
 
 def _hf_long_rope(rope: dict[str, Any], cfg: dict[str, Any]) -> LongRoPE:
     """LongRoPE as transformers computes it (``_compute_longrope_parameters``): the attention factor given, or
     sqrt(1 + ln(factor) / ln(original)) with the factor the context's growth over the original one."""
-    original = integer(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    original = config_int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
                    or cfg.get("max_position_embeddings", 2048))
-    factor = number(rope.get("factor") or cfg.get("max_position_embeddings", original) / original)
+    factor = config_float(rope.get("factor") or cfg.get("max_position_embeddings", original) / original)
     attention_factor = rope.get("attention_factor")
-    return LongRoPE(original, number(attention_factor) if attention_factor is not None
+    return LongRoPE(original, config_float(attention_factor) if attention_factor is not None
                     else math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
 
 
@@ -660,7 +661,7 @@ def _hf_global_heads(cfg: dict[str, Any]) -> tuple[int | None, int | None]:
     for layer, overrides in (cfg.get("per_layer_config") or {}).items():
         if isinstance(overrides, dict) and int(layer) < len(types) and types[int(layer)] == "full_attention":
             size, heads = size or overrides.get("head_dim"), heads or overrides.get("num_key_value_heads")
-    return (integer(size) if size else None), (integer(heads) if heads else None)
+    return (config_int(size) if size else None), (config_int(heads) if heads else None)
 
 
 def _hf_rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
@@ -691,8 +692,8 @@ def _llama3_rope_divisors(rope: dict[str, Any], base: float, d_rotary: int) -> t
     """Llama 3.1's rope scaling as transformers computes it (``_compute_llama3_parameters``), as divisors of the
     default frequencies: wavelengths under ``original / high_freq_factor`` kept, those over ``original /
     low_freq_factor`` divided by ``factor``, the ones between interpolated smoothly."""
-    factor, low, high = (number(rope[key]) for key in ("factor", "low_freq_factor", "high_freq_factor"))
-    original = number(rope["original_max_position_embeddings"])
+    factor, low, high = (config_float(rope[key]) for key in ("factor", "low_freq_factor", "high_freq_factor"))
+    original = config_float(rope["original_max_position_embeddings"])
     if not (factor > 0 and 0 < low < high and original > 0):
         raise ValueError(f"llama3 rope scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor, got "
                          f"factor={factor}, low_freq_factor={low}, high_freq_factor={high}")

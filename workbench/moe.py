@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import workbench.kernels.experts as expert_kernels
 from workbench.architectures import ARCHITECTURES
-from workbench.config import MoEConfig, integer, number
+from workbench.config import MoEConfig, config_float, config_int
 from workbench.errors import HookError, ModelLoadError
 from workbench.kernels import QuantTensor, layer_ops, linear, linear_parts, linear_segments
 from workbench.kernels.tracing import tracks_grad
@@ -329,15 +329,16 @@ def hf_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ModelLoadError("MoE models with dense layers between the sparse ones are not supported")
     config = MoEConfig(
-        n_experts=integer(n_experts),
-        n_experts_used=integer(cfg["top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok"]),
-        d_expert=integer(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        n_experts=config_int(n_experts),
+        n_experts_used=config_int(cfg["top_k_experts" if "top_k_experts" in cfg else "num_experts_per_tok"]),
+        d_expert=config_int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
         # Mixtral and Gemma 4 always normalize; the Qwen configs say whether they do
         normalize_weights=bool(cfg.get("norm_topk_prob", architecture in ("llama", "gemma4"))),
-        d_shared_expert=integer(cfg.get("shared_expert_intermediate_size") or 0),
+        d_shared_expert=config_int(cfg.get("shared_expert_intermediate_size") or 0),
         dense_mlp=bool(cfg.get("enable_moe_block")),
     )
-    fixed = {**ARCHITECTURES[architecture].moe, **{field: number(cfg[field]) for field in _HF_SWIGLU if field in cfg}}
+    fixed = {**ARCHITECTURES[architecture].moe,
+             **{field: config_float(cfg[field]) for field in _HF_SWIGLU if field in cfg}}
     return dataclasses.replace(config, **fixed) if fixed else config
 
 
@@ -349,17 +350,17 @@ def gguf_config(key: Callable[[str, Any], Any], architecture: str, d_mlp: int) -
     Mixtral (llama with experts), Qwen2-MoE, Qwen3-MoE, Gemma 4 and GPT-OSS: its graph fixes their routing (softmax,
     weights normalized but for qwen2moe, unscaled), so a file's expert_gating_func, expert_weights_norm and
     expert_weights_scale change nothing there, nor here."""
-    n_experts = integer(key("expert_count", 0))
+    n_experts = config_int(key("expert_count", 0))
     if not n_experts:
         if architecture.endswith("moe"):
             raise ModelLoadError(f"{architecture}: metadata key '{architecture}.expert_count' is missing")
         return None
     config = MoEConfig(
-        n_experts=n_experts, n_experts_used=integer(key("expert_used_count", None)),
-        d_expert=integer(key("expert_feed_forward_length", d_mlp)),
+        n_experts=n_experts, n_experts_used=config_int(key("expert_used_count", None)),
+        d_expert=config_int(key("expert_feed_forward_length", d_mlp)),
         normalize_weights=architecture != "qwen2moe",
         # llama.cpp reads the shared expert's width for qwen2moe only (a Qwen3-MoE GGUF may carry the key unused)
-        d_shared_expert=integer(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
+        d_shared_expert=config_int(key("expert_shared_feed_forward_length", 0)) if architecture == "qwen2moe" else 0,
         dense_mlp=architecture == "gemma4",
     )
     fixed = ARCHITECTURES[architecture].moe
