@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import HookError, WorkbenchError, finite_number, shorten
+from workbench.errors import HookError, WorkbenchError, finite_number, seed as checked_seed, shorten
 from workbench.runner import LORA_POINTS, HookContext, HookFn
 
 from .points import ID_POINTS, axes, feature_size, head_count, resolve, token_shape
@@ -538,8 +538,7 @@ class ResampleAblate(RegionEdit):
     def _check(self, region, run):
         if not isinstance(self.donors, (list, tuple)) or not self.donors:
             raise HookError("resample ablation needs a list of donor prompts")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise HookError(f"resample seed must be an integer, got {shorten(self.seed)}")
+        checked_seed(self.seed, "resample seed", HookError)
         if axes(region.name).token != 0:
             raise HookError(f"resample ablation works on token-major hook points, not {region.name}")
         for donor in self.donors:

@@ -31,6 +31,17 @@ def test_run_json_matches_forward(capsys, model):
     assert out["top_k"][0]["logprob"] == pytest.approx(logprobs.max().item(), abs=1e-5)
 
 
+def test_json_output_is_strict_json_where_logits_overflow(capsys, monkeypatch, tiny_model):
+    """NaN logits (a model whose weights overflow) print as null, as the MCP server writes them, not as bare NaN."""
+    broken = tiny_model(cached=False)
+    broken.runner.weights.final_norm.fill_(float("nan"))
+    monkeypatch.setattr(workbench, "load", lambda *args, **kwargs: broken)
+    assert cli.main(["run", "hi", "--top-k", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"bare {name} in the output"))
+    assert [row["logprob"] for row in out["top_k"]] == [None, None]
+    assert cli.json_line({"a": [float("inf"), 1.5, {"b": -float("inf")}]}) == '{"a": [null, 1.5, {"b": null}]}'
+
+
 def test_run_in_llamacpp_numerics(capsys, model):
     exact = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--json")
     emulated = run_json(capsys, "run", "The capital of France is", "--top-k", "5", "--numerics", "llamacpp", "--json")

@@ -45,6 +45,8 @@ BAD = {
     "scale factor": (lambda: hooks.Scale("hook_embed", factor=float("inf")), "finite"),
     "resample donors": (lambda: hooks.ResampleAblate("hook_embed", donors=[]), "list of donor prompts"),
     "resample pattern": (lambda: hooks.ResampleAblate("blocks.0.attn.hook_pattern", donors=[[1, 2]]), "token-major"),
+    "resample seed": (lambda: hooks.ResampleAblate("hook_embed", donors=[[1, 2]], seed=10**30),
+                      r"resample seed must be an integer in -2\*\*63"),
     "empty donor": (lambda: hooks.Patch("hook_embed", donor=""), "empty"),
     "short donor": (lambda: hooks.Patch("hook_embed", donor=[1, 2]), "donor has 2 tokens"),
     "no donor": (lambda: hooks.Patch("hook_embed"), "needs a donor"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -165,9 +166,22 @@ def cmd_run(args: argparse.Namespace) -> None:
             printed += 1
 
 
+def json_line(value: Any) -> str:
+    """``value`` as one line of strict JSON: NaN and infinities (logits of a model that overflows) become null, as the
+    MCP server writes them, not the bare NaN that strict parsers refuse."""
+    def finite(item: Any) -> Any:
+        if isinstance(item, float) and not math.isfinite(item):
+            return None
+        if isinstance(item, dict):
+            return {key: finite(v) for key, v in item.items()}
+        return [finite(v) for v in item] if isinstance(item, (list, tuple)) else item
+
+    return json.dumps(finite(value), allow_nan=False)
+
+
 def _print_distribution(result: dict[str, Any], as_json: bool) -> None:
     if as_json:  # one JSON object a line
-        print(json.dumps(result))
+        print(json_line(result))
         return
     print(f"{len(result['ids'])} tokens: " + " ".join(repr(t) for t in result["tokens"]))
     for row in result["top_k"]:
@@ -187,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         for token, text in model.stream(prompt, args.max_new_tokens, **kwargs):
             ids.append(token)
             pieces.append(text)
-        print(json.dumps({"prompt": prompt, "ids": ids, "tokens": model.token_texts(ids), "text": "".join(pieces)}))
+        print(json_line({"prompt": prompt, "ids": ids, "tokens": model.token_texts(ids), "text": "".join(pieces)}))
         return
     for _, text in model.stream(prompt, args.max_new_tokens, **kwargs):
         print(text, end="", flush=True)
@@ -198,7 +212,7 @@ def cmd_info(args: argparse.Namespace) -> None:
     model = _load(args)
     info = model.info()
     if args.json:
-        print(json.dumps(info))
+        print(json_line(info))
         return
     c = info["config"]
     print(f"{info['model']}  ({info['path']})")
@@ -238,7 +252,7 @@ def cmd_harvest(args: argparse.Namespace) -> None:
         meta = json.loads(manifest.read_text(encoding="utf-8"))
         summary = {"manifest": str(manifest), "prompts": meta["n_prompts"], "shards": len(meta["shards"]),
                    "rows": sum(s["rows"] for s in meta["shards"]), "ranks": rank.world}
-        print(json.dumps(summary) if args.json else
+        print(json_line(summary) if args.json else
               f"{summary['rows']} rows of {', '.join(meta['hooks'])} from {summary['prompts']} prompts in "
               f"{summary['shards']} shards ({rank.world} rank{'s' if rank.world > 1 else ''}): {manifest}")
 
@@ -288,7 +302,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:  # the trace's own model, on the device and in the dtype given, else as recorded
         report = replay(args.artifact, force=args.force, rtol=args.rtol, atol=args.atol, device=args.device,
                         dtype=args.dtype, devices=args.devices)
-    print(json.dumps(report.to_dict()) if args.json else report)
+    print(json_line(report.to_dict()) if args.json else report)
     return 0 if report.ok else 1
 
 
@@ -300,13 +314,13 @@ def cmd_parity(args: argparse.Namespace) -> int:
     model = _load(args)
     if args.control_vector_layer is not None:
         found = parity.control_vector_point(model, args.prompt, args.control_vector_layer, threads=args.threads)
-        print(json.dumps(found) if args.json else
+        print(json_line(found) if args.json else
               f"llama.cpp adds direction.{found['layer']} at {found['first_changed']}: our {found['hook_point']}"
               f"{' (the change is the direction itself)' if found['delta_is_direction'] else ''}")
         return 0
     report = parity.parity(model, args.prompt, tolerance=args.tolerance, threads=args.threads,
                            flash_attention=args.flash_attention)
-    print(json.dumps(report.to_dict()) if args.json else parity.format_report(report))
+    print(json_line(report.to_dict()) if args.json else parity.format_report(report))
     return 0 if report.first_parting is None else 1
 
 

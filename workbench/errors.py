@@ -55,6 +55,18 @@ def integer(value: object, what: str, error: type[WorkbenchError] = WorkbenchErr
         raise error(f"{what} must be an integer, got {shorten(value)}") from None
 
 
+# The seeds torch's generators take (manual_seed raises past them).
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+def seed(value: object, what: str = "seed", error: type[WorkbenchError] = WorkbenchError) -> int:
+    """``value`` as an int in ``SEED_RANGE`` (see ``integer``), or ``error`` naming ``what``."""
+    number = integer(value, what, error)
+    if not SEED_RANGE[0] <= number <= SEED_RANGE[1]:
+        raise error(f"{what} must be an integer in -2**63 .. 2**64 - 1, got {shorten(number)}")
+    return number
+
+
 def integer_list(values: Any, what: str, error: type[WorkbenchError] = WorkbenchError) -> list[int]:
     """``values`` as a list of ints (see ``integer``), or ``error``."""
     return _list_of(values, what, integer, "integers", error)

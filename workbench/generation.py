@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from workbench.errors import WorkbenchError, integer, real_number, shorten
+from workbench.errors import WorkbenchError, integer, real_number, seed as checked_seed, shorten
 from workbench.kernels import layer_ops
 from workbench.kernels.linear import Numerics, get_numerics, numerics
 from workbench.kv_cache import KVCache, StaticBatchKVCache, StaticKVCache, prefix_groups
@@ -25,7 +25,6 @@ from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, ca
 # to pass 3e32 to overflow), where a smaller one overflows to inf and the softmax to NaN.
 MIN_TEMPERATURE = 1e-6
 # torch.Generator.manual_seed's range
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class Sampling:
 
     Every field is checked here, so a generation refuses a bad value before its prefill touches a cache:
     ``temperature`` 0 or a real number in [MIN_TEMPERATURE, inf] (inf samples uniformly), ``top_k`` an integer >= 0
-    (0: no cut), ``top_p`` in (0, 1], ``seed`` None (a fresh one) or an integer in torch's seed range (SEED_RANGE)."""
+    (0: no cut), ``top_p`` in (0, 1], ``seed`` None (a fresh one) or an integer in torch's seed range (errors.SEED_RANGE)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -53,11 +52,7 @@ class Sampling:
         top_p = real_number(self.top_p, "top_p", finite=False)
         if not 0 < top_p <= 1:
             raise WorkbenchError(f"top_p must be in (0, 1], got {self.top_p}")
-        seed = self.seed
-        if seed is not None:
-            seed = integer(seed, "seed")
-            if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-                raise WorkbenchError(f"seed must be an integer in -2**63 .. 2**64 - 1, got {seed}")
+        seed = None if self.seed is None else checked_seed(self.seed)
         # the checked values, as plain Python numbers (a numpy integer or float becomes an int or a float)
         for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
             object.__setattr__(self, name, value)
