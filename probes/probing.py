@@ -149,8 +149,11 @@ class Probe:
         return probe
 
 
-def _splitter(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed: int):
-    """Stratified, seeded folds that keep each group (e.g. a sentence and its twin) on one side."""
+def _folds(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed: int
+           ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Stratified, seeded (train, test) folds that keep each group (e.g. a sentence and its twin) on one side, checked
+    before any forward: enough examples of every class and enough groups for the folds, and every class on each
+    training side."""
     counts = np.unique(labels, return_counts=True)[1]
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
         raise WorkbenchError(f"folds must be an integer of at least 2 (a train and a test side), got {folds!r}")
@@ -160,7 +163,17 @@ def _splitter(folds: int, labels: np.ndarray, groups: Sequence[str] | None, seed
     from sklearn.model_selection import StratifiedGroupKFold
 
     groups = np.arange(len(labels)) if groups is None else np.asarray(groups)
-    return StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed), groups
+    n_groups = len(np.unique(groups))
+    if n_groups < folds:
+        raise WorkbenchError(f"{folds} folds need at least {folds} groups of examples; the dataset's 'group' keys "
+                             f"make {n_groups}")
+    split = list(StratifiedGroupKFold(n_splits=folds, shuffle=True, random_state=seed).split(labels, labels, groups))
+    for train, _ in split:
+        missing = sorted(set(labels.tolist()) - set(labels[train].tolist()))
+        if missing:
+            raise WorkbenchError(f"class {missing[0]!r} lies in too few of the dataset's groups: a fold of {folds} "
+                                 "would train without it (spread it over more groups, or use fewer folds)")
+    return split
 
 
 def _check_n_components(n_components: int) -> int:
@@ -188,8 +201,7 @@ def fit_probe(features: np.ndarray | torch.Tensor, labels: Sequence[str], *, hoo
     x = np.asarray(features, dtype=np.float64)
     y = np.asarray(labels)
     n_components = _check_n_components(n_components)
-    splitter, groups = _splitter(_held_out_folds(test_size), y, groups, seed)
-    train, test = next(splitter.split(x, y, groups))
+    train, test = _folds(_held_out_folds(test_size), y, groups, seed)[0]
     pipeline = _pipeline(x.shape[1], len(train), n_components, seed).fit(x[train], y[train])
     correct = int((pipeline.predict(x[test]) == y[test]).sum())
     return Probe(pipeline, hook, pooling, signature, correct / len(test), wilson_interval(correct, len(test)),
@@ -209,7 +221,7 @@ def train_probe(model: Any, dataset: str | Path | Dataset, hook: str, pooling: s
     name = names[0]
     # every cheap check before the forwards
     _check_n_components(n_components)
-    _splitter(_held_out_folds(test_size), np.asarray(data.labels), data.groups, seed)
+    _folds(_held_out_folds(test_size), np.asarray(data.labels), data.groups, seed)
     acts = collect_activations(model, data.prompts, [name], pooling, progress)
     return fit_probe(acts[name], data.labels, hook=name, pooling=pooling, signature=model_signature(model, name),
                      groups=data.groups, test_size=test_size, seed=seed, n_components=n_components, dataset=data.name)
@@ -314,8 +326,7 @@ def depth_sweep(model: Any, dataset: str | Path | Dataset = "sentiment", fractio
     chosen = sorted(set(chosen))
     names = [block_hook(model, layer, point) for layer in chosen]
     labels = np.asarray(data.labels)
-    splitter, groups = _splitter(folds, labels, data.groups, seed)
-    folds_of = list(splitter.split(labels, labels, groups))
+    folds_of = _folds(folds, labels, data.groups, seed)
     n_train = min(len(train) for train, _ in folds_of)
     acts = collect_activations(model, data.prompts, names, pooling, progress)
     accuracy, ci = {}, {}

@@ -120,6 +120,27 @@ def test_dataset_validation(tmp_path):
     assert good.name == "mine" and good.classes == ["x", "y"]
 
 
+def test_groups_too_few_for_the_folds_are_refused_before_any_forward(small, monkeypatch):
+    """A dataset's 'group' keys can leave fewer groups than folds, or a class inside one group: a one-line error
+    before any forward, not sklearn's ValueError (after the forwards, for train_probe)."""
+    def records(group_of):
+        return [{"text": f"{word} {i}", "label": word, "group": group_of(word, i)}
+                for i in range(4) for word in ("cat", "num")]
+
+    monkeypatch.setattr(probes.probing, "collect_activations", lambda *a, **k: pytest.fail("a forward ran"))
+    two_groups = probes.make_dataset("two", records(lambda word, i: word))
+    with pytest.raises(workbench.WorkbenchError, match="4 folds need at least 4 groups of examples; .* make 2"):
+        probes.depth_sweep(small, two_groups, layers=[1], folds=4)
+    with pytest.raises(workbench.WorkbenchError, match="4 groups of examples"):
+        probes.train_probe(small, two_groups, "blocks.1.hook_resid_post")
+    one_class_one_group = probes.make_dataset("lopsided", records(lambda word, i: f"{word}{i}" if word == "cat"
+                                                                  else "all"))
+    with pytest.raises(workbench.WorkbenchError, match="class 'num' lies in too few of the dataset's groups"):
+        probes.depth_sweep(small, one_class_one_group, layers=[1], folds=2)
+    with pytest.raises(workbench.WorkbenchError, match="class 'num' lies in too few"):
+        probes.train_probe(small, one_class_one_group, "blocks.1.hook_resid_post", test_size=0.5)
+
+
 def test_wilson_interval_and_depth_fractions():
     low, high = probes.wilson_interval(8, 10)
     assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
