@@ -11,6 +11,7 @@ Attribution patching estimates the same cells from gradients instead, and either
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -195,6 +196,15 @@ def _check_metric(metric: Any) -> None:
         raise HookError("metric must be a function of the logits [positions, vocab]")
 
 
+def _scalar(value: Any) -> float:
+    """A metric's value as a float: a number or a one-element tensor, else a HookError (not float()'s ValueError)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise HookError(f"metric must return a number or a one-element tensor, got {shorten(value)}")
+
+
 @dataclass
 class _PairGrid:
     """One pair's cells (flat, in ``_Sweep.cells`` order) and metrics."""
@@ -285,7 +295,7 @@ def _patched(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric | No
     for sweep, metric, clean, corrupt in zip(sweeps, metrics, cleans, corrupt_logits):
         answer_pair = sweep.checked(sweep.answers(clean.logits, corrupt)) if metric is None else None
         metric = logit_diff(*answer_pair) if metric is None else metric
-        grids.append(_PairGrid(torch.empty(0), float(metric(clean.logits)), float(metric(corrupt)),
+        grids.append(_PairGrid(torch.empty(0), _scalar(metric(clean.logits)), _scalar(metric(corrupt)),
                                _metric_name(model, metric, answer_pair)))
         _check_normalizable(refuse_equal, grids[-1].clean_metric, grids[-1].corrupt_metric)
         answer_pairs.append(answer_pair)
@@ -302,7 +312,7 @@ def _patched(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric | No
         rows = "last" if all(answer_pairs) else "all"
         for n, trace in model.iter_batch([s.corrupt_ids for s in sweeps for _ in cells],
                                          per_prompt_interventions=patches, logits=rows, progress=progress):
-            values[n // len(cells), n % len(cells)] = float(chosen[n // len(cells)](trace.logits))
+            values[n // len(cells), n % len(cells)] = _scalar(chosen[n // len(cells)](trace.logits))
     for grid, row in zip(grids, values):
         grid.grid = row if only is None else torch.full((len(every),), math.nan).index_put_((torch.tensor(run),), row)
     return grids
@@ -420,7 +430,7 @@ def _attributed(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric |
     else:
         corrupts = _traces(model, corrupt_ids, [*names, *inputs])
         corrupt_values = [t.activations for t in corrupts]
-        corrupt_metrics = [float(metric(t.logits)) for metric, t in zip(chosen, corrupts)]
+        corrupt_metrics = [_scalar(metric(t.logits)) for metric, t in zip(chosen, corrupts)]
         between = [[FunctionHook(name, _interpolation(corrupt.activations[name], clean.activations[name],
                                                       (step + 0.5) / steps)) for name in inputs]
                    for clean, corrupt in zip(cleans, corrupts) for step in range(steps)]
@@ -443,7 +453,7 @@ def _attributed(model: Any, sweeps: Sequence[_Sweep], metrics: Sequence[Metric |
                 if index is not None:
                     region[axis] = index
             grid[n] = corrupt_metric + float(effects[name][tuple(region)].sum())
-        grids.append(_PairGrid(grid, float(metric(clean.logits)), corrupt_metric, metric.name(model)))
+        grids.append(_PairGrid(grid, _scalar(metric(clean.logits)), corrupt_metric, metric.name(model)))
     return grids
 
 
@@ -681,7 +691,7 @@ def _continued_cells(model: Any, cells: Sequence[Cell], first: Sequence[int], cl
                 logits = x.cpu()
                 for b, u in enumerate(rows):
                     before = corrupts[pair[u]].logits[:begin[u]]
-                    grid[u] = float(metrics[pair[u]](torch.cat((before, logits[layout.rows(b)]))))
+                    grid[u] = _scalar(metrics[pair[u]](torch.cat((before, logits[layout.rows(b)]))))
             done += len(chunk)
             update(done)
     finally:

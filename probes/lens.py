@@ -85,6 +85,7 @@ class TokenTrack:
         """Probability of each token across depth at one position (rank in the hover)."""
         import plotly.graph_objects as go
 
+        position = check_position(position, self.probs.shape[2])
         fig = go.Figure()
         layers = list(range(self.probs.shape[1]))
         for i, text in enumerate(self.token_texts):

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, integer
 
 from .lens import check_position, token_id
 from .sae import SAE
@@ -30,6 +30,9 @@ class FeatureStats:
 
     def examples(self, model: Any, feature: int, context: int = 8) -> list[dict[str, Any]]:
         """The feature's top contexts: the tokens up to ``context`` either side, which one fired, how strongly."""
+        feature = integer(feature, "feature")
+        if not 0 <= feature < self.top_values.shape[0]:
+            raise WorkbenchError(f"feature {feature} is out of range 0..{self.top_values.shape[0] - 1}")
         out = []
         for value, prompt, position in zip(self.top_values[feature].tolist(), self.top_prompt[feature].tolist(),
                                            self.top_position[feature].tolist()):
@@ -81,6 +84,9 @@ def promoted_tokens(model: Any, sae: SAE, feature: int, k: int = 10) -> dict[str
     if sae.d_out != model.config.d_model:
         raise WorkbenchError(f"{sae.label()} writes {sae.d_out} features, not the residual stream's "
                              f"{model.config.d_model}: its directions have no logits to read")
+    k = integer(k, "k")
+    if not 1 <= k <= model.config.vocab_size:
+        raise WorkbenchError(f"k must be in 1..{model.config.vocab_size} (the vocabulary), got {k}")
     direction = sae.decoder_direction(feature).float().cpu() * model.runner.weights.final_norm.float().cpu()
     logits = _unembed_direction(model, direction)
     top, bottom = logits.topk(k), (-logits).topk(k)

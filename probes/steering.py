@@ -23,6 +23,7 @@ import torch
 
 from workbench.errors import WorkbenchError, clip, finite_number, integer_list, number_list, shorten
 from workbench.files import regular_file
+from workbench.generation import check_max_new_tokens
 from workbench.gguf_file import GGUFFile
 from workbench.kernels.formats.table import SPECS
 from workbench.hooks import Steer
@@ -231,6 +232,7 @@ def steering_sweep(model: Any, vector: SteeringVector, prompt: str, target_token
     scales = number_list(scales, "scales")
     if not scales:
         raise WorkbenchError("give at least one scale")
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     update, close = progress_callback(progress, 2, "steering sweep")  # the log-probs, then the generations
     try:
         # the unsteered run and every scale as the rows of one batch

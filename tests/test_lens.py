@@ -62,6 +62,8 @@ def test_bad_lens_requests(small):
         lens.track_token("the cat sat on")
     with pytest.raises(workbench.WorkbenchError, match="token must be an id"):
         lens.track_token(10**9)
+    with pytest.raises(workbench.WorkbenchError, match="position 10 is out of range"):
+        lens.track_token(5).figure(position=10)
     with pytest.raises(workbench.WorkbenchError, match="empty"):
         probes.logit_lens(small, "   ")
     # a single string is not read as one token per character

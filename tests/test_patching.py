@@ -185,6 +185,8 @@ def test_a_cell_is_the_metric_of_one_patched_run(tiny):
     patch = hooks.Patch("blocks.1.attn.hook_z", positions=[4], heads=[3], donor=clean)
     assert result.grid[0, 1, 3].item() == pytest.approx(metric(tiny.forward(CORRUPT_IDS, interventions=[patch])), abs=BOUND)
     assert result.metric_name == "<lambda>"
+    with pytest.raises(workbench.HookError, match="metric must return a number or a one-element tensor"):
+        hooks.patching_sweep(tiny, CLEAN_IDS, CORRUPT_IDS, lambda logits: logits[-1, :3], layers=[1], progress=False)
 
 
 def test_heads_sweep_and_figure(tiny):

@@ -367,6 +367,11 @@ def test_feature_reading_tools(model, sae):
     rows = probes.top_features(model, sae, PROMPTS[1], k=2)
     assert [[f for f, _ in r["features"]] for r in rows] == sae.encode(
         model.run(PROMPTS[1], record=[HOOK]).activations[HOOK]).topk(2).indices.tolist()
+    for k in (0, model.config.vocab_size + 1):
+        with pytest.raises(WorkbenchError, match="k must be in 1.."):
+            probes.promoted_tokens(model, sae, feature, k=k)
+    with pytest.raises(WorkbenchError, match=f"feature {sae.d_sae} is out of range"):
+        stats.examples(model, sae.d_sae)
     promoted = probes.promoted_tokens(model, sae, feature, k=3)["promoted"]
     direction_logits = model.runner.weights.unembed.dequantize_rows(torch.arange(model.config.vocab_size)).float() @ (
         sae.W_dec[feature] * model.runner.weights.final_norm)

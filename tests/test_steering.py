@@ -123,6 +123,8 @@ def test_bad_sweeps_are_refused_before_any_forward(small, monkeypatch):
         probes.steering_sweep(small, vector, "the cat", "ab")  # not one target per character
     with pytest.raises(workbench.WorkbenchError, match="scales must be a list of numbers"):
         probes.steering_sweep(small, vector, "the cat", [10], scales="12")
+    with pytest.raises(workbench.WorkbenchError, match="max_new_tokens must be an integer >= 0, got -1"):
+        probes.steering_sweep(small, vector, "the cat", [10], max_new_tokens=-1)
     assert calls == []
 
 
