@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -56,15 +57,15 @@ def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, f
 
 
 def layer_at_fraction(n_layers: int, fraction: float) -> int:
-    """The layer nearest to ``fraction * (n_layers - 1)``, halves rounding up."""
+    """The layer nearest to ``fraction * (n_layers - 1)``, halves rounding up, with ``fraction`` read as the decimal it
+    is written as (0.58 of 25 layers is 14.5, so 15, where the float 0.58 times 25 gives 14.499999999999998)."""
     try:
         number = real_number(fraction, "a depth fraction")  # numpy and 0-d torch numbers too
     except WorkbenchError:
         number = math.nan  # refused below, with the range in the message
     if not 0.0 <= number <= 1.0:
         raise WorkbenchError(f"a depth fraction must be a number in [0, 1], got {fraction!r}")
-    fraction = number
-    return int(math.floor(fraction * (n_layers - 1) + 0.5))
+    return math.floor(Fraction(repr(number)) * (n_layers - 1) + Fraction(1, 2))
 
 
 def _pipeline(n_features: int, n_train: int, n_components: int, seed: int) -> Pipeline:

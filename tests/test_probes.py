@@ -147,6 +147,7 @@ def test_wilson_interval_and_depth_fractions():
     assert probes.wilson_interval(20, 20)[1] == 1.0
     assert [probes.layer_at_fraction(30, f) for f in (0, 0.25, 0.5, 1)] == [0, 7, 15, 29]
     assert probes.layer_at_fraction(2, 0.5) == 1
+    assert probes.layer_at_fraction(26, 0.58) == 15 and probes.layer_at_fraction(46, 0.7) == 32  # decimal halves
     for bad in (-0.1, 1.5, float("nan"), "half"):
         with pytest.raises(workbench.WorkbenchError, match=r"in \[0, 1\]"):
             probes.layer_at_fraction(30, bad)
