@@ -384,6 +384,19 @@ def test_merged_adapter_is_within_one_rounding_of_the_unmerged(fmt, tmp_path):
         workbench.load(tmp_path, device="cpu", adapters={"ft": peft_dir}, merge="ft")
 
 
+def test_an_adapter_on_a_model_without_pre_norms_equals_its_merge(tmp_path):
+    """OLMo 2 normalizes after attention and the MLP, not before: the adapter's terms go to each layer's own device
+    all the same, and equal the adapter merged into float32 weights."""
+    hf_model("olmo2", tmp_path, tie=False)
+    peft_dir = write_peft(tmp_path / "ft", workbench.load(tmp_path, device="cpu").config, seed=1, std=0.05)
+    unmerged = workbench.load(tmp_path, device="cpu", adapters={"ft": peft_dir})
+    merged = workbench.load(tmp_path, device="cpu", adapters={"ft": peft_dir}, merge=True)
+    adapted = unmerged.forward(IDS, adapter="ft")
+    assert (adapted - unmerged.forward(IDS)).abs().max() > 0.1
+    torch.testing.assert_close(adapted, merged.forward(IDS), rtol=0, atol=1e-4)
+    torch.testing.assert_close(unmerged.run_batch([IDS, IDS[:4]], adapter="ft")[0].logits, adapted, rtol=0, atol=1e-4)
+
+
 def test_a_merge_that_fails_on_a_later_layer_changes_nothing(tmp_path):
     """A delta past the format's range on the last layer is refused before any matrix is replaced."""
     hf_model("llama", tmp_path, tie=False)

@@ -31,6 +31,19 @@ def logits_in(model, mode: str) -> torch.Tensor:
         return model.forward(IDS)
 
 
+def test_recording_the_pattern_keeps_llamacpp_attention_and_an_edit_leaves_it(tiny):
+    """llama.cpp's flash attention forms no pattern: one recorded is computed beside it, for the hooks alone, and the
+    logits keep its bits (one prompt and a batch); a hook that edits scores or the pattern takes the float32 path."""
+    with numerics("llamacpp"):
+        plain, batch = tiny.forward(IDS), tiny.run_batch([IDS, IDS[:3]])
+        recorded = tiny.run(IDS, record=["*"])
+        assert torch.equal(recorded.logits, plain) and "blocks.1.attn.hook_pattern" in recorded.activations
+        assert all(torch.equal(a.logits, b.logits) for a, b in zip(tiny.run_batch([IDS, IDS[:3]], record=["*"]), batch))
+        edited = tiny.forward(IDS, interventions=[{"type": "scale", "hook": "blocks.1.attn.hook_pattern",
+                                                   "factor": 0.5, "positions": [-1]}])
+        assert not torch.equal(edited, plain)
+
+
 def test_two_threads_compute_each_in_their_own_numerics(tiny):
     """Two threads run forwards side by side, one in llama.cpp numerics, one exact: each gets what it gets alone."""
     expected = {mode: logits_in(tiny, mode) for mode in ("exact", "llamacpp")}

@@ -298,7 +298,7 @@ class Model:
             a = torch.cat([a for piece in pieces for _, a, _ in piece])
             b_t = torch.block_diag(*[torch.cat([b for _, _, b in piece], dim=1).T for piece in pieces])
             ranks = tuple(sum(a.shape[0] for _, a, _ in piece) for piece in pieces)
-            device = self.runner.weights.layers[i].attn_norm.device  # the layer's own, in a model split over devices
+            device = self.runner.devices[i]  # the layer's own, in a model split over devices
             terms[group] = (a.to(device, self.dtype), b_t.to(device, self.dtype), adapted, ranks)
         return terms
 

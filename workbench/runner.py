@@ -1050,6 +1050,11 @@ class Transformer:
             keys, values = shared_kv[c.kv_source(i)]
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
         if c.attn_softcap or layer.sinks is not None or point.wants_any(names["scores_and_pattern"]):
+            if (packed is None and not c.attn_softcap and layer.sinks is None
+                    and layer_ops.llamacpp_glue(q, keys, values)):
+                # llama.cpp's attention holds no scores nor pattern: its z is the forward's unless a hook edits them
+                packed = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
+                packed = packed if layout is None else layout.unpad(packed)
             z = self._attention_through_pattern(q, keys, values, blocked, layer, i, point, packed is not None)
             if z is None:  # the hooks changed neither the scores nor the pattern: the packed attention's z stands
                 return self._attention_out(packed, layer, i, point, lora)
