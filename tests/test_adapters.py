@@ -536,6 +536,11 @@ def test_bad_adapters_are_refused_before_compute(hf_llama, tmp_path, tiny_model)
         hf_llama.load_adapter(write_gguf(tmp_path / "base.gguf", qwen.config, qwen.runner.weights), name="base")
     with pytest.raises(AdapterError, match="no adapter"):
         hf_llama.load_adapter(tmp_path / "missing", name="missing")
+    for extra, message in (({"lora_alpha": "8"}, "lora_alpha must be a number"),
+                           ({"use_rslora": "no"}, "use_rslora must be true or false"),
+                           ({"target_modules": 5}, "target_modules must be a list of names or a pattern")):
+        with pytest.raises(AdapterError, match=message):
+            hf_llama.load_adapter(write_peft(tmp_path / message[:9], config, extra_config=extra), name="typed")
     with pytest.raises(AdapterError, match="target_modules must be names"):
         hf_llama.load_adapter(write_peft(tmp_path / "dicts", config, extra_config={"target_modules": [{"a": 1}]}),
                               name="dicts")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from workbench.config import ModelConfig
-from workbench.errors import ModelLoadError, finite_number, shorten
+from workbench.errors import ModelLoadError, finite_number, real_number, shorten
 from workbench.files import read_json, regular_file
 from workbench.kernels import QuantTensor, get_format
 from workbench.loading import hash_files, permute_for_interleaved_rope
@@ -206,7 +206,7 @@ def _read_gguf_adapter(path: Path, config: ModelConfig):
         raise AdapterError(f"{path} is an adapter for a {arch!r} model; the base is {config.architecture!r}")
     if metadata.get("adapter.alora.invocation_tokens") is not None:
         raise AdapterError(f"{path} is an activated LoRA (aLoRA), which is not supported")
-    alpha = finite_number(metadata.get("adapter.lora.alpha", 0.0), f"{path}: adapter.lora.alpha", AdapterError)
+    alpha = real_number(metadata.get("adapter.lora.alpha", 0.0), f"{path}: adapter.lora.alpha", AdapterError)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, str], str] = {}
     for tensor_name, tensor in tensors.items():
@@ -256,10 +256,13 @@ def _read_peft(path: Path, config: ModelConfig):
     r = cfg.get("r")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:  # int() would truncate 4.7; r = 0 divides by zero
         raise AdapterError(f"{config_file}: r must be a positive integer, got {shorten(r)}")
-    alpha = finite_number(cfg.get("lora_alpha", r), f"{config_file}: lora_alpha", AdapterError)
+    alpha = real_number(cfg.get("lora_alpha", r), f"{config_file}: lora_alpha", AdapterError)  # "8" is refused
     if not _finite_float32(alpha):  # as llama.cpp's GGUF field holds it
         raise AdapterError(f"{config_file}: lora_alpha {alpha:g} is past float32's range")
     targets = cfg.get("target_modules")
+    if not isinstance(targets, (list, str, type(None))):  # PEFT's forms: names, or one pattern over them
+        raise AdapterError(f"{config_file}: target_modules must be a list of names or a pattern, got "
+                           f"{shorten(targets)}")
     if isinstance(targets, list):
         if not all(isinstance(t, str) for t in targets):
             raise AdapterError(f"{config_file}: target_modules must be names, got {shorten(targets)}")
@@ -289,7 +292,9 @@ def _read_peft(path: Path, config: ModelConfig):
         if a.dim() == 2 and a.shape[0] != r:
             raise AdapterError(f"{weights_file}: layer {layer} {PROJECTIONS[proj][1]} has rank {a.shape[0]}; "
                                f"adapter_config.json says r = {r}")
-    rslora = bool(cfg.get("use_rslora", False))
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):  # "no" would read as True and change every scale
+        raise AdapterError(f"{config_file}: use_rslora must be true or false, got {shorten(rslora)}")
     info = {"alpha": alpha, "rslora": rslora, "base_model": cfg.get("base_model_name_or_path"),
             "needs_permute": config.rope_interleaved, "tensor_names": names}
     return pairs, (lambda rank: alpha / math.sqrt(rank) if rslora else alpha / rank), info
