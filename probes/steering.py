@@ -25,8 +25,8 @@ from workbench.errors import WorkbenchError, clip, finite_number, integer_list, 
 from workbench.files import regular_file
 from workbench.generation import check_max_new_tokens
 from workbench.gguf_file import GGUFFile
-from workbench.kernels.formats.table import SPECS
 from workbench.hooks import Steer
+from workbench.kernels.formats.table import SPECS
 from workbench.progress import progress_callback
 
 from .activations import Progress, block_hook, collect_activations

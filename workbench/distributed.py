@@ -426,8 +426,8 @@ def _check_shard(tensors: dict[str, torch.Tensor], parts: dict[str, list[torch.T
     for hook, chunks in parts.items():
         rows = tensors[hook]
         if rows.dim() < 1 or rows.shape[0] != int(offsets[-1]):
-            raise WorkbenchError(f"harvest shard {path}: {hook} has {tuple(rows.shape)[:1]} rows where its offsets "
-                                 f"end at {int(offsets[-1])}")
+            raise WorkbenchError(f"harvest shard {path}: {hook} has {rows.shape[0] if rows.dim() else 'no'} rows "
+                                 f"where its offsets end at {int(offsets[-1])}")
         if chunks and (rows.shape[1:] != chunks[0].shape[1:] or rows.dtype != chunks[0].dtype):
             raise WorkbenchError(f"harvest shard {path}: {hook} is {rows.dtype} {tuple(rows.shape[1:])} a row, "
                                  f"unlike earlier shards' {chunks[0].dtype} {tuple(chunks[0].shape[1:])}")

@@ -24,7 +24,6 @@ from workbench.runner import BatchLayout, Hooks, Lora, LoraRows, Transformer, ca
 # The smallest temperature above 0 (greedy): logits / temperature stays far inside float32's range (|logits| would have
 # to pass 3e32 to overflow), where a smaller one overflows to inf and the softmax to NaN.
 MIN_TEMPERATURE = 1e-6
-# torch.Generator.manual_seed's range
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,8 @@ class Sampling:
 
     Every field is checked here, so a generation refuses a bad value before its prefill touches a cache:
     ``temperature`` 0 or a real number in [MIN_TEMPERATURE, inf] (inf samples uniformly), ``top_k`` an integer >= 0
-    (0: no cut), ``top_p`` in (0, 1], ``seed`` None (a fresh one) or an integer in torch's seed range (errors.SEED_RANGE)."""
+    (0: no cut), ``top_p`` in (0, 1], ``seed`` None (a fresh one) or an integer in torch's seed range
+    (``errors.SEED_RANGE``)."""
 
     temperature: float = 0.0
     top_k: int = 0

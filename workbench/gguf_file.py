@@ -51,7 +51,8 @@ class GGUFFile:
                 raise ValueError(f"key {key!r} appears twice")
             self.metadata[key] = self._value(self._unpack("<I")[0])
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1 or alignment & (alignment - 1):
+        if (not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1
+                or alignment & (alignment - 1)):
             raise ValueError(f"general.alignment {str(alignment)[:40]} is not a power of two")
         self.tensors: dict[str, TensorInfo] = {}
         infos = []
@@ -63,7 +64,8 @@ class GGUFFile:
             shape = self._unpack(f"<{n_dims}Q")
             ggml_type, offset = self._unpack("<IQ")
             if offset % alignment:
-                raise ValueError(f"tensor {name!r} lies at offset {offset}, not a multiple of the alignment {alignment}")
+                raise ValueError(f"tensor {name!r} lies at offset {offset}, not a multiple of the alignment "
+                                 f"{alignment}")
             infos.append((name, shape, ggml_type, offset))
         start = -(-self._at // alignment) * alignment
         for name, shape, ggml_type, offset in infos:
