@@ -33,7 +33,12 @@ def module_shapes(config) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each HF projection, from our config (independently of workbench.adapters)."""
     q, kv, d, m = config.n_heads * config.d_head, config.n_kv_heads * config.d_head, config.d_model, config.d_mlp
     return {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q), "gate_proj": (m, d),
-            "up_proj": (m, d), "down_proj": (d, m)}
+            "up_proj": (m, d), "down_proj": (d, m), "qkv_proj": (q + 2 * kv, d), "gate_up_proj": (2 * m, d)}
+
+
+def modules_of(arch: str) -> list[str]:
+    """The projections a PEFT adapter of ``arch`` targets: Phi-3 fuses q/k/v and gate/up into one matrix each."""
+    return ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if arch == "phi3" else MODULES
 
 
 def write_peft(path: Path, config, r: int = 4, alpha: float = 8.0, modules=MODULES, layers=None, seed: int = 0,
@@ -45,7 +50,7 @@ def write_peft(path: Path, config, r: int = 4, alpha: float = 8.0, modules=MODUL
     for i in range(config.n_layers) if layers is None else layers:
         for module in modules:
             out_dim, in_dim = shapes[module]
-            kind = "self_attn" if module in MODULES[:4] else "mlp"
+            kind = "self_attn" if module in (*MODULES[:4], "qkv_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{i}.{kind}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=g) * std
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=g) * std
@@ -62,7 +67,8 @@ def write_gguf_adapter(path: Path, peft_dir: Path, config, arch: str | None = No
     """A PEFT folder as llama.cpp's convert_lora_to_gguf.py writes it: ``blk.N.<proj>.weight.lora_a/b``, B's q/k rows
     of a llama model permuted for its adjacent-pair rope (written here from the converter's formula)."""
     names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}  # Phi-3's fused ones, as gguf-py's tensor map names them
     cfg = json.loads((peft_dir / "adapter_config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch or config.architecture)
     writer.add_type(gguf.GGUFType.ADAPTER)
@@ -131,12 +137,13 @@ def test_peft_adapter_on_a_layer_reusing_keys_and_values_matches_transformers_pe
     assert trace.activations[f"blocks.{last}.attn.hook_q_lora"].abs().max() > 0
 
 
-@pytest.mark.parametrize("arch, rslora", [("llama", False), ("qwen2", False), ("qwen3", True)])
+@pytest.mark.parametrize("arch, rslora", [("llama", False), ("qwen2", False), ("qwen3", True), ("phi3", False)])
 def test_peft_adapter_matches_transformers_peft(arch, rslora, tmp_path):
+    """Phi-3's adapters are of its fused qkv_proj and gate_up_proj: their B splits by rows as the weights do."""
     peft = pytest.importorskip("peft")
     reference = hf_model(arch, tmp_path, tie=False)
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=MODULES, use_rslora=rslora)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=modules_of(arch), use_rslora=rslora)
     wrapped = peft.get_peft_model(reference, config).eval()
     for name, param in wrapped.named_parameters():
         if "lora_" in name:  # PEFT starts B at zero: make the adapter act
@@ -152,11 +159,13 @@ def test_peft_adapter_matches_transformers_peft(arch, rslora, tmp_path):
     assert (ours.forward(IDS) - base).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_gguf_adapter_equals_peft_folder(arch, tmp_path, tiny_model):
-    """The same adapter as a PEFT folder and as llama.cpp's GGUF (q/k rows permuted for llama) on a Q8_0 base."""
+    """The same adapter as a PEFT folder and as llama.cpp's GGUF (q/k rows permuted for llama; Phi-3's fused attn_qkv
+    and ffn_up) on a Q8_0 base."""
     model = tiny_model(arch, "Q8_0", cached=False, device="cpu")  # float32: the bounds below are its rounding
-    peft_dir = write_peft(tmp_path / "peft", model.config, r=32, alpha=16, std=0.05, seed=3)  # Q8_0 rows hold 32
+    peft_dir = write_peft(tmp_path / "peft", model.config, r=32, alpha=16, std=0.05, seed=3,  # Q8_0 rows hold 32
+                          modules=modules_of(arch))
     model.load_adapter(peft_dir, name="peft")
     model.load_adapter(write_gguf_adapter(tmp_path / "a.gguf", peft_dir, model.config), name="gguf")
     model.load_adapter(write_gguf_adapter(tmp_path / "q8.gguf", peft_dir, model.config,

@@ -30,8 +30,21 @@ PROJECTIONS: dict[str, tuple[str, str]] = {
     "wo": ("attn_output", "o_proj"), "w_gate": ("ffn_gate", "gate_proj"), "w_up": ("ffn_up", "up_proj"),
     "w_down": ("ffn_down", "down_proj"),
 }
-_FROM_GGUF = {gguf: ours for ours, (gguf, _) in PROJECTIONS.items()}
-_FROM_HF = {hf: ours for ours, (_, hf) in PROJECTIONS.items()}
+
+
+def module_targets(config: ModelConfig) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """The projections each GGUF and each PEFT module name adapts, for a base of ``config``: one, or the parts of the
+    family's fused matrix (Phi-3's ``attn_qkv`` / ``qkv_proj`` and ``ffn_up`` / ``gate_up_proj``), whose LoRA's B
+    splits by rows as the loader splits the weights (A is the parts' own)."""
+    family = config.arch
+    gguf = {name: (ours,) for ours, (name, _) in PROJECTIONS.items()}
+    hf = {name: (ours,) for ours, (_, name) in PROJECTIONS.items()}
+    for name, parts in family.fused.items():
+        gguf[name.removesuffix(".weight")] = parts
+    for hf_name, gguf_name in family.hf_tensors.items():
+        if gguf_name in family.fused:
+            hf[hf_name.removesuffix(".weight").rsplit(".", 1)[-1]] = family.fused[gguf_name]
+    return gguf, hf
 _GGUF_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
 _PEFT_TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
@@ -89,7 +102,7 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
         pairs, alpha_scale, info = _read_gguf_adapter(path, config)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.n_layers)]
     ranks = set()
-    for (layer, proj), (a, b) in sorted(pairs.items()):
+    for (layer, proj), (a, b) in sorted(_unfused(pairs, config, path, info["tensor_names"]).items()):
         where = f"{path}: layer {layer} {PROJECTIONS[proj][1]}"
         if not 0 <= layer < config.n_layers:
             raise AdapterError(f"{where}: the base model has layers 0..{config.n_layers - 1}")
@@ -207,35 +220,62 @@ def _read_gguf_adapter(path: Path, config: ModelConfig):
     if metadata.get("adapter.alora.invocation_tokens") is not None:
         raise AdapterError(f"{path} is an activated LoRA (aLoRA), which is not supported")
     alpha = real_number(metadata.get("adapter.lora.alpha", 0.0), f"{path}: adapter.lora.alpha", AdapterError)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    names: dict[tuple[int, str], str] = {}
+    targets = module_targets(config)[0]
+    halves: dict[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, Any], str] = {}
     for tensor_name, tensor in tensors.items():
         match = _GGUF_TENSOR.fullmatch(tensor_name)
-        if match is None or match.group(2) not in _FROM_GGUF:
+        if match is None or match.group(2) not in targets:
             raise AdapterError(f"{path}: tensor {tensor_name} is not a LoRA of a supported projection "
-                               f"({', '.join(_FROM_GGUF)})")
+                               f"({', '.join(targets)})")
         if 0 in tensor.shape:  # rank 0: no bytes to read, and nothing to add
             raise AdapterError(f"{path}: tensor {tensor_name} has shape {tuple(int(n) for n in reversed(tensor.shape))}"
                                "; a LoRA needs a rank of at least 1")
         raw, shape = _gguf_tensor_bytes(file, tensor, path)
         rows, cols = (1, shape[0]) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
         matrix = QuantTensor(raw, get_format(tensor.ggml_type), (rows, cols)).dequantize()
-        key = (int(match.group(1)), _FROM_GGUF[match.group(2)])
+        key = (int(match.group(1)), targets[match.group(2)])
         halves.setdefault(key, {})[match.group(3)] = matrix
         names[key] = tensor_name[:-len(".lora_a")]
     info = {"alpha": alpha or None, "architecture": arch, "tensor_names": names}
     # llama.cpp: alpha / rank, or the bare adapter scale where the file's alpha is 0
-    return _pairs(halves, path, "ab"), (lambda rank: alpha / rank if alpha else 1.0), info
+    return _pairs(halves, path, "ab", names), (lambda rank: alpha / rank if alpha else 1.0), info
 
 
-def _pairs(halves: dict, path: Path, keys: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+Pairs = dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pairs(halves: dict, path: Path, keys: str, names: dict) -> Pairs:
+    """(A, B) of each (layer, projections adapted) from the tensors found for it (``keys``: A's and B's suffixes)."""
     pairs = {}
-    for (layer, proj), found in halves.items():
+    for key, found in halves.items():
         missing = [k for k in keys if k not in found]
         if missing:
-            raise AdapterError(f"{path}: layer {layer} {PROJECTIONS[proj][1]} has no lora_{missing[0]} tensor")
-        pairs[layer, proj] = (found[keys[0]], found[keys[1]])
+            raise AdapterError(f"{path}: {names[key]} has no lora_{missing[0]} tensor")
+        pairs[key] = (found[keys[0]], found[keys[1]])
     return pairs
+
+
+def _unfused(pairs: Pairs, config: ModelConfig, path: Path, names: dict
+             ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """One (A, B) per projection: a fused matrix's B split by the rows of its parts, each with the same A (B A split
+    by rows is each part's own delta)."""
+    out = {}
+    for (layer, parts), (a, b) in pairs.items():
+        if not 0 <= layer < config.n_layers:
+            raise AdapterError(f"{path}: {names[layer, parts]}: the base model has layers 0..{config.n_layers - 1}")
+        if len(parts) > 1:
+            sizes = [projection_shape(config, part, layer)[0] for part in parts]
+            if b.dim() != 2 or b.shape[0] != sum(sizes):
+                raise AdapterError(f"{path}: {names[layer, parts]}: B {tuple(b.shape)} does not fit the base's fused "
+                                   f"{' + '.join(map(str, sizes))} rows (an adapter for another model?)")
+            b_parts = b.split(sizes)
+        else:
+            b_parts = [b]
+        for part, b_part in zip(parts, b_parts):
+            out[layer, part] = (a, b_part)
+            names[layer, part] = names[layer, parts]
+    return out
 
 
 # --------------------------------------------------------------------------------------------- PEFT
@@ -259,6 +299,7 @@ def _read_peft(path: Path, config: ModelConfig):
     alpha = real_number(cfg.get("lora_alpha", r), f"{config_file}: lora_alpha", AdapterError)  # "8" is refused
     if not _finite_float32(alpha):  # as llama.cpp's GGUF field holds it
         raise AdapterError(f"{config_file}: lora_alpha {alpha:g} is past float32's range")
+    modules = module_targets(config)[1]
     targets = cfg.get("target_modules")
     if not isinstance(targets, (list, str, type(None))):  # PEFT's forms: names, or one pattern over them
         raise AdapterError(f"{config_file}: target_modules must be a list of names or a pattern, got "
@@ -266,32 +307,31 @@ def _read_peft(path: Path, config: ModelConfig):
     if isinstance(targets, list):
         if not all(isinstance(t, str) for t in targets):
             raise AdapterError(f"{config_file}: target_modules must be names, got {shorten(targets)}")
-        unsupported = sorted(set(targets) - set(_FROM_HF))
+        unsupported = sorted(set(targets) - set(modules))
         if unsupported:
             raise AdapterError(f"{config_file}: target modules {unsupported} are not supported; "
-                               f"supported: {', '.join(_FROM_HF)}")
+                               f"supported: {', '.join(modules)}")
     try:
         loaded = load_file(str(weights_file))
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise AdapterError(f"{weights_file} is not a valid safetensors file: {err}") from None
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    names: dict[tuple[int, str], str] = {}
+    halves: dict[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] = {}
+    names: dict[tuple[int, Any], str] = {}
     for tensor_name, tensor in loaded.items():
         match = _PEFT_TENSOR.fullmatch(tensor_name)
-        if match is None or match.group(2) not in _FROM_HF:
+        if match is None or match.group(2) not in modules:
             raise AdapterError(f"{weights_file}: tensor {tensor_name} is not a LoRA of a supported projection "
-                               f"({', '.join(_FROM_HF)})")
+                               f"({', '.join(modules)})")
         module = match.group(2)
         if isinstance(targets, list) and module not in targets:
             raise AdapterError(f"{weights_file}: tensor {tensor_name} adapts {module}, not in target_modules {targets}")
-        key = (int(match.group(1)), _FROM_HF[module])
+        key = (int(match.group(1)), modules[module])
         halves.setdefault(key, {})[match.group(3)] = tensor
         names[key] = tensor_name.rsplit(".lora_", 1)[0]
-    pairs = _pairs(halves, weights_file, "AB")
-    for (layer, proj), (a, _) in pairs.items():
+    pairs = _pairs(halves, weights_file, "AB", names)
+    for key, (a, _) in pairs.items():
         if a.dim() == 2 and a.shape[0] != r:
-            raise AdapterError(f"{weights_file}: layer {layer} {PROJECTIONS[proj][1]} has rank {a.shape[0]}; "
-                               f"adapter_config.json says r = {r}")
+            raise AdapterError(f"{weights_file}: {names[key]} has rank {a.shape[0]}; adapter_config.json says r = {r}")
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):  # "no" would read as True and change every scale
         raise AdapterError(f"{config_file}: use_rslora must be true or false, got {shorten(rslora)}")
