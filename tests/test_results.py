@@ -216,6 +216,39 @@ def test_compare_traces_by_hand():
     json.dumps(cmp.to_dict())
 
 
+def test_a_token_both_traces_ban_is_no_difference_and_an_activation_from_zero_is_an_infinite_change():
+    """-inf logits in both traces differ by 0 (not NaN, which hid every activation's difference), -inf in one alone
+    by inf; a change from an all-zero activation is infinitely large relative to it, not 0."""
+    banned = logits(3, 40, seed=2)
+    banned[:, 7] = float("-inf")
+    edited = banned.clone()
+    edited[2, 3] += 1.5
+    a = trace([1, 2, 3], banned, **{"blocks.0.hook_mlp_out": torch.zeros(3, 4)})
+    b = trace([1, 2, 3], edited, **{"blocks.0.hook_mlp_out": torch.full((3, 4), 2.0)})
+    same = results.compare_traces(a, trace([1, 2, 3], banned.clone(), **{"blocks.0.hook_mlp_out": torch.zeros(3, 4)}))
+    assert (same.max_abs_logit_diff, same.max_abs_deviation) == (0.0, 0.0)
+    cmp = results.compare_traces(a, b)
+    assert cmp.max_abs_logit_diff == pytest.approx(1.5) and (cmp.max_abs_deviation, cmp.worst_tensor) == (
+        2.0, "blocks.0.hook_mlp_out")
+    assert cmp.activations[0].relative_diff == math.inf
+    unbanned = edited.clone()
+    unbanned[0, 7] = 0.0
+    assert results.compare_traces(a, trace([1, 2, 3], unbanned)).max_abs_logit_diff == math.inf
+
+
+def test_bad_targets_k_and_logits_are_refused_in_one_line():
+    a, b = logits(50, seed=1), logits(50, seed=2)
+    for targets, message in (([-1], "target token id -1 is outside the vocabulary"), ([50], "id 50 is outside"),
+                             ([3.7], "a target token id must be an integer"), ([True], "must be an integer")):
+        with pytest.raises(WorkbenchError, match=message):
+            results.compare_next_token(a, b, k=3, targets=targets)
+    for k in (None, 2.0, True):
+        with pytest.raises(WorkbenchError, match="top_k must be an integer"):
+            results.top_k(a, k)
+    with pytest.raises(WorkbenchError, match="no positions"):
+        results.next_token(torch.zeros(0, 50), 3)
+
+
 def test_compare_traces_of_integer_and_half_precision_activations():
     """An MoE's chosen experts (int64) and activations recorded in float16 compare as float32 numbers: no crash on the
     integers, and no float16 norm overflowing to inf (which made every relative difference 0)."""
@@ -254,6 +287,18 @@ def test_relative_change_and_activation_summaries():
         results.relative_change(base, other, ["blocks.1.hook_resid_post"])
     with pytest.raises(WorkbenchError, match="different prompts"):
         results.relative_change(base, trace([1, 3], logits(2, 5), **other.activations), ["blocks.0.hook_resid_post"])
+    q = torch.ones(2, 3, 4)  # [T, heads, d_head]: each position's change over all its heads' values
+    edited_q = q.clone()
+    edited_q[1, 0] = 2.0
+    both = results.relative_change(trace([1, 2], logits(2, 5), **base.activations, **{"blocks.0.attn.hook_q": q}),
+                                   trace([1, 2], logits(2, 5), **other.activations,
+                                         **{"blocks.0.attn.hook_q": edited_q}),
+                                   ["blocks.0.hook_resid_post", "blocks.0.attn.hook_q"])
+    assert both.tolist() == [[0.0, 1.0], [0.0, pytest.approx(2 / math.sqrt(12))]]
+    pattern = {"blocks.0.attn.hook_pattern": torch.ones(1, 2, 2)}
+    with pytest.raises(WorkbenchError, match="not token-major"):
+        results.relative_change(trace([1, 2], logits(2, 5), **pattern), trace([1, 2], logits(2, 5), **pattern),
+                                ["blocks.0.attn.hook_pattern"])
 
     scores = torch.tensor([[[1.0, float("-inf")], [2.0, 2.0]], [[0.0, float("-inf")], [-5.0, 1.0]]])  # [heads, T, S]
     summary = results.summarize_activation("blocks.0.attn.hook_attn_scores", scores)

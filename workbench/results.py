@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import WorkbenchError, integer
 from workbench.hooks.points import axes
 
 # Rows of float64 log-probabilities worked on at once: [rows, vocab] stays near 32 MiB whatever the vocabulary.
@@ -99,7 +99,7 @@ class HookDiff(Result):
 
     hook: str
     max_abs_diff: float
-    relative_diff: float = _described("||a - b|| / ||a||")
+    relative_diff: float = _described("||a - b|| / ||a|| (inf where a is all zeros and b is not)")
 
 
 @dataclass(frozen=True)
@@ -205,6 +205,8 @@ def _check_one_vocabulary(a: torch.Tensor, b: torch.Tensor) -> None:
 def _row(logits: torch.Tensor) -> torch.Tensor:
     """One row of logits: a [vocab] tensor as it is, the last row of [positions, vocab]."""
     if logits.dim() == 2:
+        if logits.shape[0] == 0:
+            raise WorkbenchError("the logits hold no positions")
         return logits[-1]
     if logits.dim() != 1:
         raise WorkbenchError(f"expected logits [vocab] or [positions, vocab], got shape {list(logits.shape)}")
@@ -215,6 +217,7 @@ def top_k(logits: torch.Tensor, k: int, vocab: Any = None) -> list[TokenProb]:
     """The ``k`` most likely next tokens of a row of logits ([vocab], or the last row of [positions, vocab]), most
     likely first, in ``torch.topk``'s order; ``vocab`` (a model or tokenizer) names them."""
     lp = log_probs(_row(logits))
+    k = integer(k, "top_k")
     if not 0 <= k <= lp.numel():
         raise WorkbenchError(f"top_k must be between 0 and the vocabulary size {lp.numel()}, got {k}")
     values, indices = lp.topk(k)
@@ -240,6 +243,10 @@ def compare_next_token(baseline_logits: torch.Tensor, edited_logits: torch.Tenso
     either top-k (largest |delta| first, at most ``k``) and of the ``targets`` (token ids)."""
     base_row, edit_row = _row(baseline_logits), _row(edited_logits)
     _check_one_vocabulary(base_row, edit_row)
+    targets = [integer(i, "a target token id") for i in targets]
+    outside = [i for i in targets if not 0 <= i < base_row.numel()]
+    if outside:
+        raise WorkbenchError(f"target token id {outside[0]} is outside the vocabulary [0, {base_row.numel()})")
     before, after = log_probs(base_row), log_probs(edit_row.to(base_row.device))
     baseline = Distribution(top=top_k(base_row, k, vocab), entropy=float(entropy(base_row)))
     edited = Distribution(top=top_k(edit_row, k, vocab), entropy=float(entropy(edit_row)))
@@ -254,7 +261,7 @@ def compare_next_token(baseline_logits: torch.Tensor, edited_logits: torch.Tenso
     return NextTokenComparison(
         baseline=baseline, edited=edited, kl=float(kl_divergence(base_row, edit_row)),
         top1_changed=bool(baseline.top and edited.top and baseline.top[0].id != edited.top[0].id),
-        changes=changes[:k], targets=[change(int(i)) for i in targets],
+        changes=changes[:k], targets=[change(i) for i in targets],
         baseline_top1=change(baseline.top[0].id if baseline.top else int(before.argmax())))
 
 
@@ -265,8 +272,8 @@ def hook_diff(name: str, a: torch.Tensor, b: torch.Tensor) -> HookDiff:
     both = torch.isfinite(a) & torch.isfinite(b)
     delta = torch.where(both, a - b, torch.zeros_like(a))
     reference = torch.where(both, a, torch.zeros_like(a)).norm()
-    return HookDiff(hook=name, max_abs_diff=float(delta.abs().max()),
-                    relative_diff=float(delta.norm() / reference) if reference > 0 else 0.0)
+    relative = float(delta.norm() / reference) if reference > 0 else (math.inf if delta.norm() > 0 else 0.0)
+    return HookDiff(hook=name, max_abs_diff=float(delta.abs().max()), relative_diff=relative)
 
 
 def compare_traces(a: Any, b: Any, vocab: Any = None, per_position: bool = True) -> TraceComparison:
@@ -278,7 +285,8 @@ def compare_traces(a: Any, b: Any, vocab: Any = None, per_position: bool = True)
     # every position's logits where both kept them (a batch run may keep the last position's alone)
     every_position = same_tokens and a.logits.shape[0] == b.logits.shape[0] == len(a.ids)
     logits_a, logits_b = (a.logits, b.logits.to(a.logits.device)) if every_position else (last_a, last_b)
-    logit_diff = float((logits_a - logits_b).abs().max())
+    # equal entries (a token both traces banned with -inf) differ by 0, not by -inf - -inf = NaN
+    logit_diff = float(torch.where(logits_a == logits_b, 0.0, (logits_a - logits_b).abs()).max())
     diffs = sorted((hook_diff(name, a.activations[name], b.activations[name])
                     for name in a.activations.keys() & b.activations.keys()
                     if a.activations[name].shape == b.activations[name].shape), key=lambda d: d.hook)
@@ -307,8 +315,11 @@ def relative_change(base: Any, other: Any, hooks: Sequence[str]) -> torch.Tensor
         raise WorkbenchError("the traces are of different prompts; comparing activations needs the same tokens")
     if base.reduce is not None or other.reduce is not None:
         raise WorkbenchError("a trace kept one row per recorded point (reduce), not every position's")
-    return torch.stack([(other.activations[n] - base.activations[n]).norm(dim=-1) / base.activations[n].norm(dim=-1)
-                        for n in hooks])
+    grown = [n for n in hooks if axes(n).token != 0]
+    if grown:
+        raise WorkbenchError(f"{grown[0]} is not token-major ([heads, T, S]): compare token-major points")
+    return torch.stack([(other.activations[n] - base.activations[n]).flatten(1).norm(dim=-1)
+                        / base.activations[n].flatten(1).norm(dim=-1) for n in hooks])
 
 
 # ---------------------------------------------------------------------------------------------------- summaries
