@@ -72,6 +72,12 @@ def test_sampling_is_seeded_and_bounded():
     assert set(draws(Sampling(temperature=1.0, top_p=0.5, seed=1))) == {1}
     assert Sampling().pick(logits, Sampling().generator()) == 1
     assert len(set(draws(Sampling(temperature=5.0, seed=2)))) == 4
+    # an infinite temperature samples uniformly over what the cuts keep, the cuts ranking by the logits
+    inf = float("inf")
+    assert set(draws(Sampling(temperature=inf, top_k=2, seed=3))) == {1, 2}
+    assert set(draws(Sampling(temperature=inf, top_k=1, seed=3))) == {1}
+    assert set(draws(Sampling(temperature=inf, top_p=0.5, seed=3))) == {1, 2}  # 2 of 4 equal shares reach 0.5
+    assert set(draws(Sampling(temperature=inf, seed=3))) == {0, 1, 2, 3}
 
 
 BAD_SAMPLING = [

@@ -69,13 +69,16 @@ class Sampling:
         """One token id from float32 logits ``[vocab]``."""
         if self.temperature == 0:
             return int(layer_ops.argmax(logits))
-        logits = logits.float().cpu() / self.temperature
+        # the cuts rank tokens by their logits, not by logits / temperature: an infinite temperature makes those all
+        # 0 (sampling uniformly over what the cuts keep), which would leave top-k and top-p nothing to rank
+        logits = logits.float().cpu()
         if self.top_k:
             kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(-1)
+        probs = torch.where(torch.isfinite(logits), logits / self.temperature, logits).softmax(-1)
         if self.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
+            order = logits.argsort(descending=True, stable=True)
+            sorted_probs = probs[order]
             # keep the smallest prefix whose mass reaches top_p (always at least the best token)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
             sorted_probs[drop] = 0
