@@ -194,6 +194,24 @@ def test_integers_only_where_the_cache_takes_a_count_a_layer_or_slots(tiny):
     assert cache.tokens == PROMPT[:3] + PROMPT[5:]
 
 
+def test_a_batch_cache_takes_caches_and_integer_rows_only(tiny):
+    import numpy as np
+    from workbench.kv_cache import BatchKVCache
+
+    cache = prefilled(tiny)
+    rows = BatchKVCache.from_caches([cache, cache.clone()])
+    for call, message in [(lambda: cache.clone_positions("1", 2), "kv clone: start must be an integer, got '1'"),
+                          (lambda: cache.copy_layer_from(None, 0), "kv copy takes a KVCache"),
+                          (lambda: rows.set_row(0, None), "kv set_row takes a KVCache"),
+                          (lambda: BatchKVCache.from_caches([1]), r"kv from_caches takes a KVCache .*, got int"),
+                          (lambda: rows.keep_rows(0), "keep_rows: rows must be a list of integers, got 0"),
+                          (lambda: BatchKVCache.from_prefixes(cache, [1.5]), "lengths must be a list of integers"),
+                          (lambda: rows.row(2), r"row 2 outside 0..1")]:
+        with pytest.raises(workbench.WorkbenchError, match=message):
+            call()
+    assert rows.row(np.int64(1)).tokens == PROMPT and rows.lengths == [len(PROMPT)] * 2  # a numpy integer is a row
+
+
 def test_a_cache_of_another_model_is_refused_before_any_compute(tiny, tiny_model):
     from workbench.kv_cache import KVCache
     runner, config = tiny.runner, tiny.config

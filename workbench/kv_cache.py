@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 import torch
 
-from workbench.errors import WorkbenchError, integer, shorten
+from workbench.errors import WorkbenchError, integer, integer_list, shorten
 
 
 # one device for every layer, or one per layer
@@ -292,6 +292,7 @@ class KVCache:
         """Take one layer's keys and values from another cache of the same length (keys keep the rotation
         they had there; positions are not compared)."""
         layer = self._check_own_layer(layer, "copy")
+        check_cache(other, "kv copy")
         if other.length != self.length:
             raise WorkbenchError(f"kv copy: source cache has {other.length} slots, this one {self.length}")
         self.set(layer, *other.get(layer))
@@ -301,6 +302,7 @@ class KVCache:
 
     def clone_positions(self, start: int, stop: int) -> "KVCache":
         """A new cache holding slots ``start:stop`` (their rope positions kept)."""
+        start, stop = integer(start, "kv clone: start"), integer(stop, "kv clone: stop")
         if not 0 <= start <= stop <= self.length:
             raise WorkbenchError(f"kv clone: slot range {start}:{stop} outside 0:{self.length}")
         return self.select(torch.arange(start, stop))
@@ -425,6 +427,12 @@ class StaticKVCache(KVCache):
         return self._length
 
 
+def check_cache(cache: Any, what: str) -> None:
+    """A single-sequence cache, or an error naming ``what`` took something else."""
+    if not isinstance(cache, KVCache):
+        raise WorkbenchError(f"{what} takes a KVCache (model.new_cache()), got {type(cache).__name__}")
+
+
 class BatchKVCache:
     """Keys and values of a batch of sequences, one row each with a length of its own.
 
@@ -458,6 +466,8 @@ class BatchKVCache:
         """One row per cache (copies), with room for ``capacity`` slots a row (at least the longest)."""
         if not caches:
             raise WorkbenchError("a batch cache needs at least one row")
+        for cache in caches:
+            check_cache(cache, "kv from_caches")
         first = caches[0]
         out = cls(len(caches), first.n_layers, first.n_kv_heads, first.d_head, first.dtype, first.devices,
                   max(capacity, max(c.length for c in caches), 1), first.kv_sources)
@@ -473,7 +483,10 @@ class BatchKVCache:
         point of their own (a patching sweep's cells, of one pair or of several), with room for ``capacity`` slots a
         row. Only ``layers`` (None: every one) are copied; the others read as zeros and take no memory, for a forward
         that starts past them (``start_at_layer``), which never reads them."""
+        lengths = integer_list(lengths, "kv from_prefixes: prefix lengths")
         sources = [caches] * len(lengths) if isinstance(caches, KVCache) else list(caches)
+        for cache in sources:
+            check_cache(cache, "kv from_prefixes")
         if not lengths or len(sources) != len(lengths):
             raise WorkbenchError(f"kv from_prefixes: prefix lengths {list(lengths)} for {len(sources)} caches")
         for b, (cache, n) in enumerate(zip(sources, lengths)):
@@ -631,7 +644,7 @@ class BatchKVCache:
 
     def row(self, b: int) -> KVCache:
         """A copy of row ``b`` as a single-sequence cache."""
-        self._check_row(b)
+        b = self._check_row(b)
         n = self.lengths[b]
         out = KVCache(self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices, max(n, 1),
                       self.kv_sources)
@@ -646,7 +659,8 @@ class BatchKVCache:
 
     def set_row(self, b: int, cache: KVCache) -> None:
         """Replace row ``b`` with (a copy of) a single-sequence cache of the same model."""
-        self._check_row(b)
+        b = self._check_row(b)
+        check_cache(cache, "kv set_row")
         if ((cache.n_layers, cache.n_kv_heads, cache.d_head, cache.kv_sources)
                 != (self.n_layers, self.n_kv_heads, self.d_head, self.kv_sources)):
             raise WorkbenchError("kv set_row: the cache belongs to a model of another shape")
@@ -664,9 +678,7 @@ class BatchKVCache:
         """A cache of one row per entry of ``sources``: a copy of this cache's row ``sources[b]``, or an empty row for
         None (prefixes computed once, each seeding the rows that start with it), with room for ``capacity`` slots a
         row."""
-        for b in sources:
-            if b is not None:
-                self._check_row(b)
+        sources = [None if b is None else self._check_row(b) for b in sources]
         longest = max((self.lengths[b] for b in sources if b is not None), default=0)
         out = BatchKVCache(len(sources), self.n_layers, self.n_kv_heads, self.d_head, self.dtype, self.devices,
                            max(capacity, longest, 1), self.kv_sources)
@@ -684,9 +696,7 @@ class BatchKVCache:
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Keep only these rows, in this order (finished sequences leave a generating batch)."""
-        for b in rows:
-            self._check_row(b)
-        rows = list(rows)
+        rows = [self._check_row(b) for b in integer_list(rows, "kv keep_rows: rows")]
         if len(set(rows)) < len(rows):
             raise WorkbenchError(f"kv: keep_rows keeps each row once, got {rows}")
         index = torch.tensor(rows, dtype=torch.long)
@@ -706,12 +716,14 @@ class BatchKVCache:
         self._next = [self._next[b] for b in rows]
 
     def tokens(self, b: int) -> list[int]:
-        self._check_row(b)
-        return list(self._tokens[b])
+        return list(self._tokens[self._check_row(b)])
 
-    def _check_row(self, b: int) -> None:
-        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.n_rows:
-            raise WorkbenchError(f"kv: row {b!r} outside 0..{self.n_rows - 1}")
+    def _check_row(self, b: Any) -> int:
+        """Row ``b`` as an int (numpy's too), or an error naming the rows there are."""
+        b = integer(b, "kv: a row")
+        if not 0 <= b < self.n_rows:
+            raise WorkbenchError(f"kv: row {b} outside 0..{self.n_rows - 1}")
+        return b
 
     def __repr__(self) -> str:
         return f"BatchKVCache(rows={self.n_rows}, layers={self.n_layers}, lengths={self.lengths})"
