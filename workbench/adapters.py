@@ -30,9 +30,13 @@ PROJECTIONS: dict[str, tuple[str, str]] = {
     "wo": ("attn_output", "o_proj"), "w_gate": ("ffn_gate", "gate_proj"), "w_up": ("ffn_up", "up_proj"),
     "w_down": ("ffn_down", "down_proj"),
 }
+_GGUF_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
+_PEFT_TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# (A, B) of each (layer, projections one tensor pair adapts: one, or a fused matrix's parts)
+Pairs = dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]]
 
 
-def module_targets(config: ModelConfig) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+def _module_targets(config: ModelConfig) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
     """The projections each GGUF and each PEFT module name adapts, for a base of ``config``: one, or the parts of the
     family's fused matrix (Phi-3's ``attn_qkv`` / ``qkv_proj`` and ``ffn_up`` / ``gate_up_proj``), whose LoRA's B
     splits by rows as the loader splits the weights (A is the parts' own)."""
@@ -45,8 +49,6 @@ def module_targets(config: ModelConfig) -> tuple[dict[str, tuple[str, ...]], dic
         if gguf_name in family.fused:
             hf[hf_name.removesuffix(".weight").rsplit(".", 1)[-1]] = family.fused[gguf_name]
     return gguf, hf
-_GGUF_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
-_PEFT_TENSOR = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
 class AdapterError(ModelLoadError):
@@ -104,8 +106,6 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str, scale: float 
     ranks = set()
     for (layer, proj), (a, b) in sorted(_unfused(pairs, config, path, info["tensor_names"]).items()):
         where = f"{path}: layer {layer} {PROJECTIONS[proj][1]}"
-        if not 0 <= layer < config.n_layers:
-            raise AdapterError(f"{where}: the base model has layers 0..{config.n_layers - 1}")
         lacks = missing_projection(config, layer, proj)
         if lacks:  # an adapter there would load and change nothing
             raise AdapterError(f"{where} ({info['tensor_names'][layer, proj]}): the base has no such projection "
@@ -220,7 +220,7 @@ def _read_gguf_adapter(path: Path, config: ModelConfig):
     if metadata.get("adapter.alora.invocation_tokens") is not None:
         raise AdapterError(f"{path} is an activated LoRA (aLoRA), which is not supported")
     alpha = real_number(metadata.get("adapter.lora.alpha", 0.0), f"{path}: adapter.lora.alpha", AdapterError)
-    targets = module_targets(config)[0]
+    targets = _module_targets(config)[0]
     halves: dict[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, Any], str] = {}
     for tensor_name, tensor in tensors.items():
@@ -240,9 +240,6 @@ def _read_gguf_adapter(path: Path, config: ModelConfig):
     info = {"alpha": alpha or None, "architecture": arch, "tensor_names": names}
     # llama.cpp: alpha / rank, or the bare adapter scale where the file's alpha is 0
     return _pairs(halves, path, "ab", names), (lambda rank: alpha / rank if alpha else 1.0), info
-
-
-Pairs = dict[tuple[int, tuple[str, ...]], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _pairs(halves: dict, path: Path, keys: str, names: dict) -> Pairs:
@@ -299,7 +296,7 @@ def _read_peft(path: Path, config: ModelConfig):
     alpha = real_number(cfg.get("lora_alpha", r), f"{config_file}: lora_alpha", AdapterError)  # "8" is refused
     if not _finite_float32(alpha):  # as llama.cpp's GGUF field holds it
         raise AdapterError(f"{config_file}: lora_alpha {alpha:g} is past float32's range")
-    modules = module_targets(config)[1]
+    modules = _module_targets(config)[1]
     targets = cfg.get("target_modules")
     if not isinstance(targets, (list, str, type(None))):  # PEFT's forms: names, or one pattern over them
         raise AdapterError(f"{config_file}: target_modules must be a list of names or a pattern, got "
