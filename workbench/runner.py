@@ -1031,11 +1031,13 @@ class Transformer:
         q = self._head_point(point, names["attn.hook_rot_q"], self.rope(q, rotation), i)
         if own_kv:
             k = self._head_point(point, names["attn.hook_rot_k"], self.rope(k, rotation), i)
-        packed = None
+        # a z computed without the scores and pattern (the packed attention's, or llama.cpp numerics'): it stands
+        # unless a hook edits them
+        standing = None
         if packs:
-            packed = layer_ops.packed_attention(q, k, v, layout.bounds(), layout.width, self.attn_scale, window)
-            if packed is not None and not point.wants_any(names["scores_and_pattern"]):
-                return self._attention_out(packed, layer, i, point, lora)
+            standing = layer_ops.packed_attention(q, k, v, layout.bounds(), layout.width, self.attn_scale, window)
+            if standing is not None and not point.wants_any(names["scores_and_pattern"]):
+                return self._attention_out(standing, layer, i, point, lora)
         if layout is not None:  # each sequence's own queries, keys and values: [B, T_max, ...]
             q = layout.pad(q)
         if own_kv:
@@ -1050,41 +1052,42 @@ class Transformer:
             keys, values = shared_kv[c.kv_source(i)]
         # Query head h reads key/value head h // (n_heads / n_kv_heads), as in llama.cpp's broadcast.
         if c.attn_softcap or layer.sinks is not None or point.wants_any(names["scores_and_pattern"]):
-            if (packed is None and not c.attn_softcap and layer.sinks is None
+            if (standing is None and not c.attn_softcap and layer.sinks is None
                     and layer_ops.llamacpp_glue(q, keys, values)):
                 # llama.cpp's attention holds no scores nor pattern: its z is the forward's unless a hook edits them
-                packed = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
-                packed = packed if layout is None else layout.unpad(packed)
-            z = self._attention_through_pattern(q, keys, values, blocked, layer, i, point, packed is not None)
-            if z is None:  # the hooks changed neither the scores nor the pattern: the packed attention's z stands
-                return self._attention_out(packed, layer, i, point, lora)
+                standing = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
+                standing = standing if layout is None else layout.unpad(standing)
+            z = self._attention_through_pattern(q, keys, values, blocked, layer, i, point, standing is not None)
+            if z is None:  # the hooks changed neither the scores nor the pattern: the standing z stays
+                return self._attention_out(standing, layer, i, point, lora)
         else:  # the same products, without holding a long prompt's [heads, T, S] scores at once
             z = layer_ops.attention(q, keys, values, self.attn_scale, blocked)
         return self._attention_out(z if layout is None else layout.unpad(z), layer, i, point, lora)
 
     def _attention_through_pattern(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                                    blocked: torch.Tensor | None, layer, i: int, point: _Points,
-                                   packed: bool) -> torch.Tensor | None:
-        """``z`` of attention through its scores and pattern, and their hook points. ``packed``: the packed attention
-        has given ``z`` already; the scores and pattern are then computed for the hooks alone, and None is returned
-        where the hooks changed neither (so that recording them keeps the forward's bits)."""
+                                   standing: bool) -> torch.Tensor | None:
+        """``z`` of attention through its scores and pattern, and their hook points. ``standing``: a ``z`` computed
+        without them (the packed attention's, or llama.cpp numerics') is there already; the scores and pattern are then
+        computed for the hooks alone, and None is returned where the hooks changed neither (so that recording them
+        keeps the forward's bits)."""
         c, names = self.config, self._names[i]
         if c.attn_softcap:  # capped before the mask, which must stay -inf
             scores = layer_ops.soft_cap(layer_ops.attention_scores(q, keys, self.attn_scale, None), c.attn_softcap)
             scores = scores if blocked is None else scores.masked_fill(blocked, float("-inf"))
         else:
             scores = layer_ops.attention_scores(q, keys, self.attn_scale, blocked)
-        computed = scores.clone() if packed else None  # a hook may edit its tensor in place
+        computed = scores.clone() if standing else None  # a hook may edit its tensor in place
         scores = point(names["attn.hook_attn_scores"], scores, i)
-        packed = packed and torch.equal(scores, computed)
+        standing = standing and torch.equal(scores, computed)
         if layer.sinks is None:
             pattern = scores.softmax(dim=-1)
         else:  # each head's sink logit joins the softmax and takes its share, which no value receives
             sinks = layer.sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
             pattern = torch.cat((scores, sinks), dim=-1).softmax(dim=-1)[..., :-1]
-        computed = pattern.clone() if packed else None
+        computed = pattern.clone() if standing else None
         pattern = point(names["attn.hook_pattern"], pattern, i)
-        if packed and torch.equal(pattern, computed):
+        if standing and torch.equal(pattern, computed):
             return None
         return layer_ops.attend(pattern, values)
 
