@@ -317,9 +317,10 @@ class Tokenizer:
         Hugging Face checkpoints pad it to a multiple of 128 or more): unused tokens that encode never gives and that
         decode to nothing, as llama.cpp's converter writes them (``[PAD<id>]``)."""
         extra = range(self.vocab_size, vocab_size)
-        self._texts = [*self._texts, *(f"[PAD{i}]" for i in extra)]
-        self._types = [*self._types, *(TokenType.UNUSED for _ in extra)]
-        self.vocab_size = max(self.vocab_size, vocab_size)
+        if extra:  # most models' tokenizers cover their embedding: no copy of the vocabulary at every load
+            self._texts = [*self._texts, *(f"[PAD{i}]" for i in extra)]
+            self._types = [*self._types, *(TokenType.UNUSED for _ in extra)]
+            self.vocab_size = vocab_size
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of `ids`, undoing encode exactly (including the SentencePiece space prefix).
