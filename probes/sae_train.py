@@ -404,12 +404,13 @@ def evaluate_sae(model: Any, sae: SAE, prompts: Sequence[Any], batch_size: int |
             "l0": l0 / n, "dead_fraction": float((~fired).float().mean()), "tokens": n}
 
 
-def _evaluation_prompts(model: Any, prompts: Sequence[Any]) -> list[Any]:
-    """``evaluate_sae``'s prompts, checked before any compute: its cross-entropies count predictions from token 2."""
-    prompts = check_prompts(prompts)
-    if all(len(ids) < 3 for ids in model.batch_ids(prompts)):
+def _evaluation_prompts(model: Any, prompts: Sequence[Any]) -> list[list[int]]:
+    """``evaluate_sae``'s prompts as token ids (tokenized once, for every run it makes), checked before any compute:
+    its cross-entropies count predictions from token 2."""
+    ids = model.batch_ids(check_prompts(prompts))
+    if all(len(row) < 3 for row in ids):
         raise WorkbenchError("evaluating an SAE needs a prompt of at least three tokens")
-    return prompts
+    return ids
 
 
 def _ce_loss(model: Any, prompts: Sequence[Any], interventions: list, batch_size: int | None) -> float:
