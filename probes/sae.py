@@ -437,9 +437,10 @@ def _npz_arrays(path: Path) -> dict[str, np.ndarray]:
     try:
         with zipfile.ZipFile(path) as archive:
             members = archive.infolist()
-            if sum(m.file_size for m in members) > budget:
-                raise WorkbenchError(f"{path}: its arrays claim {sum(m.file_size for m in members):,} bytes, more than "
-                                     f"{NPZ_INFLATION} times the file's size")
+            claimed = sum(m.file_size for m in members)
+            if claimed > budget:
+                raise WorkbenchError(f"{path}: its arrays claim {claimed:,} bytes, more than {NPZ_INFLATION} times the "
+                                     "file's size")
             for member in members:
                 name = member.filename.removesuffix(".npy")
                 with archive.open(member) as f:
